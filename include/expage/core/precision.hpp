@@ -1,0 +1,90 @@
+/// @file
+/// @brief Weight precisions an expert version can be stored in, and their byte cost.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <cstdint>
+#include <string_view>
+
+namespace expage {
+
+/// @brief The storage format of one version of an expert's weights.
+///
+/// 16-bit formats store each weight raw. The others are group-wise: every run
+/// of `group_size` consecutive weights along a row (the input dimension) shares
+/// per-group metadata, laid out as documented in docs/kernels.md:
+/// - `fp8` (e4m3): one fp16 scale per group;
+/// - `int8`, `int4`, `int2`: one fp16 scale and one fp16 zero point per group
+///   (asymmetric quantization), weights packed little-end first.
+enum class precision : std::uint8_t {
+  bf16,  ///< bfloat16, 2 bytes per weight.
+  fp16,  ///< IEEE half, 2 bytes per weight.
+  fp8,   ///< e4m3, 1 byte per weight plus a scale per group.
+  int8,  ///< 8-bit integers plus scale and zero per group.
+  int4,  ///< 4-bit integers, two per byte, plus scale and zero per group.
+  int2,  ///< 2-bit integers, four per byte, plus scale and zero per group.
+};
+
+/// Every precision, in declaration order.
+inline constexpr precision all_precisions[] = {precision::bf16, precision::fp16, precision::fp8,
+                                               precision::int8, precision::int4, precision::int2};
+
+/// Bits one weight occupies in @p p, metadata excluded.
+[[nodiscard]] constexpr unsigned bits_per_weight(precision p) noexcept {
+  switch (p) {
+    case precision::bf16:
+    case precision::fp16: return 16;
+    case precision::fp8:
+    case precision::int8: return 8;
+    case precision::int4: return 4;
+    case precision::int2: return 2;
+  }
+  return 0;
+}
+
+/// Bytes of per-group metadata in @p p: 0 for 16-bit formats, 2 (scale) for
+/// fp8, 4 (scale and zero point, fp16 each) for the integer formats.
+[[nodiscard]] constexpr unsigned metadata_bytes_per_group(precision p) noexcept {
+  switch (p) {
+    case precision::bf16:
+    case precision::fp16: return 0;
+    case precision::fp8: return 2;
+    case precision::int8:
+    case precision::int4:
+    case precision::int2: return 4;
+  }
+  return 0;
+}
+
+/// The lowercase name of @p p: "bf16", "int4", ...
+[[nodiscard]] constexpr std::string_view to_string(precision p) noexcept {
+  switch (p) {
+    case precision::bf16: return "bf16";
+    case precision::fp16: return "fp16";
+    case precision::fp8: return "fp8";
+    case precision::int8: return "int8";
+    case precision::int4: return "int4";
+    case precision::int2: return "int2";
+  }
+  return "unknown";
+}
+
+/// Parses a name produced by to_string(precision).
+/// @throws expage::invalid_argument naming @p name and the accepted names.
+[[nodiscard]] precision parse_precision(std::string_view name);
+
+}  // namespace expage
+
+// fmt support (not in the API reference: Doxygen cannot scope specializations of fmt::formatter).
+#if !defined(EXPAGE_DOXYGEN)
+/// fmt support for expage::precision: prints to_string(p).
+template <>
+struct fmt::formatter<expage::precision> : fmt::formatter<std::string_view> {
+  /// Writes the precision's name.
+  template <class FormatContext>
+  auto format(expage::precision p, FormatContext& ctx) const {
+    return fmt::formatter<std::string_view>::format(expage::to_string(p), ctx);
+  }
+};
+#endif  // !defined(EXPAGE_DOXYGEN)
