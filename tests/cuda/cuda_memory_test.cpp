@@ -1,0 +1,70 @@
+// The physical_memory contract on the CUDA backends (skipped without a device),
+// plus backend-specific checks.
+#include "common/physical_memory_contract.hpp"
+
+#include "expage/cuda/device_memory.hpp"
+#include "expage/cuda/pattern_kernels.hpp"
+#include "expage/cuda/pinned_host_memory.hpp"
+#include "expage/cuda/runtime.hpp"
+
+#include <cuda_runtime_api.h>
+
+namespace expage::testing {
+
+inline std::string no_device_reason() {
+  return cuda::device_available() ? std::string() : "no CUDA device: " + cuda::device_status();
+}
+
+template <>
+struct memory_traits<cuda::pinned_host_memory> : host_touchable_traits<cuda::pinned_host_memory> {
+  static cuda::pinned_host_memory make() { return cuda::pinned_host_memory({.block_size = 256 * KiB}); }
+  static std::string unusable() { return no_device_reason(); }
+};
+
+// Device memory is filled and checked by the pattern kernels.
+template <>
+struct memory_traits<cuda::device_memory> {
+  static cuda::device_memory make() { return cuda::device_memory({.device = 0, .block_size = 256 * KiB}); }
+  static std::string unusable() { return no_device_reason(); }
+  static void fill(std::byte* p, std::size_t bytes, std::uint64_t seed) {
+    cuda::fill_pattern_async(reinterpret_cast<std::uint64_t*>(p), bytes / 8, seed, 0, nullptr);
+    EXPAGE_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  }
+  static std::size_t mismatches(const std::byte* p, std::size_t bytes, std::uint64_t seed) {
+    void* raw = nullptr;
+    EXPAGE_CUDA_CHECK(cudaMalloc(&raw, sizeof(unsigned long long)));
+    auto* counter = static_cast<unsigned long long*>(raw);
+    EXPAGE_CUDA_CHECK(cudaMemset(counter, 0, sizeof *counter));
+    cuda::count_pattern_mismatches_async(reinterpret_cast<const std::uint64_t*>(p), bytes / 8, seed, 0, counter,
+                                         nullptr);
+    unsigned long long host = 0;
+    EXPAGE_CUDA_CHECK(cudaMemcpy(&host, counter, sizeof host, cudaMemcpyDeviceToHost));
+    EXPAGE_CUDA_CHECK(cudaFree(counter));
+    return static_cast<std::size_t>(host);
+  }
+};
+
+using cuda_backends = ::testing::Types<cuda::pinned_host_memory, cuda::device_memory>;
+INSTANTIATE_TYPED_TEST_SUITE_P(cuda, physical_memory_contract, cuda_backends);
+
+TEST(CudaMemory, ValidatesOptionsWithoutADevice) {
+  EXPECT_THROW(cuda::device_memory({.device = -1}), invalid_argument);
+  EXPECT_THROW(cuda::device_memory({.block_size = 100}), invalid_argument);
+  EXPECT_THROW(cuda::pinned_host_memory({.block_size = 1000}), invalid_argument);
+}
+
+TEST(CudaMemory, AllocationWithoutADriverIsACudaErrorNotACrash) {
+  if (cuda::device_available()) GTEST_SKIP() << "a device is present";
+  cuda::device_memory m;
+  EXPECT_THROW((void)m.allocate(1), cuda_error);
+  cuda::pinned_host_memory pinned;
+  EXPECT_THROW((void)pinned.allocate(1), cuda_error);
+}
+
+TEST(CudaMemory, DeviceExhaustionIsOutOfMemory) {
+  if (!cuda::device_available()) GTEST_SKIP() << no_device_reason();
+  cuda::device_memory m({.block_size = 1 * TiB});
+  EXPECT_THROW((void)m.allocate(64), out_of_memory);
+}
+
+}  // namespace expage::testing
