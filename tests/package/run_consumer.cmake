@@ -1,0 +1,36 @@
+# Builds and runs one consumer project (script mode; see CMakeLists.txt).
+#   MODE=install          cmake --install into a temporary prefix, then find_package(expage)
+#   MODE=build_tree       find_package(expage) from the build tree's export
+#   MODE=fetch_content    FetchContent with SOURCE_DIR pointing at the checkout
+#   MODE=add_subdirectory add_subdirectory(<checkout>)
+
+function(run)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    string(REPLACE ";" " " cmd "${ARGN}")
+    message(FATAL_ERROR "package test '${MODE}': `${cmd}` failed (${rc})\n${out}\n${err}")
+  endif()
+  set(last_output "${out}" PARENT_SCOPE)
+endfunction()
+
+file(REMOVE_RECURSE "${WORK_DIR}")
+set(args -DEXPAGE_SOURCE_DIR=${EXPAGE_SOURCE_DIR} -DCONSUMER_WITH_CUDA=${WITH_CUDA})
+if(MODE STREQUAL "install")
+  run(${CMAKE_COMMAND} --install "${EXPAGE_BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
+  list(APPEND args "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix")
+  # Installed headers must not leak the sources' include tree.
+  if(NOT EXISTS "${WORK_DIR}/prefix/include/expage/version.hpp" OR NOT EXISTS "${WORK_DIR}/prefix/include/expage/expage.hpp")
+    message(FATAL_ERROR "package test 'install': headers missing from the prefix")
+  endif()
+elseif(MODE STREQUAL "build_tree")
+  list(APPEND args "-Dexpage_DIR=${EXPAGE_BUILD_DIR}")
+endif()
+
+run(${CMAKE_COMMAND} -S "${CONSUMER_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}"
+    -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" ${args})
+run(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
+run("${WORK_DIR}/build/consumer")
+if(NOT last_output MATCHES "expage consumer ok")
+  message(FATAL_ERROR "package test '${MODE}': unexpected output:\n${last_output}")
+endif()
+message(STATUS "${last_output}")
