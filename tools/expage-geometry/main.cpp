@@ -1,0 +1,109 @@
+// expage-geometry: what an MoE model's experts cost in each precision, and how
+// many fit in a memory budget.
+//
+//   expage-geometry                          every preset
+//   expage-geometry --model mixtral-8x7b     one preset
+//   expage-geometry --budget 24GiB           how many experts fit per precision
+#include <expage/expage.hpp>
+
+#include <fmt/format.h>
+
+#include <charconv>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+constexpr std::string_view usage = R"(usage: expage-geometry [--model NAME] [--budget SIZE]
+
+Prints the byte size of one routed expert (gate_up + down) of each model in
+every precision expage knows, the whole model's routed experts, and with
+--budget how many experts fit in that much memory.
+
+  --model NAME    one of: {}
+  --budget SIZE   a size such as 24GiB, 512MiB, 80GB (GB = 10^9) or a byte count
+  --help          this text
+)";
+
+std::optional<std::size_t> parse_size(std::string_view text) {
+  std::size_t value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end == text.data()) return std::nullopt;
+  const std::string_view unit(end, static_cast<std::size_t>(text.data() + text.size() - end));
+  struct suffix {
+    std::string_view name;
+    std::size_t scale;
+  };
+  for (const suffix s : {suffix{"", 1}, suffix{"B", 1}, suffix{"KiB", expage::KiB}, suffix{"MiB", expage::MiB},
+                         suffix{"GiB", expage::GiB}, suffix{"TiB", expage::TiB}, suffix{"KB", 1000},
+                         suffix{"MB", 1000'000}, suffix{"GB", 1000'000'000}, suffix{"TB", 1000'000'000'000}}) {
+    if (unit == s.name) {
+      if (value > expage::max_bytes / s.scale) return std::nullopt;
+      return value * s.scale;
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<expage::moe_geometry> models;
+  std::optional<std::size_t> budget;
+  const std::string names = fmt::format("{}", fmt::join(expage::moe_geometry::preset_names(), ", "));
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    const bool has_value = i + 1 < argc;
+    if (arg == "--help" || arg == "-h") {
+      fmt::print(fmt::runtime(usage), names);
+      return 0;
+    }
+    if (arg == "--model" && has_value) {
+      try {
+        models.push_back(expage::moe_geometry::preset(argv[++i]));
+      } catch (const expage::invalid_argument& e) {
+        fmt::print(stderr, "expage-geometry: --model: {}\n", e.what());
+        return 2;
+      }
+    } else if (arg == "--budget" && has_value) {
+      budget = parse_size(argv[++i]);
+      if (!budget) {
+        fmt::print(stderr, "expage-geometry: --budget '{}' is not a size (e.g. 24GiB, 512MiB, 80GB, 1048576)\n",
+                   argv[i]);
+        return 2;
+      }
+    } else {
+      fmt::print(stderr, "expage-geometry: unknown or incomplete flag '{}'\n\n", arg);
+      fmt::print(stderr, fmt::runtime(usage), names);
+      return 2;
+    }
+  }
+  if (models.empty()) {
+    for (std::string_view name : expage::moe_geometry::preset_names())
+      models.push_back(expage::moe_geometry::preset(name));
+  }
+
+  for (const auto& m : models) {
+    fmt::print("{}: {} MoE layers x {} experts, top-{}, {} shared; hidden {}, expert FFN {}\n", m.name(), m.layers(),
+               m.experts_per_layer(), m.top_k(), m.shared_experts(), m.hidden_size(), m.intermediate_size());
+    fmt::print("  {:<6} {:>12} {:>12} {:>14}{}\n", "format", "expert", "all experts", "shared/layer",
+               budget ? fmt::format(" {:>16}", fmt::format("fit in {}", expage::byte_size{*budget})) : "");
+    for (expage::precision p : expage::all_precisions) {
+      const auto one = m.expert_bytes(p);
+      std::string fit;
+      if (budget) {
+        const auto n = *budget / one;
+        fit = fmt::format(" {:>16}",
+                          fmt::format("{} ({:.0f}%)", n,
+                                      100.0 * static_cast<double>(std::min<std::uint64_t>(n, m.expert_count())) /
+                                          static_cast<double>(m.expert_count())));
+      }
+      fmt::print("  {:<6} {:>12} {:>12} {:>14}{}\n", expage::to_string(p), expage::byte_size{one},
+                 expage::byte_size{m.total_expert_bytes(p)}, expage::byte_size{m.shared_expert_bytes(p)}, fit);
+    }
+    fmt::print("\n");
+  }
+  return 0;
+}
