@@ -1,0 +1,211 @@
+/// @file
+/// @brief routing_trace: the recorded router decisions of an MoE model, in execution order.
+///
+/// The trace model (docs/traces.md): one routing_event per (token, MoE layer) with the token's
+/// sequence (request) id, its step (token index within the sequence), the layer, the phase
+/// (prefill or decode), the top-k expert ids in descending weight, their gating weights and,
+/// optionally, the full router probability vector (fMoE's expert maps).
+#pragma once
+
+#include "expage/core/moe_geometry.hpp"
+
+#include <compare>
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+#include <span>
+#include <string_view>
+#include <vector>
+
+namespace expage {
+
+/// Whether a token was routed while its prompt was prefilled or while decoding.
+enum class routing_phase : std::uint8_t {
+  decode,   ///< One generated token per sequence per forward pass.
+  prefill,  ///< The prompt's tokens, all in the sequence's first forward pass.
+};
+
+/// The lowercase name of @p p: "decode" or "prefill".
+[[nodiscard]] constexpr std::string_view to_string(routing_phase p) noexcept {
+  return p == routing_phase::prefill ? "prefill" : "decode";
+}
+
+/// @brief One token's routing at one MoE layer: a view into a routing_trace.
+///
+/// The spans stay valid while the trace they came from lives and is not modified.
+struct routing_event {
+  std::uint32_t sequence = 0;                   ///< Request / prompt id.
+  std::uint32_t step = 0;                       ///< Token index within the sequence (prefill tokens first).
+  std::uint32_t layer = 0;                      ///< MoE layer, in [0, layers).
+  routing_phase phase = routing_phase::decode;  ///< Prefill or decode.
+  std::span<const std::uint32_t> experts{};     ///< The top-k expert ids, distinct, in descending weight.
+  std::span<const float> weights{};             ///< Gating weight of each of `experts` (same length).
+  std::span<const float> probabilities{};       ///< Full router vector (experts_per_layer floats) or empty.
+};
+
+/// @brief Where an event sits in execution order (see routing_trace).
+///
+/// Compares lexicographically: (batch, pass, layer, sequence, step).
+struct execution_key {
+  std::uint32_t batch = 0;     ///< sequence / batch_size: the lockstep group.
+  std::uint32_t pass = 0;      ///< Forward pass of the group: 0 for prefill, step − prefill_length + 1 for decode.
+  std::uint32_t layer = 0;     ///< MoE layer.
+  std::uint32_t sequence = 0;  ///< Sequence id.
+  std::uint32_t step = 0;      ///< Token index (orders the prefill tokens of one pass).
+  /// Lexicographic order of the fields as declared.
+  friend constexpr auto operator<=>(const execution_key&, const execution_key&) noexcept = default;
+};
+
+/// @brief Steps missing from one layer of one sequence: [first_step, first_step + count).
+///
+/// A sequence's expected steps are 0 .. (largest step recorded at any of its layers).
+struct trace_gap {
+  std::uint32_t sequence = 0;    ///< The sequence.
+  std::uint32_t layer = 0;       ///< The layer that lacks the steps.
+  std::uint32_t first_step = 0;  ///< First missing step.
+  std::uint32_t count = 0;       ///< Consecutive missing steps, ≥ 1.
+  /// Equal when every field matches.
+  friend constexpr bool operator==(const trace_gap&, const trace_gap&) noexcept = default;
+};
+
+/// @brief Routing events of one model in execution order, stored in flat arrays.
+///
+/// Execution order groups sequences in lockstep batches of batch_size() (sequences
+/// b·B … b·B+B−1 are decoded together, as a static-batching engine runs them) and orders events
+/// by execution_key: batch, forward pass, layer, sequence, step. A sequence's prefill tokens all
+/// belong to its first pass; each decode token is one pass. With batch size 1 and no prefill
+/// this is plain (sequence, step, layer) order. Readers and the synthetic generator produce
+/// execution order; append() accepts any order, and restore_execution_order() sorts.
+///
+/// Storage: per event a fixed record (sequence, step, layer, phase), top_k() expert ids and
+/// weights in flat arrays, and an optional probability vector of experts_per_layer() floats.
+/// operator[] is O(1) and builds a view; nothing is allocated per access.
+///
+/// @code
+/// expage::routing_trace trace(32, 8, 2);  // Mixtral-8x7B
+/// const std::uint32_t experts[] = {6, 5};
+/// const float weights[] = {0.7F, 0.3F};
+/// trace.append({.sequence = 0, .step = 0, .layer = 0, .experts = experts, .weights = weights});
+/// for (const expage::routing_event& e : trace) use(e.layer, e.experts);
+/// @endcode
+/// @threadsafety thread-compatible.
+class routing_trace {
+ public:
+  /// Forward iterator over the events; dereferences to a routing_event by value.
+  class iterator {
+   public:
+    using iterator_concept = std::forward_iterator_tag;  ///< C++20 forward iterator.
+    using iterator_category = std::input_iterator_tag;   ///< Legacy: yields prvalues.
+    using value_type = routing_event;                    ///< What it yields.
+    using difference_type = std::ptrdiff_t;              ///< Distance type.
+    using reference = routing_event;                     ///< Yields by value.
+    iterator() noexcept = default;                       ///< A singular iterator.
+    /// The event at the current position.
+    [[nodiscard]] routing_event operator*() const noexcept { return (*trace_)[index_]; }
+    /// Advances one event.
+    iterator& operator++() noexcept {
+      ++index_;
+      return *this;
+    }
+    /// Advances one event, returning the old position.
+    iterator operator++(int) noexcept {
+      iterator old = *this;
+      ++index_;
+      return old;
+    }
+    /// Same trace and position.
+    friend bool operator==(const iterator& a, const iterator& b) noexcept {
+      return a.trace_ == b.trace_ && a.index_ == b.index_;
+    }
+
+   private:
+    friend class routing_trace;
+    iterator(const routing_trace* trace, std::size_t index) noexcept : trace_(trace), index_(index) {}
+    const routing_trace* trace_ = nullptr;
+    std::size_t index_ = 0;
+  };
+
+  /// An empty trace for a model of @p layers × @p experts_per_layer experts routing @p top_k per token.
+  /// @throws expage::invalid_argument when a dimension is 0, exceeds 65536, or top_k > experts_per_layer.
+  routing_trace(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k);
+  /// An empty trace shaped like @p geometry.
+  explicit routing_trace(const moe_geometry& geometry)
+      : routing_trace(geometry.layers(), geometry.experts_per_layer(), geometry.top_k()) {}
+
+  [[nodiscard]] std::uint32_t layers() const noexcept { return layers_; }                        ///< MoE layers.
+  [[nodiscard]] std::uint32_t experts_per_layer() const noexcept { return experts_per_layer_; }  ///< Experts per layer.
+  [[nodiscard]] std::uint32_t top_k() const noexcept { return top_k_; }                          ///< Experts per token.
+  /// Sequences decoded in lockstep (1: one at a time).
+  [[nodiscard]] std::uint32_t batch_size() const noexcept { return batch_size_; }
+  /// Number of events.
+  [[nodiscard]] std::size_t size() const noexcept { return sequence_.size(); }
+  /// True without events.
+  [[nodiscard]] bool empty() const noexcept { return sequence_.empty(); }
+  /// Events that carry a full probability vector.
+  [[nodiscard]] std::size_t probability_vectors() const noexcept { return probabilities_.size() / experts_per_layer_; }
+
+  /// The event at @p i.
+  /// @pre i < size().
+  [[nodiscard]] routing_event operator[](std::size_t i) const noexcept;
+  /// Iterator to the first event.
+  [[nodiscard]] iterator begin() const noexcept { return {this, 0}; }
+  /// Iterator past the last event.
+  [[nodiscard]] iterator end() const noexcept { return {this, size()}; }
+
+  /// Sets the lockstep batch size used by execution_key_of() and restore_execution_order().
+  /// @throws expage::invalid_argument when @p batch_size is 0.
+  void set_batch_size(std::uint32_t batch_size);
+
+  /// Appends @p event (its spans are copied); strong guarantee.
+  /// @throws expage::invalid_argument naming the field and its allowed range: layer out of
+  /// [0, layers), experts.size() ≠ top_k, an expert out of [0, experts_per_layer) or repeated,
+  /// weights.size() ≠ experts.size(), a weight not finite or negative, probabilities neither
+  /// empty nor experts_per_layer finite non-negative floats.
+  void append(const routing_event& event);
+
+  /// Reserves room for @p events events (and as many probability vectors when @p with_probabilities).
+  void reserve(std::size_t events, bool with_probabilities = false);
+
+  /// Number of prefill steps of each sequence (1 + its largest prefill step; 0 without prefill),
+  /// indexed by sequence id (size: largest sequence id + 1).
+  [[nodiscard]] std::vector<std::uint32_t> prefill_lengths() const;
+
+  /// The execution_key of event @p i given @p prefill_lengths (from prefill_lengths()).
+  /// @pre i < size() and the event's sequence indexes @p prefill_lengths.
+  [[nodiscard]] execution_key execution_key_of(std::size_t i,
+                                               std::span<const std::uint32_t> prefill_lengths) const noexcept;
+
+  /// True when the events are in strictly increasing execution_key order (no duplicates).
+  [[nodiscard]] bool is_execution_ordered() const;
+
+  /// Sorts the events into execution order (stable).
+  /// @throws expage::invalid_argument when two events share (sequence, step, layer), or a decode
+  /// step precedes a prefill step of its sequence; the trace is then unchanged.
+  void restore_execution_order();
+
+  /// Steps missing per (sequence, layer), sorted by sequence, layer, first_step. O(n log n).
+  [[nodiscard]] std::vector<trace_gap> gaps() const;
+
+  /// Equal when dimensions, batch size and every event (bitwise weights) match.
+  friend bool operator==(const routing_trace& a, const routing_trace& b) noexcept;
+
+ private:
+  static constexpr std::uint64_t no_probabilities = ~std::uint64_t{0};
+
+  std::uint32_t layers_;
+  std::uint32_t experts_per_layer_;
+  std::uint32_t top_k_;
+  std::uint32_t batch_size_ = 1;
+  std::vector<std::uint32_t> sequence_;
+  std::vector<std::uint32_t> step_;
+  std::vector<std::uint32_t> layer_;
+  std::vector<routing_phase> phase_;
+  std::vector<std::uint64_t> probability_offset_;  // into probabilities_, or no_probabilities
+  std::vector<std::uint32_t> experts_;             // size() × top_k
+  std::vector<float> weights_;                     // size() × top_k
+  std::vector<float> probabilities_;               // probability_vectors() × experts_per_layer
+};
+
+static_assert(std::forward_iterator<routing_trace::iterator>);
+
+}  // namespace expage

@@ -1,0 +1,75 @@
+/// @file
+/// @brief generate_synthetic(): seeded routing traces with skew, locality, workload shifts,
+/// batching and prefill bursts.
+#pragma once
+
+#include "expage/core/moe_geometry.hpp"
+#include "expage/trace/routing_trace.hpp"
+
+#include <cstdint>
+#include <optional>
+
+namespace expage {
+
+/// @name Calibrated Zipf exponents
+/// Exponent s of count(rank) ∝ rank^−s of per-layer top-k selection counts, fitted by maximum
+/// likelihood (a Zipf law truncated to the layer's experts) by tools/dev/fit_zipf.py on the
+/// OLMoE authors' aggregate counts (layers 0, 7, 15; ~209K tokens per text domain) and
+/// averaged over layers and domains. Least squares on log-count vs log-rank gives 0.173
+/// (Mixtral) and 0.821 (OLMoE); it over-weights the sparse tail of 64 experts, so the MLE is used.
+/// @{
+
+/// Mixtral-8x7B (top-2 of 8), 5 domains × 3 layers: MLE mean 0.159 (range of least squares fits 0.06–0.34).
+inline constexpr double mixtral_zipf_exponent = 0.159;
+/// OLMoE-1B-7B (top-8 of 64), 6 domains × 3 layers: MLE mean 0.600 (per-fit MLE 0.27–0.87).
+inline constexpr double olmoe_zipf_exponent = 0.600;
+/// @}
+
+/// The calibrated exponent for a model shaped like @p geometry: Mixtral's for at most 16
+/// experts per layer, OLMoE's above.
+[[nodiscard]] inline double default_zipf_exponent(const moe_geometry& geometry) noexcept {
+  return geometry.experts_per_layer() <= 16 ? mixtral_zipf_exponent : olmoe_zipf_exponent;
+}
+
+/// @brief What generate_synthetic() produces.
+struct synthetic_options {
+  std::uint64_t seed = 0x5eed'cafe'f00d'0001;  ///< Seeds std::mt19937_64; same seed, same trace.
+  std::uint32_t sequences = 8;                 ///< Sequences (requests), ≥ 1.
+  std::uint32_t decode_steps = 64;             ///< Decode tokens per sequence, ≥ 1 unless prefill_tokens > 0.
+  std::uint32_t prefill_tokens = 0;            ///< Prompt tokens routed in each sequence's first pass.
+  std::uint32_t batch_size = 1;                ///< Sequences decoded in lockstep, ≥ 1.
+  /// Popularity skew: the selection probability of an expert of rank r ∝ r^−s (capped so no
+  /// expert is chosen by more than every token). Empty: default_zipf_exponent(geometry). In [0, 8].
+  std::optional<double> zipf_exponent{};
+  /// Probability that a token keeps each of the previous token's experts at the same layer
+  /// (temporal locality); the others are drawn afresh. In [0, 1].
+  double locality = 0.3;
+  /// Distinct workloads (hot sets); each sequence runs workload (sequence / shift_every) % workloads.
+  /// Workload w's ranking is the layer's base ranking rotated by w·experts/workloads, so the top
+  /// experts/workloads of different workloads are disjoint (DynaExq Fig. 2). ≥ 1.
+  std::uint32_t workloads = 1;
+  /// Sequences per workload phase before the hot set shifts, ≥ 1.
+  std::uint32_t shift_every = 1;
+  /// Also record each token's full router probability vector.
+  bool probabilities = false;
+};
+
+/// @brief Generates a routing trace for @p geometry: deterministic for a given seed on every
+/// platform (only raw 64-bit draws of std::mt19937_64 and IEEE arithmetic are used; no
+/// std::*_distribution).
+///
+/// Model (docs/traces.md): each layer has its own random ranking of experts and a Zipf
+/// popularity over ranks; top-k sets are drawn without replacement by systematic sampling so
+/// each expert's selection frequency is its capped Zipf share; a token keeps each expert of its
+/// predecessor with probability `locality`; sequences b·B … b·B+B−1 run in lockstep, so a pass
+/// routes B tokens per layer and their union grows with B; a sequence's first pass prefills
+/// `prefill_tokens` tokens. Events come in execution order with batch_size() = B.
+///
+/// @code
+/// auto trace = expage::generate_synthetic(expage::moe_geometry::mixtral_8x7b(),
+///                                         {.seed = 7, .sequences = 32, .batch_size = 8});
+/// @endcode
+/// @throws expage::invalid_argument naming the option out of range and its allowed range.
+[[nodiscard]] routing_trace generate_synthetic(const moe_geometry& geometry, const synthetic_options& options);
+
+}  // namespace expage

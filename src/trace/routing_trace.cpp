@@ -1,0 +1,271 @@
+#include "expage/trace/routing_trace.hpp"
+
+#include "expage/core/error.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <tuple>
+
+namespace expage {
+namespace {
+
+constexpr std::uint32_t max_dimension = 1U << 16;
+
+void check_dimension(std::string_view field, std::uint32_t value, std::uint32_t hi) {
+  if (value < 1 || value > hi) {
+    throw invalid_argument(fmt::format("routing_trace: {} = {} out of range [1, {}]", field, value, hi));
+  }
+}
+
+}  // namespace
+
+routing_trace::routing_trace(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k)
+    : layers_(layers), experts_per_layer_(experts_per_layer), top_k_(top_k) {
+  check_dimension("layers", layers, max_dimension);
+  check_dimension("experts_per_layer", experts_per_layer, max_dimension);
+  check_dimension("top_k", top_k, experts_per_layer);
+}
+
+routing_event routing_trace::operator[](std::size_t i) const noexcept {
+  const std::size_t k = top_k_;
+  routing_event e{.sequence = sequence_[i],
+                  .step = step_[i],
+                  .layer = layer_[i],
+                  .phase = phase_[i],
+                  .experts = std::span<const std::uint32_t>(experts_.data() + i * k, k),
+                  .weights = std::span<const float>(weights_.data() + i * k, k),
+                  .probabilities = {}};
+  if (probability_offset_[i] != no_probabilities) {
+    e.probabilities = std::span<const float>(probabilities_.data() + probability_offset_[i], experts_per_layer_);
+  }
+  return e;
+}
+
+void routing_trace::set_batch_size(std::uint32_t batch_size) {
+  if (batch_size == 0) {
+    throw invalid_argument("routing_trace: batch_size = 0 out of range [1, 4294967295]");
+  }
+  batch_size_ = batch_size;
+}
+
+void routing_trace::reserve(std::size_t events, bool with_probabilities) {
+  sequence_.reserve(events);
+  step_.reserve(events);
+  layer_.reserve(events);
+  phase_.reserve(events);
+  probability_offset_.reserve(events);
+  experts_.reserve(events * top_k_);
+  weights_.reserve(events * top_k_);
+  if (with_probabilities) probabilities_.reserve(events * experts_per_layer_);
+}
+
+void routing_trace::append(const routing_event& event) {
+  if (event.layer >= layers_) {
+    throw invalid_argument(fmt::format("routing_trace: layer {} out of range [0, {}) at sequence {} step {}",
+                                       event.layer, layers_, event.sequence, event.step));
+  }
+  if (event.phase != routing_phase::decode && event.phase != routing_phase::prefill) {
+    throw invalid_argument(
+        fmt::format("routing_trace: phase {} out of range [0, 1]", static_cast<unsigned>(event.phase)));
+  }
+  if (event.experts.size() != top_k_) {
+    throw invalid_argument(fmt::format("routing_trace: {} experts where top_k is {} at sequence {} step {} layer {}",
+                                       event.experts.size(), top_k_, event.sequence, event.step, event.layer));
+  }
+  for (std::size_t j = 0; j < event.experts.size(); ++j) {
+    const std::uint32_t x = event.experts[j];
+    if (x >= experts_per_layer_) {
+      throw invalid_argument(
+          fmt::format("routing_trace: expert {} out of range [0, {}) in layer {}", x, experts_per_layer_, event.layer));
+    }
+    if (std::find(event.experts.begin(), event.experts.begin() + static_cast<std::ptrdiff_t>(j), x) !=
+        event.experts.begin() + static_cast<std::ptrdiff_t>(j)) {
+      throw invalid_argument(fmt::format("routing_trace: expert {} repeated in layer {} at sequence {} step {}", x,
+                                         event.layer, event.sequence, event.step));
+    }
+  }
+  if (event.weights.size() != event.experts.size()) {
+    throw invalid_argument(
+        fmt::format("routing_trace: {} weights for {} experts", event.weights.size(), event.experts.size()));
+  }
+  for (const float w : event.weights) {
+    if (!std::isfinite(w) || w < 0.0F) {
+      throw invalid_argument(fmt::format("routing_trace: weight {} out of range [0, inf)", w));
+    }
+  }
+  if (!event.probabilities.empty()) {
+    if (event.probabilities.size() != experts_per_layer_) {
+      throw invalid_argument(fmt::format("routing_trace: {} probabilities where experts_per_layer is {}",
+                                         event.probabilities.size(), experts_per_layer_));
+    }
+    for (const float p : event.probabilities) {
+      if (!std::isfinite(p) || p < 0.0F) {
+        throw invalid_argument(fmt::format("routing_trace: probability {} out of range [0, inf)", p));
+      }
+    }
+  }
+  // Strong guarantee: grow every array first (may throw), then push (cannot throw).
+  const std::size_t n = size() + 1;
+  const auto grow = [](auto& v, std::size_t count) {
+    if (v.capacity() < count) v.reserve(std::max(count, v.capacity() * 2));
+  };
+  grow(sequence_, n);
+  grow(step_, n);
+  grow(layer_, n);
+  grow(phase_, n);
+  grow(probability_offset_, n);
+  grow(experts_, n * top_k_);
+  grow(weights_, n * top_k_);
+  if (!event.probabilities.empty()) grow(probabilities_, probabilities_.size() + experts_per_layer_);
+  sequence_.push_back(event.sequence);
+  step_.push_back(event.step);
+  layer_.push_back(event.layer);
+  phase_.push_back(event.phase);
+  experts_.insert(experts_.end(), event.experts.begin(), event.experts.end());
+  weights_.insert(weights_.end(), event.weights.begin(), event.weights.end());
+  if (event.probabilities.empty()) {
+    probability_offset_.push_back(no_probabilities);
+  } else {
+    probability_offset_.push_back(probabilities_.size());
+    probabilities_.insert(probabilities_.end(), event.probabilities.begin(), event.probabilities.end());
+  }
+}
+
+std::vector<std::uint32_t> routing_trace::prefill_lengths() const {
+  std::uint32_t max_sequence = 0;
+  for (const std::uint32_t s : sequence_) max_sequence = std::max(max_sequence, s);
+  std::vector<std::uint32_t> lengths(empty() ? 0 : std::size_t{max_sequence} + 1, 0);
+  for (std::size_t i = 0; i < size(); ++i) {
+    if (phase_[i] == routing_phase::prefill) {
+      // step ≤ UINT32_MAX − 1 in any valid ordering, but saturate rather than wrap.
+      const std::uint32_t len = step_[i] == UINT32_MAX ? UINT32_MAX : step_[i] + 1;
+      lengths[sequence_[i]] = std::max(lengths[sequence_[i]], len);
+    }
+  }
+  return lengths;
+}
+
+execution_key routing_trace::execution_key_of(std::size_t i,
+                                              std::span<const std::uint32_t> prefill_lengths) const noexcept {
+  const std::uint32_t s = sequence_[i];
+  const std::uint32_t prefill = prefill_lengths[s];
+  std::uint32_t pass = 0;
+  if (phase_[i] == routing_phase::decode) {
+    // Decode step t of a sequence with P prefill tokens runs in pass t − P + 1 (pass 0 is the
+    // prefill); a decode step below P is an inconsistent trace: order it by step alone.
+    pass = step_[i] >= prefill ? step_[i] - prefill + (prefill > 0 ? 1U : 0U) : 0;
+  }
+  return {.batch = s / batch_size_, .pass = pass, .layer = layer_[i], .sequence = s, .step = step_[i]};
+}
+
+bool routing_trace::is_execution_ordered() const {
+  if (size() < 2) return true;
+  const std::vector<std::uint32_t> prefill = prefill_lengths();
+  for (std::size_t i = 1; i < size(); ++i) {
+    if (!(execution_key_of(i - 1, prefill) < execution_key_of(i, prefill))) return false;
+  }
+  return true;
+}
+
+void routing_trace::restore_execution_order() {
+  const std::vector<std::uint32_t> prefill = prefill_lengths();
+  std::vector<std::size_t> order(size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  // Duplicates: sort by (sequence, step, layer) first.
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return std::tie(sequence_[a], step_[a], layer_[a], a) < std::tie(sequence_[b], step_[b], layer_[b], b);
+  });
+  for (std::size_t j = 1; j < order.size(); ++j) {
+    const std::size_t a = order[j - 1];
+    const std::size_t b = order[j];
+    if (sequence_[a] == sequence_[b] && step_[a] == step_[b] && layer_[a] == layer_[b]) {
+      throw invalid_argument(fmt::format("routing_trace: events {} and {} both route sequence {} step {} layer {}", a,
+                                         b, sequence_[a], step_[a], layer_[a]));
+    }
+  }
+  for (std::size_t i = 0; i < size(); ++i) {
+    if (phase_[i] == routing_phase::decode && step_[i] < prefill[sequence_[i]]) {
+      throw invalid_argument(
+          fmt::format("routing_trace: decode step {} of sequence {} precedes its last prefill step {}", step_[i],
+                      sequence_[i], prefill[sequence_[i]] - 1));
+    }
+  }
+  std::vector<execution_key> keys(size());
+  for (std::size_t i = 0; i < size(); ++i) keys[i] = execution_key_of(i, prefill);
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return keys[a] < keys[b]; });
+  // Permute into fresh arrays (strong guarantee: nothing changes until all allocations succeeded).
+  routing_trace sorted(layers_, experts_per_layer_, top_k_);
+  sorted.batch_size_ = batch_size_;
+  sorted.reserve(size(), !probabilities_.empty());
+  for (const std::size_t i : order) sorted.append((*this)[i]);
+  *this = std::move(sorted);
+}
+
+std::vector<trace_gap> routing_trace::gaps() const {
+  std::vector<std::size_t> order(size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return std::tie(sequence_[a], layer_[a], step_[a]) < std::tie(sequence_[b], layer_[b], step_[b]);
+  });
+  std::vector<trace_gap> result;
+  std::size_t begin = 0;
+  while (begin < order.size()) {
+    // One sequence: [begin, end).
+    const std::uint32_t s = sequence_[order[begin]];
+    std::size_t end = begin;
+    std::uint32_t last_step = 0;
+    while (end < order.size() && sequence_[order[end]] == s) {
+      last_step = std::max(last_step, step_[order[end]]);
+      ++end;
+    }
+    std::size_t j = begin;
+    for (std::uint32_t layer = 0; layer < layers_; ++layer) {
+      std::uint64_t expected = 0;                  // next step this layer should have
+      const auto note = [&](std::uint64_t upto) {  // steps [expected, upto) are missing
+        if (upto > expected) {
+          result.push_back({.sequence = s,
+                            .layer = layer,
+                            .first_step = static_cast<std::uint32_t>(expected),
+                            .count = static_cast<std::uint32_t>(upto - expected)});
+        }
+      };
+      while (j < end && layer_[order[j]] == layer) {
+        const std::uint32_t step = step_[order[j]];
+        if (step >= expected) {
+          note(step);
+          expected = std::uint64_t{step} + 1;
+        }
+        ++j;
+      }
+      note(std::uint64_t{last_step} + 1);
+    }
+    begin = end;
+  }
+  return result;
+}
+
+bool operator==(const routing_trace& a, const routing_trace& b) noexcept {
+  if (a.layers_ != b.layers_ || a.experts_per_layer_ != b.experts_per_layer_ || a.top_k_ != b.top_k_ ||
+      a.batch_size_ != b.batch_size_ || a.size() != b.size()) {
+    return false;
+  }
+  const auto same_bits = [](std::span<const float> x, std::span<const float> y) {
+    return x.size() == y.size() && (x.empty() || std::memcmp(x.data(), y.data(), x.size_bytes()) == 0);
+  };
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const routing_event x = a[i];
+    const routing_event y = b[i];
+    if (x.sequence != y.sequence || x.step != y.step || x.layer != y.layer || x.phase != y.phase ||
+        !std::equal(x.experts.begin(), x.experts.end(), y.experts.begin(), y.experts.end()) ||
+        !same_bits(x.weights, y.weights) || !same_bits(x.probabilities, y.probabilities)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace expage

@@ -1,0 +1,238 @@
+#include "expage/trace/synthetic_trace.hpp"
+
+#include "expage/core/error.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <vector>
+
+namespace expage {
+namespace {
+
+// Reproducible sampling from raw std::mt19937_64 draws (its output sequence is fixed by the
+// standard; the std distributions' algorithms are not).
+class sampler {
+ public:
+  explicit sampler(std::uint64_t seed) : engine_(seed) {}
+
+  // Uniform in [0, 1) with 53 random bits.
+  double uniform() { return static_cast<double>(engine_() >> 11U) * 0x1.0p-53; }
+
+  // Uniform in [0, n), n ≥ 1; the multiply-shift maps 53-bit uniforms (bias < n / 2^53).
+  std::uint32_t below(std::uint32_t n) {
+    const auto i = static_cast<std::uint32_t>(uniform() * n);
+    return std::min(i, n - 1);
+  }
+
+  bool chance(double p) { return uniform() < p; }
+
+ private:
+  std::mt19937_64 engine_;
+};
+
+// Draws `count` distinct items (not excluded) so that item i is included with probability
+// min(1, c·weight_i) for the c that makes the inclusion probabilities sum to `count`
+// (Madow's systematic sampling after iterative capping). Appends the items to `out`.
+void sample_distinct(std::span<const double> weights, std::vector<bool>& excluded, std::uint32_t count, sampler& rng,
+                     std::vector<double>& inclusion, std::vector<std::uint32_t>& out) {
+  const std::size_t n = weights.size();
+  inclusion.assign(n, 0.0);
+  std::vector<bool> capped(n, false);
+  // Capping: an item whose share would exceed 1 is always chosen; redistribute the rest.
+  for (;;) {
+    double total = 0.0;
+    std::uint32_t fixed = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (excluded[i]) continue;
+      if (capped[i]) {
+        ++fixed;
+      } else {
+        total += weights[i];
+      }
+    }
+    const double room = static_cast<double>(count - std::min(count, fixed));
+    bool changed = false;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (excluded[i]) continue;
+      if (capped[i]) {
+        inclusion[i] = 1.0;
+      } else {
+        inclusion[i] = total > 0.0 ? room * weights[i] / total : 0.0;
+        if (inclusion[i] >= 1.0) {
+          capped[i] = true;
+          changed = true;
+        }
+      }
+    }
+    if (!changed) break;
+  }
+  // Systematic sampling: points u, u+1, ..., u+count−1 over the cumulative inclusion
+  // probabilities; each item's interval is at most 1 long, so it holds at most one point.
+  const double u = rng.uniform();
+  double cumulative = 0.0;
+  std::uint32_t next_point = 0;
+  const std::size_t first = out.size();
+  for (std::size_t i = 0; i < n && next_point < count; ++i) {
+    if (excluded[i]) continue;
+    cumulative += inclusion[i];
+    if (u + next_point < cumulative) {
+      out.push_back(static_cast<std::uint32_t>(i));
+      excluded[i] = true;
+      ++next_point;
+    }
+  }
+  // Rounding can leave the last point just past the total: fill with the most likely items left.
+  while (out.size() - first < count) {
+    std::size_t best = n;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (!excluded[i] && (best == n || inclusion[i] > inclusion[best])) best = i;
+    }
+    out.push_back(static_cast<std::uint32_t>(best));
+    excluded[best] = true;
+  }
+}
+
+void check_option(std::string_view field, double value, double lo, double hi) {
+  if (!(value >= lo && value <= hi)) {
+    throw invalid_argument(fmt::format("synthetic_options: {} = {} out of range [{}, {}]", field, value, lo, hi));
+  }
+}
+
+}  // namespace
+
+routing_trace generate_synthetic(const moe_geometry& geometry, const synthetic_options& options) {
+  const double exponent = options.zipf_exponent.value_or(default_zipf_exponent(geometry));
+  check_option("zipf_exponent", exponent, 0.0, 8.0);
+  check_option("locality", options.locality, 0.0, 1.0);
+  check_option("sequences", options.sequences, 1, 1U << 24);
+  check_option("batch_size", options.batch_size, 1, 1U << 16);
+  check_option("workloads", options.workloads, 1, geometry.experts_per_layer());
+  check_option("shift_every", options.shift_every, 1, 4294967295.0);
+  check_option("decode_steps", options.decode_steps, options.prefill_tokens > 0 ? 0 : 1, 1U << 24);
+  check_option("prefill_tokens", options.prefill_tokens, 0, 1U << 24);
+  const std::uint64_t steps = std::uint64_t{options.prefill_tokens} + options.decode_steps;
+  if (steps > 0xFFFF'FFFFULL) {
+    throw invalid_argument(
+        fmt::format("synthetic_options: prefill_tokens + decode_steps = {} out of range [1, {}]", steps, 0xFFFF'FFFFU));
+  }
+
+  const std::uint32_t layers = geometry.layers();
+  const std::uint32_t experts = geometry.experts_per_layer();
+  const std::uint32_t k = geometry.top_k();
+  sampler rng(options.seed);
+
+  // Zipf weights over ranks (rank 1 most popular), then each layer's random ranking
+  // (Fisher–Yates from raw draws). Workload w rotates the ranking by w·experts/workloads.
+  std::vector<double> rank_weight(experts);
+  for (std::uint32_t r = 0; r < experts; ++r) rank_weight[r] = std::pow(static_cast<double>(r + 1), -exponent);
+  std::vector<std::vector<std::uint32_t>> ranking(layers, std::vector<std::uint32_t>(experts));
+  for (auto& perm : ranking) {
+    std::iota(perm.begin(), perm.end(), 0U);
+    for (std::uint32_t i = experts - 1; i > 0; --i) std::swap(perm[i], perm[rng.below(i + 1)]);
+  }
+  // popularity[w][layer][expert]
+  std::vector<std::vector<std::vector<double>>> popularity(
+      options.workloads, std::vector<std::vector<double>>(layers, std::vector<double>(experts)));
+  for (std::uint32_t w = 0; w < options.workloads; ++w) {
+    const std::uint32_t shift = static_cast<std::uint32_t>(std::uint64_t{w} * experts / options.workloads);
+    for (std::uint32_t l = 0; l < layers; ++l) {
+      for (std::uint32_t r = 0; r < experts; ++r) popularity[w][l][ranking[l][(r + shift) % experts]] = rank_weight[r];
+    }
+  }
+
+  routing_trace trace(geometry);
+  trace.set_batch_size(options.batch_size);
+  const std::size_t events = static_cast<std::size_t>(options.sequences) * steps * layers;
+  trace.reserve(events, options.probabilities);
+
+  // The previous token's experts per (sequence in the batch, layer), for temporal locality.
+  const std::uint32_t batch = options.batch_size;
+  std::vector<std::vector<std::uint32_t>> previous(static_cast<std::size_t>(batch) * layers);
+  std::vector<bool> excluded(experts);
+  std::vector<double> inclusion;
+  std::vector<std::uint32_t> chosen;
+  std::vector<float> scores(experts);
+  std::vector<std::uint32_t> order(k);
+  std::vector<std::uint32_t> top(k);
+  std::vector<float> weights(k);
+  std::vector<float> probabilities;
+
+  const auto route = [&](std::uint32_t sequence, std::uint32_t step, std::uint32_t layer, routing_phase phase,
+                         std::uint32_t slot) {
+    const std::uint32_t workload = (sequence / options.shift_every) % options.workloads;
+    const std::vector<double>& pop = popularity[workload][layer];
+    std::vector<std::uint32_t>& prev = previous[static_cast<std::size_t>(slot) * layers + layer];
+    std::fill(excluded.begin(), excluded.end(), false);
+    chosen.clear();
+    for (const std::uint32_t x : prev) {
+      if (rng.chance(options.locality)) {
+        chosen.push_back(x);
+        excluded[x] = true;
+      }
+    }
+    sample_distinct(pop, excluded, k - static_cast<std::uint32_t>(chosen.size()), rng, inclusion, chosen);
+    prev = chosen;
+    // Router scores: chosen experts in [1, 4), the others in [0, 1), so the chosen ones are the
+    // top-k; weights renormalise the chosen scores (Mixtral's top-k softmax renormalisation).
+    float chosen_sum = 0.0F;
+    for (std::uint32_t j = 0; j < k; ++j) {
+      scores[chosen[j]] = 1.0F + 3.0F * static_cast<float>(rng.uniform());
+      chosen_sum += scores[chosen[j]];
+    }
+    std::iota(order.begin(), order.end(), 0U);
+    std::sort(order.begin(), order.end(), [&](std::uint32_t a, std::uint32_t b) {
+      return scores[chosen[a]] > scores[chosen[b]] || (scores[chosen[a]] == scores[chosen[b]] && chosen[a] < chosen[b]);
+    });
+    for (std::uint32_t j = 0; j < k; ++j) {
+      top[j] = chosen[order[j]];
+      weights[j] = scores[top[j]] / chosen_sum;
+    }
+    probabilities.clear();
+    if (options.probabilities) {
+      float total = 0.0F;
+      for (std::uint32_t x = 0; x < experts; ++x) {
+        if (!excluded[x]) scores[x] = static_cast<float>(rng.uniform());
+        total += scores[x];
+      }
+      probabilities.resize(experts);
+      for (std::uint32_t x = 0; x < experts; ++x) probabilities[x] = scores[x] / total;
+    }
+    trace.append({.sequence = sequence,
+                  .step = step,
+                  .layer = layer,
+                  .phase = phase,
+                  .experts = top,
+                  .weights = weights,
+                  .probabilities = probabilities});
+  };
+
+  // Execution order (routing_trace): per lockstep group, pass 0 routes every prompt token of
+  // every sequence at each layer, then each decode pass routes one token per sequence.
+  for (std::uint32_t first = 0; first < options.sequences; first += batch) {
+    const std::uint32_t last = std::min(options.sequences, first + batch);  // exclusive
+    for (auto& p : previous) p.clear();
+    if (options.prefill_tokens > 0) {
+      for (std::uint32_t layer = 0; layer < layers; ++layer) {
+        for (std::uint32_t s = first; s < last; ++s) {
+          for (std::uint32_t t = 0; t < options.prefill_tokens; ++t)
+            route(s, t, layer, routing_phase::prefill, s - first);
+        }
+      }
+    }
+    for (std::uint32_t d = 0; d < options.decode_steps; ++d) {
+      for (std::uint32_t layer = 0; layer < layers; ++layer) {
+        for (std::uint32_t s = first; s < last; ++s) {
+          route(s, options.prefill_tokens + d, layer, routing_phase::decode, s - first);
+        }
+      }
+    }
+  }
+  return trace;
+}
+
+}  // namespace expage

@@ -1,0 +1,363 @@
+#include "expage/trace/trace_io.hpp"
+
+#include "common/traces.hpp"
+
+#include "expage/core/error.hpp"
+#include "expage/core/moe_geometry.hpp"
+#include "expage/trace/routing_trace.hpp"
+#include "expage/trace/synthetic_trace.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+using expage::moe_geometry;
+using expage::routing_event;
+using expage::routing_phase;
+using expage::routing_trace;
+using expage::trace_gap;
+using ::testing::HasSubstr;
+namespace fs = std::filesystem;
+
+const moe_geometry& mixtral() {
+  static const moe_geometry g = moe_geometry::mixtral_8x7b();
+  return g;
+}
+
+routing_trace small_synthetic(std::uint32_t batch = 1, bool probabilities = false) {
+  return expage::generate_synthetic(mixtral(), {.seed = 99,
+                                                .sequences = 4,
+                                                .decode_steps = 6,
+                                                .prefill_tokens = 2,
+                                                .batch_size = batch,
+                                                .probabilities = probabilities});
+}
+
+std::string jsonl_of(const routing_trace& t) {
+  std::ostringstream out;
+  expage::write_jsonl(out, t);
+  return out.str();
+}
+
+std::string csv_of(const routing_trace& t) {
+  std::ostringstream out;
+  expage::write_csv(out, t);
+  return out.str();
+}
+
+std::span<const std::byte> bytes_of(const std::string& s) {
+  return std::as_bytes(std::span<const char>(s.data(), s.size()));
+}
+
+// A unique scratch directory per test, removed afterwards.
+class TraceFiles : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = fs::temp_directory_path() / (std::string("expage_trace_io_") + info->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+TEST_F(TraceFiles, BinaryRoundTripIsIdentical) {
+  for (const std::uint32_t batch : {1U, 3U}) {
+    const routing_trace t = small_synthetic(batch, batch == 3);
+    const fs::path file = dir_ / "t.bin";
+    expage::write_binary(file, t);
+    const routing_trace back = expage::read_binary(file, mixtral());
+    EXPECT_EQ(back, t) << "batch " << batch;
+    EXPECT_EQ(back.batch_size(), batch);
+    EXPECT_EQ(expage::read_trace(file, mixtral()), t);
+  }
+}
+
+TEST_F(TraceFiles, TextRoundTripsAreIdentical) {
+  for (const std::uint32_t batch : {1U, 2U}) {
+    const routing_trace t = small_synthetic(batch, true);
+    const expage::trace_read_options options{.batch_size = batch};
+    expage::write_jsonl(dir_ / "t.jsonl", t);
+    expage::write_csv(dir_ / "t.csv", t);
+    EXPECT_EQ(expage::read_jsonl(dir_ / "t.jsonl", mixtral(), options), t);
+    EXPECT_EQ(expage::read_csv(dir_ / "t.csv", mixtral(), options), t);
+    expage::write_trace(dir_ / "u.jsonl", t);
+    EXPECT_EQ(expage::read_trace(dir_ / "u.jsonl", mixtral(), options), t);
+  }
+}
+
+TEST(TraceIo, FormatFollowsTheExtension) {
+  EXPECT_EQ(expage::format_of("a/b.jsonl"), expage::trace_format::jsonl);
+  EXPECT_EQ(expage::format_of("b.csv"), expage::trace_format::csv);
+  EXPECT_EQ(expage::format_of("b.ext"), expage::trace_format::binary);
+}
+
+TEST(TraceIo, ShuffledRecordsComeBackInExecutionOrder) {
+  const routing_trace t = small_synthetic();
+  const std::string text = jsonl_of(t);
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  std::mt19937_64 rng(2024);
+  for (std::size_t i = lines.size() - 1; i > 0; --i) std::swap(lines[i], lines[rng() % (i + 1)]);
+  std::string shuffled;
+  for (const std::string& line : lines) shuffled += line + "\n\n";  // blank lines are skipped
+  EXPECT_EQ(expage::parse_jsonl(shuffled, mixtral(), "shuffled.jsonl"), t);
+
+  // CSV, reversed, with the real file's column names and bracketed lists.
+  std::string csv = "problem_id,layer,token_idx,experts,gating_probs\n";
+  for (std::size_t i = t.size(); i-- > 0;) {
+    const routing_event e = t[i];
+    if (e.phase == routing_phase::prefill) continue;
+    csv += fmt::format("{},{},{},\"[{}, {}]\",{} {}\n", e.sequence, e.layer, e.step, e.experts[0], e.experts[1],
+                       e.weights[0], e.weights[1]);
+  }
+  const routing_trace from_csv = expage::parse_csv(csv, mixtral(), "r.csv");
+  EXPECT_TRUE(from_csv.is_execution_ordered());
+  EXPECT_EQ(from_csv.size(), t.size() - 4U * 2U * 32U);
+}
+
+TEST(TraceIo, AcceptsTheRealKeyNamesAndEscapes) {
+  const std::string text =
+      R"({"dataset": "human\"eval\u00e9", "problem_id": 0, "layer": 1, "experts": [6, 5], "gating_probs": [0.6959583759307861, 0.30404168367385864], "token_idx": 0})"
+      "\r\n"
+      R"({"layer":0,"token_idx":0,"problem_id":0,"experts":[1,2],"gating_probs":[5e-1,0.5E0],"dataset":{"x":[1,true,null]}})"
+      "\n";
+  const routing_trace t = expage::parse_jsonl(text, mixtral(), "real.jsonl");
+  ASSERT_EQ(t.size(), 2U);
+  EXPECT_EQ(t[0].layer, 0U);
+  EXPECT_EQ(t[1].layer, 1U);
+  EXPECT_EQ(t[1].weights[0], 0.6959583759307861F);
+  EXPECT_EQ(t[0].weights[1], 0.5F);
+}
+
+// --- bad input: every class names the file, the line and the field ------------------------------
+
+struct bad_case {
+  const char* name;
+  std::string text;
+  std::vector<std::string> expected;  // substrings of the message
+};
+
+TEST(TraceIo, BadJsonlNamesFileLineAndField) {
+  const std::string good = R"({"sequence": 0, "step": 0, "layer": 0, "experts": [1, 2], "weights": [0.6, 0.4]})";
+  const std::vector<bad_case> cases = {
+      {"malformed", good + "\n{\"sequence\": 0,", {"bad.jsonl:2:", "field 'sequence'"}},
+      {"not an object", "[1, 2]", {"bad.jsonl:1:", "field 'record'", "expected '{'"}},
+      {"trailing", good + " x", {"bad.jsonl:1:", "unexpected characters"}},
+      {"unknown field", R"({"sequence": 0, "colour": 1})", {"bad.jsonl:1:", "field 'colour'", "unknown field"}},
+      {"missing field",
+       R"({"sequence": 0, "step": 0, "experts": [1, 2], "weights": [0.6, 0.4]})",
+       {"bad.jsonl:1:", "field 'layer'", "missing"}},
+      {"missing weights",
+       R"({"sequence": 0, "step": 0, "layer": 0, "experts": [1, 2]})",
+       {"field 'weights'", "missing"}},
+      {"expert out of range",
+       "\n\n"
+       R"({"problem_id": 0, "token_idx": 0, "layer": 3, "experts": [1, 8], "gating_probs": [0.6, 0.4]})",
+       {"bad.jsonl:3:", "field 'experts'", "expert 8 out of range [0, 8) in layer 3"}},
+      {"layer out of range",
+       R"({"sequence": 0, "step": 0, "layer": 32, "experts": [1, 2], "weights": [0.6, 0.4]})",
+       {"field 'layer'", "layer 32 out of range [0, 32)"}},
+      {"wrong top-k",
+       R"({"sequence": 0, "step": 0, "layer": 0, "experts": [1, 2, 3], "weights": [0.6, 0.3, 0.1]})",
+       {"bad.jsonl:1:", "field 'experts'", "3 experts where the geometry's top_k is 2"}},
+      {"repeated expert",
+       R"({"sequence": 0, "step": 0, "layer": 0, "experts": [2, 2], "weights": [0.6, 0.4]})",
+       {"field 'experts'", "expert 2 appears twice"}},
+      {"weights length",
+       R"({"problem_id": 0, "token_idx": 0, "layer": 0, "experts": [1, 2], "gating_probs": [1.0]})",
+       {"bad.jsonl:1:", "field 'gating_probs'", "1 weights for 2 experts"}},
+      {"negative weight",
+       R"({"sequence": 0, "step": 0, "layer": 0, "experts": [1, 2], "weights": [0.6, -0.4]})",
+       {"field 'weights'", "out of range [0, inf)"}},
+      {"duplicate record", good + "\n" + good, {"bad.jsonl:2:", "duplicate record", "(0, 0, 0)", "first at line 1"}},
+      {"duplicate key", R"({"sequence": 0, "problem_id": 0})", {"field 'problem_id'", "given twice"}},
+      {"negative integer", R"({"sequence": -1})", {"field 'sequence'", "not a non-negative integer"}},
+      {"too large", R"({"step": 4294967296})", {"field 'step'", "out of range [0, 4294967295]"}},
+      {"fraction for integer", R"({"layer": 1.5})", {"field 'layer'", "not a non-negative integer"}},
+      {"bad float", R"({"weights": [0.5, .5]})", {"field 'weights'"}},
+      {"float overflow", R"({"weights": [1e99]})", {"field 'weights'", "not representable as a float"}},
+      {"bad phase", R"({"phase": "warmup"})", {"field 'phase'", "neither"}},
+      {"probabilities length",
+       R"({"sequence": 0, "step": 0, "layer": 0, "experts": [1, 2], "weights": [0.6, 0.4], "probabilities": [1]})",
+       {"field 'probabilities'", "1 probabilities where experts_per_layer is 8"}},
+      {"decode before prefill",
+       R"({"sequence": 0, "step": 0, "layer": 0, "experts": [1, 2], "weights": [0.6, 0.4]})"
+       "\n"
+       R"({"sequence": 0, "step": 1, "layer": 0, "phase": "prefill", "experts": [1, 2], "weights": [0.6, 0.4]})",
+       {"bad.jsonl:1:", "field 'phase'", "decode step 0 of sequence 0 precedes its prefill step 1"}},
+      {"unterminated string", R"({"dataset": "abc)", {"field 'dataset'", "unterminated string"}},
+      {"deep nesting", R"({"dataset": )" + std::string(100, '['), {"field 'dataset'", "nested deeper than 64"}},
+  };
+  for (const bad_case& c : cases) {
+    try {
+      (void)expage::parse_jsonl(c.text, mixtral(), "bad.jsonl");
+      ADD_FAILURE() << c.name << ": no exception";
+    } catch (const expage::format_error& e) {
+      for (const std::string& s : c.expected) EXPECT_THAT(e.what(), HasSubstr(s)) << c.name;
+    }
+  }
+}
+
+TEST(TraceIo, BadCsvNamesFileLineAndField) {
+  const std::string header = "sequence,step,layer,experts,weights\n";
+  const std::vector<bad_case> cases = {
+      {"unknown column", "sequence,step,colour\n", {"bad.csv:1:", "field 'colour'", "unknown column"}},
+      {"missing column", "sequence,step,experts,weights\n", {"bad.csv:1:", "field 'layer'", "missing column"}},
+      {"field count", header + "0,0,0,1;2\n", {"bad.csv:2:", "4 fields where the header has 5 columns"}},
+      {"expert out of range",
+       header + "0,0,0,1;9,0.5;0.5\n",
+       {"bad.csv:2:", "field 'experts'", "expert 9 out of range"}},
+      {"wrong top-k", header + "0,0,0,1,1.0\n", {"bad.csv:2:", "field 'experts'", "1 experts where"}},
+      {"duplicate", header + "0,0,0,1;2,0.5;0.5\n0,0,0,3;2,0.5;0.5\n", {"bad.csv:3:", "duplicate record"}},
+      {"malformed number", header + "0,x,0,1;2,0.5;0.5\n", {"bad.csv:2:", "field 'step'", "'x'"}},
+      {"unterminated quote", header + "0,0,0,\"1;2,0.5;0.5\n", {"bad.csv:2:", "unterminated quoted field"}},
+      {"empty", "", {"bad.csv:1:", "field 'header'"}},
+  };
+  for (const bad_case& c : cases) {
+    try {
+      (void)expage::parse_csv(c.text, mixtral(), "bad.csv");
+      ADD_FAILURE() << c.name << ": no exception";
+    } catch (const expage::format_error& e) {
+      for (const std::string& s : c.expected) EXPECT_THAT(e.what(), HasSubstr(s)) << c.name;
+    }
+  }
+}
+
+// Rewrites the two checksums of an encoded trace after a deliberate edit.
+void reseal(std::string& b) {
+  const auto fnv = [](std::string_view s) {
+    std::uint64_t h = 0xcbf29ce484222325ULL;
+    for (const char c : s) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ULL;
+    return h;
+  };
+  const auto put = [&](std::size_t at, std::uint64_t v) {
+    for (std::size_t i = 0; i < 8; ++i) b[at + i] = static_cast<char>((v >> (8 * i)) & 0xFFU);
+  };
+  put(48, fnv(std::string_view(b).substr(64)));
+  put(56, fnv(std::string_view(b).substr(0, 56)));
+}
+
+TEST(TraceIo, BadBinaryNamesByteOffsetAndField) {
+  const std::string good = expage::encode_binary(small_synthetic());
+  ASSERT_EQ(good.size(), 64U + (4U * 8U * 32U) * (16U + 12U));
+  const auto expect_error = [&](const std::string& bytes, const moe_geometry& g, std::vector<std::string> expected,
+                                const char* name) {
+    try {
+      (void)expage::parse_binary(bytes_of(bytes), g, "bad.bin");
+      ADD_FAILURE() << name << ": no exception";
+    } catch (const expage::format_error& e) {
+      for (const std::string& s : expected) EXPECT_THAT(e.what(), HasSubstr(s)) << name;
+    }
+  };
+  expect_error(good.substr(0, 10), mixtral(), {"bad.bin: byte 10:", "field 'header'", "shorter than"}, "tiny");
+  std::string magic = good;
+  magic[0] = 'X';
+  expect_error(magic, mixtral(), {"byte 0:", "field 'magic'"}, "magic");
+  std::string version = good;
+  version[8] = 2;
+  expect_error(version, mixtral(), {"byte 8:", "field 'version'", "version 2 unsupported"}, "version");
+  std::string header_bit = good;
+  header_bit[20] = 9;  // experts_per_layer, not resealed
+  expect_error(header_bit, mixtral(), {"byte 56:", "field 'header_checksum'"}, "header checksum");
+  expect_error(good, moe_geometry::phi_3_5_moe(), {"byte 20:", "field 'experts_per_layer'", "16"}, "geometry");
+  expect_error(good.substr(0, good.size() - 3), mixtral(), {"byte 32:", "field 'event_count'", "truncated"},
+               "truncated");
+  expect_error(good.substr(0, good.size() - 28), mixtral(), {"field 'event_count'", "truncated"}, "one record short");
+  expect_error(good + "x", mixtral(), {"field 'payload'", "trailing"}, "trailing");
+  std::string flipped = good;
+  flipped[100] = static_cast<char>(flipped[100] ^ 0x40);
+  expect_error(flipped, mixtral(), {"byte 48:", "field 'payload_checksum'"}, "payload checksum");
+  std::string count = good;
+  count[36] = 1;  // event_count high bytes
+  reseal(count);
+  expect_error(count, mixtral(), {"byte 32:", "field 'event_count'"}, "event count");
+  // Field-level corruption with valid checksums: expert id of record 3 (offset 64 + 3·28 + 16).
+  std::string expert = good;
+  expert[64 + 3 * 28 + 16] = 8;
+  expert[64 + 3 * 28 + 17] = 0;
+  reseal(expert);
+  expect_error(expert, mixtral(), {"byte 148:", "field 'experts'", "expert 8 out of range [0, 8)"}, "expert");
+  std::string layer = good;
+  layer[64 + 28 + 8] = 40;
+  reseal(layer);
+  expect_error(layer, mixtral(), {"byte 92:", "field 'layer'", "layer 40 out of range [0, 32)"}, "layer");
+  std::string duplicate = good;
+  std::copy_n(good.begin() + 64, 28, duplicate.begin() + 64 + 28);  // record 1 := record 0
+  reseal(duplicate);
+  expect_error(duplicate, mixtral(), {"byte 92:", "duplicate record", "first at byte 64"}, "duplicate");
+  std::string phase = good;
+  phase[64 + 12] = 7;
+  reseal(phase);
+  expect_error(phase, mixtral(), {"byte 76:", "field 'phase'"}, "phase");
+}
+
+TEST(TraceIo, UnreadableFilesAreFormatErrors) {
+  EXPECT_THROW((void)expage::read_jsonl("/nonexistent/expage/x.jsonl", mixtral()), expage::format_error);
+  EXPECT_THROW((void)expage::read_binary("/nonexistent/expage/x.bin", mixtral()), expage::format_error);
+  EXPECT_THROW(expage::write_binary("/nonexistent/expage/x.bin", small_synthetic()), expage::invalid_argument);
+}
+
+// --- the real Mixtral HumanEval trace (skipped when ../shared/traces is absent) -----------------
+
+TEST(RealTrace, MixtralHumanEvalLoadsInExecutionOrderWithItsGaps) {
+  const std::optional<fs::path> found = expage::testing::mixtral_humaneval_trace();
+  if (!found) GTEST_SKIP() << "real trace not found (set EXPAGE_TRACES_DIR)";
+  const fs::path& file = *found;
+  const routing_trace t = expage::read_jsonl(file, mixtral());
+  ASSERT_EQ(t.size(), 10'779U);
+  EXPECT_TRUE(t.is_execution_ordered());
+  EXPECT_EQ(t[0].sequence, 0U);
+  EXPECT_EQ(t[0].step, 0U);
+  EXPECT_EQ(t[0].layer, 0U);
+  EXPECT_EQ(t[1].layer, 1U) << "layer inner, step outer";
+  EXPECT_THAT(t[0].experts, ::testing::ElementsAre(6U, 5U));
+  std::map<std::uint32_t, std::size_t> per_sequence;
+  for (const routing_event& e : t) {
+    ++per_sequence[e.sequence];
+    EXPECT_EQ(e.phase, routing_phase::decode);
+  }
+  EXPECT_EQ(per_sequence[0], 2'648U);
+  EXPECT_EQ(per_sequence[1], 8'131U);
+
+  // The README's gap table: problem 0 short at layers 11:1, 13:2, 14:1, 20:1, 23:1, 27:1, 31:1
+  // (83 steps at full layers); problem 1: 20 layers short by 1–3 (255 steps at full layers).
+  std::map<std::uint32_t, std::map<std::uint32_t, std::uint32_t>> missing;  // sequence → layer → steps
+  for (const trace_gap& g : t.gaps()) missing[g.sequence][g.layer] += g.count;
+  const std::map<std::uint32_t, std::uint32_t> problem0 = {{11, 1}, {13, 2}, {14, 1}, {20, 1},
+                                                           {23, 1}, {27, 1}, {31, 1}};
+  EXPECT_EQ(missing[0], problem0);
+  // Problem 1 (measured; the README says "20 layers short by 1–3"): 29 missing steps.
+  const std::map<std::uint32_t, std::uint32_t> problem1 = {
+      {0, 1},  {2, 2},  {3, 2},  {6, 2},  {7, 2},  {9, 2},  {11, 1}, {13, 1}, {14, 2}, {15, 1},
+      {16, 1}, {17, 2}, {19, 1}, {20, 1}, {21, 1}, {22, 1}, {23, 1}, {25, 1}, {27, 3}, {29, 1}};
+  EXPECT_EQ(missing[1], problem1);
+  // Records + missing steps = full layers × 32: 83 steps for problem 0, 255 for problem 1.
+  EXPECT_EQ(2'648U + 8U, 83U * 32U);
+  EXPECT_EQ(8'131U + 29U, 255U * 32U);
+  // The renumbering makes every gap the tail of its layer.
+  for (const trace_gap& g : t.gaps()) EXPECT_EQ(g.first_step + g.count, g.sequence == 0 ? 83U : 255U);
+
+  // Every conversion keeps it exactly.
+  EXPECT_EQ(expage::parse_binary(bytes_of(expage::encode_binary(t)), mixtral(), "mem"), t);
+  EXPECT_EQ(expage::parse_jsonl(jsonl_of(t), mixtral(), "mem"), t);
+  EXPECT_EQ(expage::parse_csv(csv_of(t), mixtral(), "mem"), t);
+}
+
+}  // namespace
