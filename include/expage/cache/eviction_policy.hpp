@@ -1,0 +1,74 @@
+/// @file
+/// @brief The eviction_policy concept and what a policy is told about each access.
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <limits>
+#include <span>
+
+namespace expage {
+
+/// @brief The keys one cache scope covers: one layer's experts (per-layer
+/// layout) or every expert of the model (global layout, key = layer ·
+/// experts_per_layer + expert).
+struct key_space {
+  std::uint32_t layers = 1;             ///< MoE layers of the model.
+  std::uint32_t experts_per_layer = 1;  ///< Routed experts per layer.
+  bool global = false;                  ///< True: keys span all layers; false: one layer's experts.
+  std::uint32_t layer = 0;              ///< The layer a per-layer scope covers.
+
+  /// Number of distinct keys in the scope.
+  [[nodiscard]] constexpr std::uint32_t size() const noexcept {
+    return global ? layers * experts_per_layer : experts_per_layer;
+  }
+  /// The layer of @p key.
+  [[nodiscard]] constexpr std::uint32_t layer_of(std::uint32_t key) const noexcept {
+    return global ? key / experts_per_layer : layer;
+  }
+  /// The expert index (within its layer) of @p key.
+  [[nodiscard]] constexpr std::uint32_t expert_of(std::uint32_t key) const noexcept {
+    return global ? key % experts_per_layer : key;
+  }
+};
+
+/// "Never used again": the next_use of a key with no future access.
+inline constexpr std::uint64_t never = std::numeric_limits<std::uint64_t>::max();
+
+/// @brief What a policy learns about one access (a hit or an insertion).
+struct access_context {
+  std::uint64_t time = 0;          ///< Index of the access group (one layer of one step), monotone.
+  std::uint32_t layer = 0;         ///< The layer being executed.
+  std::uint32_t expert = 0;        ///< The accessed expert, within its layer.
+  std::uint64_t next_use = never;  ///< Offline knowledge: the time of this key's next access (replay fills it).
+  float probability = 0.0F;        ///< The router's probability (or gating weight) for this expert, if known.
+};
+
+/// @brief The experts a cache must not evict now: those the current step needs.
+struct pin_view {
+  const std::uint8_t* flags = nullptr;  ///< One byte per key of the scope; non-zero means pinned.
+  /// True when @p key is pinned.
+  [[nodiscard]] bool operator()(std::uint32_t key) const noexcept { return flags[key] != 0; }
+};
+
+/// @brief A replacement policy over the keys of one cache scope.
+///
+/// The slot cache owns residency; the policy only ranks. Requirements on `P`:
+/// - `P(space)`: a policy for the keys of @p space (`key_space`).
+/// - `p.on_insert(key, ctx)`: @p key became resident (after a miss).
+/// - `p.on_hit(key, ctx)`: @p key was accessed while resident.
+/// - `p.on_evict(key)`: @p key left the cache.
+/// - `p.victim(pins, ctx)`: a resident, unpinned key to evict; called only when
+///   one exists. @p ctx describes the access that needs the slot.
+/// A policy is told about every access, so frequency-based policies can keep
+/// history across evictions.
+template <class P>
+concept eviction_policy = std::constructible_from<P, const key_space&> &&
+    requires(P& p, std::uint32_t key, const access_context& ctx, pin_view pins) {
+  p.on_insert(key, ctx);
+  p.on_hit(key, ctx);
+  p.on_evict(key);
+  { p.victim(pins, ctx) } -> std::same_as<std::uint32_t>;
+};
+
+}  // namespace expage

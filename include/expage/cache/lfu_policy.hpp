@@ -1,0 +1,64 @@
+/// @file
+/// @brief lfu_policy: evict the least frequently used expert.
+#pragma once
+
+#include "expage/cache/eviction_policy.hpp"
+
+#include <compare>
+#include <cstdint>
+#include <set>
+#include <vector>
+
+namespace expage {
+
+/// @brief Least frequently used, counting every access over the whole history
+/// (counts survive eviction, as MoE-Infinity's activation counts do).
+///
+/// Tie-breaking: among equal counts the key accessed least recently goes first;
+/// among equal counts and times (only possible within one access group) the
+/// smaller key goes first. O(log capacity) per access.
+/// @threadsafety thread-compatible.
+class lfu_policy {
+ public:
+  /// A policy over the keys of @p space.
+  explicit lfu_policy(const key_space& space) : count_(space.size(), 0), last_(space.size(), 0) {}
+  /// Counts the access and ranks @p key.
+  void on_insert(std::uint32_t key, const access_context& ctx) {
+    ++count_[key];
+    last_[key] = ctx.time;
+    resident_.insert(rank_of(key));
+  }
+  /// Counts the access and re-ranks @p key.
+  void on_hit(std::uint32_t key, const access_context& ctx) {
+    resident_.erase(rank_of(key));
+    on_insert(key, ctx);
+  }
+  /// @p key left the cache; its count is kept.
+  void on_evict(std::uint32_t key) noexcept { resident_.erase(rank_of(key)); }
+  /// The unpinned key with the fewest accesses (then the oldest, then the smallest).
+  [[nodiscard]] std::uint32_t victim(pin_view pins, const access_context& /*ctx*/) const noexcept {
+    for (const rank& r : resident_) {
+      if (!pins(r.key)) return r.key;
+    }
+    return 0;
+  }
+  /// Accesses of @p key so far.
+  [[nodiscard]] std::uint64_t count(std::uint32_t key) const noexcept { return count_[key]; }
+
+ private:
+  struct rank {
+    std::uint64_t count;
+    std::uint64_t last;
+    std::uint32_t key;
+    friend auto operator<=>(const rank&, const rank&) = default;
+  };
+  [[nodiscard]] rank rank_of(std::uint32_t key) const noexcept { return {count_[key], last_[key], key}; }
+
+  std::vector<std::uint64_t> count_;
+  std::vector<std::uint64_t> last_;
+  std::set<rank> resident_;
+};
+
+static_assert(eviction_policy<lfu_policy>);
+
+}  // namespace expage

@@ -1,0 +1,260 @@
+/// @file
+/// @brief slot_cache: which experts occupy the GPU's expert slots, as an expert_map.
+#pragma once
+
+#include "expage/cache/eviction_policy.hpp"
+#include "expage/core/error.hpp"
+#include "expage/core/expert_id.hpp"
+#include "expage/core/moe_geometry.hpp"
+
+#include <fmt/format.h>
+
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+namespace expage {
+
+/// How slots are shared.
+enum class cache_layout : std::uint8_t {
+  per_layer,  ///< Each layer has `capacity` slots of its own (WiSP's per-layer scratch).
+  global,     ///< One pool of `capacity` slots shared by every layer.
+};
+
+/// "per-layer" or "global".
+[[nodiscard]] constexpr std::string_view to_string(cache_layout l) noexcept {
+  return l == cache_layout::global ? "global" : "per-layer";
+}
+
+/// @brief Construction parameters of a slot_cache.
+struct slot_cache_options {
+  cache_layout layout = cache_layout::per_layer;  ///< Per-layer or global slots.
+  std::uint32_t capacity = 0;  ///< Slots per layer (per_layer) or in all (global); ≥ 1 and ≤ the scope's experts.
+};
+
+/// @brief Optional knowledge about one access group, for policies that use it.
+struct access_hints {
+  std::uint64_t time = never;                 ///< The group's time; `never` means "the cache's own counter".
+  std::span<const std::uint64_t> next_use{};  ///< Per requested expert: the time of its next access (Belady).
+  std::span<const float> probability{};       ///< Per requested expert: router probability or gating weight.
+};
+
+/// @brief One expert the engine must copy into a slot before the step runs.
+struct expert_load {
+  expert_id expert{};     ///< The expert to load.
+  std::int32_t slot = 0;  ///< Where: an index into the layer's slots (per_layer) or the global slots.
+  bool evicts = false;    ///< True when the slot held another expert.
+  expert_id evicted{};    ///< The expert that was in the slot (valid when `evicts`).
+};
+
+/// @brief What one access group did.
+struct access_result {
+  std::uint32_t hits = 0;              ///< Requested experts already resident.
+  std::uint32_t misses = 0;            ///< Requested experts that had to be loaded.
+  std::span<const expert_load> loads;  ///< The loads, valid until the next access().
+};
+
+/// @brief Counters of a slot_cache.
+struct slot_cache_statistics {
+  std::uint64_t groups = 0;     ///< access() calls.
+  std::uint64_t accesses = 0;   ///< Experts requested.
+  std::uint64_t hits = 0;       ///< Requests found resident.
+  std::uint64_t misses = 0;     ///< Requests loaded.
+  std::uint64_t evictions = 0;  ///< Misses that displaced another expert.
+};
+
+/// @brief Maps routed experts to a bounded set of GPU slots and keeps the
+/// `expert_map` a fused-MoE kernel consumes (WiSP §3.2: logical expert id →
+/// physical slot, −1 for an expert that is not resident; vLLM's `expert_map`
+/// has the same meaning).
+///
+/// access() takes the experts one layer needs for one step (the union of the
+/// top-k of the step's tokens), pins all of them for the duration of the call
+/// so that none is evicted to make room for another, serves hits, and loads
+/// misses into free slots or slots freed by the policy's victims. The returned
+/// loads say which copies to issue and into which slot. A group larger than
+/// the scope's capacity cannot be served at once: split its tokens first with
+/// group_tokens() (WiSP §3.2) and call access() per group.
+///
+/// @code
+/// expage::slot_cache<expage::lru_policy> cache(expage::moe_geometry::mixtral_8x7b(),
+///                                              {.layout = expage::cache_layout::per_layer, .capacity = 4});
+/// const std::uint32_t routed[] = {6, 5};
+/// auto r = cache.access(/*layer=*/0, routed);
+/// for (const auto& load : r.loads) copy_expert(load.expert, load.slot);
+/// fused_moe(hidden, routed_ids, cache.expert_map(0));   // -1: not resident
+/// @endcode
+/// @threadsafety thread-compatible.
+template <eviction_policy Policy>
+class slot_cache {
+ public:
+  /// A cache for @p geometry whose scopes use `Policy(space)`.
+  /// @throws expage::invalid_argument when the capacity is 0 or exceeds the scope's experts.
+  slot_cache(const moe_geometry& geometry, slot_cache_options options)
+      : slot_cache(geometry, options, [](const key_space& s) { return Policy(s); }) {}
+
+  /// A cache whose scopes use the policies @p make(space) returns (to pass policy options).
+  /// @throws expage::invalid_argument when the capacity is 0 or exceeds the scope's experts.
+  template <class Factory>
+  slot_cache(const moe_geometry& geometry, slot_cache_options options, Factory make)
+      : layers_(geometry.layers()), experts_(geometry.experts_per_layer()), options_(options) {
+    const bool global = options.layout == cache_layout::global;
+    const std::uint32_t scope_keys = global ? layers_ * experts_ : experts_;
+    if (options.capacity == 0 || options.capacity > scope_keys) {
+      throw invalid_argument(fmt::format("slot_cache: capacity {} out of range [1, {}] for a {} cache of {}",
+                                         options.capacity, scope_keys, to_string(options.layout), geometry.name()));
+    }
+    const std::uint32_t scopes = global ? 1 : layers_;
+    scopes_.reserve(scopes);
+    for (std::uint32_t s = 0; s < scopes; ++s) {
+      const key_space space{.layers = layers_, .experts_per_layer = experts_, .global = global, .layer = s};
+      scopes_.push_back(scope{make(space), std::vector<std::uint8_t>(scope_keys, 0), {}});
+      auto& free = scopes_.back().free_slots;
+      for (std::uint32_t slot = options.capacity; slot-- > 0;) free.push_back(slot);
+    }
+    map_.assign(std::size_t{layers_} * experts_, -1);
+    loads_.reserve(options.capacity);
+  }
+
+  [[nodiscard]] const slot_cache_options& options() const noexcept { return options_; }      ///< The options.
+  [[nodiscard]] const slot_cache_statistics& statistics() const noexcept { return stats_; }  ///< The counters.
+
+  /// The whole model's map, layer-major: entry layer·E + e is expert e's slot or −1.
+  [[nodiscard]] std::span<const std::int32_t> expert_map() const noexcept { return map_; }
+  /// Layer @p layer's part of expert_map(): what a fused-MoE kernel for that layer takes.
+  /// @pre layer < layers.
+  [[nodiscard]] std::span<const std::int32_t> expert_map(std::uint32_t layer) const noexcept {
+    return std::span<const std::int32_t>(map_).subspan(std::size_t{layer} * experts_, experts_);
+  }
+  /// True when @p id occupies a slot. @pre the id is valid for the geometry.
+  [[nodiscard]] bool resident(expert_id id) const noexcept { return map_[flat(id.layer, id.expert)] >= 0; }
+
+  /// The slots one access group may occupy: capacity (per layer) or capacity (global).
+  [[nodiscard]] std::uint32_t group_limit() const noexcept { return options_.capacity; }
+
+  /// Serves the experts @p experts of layer @p layer for one step.
+  /// @throws expage::invalid_argument for a bad layer, an expert out of range, a
+  ///         repeated expert, more experts than group_limit(), or hints whose
+  ///         lengths differ from the request's; nothing changes then.
+  access_result access(std::uint32_t layer, std::span<const std::uint32_t> experts, const access_hints& hints = {}) {
+    validate_and_pin(layer, experts, hints);  // on success every requested expert is pinned
+    scope& sc = scope_for(layer);
+    const bool global = options_.layout == cache_layout::global;
+    const std::uint64_t time = hints.time == never ? stats_.groups : hints.time;
+    const pin_view pins{sc.pinned.data()};
+    loads_.clear();
+    access_result result;
+    for (std::size_t i = 0; i < experts.size(); ++i) {
+      const std::uint32_t e = experts[i];
+      const std::uint32_t k = key(layer, e, global);
+      const access_context ctx{.time = time,
+                               .layer = layer,
+                               .expert = e,
+                               .next_use = hints.next_use.empty() ? never : hints.next_use[i],
+                               .probability = hints.probability.empty() ? 0.0F : hints.probability[i]};
+      std::int32_t& slot = map_[flat(layer, e)];
+      if (slot >= 0) {
+        ++result.hits;
+        sc.policy.on_hit(k, ctx);
+        continue;
+      }
+      ++result.misses;
+      expert_load load{.expert = {layer, e}, .slot = 0, .evicts = false, .evicted = {}};
+      if (!sc.free_slots.empty()) {
+        load.slot = static_cast<std::int32_t>(sc.free_slots.back());
+        sc.free_slots.pop_back();
+      } else {
+        const std::uint32_t victim = sc.policy.victim(pins, ctx);
+        const std::uint32_t vl = global ? victim / experts_ : layer;
+        const std::uint32_t ve = global ? victim % experts_ : victim;
+        std::int32_t& victim_slot = map_[flat(vl, ve)];
+        load.slot = victim_slot;
+        load.evicts = true;
+        load.evicted = {vl, ve};
+        victim_slot = -1;
+        sc.policy.on_evict(victim);
+        ++stats_.evictions;
+      }
+      slot = load.slot;
+      sc.policy.on_insert(k, ctx);
+      loads_.push_back(load);
+    }
+    for (const std::uint32_t e : experts) sc.pinned[key(layer, e, global)] = 0;
+    ++stats_.groups;
+    stats_.accesses += experts.size();
+    stats_.hits += result.hits;
+    stats_.misses += result.misses;
+    result.loads = loads_;
+    return result;
+  }
+
+ private:
+  struct scope {
+    Policy policy;
+    std::vector<std::uint8_t> pinned;       // per key: part of the current group
+    std::vector<std::uint32_t> free_slots;  // slots holding no expert
+  };
+
+  [[nodiscard]] std::size_t flat(std::uint32_t layer, std::uint32_t e) const noexcept {
+    return std::size_t{layer} * experts_ + e;
+  }
+  [[nodiscard]] std::uint32_t key(std::uint32_t layer, std::uint32_t e, bool global) const noexcept {
+    return global ? layer * experts_ + e : e;
+  }
+  [[nodiscard]] scope& scope_for(std::uint32_t layer) noexcept {
+    return scopes_[options_.layout == cache_layout::global ? 0 : layer];
+  }
+
+  // Checks the request and pins its experts (the pin bytes double as the
+  // duplicate check); on failure unpins what it pinned and throws.
+  void validate_and_pin(std::uint32_t layer, std::span<const std::uint32_t> experts, const access_hints& hints) {
+    if (layer >= layers_) {
+      throw invalid_argument(fmt::format("slot_cache::access: layer {} out of range [0, {})", layer, layers_));
+    }
+    if (experts.size() > options_.capacity) {
+      throw invalid_argument(fmt::format(
+          "slot_cache::access: {} experts requested at layer {} but a group may hold at most {} (split the tokens "
+          "with group_tokens)",
+          experts.size(), layer, options_.capacity));
+    }
+    if ((!hints.next_use.empty() && hints.next_use.size() != experts.size()) ||
+        (!hints.probability.empty() && hints.probability.size() != experts.size())) {
+      throw invalid_argument(fmt::format("slot_cache::access: hints for {} and {} experts, request of {}",
+                                         hints.next_use.size(), hints.probability.size(), experts.size()));
+    }
+    scope& sc = scope_for(layer);
+    const bool global = options_.layout == cache_layout::global;
+    std::size_t i = 0;
+    for (; i < experts.size(); ++i) {
+      const std::uint32_t e = experts[i];
+      if (e >= experts_) {
+        break;
+      }
+      std::uint8_t& seen = sc.pinned[key(layer, e, global)];
+      if (seen != 0) {
+        break;
+      }
+      seen = 1;
+    }
+    if (i < experts.size()) {
+      for (std::size_t j = 0; j < i; ++j) sc.pinned[key(layer, experts[j], global)] = 0;
+      if (experts[i] >= experts_) {
+        throw invalid_argument(
+            fmt::format("slot_cache::access: expert {} out of range [0, {}) in layer {}", experts[i], experts_, layer));
+      }
+      throw invalid_argument(
+          fmt::format("slot_cache::access: expert {} requested twice in one group at layer {}", experts[i], layer));
+    }
+  }
+
+  std::uint32_t layers_;
+  std::uint32_t experts_;
+  slot_cache_options options_;
+  std::vector<scope> scopes_;
+  std::vector<std::int32_t> map_;
+  std::vector<expert_load> loads_;
+  slot_cache_statistics stats_;
+};
+
+}  // namespace expage

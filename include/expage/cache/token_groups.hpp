@@ -1,0 +1,42 @@
+/// @file
+/// @brief group_tokens: split a step's tokens so each group's expert union fits the slots.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace expage {
+
+/// @brief Tokens of one layer-step split into groups whose expert unions fit a capacity.
+struct token_grouping {
+  std::vector<std::vector<std::uint32_t>> tokens;   ///< Per group: indices of its tokens, ascending.
+  std::vector<std::vector<std::uint32_t>> experts;  ///< Per group: the union of its tokens' experts, first-seen order.
+  std::size_t lower_bound = 0;  ///< ⌈|union of all experts| / capacity⌉: no split has fewer groups.
+  /// True when the split is provably minimal (its size meets the lower bound).
+  [[nodiscard]] bool minimal() const noexcept { return tokens.size() == lower_bound; }
+};
+
+/// Splits tokens into groups whose per-group expert union has at most
+/// @p capacity experts (WiSP §3.2: when a batch's expert union exceeds the
+/// cap, each group runs as its own kernel call and the outputs are
+/// reassembled in token order — safe because a token's output at one MoE
+/// layer depends only on its own activations and experts).
+///
+/// Finding the fewest groups is a set-union packing problem (NP-hard in
+/// general); this is first-fit: each token joins the first group it fits,
+/// which keeps tokens in order within a group. The result reports the lower
+/// bound ⌈|union|/capacity⌉, and minimal() says when first-fit met it. One
+/// group is returned when everything fits. O(tokens · groups · k).
+///
+/// @code
+/// std::vector<std::span<const std::uint32_t>> routed = {t0_experts, t1_experts, t2_experts};
+/// auto split = expage::group_tokens(routed, cache.group_limit());
+/// for (std::size_t g = 0; g < split.tokens.size(); ++g) cache.access(layer, split.experts[g]);
+/// @endcode
+/// @throws expage::invalid_argument when @p capacity is 0 or one token alone needs more than @p capacity experts.
+[[nodiscard]] token_grouping group_tokens(std::span<const std::span<const std::uint32_t>> token_experts,
+                                          std::size_t capacity);
+
+}  // namespace expage

@@ -1,0 +1,193 @@
+// Every eviction policy against its slow reference on random access streams,
+// through slot_cache, in both layouts (a contract suite over the policies).
+#include "expage/cache/belady_policy.hpp"
+#include "expage/cache/fmoe_priority_policy.hpp"
+#include "expage/cache/layer_decay_policy.hpp"
+#include "expage/cache/lfu_policy.hpp"
+#include "expage/cache/lru_policy.hpp"
+#include "expage/cache/next_turn_policy.hpp"
+#include "expage/cache/slot_cache.hpp"
+
+#include "cache/policy_reference.hpp"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+namespace expage {
+namespace {
+
+using testing::group;
+
+// A random stream: skewed expert popularity per layer, groups of 1..3
+// distinct experts, layers visited in cycles (with occasional repeats of a
+// layer, as split token groups produce).
+std::vector<group> random_stream(std::uint64_t seed, std::uint32_t layers, std::uint32_t experts, std::size_t n,
+                                 bool with_probabilities) {
+  std::mt19937_64 rng(seed);
+  std::vector<group> out;
+  std::uint32_t layer = 0;
+  for (std::size_t g = 0; g < n; ++g) {
+    group grp{layer, {}, {}};
+    const std::size_t k = 1 + rng() % 3;
+    while (grp.experts.size() < k) {
+      // Skew: low ids far more popular (min of two uniforms).
+      const auto e = static_cast<std::uint32_t>(std::min(rng() % experts, rng() % experts));
+      if (std::find(grp.experts.begin(), grp.experts.end(), e) == grp.experts.end()) {
+        grp.experts.push_back(e);
+        if (with_probabilities) grp.probability.push_back(static_cast<float>(rng() % 1000) / 1000.0F);
+      }
+    }
+    out.push_back(grp);
+    if (rng() % 8 != 0) layer = (layer + 1) % layers;
+  }
+  return out;
+}
+
+std::vector<std::uint64_t> next_uses(const std::vector<group>& stream, std::size_t g) {
+  std::vector<std::uint64_t> out;
+  for (const std::uint32_t e : stream[g].experts) {
+    std::uint64_t next = never;
+    for (std::size_t h = g + 1; h < stream.size() && next == never; ++h) {
+      if (stream[h].layer == stream[g].layer &&
+          std::find(stream[h].experts.begin(), stream[h].experts.end(), e) != stream[h].experts.end()) {
+        next = h;
+      }
+    }
+    out.push_back(next);
+  }
+  return out;
+}
+
+template <class Policy>
+struct kind_of;
+template <>
+struct kind_of<lru_policy> {
+  static constexpr policy_kind value = policy_kind::lru;
+};
+template <>
+struct kind_of<fifo_policy> {
+  static constexpr policy_kind value = policy_kind::fifo;
+};
+template <>
+struct kind_of<lfu_policy> {
+  static constexpr policy_kind value = policy_kind::lfu;
+};
+template <>
+struct kind_of<fmoe_priority_policy> {
+  static constexpr policy_kind value = policy_kind::fmoe;
+};
+template <>
+struct kind_of<layer_decay_policy> {
+  static constexpr policy_kind value = policy_kind::layer_decay;
+};
+template <>
+struct kind_of<next_turn_policy> {
+  static constexpr policy_kind value = policy_kind::next_turn;
+};
+template <>
+struct kind_of<belady_policy> {
+  static constexpr policy_kind value = policy_kind::belady;
+};
+
+template <class Policy>
+class EvictionPolicyContract : public ::testing::Test {};
+
+using policies = ::testing::Types<lru_policy, fifo_policy, lfu_policy, fmoe_priority_policy, layer_decay_policy,
+                                  next_turn_policy, belady_policy>;
+TYPED_TEST_SUITE(EvictionPolicyContract, policies);
+
+// Replays @p stream through slot_cache<Policy> and checks the expert_map after every group.
+template <class Policy>
+testing::reference_result run_cache(const std::vector<group>& stream, const moe_geometry& g, cache_layout layout,
+                                    std::uint32_t capacity) {
+  slot_cache<Policy> cache(g, {.layout = layout, .capacity = capacity});
+  testing::reference_result out;
+  for (std::size_t i = 0; i < stream.size(); ++i) {
+    const auto nu = next_uses(stream, i);
+    const auto r = cache.access(stream[i].layer, stream[i].experts,
+                                {.time = i, .next_use = nu, .probability = stream[i].probability});
+    out.hits += r.hits;
+    out.misses += r.misses;
+    for (const auto& load : r.loads) {
+      if (load.evicts) {
+        out.victims.push_back(layout == cache_layout::global
+                                  ? load.evicted.layer * g.experts_per_layer() + load.evicted.expert
+                                  : load.evicted.expert);
+      }
+    }
+    // Invariants: requested experts resident, slots unique per scope and within capacity.
+    for (const std::uint32_t e : stream[i].experts) EXPECT_TRUE(cache.resident({stream[i].layer, e}));
+    std::vector<std::vector<int>> used(layout == cache_layout::global ? 1 : g.layers());
+    for (std::uint32_t l = 0; l < g.layers(); ++l) {
+      for (std::uint32_t e = 0; e < g.experts_per_layer(); ++e) {
+        const std::int32_t slot = cache.expert_map(l)[e];
+        if (slot < 0) continue;
+        EXPECT_LT(static_cast<std::uint32_t>(slot), capacity);
+        used[layout == cache_layout::global ? 0 : l].push_back(slot);
+      }
+    }
+    for (auto& u : used) {
+      std::sort(u.begin(), u.end());
+      EXPECT_EQ(std::adjacent_find(u.begin(), u.end()), u.end()) << "two experts share a slot";
+      EXPECT_LE(u.size(), capacity);
+    }
+  }
+  return out;
+}
+
+TYPED_TEST(EvictionPolicyContract, MatchesItsSlowReferenceOnRandomStreams) {
+  const moe_geometry g(moe_geometry::config{
+      .name = "tiny", .layers = 4, .experts_per_layer = 8, .top_k = 3, .hidden_size = 64, .intermediate_size = 32});
+  for (std::uint64_t seed = 1; seed <= 6; ++seed) {
+    for (const cache_layout layout : {cache_layout::per_layer, cache_layout::global}) {
+      const std::vector<std::uint32_t> capacities = layout == cache_layout::global
+                                                        ? std::vector<std::uint32_t>{3, 7, 16, 25}
+                                                        : std::vector<std::uint32_t>{3, 5, 7};
+      for (const std::uint32_t cap : capacities) {
+        const auto stream = random_stream(seed, 4, 8, 300, seed % 2 == 0);
+        const auto got = run_cache<TypeParam>(stream, g, layout, cap);
+        const auto want =
+            testing::reference_replay(stream, 4, 8, layout == cache_layout::global, cap, kind_of<TypeParam>::value);
+        ASSERT_EQ(got.victims, want.victims) << "seed " << seed << " layout " << to_string(layout) << " cap " << cap;
+        ASSERT_EQ(got.hits, want.hits);
+        ASSERT_EQ(got.misses, want.misses);
+      }
+    }
+  }
+}
+
+TYPED_TEST(EvictionPolicyContract, BeladyIsNeverWorse) {
+  const moe_geometry g(moe_geometry::config{
+      .name = "tiny", .layers = 4, .experts_per_layer = 8, .top_k = 3, .hidden_size = 64, .intermediate_size = 32});
+  for (std::uint64_t seed = 11; seed <= 16; ++seed) {
+    for (const cache_layout layout : {cache_layout::per_layer, cache_layout::global}) {
+      const std::uint32_t cap = layout == cache_layout::global ? 12 : 4;
+      const auto stream = random_stream(seed, 4, 8, 400, true);
+      const auto mine = run_cache<TypeParam>(stream, g, layout, cap);
+      const auto best = run_cache<belady_policy>(stream, g, layout, cap);
+      EXPECT_LE(best.misses, mine.misses) << "seed " << seed << " layout " << to_string(layout);
+    }
+  }
+}
+
+TEST(NextTurnPolicy, RejectsABadDecay) {
+  const key_space s{.layers = 2, .experts_per_layer = 4, .global = true};
+  EXPECT_THROW(next_turn_policy(s, {.decay = 0.0}), invalid_argument);
+  EXPECT_THROW(next_turn_policy(s, {.decay = 1.5}), invalid_argument);
+  EXPECT_NO_THROW(next_turn_policy(s, {.decay = 1.0}));
+}
+
+TEST(NextTurnPolicy, PrefersEvictingTheLayerThatJustRan) {
+  // Two layers, equal rates: at layer 1, layer 0's experts run next, layer 1's last.
+  const key_space s{.layers = 2, .experts_per_layer = 4, .global = true};
+  next_turn_policy p(s);
+  p.on_insert(0, {.time = 0, .layer = 0, .expert = 0});  // L0.E0
+  p.on_insert(5, {.time = 1, .layer = 1, .expert = 1});  // L1.E1
+  const std::uint8_t none[8] = {};
+  EXPECT_EQ(p.victim({none}, {.time = 1, .layer = 1, .expert = 2}), 5U);
+  EXPECT_DOUBLE_EQ(p.rate(0), 1.0);
+}
+
+}  // namespace
+}  // namespace expage

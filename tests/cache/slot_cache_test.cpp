@@ -1,0 +1,131 @@
+#include "expage/cache/slot_cache.hpp"
+
+#include "expage/cache/lru_policy.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <vector>
+
+namespace expage {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+moe_geometry small() {
+  return moe_geometry(moe_geometry::config{
+      .name = "small", .layers = 3, .experts_per_layer = 6, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
+}
+
+TEST(SlotCache, ValidatesItsCapacity) {
+  const auto g = small();
+  EXPECT_THROW(slot_cache<lru_policy>(g, {.capacity = 0}), invalid_argument);
+  EXPECT_THROW(slot_cache<lru_policy>(g, {.layout = cache_layout::per_layer, .capacity = 7}), invalid_argument);
+  EXPECT_NO_THROW(slot_cache<lru_policy>(g, {.layout = cache_layout::global, .capacity = 18}));
+  try {
+    slot_cache<lru_policy> c(g, {.layout = cache_layout::global, .capacity = 19});
+    FAIL();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("capacity 19"), HasSubstr("[1, 18]"), HasSubstr("global")));
+  }
+}
+
+TEST(SlotCache, LoadsMissesIntoFreeSlotsAndPublishesTheExpertMap) {
+  slot_cache<lru_policy> cache(small(), {.layout = cache_layout::per_layer, .capacity = 2});
+  EXPECT_THAT(cache.expert_map(0), ElementsAre(-1, -1, -1, -1, -1, -1));
+  const std::uint32_t first[] = {4, 1};
+  const auto r = cache.access(0, first);
+  EXPECT_EQ(r.hits, 0U);
+  EXPECT_EQ(r.misses, 2U);
+  ASSERT_EQ(r.loads.size(), 2U);
+  EXPECT_EQ(r.loads[0].expert, (expert_id{0, 4}));
+  EXPECT_EQ(r.loads[0].slot, 0);
+  EXPECT_FALSE(r.loads[0].evicts);
+  EXPECT_EQ(r.loads[1].slot, 1);
+  EXPECT_THAT(cache.expert_map(0), ElementsAre(-1, 1, -1, -1, 0, -1));
+  EXPECT_THAT(cache.expert_map(1), ElementsAre(-1, -1, -1, -1, -1, -1)) << "layers have their own slots";
+  EXPECT_EQ(cache.expert_map().size(), 18U);
+}
+
+TEST(SlotCache, EvictsIntoTheVictimsSlotAndNeverEvictsTheGroup) {
+  slot_cache<lru_policy> cache(small(), {.layout = cache_layout::per_layer, .capacity = 2});
+  const std::uint32_t a[] = {0, 1};
+  const std::uint32_t b[] = {1, 2};  // 0 is LRU; 1 is pinned by this group even though older than... nothing
+  (void)cache.access(0, a);
+  const auto r = cache.access(0, b);
+  EXPECT_EQ(r.hits, 1U);
+  EXPECT_EQ(r.misses, 1U);
+  ASSERT_EQ(r.loads.size(), 1U);
+  EXPECT_TRUE(r.loads[0].evicts);
+  EXPECT_EQ(r.loads[0].evicted, (expert_id{0, 0}));
+  EXPECT_EQ(r.loads[0].slot, 0) << "the newcomer takes the victim's slot";
+  EXPECT_THAT(cache.expert_map(0), ElementsAre(-1, 1, 0, -1, -1, -1));
+}
+
+TEST(SlotCache, PinsTheWholeGroupEvenWhenThePolicyWouldChooseIt) {
+  // Capacity 2, LRU order after the first group: 3 (older), 5 (newer). The second
+  // group asks for 3 (hit, pinned) and 4 (miss): LRU's victim must skip 3.
+  slot_cache<lru_policy> cache(small(), {.layout = cache_layout::per_layer, .capacity = 2});
+  const std::uint32_t a[] = {3, 5};
+  const std::uint32_t b[] = {4, 3};  // 4 is requested first: at that moment 3 is the LRU key
+  (void)cache.access(2, a);
+  const auto r = cache.access(2, b);
+  ASSERT_EQ(r.loads.size(), 1U);
+  EXPECT_EQ(r.loads[0].evicted, (expert_id{2, 5}));
+  EXPECT_TRUE(cache.resident({2, 3}));
+  EXPECT_TRUE(cache.resident({2, 4}));
+}
+
+TEST(SlotCache, GlobalSlotsAreSharedAcrossLayers) {
+  slot_cache<lru_policy> cache(small(), {.layout = cache_layout::global, .capacity = 3});
+  const std::uint32_t a[] = {0, 1};
+  const std::uint32_t b[] = {5};
+  const std::uint32_t c[] = {2};
+  (void)cache.access(0, a);
+  (void)cache.access(1, b);
+  const auto r = cache.access(2, c);
+  ASSERT_EQ(r.loads.size(), 1U);
+  EXPECT_EQ(r.loads[0].evicted, (expert_id{0, 0}));
+  EXPECT_FALSE(cache.resident({0, 0}));
+  EXPECT_TRUE(cache.resident({2, 2}));
+  EXPECT_EQ(cache.statistics().evictions, 1U);
+  EXPECT_EQ(cache.statistics().accesses, 4U);
+  EXPECT_EQ(cache.statistics().groups, 3U);
+}
+
+TEST(SlotCache, RejectsBadRequestsAndChangesNothing) {
+  slot_cache<lru_policy> cache(small(), {.layout = cache_layout::per_layer, .capacity = 2});
+  const std::uint32_t ok[] = {0};
+  (void)cache.access(0, ok);
+  const std::vector<std::int32_t> before(cache.expert_map().begin(), cache.expert_map().end());
+  const std::uint32_t bad_expert[] = {1, 6};
+  const std::uint32_t repeated[] = {2, 2};
+  const std::uint32_t too_many[] = {1, 2, 3};
+  const std::uint64_t short_hint[] = {1};
+  const std::uint32_t pair[] = {1, 2};
+  EXPECT_THROW((void)cache.access(3, ok), invalid_argument);
+  try {
+    (void)cache.access(0, bad_expert);
+    FAIL();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("expert 6 out of range [0, 6) in layer 0"));
+  }
+  EXPECT_THROW((void)cache.access(0, repeated), invalid_argument);
+  try {
+    (void)cache.access(0, too_many);
+    FAIL();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("3 experts"), HasSubstr("at most 2"), HasSubstr("group_tokens")));
+  }
+  EXPECT_THROW((void)cache.access(0, pair, {.next_use = short_hint}), invalid_argument);
+  EXPECT_EQ(std::vector<std::int32_t>(cache.expert_map().begin(), cache.expert_map().end()), before);
+  EXPECT_EQ(cache.statistics().groups, 1U);
+  // The pin bytes were cleaned up after each refusal: a legal group still works.
+  const auto r = cache.access(0, pair);
+  EXPECT_EQ(r.misses, 2U);
+}
+
+}  // namespace
+}  // namespace expage
