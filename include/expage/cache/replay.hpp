@@ -1,0 +1,139 @@
+/// @file
+/// @brief Trace replay: run a routing trace through a slot cache and account the traffic.
+#pragma once
+
+#include "expage/cache/slot_cache.hpp"
+#include "expage/core/moe_geometry.hpp"
+#include "expage/core/precision.hpp"
+#include "expage/trace/routing_trace.hpp"
+
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+namespace expage {
+
+/// The replacement policies replay() can run.
+enum class policy_kind : std::uint8_t {
+  lru,          ///< lru_policy
+  fifo,         ///< fifo_policy
+  lfu,          ///< lfu_policy
+  fmoe,         ///< fmoe_priority_policy (frequency × probability)
+  layer_decay,  ///< layer_decay_policy (MoE-Infinity-style)
+  next_turn,    ///< next_turn_policy (predicted next use on the layer cycle)
+  belady,       ///< belady_policy (offline optimum)
+};
+
+/// Every policy_kind, in declaration order.
+[[nodiscard]] std::span<const policy_kind> all_policy_kinds() noexcept;
+/// The command-line name: "lru", "fifo", "lfu", "fmoe", "layer-decay", "next-turn", "belady".
+[[nodiscard]] std::string_view to_string(policy_kind p) noexcept;
+/// Parses a name produced by to_string(policy_kind).
+/// @throws expage::invalid_argument naming @p name and listing the accepted names.
+[[nodiscard]] policy_kind parse_policy(std::string_view name);
+
+/// @brief A trace flattened into access groups: the experts one layer needs
+/// for one forward pass of one lockstep batch, split by group_tokens() when
+/// the union exceeds the group limit; with each expert's next use (for Belady)
+/// and probability (the largest gating weight it got in the group).
+///
+/// Built once per trace and group limit; replaying it under many policies and
+/// capacities shares the work.
+/// @threadsafety thread-compatible (immutable after construction).
+class access_stream {
+ public:
+  /// Flattens @p trace (which must be in execution order) for groups of at most @p group_limit experts.
+  /// @throws expage::invalid_argument when the trace is not in execution order or a token needs more
+  ///         than @p group_limit experts.
+  access_stream(const routing_trace& trace, std::uint32_t group_limit);
+
+  [[nodiscard]] std::size_t groups() const noexcept { return layer_.size(); }            ///< Access groups.
+  [[nodiscard]] std::uint32_t layer(std::size_t g) const noexcept { return layer_[g]; }  ///< Layer of group @p g.
+  /// Experts of group @p g.
+  [[nodiscard]] std::span<const std::uint32_t> experts(std::size_t g) const noexcept {
+    return std::span(experts_).subspan(offset_[g], offset_[g + 1] - offset_[g]);
+  }
+  /// Next-use time (a group index, or `never`) of each expert of group @p g.
+  [[nodiscard]] std::span<const std::uint64_t> next_use(std::size_t g) const noexcept {
+    return std::span(next_use_).subspan(offset_[g], offset_[g + 1] - offset_[g]);
+  }
+  /// Probability (largest gating weight in the group) of each expert of group @p g.
+  [[nodiscard]] std::span<const float> probability(std::size_t g) const noexcept {
+    return std::span(probability_).subspan(offset_[g], offset_[g + 1] - offset_[g]);
+  }
+  [[nodiscard]] std::uint64_t accesses() const noexcept { return experts_.size(); }  ///< Expert requests in all.
+  [[nodiscard]] std::uint64_t tokens() const noexcept { return tokens_; }       ///< Distinct (sequence, step) pairs.
+  [[nodiscard]] std::uint64_t events() const noexcept { return events_; }       ///< Routing events replayed.
+  [[nodiscard]] std::uint64_t split_groups() const noexcept { return split_; }  ///< Layer-steps that needed splitting.
+  [[nodiscard]] std::uint64_t compulsory() const noexcept { return compulsory_; }  ///< Distinct experts requested.
+  [[nodiscard]] std::uint32_t group_limit() const noexcept { return limit_; }      ///< The limit it was built for.
+
+ private:
+  std::uint32_t limit_;
+  std::vector<std::uint32_t> layer_;
+  std::vector<std::size_t> offset_;
+  std::vector<std::uint32_t> experts_;
+  std::vector<std::uint64_t> next_use_;
+  std::vector<float> probability_;
+  std::uint64_t tokens_ = 0;
+  std::uint64_t events_ = 0;
+  std::uint64_t split_ = 0;
+  std::uint64_t compulsory_ = 0;
+};
+
+/// @brief Replay parameters.
+struct replay_options {
+  cache_layout layout = cache_layout::per_layer;  ///< Per-layer or global slots.
+  std::uint32_t capacity = 0;                     ///< Slots per layer or in all.
+  precision format = precision::bf16;             ///< Precision of the paged expert versions (bytes per miss).
+  double link_gbytes_per_second = 25.0;           ///< Host-to-device bandwidth of the stall model, GB/s (10^9).
+};
+
+/// @brief Per-layer counters of a replay.
+struct layer_replay_statistics {
+  std::uint64_t accesses = 0;  ///< Expert requests at the layer.
+  std::uint64_t hits = 0;      ///< Served from a slot.
+  std::uint64_t misses = 0;    ///< Loaded.
+};
+
+/// @brief What a replay measured.
+struct replay_result {
+  policy_kind policy = policy_kind::lru;        ///< The policy replayed.
+  replay_options options;                       ///< The parameters.
+  std::uint64_t accesses = 0;                   ///< Expert requests.
+  std::uint64_t hits = 0;                       ///< Requests served from a slot.
+  std::uint64_t misses = 0;                     ///< Requests loaded (compulsory included).
+  std::uint64_t compulsory = 0;                 ///< First requests of each expert: misses at any capacity.
+  std::uint64_t evictions = 0;                  ///< Loads that displaced an expert.
+  std::uint64_t tokens = 0;                     ///< Tokens replayed.
+  std::uint64_t split_groups = 0;               ///< Layer-steps whose union exceeded the slots and were split.
+  std::uint64_t bytes_moved = 0;                ///< misses × expert bytes in `options.format`.
+  std::vector<layer_replay_statistics> layers;  ///< Per MoE layer.
+
+  /// misses / accesses (0 without accesses).
+  [[nodiscard]] double miss_ratio() const noexcept {
+    return accesses == 0 ? 0.0 : static_cast<double>(misses) / static_cast<double>(accesses);
+  }
+  /// Modelled transfer stall per token in seconds: bytes_moved over the link,
+  /// divided by the tokens, assuming no copy overlaps compute (WiSP §4 finds
+  /// single-stream decode has no compute to hide a transfer behind).
+  [[nodiscard]] double stall_seconds_per_token() const noexcept {
+    return tokens == 0 ? 0.0
+                       : static_cast<double>(bytes_moved) / (options.link_gbytes_per_second * 1e9) /
+                             static_cast<double>(tokens);
+  }
+};
+
+/// Replays @p stream through a slot_cache with @p policy.
+/// @throws expage::invalid_argument when the capacity is out of range for the
+///         layout, or below the stream's group limit.
+[[nodiscard]] replay_result replay(const access_stream& stream, const moe_geometry& geometry, policy_kind policy,
+                                   const replay_options& options);
+
+/// Builds the access stream of @p trace for @p options and replays it.
+/// @throws expage::invalid_argument as access_stream and the other overload do.
+[[nodiscard]] replay_result replay(const routing_trace& trace, const moe_geometry& geometry, policy_kind policy,
+                                   const replay_options& options);
+
+}  // namespace expage

@@ -1,0 +1,246 @@
+#include "expage/cache/replay.hpp"
+
+#include "common/traces.hpp"
+#include "expage/cache/layered_miss_curves.hpp"
+#include "expage/trace/synthetic_trace.hpp"
+#include "expage/trace/trace_io.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <tuple>
+#include <vector>
+
+namespace expage {
+namespace {
+
+using ::testing::HasSubstr;
+
+moe_geometry tiny() {
+  return moe_geometry(moe_geometry::config{
+      .name = "tiny", .layers = 2, .experts_per_layer = 4, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
+}
+
+void add(routing_trace& t, std::uint32_t seq, std::uint32_t step, std::uint32_t layer, std::uint32_t a,
+         std::uint32_t b) {
+  const std::uint32_t experts[] = {a, b};
+  const float weights[] = {0.75F, 0.25F};
+  t.append({.sequence = seq, .step = step, .layer = layer, .experts = experts, .weights = weights});
+}
+
+TEST(Replay, CountsHitsMissesBytesAndStallByHand) {
+  const auto g = tiny();
+  routing_trace t(g);
+  add(t, 0, 0, 0, 0, 1);  // L0: miss 0, miss 1
+  add(t, 0, 0, 1, 2, 3);  // L1: miss 2, miss 3
+  add(t, 0, 1, 0, 1, 2);  // L0: hit 1, miss 2 (evicts 0)
+  add(t, 0, 1, 1, 3, 2);  // L1: hit 3, hit 2
+  const auto r = replay(
+      t, g, policy_kind::lru,
+      {.layout = cache_layout::per_layer, .capacity = 2, .format = precision::bf16, .link_gbytes_per_second = 10.0});
+  EXPECT_EQ(r.accesses, 8U);
+  EXPECT_EQ(r.hits, 3U);
+  EXPECT_EQ(r.misses, 5U);
+  EXPECT_EQ(r.compulsory, 5U);
+  EXPECT_EQ(r.evictions, 1U);
+  EXPECT_EQ(r.tokens, 2U);
+  EXPECT_EQ(r.bytes_moved, 5 * g.expert_bytes(precision::bf16));
+  EXPECT_DOUBLE_EQ(r.stall_seconds_per_token(), static_cast<double>(r.bytes_moved) / 10e9 / 2.0);
+  ASSERT_EQ(r.layers.size(), 2U);
+  EXPECT_EQ(r.layers[0].misses, 3U);
+  EXPECT_EQ(r.layers[1].hits, 2U);
+  EXPECT_DOUBLE_EQ(r.miss_ratio(), 5.0 / 8.0);
+}
+
+TEST(AccessStream, GroupsLockstepBatchesAndComputesNextUse) {
+  const auto g = tiny();
+  routing_trace t(g);
+  t.set_batch_size(2);
+  add(t, 0, 0, 0, 0, 1);
+  add(t, 1, 0, 0, 1, 2);  // same pass and layer as the event above: one group {0, 1, 2}
+  add(t, 0, 0, 1, 3, 0);
+  add(t, 1, 0, 1, 3, 1);
+  add(t, 0, 1, 0, 2, 3);
+  add(t, 1, 1, 0, 0, 3);
+  t.restore_execution_order();
+  const access_stream s(t, 4);
+  ASSERT_EQ(s.groups(), 3U);
+  EXPECT_THAT(std::vector<std::uint32_t>(s.experts(0).begin(), s.experts(0).end()), ::testing::ElementsAre(0, 1, 2));
+  EXPECT_EQ(s.layer(1), 1U);
+  EXPECT_THAT(std::vector<std::uint32_t>(s.experts(2).begin(), s.experts(2).end()), ::testing::ElementsAre(2, 3, 0));
+  // L0.E0 is next used in group 2, L0.E1 never again, L0.E2 in group 2.
+  EXPECT_THAT(std::vector<std::uint64_t>(s.next_use(0).begin(), s.next_use(0).end()),
+              ::testing::ElementsAre(2U, never, 2U));
+  EXPECT_EQ(s.tokens(), 4U);
+  EXPECT_EQ(s.split_groups(), 0U);
+  EXPECT_EQ(s.compulsory(), 7U);
+  EXPECT_FLOAT_EQ(s.probability(0)[1], 0.75F) << "the largest gating weight an expert got in the group";
+
+  const access_stream tight(t, 2);  // unions of 3 must be split
+  EXPECT_EQ(tight.split_groups(), 3U);
+  EXPECT_EQ(tight.groups(), 6U);
+  for (std::size_t i = 0; i < tight.groups(); ++i) EXPECT_LE(tight.experts(i).size(), 2U);
+}
+
+TEST(Replay, RejectsBadParameters) {
+  const auto g = tiny();
+  routing_trace t(g);
+  add(t, 0, 1, 0, 0, 1);
+  add(t, 0, 0, 0, 2, 3);  // out of execution order
+  EXPECT_THROW(access_stream(t, 2), invalid_argument);
+  t.restore_execution_order();
+  const access_stream s(t, 2);
+  EXPECT_THROW((void)replay(s, g, policy_kind::lru, {.capacity = 1}), invalid_argument);
+  EXPECT_THROW((void)replay(s, g, policy_kind::lru, {.capacity = 2, .link_gbytes_per_second = 0.0}), invalid_argument);
+  EXPECT_THROW((void)replay(s, g, policy_kind::lru, {.layout = cache_layout::per_layer, .capacity = 5}),
+               invalid_argument);
+  try {
+    (void)parse_policy("arc");
+    FAIL();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("'arc'"));
+    EXPECT_THAT(e.what(), HasSubstr("lru, fifo, lfu, fmoe, layer-decay, next-turn, belady"));
+  }
+  for (const policy_kind p : all_policy_kinds()) EXPECT_EQ(parse_policy(to_string(p)), p);
+}
+
+// The one-pass LRU miss curve (WiSP Eq. 3, in its pinned-group form) and the
+// LRU slot cache agree at every capacity, per layer and global.
+TEST(Replay, LruEqualsTheOnePassMissCurveAtEveryCapacity) {
+  const auto g = moe_geometry(moe_geometry::config{
+      .name = "mini", .layers = 4, .experts_per_layer = 16, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
+  synthetic_options o;
+  o.seed = 7;
+  o.sequences = 3;
+  o.decode_steps = 120;
+  const routing_trace t = generate_synthetic(g, o);
+  const access_stream s(t, g.top_k());
+  layered_miss_curves curves(g);
+  for (std::size_t i = 0; i < s.groups(); ++i) curves.access_group(s.layer(i), s.experts(i));
+  ASSERT_EQ(s.split_groups(), 0U);
+  const auto per_layer = curves.per_layer_curve();
+  for (std::uint32_t c = g.top_k(); c <= g.experts_per_layer(); ++c) {
+    const auto r = replay(s, g, policy_kind::lru, {.layout = cache_layout::per_layer, .capacity = c});
+    EXPECT_EQ(r.misses, per_layer.misses(c)) << "per-layer capacity " << c;
+  }
+  const auto global = curves.global_curve();
+  for (std::uint32_t c = g.top_k(); c <= g.layers() * g.experts_per_layer(); c += 3) {
+    const auto r = replay(s, g, policy_kind::lru, {.layout = cache_layout::global, .capacity = c});
+    EXPECT_EQ(r.misses, global.misses(c)) << "global capacity " << c;
+    EXPECT_EQ(r.compulsory, global.compulsory_misses());
+  }
+}
+
+// Lockstep batches make groups larger than top-k (the union over the batch);
+// the pinned-group curve still matches the slot cache exactly.
+TEST(Replay, LruEqualsTheGroupMissCurveForBatchedUnions) {
+  const auto g = moe_geometry(moe_geometry::config{
+      .name = "mini", .layers = 3, .experts_per_layer = 12, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
+  synthetic_options o;
+  o.seed = 11;
+  o.sequences = 8;
+  o.batch_size = 4;
+  o.decode_steps = 60;
+  const routing_trace t = generate_synthetic(g, o);
+  const access_stream s(t, 8);  // a union of 4 tokens × top-2 never exceeds 8
+  ASSERT_EQ(s.split_groups(), 0U);
+  layered_miss_curves curves(g);
+  for (std::size_t i = 0; i < s.groups(); ++i) curves.access_group(s.layer(i), s.experts(i));
+  for (std::uint32_t c = 8; c <= g.experts_per_layer(); ++c) {
+    const auto r = replay(s, g, policy_kind::lru, {.layout = cache_layout::per_layer, .capacity = c});
+    EXPECT_EQ(r.misses, curves.per_layer_curve().misses(c)) << "per-layer capacity " << c;
+  }
+  // Sequential accesses would overcount: the difference is what pinning saves.
+  layered_miss_curves sequential(g);
+  for (std::size_t i = 0; i < s.groups(); ++i) {
+    for (const std::uint32_t x : s.experts(i)) (void)sequential.access({s.layer(i), x});
+  }
+  EXPECT_GE(sequential.per_layer_curve().misses(8), curves.per_layer_curve().misses(8));
+}
+
+// --- the real Mixtral HumanEval trace ------------------------------------------------------
+
+// An independent, deliberately naive simulation straight from the events
+// (batch 1: every event is one access group), for LRU, FIFO and LFU.
+std::uint64_t naive_misses(const routing_trace& t, bool global, std::uint32_t cap, policy_kind kind) {
+  struct entry {
+    std::uint32_t key;
+    std::uint64_t inserted, last_order, last_group, count;
+  };
+  std::map<std::uint32_t, std::uint64_t> counts;  // LFU history survives eviction
+  std::vector<std::vector<entry>> scopes(global ? 1 : t.layers());
+  std::uint64_t misses = 0;
+  std::uint64_t order = 0;
+  std::uint64_t group = 0;
+  for (const routing_event& e : t) {
+    auto& res = scopes[global ? 0 : e.layer];
+    for (const std::uint32_t x : e.experts) {
+      const std::uint32_t key = e.layer * t.experts_per_layer() + x;
+      ++counts[key];
+      auto it = std::find_if(res.begin(), res.end(), [&](const entry& r) { return r.key == key; });
+      if (it != res.end()) {
+        it->last_order = order++;
+        it->last_group = group;
+        continue;
+      }
+      ++misses;
+      if (res.size() == cap) {
+        auto victim = res.end();
+        for (auto r = res.begin(); r != res.end(); ++r) {
+          const bool pinned =
+              std::find(e.experts.begin(), e.experts.end(), r->key % t.experts_per_layer()) != e.experts.end() &&
+              r->key / t.experts_per_layer() == e.layer;
+          if (pinned) continue;
+          if (victim == res.end()) {
+            victim = r;
+            continue;
+          }
+          const bool better =
+              kind == policy_kind::lru ? r->last_order < victim->last_order
+              : kind == policy_kind::fifo
+                  ? r->inserted < victim->inserted
+                  : std::tuple(counts[r->key], r->last_group, r->key % (global ? ~0U : t.experts_per_layer())) <
+                        std::tuple(counts[victim->key], victim->last_group,
+                                   victim->key % (global ? ~0U : t.experts_per_layer()));
+          if (better) victim = r;
+        }
+        res.erase(victim);
+      }
+      res.push_back({key, order, order, group, 0});
+      ++order;
+    }
+    ++group;
+  }
+  return misses;
+}
+
+TEST(ReplayRealTrace, LruFifoLfuEqualAnIndependentReferenceOnMixtralHumanEval) {
+  const auto file = testing::mixtral_humaneval_trace();
+  if (!file) GTEST_SKIP() << "../shared/traces is absent (set EXPAGE_TRACES_DIR)";
+  const auto g = moe_geometry::mixtral_8x7b();
+  const routing_trace t = read_trace(*file, g);
+  ASSERT_EQ(t.size(), 10779U);
+  std::printf("%-10s %5s %6s %10s %10s\n", "layout", "cap", "policy", "misses", "miss ratio");
+  for (const cache_layout layout : {cache_layout::per_layer, cache_layout::global}) {
+    const std::vector<std::uint32_t> caps = layout == cache_layout::per_layer
+                                                ? std::vector<std::uint32_t>{2, 4, 6}
+                                                : std::vector<std::uint32_t>{64, 128, 192};
+    for (const std::uint32_t cap : caps) {
+      const access_stream s(t, std::min(cap, g.top_k()));
+      for (const policy_kind p : {policy_kind::lru, policy_kind::fifo, policy_kind::lfu}) {
+        const auto r = replay(s, g, p, {.layout = layout, .capacity = cap});
+        const auto want = naive_misses(t, layout == cache_layout::global, cap, p);
+        EXPECT_EQ(r.misses, want) << to_string(layout) << " " << cap << " " << to_string(p);
+        EXPECT_EQ(r.accesses, 21558U);
+        std::printf("%-10s %5u %6s %10llu %10.4f\n", std::string(to_string(layout)).c_str(), cap,
+                    std::string(to_string(p)).c_str(), static_cast<unsigned long long>(r.misses), r.miss_ratio());
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace expage

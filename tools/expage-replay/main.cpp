@@ -1,0 +1,497 @@
+// expage-replay: how much expert cache does a workload need, with which policy?
+//
+// Replays a routing trace (or a seeded synthetic one) through expage's slot
+// cache under every requested policy × capacity × layout, and reports hits,
+// misses, bytes moved and the modelled transfer stall per token; optionally
+// writes CSV, JSON and an SVG of every policy's miss-ratio curve.
+#include <expage/cache/replay.hpp>
+#include <expage/core/error.hpp>
+#include <expage/core/moe_geometry.hpp>
+#include <expage/core/units.hpp>
+#include <expage/trace/synthetic_trace.hpp>
+#include <expage/trace/trace_io.hpp>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+constexpr std::string_view usage = R"(usage: expage-replay (--trace FILE | --synthetic) [options]
+
+Replays MoE routing through an expert slot cache and reports, for every policy
+x capacity x layout: accesses, hits, misses, miss ratio, compulsory misses,
+bytes moved and the modelled host-to-device stall per token.
+
+input (one of):
+  --trace FILE          a routing trace: .jsonl, .csv or .bin (expage binary), by extension
+  --synthetic           a seeded synthetic trace (see docs/traces.md); shaped by:
+    --sequences N         sequences (default 16)
+    --steps N             decode tokens per sequence (default 128)
+    --prefill N           prompt tokens routed in each sequence's first pass (default 0)
+    --seed N              generator seed (default 1)
+    --zipf S              popularity exponent (default: fitted for the geometry)
+    --locality P          probability a token keeps each previous expert, [0, 1] (default 0.3)
+    --workloads N         distinct hot sets, one per phase (default 1)
+  --batch N             sequences decoded in lockstep (default 1; also applies to --trace)
+
+model and cache:
+  --geometry NAME       model: {} (default mixtral-8x7b)
+  --policy LIST         comma-separated: {} or all (default all)
+  --capacity LIST       comma-separated slot counts, or percentages of the layout's experts
+                        (per layer, or of all experts for global): e.g. 25%,50%,75% (default)
+  --layout L            per-layer, global or both (default global)
+  --precision P         precision of paged expert versions: bf16 fp16 fp8 int8 int4 int2 (default bf16)
+  --link-gbps X         host-to-device bandwidth for the stall model, GB/s (default 25)
+
+output:
+  --per-layer           also print each layer's miss ratio
+  --csv FILE            write the results as CSV
+  --json FILE           write the results (and curves) as JSON
+  --svg FILE            draw every policy's miss-ratio curve over capacity as SVG
+  --curve-points N      capacities sampled per curve for --svg/--json (default 24)
+  --progress / --no-progress   force the progress bar on or off (default: on when stderr is a terminal)
+  --help                this text
+
+exit status: 0 success, 1 unreadable or malformed trace, 2 bad command line.
+)";
+
+struct usage_error {
+  std::string message;
+};
+
+struct config {
+  std::optional<std::string> trace;
+  bool synthetic = false;
+  expage::synthetic_options synth = [] {
+    expage::synthetic_options o;  // the defaults --help documents
+    o.seed = 1;
+    o.sequences = 16;
+    o.decode_steps = 128;
+    return o;
+  }();
+  std::uint32_t batch = 1;
+  std::string geometry = "mixtral-8x7b";
+  std::vector<expage::policy_kind> policies;
+  std::vector<std::string> capacities = {"25%", "50%", "75%"};
+  std::vector<expage::cache_layout> layouts = {expage::cache_layout::global};
+  expage::precision format = expage::precision::bf16;
+  double link_gbps = 25.0;
+  bool per_layer = false;
+  std::optional<std::string> csv, json, svg;
+  std::uint32_t curve_points = 24;
+  int progress = -1;  // -1 auto
+};
+
+std::vector<std::string> split(std::string_view list) {
+  std::vector<std::string> out;
+  while (!list.empty()) {
+    const auto comma = list.find(',');
+    out.emplace_back(list.substr(0, comma));
+    if (comma == std::string_view::npos) break;
+    list.remove_prefix(comma + 1);
+  }
+  return out;
+}
+
+template <class T>
+T parse_number(std::string_view flag, std::string_view text, T lo, T hi) {
+  T value{};
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size() || value < lo || value > hi) {
+    throw usage_error{fmt::format("{} '{}' is not a number in [{}, {}]", flag, text, lo, hi)};
+  }
+  return value;
+}
+
+double parse_real(std::string_view flag, std::string_view text, double lo, double hi) {
+  try {
+    std::size_t used = 0;
+    const double v = std::stod(std::string(text), &used);
+    if (used != text.size() || !(v >= lo && v <= hi)) throw std::invalid_argument("range");
+    return v;
+  } catch (const std::exception&) {
+    throw usage_error{fmt::format("{} '{}' is not a number in [{}, {}]", flag, text, lo, hi)};
+  }
+}
+
+config parse(int argc, char** argv, const std::string& help) {
+  config c;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view flag = argv[i];
+    const auto value = [&]() -> std::string_view {
+      if (i + 1 >= argc) throw usage_error{fmt::format("{} needs a value", flag)};
+      return argv[++i];
+    };
+    if (flag == "--help" || flag == "-h") {
+      std::fputs(help.c_str(), stdout);
+      std::exit(0);
+    } else if (flag == "--trace") {
+      c.trace = std::string(value());
+    } else if (flag == "--synthetic") {
+      c.synthetic = true;
+    } else if (flag == "--sequences") {
+      c.synth.sequences = parse_number<std::uint32_t>(flag, value(), 1, 1U << 20);
+    } else if (flag == "--steps") {
+      c.synth.decode_steps = parse_number<std::uint32_t>(flag, value(), 0, 1U << 20);
+    } else if (flag == "--prefill") {
+      c.synth.prefill_tokens = parse_number<std::uint32_t>(flag, value(), 0, 1U << 16);
+    } else if (flag == "--seed") {
+      c.synth.seed = parse_number<std::uint64_t>(flag, value(), 0, ~std::uint64_t{0});
+    } else if (flag == "--zipf") {
+      c.synth.zipf_exponent = parse_real(flag, value(), 0.0, 8.0);
+    } else if (flag == "--locality") {
+      c.synth.locality = parse_real(flag, value(), 0.0, 1.0);
+    } else if (flag == "--workloads") {
+      c.synth.workloads = parse_number<std::uint32_t>(flag, value(), 1, 1024);
+    } else if (flag == "--batch") {
+      c.batch = parse_number<std::uint32_t>(flag, value(), 1, 4096);
+    } else if (flag == "--geometry") {
+      c.geometry = std::string(value());
+    } else if (flag == "--policy") {
+      c.policies.clear();
+      for (const auto& name : split(value())) {
+        if (name == "all") {
+          const auto all = expage::all_policy_kinds();
+          c.policies.assign(all.begin(), all.end());
+          continue;
+        }
+        try {
+          c.policies.push_back(expage::parse_policy(name));
+        } catch (const expage::invalid_argument& e) {
+          throw usage_error{fmt::format("--policy: {}", e.what())};
+        }
+      }
+    } else if (flag == "--capacity") {
+      c.capacities = split(value());
+      if (c.capacities.empty()) throw usage_error{"--capacity needs at least one value"};
+    } else if (flag == "--layout") {
+      const std::string_view v = value();
+      if (v == "per-layer")
+        c.layouts = {expage::cache_layout::per_layer};
+      else if (v == "global")
+        c.layouts = {expage::cache_layout::global};
+      else if (v == "both")
+        c.layouts = {expage::cache_layout::per_layer, expage::cache_layout::global};
+      else
+        throw usage_error{fmt::format("--layout '{}' is not one of per-layer, global, both", v)};
+    } else if (flag == "--precision") {
+      try {
+        c.format = expage::parse_precision(value());
+      } catch (const expage::invalid_argument& e) {
+        throw usage_error{fmt::format("--precision: {}", e.what())};
+      }
+    } else if (flag == "--link-gbps") {
+      c.link_gbps = parse_real(flag, value(), 1e-3, 1e6);
+    } else if (flag == "--per-layer") {
+      c.per_layer = true;
+    } else if (flag == "--csv") {
+      c.csv = std::string(value());
+    } else if (flag == "--json") {
+      c.json = std::string(value());
+    } else if (flag == "--svg") {
+      c.svg = std::string(value());
+    } else if (flag == "--curve-points") {
+      c.curve_points = parse_number<std::uint32_t>(flag, value(), 2, 4096);
+    } else if (flag == "--progress") {
+      c.progress = 1;
+    } else if (flag == "--no-progress") {
+      c.progress = 0;
+    } else {
+      throw usage_error{fmt::format("unknown flag '{}' (see --help)", flag)};
+    }
+  }
+  if (c.trace.has_value() == c.synthetic) {
+    throw usage_error{"give exactly one of --trace FILE and --synthetic"};
+  }
+  if (c.policies.empty()) {
+    const auto all = expage::all_policy_kinds();
+    c.policies.assign(all.begin(), all.end());
+  }
+  return c;
+}
+
+// A capacity flag value for a scope of `keys` experts: "50%" or "128".
+std::uint32_t resolve_capacity(const std::string& text, std::uint32_t keys, std::uint32_t minimum) {
+  std::uint32_t slots = 0;
+  if (!text.empty() && text.back() == '%') {
+    const double pct = parse_real("--capacity", std::string_view(text).substr(0, text.size() - 1), 0.0, 100.0);
+    slots = static_cast<std::uint32_t>(pct / 100.0 * keys + 0.5);
+  } else {
+    slots = parse_number<std::uint32_t>("--capacity", text, 1, keys);
+  }
+  if (slots < minimum || slots > keys) {
+    throw usage_error{
+        fmt::format("--capacity {} gives {} slots, out of range [{}, {}] for this layout (a step's "
+                    "experts must fit)",
+                    text, slots, minimum, keys)};
+  }
+  return slots;
+}
+
+class progress_bar {
+ public:
+  progress_bar(bool enabled, std::size_t total) : enabled_(enabled), total_(std::max<std::size_t>(total, 1)) {}
+  void step(std::string_view what) {
+    ++done_;
+    if (!enabled_) return;
+    const std::size_t width = 30;
+    const std::size_t filled = done_ * width / total_;
+    std::fprintf(stderr, "\r[%s%s] %3zu%% %-40.40s", std::string(filled, '#').c_str(),
+                 std::string(width - filled, '.').c_str(), done_ * 100 / total_, std::string(what).c_str());
+    if (done_ == total_) std::fputs("\n", stderr);
+    std::fflush(stderr);
+  }
+
+ private:
+  bool enabled_;
+  std::size_t total_;
+  std::size_t done_ = 0;
+};
+
+struct curve {
+  expage::policy_kind policy;
+  expage::cache_layout layout;
+  std::vector<std::pair<std::uint32_t, double>> points;  // (slots, miss ratio)
+};
+
+std::string svg_chart(const std::vector<curve>& curves, const expage::moe_geometry& g, const std::string& title) {
+  constexpr int width = 760, height = 460, left = 70, right = 190, top = 50, bottom = 60;
+  constexpr int plot_w = width - left - right, plot_h = height - top - bottom;
+  static constexpr const char* colors[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728",
+                                           "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"};
+  std::string out = fmt::format(
+      R"svg(<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}" font-family="sans-serif" font-size="12">)svg"
+      "\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      R"svg(<text x="{}" y="24" font-size="15" font-weight="bold">{}</text>)svg"
+      "\n",
+      width, height, left, title);
+  for (int t = 0; t <= 10; ++t) {  // grid and axes
+    const double f = t / 10.0;
+    const int y = top + static_cast<int>((1.0 - f) * plot_h);
+    const int x = left + static_cast<int>(f * plot_w);
+    out += fmt::format(R"svg(<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="#ddd"/>)svg"
+                       R"svg(<text x="{}" y="{}" text-anchor="end">{:.1f}</text>)svg"
+                       R"svg(<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="#eee"/>)svg"
+                       R"svg(<text x="{}" y="{}" text-anchor="middle">{}%</text>)svg"
+                       "\n",
+                       left, y, left + plot_w, y, left - 6, y + 4, f, x, top, x, top + plot_h, x, top + plot_h + 16,
+                       t * 10);
+  }
+  out +=
+      fmt::format(R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="none" stroke="black"/>)svg"
+                  R"svg(<text x="{}" y="{}" text-anchor="middle">cache capacity (% of the layout's experts)</text>)svg"
+                  R"svg(<text x="18" y="{}" transform="rotate(-90 18 {})" text-anchor="middle">miss ratio</text>)svg"
+                  "\n",
+                  left, top, plot_w, plot_h, left + plot_w / 2, height - 18, top + plot_h / 2, top + plot_h / 2);
+  for (std::size_t i = 0; i < curves.size(); ++i) {
+    const auto& c = curves[i];
+    const double keys =
+        c.layout == expage::cache_layout::global ? static_cast<double>(g.expert_count()) : g.experts_per_layer();
+    std::string points;
+    for (const auto& [slots, ratio] : c.points) {
+      points += fmt::format("{:.1f},{:.1f} ", left + slots / keys * plot_w, top + (1.0 - ratio) * plot_h);
+    }
+    const char* color = colors[i % std::size(colors)];
+    const std::string label = fmt::format("{} ({})", expage::to_string(c.policy), expage::to_string(c.layout));
+    out += fmt::format(R"svg(<polyline fill="none" stroke="{}" stroke-width="2" points="{}"/>)svg"
+                       R"svg(<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="{}" stroke-width="3"/>)svg"
+                       R"svg(<text x="{}" y="{}">{}</text>)svg"
+                       "\n",
+                       color, points, left + plot_w + 14, top + 14 + 20 * static_cast<int>(i), left + plot_w + 34,
+                       top + 14 + 20 * static_cast<int>(i), color, left + plot_w + 40,
+                       top + 18 + 20 * static_cast<int>(i), label);
+  }
+  out += "</svg>\n";
+  return out;
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary);
+  f << text;
+  if (!f) throw usage_error{fmt::format("cannot write '{}'", path)};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string help = fmt::format(fmt::runtime(usage), fmt::join(expage::moe_geometry::preset_names(), ", "), [] {
+    std::vector<std::string_view> n;
+    for (const auto p : expage::all_policy_kinds()) n.push_back(expage::to_string(p));
+    return fmt::format("{}", fmt::join(n, ", "));
+  }());
+  try {
+    const config c = parse(argc, argv, help);
+    expage::moe_geometry g = [&] {
+      try {
+        return expage::moe_geometry::preset(c.geometry);
+      } catch (const expage::invalid_argument& e) {
+        throw usage_error{fmt::format("--geometry: {}", e.what())};
+      }
+    }();
+
+    // Capacities are checked before the trace is read or generated.
+    struct job {
+      expage::cache_layout layout;
+      std::uint32_t slots;
+      std::string label;
+    };
+    std::vector<job> jobs;
+    for (const auto layout : c.layouts) {
+      const std::uint32_t keys =
+          layout == expage::cache_layout::global ? static_cast<std::uint32_t>(g.expert_count()) : g.experts_per_layer();
+      for (const auto& text : c.capacities) {
+        jobs.push_back({layout, resolve_capacity(text, keys, g.top_k()), text});
+      }
+    }
+    expage::routing_trace trace = [&] {
+      if (c.trace) {
+        auto t = expage::read_trace(*c.trace, g, {.batch_size = c.batch});
+        return t;
+      }
+      expage::synthetic_options o = c.synth;
+      o.batch_size = c.batch;
+      return expage::generate_synthetic(g, o);
+    }();
+    if (trace.batch_size() != c.batch) {
+      trace.set_batch_size(c.batch);
+      trace.restore_execution_order();
+    }
+    const std::string source = c.trace ? *c.trace : fmt::format("synthetic (seed {})", c.synth.seed);
+    fmt::print("{}: {} routing events, {} layers x {} experts, top-{}, batch {}\n", source, trace.size(), g.layers(),
+               g.experts_per_layer(), g.top_k(), trace.batch_size());
+
+    const bool bar = c.progress == 1 || (c.progress == -1 && ::isatty(STDERR_FILENO) != 0);
+    const std::size_t curve_runs = (c.svg || c.json) ? c.layouts.size() * c.policies.size() * c.curve_points : 0;
+    progress_bar progress(bar, jobs.size() * c.policies.size() + curve_runs);
+
+    std::vector<expage::replay_result> results;
+    const auto started = std::chrono::steady_clock::now();
+    for (const auto& j : jobs) {
+      const expage::access_stream stream(trace, j.slots);
+      for (const auto p : c.policies) {
+        results.push_back(expage::replay(
+            stream, g, p,
+            {.layout = j.layout, .capacity = j.slots, .format = c.format, .link_gbytes_per_second = c.link_gbps}));
+        progress.step(fmt::format("{} {} {}", expage::to_string(p), expage::to_string(j.layout), j.slots));
+      }
+    }
+
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    fmt::print("\n{:<10} {:>9} {:<12} {:>10} {:>10} {:>10} {:>8} {:>10} {:>12} {:>14}\n", "layout", "slots", "policy",
+               "accesses", "hits", "misses", "miss", "compulsory", "moved", "stall/token");
+    for (const auto& r : results) {
+      fmt::print("{:<10} {:>9} {:<12} {:>10} {:>10} {:>10} {:>8.4f} {:>10} {:>12} {:>11.3f} ms\n",
+                 expage::to_string(r.options.layout), r.options.capacity, expage::to_string(r.policy), r.accesses,
+                 r.hits, r.misses, r.miss_ratio(), r.compulsory, expage::byte_size{r.bytes_moved},
+                 r.stall_seconds_per_token() * 1e3);
+    }
+    if (c.per_layer) {
+      fmt::print("\nper-layer miss ratio\n{:<10} {:>9} {:<12}", "layout", "slots", "policy");
+      for (std::uint32_t l = 0; l < g.layers(); ++l) fmt::print(" {:>5}", fmt::format("L{}", l));
+      fmt::print("\n");
+      for (const auto& r : results) {
+        fmt::print("{:<10} {:>9} {:<12}", expage::to_string(r.options.layout), r.options.capacity,
+                   expage::to_string(r.policy));
+        for (const auto& l : r.layers) {
+          fmt::print(" {:>5.2f}",
+                     l.accesses == 0 ? 0.0 : static_cast<double>(l.misses) / static_cast<double>(l.accesses));
+        }
+        fmt::print("\n");
+      }
+    }
+
+    std::vector<curve> curves;
+    if (c.svg || c.json) {
+      for (const auto layout : c.layouts) {
+        const std::uint32_t keys = layout == expage::cache_layout::global ? static_cast<std::uint32_t>(g.expert_count())
+                                                                          : g.experts_per_layer();
+        std::vector<std::uint32_t> slots;
+        for (std::uint32_t i = 0; i < c.curve_points; ++i) {
+          const auto s = static_cast<std::uint32_t>(g.top_k() + (static_cast<std::uint64_t>(keys - g.top_k()) * i) /
+                                                                    (c.curve_points - 1));
+          if (slots.empty() || slots.back() != s) slots.push_back(s);
+        }
+        for (const auto p : c.policies) curves.push_back({p, layout, {}});
+        const std::size_t first = curves.size() - c.policies.size();
+        for (const std::uint32_t s : slots) {
+          const expage::access_stream stream(trace, s);
+          for (std::size_t k = 0; k < c.policies.size(); ++k) {
+            const auto r =
+                expage::replay(stream, g, c.policies[k], {.layout = layout, .capacity = s, .format = c.format});
+            curves[first + k].points.emplace_back(s, r.miss_ratio());
+          }
+          for (std::size_t k = 0; k < c.policies.size() * c.curve_points / slots.size(); ++k) {
+            progress.step(fmt::format("curves {} {}", expage::to_string(layout), s));
+          }
+        }
+      }
+    }
+    fmt::print("\n{} replays in {:.2f} s ({:.1f} M routing events/s)\n", results.size(), seconds,
+               static_cast<double>(trace.size()) * static_cast<double>(results.size()) / std::max(seconds, 1e-9) / 1e6);
+
+    if (c.csv) {
+      std::string csv =
+          "layout,slots,policy,accesses,hits,misses,miss_ratio,compulsory,evictions,bytes_moved,"
+          "stall_seconds_per_token,split_groups\n";
+      for (const auto& r : results) {
+        csv +=
+            fmt::format("{},{},{},{},{},{},{:.6f},{},{},{},{:.9f},{}\n", expage::to_string(r.options.layout),
+                        r.options.capacity, expage::to_string(r.policy), r.accesses, r.hits, r.misses, r.miss_ratio(),
+                        r.compulsory, r.evictions, r.bytes_moved, r.stall_seconds_per_token(), r.split_groups);
+      }
+      write_file(*c.csv, csv);
+    }
+    if (c.json) {
+      std::string json = fmt::format(
+          R"({{"source":"{}","geometry":"{}","events":{},"batch":{},"precision":"{}","results":[)",
+          c.trace ? "trace" : "synthetic", g.name(), trace.size(), trace.batch_size(), expage::to_string(c.format));
+      for (std::size_t i = 0; i < results.size(); ++i) {
+        const auto& r = results[i];
+        std::vector<std::string> layers;
+        for (const auto& l : r.layers) layers.push_back(fmt::format("[{},{},{}]", l.accesses, l.hits, l.misses));
+        json += fmt::format(
+            R"({}{{"layout":"{}","slots":{},"policy":"{}","accesses":{},"hits":{},"misses":{},"miss_ratio":{:.6f},"compulsory":{},"bytes_moved":{},"stall_seconds_per_token":{:.9f},"layers":[{}]}})",
+            i == 0 ? "" : ",", expage::to_string(r.options.layout), r.options.capacity, expage::to_string(r.policy),
+            r.accesses, r.hits, r.misses, r.miss_ratio(), r.compulsory, r.bytes_moved, r.stall_seconds_per_token(),
+            fmt::join(layers, ","));
+      }
+      json += "],\"curves\":[";
+      for (std::size_t i = 0; i < curves.size(); ++i) {
+        std::vector<std::string> pts;
+        for (const auto& [s, m] : curves[i].points) pts.push_back(fmt::format("[{},{:.6f}]", s, m));
+        json +=
+            fmt::format(R"({}{{"policy":"{}","layout":"{}","points":[{}]}})", i == 0 ? "" : ",",
+                        expage::to_string(curves[i].policy), expage::to_string(curves[i].layout), fmt::join(pts, ","));
+      }
+      json += "]}\n";
+      write_file(*c.json, json);
+    }
+    if (c.svg) {
+      write_file(*c.svg, svg_chart(curves, g,
+                                   fmt::format("Miss ratio vs. expert-cache capacity: {}, {}", g.name(),
+                                               c.trace ? "routing trace" : "synthetic trace")));
+    }
+    return 0;
+  } catch (const usage_error& e) {
+    fmt::print(stderr, "expage-replay: {}\n", e.message);
+    return 2;
+  } catch (const expage::format_error& e) {
+    fmt::print(stderr, "expage-replay: {}\n", e.what());
+    return 1;
+  } catch (const expage::invalid_argument& e) {
+    fmt::print(stderr, "expage-replay: {}\n", e.what());
+    return 2;
+  }
+}
