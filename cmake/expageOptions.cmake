@@ -16,8 +16,8 @@ option(EXPAGE_ENABLE_ASSERTIONS "Check EXPAGE_ASSERT preconditions even in NDEBU
 set(EXPAGE_ENABLE_CUDA "AUTO" CACHE STRING "Build expage::cuda and expage::kernels: AUTO, ON or OFF")
 set_property(CACHE EXPAGE_ENABLE_CUDA PROPERTY STRINGS AUTO ON OFF)
 
-set(EXPAGE_SANITIZE "" CACHE STRING "Sanitizers for expage's own targets: '', address, thread")
-set_property(CACHE EXPAGE_SANITIZE PROPERTY STRINGS "" address thread)
+set(EXPAGE_SANITIZE "" CACHE STRING "Sanitizers for expage's own targets: '', address, thread, fuzzer (Clang)")
+set_property(CACHE EXPAGE_SANITIZE PROPERTY STRINGS "" address thread fuzzer)
 
 if(PROJECT_IS_TOP_LEVEL)
   include(GNUInstallDirs)
@@ -31,8 +31,16 @@ if(PROJECT_IS_TOP_LEVEL)
   elseif(EXPAGE_SANITIZE STREQUAL "thread")
     add_compile_options(-fsanitize=thread -fno-omit-frame-pointer)
     add_link_options(-fsanitize=thread)
+  elseif(EXPAGE_SANITIZE STREQUAL "fuzzer")
+    # Coverage instrumentation for libFuzzer everywhere (the fuzz targets add
+    # -fsanitize=fuzzer, which brings the driver's main()).
+    if(NOT CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+      message(FATAL_ERROR "EXPAGE_SANITIZE=fuzzer needs Clang (set CMAKE_CXX_COMPILER=clang++)")
+    endif()
+    add_compile_options(-fsanitize=fuzzer-no-link,address,undefined -fno-omit-frame-pointer)
+    add_link_options(-fsanitize=address,undefined)
   elseif(NOT EXPAGE_SANITIZE STREQUAL "")
-    message(FATAL_ERROR "EXPAGE_SANITIZE='${EXPAGE_SANITIZE}' is not one of '', address, thread")
+    message(FATAL_ERROR "EXPAGE_SANITIZE='${EXPAGE_SANITIZE}' is not one of '', address, thread, fuzzer")
   endif()
 else()
   include(GNUInstallDirs)

@@ -4,8 +4,10 @@
 #      (skipped without a device), examples, tools, a smoke run of every
 #      benchmark, the package tests, the Doxygen build (warnings are errors);
 #   2. the host library and its tests under AddressSanitizer + UBSan;
-#   3. the host library and its tests under ThreadSanitizer.
-# Usage: tools/dev/check.sh [release|asan|tsan]...   (default: all three)
+#   3. the host library and its tests under ThreadSanitizer;
+#   4. the libFuzzer targets of the trace readers, 15 s each (when clang++ is
+#      installed; skipped with a message otherwise).
+# Usage: tools/dev/check.sh [release|asan|tsan|fuzz]...   (default: all four)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 tools/dev/deps.sh
@@ -13,7 +15,7 @@ tools/dev/deps.sh
 
 jobs=$(nproc)
 stages=("$@")
-((${#stages[@]})) || stages=(release asan tsan)
+((${#stages[@]})) || stages=(release asan tsan fuzz)
 start=$SECONDS
 
 for stage in "${stages[@]}"; do
@@ -30,8 +32,17 @@ for stage in "${stages[@]}"; do
       cmake --build --preset "$stage" -j "$jobs"
       ctest --preset "$stage" -j "$jobs"
       ;;
+    fuzz)
+      if ! command -v clang++ >/dev/null; then
+        echo "::: expage check: fuzz skipped: clang++ is not installed"
+        continue
+      fi
+      cmake --preset fuzz
+      cmake --build --preset fuzz -j "$jobs"
+      ctest --preset fuzz -j "$jobs"
+      ;;
     *)
-      echo "check.sh: unknown stage '$stage' (expected release, asan, tsan)" >&2
+      echo "check.sh: unknown stage '$stage' (expected release, asan, tsan, fuzz)" >&2
       exit 2
       ;;
   esac
