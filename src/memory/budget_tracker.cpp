@@ -91,11 +91,21 @@ reservation budget_account::reserve(std::size_t bytes) {
 capacity_change budget_account::set_capacity(std::size_t bytes) {
   check_capacity(name_, bytes);
   const std::lock_guard lock(tracker_->mutex_);
+  // Seqlock write (readers: used(), try_take()): odd version while capacity_
+  // and available_ are being changed. The mutex makes this the only writer.
+  const auto version = resize_version_.load(std::memory_order_relaxed);
+  resize_version_.store(version + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  struct end_resize {
+    std::atomic<std::uint32_t>& v;
+    std::uint32_t next;
+    ~end_resize() { v.store(next, std::memory_order_release); }
+  } const done{resize_version_, version + 2};
   const auto target = static_cast<std::int64_t>(bytes);
   const auto current = capacity_.load(std::memory_order_relaxed);
   if (target >= current) {
-    // Raise the cap before the free bytes: a concurrent reader never sees
-    // used (capacity − available) above capacity.
+    // Raise the cap before the free bytes: used (capacity − available) never
+    // reads above capacity.
     capacity_.store(target, std::memory_order_relaxed);
     available_.fetch_add(target - current, std::memory_order_release);
     return {bytes, bytes, 0};
@@ -141,7 +151,6 @@ void reservation::shrink(std::size_t bytes) {
 }
 
 bool reservation::try_grow(std::size_t extra) noexcept {
-  EXPAGE_ASSERT(account_ != nullptr, "try_grow on an empty reservation");
   if (account_ == nullptr || extra == 0 || extra > max_bytes - bytes_) {
     return false;
   }
@@ -166,7 +175,7 @@ reservation reservation::split(std::size_t bytes) {
 }
 
 void reservation::merge(reservation&& other) {
-  if (!other) {
+  if (&other == this || !other) {
     return;
   }
   if (account_ == nullptr) {
@@ -181,35 +190,36 @@ void reservation::merge(reservation&& other) {
   other.account_ = nullptr;
 }
 
-bool reservation::try_transfer(budget_account& to) noexcept {
-  EXPAGE_ASSERT(account_ != nullptr, "try_transfer on an empty reservation");
+budget_account* reservation::transfer_path(budget_account& to) noexcept {
   if (account_ == nullptr) {
-    return false;
+    return &to;
   }
   if (&to == account_) {
-    return true;
+    return nullptr;
   }
   const budget_account* shared = common_ancestor(account_, &to);
   const auto bytes = static_cast<std::int64_t>(bytes_);
-  if (to.take_path(bytes, shared) != nullptr) {
+  if (budget_account* refuser = to.take_path(bytes, shared)) {
     to.failed_.fetch_add(1, std::memory_order_relaxed);
-    return false;
+    return refuser;
   }
   account_->give_path(bytes, shared);
   to.granted_.fetch_add(1, std::memory_order_relaxed);
   account_ = &to;
-  return true;
+  return nullptr;
 }
 
 void reservation::transfer(budget_account& to) {
   if (account_ == nullptr) {
     throw invalid_argument(fmt::format("reservation::transfer to '{}': the reservation is empty", to.name()));
   }
-  if (!try_transfer(to)) {
-    throw out_of_budget(
-        fmt::format("cannot transfer {} ({} bytes) from budget account '{}' to '{}': '{}' can admit {}",
-                    byte_size{bytes_}, bytes_, account_->name(), to.name(), to.name(), byte_size{to.headroom()}),
-        bytes_, to.headroom());
+  if (const budget_account* refuser = transfer_path(to)) {
+    const std::size_t free = refuser->available();
+    throw out_of_budget(fmt::format("cannot transfer {} ({} bytes) from budget account '{}' to '{}': account '{}' has "
+                                    "{} free of {}",
+                                    byte_size{bytes_}, bytes_, account_->name(), to.name(), refuser->name(),
+                                    byte_size{free}, byte_size{refuser->capacity()}),
+                        bytes_, free);
   }
 }
 
@@ -245,7 +255,7 @@ budget_account& budget_tracker::add_account(std::string name, std::size_t capaci
   return *accounts_.back();
 }
 
-budget_account* budget_tracker::find(std::string_view name) noexcept {
+budget_account* budget_tracker::find(std::string_view name) {
   const std::lock_guard lock(mutex_);
   for (const auto& a : accounts_) {
     if (a->name() == name) {

@@ -150,5 +150,35 @@ TEST(BudgetContention, ResizingWhileReservingNeverStrandsOrInventsBytes) {
   EXPECT_EQ(t.root().used(), 0U);
 }
 
+// Usage is capacity − available, two atomics that set_capacity() changes one
+// after the other: a reservation landing in between must not record a peak
+// near the new capacity. Each thread holds at most one 8-byte reservation.
+TEST(BudgetContention, ResizesNeverInflateThePeakOrUsage) {
+  budget_tracker t(std::size_t{1} << 40);
+  auto& acct = t.add_account("acct", 100);
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> bad_reads{0};
+  std::barrier start(thread_count);
+  std::vector<std::thread> threads;
+  for (int id = 0; id < thread_count - 1; ++id) {
+    threads.emplace_back([&] {
+      start.arrive_and_wait();
+      while (!stop.load()) {
+        reservation r = acct.try_reserve(8);
+        if (acct.used() > 8 * static_cast<std::size_t>(thread_count)) bad_reads.fetch_add(1);
+      }
+    });
+  }
+  start.arrive_and_wait();
+  for (int i = 0; i < 400000; ++i) {
+    (void)acct.set_capacity(i % 2 == 0 ? 1'000'000 : 100);
+  }
+  stop = true;
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(bad_reads.load(), 0U);
+  EXPECT_LE(acct.statistics().peak, 8U * thread_count) << "a peak read mid-resize";
+  EXPECT_EQ(acct.used(), 0U);
+}
+
 }  // namespace
 }  // namespace expage

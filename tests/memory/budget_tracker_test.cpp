@@ -208,6 +208,34 @@ TEST(Reservation, ShrinksGrowsSplitsAndMerges) {
   EXPECT_EQ(b.hi.used(), 0U);
 }
 
+TEST(Reservation, MergingIntoItselfChangesNothing) {
+  tree b;
+  reservation r = b.kv.reserve(10);
+  reservation& alias = r;
+  r.merge(std::move(alias));
+  EXPECT_TRUE(r);
+  EXPECT_EQ(r.bytes(), 10U);
+  r.release();
+  EXPECT_EQ(b.kv.used(), 0U) << "a self-merge must not strand the bytes";
+}
+
+TEST(Reservation, ATransferRefusedByAnAncestorNamesThatAncestor) {
+  tree b;
+  reservation filler = b.hi.reserve(30);
+  reservation lo = b.lo.reserve(15);  // experts: 45 of 50
+  reservation r = b.kv.reserve(10);
+  try {
+    r.transfer(b.lo);  // lo has 15 free, experts only 5
+    FAIL();
+  } catch (const out_of_budget& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("account 'experts' has 5 B free of 50 B"), HasSubstr("to 'lo'")));
+    EXPECT_EQ(e.available(), 5U);
+  }
+  reservation empty;
+  EXPECT_FALSE(empty.try_transfer(b.lo)) << "an empty reservation transfers nothing, in every build";
+  EXPECT_FALSE(empty.try_grow(1));
+}
+
 TEST(Reservation, TransfersBetweenSiblingsWithoutTouchingSharedAncestors) {
   tree b;
   reservation r = b.hi.reserve(25);

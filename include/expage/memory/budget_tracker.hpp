@@ -123,17 +123,21 @@ class reservation {
   /// Re-charges the bytes to account @p to: reserves them on @p to's path up to
   /// the closest common ancestor, then releases them on the old path. Caps are
   /// never exceeded; ancestors shared by both paths are not touched.
-  /// @return false, with nothing changed, when @p to's path cannot admit the bytes.
-  [[nodiscard]] bool try_transfer(budget_account& to) noexcept;
+  /// @return false, with nothing changed, when @p to's path cannot admit the
+  ///         bytes (counted in @p to's `failed`) or the reservation is empty.
+  [[nodiscard]] bool try_transfer(budget_account& to) noexcept { return transfer_path(to) == nullptr; }
 
   /// Throwing twin of try_transfer(); strong guarantee.
-  /// @throws expage::out_of_budget naming the refusing account.
+  /// @throws expage::out_of_budget naming the account whose cap refused and its free bytes.
   /// @throws expage::invalid_argument when the reservation is empty.
   void transfer(budget_account& to);
 
  private:
   friend class budget_account;
   reservation(budget_account* account, std::size_t bytes) noexcept : account_(account), bytes_(bytes) {}
+  // try_transfer()'s work: nullptr on success, else the account whose cap
+  // refused (`&to` when the reservation is empty).
+  budget_account* transfer_path(budget_account& to) noexcept;
 
   budget_account* account_ = nullptr;
   std::size_t bytes_ = 0;
@@ -172,14 +176,27 @@ class budget_account {
   [[nodiscard]] budget_tracker& tracker() const noexcept { return *tracker_; }  ///< The owning tracker.
   [[nodiscard]] std::size_t depth() const noexcept { return depth_; }           ///< 0 for the root.
 
+  // Getters load relaxed: they are statistics, ordered with nothing else; the
+  // admission decisions themselves are the CAS in try_take().
+
   /// The cap on the bytes this account and its descendants may hold.
   [[nodiscard]] std::size_t capacity() const noexcept {
     return static_cast<std::size_t>(capacity_.load(std::memory_order_relaxed));
   }
-  /// Bytes this account and its descendants hold now.
+  /// Bytes this account and its descendants hold now (a consistent reading
+  /// even while set_capacity() runs; concurrent reservations may of course
+  /// change it right after).
   [[nodiscard]] std::size_t used() const noexcept {
-    const auto used = capacity_.load(std::memory_order_relaxed) - available_.load(std::memory_order_relaxed);
-    return used > 0 ? static_cast<std::size_t>(used) : 0;
+    for (;;) {
+      // Seqlock read: set_capacity() makes resize_version_ odd while capacity_
+      // and available_ disagree (pairs with its release fence and store).
+      const auto version = resize_version_.load(std::memory_order_acquire);
+      const auto used = capacity_.load(std::memory_order_relaxed) - available_.load(std::memory_order_relaxed);
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if ((version & 1U) == 0 && resize_version_.load(std::memory_order_relaxed) == version) {
+        return used > 0 ? static_cast<std::size_t>(used) : 0;
+      }
+    }
   }
   /// Bytes this account alone could still admit (ancestors not considered).
   [[nodiscard]] std::size_t available() const noexcept {
@@ -204,16 +221,13 @@ class budget_account {
   /// allows and reports the bytes still held above @p bytes; reservations made
   /// concurrently never see a cap below their own usage.
   /// @throws expage::invalid_argument when @p bytes exceeds expage::max_bytes.
-  capacity_change set_capacity(std::size_t bytes);
+  [[nodiscard]] capacity_change set_capacity(std::size_t bytes);
 
   /// A snapshot of the counters.
   [[nodiscard]] account_statistics statistics() const noexcept;
 
   /// Restarts peak tracking from the current usage.
-  void reset_peak() noexcept {
-    peak_.store(capacity_.load(std::memory_order_relaxed) - available_.load(std::memory_order_relaxed),
-                std::memory_order_relaxed);
-  }
+  void reset_peak() noexcept { peak_.store(static_cast<std::int64_t>(used()), std::memory_order_relaxed); }
 
  private:
   friend class budget_tracker;
@@ -222,6 +236,7 @@ class budget_account {
 
   /// Takes @p bytes from this level alone if its cap allows.
   bool try_take(std::int64_t bytes) noexcept {
+    const auto version = resize_version_.load(std::memory_order_acquire);  // seqlock read, see used()
     auto avail = available_.load(std::memory_order_relaxed);
     do {
       if (avail < bytes) {
@@ -231,14 +246,20 @@ class budget_account {
       // memory these bytes stood for did so before we may reuse them.
     } while (
         !available_.compare_exchange_weak(avail, avail - bytes, std::memory_order_acquire, std::memory_order_relaxed));
-    note_usage(capacity_.load(std::memory_order_relaxed) - (avail - bytes));
+    const auto capacity = capacity_.load(std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    // Usage is capacity − available, two separate atomics: while a resize is
+    // changing both, the difference is meaningless, so the peak skips it.
+    if ((version & 1U) == 0 && resize_version_.load(std::memory_order_relaxed) == version) {
+      note_usage(capacity - (avail - bytes));
+    }
     return true;
   }
   /// Returns @p bytes to this level alone.
   void give_back(std::int64_t bytes) noexcept {
     available_.fetch_add(bytes, std::memory_order_release);  // pairs with try_take()'s acquire
   }
-  void note_usage(std::int64_t used) noexcept {
+  void note_usage(std::int64_t used) noexcept {  // relaxed: the peak is a statistic
     auto peak = peak_.load(std::memory_order_relaxed);
     while (used > peak && !peak_.compare_exchange_weak(peak, used, std::memory_order_relaxed)) {
     }
@@ -286,6 +307,7 @@ class budget_account {
   std::atomic<std::int64_t> peak_{0};
   std::atomic<std::uint64_t> granted_{0};
   std::atomic<std::uint64_t> failed_{0};
+  std::atomic<std::uint32_t> resize_version_{0};  // odd while set_capacity() updates capacity_ and available_
   // Cold and immutable.
   budget_tracker* tracker_;
   budget_account* parent_;
@@ -340,7 +362,7 @@ class budget_tracker {
   budget_account& add_account(std::string name, std::size_t capacity, budget_account& parent);
 
   /// The account called @p name, or nullptr.
-  [[nodiscard]] budget_account* find(std::string_view name) noexcept;
+  [[nodiscard]] budget_account* find(std::string_view name);
   /// The account called @p name.
   /// @throws expage::invalid_argument listing the accounts that exist.
   [[nodiscard]] budget_account& at(std::string_view name);
