@@ -178,6 +178,29 @@ TEST(NextTurnPolicy, RejectsABadDecay) {
   EXPECT_NO_THROW(next_turn_policy(s, {.decay = 1.0}));
 }
 
+// A caller that gives several groups the same time (e.g. the token groups of
+// one split step) must not make the policy pick a key that is not resident.
+TEST(NextTurnPolicy, SurvivesCallersThatReuseAGroupTime) {
+  const moe_geometry g(moe_geometry::config{.name = "tiny", .layers = 32, .experts_per_layer = 8, .top_k = 2,
+                                            .hidden_size = 64, .intermediate_size = 32});
+  slot_cache<next_turn_policy> cache(g, {.layout = cache_layout::per_layer, .capacity = 2});
+  const std::uint32_t a[] = {3, 5};
+  const std::uint32_t b[] = {3, 6};
+  const std::uint32_t c[] = {7};
+  for (const std::span<const std::uint32_t> group : {std::span<const std::uint32_t>(a), std::span<const std::uint32_t>(b),
+                                                      std::span<const std::uint32_t>(c)}) {
+    const auto r = cache.access(0, group, {.time = 5});
+    for (const auto& load : r.loads) {
+      EXPECT_GE(load.slot, 0);
+      if (load.evicts) {
+        EXPECT_FALSE(cache.resident(load.evicted));
+      }
+    }
+  }
+  EXPECT_TRUE(cache.resident({0, 7}));
+  EXPECT_LE(next_turn_policy(key_space{.layers = 32, .experts_per_layer = 8}).rate(0), 1.0);
+}
+
 TEST(NextTurnPolicy, PrefersEvictingTheLayerThatJustRan) {
   // Two layers, equal rates: at layer 1, layer 0's experts run next, layer 1's last.
   const key_space s{.layers = 2, .experts_per_layer = 4, .global = true};

@@ -17,6 +17,11 @@ namespace expage {
 /// engine computes from the trace. With demand paging and pinned working sets
 /// it is the lower bound on misses for any policy at the same capacity.
 /// O(log capacity) per access.
+///
+/// @code
+/// expage::slot_cache<expage::belady_policy> cache(geometry, {.capacity = 4});
+/// cache.access(layer, routed, {.time = step, .next_use = next_uses});  // replay() computes these
+/// @endcode
 /// @threadsafety thread-compatible.
 class belady_policy {
  public:

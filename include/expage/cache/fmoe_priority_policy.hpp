@@ -2,12 +2,12 @@
 /// @brief fmoe_priority_policy: fMoE's eviction priority, frequency × predicted probability.
 #pragma once
 
+#include "expage/cache/detail/ranking.hpp"
 #include "expage/cache/eviction_policy.hpp"
 
 #include <algorithm>
 #include <compare>
 #include <cstdint>
-#include <set>
 #include <vector>
 
 namespace expage {
@@ -23,6 +23,11 @@ namespace expage {
 /// 1/experts_per_layer is used, which reduces the policy to LFU. Like fMoE
 /// (and unlike LRU) recency does not enter the priority; ties go to the older
 /// access, then the smaller key. O(log capacity) per access.
+///
+/// @code
+/// expage::slot_cache<expage::fmoe_priority_policy> cache(geometry, {.capacity = 6});
+/// cache.access(layer, routed, {.probability = predicted_probabilities});  // from an expert map
+/// @endcode
 /// @threadsafety thread-compatible.
 class fmoe_priority_policy {
  public:
@@ -48,10 +53,7 @@ class fmoe_priority_policy {
   void on_evict(std::uint32_t key) noexcept { resident_.erase(rank_of(key)); }
   /// The unpinned key with the smallest freq · p.
   [[nodiscard]] std::uint32_t victim(pin_view pins, const access_context& /*ctx*/) const noexcept {
-    for (const rank& r : resident_) {
-      if (!pins(r.key)) return r.key;
-    }
-    return 0;
+    return resident_.first_unpinned(pins);
   }
 
  private:
@@ -69,7 +71,7 @@ class fmoe_priority_policy {
   std::vector<std::uint64_t> count_;
   std::vector<double> probability_;
   std::vector<std::uint64_t> last_;
-  std::set<rank> resident_;
+  detail::ranked_residents<rank> resident_;
 };
 
 static_assert(eviction_policy<fmoe_priority_policy>);

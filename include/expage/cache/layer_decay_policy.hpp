@@ -2,6 +2,7 @@
 /// @brief layer_decay_policy: frequency weighted by distance to the layer being executed.
 #pragma once
 
+#include "expage/cache/detail/ranking.hpp"
 #include "expage/cache/detail/resident_set.hpp"
 #include "expage/cache/eviction_policy.hpp"
 
@@ -22,6 +23,11 @@ namespace expage {
 /// scope every key has the same a, and the policy is LFU. Because priorities
 /// move with the current layer, victim selection scans the resident keys:
 /// O(capacity) per eviction, O(1) per hit.
+///
+/// @code
+/// expage::slot_cache<expage::layer_decay_policy> cache(geometry, {.layout = expage::cache_layout::global, .capacity =
+/// 128});
+/// @endcode
 /// @threadsafety thread-compatible.
 class layer_decay_policy {
  public:
@@ -40,24 +46,10 @@ class layer_decay_policy {
   /// The unpinned key with the smallest distance-weighted count.
   [[nodiscard]] std::uint32_t victim(pin_view pins, const access_context& ctx) const noexcept {
     const double layers = space_.layers;
-    std::uint32_t best = 0;
-    double best_priority = 0.0;
-    std::uint64_t best_last = 0;
-    bool found = false;
-    for (const std::uint32_t k : resident_.keys()) {
-      if (pins(k)) continue;
-      const std::uint32_t l = space_.layer_of(k);
-      const std::uint32_t ahead = (l + space_.layers - ctx.layer - 1) % space_.layers;
-      const double priority = static_cast<double>(count_[k]) * (1.0 - ahead / layers);
-      if (!found || priority < best_priority ||
-          (priority == best_priority && (last_[k] < best_last || (last_[k] == best_last && k < best)))) {
-        best = k;
-        best_priority = priority;
-        best_last = last_[k];
-        found = true;
-      }
-    }
-    return best;
+    return detail::scan_for_victim(resident_, pins, last_, [&](std::uint32_t k) {
+      const std::uint32_t ahead = (space_.layer_of(k) + space_.layers - ctx.layer - 1) % space_.layers;
+      return -(static_cast<double>(count_[k]) * (1.0 - ahead / layers));  // smallest priority first
+    });
   }
 
  private:

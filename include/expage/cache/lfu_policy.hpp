@@ -2,11 +2,11 @@
 /// @brief lfu_policy: evict the least frequently used expert.
 #pragma once
 
+#include "expage/cache/detail/ranking.hpp"
 #include "expage/cache/eviction_policy.hpp"
 
 #include <compare>
 #include <cstdint>
-#include <set>
 #include <vector>
 
 namespace expage {
@@ -17,6 +17,10 @@ namespace expage {
 /// Tie-breaking: among equal counts the key accessed least recently goes first;
 /// among equal counts and times (only possible within one access group) the
 /// smaller key goes first. O(log capacity) per access.
+///
+/// @code
+/// expage::slot_cache<expage::lfu_policy> cache(geometry, {.layout = expage::cache_layout::global, .capacity = 128});
+/// @endcode
 /// @threadsafety thread-compatible.
 class lfu_policy {
  public:
@@ -37,10 +41,7 @@ class lfu_policy {
   void on_evict(std::uint32_t key) noexcept { resident_.erase(rank_of(key)); }
   /// The unpinned key with the fewest accesses (then the oldest, then the smallest).
   [[nodiscard]] std::uint32_t victim(pin_view pins, const access_context& /*ctx*/) const noexcept {
-    for (const rank& r : resident_) {
-      if (!pins(r.key)) return r.key;
-    }
-    return 0;
+    return resident_.first_unpinned(pins);
   }
   /// Accesses of @p key so far.
   [[nodiscard]] std::uint64_t count(std::uint32_t key) const noexcept { return count_[key]; }
@@ -56,7 +57,7 @@ class lfu_policy {
 
   std::vector<std::uint64_t> count_;
   std::vector<std::uint64_t> last_;
-  std::set<rank> resident_;
+  detail::ranked_residents<rank> resident_;
 };
 
 static_assert(eviction_policy<lfu_policy>);

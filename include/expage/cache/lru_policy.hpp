@@ -40,6 +40,10 @@ class lru_policy {
 
 /// @brief First in, first out: evicts the unpinned key that became resident
 /// earliest; hits do not change the order.
+///
+/// @code
+/// expage::slot_cache<expage::fifo_policy> cache(geometry, {.capacity = 4});
+/// @endcode
 /// @threadsafety thread-compatible.
 class fifo_policy {
  public:

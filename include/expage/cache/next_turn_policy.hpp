@@ -2,12 +2,14 @@
 /// @brief next_turn_policy: expage's predicted-next-use eviction for layer-sequential execution.
 #pragma once
 
+#include "expage/cache/detail/ranking.hpp"
 #include "expage/cache/detail/resident_set.hpp"
 #include "expage/cache/eviction_policy.hpp"
 #include "expage/core/error.hpp"
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -34,6 +36,12 @@ namespace expage {
 /// r = 0 (never inserted before it is seen, so only as a formality). In a
 /// per-layer scope δ is constant and the policy is a decayed LFU. O(capacity)
 /// per eviction, O(1) per hit.
+///
+/// @code
+/// expage::slot_cache<expage::next_turn_policy> cache(geometry, {.layout = expage::cache_layout::global, .capacity =
+/// 128},
+///     [](const expage::key_space& s) { return expage::next_turn_policy(s, {.decay = 0.95}); });
+/// @endcode
 /// @threadsafety thread-compatible.
 class next_turn_policy {
  public:
@@ -78,22 +86,12 @@ class next_turn_policy {
   /// The unpinned key whose predicted next use is farthest.
   [[nodiscard]] std::uint32_t victim(pin_view pins, const access_context& ctx) const noexcept {
     const auto layers = static_cast<double>(space_.layers);
-    std::uint32_t best = 0;
-    double best_next = -1.0;
-    std::uint64_t best_last = 0;
-    for (const std::uint32_t k : resident_.keys()) {
-      if (pins(k)) continue;
+    return detail::scan_for_victim(resident_, pins, last_, [&](std::uint32_t k) {
       const std::uint32_t l = space_.layer_of(k);
       const double until_turn =
           space_.global ? static_cast<double>((l + space_.layers - ctx.layer - 1) % space_.layers + 1) : 0.0;
-      const double next = until_turn + layers * (1.0 / rate(k) - 1.0);
-      if (next > best_next || (next == best_next && (last_[k] < best_last || (last_[k] == best_last && k < best)))) {
-        best = k;
-        best_next = next;
-        best_last = last_[k];
-      }
-    }
-    return best;
+      return until_turn + layers * (1.0 / rate(k) - 1.0);
+    });
   }
 
   /// The selection rate of @p key: its decayed count over its layer's decayed number of turns.
@@ -103,7 +101,9 @@ class next_turn_policy {
     if (now == 0) return 1e-9;
     const double aged = count_[key] * power(now - stamp_[key]);
     const double turns = gamma_ == 1.0 ? static_cast<double>(now) : (1.0 - power(now)) / (1.0 - gamma_);
-    return std::max(aged / turns, 1e-9);
+    // Clamped to (0, 1]: a rate above 1 (a caller reusing a group's time for
+    // several groups counts a turn once but its experts twice) is meaningless.
+    return std::clamp(aged / turns, 1e-9, 1.0);
   }
 
  private:

@@ -6,6 +6,7 @@
 #include "expage/core/error.hpp"
 #include "expage/core/expert_id.hpp"
 #include "expage/core/moe_geometry.hpp"
+#include "expage/detail/assert.hpp"
 
 #include <fmt/format.h>
 
@@ -77,6 +78,11 @@ struct slot_cache_statistics {
 /// the scope's capacity cannot be served at once: split its tokens first with
 /// group_tokens() (WiSP §3.2) and call access() per group.
 ///
+/// Exceptions: bad requests throw before anything changes. The only other
+/// exception is std::bad_alloc from a policy that allocates nodes (LFU,
+/// fMoE, Belady); the cache then stays consistent and the experts of the
+/// group served so far stay resident (basic guarantee).
+///
 /// @code
 /// expage::slot_cache<expage::lru_policy> cache(expage::moe_geometry::mixtral_8x7b(),
 ///                                              {.layout = expage::cache_layout::per_layer, .capacity = 4});
@@ -141,6 +147,16 @@ class slot_cache {
     validate_and_pin(layer, experts, hints);  // on success every requested expert is pinned
     scope& sc = scope_for(layer);
     const bool global = options_.layout == cache_layout::global;
+    struct unpin_on_exit {  // also when a policy throws (std::bad_alloc from a node-based policy)
+      slot_cache& cache;
+      scope& sc;
+      std::uint32_t layer;
+      std::span<const std::uint32_t> experts;
+      bool global;
+      ~unpin_on_exit() {
+        for (const std::uint32_t e : experts) sc.pinned[cache.key(layer, e, global)] = 0;
+      }
+    } const unpin{*this, sc, layer, experts, global};
     const std::uint64_t time = hints.time == never ? stats_.groups : hints.time;
     const pin_view pins{sc.pinned.data()};
     loads_.clear();
@@ -159,28 +175,33 @@ class slot_cache {
         sc.policy.on_hit(k, ctx);
         continue;
       }
-      ++result.misses;
+      // Choose the slot, tell the policy about the newcomer (the one step that
+      // may throw), and only then evict: a throwing policy leaves the map,
+      // the slots and the policy consistent, with this group partly served.
       expert_load load{.expert = {layer, e}, .slot = 0, .evicts = false, .evicted = {}};
+      std::uint32_t victim = 0;
       if (!sc.free_slots.empty()) {
         load.slot = static_cast<std::int32_t>(sc.free_slots.back());
-        sc.free_slots.pop_back();
       } else {
-        const std::uint32_t victim = sc.policy.victim(pins, ctx);
-        const std::uint32_t vl = global ? victim / experts_ : layer;
-        const std::uint32_t ve = global ? victim % experts_ : victim;
-        std::int32_t& victim_slot = map_[flat(vl, ve)];
-        load.slot = victim_slot;
+        victim = sc.policy.victim(pins, ctx);
         load.evicts = true;
-        load.evicted = {vl, ve};
-        victim_slot = -1;
+        load.evicted = {global ? victim / experts_ : layer, global ? victim % experts_ : victim};
+        load.slot = map_[flat(load.evicted.layer, load.evicted.expert)];
+        EXPAGE_ASSERT(load.slot >= 0 && !pins(victim), "slot_cache: the policy chose a victim that is not evictable");
+      }
+      loads_.reserve(loads_.size() + 1);
+      sc.policy.on_insert(k, ctx);
+      if (load.evicts) {
+        map_[flat(load.evicted.layer, load.evicted.expert)] = -1;
         sc.policy.on_evict(victim);
         ++stats_.evictions;
+      } else {
+        sc.free_slots.pop_back();
       }
       slot = load.slot;
-      sc.policy.on_insert(k, ctx);
+      ++result.misses;
       loads_.push_back(load);
     }
-    for (const std::uint32_t e : experts) sc.pinned[key(layer, e, global)] = 0;
     ++stats_.groups;
     stats_.accesses += experts.size();
     stats_.hits += result.hits;
