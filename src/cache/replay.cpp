@@ -83,7 +83,7 @@ access_stream::access_stream(const routing_trace& trace, std::uint32_t group_lim
   if (!trace.is_execution_ordered()) {
     throw invalid_argument("access_stream: the trace is not in execution order (call restore_execution_order())");
   }
-  const std::vector<std::uint32_t> prefill = trace.prefill_lengths();
+  const prefill_table prefill = trace.prefill_lengths();
   const std::size_t n = trace.size();
   events_ = n;
   offset_.push_back(0);
@@ -178,6 +178,12 @@ replay_result replay(const access_stream& stream, const moe_geometry& geometry, 
 
 replay_result replay(const routing_trace& trace, const moe_geometry& geometry, policy_kind policy,
                      const replay_options& options) {
+  const std::uint32_t keys = options.layout == cache_layout::global ? geometry.layers() * geometry.experts_per_layer()
+                                                                    : geometry.experts_per_layer();
+  if (options.capacity == 0 || options.capacity > keys) {
+    throw invalid_argument(fmt::format("replay: capacity {} out of range [1, {}] for a {} cache of {}",
+                                       options.capacity, keys, to_string(options.layout), geometry.name()));
+  }
   const std::uint32_t limit = std::min(options.capacity, options.layout == cache_layout::global
                                                              ? geometry.layers() * geometry.experts_per_layer()
                                                              : geometry.experts_per_layer());

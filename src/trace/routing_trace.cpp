@@ -135,24 +135,27 @@ void routing_trace::append(const routing_event& event) {
   }
 }
 
-std::vector<std::uint32_t> routing_trace::prefill_lengths() const {
-  std::uint32_t max_sequence = 0;
-  for (const std::uint32_t s : sequence_) max_sequence = std::max(max_sequence, s);
-  std::vector<std::uint32_t> lengths(empty() ? 0 : std::size_t{max_sequence} + 1, 0);
+prefill_table routing_trace::prefill_lengths() const {
+  prefill_table table;
   for (std::size_t i = 0; i < size(); ++i) {
     if (phase_[i] == routing_phase::prefill) {
       // step ≤ UINT32_MAX − 1 in any valid ordering, but saturate rather than wrap.
       const std::uint32_t len = step_[i] == UINT32_MAX ? UINT32_MAX : step_[i] + 1;
-      lengths[sequence_[i]] = std::max(lengths[sequence_[i]], len);
+      table.entries_.emplace_back(sequence_[i], len);
     }
   }
-  return lengths;
+  // One entry per sequence: its longest prefill.
+  std::sort(table.entries_.begin(), table.entries_.end(),
+            [](const auto& a, const auto& b) { return a.first != b.first ? a.first < b.first : a.second > b.second; });
+  table.entries_.erase(std::unique(table.entries_.begin(), table.entries_.end(),
+                                   [](const auto& a, const auto& b) { return a.first == b.first; }),
+                       table.entries_.end());
+  return table;
 }
 
-execution_key routing_trace::execution_key_of(std::size_t i,
-                                              std::span<const std::uint32_t> prefill_lengths) const noexcept {
+execution_key routing_trace::execution_key_of(std::size_t i, const prefill_table& prefill_lengths) const noexcept {
   const std::uint32_t s = sequence_[i];
-  const std::uint32_t prefill = prefill_lengths[s];
+  const std::uint32_t prefill = prefill_lengths.empty() ? 0 : prefill_lengths[s];
   std::uint32_t pass = 0;
   if (phase_[i] == routing_phase::decode) {
     // Decode step t of a sequence with P prefill tokens runs in pass t − P + 1 (pass 0 is the
@@ -164,7 +167,7 @@ execution_key routing_trace::execution_key_of(std::size_t i,
 
 bool routing_trace::is_execution_ordered() const {
   if (size() < 2) return true;
-  const std::vector<std::uint32_t> prefill = prefill_lengths();
+  const prefill_table prefill = prefill_lengths();
   for (std::size_t i = 1; i < size(); ++i) {
     if (!(execution_key_of(i - 1, prefill) < execution_key_of(i, prefill))) return false;
   }
@@ -172,7 +175,7 @@ bool routing_trace::is_execution_ordered() const {
 }
 
 void routing_trace::restore_execution_order() {
-  const std::vector<std::uint32_t> prefill = prefill_lengths();
+  const prefill_table prefill = prefill_lengths();
   std::vector<std::size_t> order(size());
   std::iota(order.begin(), order.end(), std::size_t{0});
   // Duplicates: sort by (sequence, step, layer) first.

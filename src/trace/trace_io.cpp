@@ -146,7 +146,7 @@ void finish(routing_trace& trace, std::span<const std::uint64_t> positions, std:
                        byte_offsets ? "byte" : "line", positions[order[j - 1]]));
     }
   }
-  const std::vector<std::uint32_t> prefill = trace.prefill_lengths();
+  const expage::prefill_table prefill = trace.prefill_lengths();
   for (std::size_t i = 0; i < n; ++i) {
     const routing_event e = trace[i];
     if (e.phase == routing_phase::decode && e.step < prefill[e.sequence]) {

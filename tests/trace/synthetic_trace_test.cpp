@@ -64,7 +64,7 @@ double fit_zipf_mle(const std::vector<double>& counts) {
 
 // Mean over (group, pass, layer) of |union of experts| / experts_per_layer, decode events only.
 double activated_ratio(const routing_trace& t) {
-  const std::vector<std::uint32_t> prefill = t.prefill_lengths();
+  const expage::prefill_table prefill = t.prefill_lengths();
   double sum = 0.0;
   std::size_t groups = 0;
   std::size_t i = 0;

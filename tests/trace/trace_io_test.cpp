@@ -308,6 +308,21 @@ TEST(TraceIo, BadBinaryNamesByteOffsetAndField) {
   expect_error(phase, mixtral(), {"byte 76:", "field 'phase'"}, "phase");
 }
 
+// Sequence ids are labels, not indices: the largest one costs no memory.
+TEST(TraceIo, HugeSequenceIdsCostNothing) {
+  const routing_trace t = expage::parse_jsonl(
+      R"({"sequence":4294967295,"step":1,"layer":0,"experts":[0,1],"weights":[1,1]})"
+      "\n"
+      R"({"sequence":4294967295,"step":0,"layer":0,"experts":[2,3],"weights":[1,1],"phase":"prefill"})"
+      "\n",
+      mixtral(), "huge.jsonl");
+  ASSERT_EQ(t.size(), 2U);
+  EXPECT_EQ(t[0].sequence, 4294967295U);
+  EXPECT_EQ(t[0].phase, expage::routing_phase::prefill) << "execution order: the prefill pass first";
+  EXPECT_EQ(t.prefill_lengths()[4294967295U], 1U);
+  EXPECT_EQ(t.prefill_lengths()[7], 0U);
+}
+
 TEST(TraceIo, UnreadableFilesAreFormatErrors) {
   EXPECT_THROW((void)expage::read_jsonl("/nonexistent/expage/x.jsonl", mixtral()), expage::format_error);
   EXPECT_THROW((void)expage::read_binary("/nonexistent/expage/x.bin", mixtral()), expage::format_error);

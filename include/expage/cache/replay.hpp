@@ -36,7 +36,8 @@ enum class policy_kind : std::uint8_t {
 /// @brief A trace flattened into access groups: the experts one layer needs
 /// for one forward pass of one lockstep batch, split by group_tokens() when
 /// the union exceeds the group limit; with each expert's next use (for Belady)
-/// and probability (the largest gating weight it got in the group).
+/// and probability (the largest gating weight it got in that layer-step, also
+/// when the step was split). Each group is one time step of the replay.
 ///
 /// Built once per trace and group limit; replaying it under many policies and
 /// capacities shares the work.
@@ -132,7 +133,16 @@ struct replay_result {
                                    const replay_options& options);
 
 /// Builds the access stream of @p trace for @p options and replays it.
-/// @throws expage::invalid_argument as access_stream and the other overload do.
+///
+/// @code
+/// auto trace = expage::read_trace("routing.jsonl", geometry);
+/// auto r = expage::replay(trace, geometry, expage::policy_kind::next_turn,
+///                         {.layout = expage::cache_layout::global, .capacity = 128});
+/// fmt::print("{:.3f} misses, {} moved, {:.1f} ms stall per token\n", r.miss_ratio(),
+///            expage::byte_size{r.bytes_moved}, r.stall_seconds_per_token() * 1e3);
+/// @endcode
+/// @throws expage::invalid_argument when the capacity is out of range for the
+///         layout, and as access_stream and the other overload do.
 [[nodiscard]] replay_result replay(const routing_trace& trace, const moe_geometry& geometry, policy_kind policy,
                                    const replay_options& options);
 

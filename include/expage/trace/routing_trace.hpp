@@ -9,12 +9,14 @@
 
 #include "expage/core/moe_geometry.hpp"
 
+#include <algorithm>
 #include <compare>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
 #include <span>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace expage {
@@ -54,6 +56,27 @@ struct execution_key {
   std::uint32_t step = 0;      ///< Token index (orders the prefill tokens of one pass).
   /// Lexicographic order of the fields as declared.
   friend constexpr auto operator<=>(const execution_key&, const execution_key&) noexcept = default;
+};
+
+/// @brief The prefill length of every sequence that has one, 0 for the others.
+///
+/// Sparse (sorted by sequence id): a trace whose ids are large or scattered
+/// costs memory for its prefill events only.
+/// @threadsafety thread-compatible.
+class prefill_table {
+ public:
+  /// The number of prefill steps of @p sequence. O(log n).
+  [[nodiscard]] std::uint32_t operator[](std::uint32_t sequence) const noexcept {
+    const auto it = std::lower_bound(entries_.begin(), entries_.end(), sequence,
+                                     [](const auto& e, std::uint32_t s) { return e.first < s; });
+    return it != entries_.end() && it->first == sequence ? it->second : 0;
+  }
+  /// True when no sequence has a prefill.
+  [[nodiscard]] bool empty() const noexcept { return entries_.empty(); }
+
+ private:
+  friend class routing_trace;
+  std::vector<std::pair<std::uint32_t, std::uint32_t>> entries_;  // (sequence, length), sorted, unique
 };
 
 /// @brief Steps missing from one layer of one sequence: [first_step, first_step + count).
@@ -166,14 +189,13 @@ class routing_trace {
   /// Reserves room for @p events events (and as many probability vectors when @p with_probabilities).
   void reserve(std::size_t events, bool with_probabilities = false);
 
-  /// Number of prefill steps of each sequence (1 + its largest prefill step; 0 without prefill),
-  /// indexed by sequence id (size: largest sequence id + 1).
-  [[nodiscard]] std::vector<std::uint32_t> prefill_lengths() const;
+  /// Number of prefill steps of each sequence (1 + its largest prefill step; 0 without prefill).
+  /// O(n + p log p) for p prefill events; the table is sparse, so sequence ids can be anything.
+  [[nodiscard]] prefill_table prefill_lengths() const;
 
-  /// The execution_key of event @p i given @p prefill_lengths (from prefill_lengths()).
-  /// @pre i < size() and the event's sequence indexes @p prefill_lengths.
-  [[nodiscard]] execution_key execution_key_of(std::size_t i,
-                                               std::span<const std::uint32_t> prefill_lengths) const noexcept;
+  /// The execution_key of event @p i given @p prefill (from prefill_lengths()).
+  /// @pre i < size().
+  [[nodiscard]] execution_key execution_key_of(std::size_t i, const prefill_table& prefill) const noexcept;
 
   /// True when the events are in strictly increasing execution_key order (no duplicates).
   [[nodiscard]] bool is_execution_ordered() const;
