@@ -56,6 +56,69 @@ TEST(GroupTokens, SplitsIntoGroupsThatFitAndCoverEveryTokenOnce) {
   }
 }
 
+TEST(GroupTokens, FindsFewerGroupsThanFirstFit) {
+  // First-fit puts {1,2} and {3,4} together, then needs two more groups; the
+  // optimum pairs each token with its superset.
+  const std::vector<std::vector<std::uint32_t>> t = {{1, 2}, {3, 4}, {1, 2, 5, 6}, {3, 4, 7, 8}};
+  const auto g = group_tokens(spans(t), 4);
+  ASSERT_EQ(g.tokens.size(), 2U);
+  EXPECT_TRUE(g.minimal());
+  EXPECT_EQ(g.tokens[0], (std::vector<std::uint32_t>{0, 2}));
+  EXPECT_EQ(g.tokens[1], (std::vector<std::uint32_t>{1, 3}));
+  const auto unproven = group_tokens(spans(t), 4, /*search_budget=*/1);
+  EXPECT_EQ(unproven.tokens.size(), 3U) << "out of budget: first-fit's split, not claimed minimal";
+  EXPECT_FALSE(unproven.minimal());
+}
+
+// The fewest groups by brute force over every set partition (restricted growth strings).
+std::size_t optimum(const std::vector<std::vector<std::uint32_t>>& t, std::size_t cap) {
+  const std::size_t n = t.size();
+  std::vector<std::size_t> label(n, 0);
+  std::size_t best = n;
+  while (true) {
+    const std::size_t groups = n == 0 ? 0 : *std::max_element(label.begin(), label.end()) + 1;
+    bool fits = true;
+    for (std::size_t g = 0; g < groups && fits; ++g) {
+      std::set<std::uint32_t> u;
+      for (std::size_t i = 0; i < n; ++i) {
+        if (label[i] == g) u.insert(t[i].begin(), t[i].end());
+      }
+      fits = u.size() <= cap;
+    }
+    if (fits) best = std::min(best, groups);
+    // next restricted growth string
+    std::size_t i = n;
+    while (i-- > 1) {
+      const std::size_t m = *std::max_element(label.begin(), label.begin() + static_cast<std::ptrdiff_t>(i));
+      if (label[i] <= m) {
+        ++label[i];
+        std::fill(label.begin() + static_cast<std::ptrdiff_t>(i) + 1, label.end(), 0);
+        break;
+      }
+    }
+    if (i == 0 || n <= 1) break;
+  }
+  return best;
+}
+
+TEST(GroupTokens, MatchesTheBruteForceOptimum) {
+  for (std::uint64_t seed = 1; seed <= 150; ++seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<std::vector<std::uint32_t>> t(2 + rng() % 6);
+    for (auto& tok : t) {
+      const std::size_t k = 1 + rng() % 3;
+      while (tok.size() < k) {
+        const auto e = static_cast<std::uint32_t>(rng() % 9);
+        if (std::find(tok.begin(), tok.end(), e) == tok.end()) tok.push_back(e);
+      }
+    }
+    const std::size_t cap = 3 + rng() % 3;
+    const auto g = group_tokens(spans(t), cap);
+    EXPECT_EQ(g.tokens.size(), optimum(t, cap)) << "seed " << seed;
+    EXPECT_TRUE(g.minimal());
+  }
+}
+
 TEST(GroupTokens, RejectsImpossibleRequests) {
   const std::vector<std::vector<std::uint32_t>> t = {{0, 1, 2}};
   EXPECT_THROW((void)group_tokens(spans(t), 2), invalid_argument);

@@ -14,9 +14,13 @@ struct token_grouping {
   std::vector<std::vector<std::uint32_t>> tokens;   ///< Per group: indices of its tokens, ascending.
   std::vector<std::vector<std::uint32_t>> experts;  ///< Per group: the union of its tokens' experts, first-seen order.
   std::size_t lower_bound = 0;  ///< ⌈|union of all experts| / capacity⌉: no split has fewer groups.
-  /// True when the split is provably minimal (its size meets the lower bound).
-  [[nodiscard]] bool minimal() const noexcept { return tokens.size() == lower_bound; }
+  bool proven_minimal = false;  ///< True when no split into fewer groups exists.
+  /// True when the split has the fewest groups possible.
+  [[nodiscard]] bool minimal() const noexcept { return proven_minimal; }
 };
+
+/// Nodes group_tokens() may explore looking for fewer groups than first-fit found.
+inline constexpr std::size_t default_grouping_search_budget = 100'000;
 
 /// Splits tokens into groups whose per-group expert union has at most
 /// @p capacity experts (WiSP §3.2: when a batch's expert union exceeds the
@@ -25,10 +29,14 @@ struct token_grouping {
 /// layer depends only on its own activations and experts).
 ///
 /// Finding the fewest groups is a set-union packing problem (NP-hard in
-/// general); this is first-fit: each token joins the first group it fits,
-/// which keeps tokens in order within a group. The result reports the lower
-/// bound ⌈|union|/capacity⌉, and minimal() says when first-fit met it. One
-/// group is returned when everything fits. O(tokens · groups · k).
+/// general). First-fit (each token joins the first group it fits) runs first;
+/// when it uses more groups than the lower bound ⌈|union|/capacity⌉, an exact
+/// depth-first search tries every smaller count from the bound up (tokens with
+/// the most experts first, interchangeable empty groups pruned), within
+/// @p search_budget nodes. minimal() is true when the result is proven to have
+/// the fewest groups: always for the step sizes of real batches; when the
+/// budget runs out first-fit's split is returned unproven. Tokens stay in
+/// ascending order within a group, and groups are ordered by their first token.
 ///
 /// @code
 /// std::vector<std::span<const std::uint32_t>> routed = {t0_experts, t1_experts, t2_experts};
@@ -37,6 +45,7 @@ struct token_grouping {
 /// @endcode
 /// @throws expage::invalid_argument when @p capacity is 0 or one token alone needs more than @p capacity experts.
 [[nodiscard]] token_grouping group_tokens(std::span<const std::span<const std::uint32_t>> token_experts,
-                                          std::size_t capacity);
+                                          std::size_t capacity,
+                                          std::size_t search_budget = default_grouping_search_budget);
 
 }  // namespace expage
