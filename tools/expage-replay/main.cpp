@@ -44,7 +44,7 @@ input (one of):
     --zipf S              popularity exponent (default: fitted for the geometry)
     --locality P          probability a token keeps each previous expert, [0, 1] (default 0.3)
     --workloads N         distinct hot sets, one per phase (default 1)
-  --batch N             sequences decoded in lockstep (default 1; also applies to --trace)
+  --batch N             sequences decoded in lockstep (default 1, or what a binary trace records)
 
 model and cache:
   --geometry NAME       model: {} (default mixtral-8x7b)
@@ -81,7 +81,7 @@ struct config {
     o.decode_steps = 128;
     return o;
   }();
-  std::uint32_t batch = 1;
+  std::optional<std::uint32_t> batch;  // unset: 1, or what a binary trace records
   std::string geometry = "mixtral-8x7b";
   std::vector<expage::policy_kind> policies;
   std::vector<std::string> capacities = {"25%", "50%", "75%"};
@@ -116,14 +116,12 @@ T parse_number(std::string_view flag, std::string_view text, T lo, T hi) {
 }
 
 double parse_real(std::string_view flag, std::string_view text, double lo, double hi) {
-  try {
-    std::size_t used = 0;
-    const double v = std::stod(std::string(text), &used);
-    if (used != text.size() || !(v >= lo && v <= hi)) throw std::invalid_argument("range");
-    return v;
-  } catch (const std::exception&) {
+  double v = 0.0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end != text.data() + text.size() || !(v >= lo && v <= hi)) {
     throw usage_error{fmt::format("{} '{}' is not a number in [{}, {}]", flag, text, lo, hi)};
   }
+  return v;
 }
 
 config parse(int argc, char** argv, const std::string& help) {
@@ -161,7 +159,11 @@ config parse(int argc, char** argv, const std::string& help) {
       c.geometry = std::string(value());
     } else if (flag == "--policy") {
       c.policies.clear();
-      for (const auto& name : split(value())) {
+      const auto names = split(value());
+      if (names.empty() || std::any_of(names.begin(), names.end(), [](const auto& n) { return n.empty(); })) {
+        throw usage_error{"--policy needs a comma-separated list of policy names (see --help)"};
+      }
+      for (const auto& name : names) {
         if (name == "all") {
           const auto all = expage::all_policy_kinds();
           c.policies.assign(all.begin(), all.end());
@@ -175,7 +177,10 @@ config parse(int argc, char** argv, const std::string& help) {
       }
     } else if (flag == "--capacity") {
       c.capacities = split(value());
-      if (c.capacities.empty()) throw usage_error{"--capacity needs at least one value"};
+      if (c.capacities.empty() ||
+          std::any_of(c.capacities.begin(), c.capacities.end(), [](const auto& v) { return v.empty(); })) {
+        throw usage_error{"--capacity needs a comma-separated list of slot counts or percentages"};
+      }
     } else if (flag == "--layout") {
       const std::string_view v = value();
       if (v == "per-layer")
@@ -357,15 +362,14 @@ int main(int argc, char** argv) {
     }
     expage::routing_trace trace = [&] {
       if (c.trace) {
-        auto t = expage::read_trace(*c.trace, g, {.batch_size = c.batch});
-        return t;
+        return expage::read_trace(*c.trace, g, {.batch_size = c.batch.value_or(1)});
       }
       expage::synthetic_options o = c.synth;
-      o.batch_size = c.batch;
+      o.batch_size = c.batch.value_or(1);
       return expage::generate_synthetic(g, o);
     }();
-    if (trace.batch_size() != c.batch) {
-      trace.set_batch_size(c.batch);
+    if (c.batch && trace.batch_size() != *c.batch) {  // a binary trace records its own; --batch overrides it
+      trace.set_batch_size(*c.batch);
       trace.restore_execution_order();
     }
     const std::string source = c.trace ? *c.trace : fmt::format("synthetic (seed {})", c.synth.seed);
@@ -373,7 +377,22 @@ int main(int argc, char** argv) {
                g.experts_per_layer(), g.top_k(), trace.batch_size());
 
     const bool bar = c.progress == 1 || (c.progress == -1 && ::isatty(STDERR_FILENO) != 0);
-    const std::size_t curve_runs = (c.svg || c.json) ? c.layouts.size() * c.policies.size() * c.curve_points : 0;
+    // The capacities each layout's curve samples: from top-k (a step must fit) to every expert.
+    const auto curve_capacities = [&](expage::cache_layout layout) {
+      const std::uint32_t keys =
+          layout == expage::cache_layout::global ? static_cast<std::uint32_t>(g.expert_count()) : g.experts_per_layer();
+      std::vector<std::uint32_t> slots;
+      for (std::uint32_t i = 0; i < c.curve_points; ++i) {
+        const auto s = static_cast<std::uint32_t>(g.top_k() + (static_cast<std::uint64_t>(keys - g.top_k()) * i) /
+                                                                  (c.curve_points - 1));
+        if (slots.empty() || slots.back() != s) slots.push_back(s);
+      }
+      return slots;
+    };
+    std::size_t curve_runs = 0;
+    if (c.svg || c.json) {
+      for (const auto layout : c.layouts) curve_runs += curve_capacities(layout).size() * c.policies.size();
+    }
     progress_bar progress(bar, jobs.size() * c.policies.size() + curve_runs);
 
     std::vector<expage::replay_result> results;
@@ -415,25 +434,16 @@ int main(int argc, char** argv) {
     std::vector<curve> curves;
     if (c.svg || c.json) {
       for (const auto layout : c.layouts) {
-        const std::uint32_t keys = layout == expage::cache_layout::global ? static_cast<std::uint32_t>(g.expert_count())
-                                                                          : g.experts_per_layer();
-        std::vector<std::uint32_t> slots;
-        for (std::uint32_t i = 0; i < c.curve_points; ++i) {
-          const auto s = static_cast<std::uint32_t>(g.top_k() + (static_cast<std::uint64_t>(keys - g.top_k()) * i) /
-                                                                    (c.curve_points - 1));
-          if (slots.empty() || slots.back() != s) slots.push_back(s);
-        }
         for (const auto p : c.policies) curves.push_back({p, layout, {}});
         const std::size_t first = curves.size() - c.policies.size();
-        for (const std::uint32_t s : slots) {
+        for (const std::uint32_t s : curve_capacities(layout)) {
           const expage::access_stream stream(trace, s);
           for (std::size_t k = 0; k < c.policies.size(); ++k) {
             const auto r =
                 expage::replay(stream, g, c.policies[k], {.layout = layout, .capacity = s, .format = c.format});
             curves[first + k].points.emplace_back(s, r.miss_ratio());
-          }
-          for (std::size_t k = 0; k < c.policies.size() * c.curve_points / slots.size(); ++k) {
-            progress.step(fmt::format("curves {} {}", expage::to_string(layout), s));
+            progress.step(
+                fmt::format("curve {} {} {}", expage::to_string(c.policies[k]), expage::to_string(layout), s));
           }
         }
       }
@@ -462,10 +472,10 @@ int main(int argc, char** argv) {
         std::vector<std::string> layers;
         for (const auto& l : r.layers) layers.push_back(fmt::format("[{},{},{}]", l.accesses, l.hits, l.misses));
         json += fmt::format(
-            R"({}{{"layout":"{}","slots":{},"policy":"{}","accesses":{},"hits":{},"misses":{},"miss_ratio":{:.6f},"compulsory":{},"bytes_moved":{},"stall_seconds_per_token":{:.9f},"layers":[{}]}})",
+            R"({}{{"layout":"{}","slots":{},"policy":"{}","accesses":{},"hits":{},"misses":{},"miss_ratio":{:.6f},"compulsory":{},"evictions":{},"split_groups":{},"bytes_moved":{},"stall_seconds_per_token":{:.9f},"layers":[{}]}})",
             i == 0 ? "" : ",", expage::to_string(r.options.layout), r.options.capacity, expage::to_string(r.policy),
-            r.accesses, r.hits, r.misses, r.miss_ratio(), r.compulsory, r.bytes_moved, r.stall_seconds_per_token(),
-            fmt::join(layers, ","));
+            r.accesses, r.hits, r.misses, r.miss_ratio(), r.compulsory, r.evictions, r.split_groups, r.bytes_moved,
+            r.stall_seconds_per_token(), fmt::join(layers, ","));
       }
       json += "],\"curves\":[";
       for (std::size_t i = 0; i < curves.size(); ++i) {
@@ -493,5 +503,8 @@ int main(int argc, char** argv) {
   } catch (const expage::invalid_argument& e) {
     fmt::print(stderr, "expage-replay: {}\n", e.what());
     return 2;
+  } catch (const std::exception& e) {  // out of memory, an unwritable file, ...
+    fmt::print(stderr, "expage-replay: {}\n", e.what());
+    return 1;
   }
 }
