@@ -57,8 +57,9 @@ struct block_pool_statistics {
 /// all accounts share one budget tree. Blocks come from the backend in slabs of
 /// `growth_blocks` (preallocated at construction or grown on demand up to
 /// `max_blocks`), so the backend's allocator is off the acquire path: acquiring
-/// a span of k blocks pops k blocks from an intrusive free list (O(k)) and
-/// releasing pushes the span back in one splice (O(1)); neither allocates.
+/// a span of k blocks pops k blocks from an intrusive free list and releasing
+/// splices the span back in one step, after an O(k) pass that clears the
+/// blocks' in-use bits (which catch a double release); neither allocates.
 ///
 /// A span's blocks are not contiguous in memory; a mechanism that needs a
 /// contiguous view maps them into one virtual range (vmm/). The budget
@@ -185,7 +186,8 @@ class block_pool {
 
   /// A pool drawing from @p backend and charging @p account.
   /// @throws expage::invalid_argument naming the bad option and its allowed range.
-  /// @throws std::bad_alloc when the initial slabs cannot be allocated (nothing is kept).
+  /// @throws whatever the backend throws when the initial slabs cannot be
+  ///         allocated (expage::out_of_memory for expage's backends); nothing is kept.
   block_pool(Backend backend, budget_account& account, block_pool_options options)
       : backend_(std::move(backend)), account_(&account), options_(std::move(options)) {
     const std::size_t bs = backend_.block_size();
@@ -266,9 +268,10 @@ class block_pool {
 
   /// Like acquire(), but uses the caller's reservation @p charge (made on this
   /// pool's account, e.g. by an admission check) instead of reserving anew. The
-  /// reservation is grown or shrunk to ⌈bytes/block_size⌉ blocks; on failure
-  /// @p charge is left exactly as it was.
-  /// @throws expage::invalid_argument when @p charge is empty or on another account.
+  /// reservation is grown to whole blocks, ⌈bytes/block_size⌉ · block_size; on
+  /// failure @p charge is left exactly as it was.
+  /// @throws expage::invalid_argument when @p charge is empty, on another account,
+  ///         or larger than the pool can ever hold.
   /// @throws expage::out_of_budget when growing the reservation is refused.
   /// @throws expage::out_of_memory when max_blocks would be exceeded, or the backend's own exception.
   [[nodiscard]] span acquire(reservation&& charge) {
