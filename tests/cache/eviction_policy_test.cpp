@@ -181,14 +181,14 @@ TEST(NextTurnPolicy, RejectsABadDecay) {
 // A caller that gives several groups the same time (e.g. the token groups of
 // one split step) must not make the policy pick a key that is not resident.
 TEST(NextTurnPolicy, SurvivesCallersThatReuseAGroupTime) {
-  const moe_geometry g(moe_geometry::config{.name = "tiny", .layers = 32, .experts_per_layer = 8, .top_k = 2,
-                                            .hidden_size = 64, .intermediate_size = 32});
+  const moe_geometry g(moe_geometry::config{
+      .name = "tiny", .layers = 32, .experts_per_layer = 8, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
   slot_cache<next_turn_policy> cache(g, {.layout = cache_layout::per_layer, .capacity = 2});
   const std::uint32_t a[] = {3, 5};
   const std::uint32_t b[] = {3, 6};
   const std::uint32_t c[] = {7};
-  for (const std::span<const std::uint32_t> group : {std::span<const std::uint32_t>(a), std::span<const std::uint32_t>(b),
-                                                      std::span<const std::uint32_t>(c)}) {
+  for (const std::span<const std::uint32_t> group :
+       {std::span<const std::uint32_t>(a), std::span<const std::uint32_t>(b), std::span<const std::uint32_t>(c)}) {
     const auto r = cache.access(0, group, {.time = 5});
     for (const auto& load : r.loads) {
       EXPECT_GE(load.slot, 0);
