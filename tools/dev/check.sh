@@ -5,8 +5,8 @@
 #      benchmark, the package tests, the Doxygen build (warnings are errors);
 #   2. the host library and its tests under AddressSanitizer + UBSan;
 #   3. the host library and its tests under ThreadSanitizer;
-#   4. the libFuzzer targets of the trace readers, 15 s each (when clang++ is
-#      installed; skipped with a message otherwise).
+#   4. the libFuzzer targets of the trace readers, 15 s each (when clang++ and
+#      its libFuzzer runtime are installed; skipped with a message otherwise).
 # Usage: tools/dev/check.sh [release|asan|tsan|fuzz]...   (default: all four)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -33,10 +33,15 @@ for stage in "${stages[@]}"; do
       ctest --preset "$stage" -j "$jobs"
       ;;
     fuzz)
-      if ! command -v clang++ >/dev/null; then
-        echo "::: expage check: fuzz skipped: clang++ is not installed"
+      # Needs clang++ and its libFuzzer runtime (Debian: clang, libclang-rt-*-dev).
+      probe=$(mktemp -d)
+      echo 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }' >"$probe/p.cpp"
+      if ! command -v clang++ >/dev/null || ! clang++ -fsanitize=fuzzer "$probe/p.cpp" -o "$probe/p" 2>/dev/null; then
+        rm -rf "$probe"
+        echo "::: expage check: fuzz skipped: clang++ with libFuzzer is not available"
         continue
       fi
+      rm -rf "$probe"
       cmake --preset fuzz
       cmake --build --preset fuzz -j "$jobs"
       ctest --preset fuzz -j "$jobs"
