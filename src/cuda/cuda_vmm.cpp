@@ -1,0 +1,292 @@
+#include "expage/cuda/cuda_vmm.hpp"
+
+#include "expage/core/error.hpp"
+#include "expage/core/units.hpp"
+#include "expage/cuda/driver.hpp"
+#include "expage/cuda/runtime.hpp"
+#include "expage/detail/assert.hpp"
+
+#include <fmt/format.h>
+
+#include <utility>
+
+namespace expage::cuda {
+namespace {
+
+constexpr std::size_t max_initial_blocks = std::size_t{1} << 20;
+
+bool is_power_of_two(std::size_t v) noexcept { return v != 0 && (v & (v - 1)) == 0; }
+
+CUdeviceptr device_address(const std::byte* p) noexcept {
+  return static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(p));
+}
+std::byte* host_pointer(CUdeviceptr a) noexcept { return reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(a)); }
+
+CUmemAllocationProp pinned_device_prop(int device) noexcept {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  return prop;
+}
+
+CUmemAccessDesc access_desc(int device, access_mode a) noexcept {
+  CUmemAccessDesc desc{};
+  desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  desc.location.id = device;
+  desc.flags = a == access_mode::read_write ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_NONE;
+  return desc;
+}
+
+// Validates everything that needs no driver first, so bad options are
+// reported as such on machines without one.
+std::size_t validated_granularity(const cuda_vmm::options& opts) {
+  if (opts.device < 0) {
+    throw invalid_argument(fmt::format("cuda_vmm: device {} must be ≥ 0", opts.device));
+  }
+  if (opts.granularity != 0 && (!is_power_of_two(opts.granularity) || opts.granularity > GiB)) {
+    throw invalid_argument(
+        fmt::format("cuda_vmm: granularity {} must be 0 or a power of two up to {}", opts.granularity, GiB));
+  }
+  if (opts.initial_blocks > max_initial_blocks) {
+    throw invalid_argument(
+        fmt::format("cuda_vmm: initial_blocks {} out of range [0, {}]", opts.initial_blocks, max_initial_blocks));
+  }
+  const driver_api& drv = require_driver();
+  const CUmemAllocationProp prop = pinned_device_prop(opts.device);
+  std::size_t minimum = 0;
+  check(drv.mem_get_allocation_granularity(&minimum, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+        "cuMemGetAllocationGranularity");
+  if (opts.granularity == 0) return minimum;
+  if (opts.granularity % minimum != 0) {
+    throw invalid_argument(fmt::format("cuda_vmm: granularity {} is not a multiple of device {}'s minimum {}",
+                                       opts.granularity, opts.device, minimum));
+  }
+  return opts.granularity;
+}
+
+}  // namespace
+
+cuda_vmm::cuda_vmm(options opts)
+    : options_(opts),
+      granularity_(validated_granularity(opts)),
+      prop_(pinned_device_prop(opts.device)),
+      table_("cuda_vmm", granularity_) {
+  options_.granularity = granularity_;
+  const scoped_device guard(options_.device);
+  EXPAGE_CUDA_CHECK(cudaFree(nullptr));  // makes the primary context exist before any driver call
+  cache_.reserve(options_.initial_blocks);
+  try {
+    for (std::size_t i = 0; i < options_.initial_blocks; ++i) cache_.push_back(new_handle());
+  } catch (...) {
+    release_handles(cache_);
+    throw;
+  }
+}
+
+cuda_vmm::~cuda_vmm() {
+  const std::lock_guard lock(mutex_);
+  const driver_api* drv = driver();
+  if (drv == nullptr) return;  // unreachable: construction resolved it
+  for (const auto& [base, r] : table_.reservations()) {
+    for (const auto& [granule, slot] : r.mapped) {
+      drv->mem_unmap(static_cast<CUdeviceptr>(base + granule * granularity_), granularity_);
+      cache_.push_back(static_cast<CUmemGenericAllocationHandle>(table_.at(slot).payload));
+    }
+    drv->mem_address_free(static_cast<CUdeviceptr>(base), r.bytes);
+  }
+  for (std::size_t slot = 0; slot < table_.slot_count(); ++slot) {
+    const detail::vmm_table::slot_record& s = table_.at(static_cast<std::uint32_t>(slot));
+    if (s.state == block_state::created) cache_.push_back(static_cast<CUmemGenericAllocationHandle>(s.payload));
+  }
+  release_handles(cache_);
+}
+
+CUmemGenericAllocationHandle cuda_vmm::new_handle() {
+  const driver_api& drv = require_driver();
+  CUmemGenericAllocationHandle handle = 0;
+  const CUresult rc = drv.mem_create(&handle, granularity_, &prop_, 0);
+  if (rc == CUDA_ERROR_OUT_OF_MEMORY) {
+    throw out_of_memory(fmt::format("cuda_vmm: cuMemCreate of a {} block on device {} failed: out of memory",
+                                    byte_size{granularity_}, options_.device));
+  }
+  check(rc, "cuMemCreate");
+  return handle;
+}
+
+void cuda_vmm::release_handles(std::vector<CUmemGenericAllocationHandle>& handles) noexcept {
+  if (const driver_api* drv = driver()) {
+    for (const CUmemGenericAllocationHandle h : handles) {
+      [[maybe_unused]] const CUresult rc = drv->mem_release(h);
+      EXPAGE_ASSERT(rc == CUDA_SUCCESS, "cuda_vmm: cuMemRelease failed");
+    }
+  }
+  handles.clear();
+}
+
+std::byte* cuda_vmm::reserve(std::size_t bytes) {
+  if (bytes == 0 || bytes % granularity_ != 0 || bytes > max_bytes) {
+    throw invalid_argument(
+        fmt::format("cuda_vmm::reserve: {} bytes is not a positive multiple of the granularity {} in [{}, {}]", bytes,
+                    granularity_, granularity_, max_bytes));
+  }
+  const std::lock_guard lock(mutex_);
+  const driver_api& drv = require_driver();
+  const scoped_device guard(options_.device);
+  CUdeviceptr base = 0;
+  check(drv.mem_address_reserve(&base, bytes, granularity_, 0, 0), "cuMemAddressReserve");
+  try {
+    table_.add_reservation(static_cast<std::uintptr_t>(base), bytes);
+  } catch (...) {
+    drv.mem_address_free(base, bytes);
+    throw;
+  }
+  return host_pointer(base);
+}
+
+void cuda_vmm::free(std::byte* base) noexcept {
+  const std::lock_guard lock(mutex_);
+  const auto address = reinterpret_cast<std::uintptr_t>(base);
+  detail::vmm_table::reservation* r = table_.find_reservation(address);
+  EXPAGE_ASSERT(r != nullptr, "cuda_vmm::free: not a reservation's base address (or freed twice)");
+  if (r == nullptr) return;
+  EXPAGE_ASSERT(r->mapped.empty(), "cuda_vmm::free: the reservation still has mapped blocks (unmap them first)");
+  if (!r->mapped.empty()) return;
+  if (const driver_api* drv = driver()) {
+    [[maybe_unused]] const CUresult rc = drv->mem_address_free(device_address(base), r->bytes);
+    EXPAGE_ASSERT(rc == CUDA_SUCCESS, "cuda_vmm::free: cuMemAddressFree failed");
+  }
+  table_.erase_reservation(address);
+}
+
+cuda_vmm::physical_block cuda_vmm::create() {
+  const std::lock_guard lock(mutex_);
+  if (cache_.empty()) {
+    const scoped_device guard(options_.device);
+    cache_.reserve(cache_.size() + 1);  // first, so that the push cannot throw and leak the new handle
+    cache_.push_back(new_handle());
+  }
+  const CUmemGenericAllocationHandle handle = cache_.back();
+  const physical_block b = table_.add<physical_block>(handle);  // may throw: the handle stays cached
+  cache_.pop_back();
+  return b;
+}
+
+void cuda_vmm::release(physical_block block) noexcept {
+  const std::lock_guard lock(mutex_);
+  detail::vmm_table::slot_record* r = table_.find(block.slot, block.generation);
+  EXPAGE_ASSERT(r != nullptr, "cuda_vmm::release: unknown or already released block");
+  if (r == nullptr) return;
+  EXPAGE_ASSERT(r->state != block_state::mapped, "cuda_vmm::release: the block is mapped (unmap it first)");
+  if (r->state == block_state::mapped) return;
+  const auto handle = static_cast<CUmemGenericAllocationHandle>(r->payload);
+  table_.remove(block.slot);
+  if (cache_.size() < options_.max_cached_blocks) {
+    try {
+      cache_.push_back(handle);
+      return;
+    } catch (...) {  // no memory for the list: release the block instead
+    }
+  }
+  if (const driver_api* drv = driver()) {
+    [[maybe_unused]] const CUresult rc = drv->mem_release(handle);
+    EXPAGE_ASSERT(rc == CUDA_SUCCESS, "cuda_vmm::release: cuMemRelease failed");
+  }
+}
+
+void cuda_vmm::trim() noexcept {
+  const std::lock_guard lock(mutex_);
+  release_handles(cache_);
+}
+
+void cuda_vmm::map(physical_block block, std::byte* address, access_mode access) {
+  const std::lock_guard lock(mutex_);
+  detail::vmm_table::slot_record& s = table_.require_created("cuda_vmm::map", block.slot, block.generation);
+  const detail::vmm_table::run r =
+      table_.require_run("cuda_vmm::map", reinterpret_cast<std::uintptr_t>(address), granularity_);
+  if (const auto it = r.where->mapped.find(r.first); it != r.where->mapped.end()) {
+    throw invalid_argument(fmt::format("cuda_vmm::map: the granule at {} already holds block (slot {}, generation {})",
+                                       fmt::ptr(address), it->second, table_.at(it->second).generation));
+  }
+  const auto [it, inserted] = r.where->mapped.emplace(r.first, block.slot);  // may throw: nothing changed yet
+  try {
+    const driver_api& drv = require_driver();
+    const scoped_device guard(options_.device);
+    const CUdeviceptr ptr = device_address(address);
+    check(drv.mem_map(ptr, granularity_, 0, static_cast<CUmemGenericAllocationHandle>(s.payload), 0), "cuMemMap");
+    if (access == access_mode::read_write) {
+      const CUmemAccessDesc desc = access_desc(options_.device, access);
+      const CUresult rc = drv.mem_set_access(ptr, granularity_, &desc, 1);
+      if (rc != CUDA_SUCCESS) {
+        drv.mem_unmap(ptr, granularity_);
+        check(rc, "cuMemSetAccess");
+      }
+    }
+  } catch (...) {
+    r.where->mapped.erase(it);
+    throw;
+  }
+  s.state = block_state::mapped;
+  s.address = reinterpret_cast<std::uintptr_t>(address);
+}
+
+void cuda_vmm::unmap(std::byte* address, std::size_t bytes) noexcept {
+  const std::lock_guard lock(mutex_);
+  const detail::vmm_table::run r = table_.locate(reinterpret_cast<std::uintptr_t>(address), bytes, nullptr);
+  EXPAGE_ASSERT(r.where != nullptr, "cuda_vmm::unmap: the range is not granule-aligned inside one reservation");
+  if (r.where == nullptr) return;
+  const bool all_mapped = detail::vmm_table::first_unmapped(r) == r.count;
+  EXPAGE_ASSERT(all_mapped, "cuda_vmm::unmap: a granule of the range holds no block (unmapped twice?)");
+  if (!all_mapped) return;
+  if (const driver_api* drv = driver()) {
+    // One call for the run: cuMemUnmap accepts a range covering several whole mappings.
+    [[maybe_unused]] const CUresult rc = drv->mem_unmap(device_address(address), bytes);
+    EXPAGE_ASSERT(rc == CUDA_SUCCESS, "cuda_vmm::unmap: cuMemUnmap failed");
+  }
+  for (std::size_t i = 0; i < r.count; ++i) {
+    const auto it = r.where->mapped.find(r.first + i);
+    detail::vmm_table::slot_record& s = table_.at(it->second);
+    s.state = block_state::created;
+    s.address = 0;
+    r.where->mapped.erase(it);
+  }
+}
+
+void cuda_vmm::set_access(std::byte* address, std::size_t bytes, access_mode access) {
+  const std::lock_guard lock(mutex_);
+  (void)table_.require_mapped_run("cuda_vmm::set_access", reinterpret_cast<std::uintptr_t>(address), bytes);
+  const driver_api& drv = require_driver();
+  const scoped_device guard(options_.device);
+  const CUmemAccessDesc desc = access_desc(options_.device, access);
+  check(drv.mem_set_access(device_address(address), bytes, &desc, 1), "cuMemSetAccess");
+}
+
+block_state cuda_vmm::state(physical_block block) const {
+  const std::lock_guard lock(mutex_);
+  const detail::vmm_table::slot_record* s = table_.find(block.slot, block.generation);
+  return s == nullptr ? block_state::free : s->state;
+}
+
+std::byte* cuda_vmm::mapped_address(physical_block block) const {
+  const std::lock_guard lock(mutex_);
+  const detail::vmm_table::slot_record* s = table_.find(block.slot, block.generation);
+  return s == nullptr || s->state != block_state::mapped ? nullptr : reinterpret_cast<std::byte*>(s->address);
+}
+
+std::size_t cuda_vmm::blocks() const {
+  const std::lock_guard lock(mutex_);
+  return table_.live_blocks();
+}
+
+std::size_t cuda_vmm::cached_blocks() const {
+  const std::lock_guard lock(mutex_);
+  return cache_.size();
+}
+
+std::size_t cuda_vmm::physical_bytes() const {
+  const std::lock_guard lock(mutex_);
+  return (table_.live_blocks() + cache_.size()) * granularity_;
+}
+
+}  // namespace expage::cuda

@@ -1,0 +1,387 @@
+#include "expage/vmm/host_vmm.hpp"
+
+#include "expage/core/error.hpp"
+#include "expage/core/units.hpp"
+#include "expage/detail/assert.hpp"
+
+#include <fmt/format.h>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <string>
+
+namespace expage {
+namespace {
+
+std::size_t page_size() noexcept {
+  static const auto size = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  return size;
+}
+
+bool is_power_of_two(std::size_t v) noexcept { return v != 0 && (v & (v - 1)) == 0; }
+
+int protection(access_mode a) noexcept { return a == access_mode::read_write ? PROT_READ | PROT_WRITE : PROT_NONE; }
+
+std::uintptr_t address_of(const std::byte* p) noexcept { return reinterpret_cast<std::uintptr_t>(p); }
+std::byte* to_pointer(std::uintptr_t a) noexcept { return reinterpret_cast<std::byte*>(a); }
+
+// The placeholder every unmapped granule holds: no access, no memory, no commit charge.
+constexpr int placeholder_flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+
+bool put_placeholder(std::byte* address, std::size_t bytes) noexcept {
+  return ::mmap(address, bytes, PROT_NONE, placeholder_flags | MAP_FIXED, -1, 0) != MAP_FAILED;
+}
+
+// 0 when the file cannot be read.
+std::size_t read_max_map_count() noexcept {
+  std::FILE* f = std::fopen("/proc/sys/vm/max_map_count", "re");
+  if (f == nullptr) return 0;
+  unsigned long long v = 0;
+  const int n = std::fscanf(f, "%llu", &v);
+  std::fclose(f);
+  return n == 1 ? static_cast<std::size_t>(v) : 0;
+}
+
+std::size_t count_process_mappings() noexcept {
+  std::FILE* f = std::fopen("/proc/self/maps", "re");
+  if (f == nullptr) return 0;
+  std::size_t lines = 0;
+  char buffer[4096];
+  std::size_t n = 0;
+  while ((n = std::fread(buffer, 1, sizeof buffer, f)) != 0) {
+    lines += static_cast<std::size_t>(std::count(buffer, buffer + n, '\n'));
+  }
+  std::fclose(f);
+  return lines;
+}
+
+// The process-wide budget of mappings shared by every host_vmm: vm.max_map_count
+// less what the process held when the first host_vmm was built (libraries,
+// heaps, stacks) less a margin for what it maps later (an eighth of the limit,
+// at least 1024: thread stacks and malloc arenas, CUDA's own mappings).
+struct process_budget {
+  std::size_t system_limit = read_max_map_count();
+  std::size_t baseline = count_process_mappings();
+  std::size_t margin = 0;
+  std::size_t limit = 0;
+  std::atomic<std::size_t> used{0};  // sum of every host_vmm's estimate
+
+  process_budget() noexcept {
+    if (system_limit == 0) system_limit = 65530;  // the kernel's default (DEFAULT_MAX_MAP_COUNT)
+    margin = std::max<std::size_t>(system_limit / 8, 1024);
+    limit = system_limit > baseline + margin ? system_limit - baseline - margin : 0;
+  }
+};
+
+process_budget& process_mappings_budget() noexcept {
+  static process_budget b;  // thread-safe static initialization
+  return b;
+}
+
+std::size_t validated_granularity(std::size_t requested) {
+  const std::size_t g = requested == 0 ? page_size() : requested;
+  if (!is_power_of_two(g) || g < page_size() || g > GiB) {
+    throw invalid_argument(
+        fmt::format("host_vmm: granularity {} must be 0 or a power of two in [{}, {}]", requested, page_size(), GiB));
+  }
+  return g;
+}
+
+}  // namespace
+
+host_vmm::host_vmm(options opts)
+    : options_(opts), granularity_(validated_granularity(opts.granularity)), table_("host_vmm", granularity_) {
+  options_.granularity = granularity_;
+  (void)process_mappings_budget();  // measure the process's baseline before it maps anything of ours
+  fd_ = ::memfd_create("expage.host_vmm", MFD_CLOEXEC);
+  if (fd_ < 0) {
+    const int err = errno;
+    throw out_of_memory(fmt::format("host_vmm: memfd_create failed: {}", std::strerror(err)));
+  }
+}
+
+host_vmm::~host_vmm() {
+  const std::lock_guard lock(mutex_);
+  for (const auto& [base, r] : table_.reservations()) {
+    ::munmap(to_pointer(base), r.bytes);
+  }
+  process_mappings_budget().used.fetch_sub(mappings_, std::memory_order_relaxed);
+  ::close(fd_);
+}
+
+void host_vmm::charge_mappings(std::ptrdiff_t delta, const char* op) {
+  if (delta <= 0) {
+    adjust_mappings(delta);
+    return;
+  }
+  const auto more = static_cast<std::size_t>(delta);
+  if (options_.max_mappings != 0 && mappings_ + more > options_.max_mappings) {
+    throw out_of_memory(
+        fmt::format("{}: would use {} memory mappings, over this host_vmm's limit of {} (options::max_mappings)", op,
+                    mappings_ + more, options_.max_mappings));
+  }
+  process_budget& b = process_mappings_budget();
+  // Relaxed: a counter that publishes nothing; each compare-exchange sees the
+  // latest total, so concurrent host_vmm objects never jointly pass the limit.
+  std::size_t used = b.used.load(std::memory_order_relaxed);
+  do {
+    if (used + more > b.limit) {
+      throw out_of_memory(fmt::format(
+          "{}: would take the process's host_vmm mappings to {}, over the limit of {} (vm.max_map_count {} less "
+          "{} mappings held at start and a safety margin of {}); unmap blocks or raise vm.max_map_count",
+          op, used + more, b.limit, b.system_limit, b.baseline, b.margin));
+    }
+  } while (!b.used.compare_exchange_weak(used, used + more, std::memory_order_relaxed));
+  mappings_ += more;
+}
+
+void host_vmm::adjust_mappings(std::ptrdiff_t delta) noexcept {
+  // Unsigned wrap-around makes adding a negative delta a subtraction.
+  const auto change = static_cast<std::size_t>(delta);
+  mappings_ += change;
+  process_mappings_budget().used.fetch_add(change, std::memory_order_relaxed);
+}
+
+std::byte* host_vmm::reserve(std::size_t bytes) {
+  if (bytes == 0 || bytes % granularity_ != 0 || bytes > max_bytes - granularity_) {
+    throw invalid_argument(
+        fmt::format("host_vmm::reserve: {} bytes is not a positive multiple of the granularity {} "
+                    "in [{}, {}]",
+                    bytes, granularity_, granularity_, max_bytes - granularity_));
+  }
+  const std::lock_guard lock(mutex_);
+  charge_mappings(1, "host_vmm::reserve");
+  // mmap promises page alignment only: over-reserve by a granule less a page and trim.
+  const std::size_t slack = granularity_ - page_size();
+  void* raw = ::mmap(nullptr, bytes + slack, PROT_NONE, placeholder_flags, -1, 0);
+  if (raw == MAP_FAILED) {
+    const int err = errno;
+    adjust_mappings(-1);
+    throw out_of_memory(fmt::format("host_vmm::reserve: mmap of {} ({} bytes) failed: {}", byte_size{bytes + slack},
+                                    bytes + slack, std::strerror(err)));
+  }
+  auto* first = static_cast<std::byte*>(raw);
+  const std::size_t head = (granularity_ - address_of(first) % granularity_) % granularity_;
+  if (head != 0) ::munmap(first, head);
+  if (slack - head != 0) ::munmap(first + head + bytes, slack - head);
+  std::byte* base = first + head;
+  try {
+    table_.add_reservation(address_of(base), bytes);
+  } catch (...) {
+    ::munmap(base, bytes);
+    adjust_mappings(-1);
+    throw;
+  }
+  return base;
+}
+
+void host_vmm::free(std::byte* base) noexcept {
+  const std::lock_guard lock(mutex_);
+  detail::vmm_table::reservation* r = table_.find_reservation(address_of(base));
+  EXPAGE_ASSERT(r != nullptr, "host_vmm::free: not a reservation's base address (or freed twice)");
+  if (r == nullptr) return;
+  EXPAGE_ASSERT(r->mapped.empty(), "host_vmm::free: the reservation still has mapped blocks (unmap them first)");
+  if (!r->mapped.empty()) return;
+  [[maybe_unused]] const int rc = ::munmap(base, r->bytes);
+  EXPAGE_ASSERT(rc == 0, "host_vmm::free: munmap failed");
+  table_.erase_reservation(address_of(base));
+  adjust_mappings(-1);
+}
+
+host_vmm::physical_block host_vmm::create() {
+  const std::lock_guard lock(mutex_);
+  const std::uint32_t slot = table_.next_slot();
+  if (slot >= file_slots_) {
+    // Grow geometrically: the file is sparse, so its size costs nothing.
+    const std::size_t max_slots = std::min<std::size_t>(
+        detail::vmm_table::no_slot - 1, static_cast<std::size_t>(std::numeric_limits<off_t>::max()) / granularity_);
+    if (file_slots_ >= max_slots) {
+      throw out_of_memory(fmt::format("host_vmm::create: {} blocks of {} already exist (the most one memfd holds)",
+                                      file_slots_, granularity_));
+    }
+    const std::size_t grown = std::min(max_slots, std::max<std::size_t>(16, file_slots_ * 2));
+    if (::ftruncate(fd_, static_cast<off_t>(grown * granularity_)) != 0) {
+      const int err = errno;
+      throw out_of_memory(fmt::format("host_vmm::create: growing the memfd to {} failed: {}",
+                                      byte_size{grown * granularity_}, std::strerror(err)));
+    }
+    file_slots_ = grown;
+  }
+  return table_.add<physical_block>(std::uint64_t{slot} * granularity_);
+}
+
+void host_vmm::release(physical_block block) noexcept {
+  const std::lock_guard lock(mutex_);
+  detail::vmm_table::slot_record* r = table_.find(block.slot, block.generation);
+  EXPAGE_ASSERT(r != nullptr, "host_vmm::release: unknown or already released block");
+  if (r == nullptr) return;
+  EXPAGE_ASSERT(r->state != block_state::mapped, "host_vmm::release: the block is mapped (unmap it first)");
+  if (r->state == block_state::mapped) return;
+  // Punch the hole first: the offset must hold no memory when create() reuses it
+  // (a new block reads as zeros).
+  [[maybe_unused]] const int rc = ::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                                              static_cast<off_t>(r->payload), static_cast<off_t>(granularity_));
+  EXPAGE_ASSERT(rc == 0, "host_vmm::release: fallocate(FALLOC_FL_PUNCH_HOLE) failed");
+  table_.remove(block.slot);
+}
+
+namespace {
+
+// Mapping-count model (see the class comment): per reservation, one mapping per
+// mapped granule plus one per maximal run of unmapped granules (adjacent
+// anonymous PROT_NONE placeholders with equal flags merge; adjacent file
+// mappings merge only when their offsets are contiguous, so they are counted
+// apart). Mapping granule g adds itself and splits its unmapped run in two
+// (+1), shortens it (0) or removes it (-1); unmapping g is the reverse. Neither
+// depends on g's own state, only on its neighbours'.
+std::ptrdiff_t map_delta(const detail::vmm_table::reservation& r, std::size_t granules, std::size_t g) {
+  const bool left_free = g > 0 && !r.mapped.contains(g - 1);
+  const bool right_free = g + 1 < granules && !r.mapped.contains(g + 1);
+  if (left_free && right_free) return 2;
+  return left_free || right_free ? 1 : 0;
+}
+
+}  // namespace
+
+void host_vmm::map(physical_block block, std::byte* address, access_mode access) {
+  const std::lock_guard lock(mutex_);
+  detail::vmm_table::slot_record& s = table_.require_created("host_vmm::map", block.slot, block.generation);
+  const detail::vmm_table::run r = table_.require_run("host_vmm::map", address_of(address), granularity_);
+  if (const auto it = r.where->mapped.find(r.first); it != r.where->mapped.end()) {
+    const detail::vmm_table::slot_record& other = table_.at(it->second);
+    throw invalid_argument(fmt::format("host_vmm::map: the granule at {} already holds block (slot {}, generation {})",
+                                       fmt::ptr(address), it->second, other.generation));
+  }
+  const std::ptrdiff_t delta = map_delta(*r.where, r.where->bytes / granularity_, r.first);
+  const auto [it, inserted] = r.where->mapped.emplace(r.first, block.slot);  // may throw: nothing changed yet
+  try {
+    charge_mappings(delta, "host_vmm::map");
+  } catch (...) {
+    r.where->mapped.erase(it);
+    throw;
+  }
+  if (::mmap(address, granularity_, protection(access), MAP_SHARED | MAP_FIXED, fd_, static_cast<off_t>(s.payload)) ==
+      MAP_FAILED) {
+    const int err = errno;
+    // A failed MAP_FIXED mmap may already have unmapped the old range: put the
+    // placeholder back so that no hole is left for another mmap to take.
+    [[maybe_unused]] const bool restored = put_placeholder(address, granularity_);
+    EXPAGE_ASSERT(restored, "host_vmm::map: could not restore the placeholder after a failed mmap");
+    r.where->mapped.erase(it);
+    adjust_mappings(-delta);
+    throw out_of_memory(fmt::format("host_vmm::map: mmap of a {} block at {} failed: {}", byte_size{granularity_},
+                                    fmt::ptr(address), std::strerror(err)));
+  }
+  s.state = block_state::mapped;
+  s.address = address_of(address);
+}
+
+void host_vmm::unmap(std::byte* address, std::size_t bytes) noexcept {
+  const std::lock_guard lock(mutex_);
+  const detail::vmm_table::run r = table_.locate(address_of(address), bytes, nullptr);
+  EXPAGE_ASSERT(r.where != nullptr, "host_vmm::unmap: the range is not granule-aligned inside one reservation");
+  if (r.where == nullptr) return;
+  const bool all_mapped = detail::vmm_table::first_unmapped(r) == r.count;
+  EXPAGE_ASSERT(all_mapped, "host_vmm::unmap: a granule of the range holds no block (unmapped twice?)");
+  if (!all_mapped) return;
+  if (!put_placeholder(address, bytes)) {
+    // The kernel refused a new mapping (ENOMEM past vm.max_map_count): keep the
+    // file mappings but make them inaccessible. No hole either way; a later
+    // map() replaces them, and release() punches the memory out from under them.
+    [[maybe_unused]] const int rc = ::mprotect(address, bytes, PROT_NONE);
+    EXPAGE_ASSERT(rc == 0, "host_vmm::unmap: neither the placeholder mmap nor mprotect(PROT_NONE) succeeded");
+  }
+  const std::size_t granules = r.where->bytes / granularity_;
+  std::ptrdiff_t delta = 0;
+  for (std::size_t i = 0; i < r.count; ++i) {
+    const auto it = r.where->mapped.find(r.first + i);
+    detail::vmm_table::slot_record& s = table_.at(it->second);
+    s.state = block_state::created;
+    s.address = 0;
+    r.where->mapped.erase(it);
+    delta -= map_delta(*r.where, granules, r.first + i);
+  }
+  adjust_mappings(delta);
+}
+
+void host_vmm::set_access(std::byte* address, std::size_t bytes, access_mode access) {
+  const std::lock_guard lock(mutex_);
+  (void)table_.require_mapped_run("host_vmm::set_access", address_of(address), bytes);
+  if (::mprotect(address, bytes, protection(access)) != 0) {
+    const int err = errno;
+    throw out_of_memory(fmt::format("host_vmm::set_access: mprotect of [{}, +{}) to {} failed: {}", fmt::ptr(address),
+                                    bytes, to_string(access), std::strerror(err)));
+  }
+}
+
+block_state host_vmm::state(physical_block block) const {
+  const std::lock_guard lock(mutex_);
+  const detail::vmm_table::slot_record* s = table_.find(block.slot, block.generation);
+  return s == nullptr ? block_state::free : s->state;
+}
+
+std::byte* host_vmm::mapped_address(physical_block block) const {
+  const std::lock_guard lock(mutex_);
+  const detail::vmm_table::slot_record* s = table_.find(block.slot, block.generation);
+  return s == nullptr || s->state != block_state::mapped ? nullptr : to_pointer(s->address);
+}
+
+std::optional<host_vmm::physical_block> host_vmm::block_at(const std::byte* address) const {
+  const std::lock_guard lock(mutex_);
+  const std::uintptr_t a = address_of(address) - address_of(address) % granularity_;
+  const detail::vmm_table::run r = const_cast<detail::vmm_table&>(table_).locate(a, granularity_, nullptr);
+  if (r.where == nullptr) return std::nullopt;
+  const auto it = r.where->mapped.find(r.first);
+  if (it == r.where->mapped.end()) return std::nullopt;
+  return physical_block{it->second, const_cast<detail::vmm_table&>(table_).at(it->second).generation};
+}
+
+std::size_t host_vmm::blocks() const {
+  const std::lock_guard lock(mutex_);
+  return table_.live_blocks();
+}
+
+std::size_t host_vmm::physical_bytes() const {
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) {
+    const int err = errno;
+    throw out_of_memory(fmt::format("host_vmm::physical_bytes: fstat failed: {}", std::strerror(err)));
+  }
+  return static_cast<std::size_t>(st.st_blocks) * 512;  // st_blocks counts 512-byte units (POSIX)
+}
+
+std::size_t host_vmm::map_count() const {
+  const std::lock_guard lock(mutex_);
+  return mappings_;
+}
+
+std::size_t host_vmm::map_count_limit() const {
+  const std::lock_guard lock(mutex_);
+  const process_budget& b = process_mappings_budget();
+  const std::size_t others = b.used.load(std::memory_order_relaxed) - mappings_;
+  std::size_t limit = b.limit > others ? b.limit - others : 0;
+  if (options_.max_mappings != 0) limit = std::min(limit, options_.max_mappings);
+  return limit;
+}
+
+map_count_report host_vmm::map_counts() const {
+  map_count_report r;
+  r.system_limit = read_max_map_count();
+  r.process_mappings = count_process_mappings();
+  r.tracked = map_count();
+  r.limit = map_count_limit();
+  r.headroom = r.limit > r.tracked ? r.limit - r.tracked : 0;
+  r.system_headroom = r.system_limit > r.process_mappings ? r.system_limit - r.process_mappings : 0;
+  return r;
+}
+
+}  // namespace expage

@@ -1,0 +1,69 @@
+// The virtual_memory contract on cuda_vmm (skipped without a device), plus checks
+// that run without one. Device data is written and read by the pattern kernels.
+#include "common/virtual_memory_contract.hpp"
+
+#include "expage/core/units.hpp"
+#include "expage/cuda/cuda_vmm.hpp"
+#include "expage/cuda/pattern_kernels.hpp"
+#include "expage/cuda/runtime.hpp"
+
+#include <cuda_runtime_api.h>
+
+namespace expage::testing {
+
+template <>
+struct vmm_traits<cuda::cuda_vmm> {
+  // No cache: ReleaseReturnsMemory checks that release gives the memory back.
+  static std::unique_ptr<cuda::cuda_vmm> make() {
+    return std::make_unique<cuda::cuda_vmm>(cuda::cuda_vmm::options{.device = 0, .max_cached_blocks = 0});
+  }
+  static std::string unusable() {
+    return cuda::device_available() ? std::string() : "no CUDA device: " + cuda::device_status();
+  }
+  static void fill(std::byte* p, std::size_t bytes, std::uint64_t seed) {
+    cuda::fill_pattern_async(reinterpret_cast<std::uint64_t*>(p), bytes / 8, seed, 0, nullptr);
+    EXPAGE_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  }
+  static std::size_t mismatches(const std::byte* p, std::size_t bytes, std::uint64_t seed) {
+    void* raw = nullptr;
+    EXPAGE_CUDA_CHECK(cudaMalloc(&raw, sizeof(unsigned long long)));
+    auto* counter = static_cast<unsigned long long*>(raw);
+    EXPAGE_CUDA_CHECK(cudaMemset(counter, 0, sizeof *counter));
+    cuda::count_pattern_mismatches_async(reinterpret_cast<const std::uint64_t*>(p), bytes / 8, seed, 0, counter,
+                                         nullptr);
+    unsigned long long host = 0;
+    EXPAGE_CUDA_CHECK(cudaMemcpy(&host, counter, sizeof host, cudaMemcpyDeviceToHost));
+    EXPAGE_CUDA_CHECK(cudaFree(counter));
+    return static_cast<std::size_t>(host);
+  }
+};
+
+using cuda_vmm_backends = ::testing::Types<cuda::cuda_vmm>;
+INSTANTIATE_TYPED_TEST_SUITE_P(cuda, virtual_memory_contract, cuda_vmm_backends);
+
+TEST(CudaVmm, ValidatesOptionsBeforeTouchingTheDriver) {
+  EXPECT_THROW(cuda::cuda_vmm({.device = -1}), invalid_argument);
+  EXPECT_THROW(cuda::cuda_vmm({.granularity = 3 * MiB}), invalid_argument);
+  EXPECT_THROW(cuda::cuda_vmm({.initial_blocks = std::size_t{1} << 30}), invalid_argument);
+}
+
+TEST(CudaVmm, ConstructionWithoutADriverIsACudaErrorNotACrash) {
+  if (cuda::device_available()) GTEST_SKIP() << "a device is present";
+  EXPECT_THROW(cuda::cuda_vmm(), cuda_error);
+}
+
+TEST(CudaVmm, CreatesBlocksAheadOfTimeAndReusesThem) {
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device: " << cuda::device_status();
+  cuda::cuda_vmm vm({.initial_blocks = 4});
+  EXPECT_EQ(vm.cached_blocks(), 4U);
+  EXPECT_EQ(vm.physical_bytes(), 4 * vm.granularity());
+  const auto a = vm.create();
+  EXPECT_EQ(vm.cached_blocks(), 3U);
+  vm.release(a);
+  EXPECT_EQ(vm.cached_blocks(), 4U);
+  EXPECT_EQ(vm.state(a), block_state::free);
+  vm.trim();
+  EXPECT_EQ(vm.physical_bytes(), 0U);
+}
+
+}  // namespace expage::testing
