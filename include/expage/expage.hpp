@@ -33,3 +33,5 @@
 #include "expage/trace/synthetic_trace.hpp"
 #include "expage/trace/trace_io.hpp"
 #include "expage/version.hpp"
+#include "expage/vmm/host_vmm.hpp"
+#include "expage/vmm/virtual_memory.hpp"
