@@ -93,9 +93,9 @@ capacity_change budget_account::set_capacity(std::size_t bytes) {
   const std::lock_guard lock(tracker_->mutex_);
   // Seqlock write (readers: used(), try_take()): odd version while capacity_
   // and available_ are being changed. The mutex makes this the only writer.
-  const auto version = resize_version_.load(std::memory_order_relaxed);
-  resize_version_.store(version + 1, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_release);
+  // acq_rel: the odd version is ordered before the data stores below, which
+  // are release so a reader that sees one of them also sees the odd version.
+  const auto version = resize_version_.fetch_add(1, std::memory_order_acq_rel);
   struct end_resize {
     std::atomic<std::uint32_t>& v;
     std::uint32_t next;
@@ -106,7 +106,7 @@ capacity_change budget_account::set_capacity(std::size_t bytes) {
   if (target >= current) {
     // Raise the cap before the free bytes: used (capacity − available) never
     // reads above capacity.
-    capacity_.store(target, std::memory_order_relaxed);
+    capacity_.store(target, std::memory_order_release);
     available_.fetch_add(target - current, std::memory_order_release);
     return {bytes, bytes, 0};
   }
@@ -119,7 +119,7 @@ capacity_change budget_account::set_capacity(std::size_t bytes) {
     take = std::clamp<std::int64_t>(avail, 0, want);
   } while (take > 0 && !available_.compare_exchange_weak(avail, avail - take, std::memory_order_acq_rel,
                                                          std::memory_order_relaxed));
-  capacity_.store(current - take, std::memory_order_relaxed);
+  capacity_.store(current - take, std::memory_order_release);
   return {bytes, static_cast<std::size_t>(current - take), static_cast<std::size_t>(want - take)};
 }
 

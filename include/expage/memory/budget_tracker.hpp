@@ -189,10 +189,12 @@ class budget_account {
   [[nodiscard]] std::size_t used() const noexcept {
     for (;;) {
       // Seqlock read: set_capacity() makes resize_version_ odd while capacity_
-      // and available_ disagree (pairs with its release fence and store).
+      // and available_ disagree. The data loads are acquire (free on x86): a
+      // value set_capacity() released makes its odd version visible to the
+      // second version load, which cannot move above them. (No fences: TSan
+      // does not model them.)
       const auto version = resize_version_.load(std::memory_order_acquire);
-      const auto used = capacity_.load(std::memory_order_relaxed) - available_.load(std::memory_order_relaxed);
-      std::atomic_thread_fence(std::memory_order_acquire);
+      const auto used = capacity_.load(std::memory_order_acquire) - available_.load(std::memory_order_acquire);
       if ((version & 1U) == 0 && resize_version_.load(std::memory_order_relaxed) == version) {
         return used > 0 ? static_cast<std::size_t>(used) : 0;
       }
@@ -246,8 +248,7 @@ class budget_account {
       // memory these bytes stood for did so before we may reuse them.
     } while (
         !available_.compare_exchange_weak(avail, avail - bytes, std::memory_order_acquire, std::memory_order_relaxed));
-    const auto capacity = capacity_.load(std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_acquire);
+    const auto capacity = capacity_.load(std::memory_order_acquire);  // seqlock data load, see used()
     // Usage is capacity − available, two separate atomics: while a resize is
     // changing both, the difference is meaningless, so the peak skips it.
     if ((version & 1U) == 0 && resize_version_.load(std::memory_order_relaxed) == version) {
