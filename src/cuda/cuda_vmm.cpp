@@ -264,14 +264,12 @@ void cuda_vmm::set_access(std::byte* address, std::size_t bytes, access_mode acc
 
 block_state cuda_vmm::state(physical_block block) const {
   const std::lock_guard lock(mutex_);
-  const detail::vmm_table::slot_record* s = table_.find(block.slot, block.generation);
-  return s == nullptr ? block_state::free : s->state;
+  return table_.state(block.slot, block.generation);
 }
 
 std::byte* cuda_vmm::mapped_address(physical_block block) const {
   const std::lock_guard lock(mutex_);
-  const detail::vmm_table::slot_record* s = table_.find(block.slot, block.generation);
-  return s == nullptr || s->state != block_state::mapped ? nullptr : reinterpret_cast<std::byte*>(s->address);
+  return reinterpret_cast<std::byte*>(table_.mapped_address(block.slot, block.generation));
 }
 
 std::size_t cuda_vmm::blocks() const {

@@ -1,5 +1,7 @@
 #include "expage/memory/host_memory.hpp"
 
+#include "../detail/system.hpp"
+
 #include "expage/core/error.hpp"
 #include "expage/core/units.hpp"
 #include "expage/detail/assert.hpp"
@@ -16,12 +18,8 @@
 namespace expage {
 namespace {
 
-std::size_t page_size() noexcept {
-  static const auto size = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
-  return size;
-}
-
-bool is_power_of_two(std::size_t v) noexcept { return v != 0 && (v & (v - 1)) == 0; }
+using detail::is_power_of_two;
+using detail::page_size;
 
 }  // namespace
 

@@ -1,5 +1,7 @@
 #include "expage/vmm/host_vmm.hpp"
 
+#include "../detail/system.hpp"
+
 #include "expage/core/error.hpp"
 #include "expage/core/units.hpp"
 #include "expage/detail/assert.hpp"
@@ -22,12 +24,8 @@
 namespace expage {
 namespace {
 
-std::size_t page_size() noexcept {
-  static const auto size = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
-  return size;
-}
-
-bool is_power_of_two(std::size_t v) noexcept { return v != 0 && (v & (v - 1)) == 0; }
+using detail::is_power_of_two;
+using detail::page_size;
 
 int protection(access_mode a) noexcept { return a == access_mode::read_write ? PROT_READ | PROT_WRITE : PROT_NONE; }
 
@@ -325,14 +323,13 @@ void host_vmm::set_access(std::byte* address, std::size_t bytes, access_mode acc
 
 block_state host_vmm::state(physical_block block) const {
   const std::lock_guard lock(mutex_);
-  const detail::vmm_table::slot_record* s = table_.find(block.slot, block.generation);
-  return s == nullptr ? block_state::free : s->state;
+  return table_.state(block.slot, block.generation);
 }
 
 std::byte* host_vmm::mapped_address(physical_block block) const {
   const std::lock_guard lock(mutex_);
-  const detail::vmm_table::slot_record* s = table_.find(block.slot, block.generation);
-  return s == nullptr || s->state != block_state::mapped ? nullptr : to_pointer(s->address);
+  const std::uintptr_t address = table_.mapped_address(block.slot, block.generation);
+  return address == 0 ? nullptr : to_pointer(address);
 }
 
 std::optional<host_vmm::physical_block> host_vmm::block_at(const std::byte* address) const {

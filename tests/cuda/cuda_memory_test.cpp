@@ -1,6 +1,7 @@
 // The physical_memory contract on the CUDA backends (skipped without a device),
 // plus backend-specific checks.
 #include "common/physical_memory_contract.hpp"
+#include "cuda/device_pattern.hpp"
 
 #include "expage/cuda/device_memory.hpp"
 #include "expage/cuda/pattern_kernels.hpp"
@@ -10,10 +11,6 @@
 #include <cuda_runtime_api.h>
 
 namespace expage::testing {
-
-inline std::string no_device_reason() {
-  return cuda::device_available() ? std::string() : "no CUDA device: " + cuda::device_status();
-}
 
 template <>
 struct memory_traits<cuda::pinned_host_memory> : host_touchable_traits<cuda::pinned_host_memory> {
@@ -26,21 +23,9 @@ template <>
 struct memory_traits<cuda::device_memory> {
   static cuda::device_memory make() { return cuda::device_memory({.device = 0, .block_size = 256 * KiB}); }
   static std::string unusable() { return no_device_reason(); }
-  static void fill(std::byte* p, std::size_t bytes, std::uint64_t seed) {
-    cuda::fill_pattern_async(reinterpret_cast<std::uint64_t*>(p), bytes / 8, seed, 0, nullptr);
-    EXPAGE_CUDA_CHECK(cudaStreamSynchronize(nullptr));
-  }
+  static void fill(std::byte* p, std::size_t bytes, std::uint64_t seed) { fill_device(p, bytes, seed); }
   static std::size_t mismatches(const std::byte* p, std::size_t bytes, std::uint64_t seed) {
-    void* raw = nullptr;
-    EXPAGE_CUDA_CHECK(cudaMalloc(&raw, sizeof(unsigned long long)));
-    auto* counter = static_cast<unsigned long long*>(raw);
-    EXPAGE_CUDA_CHECK(cudaMemset(counter, 0, sizeof *counter));
-    cuda::count_pattern_mismatches_async(reinterpret_cast<const std::uint64_t*>(p), bytes / 8, seed, 0, counter,
-                                         nullptr);
-    unsigned long long host = 0;
-    EXPAGE_CUDA_CHECK(cudaMemcpy(&host, counter, sizeof host, cudaMemcpyDeviceToHost));
-    EXPAGE_CUDA_CHECK(cudaFree(counter));
-    return static_cast<std::size_t>(host);
+    return device_mismatches(p, bytes, seed);
   }
 };
 

@@ -1,6 +1,7 @@
 // The virtual_memory contract on cuda_vmm (skipped without a device), plus checks
 // that run without one. Device data is written and read by the pattern kernels.
 #include "common/virtual_memory_contract.hpp"
+#include "cuda/device_pattern.hpp"
 
 #include "expage/core/units.hpp"
 #include "expage/cuda/cuda_vmm.hpp"
@@ -17,24 +18,10 @@ struct vmm_traits<cuda::cuda_vmm> {
   static std::unique_ptr<cuda::cuda_vmm> make() {
     return std::make_unique<cuda::cuda_vmm>(cuda::cuda_vmm::options{.device = 0, .max_cached_blocks = 0});
   }
-  static std::string unusable() {
-    return cuda::device_available() ? std::string() : "no CUDA device: " + cuda::device_status();
-  }
-  static void fill(std::byte* p, std::size_t bytes, std::uint64_t seed) {
-    cuda::fill_pattern_async(reinterpret_cast<std::uint64_t*>(p), bytes / 8, seed, 0, nullptr);
-    EXPAGE_CUDA_CHECK(cudaStreamSynchronize(nullptr));
-  }
+  static std::string unusable() { return no_device_reason(); }
+  static void fill(std::byte* p, std::size_t bytes, std::uint64_t seed) { fill_device(p, bytes, seed); }
   static std::size_t mismatches(const std::byte* p, std::size_t bytes, std::uint64_t seed) {
-    void* raw = nullptr;
-    EXPAGE_CUDA_CHECK(cudaMalloc(&raw, sizeof(unsigned long long)));
-    auto* counter = static_cast<unsigned long long*>(raw);
-    EXPAGE_CUDA_CHECK(cudaMemset(counter, 0, sizeof *counter));
-    cuda::count_pattern_mismatches_async(reinterpret_cast<const std::uint64_t*>(p), bytes / 8, seed, 0, counter,
-                                         nullptr);
-    unsigned long long host = 0;
-    EXPAGE_CUDA_CHECK(cudaMemcpy(&host, counter, sizeof host, cudaMemcpyDeviceToHost));
-    EXPAGE_CUDA_CHECK(cudaFree(counter));
-    return static_cast<std::size_t>(host);
+    return device_mismatches(p, bytes, seed);
   }
 };
 

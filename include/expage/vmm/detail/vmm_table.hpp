@@ -101,6 +101,16 @@ class vmm_table {
     return const_cast<vmm_table*>(this)->find(slot, generation);
   }
   [[nodiscard]] slot_record& at(std::uint32_t slot) noexcept { return slots_[slot]; }
+  /// The state of the block (slot, generation): `free` for a released or unknown one.
+  [[nodiscard]] block_state state(std::uint32_t slot, std::uint32_t generation) const noexcept {
+    const slot_record* s = find(slot, generation);
+    return s == nullptr ? block_state::free : s->state;
+  }
+  /// Where the block (slot, generation) is mapped; 0 when it is not.
+  [[nodiscard]] std::uintptr_t mapped_address(std::uint32_t slot, std::uint32_t generation) const noexcept {
+    const slot_record* s = find(slot, generation);
+    return s == nullptr || s->state != block_state::mapped ? 0 : s->address;
+  }
 
   // The created (not mapped) block, or throws naming the problem.
   slot_record& require_created(const char* op, std::uint32_t slot, std::uint32_t generation) {
