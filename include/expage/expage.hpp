@@ -33,5 +33,7 @@
 #include "expage/trace/synthetic_trace.hpp"
 #include "expage/trace/trace_io.hpp"
 #include "expage/version.hpp"
+#include "expage/vmm/address_space.hpp"
 #include "expage/vmm/host_vmm.hpp"
 #include "expage/vmm/virtual_memory.hpp"
+#include "expage/vmm/vmm_block_pool.hpp"
