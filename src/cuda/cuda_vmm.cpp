@@ -148,11 +148,8 @@ std::byte* cuda_vmm::reserve(std::size_t bytes) {
 void cuda_vmm::free(std::byte* base) noexcept {
   const std::lock_guard lock(mutex_);
   const auto address = reinterpret_cast<std::uintptr_t>(base);
-  detail::vmm_table::reservation* r = table_.find_reservation(address);
-  EXPAGE_ASSERT(r != nullptr, "cuda_vmm::free: not a reservation's base address (or freed twice)");
+  const detail::vmm_table::reservation* r = table_.freeable(address);
   if (r == nullptr) return;
-  EXPAGE_ASSERT(r->mapped.empty(), "cuda_vmm::free: the reservation still has mapped blocks (unmap them first)");
-  if (!r->mapped.empty()) return;
   if (const driver_api* drv = driver()) {
     [[maybe_unused]] const CUresult rc = drv->mem_address_free(device_address(base), r->bytes);
     EXPAGE_ASSERT(rc == CUDA_SUCCESS, "cuda_vmm::free: cuMemAddressFree failed");
@@ -175,11 +172,8 @@ cuda_vmm::physical_block cuda_vmm::create() {
 
 void cuda_vmm::release(physical_block block) noexcept {
   const std::lock_guard lock(mutex_);
-  detail::vmm_table::slot_record* r = table_.find(block.slot, block.generation);
-  EXPAGE_ASSERT(r != nullptr, "cuda_vmm::release: unknown or already released block");
+  const detail::vmm_table::slot_record* r = table_.releasable(block.slot, block.generation);
   if (r == nullptr) return;
-  EXPAGE_ASSERT(r->state != block_state::mapped, "cuda_vmm::release: the block is mapped (unmap it first)");
-  if (r->state == block_state::mapped) return;
   const auto handle = static_cast<CUmemGenericAllocationHandle>(r->payload);
   table_.remove(block.slot);
   if (cache_.size() < options_.max_cached_blocks) {

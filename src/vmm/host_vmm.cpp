@@ -184,11 +184,8 @@ std::byte* host_vmm::reserve(std::size_t bytes) {
 
 void host_vmm::free(std::byte* base) noexcept {
   const std::lock_guard lock(mutex_);
-  detail::vmm_table::reservation* r = table_.find_reservation(address_of(base));
-  EXPAGE_ASSERT(r != nullptr, "host_vmm::free: not a reservation's base address (or freed twice)");
+  const detail::vmm_table::reservation* r = table_.freeable(address_of(base));
   if (r == nullptr) return;
-  EXPAGE_ASSERT(r->mapped.empty(), "host_vmm::free: the reservation still has mapped blocks (unmap them first)");
-  if (!r->mapped.empty()) return;
   [[maybe_unused]] const int rc = ::munmap(base, r->bytes);
   EXPAGE_ASSERT(rc == 0, "host_vmm::free: munmap failed");
   table_.erase_reservation(address_of(base));
@@ -219,11 +216,8 @@ host_vmm::physical_block host_vmm::create() {
 
 void host_vmm::release(physical_block block) noexcept {
   const std::lock_guard lock(mutex_);
-  detail::vmm_table::slot_record* r = table_.find(block.slot, block.generation);
-  EXPAGE_ASSERT(r != nullptr, "host_vmm::release: unknown or already released block");
+  const detail::vmm_table::slot_record* r = table_.releasable(block.slot, block.generation);
   if (r == nullptr) return;
-  EXPAGE_ASSERT(r->state != block_state::mapped, "host_vmm::release: the block is mapped (unmap it first)");
-  if (r->state == block_state::mapped) return;
   // Punch the hole first: the offset must hold no memory when create() reuses it
   // (a new block reads as zeros).
   [[maybe_unused]] const int rc = ::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "expage/core/error.hpp"
+#include "expage/detail/assert.hpp"
 #include "expage/vmm/virtual_memory.hpp"
 
 #include <fmt/format.h>
@@ -101,6 +102,14 @@ class vmm_table {
     return const_cast<vmm_table*>(this)->find(slot, generation);
   }
   [[nodiscard]] slot_record& at(std::uint32_t slot) noexcept { return slots_[slot]; }
+  /// The block (slot, generation) if release() may free it (live and not mapped), else nullptr.
+  /// The backends' release() preconditions: asserted in debug builds, a no-op otherwise.
+  [[nodiscard]] slot_record* releasable(std::uint32_t slot, std::uint32_t generation) noexcept {
+    slot_record* r = find(slot, generation);
+    EXPAGE_ASSERT(r != nullptr, "vmm release: unknown or already released block");
+    EXPAGE_ASSERT(r == nullptr || r->state != block_state::mapped, "vmm release: the block is mapped (unmap it first)");
+    return r != nullptr && r->state != block_state::mapped ? r : nullptr;
+  }
   /// The state of the block (slot, generation): `free` for a released or unknown one.
   [[nodiscard]] block_state state(std::uint32_t slot, std::uint32_t generation) const noexcept {
     const slot_record* s = find(slot, generation);
@@ -128,6 +137,15 @@ class vmm_table {
 
   void add_reservation(std::uintptr_t base, std::size_t bytes) { reservations_.emplace(base, reservation{bytes, {}}); }
   void erase_reservation(std::uintptr_t base) noexcept { reservations_.erase(base); }
+  /// The reservation at @p base if free() may return it (known and with nothing mapped), else nullptr.
+  /// The backends' free() preconditions: asserted in debug builds, a no-op otherwise.
+  [[nodiscard]] reservation* freeable(std::uintptr_t base) noexcept {
+    reservation* r = find_reservation(base);
+    EXPAGE_ASSERT(r != nullptr, "vmm free: not a reservation's base address (or freed twice)");
+    EXPAGE_ASSERT(r == nullptr || r->mapped.empty(),
+                  "vmm free: the reservation still has mapped blocks (unmap them first)");
+    return r != nullptr && r->mapped.empty() ? r : nullptr;
+  }
   [[nodiscard]] reservation* find_reservation(std::uintptr_t base) noexcept {
     const auto it = reservations_.find(base);
     return it == reservations_.end() ? nullptr : &it->second;
