@@ -238,13 +238,7 @@ void cuda_vmm::unmap(std::byte* address, std::size_t bytes) noexcept {
     [[maybe_unused]] const CUresult rc = drv->mem_unmap(device_address(address), bytes);
     EXPAGE_ASSERT(rc == CUDA_SUCCESS, "cuda_vmm::unmap: cuMemUnmap failed");
   }
-  for (std::size_t i = 0; i < r.count; ++i) {
-    const auto it = r.where->mapped.find(r.first + i);
-    detail::vmm_table::slot_record& s = table_.at(it->second);
-    s.state = block_state::created;
-    s.address = 0;
-    r.where->mapped.erase(it);
-  }
+  for (std::size_t i = 0; i < r.count; ++i) table_.mark_unmapped(*r.where, r.first + i);
 }
 
 void cuda_vmm::set_access(std::byte* address, std::size_t bytes, access_mode access) {

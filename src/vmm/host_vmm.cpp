@@ -295,11 +295,7 @@ void host_vmm::unmap(std::byte* address, std::size_t bytes) noexcept {
   const std::size_t granules = r.where->bytes / granularity_;
   std::ptrdiff_t delta = 0;
   for (std::size_t i = 0; i < r.count; ++i) {
-    const auto it = r.where->mapped.find(r.first + i);
-    detail::vmm_table::slot_record& s = table_.at(it->second);
-    s.state = block_state::created;
-    s.address = 0;
-    r.where->mapped.erase(it);
+    table_.mark_unmapped(*r.where, r.first + i);
     delta -= map_delta(*r.where, granules, r.first + i);
   }
   adjust_mappings(delta);

@@ -102,6 +102,15 @@ class vmm_table {
     return const_cast<vmm_table*>(this)->find(slot, generation);
   }
   [[nodiscard]] slot_record& at(std::uint32_t slot) noexcept { return slots_[slot]; }
+  /// Records that granule @p granule of @p where no longer holds its block:
+  /// the block goes back to `created` (its content intact). @pre the granule holds a block.
+  void mark_unmapped(reservation& where, std::size_t granule) noexcept {
+    const auto it = where.mapped.find(granule);
+    slot_record& s = slots_[it->second];
+    s.state = block_state::created;
+    s.address = 0;
+    where.mapped.erase(it);
+  }
   /// The block (slot, generation) if release() may free it (live and not mapped), else nullptr.
   /// The backends' release() preconditions: asserted in debug builds, a no-op otherwise.
   [[nodiscard]] slot_record* releasable(std::uint32_t slot, std::uint32_t generation) noexcept {
