@@ -1,0 +1,147 @@
+#include "expage/stream/host_stream.hpp"
+
+#include <cstring>
+#include <utility>
+
+namespace expage {
+
+host_event::host_event() : state_(std::make_shared<state>()) {}
+
+bool host_event::query() const {
+  const std::lock_guard lock(state_->mutex);
+  return state_->completed >= state_->recorded;
+}
+
+void host_event::synchronize() const {
+  std::unique_lock lock(state_->mutex);
+  const std::uint64_t target = state_->recorded;
+  state_->completed_cv.wait(lock, [&] { return state_->completed >= target; });
+}
+
+std::uint64_t host_event::records() const {
+  const std::lock_guard lock(state_->mutex);
+  return state_->recorded;
+}
+
+host_stream::host_stream(std::string name) : name_(std::move(name)) {
+  thread_ = std::thread([this] { execute(); });
+}
+
+host_stream::~host_stream() {
+  {
+    const std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  work_cv_.notify_one();
+  thread_.join();
+}
+
+void host_stream::submit(task t) {
+  {
+    const std::lock_guard lock(mutex_);
+    queue_.push_back(std::move(t));
+    ++submitted_;
+  }
+  work_cv_.notify_one();
+}
+
+void host_stream::copy(void* dst, const void* src, std::size_t bytes) {
+  submit({[this, dst, src, bytes] {
+            std::memcpy(dst, src, bytes);
+            const std::lock_guard lock(mutex_);
+            ++stats_.copies;
+            stats_.bytes_copied += bytes;
+          },
+          true});
+}
+
+void host_stream::enqueue(std::function<void()> work) { submit({std::move(work), true}); }
+
+void host_stream::record(host_event& event) {
+  std::shared_ptr<host_event::state> s = event.state_;
+  std::uint64_t generation = 0;
+  {
+    // The generation is taken now, on the submitting thread: a query() or a
+    // wait() issued after this call refers to this record (CUDA semantics).
+    const std::lock_guard lock(s->mutex);
+    generation = ++s->recorded;
+  }
+  {
+    const std::lock_guard lock(mutex_);
+    ++stats_.records;
+  }
+  submit({[s = std::move(s), generation] {
+            {
+              const std::lock_guard lock(s->mutex);
+              if (s->completed < generation) s->completed = generation;
+            }
+            s->completed_cv.notify_all();
+          },
+          false});
+}
+
+void host_stream::wait(const host_event& event) {
+  std::shared_ptr<host_event::state> s = event.state_;
+  std::uint64_t generation = 0;
+  {
+    const std::lock_guard lock(s->mutex);
+    generation = s->recorded;
+  }
+  {
+    const std::lock_guard lock(mutex_);
+    ++stats_.event_waits;
+  }
+  if (generation == 0) return;  // never recorded: complete, nothing to wait for
+  submit({[s = std::move(s), generation] {
+            std::unique_lock lock(s->mutex);
+            s->completed_cv.wait(lock, [&] { return s->completed >= generation; });
+          },
+          false});
+}
+
+void host_stream::synchronize() {
+  std::unique_lock lock(mutex_);
+  ++stats_.stream_syncs;
+  const std::uint64_t target = submitted_;
+  idle_cv_.wait(lock, [&] { return finished_ >= target; });
+  if (error_) std::rethrow_exception(error_);
+}
+
+void host_stream::check() const {
+  const std::lock_guard lock(mutex_);
+  if (error_) std::rethrow_exception(error_);
+}
+
+host_stream_statistics host_stream::statistics() const {
+  const std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+void host_stream::execute() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping, and everything submitted has run
+    task t = std::move(queue_.front());
+    queue_.pop_front();
+    const bool skip = t.fallible && error_ != nullptr;
+    lock.unlock();
+    std::exception_ptr failure;
+    if (!skip) {
+      try {
+        t.run();
+      } catch (...) {
+        failure = std::current_exception();
+      }
+    }
+    t.run = nullptr;  // destroy captures outside the lock
+    lock.lock();
+    if (failure && !error_) error_ = failure;
+    if (skip) ++stats_.skipped;
+    ++stats_.tasks;
+    ++finished_;
+    idle_cv_.notify_all();
+  }
+}
+
+}  // namespace expage
