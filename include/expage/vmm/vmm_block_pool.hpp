@@ -164,6 +164,20 @@ class vmm_block_pool {
     return out;
   }
 
+  /// Releases free blocks to the backend until at most @p keep remain free; returns how many were released.
+  /// What the pool created ahead of time for a larger window goes back when the window shrinks.
+  std::size_t trim(std::size_t keep = 0) noexcept {
+    const std::lock_guard lock(mutex_);
+    std::size_t released = 0;
+    while (free_.size() > keep) {
+      vmm_->release(free_.back());
+      free_.pop_back();
+      --created_;
+      ++released;
+    }
+    return released;
+  }
+
   [[nodiscard]] std::size_t created() const {  ///< Blocks created and not released.
     const std::lock_guard lock(mutex_);
     return created_;

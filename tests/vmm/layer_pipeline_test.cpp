@@ -1,0 +1,384 @@
+#include "expage/vmm/layer_pipeline.hpp"
+
+#include "expage/core/pattern.hpp"
+#include "expage/memory/host_memory.hpp"
+#include "expage/stream/host_stream.hpp"
+#include "expage/vmm/host_vmm.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <stdexcept>
+
+namespace expage {
+namespace {
+
+using namespace expage::literals;
+using ::testing::HasSubstr;
+
+// 6 layers × 4 experts; gate_up bf16 = 2·48·32·2 = 6 KiB, down = 3 KiB: one 64 KiB granule per page.
+moe_geometry small(std::uint32_t layers = 6) {
+  return moe_geometry(moe_geometry::config{.name = "small",
+                                           .layers = layers,
+                                           .experts_per_layer = 4,
+                                           .top_k = 2,
+                                           .hidden_size = 32,
+                                           .intermediate_size = 48});
+}
+
+// host_vmm that fails the Nth map(), set_access() or create() from now on (fault injection).
+class failing_vmm : public host_vmm {
+ public:
+  using host_vmm::host_vmm;
+  std::optional<int> fail_map_in, fail_access_in, fail_create_in;
+  void map(physical_block b, std::byte* p, access_mode a) {
+    if (fail_map_in && --*fail_map_in == 0) throw out_of_memory("failing_vmm: injected map failure");
+    host_vmm::map(b, p, a);
+  }
+  void set_access(std::byte* p, std::size_t n, access_mode a) {
+    if (fail_access_in && --*fail_access_in == 0) throw out_of_memory("failing_vmm: injected set_access failure");
+    host_vmm::set_access(p, n, a);
+  }
+  [[nodiscard]] physical_block create() {
+    if (fail_create_in && --*fail_create_in == 0) throw out_of_memory("failing_vmm: injected create failure");
+    return host_vmm::create();
+  }
+};
+static_assert(virtual_memory<failing_vmm>);
+
+std::uint64_t seed_of(const moe_geometry& g, expert_id id, expert_tensor t) {
+  return 0x9e37'79b9'7f4a'7c15ULL ^ (g.flat_index(id) * 2 + static_cast<std::uint64_t>(t));
+}
+
+// Everything a pipeline needs, on the host backend: weights filled with a per-tensor pattern.
+template <class Vmm = host_vmm>
+struct rig {
+  explicit rig(std::uint32_t window, std::uint32_t layers = 6, tensor_storage<host_stream>::loader_type loader = {})
+      : geometry(small(layers)),
+        vm({.granularity = 64_KiB}),
+        budget(1_GiB),
+        host({.block_size = 64_KiB, .alignment = 64_KiB}),
+        storage(geometry, precision::bf16, host, {.loader = std::move(loader)}),
+        compute("compute"),
+        load_gate_up("load.gate_up"),
+        load_down("load.down"),
+        pipe(vm, geometry, precision::bf16, budget.root(), storage, compute, load_gate_up, load_down,
+             {.window = window}) {
+    for (std::uint64_t flat = 0; flat < geometry.expert_count(); ++flat) {
+      const expert_id id = geometry.expert_at(flat);
+      for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+        const auto slot = storage.slot(id, t);
+        fill_pattern(reinterpret_cast<std::uint64_t*>(slot.data()), storage.tensor_bytes(t) / 8,
+                     seed_of(geometry, id, t));
+      }
+    }
+  }
+
+  // The "compute" of a layer: on the compute stream, checks every expert tensor of the layer
+  // through its stable address against the pattern of the weights it must hold.
+  void forward(std::uint32_t layer) {
+    pipe.forward(layer, [&, layer](host_stream& stream) {
+      stream.enqueue([this, layer] {
+        for (std::uint32_t e = 0; e < geometry.experts_per_layer(); ++e) {
+          const expert_id id{layer, e};
+          for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+            const auto* words = reinterpret_cast<const std::uint64_t*>(pipe.address(id, t));
+            mismatches.fetch_add(count_pattern_mismatches(words, storage.tensor_bytes(t) / 8, seed_of(geometry, id, t)),
+                                 std::memory_order_relaxed);
+            checked.fetch_add(1, std::memory_order_relaxed);
+          }
+        }
+      });
+    });
+  }
+
+  // Runs `iterations` forward passes, prefetching W − 1 layers ahead of the compute.
+  void run(int iterations) {
+    const std::uint32_t n = geometry.layers();
+    const std::uint32_t ahead = std::min(pipe.window() - 1, n);
+    for (std::uint32_t k = 0; k < ahead; ++k) pipe.materialize(k);
+    for (int it = 0; it < iterations; ++it) {
+      for (std::uint32_t i = 0; i < n; ++i) {
+        forward(i);
+        pipe.materialize((i + ahead) % n);
+      }
+    }
+  }
+
+  std::uint64_t stream_syncs() const {
+    return compute.statistics().stream_syncs + load_gate_up.statistics().stream_syncs +
+           load_down.statistics().stream_syncs;
+  }
+  std::size_t page_bytes() const {
+    return pipe.space(expert_tensor::gate_up).page_bytes() + pipe.space(expert_tensor::down).page_bytes();
+  }
+
+  moe_geometry geometry;
+  Vmm vm;
+  budget_tracker budget;
+  host_memory host;
+  tensor_storage<host_stream> storage;
+  host_stream compute, load_gate_up, load_down;
+  std::atomic<std::uint64_t> mismatches{0}, checked{0};
+  layer_pipeline<Vmm, host_stream> pipe;
+};
+
+TEST(LayerPipeline, StreamsEveryLayerThroughATwoLayerWindowWithOnlyEventFences) {
+  // The TSan acceptance test: thousands of iterations, real asynchronous copies
+  // on two loading streams, a compute stream that checks every tensor it reads
+  // through its stable address. A missing WAR fence unmaps or overwrites a page
+  // under the compute (a fault or mismatches); a missing RAW fence reads a page
+  // before its copy (mismatches).
+  constexpr int iterations = 2000;
+  rig r(2, 4);
+  r.run(iterations);
+  r.pipe.drain();
+  EXPECT_EQ(r.mismatches.load(), 0u);
+  EXPECT_EQ(r.checked.load(), std::uint64_t{iterations} * 4 * 4 * 2);
+  EXPECT_EQ(r.stream_syncs(), 0u) << "the protocol must never wait for a whole stream";
+  const auto& s = r.pipe.statistics();
+  EXPECT_EQ(s.cold_starts, 2u);
+  EXPECT_EQ(s.layers_materialized, std::uint64_t{iterations} * 4 + 1);
+  EXPECT_EQ(s.war_fences + s.war_already_done, s.layers_recycled);
+  EXPECT_EQ(s.raw_fences, std::uint64_t{iterations} * 4 * 2);
+  EXPECT_EQ(s.peak_bytes_mapped, 2 * 4 * r.page_bytes()) << "never more than W layers mapped";
+  EXPECT_EQ(r.budget.root().used(), s.bytes_mapped);
+  EXPECT_EQ(r.load_gate_up.statistics().copies + r.load_down.statistics().copies, s.pages_loaded);
+}
+
+TEST(LayerPipeline, RecyclesAlgorithmOnesTargetLayerAcrossIterations) {
+  rig r(2, 6);
+  const std::uint32_t n = 6;
+  r.pipe.materialize(0);
+  for (int it = 0; it < 3; ++it) {
+    for (std::uint32_t k = 0; k < n; ++k) {
+      r.forward(k);
+      const std::uint32_t next = (k + 1) % n;
+      const std::vector<std::uint32_t> before = r.pipe.window_layers();
+      r.pipe.materialize(next);
+      if (it == 0 && next == 1) {
+        EXPECT_EQ(before.size(), next) << "cold start: nothing to recycle";
+        continue;
+      }
+      // FluxMoE Algorithm 1, line 4, in its 1-based numbering: target = ((i − 3 + N) mod N) + 1.
+      const std::uint32_t i1 = next + 1;
+      const std::uint32_t target1 = ((i1 + n - 3) % n) + 1;
+      ASSERT_EQ(before.size(), 2u);
+      EXPECT_EQ(before.front() + 1, target1) << "materializing layer " << next << " in iteration " << it;
+      EXPECT_EQ(r.pipe.window_layers(), (std::vector<std::uint32_t>{k, next}));
+      for (std::uint32_t e = 0; e < 4; ++e) {
+        EXPECT_EQ(r.pipe.state({before.front(), e}, expert_tensor::gate_up), page_state::unmapped);
+      }
+    }
+  }
+  r.pipe.drain();
+  EXPECT_EQ(r.mismatches.load(), 0u);
+}
+
+TEST(LayerPipeline, AddressesNeverChange) {
+  rig r(2, 4);
+  std::map<std::pair<std::uint64_t, int>, std::byte*> first;
+  for (std::uint64_t flat = 0; flat < r.geometry.expert_count(); ++flat) {
+    for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+      first[{flat, static_cast<int>(t)}] = r.pipe.address(r.geometry.expert_at(flat), t);
+    }
+  }
+  r.run(3);
+  r.pipe.drain();
+  for (const auto& [key, address] : first) {
+    EXPECT_EQ(r.pipe.address(r.geometry.expert_at(key.first), static_cast<expert_tensor>(key.second)), address);
+  }
+  EXPECT_EQ(r.mismatches.load(), 0u);
+}
+
+TEST(LayerPipeline, AWindowCoveringTheModelLoadsEachExpertOnce) {
+  rig r(8, 4);
+  r.run(5);
+  r.pipe.drain();
+  EXPECT_EQ(r.pipe.statistics().pages_loaded, 4u * 4 * 2);
+  EXPECT_EQ(r.pipe.statistics().layers_recycled, 0u);
+  EXPECT_EQ(r.pipe.state({3, 3}, expert_tensor::down), page_state::resident);
+  EXPECT_EQ(r.mismatches.load(), 0u);
+}
+
+TEST(LayerPipeline, TheWindowGrowsAndShrinksBetweenIterations) {
+  rig r(2, 6);
+  r.run(2);
+  EXPECT_EQ(r.pipe.statistics().peak_bytes_mapped, 2 * 4 * r.page_bytes());
+  r.pipe.set_window(4);
+  // The loop prefetches W − 1 = 3 layers ahead now.
+  for (std::uint32_t i = 0; i < 6; ++i) {
+    r.forward(i);
+    r.pipe.materialize((i + 1) % 6);
+    r.pipe.materialize((i + 2) % 6);
+    r.pipe.materialize((i + 3) % 6);
+  }
+  EXPECT_EQ(r.pipe.statistics().peak_bytes_mapped, 4 * 4 * r.page_bytes());
+  const std::size_t created_wide = r.pipe.pool(expert_tensor::gate_up).created();
+  r.pipe.set_window(2);  // recycles the oldest forwarded layers now and trims the pools
+  EXPECT_LE(r.pipe.window_layers().size(), 3u);
+  EXPECT_LT(r.pipe.pool(expert_tensor::gate_up).created(), created_wide);
+  EXPECT_EQ(r.budget.root().used(), r.pipe.statistics().bytes_mapped);
+  for (std::uint32_t i = 0; i < 6; ++i) {
+    r.forward(i);
+    r.pipe.materialize((i + 1) % 6);
+  }
+  r.pipe.drain();
+  EXPECT_EQ(r.mismatches.load(), 0u);
+  EXPECT_THROW(r.pipe.set_window(1), invalid_argument);
+}
+
+TEST(LayerPipeline, PinnedExpertsStayResidentAndAreNotReloaded) {
+  rig r(2, 4);
+  r.pipe.pin({1, 2});
+  r.pipe.pin({3, 0});
+  r.pipe.pin({3, 0});  // idempotent
+  EXPECT_TRUE(r.pipe.pinned({1, 2}));
+  std::byte* const pinned_page = r.pipe.address({1, 2}, expert_tensor::gate_up);
+  r.run(10);
+  r.pipe.drain();
+  EXPECT_EQ(r.mismatches.load(), 0u);
+  EXPECT_EQ(r.pipe.state({1, 2}, expert_tensor::gate_up), page_state::resident);
+  EXPECT_EQ(r.pipe.address({1, 2}, expert_tensor::gate_up), pinned_page);
+  // Pinning loaded 2 experts (4 pages); then 41 materializations loaded only unpinned pages:
+  // layer 0 eleven times (8 pages), layers 1 and 3 ten times (6), layer 2 ten times (8).
+  EXPECT_EQ(r.pipe.statistics().pages_loaded, 4u + 11 * 8 + 10 * (6 + 8 + 6));
+  EXPECT_EQ(r.pipe.statistics().pinned_experts, 2u);
+  EXPECT_EQ(r.budget.root().used(), r.pipe.statistics().bytes_mapped);
+  // Layer 1 is not in the window now: unpinning unmaps its page behind the layer's events.
+  ASSERT_EQ(r.pipe.window_layers(), (std::vector<std::uint32_t>{3, 0}));
+  r.pipe.unpin({1, 2});
+  EXPECT_EQ(r.pipe.state({1, 2}, expert_tensor::gate_up), page_state::unmapped);
+  // Layer 3 is in the window: its page stays until the layer is recycled.
+  r.pipe.unpin({3, 0});
+  EXPECT_NE(r.pipe.state({3, 0}, expert_tensor::gate_up), page_state::unmapped);
+  EXPECT_EQ(r.budget.root().used(), r.pipe.statistics().bytes_mapped);
+}
+
+TEST(LayerPipeline, AWhollyPinnedLayerNeedsNoMaterialization) {
+  rig r(2, 4);
+  for (std::uint32_t e = 0; e < 4; ++e) r.pipe.pin({2, e});
+  r.run(3);
+  r.pipe.drain();
+  EXPECT_EQ(r.mismatches.load(), 0u);
+  EXPECT_EQ(r.checked.load(), 3u * 4 * 4 * 2);
+}
+
+TEST(LayerPipeline, RejectsMisuseWithoutChangingAnything) {
+  rig r(2, 4);
+  EXPECT_THROW(r.pipe.materialize(4), invalid_argument);
+  EXPECT_THROW(r.forward(0), invalid_argument);  // not materialized
+  EXPECT_THROW(r.pipe.pin({0, 4}), invalid_argument);
+  r.pipe.materialize(0);
+  r.pipe.materialize(1);
+  try {
+    r.pipe.materialize(2);  // the window is full of layers not yet forwarded
+    ADD_FAILURE() << "materialize past an unforwarded window did not throw";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("layer 0 has not been forwarded"));
+  }
+  EXPECT_EQ(r.pipe.window_layers(), (std::vector<std::uint32_t>{0, 1}));
+  EXPECT_EQ(r.budget.root().used(), 2 * 4 * r.page_bytes());
+  EXPECT_THROW((layer_pipeline<host_vmm, host_stream>(r.vm, r.geometry, precision::bf16, r.budget.root(), r.storage,
+                                                      r.compute, r.load_gate_up, r.load_down, {.window = 1})),
+               invalid_argument);
+  EXPECT_THROW((layer_pipeline<host_vmm, host_stream>(r.vm, r.geometry, precision::int4, r.budget.root(), r.storage,
+                                                      r.compute, r.load_gate_up, r.load_down, {})),
+               invalid_argument);
+}
+
+// Fault injection: whatever step of a materialization fails, the layer's pages
+// are unmapped, their blocks are back in the pools and the budget is unchanged.
+class LayerPipelineFaults : public ::testing::TestWithParam<int> {};
+
+void expect_layer_clean(rig<failing_vmm>& r, std::uint32_t layer, std::uint64_t budget_before) {
+  for (std::uint32_t e = 0; e < 4; ++e) {
+    for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+      EXPECT_EQ(r.pipe.state({layer, e}, t), page_state::unmapped) << "expert " << e;
+    }
+  }
+  EXPECT_EQ(r.budget.root().used(), budget_before);
+  EXPECT_EQ(r.pipe.pool(expert_tensor::gate_up).leased() * 64_KiB + r.pipe.pool(expert_tensor::down).leased() * 64_KiB,
+            budget_before);
+}
+
+TEST_P(LayerPipelineFaults, AFailingMapAccessOrCreateLeavesTheLayerUnmapped) {
+  const int n = GetParam();  // fail the n-th call of the layer's 8 pages
+  for (int which = 0; which < 3; ++which) {
+    rig<failing_vmm> r(2, 4);
+    r.pipe.materialize(0);
+    r.forward(0);
+    const std::uint64_t before = r.budget.root().used();
+    (which == 0 ? r.vm.fail_map_in : which == 1 ? r.vm.fail_access_in : r.vm.fail_create_in) = n;
+    EXPECT_THROW(r.pipe.materialize(1), out_of_memory) << "step " << which << ", call " << n;
+    expect_layer_clean(r, 1, before);
+    EXPECT_EQ(r.pipe.window_layers(), (std::vector<std::uint32_t>{0}));
+    // The pipeline goes on as if the failure had not happened.
+    r.vm.fail_map_in.reset();
+    r.vm.fail_access_in.reset();
+    r.vm.fail_create_in.reset();
+    r.pipe.materialize(1);
+    r.forward(1);
+    r.pipe.materialize(2);
+    r.forward(2);
+    r.pipe.drain();
+    EXPECT_EQ(r.mismatches.load(), 0u);
+  }
+}
+
+TEST_P(LayerPipelineFaults, AFailingCopyLeavesTheLayerUnmapped) {
+  const int n = GetParam();
+  int loads = 0;
+  std::optional<int> fail_at;
+  // A loader that enqueues half of its copy, then fails to enqueue the rest (a
+  // decompressor whose second launch fails): the pipeline must wait for the
+  // half already in flight before it unmaps the page.
+  rig<failing_vmm> r(2, 4, [&](std::span<const std::byte> stored, std::span<std::byte> page, host_stream& stream) {
+    const std::size_t half = stored.size() / 2;
+    stream.copy(page.data(), stored.data(), half);
+    if (fail_at && ++loads == *fail_at) throw out_of_memory("injected copy failure");
+    stream.copy(page.data() + half, stored.data() + half, stored.size() - half);
+  });
+  r.pipe.materialize(0);
+  r.forward(0);
+  const std::uint64_t before = r.budget.root().used();
+  fail_at = n;
+  EXPECT_THROW(r.pipe.materialize(1), out_of_memory);
+  expect_layer_clean(r, 1, before);
+  fail_at.reset();
+  r.pipe.materialize(1);
+  r.forward(1);
+  r.pipe.drain();
+  EXPECT_EQ(r.mismatches.load(), 0u);
+}
+
+TEST_P(LayerPipelineFaults, AFailedPinLeavesTheExpertUnmapped) {
+  rig<failing_vmm> r(2, 4);
+  const std::uint64_t before = r.budget.root().used();
+  r.vm.fail_map_in = GetParam() % 2 + 1;  // the gate_up or the down page
+  EXPECT_THROW(r.pipe.pin({2, 1}), out_of_memory);
+  EXPECT_FALSE(r.pipe.pinned({2, 1}));
+  EXPECT_EQ(r.pipe.state({2, 1}, expert_tensor::gate_up), page_state::unmapped);
+  EXPECT_EQ(r.pipe.state({2, 1}, expert_tensor::down), page_state::unmapped);
+  EXPECT_EQ(r.budget.root().used(), before);
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryPage, LayerPipelineFaults, ::testing::Range(1, 9));
+
+TEST(LayerPipelineFaults, ABudgetRefusalLeavesTheLayerUnmapped) {
+  rig r(2, 4);
+  r.pipe.materialize(0);
+  r.forward(0);
+  const std::uint64_t before = r.budget.root().used();
+  (void)r.budget.root().set_capacity(before + 3 * r.page_bytes());  // room for 3 of the layer's 4 experts
+  EXPECT_THROW(r.pipe.materialize(1), out_of_budget);
+  for (std::uint32_t e = 0; e < 4; ++e) EXPECT_EQ(r.pipe.state({1, e}, expert_tensor::gate_up), page_state::unmapped);
+  EXPECT_EQ(r.budget.root().used(), before);
+}
+
+}  // namespace
+}  // namespace expage
