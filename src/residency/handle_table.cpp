@@ -217,7 +217,7 @@ handle_table::outcome handle_table::publish_impl(expert_id id, std::uint64_t ser
     if (!wait) return outcome::not_ready;
     // Wait outside the lock (other experts' transitions and collect() go on);
     // publish_waiting keeps abort() from freeing the version meanwhile.
-    const std::uint64_t mine = slot->serial;
+    [[maybe_unused]] const std::uint64_t mine = slot->serial;  // for the assertion below
     any_completion done = std::move(slot->pending->done);
     slot->publish_waiting = true;
     lock.unlock();
