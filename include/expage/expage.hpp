@@ -33,6 +33,7 @@
 #include "expage/residency/epoch_domain.hpp"
 #include "expage/residency/handle_table.hpp"
 #include "expage/residency/residency_state.hpp"
+#include "expage/residency/transition_manager.hpp"
 #include "expage/residency/version_record.hpp"
 #include "expage/stream/async_stream.hpp"
 #include "expage/stream/host_stream.hpp"

@@ -1,0 +1,512 @@
+/// @file
+/// @brief transition_manager: DynaExq's non-blocking transition pipeline (§3.4): queues, a background
+/// worker on a migration stream, budget admission, backpressure, cancellation and statistics.
+#pragma once
+
+#include "expage/core/error.hpp"
+#include "expage/memory/block_pool.hpp"
+#include "expage/memory/budget_tracker.hpp"
+#include "expage/residency/completion.hpp"
+#include "expage/residency/handle_table.hpp"
+#include "expage/stream/async_stream.hpp"
+#include "expage/vmm/tensor_storage.hpp"
+
+#include <fmt/format.h>
+
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace expage {
+
+/// @brief A stream event as a completion: ready() is query(), wait() is synchronize().
+///
+/// Holds its own event (one per transition), so a later record of another
+/// event cannot move what it waits for.
+/// @threadsafety as the event.
+template <stream_event Event>
+class event_completion {
+ public:
+  /// Shares @p event (already recorded by the caller).
+  explicit event_completion(std::shared_ptr<Event> event) noexcept : event_(std::move(event)) {}
+  /// True when the event's work has completed.
+  [[nodiscard]] bool ready() const { return event_->query(); }
+  /// Blocks until it has.
+  void wait() { event_->synchronize(); }
+
+ private:
+  std::shared_ptr<Event> event_;
+};
+
+/// @brief Where the versions of one precision come from and go to.
+template <async_stream Stream, physical_memory Memory>
+struct version_class {
+  precision format = precision::bf16;              ///< The versions' precision.
+  const tensor_storage<Stream>* source = nullptr;  ///< Pre-packed copies of every expert in `format` (host memory).
+  block_pool<Memory>* pool = nullptr;  ///< Destination; its block_size() must hold a whole expert in `format`.
+};
+
+/// @brief Construction parameters of a transition_manager.
+struct transition_manager_options {
+  std::uint64_t max_bytes_per_step = 0;  ///< Bytes issued between two step() calls; 0: no cap (llama.cpp #27861).
+  std::size_t max_in_flight = 4;         ///< Copies in flight at once (staging slots), ≥ 1.
+};
+
+/// @brief Counters of a transition_manager.
+struct transition_manager_statistics {
+  std::uint64_t requested = 0;          ///< Transitions queued by set_targets().
+  std::uint64_t issued = 0;             ///< Transitions begun (copies enqueued, or evictions begun).
+  std::uint64_t completed = 0;          ///< Transitions published.
+  std::uint64_t cancelled = 0;          ///< Queued transitions a newer target set superseded.
+  std::uint64_t deferred_budget = 0;    ///< Times an update waited because its account refused.
+  std::uint64_t deferred_step_cap = 0;  ///< Steps in which issuing stopped at the per-step byte cap.
+  std::uint64_t refused_pinned = 0;     ///< Times an eviction waited because an open window pinned the expert.
+  std::uint64_t failed = 0;             ///< Transitions that threw while issuing (the handle kept its version).
+  std::uint64_t bytes_moved = 0;        ///< Bytes the published transitions copied.
+  std::size_t queued = 0;               ///< Requests waiting now.
+  std::size_t in_flight = 0;            ///< Copies in flight now.
+  /// Nanoseconds the managed experts spent in each residency_state (indexed by the enum's value).
+  std::array<std::uint64_t, 6> time_in_state_ns{};
+};
+
+/// @brief The background half of DynaExq's residency (§3.4): turns target
+/// sets into promotions, demotions and evictions on a migration stream,
+/// without ever making the forward pass wait.
+///
+/// - **Queues.** set_targets() takes the experts whose residency should change,
+///   in priority order. Evictions go to the evict queue, promotions and
+///   demotions to the update queue. A queued request that a newer call
+///   supersedes (another target, or no longer listed) is cancelled.
+/// - **Worker.** One background thread issues the work: for an update it
+///   reserves the destination bytes on the class's budget account
+///   (`try_reserve`: admission), acquires a block from the class's pool,
+///   begins the transition, enqueues the copy of the pre-packed weights on the
+///   migration stream, records a fresh event and prepares the version with it.
+///   The handle keeps resolving to its old version; the worker publishes once
+///   the event has completed, and the old version goes to epoch reclamation.
+///   An eviction is begun and published at once (no copy): the handle resolves
+///   to nothing for windows opened afterwards, and the memory returns when the
+///   windows that could have read it have closed.
+/// - **Admission and priority.** When the account refuses, the update stays
+///   queued (`deferred_budget`) and, while the budget is tight, queued evictions
+///   are issued before updates, since they free what updates need.
+/// - **Backpressure.** At most `max_in_flight` copies are in flight, and at
+///   most `max_bytes_per_step` bytes are issued between two step() calls (the
+///   engine calls step() once per forward step), bounding the interference
+///   with the forward pass's own transfers.
+/// - **Windows.** Evicting an expert an open window pinned is refused by the
+///   table; the eviction waits in its queue (`refused_pinned`).
+/// - **Failures.** An exception while issuing (a pool or backend failure, a
+///   failing copy) aborts the transition: the handle keeps its version, the
+///   reservation and the block are returned (`failed`).
+///
+/// @code
+/// expage::transition_manager<expage::host_stream, expage::host_memory> manager(
+///     table, migration, {.format = bf16, .source = &bf16_store, .pool = &hi_pool},
+///     {.format = int4, .source = &int4_store, .pool = &lo_pool}, {.max_bytes_per_step = 256_MiB});
+/// manager.set_targets(plan);        // from the hotness policy, any thread
+/// for (;;) { forward_pass(); manager.step(); }
+/// @endcode
+/// @threadsafety thread-safe: set_targets(), step(), wait_idle() and statistics() may be called from any thread.
+template <async_stream Stream, physical_memory Memory>
+class transition_manager {
+ public:
+  /// A target residency for one expert.
+  struct target {
+    expert_id expert;       ///< The expert.
+    residency_state state;  ///< resident_hi, resident_lo or absent.
+  };
+
+  /// Starts the worker. @p high and @p low describe the two version classes.
+  /// @throws expage::invalid_argument for a class without source or pool, a pool block too small
+  /// for an expert of its class, or max_in_flight 0.
+  transition_manager(handle_table& table, Stream& migration, version_class<Stream, Memory> high,
+                     version_class<Stream, Memory> low, transition_manager_options options = {})
+      : table_(&table),
+        migration_(&migration),
+        classes_{validated(table, high), validated(table, low)},
+        options_(options),
+        targets_(static_cast<std::size_t>(table.geometry().expert_count())),
+        since_(targets_.size(), clock::now()),
+        last_state_(targets_.size()) {
+    if (options.max_in_flight == 0) {
+      throw invalid_argument("transition_manager: max_in_flight 0 out of range [1, 2^64)");
+    }
+    for (std::size_t i = 0; i < last_state_.size(); ++i) last_state_[i] = table.state(table.geometry().expert_at(i));
+    worker_ = std::thread([this] { run(); });
+  }
+  transition_manager(const transition_manager&) = delete;
+  transition_manager& operator=(const transition_manager&) = delete;
+  /// Stops the worker: queued requests are dropped, copies in flight are waited for and published.
+  ~transition_manager() {
+    {
+      const std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    wake_cv_.notify_all();
+    worker_.join();
+  }
+
+  /// Replaces the pending change set with @p targets (in priority order). Queued requests not
+  /// in it, or asking another state, are cancelled; transitions already issued complete.
+  /// @throws expage::invalid_argument for an unknown expert or a state other than resident_hi,
+  /// resident_lo or absent (nothing changes).
+  void set_targets(std::span<const target> targets) {
+    for (const target& t : targets) {
+      (void)table_->handle(t.expert);  // validates the id
+      if (t.state != residency_state::resident_hi && t.state != residency_state::resident_lo &&
+          t.state != residency_state::absent) {
+        throw invalid_argument(
+            fmt::format("transition_manager::set_targets: target {} for {} is not resident_hi, "
+                        "resident_lo or absent",
+                        t.state, t.expert));
+      }
+    }
+    {
+      const std::lock_guard lock(mutex_);
+      std::vector<std::optional<residency_state>> wanted(targets_.size());
+      for (const target& t : targets) wanted[flat(t.expert)] = t.state;
+      const auto keep = [&](std::deque<expert_id>& queue) {
+        std::deque<expert_id> kept;
+        for (const expert_id id : queue) {
+          if (wanted[flat(id)] == targets_[flat(id)]) {
+            kept.push_back(id);
+          } else {
+            ++stats_.cancelled;
+          }
+        }
+        queue = std::move(kept);
+      };
+      keep(updates_);
+      keep(evictions_);
+      for (std::size_t i = 0; i < targets_.size(); ++i) {
+        if (!wanted[i] && targets_[i]) targets_[i].reset();
+      }
+      for (const target& t : targets) {
+        const std::size_t i = flat(t.expert);
+        if (targets_[i] == t.state) continue;  // already queued with this target
+        targets_[i] = t.state;
+        (t.state == residency_state::absent ? evictions_ : updates_).push_back(t.expert);
+        ++stats_.requested;
+      }
+      wake_ = true;
+    }
+    wake_cv_.notify_all();
+  }
+
+  /// Starts a new step: the per-step byte allowance is refilled and the worker retries deferred work
+  /// (budget freed by windows that have closed since).
+  void step() {
+    {
+      const std::lock_guard lock(mutex_);
+      bytes_this_step_ = 0;
+      capped_this_step_ = false;
+      wake_ = true;
+    }
+    wake_cv_.notify_all();
+  }
+
+  /// Blocks until the worker has nothing it can do: every queued request issued and published, or
+  /// waiting for budget, a window or the next step(). For tests, examples and shutdown.
+  /// @return true when no request is queued.
+  bool wait_idle() {
+    std::unique_lock lock(mutex_);
+    const std::uint64_t seen = idle_generation_;
+    wake_ = true;
+    wake_cv_.notify_all();
+    idle_cv_.wait(lock, [&] { return idle_generation_ != seen; });
+    return updates_.empty() && evictions_.empty();
+  }
+
+  /// A snapshot of the counters.
+  [[nodiscard]] transition_manager_statistics statistics() const {
+    const std::lock_guard lock(mutex_);
+    transition_manager_statistics s = stats_;
+    s.queued = updates_.size() + evictions_.size();
+    return s;
+  }
+
+ private:
+  using clock = std::chrono::steady_clock;
+  using event_type = typename Stream::event_type;
+  struct flight {
+    transition guard;
+    std::shared_ptr<event_type> done;
+    std::uint64_t bytes;
+  };
+
+  static version_class<Stream, Memory> validated(const handle_table& table, version_class<Stream, Memory> c) {
+    if (c.source == nullptr || c.pool == nullptr) {
+      throw invalid_argument(
+          fmt::format("transition_manager: the {} class needs a source and a pool", to_string(c.format)));
+    }
+    const std::uint64_t bytes = table.geometry().expert_bytes(c.format);
+    if (c.pool->block_size() < bytes) {
+      throw invalid_argument(fmt::format("transition_manager: {} pool blocks of {} bytes cannot hold a {}-byte expert",
+                                         to_string(c.format), c.pool->block_size(), bytes));
+    }
+    if (c.source->format() != c.format) {
+      throw invalid_argument(fmt::format("transition_manager: the {} class's source holds {}", to_string(c.format),
+                                         to_string(c.source->format())));
+    }
+    return c;
+  }
+  [[nodiscard]] std::size_t flat(expert_id id) const {
+    return static_cast<std::size_t>(table_->geometry().flat_index(id));
+  }
+
+  // Time accounting: called by the worker whenever it changes a managed expert's state.
+  void note_state(std::size_t i, residency_state now) {
+    const auto t = clock::now();
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(t - since_[i]).count();
+    stats_.time_in_state_ns[static_cast<std::size_t>(last_state_[i])] += static_cast<std::uint64_t>(ns);
+    since_[i] = t;
+    last_state_[i] = now;
+  }
+
+  // The version record of a block holding a whole expert in `format`: gate_up then down, each
+  // tensor's weights followed by its group scales and zero points (see precision.hpp).
+  [[nodiscard]] version_record record_at(std::byte* block, precision format) const {
+    const moe_geometry& g = table_->geometry();
+    version_record r;
+    std::size_t offset = 0;
+    for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+      const auto i = static_cast<std::size_t>(t);
+      const tensor_shape shape = g.shape(t);
+      r.data[i] = block + offset;
+      if (metadata_bytes_per_group(format) != 0) {
+        const std::uint64_t weights = (shape.elements() * bits_per_weight(format) + 7) / 8;
+        const std::uint64_t groups = shape.rows * ((shape.cols + g.group_size() - 1) / g.group_size());
+        r.scales[i] = r.data[i] + weights;
+        if (format != precision::fp8) r.zeros[i] = r.scales[i] + groups * 2;
+      }
+      offset += static_cast<std::size_t>(g.tensor_bytes(t, format));
+    }
+    r.bytes = g.expert_bytes(format);
+    r.format = format;
+    return r;
+  }
+
+  // Issues one update (promotion, demotion or first load) of `id` to `to`; the caller holds no lock.
+  enum class attempt : std::uint8_t { issued, done, deferred_budget, busy, failed };
+  attempt issue_update(expert_id id, residency_state to, std::optional<flight>& out) {
+    const version_class<Stream, Memory>& c = classes_[to == residency_state::resident_hi ? 0 : 1];
+    const residency_state now = table_->state(id);
+    if (now == to) return attempt::done;
+    if (is_transitional(now)) return attempt::busy;
+    const std::size_t bytes = c.pool->block_size();
+    reservation admitted = c.pool->account().try_reserve(bytes);  // admission (DynaExq §3.3)
+    if (!admitted) return attempt::deferred_budget;
+    std::optional<transition> t = table_->try_begin(
+        id, to == residency_state::resident_hi ? residency_state::promoting : residency_state::demoting);
+    if (!t) return attempt::busy;
+    const residency_state began = table_->state(id);
+    auto done = std::make_shared<event_type>();
+    // Declared outside the try: on a failure they are destroyed only after the copy is fenced.
+    std::optional<typename block_pool<Memory>::span> blocks;
+    version_storage storage;
+    bool enqueued = false;
+    try {
+      blocks.emplace(c.pool->acquire(std::move(admitted)));
+      std::byte* const block = *blocks->begin();
+      const version_record record = record_at(block, c.format);
+      for (const expert_tensor tensor : {expert_tensor::gate_up, expert_tensor::down}) {
+        const auto stored = c.source->stored(id, tensor);
+        enqueued = true;
+        migration_->copy(record.tensor(tensor), stored.data(), stored.size());
+      }
+      migration_->record(*done);
+      storage = version_storage(std::move(*blocks));
+      t->prepare(record, std::move(storage), event_completion<event_type>(done));
+    } catch (...) {
+      if (enqueued) {  // part of the copy may be in flight: fence it before the block goes back
+        try {
+          migration_->record(*done);
+          done->synchronize();
+        } catch (...) {
+        }
+      }
+      return attempt::failed;  // t's destructor aborts: the handle keeps its version, the budget returns
+    }
+    {
+      const std::lock_guard lock(mutex_);
+      note_state(flat(id), began);
+    }
+    out.emplace(flight{std::move(*t), std::move(done), bytes});
+    return attempt::issued;
+  }
+
+  attempt issue_eviction(expert_id id) {
+    const residency_state now = table_->state(id);
+    if (now == residency_state::absent) return attempt::done;
+    if (is_transitional(now)) return attempt::busy;
+    std::optional<transition> t = table_->try_begin(id, residency_state::evicting);
+    if (!t) return attempt::busy;  // pinned by an open window (or raced): retried later
+    try {
+      t->publish();
+    } catch (...) {
+      return attempt::failed;
+    }
+    const std::lock_guard lock(mutex_);
+    note_state(flat(id), residency_state::evicting);
+    note_state(flat(id), residency_state::absent);
+    ++stats_.completed;  // published at once: no copy
+    return attempt::issued;
+  }
+
+  // Publishes every flight whose copy has completed (or, with `wait`, the oldest one after waiting).
+  void reap(std::vector<flight>& flights, bool wait) {
+    for (std::size_t i = 0; i < flights.size();) {
+      flight& f = flights[i];
+      bool published = false;
+      const expert_id id = f.guard.expert();
+      try {
+        if (wait && i == 0) {
+          f.guard.publish();
+          published = true;
+        } else {
+          published = f.guard.publish_if_ready();
+        }
+      } catch (...) {
+        f.guard.abort();
+        const std::lock_guard lock(mutex_);
+        ++stats_.failed;
+        --stats_.in_flight;
+        flights.erase(flights.begin() + static_cast<std::ptrdiff_t>(i));
+        continue;
+      }
+      if (published) {
+        const std::lock_guard lock(mutex_);
+        note_state(flat(id), table_->state(id));
+        ++stats_.completed;
+        stats_.bytes_moved += f.bytes;
+        --stats_.in_flight;
+        flights.erase(flights.begin() + static_cast<std::ptrdiff_t>(i));
+      } else {
+        ++i;
+      }
+    }
+  }
+
+  // Picks the next request: evictions first while the budget is tight or no update waits.
+  std::optional<std::pair<expert_id, residency_state>> next_request() {
+    for (int pass = 0; pass < 2; ++pass) {
+      const bool evictions_first = tight_ || updates_.empty();
+      std::deque<expert_id>& queue = (pass == 0) == evictions_first ? evictions_ : updates_;
+      if (!queue.empty()) {
+        const expert_id id = queue.front();
+        queue.pop_front();
+        return std::pair{id, *targets_[flat(id)]};
+      }
+    }
+    return std::nullopt;
+  }
+
+  void run() {
+    std::vector<flight> flights;
+    std::unique_lock lock(mutex_);
+    for (;;) {
+      lock.unlock();
+      reap(flights, false);
+      (void)table_->collect();
+      lock.lock();
+      if (stop_) break;
+      // Issue what the caps, the budget and the windows allow, in queue order.
+      bool progressed = false;
+      std::size_t tries = updates_.size() + evictions_.size();
+      while (tries-- > 0 && flights.size() < options_.max_in_flight && !stop_) {
+        if (options_.max_bytes_per_step != 0 && bytes_this_step_ >= options_.max_bytes_per_step) {
+          if (!capped_this_step_) ++stats_.deferred_step_cap;
+          capped_this_step_ = true;
+          break;
+        }
+        const auto request = next_request();
+        if (!request) break;
+        const auto [id, to] = *request;
+        lock.unlock();
+        std::optional<flight> issued;
+        const attempt a = to == residency_state::absent ? issue_eviction(id) : issue_update(id, to, issued);
+        lock.lock();
+        const bool still_wanted = targets_[flat(id)] == to;
+        switch (a) {
+          case attempt::issued:
+            ++stats_.issued;
+            progressed = true;
+            if (issued) {
+              ++stats_.in_flight;
+              bytes_this_step_ += issued->bytes;
+              flights.push_back(std::move(*issued));
+            }
+            [[fallthrough]];
+          case attempt::done:
+            if (still_wanted) targets_[flat(id)].reset();
+            break;
+          case attempt::failed:
+            ++stats_.failed;
+            if (still_wanted) targets_[flat(id)].reset();
+            break;
+          case attempt::deferred_budget:
+            ++stats_.deferred_budget;
+            tight_ = true;
+            if (still_wanted) updates_.push_back(id);
+            break;
+          case attempt::busy:
+            if (to == residency_state::absent) ++stats_.refused_pinned;
+            if (still_wanted) (to == residency_state::absent ? evictions_ : updates_).push_back(id);
+            break;
+        }
+        if (a == attempt::issued && to == residency_state::absent) tight_ = false;  // freed room: retry updates
+      }
+      if (progressed) continue;
+      if (!flights.empty()) {  // nothing to issue: wait for the oldest copy, publish it
+        lock.unlock();
+        reap(flights, true);
+        lock.lock();
+        continue;
+      }
+      ++idle_generation_;
+      idle_cv_.notify_all();
+      wake_cv_.wait(lock, [&] { return stop_ || wake_; });
+      wake_ = false;
+      tight_ = false;
+    }
+    lock.unlock();
+    while (!flights.empty()) reap(flights, true);
+    lock.lock();
+    ++idle_generation_;
+    idle_cv_.notify_all();
+  }
+
+  handle_table* table_;
+  Stream* migration_;
+  std::array<version_class<Stream, Memory>, 2> classes_;  // [0] high, [1] low
+  transition_manager_options options_;
+
+  mutable std::mutex mutex_;  // guards everything below
+  std::condition_variable wake_cv_, idle_cv_;
+  std::deque<expert_id> updates_, evictions_;
+  std::vector<std::optional<residency_state>> targets_;  // per flat expert: the queued target
+  std::vector<clock::time_point> since_;
+  std::vector<residency_state> last_state_;
+  std::uint64_t bytes_this_step_ = 0;
+  std::uint64_t idle_generation_ = 0;
+  bool tight_ = false;
+  bool capped_this_step_ = false;
+  bool wake_ = false;
+  bool stop_ = false;
+  transition_manager_statistics stats_;
+  std::thread worker_;
+};
+
+}  // namespace expage

@@ -1,0 +1,339 @@
+#include "expage/residency/transition_manager.hpp"
+
+#include "common/test_memory.hpp"
+#include "expage/core/pattern.hpp"
+#include "expage/memory/host_memory.hpp"
+#include "expage/stream/host_stream.hpp"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <future>
+#include <optional>
+#include <random>
+#include <thread>
+#include <vector>
+
+namespace expage {
+namespace {
+
+using namespace expage::literals;
+using expage::testing::failing_memory;
+using expage::testing::heap_memory;
+
+// 4 layers × 8 experts; bf16 expert 48 KiB, int4 expert ≈ 13.5 KiB.
+moe_geometry small() {
+  return moe_geometry(moe_geometry::config{.name = "small",
+                                           .layers = 4,
+                                           .experts_per_layer = 8,
+                                           .top_k = 2,
+                                           .hidden_size = 64,
+                                           .intermediate_size = 128,
+                                           .group_size = 32});
+}
+
+std::uint64_t seed_of(const moe_geometry& g, expert_id id, expert_tensor t, precision p) {
+  return (g.flat_index(id) * 2 + static_cast<std::uint64_t>(t)) * 16 + static_cast<std::uint64_t>(p) + 1;
+}
+
+std::size_t round_up(std::uint64_t n) { return static_cast<std::size_t>((n + 4095) / 4096 * 4096); }
+
+// A host_stream whose Nth copy() throws (fault injection at the copy step).
+class failing_stream : public host_stream {
+ public:
+  using host_stream::host_stream;
+  std::optional<int> fail_copy_in;
+  void copy(void* dst, const void* src, std::size_t n) {
+    if (fail_copy_in && --*fail_copy_in == 0) throw out_of_memory("failing_stream: injected copy failure");
+    host_stream::copy(dst, src, n);
+  }
+};
+static_assert(async_stream<failing_stream>);
+
+template <class Stream = host_stream, class Memory = heap_memory>
+struct rig {
+  explicit rig(std::size_t hi_experts, transition_manager_options options = {}, Memory hi_memory = Memory())
+      : geometry(small()),
+        budget(1_GiB),
+        hi_account(budget.add_account("hi", hi_experts * round_up(geometry.expert_bytes(precision::bf16)))),
+        lo_account(budget.add_account("lo", 64 * round_up(geometry.expert_bytes(precision::int4)))),
+        hi_store(geometry, precision::bf16, host),
+        lo_store(geometry, precision::int4, host),
+        hi_pool(std::move(hi_memory), hi_account, {.name = "hi", .max_blocks = 64}),
+        lo_pool(Memory(heap_memory(round_up(geometry.expert_bytes(precision::int4)))), lo_account,
+                {.name = "lo", .max_blocks = 64}),
+        table(geometry),
+        manager(table, migration, {.format = precision::bf16, .source = &hi_store, .pool = &hi_pool},
+                {.format = precision::int4, .source = &lo_store, .pool = &lo_pool}, options) {
+    for (std::uint64_t flat = 0; flat < geometry.expert_count(); ++flat) {
+      const expert_id id = geometry.expert_at(flat);
+      for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+        fill(hi_store, id, t, precision::bf16);
+        fill(lo_store, id, t, precision::int4);
+      }
+    }
+  }
+  void fill(tensor_storage<Stream>& store, expert_id id, expert_tensor t, precision p) {
+    const auto slot = store.slot(id, t);
+    fill_pattern(reinterpret_cast<std::uint64_t*>(slot.data()), store.tensor_bytes(t) / 8, seed_of(geometry, id, t, p));
+  }
+  // Words of the resolved version that differ from its expert's pattern in its format.
+  std::size_t mismatches(const version_record& v) const {
+    std::size_t bad = 0;
+    for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+      bad += count_pattern_mismatches(reinterpret_cast<const std::uint64_t*>(v.tensor(t)),
+                                      geometry.tensor_bytes(t, v.format) / 8, seed_of(geometry, v.expert, t, v.format));
+    }
+    return bad;
+  }
+  void target_all(residency_state s) {
+    std::vector<typename transition_manager<Stream, Memory>::target> all;
+    for (std::uint64_t flat = 0; flat < geometry.expert_count(); ++flat) all.push_back({geometry.expert_at(flat), s});
+    manager.set_targets(all);
+  }
+
+  moe_geometry geometry;
+  budget_tracker budget;
+  budget_account& hi_account;
+  budget_account& lo_account;
+  host_memory host{{.block_size = 64_KiB, .alignment = 64_KiB}};
+  tensor_storage<Stream> hi_store, lo_store;
+  block_pool<Memory> hi_pool, lo_pool;
+  handle_table table;
+  Stream migration{"migration"};
+  transition_manager<Stream, Memory> manager;
+};
+
+using target = transition_manager<host_stream, heap_memory>::target;
+
+heap_memory hi_blocks() { return heap_memory(round_up(small().expert_bytes(precision::bf16))); }
+
+TEST(TransitionManager, LoadsEveryExpertLowThenPromotesTheTargetsWithCompleteVersions) {
+  rig r(8, {}, hi_blocks());
+  r.target_all(residency_state::resident_lo);
+  EXPECT_TRUE(r.manager.wait_idle());
+  for (std::uint64_t flat = 0; flat < r.geometry.expert_count(); ++flat) {
+    const expert_id id = r.geometry.expert_at(flat);
+    ASSERT_EQ(r.table.state(id), residency_state::resident_lo) << fmt::format("{}", id);
+    const version_record* v = r.table.resolve(id);
+    ASSERT_NE(v, nullptr);
+    EXPECT_EQ(v->format, precision::int4);
+    EXPECT_EQ(r.mismatches(*v), 0u) << fmt::format("{}", id);
+  }
+  const std::vector<target> hot = {{{0, 1}, residency_state::resident_hi}, {{2, 7}, residency_state::resident_hi}};
+  r.manager.set_targets(hot);
+  EXPECT_TRUE(r.manager.wait_idle());
+  for (const auto& t : hot) {
+    EXPECT_EQ(r.table.state(t.expert), residency_state::resident_hi);
+    EXPECT_EQ(r.table.resolve(t.expert)->format, precision::bf16);
+    EXPECT_EQ(r.mismatches(*r.table.resolve(t.expert)), 0u);
+  }
+  (void)r.table.collect();
+  // Promoted experts gave their low versions back.
+  EXPECT_EQ(r.hi_account.used(), 2 * r.hi_pool.block_size());
+  EXPECT_EQ(r.lo_account.used(), 30 * r.lo_pool.block_size());
+  const auto s = r.manager.statistics();
+  EXPECT_EQ(s.completed, 34u);
+  EXPECT_EQ(s.bytes_moved, 32 * r.lo_pool.block_size() + 2 * r.hi_pool.block_size());
+  EXPECT_EQ(s.in_flight, 0u);
+  EXPECT_GT(s.time_in_state_ns[static_cast<std::size_t>(residency_state::demoting)], 0u);
+  EXPECT_EQ(r.migration.statistics().stream_syncs, 0u);
+}
+
+TEST(TransitionManager, AdmissionDefersPromotionsUntilEvictionsFreeTheBudget) {
+  rig r(3, {}, hi_blocks());
+  std::vector<target> five;
+  for (std::uint32_t e = 0; e < 5; ++e) five.push_back({{1, e}, residency_state::resident_hi});
+  r.manager.set_targets(five);
+  EXPECT_FALSE(r.manager.wait_idle()) << "two promotions must still wait for budget";
+  EXPECT_EQ(r.hi_account.used(), 3 * r.hi_pool.block_size());
+  EXPECT_GT(r.manager.statistics().deferred_budget, 0u);
+  EXPECT_EQ(r.table.state({1, 3}), residency_state::absent);
+  // A newer plan: evict two of the promoted experts, keep promoting the last two.
+  std::vector<target> plan = {{{1, 3}, residency_state::resident_hi},
+                              {{1, 4}, residency_state::resident_hi},
+                              {{1, 0}, residency_state::absent},
+                              {{1, 1}, residency_state::absent}};
+  r.manager.set_targets(plan);
+  EXPECT_TRUE(r.manager.wait_idle());
+  EXPECT_EQ(r.table.state({1, 0}), residency_state::absent);
+  EXPECT_EQ(r.table.state({1, 1}), residency_state::absent);
+  EXPECT_EQ(r.table.state({1, 2}), residency_state::resident_hi);
+  EXPECT_EQ(r.table.state({1, 3}), residency_state::resident_hi);
+  EXPECT_EQ(r.table.state({1, 4}), residency_state::resident_hi);
+  (void)r.table.collect();
+  EXPECT_EQ(r.hi_account.used(), 3 * r.hi_pool.block_size());
+}
+
+TEST(TransitionManager, CapsTheBytesIssuedPerStep) {
+  rig r(16, {.max_bytes_per_step = 1}, hi_blocks());  // one transition per step
+  std::vector<target> six;
+  for (std::uint32_t e = 0; e < 6; ++e) six.push_back({{3, e}, residency_state::resident_hi});
+  r.manager.set_targets(six);
+  for (int step = 1; step <= 6; ++step) {
+    const bool drained = r.manager.wait_idle();
+    EXPECT_EQ(r.manager.statistics().completed, static_cast<std::uint64_t>(step)) << "step " << step;
+    EXPECT_EQ(drained, step == 6);
+    r.manager.step();
+  }
+  EXPECT_GE(r.manager.statistics().deferred_step_cap, 5u);
+}
+
+TEST(TransitionManager, ANewerTargetSetCancelsQueuedTransitions) {
+  rig r(16, {.max_in_flight = 1}, hi_blocks());
+  // Hold the migration stream so the first copy cannot complete.
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  r.migration.enqueue([opened] { opened.wait(); });
+  std::vector<target> first;
+  for (std::uint32_t e = 0; e < 6; ++e) first.push_back({{0, e}, residency_state::resident_hi});
+  r.manager.set_targets(first);
+  while (r.manager.statistics().issued < 1) std::this_thread::yield();  // {0,0} in flight, the rest queued
+  const std::vector<target> second = {{{2, 0}, residency_state::resident_hi}, {{2, 1}, residency_state::resident_hi}};
+  r.manager.set_targets(second);
+  EXPECT_EQ(r.manager.statistics().cancelled, 5u);
+  gate.set_value();
+  EXPECT_TRUE(r.manager.wait_idle());
+  EXPECT_EQ(r.table.state({0, 0}), residency_state::resident_hi) << "an issued transition completes";
+  for (std::uint32_t e = 1; e < 6; ++e) EXPECT_EQ(r.table.state({0, e}), residency_state::absent);
+  EXPECT_EQ(r.table.state({2, 0}), residency_state::resident_hi);
+  EXPECT_EQ(r.table.state({2, 1}), residency_state::resident_hi);
+  EXPECT_EQ(r.manager.statistics().completed, 3u);
+}
+
+TEST(TransitionManager, NeverEvictsAnExpertAnOpenWindowPinned) {
+  rig r(8, {}, hi_blocks());
+  r.manager.set_targets(std::vector<target>{{{1, 1}, residency_state::resident_hi}});
+  ASSERT_TRUE(r.manager.wait_idle());
+  {
+    auto w = r.table.open_window();
+    const version_record* v = r.table.pin(w, {1, 1});
+    ASSERT_NE(v, nullptr);
+    r.manager.set_targets(std::vector<target>{{{1, 1}, residency_state::absent}});
+    EXPECT_FALSE(r.manager.wait_idle());
+    EXPECT_EQ(r.table.state({1, 1}), residency_state::resident_hi);
+    EXPECT_GT(r.manager.statistics().refused_pinned, 0u);
+    EXPECT_EQ(r.mismatches(*v), 0u);
+  }
+  r.manager.step();
+  EXPECT_TRUE(r.manager.wait_idle());
+  EXPECT_EQ(r.table.state({1, 1}), residency_state::absent);
+  (void)r.table.collect();
+  EXPECT_EQ(r.hi_account.used(), 0u);
+}
+
+TEST(TransitionManager, RejectsBadTargetsAndClasses) {
+  rig r(8, {}, hi_blocks());
+  EXPECT_THROW(r.manager.set_targets(std::vector<target>{{{4, 0}, residency_state::resident_hi}}), invalid_argument);
+  EXPECT_THROW(r.manager.set_targets(std::vector<target>{{{0, 0}, residency_state::promoting}}), invalid_argument);
+  EXPECT_EQ(r.manager.statistics().requested, 0u);
+  block_pool<heap_memory> tiny(heap_memory(4096), r.hi_account, {.name = "tiny", .max_blocks = 4});
+  using manager_t = transition_manager<host_stream, heap_memory>;
+  EXPECT_THROW(manager_t(r.table, r.migration, {.format = precision::bf16, .source = &r.hi_store, .pool = &tiny},
+                         {.format = precision::int4, .source = &r.lo_store, .pool = &r.lo_pool}),
+               invalid_argument);
+  EXPECT_THROW(manager_t(r.table, r.migration, {.format = precision::bf16, .source = &r.lo_store, .pool = &r.hi_pool},
+                         {.format = precision::int4, .source = &r.lo_store, .pool = &r.lo_pool}),
+               invalid_argument);
+}
+
+// Fault injection: a failing block allocation or a failing copy aborts the
+// transition; the handle keeps its previous complete version and the budget
+// returns exactly to where it was.
+TEST(TransitionManagerFaults, AFailingAllocationKeepsThePreviousVersion) {
+  using memory = failing_memory<heap_memory>;
+  rig<host_stream, memory> r(8, {}, memory(hi_blocks()));
+  r.target_all(residency_state::resident_lo);
+  ASSERT_TRUE(r.manager.wait_idle());
+  (void)r.table.collect();
+  const std::size_t hi_before = r.hi_account.used(), lo_before = r.lo_account.used();
+  r.hi_pool.backend().fail_on(1);
+  r.manager.set_targets(
+      std::vector<transition_manager<host_stream, memory>::target>{{{0, 3}, residency_state::resident_hi}});
+  EXPECT_TRUE(r.manager.wait_idle());
+  EXPECT_EQ(r.manager.statistics().failed, 1u);
+  EXPECT_EQ(r.table.state({0, 3}), residency_state::resident_lo);
+  EXPECT_EQ(r.mismatches(*r.table.resolve({0, 3})), 0u);
+  EXPECT_EQ(r.hi_account.used(), hi_before);
+  EXPECT_EQ(r.lo_account.used(), lo_before);
+}
+
+class TransitionManagerCopyFaults : public ::testing::TestWithParam<int> {};
+
+TEST_P(TransitionManagerCopyFaults, AFailingCopyKeepsThePreviousVersion) {
+  rig<failing_stream> r(8, {}, hi_blocks());
+  r.target_all(residency_state::resident_lo);
+  ASSERT_TRUE(r.manager.wait_idle());
+  (void)r.table.collect();
+  const std::size_t hi_before = r.hi_account.used(), lo_before = r.lo_account.used();
+  r.migration.fail_copy_in = GetParam();  // the gate_up or the down copy
+  r.manager.set_targets(
+      std::vector<transition_manager<failing_stream, heap_memory>::target>{{{2, 2}, residency_state::resident_hi}});
+  EXPECT_TRUE(r.manager.wait_idle());
+  EXPECT_EQ(r.manager.statistics().failed, 1u);
+  EXPECT_EQ(r.table.state({2, 2}), residency_state::resident_lo);
+  EXPECT_EQ(r.mismatches(*r.table.resolve({2, 2})), 0u);
+  (void)r.table.collect();
+  EXPECT_EQ(r.hi_account.used(), hi_before);
+  EXPECT_EQ(r.lo_account.used(), lo_before);
+  EXPECT_EQ(r.hi_pool.statistics().blocks_in_use, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(EachCopy, TransitionManagerCopyFaults, ::testing::Values(1, 2));
+
+TEST(TransitionManager, ReadersNeverSeeAnIncompleteVersionWhileTheManagerSwitches) {
+  // Readers resolve inside windows and check whole versions while random
+  // plans promote, demote and evict on the worker: under TSan this checks the
+  // manager's hand-off to the table and the reclamation behind it.
+  rig r(16, {.max_in_flight = 3}, hi_blocks());
+  r.target_all(residency_state::resident_lo);
+  ASSERT_TRUE(r.manager.wait_idle());
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> bad{0}, reads{0};
+  std::vector<std::thread> readers;
+  for (int t = 0; t < 2; ++t) {
+    readers.emplace_back([&, t] {
+      std::mt19937_64 rng(static_cast<std::uint64_t>(t) + 7);
+      while (!stop.load(std::memory_order_acquire)) {
+        auto w = r.table.open_window();
+        for (int k = 0; k < 8; ++k) {
+          const expert_id id = r.geometry.expert_at(rng() % r.geometry.expert_count());
+          if (const version_record* v = r.table.resolve(id)) {
+            bad.fetch_add(r.mismatches(*v) + (v->expert != id), std::memory_order_relaxed);
+            reads.fetch_add(1, std::memory_order_relaxed);
+          }
+        }
+      }
+    });
+  }
+  std::mt19937_64 rng(42);
+  for (int round = 0; round < 300; ++round) {
+    std::vector<target> plan;
+    for (int k = 0; k < 6; ++k) {
+      const expert_id id = r.geometry.expert_at(rng() % r.geometry.expert_count());
+      const auto pick = rng() % 3;
+      plan.push_back({id, pick == 0   ? residency_state::resident_hi
+                          : pick == 1 ? residency_state::resident_lo
+                                      : residency_state::absent});
+    }
+    r.manager.set_targets(plan);
+    r.manager.step();
+    (void)r.manager.wait_idle();  // what a plan cannot do now (budget) its successor cancels
+  }
+  (void)r.manager.wait_idle();
+  stop.store(true, std::memory_order_release);
+  for (auto& t : readers) t.join();
+  EXPECT_EQ(bad.load(), 0u);
+  EXPECT_GT(reads.load(), 0u);
+  {
+    const auto st = r.manager.statistics();
+    EXPECT_GT(st.completed, 32u + 150u) << "issued " << st.issued << " cancelled " << st.cancelled << " deferred "
+                                        << st.deferred_budget << " refused " << st.refused_pinned << " failed "
+                                        << st.failed << " queued " << st.queued << " requested " << st.requested;
+  }
+  (void)r.table.collect();
+  EXPECT_LE(r.hi_account.used(), r.hi_account.capacity());
+}
+
+}  // namespace
+}  // namespace expage
