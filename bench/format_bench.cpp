@@ -48,7 +48,7 @@ const std::vector<std::uint16_t>& bf16_weights() {
 }
 
 void count_bf16_bytes(benchmark::State& state) {
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * weights * 2));
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(weights * 2));
 }
 
 void BM_Baseline_Memcpy(benchmark::State& state) {
@@ -71,7 +71,7 @@ void BM_Bf16_Encode(benchmark::State& state) {
     benchmark::DoNotOptimize(blob.data());
   }
   count_bf16_bytes(state);
-  state.counters["ratio"] = static_cast<double>(size) / (2.0 * weights);
+  state.counters["ratio"] = static_cast<double>(size) / (2.0 * static_cast<double>(weights));
 }
 BENCHMARK(BM_Bf16_Encode)->Unit(benchmark::kMillisecond);
 

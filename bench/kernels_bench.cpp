@@ -77,7 +77,7 @@ void time_launches(benchmark::State& state, const std::function<void()>& launch)
   }
   (void)cudaEventDestroy(start);
   (void)cudaEventDestroy(stop);
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * weights * 2));
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(weights * 2));
 }
 
 void BM_Baseline_DeviceMemcpy(benchmark::State& state) {
