@@ -12,12 +12,13 @@
 #include "expage/format/float16.hpp"
 #include "expage/format/group_quant.hpp"
 
+#include "weights.hpp"
+
 #include <benchmark/benchmark.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <random>
 #include <vector>
 
 namespace {
@@ -27,14 +28,7 @@ constexpr std::uint64_t cols = 4096;
 constexpr std::uint64_t weights = rows * cols;
 
 const std::vector<float>& float_weights() {
-  static const std::vector<float> w = [] {
-    std::mt19937_64 rng(1);
-    std::normal_distribution<float> normal(0.0F, 0.02F);
-    std::bernoulli_distribution outlier(0.001);
-    std::vector<float> v(weights);
-    for (float& x : v) x = normal(rng) * (outlier(rng) ? 30.0F : 1.0F);
-    return v;
-  }();
+  static const std::vector<float> w = expage::bench::realistic_weights(weights);
   return w;
 }
 

@@ -40,32 +40,27 @@ TEST(Float16, KnownValues) {
   EXPECT_TRUE(std::isnan(expage::fp16_to_float(expage::float_to_fp16(std::numeric_limits<float>::quiet_NaN()))));
 }
 
-// Property: the result is a nearest representable value, ties to even (checked against both
-// neighbours of the result, which are exact in float).
+// True when @p h is a nearest 16-bit value to @p f, ties to even, checked against both
+// neighbours of @p h (exact in float), for either format.
+bool is_nearest_even(float f, std::uint16_t h, float (*to_float)(std::uint16_t), bool bf16) {
+  const double err = std::fabs(static_cast<double>(to_float(h)) - static_cast<double>(f));
+  for (const int d : {-1, 1}) {
+    const auto n = static_cast<std::uint16_t>(h + d);
+    if (is_nan16(n, bf16) || ((n ^ h) & 0x8000U) != 0) continue;
+    const double other = std::fabs(static_cast<double>(to_float(n)) - static_cast<double>(f));
+    if (!(err < other || (err == other && (h & 1U) == 0))) return false;
+  }
+  return true;
+}
+
 TEST(Float16, RoundsToNearestEvenOnRandomFloats) {
   std::mt19937_64 rng(11);
   std::uniform_int_distribution<std::uint32_t> bits(0, 0xFFFFFFFFU);
   for (int i = 0; i < 200000; ++i) {
     const float f = expage::float_from_bits(bits(rng) & 0xC7FFFFFFU);  // |f| < 2^17 or tiny: mostly in range
     if (std::isnan(f) || std::fabs(f) >= 65504.0F) continue;
-    const std::uint16_t h = expage::float_to_fp16(f);
-    const double v = expage::fp16_to_float(h);
-    const double err = std::fabs(v - static_cast<double>(f));
-    for (const int d : {-1, 1}) {
-      const auto n = static_cast<std::uint16_t>(h + d);
-      if (is_nan16(n, false) || ((n ^ h) & 0x8000U) != 0) continue;
-      const double other = std::fabs(static_cast<double>(expage::fp16_to_float(n)) - static_cast<double>(f));
-      ASSERT_TRUE(err < other || (err == other && (h & 1U) == 0)) << f;
-    }
-    const std::uint16_t b = expage::float_to_bf16(f);
-    const double bv = expage::bf16_to_float(b);
-    const double berr = std::fabs(bv - static_cast<double>(f));
-    for (const int d : {-1, 1}) {
-      const auto n = static_cast<std::uint16_t>(b + d);
-      if (is_nan16(n, true) || ((n ^ b) & 0x8000U) != 0) continue;
-      const double other = std::fabs(static_cast<double>(expage::bf16_to_float(n)) - static_cast<double>(f));
-      ASSERT_TRUE(berr < other || (berr == other && (b & 1U) == 0)) << f;
-    }
+    ASSERT_TRUE(is_nearest_even(f, expage::float_to_fp16(f), expage::fp16_to_float, false)) << f;
+    ASSERT_TRUE(is_nearest_even(f, expage::float_to_bf16(f), expage::bf16_to_float, true)) << f;
   }
 }
 
