@@ -5,16 +5,16 @@
 #include "expage/core/error.hpp"
 #include "expage/format/crc32.hpp"
 
-#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <random>
 #include <span>
+#include <string>
 #include <vector>
 
 namespace {

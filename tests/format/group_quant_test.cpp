@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <limits>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
