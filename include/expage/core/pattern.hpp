@@ -7,15 +7,10 @@
 /// for the host and, under nvcc, for the device.
 #pragma once
 
+#include "expage/detail/host_device.hpp"
+
 #include <cstddef>
 #include <cstdint>
-
-#if defined(__CUDACC__)
-#define EXPAGE_HOST_DEVICE __host__ __device__
-#else
-/// Marks functions compiled for both host and device under nvcc.
-#define EXPAGE_HOST_DEVICE
-#endif
 
 namespace expage {
 

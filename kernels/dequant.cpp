@@ -1,0 +1,45 @@
+#include "expage/cuda/dequant.hpp"
+
+#include "dequant_launch.hpp"
+
+#include "expage/core/error.hpp"
+#include "expage/core/precision.hpp"
+#include "expage/cuda/runtime.hpp"
+#include "expage/format/group_quant.hpp"
+
+#include <fmt/format.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace expage::cuda {
+
+void dequantize_groups_async(const group_quant_layout& layout, const std::byte* device_packed, precision out_format,
+                             std::uint16_t* device_out, cudaStream_t stream) {
+  if (device_packed == nullptr || device_out == nullptr) {
+    throw invalid_argument("dequantize_groups_async: device_packed and device_out must be non-null device pointers");
+  }
+  if (out_format != precision::bf16 && out_format != precision::fp16) {
+    throw invalid_argument(fmt::format("dequantize_groups_async: output precision {} is not bf16 or fp16", out_format));
+  }
+  const auto* bytes = reinterpret_cast<const std::uint8_t*>(device_packed);
+  const detail::dequant_args args{.codes = bytes,
+                                  .scales = bytes + layout.scales_at(),
+                                  .zeros = bytes + layout.zeros_at(),
+                                  .out = device_out,
+                                  .elements = layout.shape().elements(),
+                                  .cols = layout.shape().cols,
+                                  .groups_per_row = layout.groups_per_row(),
+                                  .group_size = layout.group_size(),
+                                  .bits = layout.bits(),
+                                  .to_bf16 = out_format == precision::bf16};
+  const unsigned per_word = 32 / args.bits;
+  // The word kernel needs every 32-bit word of codes inside one group of one row, aligned
+  // code words and 16-byte aligned output (its vector stores).
+  const bool word_aligned = layout.shape().cols % per_word == 0 && layout.group_size() % per_word == 0 &&
+                            reinterpret_cast<std::uintptr_t>(device_packed) % 4 == 0 &&
+                            reinterpret_cast<std::uintptr_t>(device_out) % 16 == 0;
+  check(detail::launch_dequant(args, word_aligned, stream), "dequant kernel launch");
+}
+
+}  // namespace expage::cuda

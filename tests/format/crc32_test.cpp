@@ -1,0 +1,43 @@
+#include "expage/format/crc32.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+std::span<const std::byte> bytes_of(std::string_view s) { return std::as_bytes(std::span(s.data(), s.size())); }
+
+// Bit-at-a-time CRC-32, the obviously correct reference for the sliced implementation.
+std::uint32_t slow_crc32(std::span<const std::byte> bytes) {
+  std::uint32_t c = 0xFFFFFFFFU;
+  for (const std::byte b : bytes) {
+    c ^= std::to_integer<std::uint32_t>(b);
+    for (int bit = 0; bit < 8; ++bit) c = (c & 1U) != 0 ? (c >> 1U) ^ 0xEDB88320U : c >> 1U;
+  }
+  return ~c;
+}
+
+TEST(Crc32, MatchesTheStandardCheckValue) {
+  EXPECT_EQ(expage::crc32(bytes_of("123456789")), 0xCBF43926U);
+  EXPECT_EQ(expage::crc32(bytes_of("")), 0U);
+  EXPECT_EQ(expage::crc32(bytes_of("The quick brown fox jumps over the lazy dog")), 0x414FA339U);
+}
+
+TEST(Crc32, EqualsTheBitwiseReferenceAtEveryLengthAndSplit) {
+  std::vector<std::byte> data(300);
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<std::byte>((i * 131 + 7) & 0xFFU);
+  const std::span<const std::byte> all(data);
+  for (std::size_t n = 0; n <= data.size(); n += 7) {
+    ASSERT_EQ(expage::crc32(all.first(n)), slow_crc32(all.first(n))) << "length " << n;
+    const std::size_t split = n / 3;
+    ASSERT_EQ(expage::crc32(all.subspan(split, n - split), expage::crc32(all.first(split))), slow_crc32(all.first(n)))
+        << "length " << n << " split at " << split;
+  }
+}
+
+}  // namespace
