@@ -208,6 +208,10 @@ handle_table::outcome handle_table::publish_impl(expert_id id, std::uint64_t ser
   const std::size_t i = index_of(id, "publish");
   std::unique_lock lock(mutex_);
   detail::handle_slot* slot = &in_flight(i, serial, "publish");
+  if (slot->publish_waiting) {
+    throw invalid_argument(
+        fmt::format("handle_table::publish: expert {}: another publish() is waiting for its version's completion", id));
+  }
   const residency_state now = slot->state.load(std::memory_order_relaxed);
   const residency_state target = target_of(now);
   if (target != residency_state::absent && slot->pending == nullptr) {

@@ -8,7 +8,9 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <latch>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace expage {
@@ -126,6 +128,37 @@ TEST_F(table_fixture, PublishIfReadyWaitsForTheCopy) {
   copied.set();
   EXPECT_TRUE(t.publish_if_ready());
   EXPECT_EQ(tag(id), 5U);
+}
+
+// A copy whose wait() announces that a publisher is blocked in it.
+struct announced_copy {
+  completion_flag flag;
+  std::latch* entered;
+  [[nodiscard]] bool ready() const { return flag.ready(); }
+  void wait() {
+    entered->count_down();
+    flag.wait();
+  }
+};
+
+TEST_F(table_fixture, PublishWaitsOutsideTheLockAndFencesOffAbort) {
+  publish(id, rs::demoting, 1);
+  auto t = table.begin(id, rs::promoting);
+  auto [record, storage] = testing::pooled_version(pool, 2);
+  std::latch entered(1);
+  announced_copy copy{completion_flag(), &entered};
+  t.prepare(record, std::move(storage), copy);
+  std::thread publisher([&] { t.publish(); });
+  entered.wait();  // the publisher waits on the copy, without the table's lock
+  EXPECT_EQ(table.resolve({.layer = 0, .expert = 0}), nullptr);
+  EXPECT_THROW(table.abort(id), invalid_argument) << "the version must not be freed under the waiting publish";
+  EXPECT_THROW((void)table.publish_if_ready(id), invalid_argument);
+  publish({.layer = 0, .expert = 0}, rs::promoting, 3);  // other experts are not blocked
+  EXPECT_EQ(tag(id), 1U);
+  copy.flag.set();
+  publisher.join();
+  EXPECT_EQ(tag(id), 2U);
+  EXPECT_EQ(table.state(id), rs::resident_hi);
 }
 
 TEST_F(table_fixture, IllegalTransitionsNameTheExpertAndBothStates) {

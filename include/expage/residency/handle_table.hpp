@@ -297,7 +297,8 @@ class handle_table {
   /// target, retires the old version and runs collect().
   /// @throws expage::transition_error when no transition is in flight (also a
   ///         second publish of the same one).
-  /// @throws expage::invalid_argument for an unknown expert or no prepared version.
+  /// @throws expage::invalid_argument for an unknown expert, no prepared version, or
+  ///         another publish() of it waiting for the completion.
   /// @throws whatever the mirror hook or the completion's wait() throws; the
   ///         transition then stays in flight and nothing changed.
   void publish(expert_id id);
