@@ -70,6 +70,7 @@ struct transition_manager_statistics {
   std::uint64_t completed = 0;          ///< Transitions published.
   std::uint64_t cancelled = 0;          ///< Queued transitions a newer target set superseded.
   std::uint64_t deferred_budget = 0;    ///< Times an update waited because its account refused.
+  std::uint64_t deferred_pool = 0;      ///< Times an update waited because its pool had no block left.
   std::uint64_t deferred_step_cap = 0;  ///< Steps in which issuing stopped at the per-step byte cap.
   std::uint64_t refused_pinned = 0;     ///< Times an eviction waited because an open window pinned the expert.
   std::uint64_t failed = 0;             ///< Transitions that threw while issuing (the handle kept its version).
@@ -98,9 +99,10 @@ struct transition_manager_statistics {
 ///   An eviction is begun and published at once (no copy): the handle resolves
 ///   to nothing for windows opened afterwards, and the memory returns when the
 ///   windows that could have read it have closed.
-/// - **Admission and priority.** When the account refuses, the update stays
-///   queued (`deferred_budget`) and, while the budget is tight, queued evictions
-///   are issued before updates, since they free what updates need.
+/// - **Admission and priority.** When the account refuses, or the pool has no
+///   block left, the update stays queued (`deferred_budget`, `deferred_pool`)
+///   and, while memory is tight, queued evictions are issued before updates,
+///   since they free what updates need.
 /// - **Backpressure.** At most `max_in_flight` copies are in flight, and at
 ///   most `max_bytes_per_step` bytes are issued between two step() calls (the
 ///   engine calls step() once per forward step), bounding the interference
@@ -299,7 +301,7 @@ class transition_manager {
   }
 
   // Issues one update (promotion, demotion or first load) of `id` to `to`; the caller holds no lock.
-  enum class attempt : std::uint8_t { issued, done, deferred_budget, busy, failed };
+  enum class attempt : std::uint8_t { issued, done, deferred_budget, deferred_pool, busy, failed };
   attempt issue_update(expert_id id, residency_state to, std::optional<flight>& out) {
     const version_class<Stream, Memory>& c = classes_[to == residency_state::resident_hi ? 0 : 1];
     const residency_state now = table_->state(id);
@@ -308,6 +310,9 @@ class transition_manager {
     const std::size_t bytes = c.pool->block_size();
     reservation admitted = c.pool->account().try_reserve(bytes);  // admission (DynaExq §3.3)
     if (!admitted) return attempt::deferred_budget;
+    if (const auto p = c.pool->statistics(); p.blocks_in_use >= p.max_blocks) {
+      return attempt::deferred_pool;  // "when pool_hi and pool_lo are full, promotions remain queued" (§3.4)
+    }
     std::optional<transition> t = table_->try_begin(
         id, to == residency_state::resident_hi ? residency_state::promoting : residency_state::demoting);
     if (!t) return attempt::busy;
@@ -401,13 +406,15 @@ class transition_manager {
 
   // Picks the next request: evictions first while the budget is tight or no update waits.
   std::optional<std::pair<expert_id, residency_state>> next_request() {
+    const bool evictions_first = tight_ || updates_.empty();  // decided once: pass 0 may empty a queue
     for (int pass = 0; pass < 2; ++pass) {
-      const bool evictions_first = tight_ || updates_.empty();
       std::deque<expert_id>& queue = (pass == 0) == evictions_first ? evictions_ : updates_;
-      if (!queue.empty()) {
+      while (!queue.empty()) {
         const expert_id id = queue.front();
         queue.pop_front();
-        return std::pair{id, *targets_[flat(id)]};
+        // An expert listed twice is queued twice; its one target is served by whichever entry
+        // comes first, and the other finds no target left.
+        if (targets_[flat(id)]) return std::pair{id, *targets_[flat(id)]};
       }
     }
     return std::nullopt;
@@ -457,7 +464,8 @@ class transition_manager {
             if (still_wanted) targets_[flat(id)].reset();
             break;
           case attempt::deferred_budget:
-            ++stats_.deferred_budget;
+          case attempt::deferred_pool:
+            ++(a == attempt::deferred_budget ? stats_.deferred_budget : stats_.deferred_pool);
             tight_ = true;
             if (still_wanted) updates_.push_back(id);
             break;
