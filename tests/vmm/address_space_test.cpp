@@ -1,5 +1,6 @@
 #include "expage/vmm/address_space.hpp"
 
+#include "common/failing_vmm.hpp"
 #include "expage/core/pattern.hpp"
 #include "expage/vmm/host_vmm.hpp"
 #include "expage/vmm/vmm_block_pool.hpp"
@@ -23,22 +24,7 @@ moe_geometry tiny() {
       .name = "tiny", .layers = 2, .experts_per_layer = 4, .top_k = 2, .hidden_size = 64, .intermediate_size = 96});
 }
 
-// host_vmm that fails the Nth map() or create() from now on (fault injection).
-class failing_vmm : public host_vmm {
- public:
-  using host_vmm::host_vmm;
-  std::optional<int> fail_map_in;
-  std::optional<int> fail_create_in;
-  void map(physical_block b, std::byte* p, access_mode a) {
-    if (fail_map_in && --*fail_map_in == 0) throw out_of_memory("failing_vmm: injected map failure");
-    host_vmm::map(b, p, a);
-  }
-  [[nodiscard]] physical_block create() {
-    if (fail_create_in && --*fail_create_in == 0) throw out_of_memory("failing_vmm: injected create failure");
-    return host_vmm::create();
-  }
-};
-static_assert(virtual_memory<failing_vmm>);
+using expage::testing::failing_vmm;
 
 std::uint64_t* words(std::byte* p) { return reinterpret_cast<std::uint64_t*>(p); }
 

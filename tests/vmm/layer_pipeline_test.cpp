@@ -1,5 +1,6 @@
 #include "expage/vmm/layer_pipeline.hpp"
 
+#include "common/failing_vmm.hpp"
 #include "expage/core/pattern.hpp"
 #include "expage/memory/host_memory.hpp"
 #include "expage/stream/host_stream.hpp"
@@ -30,25 +31,7 @@ moe_geometry small(std::uint32_t layers = 6) {
                                            .intermediate_size = 48});
 }
 
-// host_vmm that fails the Nth map(), set_access() or create() from now on (fault injection).
-class failing_vmm : public host_vmm {
- public:
-  using host_vmm::host_vmm;
-  std::optional<int> fail_map_in, fail_access_in, fail_create_in;
-  void map(physical_block b, std::byte* p, access_mode a) {
-    if (fail_map_in && --*fail_map_in == 0) throw out_of_memory("failing_vmm: injected map failure");
-    host_vmm::map(b, p, a);
-  }
-  void set_access(std::byte* p, std::size_t n, access_mode a) {
-    if (fail_access_in && --*fail_access_in == 0) throw out_of_memory("failing_vmm: injected set_access failure");
-    host_vmm::set_access(p, n, a);
-  }
-  [[nodiscard]] physical_block create() {
-    if (fail_create_in && --*fail_create_in == 0) throw out_of_memory("failing_vmm: injected create failure");
-    return host_vmm::create();
-  }
-};
-static_assert(virtual_memory<failing_vmm>);
+using expage::testing::failing_vmm;
 
 std::uint64_t seed_of(const moe_geometry& g, expert_id id, expert_tensor t) {
   return 0x9e37'79b9'7f4a'7c15ULL ^ (g.flat_index(id) * 2 + static_cast<std::uint64_t>(t));
@@ -318,9 +301,7 @@ TEST_P(LayerPipelineFaults, AFailingMapAccessOrCreateLeavesTheLayerUnmapped) {
     expect_layer_clean(r, 1, before);
     EXPECT_EQ(r.pipe.window_layers(), (std::vector<std::uint32_t>{0}));
     // The pipeline goes on as if the failure had not happened.
-    r.vm.fail_map_in.reset();
-    r.vm.fail_access_in.reset();
-    r.vm.fail_create_in.reset();
+    r.vm.heal();
     r.pipe.materialize(1);
     r.forward(1);
     r.pipe.materialize(2);
