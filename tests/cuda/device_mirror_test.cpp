@@ -1,0 +1,59 @@
+// cuda::device_mirror: the handle table's mirror on the device, updated in
+// compute-stream order. Skipped without a device.
+#include "cuda/device_pattern.hpp"
+
+#include "expage/cuda/cuda_stream.hpp"
+#include "expage/cuda/device_mirror.hpp"
+#include "expage/cuda/runtime.hpp"
+#include "expage/residency/handle_table.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+#include <vector>
+
+namespace expage::testing {
+namespace {
+
+TEST(DeviceMirror, ConstructionWithoutADeviceIsACudaErrorNotACrash) {
+  if (cuda::device_available()) GTEST_SKIP() << "a device is present";
+  EXPECT_THROW(cuda::device_mirror(16, nullptr), cuda_error);
+  EXPECT_THROW(cuda::device_mirror(0, nullptr), invalid_argument);
+}
+
+TEST(DeviceMirror, FollowsEveryPublishInComputeStreamOrder) {
+  if (!cuda::device_available()) GTEST_SKIP() << no_device_reason();
+  const moe_geometry g(moe_geometry::config{
+      .name = "tiny", .layers = 2, .experts_per_layer = 8, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
+  cuda::cuda_stream compute;
+  // 4 staging slots for 16 experts × 5 rounds: the ring wraps and must fence its slots.
+  cuda::device_mirror mirror(g.expert_count(), compute.native(), 4);
+  handle_table table(g, {.mirror = &mirror});
+  std::vector<std::byte> memory(4096);
+  for (int round = 0; round < 5; ++round) {
+    for (std::uint64_t flat = 0; flat < g.expert_count(); ++flat) {
+      const expert_id id = g.expert_at(flat);
+      auto t = table.begin(id, round % 2 == 0 ? residency_state::demoting : residency_state::promoting);
+      version_record r;
+      r.data = {memory.data() + flat, memory.data() + flat + 1};
+      r.bytes = 64 + static_cast<std::uint64_t>(round);
+      r.format = round % 2 == 0 ? precision::int4 : precision::bf16;
+      t.prepare(r, version_storage(round));
+      t.publish();
+    }
+    compute.synchronize();
+    std::vector<version_record> device(g.expert_count());
+    EXPAGE_CUDA_CHECK(cudaMemcpy(device.data(), mirror.records(), device.size() * sizeof(version_record),
+                                 cudaMemcpyDeviceToHost));
+    const auto host = table.mirror();
+    for (std::size_t i = 0; i < device.size(); ++i) {
+      EXPECT_EQ(std::memcmp(&device[i], &host[i], sizeof(version_record)), 0) << "expert " << i << ", round " << round;
+      EXPECT_EQ(device[i].number, static_cast<std::uint64_t>(round + 1));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace expage::testing
