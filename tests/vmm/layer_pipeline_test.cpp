@@ -2,6 +2,7 @@
 
 #include "common/failing_vmm.hpp"
 #include "expage/core/pattern.hpp"
+#include "expage/format/bf16_codec.hpp"
 #include "expage/memory/host_memory.hpp"
 #include "expage/stream/host_stream.hpp"
 #include "expage/vmm/host_vmm.hpp"
@@ -11,6 +12,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <optional>
 #include <stdexcept>
@@ -272,6 +274,69 @@ TEST(LayerPipeline, RejectsMisuseWithoutChangingAnything) {
   EXPECT_THROW((layer_pipeline<host_vmm, host_stream>(r.vm, r.geometry, precision::int4, r.budget.root(), r.storage,
                                                       r.compute, r.load_gate_up, r.load_down, {})),
                invalid_argument);
+}
+
+TEST(LayerPipeline, ACompressedStorageIsDecodedIntoThePagesByItsLoader) {
+  // The decompressor hook (FluxMoE §4.2's compressed backend, on the host): the
+  // storage holds each tensor as a bf16 exponent-coded container, the loader
+  // decodes it into the page on the loading stream.
+  const moe_geometry g = small(4);
+  host_vmm vm({.granularity = 64_KiB});
+  budget_tracker budget(1_GiB);
+  host_memory host({.block_size = 64_KiB, .alignment = 64_KiB});
+  const auto decode = [](std::span<const std::byte> stored, std::span<std::byte> page, host_stream& stream) {
+    stream.enqueue([stored, page] {
+      decode_bf16(stored, {reinterpret_cast<std::uint16_t*>(page.data()), page.size() / 2});
+    });
+  };
+  // Slots sized for the worst case of a container (a little over the raw tensor).
+  const std::size_t gu = g.tensor_bytes(expert_tensor::gate_up, precision::bf16);
+  const std::size_t dn = g.tensor_bytes(expert_tensor::down, precision::bf16);
+  tensor_storage<host_stream> storage(g, precision::bf16, host, {.slot_bytes = {2 * gu, 2 * dn}, .loader = decode});
+  std::vector<std::vector<std::uint16_t>> weights;
+  std::uint64_t compressed = 0, raw = 0;
+  for (std::uint64_t flat = 0; flat < g.expert_count(); ++flat) {
+    for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+      const expert_id id = g.expert_at(flat);
+      std::vector<std::uint16_t> w(storage.tensor_bytes(t) / 2);
+      std::uint64_t x = seed_of(g, id, t);
+      for (auto& v : w) {  // bf16 of small normal-ish weights: exponents cluster, so they compress
+        x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+        v = static_cast<std::uint16_t>(0x3c00u + ((x >> 33) % 0x0400u) + ((x >> 20) & 1u ? 0x8000u : 0u));
+      }
+      const std::vector<std::byte> blob = encode_bf16(w);
+      ASSERT_LE(blob.size(), storage.slot_bytes(t));
+      std::memcpy(storage.slot(id, t).data(), blob.data(), blob.size());
+      storage.set_stored_bytes(id, t, blob.size());
+      compressed += blob.size();
+      raw += storage.tensor_bytes(t);
+      weights.push_back(std::move(w));
+    }
+  }
+  EXPECT_LT(compressed, raw);
+  host_stream compute("compute"), load_gate_up("load.gate_up"), load_down("load.down");
+  std::atomic<std::uint64_t> bad{0};
+  {
+    layer_pipeline pipe(vm, g, precision::bf16, budget.root(), storage, compute, load_gate_up, load_down);
+    pipe.materialize(0);
+    for (int it = 0; it < 3; ++it) {
+      for (std::uint32_t i = 0; i < 4; ++i) {
+        pipe.forward(i, [&, i](host_stream& s) {
+          s.enqueue([&, i] {
+            for (std::uint32_t e = 0; e < 4; ++e) {
+              for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+                const auto& w = weights[g.flat_index({i, e}) * 2 + static_cast<std::size_t>(t)];
+                bad += std::memcmp(pipe.address({i, e}, t), w.data(), w.size() * 2) != 0;
+              }
+            }
+          });
+        });
+        pipe.materialize((i + 1) % 4);
+      }
+    }
+    pipe.drain();
+  }
+  EXPECT_EQ(bad.load(), 0u);
 }
 
 // Fault injection: whatever step of a materialization fails, the layer's pages

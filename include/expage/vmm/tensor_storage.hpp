@@ -44,7 +44,8 @@ namespace expage {
 template <async_stream Stream>
 class tensor_storage {
  public:
-  /// Fills @p page (the mapped page, at least tensor_bytes() long) from @p stored, asynchronously on @p stream.
+  /// Fills @p page (the tensor's tensor_bytes() at the start of its mapped page) from @p stored,
+  /// asynchronously on @p stream.
   using loader_type = std::function<void(std::span<const std::byte> stored, std::span<std::byte> page, Stream& stream)>;
 
   /// Construction parameters.
@@ -127,7 +128,7 @@ class tensor_storage {
     }
     const std::span<const std::byte> source = stored(id, t);
     if (loader_) {
-      loader_(source, page, stream);
+      loader_(source, page.first(tensor_bytes(t)), stream);
     } else {
       stream.copy(page.data(), source.data(), source.size());
     }
