@@ -183,6 +183,61 @@ TEST(TransitionManager, AFullPoolDefersPromotionsInsteadOfFailingThem) {
   EXPECT_EQ(r.table.state({0, 2}), residency_state::resident_hi);
 }
 
+TEST(TransitionManager, CopiesThroughABoundedStagingPool) {
+  // Two staging blocks for six promotions: at most two copies can be in flight,
+  // and every version arrives intact through the staging blocks.
+  const moe_geometry g = small();
+  budget_tracker staging_budget(1_GiB);
+  block_pool<heap_memory> staging(hi_blocks(), staging_budget.root(), {.name = "staging", .max_blocks = 2});
+  budget_tracker budget(1_GiB);
+  auto& hi = budget.add_account("hi", 64 * round_up(g.expert_bytes(precision::bf16)));
+  auto& lo = budget.add_account("lo", 64 * round_up(g.expert_bytes(precision::int4)));
+  host_memory host({.block_size = 64_KiB, .alignment = 64_KiB});
+  tensor_storage<host_stream> bf16(g, precision::bf16, host), int4(g, precision::int4, host);
+  for (std::uint64_t flat = 0; flat < g.expert_count(); ++flat) {
+    for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+      const expert_id id = g.expert_at(flat);
+      fill_pattern(reinterpret_cast<std::uint64_t*>(bf16.slot(id, t).data()), bf16.tensor_bytes(t) / 8,
+                   seed_of(g, id, t, precision::bf16));
+    }
+  }
+  block_pool<heap_memory> hi_pool(hi_blocks(), hi, {.name = "hi", .max_blocks = 64});
+  block_pool<heap_memory> lo_pool(heap_memory(round_up(g.expert_bytes(precision::int4))), lo,
+                                  {.name = "lo", .max_blocks = 64});
+  handle_table table(g);
+  host_stream migration("migration");
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  migration.enqueue([opened] { opened.wait(); });  // hold the copies until the staging pool is full
+  transition_manager<host_stream, heap_memory> manager(
+      table, migration, {.format = precision::bf16, .source = &bf16, .pool = &hi_pool},
+      {.format = precision::int4, .source = &int4, .pool = &lo_pool}, {.max_in_flight = 8}, &staging);
+  std::vector<target> six;
+  for (std::uint32_t e = 0; e < 6; ++e) six.push_back({{1, e}, residency_state::resident_hi});
+  manager.set_targets(six);
+  while (manager.statistics().deferred_staging == 0) std::this_thread::yield();
+  EXPECT_EQ(manager.statistics().issued, 2u);
+  EXPECT_EQ(staging.statistics().blocks_in_use, 2u);
+  gate.set_value();
+  manager.step();
+  EXPECT_TRUE(manager.wait_idle());
+  for (std::uint32_t e = 0; e < 6; ++e) {
+    const version_record* v = table.resolve({1, e});
+    ASSERT_NE(v, nullptr);
+    for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+      EXPECT_EQ(
+          count_pattern_mismatches(reinterpret_cast<const std::uint64_t*>(v->tensor(t)),
+                                   g.tensor_bytes(t, precision::bf16) / 8, seed_of(g, {1, e}, t, precision::bf16)),
+          0u);
+    }
+  }
+  EXPECT_EQ(staging.statistics().blocks_in_use, 0u);
+  EXPECT_THROW((transition_manager<host_stream, heap_memory>(
+                   table, migration, {.format = precision::bf16, .source = &bf16, .pool = &hi_pool},
+                   {.format = precision::int4, .source = &int4, .pool = &lo_pool}, {}, &lo_pool)),
+               invalid_argument);
+}
+
 TEST(TransitionManager, CapsTheBytesIssuedPerStep) {
   rig r(16, {.max_bytes_per_step = 1}, hi_blocks());  // one transition per step
   std::vector<target> six;

@@ -70,6 +70,7 @@ struct transition_manager_statistics {
   std::uint64_t completed = 0;          ///< Transitions published.
   std::uint64_t cancelled = 0;          ///< Queued transitions a newer target set superseded.
   std::uint64_t deferred_budget = 0;    ///< Times an update waited because its account refused.
+  std::uint64_t deferred_staging = 0;   ///< Times an update waited for a staging block.
   std::uint64_t deferred_pool = 0;      ///< Times an update waited because its pool had no block left.
   std::uint64_t deferred_step_cap = 0;  ///< Steps in which issuing stopped at the per-step byte cap.
   std::uint64_t refused_pinned = 0;     ///< Times an eviction waited because an open window pinned the expert.
@@ -103,10 +104,11 @@ struct transition_manager_statistics {
 ///   block left, the update stays queued (`deferred_budget`, `deferred_pool`)
 ///   and, while memory is tight, queued evictions are issued before updates,
 ///   since they free what updates need.
-/// - **Backpressure.** At most `max_in_flight` copies are in flight, and at
-///   most `max_bytes_per_step` bytes are issued between two step() calls (the
-///   engine calls step() once per forward step), bounding the interference
-///   with the forward pass's own transfers.
+/// - **Backpressure.** At most `max_in_flight` copies are in flight, at most
+///   `max_bytes_per_step` bytes are issued between two step() calls (the
+///   engine calls step() once per forward step), and with a staging pool every
+///   copy holds one of its blocks until its version is published, bounding the
+///   interference with the forward pass's own transfers.
 /// - **Windows.** Evicting an expert an open window pinned is refused by the
 ///   table; the eviction waits in its queue (`refused_pinned`).
 /// - **Failures.** An exception while issuing (a pool or backend failure, a
@@ -121,7 +123,7 @@ struct transition_manager_statistics {
 /// for (;;) { forward_pass(); manager.step(); }
 /// @endcode
 /// @threadsafety thread-safe: set_targets(), step(), wait_idle() and statistics() may be called from any thread.
-template <async_stream Stream, physical_memory Memory>
+template <async_stream Stream, physical_memory Memory, physical_memory Staging = Memory>
 class transition_manager {
  public:
   /// A target residency for one expert.
@@ -130,20 +132,29 @@ class transition_manager {
     residency_state state;  ///< resident_hi, resident_lo or absent.
   };
 
-  /// Starts the worker. @p high and @p low describe the two version classes.
-  /// @throws expage::invalid_argument for a class without source or pool, a pool block too small
-  /// for an expert of its class, or max_in_flight 0.
+  /// Starts the worker. @p high and @p low describe the two version classes. With @p staging,
+  /// every update is copied through a block of that bounded pool: the worker copies the stored
+  /// weights into it on the host, the migration stream copies it to the destination, and the
+  /// block is returned once the version is published (pageable host sources, pinned staging).
+  /// @throws expage::invalid_argument for a class without source or pool, a pool or staging block
+  /// too small for an expert of its class, or max_in_flight 0.
   transition_manager(handle_table& table, Stream& migration, version_class<Stream, Memory> high,
-                     version_class<Stream, Memory> low, transition_manager_options options = {})
+                     version_class<Stream, Memory> low, transition_manager_options options = {},
+                     block_pool<Staging>* staging = nullptr)
       : table_(&table),
         migration_(&migration),
         classes_{validated(table, high), validated(table, low)},
         options_(options),
+        staging_(staging),
         targets_(static_cast<std::size_t>(table.geometry().expert_count())),
         since_(targets_.size(), clock::now()),
         last_state_(targets_.size()) {
     if (options.max_in_flight == 0) {
       throw invalid_argument("transition_manager: max_in_flight 0 out of range [1, 2^64)");
+    }
+    if (staging != nullptr && staging->block_size() < classes_[0].pool->block_size()) {
+      throw invalid_argument(fmt::format("transition_manager: staging blocks of {} bytes cannot hold a {}-byte version",
+                                         staging->block_size(), classes_[0].pool->block_size()));
     }
     for (std::size_t i = 0; i < last_state_.size(); ++i) last_state_[i] = table.state(table.geometry().expert_at(i));
     worker_ = std::thread([this] { run(); });
@@ -242,10 +253,12 @@ class transition_manager {
  private:
   using clock = std::chrono::steady_clock;
   using event_type = typename Stream::event_type;
+  using staging_span = typename block_pool<Staging>::span;
   struct flight {
     transition guard;
     std::shared_ptr<event_type> done;
     std::uint64_t bytes;
+    std::optional<staging_span> staged;  // returned to the staging pool with the flight, after its copy
   };
 
   static version_class<Stream, Memory> validated(const handle_table& table, version_class<Stream, Memory> c) {
@@ -301,7 +314,7 @@ class transition_manager {
   }
 
   // Issues one update (promotion, demotion or first load) of `id` to `to`; the caller holds no lock.
-  enum class attempt : std::uint8_t { issued, done, deferred_budget, deferred_pool, busy, failed };
+  enum class attempt : std::uint8_t { issued, done, deferred_budget, deferred_pool, deferred_staging, busy, failed };
   attempt issue_update(expert_id id, residency_state to, std::optional<flight>& out) {
     const version_class<Stream, Memory>& c = classes_[to == residency_state::resident_hi ? 0 : 1];
     const residency_state now = table_->state(id);
@@ -313,12 +326,18 @@ class transition_manager {
     if (const auto p = c.pool->statistics(); p.blocks_in_use >= p.max_blocks) {
       return attempt::deferred_pool;  // "when pool_hi and pool_lo are full, promotions remain queued" (§3.4)
     }
+    // Declared before the transition and the try: on a failure they are released only after
+    // the transition is aborted and the copy is fenced.
+    std::optional<staging_span> staged;
+    if (staging_ != nullptr) {
+      staged.emplace(staging_->try_acquire(bytes));  // bounded: DynaExq's temporary pool (§3.4)
+      if (staged->size() == 0) return attempt::deferred_staging;
+    }
     std::optional<transition> t = table_->try_begin(
         id, to == residency_state::resident_hi ? residency_state::promoting : residency_state::demoting);
     if (!t) return attempt::busy;
     const residency_state began = table_->state(id);
     auto done = std::make_shared<event_type>();
-    // Declared outside the try: on a failure they are destroyed only after the copy is fenced.
     std::optional<typename block_pool<Memory>::span> blocks;
     version_storage storage;
     bool enqueued = false;
@@ -326,10 +345,17 @@ class transition_manager {
       blocks.emplace(c.pool->acquire(std::move(admitted)));
       std::byte* const block = *blocks->begin();
       const version_record record = record_at(block, c.format);
+      std::size_t offset = 0;
       for (const expert_tensor tensor : {expert_tensor::gate_up, expert_tensor::down}) {
-        const auto stored = c.source->stored(id, tensor);
+        std::span<const std::byte> from = c.source->stored(id, tensor);
+        if (staged) {  // the host half of a pageable → pinned → device copy
+          std::byte* const slot = *staged->begin() + offset;
+          std::memcpy(slot, from.data(), from.size());
+          from = {slot, from.size()};
+          offset += from.size();
+        }
         enqueued = true;
-        migration_->copy(record.tensor(tensor), stored.data(), stored.size());
+        migration_->copy(record.tensor(tensor), from.data(), from.size());
       }
       migration_->record(*done);
       storage = version_storage(std::move(*blocks));
@@ -348,7 +374,7 @@ class transition_manager {
       const std::lock_guard lock(mutex_);
       note_state(flat(id), began);
     }
-    out.emplace(flight{std::move(*t), std::move(done), bytes});
+    out.emplace(flight{std::move(*t), std::move(done), bytes, std::move(staged)});
     return attempt::issued;
   }
 
@@ -384,6 +410,10 @@ class transition_manager {
           published = f.guard.publish_if_ready();
         }
       } catch (...) {
+        try {
+          f.done->synchronize();  // the copy may still read the staging block the flight returns
+        } catch (...) {
+        }
         f.guard.abort();
         const std::lock_guard lock(mutex_);
         ++stats_.failed;
@@ -469,6 +499,10 @@ class transition_manager {
             tight_ = true;
             if (still_wanted) updates_.push_back(id);
             break;
+          case attempt::deferred_staging:  // a copy in flight returns its staging block
+            ++stats_.deferred_staging;
+            if (still_wanted) updates_.push_back(id);
+            break;
           case attempt::busy:
             if (to == residency_state::absent) ++stats_.refused_pinned;
             if (still_wanted) (to == residency_state::absent ? evictions_ : updates_).push_back(id);
@@ -500,6 +534,7 @@ class transition_manager {
   Stream* migration_;
   std::array<version_class<Stream, Memory>, 2> classes_;  // [0] high, [1] low
   transition_manager_options options_;
+  block_pool<Staging>* staging_;
 
   mutable std::mutex mutex_;  // guards everything below
   std::condition_variable wake_cv_, idle_cv_;
