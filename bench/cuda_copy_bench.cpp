@@ -1,10 +1,10 @@
 // cuda::copy_engine beside the raw pinned host-to-device peak measured in the same run.
 //
-//   BM_Baseline_PinnedH2D            one cudaMemcpyAsync of 256 MiB from pinned memory, one stream
+//   BM_Baseline_H2D/pinned:1         one cudaMemcpyAsync of 256 MiB from pinned memory, one stream
 //   BM_CudaCopyEngine_Pinned/M       the same bytes, chunked (4 MiB) over M streams, direct
 //   BM_CudaCopyEngine_Pageable/M/T   the same bytes from pageable memory through a ring of 8 × 4 MiB
 //                                    pinned slots over M streams, T host threads filling each slot
-//   BM_Baseline_PageableH2D          one cudaMemcpyAsync of 256 MiB from pageable memory (the runtime stages it)
+//   BM_Baseline_H2D/pinned:0         the same from pageable memory (the runtime stages it)
 //
 // Each iteration waits for its copy (stream synchronize on the caller stream).
 // Counter vs_pinned_peak = rate / (the pinned peak, best of three, measured once
@@ -79,30 +79,19 @@ void report(benchmark::State& state) {
       benchmark::Counter::kIsRate);
 }
 
-void BM_Baseline_PinnedH2D(benchmark::State& state) {
+// Arg 1: from the pinned buffer (the peak); 0: from the pageable one (the runtime stages it).
+void BM_Baseline_H2D(benchmark::State& state) {
   if (skip_without_device(state)) return;
   buffers& b = shared_buffers();
+  const void* src = state.range(0) == 1 ? static_cast<const void*>(b.pinned) : b.pageable.data();
   expage::cuda::cuda_stream stream;
   for (auto _ : state) {
-    EXPAGE_CUDA_CHECK(cudaMemcpyAsync(b.device, b.pinned, total_bytes, cudaMemcpyHostToDevice, stream.native()));
+    EXPAGE_CUDA_CHECK(cudaMemcpyAsync(b.device, src, total_bytes, cudaMemcpyHostToDevice, stream.native()));
     stream.synchronize();
   }
   report(state);
 }
-BENCHMARK(BM_Baseline_PinnedH2D)->Unit(benchmark::kMillisecond)->UseRealTime();
-
-void BM_Baseline_PageableH2D(benchmark::State& state) {
-  if (skip_without_device(state)) return;
-  buffers& b = shared_buffers();
-  expage::cuda::cuda_stream stream;
-  for (auto _ : state) {
-    EXPAGE_CUDA_CHECK(
-        cudaMemcpyAsync(b.device, b.pageable.data(), total_bytes, cudaMemcpyHostToDevice, stream.native()));
-    stream.synchronize();
-  }
-  report(state);
-}
-BENCHMARK(BM_Baseline_PageableH2D)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Baseline_H2D)->ArgName("pinned")->Arg(1)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 void BM_CudaCopyEngine_Pinned(benchmark::State& state) {
   if (skip_without_device(state)) return;

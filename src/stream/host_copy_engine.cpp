@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 namespace expage {
@@ -118,6 +119,13 @@ void host_copy_engine::validate(std::span<const copy_region> regions) {
     }
     const auto d = reinterpret_cast<std::uintptr_t>(r.dst);
     const auto s = reinterpret_cast<std::uintptr_t>(r.src);
+    const std::uintptr_t limit = std::numeric_limits<std::uintptr_t>::max() - std::max(d, s);
+    if (r.bytes > limit) {
+      throw invalid_argument(
+          fmt::format("host_copy_engine: region {}: {} bytes out of range [0, {}] (the range would "
+                      "wrap around the address space)",
+                      i, r.bytes, limit));
+    }
     if (d < s + r.bytes && s < d + r.bytes) {
       throw invalid_argument(
           fmt::format("host_copy_engine: region {}: destination [{:#x}, {:#x}) overlaps source [{:#x}, {:#x})", i, d,
@@ -200,11 +208,6 @@ void host_copy_engine::copy(std::span<const copy_region> regions, host_stream& s
   stream.enqueue([this, guard = std::move(guard), owned = std::move(owned)] { submit(owned).synchronize(); });
 }
 
-host_copy_engine_statistics host_copy_engine::statistics() const {
-  const std::lock_guard lock(mutex_);
-  return stats_;
-}
-
 void host_copy_engine::run_worker() {
   std::unique_lock lock(mutex_);
   for (;;) {
@@ -247,6 +250,11 @@ void host_copy_engine::run_worker() {
     // `job`, so the atomic outlives the notify.
     if (job->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) job->remaining.notify_all();
   }
+}
+
+host_copy_engine_statistics host_copy_engine::statistics() const {
+  const std::lock_guard lock(mutex_);
+  return stats_;
 }
 
 }  // namespace expage

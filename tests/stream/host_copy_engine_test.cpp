@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <future>
+#include <limits>
 #include <memory>
 #include <random>
 #include <thread>
@@ -74,6 +75,8 @@ TEST(HostCopyEngine, RejectsNullAndOverlappingRegions) {
   EXPECT_THROW((void)engine.copy_async(a.data(), nullptr, 1), invalid_argument);
   EXPECT_THROW((void)engine.copy_async(a.data() + 10, a.data(), 11), invalid_argument);
   EXPECT_THROW((void)engine.copy_async(a.data(), a.data() + 10, 11), invalid_argument);
+  EXPECT_THROW((void)engine.copy_async(a.data(), a.data() + 128, std::numeric_limits<std::size_t>::max()),
+               invalid_argument);
   engine.copy(nullptr, nullptr, 0);          // nothing to copy: fine
   engine.copy(a.data() + 10, a.data(), 10);  // adjacent, not overlapping
   const copy_region batch[] = {{a.data(), a.data() + 128, 64}, {nullptr, a.data(), 5}};

@@ -79,13 +79,12 @@ struct copy_engine_statistics {
 /// @threadsafety thread-safe: calls are serialized on an internal mutex (the ring is shared).
 class copy_engine {
  public:
-  /// Validates @p opts, then creates the streams and events and pins the staging ring on the device.
+  /// Validates @p opts (default: device 0, 2 streams, 4 slots of 4 MiB), then creates the streams and events and pins
+  /// the staging ring on the device.
   /// @throws expage::invalid_argument for an option out of range.
   /// @throws expage::cuda_error without a device (or for a bad ordinal) and for any failing CUDA call.
   /// @throws expage::out_of_memory when the ring cannot be pinned (nothing is kept).
-  explicit copy_engine(copy_engine_options opts);
-  /// Device 0, 2 streams, 4 slots of 4 MiB.
-  copy_engine() : copy_engine(copy_engine_options{}) {}
+  explicit copy_engine(copy_engine_options opts = {});
   copy_engine(const copy_engine&) = delete;
   copy_engine& operator=(const copy_engine&) = delete;
   /// Waits (per slot event) until no copy reads the ring, then frees it and the streams.
