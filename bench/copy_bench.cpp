@@ -3,9 +3,10 @@
 //   BM_Baseline_Memcpy                     memcpy of 256 MiB, one thread
 //   BM_HostCopyEngine_Copy/T/C             engine.copy() of the same 256 MiB with T workers and
 //                                          C-byte chunks (the caller waits on the completion)
-//   BM_HostCopyEngine_StreamCopy/T         the same bytes as the 48 tensors of 24 Mixtral-8x7B-sized
-//                                          slices, enqueued on a host_stream (the loader form), one
-//                                          event record and host wait per iteration
+//   BM_HostCopyEngine_StreamCopy/T         the same bytes as 48 expert tensors of Qwen3-30B-A3B's size
+//                                          (gate_up ≈ 7.5 MiB, down ≈ 3.7 MiB), each enqueued on a
+//                                          host_stream (the loader form), one event record and host
+//                                          wait per iteration
 //
 // Sources and destinations are allocated once and faulted in before timing
 // (pages of a mapped expert pool are resident). Counters: bytes_per_second,
@@ -103,7 +104,7 @@ void BM_HostCopyEngine_StreamCopy(benchmark::State& state) {
   const auto threads = static_cast<std::size_t>(state.range(0));
   expage::host_copy_engine engine({.threads = threads, .chunk_bytes = 2_MiB});
   expage::host_stream stream("load");
-  // Mixtral-8x7B's gate_up and down are 2:1 in size; 24 pairs fill the 256 MiB.
+  // gate_up and down are 2:1 in size (Qwen3-30B-A3B: 6 MiB and 3 MiB in bf16); 24 pairs fill the 256 MiB.
   constexpr std::size_t pairs = 24;
   constexpr std::size_t pair_bytes = total_bytes / pairs / 4096 * 4096;
   constexpr std::size_t gate_up = pair_bytes / 3 * 2 / 4096 * 4096;

@@ -10,6 +10,10 @@
 #include <limits>
 #include <utility>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace expage {
 
 namespace detail {
@@ -22,6 +26,7 @@ struct copy_job {
     std::size_t bytes;
   };
   std::vector<chunk> chunks;  // immutable once queued
+  bool streaming = false;     // copy with non-temporal stores (a large submission)
   std::size_t next = 0;       // next chunk to take; guarded by the engine's mutex
   // Chunks not yet finished (copied, failed or skipped). Every decrement is a
   // release (acq_rel) RMW, so they all form one release sequence: the acquire
@@ -41,6 +46,40 @@ namespace {
 constexpr std::size_t max_threads = 256;
 constexpr std::size_t min_chunk_bytes = 64;
 constexpr std::size_t max_chunk_bytes = std::size_t{1} << 30;
+
+// memcpy with non-temporal stores for the 64-byte-aligned body of the destination.
+void streaming_copy(std::byte* dst, const std::byte* src, std::size_t bytes) noexcept {
+#if defined(__x86_64__)
+  const std::size_t head = (64 - reinterpret_cast<std::uintptr_t>(dst) % 64) % 64;
+  if (bytes < head + 64) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  bytes -= head;
+  const std::size_t body = bytes / 64 * 64;
+  for (std::size_t i = 0; i < body; i += 64) {
+    const auto* from = reinterpret_cast<const __m128i*>(src + i);
+    auto* to = reinterpret_cast<__m128i*>(dst + i);
+    const __m128i a = _mm_loadu_si128(from);
+    const __m128i b = _mm_loadu_si128(from + 1);
+    const __m128i c = _mm_loadu_si128(from + 2);
+    const __m128i d = _mm_loadu_si128(from + 3);
+    _mm_stream_si128(to, a);
+    _mm_stream_si128(to + 1, b);
+    _mm_stream_si128(to + 2, c);
+    _mm_stream_si128(to + 3, d);
+  }
+  std::memcpy(dst + body, src + body, bytes - body);
+  // Non-temporal stores are weakly ordered: drain them before the chunk is
+  // reported done (the acq_rel decrement then publishes them like any store).
+  _mm_sfence();
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
 
 }  // namespace
 
@@ -74,7 +113,7 @@ std::exception_ptr copy_completion::error() const {
 // --- host_copy_engine ----------------------------------------------------------------
 
 host_copy_engine::host_copy_engine(host_copy_engine_options opts)
-    : chunk_bytes_(opts.chunk_bytes), copier_(std::move(opts.copier)) {
+    : chunk_bytes_(opts.chunk_bytes), streaming_threshold_(opts.streaming_threshold), copier_(std::move(opts.copier)) {
   if (opts.threads < 1 || opts.threads > max_threads) {
     throw invalid_argument(fmt::format("host_copy_engine: threads {} out of range [1, {}]", opts.threads, max_threads));
   }
@@ -138,7 +177,12 @@ copy_completion host_copy_engine::submit(std::span<const copy_region> regions) {
   // Everything that may throw happens before the job is shared with the workers.
   auto job = std::make_shared<detail::copy_job>();
   std::size_t count = 0;
-  for (const copy_region& r : regions) count += (r.bytes + chunk_bytes_ - 1) / chunk_bytes_;
+  std::size_t total = 0;
+  for (const copy_region& r : regions) {
+    count += (r.bytes + chunk_bytes_ - 1) / chunk_bytes_;
+    total += r.bytes;
+  }
+  job->streaming = total >= streaming_threshold_;
   job->chunks.reserve(count);
   for (const copy_region& r : regions) {
     auto* dst = static_cast<std::byte*>(r.dst);
@@ -224,6 +268,8 @@ void host_copy_engine::run_worker() {
       try {
         if (copier_) {
           copier_(c.dst, c.src, c.bytes);
+        } else if (job->streaming) {
+          streaming_copy(c.dst, c.src, c.bytes);
         } else {
           std::memcpy(c.dst, c.src, c.bytes);
         }

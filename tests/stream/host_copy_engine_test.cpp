@@ -116,6 +116,27 @@ TEST(HostCopyEngine, CopiesRandomSizesIncludingZeroOneAndPartialChunks) {
   EXPECT_EQ(s.failed_chunks + s.skipped_chunks, 0u);
 }
 
+TEST(HostCopyEngine, StreamingStoresCopyEveryAlignment) {
+  // Every submission above 1 byte takes the non-temporal path: heads, bodies and tails at every offset.
+  host_copy_engine engine({.threads = 2, .chunk_bytes = 1_KiB, .streaming_threshold = 2});
+  std::mt19937_64 rng(13);
+  for (std::size_t i = 0; i < 200; ++i) {
+    const std::size_t n = i < 130 ? i : std::uniform_int_distribution<std::size_t>(0, 10_KiB)(rng);
+    buffers b(n + 64, 500 + i);
+    const std::size_t dst_offset = i % 64;
+    const std::size_t src_offset = (i * 7) % 64;
+    engine.copy(b.dst.data() + dst_offset, b.src.data() + src_offset, n);
+    EXPECT_TRUE(std::equal(b.src.begin() + static_cast<std::ptrdiff_t>(src_offset),
+                           b.src.begin() + static_cast<std::ptrdiff_t>(src_offset + n),
+                           b.dst.begin() + static_cast<std::ptrdiff_t>(dst_offset)))
+        << "size " << n;
+    EXPECT_TRUE(std::all_of(b.dst.begin(), b.dst.begin() + static_cast<std::ptrdiff_t>(dst_offset),
+                            [](std::byte x) { return x == poison; }));
+    EXPECT_TRUE(std::all_of(b.dst.begin() + static_cast<std::ptrdiff_t>(dst_offset + n), b.dst.end(),
+                            [](std::byte x) { return x == poison; }));
+  }
+}
+
 TEST(HostCopyEngine, DefaultCompletionIsComplete) {
   const copy_completion none;
   EXPECT_TRUE(none.ready());

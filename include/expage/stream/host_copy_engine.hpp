@@ -90,6 +90,11 @@ struct host_copy_engine_options {
   std::size_t threads = 1;                         ///< Worker threads, in [1, 256].
   std::size_t chunk_bytes = std::size_t{2} << 20;  ///< Bytes per chunk, in [64, 2^30].
   chunk_copier copier{};                           ///< Empty: std::memcpy.
+  /// Submissions of at least this many bytes are copied (by the default copier) with
+  /// non-temporal stores: a page fill is read later by a kernel, not now by this core, and
+  /// the stores skip the read-for-ownership of each destination line (glibc's memcpy does the
+  /// same above a cache-sized threshold, which chunks never reach). SIZE_MAX: never.
+  std::size_t streaming_threshold = std::size_t{2} << 20;
 };
 
 /// @brief Chunked parallel copies into mapped pages: the host backend of the
@@ -170,6 +175,7 @@ class host_copy_engine {
   void run_worker();
 
   std::size_t chunk_bytes_;
+  std::size_t streaming_threshold_;
   host_copy_engine_options::chunk_copier copier_;
   mutable std::mutex mutex_;  // guards queue_ (and each queued job's next chunk), stopping_, stream_tasks_, stats_
   std::condition_variable work_cv_;
