@@ -41,6 +41,7 @@
 #include "expage/residency/transition_manager.hpp"
 #include "expage/residency/version_record.hpp"
 #include "expage/stream/async_stream.hpp"
+#include "expage/stream/host_copy_engine.hpp"
 #include "expage/stream/host_stream.hpp"
 #include "expage/trace/routing_trace.hpp"
 #include "expage/trace/synthetic_trace.hpp"
