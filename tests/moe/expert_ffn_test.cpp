@@ -1,0 +1,120 @@
+#include "expage/moe/expert_ffn.hpp"
+
+#include "common/expert_ffn_case.hpp"
+
+#include "expage/core/error.hpp"
+#include "expage/core/moe_geometry.hpp"
+#include "expage/core/precision.hpp"
+#include "expage/residency/version_record.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace expage::testing {
+namespace {
+
+// Both precisions differ from the fp64 reference only by fp32 rounding (accumulation over H and
+// I terms, expf in SiLU): the int4 path reads exactly the q·s + z the reference reads. int4
+// outputs are noisier sums (wider weights), hence its looser bound.
+constexpr double bf16_tolerance = 1e-5;
+constexpr double int4_tolerance = 2e-5;
+
+std::vector<float> run_host(ffn_case& c) {
+  std::vector<float> out(c.x.size(), std::numeric_limits<float>::quiet_NaN());  // poison
+  const std::vector<version_record> records = c.host_records();
+  expert_ffn(c.x, c.top_k, c.offsets, c.order, c.gate_weights, records, c.shape, out);
+  return out;
+}
+
+TEST(ExpertFfn, Fp32MatchesTheFp64ReferencePerPrecision) {
+  struct ffn_test {
+    const char* name;
+    expert_ffn_shape shape;
+    std::uint32_t tokens;
+    std::uint32_t top_k;
+    std::vector<precision> formats;
+    double tolerance;
+  };
+  using enum precision;
+  const std::vector<ffn_test> tests = {
+      {"bf16",
+       {.hidden = 128, .intermediate = 96, .group_size = 32},
+       40,
+       2,
+       {bf16, bf16, bf16, bf16, bf16, bf16},
+       bf16_tolerance},
+      {"int4",
+       {.hidden = 128, .intermediate = 96, .group_size = 32},
+       40,
+       2,
+       {int4, int4, int4, int4, int4, int4},
+       int4_tolerance},
+      // Mixed versions as DynaExq keeps them, with odd sizes: the last group of a row is short.
+      {"mixed",
+       {.hidden = 72, .intermediate = 40, .group_size = 32},
+       33,
+       3,
+       {bf16, int4, int8, int4, fp16, int2, bf16, int4},
+       int4_tolerance},
+  };
+  std::uint64_t seed = 500;
+  for (const ffn_test& t : tests) {
+    ffn_case c(t.shape, t.tokens, t.top_k, t.formats, ++seed);
+    const double error = relative_error(run_host(c), c.reference());
+    EXPECT_LT(error, t.tolerance) << t.name;
+  }
+}
+
+TEST(ExpertFfn, GateIsTheFirstHalfOfGateUp) {
+  // One expert, one token, H = I = 1, bf16: gate_up = (g, u), down = (d). Swapping the halves
+  // changes silu(g·x)·u·x into silu(u·x)·g·x.
+  ffn_case c({.hidden = 1, .intermediate = 1, .group_size = 1}, 1, 1, {precision::bf16}, 510);
+  const auto set = [](ffn_tensor_bytes& t, std::size_t i, float v) {
+    const std::uint16_t b = float_to_bf16(v);
+    t.bytes[2 * i] = static_cast<std::byte>(b & 0xFFU);
+    t.bytes[2 * i + 1] = static_cast<std::byte>(b >> 8U);
+  };
+  set(c.gate_up[0], 0, 2.0F);   // gate
+  set(c.gate_up[0], 1, -0.5F);  // up
+  set(c.down[0], 0, 3.0F);
+  c.x = {1.5F};
+  c.ids = {0};
+  c.gate_weights = {0.25F};
+  c.offsets = {0, 1};
+  c.order = {0};
+  const std::vector<float> out = run_host(c);
+  const double g = 3.0;  // 2 · 1.5
+  EXPECT_NEAR(out[0], 0.25 * 3.0 * (g / (1.0 + std::exp(-g))) * (-0.75), 1e-6);
+}
+
+TEST(ExpertFfn, RejectsBadShapesSizesAndRecords) {
+  ffn_case c({.hidden = 16, .intermediate = 8, .group_size = 8}, 4, 2, {precision::bf16, precision::int4}, 520);
+  std::vector<version_record> records = c.host_records();
+  std::vector<float> out(c.x.size());
+  const auto call = [&](const expert_ffn_shape& s) {
+    expert_ffn(c.x, c.top_k, c.offsets, c.order, c.gate_weights, records, s, out);
+  };
+  EXPECT_NO_THROW(call(c.shape));
+  EXPECT_THROW(call({.hidden = 0, .intermediate = 8, .group_size = 8}), invalid_argument);
+  EXPECT_THROW(call({.hidden = 16, .intermediate = 1U << 21U, .group_size = 8}), invalid_argument);
+  EXPECT_THROW(call({.hidden = 16, .intermediate = 8, .group_size = 0}), invalid_argument);
+  EXPECT_THROW(call({.hidden = 3, .intermediate = 8, .group_size = 8}), invalid_argument);  // 64 values ∤ 3
+  EXPECT_THROW(expert_ffn(c.x, 3, c.offsets, c.order, c.gate_weights, records, c.shape, out), invalid_argument);
+  records[1].format = precision::fp8;
+  EXPECT_THROW(call(c.shape), invalid_argument);
+  records = c.host_records();
+  records[1].encoding = version_encoding::compressed;
+  EXPECT_THROW(call(c.shape), invalid_argument);
+  records = c.host_records();
+  records[1].zeros[1] = nullptr;
+  EXPECT_THROW(call(c.shape), invalid_argument);
+  records = c.host_records();
+  c.offsets[1] = c.offsets[2] + 1;  // decreasing
+  EXPECT_THROW(call(c.shape), invalid_argument);
+}
+
+}  // namespace
+}  // namespace expage::testing
