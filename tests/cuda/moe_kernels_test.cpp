@@ -1,14 +1,18 @@
 // The routing kernels (router top-k, remap, grouping) and the expert FFN kernel against their
 // host references on fresh random inputs and poisoned outputs (skipped without a device), plus
 // the argument checks their launchers make before touching a device.
+#include "common/expert_ffn_case.hpp"
 #include "cuda/device_buffer.hpp"
 #include "cuda/device_pattern.hpp"
 
 #include "expage/core/error.hpp"
+#include "expage/cuda/expert_ffn.hpp"
 #include "expage/cuda/moe_routing.hpp"
 #include "expage/cuda/runtime.hpp"
 #include "expage/format/float16.hpp"
+#include "expage/moe/expert_ffn.hpp"
 #include "expage/moe/routing.hpp"
+#include "expage/residency/version_record.hpp"
 
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
@@ -16,6 +20,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -177,6 +182,105 @@ TEST(RoutingKernels, RejectBadArgumentsBeforeLaunching) {
   EXPECT_THROW(cuda::group_by_expert_async(ids, 4, 0, fake, sizeof fake, u32, u32, u32, nullptr), invalid_argument);
   EXPECT_THROW(cuda::group_by_expert_async(ids, 4, 8, fake + 4, sizeof fake, u32, u32, u32, nullptr), invalid_argument);
   EXPECT_THROW(cuda::group_by_expert_async(ids, 4, 8, fake, sizeof fake, u32, nullptr, u32, nullptr), invalid_argument);
+}
+
+// The case's tensors uploaded, and the device copy of its records (the table's mirror).
+std::vector<float> run_on_device(const ffn_case& c) {
+  std::vector<std::unique_ptr<device_buffer>> tensors;
+  std::vector<std::byte*> gate_up;
+  std::vector<std::byte*> down;
+  for (std::size_t e = 0; e < c.formats.size(); ++e) {
+    gate_up.push_back(tensors.emplace_back(std::make_unique<device_buffer>(c.gate_up[e].bytes))->as<std::byte>());
+    down.push_back(tensors.emplace_back(std::make_unique<device_buffer>(c.down[e].bytes))->as<std::byte>());
+  }
+  const device_buffer d_records(c.records(gate_up, down));
+  const device_buffer d_x(c.x);
+  const device_buffer d_offsets(c.offsets);
+  const device_buffer d_order(c.order);
+  const device_buffer d_weights(c.gate_weights);
+  device_buffer d_out(c.x.size() * sizeof(float));
+  const std::size_t workspace_bytes = cuda::expert_ffn_workspace_bytes(c.tokens, c.top_k, c.shape);
+  device_buffer d_workspace(workspace_bytes);
+  d_out.poison();
+  d_workspace.poison();
+  const cuda::expert_ffn_problem problem{.x = d_x.as<float>(),
+                                         .out = d_out.as<float>(),
+                                         .offsets = d_offsets.as<std::uint32_t>(),
+                                         .order = d_order.as<std::uint32_t>(),
+                                         .topk_weights = d_weights.as<float>(),
+                                         .records = d_records.as<version_record>(),
+                                         .tokens = c.tokens,
+                                         .top_k = c.top_k,
+                                         .experts = static_cast<std::uint32_t>(c.formats.size()),
+                                         .shape = c.shape};
+  cuda::expert_ffn_async(problem, d_workspace.as<void>(), workspace_bytes, nullptr);
+  EXPAGE_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  return d_out.to_host<float>();
+}
+
+TEST(ExpertFfnKernel, MatchesTheFp64ReferencePerPrecision) {
+  if (!cuda::device_available()) GTEST_SKIP() << no_device_reason();
+  struct ffn_test {
+    const char* name;
+    expert_ffn_shape shape;
+    std::uint32_t tokens;
+    std::uint32_t top_k;
+    std::vector<precision> formats;
+    double tolerance;  // as the host test: fp32 rounding only, in a different summation order
+  };
+  using enum precision;
+  const std::vector<ffn_test> tests = {
+      {"bf16", {.hidden = 256, .intermediate = 128, .group_size = 64}, 100, 2, std::vector<precision>(8, bf16), 2e-5},
+      {"int4", {.hidden = 256, .intermediate = 128, .group_size = 64}, 100, 2, std::vector<precision>(8, int4), 4e-5},
+      {"mixed",
+       {.hidden = 200, .intermediate = 72, .group_size = 32},
+       57,
+       4,
+       {bf16, int4, int8, int4, fp16, int2, bf16, int4, int4, bf16, int4, bf16},
+       4e-5},
+      {"one token", {.hidden = 64, .intermediate = 32, .group_size = 32}, 1, 2, {int4, bf16, int4}, 4e-5},
+  };
+  std::uint64_t seed = 600;
+  for (const ffn_test& t : tests) {
+    ffn_case c(t.shape, t.tokens, t.top_k, t.formats, ++seed);
+    const std::vector<double> want = c.reference();
+    EXPECT_LT(relative_error(run_on_device(c), want), t.tolerance) << t.name;
+  }
+}
+
+TEST(ExpertFfnKernel, RejectsBadArgumentsBeforeLaunching) {
+  // Checked before any CUDA call, so these hold with or without a device.
+  alignas(16) std::byte fake[4096];
+  auto* f = reinterpret_cast<float*>(fake);
+  auto* u32 = reinterpret_cast<std::uint32_t*>(fake);
+  const cuda::expert_ffn_problem ok{.x = f,
+                                    .out = f,
+                                    .offsets = u32,
+                                    .order = u32,
+                                    .topk_weights = f,
+                                    .records = reinterpret_cast<const version_record*>(fake),
+                                    .tokens = 2,
+                                    .top_k = 2,
+                                    .experts = 4,
+                                    .shape = {.hidden = 8, .intermediate = 4, .group_size = 4}};
+  EXPECT_EQ(cuda::expert_ffn_workspace_bytes(2, 2, ok.shape), 2U * 2 * 4 * 4);
+  const auto launch = [&](cuda::expert_ffn_problem p, std::size_t workspace_bytes, std::byte* workspace) {
+    cuda::expert_ffn_async(p, workspace, workspace_bytes, nullptr);
+  };
+  cuda::expert_ffn_problem p = ok;
+  p.shape.hidden = 0;
+  EXPECT_THROW(launch(p, 1024, fake), invalid_argument);
+  p = ok;
+  p.experts = 0;
+  EXPECT_THROW(launch(p, 1024, fake), invalid_argument);
+  p = ok;
+  p.top_k = 0;
+  EXPECT_THROW(launch(p, 1024, fake), invalid_argument);
+  p = ok;
+  p.records = nullptr;
+  EXPECT_THROW(launch(p, 1024, fake), invalid_argument);
+  EXPECT_THROW(launch(ok, 63, fake), invalid_argument);        // 64 bytes needed
+  EXPECT_THROW(launch(ok, 1024, fake + 4), invalid_argument);  // misaligned
 }
 
 }  // namespace
