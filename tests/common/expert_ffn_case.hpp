@@ -67,7 +67,8 @@ struct ffn_case {
   std::vector<std::int32_t> ids;  // some −1: pairs that contribute nothing
   std::vector<float> gate_weights;
   std::vector<std::uint32_t> offsets, order, position;
-  std::vector<ffn_tensor_bytes> gate_up, down;  // per expert
+  std::vector<ffn_tensor_bytes> gate_up, down;            // per expert, as stored
+  std::vector<std::vector<float>> gate_up_f32, down_f32;  // per expert, before rounding or quantizing
 
   ffn_case(expert_ffn_shape s, std::uint32_t n_tokens, std::uint32_t k, std::vector<precision> expert_formats,
            std::uint64_t seed)
@@ -97,10 +98,10 @@ struct ffn_case {
     const tensor_shape gu{.rows = 2 * shape.intermediate, .cols = shape.hidden};
     const tensor_shape dn{.rows = shape.hidden, .cols = shape.intermediate};
     for (std::uint32_t e = 0; e < experts; ++e) {
-      gate_up.push_back(
-          encode_tensor(realistic_weights(gu.elements(), seed * 131 + 2 * e, 0.05F), gu, formats[e], shape.group_size));
-      down.push_back(encode_tensor(realistic_weights(dn.elements(), seed * 131 + 2 * e + 1, 0.05F), dn, formats[e],
-                                   shape.group_size));
+      gate_up_f32.push_back(realistic_weights(gu.elements(), seed * 131 + 2 * e, 0.05F));
+      down_f32.push_back(realistic_weights(dn.elements(), seed * 131 + 2 * e + 1, 0.05F));
+      gate_up.push_back(encode_tensor(gate_up_f32.back(), gu, formats[e], shape.group_size));
+      down.push_back(encode_tensor(down_f32.back(), dn, formats[e], shape.group_size));
     }
   }
 
@@ -136,12 +137,19 @@ struct ffn_case {
     return records(gu, dn);
   }
 
-  /// The fp64 reference: every valid pair computed on its own from its token, in double.
-  [[nodiscard]] std::vector<double> reference() const {
+  /// Weight (row, col) of expert @p e's gate_up (@p gu) or down tensor, as stored or original.
+  [[nodiscard]] double weight_of(bool stored, std::size_t e, bool gu, std::uint64_t row, std::uint64_t col) const {
+    const tensor_shape s = gu ? tensor_shape{.rows = 2 * shape.intermediate, .cols = shape.hidden}
+                              : tensor_shape{.rows = shape.hidden, .cols = shape.intermediate};
+    if (!stored) return static_cast<double>((gu ? gate_up_f32 : down_f32)[e][row * s.cols + col]);
+    return reference_weight(gu ? gate_up[e] : down[e], formats[e], s, shape.group_size, row, col);
+  }
+
+  /// The fp64 reference: every valid pair computed on its own from its token, in double, with
+  /// the weights as stored (@p stored) or as they were before rounding or quantization.
+  [[nodiscard]] std::vector<double> reference(bool stored = true) const {
     const std::uint64_t h_dim = shape.hidden;
     const std::uint64_t i_dim = shape.intermediate;
-    const tensor_shape gu{.rows = 2 * i_dim, .cols = h_dim};
-    const tensor_shape dn{.rows = h_dim, .cols = i_dim};
     std::vector<double> out(x.size(), 0.0);
     std::vector<double> a(i_dim);
     for (std::size_t p = 0; p < ids.size(); ++p) {
@@ -152,16 +160,14 @@ struct ffn_case {
         double gate = 0;
         double up = 0;
         for (std::uint64_t c = 0; c < h_dim; ++c) {
-          gate += reference_weight(gate_up[e], formats[e], gu, shape.group_size, i, c) * static_cast<double>(xt[c]);
-          up +=
-              reference_weight(gate_up[e], formats[e], gu, shape.group_size, i_dim + i, c) * static_cast<double>(xt[c]);
+          gate += weight_of(stored, e, true, i, c) * static_cast<double>(xt[c]);
+          up += weight_of(stored, e, true, i_dim + i, c) * static_cast<double>(xt[c]);
         }
         a[i] = gate / (1.0 + std::exp(-gate)) * up;
       }
       for (std::uint64_t r = 0; r < h_dim; ++r) {
         double y = 0;
-        for (std::uint64_t i = 0; i < i_dim; ++i)
-          y += reference_weight(down[e], formats[e], dn, shape.group_size, r, i) * a[i];
+        for (std::uint64_t i = 0; i < i_dim; ++i) y += weight_of(stored, e, false, r, i) * a[i];
         out[p / top_k * h_dim + r] += static_cast<double>(gate_weights[p]) * y;
       }
     }

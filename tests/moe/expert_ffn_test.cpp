@@ -16,11 +16,19 @@
 namespace expage::testing {
 namespace {
 
-// Both precisions differ from the fp64 reference only by fp32 rounding (accumulation over H and
-// I terms, expf in SiLU): the int4 path reads exactly the q·s + z the reference reads. int4
-// outputs are noisier sums (wider weights), hence its looser bound.
-constexpr double bf16_tolerance = 1e-5;
-constexpr double int4_tolerance = 2e-5;
+// Against the fp64 reference of the stored weights, every precision differs only by fp32
+// rounding (accumulation over H and I terms, expf in SiLU; the int paths read exactly the q·s + z
+// the reference reads): measured 2–4e-7 of the output's scale. Against the fp64 reference of the
+// original weights, the difference is the format's own error: bf16 rounding, or int4's
+// quantization error (group 32; the 0.1% ×30 outlier weights widen their groups), measured as
+// the worst output error over the output's scale: 0.0038 (bf16), 0.22 (int4), 0.27 (mixed).
+struct precision_bounds {
+  double vs_stored;
+  double vs_original;
+};
+constexpr precision_bounds bf16_bounds{2e-6, 0.006};
+constexpr precision_bounds int4_bounds{2e-6, 0.3};
+constexpr precision_bounds mixed_bounds{2e-6, 0.4};  // an int2 expert included
 
 std::vector<float> run_host(ffn_case& c) {
   std::vector<float> out(c.x.size(), std::numeric_limits<float>::quiet_NaN());  // poison
@@ -36,7 +44,7 @@ TEST(ExpertFfn, Fp32MatchesTheFp64ReferencePerPrecision) {
     std::uint32_t tokens;
     std::uint32_t top_k;
     std::vector<precision> formats;
-    double tolerance;
+    precision_bounds bounds;
   };
   using enum precision;
   const std::vector<ffn_test> tests = {
@@ -45,26 +53,29 @@ TEST(ExpertFfn, Fp32MatchesTheFp64ReferencePerPrecision) {
        40,
        2,
        {bf16, bf16, bf16, bf16, bf16, bf16},
-       bf16_tolerance},
+       bf16_bounds},
       {"int4",
        {.hidden = 128, .intermediate = 96, .group_size = 32},
        40,
        2,
        {int4, int4, int4, int4, int4, int4},
-       int4_tolerance},
+       int4_bounds},
       // Mixed versions as DynaExq keeps them, with odd sizes: the last group of a row is short.
       {"mixed",
        {.hidden = 72, .intermediate = 40, .group_size = 32},
        33,
        3,
        {bf16, int4, int8, int4, fp16, int2, bf16, int4},
-       int4_tolerance},
+       mixed_bounds},
   };
   std::uint64_t seed = 500;
   for (const ffn_test& t : tests) {
     ffn_case c(t.shape, t.tokens, t.top_k, t.formats, ++seed);
-    const double error = relative_error(run_host(c), c.reference());
-    EXPECT_LT(error, t.tolerance) << t.name;
+    const std::vector<float> out = run_host(c);
+    const double vs_stored = relative_error(out, c.reference());
+    const double vs_original = relative_error(out, c.reference(false));
+    EXPECT_LT(vs_stored, t.bounds.vs_stored) << t.name;
+    EXPECT_LT(vs_original, t.bounds.vs_original) << t.name;
   }
 }
 
