@@ -166,47 +166,49 @@ void BM_Router_TopKKernel(benchmark::State& state) {
 }
 BENCHMARK(BM_Router_TopKKernel)->ArgName("experts")->Arg(8)->Arg(128)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
+// The routed ids of 16384 tokens (top-8 of 128) on the device, and the host copy with its map.
+struct device_routed_ids {
+  expage::bench::routed_ids host{routed_tokens};
+  std::unique_ptr<device_bytes> ids = upload(host.ids);
+  std::uint32_t pairs = static_cast<std::uint32_t>(host.ids.size());
+  [[nodiscard]] const std::int32_t* device_ids() const { return static_cast<const std::int32_t*>(ids->p); }
+};
+
 void BM_Remap_Kernel(benchmark::State& state) {
   if (skip_without_device(state)) return;
-  const expage::bench::routed_ids r(routed_tokens);
-  const auto d_ids = upload(r.ids);
-  const auto d_map = upload(r.map);
-  device_bytes d_slots(r.ids.size() * 4);
-  device_bytes d_missing(r.map.size());
+  const device_routed_ids r;
+  const auto d_map = upload(r.host.map);
+  device_bytes d_slots(std::size_t{r.pairs} * 4);
+  device_bytes d_missing(r.host.map.size());
   device_bytes d_count(4);
-  const auto pairs = static_cast<std::uint32_t>(r.ids.size());
   time_launches(
       state,
       [&] {
-        expage::cuda::remap_experts_async(
-            static_cast<const std::int32_t*>(d_ids->p), pairs, static_cast<const std::int32_t*>(d_map->p), 128,
-            static_cast<std::int32_t*>(d_slots.p), static_cast<std::uint8_t*>(d_missing.p),
-            static_cast<std::uint32_t*>(d_count.p), nullptr);
+        expage::cuda::remap_experts_async(r.device_ids(), r.pairs, static_cast<const std::int32_t*>(d_map->p), 128,
+                                          static_cast<std::int32_t*>(d_slots.p),
+                                          static_cast<std::uint8_t*>(d_missing.p),
+                                          static_cast<std::uint32_t*>(d_count.p), nullptr);
       },
-      std::uint64_t{pairs} * 8);
+      std::uint64_t{r.pairs} * 8);
   state.SetItemsProcessed(state.iterations() * routed_tokens);
 }
 BENCHMARK(BM_Remap_Kernel)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 void BM_GroupByExpert_Kernel(benchmark::State& state) {
   if (skip_without_device(state)) return;
-  const expage::bench::routed_ids r(routed_tokens);
-  const auto d_ids = upload(r.ids);
-  const auto pairs = static_cast<std::uint32_t>(r.ids.size());
-  const std::size_t workspace_bytes = expage::cuda::group_by_expert_workspace_bytes(pairs, 128);
+  const device_routed_ids r;
+  const std::size_t workspace_bytes = expage::cuda::group_by_expert_workspace_bytes(r.pairs, 128);
   device_bytes d_workspace(workspace_bytes);
   device_bytes d_offsets(129 * 4);
-  device_bytes d_order(std::size_t{pairs} * 4);
-  device_bytes d_position(std::size_t{pairs} * 4);
+  device_bytes d_order(std::size_t{r.pairs} * 8);  // order, then position
+  auto* order = static_cast<std::uint32_t*>(d_order.p);
   time_launches(
       state,
       [&] {
-        expage::cuda::group_by_expert_async(static_cast<const std::int32_t*>(d_ids->p), pairs, 128, d_workspace.p,
-                                            workspace_bytes, static_cast<std::uint32_t*>(d_offsets.p),
-                                            static_cast<std::uint32_t*>(d_order.p),
-                                            static_cast<std::uint32_t*>(d_position.p), nullptr);
+        expage::cuda::group_by_expert_async(r.device_ids(), r.pairs, 128, d_workspace.p, workspace_bytes,
+                                            static_cast<std::uint32_t*>(d_offsets.p), order, order + r.pairs, nullptr);
       },
-      std::uint64_t{pairs} * 12);
+      std::uint64_t{r.pairs} * 12);
   state.SetItemsProcessed(state.iterations() * routed_tokens);
 }
 BENCHMARK(BM_GroupByExpert_Kernel)->UseManualTime()->Unit(benchmark::kMicrosecond);
@@ -221,8 +223,8 @@ void BM_ExpertFfn_Kernel(benchmark::State& state) {
   std::vector<std::byte*> gate_up;
   std::vector<std::byte*> down;
   for (std::uint32_t e = 0; e < routing.experts; ++e) {
-    gate_up.push_back(static_cast<std::byte*>(tensors.emplace_back(upload(layer.gate_up[e].bytes))->p));
-    down.push_back(static_cast<std::byte*>(tensors.emplace_back(upload(layer.down[e].bytes))->p));
+    gate_up.push_back(static_cast<std::byte*>(tensors.emplace_back(upload(layer.gate_up[e]))->p));
+    down.push_back(static_cast<std::byte*>(tensors.emplace_back(upload(layer.down[e]))->p));
   }
   const auto d_records = upload(layer.records(gate_up, down));
   const auto d_x = upload(layer.x);

@@ -45,23 +45,15 @@ struct routed_ids {
   }
 };
 
-/// One tensor in @p p: bf16 values (little-endian) or the group_quant layout of @p w.
-struct encoded_tensor {
-  std::vector<std::byte> bytes;
-  std::uint64_t scales_at = 0;
-  std::uint64_t zeros_at = 0;
-};
-
-inline encoded_tensor encode(const std::vector<float>& w, tensor_shape shape, precision p, std::uint32_t group) {
-  if (p == precision::bf16) {
-    std::vector<std::uint16_t> v(w.size());
-    for (std::size_t i = 0; i < w.size(); ++i) v[i] = float_to_bf16(w[i]);
-    encoded_tensor t{std::vector<std::byte>(v.size() * 2)};
-    std::memcpy(t.bytes.data(), v.data(), t.bytes.size());  // little-endian host
-    return t;
-  }
-  const group_quant_layout layout(p, shape, group);
-  return {quantize_groups(w, layout), layout.scales_at(), layout.zeros_at()};
+/// One tensor in @p p: bf16 values (little-endian host) or the group_quant layout of @p w.
+inline std::vector<std::byte> encode(const std::vector<float>& w, tensor_shape shape, precision p,
+                                     std::uint32_t group) {
+  if (p != precision::bf16) return quantize_groups(w, group_quant_layout(p, shape, group));
+  std::vector<std::uint16_t> v(w.size());
+  for (std::size_t i = 0; i < w.size(); ++i) v[i] = float_to_bf16(w[i]);
+  std::vector<std::byte> bytes(v.size() * 2);
+  std::memcpy(bytes.data(), v.data(), bytes.size());
+  return bytes;
 }
 
 struct moe_layer {
@@ -72,7 +64,7 @@ struct moe_layer {
   std::vector<std::int32_t> ids;
   std::vector<float> gate_weights;
   std::vector<std::uint32_t> offsets, order, position;
-  std::vector<encoded_tensor> gate_up, down;
+  std::vector<std::vector<std::byte>> gate_up, down;
 
   moe_layer(expert_ffn_shape s, router_shape r, precision p) : shape(s), routing(r), format(p) {
     x = router_logits(std::size_t{r.tokens} * s.hidden);
@@ -89,27 +81,18 @@ struct moe_layer {
     // read each expert's own copy all the same.
     const tensor_shape gu{.rows = 2 * s.intermediate, .cols = s.hidden};
     const tensor_shape dn{.rows = s.hidden, .cols = s.intermediate};
-    const encoded_tensor gu_bytes = encode(realistic_weights(gu.elements()), gu, p, s.group_size);
-    const encoded_tensor dn_bytes = encode(realistic_weights(dn.elements()), dn, p, s.group_size);
+    const std::vector<std::byte> gu_bytes = encode(realistic_weights(gu.elements()), gu, p, s.group_size);
+    const std::vector<std::byte> dn_bytes = encode(realistic_weights(dn.elements()), dn, p, s.group_size);
     gate_up.assign(r.experts, gu_bytes);
     down.assign(r.experts, dn_bytes);
   }
 
-  /// Records whose tensors start at @p gate_up_at[e] / @p down_at[e] (host or device copies).
+  /// Records of the tensors at @p gate_up_at[e] / @p down_at[e] (host or device copies).
   [[nodiscard]] std::vector<version_record> records(const std::vector<std::byte*>& gate_up_at,
                                                     const std::vector<std::byte*>& down_at) const {
-    std::vector<version_record> out(gate_up.size());
-    for (std::size_t e = 0; e < out.size(); ++e) {
-      out[e].format = format;
-      std::byte* const at[] = {gate_up_at[e], down_at[e]};
-      const encoded_tensor* t[] = {&gate_up[e], &down[e]};
-      for (std::size_t k = 0; k < 2; ++k) {
-        out[e].data[k] = at[k];
-        if (format != precision::bf16) {
-          out[e].scales[k] = at[k] + t[k]->scales_at;
-          out[e].zeros[k] = at[k] + t[k]->zeros_at;
-        }
-      }
+    std::vector<version_record> out;
+    for (std::size_t e = 0; e < gate_up.size(); ++e) {
+      out.push_back(packed_version_record(format, gate_up_at[e], down_at[e], shape));
     }
     return out;
   }
@@ -119,8 +102,8 @@ struct moe_layer {
     std::vector<std::byte*> gu;
     std::vector<std::byte*> dn;
     for (std::size_t e = 0; e < gate_up.size(); ++e) {
-      gu.push_back(gate_up[e].bytes.data());
-      dn.push_back(down[e].bytes.data());
+      gu.push_back(gate_up[e].data());
+      dn.push_back(down[e].data());
     }
     return records(gu, dn);
   }
@@ -129,7 +112,7 @@ struct moe_layer {
   [[nodiscard]] std::uint64_t active_weight_bytes() const {
     std::uint64_t bytes = 0;
     for (std::size_t e = 0; e < gate_up.size(); ++e) {
-      if (offsets[e] != offsets[e + 1]) bytes += gate_up[e].bytes.size() + down[e].bytes.size();
+      if (offsets[e] != offsets[e + 1]) bytes += gate_up[e].size() + down[e].size();
     }
     return bytes;
   }

@@ -71,33 +71,56 @@ __device__ tile_range block_tile(const ffn_args& a) {
   return {first, first < valid ? std::min(first + tile, valid) : first};
 }
 
+// The run starting at sorted position p: the pairs of p's expert up to the tile's end, and that
+// expert's tensor @p t (cols wide) when its record can be read.
+struct expert_run {
+  std::uint32_t end;
+  std::uint32_t n;
+  bool ok;
+  ffn_tensor w;
+};
+
+__device__ expert_run run_at(const ffn_args& a, std::uint32_t p, std::uint32_t tile_end, int t, std::uint64_t cols) {
+  const std::uint32_t e = expert_at(a, p);
+  const std::uint32_t end = std::min(a.offsets[e + 1], tile_end);
+  const record_view& r = a.records[e];
+  return {end, end - p, readable(r), tensor_of(r, t, cols, a.group_size)};
+}
+
+// This warp's first weight row and the stride between its rows (grid.y may be capped).
+__device__ std::uint64_t first_row() { return std::uint64_t{blockIdx.y} * warps_per_block + threadIdx.x / 32; }
+__device__ std::uint64_t row_stride() { return std::uint64_t{gridDim.y} * warps_per_block; }
+
+// Calls body(p, run) for each run of the block's tile, reading tensor @p t (cols wide).
+template <class Body>
+__device__ void for_each_run(const ffn_args& a, int t, std::uint64_t cols, Body body) {
+  const tile_range range = block_tile(a);
+  for (std::uint32_t p = range.first; p < range.end;) {
+    const expert_run run = run_at(a, p, range.end, t, cols);
+    body(p, run);
+    p = run.end;
+  }
+}
+
 // Gate/up and activation. Warp w of the block computes intermediate row i for every pair of a
 // run: its lanes stride along H, dequantize W[i, c] (gate) and W[I + i, c] (up) once and apply
 // them to the run's ≤ 8 tokens (8 + 8 accumulators per lane), then reduce across the warp.
 // activations[p · I + i] = silu(gate) · up for sorted position p. An expert whose record cannot
 // be read gets NaN, so the error shows in the output instead of passing silently.
 __global__ void __launch_bounds__(threads_per_block) gate_up_kernel(const ffn_args a) {
-  const tile_range range = block_tile(a);
   const unsigned lane = threadIdx.x % 32;
-  const std::uint64_t row_stride = std::uint64_t{gridDim.y} * warps_per_block;
-  for (std::uint32_t p = range.first; p < range.end;) {
-    const std::uint32_t e = expert_at(a, p);
-    const std::uint32_t run_end = std::min(a.offsets[e + 1], range.end);
-    const std::uint32_t n = run_end - p;
-    const record_view& r = a.records[e];
-    const bool ok = readable(r);
-    const ffn_tensor w = tensor_of(r, 0, a.hidden, a.group_size);
+  for_each_run(a, 0, a.hidden, [&](std::uint32_t p, const expert_run& run) {
+    const std::uint32_t n = run.n;
     const float* x[tile];
 #pragma unroll
     for (unsigned j = 0; j < tile; ++j) x[j] = a.x + std::uint64_t{a.order[p + (j < n ? j : 0)] / a.top_k} * a.hidden;
-    for (std::uint64_t i = std::uint64_t{blockIdx.y} * warps_per_block + threadIdx.x / 32; i < a.intermediate;
-         i += row_stride) {
+    for (std::uint64_t i = first_row(); i < a.intermediate; i += row_stride()) {
       float gate[tile] = {};
       float up[tile] = {};
-      if (ok) {
+      if (run.ok) {
         for (std::uint64_t c = lane; c < a.hidden; c += 32) {
-          const float wg = expage::detail::ffn_weight(w, i, c);
-          const float wu = expage::detail::ffn_weight(w, a.intermediate + i, c);
+          const float wg = expage::detail::ffn_weight(run.w, i, c);
+          const float wu = expage::detail::ffn_weight(run.w, a.intermediate + i, c);
 #pragma unroll
           for (unsigned j = 0; j < tile; ++j) {
             if (j < n) {
@@ -113,34 +136,25 @@ __global__ void __launch_bounds__(threads_per_block) gate_up_kernel(const ffn_ar
         const float u = warp_sum(up[j]);
         if (lane == 0 && j < n) {
           a.activations[std::uint64_t{p + j} * a.intermediate + i] =
-              ok ? expage::detail::silu(g) * u : __int_as_float(0x7FC00000);
+              run.ok ? expage::detail::silu(g) * u : __int_as_float(0x7FC00000);
         }
       }
     }
-    p = run_end;
-  }
+  });
 }
 
 // Down projection and scatter. Warp w computes output row r of W_down for every pair of a run
 // (lanes stride along I over the run's activations) and lane 0 adds weight · y into
 // out[token · H + r] with atomicAdd: a token's k pairs live in different tiles.
 __global__ void __launch_bounds__(threads_per_block) down_kernel(const ffn_args a) {
-  const tile_range range = block_tile(a);
   const unsigned lane = threadIdx.x % 32;
-  const std::uint64_t row_stride = std::uint64_t{gridDim.y} * warps_per_block;
-  for (std::uint32_t p = range.first; p < range.end;) {
-    const std::uint32_t e = expert_at(a, p);
-    const std::uint32_t run_end = std::min(a.offsets[e + 1], range.end);
-    const std::uint32_t n = run_end - p;
-    const record_view& rec = a.records[e];
-    const bool ok = readable(rec);
-    const ffn_tensor w = tensor_of(rec, 1, a.intermediate, a.group_size);
-    for (std::uint64_t r = std::uint64_t{blockIdx.y} * warps_per_block + threadIdx.x / 32; r < a.hidden;
-         r += row_stride) {
+  for_each_run(a, 1, a.intermediate, [&](std::uint32_t p, const expert_run& run) {
+    const std::uint32_t n = run.n;
+    for (std::uint64_t r = first_row(); r < a.hidden; r += row_stride()) {
       float y[tile] = {};
-      if (ok) {
+      if (run.ok) {
         for (std::uint64_t c = lane; c < a.intermediate; c += 32) {
-          const float wd = expage::detail::ffn_weight(w, r, c);
+          const float wd = expage::detail::ffn_weight(run.w, r, c);
 #pragma unroll
           for (unsigned j = 0; j < tile; ++j) {
             if (j < n) y[j] += wd * a.activations[std::uint64_t{p + j} * a.intermediate + c];
@@ -152,13 +166,12 @@ __global__ void __launch_bounds__(threads_per_block) down_kernel(const ffn_args 
         const float sum = warp_sum(y[j]);
         if (lane == 0 && j < n) {
           const std::uint32_t pair = a.order[p + j];
-          const float v = ok ? a.topk_weights[pair] * sum : __int_as_float(0x7FC00000);
+          const float v = run.ok ? a.topk_weights[pair] * sum : __int_as_float(0x7FC00000);
           atomicAdd(a.out + std::uint64_t{pair / a.top_k} * a.hidden + r, v);
         }
       }
     }
-    p = run_end;
-  }
+  });
 }
 
 unsigned row_blocks(std::uint64_t rows) {

@@ -2,6 +2,7 @@
 
 #include "expage/core/error.hpp"
 #include "expage/core/precision.hpp"
+#include "expage/format/group_quant.hpp"
 #include "expage/moe/detail/ffn_element.hpp"
 #include "expage/residency/version_record.hpp"
 
@@ -71,6 +72,32 @@ void expert_ffn_shape::validate() const {
   if (group_size < 1 || group_size > max_dimension) {
     throw invalid_argument(fmt::format("expert_ffn: group_size {} out of range [1, {}]", group_size, max_dimension));
   }
+}
+
+version_record packed_version_record(precision format, std::byte* gate_up, std::byte* down,
+                                     const expert_ffn_shape& shape) {
+  shape.validate();
+  if (format == precision::fp8) {
+    throw invalid_argument(
+        "packed_version_record: fp8 has no packed layout the FFN reads (bf16, fp16, int8, int4, int2)");
+  }
+  version_record r;
+  r.format = format;
+  const tensor_shape shapes[] = {{.rows = 2 * shape.intermediate, .cols = shape.hidden},
+                                 {.rows = shape.hidden, .cols = shape.intermediate}};
+  std::byte* const at[] = {gate_up, down};
+  for (std::size_t t = 0; t < expert_tensor_count; ++t) {
+    r.data[t] = at[t];
+    if (format == precision::bf16 || format == precision::fp16) {
+      r.bytes += shapes[t].elements() * 2;
+      continue;
+    }
+    const group_quant_layout layout(format, shapes[t], shape.group_size);
+    r.scales[t] = at[t] + layout.scales_at();
+    r.zeros[t] = at[t] + layout.zeros_at();
+    r.bytes += layout.total_bytes();
+  }
+  return r;
 }
 
 void expert_ffn(std::span<const float> x, std::uint32_t top_k, std::span<const std::uint32_t> offsets,

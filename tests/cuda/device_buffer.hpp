@@ -10,11 +10,17 @@
 
 namespace expage::testing {
 
+/// Tag: allocate and poison.
+struct poisoned_t {};
+inline constexpr poisoned_t poisoned{};
+
 class device_buffer {
  public:
   explicit device_buffer(std::size_t bytes) : bytes_(bytes) {
     EXPAGE_CUDA_CHECK(cudaMalloc(&p_, bytes == 0 ? 1 : bytes));
   }
+  /// A buffer of @p bytes filled with 0xA5.
+  device_buffer(std::size_t bytes, poisoned_t) : device_buffer(bytes) { poison(); }
   /// A buffer holding a copy of @p host.
   template <class T>
   explicit device_buffer(const std::vector<T>& host) : device_buffer(host.size() * sizeof(T)) {

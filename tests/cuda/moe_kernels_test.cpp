@@ -17,6 +17,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -38,13 +39,12 @@ std::vector<float> router_logits(std::size_t n, std::uint64_t seed) {
 
 TEST(RouterTopKKernel, MatchesTheHostReference) {
   if (!cuda::device_available()) GTEST_SKIP() << no_device_reason();
-  const router_shape shapes[] = {{.tokens = 1000, .experts = 8, .top_k = 2},
-                                 {.tokens = 517, .experts = 128, .top_k = 8},
-                                 {.tokens = 64, .experts = 512, .top_k = 10},
-                                 {.tokens = 9, .experts = 1000, .top_k = 40},
-                                 {.tokens = 3, .experts = 1, .top_k = 1}};
+  // Mixtral, Qwen3-30B-A3B and Qwen3-Next shapes; top_k > 32 (several selections per lane);
+  // a single expert.
   std::uint64_t seed = 400;
-  for (const router_shape s : shapes) {
+  for (const auto [tokens, experts, top_k] :
+       {std::array<std::uint32_t, 3>{1000, 8, 2}, {517, 128, 8}, {64, 512, 10}, {9, 1000, 40}, {3, 1, 1}}) {
+    const router_shape s{.tokens = tokens, .experts = experts, .top_k = top_k};
     const std::vector<float> logits = router_logits(std::size_t{s.tokens} * s.experts, ++seed);
     std::vector<std::uint16_t> bf16(logits.size());
     for (std::size_t i = 0; i < bf16.size(); ++i) bf16[i] = float_to_bf16(logits[i]);
@@ -55,12 +55,9 @@ TEST(RouterTopKKernel, MatchesTheHostReference) {
         std::vector<std::int32_t> ids(s.pairs());
         std::vector<float> weights(s.pairs());
         std::vector<std::uint32_t> counts(s.experts);
-        device_buffer d_ids(ids.size() * 4);
-        device_buffer d_weights(weights.size() * 4);
-        device_buffer d_counts(counts.size() * 4);
-        d_ids.poison();
-        d_weights.poison();
-        d_counts.poison();
+        device_buffer d_ids(ids.size() * 4, poisoned);
+        device_buffer d_weights(weights.size() * 4, poisoned);
+        device_buffer d_counts(counts.size() * 4, poisoned);
         if (use_bf16) {
           router_top_k_bf16(bf16, s, g, ids, weights, counts);
           cuda::router_top_k_bf16_async(d_bf16.as<std::uint16_t>(), s, g, d_ids.as<std::int32_t>(),
@@ -98,12 +95,9 @@ TEST(RemapKernel, MatchesTheHostReference) {
 
     const device_buffer d_ids(ids);
     const device_buffer d_map(map);
-    device_buffer d_slots(slots.size() * 4);
-    device_buffer d_missing(missing.size());
-    device_buffer d_misses(4);
-    d_slots.poison();
-    d_missing.poison();
-    d_misses.poison();
+    device_buffer d_slots(slots.size() * 4, poisoned);
+    device_buffer d_missing(missing.size(), poisoned);
+    device_buffer d_misses(4, poisoned);
     cuda::remap_experts_async(d_ids.as<std::int32_t>(), static_cast<std::uint32_t>(ids.size()),
                               d_map.as<std::int32_t>(), experts, d_slots.as<std::int32_t>(),
                               d_missing.as<std::uint8_t>(), d_misses.as<std::uint32_t>(), nullptr);
@@ -133,14 +127,10 @@ TEST(GroupByExpertKernel, MatchesTheHostCountingSort) {
 
     const device_buffer d_ids(ids);
     const std::size_t workspace_bytes = cuda::group_by_expert_workspace_bytes(c.pairs, c.experts);
-    device_buffer d_workspace(workspace_bytes);
-    device_buffer d_offsets(offsets.size() * 4);
-    device_buffer d_order(order.size() * 4);
-    device_buffer d_position(position.size() * 4);
-    d_workspace.poison();
-    d_offsets.poison();
-    d_order.poison();
-    d_position.poison();
+    device_buffer d_workspace(workspace_bytes, poisoned);
+    device_buffer d_offsets(offsets.size() * 4, poisoned);
+    device_buffer d_order(order.size() * 4, poisoned);
+    device_buffer d_position(position.size() * 4, poisoned);
     cuda::group_by_expert_async(d_ids.as<std::int32_t>(), c.pairs, c.experts, d_workspace.as<void>(), workspace_bytes,
                                 d_offsets.as<std::uint32_t>(), d_order.as<std::uint32_t>(),
                                 d_position.as<std::uint32_t>(), nullptr);
@@ -198,11 +188,9 @@ std::vector<float> run_on_device(const ffn_case& c) {
   const device_buffer d_offsets(c.offsets);
   const device_buffer d_order(c.order);
   const device_buffer d_weights(c.gate_weights);
-  device_buffer d_out(c.x.size() * sizeof(float));
+  device_buffer d_out(c.x.size() * sizeof(float), poisoned);
   const std::size_t workspace_bytes = cuda::expert_ffn_workspace_bytes(c.tokens, c.top_k, c.shape);
-  device_buffer d_workspace(workspace_bytes);
-  d_out.poison();
-  d_workspace.poison();
+  device_buffer d_workspace(workspace_bytes, poisoned);
   const cuda::expert_ffn_problem problem{.x = d_x.as<float>(),
                                          .out = d_out.as<float>(),
                                          .offsets = d_offsets.as<std::uint32_t>(),
@@ -220,31 +208,12 @@ std::vector<float> run_on_device(const ffn_case& c) {
 
 TEST(ExpertFfnKernel, MatchesTheFp64ReferencePerPrecision) {
   if (!cuda::device_available()) GTEST_SKIP() << no_device_reason();
-  struct ffn_test {
-    const char* name;
-    expert_ffn_shape shape;
-    std::uint32_t tokens;
-    std::uint32_t top_k;
-    std::vector<precision> formats;
-    double tolerance;  // as the host test: fp32 rounding only, in a different summation order
-  };
-  using enum precision;
-  const std::vector<ffn_test> tests = {
-      {"bf16", {.hidden = 256, .intermediate = 128, .group_size = 64}, 100, 2, std::vector<precision>(8, bf16), 2e-5},
-      {"int4", {.hidden = 256, .intermediate = 128, .group_size = 64}, 100, 2, std::vector<precision>(8, int4), 4e-5},
-      {"mixed",
-       {.hidden = 200, .intermediate = 72, .group_size = 32},
-       57,
-       4,
-       {bf16, int4, int8, int4, fp16, int2, bf16, int4, int4, bf16, int4, bf16},
-       4e-5},
-      {"one token", {.hidden = 64, .intermediate = 32, .group_size = 32}, 1, 2, {int4, bf16, int4}, 4e-5},
-  };
   std::uint64_t seed = 600;
-  for (const ffn_test& t : tests) {
-    ffn_case c(t.shape, t.tokens, t.top_k, t.formats, ++seed);
-    const std::vector<double> want = c.reference();
-    EXPECT_LT(relative_error(run_on_device(c), want), t.tolerance) << t.name;
+  for (const ffn_test_case& t : ffn_test_cases()) {
+    ffn_case c(t.spec, ++seed);
+    const std::vector<float> out = run_on_device(c);
+    EXPECT_LT(relative_error(out, c.reference()), t.bounds.device_vs_stored) << t.spec.name;
+    EXPECT_LT(relative_error(out, c.reference(false)), t.bounds.vs_original) << t.spec.name;
   }
 }
 

@@ -16,20 +16,6 @@
 namespace expage::testing {
 namespace {
 
-// Against the fp64 reference of the stored weights, every precision differs only by fp32
-// rounding (accumulation over H and I terms, expf in SiLU; the int paths read exactly the q·s + z
-// the reference reads): measured 2–4e-7 of the output's scale. Against the fp64 reference of the
-// original weights, the difference is the format's own error: bf16 rounding, or int4's
-// quantization error (group 32; the 0.1% ×30 outlier weights widen their groups), measured as
-// the worst output error over the output's scale: 0.0038 (bf16), 0.22 (int4), 0.27 (mixed).
-struct precision_bounds {
-  double vs_stored;
-  double vs_original;
-};
-constexpr precision_bounds bf16_bounds{2e-6, 0.006};
-constexpr precision_bounds int4_bounds{2e-6, 0.3};
-constexpr precision_bounds mixed_bounds{2e-6, 0.4};  // an int2 expert included
-
 std::vector<float> run_host(ffn_case& c) {
   std::vector<float> out(c.x.size(), std::numeric_limits<float>::quiet_NaN());  // poison
   const std::vector<version_record> records = c.host_records();
@@ -38,51 +24,21 @@ std::vector<float> run_host(ffn_case& c) {
 }
 
 TEST(ExpertFfn, Fp32MatchesTheFp64ReferencePerPrecision) {
-  struct ffn_test {
-    const char* name;
-    expert_ffn_shape shape;
-    std::uint32_t tokens;
-    std::uint32_t top_k;
-    std::vector<precision> formats;
-    precision_bounds bounds;
-  };
-  using enum precision;
-  const std::vector<ffn_test> tests = {
-      {"bf16",
-       {.hidden = 128, .intermediate = 96, .group_size = 32},
-       40,
-       2,
-       {bf16, bf16, bf16, bf16, bf16, bf16},
-       bf16_bounds},
-      {"int4",
-       {.hidden = 128, .intermediate = 96, .group_size = 32},
-       40,
-       2,
-       {int4, int4, int4, int4, int4, int4},
-       int4_bounds},
-      // Mixed versions as DynaExq keeps them, with odd sizes: the last group of a row is short.
-      {"mixed",
-       {.hidden = 72, .intermediate = 40, .group_size = 32},
-       33,
-       3,
-       {bf16, int4, int8, int4, fp16, int2, bf16, int4},
-       mixed_bounds},
-  };
   std::uint64_t seed = 500;
-  for (const ffn_test& t : tests) {
-    ffn_case c(t.shape, t.tokens, t.top_k, t.formats, ++seed);
+  for (const ffn_test_case& t : ffn_test_cases()) {
+    ffn_case c(t.spec, ++seed);
     const std::vector<float> out = run_host(c);
     const double vs_stored = relative_error(out, c.reference());
     const double vs_original = relative_error(out, c.reference(false));
-    EXPECT_LT(vs_stored, t.bounds.vs_stored) << t.name;
-    EXPECT_LT(vs_original, t.bounds.vs_original) << t.name;
+    EXPECT_LT(vs_stored, t.bounds.host_vs_stored) << t.spec.name;
+    EXPECT_LT(vs_original, t.bounds.vs_original) << t.spec.name;
   }
 }
 
 TEST(ExpertFfn, GateIsTheFirstHalfOfGateUp) {
   // One expert, one token, H = I = 1, bf16: gate_up = (g, u), down = (d). Swapping the halves
   // changes silu(g·x)·u·x into silu(u·x)·g·x.
-  ffn_case c({.hidden = 1, .intermediate = 1, .group_size = 1}, 1, 1, {precision::bf16}, 510);
+  ffn_case c({"1 × 1", {.hidden = 1, .intermediate = 1, .group_size = 1}, 1, 1, {precision::bf16}}, 510);
   const auto set = [](ffn_tensor_bytes& t, std::size_t i, float v) {
     const std::uint16_t b = float_to_bf16(v);
     t.bytes[2 * i] = static_cast<std::byte>(b & 0xFFU);
@@ -102,7 +58,8 @@ TEST(ExpertFfn, GateIsTheFirstHalfOfGateUp) {
 }
 
 TEST(ExpertFfn, RejectsBadShapesSizesAndRecords) {
-  ffn_case c({.hidden = 16, .intermediate = 8, .group_size = 8}, 4, 2, {precision::bf16, precision::int4}, 520);
+  ffn_case c({"two", {.hidden = 16, .intermediate = 8, .group_size = 8}, 4, 2, {precision::bf16, precision::int4}},
+             520);
   std::vector<version_record> records = c.host_records();
   std::vector<float> out(c.x.size());
   const auto call = [&](const expert_ffn_shape& s) {
