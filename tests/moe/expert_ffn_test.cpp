@@ -5,6 +5,7 @@
 #include "expage/core/error.hpp"
 #include "expage/core/moe_geometry.hpp"
 #include "expage/core/precision.hpp"
+#include "expage/format/group_quant.hpp"
 #include "expage/residency/version_record.hpp"
 
 #include <gtest/gtest.h>
@@ -82,6 +83,30 @@ TEST(ExpertFfn, RejectsBadShapesSizesAndRecords) {
   records = c.host_records();
   c.offsets[1] = c.offsets[2] + 1;  // decreasing
   EXPECT_THROW(call(c.shape), invalid_argument);
+}
+
+TEST(PackedVersionRecord, PointsIntoEachTensorAndSizesItAsTheGeometry) {
+  const moe_geometry g = moe_geometry::qwen3_30b_a3b();
+  const expert_ffn_shape shape = expert_ffn_shape::of(g);
+  std::byte gate_up[1];
+  std::byte down[1];
+  for (const precision p : {precision::bf16, precision::fp16, precision::int8, precision::int4, precision::int2}) {
+    const version_record r = packed_version_record(p, gate_up, down, shape);
+    EXPECT_EQ(r.format, p);
+    EXPECT_EQ(r.bytes, g.expert_bytes(p)) << to_string(p);
+    EXPECT_EQ(r.tensor(expert_tensor::gate_up), gate_up);
+    EXPECT_EQ(r.tensor(expert_tensor::down), down);
+    if (p == precision::bf16 || p == precision::fp16) {
+      EXPECT_EQ(r.scale(expert_tensor::down), nullptr);
+      continue;
+    }
+    const group_quant_layout layout(p, g.shape(expert_tensor::down), g.group_size());
+    EXPECT_EQ(r.scale(expert_tensor::down), down + layout.scales_at());
+    EXPECT_EQ(r.zero(expert_tensor::down), down + layout.zeros_at());
+  }
+  EXPECT_THROW((void)packed_version_record(precision::fp8, gate_up, down, shape), invalid_argument);
+  EXPECT_THROW((void)packed_version_record(precision::int4, gate_up, down, {.hidden = 0, .intermediate = 1}),
+               invalid_argument);
 }
 
 }  // namespace
