@@ -90,6 +90,9 @@ std::uint32_t remap_experts(std::span<const std::int32_t> topk_ids, std::span<co
     throw invalid_argument(
         fmt::format("remap_experts: expert_map has {} entries, out of range [1, {}]", expert_map.size(), max_experts));
   }
+  if (topk_ids.size() >= max_pairs) {
+    throw invalid_argument(fmt::format("remap_experts: {} pairs out of range [0, {})", topk_ids.size(), max_pairs));
+  }
   check_size("remap_experts", "slots", slots.size(), topk_ids.size());
   check_size("remap_experts", "missing_experts", missing_experts.size(), expert_map.size());
   const auto experts = static_cast<std::uint32_t>(expert_map.size());

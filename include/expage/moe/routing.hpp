@@ -78,8 +78,9 @@ void router_top_k_bf16(std::span<const std::uint16_t> logits, router_shape shape
 /// std::uint32_t misses = expage::remap_experts(ids, cache.expert_map(layer), slots, missing);
 /// if (misses != 0) load_or_fall_back(missing);
 /// @endcode
-/// @throws expage::invalid_argument when @p expert_map is empty or longer than 65536 entries, or
-/// @p slots / @p missing_experts do not have topk_ids.size() / expert_map.size() entries.
+/// @throws expage::invalid_argument when @p expert_map is empty or longer than 65536 entries,
+/// there are 2^31 pairs or more, or @p slots / @p missing_experts do not have topk_ids.size() /
+/// expert_map.size() entries.
 [[nodiscard]] std::uint32_t remap_experts(std::span<const std::int32_t> topk_ids,
                                           std::span<const std::int32_t> expert_map, std::span<std::int32_t> slots,
                                           std::span<std::uint8_t> missing_experts);
