@@ -3,6 +3,12 @@
 // through SkipWithError on a machine without one, so the smoke run passes there).
 //
 //   BM_Bf16_DecodeKernel, BM_Dequant_Kernel/<bits>   vs  BM_Baseline_DeviceMemcpy
+//   BM_Router_TopKKernel/<experts>, BM_Remap_Kernel, BM_GroupByExpert_Kernel, BM_ExpertFfn_Kernel/<bits>
+//
+// The routing kernels run 16384 tokens (top-8 of 128 experts, as Qwen3-30B-A3B, or top-2 of 8,
+// as Mixtral) and count tokens/s (items) and the bytes they read and write; the expert FFN runs
+// 256 tokens top-8 over 128 Qwen3-30B-A3B experts (hidden 2048, FFN 768) in bf16 (bits = 16) or
+// int4 group 128 and counts the weight bytes of the experts it reads.
 //
 // Rates count output bytes (2 per bf16 weight); the memcpy baseline also reads as many, so the
 // ratio to it is the fraction of the copy rate a kernel reaches. Timing: CUDA events around
@@ -10,11 +16,17 @@
 #include "expage/core/precision.hpp"
 #include "expage/cuda/bf16_decode.hpp"
 #include "expage/cuda/dequant.hpp"
+#include "expage/cuda/expert_ffn.hpp"
+#include "expage/cuda/moe_routing.hpp"
 #include "expage/cuda/runtime.hpp"
 #include "expage/format/bf16_codec.hpp"
 #include "expage/format/float16.hpp"
 #include "expage/format/group_quant.hpp"
+#include "expage/moe/expert_ffn.hpp"
+#include "expage/moe/routing.hpp"
+#include "expage/residency/version_record.hpp"
 
+#include "moe_layer.hpp"
 #include "weights.hpp"
 
 #include <benchmark/benchmark.h>
@@ -23,6 +35,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -52,8 +65,9 @@ struct device_bytes {
   ~device_bytes() { (void)cudaFree(p); }
 };
 
-// Times `launches_per_iteration` calls of @p launch with CUDA events; output bytes per call.
-void time_launches(benchmark::State& state, const std::function<void()>& launch) {
+// Times `launches_per_iteration` calls of @p launch with CUDA events; @p bytes per call (by
+// default the 2-byte output of every weight).
+void time_launches(benchmark::State& state, const std::function<void()>& launch, std::uint64_t bytes = weights * 2) {
   cudaEvent_t start = nullptr;
   cudaEvent_t stop = nullptr;
   EXPAGE_CUDA_CHECK(cudaEventCreate(&start));
@@ -71,7 +85,7 @@ void time_launches(benchmark::State& state, const std::function<void()>& launch)
   }
   (void)cudaEventDestroy(start);
   (void)cudaEventDestroy(stop);
-  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(weights * 2));
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
 }
 
 void BM_Baseline_DeviceMemcpy(benchmark::State& state) {
@@ -116,6 +130,126 @@ void BM_Dequant_Kernel(benchmark::State& state) {
   });
 }
 BENCHMARK(BM_Dequant_Kernel)->ArgName("bits")->Arg(8)->Arg(4)->Arg(2)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+constexpr std::uint32_t routed_tokens = 16384;
+
+expage::router_shape routing_of(const benchmark::State& state) {
+  const auto experts = static_cast<std::uint32_t>(state.range(0));
+  return {.tokens = routed_tokens, .experts = experts, .top_k = experts >= 128 ? 8U : 2U};
+}
+
+// Device copies of a host vector.
+template <class T>
+std::unique_ptr<device_bytes> upload(const std::vector<T>& host) {
+  auto d = std::make_unique<device_bytes>(host.size() * sizeof(T));
+  EXPAGE_CUDA_CHECK(cudaMemcpy(d->p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+void BM_Router_TopKKernel(benchmark::State& state) {
+  if (skip_without_device(state)) return;
+  const expage::router_shape r = routing_of(state);
+  const auto d_logits = upload(expage::bench::router_logits(std::size_t{r.tokens} * r.experts));
+  device_bytes d_ids(r.pairs() * 4);
+  device_bytes d_weights(r.pairs() * 4);
+  device_bytes d_counts(std::size_t{r.experts} * 4);
+  time_launches(
+      state,
+      [&] {
+        expage::cuda::router_top_k_async(static_cast<const float*>(d_logits->p), r,
+                                         expage::router_gating::softmax_renormalized,
+                                         static_cast<std::int32_t*>(d_ids.p), static_cast<float*>(d_weights.p),
+                                         static_cast<std::uint32_t*>(d_counts.p), nullptr);
+      },
+      std::uint64_t{r.tokens} * r.experts * 4 + r.pairs() * 8);
+  state.SetItemsProcessed(state.iterations() * routed_tokens);
+}
+BENCHMARK(BM_Router_TopKKernel)->ArgName("experts")->Arg(8)->Arg(128)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+// The routed ids of 16384 tokens (top-8 of 128) on the device, and the host copy with its map.
+struct device_routed_ids {
+  expage::bench::routed_ids host{routed_tokens};
+  std::unique_ptr<device_bytes> ids = upload(host.ids);
+  std::uint32_t pairs = static_cast<std::uint32_t>(host.ids.size());
+  [[nodiscard]] const std::int32_t* device_ids() const { return static_cast<const std::int32_t*>(ids->p); }
+};
+
+void BM_Remap_Kernel(benchmark::State& state) {
+  if (skip_without_device(state)) return;
+  const device_routed_ids r;
+  const auto d_map = upload(r.host.map);
+  device_bytes d_slots(std::size_t{r.pairs} * 4);
+  device_bytes d_missing(r.host.map.size());
+  device_bytes d_count(4);
+  time_launches(
+      state,
+      [&] {
+        expage::cuda::remap_experts_async(r.device_ids(), r.pairs, static_cast<const std::int32_t*>(d_map->p), 128,
+                                          static_cast<std::int32_t*>(d_slots.p),
+                                          static_cast<std::uint8_t*>(d_missing.p),
+                                          static_cast<std::uint32_t*>(d_count.p), nullptr);
+      },
+      std::uint64_t{r.pairs} * 8);
+  state.SetItemsProcessed(state.iterations() * routed_tokens);
+}
+BENCHMARK(BM_Remap_Kernel)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_GroupByExpert_Kernel(benchmark::State& state) {
+  if (skip_without_device(state)) return;
+  const device_routed_ids r;
+  const std::size_t workspace_bytes = expage::cuda::group_by_expert_workspace_bytes(r.pairs, 128);
+  device_bytes d_workspace(workspace_bytes);
+  device_bytes d_offsets(129 * 4);
+  device_bytes d_order(std::size_t{r.pairs} * 8);  // order, then position
+  auto* order = static_cast<std::uint32_t*>(d_order.p);
+  time_launches(
+      state,
+      [&] {
+        expage::cuda::group_by_expert_async(r.device_ids(), r.pairs, 128, d_workspace.p, workspace_bytes,
+                                            static_cast<std::uint32_t*>(d_offsets.p), order, order + r.pairs, nullptr);
+      },
+      std::uint64_t{r.pairs} * 12);
+  state.SetItemsProcessed(state.iterations() * routed_tokens);
+}
+BENCHMARK(BM_GroupByExpert_Kernel)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_ExpertFfn_Kernel(benchmark::State& state) {
+  if (skip_without_device(state)) return;
+  constexpr expage::expert_ffn_shape shape{.hidden = 2048, .intermediate = 768, .group_size = 128};
+  constexpr expage::router_shape routing{.tokens = 256, .experts = 128, .top_k = 8};
+  const expage::bench::moe_layer layer(shape, routing,
+                                       state.range(0) == 16 ? expage::precision::bf16 : expage::precision::int4);
+  std::vector<std::unique_ptr<device_bytes>> tensors;
+  std::vector<std::byte*> gate_up;
+  std::vector<std::byte*> down;
+  for (std::uint32_t e = 0; e < routing.experts; ++e) {
+    gate_up.push_back(static_cast<std::byte*>(tensors.emplace_back(upload(layer.gate_up[e]))->p));
+    down.push_back(static_cast<std::byte*>(tensors.emplace_back(upload(layer.down[e]))->p));
+  }
+  const auto d_records = upload(layer.records(gate_up, down));
+  const auto d_x = upload(layer.x);
+  const auto d_offsets = upload(layer.offsets);
+  const auto d_order = upload(layer.order);
+  const auto d_weights = upload(layer.gate_weights);
+  device_bytes d_out(layer.x.size() * 4);
+  const std::size_t workspace_bytes = expage::cuda::expert_ffn_workspace_bytes(routing.tokens, routing.top_k, shape);
+  device_bytes d_workspace(workspace_bytes);
+  const expage::cuda::expert_ffn_problem problem{.x = static_cast<const float*>(d_x->p),
+                                                 .out = static_cast<float*>(d_out.p),
+                                                 .offsets = static_cast<const std::uint32_t*>(d_offsets->p),
+                                                 .order = static_cast<const std::uint32_t*>(d_order->p),
+                                                 .topk_weights = static_cast<const float*>(d_weights->p),
+                                                 .records = static_cast<const expage::version_record*>(d_records->p),
+                                                 .tokens = routing.tokens,
+                                                 .top_k = routing.top_k,
+                                                 .experts = routing.experts,
+                                                 .shape = shape};
+  time_launches(
+      state, [&] { expage::cuda::expert_ffn_async(problem, d_workspace.p, workspace_bytes, nullptr); },
+      layer.active_weight_bytes());
+  state.SetItemsProcessed(state.iterations() * routing.tokens);
+}
+BENCHMARK(BM_ExpertFfn_Kernel)->ArgName("bits")->Arg(16)->Arg(4)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 

@@ -34,6 +34,8 @@
 #include "expage/memory/budget_tracker.hpp"
 #include "expage/memory/host_memory.hpp"
 #include "expage/memory/physical_memory.hpp"
+#include "expage/moe/expert_ffn.hpp"
+#include "expage/moe/routing.hpp"
 #include "expage/residency/completion.hpp"
 #include "expage/residency/epoch_domain.hpp"
 #include "expage/residency/handle_table.hpp"

@@ -1,6 +1,7 @@
 // The CUDA bf16 decoder and dequantizer against their host references (skipped without a
 // device), plus the host-side checks their launchers make before touching a device.
 #include "common/weights.hpp"
+#include "cuda/device_buffer.hpp"
 #include "cuda/device_pattern.hpp"
 
 #include "expage/core/error.hpp"
@@ -20,28 +21,6 @@
 
 namespace expage::testing {
 namespace {
-
-// Device memory for one test, poisoned on request so a kernel that skips a value is caught.
-class device_buffer {
- public:
-  explicit device_buffer(std::size_t bytes) : bytes_(bytes) {
-    EXPAGE_CUDA_CHECK(cudaMalloc(&p_, bytes == 0 ? 1 : bytes));
-  }
-  device_buffer(const device_buffer&) = delete;
-  device_buffer& operator=(const device_buffer&) = delete;
-  ~device_buffer() { (void)cudaFree(p_); }
-  template <class T>
-  [[nodiscard]] T* as() const noexcept {
-    return static_cast<T*>(p_);
-  }
-  void upload(const void* host) { EXPAGE_CUDA_CHECK(cudaMemcpy(p_, host, bytes_, cudaMemcpyHostToDevice)); }
-  void download(void* host) const { EXPAGE_CUDA_CHECK(cudaMemcpy(host, p_, bytes_, cudaMemcpyDeviceToHost)); }
-  void poison() { EXPAGE_CUDA_CHECK(cudaMemset(p_, 0xA5, bytes_)); }
-
- private:
-  void* p_ = nullptr;
-  std::size_t bytes_;
-};
 
 std::vector<std::uint16_t> decode_on_device(const std::vector<std::byte>& blob) {
   const cuda::bf16_decode_plan plan(blob);

@@ -1,0 +1,81 @@
+/// @file
+/// @brief The reference mixed-precision SwiGLU expert FFN over tokens grouped by expert (host,
+/// fp32), each expert read through its version_record in its own precision. The CUDA kernel
+/// is expage/cuda/expert_ffn.hpp.
+///
+/// For every pair p = token·top_k + k grouped under expert e (expage::group_by_expert()):
+/// h = W_gate_up · x_token (W_gate_up: [2·I, H], **rows [0, I) are the gate projection, rows
+/// [I, 2·I) the up projection**, as HF's `w1`/`w3` or vLLM's `w13` stacked gate first),
+/// a = silu(h[0, I)) ⊙ h[I, 2·I), y = W_down · a (W_down: [H, I]), and
+/// out[token] += topk_weights[p] · y. Weights are read in the version's precision: bf16 or fp16
+/// values widened exactly, int8/int4/int2 codes dequantized on the fly to q·s + z (the layout of
+/// expage/format/group_quant.hpp, groups along each row's input dimension). Activations,
+/// accumulation and output are fp32: the sum over a token's k experts stays in fp32 and an
+/// engine rounds `out` to bf16 once, after the layer.
+#pragma once
+
+#include "expage/core/moe_geometry.hpp"
+#include "expage/core/precision.hpp"
+#include "expage/residency/version_record.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+namespace expage {
+
+/// @brief The dimensions of the experts one expert_ffn() call runs.
+struct expert_ffn_shape {
+  std::uint64_t hidden = 0;        ///< H: model width, in [1, 2^20].
+  std::uint64_t intermediate = 0;  ///< I: expert FFN width, in [1, 2^20].
+  std::uint32_t group_size = 128;  ///< Quantization group of integer versions, in [1, 2^20].
+  /// The routed experts' shape of @p g.
+  [[nodiscard]] static expert_ffn_shape of(const moe_geometry& g) noexcept {
+    return {.hidden = g.hidden_size(), .intermediate = g.intermediate_size(), .group_size = g.group_size()};
+  }
+  /// @throws expage::invalid_argument naming the first dimension out of its range.
+  void validate() const;
+};
+
+/// The raw version_record of an expert whose tensors are stored at @p gate_up and @p down, each
+/// in @p format's byte layout: 16-bit values for bf16 and fp16, or the group_quant layout
+/// (codes, then fp16 scales, then fp16 zeros; expage/format/group_quant.hpp) with
+/// shape.group_size for int8, int4 and int2, whose scales and zeros then point into each tensor.
+/// Sets data, scales, zeros, format and bytes (both tensors); the handle table sets the rest.
+///
+/// @code
+/// std::vector<std::byte> gu = expage::quantize_groups(w_gate_up, gate_up_layout);   // int4
+/// std::vector<std::byte> dn = expage::quantize_groups(w_down, down_layout);
+/// expage::version_record r = expage::packed_version_record(expage::precision::int4, gu.data(), dn.data(), shape);
+/// @endcode
+/// @throws expage::invalid_argument when @p format is fp8 or @p shape is out of range.
+[[nodiscard]] version_record packed_version_record(precision format, std::byte* gate_up, std::byte* down,
+                                                   const expert_ffn_shape& shape);
+
+/// Runs every expert over its group of tokens and writes the gated sum per token:
+/// `out[t] = Σ_k topk_weights[t·top_k + k] · FFN_{expert(t, k)}(x[t])` (see the file comment).
+///
+/// - @p x: [tokens × H] fp32 activations, row-major (tokens = x.size() / H).
+/// - @p offsets, @p order: expage::group_by_expert() of the pairs' expert ids with
+///   records.size() experts; pairs past offsets[experts] (ids out of range) contribute nothing.
+/// - @p topk_weights: [tokens × top_k] gating weights, indexed by pair.
+/// - @p records: one version_record per expert of the layer (the handle table's mirror); only
+///   experts with pairs are read. Each must be raw (not compressed) bf16, fp16, int8, int4 or
+///   int2 with non-null data (and scales and zeros for integer formats); pointers are host pointers.
+/// - @p out: [tokens × H] fp32, overwritten (tokens without a valid pair get 0).
+///
+/// Work: per expert, each weight row is read (and dequantized) once for all its tokens, so a
+/// call costs O(Σ_e 3·H·I·(1 + n_e)) flops. Single-threaded.
+///
+/// @code
+/// expage::group_by_expert(ids, experts, offsets, order, position);
+/// expage::expert_ffn(x, top_k, offsets, order, weights, table_mirror, expage::expert_ffn_shape::of(geometry), out);
+/// @endcode
+/// @throws expage::invalid_argument when a dimension is out of range, a span's size does not
+/// match, offsets are not non-decreasing up to at most the pair count, an order entry is not a
+/// pair, or a record that has pairs is in an unsupported format or encoding or lacks a pointer.
+void expert_ffn(std::span<const float> x, std::uint32_t top_k, std::span<const std::uint32_t> offsets,
+                std::span<const std::uint32_t> order, std::span<const float> topk_weights,
+                std::span<const version_record> records, const expert_ffn_shape& shape, std::span<float> out);
+
+}  // namespace expage

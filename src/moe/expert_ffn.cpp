@@ -1,0 +1,170 @@
+#include "expage/moe/expert_ffn.hpp"
+
+#include "expage/core/error.hpp"
+#include "expage/core/precision.hpp"
+#include "expage/format/group_quant.hpp"
+#include "expage/moe/detail/ffn_element.hpp"
+#include "expage/residency/version_record.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace expage {
+
+static_assert(detail::ffn_bf16 == static_cast<std::uint8_t>(precision::bf16) &&
+                  detail::ffn_fp16 == static_cast<std::uint8_t>(precision::fp16) &&
+                  detail::ffn_int8 == static_cast<std::uint8_t>(precision::int8) &&
+                  detail::ffn_int4 == static_cast<std::uint8_t>(precision::int4) &&
+                  detail::ffn_int2 == static_cast<std::uint8_t>(precision::int2),
+              "ffn_element.hpp mirrors expage::precision");
+
+namespace {
+
+constexpr std::uint64_t max_dimension = std::uint64_t{1} << 20U;
+
+detail::ffn_tensor tensor_of(const version_record& r, expert_tensor t, tensor_shape shape, std::uint32_t group_size) {
+  return {.data = reinterpret_cast<const std::uint8_t*>(r.tensor(t)),
+          .scales = reinterpret_cast<const std::uint8_t*>(r.scale(t)),
+          .zeros = reinterpret_cast<const std::uint8_t*>(r.zero(t)),
+          .cols = shape.cols,
+          .groups_per_row = (shape.cols + group_size - 1) / group_size,
+          .group_size = group_size,
+          .format = static_cast<std::uint8_t>(r.format)};
+}
+
+void check_record(const version_record& r, std::size_t expert) {
+  if (r.encoding != version_encoding::raw || !detail::ffn_format_supported(static_cast<std::uint8_t>(r.format))) {
+    throw invalid_argument(
+        fmt::format("expert_ffn: expert {} is a {} {} version; the FFN reads raw bf16, fp16, int8, "
+                    "int4 or int2",
+                    expert, r.encoding, r.format));
+  }
+  const bool integer = r.format != precision::bf16 && r.format != precision::fp16;
+  for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+    if (r.tensor(t) == nullptr || (integer && (r.scale(t) == nullptr || r.zero(t) == nullptr))) {
+      throw invalid_argument(fmt::format("expert_ffn: expert {} ({}) lacks the data, scales or zeros of {}", expert,
+                                         r.format, to_string(t)));
+    }
+  }
+}
+
+float dot(const float* a, const float* b, std::uint64_t n) noexcept {
+  float sum = 0.0F;
+  for (std::uint64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+}  // namespace
+
+void expert_ffn_shape::validate() const {
+  if (hidden < 1 || hidden > max_dimension) {
+    throw invalid_argument(fmt::format("expert_ffn: hidden {} out of range [1, {}]", hidden, max_dimension));
+  }
+  if (intermediate < 1 || intermediate > max_dimension) {
+    throw invalid_argument(
+        fmt::format("expert_ffn: intermediate {} out of range [1, {}]", intermediate, max_dimension));
+  }
+  if (group_size < 1 || group_size > max_dimension) {
+    throw invalid_argument(fmt::format("expert_ffn: group_size {} out of range [1, {}]", group_size, max_dimension));
+  }
+}
+
+version_record packed_version_record(precision format, std::byte* gate_up, std::byte* down,
+                                     const expert_ffn_shape& shape) {
+  shape.validate();
+  if (format == precision::fp8) {
+    throw invalid_argument(
+        "packed_version_record: fp8 has no packed layout the FFN reads (bf16, fp16, int8, int4, int2)");
+  }
+  version_record r;
+  r.format = format;
+  const tensor_shape shapes[] = {{.rows = 2 * shape.intermediate, .cols = shape.hidden},
+                                 {.rows = shape.hidden, .cols = shape.intermediate}};
+  std::byte* const at[] = {gate_up, down};
+  for (std::size_t t = 0; t < expert_tensor_count; ++t) {
+    r.data[t] = at[t];
+    if (format == precision::bf16 || format == precision::fp16) {
+      r.bytes += shapes[t].elements() * 2;
+      continue;
+    }
+    const group_quant_layout layout(format, shapes[t], shape.group_size);
+    r.scales[t] = at[t] + layout.scales_at();
+    r.zeros[t] = at[t] + layout.zeros_at();
+    r.bytes += layout.total_bytes();
+  }
+  return r;
+}
+
+void expert_ffn(std::span<const float> x, std::uint32_t top_k, std::span<const std::uint32_t> offsets,
+                std::span<const std::uint32_t> order, std::span<const float> topk_weights,
+                std::span<const version_record> records, const expert_ffn_shape& shape, std::span<float> out) {
+  shape.validate();
+  const std::uint64_t h_dim = shape.hidden;
+  const std::uint64_t i_dim = shape.intermediate;
+  if (x.size() % h_dim != 0 || out.size() != x.size()) {
+    throw invalid_argument(fmt::format("expert_ffn: x has {} and out {} values; both must be tokens × hidden ({})",
+                                       x.size(), out.size(), h_dim));
+  }
+  const std::uint64_t pairs = x.size() / h_dim * top_k;
+  if (top_k < 1 || order.size() != pairs || topk_weights.size() != pairs) {
+    throw invalid_argument(
+        fmt::format("expert_ffn: top_k {} (≥ 1), order {} and topk_weights {} entries; expected "
+                    "{} pairs",
+                    top_k, order.size(), topk_weights.size(), pairs));
+  }
+  if (records.empty() || offsets.size() != records.size() + 1) {
+    throw invalid_argument(fmt::format("expert_ffn: {} records and {} offsets; expected experts ≥ 1 and experts + 1",
+                                       records.size(), offsets.size()));
+  }
+  for (std::size_t e = 0; e < records.size(); ++e) {
+    if (offsets[e] > offsets[e + 1] || offsets[e + 1] > pairs) {
+      throw invalid_argument(fmt::format("expert_ffn: offsets[{}..{}] = [{}, {}] not non-decreasing within [0, {}]", e,
+                                         e + 1, offsets[e], offsets[e + 1], pairs));
+    }
+    if (offsets[e] != offsets[e + 1]) check_record(records[e], e);
+  }
+  for (std::size_t i = 0; i < offsets.back(); ++i) {
+    if (order[i] >= pairs) {
+      throw invalid_argument(fmt::format("expert_ffn: order[{}] = {} out of range [0, {})", i, order[i], pairs));
+    }
+  }
+
+  std::fill(out.begin(), out.end(), 0.0F);
+  std::vector<float> row(std::max(h_dim, i_dim));
+  std::vector<float> gate_up;
+  for (std::size_t e = 0; e < records.size(); ++e) {
+    const std::uint32_t first = offsets[e];
+    const std::size_t n = offsets[e + 1] - first;
+    if (n == 0) continue;
+    const detail::ffn_tensor w_gate_up =
+        tensor_of(records[e], expert_tensor::gate_up, {.rows = 2 * i_dim, .cols = h_dim}, shape.group_size);
+    const detail::ffn_tensor w_down =
+        tensor_of(records[e], expert_tensor::down, {.rows = h_dim, .cols = i_dim}, shape.group_size);
+    const auto token_x = [&](std::size_t j) { return x.data() + std::size_t{order[first + j] / top_k} * h_dim; };
+    // Each weight row is dequantized once and applied to all n tokens of the expert.
+    gate_up.assign(n * 2 * i_dim, 0.0F);
+    for (std::uint64_t r = 0; r < 2 * i_dim; ++r) {
+      for (std::uint64_t c = 0; c < h_dim; ++c) row[c] = detail::ffn_weight(w_gate_up, r, c);
+      for (std::size_t j = 0; j < n; ++j) gate_up[j * 2 * i_dim + r] = dot(row.data(), token_x(j), h_dim);
+    }
+    for (std::size_t j = 0; j < n; ++j) {  // a = silu(gate) ⊙ up, in place over the gate half
+      float* hj = gate_up.data() + j * 2 * i_dim;
+      for (std::uint64_t i = 0; i < i_dim; ++i) hj[i] = detail::silu(hj[i]) * hj[i_dim + i];
+    }
+    for (std::uint64_t r = 0; r < h_dim; ++r) {
+      for (std::uint64_t c = 0; c < i_dim; ++c) row[c] = detail::ffn_weight(w_down, r, c);
+      for (std::size_t j = 0; j < n; ++j) {
+        const std::uint32_t pair = order[first + j];
+        out[std::size_t{pair / top_k} * h_dim + r] +=
+            topk_weights[pair] * dot(row.data(), gate_up.data() + j * 2 * i_dim, i_dim);
+      }
+    }
+  }
+}
+
+}  // namespace expage

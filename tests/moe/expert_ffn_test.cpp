@@ -1,0 +1,113 @@
+#include "expage/moe/expert_ffn.hpp"
+
+#include "common/expert_ffn_case.hpp"
+
+#include "expage/core/error.hpp"
+#include "expage/core/moe_geometry.hpp"
+#include "expage/core/precision.hpp"
+#include "expage/format/group_quant.hpp"
+#include "expage/residency/version_record.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace expage::testing {
+namespace {
+
+std::vector<float> run_host(ffn_case& c) {
+  std::vector<float> out(c.x.size(), std::numeric_limits<float>::quiet_NaN());  // poison
+  const std::vector<version_record> records = c.host_records();
+  expert_ffn(c.x, c.top_k, c.offsets, c.order, c.gate_weights, records, c.shape, out);
+  return out;
+}
+
+TEST(ExpertFfn, Fp32MatchesTheFp64ReferencePerPrecision) {
+  std::uint64_t seed = 500;
+  for (const ffn_test_case& t : ffn_test_cases()) {
+    ffn_case c(t.spec, ++seed);
+    const std::vector<float> out = run_host(c);
+    const double vs_stored = relative_error(out, c.reference());
+    const double vs_original = relative_error(out, c.reference(false));
+    EXPECT_LT(vs_stored, t.bounds.host_vs_stored) << t.spec.name;
+    EXPECT_LT(vs_original, t.bounds.vs_original) << t.spec.name;
+  }
+}
+
+TEST(ExpertFfn, GateIsTheFirstHalfOfGateUp) {
+  // One expert, one token, H = I = 1, bf16: gate_up = (g, u), down = (d). Swapping the halves
+  // changes silu(g·x)·u·x into silu(u·x)·g·x.
+  ffn_case c({"1 × 1", {.hidden = 1, .intermediate = 1, .group_size = 1}, 1, 1, {precision::bf16}}, 510);
+  const auto set = [](ffn_tensor_bytes& t, std::size_t i, float v) {
+    const std::uint16_t b = float_to_bf16(v);
+    t.bytes[2 * i] = static_cast<std::byte>(b & 0xFFU);
+    t.bytes[2 * i + 1] = static_cast<std::byte>(b >> 8U);
+  };
+  set(c.gate_up[0], 0, 2.0F);   // gate
+  set(c.gate_up[0], 1, -0.5F);  // up
+  set(c.down[0], 0, 3.0F);
+  c.x = {1.5F};
+  c.ids = {0};
+  c.gate_weights = {0.25F};
+  c.offsets = {0, 1};
+  c.order = {0};
+  const std::vector<float> out = run_host(c);
+  const double g = 3.0;  // 2 · 1.5
+  EXPECT_NEAR(out[0], 0.25 * 3.0 * (g / (1.0 + std::exp(-g))) * (-0.75), 1e-6);
+}
+
+TEST(ExpertFfn, RejectsBadShapesSizesAndRecords) {
+  ffn_case c({"two", {.hidden = 16, .intermediate = 8, .group_size = 8}, 4, 2, {precision::bf16, precision::int4}},
+             520);
+  std::vector<version_record> records = c.host_records();
+  std::vector<float> out(c.x.size());
+  const auto call = [&](const expert_ffn_shape& s) {
+    expert_ffn(c.x, c.top_k, c.offsets, c.order, c.gate_weights, records, s, out);
+  };
+  EXPECT_NO_THROW(call(c.shape));
+  EXPECT_THROW(call({.hidden = 0, .intermediate = 8, .group_size = 8}), invalid_argument);
+  EXPECT_THROW(call({.hidden = 16, .intermediate = 1U << 21U, .group_size = 8}), invalid_argument);
+  EXPECT_THROW(call({.hidden = 16, .intermediate = 8, .group_size = 0}), invalid_argument);
+  EXPECT_THROW(call({.hidden = 3, .intermediate = 8, .group_size = 8}), invalid_argument);  // 64 values ∤ 3
+  EXPECT_THROW(expert_ffn(c.x, 3, c.offsets, c.order, c.gate_weights, records, c.shape, out), invalid_argument);
+  records[1].format = precision::fp8;
+  EXPECT_THROW(call(c.shape), invalid_argument);
+  records = c.host_records();
+  records[1].encoding = version_encoding::compressed;
+  EXPECT_THROW(call(c.shape), invalid_argument);
+  records = c.host_records();
+  records[1].zeros[1] = nullptr;
+  EXPECT_THROW(call(c.shape), invalid_argument);
+  records = c.host_records();
+  c.offsets[1] = c.offsets[2] + 1;  // decreasing
+  EXPECT_THROW(call(c.shape), invalid_argument);
+}
+
+TEST(PackedVersionRecord, PointsIntoEachTensorAndSizesItAsTheGeometry) {
+  const moe_geometry g = moe_geometry::qwen3_30b_a3b();
+  const expert_ffn_shape shape = expert_ffn_shape::of(g);
+  std::byte gate_up[1];
+  std::byte down[1];
+  for (const precision p : {precision::bf16, precision::fp16, precision::int8, precision::int4, precision::int2}) {
+    const version_record r = packed_version_record(p, gate_up, down, shape);
+    EXPECT_EQ(r.format, p);
+    EXPECT_EQ(r.bytes, g.expert_bytes(p)) << to_string(p);
+    EXPECT_EQ(r.tensor(expert_tensor::gate_up), gate_up);
+    EXPECT_EQ(r.tensor(expert_tensor::down), down);
+    if (p == precision::bf16 || p == precision::fp16) {
+      EXPECT_EQ(r.scale(expert_tensor::down), nullptr);
+      continue;
+    }
+    const group_quant_layout layout(p, g.shape(expert_tensor::down), g.group_size());
+    EXPECT_EQ(r.scale(expert_tensor::down), down + layout.scales_at());
+    EXPECT_EQ(r.zero(expert_tensor::down), down + layout.zeros_at());
+  }
+  EXPECT_THROW((void)packed_version_record(precision::fp8, gate_up, down, shape), invalid_argument);
+  EXPECT_THROW((void)packed_version_record(precision::int4, gate_up, down, {.hidden = 0, .intermediate = 1}),
+               invalid_argument);
+}
+
+}  // namespace
+}  // namespace expage::testing
