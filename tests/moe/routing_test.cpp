@@ -50,7 +50,7 @@ selection reference_top_k(const std::vector<float>& logits, router_shape s, rout
     std::vector<std::uint32_t> ids(s.experts);
     std::iota(ids.begin(), ids.end(), 0U);
     std::stable_sort(ids.begin(), ids.end(), [&](std::uint32_t a, std::uint32_t b) { return l[a] > l[b]; });
-    const double max = l[ids[0]];
+    const double max = l.at(ids.at(0));  // at(): GCC -O3 cannot see that experts ≥ 1 (-Wnull-dereference)
     double all = 0;
     double chosen = 0;
     for (std::size_t e = 0; e < s.experts; ++e) all += std::exp(l[e] - max);
