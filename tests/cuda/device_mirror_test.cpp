@@ -45,8 +45,8 @@ TEST(DeviceMirror, FollowsEveryPublishInComputeStreamOrder) {
     }
     compute.synchronize();
     std::vector<version_record> device(g.expert_count());
-    EXPAGE_CUDA_CHECK(cudaMemcpy(device.data(), mirror.records(), device.size() * sizeof(version_record),
-                                 cudaMemcpyDeviceToHost));
+    EXPAGE_CUDA_CHECK(
+        cudaMemcpy(device.data(), mirror.records(), device.size() * sizeof(version_record), cudaMemcpyDeviceToHost));
     const auto host = table.mirror();
     for (std::size_t i = 0; i < device.size(); ++i) {
       EXPECT_EQ(std::memcmp(&device[i], &host[i], sizeof(version_record)), 0) << "expert " << i << ", round " << round;
