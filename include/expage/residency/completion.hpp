@@ -90,8 +90,10 @@ class any_completion {
   any_completion() noexcept = default;
   /// Holds @p c.
   /// @throws std::bad_alloc when the holder cannot be allocated.
-  template <completion C>
-  requires(!std::same_as<std::remove_cvref_t<C>, any_completion>)
+  // The self-exclusion comes first: checking completion<any_completion> through this very
+  // constructor would recurse (Clang rejects it).
+  template <class C>
+  requires(!std::same_as<std::remove_cvref_t<C>, any_completion> && completion<C>)
       any_completion(C c)  // NOLINT(google-explicit-constructor): implicit, so callers pass any completion
       : held_(std::make_unique<model<C>>(std::move(c))) {}
 
