@@ -36,9 +36,10 @@ host_stream::~host_stream() {
   thread_.join();
 }
 
-void host_stream::submit(task t) {
+void host_stream::submit(task t, std::uint64_t host_stream_statistics::*counter) {
   {
     const std::lock_guard lock(mutex_);
+    if (counter != nullptr) ++(stats_.*counter);
     queue_.push_back(std::move(t));
     ++submitted_;
   }
@@ -46,13 +47,7 @@ void host_stream::submit(task t) {
 }
 
 void host_stream::copy(void* dst, const void* src, std::size_t bytes) {
-  submit({[this, dst, src, bytes] {
-            std::memcpy(dst, src, bytes);
-            const std::lock_guard lock(mutex_);
-            ++stats_.copies;
-            stats_.bytes_copied += bytes;
-          },
-          true});
+  submit({[dst, src, bytes] { std::memcpy(dst, src, bytes); }, true, bytes});
 }
 
 void host_stream::enqueue(std::function<void()> work) { submit({std::move(work), true}); }
@@ -66,10 +61,6 @@ void host_stream::record(host_event& event) {
     const std::lock_guard lock(s->mutex);
     generation = ++s->recorded;
   }
-  {
-    const std::lock_guard lock(mutex_);
-    ++stats_.records;
-  }
   submit({[s = std::move(s), generation] {
             {
               const std::lock_guard lock(s->mutex);
@@ -77,7 +68,8 @@ void host_stream::record(host_event& event) {
             }
             s->completed_cv.notify_all();
           },
-          false});
+          false},
+         &host_stream_statistics::records);
 }
 
 void host_stream::wait(const host_event& event) {
@@ -87,16 +79,17 @@ void host_stream::wait(const host_event& event) {
     const std::lock_guard lock(s->mutex);
     generation = s->recorded;
   }
-  {
+  if (generation == 0) {  // never recorded: complete, nothing to wait for
     const std::lock_guard lock(mutex_);
     ++stats_.event_waits;
+    return;
   }
-  if (generation == 0) return;  // never recorded: complete, nothing to wait for
   submit({[s = std::move(s), generation] {
             std::unique_lock lock(s->mutex);
             s->completed_cv.wait(lock, [&] { return s->completed >= generation; });
           },
-          false});
+          false},
+         &host_stream_statistics::event_waits);
 }
 
 void host_stream::synchronize() {
@@ -138,6 +131,10 @@ void host_stream::execute() {
     lock.lock();
     if (failure && !error_) error_ = failure;
     if (skip) ++stats_.skipped;
+    if (t.copy_bytes && !skip && !failure) {  // counted here, under the lock execute() takes anyway
+      ++stats_.copies;
+      stats_.bytes_copied += *t.copy_bytes;
+    }
     ++stats_.tasks;
     ++finished_;
     idle_cv_.notify_all();

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "expage/core/error.hpp"
+#include "expage/format/group_quant.hpp"
 #include "expage/memory/block_pool.hpp"
 #include "expage/memory/budget_tracker.hpp"
 #include "expage/residency/completion.hpp"
@@ -300,11 +301,12 @@ class transition_manager {
       const auto i = static_cast<std::size_t>(t);
       const tensor_shape shape = g.shape(t);
       r.data[i] = block + offset;
-      if (metadata_bytes_per_group(format) != 0) {
-        const std::uint64_t weights = (shape.elements() * bits_per_weight(format) + 7) / 8;
-        const std::uint64_t groups = shape.rows * ((shape.cols + g.group_size() - 1) / g.group_size());
-        r.scales[i] = r.data[i] + weights;
-        if (format != precision::fp8) r.zeros[i] = r.scales[i] + groups * 2;
+      if (format == precision::int8 || format == precision::int4 || format == precision::int2) {
+        const group_quant_layout layout(format, shape, g.group_size());  // codes, fp16 scales, fp16 zeros
+        r.scales[i] = r.data[i] + layout.scales_at();
+        r.zeros[i] = r.data[i] + layout.zeros_at();
+      } else if (format == precision::fp8) {
+        r.scales[i] = r.data[i] + shape.elements();  // one byte per weight, then one fp16 scale per group
       }
       offset += static_cast<std::size_t>(g.tensor_bytes(t, format));
     }

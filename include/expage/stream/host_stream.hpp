@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -126,8 +127,9 @@ class host_stream {
   struct task {
     std::function<void()> run;
     bool fallible;  // copies and callbacks: skipped after an error; records and waits always run
+    std::optional<std::size_t> copy_bytes{};  // set for copy(): counted once it has run
   };
-  void submit(task t);
+  void submit(task t, std::uint64_t host_stream_statistics::*counter = nullptr);  // counts under the queue's lock
   void execute();
 
   std::string name_;
