@@ -12,6 +12,8 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
+#include <limits>
 #include <random>
 
 namespace expage {
@@ -176,6 +178,30 @@ TEST(NextTurnPolicy, RejectsABadDecay) {
   EXPECT_THROW(next_turn_policy(s, {.decay = 0.0}), invalid_argument);
   EXPECT_THROW(next_turn_policy(s, {.decay = 1.5}), invalid_argument);
   EXPECT_NO_THROW(next_turn_policy(s, {.decay = 1.0}));
+  EXPECT_THROW(next_turn_policy(s, {.prior = 0.0}), invalid_argument);
+  EXPECT_THROW(next_turn_policy(s, {.prior = std::numeric_limits<double>::infinity()}), invalid_argument);
+  EXPECT_THROW(next_turn_policy(s, {.prior = std::numeric_limits<double>::quiet_NaN()}), invalid_argument);
+}
+
+// A layer that alternates between {0, 1} and {2, 3}: every expert has the
+// same selection rate, but after {0, 1} the transitions predict {2, 3}.
+TEST(NextTurnPolicy, LearnsTheLayersTransitions) {
+  const key_space s{.layers = 1, .experts_per_layer = 4, .global = true};
+  next_turn_policy with(s);
+  next_turn_policy without(s, {.transitions = false});
+  for (std::uint64_t t = 0; t < 20; ++t) {
+    for (const std::uint32_t k : t % 2 == 0 ? std::array<std::uint32_t, 2>{0, 1} : std::array<std::uint32_t, 2>{2, 3}) {
+      with.on_insert(k, {.time = t, .layer = 0, .expert = k});
+      without.on_insert(k, {.time = t, .layer = 0, .expert = k});
+    }
+  }
+  // The latest turn (t = 19) used {2, 3}: next comes {0, 1}.
+  EXPECT_GT(with.rate(0), 0.8);
+  EXPECT_LT(with.rate(2), 0.2);
+  EXPECT_NEAR(without.rate(0), without.rate(2), 0.1);
+  EXPECT_DOUBLE_EQ(with.selection_rate(0), without.selection_rate(0));
+  const std::uint8_t none[4] = {};
+  EXPECT_EQ(with.victim({none}, {.time = 20, .layer = 0}), 2U);  // 2 and 3 tie; 2 is the smaller key
 }
 
 // A caller that gives several groups the same time (e.g. the token groups of

@@ -32,7 +32,8 @@ struct reference_result {
 /// Replays @p groups with policy @p kind on a cache of @p capacity slots per scope.
 inline reference_result reference_replay(const std::vector<group>& groups, std::uint32_t layers, std::uint32_t experts,
                                          bool global, std::uint32_t capacity, policy_kind kind,
-                                         double next_turn_decay = 0.9) {
+                                         double next_turn_decay = 0.9, bool next_turn_transitions = true,
+                                         double next_turn_prior = 4.0) {
   struct access {
     std::uint64_t time;   // group index
     std::uint64_t order;  // global access counter
@@ -132,7 +133,35 @@ inline reference_result reference_replay(const std::vector<group>& groups, std::
                     last_counted_turn = turn;
                   }
                 }
-                const double rate = std::max(used / all, 1e-9);
+                double rate = std::clamp(used / all, 1e-9, 1.0);
+                if (next_turn_transitions && now > 0) {
+                  // The layer's turns as sets of keys, from the whole history.
+                  std::vector<std::vector<std::uint32_t>> sets(now);
+                  for (const auto& [sk, accesses] : history) {
+                    if (sk.first != s || layer_of(sk.second, s) != rl) continue;
+                    for (std::uint64_t t = 0; t < now; ++t) {
+                      const bool used_then = std::any_of(accesses.begin(), accesses.end(),
+                                                         [&](const access& h) { return h.time == turn_times[rl][t]; });
+                      if (used_then) sets[t].push_back(sk.second);
+                    }
+                  }
+                  const auto in = [](const std::vector<std::uint32_t>& v, std::uint32_t wanted) {
+                    return std::find(v.begin(), v.end(), wanted) != v.end();
+                  };
+                  double sum = 0.0;
+                  for (const std::uint32_t from : sets[now - 1]) {
+                    double follows = 0.0;
+                    double to_r = 0.0;
+                    for (std::uint64_t t = 0; t + 1 < now; ++t) {
+                      if (!in(sets[t], from)) continue;
+                      follows += 1.0;
+                      if (in(sets[t + 1], r)) to_r += 1.0;
+                    }
+                    sum += (to_r + next_turn_prior * rate) / (follows + next_turn_prior);
+                  }
+                  if (!sets[now - 1].empty())
+                    rate = std::clamp(sum / static_cast<double>(sets[now - 1].size()), 1e-9, 1.0);
+                }
                 const double until_turn =
                     global ? static_cast<double>((rl + layers - grp.layer - 1) % layers + 1) : 0.0;
                 return until_turn + layers * (1.0 / rate - 1.0);
