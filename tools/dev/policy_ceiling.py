@@ -27,6 +27,7 @@ the build or of CI. Usage:
 import argparse
 import collections
 import json
+import pathlib
 import sys
 
 try:
@@ -38,7 +39,8 @@ except ImportError:
 
 LAYERS, EXPERTS = 32, 8
 GAMMA, KAPPA = 0.9, 4.0  # next_turn_policy's defaults
-DEFAULT_TRACE = "../shared/traces/mixtral8x7b-vllm-humaneval/humaneval_2_routing.jsonl"
+# ../shared/traces beside the repository, wherever the script is run from.
+DEFAULT_TRACE = str(pathlib.Path(__file__).resolve().parents[3] / "shared/traces/mixtral8x7b-vllm-humaneval/humaneval_2_routing.jsonl")
 
 
 def load(path):
