@@ -97,6 +97,7 @@ __device__ void for_each_run(const ffn_args& a, int t, std::uint64_t cols, Body 
   const tile_range range = block_tile(a);
   for (std::uint32_t p = range.first; p < range.end;) {
     const expert_run run = run_at(a, p, range.end, t, cols);
+    if (run.end <= p) break;  // offsets not ascending (the host validates them; never spin on bad input)
     body(p, run);
     p = run.end;
   }

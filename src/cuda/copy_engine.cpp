@@ -118,7 +118,13 @@ void copy_engine::enqueue_staged(std::byte* dst, const std::byte* src, std::size
     }
     const cudaStream_t s = next_stream();
     EXPAGE_CUDA_CHECK(cudaMemcpyAsync(dst + offset, slot, n, cudaMemcpyDefault, s));
-    EXPAGE_CUDA_CHECK(cudaEventRecord(slot_events_[k].native(), s));
+    if (const cudaError_t rc = cudaEventRecord(slot_events_[k].native(), s); rc != cudaSuccess) {
+      // The copy reading the slot is queued but cannot be fenced: wait for it
+      // here, or the next use of the slot would overwrite it mid-DMA.
+      (void)cudaStreamSynchronize(s);
+      slot_used_[k] = false;
+      check(rc, "cudaEventRecord (copy_engine staging slot)");
+    }
     slot_used_[k] = true;
     ++stats_.staged_chunks;
     stats_.bytes += n;
@@ -143,6 +149,14 @@ void copy_engine::run(std::span<const region_route> regions, cuda_stream& stream
           fmt::format("cuda::copy_engine: region {} of {} bytes has a null {} (allowed only for 0 bytes)", i, r.bytes,
                       r.dst == nullptr ? "destination" : "source"));
     }
+  }
+  // A capture would record the staging copies as graph nodes that replay
+  // whatever a reused slot holds then, and the slot fences cannot be captured.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  EXPAGE_CUDA_CHECK(cudaStreamIsCapturing(stream.native(), &capture));
+  if (capture != cudaStreamCaptureStatusNone) {
+    throw invalid_argument(
+        "cuda::copy_engine: the stream is being captured into a CUDA graph; copy before or after the capture");
   }
   const std::lock_guard lock(mutex_);
   const scoped_device on(options_.device);

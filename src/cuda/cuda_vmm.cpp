@@ -92,13 +92,14 @@ cuda_vmm::~cuda_vmm() {
   for (const auto& [base, r] : table_.reservations()) {
     for (const auto& [granule, slot] : r.mapped) {
       drv->mem_unmap(static_cast<CUdeviceptr>(base + granule * granularity_), granularity_);
-      cache_.push_back(static_cast<CUmemGenericAllocationHandle>(table_.at(slot).payload));
+      // Released here rather than collected: a push_back could throw in a destructor.
+      drv->mem_release(static_cast<CUmemGenericAllocationHandle>(table_.at(slot).payload));
     }
     drv->mem_address_free(static_cast<CUdeviceptr>(base), r.bytes);
   }
   for (std::size_t slot = 0; slot < table_.slot_count(); ++slot) {
     const detail::vmm_table::slot_record& s = table_.at(static_cast<std::uint32_t>(slot));
-    if (s.state == block_state::created) cache_.push_back(static_cast<CUmemGenericAllocationHandle>(s.payload));
+    if (s.state == block_state::created) drv->mem_release(static_cast<CUmemGenericAllocationHandle>(s.payload));
   }
   release_handles(cache_);
 }

@@ -54,12 +54,27 @@ void device_mirror::update(std::size_t index, const version_record& record) {
   if (index >= experts_) {
     throw invalid_argument(fmt::format("cuda::device_mirror::update: index {} out of range [0, {})", index, experts_));
   }
+  // A copy enqueued during a capture would become a graph node instead of
+  // running now: the table would switch while the device array did not.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(compute_, &capture), "cudaStreamIsCapturing (device_mirror)");
+  if (capture != cudaStreamCaptureStatusNone) {
+    throw invalid_argument(fmt::format(
+        "cuda::device_mirror::update: the compute stream is being captured into a CUDA graph; publish expert {} "
+        "after the capture ends",
+        index));
+  }
   const std::size_t slot = next_;
   if (used_[slot]) check(cudaEventSynchronize(copied_[slot]), "cudaEventSynchronize (device_mirror slot)");
   staging_[slot] = record;
   check(cudaMemcpyAsync(device_ + index, staging_ + slot, sizeof(version_record), cudaMemcpyHostToDevice, compute_),
         "cudaMemcpyAsync (device_mirror update)");
-  check(cudaEventRecord(copied_[slot], compute_), "cudaEventRecord (device_mirror slot)");
+  if (const cudaError_t rc = cudaEventRecord(copied_[slot], compute_); rc != cudaSuccess) {
+    // The copy is queued but cannot be fenced: let it finish before the slot can be reused.
+    (void)cudaStreamSynchronize(compute_);
+    used_[slot] = false;
+    check(rc, "cudaEventRecord (device_mirror slot)");
+  }
   used_[slot] = true;
   next_ = (slot + 1) % copied_.size();
 }

@@ -90,6 +90,26 @@ TEST(CudaCopyEngine, ConstructionWithoutADeviceIsACudaError) {
   EXPECT_THROW(cuda::copy_engine(), cuda_error);
 }
 
+// A capture would turn staged chunks into graph nodes that replay a reused
+// slot's later contents: refused before anything is enqueued.
+TEST(CudaCopyEngine, RefusesAStreamBeingCaptured) {
+  if (!cuda::device_available()) GTEST_SKIP() << no_device();
+  cuda::copy_engine engine({.streams = 2, .staging_slots = 2, .chunk_bytes = 64_KiB});
+  const std::vector<std::uint64_t> source = pageable_pattern(64_KiB, 5);
+  device_buffer dst(64_KiB);
+  cuda::cuda_stream stream;
+  EXPAGE_CUDA_CHECK(cudaStreamBeginCapture(stream.native(), cudaStreamCaptureModeRelaxed));
+  EXPECT_THROW(engine.copy(dst.data(), source.data(), 64_KiB, stream), invalid_argument);
+  cudaGraph_t graph = nullptr;
+  EXPAGE_CUDA_CHECK(cudaStreamEndCapture(stream.native(), &graph));
+  if (graph != nullptr) EXPAGE_CUDA_CHECK(cudaGraphDestroy(graph));
+  EXPECT_EQ(engine.statistics().submissions, 0u);
+  // The engine is unharmed: the same copy runs after the capture.
+  engine.copy(dst.data(), source.data(), 64_KiB, stream);
+  stream.synchronize();
+  EXPECT_TRUE(holds_pattern(dst.read(), 64_KiB, 5));
+}
+
 TEST(CudaCopyEngine, PageableToDeviceReusesTheRing) {
   if (!cuda::device_available()) GTEST_SKIP() << no_device();
   // 3 slots, 23 chunks: every slot is reused behind its event several times.

@@ -55,5 +55,34 @@ TEST(DeviceMirror, FollowsEveryPublishInComputeStreamOrder) {
   }
 }
 
+// A publish during a capture of the compute stream would be captured instead
+// of run: refused through the hook, so the table does not switch either.
+TEST(DeviceMirror, RefusesAPublishWhileTheComputeStreamIsCaptured) {
+  if (!cuda::device_available()) GTEST_SKIP() << no_device_reason();
+  const moe_geometry g(moe_geometry::config{
+      .name = "tiny", .layers = 1, .experts_per_layer = 4, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
+  cuda::cuda_stream compute;
+  cuda::device_mirror mirror(g.expert_count(), compute.native(), 2);
+  handle_table table(g, {.mirror = &mirror});
+  std::vector<std::byte> memory(64);
+  auto t = table.begin(g.expert_at(0), residency_state::promoting);
+  version_record r;
+  r.data = {memory.data(), memory.data() + 1};
+  r.bytes = 64;
+  r.format = precision::bf16;
+  t.prepare(r, version_storage(1));
+  EXPAGE_CUDA_CHECK(cudaStreamBeginCapture(compute.native(), cudaStreamCaptureModeRelaxed));
+  EXPECT_THROW(t.publish(), invalid_argument);
+  cudaGraph_t graph = nullptr;
+  EXPAGE_CUDA_CHECK(cudaStreamEndCapture(compute.native(), &graph));
+  if (graph != nullptr) EXPAGE_CUDA_CHECK(cudaGraphDestroy(graph));
+  EXPECT_EQ(table.mirror()[0].number, 0u);  // nothing switched
+  t.publish();                              // the transition is still in flight: publish after the capture
+  compute.synchronize();
+  version_record device{};
+  EXPAGE_CUDA_CHECK(cudaMemcpy(&device, mirror.records(), sizeof(device), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(device.number, 1u);
+}
+
 }  // namespace
 }  // namespace expage::testing

@@ -93,7 +93,9 @@ class copy_engine {
   /// Copies @p bytes from @p src to @p dst in stream order on @p stream: through the ring when
   /// @p src is pageable, directly when it is pinned or device memory (cudaPointerGetAttributes).
   /// @pre @p stream belongs to device(); @p dst is device memory (or pinned host memory) of bytes bytes.
-  /// @throws expage::invalid_argument for a null pointer with bytes > 0.
+  /// @throws expage::invalid_argument for a null pointer with bytes > 0, or when @p stream is
+  ///         being captured into a CUDA graph (a replay would copy whatever a reused staging
+  ///         slot holds then); nothing is enqueued.
   /// @throws expage::cuda_error for a failing CUDA call.
   void copy(void* dst, const void* src, std::size_t bytes, cuda_stream& stream);
   /// Copies every region of @p regions, each as copy() would, under one pair of fences on @p stream.

@@ -3,8 +3,8 @@
 ///
 /// Produces the same bits as the host reference expage::dequantize_groups(): both run the
 /// element code of expage/format/group_quant_element.hpp. When every 32-bit word of codes lies in
-/// one group of one row (cols and group_size multiples of 32/bits) and the pointers are 16-byte
-/// aligned, a thread expands one word (4, 8 or 16 values) with one scale/zero load and vector
+/// one group of one row (cols and group_size multiples of 32/bits), the codes are 4-byte aligned
+/// and the output is 16-byte aligned, a thread expands one word (4, 8 or 16 values) with one scale/zero load and vector
 /// stores; otherwise a thread per value handles any shape.
 #pragma once
 

@@ -45,11 +45,15 @@ class device_mirror final : public mirror_hook {
   device_mirror(std::size_t experts, cudaStream_t compute, std::size_t staging_slots = 256);
   device_mirror(const device_mirror&) = delete;
   device_mirror& operator=(const device_mirror&) = delete;
-  /// Frees the device array and the staging (after the copies in flight, by a stream-ordered free).
+  /// Frees the device array and the staging once the copies reading the staging have completed
+  /// (cudaFree itself waits for the device's work).
   ~device_mirror() override;
 
   /// Copies @p record into entry @p index of the device array, in order on the compute stream.
-  /// @throws expage::invalid_argument for an index out of range; expage::cuda_error when the copy cannot be enqueued.
+  /// Do not publish while the compute stream is being captured into a CUDA graph: capture
+  /// first (the graph reads records() at replay), then publish between replays.
+  /// @throws expage::invalid_argument for an index out of range or a compute stream being
+  ///         captured (nothing enqueued); expage::cuda_error when the copy cannot be enqueued.
   void update(std::size_t index, const version_record& record) override;
 
   /// The device array: records()[flat_index] is that expert's active version.
