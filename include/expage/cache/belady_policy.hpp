@@ -33,9 +33,13 @@ class belady_policy {
     resident_.emplace(ctx.next_use, key);
   }
   /// Updates @p key's next use.
-  void on_hit(std::uint32_t key, const access_context& ctx) {
-    resident_.erase({next_[key], key});
-    on_insert(key, ctx);
+  void on_hit(std::uint32_t key, const access_context& ctx) noexcept {
+    // The key's node is reused: a hit never allocates, so it cannot fail halfway.
+    auto node = resident_.extract({next_[key], key});
+    next_[key] = ctx.next_use;
+    if (node.empty()) return;  // unreachable: only resident keys get hits
+    node.value().first = ctx.next_use;
+    resident_.insert(std::move(node));
   }
   /// @p key left the cache.
   void on_evict(std::uint32_t key) noexcept { resident_.erase({next_[key], key}); }

@@ -45,9 +45,12 @@ class fmoe_priority_policy {
     resident_.insert(rank_of(key));
   }
   /// Counts the access, records p, re-ranks @p key.
-  void on_hit(std::uint32_t key, const access_context& ctx) {
-    resident_.erase(rank_of(key));
-    on_insert(key, ctx);
+  void on_hit(std::uint32_t key, const access_context& ctx) noexcept {
+    const auto old = rank_of(key);
+    ++count_[key];
+    probability_[key] = ctx.probability > 0.0F ? std::min(1.0, static_cast<double>(ctx.probability)) : prior_;
+    last_[key] = ctx.time;
+    resident_.rerank(old, rank_of(key));
   }
   /// @p key left the cache; its history is kept.
   void on_evict(std::uint32_t key) noexcept { resident_.erase(rank_of(key)); }

@@ -33,9 +33,11 @@ class lfu_policy {
     resident_.insert(rank_of(key));
   }
   /// Counts the access and re-ranks @p key.
-  void on_hit(std::uint32_t key, const access_context& ctx) {
-    resident_.erase(rank_of(key));
-    on_insert(key, ctx);
+  void on_hit(std::uint32_t key, const access_context& ctx) noexcept {
+    const auto old = rank_of(key);
+    ++count_[key];
+    last_[key] = ctx.time;
+    resident_.rerank(old, rank_of(key));
   }
   /// @p key left the cache; its count is kept.
   void on_evict(std::uint32_t key) noexcept { resident_.erase(rank_of(key)); }

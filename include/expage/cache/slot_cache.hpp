@@ -79,9 +79,10 @@ struct slot_cache_statistics {
 /// group_tokens() (WiSP §3.2) and call access() per group.
 ///
 /// Exceptions: bad requests throw before anything changes. The only other
-/// exception is std::bad_alloc from a policy that allocates nodes (LFU,
-/// fMoE, Belady); the cache then stays consistent and the experts of the
-/// group served so far stay resident (basic guarantee).
+/// exception is std::bad_alloc from a policy that allocates a node when a key
+/// is inserted (LFU, fMoE, Belady; hits re-rank without allocating); the
+/// cache then stays consistent and the experts of the group served so far
+/// stay resident (basic guarantee).
 ///
 /// @code
 /// expage::slot_cache<expage::lru_policy> cache(expage::moe_geometry::mixtral_8x7b(),

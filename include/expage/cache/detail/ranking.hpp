@@ -18,6 +18,14 @@ class ranked_residents {
  public:
   void insert(const Rank& r) { ranks_.insert(r); }
   void erase(const Rank& r) noexcept { ranks_.erase(r); }
+  /// Moves the key ranked @p old to rank @p now, reusing its node: never
+  /// allocates, so a hit cannot fail halfway (erase, then a throwing insert).
+  void rerank(const Rank& old, const Rank& now) noexcept {
+    auto node = ranks_.extract(old);
+    if (node.empty()) return;  // unreachable: only resident keys are re-ranked
+    node.value() = now;
+    ranks_.insert(std::move(node));
+  }
   [[nodiscard]] std::uint32_t first_unpinned(pin_view pins) const noexcept {
     for (const Rank& r : ranks_) {
       if (!pins(r.key)) return r.key;
