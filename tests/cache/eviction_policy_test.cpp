@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cmath>
 #include <limits>
 #include <random>
 
@@ -181,6 +182,8 @@ TEST(NextTurnPolicy, RejectsABadDecay) {
   EXPECT_THROW(next_turn_policy(s, {.prior = 0.0}), invalid_argument);
   EXPECT_THROW(next_turn_policy(s, {.prior = std::numeric_limits<double>::infinity()}), invalid_argument);
   EXPECT_THROW(next_turn_policy(s, {.prior = std::numeric_limits<double>::quiet_NaN()}), invalid_argument);
+  EXPECT_THROW(next_turn_policy(s, {.transition_decay = 0.0}), invalid_argument);
+  EXPECT_THROW(next_turn_policy(s, {.transition_decay = 1.01}), invalid_argument);
 }
 
 // A layer that alternates between {0, 1} and {2, 3}: every expert has the
@@ -224,7 +227,78 @@ TEST(NextTurnPolicy, SurvivesCallersThatReuseAGroupTime) {
     }
   }
   EXPECT_TRUE(cache.resident({0, 7}));
-  EXPECT_LE(next_turn_policy(key_space{.layers = 32, .experts_per_layer = 8}).rate(0), 1.0);
+}
+
+// Several groups with one time are one turn: an expert used in two of them
+// is counted once, like an expert used in one (f is a share of turns).
+TEST(NextTurnPolicy, CountsAnExpertOncePerTurn) {
+  const key_space s{.layers = 1, .experts_per_layer = 8};
+  for (const bool transitions : {false, true}) {
+    next_turn_policy p(s, {.transitions = transitions});
+    p.on_insert(3, {.time = 5});
+    p.on_insert(5, {.time = 5});
+    p.on_hit(3, {.time = 5});  // the second group of time 5
+    p.on_insert(6, {.time = 5});
+    p.on_hit(5, {.time = 6});
+    EXPECT_DOUBLE_EQ(p.selection_rate(3), p.selection_rate(6)) << "transitions " << transitions;
+    EXPECT_DOUBLE_EQ(p.rate(3), p.rate(6)) << "transitions " << transitions;
+    const std::uint8_t none[8] = {};
+    EXPECT_EQ(p.victim({none}, {.time = 7}), 3U);  // 3 and 6 tie; same last access; the smaller key
+  }
+}
+
+// Ages beyond the power table (1024 turns) take std::pow: same formula.
+TEST(NextTurnPolicy, SelectionRateMatchesItsFormulaAtLongAges) {
+  const key_space s{.layers = 1, .experts_per_layer = 2};
+  const double gamma = 0.999;
+  next_turn_policy p(s, {.decay = gamma});
+  p.on_insert(0, {.time = 0});
+  for (std::uint64_t t = 1; t < 1500; ++t) p.on_insert(1, {.time = t});
+  double turns = 0.0;
+  for (int age = 0; age < 1500; ++age) turns += std::pow(gamma, age);
+  EXPECT_NEAR(p.selection_rate(0), std::pow(gamma, 1499) / turns, 1e-12);
+  EXPECT_NEAR(p.selection_rate(1), (turns - std::pow(gamma, 1499)) / turns, 1e-12);
+}
+
+// 1000 turns alternating {0, 1} / {2, 3}, then 100 of {0, 1} alone: the
+// decayed transitions follow the shift; undecayed ones still predict {2, 3}.
+TEST(NextTurnPolicy, TransitionsFollowAWorkloadShift) {
+  const key_space s{.layers = 1, .experts_per_layer = 4};
+  next_turn_policy decayed(s);
+  next_turn_policy forever(s, {.transition_decay = 1.0});
+  const auto turn = [&](std::uint64_t t, std::uint32_t first) {
+    for (const std::uint32_t k : {first, first + 1}) {
+      decayed.on_insert(k, {.time = t});
+      forever.on_insert(k, {.time = t});
+    }
+  };
+  std::uint64_t t = 0;
+  for (; t < 1000; ++t) turn(t, t % 2 == 0 ? 0 : 2);
+  for (; t < 1100; ++t) turn(t, 0);
+  EXPECT_GT(decayed.rate(0), 0.7);
+  EXPECT_LT(decayed.rate(2), 0.3);
+  EXPECT_LT(forever.rate(0), forever.rate(2));
+}
+
+// A copy predicts like the original (its fixed-size lists are copied whole).
+TEST(NextTurnPolicy, ACopyBehavesLikeTheOriginal) {
+  const key_space s{.layers = 2, .experts_per_layer = 8, .global = true};
+  next_turn_policy a(s);
+  std::mt19937_64 rng(7);
+  const auto feed = [&](next_turn_policy& p, std::uint64_t t, std::uint64_t draw) {
+    const auto layer = static_cast<std::uint32_t>(t % 2);
+    const auto e = static_cast<std::uint32_t>(draw % 8);
+    p.on_insert(layer * 8 + e, {.time = t, .layer = layer, .expert = e});
+    p.on_insert(layer * 8 + (e + 3) % 8, {.time = t, .layer = layer, .expert = (e + 3) % 8});
+  };
+  for (std::uint64_t t = 0; t < 50; ++t) feed(a, t, rng());
+  next_turn_policy b = a;
+  for (std::uint64_t t = 50; t < 200; ++t) {
+    const std::uint64_t draw = rng();
+    feed(a, t, draw);
+    feed(b, t, draw);
+  }
+  for (std::uint32_t k = 0; k < 16; ++k) EXPECT_DOUBLE_EQ(a.rate(k), b.rate(k)) << "key " << k;
 }
 
 TEST(NextTurnPolicy, PrefersEvictingTheLayerThatJustRan) {

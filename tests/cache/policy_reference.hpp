@@ -33,7 +33,7 @@ struct reference_result {
 inline reference_result reference_replay(const std::vector<group>& groups, std::uint32_t layers, std::uint32_t experts,
                                          bool global, std::uint32_t capacity, policy_kind kind,
                                          double next_turn_decay = 0.9, bool next_turn_transitions = true,
-                                         double next_turn_prior = 4.0) {
+                                         double next_turn_prior = 4.0, double next_turn_transition_decay = 0.99) {
   struct access {
     std::uint64_t time;   // group index
     std::uint64_t order;  // global access counter
@@ -154,8 +154,10 @@ inline reference_result reference_replay(const std::vector<group>& groups, std::
                     double to_r = 0.0;
                     for (std::uint64_t t = 0; t + 1 < now; ++t) {
                       if (!in(sets[t], from)) continue;
-                      follows += 1.0;
-                      if (in(sets[t + 1], r)) to_r += 1.0;
+                      // The pair of turns t, t + 1 (0-based) counted at turn t + 1, aged since.
+                      const double w = std::pow(next_turn_transition_decay, static_cast<double>(now - (t + 2)));
+                      follows += w;
+                      if (in(sets[t + 1], r)) to_r += w;
                     }
                     sum += (to_r + next_turn_prior * rate) / (follows + next_turn_prior);
                   }

@@ -10,7 +10,7 @@ their gating weights, the decayed rate, the transition estimate) and runs each
 through the same demand-fetched global slot cache, with the step's experts
 pinned, that expage's replay uses:
 
-- "transition estimate": the shipped predictor (γ = 0.9, κ = 4), for reference;
+- "transition estimate": the shipped predictor (γ = 0.9, κ = 4, γ_T = 0.99), for reference;
 - "logistic, held-out": a logistic regression fitted on the other HumanEval
   problem, applied to this one (an honest learned policy);
 - "boosted trees, in-sample": gradient-boosted trees fitted on the very trace
@@ -38,7 +38,7 @@ except ImportError:
     sys.exit("policy_ceiling.py needs numpy and scikit-learn: pip install numpy scikit-learn")
 
 LAYERS, EXPERTS = 32, 8
-GAMMA, KAPPA = 0.9, 4.0  # next_turn_policy's defaults
+GAMMA, KAPPA, GAMMA_T = 0.9, 4.0, 0.99  # next_turn_policy's defaults
 # ../shared/traces beside the repository, wherever the script is run from.
 DEFAULT_TRACE = str(pathlib.Path(__file__).resolve().parents[3] / "shared/traces/mixtral8x7b-vllm-humaneval/humaneval_2_routing.jsonl")
 
@@ -58,8 +58,8 @@ def features(steps):
     rows, labels, where = [], [], {}
     rate = [[0.0] * EXPERTS for _ in range(LAYERS)]  # decayed counts
     turns = [0.0] * LAYERS  # decayed number of turns
-    trans = [[[0] * EXPERTS for _ in range(EXPERTS)] for _ in range(LAYERS)]
-    follows = [[0] * EXPERTS for _ in range(LAYERS)]
+    trans = [[[0.0] * EXPERTS for _ in range(EXPERTS)] for _ in range(LAYERS)]
+    follows = [[0.0] * EXPERTS for _ in range(LAYERS)]
     history = collections.defaultdict(list)  # layer -> [(experts, weights)] in this problem
     problem = None
     for i, (p, t, l, ex, w) in enumerate(steps):
@@ -84,6 +84,9 @@ def features(steps):
             rate[l][e] *= GAMMA
         for e in ex:
             rate[l][e] += 1.0
+        for a in range(EXPERTS):  # transition counts decay by γ_T per turn of the layer
+            follows[l][a] *= GAMMA_T
+            trans[l][a] = [v * GAMMA_T for v in trans[l][a]]
         for a in given:
             follows[l][a] += 1
             for b in ex:

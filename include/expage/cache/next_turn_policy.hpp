@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 namespace expage {
@@ -44,16 +45,20 @@ namespace expage {
 ///     r(l, j) = (1/|S|) Σ_{a ∈ S} (T(a → j) + κ f(l, j)) / (N(a) + κ),
 ///
 ///   a first-order Markov estimate per predecessor, smoothed toward the
-///   selection rate by κ pseudo-turns (`prior`) and averaged over S.
+///   selection rate by κ pseudo-turns (`prior`) and averaged over S. T and N
+///   are decayed by γ_T per turn of the layer (`transition_decay`, 0.99: about
+///   a hundred turns of memory, ten times f's, since E² counts need more
+///   turns to fill than E rates), so they follow workload shifts too.
 ///
 /// Routing is a per-token decision, but consecutive tokens of a sequence reuse
 /// experts more than the marginal rates say, and which ones depends on the
 /// experts just used. On the real Mixtral-8x7B trace the transition estimate
-/// lowers the global 128-slot miss ratio from 0.377 to 0.348 (docs/caches.md).
+/// lowers the global 128-slot miss ratio from 0.377 to 0.344 (docs/caches.md).
 /// A key never seen has r = 0 (never inserted before it is seen, so only as a
 /// formality). In a per-layer scope δ is constant and the policy ranks by r
-/// alone. Costs O(|S| · capacity) per eviction and O(|S|) per access; the
-/// transition counts take 4 · E² bytes per layer of the scope (E experts).
+/// alone. Costs O(|S| · capacity) per eviction, O(|S|) per access and O(|S| · E)
+/// per turn (aging the rows); the transition counts take 8 · E² bytes per
+/// layer of the scope (E experts: 16 KiB for Mixtral, 30 MiB for 58 layers of 256).
 ///
 /// @code
 /// expage::slot_cache<expage::next_turn_policy> cache(geometry, {.layout = expage::cache_layout::global, .capacity =
@@ -65,51 +70,53 @@ class next_turn_policy {
  public:
   /// Tuning.
   struct options {
-    double decay = 0.9;       ///< γ in (0, 1]: the weight of a turn one turn older; 1 counts all history equally.
+    double decay = 0.9;       ///< γ in (0, 1]: the weight of a turn one turn older in f; 1 weighs all turns alike.
     bool transitions = true;  ///< Condition r on the experts of the layer's latest turn (see above).
     double prior = 4.0;       ///< κ > 0: pseudo-turns of the selection rate behind each transition estimate.
+    double transition_decay = 0.99;  ///< γ_T in (0, 1]: the same for the transition counts T and N.
   };
 
   /// A policy over the keys of @p space with the default options.
   explicit next_turn_policy(const key_space& space) : next_turn_policy(space, options{}) {}
   /// A policy over the keys of @p space.
-  /// @throws expage::invalid_argument when the decay is not in (0, 1] or the
+  /// @throws expage::invalid_argument when a decay is not in (0, 1] or the
   /// prior is not positive and finite.
   next_turn_policy(const key_space& space, options opts)
       : space_(space),
         gamma_(opts.decay),
         transitions_(opts.transitions),
         prior_(opts.prior),
+        gamma_t_(opts.transition_decay),
         turns_(scopes(space), 0),
         decayed_turns_(scopes(space), 0.0),
         turn_time_(scopes(space), never),
         count_(space.size(), 0.0),
         stamp_(space.size(), 0),
         last_(space.size(), 0),
-        resident_(space.size()),
-        latest_(scopes(space)),
-        before_(scopes(space)),
-        weight_sum_(scopes(space), 0.0) {
+        resident_(space.size()) {
     if (!(opts.decay > 0.0 && opts.decay <= 1.0)) {
       throw invalid_argument(fmt::format("next_turn_policy: decay {} out of range (0, 1]", opts.decay));
     }
     if (!(opts.prior > 0.0 && std::isfinite(opts.prior))) {
       throw invalid_argument(fmt::format("next_turn_policy: prior {} out of range (0, inf)", opts.prior));
     }
+    if (!(opts.transition_decay > 0.0 && opts.transition_decay <= 1.0)) {
+      throw invalid_argument(
+          fmt::format("next_turn_policy: transition_decay {} out of range (0, 1]", opts.transition_decay));
+    }
+    powers_ = power_table(gamma_);
     if (transitions_) {
       const std::size_t e = space.experts_per_layer;
-      follows_.assign(space.size(), 0);
-      transitions_to_.assign(scopes(space) * e * e, 0);
-      // A turn holds at most E distinct keys: touch() never reallocates.
-      for (auto& v : latest_) v.reserve(e);
-      for (auto& v : before_) v.reserve(e);
-    }
-    // γ^d for the ages victim() meets most: a table lookup instead of a pow per candidate.
-    powers_.resize(power_table_size);
-    double p = 1.0;
-    for (double& v : powers_) {
-      v = p;
-      p *= gamma_;
+      transition_powers_ = power_table(gamma_t_);
+      transitions_to_.assign(scopes(space) * e * e, 0.0);
+      follows_.assign(space.size(), 0.0);
+      row_turn_.assign(space.size(), 0);
+      // Two lists of at most E keys per scope (a turn's distinct keys), sized
+      // once: touch() never allocates, also in a copy of the policy.
+      lists_.resize(scopes(space) * 2 * e);
+      list_size_.assign(scopes(space) * 2, 0);
+      latest_list_.assign(scopes(space), 0);
+      weight_sum_.assign(scopes(space), 0.0);
     }
   }
   /// Counts the access.
@@ -138,37 +145,66 @@ class next_turn_policy {
     const double f = selection_rate(key);
     if (!transitions_) return f;
     const std::size_t s = scope_of(key);
-    const std::vector<predecessor>& given = latest_[s];
+    const std::span<const predecessor> given = latest(s);
     if (given.empty()) return f;
-    // Σ_a (T(a → j) + κf) / (N(a) + κ) = Σ_a T(a → j)·w_a + κf·Σ_a w_a, w_a = 1 / (N(a) + κ).
+    // Σ_a (g_a·T(a → j) + κf) / (g_a·N(a) + κ) = Σ_a T(a → j)·g_a·w_a + κf·Σ_a w_a, with
+    // w_a = 1 / (g_a·N(a) + κ) and g_a the decay of a's counts since they were last aged.
     const std::uint32_t j = space_.expert_of(key);
     double sum = prior_ * f * weight_sum_[s];
-    for (const predecessor& a : given) sum += transitions_to_[a.row + j] * a.weight;
+    for (const predecessor& a : given) sum += transitions_to_[a.row + j] * a.count_weight;
     return std::clamp(sum / static_cast<double>(given.size()), 1e-9, 1.0);
   }
 
-  /// The selection rate f of @p key: its decayed count over its layer's decayed
-  /// number of turns, in [1e-9, 1].
+  /// The selection rate f of @p key: the decayed number of its layer's turns
+  /// that used it over the decayed number of turns, in [1e-9, 1].
   [[nodiscard]] double selection_rate(std::uint32_t key) const noexcept {
     const std::size_t s = scope_of(key);
     const std::uint64_t now = turns_[s];
     if (now == 0) return 1e-9;
-    const double aged = count_[key] * power(now - stamp_[key]);
-    const double turns = decayed_turns_[s];  // Σ_{t < now} γ^t, kept as turns arrive
-    // Clamped to (0, 1]: a rate above 1 (a caller reusing a group's time for
-    // several groups counts a turn once but its experts twice) is meaningless.
-    return std::clamp(aged / turns, 1e-9, 1.0);
+    const double used = count_[key] * power(powers_, gamma_, now - stamp_[key]);
+    return std::clamp(used / decayed_turns_[s], 1e-9, 1.0);
   }
 
  private:
   static constexpr std::size_t power_table_size = 1024;
 
+  struct predecessor {
+    std::uint32_t key = 0;
+    std::size_t row = 0;        // the start of T(key → ·)
+    double weight = 0.0;        // w = 1 / (g·N(key) + κ), fixed while the key is in the latest turn
+    double count_weight = 0.0;  // g·w: what a stored T(key → j) counts for
+  };
+
   [[nodiscard]] static std::size_t scopes(const key_space& space) noexcept { return space.global ? space.layers : 1; }
   [[nodiscard]] std::size_t scope_of(std::uint32_t key) const noexcept {
     return space_.global ? space_.layer_of(key) : 0;
   }
-  [[nodiscard]] double power(std::uint64_t age) const noexcept {
-    return age < power_table_size ? powers_[age] : std::pow(gamma_, static_cast<double>(age));
+  // γ^d for the ages victim() meets most: a table lookup instead of a pow per candidate.
+  [[nodiscard]] static std::vector<double> power_table(double gamma) {
+    std::vector<double> table(power_table_size);
+    double p = 1.0;
+    for (double& v : table) {
+      v = p;
+      p *= gamma;
+    }
+    return table;
+  }
+  [[nodiscard]] static double power(const std::vector<double>& table, double gamma, std::uint64_t age) noexcept {
+    return age < power_table_size ? table[age] : std::pow(gamma, static_cast<double>(age));
+  }
+
+  // The predecessor lists of scope s: the latest turn's keys and the turn's before it.
+  [[nodiscard]] std::size_t list_index(std::size_t s, bool latest_one) const noexcept {
+    const std::size_t latest_one_index = latest_list_[s];
+    return 2 * s + (latest_one ? latest_one_index : 1 - latest_one_index);
+  }
+  [[nodiscard]] std::span<const predecessor> latest(std::size_t s) const noexcept {
+    const std::size_t i = list_index(s, true);
+    return {lists_.data() + i * space_.experts_per_layer, list_size_[i]};
+  }
+  [[nodiscard]] std::span<const predecessor> before(std::size_t s) const noexcept {
+    const std::size_t i = list_index(s, false);
+    return {lists_.data() + i * space_.experts_per_layer, list_size_[i]};
   }
 
   void touch(std::uint32_t key, const access_context& ctx) noexcept {
@@ -177,53 +213,73 @@ class next_turn_policy {
       turn_time_[s] = ctx.time;
       ++turns_[s];
       decayed_turns_[s] = decayed_turns_[s] * gamma_ + 1.0;
-      if (transitions_) {
-        before_[s].swap(latest_[s]);
-        latest_[s].clear();
-        weight_sum_[s] = 0.0;
-        for (const predecessor& a : before_[s]) ++follows_[a.key];
-      }
+      if (transitions_) start_turn(s);
     }
-    if (transitions_ && stamp_[key] != turns_[s]) {  // the key's first access in this turn
-      const std::uint32_t j = space_.expert_of(key);
-      for (const predecessor& a : before_[s]) ++transitions_to_[a.row + j];
-      // N(key) stays put while the key is in the latest turn: it grows when the next one starts.
-      const double w = 1.0 / (follows_[key] + prior_);
-      latest_[s].push_back({key, (s * space_.experts_per_layer + j) * space_.experts_per_layer, w});
-      weight_sum_[s] += w;
-    }
+    if (stamp_[key] == turns_[s]) return;  // counted already in this turn (a caller reusing a group's time)
+    if (transitions_) first_use_in_turn(s, key);
     // Decayed count as of this turn, then this turn's use. Counts are kept
     // "as of stamp_" and aged lazily: one pow per read instead of a pass over
     // the layer's experts per turn.
-    count_[key] = count_[key] * power(turns_[s] - stamp_[key]) + 1.0;
+    count_[key] = count_[key] * power(powers_, gamma_, turns_[s] - stamp_[key]) + 1.0;
     stamp_[key] = turns_[s];
     last_[key] = ctx.time;
+  }
+
+  // The latest turn becomes the one before; each of its keys has one more
+  // turn that followed it (N), its row aged to now first.
+  void start_turn(std::size_t s) noexcept {
+    latest_list_[s] = static_cast<std::uint8_t>(1U - latest_list_[s]);
+    list_size_[list_index(s, true)] = 0;
+    weight_sum_[s] = 0.0;
+    const std::uint64_t now = turns_[s];
+    const std::size_t e = space_.experts_per_layer;
+    for (const predecessor& a : before(s)) {
+      const double g = power(transition_powers_, gamma_t_, now - row_turn_[a.key]);
+      if (g != 1.0) {
+        follows_[a.key] *= g;
+        for (std::size_t j = 0; j < e; ++j) transitions_to_[a.row + j] *= g;
+      }
+      row_turn_[a.key] = now;
+      follows_[a.key] += 1.0;
+    }
+  }
+
+  // T(a → key) for every a of the turn before; key joins the latest turn.
+  void first_use_in_turn(std::size_t s, std::uint32_t key) noexcept {
+    const std::uint32_t j = space_.expert_of(key);
+    for (const predecessor& a : before(s)) transitions_to_[a.row + j] += 1.0;
+    const double g = power(transition_powers_, gamma_t_, turns_[s] - row_turn_[key]);
+    const double w = 1.0 / (g * follows_[key] + prior_);
+    const std::size_t list = list_index(s, true);
+    lists_[list * space_.experts_per_layer + list_size_[list]++] = {
+        key, (s * space_.experts_per_layer + j) * space_.experts_per_layer, w, g * w};
+    weight_sum_[s] += w;
   }
 
   key_space space_;
   double gamma_;
   bool transitions_;
   double prior_;
+  double gamma_t_;
   std::vector<std::uint64_t> turns_;      // per layer (global scope) or 1: turns seen
   std::vector<double> decayed_turns_;     // the same, each turn weighted γ^age
   std::vector<std::uint64_t> turn_time_;  // the access-group time of each scope's latest turn
-  std::vector<double> count_;
-  std::vector<std::uint64_t> stamp_;
+  std::vector<double> count_;             // per key: decayed turns that used it, as of stamp_
+  std::vector<std::uint64_t> stamp_;      // per key: the turn count_ is current at (its latest use)
   std::vector<std::uint64_t> last_;
   detail::resident_set resident_;
   std::vector<double> powers_;  // powers_[d] = γ^d
-  // Transitions (when on), per scope: the keys of the latest and the one before
-  // it, N(a) per key, and T(a → b) as [scope][expert of a][expert of b].
-  struct predecessor {
-    std::uint32_t key;
-    std::size_t row;  // the start of T(key → ·)
-    double weight;    // 1 / (N(key) + κ) while the key is in the latest turn
-  };
-  std::vector<std::vector<predecessor>> latest_;
-  std::vector<std::vector<predecessor>> before_;
-  std::vector<double> weight_sum_;  // Σ weight over latest_, per scope
-  std::vector<std::uint32_t> follows_;
-  std::vector<std::uint32_t> transitions_to_;
+  // Transitions (when on). Per key a: N(a) and its row T(a → ·), both as of
+  // row_turn_[a] (aged lazily by γ_T per turn); per scope two lists of
+  // predecessors, the latest turn's keys and the turn's before it.
+  std::vector<double> transition_powers_;  // γ_T^d
+  std::vector<double> transitions_to_;      // [scope][expert a][expert b]
+  std::vector<double> follows_;
+  std::vector<std::uint64_t> row_turn_;
+  std::vector<predecessor> lists_;         // [scope][list 0/1][≤ E entries]
+  std::vector<std::uint32_t> list_size_;   // [scope][list 0/1]
+  std::vector<std::uint8_t> latest_list_;  // per scope: which list is the latest turn
+  std::vector<double> weight_sum_;         // per scope: Σ weight over the latest list
 };
 
 static_assert(eviction_policy<next_turn_policy>);
