@@ -171,8 +171,7 @@ class next_turn_policy {
   struct predecessor {
     std::uint32_t key = 0;
     std::size_t row = 0;        // the start of T(key → ·)
-    double weight = 0.0;        // w = 1 / (g·N(key) + κ), fixed while the key is in the latest turn
-    double count_weight = 0.0;  // g·w: what a stored T(key → j) counts for
+    double count_weight = 0.0;  // g·w, w = 1 / (g·N(key) + κ): what a stored T(key → j) counts for
   };
 
   [[nodiscard]] static std::size_t scopes(const key_space& space) noexcept { return space.global ? space.layers : 1; }
@@ -252,7 +251,7 @@ class next_turn_policy {
     const double w = 1.0 / (g * follows_[key] + prior_);
     const std::size_t list = list_index(s, true);
     lists_[list * space_.experts_per_layer + list_size_[list]++] = {
-        key, (s * space_.experts_per_layer + j) * space_.experts_per_layer, w, g * w};
+        key, (s * space_.experts_per_layer + j) * space_.experts_per_layer, g * w};
     weight_sum_[s] += w;
   }
 
@@ -273,7 +272,7 @@ class next_turn_policy {
   // row_turn_[a] (aged lazily by γ_T per turn); per scope two lists of
   // predecessors, the latest turn's keys and the turn's before it.
   std::vector<double> transition_powers_;  // γ_T^d
-  std::vector<double> transitions_to_;      // [scope][expert a][expert b]
+  std::vector<double> transitions_to_;     // [scope][expert a][expert b]
   std::vector<double> follows_;
   std::vector<std::uint64_t> row_turn_;
   std::vector<predecessor> lists_;         // [scope][list 0/1][≤ E entries]
