@@ -196,12 +196,21 @@ void cuda_vmm::trim() noexcept {
 }
 
 void cuda_vmm::map(physical_block block, std::byte* address, access_mode access) {
+  map_granule(block, address, access, false);
+}
+
+void cuda_vmm::map_alias(physical_block block, std::byte* address, access_mode access) {
+  map_granule(block, address, access, true);
+}
+
+void cuda_vmm::map_granule(physical_block block, std::byte* address, access_mode access, bool alias) {
+  const char* const op = alias ? "cuda_vmm::map_alias" : "cuda_vmm::map";
   const std::lock_guard lock(mutex_);
-  detail::vmm_table::slot_record& s = table_.require_created("cuda_vmm::map", block.slot, block.generation);
-  const detail::vmm_table::run r =
-      table_.require_run("cuda_vmm::map", reinterpret_cast<std::uintptr_t>(address), granularity_);
+  detail::vmm_table::slot_record& s = alias ? table_.require_mapped(op, block.slot, block.generation)
+                                            : table_.require_created(op, block.slot, block.generation);
+  const detail::vmm_table::run r = table_.require_run(op, reinterpret_cast<std::uintptr_t>(address), granularity_);
   if (const auto it = r.where->mapped.find(r.first); it != r.where->mapped.end()) {
-    throw invalid_argument(fmt::format("cuda_vmm::map: the granule at {} already holds block (slot {}, generation {})",
+    throw invalid_argument(fmt::format("{}: the granule at {} already holds block (slot {}, generation {})", op,
                                        fmt::ptr(address), it->second, table_.at(it->second).generation));
   }
   const auto [it, inserted] = r.where->mapped.emplace(r.first, block.slot);  // may throw: nothing changed yet
@@ -222,8 +231,7 @@ void cuda_vmm::map(physical_block block, std::byte* address, access_mode access)
     r.where->mapped.erase(it);
     throw;
   }
-  s.state = block_state::mapped;
-  s.address = reinterpret_cast<std::uintptr_t>(address);
+  table_.mark_mapped(s, reinterpret_cast<std::uintptr_t>(address));
 }
 
 void cuda_vmm::unmap(std::byte* address, std::size_t bytes) noexcept {

@@ -245,18 +245,28 @@ std::ptrdiff_t map_delta(const detail::vmm_table::reservation& r, std::size_t gr
 }  // namespace
 
 void host_vmm::map(physical_block block, std::byte* address, access_mode access) {
+  map_granule(block, address, access, false);
+}
+
+void host_vmm::map_alias(physical_block block, std::byte* address, access_mode access) {
+  map_granule(block, address, access, true);
+}
+
+void host_vmm::map_granule(physical_block block, std::byte* address, access_mode access, bool alias) {
+  const char* const op = alias ? "host_vmm::map_alias" : "host_vmm::map";
   const std::lock_guard lock(mutex_);
-  detail::vmm_table::slot_record& s = table_.require_created("host_vmm::map", block.slot, block.generation);
-  const detail::vmm_table::run r = table_.require_run("host_vmm::map", address_of(address), granularity_);
+  detail::vmm_table::slot_record& s = alias ? table_.require_mapped(op, block.slot, block.generation)
+                                            : table_.require_created(op, block.slot, block.generation);
+  const detail::vmm_table::run r = table_.require_run(op, address_of(address), granularity_);
   if (const auto it = r.where->mapped.find(r.first); it != r.where->mapped.end()) {
     const detail::vmm_table::slot_record& other = table_.at(it->second);
-    throw invalid_argument(fmt::format("host_vmm::map: the granule at {} already holds block (slot {}, generation {})",
+    throw invalid_argument(fmt::format("{}: the granule at {} already holds block (slot {}, generation {})", op,
                                        fmt::ptr(address), it->second, other.generation));
   }
   const std::ptrdiff_t delta = map_delta(*r.where, r.where->bytes / granularity_, r.first);
   const auto [it, inserted] = r.where->mapped.emplace(r.first, block.slot);  // may throw: nothing changed yet
   try {
-    charge_mappings(delta, "host_vmm::map");
+    charge_mappings(delta, op);
   } catch (...) {
     r.where->mapped.erase(it);
     throw;
@@ -270,11 +280,10 @@ void host_vmm::map(physical_block block, std::byte* address, access_mode access)
     EXPAGE_ASSERT(restored, "host_vmm::map: could not restore the placeholder after a failed mmap");
     r.where->mapped.erase(it);
     adjust_mappings(-delta);
-    throw out_of_memory(fmt::format("host_vmm::map: mmap of a {} block at {} failed: {}", byte_size{granularity_},
+    throw out_of_memory(fmt::format("{}: mmap of a {} block at {} failed: {}", op, byte_size{granularity_},
                                     fmt::ptr(address), std::strerror(err)));
   }
-  s.state = block_state::mapped;
-  s.address = address_of(address);
+  table_.mark_mapped(s, address_of(address));
 }
 
 void host_vmm::unmap(std::byte* address, std::size_t bytes) noexcept {

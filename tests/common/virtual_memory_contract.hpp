@@ -261,8 +261,44 @@ TYPED_TEST_P(virtual_memory_contract, ConcurrentMapUnmapOfDistinctGranules) {
   vm.free(base);
 }
 
+TYPED_TEST_P(virtual_memory_contract, AliasesShareBytesUntilTheLastUnmap) {
+  if constexpr (aliasing_virtual_memory<TypeParam>) {
+    auto& vm = this->vm();
+    const std::size_t g = this->g();
+    std::byte* stable = vm.reserve(2 * g);
+    std::byte* slots = vm.reserve(2 * g);
+    const auto a = vm.create();
+    EXPECT_THROW(vm.map_alias(a, slots, access_mode::read_write), std::invalid_argument) << "not mapped yet";
+    vm.map(a, stable + g, access_mode::read_write);
+    vm.map_alias(a, slots, access_mode::read_write);
+    vm.map_alias(a, slots + g, access_mode::read_write);
+    EXPECT_THROW(vm.map_alias(a, slots, access_mode::read_write), std::invalid_argument) << "granule occupied";
+    EXPECT_THROW(vm.map(a, stable, access_mode::read_write), std::invalid_argument) << "map() of a mapped block";
+    TestFixture::traits::fill(stable + g, g, 0xC);
+    EXPECT_EQ(TestFixture::traits::mismatches(slots, g, 0xC), 0U) << "an alias must show the block's bytes";
+    EXPECT_EQ(TestFixture::traits::mismatches(slots + g, g, 0xC), 0U);
+    TestFixture::traits::fill(slots + g, g, 0xD);
+    EXPECT_EQ(TestFixture::traits::mismatches(stable + g, g, 0xD), 0U) << "writes through an alias reach the block";
+
+    vm.unmap(stable + g, g);  // the first mapping goes first: the block stays mapped through its aliases
+    EXPECT_EQ(vm.state(a), block_state::mapped);
+    EXPECT_EQ(TestFixture::traits::mismatches(slots, g, 0xD), 0U);
+    vm.unmap(slots, 2 * g);  // both aliases in one run
+    EXPECT_EQ(vm.state(a), block_state::created);
+    vm.map(a, stable, access_mode::read_write);
+    EXPECT_EQ(TestFixture::traits::mismatches(stable, g, 0xD), 0U) << "the bytes survive every unmap";
+    vm.unmap(stable, g);
+    vm.release(a);
+    vm.free(stable);
+    vm.free(slots);
+  } else {
+    GTEST_SKIP() << "the backend does not model aliasing_virtual_memory";
+  }
+}
+
 REGISTER_TYPED_TEST_SUITE_P(virtual_memory_contract, ReservesGranuleAlignedRanges, ContentSurvivesUnmapAndRemap,
                             MapsBlocksSideBySideAndUnmapsARun, RejectsIllegalMapsAndLeavesStateUnchanged,
-                            NoexceptMisuseIsCaught, ReleaseReturnsMemory, ConcurrentMapUnmapOfDistinctGranules);
+                            NoexceptMisuseIsCaught, ReleaseReturnsMemory, ConcurrentMapUnmapOfDistinctGranules,
+                            AliasesShareBytesUntilTheLastUnmap);
 
 }  // namespace expage::testing

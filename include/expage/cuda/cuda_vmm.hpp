@@ -111,6 +111,11 @@ class cuda_vmm {
   /// Unmaps the @p bytes at @p address (one cuMemUnmap); their blocks keep their content.
   /// @pre the range is granule-aligned, inside one reservation, and every granule of it holds a block.
   void unmap(std::byte* address, std::size_t bytes) noexcept;
+  /// Maps the already-mapped @p block at the granule @p address as well (cuMemMap of the same
+  /// allocation handle at a second address): both addresses reach the same device memory. The
+  /// block stays `mapped` until every mapping of it is unmapped.
+  /// @throws as map(), and expage::invalid_argument when @p block is not mapped.
+  void map_alias(physical_block block, std::byte* address, access_mode access = access_mode::read_write);
   /// Sets this device's access to the @p bytes at @p address with one cuMemSetAccess.
   /// @throws expage::invalid_argument unless every granule of the range holds a block of one reservation.
   /// @throws expage::cuda_error when the driver refuses (some refuse access_mode::none).
@@ -128,6 +133,8 @@ class cuda_vmm {
   [[nodiscard]] std::size_t physical_bytes() const;
 
  private:
+  // map() (a created block) and map_alias() (a mapped block, mapped once more).
+  void map_granule(physical_block block, std::byte* address, access_mode access, bool alias);
   [[nodiscard]] CUmemGenericAllocationHandle new_handle();  // cuMemCreate; mutex_ held
   void release_handles(std::vector<CUmemGenericAllocationHandle>& handles) noexcept;
 
@@ -139,6 +146,6 @@ class cuda_vmm {
   std::vector<CUmemGenericAllocationHandle> cache_;  // created, unused handles; guarded by mutex_
 };
 
-static_assert(virtual_memory<cuda_vmm>);
+static_assert(aliasing_virtual_memory<cuda_vmm>);
 
 }  // namespace expage::cuda

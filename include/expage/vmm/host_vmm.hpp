@@ -128,6 +128,13 @@ class host_vmm {
   /// address that is misaligned, outside every reservation, or holds a block.
   /// @throws expage::out_of_memory when the mapping limit or mmap refuses.
   void map(physical_block block, std::byte* address, access_mode access = access_mode::read_write);
+  /// Maps the already-mapped @p block over the granule at @p address as well: both addresses
+  /// read and write the same memory (an expert's stable page and its slot, for instance). The
+  /// block stays `mapped` until every mapping of it is unmapped.
+  /// @throws expage::invalid_argument for a stale or unmapped block, or an address that is
+  /// misaligned, outside every reservation, or holds a block.
+  /// @throws expage::out_of_memory when the mapping limit or mmap refuses.
+  void map_alias(physical_block block, std::byte* address, access_mode access = access_mode::read_write);
   /// Unmaps the @p bytes at @p address; their blocks keep their content.
   /// @pre [address, address + bytes) is granule-aligned, inside one reservation,
   /// and every granule of it holds a block.
@@ -160,6 +167,8 @@ class host_vmm {
   [[nodiscard]] map_count_report map_counts() const;
 
  private:
+  // map() (a created block) and map_alias() (a mapped block, mapped once more).
+  void map_granule(physical_block block, std::byte* address, access_mode access, bool alias);
   // Adds @p delta (may be negative) to the estimate; throws out_of_memory when a
   // positive delta would pass a limit, leaving the estimate unchanged.
   void charge_mappings(std::ptrdiff_t delta, const char* op);
@@ -175,6 +184,6 @@ class host_vmm {
   std::size_t mappings_ = 0;    // this object's estimate; guarded by mutex_
 };
 
-static_assert(virtual_memory<host_vmm>);
+static_assert(aliasing_virtual_memory<host_vmm>);
 
 }  // namespace expage

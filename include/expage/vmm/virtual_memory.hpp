@@ -39,7 +39,7 @@ enum class access_mode : std::uint8_t {
 enum class block_state : std::uint8_t {
   free,     ///< Not created (or released); the handle is stale.
   created,  ///< Holds memory, not mapped anywhere.
-  mapped,   ///< Mapped at exactly one granule of a reserved range.
+  mapped,   ///< Mapped at one granule of a reserved range (and at more, by map_alias(), where supported).
 };
 
 /// The lowercase name of @p s: "free", "created" or "mapped".
@@ -121,6 +121,23 @@ concept virtual_memory = std::semiregular<typename V::physical_block> &&
   noexcept;
   {v.set_access(p, n, a)};
   { cv.state(b) } -> std::same_as<block_state>;
+};
+
+/// @brief A virtual_memory backend that can map one physical block at several
+/// addresses at once, so that two views of the same bytes need no copy (an
+/// expert's stable page and its cache slot, expert_runtime).
+///
+/// - `v.map_alias(b, p, a)`: maps the `mapped` block @p b at the free granule
+///   @p p as well, with access @p a; same errors and guarantee as map(). The
+///   block stays `mapped` until unmap() has removed every one of its mappings,
+///   in any order.
+///
+/// Models: host_vmm (a second MAP_SHARED mapping of the memfd range),
+/// cuda::cuda_vmm (cuMemMap of the same allocation handle).
+template <class V>
+concept aliasing_virtual_memory = virtual_memory<V> &&
+    requires(V& v, std::byte* p, typename V::physical_block b, access_mode a) {
+  v.map_alias(b, p, a);
 };
 
 }  // namespace expage

@@ -31,13 +31,15 @@ class vmm_table {
 
   struct slot_record {
     std::uint64_t payload = 0;
-    std::uintptr_t address = 0;  // where mapped; 0 unless state == mapped
+    std::uintptr_t address = 0;  // where mapped (the first mapping still standing); 0 unless state == mapped
     std::uint32_t generation = 0;
+    std::uint32_t aliases = 0;  // mappings beyond the first (map_alias); the block is mapped until all are gone
     block_state state = block_state::free;
   };
 
   struct reservation {
     std::size_t bytes = 0;
+    std::uintptr_t base = 0;
     std::unordered_map<std::size_t, std::uint32_t> mapped;  // granule index -> slot
   };
 
@@ -79,6 +81,7 @@ class vmm_table {
     r.state = block_state::created;
     r.payload = payload;
     r.address = 0;
+    r.aliases = 0;
     ++live_;
     return Handle{slot, r.generation};
   }
@@ -103,13 +106,30 @@ class vmm_table {
   }
   [[nodiscard]] slot_record& at(std::uint32_t slot) noexcept { return slots_[slot]; }
   /// Records that granule @p granule of @p where no longer holds its block:
-  /// the block goes back to `created` (its content intact). @pre the granule holds a block.
+  /// the block goes back to `created` (its content intact) once no other
+  /// granule maps it. @pre the granule holds a block.
   void mark_unmapped(reservation& where, std::size_t granule) noexcept {
     const auto it = where.mapped.find(granule);
-    slot_record& s = slots_[it->second];
-    s.state = block_state::created;
-    s.address = 0;
+    const std::uint32_t slot = it->second;
+    slot_record& s = slots_[slot];
     where.mapped.erase(it);
+    if (s.aliases == 0) {
+      s.state = block_state::created;
+      s.address = 0;
+      return;
+    }
+    --s.aliases;
+    const std::uintptr_t here = where.base + granule * granularity_;
+    if (s.address == here) s.address = find_mapping(slot);  // the first mapping went first: name another
+  }
+  /// Records that the created or mapped block @p s is now also mapped at @p address.
+  void mark_mapped(slot_record& s, std::uintptr_t address) noexcept {
+    if (s.state == block_state::mapped) {
+      ++s.aliases;
+      return;
+    }
+    s.state = block_state::mapped;
+    s.address = address;
   }
   /// The block (slot, generation) if release() may free it (live and not mapped), else nullptr.
   /// The backends' release() preconditions: asserted in debug builds, a no-op otherwise.
@@ -132,19 +152,39 @@ class vmm_table {
 
   // The created (not mapped) block, or throws naming the problem.
   slot_record& require_created(const char* op, std::uint32_t slot, std::uint32_t generation) {
+    slot_record& r = require_live(op, slot, generation);
+    if (r.state == block_state::mapped) {
+      throw invalid_argument(fmt::format("{}: block (slot {}, generation {}) is already mapped at {:#x}", op, slot,
+                                         generation, r.address));
+    }
+    return r;
+  }
+  // The mapped block (a map_alias() source), or throws naming the problem.
+  slot_record& require_mapped(const char* op, std::uint32_t slot, std::uint32_t generation) {
+    slot_record& r = require_live(op, slot, generation);
+    if (r.state != block_state::mapped) {
+      throw invalid_argument(fmt::format("{}: block (slot {}, generation {}) is not mapped (map it before aliasing it)",
+                                         op, slot, generation));
+    }
+    if (r.aliases == std::numeric_limits<std::uint32_t>::max()) {
+      throw invalid_argument(
+          fmt::format("{}: block (slot {}, generation {}) already has {} aliases", op, slot, generation, r.aliases));
+    }
+    return r;
+  }
+  // A live block, or throws naming the problem.
+  slot_record& require_live(const char* op, std::uint32_t slot, std::uint32_t generation) {
     slot_record* r = find(slot, generation);
     if (r == nullptr) {
       throw invalid_argument(
           fmt::format("{}: unknown or released block (slot {}, generation {})", op, slot, generation));
     }
-    if (r->state == block_state::mapped) {
-      throw invalid_argument(fmt::format("{}: block (slot {}, generation {}) is already mapped at {:#x}", op, slot,
-                                         generation, r->address));
-    }
     return *r;
   }
 
-  void add_reservation(std::uintptr_t base, std::size_t bytes) { reservations_.emplace(base, reservation{bytes, {}}); }
+  void add_reservation(std::uintptr_t base, std::size_t bytes) {
+    reservations_.emplace(base, reservation{bytes, base, {}});
+  }
   void erase_reservation(std::uintptr_t base) noexcept { reservations_.erase(base); }
   /// The reservation at @p base if free() may return it (known and with nothing mapped), else nullptr.
   /// The backends' free() preconditions: asserted in debug builds, a no-op otherwise.
@@ -219,6 +259,16 @@ class vmm_table {
   }
 
  private:
+  // Another granule that maps @p slot, or 0 (O(mapped granules): only when a block's first mapping goes first).
+  [[nodiscard]] std::uintptr_t find_mapping(std::uint32_t slot) const noexcept {
+    for (const auto& [base, r] : reservations_) {
+      for (const auto& [granule, s] : r.mapped) {
+        if (s == slot) return base + granule * granularity_;
+      }
+    }
+    return 0;
+  }
+
   std::string_view backend_;
   std::size_t granularity_;
   std::vector<slot_record> slots_;
