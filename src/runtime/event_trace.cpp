@@ -1,0 +1,120 @@
+#include "expage/runtime/event_trace.hpp"
+
+#include <fmt/format.h>
+
+#include <ostream>
+#include <string_view>
+#include <utility>
+
+namespace expage {
+
+event_trace::event_trace(std::size_t capacity) : capacity_(capacity), origin_(std::chrono::steady_clock::now()) {}
+
+std::uint32_t event_trace::add_track(std::string name) {
+  const std::lock_guard lock(mutex_);
+  tracks_.push_back(std::move(name));
+  return static_cast<std::uint32_t>(tracks_.size() - 1);
+}
+
+std::string event_trace::track_name(std::uint32_t track) const {
+  const std::lock_guard lock(mutex_);
+  return track < tracks_.size() ? tracks_[track] : std::string();
+}
+
+double event_trace::now_us() const noexcept {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - origin_).count();
+}
+
+void event_trace::push(trace_event e) noexcept {
+  const std::lock_guard lock(mutex_);
+  if (events_.size() >= capacity_) {
+    ++dropped_;
+    return;
+  }
+  try {
+    events_.push_back(std::move(e));
+  } catch (...) {  // a trace is best effort: an event that cannot be stored is counted, never thrown
+    ++dropped_;
+  }
+}
+
+void event_trace::span(std::string name, const char* category, std::uint32_t track, double start_us, double duration_us,
+                       std::uint64_t bytes) noexcept {
+  push(trace_event{.name = std::move(name),
+                   .category = category,
+                   .phase = 'X',
+                   .track = track,
+                   .start_us = start_us,
+                   .duration_us = duration_us < 0 ? 0 : duration_us,
+                   .bytes = bytes});
+}
+
+void event_trace::instant(std::string name, const char* category, std::uint32_t track, std::uint64_t bytes) noexcept {
+  push(trace_event{.name = std::move(name),
+                   .category = category,
+                   .phase = 'i',
+                   .track = track,
+                   .start_us = now_us(),
+                   .bytes = bytes});
+}
+
+std::vector<trace_event> event_trace::events() const {
+  const std::lock_guard lock(mutex_);
+  return events_;
+}
+
+std::uint64_t event_trace::dropped() const {
+  const std::lock_guard lock(mutex_);
+  return dropped_;
+}
+
+void write_json_string(std::ostream& out, std::string_view text) {
+  out << '"';
+  for (const char c : text) {
+    switch (c) {
+      case '"': out << "\\\""; break;
+      case '\\': out << "\\\\"; break;
+      case '\n': out << "\\n"; break;
+      case '\t': out << "\\t"; break;
+      case '\r': out << "\\r"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          out << fmt::format("\\u{:04x}", static_cast<unsigned>(static_cast<unsigned char>(c)));
+        } else {
+          out << c;
+        }
+    }
+  }
+  out << '"';
+}
+
+void event_trace::write_json(std::ostream& out) const {
+  const std::lock_guard lock(mutex_);
+  out << "{\"traceEvents\":[\n";
+  bool first = true;
+  const auto separator = [&] {
+    if (!first) out << ",\n";
+    first = false;
+  };
+  for (std::size_t t = 0; t < tracks_.size(); ++t) {
+    separator();
+    out << R"({"name":"thread_name","ph":"M","pid":1,"tid":)" << t << R"(,"args":{"name":)";
+    write_json_string(out, tracks_[t]);
+    out << "}}";
+  }
+  for (const trace_event& e : events_) {
+    separator();
+    out << "{\"name\":";
+    write_json_string(out, e.name);
+    out << ",\"cat\":";
+    write_json_string(out, e.category);
+    out << ",\"ph\":\"" << e.phase << "\",\"pid\":1,\"tid\":" << e.track << fmt::format(",\"ts\":{:.3f}", e.start_us);
+    if (e.phase == 'X') out << fmt::format(",\"dur\":{:.3f}", e.duration_us);
+    if (e.phase == 'i') out << ",\"s\":\"t\"";
+    if (e.bytes != 0) out << ",\"args\":{\"bytes\":" << e.bytes << '}';
+    out << '}';
+  }
+  out << "\n],\"displayTimeUnit\":\"ms\",\"otherData\":{\"dropped_events\":" << dropped_ << "}}\n";
+}
+
+}  // namespace expage

@@ -1,0 +1,413 @@
+// expert_runtime on host_vmm + host_stream: leases, the three views against a reference
+// (slot_cache with the same policy), the #37190 pattern, prefetch, resize, fault injection
+// with exact before/after snapshots, bad input, the trace and the statistics.
+#include "common/failing_vmm.hpp"
+#include "common/runtime_fixture.hpp"
+
+#include "expage/cache/lru_policy.hpp"
+#include "expage/cache/slot_cache.hpp"
+
+#include <gtest/gtest.h>
+
+#include <future>
+#include <random>
+#include <sstream>
+#include <thread>
+
+namespace expage::testing {
+namespace {
+
+using namespace expage::literals;
+
+using runtime = expert_runtime<host_vmm, host_stream, lru_policy>;
+
+TEST(ExpertRuntime, RefusesBadConstruction) {
+  runtime_world w;
+  EXPECT_THROW(runtime(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(),
+                       {.views = {.stable_tensors = false, .slots = false, .records = false}}),
+               invalid_argument);
+  try {
+    (void)runtime(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 1});
+    FAIL() << "capacity below top-k accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("capacity 1 out of range [2, 32]"), std::string::npos) << e.what();
+  }
+  budget_tracker small(3 * w.expert_bytes() / 2);  // one and a half experts: less than top-k = 2
+  try {
+    (void)runtime(w.geometry, small.root(), w.vmm, w.copy, w.compute, w.source());
+    FAIL() << "a budget below one layer's routed experts accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("1 experts of 12288 bytes"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(runtime(w.geometry, w.account, w.vmm, w.copy, w.compute, expert_source<host_stream>{}),
+               invalid_argument);
+  EXPECT_THROW(runtime(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 8}), invalid_argument)
+      << "capacity above what the account holds";
+  EXPECT_EQ(w.account.used(), 0U);
+}
+
+TEST(ExpertRuntime, LeaseLoadsMissesServesHitsAndShowsTheBytesInEveryView) {
+  runtime_world w;
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());
+  EXPECT_EQ(rt.capacity(), 4U);
+  const std::uint32_t routed[] = {5, 2};
+  {
+    auto lease = rt.acquire(1, routed);
+    EXPECT_EQ(lease.layer(), 1U);
+    w.check_on_compute(rt, 1, routed);  // runs after the loads, in compute-stream order
+    lease.release();
+  }
+  auto s = rt.statistics();
+  EXPECT_EQ(s.total.misses, 2U);
+  EXPECT_EQ(s.total.hits, 0U);
+  EXPECT_EQ(s.total.bytes_loaded, 2 * w.expert_data_bytes());
+  EXPECT_EQ(s.resident, 2U);
+  EXPECT_EQ(w.account.used(), 2 * rt.expert_bytes());
+  {
+    auto lease = rt.acquire(1, routed);
+    w.check_on_compute(rt, 1, routed);
+    lease.release();
+  }
+  s = rt.statistics();
+  EXPECT_EQ(s.total.hits, 2U);
+  EXPECT_EQ(s.total.misses, 2U);
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  w.compute.synchronize();
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_EQ(w.checked.load(), 4U);
+}
+
+// The three views against a slow reference: slot_cache<lru_policy> (global, same capacity)
+// makes the same decisions, so its expert_map must equal the runtime's after every lease, and
+// every mapped page must hold its expert's bytes.
+TEST(ExpertRuntime, ViewsAgreeWithTheReferenceOnRandomWorkloads) {
+  for (const runtime_views views : {runtime_views{}, runtime_views{.stable_tensors = false},
+                                    runtime_views{.slots = false}, runtime_views{.records = false}}) {
+    runtime_world w;
+    runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.views = views});
+    slot_cache<lru_policy> reference(w.geometry, {.layout = cache_layout::global, .capacity = rt.capacity()});
+    std::mt19937_64 rng(7);
+    for (int step = 0; step < 300; ++step) {
+      const std::uint32_t layer = static_cast<std::uint32_t>(rng() % w.geometry.layers());
+      const std::vector<std::uint32_t> routed = w.random_group(rng, 1 + rng() % 3);
+      auto lease = rt.acquire(layer, routed);
+      (void)reference.access(layer, routed);
+      w.check_on_compute(rt, layer, routed);
+      lease.release();
+      ASSERT_TRUE(std::ranges::equal(reference.expert_map(), w.whole_map(rt))) << "step " << step;
+      w.compute.synchronize();
+      ASSERT_EQ(w.check_views(rt), "") << "step " << step;
+    }
+    EXPECT_EQ(w.mismatches.load(), 0U);
+    EXPECT_EQ(rt.statistics().total.misses, reference.statistics().misses);
+    EXPECT_EQ(rt.statistics().total.evictions, reference.statistics().evictions);
+  }
+}
+
+// vLLM PR #37190: layer l+1 acquires under pressure while layer l's kernel has not finished.
+TEST(ExpertRuntime, NeverEvictsAnExpertWhoseKernelIsPendingOrWhoseLeaseIsHeld) {
+  runtime_world w;
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 2});
+  const std::uint32_t routed[] = {0, 1};
+  auto layer0 = rt.acquire(0, routed);
+  w.compute.synchronize();
+  // The lease is held (kernel still to be launched): layer 1 cannot have the slots.
+  EXPECT_THROW((void)rt.acquire(1, routed), out_of_budget);
+  EXPECT_TRUE(rt.resident({0, 0}) && rt.resident({0, 1}));
+  EXPECT_EQ(w.check_views(rt), "");
+
+  // Released with a kernel still pending: the eviction must wait for it, and while it waits the
+  // victim's pages are still mapped and intact.
+  struct pending_kernel {
+    runtime_world* w;
+    runtime* rt;
+    std::shared_ptr<std::atomic<int>> waited;
+    [[nodiscard]] bool ready() const { return waited->load() > 0; }
+    void wait() {
+      // Called by the evicting acquire, before anything of layer 0 was unmapped.
+      EXPECT_EQ(w->mismatch_at_stable(*rt, {0, 0}), 0U);
+      EXPECT_EQ(w->mismatch_at_stable(*rt, {0, 1}), 0U);
+      waited->fetch_add(1);
+    }
+  };
+  auto waited = std::make_shared<std::atomic<int>>(0);
+  layer0.release(pending_kernel{&w, &rt, waited});
+  auto layer1 = rt.acquire(1, routed);
+  EXPECT_EQ(waited->load(), 1) << "the kernel's completion was waited for once (then ready)";
+  EXPECT_FALSE(rt.resident({0, 0}));
+  EXPECT_TRUE(rt.resident({1, 0}) && rt.resident({1, 1}));
+  EXPECT_EQ(rt.statistics().total.fence_waits, 1U);
+  w.check_on_compute(rt, 1, routed);
+  layer1.release();
+  w.compute.synchronize();
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
+TEST(ExpertRuntime, RefusesBadInputAndChangesNothing) {
+  runtime_world w;
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());
+  const std::uint32_t one[] = {1};
+  auto held = rt.acquire(0, one);
+  const auto before = w.snapshot(rt);
+  const std::uint32_t bad_expert[] = {1, 8};
+  const std::uint32_t twice[] = {3, 3};
+  const std::uint32_t too_many[] = {0, 2, 3, 4, 5};
+  const auto expect_error = [&](auto&& call, std::string_view says) {
+    try {
+      call();
+      ADD_FAILURE() << "accepted: " << says;
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(w.snapshot(rt), before) << says;
+  };
+  expect_error([&] { (void)rt.acquire(4, one); }, "layer 4 out of range [0, 4)");
+  expect_error([&] { (void)rt.acquire(0, bad_expert); }, "expert 8 out of range [0, 8) in layer 0");
+  expect_error([&] { (void)rt.acquire(0, twice); }, "expert 3 routed twice");
+  expect_error([&] { (void)rt.acquire(0, too_many); }, "5 experts routed at layer 0 but at most 4");
+  expect_error([&] { rt.prefetch(0, bad_expert); }, "no prefetch stream");
+  expect_error([&] { (void)rt.resize(rt.expert_bytes()); }, "out of range [2, 32]");
+  held.release();
+  EXPECT_THROW(held.release(), invalid_argument);
+  EXPECT_THROW(held.release(any_completion{}), invalid_argument);
+}
+
+// Fault injection at every step of a scenario that loads into free slots and over victims.
+TEST(ExpertRuntime, EveryFailureLeavesEverythingAsBefore) {
+  enum class fault { map, access, loader_throws, loader_size, budget };
+  for (const fault kind : {fault::map, fault::access, fault::loader_throws, fault::loader_size, fault::budget}) {
+    for (int n = 1;; ++n) {
+      runtime_world w;
+      failing_vmm vmm(host_vmm::options{.granularity = w.vmm.granularity()});
+      int loads_until_failure = 0;
+      expert_source<host_stream> source = w.source();
+      auto inner = source.load;
+      source.load = [&, inner](expert_id id, expert_tensor t, std::span<std::byte> page, host_stream& s) {
+        if (loads_until_failure > 0 && --loads_until_failure == 0) {
+          if (kind == fault::loader_throws) {
+            s.copy(page.data(), w.weights(id, t).data(), page.size() / 2);  // half a copy, then the decoder fails
+            throw format_error("injected decode failure");
+          }
+          (void)inner(id, t, page, s);
+          return page.size() - 1;
+        }
+        return inner(id, t, page, s);
+      };
+      expert_runtime<failing_vmm, host_stream, lru_policy> rt(w.geometry, w.account, vmm, w.copy, w.compute, source,
+                                                              {.capacity = 3});
+      // Warm up: three experts resident (free slots), the next group evicts.
+      const std::uint32_t first[] = {0, 1};
+      const std::uint32_t second[] = {2};
+      rt.acquire(0, first).release();
+      rt.acquire(0, second).release();
+      w.compute.synchronize();
+      if (kind == fault::loader_throws || kind == fault::loader_size) loads_until_failure = n;
+      if (kind == fault::map) vmm.fail_map_in = n;
+      if (kind == fault::access) vmm.fail_access_in = n;
+      const std::uint32_t group[] = {3, 4};  // two misses over victims
+      if (kind == fault::budget) {
+        // The account shrinks under the runtime (another pool took it): no fresh blocks, and with
+        // all but one expert pinned there is no victim for the second miss.
+        if (n > 1) break;
+        const std::uint32_t pin[] = {0, 1};
+        auto pinned = rt.acquire(0, pin);
+        const auto before = w.snapshot(rt);
+        const std::size_t used = w.account.used();
+        EXPECT_THROW((void)rt.acquire(2, group), out_of_budget);
+        EXPECT_EQ(w.snapshot(rt), before);
+        EXPECT_EQ(w.account.used(), used);
+        pinned.release();
+        break;
+      }
+      const auto before = w.snapshot(rt);
+      const std::size_t used = w.account.used();
+      try {
+        auto lease = rt.acquire(2, group);
+        w.check_on_compute(rt, 2, group);
+        lease.release();
+        w.compute.synchronize();
+        EXPECT_EQ(w.mismatches.load(), 0U);
+        EXPECT_EQ(w.check_views(rt, vmm), "");
+        EXPECT_GT(n, 1) << "no failure injected at all";
+        break;  // every step has been failed once
+      } catch (const std::exception& e) {
+        w.compute.synchronize();
+        EXPECT_EQ(w.snapshot(rt), before) << "fault " << static_cast<int>(kind) << " at step " << n << ": " << e.what();
+        EXPECT_EQ(w.account.used(), used);
+        EXPECT_EQ(w.check_views(rt, vmm), "") << "step " << n;
+        EXPECT_EQ(rt.statistics().failed_acquires, 1U);
+        if (kind == fault::loader_size) {
+          EXPECT_NE(std::string(e.what()).find("reported"), std::string::npos) << e.what();
+        }
+      }
+      vmm.heal();
+    }
+  }
+}
+
+TEST(ExpertRuntime, PrefetchLoadsOnItsOwnStreamAndNeverDelaysADemandLoad) {
+  runtime_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.max_prefetch_in_flight = 1}, &prefetch);
+  // Hold the prefetch stream behind a gate: its loads cannot finish.
+  std::promise<void> gate;
+  auto opened = gate.get_future().share();
+  prefetch.enqueue([opened] { opened.wait(); });
+  const std::uint32_t ahead[] = {6, 7};
+  rt.prefetch(3, ahead, 1.0F);
+  EXPECT_EQ(rt.statistics().total.prefetches, 1U) << "one in flight at most";
+  EXPECT_EQ(rt.statistics().prefetch_queued, 1U);
+  // A demand load meanwhile completes although the prefetch is stuck.
+  const std::uint32_t routed[] = {2, 3};
+  auto lease = rt.acquire(0, routed);
+  w.check_on_compute(rt, 0, routed);
+  lease.release();
+  w.compute.synchronize();  // would hang if the demand load queued behind the prefetch
+  EXPECT_EQ(w.checked.load(), 2U);
+  EXPECT_EQ(rt.cancel_prefetches(), 1U);
+  gate.set_value();
+  prefetch.synchronize();
+  rt.poll();
+  const std::uint32_t used[] = {6};
+  rt.acquire(3, used).release();
+  const auto s = rt.statistics();
+  EXPECT_EQ(s.total.prefetch_used, 1U);
+  EXPECT_EQ(s.total.prefetch_used_bytes, rt.expert_bytes());
+  EXPECT_EQ(s.prefetch_cancelled, 1U);
+  EXPECT_FALSE(rt.resident({3, 7}));
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
+TEST(ExpertRuntime, PrefetchedExpertsEvictedUnusedCountAsWasted) {
+  runtime_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 2}, &prefetch);
+  const std::uint32_t ahead[] = {4, 5};
+  rt.prefetch(2, ahead);
+  prefetch.synchronize();
+  rt.poll();
+  const std::uint32_t routed[] = {0, 1};
+  rt.acquire(0, routed).release();
+  const auto s = rt.statistics();
+  EXPECT_EQ(s.total.prefetches, 2U);
+  EXPECT_EQ(s.total.prefetch_wasted, 2U);
+  EXPECT_EQ(s.total.prefetch_wasted_bytes, 2 * rt.expert_bytes());
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
+TEST(ExpertRuntime, ResizeShrinksBeforeItGrowsAndReturnsTheBudget) {
+  runtime_world w;
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());
+  const std::uint32_t a[] = {0, 1};
+  const std::uint32_t b[] = {2, 3};
+  rt.acquire(0, a).release();
+  auto held = rt.acquire(0, b);
+  EXPECT_EQ(w.account.used(), 4 * rt.expert_bytes());
+  auto r = rt.resize(2 * rt.expert_bytes());
+  EXPECT_TRUE(r.complete());
+  EXPECT_EQ(w.account.used(), 2 * rt.expert_bytes());
+  EXPECT_EQ(w.vmm.blocks(), 2 * rt.expert_bytes() / w.vmm.granularity()) << "freed blocks go back to the system";
+  EXPECT_TRUE(rt.resident({0, 2}) && rt.resident({0, 3}));
+  r = rt.resize(2 * rt.expert_bytes());
+  EXPECT_TRUE(r.complete());
+  held.release();
+  r = rt.resize(4 * rt.expert_bytes());
+  EXPECT_EQ(rt.capacity(), 4U);
+  rt.acquire(1, a).release();
+  EXPECT_EQ(w.account.used(), 4 * rt.expert_bytes());
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
+TEST(ExpertRuntime, ResizeBelowPinnedExpertsHoldsThemAndShrinksOnRelease) {
+  runtime_world w;
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());
+  const std::uint32_t a[] = {0, 1};
+  const std::uint32_t b[] = {2, 3};
+  auto la = rt.acquire(0, a);
+  auto lb = rt.acquire(0, b);
+  const auto r = rt.resize(2 * rt.expert_bytes());
+  EXPECT_FALSE(r.complete());
+  EXPECT_EQ(r.capacity, 4U);
+  EXPECT_EQ(r.held, 2U);
+  la.release();
+  w.compute.synchronize();
+  lb.release();
+  w.compute.synchronize();
+  rt.poll();
+  EXPECT_LE(rt.statistics().resident, 4U);
+  EXPECT_LE(w.account.used(), 4 * rt.expert_bytes());
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
+TEST(ExpertRuntime, WritesStatisticsAndAChromeTrace) {
+  runtime_world w;
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.trace_events = 1000});
+  const std::uint32_t routed[] = {1, 2};
+  for (std::uint32_t layer = 0; layer < 4; ++layer) {
+    auto lease = rt.acquire(layer, routed);
+    lease.release();
+  }
+  w.compute.synchronize();
+  w.copy.synchronize();
+  std::ostringstream trace;
+  rt.trace().write_json(trace);
+  const std::string json = trace.str();
+  EXPECT_EQ(json.rfind("{\"traceEvents\":[", 0), 0U);
+  EXPECT_NE(json.find("\"cat\":\"load\""), std::string::npos);
+  EXPECT_NE(json.find("\"cat\":\"evict\""), std::string::npos);
+  EXPECT_NE(json.find("\"cat\":\"wait\""), std::string::npos);
+  EXPECT_NE(json.find("\"name\":\"compute stream\""), std::string::npos);
+  std::ostringstream stats;
+  rt.statistics().write_json(stats);
+  EXPECT_NE(stats.str().find("\"misses\":8"), std::string::npos) << stats.str();
+  EXPECT_NE(stats.str().find("\"layers\":["), std::string::npos);
+  const auto set = rt.resident_set();
+  EXPECT_EQ(set.size(), 4U);
+}
+
+// A compute thread acquires and releases while a control thread prefetches and resizes (TSan).
+TEST(ExpertRuntime, StressComputeAgainstControl) {
+  runtime_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.max_prefetch_in_flight = 2}, &prefetch);
+  std::atomic<bool> done{false};
+  std::thread control([&] {
+    std::mt19937_64 rng(11);
+    int round = 0;
+    while (!done.load()) {
+      const auto layer = static_cast<std::uint32_t>(rng() % 4);
+      const std::vector<std::uint32_t> group = w.random_group(rng, 2);
+      rt.prefetch(layer, group, static_cast<float>(rng() % 4));
+      if (++round % 16 == 0) (void)rt.resize((2 + rng() % 3) * rt.expert_bytes());
+      if (round % 7 == 0) (void)rt.cancel_prefetches();
+      if (round % 64 == 0) std::this_thread::yield();
+    }
+  });
+  std::mt19937_64 rng(5);
+  for (int step = 0; step < 1500; ++step) {
+    const auto layer = static_cast<std::uint32_t>(rng() % 4);
+    const std::vector<std::uint32_t> routed = w.random_group(rng, 1 + rng() % 2);
+    try {
+      auto lease = rt.acquire(layer, routed);
+      w.check_on_compute(rt, layer, routed);
+      lease.release();
+    } catch (const out_of_budget&) {
+      // Every slot loading a prefetch: the engine retries the step.
+      w.compute.synchronize();
+      prefetch.synchronize();
+      rt.poll();
+    }
+  }
+  done.store(true);
+  control.join();
+  w.compute.synchronize();
+  prefetch.synchronize();
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_GT(w.checked.load(), 1000U);
+  EXPECT_LE(w.account.used(), w.account.capacity());
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
+}  // namespace
+}  // namespace expage::testing
