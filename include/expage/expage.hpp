@@ -42,6 +42,8 @@
 #include "expage/residency/residency_state.hpp"
 #include "expage/residency/transition_manager.hpp"
 #include "expage/residency/version_record.hpp"
+#include "expage/runtime/event_trace.hpp"
+#include "expage/runtime/expert_runtime.hpp"
 #include "expage/stream/async_stream.hpp"
 #include "expage/stream/host_copy_engine.hpp"
 #include "expage/stream/host_stream.hpp"

@@ -1,0 +1,776 @@
+// moe_decode: a real MoE decode loop on the host backend, every expert weight read through an
+// expert_runtime under a budget that is a fraction of the experts' bytes.
+//
+// Per token and layer: router top-k on the hidden state (moe/routing.hpp), or the routing of a
+// recorded trace (--trace FILE); group the (token, k) pairs by expert; acquire the routed experts
+// from the runtime (hits at once, misses loaded on the copy stream); run the reference SwiGLU
+// expert FFN on the compute stream, reading the weights through one of the runtime's views
+// (--view records|stable|slots); release the lease after the FFN, in stream order. Every layer's
+// output is checked against the same FFN over all-resident weights: bit-exact for bf16, within
+// the documented int4 error (relative RMS ≤ 0.3, docs/kernels.md) for --precision int4.
+//
+// Weights come from seeds: held in host memory when they fit (--host-limit), otherwise generated
+// by the loader itself (the full-size model needs no full-size memory); or from a safetensors
+// file (--weights FILE, written by --write-weights FILE).
+//
+//   moe_decode                                   OLMoE-1B-7B at 1/8 scale, 25% budget, 32 tokens
+//   moe_decode --geometry mixtral-8x7b --scale 16 --trace ../shared/traces/.../humaneval_2_routing.jsonl
+//   moe_decode --quick                           a short run (the CI test)
+//   moe_decode --trace-out trace.json --json stats.json
+#include <expage/expage.hpp>
+#include <expage/runtime/expert_runtime.hpp>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <atomic>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace {
+
+using namespace expage::literals;
+using expage::expert_id;
+using expage::expert_tensor;
+using expage::precision;
+using clock_type = std::chrono::steady_clock;
+
+struct usage_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct options {
+  std::string geometry = "olmoe-1b-7b";
+  std::uint32_t scale = 8;
+  std::uint32_t tokens = 0;  // 0: 32 tokens routed by the model, or the whole trace
+  double budget = 0.25;
+  std::string trace;
+  std::string trace_out;
+  std::string json;
+  std::string weights;
+  std::string write_weights;
+  std::string view = "records";
+  precision format = precision::bf16;
+  std::string policy = "lru";
+  std::uint64_t host_limit = 4_GiB;
+  bool check = true;
+  bool physics = false;
+  std::uint32_t problem = std::numeric_limits<std::uint32_t>::max();
+};
+
+[[noreturn]] void usage(const std::string& why) { throw usage_error(why); }
+
+std::uint64_t parse_uint(std::string_view flag, std::string_view v, std::uint64_t lo, std::uint64_t hi) {
+  std::uint64_t x = 0;
+  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+  if (ec != std::errc{} || end != v.data() + v.size() || x < lo || x > hi) {
+    usage(fmt::format("{} '{}' is not an integer in [{}, {}]", flag, v, lo, hi));
+  }
+  return x;
+}
+
+options parse(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view a = argv[i];
+    const auto value = [&]() -> std::string_view {
+      if (i + 1 >= argc) usage(fmt::format("{} needs a value", a));
+      return argv[++i];
+    };
+    if (a == "--geometry") {
+      o.geometry = value();
+    } else if (a == "--scale") {
+      o.scale = static_cast<std::uint32_t>(parse_uint(a, value(), 1, 1024));
+    } else if (a == "--tokens") {
+      o.tokens = static_cast<std::uint32_t>(parse_uint(a, value(), 1, 1U << 24));
+    } else if (a == "--budget") {
+      std::string v(value());
+      if (v.empty() || v.back() != '%') usage(fmt::format("--budget '{}' must be a percentage, e.g. 25%", v));
+      o.budget = static_cast<double>(parse_uint(a, std::string_view(v).substr(0, v.size() - 1), 1, 100)) / 100.0;
+    } else if (a == "--trace") {
+      o.trace = value();
+    } else if (a == "--problem") {
+      o.problem = static_cast<std::uint32_t>(parse_uint(a, value(), 0, 1U << 30));
+    } else if (a == "--trace-out") {
+      o.trace_out = value();
+    } else if (a == "--json") {
+      o.json = value();
+    } else if (a == "--weights") {
+      o.weights = value();
+    } else if (a == "--write-weights") {
+      o.write_weights = value();
+    } else if (a == "--view") {
+      o.view = value();
+      if (o.view != "records" && o.view != "stable" && o.view != "slots") {
+        usage(fmt::format("--view '{}' is not records, stable or slots", o.view));
+      }
+    } else if (a == "--precision") {
+      const std::string_view v = value();
+      if (v != "bf16" && v != "int4") usage(fmt::format("--precision '{}' is not bf16 or int4", v));
+      o.format = v == "bf16" ? precision::bf16 : precision::int4;
+    } else if (a == "--policy") {
+      o.policy = value();
+      if (o.policy != "lru" && o.policy != "lfu" && o.policy != "next-turn") {
+        usage(fmt::format("--policy '{}' is not lru, lfu or next-turn", o.policy));
+      }
+    } else if (a == "--host-limit") {
+      o.host_limit = parse_uint(a, value(), 0, 1ULL << 50);
+    } else if (a == "--no-check") {
+      o.check = false;
+    } else if (a == "--physics") {
+      o.physics = true;
+    } else if (a == "--quick") {
+      o.tokens = 4;
+      o.scale = 16;
+    } else if (a == "--help" || a == "-h") {
+      std::puts(
+          "moe_decode [--geometry NAME] [--scale N] [--tokens N] [--budget P%] [--trace FILE [--problem ID]]\n"
+          "           [--precision bf16|int4] [--view records|stable|slots] [--policy lru|lfu|next-turn]\n"
+          "           [--weights FILE] [--write-weights FILE] [--trace-out FILE] [--json FILE]\n"
+          "           [--host-limit BYTES] [--no-check] [--physics] [--quick]");
+      std::exit(0);
+    } else {
+      usage(fmt::format("unknown option '{}' (see --help)", a));
+    }
+  }
+  return o;
+}
+
+// --- the model ------------------------------------------------------------------------------
+
+expage::moe_geometry scaled(const expage::moe_geometry& g, std::uint32_t scale) {
+  auto c = g.configuration();
+  c.hidden_size = std::max<std::uint64_t>(1, c.hidden_size / scale);
+  c.intermediate_size = std::max<std::uint64_t>(1, c.intermediate_size / scale);
+  c.group_size = static_cast<std::uint32_t>(std::min<std::uint64_t>(c.group_size, c.hidden_size));
+  if (scale != 1) c.name += fmt::format("/{}", scale);
+  return expage::moe_geometry(c);
+}
+
+std::uint64_t mix(std::uint64_t x) {  // splitmix64
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+// A weight in [-a, a] from a seed and an index, as bf16.
+std::uint16_t weight_bf16(std::uint64_t seed, std::uint64_t i, float a) {
+  const double u = static_cast<double>(mix(seed * 0x100000001B3ULL + i) >> 11) * 0x1.0p-53;
+  return expage::float_to_bf16(static_cast<float>((2.0 * u - 1.0) * static_cast<double>(a)));
+}
+
+// Generates tensor t of expert id in bf16 (the model's "true" weights).
+void generate_bf16(const expage::moe_geometry& g, expert_id id, expert_tensor t, std::span<std::uint16_t> out) {
+  const std::uint64_t seed = g.flat_index(id) * 2 + static_cast<std::uint64_t>(t) + 1;
+  const float a = 1.0F / std::sqrt(static_cast<float>(g.shape(t).cols));
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = weight_bf16(seed, i, a);
+}
+
+// The stored form of tensor t in `format` (bf16 bytes, or group_quant packing).
+std::vector<std::byte> stored_tensor(const expage::moe_geometry& g, expert_id id, expert_tensor t, precision format) {
+  std::vector<std::uint16_t> w(g.shape(t).elements());
+  generate_bf16(g, id, t, w);
+  if (format == precision::bf16) {
+    std::vector<std::byte> out(w.size() * 2);
+    std::memcpy(out.data(), w.data(), out.size());
+    return out;
+  }
+  std::vector<float> f(w.size());
+  for (std::size_t i = 0; i < w.size(); ++i) f[i] = expage::bf16_to_float(w[i]);
+  return expage::quantize_groups(f, expage::group_quant_layout(format, g.shape(t), g.group_size()));
+}
+
+// --- safetensors -----------------------------------------------------------------------------
+
+std::string tensor_name(expert_id id, expert_tensor t) {
+  return fmt::format("model.layers.{}.mlp.experts.{}.{}", id.layer, id.expert, to_string(t));
+}
+
+// Writes every expert's bf16 tensors as a safetensors file (8-byte header length, JSON header, data).
+void write_safetensors(const std::filesystem::path& path, const expage::moe_geometry& g) {
+  std::string header = "{";
+  std::uint64_t offset = 0;
+  for (std::uint64_t f = 0; f < g.expert_count(); ++f) {
+    for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+      const auto s = g.shape(t);
+      const std::uint64_t bytes = s.elements() * 2;
+      header += fmt::format(R"({}"{}":{{"dtype":"BF16","shape":[{},{}],"data_offsets":[{},{}]}})",
+                            header.size() > 1 ? "," : "", tensor_name(g.expert_at(f), t), s.rows, s.cols, offset,
+                            offset + bytes);
+      offset += bytes;
+    }
+  }
+  header += R"(,"__metadata__":{"format":"pt","model":")" + g.name() + "\"}}";
+  while (header.size() % 8 != 0) header += ' ';
+  const std::filesystem::path tmp = path.string() + ".tmp";
+  std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+  const std::uint64_t n = header.size();
+  out.write(reinterpret_cast<const char*>(&n), 8);
+  out.write(header.data(), static_cast<std::streamsize>(header.size()));
+  for (std::uint64_t f = 0; f < g.expert_count(); ++f) {
+    for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+      std::vector<std::uint16_t> w(g.shape(t).elements());
+      generate_bf16(g, g.expert_at(f), t, w);
+      out.write(reinterpret_cast<const char*>(w.data()), static_cast<std::streamsize>(w.size() * 2));
+    }
+  }
+  out.close();
+  if (!out) throw std::runtime_error(fmt::format("cannot write {}: {}", tmp.string(), std::strerror(errno)));
+  std::filesystem::rename(tmp, path);
+}
+
+// A read-only mapping of a safetensors file and the byte range of every tensor named in its header.
+class safetensors_file {
+ public:
+  explicit safetensors_file(const std::filesystem::path& path) : path_(path.string()) {
+    const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw std::runtime_error(fmt::format("cannot open {}: {}", path_, std::strerror(errno)));
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < 8) {
+      ::close(fd);
+      throw std::runtime_error(fmt::format("{}: not a safetensors file (a regular file of at least 8 bytes)", path_));
+    }
+    size_ = static_cast<std::size_t>(st.st_size);
+    void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    ::close(fd);
+    if (p == MAP_FAILED) throw std::runtime_error(fmt::format("cannot map {}: {}", path_, std::strerror(errno)));
+    base_ = static_cast<const std::byte*>(p);
+    std::uint64_t n = 0;
+    std::memcpy(&n, base_, 8);
+    if (n > size_ - 8) throw std::runtime_error(fmt::format("{}: header of {} bytes past the file's end", path_, n));
+    parse_header(std::string_view(reinterpret_cast<const char*>(base_ + 8), n));
+    data_ = base_ + 8 + n;
+    data_bytes_ = size_ - 8 - n;
+  }
+  safetensors_file(const safetensors_file&) = delete;
+  safetensors_file& operator=(const safetensors_file&) = delete;
+  ~safetensors_file() { ::munmap(const_cast<std::byte*>(base_), size_); }
+
+  // The bytes of tensor @p name, checked against the dtype and shape the caller expects.
+  [[nodiscard]] std::span<const std::byte> tensor(const std::string& name, expage::tensor_shape shape) const {
+    const auto it = tensors_.find(name);
+    if (it == tensors_.end()) throw std::runtime_error(fmt::format("{}: no tensor {}", path_, name));
+    const entry& e = it->second;
+    if (e.dtype != "BF16" || e.shape != std::vector<std::uint64_t>{shape.rows, shape.cols}) {
+      throw std::runtime_error(fmt::format("{}: tensor {} is {} {}, expected BF16 [{}, {}]", path_, name, e.dtype,
+                                           fmt::join(e.shape, "×"), shape.rows, shape.cols));
+    }
+    if (e.end < e.begin || e.end > data_bytes_ || e.end - e.begin != shape.elements() * 2) {
+      throw std::runtime_error(fmt::format("{}: tensor {} has data offsets [{}, {}) in {} data bytes", path_, name,
+                                           e.begin, e.end, data_bytes_));
+    }
+    return {data_ + e.begin, e.end - e.begin};
+  }
+
+ private:
+  struct entry {
+    std::string dtype;
+    std::vector<std::uint64_t> shape;
+    std::uint64_t begin = 0, end = 0;
+  };
+  // The header is one JSON object of objects; this reads exactly what safetensors writers emit.
+  void parse_header(std::string_view h) {
+    std::size_t i = 0;
+    const auto fail = [&](std::string_view what) -> void {
+      throw std::runtime_error(fmt::format("{}: bad header at byte {}: {}", path_, 8 + i, what));
+    };
+    const auto ws = [&] {
+      while (i < h.size() && (h[i] == ' ' || h[i] == '\n' || h[i] == '\t' || h[i] == '\r')) ++i;
+    };
+    const auto expect = [&](char c) {
+      ws();
+      if (i >= h.size() || h[i] != c) fail(fmt::format("expected '{}'", c));
+      ++i;
+    };
+    const auto string = [&] {
+      expect('"');
+      std::string s;
+      while (i < h.size() && h[i] != '"') {
+        if (h[i] == '\\') fail("escapes are not supported in names");
+        s += h[i++];
+      }
+      expect('"');
+      return s;
+    };
+    const auto number = [&] {
+      ws();
+      std::uint64_t x = 0;
+      const auto [end, ec] = std::from_chars(h.data() + i, h.data() + h.size(), x);
+      if (ec != std::errc{}) fail("expected an unsigned integer");
+      i = static_cast<std::size_t>(end - h.data());
+      return x;
+    };
+    const auto numbers = [&] {
+      std::vector<std::uint64_t> v;
+      expect('[');
+      ws();
+      if (i < h.size() && h[i] == ']') {
+        ++i;
+        return v;
+      }
+      for (;;) {
+        v.push_back(number());
+        ws();
+        if (i < h.size() && h[i] == ',') {
+          ++i;
+          continue;
+        }
+        expect(']');
+        return v;
+      }
+    };
+    const auto skip_object = [&] {  // __metadata__: string to string
+      expect('{');
+      ws();
+      if (i < h.size() && h[i] == '}') {
+        ++i;
+        return;
+      }
+      for (;;) {
+        (void)string();
+        expect(':');
+        (void)string();
+        ws();
+        if (i < h.size() && h[i] == ',') {
+          ++i;
+          continue;
+        }
+        expect('}');
+        return;
+      }
+    };
+    expect('{');
+    for (;;) {
+      const std::string name = string();
+      expect(':');
+      if (name == "__metadata__") {
+        skip_object();
+      } else {
+        entry e;
+        expect('{');
+        for (;;) {
+          const std::string key = string();
+          expect(':');
+          if (key == "dtype") {
+            e.dtype = string();
+          } else if (key == "shape") {
+            e.shape = numbers();
+          } else if (key == "data_offsets") {
+            const auto o = numbers();
+            if (o.size() != 2) fail("data_offsets needs two values");
+            e.begin = o[0];
+            e.end = o[1];
+          } else {
+            fail(fmt::format("unknown key '{}'", key));
+          }
+          ws();
+          if (i < h.size() && h[i] == ',') {
+            ++i;
+            continue;
+          }
+          expect('}');
+          break;
+        }
+        tensors_.emplace(name, std::move(e));
+      }
+      ws();
+      if (i < h.size() && h[i] == ',') {
+        ++i;
+        continue;
+      }
+      expect('}');
+      break;
+    }
+  }
+
+  std::string path_;
+  const std::byte* base_ = nullptr;
+  std::size_t size_ = 0;
+  const std::byte* data_ = nullptr;
+  std::size_t data_bytes_ = 0;
+  std::map<std::string, entry> tensors_;
+};
+
+// --- where the runtime's loads come from -------------------------------------------------
+
+// Every expert's stored bytes in host memory (generated, or read from safetensors), or nothing
+// when they do not fit: the loader then generates each tensor as it loads it.
+class weight_store {
+ public:
+  weight_store(const expage::moe_geometry& g, precision format, const options& o) : g_(g), format_(format) {
+    if (!o.weights.empty()) file_.emplace(o.weights);
+    const std::uint64_t total = g.total_expert_bytes(format);
+    if (total > o.host_limit) return;
+    tensors_.reserve(g.expert_count() * 2);
+    for (std::uint64_t f = 0; f < g.expert_count(); ++f) {
+      for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+        tensors_.push_back(read(g.expert_at(f), t));
+      }
+    }
+  }
+  [[nodiscard]] bool in_memory() const { return !tensors_.empty(); }
+
+  // The tensor's stored bytes: from memory, the file, or the generator.
+  [[nodiscard]] std::vector<std::byte> read(expert_id id, expert_tensor t) const {
+    if (!file_) return stored_tensor(g_, id, t, format_);
+    const auto bytes = file_->tensor(tensor_name(id, t), g_.shape(t));
+    if (format_ == precision::bf16) return {bytes.begin(), bytes.end()};
+    std::vector<float> f(g_.shape(t).elements());
+    for (std::size_t i = 0; i < f.size(); ++i) {
+      std::uint16_t b = 0;
+      std::memcpy(&b, bytes.data() + 2 * i, 2);
+      f[i] = expage::bf16_to_float(b);
+    }
+    return expage::quantize_groups(f, expage::group_quant_layout(format_, g_.shape(t), g_.group_size()));
+  }
+
+  [[nodiscard]] expage::expert_source<expage::host_stream> source() const {
+    return {.format = format_,
+            .load = [this](expert_id id, expert_tensor t, std::span<std::byte> page, expage::host_stream& s) {
+              if (in_memory()) {
+                const auto& w = tensors_[g_.flat_index(id) * 2 + static_cast<std::size_t>(t)];
+                s.copy(page.data(), w.data(), w.size());  // a real copy, as a DMA would do
+                return w.size();
+              }
+              const std::size_t bytes = static_cast<std::size_t>(g_.tensor_bytes(t, format_));
+              s.enqueue([this, id, t, page] {  // the decompressor hook: generate (or read) into the page
+                const auto w = read(id, t);
+                std::memcpy(page.data(), w.data(), w.size());
+              });
+              return bytes;
+            }};
+  }
+
+ private:
+  expage::moe_geometry g_;
+  precision format_;
+  std::optional<safetensors_file> file_;
+  std::vector<std::vector<std::byte>> tensors_;
+};
+
+// --- the decode loop ---------------------------------------------------------------------------
+
+// Resident experts a budget fraction buys (at least one layer's routed experts).
+std::uint64_t experts_for(double budget, const expage::moe_geometry& g) {
+  const auto share = static_cast<std::uint64_t>(std::floor(budget * static_cast<double>(g.expert_count())));
+  return std::max<std::uint64_t>(g.top_k(), share);
+}
+
+// One token-layer step: the routing of each token of the group.
+struct step_routing {
+  std::uint32_t layer = 0;
+  std::vector<std::uint32_t> tokens;  // slots of the tokens' hidden states
+  std::vector<std::int32_t> ids;      // [tokens × top_k]
+  std::vector<float> weights;         // [tokens × top_k]
+};
+
+double relative_rms(std::span<const float> a, std::span<const float> ref) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double d = static_cast<double>(a[i]) - static_cast<double>(ref[i]);
+    num += d * d;
+    den += static_cast<double>(ref[i]) * static_cast<double>(ref[i]);
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+struct run_result {
+  std::uint64_t tokens = 0;
+  double wall_s = 0;
+  double compute_s = 0;  // FFN time on the compute stream
+  double check_s = 0;
+  std::uint64_t mismatching_layers = 0;
+  double worst_error = 0;
+  expage::runtime_statistics stats;
+};
+
+template <class Policy>
+run_result decode(const options& o, const expage::moe_geometry& g, const weight_store& store, double budget,
+                  std::span<const step_routing> replay, bool quiet) {
+  // Granules small enough that rounding a page up wastes little, large enough to keep mappings few.
+  const std::uint64_t down = g.tensor_bytes(expert_tensor::down, o.format);
+  const std::size_t granularity = down >= 32_MiB ? 2_MiB : down >= 1_MiB ? 64_KiB : 4_KiB;
+  expage::host_vmm vmm({.granularity = granularity});
+  const std::uint64_t page =
+      (g.tensor_bytes(expert_tensor::gate_up, o.format) + granularity - 1) / granularity * granularity +
+      (g.tensor_bytes(expert_tensor::down, o.format) + granularity - 1) / granularity * granularity;
+  const std::uint64_t capacity = experts_for(budget, g);
+  expage::budget_tracker tracker(capacity * page, "experts");
+  expage::host_stream copy("copy"), compute("compute");
+  expage::expert_runtime<expage::host_vmm, expage::host_stream, Policy> rt(
+      g, tracker.root(), vmm, copy, compute, store.source(),
+      {.views = {.stable_tensors = o.view == "stable" || o.view == "records",
+                 .slots = o.view == "slots",
+                 .records = o.view == "records"},
+       .trace_events = o.trace_out.empty() || quiet ? 0 : std::size_t{1} << 20});
+
+  const std::uint64_t H = g.hidden_size();
+  const std::uint32_t E = g.experts_per_layer(), K = g.top_k();
+  const auto shape = expage::expert_ffn_shape::of(g);
+  // Router weights [E × H] per layer (synthetic mode) and hidden states per token.
+  std::vector<std::vector<float>> router(g.layers());
+  for (std::uint32_t l = 0; l < g.layers(); ++l) {
+    router[l].resize(E * H);
+    for (std::size_t i = 0; i < router[l].size(); ++i) {
+      router[l][i] = expage::bf16_to_float(weight_bf16(0xA0 + l, i, 1.0F));
+    }
+  }
+  std::map<std::uint32_t, std::vector<float>> hidden;  // token slot → state
+  const auto state_of = [&](std::uint32_t token) -> std::vector<float>& {
+    auto [it, fresh] = hidden.try_emplace(token);
+    if (fresh) {
+      it->second.resize(H);
+      for (std::size_t i = 0; i < H; ++i) it->second[i] = expage::bf16_to_float(weight_bf16(0x70 + token, i, 1.0F));
+    }
+    return it->second;
+  };
+  // The all-resident reference: every expert's bf16 weights (or generated on demand).
+  std::map<std::uint64_t, std::array<std::vector<std::byte>, 2>> reference_weights;
+  const auto reference_record = [&](expert_id id) {
+    auto& w = reference_weights[g.flat_index(id)];
+    if (w[0].empty()) {
+      for (std::size_t t = 0; t < 2; ++t) w[t] = stored_tensor(g, id, static_cast<expert_tensor>(t), precision::bf16);
+    }
+    return expage::packed_version_record(precision::bf16, w[0].data(), w[1].data(), shape);
+  };
+
+  run_result r;
+  std::vector<float> x, out, ref;
+  std::vector<std::uint32_t> offsets(E + 1), order, position;
+  std::vector<std::int32_t> ids;
+  std::vector<float> weights;
+  std::vector<expage::version_record> records(E), reference(E);
+  std::atomic<std::uint64_t> compute_ns{0};
+  const auto t0 = clock_type::now();
+  const std::uint32_t tokens_asked = o.tokens == 0 ? 32 : o.tokens;
+  const std::uint64_t steps = replay.empty() ? std::uint64_t{tokens_asked} * g.layers() : replay.size();
+  for (std::uint64_t s = 0; s < steps; ++s) {
+    const std::uint32_t layer = replay.empty() ? static_cast<std::uint32_t>(s % g.layers()) : replay[s].layer;
+    std::vector<std::uint32_t> tokens = replay.empty() ? std::vector<std::uint32_t>{0} : replay[s].tokens;
+    const auto n = static_cast<std::uint32_t>(tokens.size());
+    x.resize(n * H);
+    for (std::uint32_t i = 0; i < n; ++i)
+      std::ranges::copy(state_of(tokens[i]), x.begin() + static_cast<std::ptrdiff_t>(i * H));
+    ids.resize(n * K);
+    weights.resize(n * K);
+    if (replay.empty()) {
+      std::vector<float> logits(n * E);
+      for (std::uint32_t i = 0; i < n; ++i) {
+        for (std::uint32_t e = 0; e < E; ++e) {
+          double acc = 0;
+          for (std::uint64_t h = 0; h < H; ++h)
+            acc += static_cast<double>(router[layer][e * H + h]) * static_cast<double>(x[i * H + h]);
+          logits[i * E + e] = static_cast<float>(acc);
+        }
+      }
+      std::vector<std::uint32_t> counts(E);
+      expage::router_top_k(logits, {.tokens = n, .experts = E, .top_k = K}, expage::router_gating::softmax_renormalized,
+                           ids, weights, counts);
+    } else {
+      ids = replay[s].ids;
+      weights = replay[s].weights;
+    }
+    order.resize(n * K);
+    position.resize(n * K);
+    expage::group_by_expert(ids, E, offsets, order, position);
+    std::vector<std::uint32_t> routed;
+    for (std::uint32_t e = 0; e < E; ++e) {
+      if (offsets[e + 1] > offsets[e]) routed.push_back(e);
+    }
+    auto lease = rt.acquire(layer, routed);
+    // The FFN reads the weights through the chosen view; the lease's experts' entries are fixed.
+    if (o.view == "records") {
+      std::ranges::copy(rt.records(layer), records.begin());
+    } else {
+      for (const std::uint32_t e : routed) {
+        std::byte* gu = nullptr;
+        std::byte* dn = nullptr;
+        if (o.view == "stable") {
+          gu = rt.stable_tensor(layer, expert_tensor::gate_up) + e * rt.page_bytes(expert_tensor::gate_up);
+          dn = rt.stable_tensor(layer, expert_tensor::down) + e * rt.page_bytes(expert_tensor::down);
+        } else {
+          const std::int32_t slot = rt.expert_map(layer)[e];
+          gu = rt.slot_address(slot, expert_tensor::gate_up);
+          dn = rt.slot_address(slot, expert_tensor::down);
+        }
+        records[e] = expage::packed_version_record(o.format, gu, dn, shape);
+      }
+    }
+    out.assign(n * H, 0.0F);
+    compute.enqueue([&, n] {
+      const auto c0 = clock_type::now();
+      expage::expert_ffn(x, K, offsets, order, weights, records, shape, out);
+      compute_ns += static_cast<std::uint64_t>((clock_type::now() - c0).count());
+    });
+    lease.release();  // after the FFN, in compute-stream order
+    expage::host_event done;
+    compute.record(done);
+    if (o.check) {
+      const auto c0 = clock_type::now();
+      for (const std::uint32_t e : routed) reference[e] = reference_record({layer, e});
+      ref.assign(n * H, 0.0F);
+      expage::expert_ffn(x, K, offsets, order, weights, reference, shape, ref);
+      done.synchronize();
+      const bool exact = o.format == precision::bf16;
+      const double err = relative_rms(out, ref);
+      r.worst_error = std::max(r.worst_error, err);
+      if (exact ? std::memcmp(out.data(), ref.data(), out.size() * sizeof(float)) != 0 : err > 0.3) {
+        ++r.mismatching_layers;
+      }
+      r.check_s += std::chrono::duration<double>(clock_type::now() - c0).count();
+    } else {
+      done.synchronize();
+    }
+    // Residual update and a norm, so the states stay in range over many layers.
+    for (std::uint32_t i = 0; i < n; ++i) {
+      auto& st = state_of(tokens[i]);
+      double sq = 0;
+      for (std::uint64_t h = 0; h < H; ++h) {
+        st[h] += out[i * H + h];
+        sq += static_cast<double>(st[h]) * static_cast<double>(st[h]);
+      }
+      const auto inv = static_cast<float>(1.0 / std::sqrt(sq / static_cast<double>(H) + 1e-6));
+      for (std::uint64_t h = 0; h < H; ++h) st[h] *= inv;
+    }
+    if (layer + 1 == g.layers()) r.tokens += n;
+  }
+  compute.synchronize();
+  r.wall_s = std::chrono::duration<double>(clock_type::now() - t0).count();
+  r.compute_s = static_cast<double>(compute_ns.load()) * 1e-9;
+  r.stats = rt.statistics();
+  if (!quiet && !o.trace_out.empty()) {
+    const std::filesystem::path tmp = o.trace_out + ".tmp";
+    std::ofstream f(tmp);
+    rt.trace().write_json(f);
+    f.close();
+    if (!f) throw std::runtime_error(fmt::format("cannot write {}: {}", o.trace_out, std::strerror(errno)));
+    std::filesystem::rename(tmp, o.trace_out);
+  }
+  return r;
+}
+
+std::vector<step_routing> load_trace(const options& o, const expage::moe_geometry& g) {
+  expage::routing_trace trace = expage::read_trace(o.trace, g);
+  std::vector<step_routing> steps;
+  std::map<std::uint32_t, std::uint32_t> token_slot;  // sequence → hidden state
+  std::uint64_t tokens = 0;
+  for (const expage::routing_event e : trace) {
+    if (o.problem != std::numeric_limits<std::uint32_t>::max() && e.sequence != o.problem) continue;
+    if (steps.empty() || steps.back().layer != e.layer || steps.back().tokens.size() == g.experts_per_layer()) {
+      if (e.layer == 0 && o.tokens != 0 && ++tokens > o.tokens) break;
+      steps.push_back({.layer = e.layer, .tokens = {}, .ids = {}, .weights = {}});
+    }
+    steps.back().tokens.push_back(
+        token_slot.try_emplace(e.sequence, static_cast<std::uint32_t>(token_slot.size())).first->second);
+    for (std::size_t k = 0; k < e.experts.size(); ++k) {
+      steps.back().ids.push_back(static_cast<std::int32_t>(e.experts[k]));
+      steps.back().weights.push_back(e.weights[k]);
+    }
+  }
+  return steps;
+}
+
+template <class Policy>
+int run(const options& o) {
+  const expage::moe_geometry g = scaled(expage::moe_geometry::preset(o.geometry), o.scale);
+  if (!o.write_weights.empty()) {
+    write_safetensors(o.write_weights, g);
+    fmt::print("wrote {} experts of {} ({} bf16) to {}\n", g.expert_count(), g.name(),
+               expage::byte_size{g.total_expert_bytes(precision::bf16)}, o.write_weights);
+    return 0;
+  }
+  std::vector<step_routing> replay;
+  if (!o.trace.empty()) {
+    if (!std::filesystem::exists(o.trace)) {
+      fmt::print("moe_decode: trace {} not found: skipped\n", o.trace);
+      return 77;  // ctest's skip code
+    }
+    replay = load_trace(o, expage::moe_geometry::preset(o.geometry));
+  }
+  const weight_store store(g, o.format, o);
+  fmt::print(
+      "moe_decode: {} ({} layers × {} experts, top-{}, {} per expert in {}), budget {:.0f}% ({} experts), {}, "
+      "view {}, policy {}, weights {}\n",
+      g.name(), g.layers(), g.experts_per_layer(), g.top_k(), expage::byte_size{g.expert_bytes(o.format)}, o.format,
+      o.budget * 100, experts_for(o.budget, g),
+      replay.empty() ? fmt::format("{} tokens routed by the model", o.tokens == 0 ? 32 : o.tokens)
+                     : fmt::format("{} layer steps replayed from {}", replay.size(), o.trace),
+      o.view, o.policy,
+      !o.weights.empty()  ? o.weights
+      : store.in_memory() ? "generated, in host memory"
+                          : "generated by the loader");
+  const run_result r = decode<Policy>(o, g, store, o.budget, replay, false);
+  const auto& t = r.stats.total;
+  fmt::print("  tokens {}  in {:.2f} s  ({:.1f} tokens/s)\n", r.tokens, r.wall_s,
+             static_cast<double>(r.tokens) / r.wall_s);
+  fmt::print("  tier {}: hits {}  misses {}  hit rate {:.1f}%  evictions {}\n", r.stats.tier, t.hits, t.misses,
+             100 * r.stats.hit_ratio(), t.evictions);
+  fmt::print("  bytes moved {}  compute {:.3f} s  waiting on loads {:.3f} s  checking {:.3f} s\n",
+             expage::byte_size{t.bytes_loaded}, r.compute_s, static_cast<double>(t.load_wait_ns) * 1e-9, r.check_s);
+  if (o.check) {
+    fmt::print("  check against all-resident weights: {} of {} layer steps differ ({}), worst relative RMS {:.2e}\n",
+               r.mismatching_layers, t.acquires, o.format == precision::bf16 ? "bit-exact required" : "≤ 0.3 required",
+               r.worst_error);
+  }
+  if (o.physics) {
+    // The physics: all-resident compute + bytes moved / memcpy bandwidth, measured now.
+    options all = o;
+    all.check = false;
+    const run_result resident = decode<Policy>(all, g, store, 1.0, replay, true);
+    std::vector<std::byte> a(64_MiB, std::byte{1}), b(64_MiB);
+    const auto m0 = clock_type::now();
+    for (int i = 0; i < 8; ++i) std::memcpy(b.data(), a.data(), a.size());
+    const double bw =
+        8.0 * static_cast<double>(a.size()) / std::chrono::duration<double>(clock_type::now() - m0).count();
+    options timed = o;
+    timed.check = false;
+    const run_result paged = decode<Policy>(timed, g, store, o.budget, replay, true);
+    const double physics = resident.wall_s + static_cast<double>(paged.stats.total.bytes_loaded) / bw;
+    fmt::print("  physics: all-resident {:.3f} s + {} / {:.1f} GB/s = {:.3f} s; paged {:.3f} s: {:.3f}× the physics\n",
+               resident.wall_s, expage::byte_size{paged.stats.total.bytes_loaded}, bw * 1e-9, physics, paged.wall_s,
+               paged.wall_s / physics);
+  }
+  if (!o.json.empty()) {
+    std::ofstream f(o.json);
+    r.stats.write_json(f);
+    f << '\n';
+    if (!f) throw std::runtime_error(fmt::format("cannot write {}: {}", o.json, std::strerror(errno)));
+  }
+  if (!o.trace_out.empty()) fmt::print("  Chrome trace: {}\n", o.trace_out);
+  return o.check && r.mismatching_layers != 0 ? 1 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const options o = parse(argc, argv);
+    if (o.policy == "lfu") return run<expage::lfu_policy>(o);
+    if (o.policy == "next-turn") return run<expage::next_turn_policy>(o);
+    return run<expage::lru_policy>(o);
+  } catch (const usage_error& e) {
+    fmt::print(stderr, "moe_decode: {}\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "moe_decode: {}\n", e.what());
+    return 1;
+  }
+}
