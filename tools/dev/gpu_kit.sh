@@ -8,8 +8,7 @@
 #   cmake --preset release-cuda && cmake --build --preset release-cuda -j2   # here
 #   tools/dev/gpu_kit.sh build/release-cuda                                   # here
 #   device run, carry [".gpu-kit"]:  .gpu-kit/run.sh tests                   # one call each
-#   device run, carry [".gpu-kit"]:  .gpu-kit/run.sh kernels
-#   device run, carry [".gpu-kit"]:  .gpu-kit/run.sh transfers
+#   device run, carry [".gpu-kit"]:  .gpu-kit/run.sh bench                   # (or kernels, transfers)
 #
 # Usage: gpu_kit.sh [BUILD_DIR (build/release)] [KIT_DIR (.gpu-kit)]
 # run.sh writes its logs, the benchmarks' JSON and the summary to $OUT; its exit status and the

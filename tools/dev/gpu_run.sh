@@ -2,12 +2,14 @@
 # Runs one part of the GPU kit that tools/dev/gpu_kit.sh packs (copied into the kit as run.sh),
 # on a machine with a GPU. Each part ends well inside one 10-minute device call:
 #
-#   run.sh tests       every GPU test, each in its own process          (about 2 min; budget 480 s)
-#   run.sh kernels     bench/kernels_bench: decode, dequant, routing,   (about 3 min; timeout 480 s)
+#   run.sh tests       every GPU test, each in its own process          (1-2 min; budget 480 s)
+#   run.sh bench       the three benchmarks below in one call           (3-4 min; timeouts 330+150+60 s)
+#   run.sh kernels     bench/kernels_bench: decode, dequant, routing,   (2-3 min; timeout 480 s)
 #                      FFN beside the device-to-device copy
-#   run.sh transfers   bench/cuda_copy_bench and bench/cuda_vmm_bench   (about 2 min; timeouts 300 + 120 s)
-#   run.sh bench       kernels, then transfers                          (about 5 min: only on a warm
-#                                                                         machine with time to spare)
+#   run.sh transfers   bench/cuda_copy_bench and bench/cuda_vmm_bench   (about 1 min; timeouts 300+120 s)
+#
+# Two calls (tests, then bench) are the cheapest; kernels + transfers split bench when its
+# timeouts are too short. (Durations are estimates until the kit has run on a GPU.)
 #
 # Every binary runs under `timeout`. Each GPU test (one gtest case) runs in a process of its own,
 # so a device fault, which poisons every later CUDA call of its process, costs one test, not the
@@ -36,7 +38,6 @@ set -uo pipefail
 kit=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-$kit/out}
 part=${1:-}
-mkdir -p "$out"
 export LD_LIBRARY_PATH="$kit/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 usage() {
@@ -44,6 +45,7 @@ usage() {
   exit 2
 }
 case "$part" in tests | kernels | transfers | bench) ;; *) usage ;; esac
+mkdir -p "$out"
 
 start=$SECONDS
 status=0
