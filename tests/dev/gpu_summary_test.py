@@ -191,6 +191,16 @@ class SummaryTest(unittest.TestCase):
         self.assertEqual(rc, 1, out)
         self.assertIn("not Google Benchmark JSON", out)
 
+    def test_non_finite_numbers_as_google_benchmark_writes_them(self):
+        text = json.dumps(document(KERNELS), indent=2)
+        text = text.replace('"waves": 0.97', '"waves": -NaN').replace('"waves": 3.9', '"waves": Infinity')
+        self.write("gpu.txt", H100)
+        self.write("expage_kernels_bench.json", text)
+        rc, out = self.run_summary()
+        self.assertEqual(rc, 0, out)
+        self.assertNotIn("waves", self.line(out, "decode chunk 8192"))
+        self.assertIn(">= 0.8x copy: met", self.line(out, "decode chunk 8192"))
+
     def test_a_benchmark_that_failed_on_the_device_fails_the_summary(self):
         runs = list(KERNELS) + [dict(no_device("BM_Dequant_Kernel/bulk/bits:2"),
                                      error_message="cudaMalloc failed: cudaErrorMemoryAllocation (out of memory)")]

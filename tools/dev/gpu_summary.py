@@ -72,6 +72,8 @@ def load_runs(path):
         return [], f"unreadable: {e}"
     if not text.strip():
         return [], "empty: the benchmark wrote nothing (it crashed, was killed or timed out first)"
+    # Google Benchmark writes a negative NaN as -NaN, which Python's parser (NaN, Infinity) lacks.
+    text = re.sub(r"(:\s*)-NaN\b", r"\1NaN", text)
     try:
         doc = json.loads(text)
     except ValueError as e:
