@@ -54,6 +54,7 @@ std::size_t validated_granularity(const cuda_vmm::options& opts) {
         fmt::format("cuda_vmm: initial_blocks {} out of range [0, {}]", opts.initial_blocks, max_initial_blocks));
   }
   const driver_api& drv = require_driver();
+  const scoped_device on(opts.device);
   const CUmemAllocationProp prop = pinned_device_prop(opts.device);
   std::size_t minimum = 0;
   check(drv.mem_get_allocation_granularity(&minimum, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
