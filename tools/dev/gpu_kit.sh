@@ -11,6 +11,8 @@
 #   device run, carry [".gpu-kit"]:  .gpu-kit/run.sh bench                   # (or kernels, transfers)
 #
 # Usage: gpu_kit.sh [BUILD_DIR (build/release)] [KIT_DIR (.gpu-kit)]
+# The device tool sends the checkout its session started in: pack into that checkout's root
+# (KIT_DIR=/path/to/that/checkout/.gpu-kit) when working from another worktree.
 # run.sh writes its logs, the benchmarks' JSON and the summary to $OUT; its exit status and the
 # verdicts are explained in docs/performance.md, "Running the GPU kit".
 set -euo pipefail
@@ -39,10 +41,16 @@ chmod +x "$kit/run.sh"
 build_type=$(sed -n 's/^CMAKE_BUILD_TYPE:[A-Z]*=//p' "$build/CMakeCache.txt" 2>/dev/null || true)
 echo "kit: expage $(git describe --always --dirty 2>/dev/null || echo unknown), ${build_type:-unknown} build" \
   "from $build, packed $(date -u '+%Y-%m-%d %H:%M UTC')" >"$kit/kit.txt"
-if [[ "$kit" == .gpu-kit ]]; then
-  exclude=$(git rev-parse --git-path info/exclude)
-  mkdir -p "$(dirname "$exclude")"
-  grep -qx '/.gpu-kit/' "$exclude" 2>/dev/null || echo '/.gpu-kit/' >>"$exclude"
+# A kit at the root of a checkout (this one, or the one the device tool sends) stays out of git.
+if [[ "$(basename "$kit")" == .gpu-kit ]]; then
+  (
+    cd "$(dirname "$kit")"
+    if [[ "$(git rev-parse --show-toplevel 2>/dev/null)" == "$(pwd -P)" ]]; then
+      exclude=$(git rev-parse --git-path info/exclude)
+      mkdir -p "$(dirname "$exclude")"
+      grep -qx '/.gpu-kit/' "$exclude" 2>/dev/null || echo '/.gpu-kit/' >>"$exclude"
+    fi
+  )
 fi
 if [[ "$build_type" != Release ]]; then
   echo "gpu_kit.sh: note: $build is a ${build_type:-unknown} build; measure with a Release one" >&2
