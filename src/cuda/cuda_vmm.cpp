@@ -54,6 +54,7 @@ std::size_t validated_granularity(const cuda_vmm::options& opts) {
         fmt::format("cuda_vmm: initial_blocks {} out of range [0, {}]", opts.initial_blocks, max_initial_blocks));
   }
   const driver_api& drv = require_driver();
+  const scoped_device on(opts.device);
   const CUmemAllocationProp prop = pinned_device_prop(opts.device);
   std::size_t minimum = 0;
   check(drv.mem_get_allocation_granularity(&minimum, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
@@ -74,8 +75,9 @@ cuda_vmm::cuda_vmm(options opts)
       prop_(pinned_device_prop(opts.device)),
       table_("cuda_vmm", granularity_) {
   options_.granularity = granularity_;
+  // The primary context must be current before any driver call; scoped_device makes it so on
+  // this thread, and every member that calls the driver does the same on its own thread.
   const scoped_device guard(options_.device);
-  EXPAGE_CUDA_CHECK(cudaFree(nullptr));  // makes the primary context exist before any driver call
   cache_.reserve(options_.initial_blocks);
   try {
     for (std::size_t i = 0; i < options_.initial_blocks; ++i) cache_.push_back(new_handle());
@@ -88,7 +90,8 @@ cuda_vmm::cuda_vmm(options opts)
 cuda_vmm::~cuda_vmm() {
   const std::lock_guard lock(mutex_);
   const driver_api* drv = driver();
-  if (drv == nullptr) return;  // unreachable: construction resolved it
+  if (drv == nullptr) return;                             // unreachable: construction resolved it
+  const scoped_device on(options_.device, std::nothrow);  // the destroying thread may have no context
   for (const auto& [base, r] : table_.reservations()) {
     for (const auto& [granule, slot] : r.mapped) {
       drv->mem_unmap(static_cast<CUdeviceptr>(base + granule * granularity_), granularity_);
@@ -117,7 +120,9 @@ CUmemGenericAllocationHandle cuda_vmm::new_handle() {
 }
 
 void cuda_vmm::release_handles(std::vector<CUmemGenericAllocationHandle>& handles) noexcept {
+  if (handles.empty()) return;
   if (const driver_api* drv = driver()) {
+    const scoped_device on(options_.device, std::nothrow);
     for (const CUmemGenericAllocationHandle h : handles) {
       [[maybe_unused]] const CUresult rc = drv->mem_release(h);
       EXPAGE_ASSERT(rc == CUDA_SUCCESS, "cuda_vmm: cuMemRelease failed");
@@ -152,6 +157,7 @@ void cuda_vmm::free(std::byte* base) noexcept {
   const detail::vmm_table::reservation* r = table_.freeable(address);
   if (r == nullptr) return;
   if (const driver_api* drv = driver()) {
+    const scoped_device on(options_.device, std::nothrow);
     [[maybe_unused]] const CUresult rc = drv->mem_address_free(device_address(base), r->bytes);
     EXPAGE_ASSERT(rc == CUDA_SUCCESS, "cuda_vmm::free: cuMemAddressFree failed");
   }
@@ -185,6 +191,7 @@ void cuda_vmm::release(physical_block block) noexcept {
     }
   }
   if (const driver_api* drv = driver()) {
+    const scoped_device on(options_.device, std::nothrow);
     [[maybe_unused]] const CUresult rc = drv->mem_release(handle);
     EXPAGE_ASSERT(rc == CUDA_SUCCESS, "cuda_vmm::release: cuMemRelease failed");
   }
@@ -243,6 +250,7 @@ void cuda_vmm::unmap(std::byte* address, std::size_t bytes) noexcept {
   EXPAGE_ASSERT(all_mapped, "cuda_vmm::unmap: a granule of the range holds no block (unmapped twice?)");
   if (!all_mapped) return;
   if (const driver_api* drv = driver()) {
+    const scoped_device on(options_.device, std::nothrow);
     // One call for the run: cuMemUnmap accepts a range covering several whole mappings.
     [[maybe_unused]] const CUresult rc = drv->mem_unmap(device_address(address), bytes);
     EXPAGE_ASSERT(rc == CUDA_SUCCESS, "cuda_vmm::unmap: cuMemUnmap failed");

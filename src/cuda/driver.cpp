@@ -40,6 +40,7 @@ resolution resolve_all() {
   driver_api& a = r.api;
   r.ok = resolve("cuInit", a.init, r.why) && resolve("cuGetErrorName", a.get_error_name, r.why) &&
          resolve("cuGetErrorString", a.get_error_string, r.why) &&
+         resolve("cuCtxGetCurrent", a.ctx_get_current, r.why) &&
          resolve("cuMemAddressReserve", a.mem_address_reserve, r.why) &&
          resolve("cuMemAddressFree", a.mem_address_free, r.why) && resolve("cuMemCreate", a.mem_create, r.why) &&
          resolve("cuMemRelease", a.mem_release, r.why) && resolve("cuMemMap", a.mem_map, r.why) &&

@@ -1,5 +1,7 @@
 #include "expage/cuda/runtime.hpp"
 
+#include "expage/cuda/driver.hpp"
+
 #include <fmt/format.h>
 
 #include <string>
@@ -44,12 +46,37 @@ void check(cudaError_t status, const char* what) {
   }
 }
 
+namespace {
+
+// True when the calling thread has a current context. Without the driver's entry points (no
+// driver, or one older than CUDA 12.0) it cannot tell, and answers false: the caller then calls
+// cudaSetDevice, which is always correct, only slower.
+bool context_current() noexcept {
+  const driver_api* drv = driver();
+  CUcontext context = nullptr;
+  return drv != nullptr && drv->ctx_get_current(&context) == CUDA_SUCCESS && context != nullptr;
+}
+
+}  // namespace
+
+cudaError_t scoped_device::enter(int device) noexcept {
+  if (const cudaError_t rc = cudaGetDevice(&previous_); rc != cudaSuccess) return rc;
+  const bool had_context = context_current();
+  if (previous_ == device && had_context) return cudaSuccess;
+  if (const cudaError_t rc = cudaSetDevice(device); rc != cudaSuccess) return rc;
+  // Restoring a device on a thread that had no context would create that device's context.
+  changed_ = had_context && previous_ != device;
+  return cudaSuccess;
+}
+
 scoped_device::scoped_device(int device) {
-  check(cudaGetDevice(&previous_), "cudaGetDevice");
-  if (previous_ != device) {
-    check(cudaSetDevice(device), "cudaSetDevice");
-    changed_ = true;
-  }
+  check(enter(device), "cudaSetDevice (scoped_device)");
+  ok_ = true;
+}
+
+scoped_device::scoped_device(int device, std::nothrow_t /*unused*/) noexcept {
+  ok_ = enter(device) == cudaSuccess;
+  if (!ok_) (void)cudaGetLastError();
 }
 
 scoped_device::~scoped_device() {

@@ -28,7 +28,9 @@ namespace expage::cuda {
 /// map many granules, map them with `access_mode::none` and grant access once
 /// over the contiguous run with set_access(). unmap() is one cuMemUnmap over a
 /// run. All entry points are reached through expage::cuda::require_driver(),
-/// so nothing here links libcuda.
+/// so nothing here links libcuda. Members may be called from any thread: each
+/// makes the device's primary context current on the calling thread first
+/// (cuda::scoped_device), as the driver API needs and a fresh thread lacks.
 ///
 /// The same state checks as host_vmm: stale or unknown handles, a double map,
 /// a map outside a reservation or over an occupied granule throw

@@ -28,6 +28,7 @@ struct driver_api {
   CUresult (*init)(unsigned int);                        ///< cuInit
   CUresult (*get_error_name)(CUresult, const char**);    ///< cuGetErrorName
   CUresult (*get_error_string)(CUresult, const char**);  ///< cuGetErrorString
+  CUresult (*ctx_get_current)(CUcontext*);               ///< cuCtxGetCurrent
   CUresult (*mem_address_reserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr,
                                   unsigned long long);  ///< cuMemAddressReserve
   CUresult (*mem_address_free)(CUdeviceptr, size_t);    ///< cuMemAddressFree

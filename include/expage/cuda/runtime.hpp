@@ -10,6 +10,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <new>
 #include <string>
 
 namespace expage::cuda {
@@ -29,20 +30,43 @@ namespace expage::cuda {
 /// @throws expage::cuda_error
 void check(cudaError_t status, const char* what);
 
-/// @brief Makes a device current for a scope and restores the previous one.
+/// @brief Makes a device, and its primary context, current on this host thread for a scope.
+///
+/// The runtime API creates a context on first use from any thread, but the driver API (every
+/// `cuMem*` call of cuda_vmm) needs one already current: on a thread that never touched the
+/// runtime, `cudaGetDevice` still reports device 0 while no context is current, and driver calls
+/// fail with `CUDA_ERROR_INVALID_CONTEXT`. So the constructor calls `cudaSetDevice` (which, since
+/// CUDA 12, initializes the primary context and makes it current) whenever the device differs *or*
+/// the thread has no current context. The destructor restores the previous device only when the
+/// thread had a context of another device before; a thread that had none keeps @p device's.
+///
+/// @code
+/// std::thread([&] {
+///   const expage::cuda::scoped_device on(0);  // a fresh thread: makes device 0's context current
+///   vm.map(block, address);                   // cuMemMap now finds it
+/// }).join();
+/// @endcode
 /// @threadsafety single-owner (the current device is per host thread).
 class scoped_device {
  public:
-  /// Makes @p device current. @throws expage::cuda_error
+  /// Makes @p device and its primary context current. @throws expage::cuda_error
   explicit scoped_device(int device);
+  /// The same for release paths that cannot throw: errors are swallowed and reported by ok().
+  scoped_device(int device, std::nothrow_t /*unused*/) noexcept;
   scoped_device(const scoped_device&) = delete;
   scoped_device& operator=(const scoped_device&) = delete;
-  /// Restores the device that was current before.
+  /// Restores the device that was current before (see the class comment).
   ~scoped_device();
 
+  /// True when @p device's context is current (always, after the throwing constructor).
+  [[nodiscard]] bool ok() const noexcept { return ok_; }
+
  private:
+  [[nodiscard]] cudaError_t enter(int device) noexcept;
+
   int previous_ = 0;
   bool changed_ = false;
+  bool ok_ = false;
 };
 
 }  // namespace expage::cuda
