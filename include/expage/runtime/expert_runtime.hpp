@@ -221,6 +221,7 @@ class expert_runtime {
     /// Takes over @p other.
     lease(lease&& other) noexcept
         : runtime_(std::exchange(other.runtime_, nullptr)), layer_(other.layer_), experts_(std::move(other.experts_)) {}
+    // (expert_list's move is its array's copy and its vector's move: noexcept.)
     /// Releases this lease (as release()), then takes over @p other.
     lease& operator=(lease&& other) noexcept {
       if (this != &other) {
@@ -236,7 +237,7 @@ class expert_runtime {
 
     [[nodiscard]] std::uint32_t layer() const noexcept { return layer_; }  ///< The layer.
     /// The routed experts, in the order acquire() was given them (indices within the layer).
-    [[nodiscard]] std::span<const std::uint32_t> experts() const noexcept { return experts_; }
+    [[nodiscard]] std::span<const std::uint32_t> experts() const noexcept { return experts_.view(); }
     /// True until released.
     [[nodiscard]] explicit operator bool() const noexcept { return runtime_ != nullptr; }
 
@@ -259,8 +260,8 @@ class expert_runtime {
 
    private:
     friend class expert_runtime;
-    lease(expert_runtime* runtime, std::uint32_t layer, std::vector<std::uint32_t> experts) noexcept
-        : runtime_(runtime), layer_(layer), experts_(std::move(experts)) {}
+    lease(expert_runtime* runtime, std::uint32_t layer, std::span<const std::uint32_t> experts)
+        : runtime_(runtime), layer_(layer), experts_(experts) {}
     void release_quietly() noexcept {
       if (runtime_ == nullptr) return;
       try {
@@ -271,9 +272,31 @@ class expert_runtime {
       runtime_ = nullptr;
     }
 
+    // The routed experts: inline up to 16 (no allocation on the hit path), on the heap beyond.
+    class expert_list {
+     public:
+      expert_list() noexcept = default;
+      explicit expert_list(std::span<const std::uint32_t> e) : size_(e.size()) {
+        if (e.size() <= inline_.size()) {
+          std::copy(e.begin(), e.end(), inline_.begin());
+        } else {
+          heap_.assign(e.begin(), e.end());
+        }
+      }
+      [[nodiscard]] std::span<const std::uint32_t> view() const noexcept {
+        return size_ <= inline_.size() ? std::span<const std::uint32_t>(inline_.data(), size_)
+                                       : std::span<const std::uint32_t>(heap_);
+      }
+
+     private:
+      std::array<std::uint32_t, 16> inline_{};
+      std::vector<std::uint32_t> heap_;
+      std::size_t size_ = 0;
+    };
+
     expert_runtime* runtime_ = nullptr;
     std::uint32_t layer_ = 0;
-    std::vector<std::uint32_t> experts_;
+    expert_list experts_;
   };
 
   /// Builds the runtime: reserves the views' address ranges (no memory yet) and the pool.
@@ -319,6 +342,7 @@ class expert_runtime {
     }
     free_slots_.reserve(expert_count_);
     loading_.reserve(expert_count_);
+    group_.reserve(expert_count_);
     for (std::uint32_t s = expert_count_; s-- > 0;) free_slots_.push_back(s);
     // The views' ranges: reserved once, never moved (no memory behind them until a load).
     reserve_views();
@@ -364,18 +388,24 @@ class expert_runtime {
   /// expage::invalid_argument when the loader reports a size other than the tensor's. Strong
   /// guarantee (see the class comment).
   [[nodiscard]] lease acquire(std::uint32_t layer, std::span<const std::uint32_t> experts) {
-    std::vector<std::uint32_t> held(experts.begin(), experts.end());
+    lease granted(this, layer, experts);  // before the lock: may allocate for groups above 16
     const std::lock_guard lock(mutex_);
     const double t0 = tracing() ? trace_.now_us() : 0.0;
-    validate_group(layer, experts, "acquire");
+    try {
+      validate_group(layer, experts, "acquire");
+    } catch (...) {
+      granted.runtime_ = nullptr;
+      throw;
+    }
     try {
       serve(layer, experts);
     } catch (...) {
       ++failed_acquires_;
+      granted.runtime_ = nullptr;  // nothing was pinned: nothing to release
       throw;
     }
     if (tracing()) trace_.span(fmt::format("acquire L{}", layer), "acquire", host_track_, t0, trace_.now_us() - t0);
-    return lease(this, layer, std::move(held));
+    return granted;
   }
   /// @}
 
@@ -552,13 +582,13 @@ class expert_runtime {
  private:
   using lease_type = typename vmm_block_pool<Vmm>::lease;
   struct entry {
-    std::int32_t slot = -1;                    // -1: absent
-    bool loading = false;                      // the load's event may not have completed
-    bool queued = false;                       // in the prefetch queue
-    bool prefetched = false;                   // loaded by prefetch, no lease has used it yet
-    lease_type blocks;                         // the physical blocks and their budget
-    std::shared_ptr<event_type> loaded;        // the load's event
-    std::shared_ptr<any_completion> last_use;  // the last lease's completion (shared by its experts)
+    std::int32_t slot = -1;              // -1: absent
+    bool loading = false;                // the load's event may not have completed
+    bool queued = false;                 // in the prefetch queue
+    bool prefetched = false;             // loaded by prefetch, no lease has used it yet
+    lease_type blocks;                   // the physical blocks and their budget
+    std::shared_ptr<event_type> loaded;  // the load's event
+    std::uint64_t last_use = 0;          // ticket of the last lease that read it (0: none)
   };
   struct queued_prefetch {
     std::uint32_t expert;
@@ -674,6 +704,11 @@ class expert_runtime {
   [[nodiscard]] std::byte* data_page(std::uint32_t f, std::int32_t slot, std::size_t t) const noexcept {
     return stable_base_[t] != nullptr ? stable_page(f, t) : slot_page(slot, t);
   }
+  // Where loads write: the slot page when slots exist (a mapping that lives as long as the slot,
+  // so a host backend does not fault its pages in again per load), else the stable page.
+  [[nodiscard]] std::byte* fill_page(std::uint32_t f, std::int32_t slot, std::size_t t) const noexcept {
+    return slot_base_[t] != nullptr ? slot_page(slot, t) : stable_page(f, t);
+  }
   [[nodiscard]] std::span<const block> page_blocks(std::span<const block> all, std::size_t t) const noexcept {
     return t == 0 ? all.first(blocks_per_page(0)) : all.subspan(blocks_per_page(0), blocks_per_page(1));
   }
@@ -746,7 +781,7 @@ class expert_runtime {
     for (std::size_t t = 0; t < expert_tensor_count; ++t) {
       const auto tensor = static_cast<expert_tensor>(t);
       const std::size_t want = static_cast<std::size_t>(geometry_.tensor_bytes(tensor, source_.format));
-      const std::size_t got = source_.load(id, tensor, {data_page(f, slot, t), want}, stream);
+      const std::size_t got = source_.load(id, tensor, {fill_page(f, slot, t), want}, stream);
       if (got != want) {
         throw invalid_argument(
             fmt::format("expert_runtime: the loader of {} ({}, {}) reported {} bytes, the tensor "
@@ -786,7 +821,8 @@ class expert_runtime {
       const std::uint32_t v = policy_.victim(pin_view{blocked_.data()}, access_context{.time = clock_});
       EXPAGE_ASSERT(entries_[v].slot >= 0 && blocked_[v] == 0, "expert_runtime: the policy chose a blocked victim");
       const bool window_pinned = options_.views.records && table_.pinned(geometry_.expert_at(v));
-      const bool busy = ready_only && entries_[v].last_use && !entries_[v].last_use->ready();
+      const any_completion* last = last_use(entries_[v]);
+      const bool busy = ready_only && last != nullptr && !last->ready();
       if (!window_pinned && !busy) return v;
       blocked_[v] = 1;
       --candidates;
@@ -804,6 +840,7 @@ class expert_runtime {
 
   // Marks resident the loading experts whose load event has completed (queries, never waits).
   void refresh_loading() {
+    if (loading_.empty()) return;
     std::erase_if(loading_, [&](std::uint32_t f) {
       entry& e = entries_[f];
       if (e.loaded && !e.loaded->query()) return false;
@@ -816,10 +853,11 @@ class expert_runtime {
   void fence(std::uint32_t v, runtime_layer_statistics* stats) {
     entry& e = entries_[v];
     if (e.loaded && e.loading) e.loaded->synchronize();  // a victim still loading: wait for its copy first
-    if (!e.last_use || e.last_use->ready()) return;
+    any_completion* const last = last_use(e);
+    if (last == nullptr || last->ready()) return;
     const auto t0 = std::chrono::steady_clock::now();
     const double trace_t0 = tracing() ? trace_.now_us() : 0.0;
-    e.last_use->wait();
+    last->wait();
     const auto ns = static_cast<std::uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
     runtime_layer_statistics& s = stats != nullptr ? *stats : layer_stats_[geometry_.expert_at(v).layer];
@@ -864,10 +902,25 @@ class expert_runtime {
   // (fallible, undone on failure), then commit (noexcept). See the class comment.
   void serve(std::uint32_t layer, std::span<const std::uint32_t> experts) {
     ++clock_;
+    std::vector<std::uint32_t>& group = group_;  // reserved at construction: no allocation
+    group.clear();
+    bool all_hit = true;
+    for (const std::uint32_t e : experts) {
+      const std::uint32_t f = flat(layer, e);
+      group.push_back(f);
+      all_hit = all_hit && entries_[f].slot >= 0 && !entries_[f].loading;
+    }
+    if (all_hit) {  // the hit path: rank, pin, count; nothing to load, nothing to wait for
+      runtime_layer_statistics& s = layer_stats_[layer];
+      for (const std::uint32_t f : group) {
+        hit(f, layer, s);
+        ++pins_[f];
+      }
+      s.hits += group.size();
+      ++s.acquires;
+      return;
+    }
     refresh_loading();
-    std::vector<std::uint32_t> group;
-    group.reserve(experts.size());
-    for (const std::uint32_t e : experts) group.push_back(flat(layer, e));
     std::vector<planned_load> plan;
     std::uint32_t free_budgeted = 0;  // fresh slots this group takes
     for (const std::uint32_t f : group) {
@@ -973,19 +1026,13 @@ class expert_runtime {
       map_[p.expert] = p.slot;
     }
     for (const std::uint32_t f : group) {
-      entry& e = entries_[f];
       const bool planned = std::any_of(plan.begin(), plan.end(), [&](const planned_load& p) { return p.expert == f; });
       const access_context ctx{.time = clock_, .layer = layer, .expert = f % geometry_.experts_per_layer()};
       if (planned) {
         policy_on_insert(f, ctx);
       } else {
         ++s.hits;
-        policy_.on_hit(f, ctx);
-        if (e.prefetched) {
-          ++s.prefetch_used;
-          s.prefetch_used_bytes += expert_bytes();
-          e.prefetched = false;
-        }
+        hit(f, layer, s);
       }
       ++pins_[f];
     }
@@ -995,6 +1042,17 @@ class expert_runtime {
     peak_resident_ = std::max<std::uint64_t>(peak_resident_, resident_count());
     if (tracing() && !plan.empty()) trace_load(*copy_, copy_track_, layer, plan.size(), bytes, "load");
     wait_for_loads(layer, group);
+  }
+
+  // A hit on resident expert f: re-rank it; a prefetched expert's first use counts as used.
+  void hit(std::uint32_t f, std::uint32_t layer, runtime_layer_statistics& s) noexcept {
+    entry& e = entries_[f];
+    policy_.on_hit(f, access_context{.time = clock_, .layer = layer, .expert = f % geometry_.experts_per_layer()});
+    if (e.prefetched) {
+      ++s.prefetch_used;
+      s.prefetch_used_bytes += expert_bytes();
+      e.prefetched = false;
+    }
   }
 
   // A node-based policy may throw bad_alloc on insert; the runtime's state is committed by then,
@@ -1122,9 +1180,9 @@ class expert_runtime {
   }
   void quietly_wait(entry& e) noexcept {
     if (e.loaded) quietly_synchronize(*e.loaded);
-    if (e.last_use) {
+    if (any_completion* const last = last_use(e)) {
       try {
-        e.last_use->wait();
+        last->wait();
       } catch (...) {
       }
     }
@@ -1136,18 +1194,35 @@ class expert_runtime {
       recorded = std::make_shared<event_type>();
       compute_->record(*recorded);  // may throw: the lease is then still held
     }
-    auto completed = std::make_shared<any_completion>(
-        done ? std::move(*done) : any_completion(event_completion<event_type>(std::move(recorded))));
+    any_completion completed =
+        done ? std::move(*done) : any_completion(event_completion<event_type>(std::move(recorded)));
     const std::lock_guard lock(mutex_);
-    for (const std::uint32_t e : l.experts_) {
+    // The ring keeps the last completion_ring completions; the one 256 releases back is
+    // complete in practice, and is waited for before its place is reused.
+    const std::uint64_t ticket = ++tickets_;
+    any_completion& place = completions_[ticket % completion_ring];
+    if (!place.ready()) {
+      try {
+        place.wait();
+      } catch (...) {  // a failed context: nothing can still read through it
+      }
+    }
+    place = std::move(completed);
+    for (const std::uint32_t e : l.experts_.view()) {
       const std::uint32_t f = flat(l.layer_, e);
       EXPAGE_ASSERT(pins_[f] > 0, "expert_runtime: a lease released an expert it did not pin");
       --pins_[f];
-      entries_[f].last_use = completed;
+      entries_[f].last_use = ticket;
     }
     if (tracing()) trace_.instant(fmt::format("release L{}", l.layer_), "kernel", host_track_);
     pump_prefetches();
     shrink_to_capacity();
+  }
+
+  // The completion of the last lease that read @p e, or nullptr when it is known complete.
+  [[nodiscard]] any_completion* last_use(const entry& e) noexcept {
+    if (e.last_use == 0 || tickets_ - e.last_use >= completion_ring) return nullptr;
+    return &completions_[e.last_use % completion_ring];
   }
 
   // After a resize() that pinned experts held up: evict unpinned surplus whose kernels are done.
@@ -1166,6 +1241,7 @@ class expert_runtime {
 
   // Issues queued prefetches while slots, budget and the in-flight limit allow, never waiting.
   void pump_prefetches() noexcept {
+    if (prefetch_queue_.empty()) return;
     refresh_loading();
     const auto in_flight = [&] {
       return static_cast<std::uint32_t>(
@@ -1282,6 +1358,10 @@ class expert_runtime {
   std::vector<std::int32_t> map_;      // per flat index: slot or -1 (view b)
   std::vector<std::uint32_t> free_slots_;
   std::vector<std::uint32_t> loading_;  // experts whose load event may be pending
+  std::vector<std::uint32_t> group_;    // serve()'s flat indices of the group (reused)
+  static constexpr std::size_t completion_ring = 256;
+  std::vector<any_completion> completions_ = std::vector<any_completion>(completion_ring);  // by ticket
+  std::uint64_t tickets_ = 0;
   std::vector<queued_prefetch> prefetch_queue_;
   std::uint64_t prefetch_serial_ = 0;
   std::uint64_t prefetch_cancelled_ = 0;
