@@ -506,8 +506,15 @@ template <class Policy>
 run_result decode(const options& o, const expage::moe_geometry& g, const weight_store& store, double budget,
                   std::span<const step_routing> replay, bool quiet) {
   // Granules small enough that rounding a page up wastes little, large enough to keep mappings few.
-  const std::uint64_t down = g.tensor_bytes(expert_tensor::down, o.format);
-  const std::size_t granularity = down >= 32_MiB ? 2_MiB : down >= 1_MiB ? 64_KiB : 4_KiB;
+  // (the largest of 2 MiB, 64 KiB and 4 KiB that rounds no tensor up by more than 1/16).
+  const auto wastes_little = [&](std::size_t granule) {
+    for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+      const std::uint64_t bytes = g.tensor_bytes(t, o.format);
+      if ((bytes + granule - 1) / granule * granule - bytes > bytes / 16) return false;
+    }
+    return true;
+  };
+  const std::size_t granularity = wastes_little(2_MiB) ? 2_MiB : wastes_little(64_KiB) ? 64_KiB : 4_KiB;
   expage::host_vmm vmm({.granularity = granularity});
   const std::uint64_t page =
       (g.tensor_bytes(expert_tensor::gate_up, o.format) + granularity - 1) / granularity * granularity +

@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
@@ -33,7 +34,7 @@ class vmm_table {
     std::uint64_t payload = 0;
     std::uintptr_t address = 0;  // where mapped (the first mapping still standing); 0 unless state == mapped
     std::uint32_t generation = 0;
-    std::uint32_t aliases = 0;  // mappings beyond the first (map_alias); the block is mapped until all are gone
+    std::vector<std::uintptr_t> aliases;  // mappings beyond `address` (map_alias); mapped until all are gone
     block_state state = block_state::free;
   };
 
@@ -81,7 +82,7 @@ class vmm_table {
     r.state = block_state::created;
     r.payload = payload;
     r.address = 0;
-    r.aliases = 0;
+    r.aliases.clear();
     ++live_;
     return Handle{slot, r.generation};
   }
@@ -110,22 +111,26 @@ class vmm_table {
   /// granule maps it. @pre the granule holds a block.
   void mark_unmapped(reservation& where, std::size_t granule) noexcept {
     const auto it = where.mapped.find(granule);
-    const std::uint32_t slot = it->second;
-    slot_record& s = slots_[slot];
+    slot_record& s = slots_[it->second];
     where.mapped.erase(it);
-    if (s.aliases == 0) {
+    if (s.aliases.empty()) {
       s.state = block_state::created;
       s.address = 0;
       return;
     }
-    --s.aliases;
     const std::uintptr_t here = where.base + granule * granularity_;
-    if (s.address == here) s.address = find_mapping(slot);  // the first mapping went first: name another
+    if (s.address == here) {  // the first mapping went first: an alias becomes the reported address
+      s.address = s.aliases.back();
+    } else {
+      *std::find(s.aliases.begin(), s.aliases.end(), here) = s.aliases.back();
+    }
+    s.aliases.pop_back();
   }
-  /// Records that the created or mapped block @p s is now also mapped at @p address.
+  /// Records that the created, or mapped (require_mapped() reserved room), block @p s is now
+  /// also mapped at @p address.
   void mark_mapped(slot_record& s, std::uintptr_t address) noexcept {
     if (s.state == block_state::mapped) {
-      ++s.aliases;
+      s.aliases.push_back(address);  // capacity reserved by require_mapped(): never allocates
       return;
     }
     s.state = block_state::mapped;
@@ -166,10 +171,7 @@ class vmm_table {
       throw invalid_argument(fmt::format("{}: block (slot {}, generation {}) is not mapped (map it before aliasing it)",
                                          op, slot, generation));
     }
-    if (r.aliases == std::numeric_limits<std::uint32_t>::max()) {
-      throw invalid_argument(
-          fmt::format("{}: block (slot {}, generation {}) already has {} aliases", op, slot, generation, r.aliases));
-    }
+    r.aliases.reserve(r.aliases.size() + 1);  // may throw bad_alloc: nothing changed yet
     return r;
   }
   // A live block, or throws naming the problem.
@@ -259,16 +261,6 @@ class vmm_table {
   }
 
  private:
-  // Another granule that maps @p slot, or 0 (O(mapped granules): only when a block's first mapping goes first).
-  [[nodiscard]] std::uintptr_t find_mapping(std::uint32_t slot) const noexcept {
-    for (const auto& [base, r] : reservations_) {
-      for (const auto& [granule, s] : r.mapped) {
-        if (s == slot) return base + granule * granularity_;
-      }
-    }
-    return 0;
-  }
-
   std::string_view backend_;
   std::size_t granularity_;
   std::vector<slot_record> slots_;
