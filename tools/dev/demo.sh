@@ -1,31 +1,34 @@
 #!/usr/bin/env bash
-# The main demo: builds expage (release) and runs expage-replay, which answers
-# "how much expert cache do I need, with which policy, for my traffic?"
-#   1. on a seeded synthetic Mixtral-8x7B trace (always available), and
-#   2. on the real Mixtral-8x7B HumanEval routing trace when ../shared/traces is present.
-# The miss-ratio curves are drawn to build/release/demo-*.svg.
+# The main demo: builds expage (release) and runs examples/moe_decode, a MoE decode loop whose
+# expert weights live in an expert_runtime under a budget of 25% of their bytes:
+#   1. OLMoE-1B-7B at 1/8 scale, routed by the model's own router on its hidden states;
+#   2. Mixtral-8x7B at 1/16 scale, replaying the real HumanEval routing trace when
+#      ../shared/traces is present (the first 64 tokens; --tokens 0 replays all of it).
+# Every layer's output is checked bit-exact against all-resident weights; the run prints tokens/s,
+# the hit rate, bytes moved, compute against waiting, and writes a Chrome trace (open it in
+# https://ui.perfetto.dev or chrome://tracing) to build/release/moe_decode-*.json.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 tools/dev/deps.sh
 [[ -x /usr/local/cuda/bin/nvcc ]] && export PATH="/usr/local/cuda/bin:$PATH"
 cmake --preset release -DEXPAGE_BUILD_DOCS=OFF >/dev/null
-cmake --build --preset release --target expage-replay
-replay=build/release/tools/expage-replay
+cmake --build --preset release --target moe_decode
+decode=build/release/examples/moe_decode
 
 echo
-echo "=== synthetic Mixtral-8x7B trace: 16 sequences x 128 tokens, 4 in lockstep ==="
-"$replay" --synthetic --geometry mixtral-8x7b --sequences 16 --steps 128 --batch 4 \
-  --layout both --capacity 25%,50%,75% --svg build/release/demo-synthetic.svg "$@"
+echo "=== OLMoE-1B-7B (1/8 scale), 32 tokens routed by the model, 25% budget ==="
+"$decode" --geometry olmoe-1b-7b --scale 8 --tokens 32 --budget 25% \
+  --trace-out build/release/moe_decode-olmoe.json "$@"
 
 real=../shared/traces/mixtral8x7b-vllm-humaneval/humaneval_2_routing.jsonl
 if [[ -f "$real" ]]; then
   echo
-  echo "=== real Mixtral-8x7B routing (vLLM, HumanEval x2), global cache ==="
-  "$replay" --trace "$real" --geometry mixtral-8x7b --capacity 64,128,192 \
-    --svg build/release/demo-real.svg "$@"
+  echo "=== Mixtral-8x7B (1/16 scale), real routing (vLLM, HumanEval), 25% budget ==="
+  "$decode" --geometry mixtral-8x7b --scale 16 --trace "$real" --tokens 64 --budget 25% \
+    --trace-out build/release/moe_decode-mixtral.json "$@"
 else
   echo
   echo "(the real trace is not at $real: skipped)"
 fi
 echo
-echo "miss-ratio curves: build/release/demo-*.svg"
+echo "Chrome traces: build/release/moe_decode-*.json; the cache-sizing demo: build/release/tools/expage-replay --help"
