@@ -5,7 +5,9 @@
 
 #include <atomic>
 #include <concepts>
+#include <cstddef>
 #include <memory>
+#include <new>
 #include <type_traits>
 #include <utility>
 
@@ -77,7 +79,9 @@ static_assert(completion<completion_flag>);
 ///
 /// Lets the handle table and the epoch domain keep completions of any type
 /// (a host flag today, a CUDA event later) without templates on their
-/// interfaces. Holding one costs an allocation; an empty one costs nothing.
+/// interfaces. A completion of up to 24 bytes that moves without throwing
+/// (completion_flag, an event wrapper holding a shared_ptr) is kept inline,
+/// without allocating; a larger one costs an allocation. An empty one costs nothing.
 ///
 /// @code
 /// expage::any_completion done = expage::completion_flag();   // or a cuda event wrapper
@@ -89,13 +93,34 @@ class any_completion {
   /// An empty holder: ready() is true.
   any_completion() noexcept = default;
   /// Holds @p c.
-  /// @throws std::bad_alloc when the holder cannot be allocated.
+  /// @throws std::bad_alloc when a completion too large to keep inline cannot be allocated.
   // The self-exclusion comes first: checking completion<any_completion> through this very
   // constructor would recurse (Clang rejects it).
   template <class C>
   requires(!std::same_as<std::remove_cvref_t<C>, any_completion> && completion<C>)
       any_completion(C c)  // NOLINT(google-explicit-constructor): implicit, so callers pass any completion
-      : held_(std::make_unique<model<C>>(std::move(c))) {}
+  {
+    if constexpr (fits_inline<C>) {
+      held_ = ::new (static_cast<void*>(buffer_)) model<C>(std::move(c));
+      inline_ = true;
+    } else {
+      held_ = new model<C>(std::move(c));
+    }
+  }
+  any_completion(const any_completion&) = delete;
+  any_completion& operator=(const any_completion&) = delete;
+  /// Takes over @p other's completion; @p other becomes empty.
+  any_completion(any_completion&& other) noexcept { take(other); }
+  /// Destroys the held completion, then takes over @p other's.
+  any_completion& operator=(any_completion&& other) noexcept {
+    if (this != &other) {
+      reset();
+      take(other);
+    }
+    return *this;
+  }
+  /// Destroys the held completion.
+  ~any_completion() { reset(); }
 
   /// True when empty or when the held completion is ready.
   [[nodiscard]] bool ready() const noexcept { return held_ == nullptr || held_->ready(); }
@@ -108,18 +133,61 @@ class any_completion {
 
  private:
   struct concept_base {
+    concept_base() = default;
+    concept_base(const concept_base&) = delete;
+    concept_base& operator=(const concept_base&) = delete;
+    concept_base(concept_base&&) = delete;
+    concept_base& operator=(concept_base&&) = delete;
     virtual ~concept_base() = default;
     [[nodiscard]] virtual bool ready() const noexcept = 0;
     virtual void wait() = 0;
+    // Move-constructs the held value into @p buffer (inline completions only).
+    virtual concept_base* move_to(void* buffer) noexcept = 0;
   };
   template <class C>
   struct model final : concept_base {
     explicit model(C c) : value(std::move(c)) {}
     [[nodiscard]] bool ready() const noexcept override { return value.ready(); }
     void wait() override { value.wait(); }
+    concept_base* move_to(void* buffer) noexcept override {
+      if constexpr (std::is_nothrow_move_constructible_v<C>) {
+        return ::new (buffer) model(std::move(value));
+      } else {
+        return nullptr;  // never called: such a completion lives on the heap
+      }
+    }
     C value;
   };
-  std::unique_ptr<concept_base> held_;
+  static constexpr std::size_t buffer_bytes = 32;
+  template <class C>
+  static constexpr bool fits_inline =
+      sizeof(model<C>) <= buffer_bytes &&
+      alignof(model<C>) <= alignof(std::max_align_t) && std::is_nothrow_move_constructible_v<C>;
+
+  void reset() noexcept {
+    if (held_ == nullptr) return;
+    if (inline_) {
+      held_->~concept_base();
+    } else {
+      delete held_;
+    }
+    held_ = nullptr;
+    inline_ = false;
+  }
+  void take(any_completion& other) noexcept {
+    if (other.held_ == nullptr) return;
+    if (other.inline_) {
+      held_ = other.held_->move_to(buffer_);
+      inline_ = true;
+      other.reset();
+    } else {
+      held_ = std::exchange(other.held_, nullptr);
+    }
+  }
+
+  alignas(std::max_align_t) std::byte buffer_[buffer_bytes];
+  concept_base* held_ = nullptr;
+  bool inline_ = false;  // held_ lives in buffer_
 };
 
 static_assert(completion<any_completion>);
