@@ -178,7 +178,7 @@ class transition_manager {
   /// resident_lo or absent (nothing changes).
   void set_targets(std::span<const target> targets) {
     for (const target& t : targets) {
-      (void)table_->handle(t.expert);  // validates the id
+      (void)table_->geometry().checked_flat_index(t.expert);
       if (t.state != residency_state::resident_hi && t.state != residency_state::resident_lo &&
           t.state != residency_state::absent) {
         throw invalid_argument(

@@ -327,8 +327,7 @@ class layer_pipeline {
     }
   }
   [[nodiscard]] std::size_t flat_of(expert_id id) const {
-    geometry_.validate(id);
-    return static_cast<std::size_t>(geometry_.flat_index(id));
+    return static_cast<std::size_t>(geometry_.checked_flat_index(id));
   }
   [[nodiscard]] expert_id id_of(std::size_t flat) const { return geometry_.expert_at(flat); }
   static void quietly_synchronize(const event_type& e) noexcept {
@@ -364,7 +363,7 @@ class layer_pipeline {
   void load_layer(std::uint32_t layer) {
     std::vector<std::pair<std::size_t, std::size_t>> loaded;
     loaded.reserve(std::size_t{geometry_.experts_per_layer()} * 2);
-    const std::size_t first = std::size_t{layer} * geometry_.experts_per_layer();
+    const auto first = static_cast<std::size_t>(geometry_.flat_index({.layer = layer, .expert = 0}));
     try {
       for (std::size_t t = 0; t < 2; ++t) {
         for (std::size_t flat = first; flat < first + geometry_.experts_per_layer(); ++flat) {
@@ -396,7 +395,7 @@ class layer_pipeline {
     return load_events_[layer * 2].query() && load_events_[layer * 2 + 1].query();
   }
   void finish_loads(std::uint32_t layer) {
-    const std::size_t first = std::size_t{layer} * geometry_.experts_per_layer();
+    const auto first = static_cast<std::size_t>(geometry_.flat_index({.layer = layer, .expert = 0}));
     for (std::size_t t = 0; t < 2; ++t) {
       for (std::size_t flat = first; flat < first + geometry_.experts_per_layer(); ++flat) {
         const expert_id id = id_of(flat);
@@ -421,7 +420,7 @@ class layer_pipeline {
   void recycle_oldest() {
     const std::uint32_t target = window_.front().layer;
     wait_for_layer(target);
-    const std::size_t first = std::size_t{target} * geometry_.experts_per_layer();
+    const auto first = static_cast<std::size_t>(geometry_.flat_index({.layer = target, .expert = 0}));
     for (std::size_t flat = first; flat < first + geometry_.experts_per_layer(); ++flat) {
       if (pinned_[flat]) continue;
       for (std::size_t t = 0; t < 2; ++t) {

@@ -140,8 +140,7 @@ class tensor_storage {
     return (n + slot_alignment - 1) / slot_alignment * slot_alignment;
   }
   [[nodiscard]] std::size_t index(expert_id id, expert_tensor t) const {
-    geometry_.validate(id);
-    return static_cast<std::size_t>(geometry_.flat_index(id)) * 2 + static_cast<std::size_t>(t);
+    return static_cast<std::size_t>(geometry_.checked_flat_index(id)) * 2 + static_cast<std::size_t>(t);
   }
   [[nodiscard]] std::size_t offset(expert_id id, expert_tensor t) const {
     const std::size_t i = index(id, t);
