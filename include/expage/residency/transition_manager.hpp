@@ -7,10 +7,10 @@
 #include "expage/format/group_quant.hpp"
 #include "expage/memory/block_pool.hpp"
 #include "expage/memory/budget_tracker.hpp"
+#include "expage/memory/tensor_storage.hpp"
 #include "expage/residency/completion.hpp"
 #include "expage/residency/handle_table.hpp"
 #include "expage/stream/async_stream.hpp"
-#include "expage/vmm/tensor_storage.hpp"
 
 #include <fmt/format.h>
 

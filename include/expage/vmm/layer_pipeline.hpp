@@ -5,9 +5,9 @@
 #include "expage/core/error.hpp"
 #include "expage/core/moe_geometry.hpp"
 #include "expage/memory/budget_tracker.hpp"
+#include "expage/memory/tensor_storage.hpp"
 #include "expage/stream/async_stream.hpp"
 #include "expage/vmm/address_space.hpp"
-#include "expage/vmm/tensor_storage.hpp"
 #include "expage/vmm/virtual_memory.hpp"
 #include "expage/vmm/vmm_block_pool.hpp"
 
