@@ -19,6 +19,10 @@ enum class expert_tensor : std::uint8_t {
   down,     ///< Down projection: shape [hidden, intermediate].
 };
 
+/// Number of weight tensors of one expert: the values of expert_tensor (gate_up and down). Arrays
+/// indexed by expert_tensor (version_record's pointers, per-tensor pages and streams) have this size.
+inline constexpr std::size_t expert_tensor_count = 2;
+
 /// The lowercase name of @p t: "gate_up" or "down".
 [[nodiscard]] constexpr std::string_view to_string(expert_tensor t) noexcept {
   return t == expert_tensor::gate_up ? "gate_up" : "down";

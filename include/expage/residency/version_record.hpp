@@ -35,9 +35,6 @@ enum class version_encoding : std::uint8_t {
   return e == version_encoding::raw ? "raw" : "compressed";
 }
 
-/// Number of expert tensors a version_record addresses (gate_up and down).
-inline constexpr std::size_t expert_tensor_count = 2;
-
 /// @brief One complete version of one expert: where its tensors are and how
 /// to read them (DynaExq §3.2: "the compute path resolves the handle to obtain
 /// the active pointer and the associated quantization parameters").
