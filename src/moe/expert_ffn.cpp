@@ -77,10 +77,6 @@ void expert_ffn_shape::validate() const {
 version_record packed_version_record(precision format, std::byte* gate_up, std::byte* down,
                                      const expert_ffn_shape& shape) {
   shape.validate();
-  if (format == precision::fp8) {
-    throw invalid_argument(
-        "packed_version_record: fp8 has no packed layout the FFN reads (bf16, fp16, int8, int4, int2)");
-  }
   version_record r;
   r.format = format;
   const tensor_shape shapes[] = {{.rows = 2 * shape.intermediate, .cols = shape.hidden},
@@ -90,6 +86,12 @@ version_record packed_version_record(precision format, std::byte* gate_up, std::
     r.data[t] = at[t];
     if (format == precision::bf16 || format == precision::fp16) {
       r.bytes += shapes[t].elements() * 2;
+      continue;
+    }
+    if (format == precision::fp8) {  // one e4m3 byte per weight, then one fp16 scale per group
+      const std::uint64_t groups = shapes[t].rows * ((shapes[t].cols + shape.group_size - 1) / shape.group_size);
+      r.scales[t] = at[t] + shapes[t].elements();
+      r.bytes += shapes[t].elements() + groups * metadata_bytes_per_group(format);
       continue;
     }
     const group_quant_layout layout(format, shapes[t], shape.group_size);
