@@ -30,6 +30,7 @@
 #include "expage/format/float16.hpp"
 #include "expage/format/group_quant.hpp"
 #include "expage/format/group_quant_element.hpp"
+#include "expage/formatters.hpp"
 #include "expage/memory/block_pool.hpp"
 #include "expage/memory/budget_tracker.hpp"
 #include "expage/memory/host_memory.hpp"

@@ -1,6 +1,7 @@
 #include "expage/residency/handle_table.hpp"
 
 #include "expage/core/error.hpp"
+#include "expage/formatters.hpp"
 
 #include <fmt/format.h>
 

@@ -2,8 +2,6 @@
 /// @brief expert_id: which expert of which MoE layer.
 #pragma once
 
-#include <fmt/format.h>
-
 #include <compare>
 #include <cstddef>
 #include <cstdint>
@@ -21,7 +19,7 @@ namespace expage {
 /// expage::expert_id id{.layer = 7, .expert = 3};
 /// geometry.validate(id);                       // throws if out of range
 /// std::size_t slot = geometry.flat_index(id);  // layer-major: 7 * experts + 3
-/// fmt::print("{}\n", id);                      // "L7.E3"
+/// fmt::print("{}\n", id);                      // "L7.E3" (with expage/formatters.hpp)
 /// @endcode
 /// @threadsafety thread-compatible.
 struct expert_id {
@@ -42,18 +40,3 @@ struct std::hash<expage::expert_id> {
     return std::hash<std::uint64_t>{}((std::uint64_t{id.layer} << 32) | id.expert);
   }
 };
-
-// fmt support (not in the API reference: Doxygen cannot scope specializations of fmt::formatter).
-#if !defined(EXPAGE_DOXYGEN)
-/// fmt support for expage::expert_id: `L7.E3`.
-template <>
-struct fmt::formatter<expage::expert_id> {
-  /// Accepts only an empty format spec.
-  constexpr auto parse(fmt::format_parse_context& ctx) { return ctx.begin(); }
-  /// Writes `L<layer>.E<expert>`.
-  template <class FormatContext>
-  auto format(const expage::expert_id& id, FormatContext& ctx) const {
-    return fmt::format_to(ctx.out(), "L{}.E{}", id.layer, id.expert);
-  }
-};
-#endif  // !defined(EXPAGE_DOXYGEN)

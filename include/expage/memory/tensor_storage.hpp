@@ -4,6 +4,7 @@
 
 #include "expage/core/error.hpp"
 #include "expage/core/moe_geometry.hpp"
+#include "expage/formatters.hpp"
 #include "expage/memory/physical_memory.hpp"
 #include "expage/stream/async_stream.hpp"
 

@@ -5,6 +5,7 @@
 
 #include "expage/core/error.hpp"
 #include "expage/detail/assert.hpp"
+#include "expage/formatters.hpp"
 #include "expage/memory/block_pool.hpp"
 #include "expage/memory/budget_tracker.hpp"
 #include "expage/memory/tensor_storage.hpp"

@@ -5,6 +5,7 @@
 #include "expage/core/error.hpp"
 #include "expage/core/moe_geometry.hpp"
 #include "expage/detail/assert.hpp"
+#include "expage/formatters.hpp"
 #include "expage/vmm/virtual_memory.hpp"
 
 #include <fmt/format.h>
