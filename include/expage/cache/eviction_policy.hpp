@@ -2,6 +2,8 @@
 /// @brief The eviction_policy concept and what a policy is told about each access.
 #pragma once
 
+#include "expage/core/expert_id.hpp"
+
 #include <concepts>
 #include <cstdint>
 #include <limits>
@@ -35,7 +37,7 @@ struct key_space {
   /// The key of expert @p expert of layer @p layer_index: layer_index · experts_per_layer + expert
   /// (global) or expert (per-layer, where @p layer_index is the scope's layer).
   /// @pre layer_index < layers, expert < experts_per_layer, key_count() ≤ max_keys.
-  [[nodiscard]] constexpr std::uint32_t key_of(std::uint32_t layer_index, std::uint32_t expert) const noexcept {
+  [[nodiscard]] constexpr std::uint32_t key_of(std::uint32_t layer_index, expert_index expert) const noexcept {
     return global ? layer_index * experts_per_layer + expert : expert;
   }
   /// The layer of @p key.
@@ -43,7 +45,7 @@ struct key_space {
     return global ? key / experts_per_layer : layer;
   }
   /// The expert index (within its layer) of @p key.
-  [[nodiscard]] constexpr std::uint32_t expert_of(std::uint32_t key) const noexcept {
+  [[nodiscard]] constexpr expert_index expert_of(std::uint32_t key) const noexcept {
     return global ? key % experts_per_layer : key;
   }
 };
@@ -55,7 +57,7 @@ inline constexpr std::uint64_t never = std::numeric_limits<std::uint64_t>::max()
 struct access_context {
   std::uint64_t time = 0;          ///< Index of the access group (one layer of one step), monotone.
   std::uint32_t layer = 0;         ///< The layer being executed.
-  std::uint32_t expert = 0;        ///< The accessed expert, within its layer.
+  expert_index expert = 0;         ///< The accessed expert, within its layer.
   std::uint64_t next_use = never;  ///< Offline knowledge: the time of this key's next access (replay fills it).
   float probability = 0.0F;        ///< The router's probability (or gating weight) for this expert, if known.
 };

@@ -87,7 +87,7 @@ struct slot_cache_statistics {
 /// @code
 /// expage::slot_cache<expage::lru_policy> cache(expage::moe_geometry::mixtral_8x7b(),
 ///                                              {.layout = expage::cache_layout::per_layer, .capacity = 4});
-/// const std::uint32_t routed[] = {6, 5};
+/// const expage::expert_index routed[] = {6, 5};
 /// auto r = cache.access(/*layer=*/0, routed);
 /// for (const auto& load : r.loads) copy_expert(load.expert, load.slot);
 /// fused_moe(hidden, routed_ids, cache.expert_map(0));   // -1: not resident
@@ -153,15 +153,15 @@ class slot_cache {
   /// @throws expage::invalid_argument for a bad layer, an expert out of range, a
   ///         repeated expert, more experts than group_limit(), or hints whose
   ///         lengths differ from the request's; nothing changes then.
-  access_result access(std::uint32_t layer, std::span<const std::uint32_t> experts, const access_hints& hints = {}) {
+  access_result access(std::uint32_t layer, std::span<const expert_index> experts, const access_hints& hints = {}) {
     validate_and_pin(layer, experts, hints);  // on success every requested expert is pinned
     scope& sc = scope_for(layer);
     struct unpin_on_exit {  // also when a policy throws (std::bad_alloc from a node-based policy)
       scope& sc;
       std::uint32_t layer;
-      std::span<const std::uint32_t> experts;
+      std::span<const expert_index> experts;
       ~unpin_on_exit() {
-        for (const std::uint32_t e : experts) sc.pinned[sc.space.key_of(layer, e)] = 0;
+        for (const expert_index e : experts) sc.pinned[sc.space.key_of(layer, e)] = 0;
       }
     } const unpin{sc, layer, experts};
     const std::uint64_t time = hints.time == never ? stats_.groups : hints.time;
@@ -169,7 +169,7 @@ class slot_cache {
     loads_.clear();
     access_result result;
     for (std::size_t i = 0; i < experts.size(); ++i) {
-      const std::uint32_t e = experts[i];
+      const expert_index e = experts[i];
       const std::uint32_t k = sc.space.key_of(layer, e);
       const access_context ctx{.time = time,
                                .layer = layer,
@@ -226,7 +226,7 @@ class slot_cache {
   };
 
   // The expert_map index of (layer, e): moe_geometry's layer-major index, in 64 bits.
-  [[nodiscard]] std::size_t flat(std::uint32_t layer, std::uint32_t e) const noexcept {
+  [[nodiscard]] std::size_t flat(std::uint32_t layer, expert_index e) const noexcept {
     return static_cast<std::size_t>(geometry_.flat_index({.layer = layer, .expert = e}));
   }
   [[nodiscard]] scope& scope_for(std::uint32_t layer) noexcept {
@@ -235,7 +235,7 @@ class slot_cache {
 
   // Checks the request and pins its experts (the pin bytes double as the
   // duplicate check); on failure unpins what it pinned and throws.
-  void validate_and_pin(std::uint32_t layer, std::span<const std::uint32_t> experts, const access_hints& hints) {
+  void validate_and_pin(std::uint32_t layer, std::span<const expert_index> experts, const access_hints& hints) {
     if (layer >= layers_) {
       throw invalid_argument(fmt::format("slot_cache::access: layer {} out of range [0, {})", layer, layers_));
     }
@@ -253,7 +253,7 @@ class slot_cache {
     scope& sc = scope_for(layer);
     std::size_t i = 0;
     for (; i < experts.size(); ++i) {
-      const std::uint32_t e = experts[i];
+      const expert_index e = experts[i];
       if (e >= experts_) {
         break;
       }

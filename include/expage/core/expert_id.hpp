@@ -9,6 +9,19 @@
 
 namespace expage {
 
+/// @brief An expert's index within its MoE layer, in [0, moe_geometry::experts_per_layer()).
+///
+/// The one spelling of an in-layer expert in the cache (slot_cache::access, access_context,
+/// key_space, layered_miss_curves, replay, group_tokens) and in residency (expert_id::expert);
+/// expert_id pairs it with its layer wherever the layer is not implied. A layer holds at most
+/// 65536 experts, so 32 bits suffice and layer-major products are formed in 64 bits.
+///
+/// At the routing and kernel ABI (moe/routing.hpp, cuda/moe_routing.hpp, expert_map) ids stay
+/// std::int32_t on purpose: they are the engine's tensors passed unchanged (torch.topk's ids as
+/// fused-MoE kernels take them, vLLM's int32 `expert_map`), and −1 marks an absent expert or
+/// slot. Every non-negative such id is an expert_index.
+using expert_index = std::uint32_t;
+
 /// @brief Names one routed expert: its MoE layer and its index within the layer.
 ///
 /// Both indices are zero-based; layer counts MoE layers only (a model whose
@@ -23,8 +36,8 @@ namespace expage {
 /// @endcode
 /// @threadsafety thread-compatible.
 struct expert_id {
-  std::uint32_t layer = 0;   ///< MoE layer, in [0, moe_geometry::layers()).
-  std::uint32_t expert = 0;  ///< Routed expert, in [0, moe_geometry::experts_per_layer()).
+  std::uint32_t layer = 0;  ///< MoE layer, in [0, moe_geometry::layers()).
+  expert_index expert = 0;  ///< Routed expert, in [0, moe_geometry::experts_per_layer()).
 
   /// Layer-major ordering: all experts of layer 0 first.
   friend constexpr auto operator<=>(const expert_id&, const expert_id&) noexcept = default;
