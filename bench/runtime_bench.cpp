@@ -133,7 +133,7 @@ void BM_Baseline_CopyIntoMappedPages(benchmark::State& state) {
   vmm.unmap(base, mapped);
   for (const auto b : blocks) vmm.release(b);
   vmm.free(base);
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * bytes));
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
   state.SetLabel(g.name());
 }
 BENCHMARK(BM_Baseline_CopyIntoMappedPages)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
@@ -163,7 +163,7 @@ void BM_Runtime_Miss(benchmark::State& state) {
     lease.release();
     compute.synchronize();  // the load is complete once the compute stream has passed its fence
   }
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * g.expert_bytes(expage::precision::bf16)));
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(g.expert_bytes(expage::precision::bf16)));
   state.SetLabel(g.name());
 }
 BENCHMARK(BM_Runtime_Miss)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();

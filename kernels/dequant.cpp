@@ -6,6 +6,7 @@
 #include "expage/core/precision.hpp"
 #include "expage/cuda/runtime.hpp"
 #include "expage/format/group_quant.hpp"
+#include "expage/formatters.hpp"
 
 #include <fmt/format.h>
 

@@ -14,17 +14,6 @@
 
 namespace expage::cuda {
 
-using detail::record_view;
-
-static_assert(sizeof(record_view) == sizeof(version_record) &&
-                  offsetof(record_view, data) == offsetof(version_record, data) &&
-                  offsetof(record_view, scales) == offsetof(version_record, scales) &&
-                  offsetof(record_view, zeros) == offsetof(version_record, zeros) &&
-                  offsetof(record_view, format) == offsetof(version_record, format) &&
-                  offsetof(record_view, encoding) == offsetof(version_record, encoding) &&
-                  static_cast<std::uint8_t>(version_encoding::raw) == 0,
-              "record_view mirrors version_record");
-
 namespace {
 
 constexpr std::uint64_t max_pairs = std::uint64_t{1} << 31U;
@@ -70,7 +59,7 @@ void expert_ffn_async(const expert_ffn_problem& problem, void* workspace, std::s
                               .offsets = problem.offsets,
                               .order = problem.order,
                               .topk_weights = problem.topk_weights,
-                              .records = reinterpret_cast<const record_view*>(problem.records),
+                              .records = problem.records,
                               .activations = static_cast<float*>(workspace),
                               .hidden = problem.shape.hidden,
                               .intermediate = problem.shape.intermediate,

@@ -15,7 +15,6 @@ constexpr unsigned full_mask = 0xFFFFFFFFU;
 constexpr unsigned max_grid_y = 65535;
 
 using detail::ffn_args;
-using detail::record_view;
 using expage::detail::ffn_tensor;
 
 // The expert owning sorted position p: the largest e with offsets[e] ≤ p (offsets non-decreasing).
@@ -33,19 +32,20 @@ __device__ std::uint32_t expert_at(const ffn_args& a, std::uint32_t p) {
   return lo;
 }
 
-__device__ bool readable(const record_view& r) {
-  if (r.encoding != 0 || !expage::detail::ffn_format_supported(r.format)) return false;
-  const bool integer = r.format != expage::detail::ffn_bf16 && r.format != expage::detail::ffn_fp16;
-  for (int t = 0; t < 2; ++t) {
+__device__ bool readable(const version_record& r) {
+  if (r.encoding != version_encoding::raw || !expage::detail::ffn_format_supported(r.format)) return false;
+  const bool integer = r.format != precision::bf16 && r.format != precision::fp16;
+  for (std::size_t t = 0; t < expert_tensor_count; ++t) {
     if (r.data[t] == nullptr || (integer && (r.scales[t] == nullptr || r.zeros[t] == nullptr))) return false;
   }
   return true;
 }
 
-__device__ ffn_tensor tensor_of(const record_view& r, int t, std::uint64_t cols, std::uint32_t group_size) {
-  return {.data = r.data[t],
-          .scales = r.scales[t],
-          .zeros = r.zeros[t],
+__device__ ffn_tensor tensor_of(const version_record& r, int t, std::uint64_t cols, std::uint32_t group_size) {
+  const auto i = static_cast<std::size_t>(t);
+  return {.data = reinterpret_cast<const std::uint8_t*>(r.data[i]),
+          .scales = reinterpret_cast<const std::uint8_t*>(r.scales[i]),
+          .zeros = reinterpret_cast<const std::uint8_t*>(r.zeros[i]),
           .cols = cols,
           .groups_per_row = (cols + group_size - 1) / group_size,
           .group_size = group_size,
@@ -83,7 +83,7 @@ struct expert_run {
 __device__ expert_run run_at(const ffn_args& a, std::uint32_t p, std::uint32_t tile_end, int t, std::uint64_t cols) {
   const std::uint32_t e = expert_at(a, p);
   const std::uint32_t end = std::min(a.offsets[e + 1], tile_end);
-  const record_view& r = a.records[e];
+  const version_record& r = a.records[e];
   return {end, end - p, readable(r), tensor_of(r, t, cols, a.group_size)};
 }
 

@@ -1,7 +1,9 @@
 // Internal interface between the expert FFN launcher (expert_ffn.cpp, host compiler: it formats
-// errors with fmt and reads version_record.hpp, which nvcc cannot compile) and its kernels
-// (expert_ffn.cu).
+// errors with fmt) and its kernels (expert_ffn.cu), which read expage::version_record itself:
+// the device copy of the handle table's mirror, in place.
 #pragma once
+
+#include "expage/residency/version_record.hpp"
 
 #include <cuda_runtime_api.h>
 
@@ -10,27 +12,13 @@
 
 namespace expage::cuda::detail {
 
-// expage::version_record as the kernels read it: same size and field offsets (expert_ffn.cpp
-// static_asserts them), so the device copy of the handle table's mirror is read in place.
-struct record_view {
-  const std::uint8_t* data[2];
-  const std::uint8_t* scales[2];
-  const std::uint8_t* zeros[2];
-  std::uint64_t bytes;
-  std::uint64_t number;
-  std::uint32_t layer;
-  std::uint32_t expert;
-  std::uint8_t format;    // expage::precision
-  std::uint8_t encoding;  // expage::version_encoding: 0 = raw
-};
-
 struct ffn_args {
   const float* x;
   float* out;
   const std::uint32_t* offsets;
   const std::uint32_t* order;
   const float* topk_weights;
-  const record_view* records;
+  const version_record* records;
   float* activations;  // workspace: [pairs × intermediate], by sorted position
   std::uint64_t hidden;
   std::uint64_t intermediate;

@@ -39,7 +39,8 @@ constexpr std::uint32_t tokens_per_window = 16;
 constexpr std::uint32_t hi_per_layer = 4;
 
 std::uint64_t seed_of(const expage::moe_geometry& g, expert_id id, expert_tensor t, precision p) {
-  return (g.flat_index(id) * 2 + static_cast<std::uint64_t>(t)) * 16 + static_cast<std::uint64_t>(p) + 1;
+  return (g.flat_index(id) * expage::expert_tensor_count + static_cast<std::uint64_t>(t)) * 16 +
+         static_cast<std::uint64_t>(p) + 1;
 }
 
 std::size_t round_up(std::uint64_t n) { return static_cast<std::size_t>((n + 4095) / 4096 * 4096); }

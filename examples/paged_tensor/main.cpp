@@ -87,7 +87,7 @@ expage::moe_geometry scaled(const expage::moe_geometry& real, std::uint32_t scal
 }
 
 std::uint64_t seed_of(const expage::moe_geometry& g, expage::expert_id id, expert_tensor t) {
-  return 0xc0ff'ee00'0000'0000ULL + g.flat_index(id) * 2 + static_cast<std::uint64_t>(t);
+  return 0xc0ff'ee00'0000'0000ULL + g.flat_index(id) * expage::expert_tensor_count + static_cast<std::uint64_t>(t);
 }
 
 // Every 509th word, plus the first and the last: enough to catch a page holding another expert.

@@ -97,7 +97,7 @@ class exact_packer {
 
 }  // namespace
 
-token_grouping group_tokens(std::span<const std::span<const std::uint32_t>> token_experts, std::size_t capacity,
+token_grouping group_tokens(std::span<const std::span<const expert_index>> token_experts, std::size_t capacity,
                             std::size_t search_budget) {
   if (capacity == 0) {
     throw invalid_argument("group_tokens: capacity 0 out of range [1, ...)");

@@ -3,6 +3,7 @@
 #include "expage/core/error.hpp"
 #include "expage/format/float16.hpp"
 #include "expage/format/group_quant_element.hpp"
+#include "expage/formatters.hpp"
 
 #include <fmt/format.h>
 

@@ -3,6 +3,7 @@
 #include "expage/core/error.hpp"
 #include "expage/core/precision.hpp"
 #include "expage/format/group_quant.hpp"
+#include "expage/formatters.hpp"
 #include "expage/moe/detail/ffn_element.hpp"
 #include "expage/residency/version_record.hpp"
 
@@ -16,13 +17,6 @@
 
 namespace expage {
 
-static_assert(detail::ffn_bf16 == static_cast<std::uint8_t>(precision::bf16) &&
-                  detail::ffn_fp16 == static_cast<std::uint8_t>(precision::fp16) &&
-                  detail::ffn_int8 == static_cast<std::uint8_t>(precision::int8) &&
-                  detail::ffn_int4 == static_cast<std::uint8_t>(precision::int4) &&
-                  detail::ffn_int2 == static_cast<std::uint8_t>(precision::int2),
-              "ffn_element.hpp mirrors expage::precision");
-
 namespace {
 
 constexpr std::uint64_t max_dimension = std::uint64_t{1} << 20U;
@@ -34,11 +28,11 @@ detail::ffn_tensor tensor_of(const version_record& r, expert_tensor t, tensor_sh
           .cols = shape.cols,
           .groups_per_row = (shape.cols + group_size - 1) / group_size,
           .group_size = group_size,
-          .format = static_cast<std::uint8_t>(r.format)};
+          .format = r.format};
 }
 
 void check_record(const version_record& r, std::size_t expert) {
-  if (r.encoding != version_encoding::raw || !detail::ffn_format_supported(static_cast<std::uint8_t>(r.format))) {
+  if (r.encoding != version_encoding::raw || !detail::ffn_format_supported(r.format)) {
     throw invalid_argument(
         fmt::format("expert_ffn: expert {} is a {} {} version; the FFN reads raw bf16, fp16, int8, "
                     "int4 or int2",
@@ -77,10 +71,6 @@ void expert_ffn_shape::validate() const {
 version_record packed_version_record(precision format, std::byte* gate_up, std::byte* down,
                                      const expert_ffn_shape& shape) {
   shape.validate();
-  if (format == precision::fp8) {
-    throw invalid_argument(
-        "packed_version_record: fp8 has no packed layout the FFN reads (bf16, fp16, int8, int4, int2)");
-  }
   version_record r;
   r.format = format;
   const tensor_shape shapes[] = {{.rows = 2 * shape.intermediate, .cols = shape.hidden},
@@ -90,6 +80,12 @@ version_record packed_version_record(precision format, std::byte* gate_up, std::
     r.data[t] = at[t];
     if (format == precision::bf16 || format == precision::fp16) {
       r.bytes += shapes[t].elements() * 2;
+      continue;
+    }
+    if (format == precision::fp8) {  // one e4m3 byte per weight, then one fp16 scale per group
+      const std::uint64_t groups = shapes[t].rows * ((shapes[t].cols + shape.group_size - 1) / shape.group_size);
+      r.scales[t] = at[t] + shapes[t].elements();
+      r.bytes += shapes[t].elements() + groups * metadata_bytes_per_group(format);
       continue;
     }
     const group_quant_layout layout(format, shapes[t], shape.group_size);

@@ -1,6 +1,7 @@
 #include "expage/residency/handle_table.hpp"
 
 #include "expage/core/error.hpp"
+#include "expage/formatters.hpp"
 
 #include <fmt/format.h>
 
@@ -86,11 +87,12 @@ handle_table::~handle_table() {
 }
 
 std::size_t handle_table::index_of(expert_id id, std::string_view operation) const {
-  if (!geometry_.contains(id)) {
-    throw invalid_argument(fmt::format(
-        "handle_table::{}: unknown expert {}: layer {} must be in [0, {}) and expert {} "
-        "in [0, {}) for {}",
-        operation, id, id.layer, geometry_.layers(), id.expert, geometry_.experts_per_layer(), geometry_.name()));
+  if (!geometry_.contains(id)) {  // checked_flat_index's message, prefixed with the operation
+    try {
+      geometry_.validate(id);
+    } catch (const invalid_argument& e) {
+      throw invalid_argument(fmt::format("handle_table::{}: unknown expert {}: {}", operation, id, e.what()));
+    }
   }
   return static_cast<std::size_t>(geometry_.flat_index(id));
 }

@@ -127,5 +127,26 @@ TEST(SlotCache, RejectsBadRequestsAndChangesNothing) {
   EXPECT_EQ(r.misses, 2U);
 }
 
+TEST(SlotCache, AGlobalScopeOfMoreKeysThanA32BitKeyNumbersIsRefused) {
+  // moe_geometry allows 65536 × 65536 experts: 2^32 global keys, one more than a 32-bit key can
+  // number. The product is computed in 64 bits and refused instead of wrapping to 0.
+  const key_space space{.layers = 65536, .experts_per_layer = 65536, .global = true};
+  EXPECT_EQ(space.key_count(), std::uint64_t{1} << 32U);
+  EXPECT_EQ(space.key_of(65535, 65535), 0xFFFF'FFFFU);
+  const moe_geometry huge({.name = "huge",
+                           .layers = 65536,
+                           .experts_per_layer = 65536,
+                           .top_k = 1,
+                           .hidden_size = 1,
+                           .intermediate_size = 1,
+                           .group_size = 1});
+  try {
+    slot_cache<lru_policy> cache(huge, {.layout = cache_layout::global, .capacity = 1});
+    FAIL() << "a 2^32-key global cache was built";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("4294967296 keys (65536 layers × 65536 experts), out of range [1, 4294967295]"));
+  }
+}
+
 }  // namespace
 }  // namespace expage

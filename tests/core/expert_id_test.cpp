@@ -1,4 +1,5 @@
 #include "expage/core/expert_id.hpp"
+#include "expage/formatters.hpp"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>

@@ -598,6 +598,26 @@ TEST(MoeGeometryExperts, FlatIndexIsLayerMajor) {
   EXPECT_EQ(g.flat_index({.layer = 47, .expert = 127}), g.expert_count() - 1);
 }
 
+TEST(MoeGeometryExperts, CheckedFlatIndexAgreesInRangeAndThrowsLikeValidate) {
+  const auto g = moe_geometry::qwen3_30b_a3b();
+  for (const expert_id id : {expert_id{.layer = 0, .expert = 0}, expert_id{.layer = 7, .expert = 3},
+                             expert_id{.layer = 47, .expert = 127}}) {
+    EXPECT_EQ(g.checked_flat_index(id), g.flat_index(id));
+  }
+  try {
+    (void)g.checked_flat_index({.layer = 7, .expert = 131});
+    FAIL() << "checked_flat_index(L7.E131) did not throw";
+  } catch (const expage::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("expert 131 out of range [0, 128) in layer 7 of qwen3-30b-a3b"));
+  }
+  try {
+    (void)g.checked_flat_index({.layer = 48, .expert = 0});
+    FAIL() << "checked_flat_index(L48.E0) did not throw";
+  } catch (const expage::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("layer 48 out of range [0, 48)"));
+  }
+}
+
 TEST(MoeGeometryExperts, FlatIndexAndExpertAtRoundTripOverOlmoe) {
   const auto g = moe_geometry::olmoe_1b_7b();
   ASSERT_EQ(g.expert_count(), std::uint64_t{1024});

@@ -1,6 +1,7 @@
 #include "expage/core/precision.hpp"
 
 #include "expage/core/error.hpp"
+#include "expage/formatters.hpp"
 
 #include <fmt/format.h>
 #include <gmock/gmock.h>

@@ -13,7 +13,7 @@
 #include "expage/cuda/runtime.hpp"
 #include "expage/memory/budget_tracker.hpp"
 #include "expage/runtime/expert_runtime.hpp"
-#include "expage/vmm/tensor_storage.hpp"
+#include "expage/memory/tensor_storage.hpp"
 
 #include <gtest/gtest.h>
 

@@ -16,7 +16,7 @@
 #include "expage/memory/host_memory.hpp"
 #include "expage/residency/handle_table.hpp"
 #include "expage/residency/transition_manager.hpp"
-#include "expage/vmm/tensor_storage.hpp"
+#include "expage/memory/tensor_storage.hpp"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>

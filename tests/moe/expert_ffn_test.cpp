@@ -90,7 +90,7 @@ TEST(PackedVersionRecord, PointsIntoEachTensorAndSizesItAsTheGeometry) {
   const expert_ffn_shape shape = expert_ffn_shape::of(g);
   std::byte gate_up[1];
   std::byte down[1];
-  for (const precision p : {precision::bf16, precision::fp16, precision::int8, precision::int4, precision::int2}) {
+  for (const precision p : all_precisions) {
     const version_record r = packed_version_record(p, gate_up, down, shape);
     EXPECT_EQ(r.format, p);
     EXPECT_EQ(r.bytes, g.expert_bytes(p)) << to_string(p);
@@ -100,11 +100,15 @@ TEST(PackedVersionRecord, PointsIntoEachTensorAndSizesItAsTheGeometry) {
       EXPECT_EQ(r.scale(expert_tensor::down), nullptr);
       continue;
     }
+    if (p == precision::fp8) {  // one byte per weight, then the fp16 scales; no zero points
+      EXPECT_EQ(r.scale(expert_tensor::down), down + g.shape(expert_tensor::down).elements());
+      EXPECT_EQ(r.zero(expert_tensor::down), nullptr);
+      continue;
+    }
     const group_quant_layout layout(p, g.shape(expert_tensor::down), g.group_size());
     EXPECT_EQ(r.scale(expert_tensor::down), down + layout.scales_at());
     EXPECT_EQ(r.zero(expert_tensor::down), down + layout.zeros_at());
   }
-  EXPECT_THROW((void)packed_version_record(precision::fp8, gate_up, down, shape), invalid_argument);
   EXPECT_THROW((void)packed_version_record(precision::int4, gate_up, down, {.hidden = 0, .intermediate = 1}),
                invalid_argument);
 }

@@ -6,10 +6,10 @@
 #include "expage/core/pattern.hpp"
 #include "expage/core/units.hpp"
 #include "expage/memory/host_memory.hpp"
+#include "expage/memory/tensor_storage.hpp"
 #include "expage/residency/completion.hpp"
 #include "expage/stream/host_stream.hpp"
 #include "expage/vmm/host_vmm.hpp"
-#include "expage/vmm/tensor_storage.hpp"
 
 #include <gtest/gtest.h>
 

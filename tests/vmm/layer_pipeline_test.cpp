@@ -36,7 +36,7 @@ moe_geometry small(std::uint32_t layers = 6) {
 using expage::testing::failing_vmm;
 
 std::uint64_t seed_of(const moe_geometry& g, expert_id id, expert_tensor t) {
-  return 0x9e37'79b9'7f4a'7c15ULL ^ (g.flat_index(id) * 2 + static_cast<std::uint64_t>(t));
+  return 0x9e37'79b9'7f4a'7c15ULL ^ (g.flat_index(id) * expert_tensor_count + static_cast<std::uint64_t>(t));
 }
 
 // Everything a pipeline needs, on the host backend: weights filled with a per-tensor pattern.
@@ -123,13 +123,13 @@ TEST(LayerPipeline, StreamsEveryLayerThroughATwoLayerWindowWithOnlyEventFences) 
   r.run(iterations);
   r.pipe.drain();
   EXPECT_EQ(r.mismatches.load(), 0u);
-  EXPECT_EQ(r.checked.load(), std::uint64_t{iterations} * 4 * 4 * 2);
+  EXPECT_EQ(r.checked.load(), std::uint64_t{iterations} * 4 * 4 * expert_tensor_count);
   EXPECT_EQ(r.stream_syncs(), 0u) << "the protocol must never wait for a whole stream";
   const auto& s = r.pipe.statistics();
   EXPECT_EQ(s.cold_starts, 2u);
   EXPECT_EQ(s.layers_materialized, std::uint64_t{iterations} * 4 + 1);
   EXPECT_EQ(s.war_fences + s.war_already_done, s.layers_recycled);
-  EXPECT_EQ(s.raw_fences, std::uint64_t{iterations} * 4 * 2);
+  EXPECT_EQ(s.raw_fences, std::uint64_t{iterations} * 4 * expert_tensor_count);
   EXPECT_EQ(s.peak_bytes_mapped, 2 * 4 * r.page_bytes()) << "never more than W layers mapped";
   EXPECT_EQ(r.budget.root().used(), s.bytes_mapped);
   EXPECT_EQ(r.load_gate_up.statistics().copies + r.load_down.statistics().copies, s.pages_loaded);
@@ -184,7 +184,7 @@ TEST(LayerPipeline, AWindowCoveringTheModelLoadsEachExpertOnce) {
   rig r(8, 4);
   r.run(5);
   r.pipe.drain();
-  EXPECT_EQ(r.pipe.statistics().pages_loaded, 4u * 4 * 2);
+  EXPECT_EQ(r.pipe.statistics().pages_loaded, 4u * 4 * expert_tensor_count);
   EXPECT_EQ(r.pipe.statistics().layers_recycled, 0u);
   EXPECT_EQ(r.pipe.state({3, 3}, expert_tensor::down), page_state::resident);
   EXPECT_EQ(r.mismatches.load(), 0u);
@@ -250,7 +250,7 @@ TEST(LayerPipeline, AWhollyPinnedLayerNeedsNoMaterialization) {
   r.run(3);
   r.pipe.drain();
   EXPECT_EQ(r.mismatches.load(), 0u);
-  EXPECT_EQ(r.checked.load(), 3u * 4 * 4 * 2);
+  EXPECT_EQ(r.checked.load(), 3u * 4 * 4 * expert_tensor_count);
 }
 
 TEST(LayerPipeline, RejectsMisuseWithoutChangingAnything) {
@@ -325,7 +325,7 @@ TEST(LayerPipeline, ACompressedStorageIsDecodedIntoThePagesByItsLoader) {
           s.enqueue([&, i] {
             for (std::uint32_t e = 0; e < 4; ++e) {
               for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
-                const auto& w = weights[g.flat_index({i, e}) * 2 + static_cast<std::size_t>(t)];
+                const auto& w = weights[g.flat_index({i, e}) * expert_tensor_count + static_cast<std::size_t>(t)];
                 bad += std::memcmp(pipe.address({i, e}, t), w.data(), w.size() * 2) != 0;
               }
             }

@@ -2,6 +2,8 @@
 /// @brief The eviction_policy concept and what a policy is told about each access.
 #pragma once
 
+#include "expage/core/expert_id.hpp"
+
 #include <concepts>
 #include <cstdint>
 #include <limits>
@@ -12,22 +14,38 @@ namespace expage {
 /// @brief The keys one cache scope covers: one layer's experts (per-layer
 /// layout) or every expert of the model (global layout, key = layer ·
 /// experts_per_layer + expert).
+///
+/// Keys are 32-bit, so a scope holds at most max_keys of them; a global scope
+/// of a model with 65536 layers of 65536 experts (2^32 keys, which
+/// moe_geometry allows) does not fit, and slot_cache refuses it. key_count()
+/// computes in 64 bits to tell.
 struct key_space {
   std::uint32_t layers = 1;             ///< MoE layers of the model.
   std::uint32_t experts_per_layer = 1;  ///< Routed experts per layer.
   bool global = false;                  ///< True: keys span all layers; false: one layer's experts.
   std::uint32_t layer = 0;              ///< The layer a per-layer scope covers.
 
-  /// Number of distinct keys in the scope.
-  [[nodiscard]] constexpr std::uint32_t size() const noexcept {
-    return global ? layers * experts_per_layer : experts_per_layer;
+  /// The most keys a scope may have: keys are std::uint32_t values in [0, size()).
+  static constexpr std::uint64_t max_keys = std::numeric_limits<std::uint32_t>::max();
+
+  /// Number of distinct keys in the scope, without overflow (up to 2^32).
+  [[nodiscard]] constexpr std::uint64_t key_count() const noexcept {
+    return global ? std::uint64_t{layers} * experts_per_layer : experts_per_layer;
+  }
+  /// Number of distinct keys in the scope. @pre key_count() ≤ max_keys.
+  [[nodiscard]] constexpr std::uint32_t size() const noexcept { return static_cast<std::uint32_t>(key_count()); }
+  /// The key of expert @p expert of layer @p layer_index: layer_index · experts_per_layer + expert
+  /// (global) or expert (per-layer, where @p layer_index is the scope's layer).
+  /// @pre layer_index < layers, expert < experts_per_layer, key_count() ≤ max_keys.
+  [[nodiscard]] constexpr std::uint32_t key_of(std::uint32_t layer_index, expert_index expert) const noexcept {
+    return global ? layer_index * experts_per_layer + expert : expert;
   }
   /// The layer of @p key.
   [[nodiscard]] constexpr std::uint32_t layer_of(std::uint32_t key) const noexcept {
     return global ? key / experts_per_layer : layer;
   }
   /// The expert index (within its layer) of @p key.
-  [[nodiscard]] constexpr std::uint32_t expert_of(std::uint32_t key) const noexcept {
+  [[nodiscard]] constexpr expert_index expert_of(std::uint32_t key) const noexcept {
     return global ? key % experts_per_layer : key;
   }
 };
@@ -39,7 +57,7 @@ inline constexpr std::uint64_t never = std::numeric_limits<std::uint64_t>::max()
 struct access_context {
   std::uint64_t time = 0;          ///< Index of the access group (one layer of one step), monotone.
   std::uint32_t layer = 0;         ///< The layer being executed.
-  std::uint32_t expert = 0;        ///< The accessed expert, within its layer.
+  expert_index expert = 0;         ///< The accessed expert, within its layer.
   std::uint64_t next_use = never;  ///< Offline knowledge: the time of this key's next access (replay fills it).
   float probability = 0.0F;        ///< The router's probability (or gating weight) for this expert, if known.
 };

@@ -85,7 +85,7 @@ class layered_miss_curves {
   /// cache serving the experts in that order leaves it.
   /// @throws expage::invalid_argument for a layer or expert out of range or a
   ///         repeated expert; nothing is recorded then.
-  void access_group(std::uint32_t layer, std::span<const std::uint32_t> experts);
+  void access_group(std::uint32_t layer, std::span<const expert_index> experts);
 
   /// True when @p id is in [0, layers()) × [0, experts_per_layer()).
   [[nodiscard]] bool contains(expert_id id) const noexcept {

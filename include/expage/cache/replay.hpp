@@ -52,7 +52,7 @@ class access_stream {
   [[nodiscard]] std::size_t groups() const noexcept { return layer_.size(); }            ///< Access groups.
   [[nodiscard]] std::uint32_t layer(std::size_t g) const noexcept { return layer_[g]; }  ///< Layer of group @p g.
   /// Experts of group @p g.
-  [[nodiscard]] std::span<const std::uint32_t> experts(std::size_t g) const noexcept {
+  [[nodiscard]] std::span<const expert_index> experts(std::size_t g) const noexcept {
     return std::span(experts_).subspan(offset_[g], offset_[g + 1] - offset_[g]);
   }
   /// Next-use time (a group index, or `never`) of each expert of group @p g.
@@ -74,7 +74,7 @@ class access_stream {
   std::uint32_t limit_;
   std::vector<std::uint32_t> layer_;
   std::vector<std::size_t> offset_;
-  std::vector<std::uint32_t> experts_;
+  std::vector<expert_index> experts_;
   std::vector<std::uint64_t> next_use_;
   std::vector<float> probability_;
   std::uint64_t tokens_ = 0;

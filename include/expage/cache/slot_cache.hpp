@@ -87,7 +87,7 @@ struct slot_cache_statistics {
 /// @code
 /// expage::slot_cache<expage::lru_policy> cache(expage::moe_geometry::mixtral_8x7b(),
 ///                                              {.layout = expage::cache_layout::per_layer, .capacity = 4});
-/// const std::uint32_t routed[] = {6, 5};
+/// const expage::expert_index routed[] = {6, 5};
 /// auto r = cache.access(/*layer=*/0, routed);
 /// for (const auto& load : r.loads) copy_expert(load.expert, load.slot);
 /// fused_moe(hidden, routed_ids, cache.expert_map(0));   // -1: not resident
@@ -97,17 +97,25 @@ template <eviction_policy Policy>
 class slot_cache {
  public:
   /// A cache for @p geometry whose scopes use `Policy(space)`.
-  /// @throws expage::invalid_argument when the capacity is 0 or exceeds the scope's experts.
+  /// @throws expage::invalid_argument when the capacity is 0 or exceeds the scope's experts, or
+  ///         when a global scope would have more than key_space::max_keys keys.
   slot_cache(const moe_geometry& geometry, slot_cache_options options)
       : slot_cache(geometry, options, [](const key_space& s) { return Policy(s); }) {}
 
   /// A cache whose scopes use the policies @p make(space) returns (to pass policy options).
-  /// @throws expage::invalid_argument when the capacity is 0 or exceeds the scope's experts.
+  /// @throws expage::invalid_argument as the constructor above.
   template <class Factory>
   slot_cache(const moe_geometry& geometry, slot_cache_options options, Factory make)
-      : layers_(geometry.layers()), experts_(geometry.experts_per_layer()), options_(options) {
+      : geometry_(geometry), layers_(geometry.layers()), experts_(geometry.experts_per_layer()), options_(options) {
     const bool global = options.layout == cache_layout::global;
-    const std::uint32_t scope_keys = global ? layers_ * experts_ : experts_;
+    const key_space whole{.layers = layers_, .experts_per_layer = experts_, .global = global};
+    const std::uint64_t scope_keys = whole.key_count();
+    if (scope_keys > key_space::max_keys) {
+      throw invalid_argument(fmt::format(
+          "slot_cache: a global cache of {} needs {} keys ({} layers × {} experts), out of range [1, {}] (keys are "
+          "32-bit; use the per-layer layout)",
+          geometry.name(), scope_keys, layers_, experts_, key_space::max_keys));
+    }
     if (options.capacity == 0 || options.capacity > scope_keys) {
       throw invalid_argument(fmt::format("slot_cache: capacity {} out of range [1, {}] for a {} cache of {}",
                                          options.capacity, scope_keys, to_string(options.layout), geometry.name()));
@@ -115,12 +123,13 @@ class slot_cache {
     const std::uint32_t scopes = global ? 1 : layers_;
     scopes_.reserve(scopes);
     for (std::uint32_t s = 0; s < scopes; ++s) {
-      const key_space space{.layers = layers_, .experts_per_layer = experts_, .global = global, .layer = s};
-      scopes_.push_back(scope{make(space), std::vector<std::uint8_t>(scope_keys, 0), {}});
+      key_space space = whole;
+      space.layer = s;
+      scopes_.push_back(scope{make(space), space, std::vector<std::uint8_t>(space.size(), 0), {}});
       auto& free = scopes_.back().free_slots;
       for (std::uint32_t slot = options.capacity; slot-- > 0;) free.push_back(slot);
     }
-    map_.assign(std::size_t{layers_} * experts_, -1);
+    map_.assign(static_cast<std::size_t>(geometry.expert_count()), -1);
     loads_.reserve(options.capacity);
   }
 
@@ -132,7 +141,7 @@ class slot_cache {
   /// Layer @p layer's part of expert_map(): what a fused-MoE kernel for that layer takes.
   /// @pre layer < layers.
   [[nodiscard]] std::span<const std::int32_t> expert_map(std::uint32_t layer) const noexcept {
-    return std::span<const std::int32_t>(map_).subspan(std::size_t{layer} * experts_, experts_);
+    return std::span<const std::int32_t>(map_).subspan(flat(layer, 0), experts_);
   }
   /// True when @p id occupies a slot. @pre the id is valid for the geometry.
   [[nodiscard]] bool resident(expert_id id) const noexcept { return map_[flat(id.layer, id.expert)] >= 0; }
@@ -144,27 +153,24 @@ class slot_cache {
   /// @throws expage::invalid_argument for a bad layer, an expert out of range, a
   ///         repeated expert, more experts than group_limit(), or hints whose
   ///         lengths differ from the request's; nothing changes then.
-  access_result access(std::uint32_t layer, std::span<const std::uint32_t> experts, const access_hints& hints = {}) {
+  access_result access(std::uint32_t layer, std::span<const expert_index> experts, const access_hints& hints = {}) {
     validate_and_pin(layer, experts, hints);  // on success every requested expert is pinned
     scope& sc = scope_for(layer);
-    const bool global = options_.layout == cache_layout::global;
     struct unpin_on_exit {  // also when a policy throws (std::bad_alloc from a node-based policy)
-      slot_cache& cache;
       scope& sc;
       std::uint32_t layer;
-      std::span<const std::uint32_t> experts;
-      bool global;
+      std::span<const expert_index> experts;
       ~unpin_on_exit() {
-        for (const std::uint32_t e : experts) sc.pinned[cache.key(layer, e, global)] = 0;
+        for (const expert_index e : experts) sc.pinned[sc.space.key_of(layer, e)] = 0;
       }
-    } const unpin{*this, sc, layer, experts, global};
+    } const unpin{sc, layer, experts};
     const std::uint64_t time = hints.time == never ? stats_.groups : hints.time;
     const pin_view pins{sc.pinned.data()};
     loads_.clear();
     access_result result;
     for (std::size_t i = 0; i < experts.size(); ++i) {
-      const std::uint32_t e = experts[i];
-      const std::uint32_t k = key(layer, e, global);
+      const expert_index e = experts[i];
+      const std::uint32_t k = sc.space.key_of(layer, e);
       const access_context ctx{.time = time,
                                .layer = layer,
                                .expert = e,
@@ -186,7 +192,7 @@ class slot_cache {
       } else {
         victim = sc.policy.victim(pins, ctx);
         load.evicts = true;
-        load.evicted = {global ? victim / experts_ : layer, global ? victim % experts_ : victim};
+        load.evicted = {sc.space.layer_of(victim), sc.space.expert_of(victim)};
         load.slot = map_[flat(load.evicted.layer, load.evicted.expert)];
         EXPAGE_ASSERT(load.slot >= 0 && !pins(victim), "slot_cache: the policy chose a victim that is not evictable");
       }
@@ -214,15 +220,14 @@ class slot_cache {
  private:
   struct scope {
     Policy policy;
+    key_space space;                        // the keys policy ranks
     std::vector<std::uint8_t> pinned;       // per key: part of the current group
     std::vector<std::uint32_t> free_slots;  // slots holding no expert
   };
 
-  [[nodiscard]] std::size_t flat(std::uint32_t layer, std::uint32_t e) const noexcept {
-    return std::size_t{layer} * experts_ + e;
-  }
-  [[nodiscard]] std::uint32_t key(std::uint32_t layer, std::uint32_t e, bool global) const noexcept {
-    return global ? layer * experts_ + e : e;
+  // The expert_map index of (layer, e): moe_geometry's layer-major index, in 64 bits.
+  [[nodiscard]] std::size_t flat(std::uint32_t layer, expert_index e) const noexcept {
+    return static_cast<std::size_t>(geometry_.flat_index({.layer = layer, .expert = e}));
   }
   [[nodiscard]] scope& scope_for(std::uint32_t layer) noexcept {
     return scopes_[options_.layout == cache_layout::global ? 0 : layer];
@@ -230,7 +235,7 @@ class slot_cache {
 
   // Checks the request and pins its experts (the pin bytes double as the
   // duplicate check); on failure unpins what it pinned and throws.
-  void validate_and_pin(std::uint32_t layer, std::span<const std::uint32_t> experts, const access_hints& hints) {
+  void validate_and_pin(std::uint32_t layer, std::span<const expert_index> experts, const access_hints& hints) {
     if (layer >= layers_) {
       throw invalid_argument(fmt::format("slot_cache::access: layer {} out of range [0, {})", layer, layers_));
     }
@@ -246,21 +251,20 @@ class slot_cache {
                                          hints.next_use.size(), hints.probability.size(), experts.size()));
     }
     scope& sc = scope_for(layer);
-    const bool global = options_.layout == cache_layout::global;
     std::size_t i = 0;
     for (; i < experts.size(); ++i) {
-      const std::uint32_t e = experts[i];
+      const expert_index e = experts[i];
       if (e >= experts_) {
         break;
       }
-      std::uint8_t& seen = sc.pinned[key(layer, e, global)];
+      std::uint8_t& seen = sc.pinned[sc.space.key_of(layer, e)];
       if (seen != 0) {
         break;
       }
       seen = 1;
     }
     if (i < experts.size()) {
-      for (std::size_t j = 0; j < i; ++j) sc.pinned[key(layer, experts[j], global)] = 0;
+      for (std::size_t j = 0; j < i; ++j) sc.pinned[sc.space.key_of(layer, experts[j])] = 0;
       if (experts[i] >= experts_) {
         throw invalid_argument(
             fmt::format("slot_cache::access: expert {} out of range [0, {}) in layer {}", experts[i], experts_, layer));
@@ -270,6 +274,7 @@ class slot_cache {
     }
   }
 
+  moe_geometry geometry_;
   std::uint32_t layers_;
   std::uint32_t experts_;
   slot_cache_options options_;

@@ -2,6 +2,8 @@
 /// @brief group_tokens: split a step's tokens so each group's expert union fits the slots.
 #pragma once
 
+#include "expage/core/expert_id.hpp"
+
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -11,8 +13,8 @@ namespace expage {
 
 /// @brief Tokens of one layer-step split into groups whose expert unions fit a capacity.
 struct token_grouping {
-  std::vector<std::vector<std::uint32_t>> tokens;   ///< Per group: indices of its tokens, ascending.
-  std::vector<std::vector<std::uint32_t>> experts;  ///< Per group: the union of its tokens' experts, first-seen order.
+  std::vector<std::vector<std::uint32_t>> tokens;  ///< Per group: indices of its tokens, ascending.
+  std::vector<std::vector<expert_index>> experts;  ///< Per group: the union of its tokens' experts, first-seen order.
   std::size_t lower_bound = 0;  ///< ⌈|union of all experts| / capacity⌉: no split has fewer groups.
   bool proven_minimal = false;  ///< True when no split into fewer groups exists.
   /// True when the split has the fewest groups possible.
@@ -39,12 +41,12 @@ inline constexpr std::size_t default_grouping_search_budget = 100'000;
 /// ascending order within a group, and groups are ordered by their first token.
 ///
 /// @code
-/// std::vector<std::span<const std::uint32_t>> routed = {t0_experts, t1_experts, t2_experts};
+/// std::vector<std::span<const expage::expert_index>> routed = {t0_experts, t1_experts, t2_experts};
 /// auto split = expage::group_tokens(routed, cache.group_limit());
 /// for (std::size_t g = 0; g < split.tokens.size(); ++g) cache.access(layer, split.experts[g]);
 /// @endcode
 /// @throws expage::invalid_argument when @p capacity is 0 or one token alone needs more than @p capacity experts.
-[[nodiscard]] token_grouping group_tokens(std::span<const std::span<const std::uint32_t>> token_experts,
+[[nodiscard]] token_grouping group_tokens(std::span<const std::span<const expert_index>> token_experts,
                                           std::size_t capacity,
                                           std::size_t search_budget = default_grouping_search_budget);
 

@@ -19,6 +19,10 @@ enum class expert_tensor : std::uint8_t {
   down,     ///< Down projection: shape [hidden, intermediate].
 };
 
+/// Number of weight tensors of one expert: the values of expert_tensor (gate_up and down). Arrays
+/// indexed by expert_tensor (version_record's pointers, per-tensor pages and streams) have this size.
+inline constexpr std::size_t expert_tensor_count = 2;
+
 /// The lowercase name of @p t: "gate_up" or "down".
 [[nodiscard]] constexpr std::string_view to_string(expert_tensor t) noexcept {
   return t == expert_tensor::gate_up ? "gate_up" : "down";
@@ -50,6 +54,7 @@ struct tensor_shape {
 /// g.expert_bytes(expage::precision::bf16);   // 352,321,536 bytes (3 × 4096 × 14336 × 2)
 /// g.tensor_bytes(expage::expert_tensor::down, expage::precision::int4);
 /// g.validate({.layer = 31, .expert = 7});   // ok; layer 32 would throw
+/// g.checked_flat_index({.layer = 7, .expert = 3});  // 59 (7 × 8 + 3); throws like validate()
 /// @endcode
 /// @threadsafety thread-compatible (immutable after construction).
 class moe_geometry {
@@ -148,6 +153,17 @@ class moe_geometry {
   /// @pre contains(id).
   [[nodiscard]] std::uint64_t flat_index(expert_id id) const noexcept {
     return std::uint64_t{id.layer} * config_.experts_per_layer + id.expert;
+  }
+
+  /// Layer-major index of @p id in [0, expert_count()), after validate(): the one
+  /// checked (layer, expert) → index mapping every per-expert table uses.
+  /// @throws expage::invalid_argument as validate() does, e.g.
+  /// "expert 131 out of range [0, 128) in layer 7 of qwen3-30b-a3b".
+  [[nodiscard]] std::uint64_t checked_flat_index(expert_id id) const {
+    if (!contains(id)) [[unlikely]] {
+      validate(id);  // throws; kept out of line so the hit path is two compares
+    }
+    return flat_index(id);
   }
 
   /// The expert at layer-major index @p index.

@@ -1,8 +1,8 @@
 /// @file
 /// @brief Weight precisions an expert version can be stored in, and their byte cost.
+///
+/// Free of fmt, so kernels include it; expage/formatters.hpp formats a precision.
 #pragma once
-
-#include <fmt/format.h>
 
 #include <cstdint>
 #include <string_view>
@@ -75,16 +75,3 @@ inline constexpr precision all_precisions[] = {precision::bf16, precision::fp16,
 [[nodiscard]] precision parse_precision(std::string_view name);
 
 }  // namespace expage
-
-// fmt support (not in the API reference: Doxygen cannot scope specializations of fmt::formatter).
-#if !defined(EXPAGE_DOXYGEN)
-/// fmt support for expage::precision: prints to_string(p).
-template <>
-struct fmt::formatter<expage::precision> : fmt::formatter<std::string_view> {
-  /// Writes the precision's name.
-  template <class FormatContext>
-  auto format(expage::precision p, FormatContext& ctx) const {
-    return fmt::formatter<std::string_view>::format(expage::to_string(p), ctx);
-  }
-};
-#endif  // !defined(EXPAGE_DOXYGEN)

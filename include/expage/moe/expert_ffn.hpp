@@ -40,15 +40,18 @@ struct expert_ffn_shape {
 /// The raw version_record of an expert whose tensors are stored at @p gate_up and @p down, each
 /// in @p format's byte layout: 16-bit values for bf16 and fp16, or the group_quant layout
 /// (codes, then fp16 scales, then fp16 zeros; expage/format/group_quant.hpp) with
-/// shape.group_size for int8, int4 and int2, whose scales and zeros then point into each tensor.
-/// Sets data, scales, zeros, format and bytes (both tensors); the handle table sets the rest.
+/// shape.group_size for int8, int4 and int2, whose scales and zeros then point into each tensor,
+/// or for fp8 one e4m3 byte per weight followed by one fp16 scale per group (no zeros). The one
+/// owner of these layouts: transition_manager builds its records with it too. expert_ffn() reads
+/// every format but fp8. Sets data, scales, zeros, format and bytes (both tensors, as
+/// moe_geometry::tensor_bytes counts them); the handle table sets the rest.
 ///
 /// @code
 /// std::vector<std::byte> gu = expage::quantize_groups(w_gate_up, gate_up_layout);   // int4
 /// std::vector<std::byte> dn = expage::quantize_groups(w_down, down_layout);
 /// expage::version_record r = expage::packed_version_record(expage::precision::int4, gu.data(), dn.data(), shape);
 /// @endcode
-/// @throws expage::invalid_argument when @p format is fp8 or @p shape is out of range.
+/// @throws expage::invalid_argument when @p shape is out of range.
 [[nodiscard]] version_record packed_version_record(precision format, std::byte* gate_up, std::byte* down,
                                                    const expert_ffn_shape& shape);
 

@@ -6,6 +6,11 @@
 ///
 /// A *pair* is one (token, k) selection; pair p = token·top_k + k indexes every per-pair array
 /// (`topk_ids`, `topk_weights`, slots). Layouts and the calling sequence: docs/kernels.md.
+///
+/// Expert ids here are std::int32_t, not expage::expert_index: they are the engine's tensors at
+/// the kernel ABI (torch.topk's ids as fused-MoE kernels take them, vLLM's int32 `expert_map`, −1
+/// for an absent expert or slot), passed to the CUDA kernels unchanged. Each non-negative id is
+/// an expert_index within the layer; entry e of `expert_counts` counts expert_index e.
 #pragma once
 
 #include <cstdint>

@@ -4,13 +4,15 @@
 #pragma once
 
 #include "expage/core/error.hpp"
-#include "expage/format/group_quant.hpp"
+#include "expage/detail/assert.hpp"
+#include "expage/formatters.hpp"
 #include "expage/memory/block_pool.hpp"
 #include "expage/memory/budget_tracker.hpp"
+#include "expage/memory/tensor_storage.hpp"
+#include "expage/moe/expert_ffn.hpp"
 #include "expage/residency/completion.hpp"
 #include "expage/residency/handle_table.hpp"
 #include "expage/stream/async_stream.hpp"
-#include "expage/vmm/tensor_storage.hpp"
 
 #include <fmt/format.h>
 
@@ -178,7 +180,7 @@ class transition_manager {
   /// resident_lo or absent (nothing changes).
   void set_targets(std::span<const target> targets) {
     for (const target& t : targets) {
-      (void)table_->handle(t.expert);  // validates the id
+      (void)table_->geometry().checked_flat_index(t.expert);
       if (t.state != residency_state::resident_hi && t.state != residency_state::resident_lo &&
           t.state != residency_state::absent) {
         throw invalid_argument(
@@ -291,27 +293,13 @@ class transition_manager {
     last_state_[i] = now;
   }
 
-  // The version record of a block holding a whole expert in `format`: gate_up then down, each
-  // tensor's weights followed by its group scales and zero points (see precision.hpp).
+  // The version record of a block holding a whole expert in `format`: gate_up, then down, each in
+  // packed_version_record's layout (the one owner of where a format keeps codes, scales, zeros).
   [[nodiscard]] version_record record_at(std::byte* block, precision format) const {
     const moe_geometry& g = table_->geometry();
-    version_record r;
-    std::size_t offset = 0;
-    for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
-      const auto i = static_cast<std::size_t>(t);
-      const tensor_shape shape = g.shape(t);
-      r.data[i] = block + offset;
-      if (format == precision::int8 || format == precision::int4 || format == precision::int2) {
-        const group_quant_layout layout(format, shape, g.group_size());  // codes, fp16 scales, fp16 zeros
-        r.scales[i] = r.data[i] + layout.scales_at();
-        r.zeros[i] = r.data[i] + layout.zeros_at();
-      } else if (format == precision::fp8) {
-        r.scales[i] = r.data[i] + shape.elements();  // one byte per weight, then one fp16 scale per group
-      }
-      offset += static_cast<std::size_t>(g.tensor_bytes(t, format));
-    }
-    r.bytes = g.expert_bytes(format);
-    r.format = format;
+    version_record r = packed_version_record(format, block, block + g.tensor_bytes(expert_tensor::gate_up, format),
+                                             expert_ffn_shape::of(g));
+    EXPAGE_ASSERT(r.bytes == g.expert_bytes(format), "packed_version_record sizes a version as the geometry does");
     return r;
   }
 

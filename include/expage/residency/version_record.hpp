@@ -1,14 +1,16 @@
 /// @file
 /// @brief version_record (what a resolved handle gives a kernel), version_storage (what keeps
 /// a version's memory alive) and mirror_hook (how the table's mirror reaches a device).
+///
+/// Free of fmt, so kernels include it and read version_record itself; expage/formatters.hpp
+/// formats a version_encoding.
 #pragma once
 
 #include "expage/core/expert_id.hpp"
 #include "expage/core/moe_geometry.hpp"
 #include "expage/core/precision.hpp"
+#include "expage/detail/host_device.hpp"
 #include "expage/residency/completion.hpp"
-
-#include <fmt/format.h>
 
 #include <array>
 #include <concepts>
@@ -34,9 +36,6 @@ enum class version_encoding : std::uint8_t {
 [[nodiscard]] constexpr std::string_view to_string(version_encoding e) noexcept {
   return e == version_encoding::raw ? "raw" : "compressed";
 }
-
-/// Number of expert tensors a version_record addresses (gate_up and down).
-inline constexpr std::size_t expert_tensor_count = 2;
 
 /// @brief One complete version of one expert: where its tensors are and how
 /// to read them (DynaExq §3.2: "the compute path resolves the handle to obtain
@@ -67,15 +66,29 @@ struct version_record {
   version_encoding encoding = version_encoding::raw;  ///< Raw or compressed.
 
   /// The weights of tensor @p t.
-  [[nodiscard]] std::byte* tensor(expert_tensor t) const noexcept { return data[static_cast<std::size_t>(t)]; }
+  [[nodiscard]] EXPAGE_HOST_DEVICE std::byte* tensor(expert_tensor t) const noexcept {
+    return data[static_cast<std::size_t>(t)];
+  }
   /// The scales of tensor @p t, or nullptr.
-  [[nodiscard]] std::byte* scale(expert_tensor t) const noexcept { return scales[static_cast<std::size_t>(t)]; }
+  [[nodiscard]] EXPAGE_HOST_DEVICE std::byte* scale(expert_tensor t) const noexcept {
+    return scales[static_cast<std::size_t>(t)];
+  }
   /// The zero points of tensor @p t, or nullptr.
-  [[nodiscard]] std::byte* zero(expert_tensor t) const noexcept { return zeros[static_cast<std::size_t>(t)]; }
+  [[nodiscard]] EXPAGE_HOST_DEVICE std::byte* zero(expert_tensor t) const noexcept {
+    return zeros[static_cast<std::size_t>(t)];
+  }
 };
 
 static_assert(std::is_trivially_copyable_v<version_record> && std::is_standard_layout_v<version_record>,
               "version_record is copied byte-wise to devices");
+// The layout is an ABI: the device mirror copies records byte-wise and the CUDA kernels
+// (kernels/expert_ffn.cu) read them in place, compiled by nvcc from this same header.
+static_assert(sizeof(void*) != 8 || (sizeof(version_record) == 80 && offsetof(version_record, data) == 0 &&
+                                     offsetof(version_record, scales) == 16 && offsetof(version_record, zeros) == 32 &&
+                                     offsetof(version_record, bytes) == 48 && offsetof(version_record, number) == 56 &&
+                                     offsetof(version_record, expert) == 64 && offsetof(version_record, format) == 72 &&
+                                     offsetof(version_record, encoding) == 73),
+              "version_record's layout changed: the device mirror and the kernels read it as laid out");
 
 namespace detail {
 
@@ -190,16 +203,3 @@ class mirror_hook {
 };
 
 }  // namespace expage
-
-// fmt support (not in the API reference: Doxygen cannot scope specializations of fmt::formatter).
-#if !defined(EXPAGE_DOXYGEN)
-/// fmt support for expage::version_encoding: prints to_string(e).
-template <>
-struct fmt::formatter<expage::version_encoding> : fmt::formatter<std::string_view> {
-  /// Writes the encoding's name.
-  template <class FormatContext>
-  auto format(expage::version_encoding e, FormatContext& ctx) const {
-    return fmt::formatter<std::string_view>::format(expage::to_string(e), ctx);
-  }
-};
-#endif  // !defined(EXPAGE_DOXYGEN)

@@ -5,6 +5,7 @@
 #include "expage/core/error.hpp"
 #include "expage/core/moe_geometry.hpp"
 #include "expage/detail/assert.hpp"
+#include "expage/formatters.hpp"
 #include "expage/vmm/virtual_memory.hpp"
 
 #include <fmt/format.h>
@@ -167,8 +168,7 @@ class address_space {
     return static_cast<std::size_t>((bytes + granularity - 1) / granularity * granularity);
   }
   [[nodiscard]] std::size_t page_of(expert_id id) const {
-    geometry_.validate(id);
-    return static_cast<std::size_t>(geometry_.flat_index(id));
+    return static_cast<std::size_t>(geometry_.checked_flat_index(id));
   }
   std::size_t expect(expert_id id, page_state wanted, std::string_view what) const {
     const std::size_t p = page_of(id);

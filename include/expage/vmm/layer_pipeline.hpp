@@ -5,9 +5,9 @@
 #include "expage/core/error.hpp"
 #include "expage/core/moe_geometry.hpp"
 #include "expage/memory/budget_tracker.hpp"
+#include "expage/memory/tensor_storage.hpp"
 #include "expage/stream/async_stream.hpp"
 #include "expage/vmm/address_space.hpp"
-#include "expage/vmm/tensor_storage.hpp"
 #include "expage/vmm/virtual_memory.hpp"
 #include "expage/vmm/vmm_block_pool.hpp"
 
@@ -127,7 +127,7 @@ class layer_pipeline {
         pinned_(static_cast<std::size_t>(geometry.expert_count()), false),
         pinned_in_layer_(geometry.layers(), 0),
         compute_events_(geometry.layers()),
-        load_events_(std::size_t{geometry.layers()} * 2) {
+        load_events_(std::size_t{geometry.layers()} * expert_tensor_count) {
     for (auto& l : leases_) l.resize(static_cast<std::size_t>(geometry.expert_count()));
   }
   layer_pipeline(const layer_pipeline&) = delete;
@@ -136,9 +136,10 @@ class layer_pipeline {
   ~layer_pipeline() {
     for (std::uint32_t layer = 0; layer < geometry_.layers(); ++layer) {
       quietly_synchronize(compute_events_[layer]);
-      for (std::size_t t = 0; t < 2; ++t) quietly_synchronize(load_events_[layer * 2 + t]);
+      for (std::size_t t = 0; t < expert_tensor_count; ++t)
+        quietly_synchronize(load_events_[layer * expert_tensor_count + t]);
     }
-    for (std::size_t t = 0; t < 2; ++t) {
+    for (std::size_t t = 0; t < expert_tensor_count; ++t) {
       for (std::size_t flat = 0; flat < leases_[t].size(); ++flat) {
         if (leases_[t][flat]) unmap_page(t, flat);
       }
@@ -182,8 +183,8 @@ class layer_pipeline {
     if (!held_[layer] && pinned_in_layer_[layer] != geometry_.experts_per_layer()) {
       throw invalid_argument(fmt::format("layer_pipeline::forward({}): layer {} is not materialized", layer, layer));
     }
-    for (std::size_t t = 0; t < 2; ++t) {
-      compute_->wait(load_events_[layer * 2 + t]);
+    for (std::size_t t = 0; t < expert_tensor_count; ++t) {
+      compute_->wait(load_events_[layer * expert_tensor_count + t]);
       ++stats_.raw_fences;
     }
     std::forward<Launch>(launch)(*compute_);
@@ -201,11 +202,11 @@ class layer_pipeline {
     if (pinned_[flat]) return;
     std::vector<std::pair<std::size_t, std::size_t>> loaded;
     try {
-      for (std::size_t t = 0; t < 2; ++t) {
+      for (std::size_t t = 0; t < expert_tensor_count; ++t) {
         if (!leases_[t][flat]) {
           map_and_load(t, flat);
           loaded.emplace_back(t, flat);
-          load_[t]->record(load_events_[id.layer * 2 + t]);
+          load_[t]->record(load_events_[id.layer * expert_tensor_count + t]);
         }
       }
     } catch (...) {
@@ -228,7 +229,7 @@ class layer_pipeline {
     --stats_.pinned_experts;
     if (held_[id.layer]) return;
     wait_for_layer(id.layer);
-    for (std::size_t t = 0; t < 2; ++t) unmap_page(t, flat);
+    for (std::size_t t = 0; t < expert_tensor_count; ++t) unmap_page(t, flat);
   }
 
   /// True when expert @p id is pinned. @throws expage::invalid_argument for an id outside the geometry.
@@ -277,7 +278,7 @@ class layer_pipeline {
   void drain() {
     for (std::uint32_t layer = 0; layer < geometry_.layers(); ++layer) {
       compute_events_[layer].synchronize();
-      for (std::size_t t = 0; t < 2; ++t) load_events_[layer * 2 + t].synchronize();
+      for (std::size_t t = 0; t < expert_tensor_count; ++t) load_events_[layer * expert_tensor_count + t].synchronize();
     }
     poll();
   }
@@ -327,8 +328,7 @@ class layer_pipeline {
     }
   }
   [[nodiscard]] std::size_t flat_of(expert_id id) const {
-    geometry_.validate(id);
-    return static_cast<std::size_t>(geometry_.flat_index(id));
+    return static_cast<std::size_t>(geometry_.checked_flat_index(id));
   }
   [[nodiscard]] expert_id id_of(std::size_t flat) const { return geometry_.expert_at(flat); }
   static void quietly_synchronize(const event_type& e) noexcept {
@@ -363,16 +363,16 @@ class layer_pipeline {
 
   void load_layer(std::uint32_t layer) {
     std::vector<std::pair<std::size_t, std::size_t>> loaded;
-    loaded.reserve(std::size_t{geometry_.experts_per_layer()} * 2);
-    const std::size_t first = std::size_t{layer} * geometry_.experts_per_layer();
+    loaded.reserve(std::size_t{geometry_.experts_per_layer()} * expert_tensor_count);
+    const auto first = static_cast<std::size_t>(geometry_.flat_index({.layer = layer, .expert = 0}));
     try {
-      for (std::size_t t = 0; t < 2; ++t) {
+      for (std::size_t t = 0; t < expert_tensor_count; ++t) {
         for (std::size_t flat = first; flat < first + geometry_.experts_per_layer(); ++flat) {
           if (leases_[t][flat]) continue;  // pinned: already resident
           map_and_load(t, flat);
           loaded.emplace_back(t, flat);
         }
-        load_[t]->record(load_events_[layer * 2 + t]);  // line 10: event_i^load(d)
+        load_[t]->record(load_events_[layer * expert_tensor_count + t]);  // line 10: event_i^load(d)
       }
     } catch (...) {
       undo_loads(layer, loaded);
@@ -382,22 +382,22 @@ class layer_pipeline {
 
   // Strong guarantee: wait for the enqueued loads (per-layer events), unmap their pages, return their blocks.
   void undo_loads(std::uint32_t layer, const std::vector<std::pair<std::size_t, std::size_t>>& loaded) noexcept {
-    for (std::size_t t = 0; t < 2; ++t) {
+    for (std::size_t t = 0; t < expert_tensor_count; ++t) {
       try {
-        load_[t]->record(load_events_[layer * 2 + t]);
+        load_[t]->record(load_events_[layer * expert_tensor_count + t]);
       } catch (...) {
       }
-      quietly_synchronize(load_events_[layer * 2 + t]);
+      quietly_synchronize(load_events_[layer * expert_tensor_count + t]);
     }
     for (const auto& [t, flat] : loaded) unmap_page(t, flat);
   }
 
   [[nodiscard]] bool loads_done(std::uint32_t layer) const {
-    return load_events_[layer * 2].query() && load_events_[layer * 2 + 1].query();
+    return load_events_[layer * expert_tensor_count].query() && load_events_[layer * expert_tensor_count + 1].query();
   }
   void finish_loads(std::uint32_t layer) {
-    const std::size_t first = std::size_t{layer} * geometry_.experts_per_layer();
-    for (std::size_t t = 0; t < 2; ++t) {
+    const auto first = static_cast<std::size_t>(geometry_.flat_index({.layer = layer, .expert = 0}));
+    for (std::size_t t = 0; t < expert_tensor_count; ++t) {
       for (std::size_t flat = first; flat < first + geometry_.experts_per_layer(); ++flat) {
         const expert_id id = id_of(flat);
         if (spaces_[t].state(id) == page_state::loading) spaces_[t].finish_load(id);
@@ -414,17 +414,17 @@ class layer_pipeline {
       ++stats_.war_fences;
       computed.synchronize();
     }
-    for (std::size_t t = 0; t < 2; ++t) load_events_[layer * 2 + t].synchronize();
+    for (std::size_t t = 0; t < expert_tensor_count; ++t) load_events_[layer * expert_tensor_count + t].synchronize();
     finish_loads(layer);
   }
   // Line 6: recycles the blocks of the oldest layer in the window.
   void recycle_oldest() {
     const std::uint32_t target = window_.front().layer;
     wait_for_layer(target);
-    const std::size_t first = std::size_t{target} * geometry_.experts_per_layer();
+    const auto first = static_cast<std::size_t>(geometry_.flat_index({.layer = target, .expert = 0}));
     for (std::size_t flat = first; flat < first + geometry_.experts_per_layer(); ++flat) {
       if (pinned_[flat]) continue;
-      for (std::size_t t = 0; t < 2; ++t) {
+      for (std::size_t t = 0; t < expert_tensor_count; ++t) {
         if (leases_[t][flat]) unmap_page(t, flat);
       }
     }
@@ -447,17 +447,17 @@ class layer_pipeline {
   moe_geometry geometry_;
   const tensor_storage<Stream>* storage_;
   Stream* compute_;
-  std::array<Stream*, 2> load_;
-  std::array<space_type, 2> spaces_;  // before pools_ and leases_: destroyed after them
-  std::array<pool_type, 2> pools_;
-  std::array<std::vector<lease_type>, 2> leases_;  // per tensor type, per flat expert
+  std::array<Stream*, expert_tensor_count> load_;
+  std::array<space_type, expert_tensor_count> spaces_;  // before pools_ and leases_: destroyed after them
+  std::array<pool_type, expert_tensor_count> pools_;
+  std::array<std::vector<lease_type>, expert_tensor_count> leases_;  // per tensor type, per flat expert
   std::uint32_t window_limit_;
   std::deque<window_entry> window_;
   std::vector<bool> held_;  // per layer: in window_
   std::vector<bool> pinned_;
   std::vector<std::uint32_t> pinned_in_layer_;
   std::vector<event_type> compute_events_;  // event_i^comp
-  std::vector<event_type> load_events_;     // event_i^load(d) at [i · 2 + d]
+  std::vector<event_type> load_events_;     // event_i^load(d) at [i · expert_tensor_count + d]
   layer_pipeline_statistics stats_;
 };
 

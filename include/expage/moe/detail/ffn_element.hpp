@@ -3,6 +3,7 @@
 // Not API.
 #pragma once
 
+#include "expage/core/precision.hpp"
 #include "expage/detail/host_device.hpp"
 #include "expage/format/float16.hpp"
 #include "expage/format/group_quant_element.hpp"
@@ -12,14 +13,6 @@
 
 namespace expage::detail {
 
-/// expage::precision's values (this header cannot include precision.hpp: nvcc reads it);
-/// src/moe/expert_ffn.cpp checks that they agree.
-inline constexpr std::uint8_t ffn_bf16 = 0;
-inline constexpr std::uint8_t ffn_fp16 = 1;
-inline constexpr std::uint8_t ffn_int8 = 3;
-inline constexpr std::uint8_t ffn_int4 = 4;
-inline constexpr std::uint8_t ffn_int2 = 5;
-
 /// One weight matrix of one version, as the FFN reads it.
 struct ffn_tensor {
   const std::uint8_t* data;    // bf16/fp16 values, or packed codes
@@ -28,12 +21,13 @@ struct ffn_tensor {
   std::uint64_t cols;
   std::uint64_t groups_per_row;
   std::uint32_t group_size;
-  std::uint8_t format;
+  precision format;
 };
 
 /// True for the formats the FFN reads: bf16, fp16, int8, int4, int2.
-[[nodiscard]] EXPAGE_HOST_DEVICE inline bool ffn_format_supported(std::uint8_t format) noexcept {
-  return format == ffn_bf16 || format == ffn_fp16 || (format >= ffn_int8 && format <= ffn_int2);
+[[nodiscard]] EXPAGE_HOST_DEVICE inline bool ffn_format_supported(precision format) noexcept {
+  return format == precision::bf16 || format == precision::fp16 || format == precision::int8 ||
+         format == precision::int4 || format == precision::int2;
 }
 
 /// Weight (row, col) of @p t as a float: 16-bit values widened exactly, integer codes
@@ -42,9 +36,9 @@ struct ffn_tensor {
 [[nodiscard]] EXPAGE_HOST_DEVICE inline float ffn_weight(const ffn_tensor& t, std::uint64_t row,
                                                          std::uint64_t col) noexcept {
   const std::uint64_t i = row * t.cols + col;
-  if (t.format == ffn_bf16) return bf16_to_float(load_le16(t.data + 2 * i));
-  if (t.format == ffn_fp16) return fp16_to_float(load_le16(t.data + 2 * i));
-  const unsigned bits = 8U >> (t.format - ffn_int8);  // int8 → 8, int4 → 4, int2 → 2
+  if (t.format == precision::bf16) return bf16_to_float(load_le16(t.data + 2 * i));
+  if (t.format == precision::fp16) return fp16_to_float(load_le16(t.data + 2 * i));
+  const unsigned bits = bits_per_weight(t.format);  // int8 → 8, int4 → 4, int2 → 2
   const std::uint64_t group = row * t.groups_per_row + col / t.group_size;
   return dequantize_value(packed_code(t.data, i, bits), fp16_to_float(load_le16(t.scales + 2 * group)),
                           fp16_to_float(load_le16(t.zeros + 2 * group)));

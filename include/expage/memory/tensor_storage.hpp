@@ -4,6 +4,7 @@
 
 #include "expage/core/error.hpp"
 #include "expage/core/moe_geometry.hpp"
+#include "expage/formatters.hpp"
 #include "expage/memory/physical_memory.hpp"
 #include "expage/stream/async_stream.hpp"
 
@@ -51,7 +52,7 @@ class tensor_storage {
   /// Construction parameters.
   struct options {
     /// Bytes of each slot, per tensor type (gate_up, down); 0: the tensor's bytes in the format.
-    std::array<std::size_t, 2> slot_bytes{0, 0};
+    std::array<std::size_t, expert_tensor_count> slot_bytes{0, 0};
     /// Replaces the default copy (empty: stream.copy of the stored bytes).
     loader_type loader;
   };
@@ -62,7 +63,7 @@ class tensor_storage {
   template <physical_memory Memory>
   tensor_storage(const moe_geometry& geometry, precision format, Memory& memory, options opts = {})
       : geometry_(geometry), format_(format), location_(memory.location()), loader_(std::move(opts.loader)) {
-    for (std::size_t t = 0; t < 2; ++t) {
+    for (std::size_t t = 0; t < expert_tensor_count; ++t) {
       const std::uint64_t tensor = geometry.tensor_bytes(static_cast<expert_tensor>(t), format);
       tensor_bytes_[t] = static_cast<std::size_t>(tensor);
       slot_bytes_[t] = align_up(opts.slot_bytes[t] == 0 ? tensor_bytes_[t] : opts.slot_bytes[t]);
@@ -78,8 +79,8 @@ class tensor_storage {
     std::byte* base = memory.allocate(blocks);
     memory_ = std::unique_ptr<std::byte, std::function<void(std::byte*)>>(
         base, [&memory, blocks](std::byte* p) { memory.deallocate(p, blocks); });
-    stored_.assign(static_cast<std::size_t>(experts) * 2, 0);
-    for (std::size_t i = 0; i < stored_.size(); ++i) stored_[i] = tensor_bytes_[i % 2];
+    stored_.assign(static_cast<std::size_t>(experts) * expert_tensor_count, 0);
+    for (std::size_t i = 0; i < stored_.size(); ++i) stored_[i] = tensor_bytes_[i % expert_tensor_count];
     capacity_ = static_cast<std::size_t>(total);
   }
 
@@ -140,20 +141,21 @@ class tensor_storage {
     return (n + slot_alignment - 1) / slot_alignment * slot_alignment;
   }
   [[nodiscard]] std::size_t index(expert_id id, expert_tensor t) const {
-    geometry_.validate(id);
-    return static_cast<std::size_t>(geometry_.flat_index(id)) * 2 + static_cast<std::size_t>(t);
+    return static_cast<std::size_t>(geometry_.checked_flat_index(id)) * expert_tensor_count +
+           static_cast<std::size_t>(t);
   }
   [[nodiscard]] std::size_t offset(expert_id id, expert_tensor t) const {
     const std::size_t i = index(id, t);
-    return (i / 2) * (slot_bytes_[0] + slot_bytes_[1]) + (i % 2 == 0 ? 0 : slot_bytes_[0]);
+    return (i / expert_tensor_count) * (slot_bytes_[0] + slot_bytes_[1]) +
+           (i % expert_tensor_count == 0 ? 0 : slot_bytes_[0]);
   }
 
   moe_geometry geometry_;
   precision format_;
   memory_location location_;
   loader_type loader_;
-  std::array<std::size_t, 2> tensor_bytes_{};
-  std::array<std::size_t, 2> slot_bytes_{};
+  std::array<std::size_t, expert_tensor_count> tensor_bytes_{};
+  std::array<std::size_t, expert_tensor_count> slot_bytes_{};
   std::size_t capacity_ = 0;
   std::vector<std::size_t> stored_;  // stored bytes per (expert, tensor)
   std::unique_ptr<std::byte, std::function<void(std::byte*)>> memory_;
