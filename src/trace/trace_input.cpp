@@ -360,8 +360,12 @@ std::uint32_t effective_batch_size(const trace_read_options& options,
 // --- Output -----------------------------------------------------------------------------------
 
 void write_file_atomically(const std::filesystem::path& path, const std::function<void(std::ostream&)>& write) {
+  std::error_code exists_error;
+  // /dev/null, a FIFO, a terminal: no temporary file can replace it, so it is written in place.
+  const bool special =
+      std::filesystem::exists(path, exists_error) && !std::filesystem::is_regular_file(path, exists_error);
   std::filesystem::path temporary = path;
-  temporary += fmt::format(".tmp{}", ::getpid());
+  if (!special) temporary += fmt::format(".tmp{}", ::getpid());
   {
     std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
     if (!out) {
@@ -373,24 +377,24 @@ void write_file_atomically(const std::filesystem::path& path, const std::functio
       out.flush();
     } catch (...) {
       std::error_code ignored;
-      std::filesystem::remove(temporary, ignored);
+      if (!special) std::filesystem::remove(temporary, ignored);
       throw;
     }
     if (!out) {
       const int err = errno;
       std::error_code ignored;
-      std::filesystem::remove(temporary, ignored);
+      if (!special) std::filesystem::remove(temporary, ignored);
       throw invalid_argument(fmt::format("{}: write failed: {}", path.string(), std::strerror(err)));
     }
     out.close();
     if (!out) {
       const int err = errno;
       std::error_code ignored;
-      std::filesystem::remove(temporary, ignored);
+      if (!special) std::filesystem::remove(temporary, ignored);
       throw invalid_argument(fmt::format("{}: close failed: {}", path.string(), std::strerror(err)));
     }
   }
-  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+  if (!special && std::rename(temporary.c_str(), path.c_str()) != 0) {
     const int err = errno;
     std::error_code ignored;
     std::filesystem::remove(temporary, ignored);

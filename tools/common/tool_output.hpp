@@ -30,6 +30,14 @@ inline void check_output_path(std::string_view flag, const std::filesystem::path
   if (std::filesystem::is_directory(path, ec)) {
     throw output_error(fmt::format("{} {}: is a directory", flag, path.string()));
   }
+  if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec)) {
+    // /dev/null, a FIFO, a terminal: written in place, so it must be writable itself.
+    if (::access(path.c_str(), W_OK) != 0) {
+      const int err = errno;
+      throw output_error(fmt::format("{} {}: cannot write: {}", flag, path.string(), std::strerror(err)));
+    }
+    return;
+  }
   const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
   if (::access(dir.c_str(), W_OK | X_OK) != 0) {
     const int err = errno;
@@ -41,8 +49,10 @@ inline void check_output_path(std::string_view flag, const std::filesystem::path
 /// Writes @p text to @p path through a temporary file in the same directory and a rename.
 /// @throws output_error with the system's reason.
 inline void write_atomically(const std::filesystem::path& path, std::string_view text) {
+  std::error_code ec;
+  const bool special = std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec);
   std::filesystem::path temporary = path;
-  temporary += fmt::format(".tmp{}", ::getpid());
+  if (!special) temporary += fmt::format(".tmp{}", ::getpid());  // special files are written in place
   std::FILE* f = std::fopen(temporary.c_str(), "wb");
   if (f == nullptr) {
     const int err = errno;
@@ -53,11 +63,11 @@ inline void write_atomically(const std::filesystem::path& path, std::string_view
   const bool closed = std::fclose(f) == 0;
   const int close_err = errno;
   if (!written || !closed) {
-    std::remove(temporary.c_str());
+    if (!special) std::remove(temporary.c_str());
     throw output_error(
         fmt::format("{}: cannot write: {}", path.string(), std::strerror(!written ? write_err : close_err)));
   }
-  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+  if (!special && std::rename(temporary.c_str(), path.c_str()) != 0) {
     const int err = errno;
     std::remove(temporary.c_str());
     throw output_error(fmt::format("{}: cannot rename into place: {}", path.string(), std::strerror(err)));
