@@ -420,7 +420,13 @@ int main(int argc, char** argv) {
     expage::routing_trace trace = [&] {
       if (c.trace) {
         expage::routing_trace t = expage::read_trace(*c.trace, g, {.batch_size = c.batch.value_or(0)});
-        if (!meta && !c.trust_geometry) expage::check_trace_geometry(t, g);
+        if (!meta && !c.trust_geometry) {
+          try {
+            expage::check_trace_geometry(t, g);
+          } catch (const expage::invalid_argument& e) {
+            throw expage::format_error(fmt::format("{}: {}", *c.trace, e.what()));
+          }
+        }
         return t;
       }
       expage::synthetic_options o = c.synth;

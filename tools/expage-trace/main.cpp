@@ -208,7 +208,13 @@ int run(int argc, char** argv) {
   }
   const expage::trace_read_options read_options{.batch_size = batch.value_or(0)};
   const expage::routing_trace t = expage::read_trace(files[0], *geometry, read_options);
-  if (!meta && !trust_geometry) expage::check_trace_geometry(t, *geometry);
+  if (!meta && !trust_geometry) {
+    try {
+      expage::check_trace_geometry(t, *geometry);
+    } catch (const expage::invalid_argument& e) {
+      throw expage::format_error(fmt::format("{}: {}", files[0].string(), e.what()));
+    }
+  }
   if (command == "info") {
     print_info(files[0], t);
   } else {
