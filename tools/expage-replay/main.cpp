@@ -437,6 +437,12 @@ int main(int argc, char** argv) {
       trace.set_batch_size(*c.batch);
       trace.restore_execution_order();
     }
+    if (g.hidden_size() == 1 && g.intermediate_size() == 1) {
+      fmt::print(stderr,
+                 "expage-replay: note: geometry '{}' gives no hidden_size/intermediate_size: miss counts are exact, "
+                 "bytes moved and stall are per unit, not real\n",
+                 g.name());
+    }
     const std::string source = c.trace ? *c.trace : fmt::format("synthetic (seed {})", c.synth.seed);
     fmt::print("{}: {} routing events, {} layers x {} experts, top-{}, batch {}\n", source, trace.size(), g.layers(),
                g.experts_per_layer(), g.top_k(), trace.batch_size());
