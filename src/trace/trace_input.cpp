@@ -75,7 +75,7 @@ std::size_t byte_input::read(char* out, std::size_t n) {
   if (n == 0) return 0;
   if (fd_ < 0) {
     const std::size_t count = std::min<std::size_t>(n, text_.size() - static_cast<std::size_t>(offset_));
-    std::memcpy(out, text_.data() + offset_, count);
+    if (count != 0) std::memcpy(out, text_.data() + offset_, count);  // an empty view's data() may be null
     offset_ += count;
     return count;
   }
