@@ -21,6 +21,7 @@
 #include "expage/cache/token_groups.hpp"
 #include "expage/core/error.hpp"
 #include "expage/core/expert_id.hpp"
+#include "expage/core/geometry_io.hpp"
 #include "expage/core/moe_geometry.hpp"
 #include "expage/core/pattern.hpp"
 #include "expage/core/precision.hpp"

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <array>
+#include <iterator>
 #include <unordered_set>
 
 namespace expage {
@@ -86,6 +87,9 @@ access_stream::access_stream(const routing_trace& trace, std::uint32_t group_lim
   const prefill_table prefill = trace.prefill_lengths();
   const std::size_t n = trace.size();
   events_ = n;
+  layers_ = trace.layers();
+  experts_per_layer_ = trace.experts_per_layer();
+  top_k_ = trace.top_k();
   offset_.push_back(0);
   std::unordered_set<std::uint64_t> tokens;
   std::vector<std::span<const std::uint32_t>> routed;
@@ -152,8 +156,43 @@ access_stream::access_stream(const routing_trace& trace, std::uint32_t group_lim
       static_cast<std::uint64_t>(std::count_if(last.begin(), last.end(), [](std::uint64_t t) { return t != never; }));
 }
 
+namespace {
+
+// Enum values outside their declared range (a cast from a bad integer, a corrupt config) are
+// errors, never a silent replay of nothing.
+void check_enums(policy_kind policy, const replay_options& options) {
+  if (std::find(kinds.begin(), kinds.end(), policy) == kinds.end()) {
+    throw invalid_argument(
+        fmt::format("replay: policy {} out of range [0, {})", static_cast<unsigned>(policy), kinds.size()));
+  }
+  if (options.layout != cache_layout::per_layer && options.layout != cache_layout::global) {
+    throw invalid_argument(fmt::format("replay: layout {} out of range [0, 2)", static_cast<unsigned>(options.layout)));
+  }
+  if (std::find(std::begin(all_precisions), std::end(all_precisions), options.format) == std::end(all_precisions)) {
+    throw invalid_argument(fmt::format("replay: precision {} out of range [0, {})",
+                                       static_cast<unsigned>(options.format), std::size(all_precisions)));
+  }
+}
+
+// The slots a layout offers: layers × experts in 64 bits (65536 × 65536 does not wrap to 0).
+std::uint64_t layout_keys(const moe_geometry& geometry, cache_layout layout) noexcept {
+  return layout == cache_layout::global ? geometry.expert_count() : geometry.experts_per_layer();
+}
+
+}  // namespace
+
 replay_result replay(const access_stream& stream, const moe_geometry& geometry, policy_kind policy,
                      const replay_options& options) {
+  check_enums(policy, options);
+  if (stream.layers() != 0 &&
+      (stream.layers() != geometry.layers() || stream.experts_per_layer() != geometry.experts_per_layer() ||
+       stream.top_k() != geometry.top_k())) {
+    throw invalid_argument(fmt::format(
+        "replay: the trace is {} layers x {} experts, top-{} but the geometry '{}' is {} x {}, top-{}: refusing a "
+        "geometry mismatch",
+        stream.layers(), stream.experts_per_layer(), stream.top_k(), geometry.name(), geometry.layers(),
+        geometry.experts_per_layer(), geometry.top_k()));
+  }
   if (options.capacity < stream.group_limit()) {
     throw invalid_argument(fmt::format("replay: capacity {} is below the stream's group limit {}", options.capacity,
                                        stream.group_limit()));
@@ -178,16 +217,22 @@ replay_result replay(const access_stream& stream, const moe_geometry& geometry, 
 
 replay_result replay(const routing_trace& trace, const moe_geometry& geometry, policy_kind policy,
                      const replay_options& options) {
-  const std::uint32_t keys = options.layout == cache_layout::global ? geometry.layers() * geometry.experts_per_layer()
-                                                                    : geometry.experts_per_layer();
+  check_enums(policy, options);
+  if (trace.layers() != geometry.layers() || trace.experts_per_layer() != geometry.experts_per_layer() ||
+      trace.top_k() != geometry.top_k()) {
+    throw invalid_argument(fmt::format(
+        "replay: the trace is {} layers x {} experts, top-{} but the geometry '{}' is {} x {}, top-{}: refusing a "
+        "geometry mismatch",
+        trace.layers(), trace.experts_per_layer(), trace.top_k(), geometry.name(), geometry.layers(),
+        geometry.experts_per_layer(), geometry.top_k()));
+  }
+  const std::uint64_t keys = layout_keys(geometry, options.layout);
   if (options.capacity == 0 || options.capacity > keys) {
     throw invalid_argument(fmt::format("replay: capacity {} out of range [1, {}] for a {} cache of {}",
                                        options.capacity, keys, to_string(options.layout), geometry.name()));
   }
-  const std::uint32_t limit = std::min(options.capacity, options.layout == cache_layout::global
-                                                             ? geometry.layers() * geometry.experts_per_layer()
-                                                             : geometry.experts_per_layer());
-  return replay(access_stream(trace, std::max<std::uint32_t>(limit, 1)), geometry, policy, options);
+  // capacity ≤ keys, so the group limit fits 32 bits.
+  return replay(access_stream(trace, options.capacity), geometry, policy, options);
 }
 
 }  // namespace expage

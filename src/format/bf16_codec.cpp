@@ -206,7 +206,9 @@ std::vector<std::byte> encode_bf16(std::span<const std::uint16_t> values, const 
   return out;
 }
 
-bf16_container_info inspect_bf16(std::span<const std::byte> container) {
+namespace {
+
+bf16_container_info inspect_layout(std::span<const std::byte> container) {
   const std::uint64_t size = container.size();
   if (size < bf16_header_bytes) bad(fmt::format("{} bytes, shorter than the {}-byte header", size, bf16_header_bytes));
   if (!std::equal(detail::bf16_magic.begin(), detail::bf16_magic.end(),
@@ -308,10 +310,12 @@ bf16_container_info inspect_bf16(std::span<const std::byte> container) {
   return info;
 }
 
-namespace {
-
-void decode_validated(std::span<const std::byte> container, const bf16_container_info& info,
-                      std::span<std::uint16_t> out) {
+// Walks every lane stream of a container whose layout inspect_layout() validated, handing each
+// element's decoded value to @p emit, and checks that the codes of each lane take exactly the
+// bits the lane records: the one check a header cannot make. inspect_bf16() runs it with no
+// output, so every container it accepts decodes (the GPU decoder relies on inspection alone).
+template <class Emit>
+void walk_streams(std::span<const std::byte> container, const bf16_container_info& info, Emit&& emit) {
   std::uint8_t raw_lengths[256];
   std::copy(info.code_lengths.begin(), info.code_lengths.end(), raw_lengths);
   const detail::canonical_code code = detail::make_canonical_code(raw_lengths);
@@ -321,6 +325,7 @@ void decode_validated(std::span<const std::byte> container, const bf16_container
   const std::uint64_t words = info.exponent_bytes / 4;
   const auto word = [&](std::uint64_t w) { return get_le<std::uint32_t>(container, info.exponents_at + 4 * w); };
   const std::byte* sign_mantissa = container.data() + info.sign_mantissa_at;
+  if (info.element_count == 0) return;
   for (std::uint64_t c = 0; c < info.chunk_count; ++c) {
     const std::uint64_t base = c * std::uint64_t{info.chunk_elements};
     const std::uint64_t m = std::min<std::uint64_t>(info.chunk_elements, info.element_count - base);
@@ -355,7 +360,7 @@ void decode_validated(std::span<const std::byte> container, const bf16_container
           bits -= len;
           consumed += len;
           const auto sm = std::to_integer<std::uint16_t>(sign_mantissa[base + e]);
-          out[base + e] = static_cast<std::uint16_t>(((sm & 0x80U) << 8U) | ((entry & 0xFFU) << 7U) | (sm & 0x7FU));
+          emit(base + e, static_cast<std::uint16_t>(((sm & 0x80U) << 8U) | ((entry & 0xFFU) << 7U) | (sm & 0x7FU)));
         }
       }
       if (consumed != lane_bits) {
@@ -368,19 +373,25 @@ void decode_validated(std::span<const std::byte> container, const bf16_container
 
 }  // namespace
 
+bf16_container_info inspect_bf16(std::span<const std::byte> container) {
+  const bf16_container_info info = inspect_layout(container);
+  walk_streams(container, info, [](std::uint64_t, std::uint16_t) noexcept {});
+  return info;
+}
+
 void decode_bf16(std::span<const std::byte> container, std::span<std::uint16_t> out) {
-  const bf16_container_info info = inspect_bf16(container);
+  const bf16_container_info info = inspect_layout(container);
   if (out.size() != info.element_count) {
     throw invalid_argument(
         fmt::format("decode_bf16: output holds {} values, the container {}", out.size(), info.element_count));
   }
-  decode_validated(container, info, out);
+  walk_streams(container, info, [&](std::uint64_t i, std::uint16_t v) noexcept { out[i] = v; });
 }
 
 std::vector<std::uint16_t> decode_bf16(std::span<const std::byte> container) {
-  const bf16_container_info info = inspect_bf16(container);
+  const bf16_container_info info = inspect_layout(container);
   std::vector<std::uint16_t> out(info.element_count);
-  decode_validated(container, info, out);
+  walk_streams(container, info, [&](std::uint64_t i, std::uint16_t v) noexcept { out[i] = v; });
   return out;
 }
 

@@ -1,6 +1,7 @@
 #include "expage/trace/routing_trace.hpp"
 
 #include "expage/core/error.hpp"
+#include "record_check.hpp"
 
 #include <fmt/format.h>
 
@@ -64,49 +65,10 @@ void routing_trace::reserve(std::size_t events, bool with_probabilities) {
 }
 
 void routing_trace::append(const routing_event& event) {
-  if (event.layer >= layers_) {
-    throw invalid_argument(fmt::format("routing_trace: layer {} out of range [0, {}) at sequence {} step {}",
-                                       event.layer, layers_, event.sequence, event.step));
-  }
-  if (event.phase != routing_phase::decode && event.phase != routing_phase::prefill) {
-    throw invalid_argument(
-        fmt::format("routing_trace: phase {} out of range [0, 1]", static_cast<unsigned>(event.phase)));
-  }
-  if (event.experts.size() != top_k_) {
-    throw invalid_argument(fmt::format("routing_trace: {} experts where top_k is {} at sequence {} step {} layer {}",
-                                       event.experts.size(), top_k_, event.sequence, event.step, event.layer));
-  }
-  for (std::size_t j = 0; j < event.experts.size(); ++j) {
-    const std::uint32_t x = event.experts[j];
-    if (x >= experts_per_layer_) {
-      throw invalid_argument(
-          fmt::format("routing_trace: expert {} out of range [0, {}) in layer {}", x, experts_per_layer_, event.layer));
-    }
-    if (std::find(event.experts.begin(), event.experts.begin() + static_cast<std::ptrdiff_t>(j), x) !=
-        event.experts.begin() + static_cast<std::ptrdiff_t>(j)) {
-      throw invalid_argument(fmt::format("routing_trace: expert {} repeated in layer {} at sequence {} step {}", x,
-                                         event.layer, event.sequence, event.step));
-    }
-  }
-  if (event.weights.size() != event.experts.size()) {
-    throw invalid_argument(
-        fmt::format("routing_trace: {} weights for {} experts", event.weights.size(), event.experts.size()));
-  }
-  for (const float w : event.weights) {
-    if (!std::isfinite(w) || w < 0.0F) {
-      throw invalid_argument(fmt::format("routing_trace: weight {} out of range [0, inf)", w));
-    }
-  }
-  if (!event.probabilities.empty()) {
-    if (event.probabilities.size() != experts_per_layer_) {
-      throw invalid_argument(fmt::format("routing_trace: {} probabilities where experts_per_layer is {}",
-                                         event.probabilities.size(), experts_per_layer_));
-    }
-    for (const float p : event.probabilities) {
-      if (!std::isfinite(p) || p < 0.0F) {
-        throw invalid_argument(fmt::format("routing_trace: probability {} out of range [0, inf)", p));
-      }
-    }
+  if (const auto problem = detail::check_record(event, layers_, experts_per_layer_, top_k_)) {
+    throw invalid_argument(fmt::format("routing_trace: field '{}': {} at sequence {} step {} layer {}",
+                                       detail::to_string(problem->field), problem->message, event.sequence, event.step,
+                                       event.layer));
   }
   // Strong guarantee: grow every array first (may throw), then push (cannot throw).
   const std::size_t n = size() + 1;
@@ -176,6 +138,22 @@ bool routing_trace::is_execution_ordered() const {
 
 void routing_trace::restore_execution_order() {
   const prefill_table prefill = prefill_lengths();
+  // A trace already in strictly increasing execution order (what writers and engines produce)
+  // needs one linear pass, no sort: strict order already excludes duplicate (sequence, step,
+  // layer) records once decode-before-prefill is ruled out (a prefill and a decode record of the
+  // same step would have equal keys only if the decode step preceded the prefill length).
+  bool ordered = true;
+  for (std::size_t i = 0; i < size(); ++i) {
+    if (phase_[i] == routing_phase::decode && step_[i] < prefill[sequence_[i]]) {
+      ordered = false;  // reported below, after the duplicate check, as before
+      break;
+    }
+    if (i > 0 && !(execution_key_of(i - 1, prefill) < execution_key_of(i, prefill))) {
+      ordered = false;
+      break;
+    }
+  }
+  if (ordered) return;
   std::vector<std::size_t> order(size());
   std::iota(order.begin(), order.end(), std::size_t{0});
   // Duplicates: sort by (sequence, step, layer) first.

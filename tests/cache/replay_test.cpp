@@ -109,6 +109,38 @@ TEST(Replay, RejectsBadParameters) {
 
 // The one-pass LRU miss curve (WiSP Eq. 3, in its pinned-group form) and the
 // LRU slot cache agree at every capacity, per layer and global.
+// Issue 15, reproduction 4 through the API: a 32 × 8 trace against Qwen3-30B's geometry
+// (48 × 128, top-8) used to return 48 layer rows priced at Qwen's expert size.
+TEST(Replay, RefusesATraceOfAnotherGeometry) {
+  const routing_trace t =
+      generate_synthetic(moe_geometry::mixtral_8x7b(), {.seed = 3, .sequences = 2, .decode_steps = 4});
+  try {
+    (void)replay(t, moe_geometry::qwen3_30b_a3b(), policy_kind::lru, {.capacity = 16});
+    FAIL() << "a geometry mismatch was replayed";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(
+        e.what(),
+        HasSubstr("the trace is 32 layers x 8 experts, top-2 but the geometry 'qwen3-30b-a3b' is 48 x 128, top-8"));
+  }
+  // The class: the same through a prebuilt access stream, and a geometry differing only in experts.
+  const access_stream stream(t, 4);
+  EXPECT_THROW((void)replay(stream, moe_geometry::phi_3_5_moe(), policy_kind::lru, {.capacity = 4}), invalid_argument);
+  EXPECT_NO_THROW((void)replay(stream, moe_geometry::mixtral_8x7b(), policy_kind::lru, {.capacity = 4}));
+}
+
+// Issue 15, item 9: enumerators out of range are errors, not a replay of nothing.
+TEST(Replay, RefusesEnumValuesOutOfRange) {
+  const auto g = tiny();
+  routing_trace t(g);
+  add(t, 0, 0, 0, 0, 1);
+  EXPECT_THAT([&] { (void)replay(t, g, static_cast<policy_kind>(42), {.capacity = 2}); },
+              ::testing::ThrowsMessage<invalid_argument>(HasSubstr("policy 42 out of range [0, 7)")));
+  EXPECT_THAT([&] { (void)replay(t, g, policy_kind::lru, {.layout = static_cast<cache_layout>(9), .capacity = 2}); },
+              ::testing::ThrowsMessage<invalid_argument>(HasSubstr("layout 9 out of range [0, 2)")));
+  EXPECT_THAT([&] { (void)replay(t, g, policy_kind::lru, {.capacity = 2, .format = static_cast<precision>(17)}); },
+              ::testing::ThrowsMessage<invalid_argument>(HasSubstr("precision 17 out of range [0, 6)")));
+}
+
 TEST(Replay, LruEqualsTheOnePassMissCurveAtEveryCapacity) {
   const auto g = moe_geometry(moe_geometry::config{
       .name = "mini", .layers = 4, .experts_per_layer = 16, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});

@@ -21,7 +21,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const expage::routing_trace trace = (selector & 1U) == 0
                                             ? expage::parse_jsonl(text, geometry, "fuzz.jsonl", options)
                                             : expage::parse_csv(text, geometry, "fuzz.csv", options);
-    if (!trace.is_execution_ordered()) __builtin_trap();
+    if (!trace.is_execution_ordered() || trace.empty()) __builtin_trap();
     (void)trace.gaps();
   } catch (const expage::format_error&) {
   }

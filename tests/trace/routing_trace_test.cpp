@@ -104,9 +104,9 @@ TEST(RoutingTrace, AppendValidatesAndNamesTheValueAndRange) {
   const std::array<float, 2> nan = {0.5F, std::numeric_limits<float>::quiet_NaN()};
   const std::array<float, 3> short_probabilities = {0.1F, 0.2F, 0.3F};
   expect_error({.layer = 4, .experts = ok, .weights = w}, "layer 4 out of range [0, 4)");
-  expect_error({.experts = three, .weights = w}, "3 experts where top_k is 2");
+  expect_error({.experts = three, .weights = w}, "3 experts where the geometry's top_k is 2");
   expect_error({.layer = 1, .experts = out_of_range, .weights = w}, "expert 8 out of range [0, 8) in layer 1");
-  expect_error({.experts = repeated, .weights = w}, "expert 3 repeated");
+  expect_error({.experts = repeated, .weights = w}, "expert 3 appears twice");
   expect_error({.experts = ok, .weights = one_weight}, "1 weights for 2 experts");
   expect_error({.experts = ok, .weights = negative}, "weight -0.5 out of range [0, inf)");
   expect_error({.experts = ok, .weights = nan}, "out of range [0, inf)");

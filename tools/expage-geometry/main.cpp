@@ -8,6 +8,8 @@
 
 #include <fmt/format.h>
 
+#include "tool_output.hpp"
+
 #include <charconv>
 #include <optional>
 #include <string>
@@ -22,9 +24,12 @@ Prints the byte size of one routed expert (gate_up + down) of each model in
 every precision expage knows, the whole model's routed experts, and with
 --budget how many experts fit in that much memory.
 
-  --model NAME    one of: {}
+  --model G       one of: {}, or a geometry JSON file (docs/traces.md)
   --budget SIZE   a size such as 24GiB, 512MiB, 80GB (GB = 10^9) or a byte count
   --help          this text
+
+exit status: 0 success (all output written), 1 unreadable geometry file or unwritable output,
+2 bad command line.
 )";
 
 std::optional<std::size_t> parse_size(std::string_view text) {
@@ -58,14 +63,17 @@ int main(int argc, char** argv) {
     const bool has_value = i + 1 < argc;
     if (arg == "--help" || arg == "-h") {
       fmt::print(fmt::runtime(usage), names);
-      return 0;
+      return expage_tools::finish_stdout("expage-geometry") ? 0 : 1;
     }
     if (arg == "--model" && has_value) {
       try {
-        models.push_back(expage::moe_geometry::preset(argv[++i]));
+        models.push_back(expage::geometry_from_argument(argv[++i]));
       } catch (const expage::invalid_argument& e) {
         fmt::print(stderr, "expage-geometry: --model: {}\n", e.what());
         return 2;
+      } catch (const expage::format_error& e) {
+        fmt::print(stderr, "expage-geometry: --model: {}\n", e.what());
+        return 1;
       }
     } else if (arg == "--budget" && has_value) {
       budget = parse_size(argv[++i]);
@@ -105,5 +113,5 @@ int main(int argc, char** argv) {
     }
     fmt::print("\n");
   }
-  return 0;
+  return expage_tools::finish_stdout("expage-geometry") ? 0 : 1;
 }

@@ -6,6 +6,7 @@
 // writes CSV, JSON and an SVG of every policy's miss-ratio curve.
 #include <expage/cache/replay.hpp>
 #include <expage/core/error.hpp>
+#include <expage/core/geometry_io.hpp>
 #include <expage/core/moe_geometry.hpp>
 #include <expage/core/units.hpp>
 #include <expage/trace/synthetic_trace.hpp>
@@ -13,6 +14,8 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+
+#include "tool_output.hpp"
 
 #include <unistd.h>
 
@@ -47,7 +50,9 @@ input (one of):
   --batch N             sequences decoded in lockstep (default 1, or what a binary trace records)
 
 model and cache:
-  --geometry NAME       model: {} (default mixtral-8x7b)
+  --geometry G          model: {}, or a geometry JSON file (docs/traces.md);
+                        default: the trace's geometry metadata, else mixtral-8x7b
+  --trust-geometry      accept a trace without metadata that leaves half the geometry unused
   --policy LIST         comma-separated: {} or all (default all)
   --capacity LIST       comma-separated slot counts, or percentages of the layout's experts
                         (per layer, or of all experts for global): e.g. 25%,50%,75% (default)
@@ -64,7 +69,9 @@ output:
   --progress / --no-progress   force the progress bar on or off (default: on when stderr is a terminal)
   --help                this text
 
-exit status: 0 success, 1 unreadable or malformed trace, 2 bad command line.
+exit status: 0 success (every output completely written), 1 unreadable, malformed or
+mismatched trace or an unwritable output, 2 bad command line. Synthetic traces are bounded by
+sequences x (steps + prefill) x layers <= 2^28 events (max_trace_events).
 )";
 
 struct usage_error {
@@ -81,8 +88,9 @@ struct config {
     o.decode_steps = 128;
     return o;
   }();
-  std::optional<std::uint32_t> batch;  // unset: 1, or what a binary trace records
-  std::string geometry = "mixtral-8x7b";
+  std::optional<std::uint32_t> batch;   // unset: 1, or what a binary trace records
+  std::optional<std::string> geometry;  // unset: the trace's metadata, else mixtral-8x7b
+  bool trust_geometry = false;
   std::vector<expage::policy_kind> policies;
   std::vector<std::string> capacities = {"25%", "50%", "75%"};
   std::vector<expage::cache_layout> layouts = {expage::cache_layout::global};
@@ -94,9 +102,10 @@ struct config {
   int progress = -1;  // -1 auto
 };
 
+// Splits a comma-separated list; "a,", ",a" and "a,,b" yield an empty element (rejected by the callers).
 std::vector<std::string> split(std::string_view list) {
   std::vector<std::string> out;
-  while (!list.empty()) {
+  for (;;) {
     const auto comma = list.find(',');
     out.emplace_back(list.substr(0, comma));
     if (comma == std::string_view::npos) break;
@@ -134,7 +143,7 @@ config parse(int argc, char** argv, const std::string& help) {
     };
     if (flag == "--help" || flag == "-h") {
       std::fputs(help.c_str(), stdout);
-      std::exit(0);
+      std::exit(expage_tools::finish_stdout("expage-replay") ? 0 : 1);
     } else if (flag == "--trace") {
       c.trace = std::string(value());
     } else if (flag == "--synthetic") {
@@ -157,11 +166,14 @@ config parse(int argc, char** argv, const std::string& help) {
       c.batch = parse_number<std::uint32_t>(flag, value(), 1, 4096);
     } else if (flag == "--geometry") {
       c.geometry = std::string(value());
+    } else if (flag == "--trust-geometry") {
+      c.trust_geometry = true;
     } else if (flag == "--policy") {
       c.policies.clear();
       const auto names = split(value());
-      if (names.empty() || std::any_of(names.begin(), names.end(), [](const auto& n) { return n.empty(); })) {
-        throw usage_error{"--policy needs a comma-separated list of policy names (see --help)"};
+      if (std::any_of(names.begin(), names.end(), [](const auto& n) { return n.empty(); })) {
+        throw usage_error{fmt::format("--policy '{}': an empty name in the comma-separated list (see --help)",
+                                      fmt::join(names, ","))};
       }
       for (const auto& name : names) {
         if (name == "all") {
@@ -177,9 +189,11 @@ config parse(int argc, char** argv, const std::string& help) {
       }
     } else if (flag == "--capacity") {
       c.capacities = split(value());
-      if (c.capacities.empty() ||
-          std::any_of(c.capacities.begin(), c.capacities.end(), [](const auto& v) { return v.empty(); })) {
-        throw usage_error{"--capacity needs a comma-separated list of slot counts or percentages"};
+      if (std::any_of(c.capacities.begin(), c.capacities.end(), [](const auto& v) { return v.empty(); })) {
+        throw usage_error{
+            fmt::format("--capacity '{}': an empty value in the comma-separated list of slot counts or "
+                        "percentages",
+                        fmt::join(c.capacities, ","))};
       }
     } else if (flag == "--layout") {
       const std::string_view v = value();
@@ -219,6 +233,12 @@ config parse(int argc, char** argv, const std::string& help) {
   }
   if (c.trace.has_value() == c.synthetic) {
     throw usage_error{"give exactly one of --trace FILE and --synthetic"};
+  }
+  if (c.synthetic) {
+    // Checked here, against the largest preset depth the geometry may have, and again below.
+    if (std::uint64_t{c.synth.decode_steps} + c.synth.prefill_tokens == 0) {
+      throw usage_error{"--steps and --prefill are both 0: the trace would have no events"};
+    }
   }
   if (c.policies.empty()) {
     const auto all = expage::all_policy_kinds();
@@ -322,10 +342,23 @@ std::string svg_chart(const std::vector<curve>& curves, const expage::moe_geomet
   return out;
 }
 
-void write_file(const std::string& path, const std::string& text) {
-  std::ofstream f(path, std::ios::binary);
-  f << text;
-  if (!f) throw usage_error{fmt::format("cannot write '{}'", path)};
+void write_file(const std::string& path, const std::string& text) { expage_tools::write_atomically(path, text); }
+
+// The geometry of a trace from its metadata: the preset it names when the dimensions agree,
+// else a shape-only geometry (byte and stall figures per unit).
+expage::moe_geometry geometry_of(const expage::trace_metadata& m) {
+  for (const std::string_view name : expage::moe_geometry::preset_names()) {
+    if (name == m.geometry) {
+      expage::moe_geometry g = expage::moe_geometry::preset(name);
+      if (g.layers() == m.layers && g.experts_per_layer() == m.experts_per_layer && g.top_k() == m.top_k) return g;
+    }
+  }
+  return expage::moe_geometry({.name = m.geometry.empty() ? std::string("trace-metadata") : m.geometry,
+                               .layers = m.layers,
+                               .experts_per_layer = m.experts_per_layer,
+                               .top_k = m.top_k,
+                               .hidden_size = 1,
+                               .intermediate_size = 1});
 }
 
 }  // namespace
@@ -338,13 +371,33 @@ int main(int argc, char** argv) {
   }());
   try {
     const config c = parse(argc, argv, help);
+    // Output paths are checked before any work.
+    if (c.csv) expage_tools::check_output_path("--csv", *c.csv);
+    if (c.json) expage_tools::check_output_path("--json", *c.json);
+    if (c.svg) expage_tools::check_output_path("--svg", *c.svg);
+    const std::optional<expage::trace_metadata> meta =
+        c.trace ? expage::read_trace_metadata(*c.trace) : std::optional<expage::trace_metadata>{};
     expage::moe_geometry g = [&] {
+      if (!c.geometry && meta) return geometry_of(*meta);
       try {
-        return expage::moe_geometry::preset(c.geometry);
+        return expage::geometry_from_argument(c.geometry.value_or("mixtral-8x7b"));
       } catch (const expage::invalid_argument& e) {
+        throw usage_error{fmt::format("--geometry: {}", e.what())};
+      } catch (const expage::format_error& e) {
         throw usage_error{fmt::format("--geometry: {}", e.what())};
       }
     }();
+    if (c.synthetic) {
+      const std::uint64_t events = std::uint64_t{c.synth.sequences} *
+                                   (std::uint64_t{c.synth.decode_steps} + c.synth.prefill_tokens) * g.layers();
+      if (events > expage::max_trace_events) {
+        throw usage_error{
+            fmt::format("--sequences {} x (--steps {} + --prefill {}) x {} layers = {} events out of range [1, {}] "
+                        "(max_trace_events)",
+                        c.synth.sequences, c.synth.decode_steps, c.synth.prefill_tokens, g.layers(), events,
+                        expage::max_trace_events)};
+      }
+    }
 
     // Capacities are checked before the trace is read or generated.
     struct job {
@@ -354,15 +407,27 @@ int main(int argc, char** argv) {
     };
     std::vector<job> jobs;
     for (const auto layout : c.layouts) {
-      const std::uint32_t keys =
-          layout == expage::cache_layout::global ? static_cast<std::uint32_t>(g.expert_count()) : g.experts_per_layer();
+      const std::uint64_t all_keys = layout == expage::cache_layout::global ? g.expert_count() : g.experts_per_layer();
+      if (all_keys > UINT32_MAX) {
+        throw usage_error{
+            fmt::format("--layout global: {} experts out of range [1, {}] for a slot cache", all_keys, UINT32_MAX)};
+      }
+      const auto keys = static_cast<std::uint32_t>(all_keys);
       for (const auto& text : c.capacities) {
         jobs.push_back({layout, resolve_capacity(text, keys, g.top_k()), text});
       }
     }
     expage::routing_trace trace = [&] {
       if (c.trace) {
-        return expage::read_trace(*c.trace, g, {.batch_size = c.batch.value_or(1)});
+        expage::routing_trace t = expage::read_trace(*c.trace, g, {.batch_size = c.batch.value_or(0)});
+        if (!meta && !c.trust_geometry) {
+          try {
+            expage::check_trace_geometry(t, g);
+          } catch (const expage::invalid_argument& e) {
+            throw expage::format_error(fmt::format("{}: {}", *c.trace, e.what()));
+          }
+        }
+        return t;
       }
       expage::synthetic_options o = c.synth;
       o.batch_size = c.batch.value_or(1);
@@ -371,6 +436,12 @@ int main(int argc, char** argv) {
     if (c.batch && trace.batch_size() != *c.batch) {  // a binary trace records its own; --batch overrides it
       trace.set_batch_size(*c.batch);
       trace.restore_execution_order();
+    }
+    if (g.hidden_size() == 1 && g.intermediate_size() == 1) {
+      fmt::print(stderr,
+                 "expage-replay: note: geometry '{}' gives no hidden_size/intermediate_size: miss counts are exact, "
+                 "bytes moved and stall are per unit, not real\n",
+                 g.name());
     }
     const std::string source = c.trace ? *c.trace : fmt::format("synthetic (seed {})", c.synth.seed);
     fmt::print("{}: {} routing events, {} layers x {} experts, top-{}, batch {}\n", source, trace.size(), g.layers(),
@@ -493,16 +564,16 @@ int main(int argc, char** argv) {
                                    fmt::format("Miss ratio vs. expert-cache capacity: {}, {}", g.name(),
                                                c.trace ? "routing trace" : "synthetic trace")));
     }
-    return 0;
+    return expage_tools::finish_stdout("expage-replay") ? 0 : 1;
   } catch (const usage_error& e) {
     fmt::print(stderr, "expage-replay: {}\n", e.message);
     return 2;
   } catch (const expage::format_error& e) {
     fmt::print(stderr, "expage-replay: {}\n", e.what());
     return 1;
-  } catch (const expage::invalid_argument& e) {
+  } catch (const expage::invalid_argument& e) {  // a geometry mismatch, a trace the replay refuses
     fmt::print(stderr, "expage-replay: {}\n", e.what());
-    return 2;
+    return 1;
   } catch (const std::exception& e) {  // out of memory, an unwritable file, ...
     fmt::print(stderr, "expage-replay: {}\n", e.what());
     return 1;

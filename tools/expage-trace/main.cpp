@@ -6,12 +6,15 @@
 //
 // Formats follow the file extension: .jsonl (JSON Lines), .csv, anything else binary.
 #include <expage/core/error.hpp>
+#include <expage/core/geometry_io.hpp>
 #include <expage/core/moe_geometry.hpp>
 #include <expage/trace/routing_trace.hpp>
 #include <expage/trace/synthetic_trace.hpp>
 #include <expage/trace/trace_io.hpp>
 
 #include <fmt/format.h>
+
+#include "tool_output.hpp"
 
 #include <charconv>
 #include <cstdint>
@@ -34,8 +37,11 @@ Commands:
   synth OUT            write a synthetic trace (docs/traces.md)
 
 Options:
-  --geometry NAME      model preset (required): {}
-  --batch-size B       sequences decoded in lockstep: for reading text traces and for synth (default 1)
+  --geometry G         model preset ({}) or a geometry JSON file (docs/traces.md);
+                       required for synth and for traces without geometry metadata
+  --trust-geometry     accept a trace without metadata that leaves half the geometry unused
+  --batch-size B       sequences decoded in lockstep, [1, 65536]: for reading traces (default: the
+                       trace's own, else 1) and for synth (default 1)
   --seed N             synth: random seed (default 1)
   --sequences N        synth: number of sequences (default 8)
   --decode-steps N     synth: decode tokens per sequence (default 64)
@@ -46,6 +52,9 @@ Options:
   --shift-every N      synth: sequences per workload phase (default 1)
   --probabilities      synth: record full router probability vectors
   --help               this text
+
+exit status: 0 success (all output written), 1 unreadable, malformed or mismatched input or an
+unwritable output, 2 bad command line.
 )";
 
 struct cli_error {
@@ -53,13 +62,30 @@ struct cli_error {
 };
 
 template <class T>
-T parse_number(std::string_view flag, std::string_view text) {
+T parse_number(std::string_view flag, std::string_view text, T lo, T hi) {
   T value{};
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || end != text.data() + text.size() || text.empty()) {
-    throw cli_error{fmt::format("{}: '{}' is not a valid number", flag, text)};
+  if (ec != std::errc() || end != text.data() + text.size() || text.empty() || !(value >= lo && value <= hi)) {
+    throw cli_error{fmt::format("{}: '{}' is not a number in [{}, {}]", flag, text, lo, hi)};
   }
   return value;
+}
+
+// The geometry of a trace from its metadata: the preset it names when the dimensions agree,
+// else a shape-only geometry (byte figures per unit).
+expage::moe_geometry geometry_of(const expage::trace_metadata& m) {
+  for (const std::string_view name : expage::moe_geometry::preset_names()) {
+    if (name == m.geometry) {
+      expage::moe_geometry g = expage::moe_geometry::preset(name);
+      if (g.layers() == m.layers && g.experts_per_layer() == m.experts_per_layer && g.top_k() == m.top_k) return g;
+    }
+  }
+  return expage::moe_geometry({.name = m.geometry.empty() ? std::string("trace-metadata") : m.geometry,
+                               .layers = m.layers,
+                               .experts_per_layer = m.experts_per_layer,
+                               .top_k = m.top_k,
+                               .hidden_size = 1,
+                               .intermediate_size = 1});
 }
 
 void print_info(const std::filesystem::path& path, const expage::routing_trace& t) {
@@ -98,6 +124,8 @@ int run(int argc, char** argv) {
   std::optional<expage::moe_geometry> geometry;
   expage::synthetic_options synth;
   synth.seed = 1;
+  std::optional<std::uint32_t> batch;
+  bool trust_geometry = false;
   std::vector<std::filesystem::path> files;
   for (std::size_t i = 1; i < args.size(); ++i) {
     const std::string_view arg = args[i];
@@ -111,28 +139,32 @@ int run(int argc, char** argv) {
     } else if (arg == "--geometry") {
       const std::string_view name = value();
       try {
-        geometry = expage::moe_geometry::preset(name);
+        geometry = expage::geometry_from_argument(name);
       } catch (const expage::invalid_argument& e) {
         throw cli_error{fmt::format("--geometry: {}", e.what())};
+      } catch (const expage::format_error& e) {
+        throw cli_error{fmt::format("--geometry: {}", e.what())};
       }
+    } else if (arg == "--trust-geometry") {
+      trust_geometry = true;
     } else if (arg == "--batch-size") {
-      synth.batch_size = parse_number<std::uint32_t>(arg, value());
+      batch = parse_number<std::uint32_t>(arg, value(), 1, 65536);
     } else if (arg == "--seed") {
-      synth.seed = parse_number<std::uint64_t>(arg, value());
+      synth.seed = parse_number<std::uint64_t>(arg, value(), 0, ~std::uint64_t{0});
     } else if (arg == "--sequences") {
-      synth.sequences = parse_number<std::uint32_t>(arg, value());
+      synth.sequences = parse_number<std::uint32_t>(arg, value(), 1, 1U << 24);
     } else if (arg == "--decode-steps") {
-      synth.decode_steps = parse_number<std::uint32_t>(arg, value());
+      synth.decode_steps = parse_number<std::uint32_t>(arg, value(), 0, 1U << 24);
     } else if (arg == "--prefill") {
-      synth.prefill_tokens = parse_number<std::uint32_t>(arg, value());
+      synth.prefill_tokens = parse_number<std::uint32_t>(arg, value(), 0, 1U << 16);
     } else if (arg == "--zipf") {
-      synth.zipf_exponent = parse_number<double>(arg, value());
+      synth.zipf_exponent = parse_number<double>(arg, value(), 0.0, 8.0);
     } else if (arg == "--locality") {
-      synth.locality = parse_number<double>(arg, value());
+      synth.locality = parse_number<double>(arg, value(), 0.0, 1.0);
     } else if (arg == "--workloads") {
-      synth.workloads = parse_number<std::uint32_t>(arg, value());
+      synth.workloads = parse_number<std::uint32_t>(arg, value(), 1, 1024);
     } else if (arg == "--shift-every") {
-      synth.shift_every = parse_number<std::uint32_t>(arg, value());
+      synth.shift_every = parse_number<std::uint32_t>(arg, value(), 1, 1U << 24);
     } else if (arg == "--probabilities") {
       synth.probabilities = true;
     } else if (arg.starts_with("--")) {
@@ -141,23 +173,53 @@ int run(int argc, char** argv) {
       files.emplace_back(arg);
     }
   }
-  if (!geometry) throw cli_error{fmt::format("--geometry is required (one of: {})", names)};
   const std::size_t wanted = command == "convert" ? 2 : 1;
   if (files.size() != wanted) {
     throw cli_error{fmt::format("{} takes {} file{}, got {}", command, wanted, wanted == 1 ? "" : "s", files.size())};
   }
-  if (synth.batch_size == 0) throw cli_error{"--batch-size: 0 out of range [1, 65536]"};
-  const expage::trace_read_options read_options{.batch_size = synth.batch_size};
-  if (command == "info") {
-    print_info(files[0], expage::read_trace(files[0], *geometry, read_options));
-  } else if (command == "convert") {
-    const expage::routing_trace t = expage::read_trace(files[0], *geometry, read_options);
-    expage::write_trace(files[1], t);
-    fmt::print("{} -> {}: {} events\n", files[0].string(), files[1].string(), t.size());
-  } else {
+  if (command == "synth") {
+    if (!geometry) throw cli_error{fmt::format("synth needs --geometry (one of: {}, or a JSON file)", names)};
+    synth.batch_size = batch.value_or(1);
+    // Bound the event count before anything is allocated.
+    const std::uint64_t events = std::uint64_t{synth.sequences} *
+                                 (std::uint64_t{synth.prefill_tokens} + synth.decode_steps) * geometry->layers();
+    if (events > expage::max_trace_events) {
+      throw cli_error{
+          fmt::format("--sequences {} x (--prefill {} + --decode-steps {}) x {} layers = {} events out of "
+                      "range [1, {}] (max_trace_events)",
+                      synth.sequences, synth.prefill_tokens, synth.decode_steps, geometry->layers(), events,
+                      expage::max_trace_events)};
+    }
+    if (events == 0) throw cli_error{"--prefill and --decode-steps are both 0: the trace would have no events"};
+    expage_tools::check_output_path("synth", files[0]);
     const expage::routing_trace t = expage::generate_synthetic(*geometry, synth);
-    expage::write_trace(files[0], t);
+    expage::write_trace(files[0], t, geometry->name());
     fmt::print("{}: {} events\n", files[0].string(), t.size());
+    return 0;
+  }
+  if (command == "convert") expage_tools::check_output_path("convert", files[1]);
+  const std::optional<expage::trace_metadata> meta = expage::read_trace_metadata(files[0]);
+  if (!geometry) {
+    if (!meta) {
+      throw cli_error{fmt::format("{} has no geometry metadata: pass --geometry (one of: {}, or a JSON file)",
+                                  files[0].string(), names)};
+    }
+    geometry = geometry_of(*meta);
+  }
+  const expage::trace_read_options read_options{.batch_size = batch.value_or(0)};
+  const expage::routing_trace t = expage::read_trace(files[0], *geometry, read_options);
+  if (!meta && !trust_geometry) {
+    try {
+      expage::check_trace_geometry(t, *geometry);
+    } catch (const expage::invalid_argument& e) {
+      throw expage::format_error(fmt::format("{}: {}", files[0].string(), e.what()));
+    }
+  }
+  if (command == "info") {
+    print_info(files[0], t);
+  } else {
+    expage::write_trace(files[1], t, meta && !meta->geometry.empty() ? meta->geometry : geometry->name());
+    fmt::print("{} -> {}: {} events\n", files[0].string(), files[1].string(), t.size());
   }
   return 0;
 }
@@ -166,7 +228,8 @@ int run(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   try {
-    return run(argc, argv);
+    const int status = run(argc, argv);
+    return expage_tools::finish_stdout("expage-trace") ? status : 1;
   } catch (const cli_error& e) {
     fmt::print(stderr, "expage-trace: {}\n", e.message);
     return 2;

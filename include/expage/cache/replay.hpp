@@ -69,6 +69,9 @@ class access_stream {
   [[nodiscard]] std::uint64_t split_groups() const noexcept { return split_; }  ///< Layer-steps that needed splitting.
   [[nodiscard]] std::uint64_t compulsory() const noexcept { return compulsory_; }  ///< Distinct experts requested.
   [[nodiscard]] std::uint32_t group_limit() const noexcept { return limit_; }      ///< The limit it was built for.
+  [[nodiscard]] std::uint32_t layers() const noexcept { return layers_; }          ///< The trace's layers.
+  [[nodiscard]] std::uint32_t experts_per_layer() const noexcept { return experts_per_layer_; }  ///< Its experts.
+  [[nodiscard]] std::uint32_t top_k() const noexcept { return top_k_; }                          ///< Its top-k.
 
  private:
   std::uint32_t limit_;
@@ -81,6 +84,9 @@ class access_stream {
   std::uint64_t events_ = 0;
   std::uint64_t split_ = 0;
   std::uint64_t compulsory_ = 0;
+  std::uint32_t layers_ = 0;
+  std::uint32_t experts_per_layer_ = 0;
+  std::uint32_t top_k_ = 0;
 };
 
 /// @brief Replay parameters.
@@ -127,8 +133,10 @@ struct replay_result {
 };
 
 /// Replays @p stream through a slot_cache with @p policy.
-/// @throws expage::invalid_argument when the capacity is out of range for the
-///         layout, or below the stream's group limit.
+/// @throws expage::invalid_argument when the stream's trace and @p geometry differ in layers,
+///         experts or top-k, when @p policy, the layout or the precision is not a declared
+///         enumerator, or when the capacity is out of range for the layout or below the stream's
+///         group limit.
 [[nodiscard]] replay_result replay(const access_stream& stream, const moe_geometry& geometry, policy_kind policy,
                                    const replay_options& options);
 
@@ -141,8 +149,9 @@ struct replay_result {
 /// fmt::print("{:.3f} misses, {} moved, {:.1f} ms stall per token\n", r.miss_ratio(),
 ///            expage::byte_size{r.bytes_moved}, r.stall_seconds_per_token() * 1e3);
 /// @endcode
-/// @throws expage::invalid_argument when the capacity is out of range for the
-///         layout, and as access_stream and the other overload do.
+/// @throws expage::invalid_argument when @p trace's layers, experts or top-k differ from
+///         @p geometry's (a geometry mismatch is refused, never replayed), when the capacity is
+///         out of range for the layout, and as access_stream and the other overload do.
 [[nodiscard]] replay_result replay(const routing_trace& trace, const moe_geometry& geometry, policy_kind policy,
                                    const replay_options& options);
 

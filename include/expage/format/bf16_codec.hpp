@@ -68,8 +68,9 @@ struct bf16_container_info {
 [[nodiscard]] std::vector<std::byte> encode_bf16(std::span<const std::uint16_t> values,
                                                  const bf16_encode_options& options = {});
 
-/// Validates @p container (header, tables, section sizes, lane lengths, both CRC-32s) without
-/// decoding it. O(size) for the checksum.
+/// Validates @p container (header, tables, section sizes, lane lengths, both CRC-32s) and walks
+/// every lane's codes to check they take exactly the recorded bits, without writing output:
+/// every container it accepts decodes without error, which the GPU decoder relies on. O(size).
 /// @throws expage::format_error naming the first bad field, its value and the allowed range.
 [[nodiscard]] bf16_container_info inspect_bf16(std::span<const std::byte> container);
 

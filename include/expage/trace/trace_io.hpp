@@ -8,6 +8,13 @@
 /// `trace.jsonl:17: field 'experts': expert 9 out of range [0, 8)`.
 /// The formats are specified in docs/traces.md. The parsers use only the standard library and
 /// never read outside their input, whatever it holds (fuzzed under AddressSanitizer).
+///
+/// Inputs cannot hurt: files are read in chunks (never whole), only regular files and FIFOs are
+/// accepted (a FIFO with no writer reads as empty), a text line is at most max_trace_line_bytes
+/// and a trace at most max_trace_events records, so peak memory is O(records kept) plus one
+/// line. Empty traces, traces cut mid-line and traces whose geometry metadata contradicts the
+/// geometry given are refused. Writers record the geometry (a metadata line in text formats,
+/// the header of the binary format) and write files atomically (temporary file, then rename).
 #pragma once
 
 #include "expage/core/moe_geometry.hpp"
@@ -17,17 +24,43 @@
 #include <cstdint>
 #include <filesystem>
 #include <iosfwd>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 
 namespace expage {
 
-/// @brief Options of the text readers.
+/// Longest line a text reader accepts, in bytes (a record with a 65,536-float probability
+/// vector takes about 1 MiB).
+inline constexpr std::size_t max_trace_line_bytes = std::size_t{16} << 20;
+/// Most records a reader or the synthetic generator produces: 2^28 (about 10 GiB of
+/// routing_trace for top-2). Bounds memory and every count product derived from a trace.
+inline constexpr std::uint64_t max_trace_events = std::uint64_t{1} << 28;
+
+/// @brief Options of the readers.
 struct trace_read_options {
-  /// Sequences decoded in lockstep (see routing_trace); text formats do not record it. ≥ 1.
-  std::uint32_t batch_size = 1;
+  /// Sequences decoded in lockstep (see routing_trace). 0: the trace's own (its metadata or
+  /// binary header), else 1.
+  std::uint32_t batch_size = 0;
 };
+
+/// @brief The geometry a trace records about itself (docs/traces.md, "Geometry metadata").
+///
+/// Writers emit it; readers compare it with the geometry they are given and refuse a
+/// mismatch; foreign traces may omit it.
+struct trace_metadata {
+  std::string geometry;                 ///< Model name, e.g. "mixtral-8x7b"; may be empty.
+  std::uint32_t layers = 0;             ///< MoE layers.
+  std::uint32_t experts_per_layer = 0;  ///< Routed experts per layer.
+  std::uint32_t top_k = 0;              ///< Experts per token.
+  std::uint32_t batch_size = 0;         ///< Lockstep batch size, 0 when unrecorded.
+  /// Equal when every field matches.
+  friend bool operator==(const trace_metadata&, const trace_metadata&) = default;
+};
+
+/// The metadata the writers record for @p trace, naming the model @p geometry_name.
+[[nodiscard]] trace_metadata metadata_of(const routing_trace& trace, std::string_view geometry_name = {});
 
 /// @brief The on-disk trace formats.
 enum class trace_format : std::uint8_t {
@@ -53,11 +86,12 @@ enum class trace_format : std::uint8_t {
 /// @throws expage::format_error on bad input or when the file cannot be read.
 [[nodiscard]] routing_trace read_jsonl(const std::filesystem::path& path, const moe_geometry& geometry,
                                        const trace_read_options& options = {});
-/// Writes @p trace as JSON Lines with the generic key names, floats in shortest round-trip form.
-void write_jsonl(std::ostream& out, const routing_trace& trace);
-/// Writes @p trace to the file @p path as JSON Lines.
-/// @throws expage::invalid_argument when the file cannot be written.
-void write_jsonl(const std::filesystem::path& path, const routing_trace& trace);
+/// Writes @p trace as JSON Lines with the generic key names, floats in shortest round-trip form,
+/// after a metadata line (`{"expage_trace": 1, "geometry": ..., "layers": ...}`).
+void write_jsonl(std::ostream& out, const routing_trace& trace, std::string_view geometry_name = {});
+/// Writes @p trace to the file @p path as JSON Lines, atomically.
+/// @throws expage::invalid_argument when the file cannot be written (with the system's reason).
+void write_jsonl(const std::filesystem::path& path, const routing_trace& trace, std::string_view geometry_name = {});
 /// @}
 
 /// @name CSV
@@ -75,11 +109,12 @@ void write_jsonl(const std::filesystem::path& path, const routing_trace& trace);
 /// @throws expage::format_error on bad input or when the file cannot be read.
 [[nodiscard]] routing_trace read_csv(const std::filesystem::path& path, const moe_geometry& geometry,
                                      const trace_read_options& options = {});
-/// Writes @p trace as CSV (header `sequence,step,layer,phase,experts,weights[,probabilities]`).
-void write_csv(std::ostream& out, const routing_trace& trace);
-/// Writes @p trace to the file @p path as CSV.
-/// @throws expage::invalid_argument when the file cannot be written.
-void write_csv(const std::filesystem::path& path, const routing_trace& trace);
+/// Writes @p trace as CSV: a metadata comment line (`# expage_trace 1 layers=32 ...`), then the
+/// header `sequence,step,layer,phase,experts,weights[,probabilities]` and the records.
+void write_csv(std::ostream& out, const routing_trace& trace, std::string_view geometry_name = {});
+/// Writes @p trace to the file @p path as CSV, atomically.
+/// @throws expage::invalid_argument when the file cannot be written (with the system's reason).
+void write_csv(const std::filesystem::path& path, const routing_trace& trace, std::string_view geometry_name = {});
 /// @}
 
 /// @name Binary
@@ -90,17 +125,20 @@ void write_csv(const std::filesystem::path& path, const routing_trace& trace);
 /// The binary format's version written by encode_binary().
 inline constexpr std::uint16_t binary_trace_version = 1;
 
-/// Decodes a binary trace from @p bytes; its dimensions must equal @p geometry's.
+/// Decodes a binary trace from @p bytes; its dimensions (the header is its geometry metadata)
+/// must equal @p geometry's.
 /// @throws expage::format_error naming the source, the byte offset and the field.
 [[nodiscard]] routing_trace parse_binary(std::span<const std::byte> bytes, const moe_geometry& geometry,
                                          std::string_view source_name);
-/// Reads the binary trace file @p path.
+/// Reads the binary trace file @p path in chunks; @p options.batch_size, when not 0, overrides
+/// the recorded batch size.
 /// @throws expage::format_error on bad input or when the file cannot be read.
-[[nodiscard]] routing_trace read_binary(const std::filesystem::path& path, const moe_geometry& geometry);
+[[nodiscard]] routing_trace read_binary(const std::filesystem::path& path, const moe_geometry& geometry,
+                                        const trace_read_options& options = {});
 /// Encodes @p trace in the binary format, events in their stored order.
 [[nodiscard]] std::string encode_binary(const routing_trace& trace);
-/// Writes @p trace to the file @p path in the binary format.
-/// @throws expage::invalid_argument when the file cannot be written.
+/// Writes @p trace to the file @p path in the binary format, atomically.
+/// @throws expage::invalid_argument when the file cannot be written (with the system's reason).
 void write_binary(const std::filesystem::path& path, const routing_trace& trace);
 /// @}
 
@@ -108,8 +146,25 @@ void write_binary(const std::filesystem::path& path, const routing_trace& trace)
 /// @throws expage::format_error on bad input or when the file cannot be read.
 [[nodiscard]] routing_trace read_trace(const std::filesystem::path& path, const moe_geometry& geometry,
                                        const trace_read_options& options = {});
-/// Writes @p trace to @p path in the format format_of() infers from its name.
-/// @throws expage::invalid_argument when the file cannot be written.
-void write_trace(const std::filesystem::path& path, const routing_trace& trace);
+/// Writes @p trace to @p path in the format format_of() infers from its name, atomically, with
+/// its geometry metadata naming @p geometry_name.
+/// @throws expage::invalid_argument when the file cannot be written (with the system's reason).
+void write_trace(const std::filesystem::path& path, const routing_trace& trace, std::string_view geometry_name = {});
+
+/// The geometry metadata of the trace @p path (the JSONL metadata line, the CSV metadata
+/// comment or the binary header), reading only its first line or header; nothing when the
+/// trace has none (a foreign text trace) or is a FIFO (reading would consume it; the reader
+/// still checks the metadata it meets).
+/// @throws expage::format_error when the file cannot be read or its metadata is malformed.
+[[nodiscard]] std::optional<trace_metadata> read_trace_metadata(const std::filesystem::path& path);
+
+/// @brief Whether a trace without metadata plausibly belongs to @p geometry.
+///
+/// A foreign trace cannot prove its geometry; this refuses the mismatches it can detect: the
+/// trace's dimensions differ from the geometry's, or the highest layer or expert it routes
+/// leaves more than half of the geometry unused (a Mixtral trace, 8 experts, replayed as
+/// Phi-3.5-MoE, 16 experts).
+/// @throws expage::invalid_argument naming the dimension, the observed range and the geometry.
+void check_trace_geometry(const routing_trace& trace, const moe_geometry& geometry);
 
 }  // namespace expage

@@ -1,0 +1,359 @@
+#include "expage/trace/trace_io.hpp"
+
+#include "trace_input.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <ostream>
+#include <string>
+#include <vector>
+
+namespace expage {
+namespace {
+
+using detail::fail;
+using detail::source_position;
+using detail::staged_record;
+
+constexpr std::array<char, 8> binary_magic = {'E', 'X', 'P', 'G', 'T', 'R', 'C', '1'};
+constexpr std::size_t header_size = 64;
+constexpr std::uint32_t flag_probabilities = 1;
+constexpr std::size_t record_fixed_bytes = 16;
+
+std::uint64_t fnv1a(std::span<const std::byte> bytes, std::uint64_t h = 0xcbf29ce484222325ULL) noexcept {
+  for (const std::byte b : bytes) {
+    h ^= std::to_integer<std::uint64_t>(b);
+    h *= 0x100000001b3ULL;
+  }
+  return h;
+}
+
+template <class T>
+T load_le(std::span<const std::byte> bytes, std::size_t offset) noexcept {
+  static_assert(std::is_unsigned_v<T>);
+  T value = 0;
+  for (std::size_t i = 0; i < sizeof(T); ++i) {
+    value = static_cast<T>(value | static_cast<T>(std::to_integer<T>(bytes[offset + i]) << (8 * i)));
+  }
+  return value;
+}
+
+template <class T>
+void store_le(std::string& out, T value) {
+  static_assert(std::is_unsigned_v<T>);
+  for (std::size_t i = 0; i < sizeof(T); ++i) out += static_cast<char>((std::uint64_t{value} >> (8 * i)) & 0xFFU);
+}
+
+float load_f32(std::span<const std::byte> bytes, std::size_t offset) noexcept {
+  const std::uint32_t bits = load_le<std::uint32_t>(bytes, offset);
+  float f = 0.0F;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+void store_f32(std::string& out, float f) {
+  std::uint32_t bits = 0;
+  std::memcpy(&bits, &f, sizeof f);
+  store_le(out, bits);
+}
+
+template <class T>
+void patch_le(std::string& out, std::size_t offset, T value) {
+  for (std::size_t i = 0; i < sizeof(T); ++i)
+    out[offset + i] = static_cast<char>((std::uint64_t{value} >> (8 * i)) & 0xFFU);
+}
+
+std::span<const std::byte> as_bytes(std::string_view s) noexcept {
+  return std::as_bytes(std::span<const char>(s.data(), s.size()));
+}
+
+struct binary_header {
+  std::uint32_t flags = 0;
+  std::uint32_t batch_size = 0;
+  std::uint64_t events = 0;
+  std::uint64_t vectors = 0;
+  std::uint64_t payload_sum = 0;
+  trace_metadata meta;
+};
+
+// Validates the 64-byte header @p bytes (checksum, magic, version, flags, counts); the
+// dimensions are returned in meta, not compared.
+binary_header parse_header(std::span<const std::byte> bytes, std::string_view source) {
+  const auto at = [&](std::uint64_t offset) { return source_position{source, offset, true}; };
+  if (bytes.size() < header_size) {
+    fail(at(bytes.size()), "header",
+         fmt::format("file of {} bytes is shorter than the {}-byte header", bytes.size(), header_size));
+  }
+  if (std::memcmp(bytes.data(), binary_magic.data(), binary_magic.size()) != 0) {
+    fail(at(0), "magic", "not an expage binary trace (expected \"EXPGTRC1\")");
+  }
+  const auto version = load_le<std::uint16_t>(bytes, 8);
+  if (version != binary_trace_version) {
+    fail(at(8), "version",
+         fmt::format("version {} unsupported (this reader reads version {})", version, binary_trace_version));
+  }
+  const auto declared_header = load_le<std::uint16_t>(bytes, 10);
+  if (declared_header != header_size) {
+    fail(at(10), "header_size", fmt::format("{} where version 1 has {}", declared_header, header_size));
+  }
+  const std::uint64_t header_sum = load_le<std::uint64_t>(bytes, 56);
+  if (const std::uint64_t actual = fnv1a(bytes.first(56)); actual != header_sum) {
+    fail(at(56), "header_checksum", fmt::format("{:#018x} does not match the header's {:#018x}", header_sum, actual));
+  }
+  binary_header h;
+  h.flags = load_le<std::uint32_t>(bytes, 12);
+  if ((h.flags & ~flag_probabilities) != 0) fail(at(12), "flags", fmt::format("unknown flags {:#x}", h.flags));
+  h.meta.layers = load_le<std::uint32_t>(bytes, 16);
+  h.meta.experts_per_layer = load_le<std::uint32_t>(bytes, 20);
+  h.meta.top_k = load_le<std::uint32_t>(bytes, 24);
+  h.batch_size = load_le<std::uint32_t>(bytes, 28);
+  h.meta.batch_size = h.batch_size;
+  if (h.batch_size == 0) fail(at(28), "batch_size", "0 out of range [1, 4294967295]");
+  h.events = load_le<std::uint64_t>(bytes, 32);
+  h.vectors = load_le<std::uint64_t>(bytes, 40);
+  h.payload_sum = load_le<std::uint64_t>(bytes, 48);
+  return h;
+}
+
+// Reads a binary trace from @p in in chunks: memory is the trace plus one chunk (plus the
+// record region when probability vectors follow it). The payload checksum is checked at the
+// end; a record that fails validation is reported as checksum corruption when the checksum
+// does not match either (the rest of the input is hashed, not kept).
+routing_trace read_binary_from(detail::byte_input& in, const moe_geometry& geometry,
+                               const trace_read_options& options) {
+  const std::string_view source = in.name();
+  const auto at = [&](std::uint64_t offset) { return source_position{source, offset, true}; };
+  std::array<std::byte, header_size> header_bytes{};
+  const std::size_t got = in.read_fully(reinterpret_cast<char*>(header_bytes.data()), header_size);
+  const binary_header h = parse_header(std::span(header_bytes).first(got), source);
+  const std::array<std::pair<std::string_view, std::uint32_t>, 3> dims = {
+      {{"layers", geometry.layers()},
+       {"experts_per_layer", geometry.experts_per_layer()},
+       {"top_k", geometry.top_k()}}};
+  const std::array<std::uint32_t, 3> recorded = {h.meta.layers, h.meta.experts_per_layer, h.meta.top_k};
+  for (std::size_t i = 0; i < dims.size(); ++i) {
+    if (recorded[i] != dims[i].second) {
+      fail(at(16 + 4 * i), dims[i].first,
+           fmt::format("{} but the geometry '{}' has {}: refusing a geometry mismatch", recorded[i], geometry.name(),
+                       dims[i].second));
+    }
+  }
+  const std::uint64_t k = geometry.top_k();
+  const std::uint64_t record_bytes = record_fixed_bytes + 6 * k;
+  const std::uint64_t vector_bytes = 4ULL * geometry.experts_per_layer();
+  if (h.events > max_trace_events) {
+    fail(at(32), "event_count", fmt::format("{} out of range [1, {}] (max_trace_events)", h.events, max_trace_events));
+  }
+  if (h.vectors > h.events) {
+    fail(at(40), "probability_vectors",
+         fmt::format("{} vectors out of range [0, {}] (the event count)", h.vectors, h.events));
+  }
+  if (((h.flags & flag_probabilities) != 0) != (h.vectors > 0)) {
+    fail(
+        at(12), "flags",
+        fmt::format("probability flag {} contradicts {} probability vectors", h.flags & flag_probabilities, h.vectors));
+  }
+  const std::uint64_t expected_size = header_size + h.events * record_bytes + h.vectors * vector_bytes;
+  if (const std::optional<std::uint64_t> size = in.known_size()) {
+    const std::uint64_t payload = *size - header_size;
+    // Bound the counts by the bytes present before anything is allocated.
+    if (h.events > payload / record_bytes) {
+      fail(at(32), "event_count",
+           fmt::format("{} events of {} bytes do not fit in the {} payload bytes (truncated)", h.events, record_bytes,
+                       payload));
+    }
+    if (h.vectors > (payload - h.events * record_bytes) / vector_bytes) {
+      fail(at(40), "probability_vectors",
+           fmt::format("{} vectors of {} bytes out of range for {} events and {} payload bytes", h.vectors,
+                       vector_bytes, h.events, payload));
+    }
+    if (*size != expected_size) {
+      fail(at(std::min<std::uint64_t>(*size, expected_size)), "payload",
+           fmt::format("{} bytes where the header implies {} (truncated or trailing data)", *size, expected_size));
+    }
+  }
+
+  std::uint64_t sum = 0xcbf29ce484222325ULL;
+  // Reads exactly @p n payload bytes into @p out, hashing them.
+  const auto take = [&](std::byte* out, std::size_t n) {
+    const std::size_t got_now = in.read_fully(reinterpret_cast<char*>(out), n);
+    sum = fnv1a(std::span<const std::byte>(out, got_now), sum);
+    if (got_now != n) {
+      fail(at(in.offset()), "payload",
+           fmt::format("input ends at byte {} where the header implies {} bytes (truncated)", in.offset(),
+                       expected_size));
+    }
+  };
+  const auto check_sum = [&] {
+    if (sum != h.payload_sum) {
+      fail(at(48), "payload_checksum",
+           fmt::format("{:#018x} does not match the payload's {:#018x}", h.payload_sum, sum));
+    }
+  };
+  // On a record error: hash the rest; a checksum mismatch explains the error better.
+  const auto drain_and_rethrow = [&] {
+    std::array<std::byte, 1 << 16> chunk{};
+    for (;;) {
+      const std::size_t n = in.read(reinterpret_cast<char*>(chunk.data()), chunk.size());
+      if (n == 0) break;
+      sum = fnv1a(std::span<const std::byte>(chunk.data(), n), sum);
+    }
+    check_sum();
+    throw;
+  };
+
+  detail::trace_builder builder(geometry, source, true);
+  if (in.known_size()) builder.trace().reserve(static_cast<std::size_t>(h.events), h.vectors > 0);
+  staged_record r;
+  const std::size_t chunk_records = std::max<std::size_t>(1, (std::size_t{1} << 16) / record_bytes);
+  std::vector<std::byte> chunk;
+  // With vectors the records are kept until the vectors (after all records) arrive.
+  std::vector<std::byte> records;
+  const auto parse_record = [&](std::span<const std::byte> bytes, std::size_t offset_in_bytes, std::uint64_t i,
+                                std::uint64_t& vector_offset, std::uint64_t& vectors_used,
+                                std::span<const std::byte> vector_bytes_now) {
+    const std::uint64_t offset = header_size + i * record_bytes;
+    const std::size_t o = offset_in_bytes;
+    r.clear();
+    r.sequence = load_le<std::uint32_t>(bytes, o);
+    r.step = load_le<std::uint32_t>(bytes, o + 4);
+    r.layer = load_le<std::uint32_t>(bytes, o + 8);
+    const auto phase = load_le<std::uint8_t>(bytes, o + 12);
+    if (phase > 1) fail(at(offset + 12), "phase", fmt::format("{} out of range [0, 1]", phase));
+    r.phase = static_cast<routing_phase>(phase);
+    const auto has_vector = load_le<std::uint8_t>(bytes, o + 13);
+    if (has_vector > 1) fail(at(offset + 13), "has_probabilities", fmt::format("{} out of range [0, 1]", has_vector));
+    if (const auto reserved = load_le<std::uint16_t>(bytes, o + 14); reserved != 0) {
+      fail(at(offset + 14), "reserved", fmt::format("{} where 0 is required", reserved));
+    }
+    r.has_experts = true;
+    r.has_weights = true;
+    for (std::size_t j = 0; j < k; ++j) r.experts.push_back(load_le<std::uint16_t>(bytes, o + 16 + 2 * j));
+    for (std::size_t j = 0; j < k; ++j) r.weights.push_back(load_f32(bytes, o + 16 + 2 * k + 4 * j));
+    if (has_vector == 1) {
+      if (vectors_used == h.vectors) {
+        fail(at(offset + 13), "has_probabilities",
+             fmt::format("more events carry probabilities than the {} the header declares", h.vectors));
+      }
+      for (std::size_t j = 0; j < geometry.experts_per_layer(); ++j) {
+        r.probabilities.push_back(load_f32(vector_bytes_now, 4 * j));
+      }
+      vector_offset += vector_bytes;
+      ++vectors_used;
+    }
+    builder.append(r, offset);
+  };
+  std::uint64_t vector_offset = header_size + h.events * record_bytes;
+  std::uint64_t vectors_used = 0;
+  try {
+    if (h.vectors == 0) {
+      for (std::uint64_t first = 0; first < h.events; first += chunk_records) {
+        const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk_records, h.events - first));
+        chunk.resize(n * record_bytes);
+        take(chunk.data(), chunk.size());
+        for (std::size_t i = 0; i < n; ++i) {
+          parse_record(chunk, i * record_bytes, first + i, vector_offset, vectors_used, {});
+        }
+      }
+    } else {
+      for (std::uint64_t first = 0; first < h.events; first += chunk_records) {
+        const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk_records, h.events - first));
+        const std::size_t old = records.size();
+        records.resize(old + n * record_bytes);
+        take(records.data() + old, n * record_bytes);
+      }
+      std::vector<std::byte> vector(vector_bytes);
+      for (std::uint64_t i = 0; i < h.events; ++i) {
+        const auto o = static_cast<std::size_t>(i * record_bytes);
+        const bool has_vector = std::to_integer<std::uint8_t>(records[o + 13]) == 1;
+        if (has_vector && vectors_used < h.vectors) take(vector.data(), vector.size());
+        parse_record(records, o, i, vector_offset, vectors_used, vector);
+      }
+      if (vectors_used != h.vectors) {
+        fail(at(40), "probability_vectors",
+             fmt::format("header declares {} vectors but {} events carry one", h.vectors, vectors_used));
+      }
+    }
+  } catch (const format_error&) {
+    drain_and_rethrow();
+  }
+  std::byte extra{};
+  if (in.read(reinterpret_cast<char*>(&extra), 1) != 0) {
+    fail(
+        at(expected_size), "payload",
+        fmt::format("trailing data after the {} bytes the header implies (truncated or trailing data)", expected_size));
+  }
+  check_sum();
+  return builder.finish(options.batch_size != 0 ? options.batch_size : h.batch_size);
+}
+
+}  // namespace
+
+namespace detail {
+
+std::optional<trace_metadata> read_binary_metadata(byte_input& in) {
+  std::array<std::byte, header_size> header_bytes{};
+  const std::size_t got = in.read_fully(reinterpret_cast<char*>(header_bytes.data()), header_size);
+  return parse_header(std::span(header_bytes).first(got), in.name()).meta;
+}
+
+}  // namespace detail
+
+std::string encode_binary(const routing_trace& trace) {
+  const std::size_t k = trace.top_k();
+  std::string out;
+  out.reserve(header_size + trace.size() * (record_fixed_bytes + 6 * k) +
+              trace.probability_vectors() * trace.experts_per_layer() * 4);
+  out.append(binary_magic.data(), binary_magic.size());
+  store_le<std::uint16_t>(out, binary_trace_version);
+  store_le<std::uint16_t>(out, static_cast<std::uint16_t>(header_size));
+  store_le<std::uint32_t>(out, trace.probability_vectors() > 0 ? flag_probabilities : 0U);
+  store_le<std::uint32_t>(out, trace.layers());
+  store_le<std::uint32_t>(out, trace.experts_per_layer());
+  store_le<std::uint32_t>(out, trace.top_k());
+  store_le<std::uint32_t>(out, trace.batch_size());
+  store_le<std::uint64_t>(out, trace.size());
+  store_le<std::uint64_t>(out, trace.probability_vectors());
+  store_le<std::uint64_t>(out, 0);  // payload checksum, patched below
+  store_le<std::uint64_t>(out, 0);  // header checksum, patched below
+  for (const routing_event& e : trace) {
+    store_le<std::uint32_t>(out, e.sequence);
+    store_le<std::uint32_t>(out, e.step);
+    store_le<std::uint32_t>(out, e.layer);
+    store_le<std::uint8_t>(out, static_cast<std::uint8_t>(e.phase));
+    store_le<std::uint8_t>(out, e.probabilities.empty() ? 0 : 1);
+    store_le<std::uint16_t>(out, 0);
+    // experts_per_layer ≤ 65536, so every expert id fits 16 bits.
+    for (const std::uint32_t x : e.experts) store_le<std::uint16_t>(out, static_cast<std::uint16_t>(x));
+    for (const float w : e.weights) store_f32(out, w);
+  }
+  for (const routing_event& e : trace) {
+    for (const float p : e.probabilities) store_f32(out, p);
+  }
+  patch_le<std::uint64_t>(out, 48, fnv1a(as_bytes(std::string_view(out).substr(header_size))));
+  patch_le<std::uint64_t>(out, 56, fnv1a(as_bytes(std::string_view(out).substr(0, 56))));
+  return out;
+}
+
+routing_trace parse_binary(std::span<const std::byte> bytes, const moe_geometry& geometry,
+                           std::string_view source_name) {
+  detail::byte_input in(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()), source_name);
+  return read_binary_from(in, geometry, {});
+}
+
+routing_trace read_binary(const std::filesystem::path& path, const moe_geometry& geometry,
+                          const trace_read_options& options) {
+  detail::byte_input in(path);
+  return read_binary_from(in, geometry, options);
+}
+
+void write_binary(const std::filesystem::path& path, const routing_trace& trace) {
+  const std::string bytes = encode_binary(trace);
+  detail::write_file_atomically(
+      path, [&](std::ostream& out) { out.write(bytes.data(), static_cast<std::streamsize>(bytes.size())); });
+}
+
+}  // namespace expage

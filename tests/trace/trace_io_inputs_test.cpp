@@ -1,0 +1,448 @@
+// Issue 15, "inputs that cannot hurt": one test per reproduction and per class of defect in the
+// trace readers (bounded reads, memory, empty and truncated input, geometry metadata, messages).
+#include "expage/trace/trace_io.hpp"
+
+#include "common/traces.hpp"
+
+#include "expage/core/error.hpp"
+#include "expage/core/moe_geometry.hpp"
+#include "expage/trace/routing_trace.hpp"
+#include "expage/trace/synthetic_trace.hpp"
+
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <thread>
+
+namespace {
+
+using expage::moe_geometry;
+using expage::routing_trace;
+using ::testing::HasSubstr;
+namespace fs = std::filesystem;
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool sanitized = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+constexpr bool sanitized = true;
+#else
+constexpr bool sanitized = false;
+#endif
+#else
+constexpr bool sanitized = false;
+#endif
+
+const moe_geometry& mixtral() {
+  static const moe_geometry g = moe_geometry::mixtral_8x7b();
+  return g;
+}
+
+routing_trace small_trace() {
+  return expage::generate_synthetic(mixtral(), {.seed = 5, .sequences = 3, .decode_steps = 4});
+}
+
+std::string jsonl_of(const routing_trace& t, std::string_view name = "mixtral-8x7b") {
+  std::ostringstream out;
+  expage::write_jsonl(out, t, name);
+  return out.str();
+}
+
+std::string csv_of(const routing_trace& t) {
+  std::ostringstream out;
+  expage::write_csv(out, t, "mixtral-8x7b");
+  return out.str();
+}
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no exception)";
+}
+
+class TraceInputs : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = fs::temp_directory_path() / (std::string("expage_inputs_") + info->name() + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+// Runs @p body in a forked child (address space limited to @p limit_bytes more than now when
+// not 0, killed after 20 s) and returns its exit status, or 128 + signal.
+int in_child(const std::function<int()>& body, std::size_t limit_bytes = 0) {
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::alarm(20);
+    if (limit_bytes != 0) {
+      std::size_t vm_kib = 0;
+      std::ifstream status("/proc/self/status");
+      for (std::string line; std::getline(status, line);) {
+        if (line.starts_with("VmSize:")) vm_kib = std::stoul(line.substr(7));
+      }
+      const rlimit limit{.rlim_cur = vm_kib * 1024 + limit_bytes, .rlim_max = vm_kib * 1024 + limit_bytes};
+      ::setrlimit(RLIMIT_AS, &limit);
+    }
+    int code = 3;
+    try {
+      code = body();
+    } catch (...) {
+      code = 4;
+    }
+    ::_exit(code);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// --- 1. Unbounded reads: special files are refused before anything is read --------------------
+
+TEST_F(TraceInputs, DevZeroIsRefusedNamingTheFile) {  // reproduction 1
+  const std::string m = message_of([] { (void)expage::read_trace("/dev/zero", mixtral()); });
+  EXPECT_THAT(m, HasSubstr("/dev/zero: a character device"));
+}
+
+TEST_F(TraceInputs, SymlinkToUrandomIsRefused) {  // reproduction 1, second form
+  fs::create_symlink("/dev/urandom", dir_ / "u.jsonl");
+  const std::string m = message_of([&] { (void)expage::read_trace(dir_ / "u.jsonl", mixtral()); });
+  EXPECT_THAT(m, HasSubstr("u.jsonl: a character device"));
+}
+
+TEST_F(TraceInputs, DirectoriesAndMissingFilesNameTheReason) {  // the class: any non-regular input
+  EXPECT_THAT(message_of([&] { (void)expage::read_trace(dir_, mixtral()); }), HasSubstr("a directory"));
+  EXPECT_THAT(message_of([&] { (void)expage::read_csv(dir_ / "none.csv", mixtral()); }),
+              HasSubstr("cannot open for reading: No such file or directory"));
+}
+
+// --- 2. Memory amplification: peak memory is O(records kept) -----------------------------------
+
+TEST_F(TraceInputs, CsvLineOfCommasNeedsNoMemory) {  // reproduction 2
+  if (sanitized) GTEST_SKIP() << "RLIMIT_AS cannot be combined with a sanitizer's shadow memory";
+  const fs::path file = dir_ / "commas.csv";
+  {
+    std::ofstream out(file, std::ios::binary);
+    out << "sequence,step,layer,experts,weights\n";
+    const std::string commas(std::size_t{1} << 20, ',');
+    for (int i = 0; i < 64; ++i) out << commas;  // a 64 MiB line: ~3.5 GB when split into strings
+    out << "\n";
+  }
+  // 256 MiB more than the test already maps: the old reader needed > 3 GB.
+  const int code = in_child(
+      [&] {
+        try {
+          (void)expage::read_csv(file, mixtral());
+        } catch (const expage::format_error& e) {
+          return std::string_view(e.what()).find("max_trace_line_bytes") != std::string_view::npos ? 0 : 1;
+        }
+        return 2;
+      },
+      std::size_t{256} << 20);
+  EXPECT_EQ(code, 0) << "1: other message, 2: accepted, 4: another exception (bad_alloc), >128: signal";
+}
+
+TEST_F(TraceInputs, JsonlGarbageWithoutNewlinesNeedsNoMemory) {  // the class, another format
+  if (sanitized) GTEST_SKIP() << "RLIMIT_AS cannot be combined with a sanitizer's shadow memory";
+  const fs::path file = dir_ / "garbage.jsonl";
+  {
+    std::ofstream out(file, std::ios::binary);
+    const std::string chunk(std::size_t{1} << 20, '[');
+    for (int i = 0; i < 128; ++i) out << chunk;
+  }
+  const int code = in_child(
+      [&] {
+        try {
+          (void)expage::read_jsonl(file, mixtral());
+        } catch (const expage::format_error& e) {
+          return std::string_view(e.what()).find("longer than the limit") != std::string_view::npos ? 0 : 1;
+        }
+        return 2;
+      },
+      std::size_t{128} << 20);
+  EXPECT_EQ(code, 0);
+}
+
+TEST_F(TraceInputs, BinaryHeaderCannotReserveWhatIsNotThere) {  // the class: declared sizes
+  std::string bytes = expage::encode_binary(small_trace());
+  bytes[36] = 0x40;  // event_count ~ 2^46, header checksum recomputed
+  std::uint64_t h = 0xcbf29ce484222325ULL;
+  for (std::size_t i = 0; i < 56; ++i) h = (h ^ static_cast<unsigned char>(bytes[i])) * 0x100000001b3ULL;
+  for (std::size_t i = 0; i < 8; ++i) bytes[56 + i] = static_cast<char>((h >> (8 * i)) & 0xFFU);
+  EXPECT_THAT(message_of([&] {
+                (void)expage::parse_binary(std::as_bytes(std::span(bytes.data(), bytes.size())), mixtral(), "b.bin");
+              }),
+              HasSubstr("field 'event_count': 274877907328 out of range [1, 268435456] (max_trace_events)"));
+  bytes[36] = 0;
+  bytes[35] = 0x01;  // 2^24 + n events: within the limit, beyond the bytes present
+  h = 0xcbf29ce484222325ULL;
+  for (std::size_t i = 0; i < 56; ++i) h = (h ^ static_cast<unsigned char>(bytes[i])) * 0x100000001b3ULL;
+  for (std::size_t i = 0; i < 8; ++i) bytes[56 + i] = static_cast<char>((h >> (8 * i)) & 0xFFU);
+  EXPECT_THAT(message_of([&] {
+                (void)expage::parse_binary(std::as_bytes(std::span(bytes.data(), bytes.size())), mixtral(), "b.bin");
+              }),
+              HasSubstr("do not fit"));
+}
+
+// --- 2b. Linear-time load of ordered traces ----------------------------------------------------
+
+TEST_F(TraceInputs, OrderedAndShuffledInputsGiveTheSameTrace) {
+  const routing_trace t = expage::generate_synthetic(
+      mixtral(), {.seed = 9, .sequences = 6, .decode_steps = 20, .prefill_tokens = 3, .batch_size = 2});
+  const std::string text = jsonl_of(t);
+  EXPECT_EQ(expage::parse_jsonl(text, mixtral(), "ordered.jsonl"), t);
+  std::istringstream in(text);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  std::string reversed = lines[0] + "\n";  // metadata first
+  for (std::size_t i = lines.size(); i-- > 1;) reversed += lines[i] + "\n";
+  EXPECT_EQ(expage::parse_jsonl(reversed, mixtral(), "reversed.jsonl"), t);
+}
+
+// --- 4. Geometry metadata: written, read back, mismatches refused ------------------------------
+
+TEST_F(TraceInputs, WritersRecordTheGeometryAndReadersRefuseAMismatch) {  // reproduction 4
+  const routing_trace t = small_trace();
+  expage::write_trace(dir_ / "t.jsonl", t, "mixtral-8x7b");
+  expage::write_trace(dir_ / "t.csv", t, "mixtral-8x7b");
+  expage::write_trace(dir_ / "t.bin", t, "mixtral-8x7b");
+  for (const char* name : {"t.jsonl", "t.csv", "t.bin"}) {
+    const std::optional<expage::trace_metadata> meta = expage::read_trace_metadata(dir_ / name);
+    ASSERT_TRUE(meta.has_value()) << name;
+    EXPECT_EQ(meta->layers, 32U);
+    EXPECT_EQ(meta->experts_per_layer, 8U);
+    EXPECT_EQ(meta->top_k, 2U);
+    EXPECT_EQ(meta->batch_size, 1U);
+    EXPECT_EQ(expage::read_trace(dir_ / name, mixtral()), t) << name;
+    // Phi-3.5-MoE: 32 layers of 16 experts, top-2: every record fits, only the metadata tells.
+    const std::string m = message_of([&] { (void)expage::read_trace(dir_ / name, moe_geometry::phi_3_5_moe()); });
+    EXPECT_THAT(m, HasSubstr("experts_per_layer")) << name;
+    EXPECT_THAT(m, HasSubstr("refusing a geometry mismatch")) << name;
+  }
+  EXPECT_EQ(expage::read_trace_metadata(dir_ / "t.jsonl")->geometry, "mixtral-8x7b");
+}
+
+TEST_F(TraceInputs, ForeignTracesWithoutMetadataAreCheckedForPlausibility) {  // the class, without metadata
+  std::string text = jsonl_of(small_trace());
+  text.erase(0, text.find('\n') + 1);  // a foreign file: no metadata line
+  const routing_trace as_phi = expage::parse_jsonl(text, moe_geometry::phi_3_5_moe(), "foreign.jsonl");
+  EXPECT_THAT(message_of([&] { expage::check_trace_geometry(as_phi, moe_geometry::phi_3_5_moe()); }),
+              HasSubstr("routes only experts [0, 8) but the geometry 'phi-3.5-moe' has 16"));
+  const routing_trace as_mixtral = expage::parse_jsonl(text, mixtral(), "foreign.jsonl");
+  EXPECT_NO_THROW(expage::check_trace_geometry(as_mixtral, mixtral()));
+  EXPECT_THAT(message_of([&] { expage::check_trace_geometry(as_mixtral, moe_geometry::qwen3_30b_a3b()); }),
+              HasSubstr("layers = 32 but the geometry 'qwen3-30b-a3b' has 48"));
+}
+
+TEST_F(TraceInputs, MalformedMetadataIsNamed) {
+  const std::string record = R"({"sequence": 0, "step": 0, "layer": 0, "experts": [1, 2], "weights": [0.6, 0.4]})";
+  EXPECT_THAT(message_of([&] {
+                (void)expage::parse_jsonl(R"({"expage_trace": 2, "layers": 32})"
+                                          "\n" +
+                                              record,
+                                          mixtral(), "m.jsonl");
+              }),
+              HasSubstr("metadata version 2 unsupported"));
+  EXPECT_THAT(message_of([&] {
+                (void)expage::parse_jsonl(R"({"expage_trace": 1, "layers": 32, "top_k": 2})"
+                                          "\n" +
+                                              record,
+                                          mixtral(), "m.jsonl");
+              }),
+              HasSubstr("field 'experts_per_layer': missing"));
+  EXPECT_THAT(message_of([&] {
+                (void)expage::parse_csv(
+                    "# expage_trace 1 layers=32 experts_per_layer=8 top_k=6\n"
+                    "sequence,step,layer,experts,weights\n0,0,0,1;2,0.5;0.5\n",
+                    mixtral(), "m.csv");
+              }),
+              HasSubstr("m.csv:1: field 'top_k': the trace was recorded for top_k = 6"));
+}
+
+TEST(TraceInputsRealTrace, FlameMoeReadsWithItsOwnGeometry) {  // reproduction 4, FLAME-MoE-290M
+  const std::optional<fs::path> dir = expage::testing::traces_dir();
+  const fs::path file =
+      dir ? *dir / "flame-moe-290m-pretrain" / "flame-moe-290m_encoder_2048tok_routing.jsonl" : fs::path();
+  if (!dir || !fs::exists(file)) GTEST_SKIP() << "FLAME-MoE trace not found (set EXPAGE_TRACES_DIR)";
+  const moe_geometry flame({.name = "flame-moe-290m",
+                            .layers = 8,
+                            .experts_per_layer = 64,
+                            .top_k = 6,
+                            .hidden_size = 1,
+                            .intermediate_size = 1});
+  const routing_trace t = expage::read_trace(file, flame);
+  EXPECT_EQ(t.size(), 16'384U);
+  EXPECT_NO_THROW(expage::check_trace_geometry(t, flame));
+  EXPECT_THAT(message_of([&] { (void)expage::read_trace(file, mixtral()); }),
+              HasSubstr("6 experts where the geometry's top_k is 2"));
+}
+
+// --- 5. Empty and truncated traces ------------------------------------------------------------
+
+TEST_F(TraceInputs, EmptyBlankAndHeaderOnlyTracesAreRefused) {  // reproduction 5
+  const std::string header = "sequence,step,layer,experts,weights\n";
+  EXPECT_THAT(message_of([] { (void)expage::parse_jsonl("", mixtral(), "e.jsonl"); }), HasSubstr("no records"));
+  EXPECT_THAT(message_of([] { (void)expage::parse_jsonl("\n  \n\t\n", mixtral(), "b.jsonl"); }),
+              HasSubstr("no records"));
+  EXPECT_THAT(message_of([&] { (void)expage::parse_csv(header, mixtral(), "h.csv"); }), HasSubstr("no records"));
+  const routing_trace empty(mixtral());
+  const std::string bytes = expage::encode_binary(empty);
+  EXPECT_THAT(message_of([&] {
+                (void)expage::parse_binary(std::as_bytes(std::span(bytes.data(), bytes.size())), mixtral(), "z.bin");
+              }),
+              HasSubstr("no records"));
+  // The class: a trace that is only metadata.
+  std::string meta_only = jsonl_of(small_trace());
+  meta_only.resize(meta_only.find('\n') + 1);
+  EXPECT_THAT(message_of([&] { (void)expage::parse_jsonl(meta_only, mixtral(), "m.jsonl"); }), HasSubstr("no records"));
+}
+
+TEST_F(TraceInputs, CsvCutMidLineIsRefused) {  // reproduction 5, `head -c` of a CSV trace
+  const std::string csv = csv_of(small_trace());
+  const std::size_t cut = csv.rfind(';', csv.size() - 2) + 3;  // inside the last weight
+  const std::string m = message_of([&] { (void)expage::parse_csv(csv.substr(0, cut), mixtral(), "cut.csv"); });
+  EXPECT_THAT(m, HasSubstr("truncated"));
+  // Every cut inside the records is refused, never read short.
+  for (std::size_t n = csv.find('\n', csv.find('\n') + 1) + 1; n < csv.size(); n += 97) {
+    if (csv[n - 1] == '\n') continue;
+    EXPECT_THROW((void)expage::parse_csv(csv.substr(0, n), mixtral(), "cut.csv"), expage::format_error) << n;
+  }
+}
+
+TEST_F(TraceInputs, JsonlCutMidLineIsRefused) {  // the class, JSON Lines
+  const std::string text = jsonl_of(small_trace());
+  for (std::size_t n = text.find('\n') + 2; n < text.size(); n += 89) {
+    if (text[n - 1] == '\n' || text[n - 1] == '}') continue;
+    EXPECT_THROW((void)expage::parse_jsonl(text.substr(0, n), mixtral(), "cut.jsonl"), expage::format_error) << n;
+  }
+  // A complete last record without its newline is a complete trace.
+  EXPECT_EQ(expage::parse_jsonl(text.substr(0, text.size() - 1), mixtral(), "ok.jsonl"), small_trace());
+}
+
+// --- 6. FIFOs -----------------------------------------------------------------------------------
+
+TEST_F(TraceInputs, FifoWithoutWriterIsRefusedNotWaitedFor) {  // reproduction 6
+  const fs::path fifo = dir_ / "f.jsonl";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const int code = in_child([&] {
+    try {
+      (void)expage::read_trace(fifo, mixtral());
+    } catch (const expage::format_error& e) {
+      return std::string_view(e.what()).find("no records") != std::string_view::npos ? 0 : 1;
+    }
+    return 2;
+  });
+  EXPECT_EQ(code, 0) << "142 = SIGALRM: the read hung";
+}
+
+TEST_F(TraceInputs, FifoWithAWriterIsRead) {  // the class: a FIFO is a legitimate input
+  const fs::path fifo = dir_ / "w.bin";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const routing_trace t = small_trace();
+  const std::string bytes = expage::encode_binary(t);
+  std::fflush(nullptr);
+  const pid_t writer = ::fork();
+  if (writer == 0) {
+    ::alarm(20);
+    std::FILE* f = std::fopen(fifo.c_str(), "wb");
+    const bool ok = f != nullptr && std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+    if (f != nullptr) std::fclose(f);
+    ::_exit(ok ? 0 : 1);
+  }
+  // The reader may open before the writer: it then sees no writer yet and reads as empty, so
+  // retry until the writer has connected (bounded by the writer's alarm).
+  routing_trace back(mixtral());
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    try {
+      back = expage::read_trace(fifo, mixtral());
+      break;
+    } catch (const expage::format_error& e) {
+      if (std::string_view(e.what()).find("shorter than") == std::string_view::npos) throw;
+      std::this_thread::yield();
+    }
+  }
+  int status = 0;
+  ::waitpid(writer, &status, 0);
+  EXPECT_EQ(back, t);
+}
+
+// --- 11. Messages -------------------------------------------------------------------------------
+
+TEST(TraceInputsMessages, TinyProbabilitiesFlushToZero) {  // reproduction 11: 1e-60
+  const routing_trace t = expage::parse_jsonl(
+      R"({"sequence": 0, "step": 0, "layer": 0, "experts": [1, 2], "weights": [0.6, 1e-60]})", mixtral(), "t.jsonl");
+  EXPECT_EQ(t[0].weights[1], 0.0F);
+  // The class: a float denormal is kept, -1e-400 (beyond double) is -0, 1e39 is an error.
+  const routing_trace d = expage::parse_jsonl(
+      R"({"sequence": 0, "step": 0, "layer": 0, "experts": [1, 2], "weights": [1e-40, 1e-400]})", mixtral(), "d.jsonl");
+  EXPECT_GT(d[0].weights[0], 0.0F);
+  EXPECT_LT(d[0].weights[0], 1.2e-38F);
+  EXPECT_EQ(d[0].weights[1], 0.0F);
+  EXPECT_THAT(message_of([] {
+                (void)expage::parse_csv("sequence,step,layer,experts,weights\n0,0,0,1;2,1e39;0\n", mixtral(), "o.csv");
+              }),
+              HasSubstr("1e39 out of the float range"));
+}
+
+TEST(TraceInputsMessages, ByteOrderMarkIsNamed) {  // reproduction 11
+  const std::string text =
+      "\xEF\xBB\xBF"
+      R"({"sequence": 0, "step": 0, "layer": 0, "experts": [1, 2], "weights": [0.6, 0.4]})";
+  EXPECT_THAT(message_of([&] { (void)expage::parse_jsonl(text, mixtral(), "bom.jsonl"); }),
+              HasSubstr("bom.jsonl:1: field 'record': the input starts with a UTF-8 byte-order mark"));
+  EXPECT_THAT(message_of([] {
+                (void)expage::parse_csv("\xEF\xBB\xBFsequence,step,layer,experts,weights\n", mixtral(), "bom.csv");
+              }),
+              HasSubstr("byte-order mark"));
+}
+
+TEST(TraceInputsMessages, LeadingZerosAreRejected) {  // reproduction 11
+  EXPECT_THAT(message_of([] {
+                (void)expage::parse_jsonl(
+                    R"({"sequence": 0, "step": 0, "layer": 0000000000, "experts": [1, 2], "weights": [0.6, 0.4]})",
+                    mixtral(), "z.jsonl");
+              }),
+              HasSubstr("field 'layer': '0000000000' has a leading zero"));
+  EXPECT_THAT(message_of([] {
+                (void)expage::parse_csv("sequence,step,layer,experts,weights\n0,0,0,01;2,0.5;0.5\n", mixtral(),
+                                        "z.csv");
+              }),
+              HasSubstr("field 'experts': '01' has a leading zero"));
+}
+
+TEST(TraceInputsMessages, DecodeBeforePrefillNamesBothRecords) {  // reproduction 11
+  std::string text;
+  for (int step = 0; step < 3; ++step) {
+    text +=
+        fmt::format(R"({{"sequence": 0, "step": {}, "layer": 0, "experts": [1, 2], "weights": [0.6, 0.4]}})", step) +
+        "\n";
+  }
+  text += R"({"sequence": 0, "step": 5, "layer": 0, "phase": "prefill", "experts": [1, 2], "weights": [0.6, 0.4]})"
+          "\n";
+  const std::string m = message_of([&] { (void)expage::parse_jsonl(text, mixtral(), "p.jsonl"); });
+  EXPECT_THAT(m, HasSubstr("decode step 0 of sequence 0 precedes its prefill step 5 at line 4"));
+}
+
+}  // namespace
