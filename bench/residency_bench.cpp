@@ -63,11 +63,11 @@ struct resident_table {
 // --- resolve -----------------------------------------------------------------------
 
 void BM_Handle_Resolve(benchmark::State& state) {
-  static std::unique_ptr<resident_table> shared;
-  if (state.thread_index() == 0) shared = std::make_unique<resident_table>();
-  // Google Benchmark starts every thread's loop only after thread 0's setup.
-  const expage::expert_handle h = shared->table.handle({.layer = 1, .expert = 3});
-  auto w = shared->table.open_window();
+  // One table for every run and thread: set-up code before the loop is not synchronized across
+  // threads, so a table replaced by thread 0 could be destroyed under another thread's window.
+  static resident_table shared;  // initialized once, thread-safely
+  const expage::expert_handle h = shared.table.handle({.layer = 1, .expert = 3});
+  auto w = shared.table.open_window();
   for (auto _ : state) {
     const expage::version_record* v = h.resolve();
     benchmark::DoNotOptimize(v);
@@ -78,13 +78,12 @@ void BM_Handle_Resolve(benchmark::State& state) {
 BENCHMARK(BM_Handle_Resolve)->ThreadRange(1, 2)->UseRealTime();
 
 void BM_HandleTable_ResolveById(benchmark::State& state) {
-  static std::unique_ptr<resident_table> shared;
-  if (state.thread_index() == 0) shared = std::make_unique<resident_table>();
-  auto w = shared->table.open_window();
+  static resident_table shared;  // one for every run and thread (see BM_Handle_Resolve)
+  auto w = shared.table.open_window();
   expage::expert_id id{.layer = 1, .expert = 3};
   benchmark::DoNotOptimize(id);
   for (auto _ : state) {
-    const expage::version_record* v = shared->table.resolve(id);
+    const expage::version_record* v = shared.table.resolve(id);
     benchmark::DoNotOptimize(v);
   }
   w.close();
@@ -136,10 +135,9 @@ BENCHMARK(BM_Baseline_MutexPointer)->ThreadRange(1, 2)->UseRealTime();
 // --- windows -------------------------------------------------------------------------
 
 void BM_Handle_WindowOpenClose(benchmark::State& state) {
-  static std::unique_ptr<resident_table> shared;
-  if (state.thread_index() == 0) shared = std::make_unique<resident_table>();
+  static resident_table shared;  // one for every run and thread (see BM_Handle_Resolve)
   for (auto _ : state) {
-    auto w = shared->table.open_window();
+    auto w = shared.table.open_window();
     benchmark::DoNotOptimize(w);
   }
   state.SetItemsProcessed(state.iterations());
