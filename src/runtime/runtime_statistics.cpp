@@ -45,9 +45,10 @@ void runtime_statistics::write_json(std::ostream& out) const {
   write_json_string(out, to_string(tier));
   out << fmt::format(
       R"(,"capacity":{},"resident":{},"pinned":{},"resident_bytes":{},"peak_resident_bytes":{},)"
-      R"("prefetch_queued":{},"prefetch_cancelled":{},"failed_acquires":{},"trace_dropped":{},"hit_ratio":{:.6f},)",
+      R"("prefetch_queued":{},"prefetch_cancelled":{},"failed_acquires":{},"poisoned":{},"trace_dropped":{},)"
+      R"("hit_ratio":{:.6f},)",
       capacity, resident, pinned, resident_bytes, peak_resident_bytes, prefetch_queued, prefetch_cancelled,
-      failed_acquires, trace_dropped, hit_ratio());
+      failed_acquires, poisoned, trace_dropped, hit_ratio());
   out << "\"total\":";
   write_layer(out, total);
   out << ",\"layers\":[";

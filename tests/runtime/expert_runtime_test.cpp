@@ -144,6 +144,45 @@ TEST(ExpertRuntime, NeverEvictsAnExpertWhoseKernelIsPendingOrWhoseLeaseIsHeld) {
   EXPECT_EQ(w.check_views(rt), "");
 }
 
+// A lease released with a completion that fails (a faulted device context): the acquire that
+// needs its experts fails with that error and changes nothing; the experts are never evicted
+// afterwards (the kernel may still read them) and later acquires take other victims.
+TEST(ExpertRuntime, AFailedKernelCompletionPoisonsItsExpertsAndChangesNothing) {
+  runtime_world w;
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 3});
+  struct faulted_kernel {
+    [[nodiscard]] bool ready() const { return false; }
+    void wait() { throw std::runtime_error("injected: the kernel's stream faulted"); }
+  };
+  const std::uint32_t first[] = {0, 1};
+  rt.acquire(0, first).release(faulted_kernel{});  // L0.E0 and L0.E1: completion will fail
+  const std::uint32_t third[] = {2};
+  rt.acquire(0, third).release();  // L0.E2: a healthy kernel
+  w.compute.synchronize();
+  const auto before = w.snapshot(rt);
+  const std::uint32_t next[] = {5};
+  try {
+    (void)rt.acquire(1, next);  // LRU picks L0.E0 as the victim: its completion fails
+    FAIL() << "the failed completion was not reported";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("faulted"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(w.snapshot(rt), before);
+  EXPECT_EQ(w.check_views(rt), "");
+  // Once poisoned, E0 is never a victim again; E1's failure shows on the next try, then E2 goes.
+  EXPECT_THROW((void)rt.acquire(1, next), std::runtime_error);
+  auto lease = rt.acquire(1, next);
+  EXPECT_TRUE(rt.resident({0, 0}) && rt.resident({0, 1}));
+  EXPECT_FALSE(rt.resident({0, 2}));
+  EXPECT_EQ(rt.statistics().poisoned, 2U);
+  EXPECT_EQ(rt.statistics().failed_acquires, 2U);
+  w.check_on_compute(rt, 1, next);
+  lease.release();
+  w.compute.synchronize();
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
 TEST(ExpertRuntime, RefusesBadInputAndChangesNothing) {
   runtime_world w;
   runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());

@@ -120,7 +120,8 @@ struct runtime_statistics {
   std::uint64_t prefetch_queued = 0;             ///< Prefetch requests waiting now.
   std::uint64_t prefetch_cancelled = 0;          ///< Prefetch requests cancelled before they were issued.
   std::uint64_t failed_acquires = 0;             ///< acquire() calls that threw (nothing changed).
-  std::uint64_t trace_dropped = 0;               ///< Trace events dropped because the trace was full.
+  std::uint32_t poisoned = 0;       ///< Experts whose last kernel's completion failed: kept resident, never evicted.
+  std::uint64_t trace_dropped = 0;  ///< Trace events dropped because the trace was full.
 
   /// The hit ratio of demand accesses, hits / (hits + misses); 0 without accesses.
   [[nodiscard]] double hit_ratio() const noexcept {
@@ -188,6 +189,11 @@ struct resident_expert {
 ///   victim's bytes from its source before the call returns. (A failure of
 ///   that reload too, a double fault, leaves the victim evicted: the basic
 ///   guarantee.)
+///
+/// A lease released with a completion that fails (its wait() throws, as a CUDA event of a
+/// faulted context does) makes the acquire that needed its experts throw that error with the
+/// strong guarantee; those experts are then never evicted, since whether the kernel still reads
+/// them is unknown (`runtime_statistics::poisoned`), and later acquires choose other victims.
 ///
 /// A group larger than the capacity is refused with an error naming both:
 /// split the tokens with group_tokens() first. Duplicate experts in a group,
@@ -568,6 +574,8 @@ class expert_runtime {
     s.prefetch_queued = prefetch_queue_.size();
     s.prefetch_cancelled = prefetch_cancelled_;
     s.failed_acquires = failed_acquires_;
+    s.poisoned = static_cast<std::uint32_t>(
+        std::count_if(entries_.begin(), entries_.end(), [](const entry& e) { return e.poisoned; }));
     s.trace_dropped = trace_.dropped();
     return s;
   }
@@ -587,6 +595,7 @@ class expert_runtime {
     bool loading = false;                // the load's event may not have completed
     bool queued = false;                 // in the prefetch queue
     bool prefetched = false;             // loaded by prefetch, no lease has used it yet
+    bool poisoned = false;               // its last kernel's completion failed: never evicted
     lease_type blocks;                   // the physical blocks and their budget
     std::shared_ptr<event_type> loaded;  // the load's event
     std::uint64_t last_use = 0;          // ticket of the last lease that read it (0: none)
@@ -810,7 +819,8 @@ class expert_runtime {
     blocked_.assign(expert_count_, 0);  // sized at construction: never allocates
     std::uint32_t candidates = 0;
     for (std::uint32_t f = 0; f < expert_count_; ++f) {
-      const bool blocked = entries_[f].slot < 0 || pins_[f] > 0 || (entries_[f].loading && !include_loading);
+      const bool blocked =
+          entries_[f].slot < 0 || pins_[f] > 0 || entries_[f].poisoned || (entries_[f].loading && !include_loading);
       blocked_[f] = blocked ? 1 : 0;
       if (!blocked) ++candidates;
     }
@@ -858,7 +868,14 @@ class expert_runtime {
     if (last == nullptr || last->ready()) return;
     const auto t0 = std::chrono::steady_clock::now();
     const double trace_t0 = tracing() ? trace_.now_us() : 0.0;
-    last->wait();
+    try {
+      last->wait();
+    } catch (...) {
+      // The kernel's completion failed: whether it still reads the expert is unknown, so the
+      // expert is never evicted (it keeps its slot and its budget) and is counted as poisoned.
+      e.poisoned = true;
+      throw;
+    }
     const auto ns = static_cast<std::uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
     runtime_layer_statistics& s = stats != nullptr ? *stats : layer_stats_[geometry_.expert_at(v).layer];
