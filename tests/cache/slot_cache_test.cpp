@@ -150,3 +150,23 @@ TEST(SlotCache, AGlobalScopeOfMoreKeysThanA32BitKeyNumbersIsRefused) {
 
 }  // namespace
 }  // namespace expage
+
+namespace expage {
+namespace {
+
+// resident() and expert_map(layer) are noexcept queries with preconditions (issue 15, item 9):
+// builds with assertions catch a call outside the geometry instead of reading past the map.
+TEST(SlotCache, QueriesOutsideTheGeometryAreCaught) {
+  slot_cache<lru_policy> cache(moe_geometry::mixtral_8x7b(), {.layout = cache_layout::per_layer, .capacity = 2});
+  EXPECT_FALSE(cache.resident({.layer = 31, .expert = 7}));
+  EXPECT_EQ(cache.expert_map(31).size(), 8U);
+#if EXPAGE_ASSERTIONS_ENABLED
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH((void)cache.resident({.layer = 32, .expert = 0}), "out of range");
+  EXPECT_DEATH((void)cache.resident({.layer = 0, .expert = 8}), "out of range");
+  EXPECT_DEATH((void)cache.expert_map(32), "out of range");
+#endif
+}
+
+}  // namespace
+}  // namespace expage

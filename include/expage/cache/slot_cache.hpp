@@ -141,10 +141,14 @@ class slot_cache {
   /// Layer @p layer's part of expert_map(): what a fused-MoE kernel for that layer takes.
   /// @pre layer < layers.
   [[nodiscard]] std::span<const std::int32_t> expert_map(std::uint32_t layer) const noexcept {
+    EXPAGE_ASSERT(layer < layers_, "slot_cache::expert_map: layer out of range");
     return std::span<const std::int32_t>(map_).subspan(flat(layer, 0), experts_);
   }
   /// True when @p id occupies a slot. @pre the id is valid for the geometry.
-  [[nodiscard]] bool resident(expert_id id) const noexcept { return map_[flat(id.layer, id.expert)] >= 0; }
+  [[nodiscard]] bool resident(expert_id id) const noexcept {
+    EXPAGE_ASSERT(id.layer < layers_ && id.expert < experts_, "slot_cache::resident: expert out of range");
+    return map_[flat(id.layer, id.expert)] >= 0;
+  }
 
   /// The slots one access group may occupy: capacity (per layer) or capacity (global).
   [[nodiscard]] std::uint32_t group_limit() const noexcept { return options_.capacity; }
