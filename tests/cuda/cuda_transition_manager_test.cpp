@@ -11,12 +11,13 @@
 #include "expage/cuda/device_memory.hpp"
 #include "expage/cuda/pinned_host_memory.hpp"
 #include "expage/cuda/runtime.hpp"
+#include "expage/formatters.hpp"
 #include "expage/memory/block_pool.hpp"
 #include "expage/memory/budget_tracker.hpp"
 #include "expage/memory/host_memory.hpp"
+#include "expage/memory/tensor_storage.hpp"
 #include "expage/residency/handle_table.hpp"
 #include "expage/residency/transition_manager.hpp"
-#include "expage/memory/tensor_storage.hpp"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>

@@ -5,6 +5,7 @@
 #include "expage/cuda/cuda_stream.hpp"
 #include "expage/cuda/device_mirror.hpp"
 #include "expage/cuda/runtime.hpp"
+#include "expage/formatters.hpp"
 #include "expage/residency/handle_table.hpp"
 
 #include <fmt/format.h>
