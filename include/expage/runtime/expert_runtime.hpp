@@ -475,9 +475,10 @@ class expert_runtime {
       evict(*victim);
     }
     pool_.trim();
-    capacity_ = std::max(requested, resident_count());
-    if (tracing()) trace_.instant(fmt::format("resize to {} experts", capacity_), "resize", host_track_);
-    return {.requested = requested, .capacity = capacity_, .held = capacity_ > requested ? capacity_ - requested : 0};
+    capacity_ = requested;  // the target: surplus experts still pinned go when their leases are released
+    const std::uint32_t in_force = std::max(requested, resident_count());
+    if (tracing()) trace_.instant(fmt::format("resize to {} experts", requested), "resize", host_track_);
+    return {.requested = requested, .capacity = in_force, .held = in_force - requested};
   }
   /// @}
 
@@ -547,7 +548,8 @@ class expert_runtime {
   [[nodiscard]] std::size_t expert_bytes() const noexcept { return page_bytes_[0] + page_bytes_[1]; }
   /// σ_t: bytes of one page of tensor @p t.
   [[nodiscard]] std::size_t page_bytes(expert_tensor t) const noexcept { return page_bytes_[index(t)]; }
-  /// Resident experts allowed now.
+  /// Resident experts allowed (after resize(), the target; experts that leases held above it are
+  /// evicted as their kernels complete).
   [[nodiscard]] std::uint32_t capacity() const {
     const std::lock_guard lock(mutex_);
     return capacity_;
@@ -581,10 +583,12 @@ class expert_runtime {
   }
   /// The Chrome trace (empty unless options.trace_events > 0).
   [[nodiscard]] const event_trace& trace() const noexcept { return trace_; }
-  /// Marks finished loads resident (queries events, never waits) and issues queued prefetches.
+  /// Marks finished loads resident (queries events, never waits), issues queued prefetches, and
+  /// evicts experts above a lowered capacity whose kernels have completed.
   void poll() {
     const std::lock_guard lock(mutex_);
     pump_prefetches();
+    shrink_to_capacity();
   }
   /// @}
 
