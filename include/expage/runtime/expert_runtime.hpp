@@ -987,6 +987,7 @@ class expert_runtime {
       p.slot = p.victim ? entries_[*p.victim].slot : static_cast<std::int32_t>(free_slots_[--next_free]);
     }
     std::uint64_t bytes = 0;
+    std::shared_ptr<event_type> loaded;
     try {
       for (planned_load& p : plan) {
         const std::span<const block> blocks = p.victim ? entries_[*p.victim].blocks.blocks() : p.fresh.blocks();
@@ -996,6 +997,7 @@ class expert_runtime {
         p.filling = true;
         bytes += fill(p.expert, p.slot, *copy_);
       }
+      if (!plan.empty()) loaded = record_event(*copy_);  // the loads' event: before anything is published
       for (planned_load& p : plan) {
         if (p.version) {
           p.version->prepare(record_of(p.expert, p.slot), version_storage(std::monostate{}));
@@ -1013,8 +1015,6 @@ class expert_runtime {
       throw;
     }
     // Commit: nothing below throws.
-    std::shared_ptr<event_type> loaded;
-    if (!plan.empty()) loaded = record_event(*copy_);
     runtime_layer_statistics& s = layer_stats_[layer];
     for (planned_load& p : plan) {
       lease_type blocks;
@@ -1303,8 +1303,10 @@ class expert_runtime {
     const std::span<const block> blocks = victim ? entries_[*victim].blocks.blocks() : fresh.blocks();
     map_expert(f, slot, blocks, victim.has_value(), !victim.has_value());
     std::uint64_t bytes = 0;
+    std::shared_ptr<event_type> loaded;
     try {
       bytes = fill(f, slot, *prefetch_);
+      loaded = record_event(*prefetch_);
       if (version) version->prepare(record_of(f, slot), version_storage(std::monostate{}));
       if (eviction) eviction->publish();
       if (version) version->publish();
@@ -1317,7 +1319,6 @@ class expert_runtime {
       if (victim) restore(*victim);
       throw;
     }
-    std::shared_ptr<event_type> loaded = record_event_quietly(*prefetch_);
     if (victim) {
       entry& v = entries_[*victim];
       fresh = std::move(v.blocks);
