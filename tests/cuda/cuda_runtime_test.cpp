@@ -12,8 +12,8 @@
 #include "expage/cuda/pinned_host_memory.hpp"
 #include "expage/cuda/runtime.hpp"
 #include "expage/memory/budget_tracker.hpp"
-#include "expage/runtime/expert_runtime.hpp"
 #include "expage/memory/tensor_storage.hpp"
+#include "expage/runtime/expert_runtime.hpp"
 
 #include <gtest/gtest.h>
 
