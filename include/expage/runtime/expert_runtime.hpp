@@ -373,7 +373,7 @@ class expert_runtime {
       if (e.slot < 0) continue;
       EXPAGE_ASSERT(pins_[f] == 0, "expert_runtime destroyed while a lease is held");
       quietly_wait(e);
-      unmap_expert(f, e.blocks.blocks());
+      unmap_expert(f);
       e.blocks.release();
     }
     for (std::size_t t = 0; t < expert_tensor_count; ++t) {
@@ -780,7 +780,7 @@ class expert_runtime {
     }
   }
   // Unmaps every mapping of expert f (slot pages first, so the stable ones are the last to go).
-  void unmap_expert(std::uint32_t f, std::span<const block> /*blocks*/) noexcept {
+  void unmap_expert(std::uint32_t f) noexcept {
     const std::int32_t slot = entries_[f].slot;
     for (std::size_t t = 0; t < expert_tensor_count; ++t) {
       if (slot_base_[t] != nullptr) vmm_->unmap(slot_page(slot, t), page_bytes_[t]);
@@ -903,6 +903,24 @@ class expert_runtime {
   // The noexcept tail of an eviction (records already published).
   void retire(std::uint32_t v) noexcept {
     entry& e = entries_[v];
+    unmap_expert(v);
+    e.blocks.release();
+    free_slots_.push_back(static_cast<std::uint32_t>(e.slot));  // capacity expert_count_: never reallocates
+    forget(v);
+  }
+  // Gives victim v's blocks to the expert that takes its slot (the slot keeps mapping them):
+  // unmaps v's stable pages and forgets v.
+  [[nodiscard]] lease_type hand_over(std::uint32_t v) noexcept {
+    lease_type blocks = std::move(entries_[v].blocks);
+    for (std::size_t t = 0; t < expert_tensor_count; ++t) {
+      if (stable_base_[t] != nullptr) vmm_->unmap(stable_page(v, t), page_bytes_[t]);
+    }
+    forget(v);
+    return blocks;
+  }
+  // The bookkeeping every eviction shares: counters, map, policy, loading list, entry, trace.
+  void forget(std::uint32_t v) noexcept {
+    entry& e = entries_[v];
     const expert_id id = geometry_.expert_at(v);
     runtime_layer_statistics& s = layer_stats_[id.layer];
     ++s.evictions;
@@ -910,9 +928,6 @@ class expert_runtime {
       ++s.prefetch_wasted;
       s.prefetch_wasted_bytes += expert_bytes();
     }
-    unmap_expert(v, e.blocks.blocks());
-    e.blocks.release();
-    free_slots_.push_back(static_cast<std::uint32_t>(e.slot));  // capacity expert_count_: never reallocates
     map_[v] = -1;
     policy_.on_evict(v);
     std::erase(loading_, v);
@@ -1019,22 +1034,7 @@ class expert_runtime {
     for (planned_load& p : plan) {
       lease_type blocks;
       if (p.victim) {
-        entry& v = entries_[*p.victim];
-        blocks = std::move(v.blocks);
-        for (std::size_t t = 0; t < expert_tensor_count; ++t) {
-          if (stable_base_[t] != nullptr) vmm_->unmap(stable_page(*p.victim, t), page_bytes_[t]);
-        }
-        const expert_id vid = geometry_.expert_at(*p.victim);
-        ++layer_stats_[vid.layer].evictions;
-        if (v.prefetched) {
-          ++layer_stats_[vid.layer].prefetch_wasted;
-          layer_stats_[vid.layer].prefetch_wasted_bytes += expert_bytes();
-        }
-        map_[*p.victim] = -1;
-        policy_.on_evict(*p.victim);
-        std::erase(loading_, *p.victim);
-        v = entry{};
-        if (tracing()) trace_.instant(fmt::format("evict {}", vid), "evict", host_track_);
+        blocks = hand_over(*p.victim);
       } else {
         blocks = std::move(p.fresh);
         free_slots_.erase(std::find(free_slots_.begin(), free_slots_.end(), static_cast<std::uint32_t>(p.slot)));
@@ -1320,21 +1320,7 @@ class expert_runtime {
       throw;
     }
     if (victim) {
-      entry& v = entries_[*victim];
-      fresh = std::move(v.blocks);
-      for (std::size_t t = 0; t < expert_tensor_count; ++t) {
-        if (stable_base_[t] != nullptr) vmm_->unmap(stable_page(*victim, t), page_bytes_[t]);
-      }
-      const expert_id vid = geometry_.expert_at(*victim);
-      ++layer_stats_[vid.layer].evictions;
-      if (v.prefetched) {
-        ++layer_stats_[vid.layer].prefetch_wasted;
-        layer_stats_[vid.layer].prefetch_wasted_bytes += expert_bytes();
-      }
-      map_[*victim] = -1;
-      policy_.on_evict(*victim);
-      std::erase(loading_, *victim);
-      v = entry{};
+      fresh = hand_over(*victim);
     } else {
       free_slots_.pop_back();
     }
