@@ -95,14 +95,23 @@ access_stream::access_stream(const routing_trace& trace, std::uint32_t group_lim
   std::vector<std::span<const std::uint32_t>> routed;
   std::vector<std::uint32_t> group;
   std::vector<float> weight;
+  bool first_of_pass = false;
   auto emit = [&](std::uint32_t layer, std::span<const std::uint32_t> experts, std::span<const float> p) {
     layer_.push_back(layer);
+    starts_pass_.push_back(first_of_pass ? 1 : 0);
+    first_of_pass = false;
     experts_.insert(experts_.end(), experts.begin(), experts.end());
     probability_.insert(probability_.end(), p.begin(), p.end());
     offset_.push_back(experts_.size());
   };
+  execution_key previous{};
   for (std::size_t i = 0; i < n;) {
     const execution_key head = trace.execution_key_of(i, prefill);
+    if (i == 0 || head.batch != previous.batch || head.pass != previous.pass) {
+      first_of_pass = true;
+      ++passes_;
+    }
+    previous = head;
     std::size_t j = i;
     routed.clear();
     group.clear();

@@ -78,11 +78,22 @@ TEST(AccessStream, GroupsLockstepBatchesAndComputesNextUse) {
   EXPECT_EQ(s.split_groups(), 0U);
   EXPECT_EQ(s.compulsory(), 7U);
   EXPECT_FLOAT_EQ(s.probability(0)[1], 0.75F) << "the largest gating weight an expert got in the group";
+  EXPECT_EQ(s.passes(), 2U);
+  EXPECT_TRUE(s.starts_pass(0));
+  EXPECT_FALSE(s.starts_pass(1));
+  EXPECT_TRUE(s.starts_pass(2));
 
   const access_stream tight(t, 2);  // unions of 3 must be split
   EXPECT_EQ(tight.split_groups(), 3U);
   EXPECT_EQ(tight.groups(), 6U);
-  for (std::size_t i = 0; i < tight.groups(); ++i) EXPECT_LE(tight.experts(i).size(), 2U);
+  EXPECT_EQ(tight.passes(), 2U);
+  std::size_t starts = 0;
+  for (std::size_t i = 0; i < tight.groups(); ++i) {
+    EXPECT_LE(tight.experts(i).size(), 2U);
+    starts += tight.starts_pass(i) ? 1U : 0U;
+  }
+  EXPECT_EQ(starts, 2U) << "the split parts of a layer-step do not start passes";
+  EXPECT_TRUE(tight.starts_pass(0));
 }
 
 TEST(Replay, RejectsBadParameters) {

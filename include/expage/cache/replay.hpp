@@ -51,6 +51,10 @@ class access_stream {
 
   [[nodiscard]] std::size_t groups() const noexcept { return layer_.size(); }            ///< Access groups.
   [[nodiscard]] std::uint32_t layer(std::size_t g) const noexcept { return layer_[g]; }  ///< Layer of group @p g.
+  /// True when group @p g is the first of a forward pass (a new (batch, pass) of the trace): the
+  /// groups of one pass run the layers in order, and a simulator starts a new token there.
+  [[nodiscard]] bool starts_pass(std::size_t g) const noexcept { return starts_pass_[g] != 0; }
+  [[nodiscard]] std::uint64_t passes() const noexcept { return passes_; }  ///< Forward passes (lockstep steps).
   /// Experts of group @p g.
   [[nodiscard]] std::span<const expert_index> experts(std::size_t g) const noexcept {
     return std::span(experts_).subspan(offset_[g], offset_[g + 1] - offset_[g]);
@@ -76,11 +80,13 @@ class access_stream {
  private:
   std::uint32_t limit_;
   std::vector<std::uint32_t> layer_;
+  std::vector<std::uint8_t> starts_pass_;
   std::vector<std::size_t> offset_;
   std::vector<expert_index> experts_;
   std::vector<std::uint64_t> next_use_;
   std::vector<float> probability_;
   std::uint64_t tokens_ = 0;
+  std::uint64_t passes_ = 0;
   std::uint64_t events_ = 0;
   std::uint64_t split_ = 0;
   std::uint64_t compulsory_ = 0;
