@@ -15,6 +15,7 @@
 #include "expage/cache/lru_policy.hpp"
 #include "expage/cache/miss_ratio_curve.hpp"
 #include "expage/cache/next_turn_policy.hpp"
+#include "expage/cache/policy_dispatch.hpp"
 #include "expage/cache/replay.hpp"
 #include "expage/cache/reuse_distance.hpp"
 #include "expage/cache/slot_cache.hpp"

@@ -1,11 +1,6 @@
 #include "expage/cache/replay.hpp"
 
-#include "expage/cache/belady_policy.hpp"
-#include "expage/cache/fmoe_priority_policy.hpp"
-#include "expage/cache/layer_decay_policy.hpp"
-#include "expage/cache/lfu_policy.hpp"
-#include "expage/cache/lru_policy.hpp"
-#include "expage/cache/next_turn_policy.hpp"
+#include "expage/cache/policy_dispatch.hpp"
 #include "expage/cache/token_groups.hpp"
 #include "expage/core/error.hpp"
 
@@ -210,16 +205,8 @@ replay_result replay(const access_stream& stream, const moe_geometry& geometry, 
     throw invalid_argument(
         fmt::format("replay: link bandwidth {} GB/s out of range (0, inf)", options.link_gbytes_per_second));
   }
-  replay_result r;
-  switch (policy) {
-    case policy_kind::lru: r = run<lru_policy>(stream, geometry, options); break;
-    case policy_kind::fifo: r = run<fifo_policy>(stream, geometry, options); break;
-    case policy_kind::lfu: r = run<lfu_policy>(stream, geometry, options); break;
-    case policy_kind::fmoe: r = run<fmoe_priority_policy>(stream, geometry, options); break;
-    case policy_kind::layer_decay: r = run<layer_decay_policy>(stream, geometry, options); break;
-    case policy_kind::next_turn: r = run<next_turn_policy>(stream, geometry, options); break;
-    case policy_kind::belady: r = run<belady_policy>(stream, geometry, options); break;
-  }
+  replay_result r =
+      visit_policy(policy, [&](auto tag) { return run<typename decltype(tag)::type>(stream, geometry, options); });
   r.policy = policy;
   return r;
 }
