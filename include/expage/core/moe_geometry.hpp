@@ -170,9 +170,12 @@ class moe_geometry {
   /// @throws expage::invalid_argument when @p index is not in [0, expert_count()).
   [[nodiscard]] expert_id expert_at(std::uint64_t index) const;
 
+  /// Bytes of a weight matrix of shape @p s at precision @p p, quantization metadata included
+  /// (the rule every byte figure of the geometry uses). @pre the product fits 64 bits.
+  [[nodiscard]] std::uint64_t bytes_of(tensor_shape s, precision p) const noexcept;
+
  private:
   [[nodiscard]] tensor_shape shape_of(expert_tensor t, std::uint64_t intermediate) const noexcept;
-  [[nodiscard]] std::uint64_t bytes_of(tensor_shape s, precision p) const noexcept;
 
   config config_;
 };

@@ -1,0 +1,216 @@
+/// @file
+/// @brief simulate(): a deterministic discrete-event model of paged MoE decoding that measures
+/// stall, not just misses.
+///
+/// What an engine pays for a miss is time, and whether a decision pays depends on
+/// r = t_transfer / t_layer (hardware_profile.hpp). The simulator runs an access_stream (one
+/// group per layer of each forward pass, routing known at the layer's start) against a slot
+/// cache, a serial link per backend and a compute clock:
+///
+/// - at group g's start (time `now`) the link catches up: queued prefetches start only in idle
+///   link time before `now`; a transfer in flight is never preempted (PreScope premise 3);
+/// - every routed expert is pinned; a resident one is a hit; one whose prefetch is in flight is
+///   a *late prefetch* (wait for it); a queued prefetch is promoted to a demand load; any other is
+///   a demand miss, loaded at once on the link that finishes it first, ahead of every queued
+///   prefetch (demand before prefetch);
+/// - the layer computes when its last expert is ready, for the roofline time of its group
+///   (cost_model); its stall is (ready − now), attributed to the critical expert's cause;
+/// - then the prefetcher (if any) proposes experts for later layers; admitted ones take a slot at
+///   once (reserved through a budget_tracker account, so the budget holds at every instant, in-flight
+///   copies included) and queue behind the demand loads.
+///
+/// Exactness: with compute free (calibration 0), one link without setup and no prefetcher the miss
+/// counts equal replay()'s for every policy and the stall equals replay()'s model
+/// (bytes / bandwidth / tokens), cell for cell (tests/sim/pager_sim_test.cpp).
+#pragma once
+
+#include "expage/cache/replay.hpp"
+#include "expage/cache/slot_cache.hpp"
+#include "expage/core/expert_id.hpp"
+#include "expage/core/moe_geometry.hpp"
+#include "expage/core/precision.hpp"
+#include "expage/sim/hardware_profile.hpp"
+
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <random>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace expage {
+
+/// Why a layer waited.
+enum class stall_cause : std::uint8_t {
+  demand_miss,             ///< Loading experts that were neither resident nor on their way.
+  late_prefetch,           ///< A prefetch of a needed expert was still in flight.
+  queued_behind_prefetch,  ///< A demand load waited for a prefetch transfer occupying its link.
+  resize,                  ///< A demand load waited for a migration (resize, promotion) occupying its link.
+};
+/// The number of stall causes.
+inline constexpr std::size_t stall_cause_count = 4;
+/// "demand-miss", "late-prefetch", "queued-behind-prefetch", "resize".
+[[nodiscard]] std::string_view to_string(stall_cause c) noexcept;
+
+/// @brief One expert a prefetcher wants brought in ahead of use.
+struct prefetch_request {
+  std::uint32_t layer = 0;          ///< Its layer.
+  expert_index expert = 0;          ///< Its index in the layer.
+  std::uint64_t use_group = never;  ///< The group (access_stream index) it is predicted for; `never`: unknown.
+  float probability = 1.0F;         ///< The predictor's confidence, for admission rules.
+};
+
+/// @brief What proposes prefetches: predictors plug in here (docs/simulator.md).
+///
+/// propose() is called once per group, after the group's routing is known and its demand loads
+/// are issued. An online predictor may read the stream up to and including group @p g (the
+/// routing seen so far); only oracles (which exist to bound what prediction can buy) read beyond.
+class prefetcher {
+ public:
+  virtual ~prefetcher() = default;
+  /// A short name for reports.
+  [[nodiscard]] virtual std::string name() const = 0;
+  /// Restarts for a new run (simulate() calls it first).
+  virtual void reset() = 0;
+  /// Appends to @p out the experts to prefetch after group @p g, most wanted first.
+  virtual void propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) = 0;
+};
+
+/// @brief The (noisy) oracle: the experts of the next `distance` groups, each kept with
+/// probability `recall` and otherwise replaced by a random expert of the same layer that is not
+/// routed there (a false positive of the same layer, so precision = recall on average).
+///
+/// Recall 1 is the perfect predictor, the bound of "what prediction can buy"; recall 0.8–0.97
+/// stands for hidden-state predictors of published quality (control-layer notes, E5 and B1).
+class oracle_prefetcher final : public prefetcher {
+ public:
+  /// @throws expage::invalid_argument when @p distance is 0 or above 64, or @p recall is not in [0, 1].
+  oracle_prefetcher(std::uint32_t distance, double recall, std::uint64_t seed = 1);
+  [[nodiscard]] std::string name() const override;
+  void reset() override;
+  void propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) override;
+
+ private:
+  std::uint32_t distance_;
+  double recall_;
+  std::uint64_t seed_;
+  std::mt19937_64 rng_;
+  std::vector<std::uint8_t> routed_;  // scratch: experts routed in the target group
+};
+
+/// @brief Simulation parameters.
+struct sim_options {
+  cache_layout layout = cache_layout::global;                     ///< Per-layer or global slots.
+  std::uint32_t capacity = 0;                                     ///< Slots per layer or in all.
+  precision format = precision::bf16;                             ///< Precision of the paged experts (bytes, roofline).
+  hardware_profile hardware = hardware_profile::preset("pcie4");  ///< Links, bandwidth, calibration.
+  std::optional<double> transfer_compute_ratio{};                 ///< r: rescale the links to it (make_cost_model).
+  std::optional<std::uint64_t> dense_bytes_per_layer{};           ///< Non-expert bytes per layer; unset: estimated.
+  prefetcher* prefetch = nullptr;                                 ///< Null: demand loading only.
+  /// Most prefetches queued or in flight at once; 0: capacity − the stream's largest group (the
+  /// most that still leaves a whole group room to load on demand: a prefetch never takes the slot
+  /// a demand load needs).
+  std::uint32_t max_outstanding_prefetches = 0;
+};
+
+/// @brief Per-layer figures of a simulation.
+struct layer_sim_statistics {
+  std::uint64_t accesses = 0;  ///< Expert requests at the layer.
+  std::uint64_t hits = 0;      ///< Resident, or a prefetch already on its way.
+  std::uint64_t misses = 0;    ///< Demand loads.
+  double stall_seconds = 0.0;  ///< Time the layer waited for experts.
+};
+
+/// @brief Distribution of stall per forward pass (per token at batch 1).
+struct stall_distribution {
+  double mean = 0.0;  ///< Seconds.
+  double p50 = 0.0;   ///< Seconds.
+  double p99 = 0.0;   ///< Seconds.
+};
+
+/// @brief What a simulation measured.
+struct sim_result {
+  policy_kind policy = policy_kind::lru;  ///< Eviction policy.
+  std::string prefetcher = "none";        ///< The prefetcher's name.
+  cache_layout layout = cache_layout::global;
+  std::uint32_t capacity = 0;
+  precision format = precision::bf16;
+  std::string hardware;            ///< Profile name.
+  double transfer_seconds = 0;     ///< One expert over the fastest link.
+  double layer_seconds = 0;        ///< Nominal layer compute time (top-k experts).
+  double ratio = 0;                ///< transfer_seconds / layer_seconds (∞ when compute is free).
+  std::uint64_t expert_bytes = 0;  ///< Bytes of one paged expert.
+
+  std::uint64_t tokens = 0;         ///< Distinct (sequence, step) pairs.
+  std::uint64_t passes = 0;         ///< Forward passes.
+  std::uint64_t groups = 0;         ///< Access groups (layer-steps, split ones counted per part).
+  std::uint64_t accesses = 0;       ///< Expert requests.
+  std::uint64_t hits = 0;           ///< Requests found resident or in flight.
+  std::uint64_t demand_misses = 0;  ///< Requests loaded on demand (compulsory included).
+  std::uint64_t compulsory = 0;     ///< Distinct experts requested.
+  std::uint64_t evictions = 0;      ///< Loads (demand or prefetch) that displaced an expert.
+
+  std::uint64_t prefetches_issued = 0;     ///< Admitted prefetches (a slot reserved).
+  std::uint64_t prefetches_used = 0;       ///< Prefetched experts requested before eviction.
+  std::uint64_t prefetches_late = 0;       ///< Of those, requested while still in flight.
+  std::uint64_t prefetches_promoted = 0;   ///< Queued prefetches turned into demand loads before starting.
+  std::uint64_t prefetches_wasted = 0;     ///< Transferred, then evicted unused.
+  std::uint64_t prefetches_cancelled = 0;  ///< Dropped from the queue unstarted (stale).
+  std::uint64_t prefetches_refused = 0;    ///< Proposals refused (no slot, cap, or a more valuable victim).
+
+  std::uint64_t demand_bytes = 0;                         ///< Bytes moved by demand loads.
+  std::uint64_t prefetch_bytes = 0;                       ///< Bytes moved by prefetches (started ones).
+  std::array<double, stall_cause_count> stall_seconds{};  ///< Total stall by cause.
+  double compute_seconds = 0;                             ///< Total compute time.
+  double elapsed_seconds = 0;                             ///< Modelled time from the first layer to the last one's end.
+  stall_distribution per_pass;                            ///< Stall per forward pass.
+  std::uint64_t budget_peak_bytes = 0;       ///< High-water mark of the slot budget (in-flight loads included).
+  std::vector<layer_sim_statistics> layers;  ///< Per MoE layer.
+
+  [[nodiscard]] std::uint64_t bytes_moved() const noexcept { return demand_bytes + prefetch_bytes; }
+  [[nodiscard]] double stall_total() const noexcept {
+    double s = 0;
+    for (const double x : stall_seconds) s += x;
+    return s;
+  }
+  /// demand_misses / accesses.
+  [[nodiscard]] double miss_ratio() const noexcept {
+    return accesses == 0 ? 0.0 : static_cast<double>(demand_misses) / static_cast<double>(accesses);
+  }
+  /// Total stall / tokens (replay()'s unit).
+  [[nodiscard]] double stall_seconds_per_token() const noexcept {
+    return tokens == 0 ? 0.0 : stall_total() / static_cast<double>(tokens);
+  }
+  /// (compute + stall) / tokens: the modelled time per output token of the MoE layers.
+  [[nodiscard]] double seconds_per_token() const noexcept {
+    return tokens == 0 ? 0.0 : (compute_seconds + stall_total()) / static_cast<double>(tokens);
+  }
+  /// Prefetch bytes moved per byte of prefetch that served a request (∞ when none did; 0 without prefetch).
+  [[nodiscard]] double prefetch_bytes_per_useful_byte() const noexcept;
+};
+
+/// Simulates @p stream with eviction policy @p policy.
+/// @throws expage::invalid_argument for a geometry mismatch, a capacity out of range or below the
+///         stream's group limit, an invalid hardware profile or ratio (make_cost_model), or enum
+///         values out of range. Nothing is half-done: the prefetcher is only reset.
+[[nodiscard]] sim_result simulate(const access_stream& stream, const moe_geometry& geometry, policy_kind policy,
+                                  const sim_options& options);
+
+/// @brief The oracles and bounds printed beside every result (same stream, capacity and hardware).
+struct sim_bounds {
+  double belady_demand_stall_per_token = 0;    ///< Belady eviction, demand loading only.
+  std::uint64_t belady_demand_misses = 0;      ///< Its misses: no policy at this capacity misses fewer.
+  double oracle_prefetch_stall_per_token = 0;  ///< Belady eviction + perfect prefetch 2 groups ahead.
+  /// Link-time bound: (Belady's bytes / Σ link bandwidth − total compute)⁺ / tokens. No schedule
+  /// at this capacity stalls less: it must move at least Belady's bytes, and can at best hide the
+  /// link behind all of the compute.
+  double bandwidth_lower_bound_per_token = 0;
+};
+
+/// Computes the bounds for @p options (its prefetcher is ignored).
+[[nodiscard]] sim_bounds simulate_bounds(const access_stream& stream, const moe_geometry& geometry,
+                                         const sim_options& options);
+
+}  // namespace expage

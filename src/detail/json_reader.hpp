@@ -1,0 +1,221 @@
+// Internal: a small, strict JSON reader for expage's configuration files (hardware profiles).
+//
+// Reads a whole document into a tree of json_value nodes, each remembering the column it started
+// at, so that a consumer can say "column 41: field 'gbytes_per_second': -3 out of range (0, inf)".
+// Strict on purpose: no byte-order mark, no duplicate keys, no leading zeros, only the escapes
+// \" \\ \/, strings of at most 256 bytes, nesting of at most 8 levels, nothing after the document.
+// Numbers are kept as their text so the consumer decides integer or real and the range.
+#pragma once
+
+#include "expage/core/error.hpp"
+
+#include <fmt/format.h>
+
+#include <charconv>
+#include <cstddef>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace expage::detail {
+
+struct json_value {
+  enum class kind : unsigned char { object, array, string, number, boolean, null };
+  kind type = kind::null;
+  std::size_t column = 0;                                   // 1-based column (byte offset + 1) where the value starts
+  std::string text;                                         // a string's contents, a number's token
+  bool flag = false;                                        // a boolean's value
+  std::vector<std::pair<std::string, json_value>> members;  // an object's fields, in file order
+  std::vector<json_value> items;                            // an array's elements
+};
+
+class json_reader {
+ public:
+  json_reader(std::string_view text, std::string_view source) : text_(text), source_(source) {}
+
+  json_value parse() {
+    if (text_.starts_with("\xEF\xBB\xBF")) fail("the file starts with a UTF-8 byte-order mark; save it without one");
+    skip_space();
+    json_value v = value(0);
+    skip_space();
+    if (pos_ != text_.size()) fail("unexpected characters after the document");
+    return v;
+  }
+
+  /// Throws format_error "source: column C: message".
+  [[noreturn]] void fail_at(std::size_t column, std::string_view message) const {
+    throw format_error(fmt::format("{}: column {}: {}", source_, column, message));
+  }
+
+  /// A real number in [lo, hi] (or (lo, hi] when @p open_low), from a number node.
+  double real(const json_value& v, std::string_view key, double lo, double hi, bool open_low = false) const {
+    if (v.type != json_value::kind::number) fail_at(v.column, fmt::format("field '{}': expected a number", key));
+    double d = 0.0;
+    const auto [end, ec] = std::from_chars(v.text.data(), v.text.data() + v.text.size(), d);
+    const bool in_range = open_low ? (d > lo && d <= hi) : (d >= lo && d <= hi);
+    if (ec != std::errc() || end != v.text.data() + v.text.size() || !in_range) {
+      fail_at(v.column,
+              fmt::format("field '{}': {} out of range {}{}, {}]", key, v.text, open_low ? "(" : "[", lo, hi));
+    }
+    return d;
+  }
+
+  /// A string node's contents.
+  const std::string& string(const json_value& v, std::string_view key) const {
+    if (v.type != json_value::kind::string) fail_at(v.column, fmt::format("field '{}': expected a string", key));
+    return v.text;
+  }
+
+ private:
+  static constexpr std::size_t max_depth = 8;
+  static constexpr std::size_t max_string = 256;
+
+  [[noreturn]] void fail(std::string_view message) const { fail_at(pos_ + 1, message); }
+  [[nodiscard]] char peek() const noexcept { return pos_ < text_.size() ? text_[pos_] : '\0'; }
+  void skip_space() noexcept {
+    while (pos_ < text_.size() &&
+           (text_[pos_] == ' ' || text_[pos_] == '\t' || text_[pos_] == '\r' || text_[pos_] == '\n')) {
+      ++pos_;
+    }
+  }
+  void expect(char c) {
+    if (pos_ >= text_.size()) fail(fmt::format("expected '{}' but the input ends", c));
+    if (text_[pos_] != c) fail(fmt::format("expected '{}'", c));
+    ++pos_;
+  }
+  bool literal(std::string_view word) {
+    if (text_.substr(pos_, word.size()) != word) return false;
+    pos_ += word.size();
+    return true;
+  }
+
+  json_value value(std::size_t depth) {
+    if (depth > max_depth) fail(fmt::format("nesting deeper than {} levels", max_depth));
+    json_value v;
+    v.column = pos_ + 1;
+    const char c = peek();
+    if (c == '{') {
+      v.type = json_value::kind::object;
+      ++pos_;
+      skip_space();
+      if (peek() == '}') {
+        ++pos_;
+        return v;
+      }
+      for (;;) {
+        skip_space();
+        const std::size_t key_column = pos_ + 1;
+        std::string key = string_token();
+        for (const auto& [k, unused] : v.members) {
+          if (k == key) fail_at(key_column, fmt::format("field '{}' given twice", key));
+        }
+        skip_space();
+        expect(':');
+        skip_space();
+        json_value member = value(depth + 1);
+        v.members.emplace_back(std::move(key), std::move(member));
+        skip_space();
+        if (peek() == ',') {
+          ++pos_;
+          continue;
+        }
+        expect('}');
+        return v;
+      }
+    }
+    if (c == '[') {
+      v.type = json_value::kind::array;
+      ++pos_;
+      skip_space();
+      if (peek() == ']') {
+        ++pos_;
+        return v;
+      }
+      for (;;) {
+        skip_space();
+        v.items.push_back(value(depth + 1));
+        skip_space();
+        if (peek() == ',') {
+          ++pos_;
+          continue;
+        }
+        expect(']');
+        return v;
+      }
+    }
+    if (c == '"') {
+      v.type = json_value::kind::string;
+      v.text = string_token();
+      return v;
+    }
+    if (literal("true")) {
+      v.type = json_value::kind::boolean;
+      v.flag = true;
+      return v;
+    }
+    if (literal("false")) {
+      v.type = json_value::kind::boolean;
+      return v;
+    }
+    if (literal("null")) return v;
+    if (c == '-' || (c >= '0' && c <= '9')) {
+      v.type = json_value::kind::number;
+      v.text = number_token();
+      return v;
+    }
+    if (pos_ >= text_.size()) fail("expected a value but the input ends");
+    fail("expected a value (object, array, string, number, true, false or null)");
+  }
+
+  std::string string_token() {
+    expect('"');
+    std::string out;
+    for (;;) {
+      if (pos_ >= text_.size()) fail("unterminated string");
+      const char c = text_[pos_++];
+      if (c == '"') return out;
+      if (static_cast<unsigned char>(c) < 0x20) fail("control character in a string");
+      if (c == '\\') {
+        if (pos_ >= text_.size()) fail("unterminated escape");
+        const char e = text_[pos_++];
+        if (e != '"' && e != '\\' && e != '/') fail("only the escapes \\\" \\\\ \\/ are accepted");
+        out += e;
+      } else {
+        out += c;
+      }
+      if (out.size() > max_string) fail(fmt::format("string longer than {} bytes", max_string));
+    }
+  }
+
+  std::string number_token() {  // JSON's grammar: -?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?
+    const std::size_t start = pos_;
+    const auto digits = [&] {
+      const std::size_t from = pos_;
+      while (pos_ < text_.size() && text_[pos_] >= '0' && text_[pos_] <= '9') ++pos_;
+      return pos_ - from;
+    };
+    if (peek() == '-') ++pos_;
+    const std::size_t int_start = pos_;
+    const std::size_t n = digits();
+    if (n == 0) fail("expected digits");
+    if (n > 1 && text_[int_start] == '0') fail("a number with a leading zero");
+    if (peek() == '.') {
+      ++pos_;
+      if (digits() == 0) fail("expected digits after '.'");
+    }
+    if (peek() == 'e' || peek() == 'E') {
+      ++pos_;
+      if (peek() == '+' || peek() == '-') ++pos_;
+      if (digits() == 0) fail("expected digits in the exponent");
+    }
+    if (pos_ - start > 64) fail("a number longer than 64 characters");
+    return std::string(text_.substr(start, pos_ - start));
+  }
+
+  std::string_view text_;
+  std::string_view source_;
+  std::size_t pos_ = 0;
+};
+
+}  // namespace expage::detail

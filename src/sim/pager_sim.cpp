@@ -1,0 +1,622 @@
+#include "expage/sim/pager_sim.hpp"
+
+#include "expage/cache/policy_dispatch.hpp"
+#include "expage/core/error.hpp"
+#include "expage/detail/assert.hpp"
+#include "expage/memory/budget_tracker.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace expage {
+
+std::string_view to_string(stall_cause c) noexcept {
+  switch (c) {
+    case stall_cause::demand_miss: return "demand-miss";
+    case stall_cause::late_prefetch: return "late-prefetch";
+    case stall_cause::queued_behind_prefetch: return "queued-behind-prefetch";
+    case stall_cause::resize: return "resize";
+  }
+  return "unknown";
+}
+
+double sim_result::prefetch_bytes_per_useful_byte() const noexcept {
+  if (prefetch_bytes == 0) return 0.0;
+  // Each used prefetch (transferred, then requested) saved one expert's demand load.
+  if (prefetches_used == 0) return std::numeric_limits<double>::infinity();
+  return static_cast<double>(prefetch_bytes) /
+         (static_cast<double>(prefetches_used) * static_cast<double>(expert_bytes));
+}
+
+oracle_prefetcher::oracle_prefetcher(std::uint32_t distance, double recall, std::uint64_t seed)
+    : distance_(distance), recall_(recall), seed_(seed), rng_(seed) {
+  if (distance == 0 || distance > 64) {
+    throw invalid_argument(fmt::format("oracle_prefetcher: distance {} out of range [1, 64]", distance));
+  }
+  if (!(recall >= 0.0 && recall <= 1.0)) {
+    throw invalid_argument(fmt::format("oracle_prefetcher: recall {} out of range [0, 1]", recall));
+  }
+}
+
+std::string oracle_prefetcher::name() const {
+  return recall_ == 1.0 ? fmt::format("oracle(d={})", distance_) : fmt::format("oracle:{}(d={})", recall_, distance_);
+}
+
+void oracle_prefetcher::reset() { rng_.seed(seed_); }
+
+void oracle_prefetcher::propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) {
+  const std::uint32_t experts = stream.experts_per_layer();
+  if (routed_.size() != experts) routed_.assign(experts, 0);
+  // Raw 64-bit draws only (no std::*_distribution), so a seed gives the same run on every platform.
+  const auto coin = [this] { return static_cast<double>(rng_() >> 11) * 0x1.0p-53; };
+  const auto pick = [this, experts] { return static_cast<expert_index>(rng_() % experts); };
+  for (std::size_t h = g + 1; h <= g + distance_ && h < stream.groups(); ++h) {
+    const std::uint32_t layer = stream.layer(h);
+    const auto routed = stream.experts(h);
+    for (const expert_index e : routed) routed_[e] = 1;
+    for (const expert_index e : routed) {
+      if (recall_ >= 1.0 || coin() < recall_) {
+        out.push_back({.layer = layer, .expert = e, .use_group = h, .probability = 1.0F});
+      } else if (routed.size() < experts) {  // a false positive: an expert of the layer that is not routed there
+        expert_index x = pick();
+        while (routed_[x] != 0) x = pick();
+        out.push_back({.layer = layer, .expert = x, .use_group = h, .probability = 1.0F});
+      }
+    }
+    for (const expert_index e : routed) routed_[e] = 0;
+  }
+}
+
+namespace {
+
+enum class residency : std::uint8_t { absent, queued, in_flight, resident };
+enum class transfer_class : std::uint8_t { none, demand, prefetch, migration };
+
+constexpr std::uint8_t group_pin = 1;        // routed in the group being served
+constexpr std::uint8_t outstanding_pin = 2;  // a prefetch queued or in flight: not evictable
+
+struct link_state {
+  double transfer = 0.0;    // seconds per expert
+  double busy_until = 0.0;  // end of the last transfer started
+  transfer_class busy = transfer_class::none;
+  double behind = -1.0;  // this group's wait behind a non-demand transfer (−1: not yet scheduled)
+  transfer_class behind_class = transfer_class::none;
+};
+
+struct queued_prefetch {
+  std::uint64_t flat;
+  std::uint64_t use_group;
+  std::uint64_t issued_group;
+  std::uint64_t order;
+};
+
+double quantile(std::vector<double>& v, double q) {
+  if (v.empty()) return 0.0;
+  // Nearest rank: the smallest value with at least q·n values at or below it.
+  const auto rank = static_cast<std::size_t>(std::ceil(q * static_cast<double>(v.size())));
+  const std::size_t k = std::min(std::max<std::size_t>(rank, 1), v.size()) - 1;
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end());
+  return v[k];
+}
+
+// The most experts one group of the stream needs at once (≤ its group limit).
+std::uint32_t largest_group(const access_stream& stream) noexcept {
+  std::size_t most = 0;
+  for (std::size_t g = 0; g < stream.groups(); ++g) most = std::max(most, stream.experts(g).size());
+  return static_cast<std::uint32_t>(most);
+}
+
+template <eviction_policy Policy>
+class engine {
+ public:
+  engine(const access_stream& stream, const moe_geometry& geometry, const sim_options& options, const cost_model& cost)
+      : stream_(stream),
+        options_(options),
+        cost_(cost),
+        layers_(geometry.layers()),
+        experts_(geometry.experts_per_layer()),
+        global_(options.layout == cache_layout::global),
+        tracker_(
+            static_cast<std::size_t>((global_ ? 1 : std::uint64_t{layers_}) * options.capacity * cost.expert_bytes),
+            "experts") {
+    const std::uint32_t scopes = global_ ? 1 : layers_;
+    const key_space whole{.layers = layers_, .experts_per_layer = experts_, .global = global_};
+    for (std::uint32_t s = 0; s < scopes; ++s) {
+      key_space space = whole;
+      space.layer = s;
+      policies_.emplace_back(space);
+      pins_.emplace_back(space.size(), 0);
+      accounts_.push_back(global_
+                              ? &tracker_.root()
+                              : &tracker_.add_account(fmt::format("layer{}", s),
+                                                      static_cast<std::size_t>(options.capacity) * cost.expert_bytes));
+    }
+    free_.assign(scopes, options.capacity);
+    nonevictable_.assign(scopes, 0);
+    const std::size_t keys = std::size_t{layers_} * experts_;
+    state_.assign(keys, residency::absent);
+    ready_at_.assign(keys, 0.0);
+    unused_prefetch_.assign(keys, 0);
+    predicted_use_.assign(keys, never);
+    slots_.resize(keys);
+    for (const double t : cost.transfer_seconds) links_.push_back({.transfer = t});
+    outstanding_cap_ = options.max_outstanding_prefetches != 0 ? options.max_outstanding_prefetches
+                                                               : options.capacity - largest_group(stream);
+    result_.layers.resize(layers_);
+  }
+
+  ~engine() { slots_.clear(); }  // every reservation goes back before the tracker
+
+  sim_result run() {
+    prefetcher* const pf = options_.prefetch;
+    if (pf != nullptr) pf->reset();
+    std::vector<prefetch_request> proposals;
+    double pass_stall = 0.0;
+    std::vector<double> pass_stalls;
+    pass_stalls.reserve(static_cast<std::size_t>(stream_.passes()));
+    double now = 0.0;
+    for (std::size_t g = 0; g < stream_.groups(); ++g) {
+      if (g != 0 && stream_.starts_pass(g)) {
+        pass_stalls.push_back(pass_stall);
+        pass_stall = 0.0;
+      }
+      if (pf != nullptr) {
+        advance_links(now);
+        cancel_stale(g);
+      }
+      const std::uint32_t layer = stream_.layer(g);
+      const auto experts = stream_.experts(g);
+      const auto next_use = stream_.next_use(g);
+      const auto probability = stream_.probability(g);
+      const std::uint32_t s = scope_of(layer);
+      for (const expert_index e : experts) set_pin(s, key_of(layer, e), group_pin);
+      for (auto& l : links_) l.behind = -1.0;
+
+      double ready = now;
+      stall_cause cause = stall_cause::demand_miss;
+      const link_state* critical_link = nullptr;
+      auto& ls = result_.layers[layer];
+      for (std::size_t i = 0; i < experts.size(); ++i) {
+        const expert_index e = experts[i];
+        const std::uint32_t k = key_of(layer, e);
+        const std::size_t f = flat(layer, e);
+        const access_context ctx{
+            .time = g, .layer = layer, .expert = e, .next_use = next_use[i], .probability = probability[i]};
+        Policy& policy = policies_[s];
+        switch (state_[f]) {
+          case residency::resident:
+            ++ls.hits;
+            policy.on_hit(k, ctx);
+            note_use(f, false);
+            break;
+          case residency::in_flight:
+            ++ls.hits;
+            policy.on_hit(k, ctx);
+            note_use(f, true);
+            if (ready_at_[f] > ready) {
+              ready = ready_at_[f];
+              cause = stall_cause::late_prefetch;
+              critical_link = nullptr;
+            }
+            break;
+          case residency::queued: {  // not started: load it now, as a demand
+            ++ls.misses;
+            ++result_.prefetches_promoted;
+            unused_prefetch_[f] = 0;
+            predicted_use_[f] = never;
+            dequeue(f);
+            policy.on_hit(k, ctx);
+            const auto [done, link] = demand_load(f, now);
+            if (done > ready) {
+              ready = done;
+              cause = stall_cause::demand_miss;
+              critical_link = link;
+            }
+            break;
+          }
+          case residency::absent: {
+            ++ls.misses;
+            std::uint32_t victim = 0;
+            const bool evicts = free_[s] == 0;
+            if (evicts) victim = policy.victim(pin_view{pins_[s].data()}, ctx);
+            policy.on_insert(k, ctx);
+            if (evicts) {
+              evict(s, victim);
+            } else {
+              --free_[s];
+            }
+            reserve(s, f);
+            const auto [done, link] = demand_load(f, now);
+            if (done > ready) {
+              ready = done;
+              cause = stall_cause::demand_miss;
+              critical_link = link;
+            }
+            break;
+          }
+        }
+      }
+      ls.accesses += experts.size();
+      const double stall = ready - now;
+      if (stall > 0.0) {
+        ls.stall_seconds += stall;
+        pass_stall += stall;
+        if (cause == stall_cause::late_prefetch) {
+          result_.stall_seconds[static_cast<std::size_t>(stall_cause::late_prefetch)] += stall;
+        } else {
+          double behind = 0.0;
+          stall_cause behind_cause = stall_cause::queued_behind_prefetch;
+          if (critical_link != nullptr && critical_link->behind > 0.0) {
+            behind = std::min(stall, critical_link->behind);
+            if (critical_link->behind_class == transfer_class::migration) behind_cause = stall_cause::resize;
+          }
+          result_.stall_seconds[static_cast<std::size_t>(behind_cause)] += behind;
+          result_.stall_seconds[static_cast<std::size_t>(stall_cause::demand_miss)] += stall - behind;
+        }
+      }
+      if (pf != nullptr) {
+        proposals.clear();
+        pf->propose(stream_, g, proposals);
+        for (const prefetch_request& r : proposals) admit(r, g);
+      }
+      for (const expert_index e : experts) clear_pin(s, key_of(layer, e), group_pin);
+      const double compute = cost_.compute_seconds(experts.size());
+      result_.compute_seconds += compute;
+      now = ready + compute;
+    }
+    pass_stalls.push_back(pass_stall);
+    result_.elapsed_seconds = now;
+    finish(pass_stalls);
+    return std::move(result_);
+  }
+
+ private:
+  [[nodiscard]] std::uint32_t scope_of(std::uint32_t layer) const noexcept { return global_ ? 0 : layer; }
+  [[nodiscard]] std::uint32_t key_of(std::uint32_t layer, expert_index e) const noexcept {
+    return global_ ? layer * experts_ + e : e;
+  }
+  [[nodiscard]] std::size_t flat(std::uint32_t layer, expert_index e) const noexcept {
+    return std::size_t{layer} * experts_ + e;
+  }
+  [[nodiscard]] std::size_t flat_of_key(std::uint32_t s, std::uint32_t key) const noexcept {
+    return global_ ? key : flat(s, key);
+  }
+
+  void set_pin(std::uint32_t s, std::uint32_t k, std::uint8_t bit) noexcept {
+    std::uint8_t& p = pins_[s][k];
+    if (p == 0) ++nonevictable_[s];
+    p = static_cast<std::uint8_t>(p | bit);
+  }
+  void clear_pin(std::uint32_t s, std::uint32_t k, std::uint8_t bit) noexcept {
+    std::uint8_t& p = pins_[s][k];
+    p = static_cast<std::uint8_t>(p & ~bit);
+    if (p == 0) --nonevictable_[s];
+  }
+
+  void reserve(std::uint32_t s, std::size_t f) {
+    slots_[f] = accounts_[s]->try_reserve(static_cast<std::size_t>(cost_.expert_bytes));
+    EXPAGE_ASSERT(static_cast<bool>(slots_[f]), "simulate: the slot budget refused a load the slot count allowed");
+  }
+
+  void evict(std::uint32_t s, std::uint32_t victim) {
+    const std::size_t fv = flat_of_key(s, victim);
+    if (unused_prefetch_[fv] != 0) {
+      ++result_.prefetches_wasted;
+      unused_prefetch_[fv] = 0;
+    }
+    predicted_use_[fv] = never;
+    state_[fv] = residency::absent;
+    slots_[fv] = reservation{};
+    policies_[s].on_evict(victim);
+    ++result_.evictions;
+  }
+
+  void note_use(std::size_t f, bool late) noexcept {
+    if (unused_prefetch_[f] != 0) {
+      ++result_.prefetches_used;
+      if (late) ++result_.prefetches_late;
+      unused_prefetch_[f] = 0;
+    }
+    predicted_use_[f] = never;
+  }
+
+  // Loads flat expert f on demand at `now`, ahead of every queued prefetch, on the link that
+  // finishes it first. Returns the completion time and the link.
+  std::pair<double, const link_state*> demand_load(std::size_t f, double now) {
+    link_state* best = &links_.front();
+    double best_done = std::numeric_limits<double>::infinity();
+    for (auto& l : links_) {
+      const double done = std::max(now, l.busy_until) + l.transfer;
+      if (done < best_done) {
+        best_done = done;
+        best = &l;
+      }
+    }
+    if (best->behind < 0.0) {  // the group's first demand on this link: what was it queued behind?
+      const bool other = best->busy_until > now && best->busy != transfer_class::demand;
+      best->behind = other ? best->busy_until - now : 0.0;
+      best->behind_class = best->busy;
+    }
+    best->busy_until = best_done;
+    best->busy = transfer_class::demand;
+    state_[f] = residency::resident;  // the layer waits for best_done before it computes
+    ready_at_[f] = best_done;
+    ++result_.demand_misses;
+    result_.demand_bytes += cost_.expert_bytes;
+    return {best_done, best};
+  }
+
+  // Lets the links catch up to `now`: land finished prefetches, start queued ones in idle time.
+  void advance_links(double now) {
+    for (std::size_t i = 0; i < in_flight_.size();) {
+      const std::size_t f = in_flight_[i];
+      if (state_[f] == residency::in_flight && ready_at_[f] <= now) {
+        land(f);
+      } else if (state_[f] != residency::in_flight) {
+        // evicted or landed already
+      } else {
+        ++i;
+        continue;
+      }
+      in_flight_[i] = in_flight_.back();
+      in_flight_.pop_back();
+    }
+    while (!queue_.empty()) {
+      link_state* link = &links_.front();
+      for (auto& l : links_) {
+        if (l.busy_until < link->busy_until) link = &l;
+      }
+      if (link->busy_until >= now) break;
+      const auto best = std::min_element(queue_.begin(), queue_.end(), [](const auto& a, const auto& b) {
+        return std::tie(a.use_group, a.order) < std::tie(b.use_group, b.order);
+      });
+      const std::size_t f = static_cast<std::size_t>(best->flat);
+      *best = queue_.back();
+      queue_.pop_back();
+      const double start = link->busy_until;
+      const double done = start + link->transfer;
+      link->busy_until = done;
+      link->busy = transfer_class::prefetch;
+      state_[f] = residency::in_flight;
+      ready_at_[f] = done;
+      result_.prefetch_bytes += cost_.expert_bytes;
+      if (done <= now) {
+        land(f);
+      } else {
+        in_flight_.push_back(f);
+      }
+    }
+  }
+
+  void land(std::size_t f) {
+    state_[f] = residency::resident;
+    const auto layer = static_cast<std::uint32_t>(f / experts_);
+    const auto e = static_cast<expert_index>(f % experts_);
+    clear_pin(scope_of(layer), key_of(layer, e), outstanding_pin);
+    --outstanding_;
+  }
+
+  void dequeue(std::size_t f) {
+    const auto it = std::find_if(queue_.begin(), queue_.end(), [&](const auto& q) { return q.flat == f; });
+    *it = queue_.back();
+    queue_.pop_back();
+    const auto layer = static_cast<std::uint32_t>(f / experts_);
+    const auto e = static_cast<expert_index>(f % experts_);
+    clear_pin(scope_of(layer), key_of(layer, e), outstanding_pin);
+    --outstanding_;
+  }
+
+  // Drops queued prefetches whose predicted use has passed (or, without a prediction, that have
+  // waited a whole pass of layers).
+  void cancel_stale(std::size_t g) {
+    for (std::size_t i = 0; i < queue_.size();) {
+      const queued_prefetch q = queue_[i];
+      const bool stale = q.use_group != never ? q.use_group < g : q.issued_group + layers_ < g;
+      if (!stale) {
+        ++i;
+        continue;
+      }
+      const std::size_t f = static_cast<std::size_t>(q.flat);
+      const auto layer = static_cast<std::uint32_t>(f / experts_);
+      const auto e = static_cast<expert_index>(f % experts_);
+      const std::uint32_t s = scope_of(layer);
+      queue_[i] = queue_.back();
+      queue_.pop_back();
+      clear_pin(s, key_of(layer, e), outstanding_pin);
+      --outstanding_;
+      state_[f] = residency::absent;
+      unused_prefetch_[f] = 0;
+      predicted_use_[f] = never;
+      slots_[f] = reservation{};
+      policies_[s].on_evict(key_of(layer, e));
+      ++free_[s];
+      ++result_.prefetches_cancelled;
+    }
+  }
+
+  void admit(const prefetch_request& r, std::size_t g) {
+    if (r.layer >= layers_ || r.expert >= experts_) {
+      throw invalid_argument(fmt::format("simulate: the prefetcher proposed L{}.E{}, out of range [0, {}) x [0, {})",
+                                         r.layer, r.expert, layers_, experts_));
+    }
+    const std::size_t f = flat(r.layer, r.expert);
+    if (state_[f] != residency::absent) return;  // already resident or on its way
+    const std::uint32_t s = scope_of(r.layer);
+    const std::uint32_t occupied = options_.capacity - free_[s];
+    const bool has_victim = occupied > nonevictable_[s];
+    if (outstanding_ >= outstanding_cap_ || (free_[s] == 0 && !has_victim)) {
+      ++result_.prefetches_refused;
+      return;
+    }
+    const std::uint32_t k = key_of(r.layer, r.expert);
+    const access_context ctx{
+        .time = g, .layer = r.layer, .expert = r.expert, .next_use = r.use_group, .probability = r.probability};
+    Policy& policy = policies_[s];
+    std::uint32_t victim = 0;
+    const bool evicts = free_[s] == 0;
+    if (evicts) {
+      victim = policy.victim(pin_view{pins_[s].data()}, ctx);
+      // Victim-value check: never evict an expert predicted to be needed sooner than this one.
+      const std::uint64_t victim_use = predicted_use_[flat_of_key(s, victim)];
+      if (victim_use != never && victim_use >= g && victim_use <= r.use_group) {
+        ++result_.prefetches_refused;
+        return;
+      }
+    }
+    policy.on_insert(k, ctx);
+    if (evicts) {
+      evict(s, victim);
+    } else {
+      --free_[s];
+    }
+    reserve(s, f);
+    state_[f] = residency::queued;
+    unused_prefetch_[f] = 1;
+    predicted_use_[f] = r.use_group;
+    set_pin(s, k, outstanding_pin);
+    ++outstanding_;
+    queue_.push_back({f, r.use_group, g, order_++});
+    ++result_.prefetches_issued;
+  }
+
+  void finish(std::vector<double>& pass_stalls) {
+    // Prefetches still unused at the end were moved (or queued) for nothing.
+    for (std::size_t f = 0; f < unused_prefetch_.size(); ++f) {
+      if (unused_prefetch_[f] != 0 && state_[f] != residency::queued) ++result_.prefetches_wasted;
+    }
+    result_.prefetches_cancelled += queue_.size();
+    double sum = 0.0;
+    for (const double x : pass_stalls) sum += x;
+    result_.per_pass.mean = pass_stalls.empty() ? 0.0 : sum / static_cast<double>(pass_stalls.size());
+    result_.per_pass.p50 = quantile(pass_stalls, 0.50);
+    result_.per_pass.p99 = quantile(pass_stalls, 0.99);
+    result_.budget_peak_bytes = tracker_.root().statistics().peak;
+    for (const auto& l : result_.layers) {
+      result_.accesses += l.accesses;
+      result_.hits += l.hits;
+    }
+  }
+
+  const access_stream& stream_;
+  const sim_options& options_;
+  const cost_model& cost_;
+  std::uint32_t layers_;
+  std::uint32_t experts_;
+  bool global_;
+  budget_tracker tracker_;  // declared before slots_: every reservation is released first
+  std::vector<budget_account*> accounts_;
+  std::vector<Policy> policies_;
+  std::vector<std::vector<std::uint8_t>> pins_;
+  std::vector<std::uint32_t> free_;
+  std::vector<std::uint32_t> nonevictable_;
+  std::vector<residency> state_;
+  std::vector<double> ready_at_;
+  std::vector<std::uint8_t> unused_prefetch_;
+  std::vector<std::uint64_t> predicted_use_;
+  std::vector<reservation> slots_;
+  std::vector<link_state> links_;
+  std::vector<queued_prefetch> queue_;
+  std::vector<std::size_t> in_flight_;
+  std::uint32_t outstanding_ = 0;
+  std::uint32_t outstanding_cap_ = 0;
+  std::uint64_t order_ = 0;
+  sim_result result_;
+};
+
+void check_options(const access_stream& stream, const moe_geometry& geometry, policy_kind policy,
+                   const sim_options& options) {
+  const auto kinds = all_policy_kinds();
+  if (std::find(kinds.begin(), kinds.end(), policy) == kinds.end()) {
+    throw invalid_argument(
+        fmt::format("simulate: policy {} out of range [0, {})", static_cast<unsigned>(policy), kinds.size()));
+  }
+  if (options.layout != cache_layout::per_layer && options.layout != cache_layout::global) {
+    throw invalid_argument(
+        fmt::format("simulate: layout {} out of range [0, 2)", static_cast<unsigned>(options.layout)));
+  }
+  if (std::find(std::begin(all_precisions), std::end(all_precisions), options.format) == std::end(all_precisions)) {
+    throw invalid_argument(fmt::format("simulate: precision {} out of range [0, {})",
+                                       static_cast<unsigned>(options.format), std::size(all_precisions)));
+  }
+  if (stream.layers() != 0 &&
+      (stream.layers() != geometry.layers() || stream.experts_per_layer() != geometry.experts_per_layer() ||
+       stream.top_k() != geometry.top_k())) {
+    throw invalid_argument(fmt::format(
+        "simulate: the trace is {} layers x {} experts, top-{} but the geometry '{}' is {} x {}, top-{}: refusing a "
+        "geometry mismatch",
+        stream.layers(), stream.experts_per_layer(), stream.top_k(), geometry.name(), geometry.layers(),
+        geometry.experts_per_layer(), geometry.top_k()));
+  }
+  const std::uint64_t keys =
+      options.layout == cache_layout::global ? geometry.expert_count() : geometry.experts_per_layer();
+  if (keys > key_space::max_keys) {
+    throw invalid_argument(fmt::format("simulate: a {} cache of {} has {} keys, out of range [1, {}]",
+                                       to_string(options.layout), geometry.name(), keys, key_space::max_keys));
+  }
+  if (options.capacity < stream.group_limit() || options.capacity > keys) {
+    throw invalid_argument(
+        fmt::format("simulate: capacity {} out of range [{}, {}] (the stream's group limit to the "
+                    "{} layout's experts)",
+                    options.capacity, stream.group_limit(), keys, to_string(options.layout)));
+  }
+  if (options.max_outstanding_prefetches > options.capacity - largest_group(stream)) {
+    throw invalid_argument(fmt::format(
+        "simulate: max_outstanding_prefetches {} out of range [0, {}] (capacity − largest group: a whole group must "
+        "always find room for its demand loads)",
+        options.max_outstanding_prefetches, options.capacity - largest_group(stream)));
+  }
+}
+
+}  // namespace
+
+sim_result simulate(const access_stream& stream, const moe_geometry& geometry, policy_kind policy,
+                    const sim_options& options) {
+  check_options(stream, geometry, policy, options);
+  const cost_model cost = make_cost_model(geometry, options.hardware, options.format, options.dense_bytes_per_layer,
+                                          options.transfer_compute_ratio);
+  sim_result r = visit_policy(policy, [&](auto tag) {
+    engine<typename decltype(tag)::type> e(stream, geometry, options, cost);
+    return e.run();
+  });
+  r.policy = policy;
+  r.prefetcher = options.prefetch != nullptr ? options.prefetch->name() : "none";
+  r.layout = options.layout;
+  r.capacity = options.capacity;
+  r.format = options.format;
+  r.hardware = options.hardware.name;
+  r.transfer_seconds = *std::min_element(cost.transfer_seconds.begin(), cost.transfer_seconds.end());
+  r.layer_seconds = cost.nominal_layer_seconds(geometry.top_k());
+  r.ratio = cost.transfer_compute_ratio(geometry.top_k());
+  r.tokens = stream.tokens();
+  r.passes = stream.passes();
+  r.groups = stream.groups();
+  r.compulsory = stream.compulsory();
+  r.expert_bytes = cost.expert_bytes;
+  return r;
+}
+
+sim_bounds simulate_bounds(const access_stream& stream, const moe_geometry& geometry, const sim_options& options) {
+  sim_options o = options;
+  o.prefetch = nullptr;
+  o.max_outstanding_prefetches = 0;
+  const sim_result belady = simulate(stream, geometry, policy_kind::belady, o);
+  oracle_prefetcher perfect(2, 1.0);
+  o.prefetch = &perfect;
+  const sim_result oracle = simulate(stream, geometry, policy_kind::belady, o);
+  sim_bounds b;
+  b.belady_demand_stall_per_token = belady.stall_seconds_per_token();
+  b.belady_demand_misses = belady.demand_misses;
+  b.oracle_prefetch_stall_per_token = oracle.stall_seconds_per_token();
+  const cost_model cost = make_cost_model(geometry, options.hardware, options.format, options.dense_bytes_per_layer,
+                                          options.transfer_compute_ratio);
+  const double link_seconds = static_cast<double>(belady.demand_bytes) / (cost.link_gbytes_per_second_total * 1e9);
+  b.bandwidth_lower_bound_per_token =
+      belady.tokens == 0 ? 0.0
+                         : std::max(0.0, link_seconds - belady.compute_seconds) / static_cast<double>(belady.tokens);
+  return b;
+}
+
+}  // namespace expage

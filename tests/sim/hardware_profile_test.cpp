@@ -1,0 +1,136 @@
+#include "expage/sim/hardware_profile.hpp"
+
+#include "expage/core/error.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+namespace expage {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(HardwareProfile, PresetsAreValidAndNamed) {
+  for (const std::string_view name : hardware_profile::preset_names()) {
+    const hardware_profile p = hardware_profile::preset(name);
+    EXPECT_EQ(p.name, name);
+    EXPECT_NO_THROW(p.validate());
+  }
+  EXPECT_THROW(
+      {
+        try {
+          (void)hardware_profile::preset("pcie9");
+        } catch (const invalid_argument& e) {
+          EXPECT_THAT(e.what(), HasSubstr("pcie9"));
+          EXPECT_THAT(e.what(), HasSubstr("pcie4"));
+          throw;
+        }
+      },
+      invalid_argument);
+}
+
+TEST(HardwareProfile, ParsesAFileWithTwoLinks) {
+  const auto p = parse_hardware_json(
+      R"({"name": "box", "hbm_gbytes_per_second": 2000, "compute_calibration": 1.5, "dense_tflops": 300,
+          "comment": "two backends",
+          "links": [{"name": "pcie", "gbytes_per_second": 25, "setup_us": 10},
+                    {"name": "gpu-compressed", "gbytes_per_second": 200}]})",
+      "box.json");
+  EXPECT_EQ(p.name, "box");
+  EXPECT_DOUBLE_EQ(p.hbm_gbytes_per_second, 2000.0);
+  EXPECT_DOUBLE_EQ(p.compute_calibration, 1.5);
+  ASSERT_EQ(p.links.size(), 2U);
+  EXPECT_DOUBLE_EQ(p.links[0].setup_seconds, 10e-6);
+  EXPECT_DOUBLE_EQ(p.links[1].gbytes_per_second, 200.0);
+  EXPECT_DOUBLE_EQ(p.links[1].setup_seconds, 0.0);
+}
+
+// Each bad file is refused with a message naming what is wrong.
+TEST(HardwareProfile, RefusesBadFilesNamingTheValue) {
+  const struct {
+    const char* text;
+    const char* says;
+  } cases[] = {
+      {R"({"name":"x","hbm_gbytes_per_second":0,"dense_tflops":1,"links":[{"gbytes_per_second":1}]})",
+       "hbm_gbytes_per_second': 0 out of range (0"},
+      {R"({"name":"x","hbm_gbytes_per_second":10,"dense_tflops":1,"links":[{"gbytes_per_second":-25}]})",
+       "gbytes_per_second': -25 out of range (0"},
+      {R"({"name":"x","hbm_gbytes_per_second":10,"dense_tflops":1,"links":[]})", "0 links out of range [1, 16]"},
+      {R"({"name":"x","hbm_gbytes_per_second":10,"dense_tflops":1})", "field 'links' missing"},
+      {R"({"name":"x","hbm_gbytes_per_second":10,"dense_tflops":1,"links":[{"gbytes_per_second":1}],"bw":3})",
+       "unknown field 'bw'"},
+      {R"({"name":"x","name":"y"})", "field 'name' given twice"},
+      {R"({"name":"x","hbm_gbytes_per_second":01})", "leading zero"},
+      {R"({"name":"x",)", "input ends"},
+      {R"([1,2])", "expected an object"},
+      {"\xEF\xBB\xBF{}", "byte-order mark"},
+      {R"({"name":"x","hbm_gbytes_per_second":10,"dense_tflops":1,"links":[{"gbytes_per_second":1,"setup_us":-1}]})",
+       "setup_us': -1 out of range [0"},
+      {R"({"name":"x","hbm_gbytes_per_second":"fast"})", "expected a number"},
+      {R"({"name":"x"} x)", "after the document"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.text);
+    try {
+      (void)parse_hardware_json(c.text, "bad.json");
+      ADD_FAILURE() << "accepted";
+    } catch (const format_error& e) {
+      EXPECT_THAT(e.what(), HasSubstr("bad.json: column "));
+      EXPECT_THAT(e.what(), HasSubstr(c.says));
+    }
+  }
+}
+
+TEST(HardwareProfile, ValidateNamesTheFieldAndRange) {
+  hardware_profile p = hardware_profile::preset("pcie4");
+  p.links[0].gbytes_per_second = 0.0;
+  EXPECT_THROW(
+      {
+        try {
+          p.validate();
+        } catch (const invalid_argument& e) {
+          EXPECT_THAT(e.what(), HasSubstr("gbytes_per_second 0 out of range (0, 1000000]"));
+          throw;
+        }
+      },
+      invalid_argument);
+  p = hardware_profile::preset("pcie4");
+  p.compute_calibration = std::nan("");
+  EXPECT_THROW(p.validate(), invalid_argument);
+}
+
+TEST(CostModel, RooflineAndTransferTimesFollowTheGeometry) {
+  const auto g = moe_geometry::mixtral_8x7b();
+  const auto m = make_cost_model(g, hardware_profile::preset("pcie4"), precision::bf16);
+  EXPECT_EQ(m.expert_bytes, g.expert_bytes(precision::bf16));
+  // 352 MB over 3.35 TB/s, and over 25 GB/s plus 10 µs.
+  EXPECT_NEAR(m.seconds_per_expert_read, 3.0 * 4096 * 14336 * 2 / 3350e9, 1e-12);
+  EXPECT_NEAR(m.transfer_seconds[0], 10e-6 + 3.0 * 4096 * 14336 * 2 / 25e9, 1e-12);
+  // bf16 over PCIe 4 at batch 1 is deep in the bandwidth-bound regime (notes C(i): r ≈ 47).
+  EXPECT_GT(m.transfer_compute_ratio(g.top_k()), 30.0);
+  EXPECT_LT(m.transfer_compute_ratio(g.top_k()), 70.0);
+  EXPECT_GT(m.recompute_seconds_per_token, 0.0);
+}
+
+TEST(CostModel, RatioRescalesTheLinksExactly) {
+  const auto g = moe_geometry::mixtral_8x7b();
+  hardware_profile two = hardware_profile::preset("pcie4");
+  two.links.push_back({"slow", 5.0, 0.0});
+  for (const double r : {1.0, 2.7, 10.0, 47.0}) {
+    const auto m = make_cost_model(g, two, precision::bf16, std::nullopt, r);
+    EXPECT_NEAR(m.transfer_compute_ratio(g.top_k()), r, 1e-9 * r);
+    EXPECT_GT(m.transfer_seconds[1], m.transfer_seconds[0]) << "the slower link stays slower";
+  }
+  EXPECT_THROW((void)make_cost_model(g, two, precision::bf16, std::nullopt, 0.0), invalid_argument);
+  EXPECT_THROW((void)make_cost_model(g, two, precision::bf16, std::nullopt, -1.0), invalid_argument);
+  EXPECT_THROW((void)make_cost_model(g, two, precision::bf16, std::nullopt, 1e-9), invalid_argument)
+      << "a transfer shorter than the link's setup";
+  hardware_profile free_compute = two;
+  free_compute.compute_calibration = 0.0;
+  EXPECT_THROW((void)make_cost_model(g, free_compute, precision::bf16, std::nullopt, 2.0), invalid_argument);
+}
+
+}  // namespace
+}  // namespace expage

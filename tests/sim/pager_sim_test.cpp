@@ -1,0 +1,279 @@
+#include "expage/sim/pager_sim.hpp"
+
+#include "expage/cache/replay.hpp"
+#include "expage/core/error.hpp"
+#include "expage/trace/synthetic_trace.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+namespace expage {
+namespace {
+
+using ::testing::HasSubstr;
+
+moe_geometry tiny() {  // bf16 expert: 3 × 64 × 32 × 2 = 12288 bytes
+  return moe_geometry(moe_geometry::config{
+      .name = "tiny", .layers = 2, .experts_per_layer = 4, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
+}
+
+moe_geometry small() {
+  return moe_geometry(moe_geometry::config{
+      .name = "small", .layers = 6, .experts_per_layer = 16, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
+}
+
+// A profile under which reading one tiny expert takes `read` seconds and moving one takes `move`.
+hardware_profile seconds_profile(double read, double move) {
+  const double bytes = 12288.0;
+  return {"seconds", bytes / read / 1e9, 1.0, 1.0, {{"link", bytes / move / 1e9, 0.0}}};
+}
+
+// PCIe 4 without the per-transfer setup, which would dwarf the toy geometries' microsecond layers.
+hardware_profile no_setup() {
+  hardware_profile p = hardware_profile::preset("pcie4");
+  p.links[0].setup_seconds = 0.0;
+  return p;
+}
+
+void add(routing_trace& t, std::uint32_t step, std::uint32_t layer, std::uint32_t a, std::uint32_t b) {
+  const std::uint32_t experts[] = {a, b};
+  const float weights[] = {0.6F, 0.4F};
+  t.append({.sequence = 0, .step = step, .layer = layer, .experts = experts, .weights = weights});
+}
+
+routing_trace two_tokens(const moe_geometry& g) {
+  routing_trace t(g);
+  add(t, 0, 0, 0, 1);
+  add(t, 0, 1, 2, 3);
+  add(t, 1, 0, 0, 1);
+  add(t, 1, 1, 2, 3);
+  return t;
+}
+
+// With compute free, one link without setup and no prefetch, the simulator is replay(): the same
+// misses, hits and evictions for every policy, layout and capacity, and the same stall.
+TEST(PagerSim, EqualsReplayWithFreeComputeForEveryPolicy) {
+  const auto g = small();
+  synthetic_options so;
+  so.seed = 11;
+  so.sequences = 6;
+  so.decode_steps = 40;
+  so.batch_size = 2;
+  const routing_trace trace = generate_synthetic(g, so);
+  hardware_profile free_compute = hardware_profile::preset("pcie4");
+  free_compute.compute_calibration = 0.0;
+  free_compute.links[0].setup_seconds = 0.0;
+  for (const cache_layout layout : {cache_layout::per_layer, cache_layout::global}) {
+    const std::uint32_t keys = layout == cache_layout::global ? 96 : 16;
+    for (const std::uint32_t capacity : {4U, 7U, keys / 2, keys}) {
+      const access_stream stream(trace, capacity);
+      for (const policy_kind p : all_policy_kinds()) {
+        SCOPED_TRACE(fmt::format("{} {} {}", to_string(layout), capacity, to_string(p)));
+        const replay_result want =
+            replay(stream, g, p, {.layout = layout, .capacity = capacity, .link_gbytes_per_second = 25.0});
+        const sim_result got =
+            simulate(stream, g, p, {.layout = layout, .capacity = capacity, .hardware = free_compute});
+        EXPECT_EQ(got.demand_misses, want.misses);
+        EXPECT_EQ(got.hits, want.hits);
+        EXPECT_EQ(got.accesses, want.accesses);
+        EXPECT_EQ(got.evictions, want.evictions);
+        EXPECT_EQ(got.tokens, want.tokens);
+        EXPECT_EQ(got.bytes_moved(), want.bytes_moved);
+        EXPECT_NEAR(got.stall_seconds_per_token(), want.stall_seconds_per_token(),
+                    1e-12 * want.stall_seconds_per_token());
+        ASSERT_EQ(got.layers.size(), want.layers.size());
+        for (std::size_t l = 0; l < got.layers.size(); ++l) {
+          EXPECT_EQ(got.layers[l].misses, want.layers[l].misses);
+          EXPECT_EQ(got.layers[l].hits, want.layers[l].hits);
+        }
+        EXPECT_DOUBLE_EQ(got.compute_seconds, 0.0);
+        EXPECT_LE(got.budget_peak_bytes,
+                  std::uint64_t{capacity} * (layout == cache_layout::global ? 1 : 6) * g.expert_bytes(precision::bf16));
+      }
+    }
+  }
+}
+
+// The timeline by hand: reading an expert takes 1 s, moving one 3 s, capacity 4 (all fits).
+TEST(PagerSim, DemandTimelineByHand) {
+  const auto g = tiny();
+  const routing_trace t = two_tokens(g);
+  const access_stream s(t, 4);
+  const auto r = simulate(s, g, policy_kind::lru,
+                          {.capacity = 4, .hardware = seconds_profile(1.0, 3.0), .dense_bytes_per_layer = 0});
+  // L0: two loads back to back (6 s), compute 2 s; L1 the same; token 1 hits everything.
+  EXPECT_DOUBLE_EQ(r.stall_total(), 12.0);
+  EXPECT_DOUBLE_EQ(r.stall_seconds[static_cast<std::size_t>(stall_cause::demand_miss)], 12.0);
+  EXPECT_DOUBLE_EQ(r.compute_seconds, 8.0);
+  EXPECT_DOUBLE_EQ(r.elapsed_seconds, 20.0);
+  EXPECT_DOUBLE_EQ(r.stall_seconds_per_token(), 6.0);
+  EXPECT_DOUBLE_EQ(r.seconds_per_token(), 10.0);
+  EXPECT_DOUBLE_EQ(r.per_pass.p50, 0.0);
+  EXPECT_DOUBLE_EQ(r.per_pass.p99, 12.0);
+  EXPECT_DOUBLE_EQ(r.layer_seconds, 2.0);
+  EXPECT_DOUBLE_EQ(r.transfer_seconds, 3.0);
+  EXPECT_DOUBLE_EQ(r.ratio, 1.5);
+  EXPECT_EQ(r.demand_misses, 4U);
+  EXPECT_EQ(r.budget_peak_bytes, 4U * 12288U);
+}
+
+// The same with a perfect prefetcher one group ahead. At t = 0 the demand loads of L0 fill the
+// link until 6; L1's experts are queued behind them. L0 computes 6..8. At 8 the link has been idle
+// since 6: expert 2 started at 6 and lands at 9 (late: in flight), expert 3 had not started and
+// becomes a demand load, 9..12, queued 1 s behind the prefetch. Stall 6 + 4 = 10.
+TEST(PagerSim, PrefetchTimelineByHand) {
+  const auto g = tiny();
+  const routing_trace t = two_tokens(g);
+  const access_stream s(t, 4);
+  oracle_prefetcher oracle(1, 1.0);
+  const auto r =
+      simulate(s, g, policy_kind::lru,
+               {.capacity = 4, .hardware = seconds_profile(1.0, 3.0), .dense_bytes_per_layer = 0, .prefetch = &oracle});
+  EXPECT_DOUBLE_EQ(r.stall_total(), 10.0);
+  EXPECT_DOUBLE_EQ(r.stall_seconds[static_cast<std::size_t>(stall_cause::demand_miss)], 9.0);
+  EXPECT_DOUBLE_EQ(r.stall_seconds[static_cast<std::size_t>(stall_cause::queued_behind_prefetch)], 1.0);
+  EXPECT_DOUBLE_EQ(r.stall_seconds[static_cast<std::size_t>(stall_cause::late_prefetch)], 0.0);
+  EXPECT_EQ(r.prefetches_issued, 2U);
+  EXPECT_EQ(r.prefetches_used, 1U);
+  EXPECT_EQ(r.prefetches_late, 1U);
+  EXPECT_EQ(r.prefetches_promoted, 1U);
+  EXPECT_EQ(r.prefetches_wasted, 0U);
+  EXPECT_EQ(r.prefetch_bytes, 12288U);
+  EXPECT_EQ(r.demand_bytes, 3U * 12288U);
+  EXPECT_EQ(r.demand_misses, 3U);
+  EXPECT_EQ(r.hits, 5U);
+  EXPECT_DOUBLE_EQ(r.prefetch_bytes_per_useful_byte(), 1.0);
+}
+
+// When compute is long enough to hide a transfer, a perfect prefetcher removes all but the first
+// layer's stall.
+TEST(PagerSim, PerfectPrefetchHidesTransfersBehindLongCompute) {
+  const auto g = tiny();
+  routing_trace t(g);
+  for (std::uint32_t step = 0; step < 8; ++step) {
+    add(t, step, 0, step % 4, (step + 1) % 4);
+    add(t, step, 1, (step + 2) % 4, (step + 3) % 4);
+  }
+  const access_stream s(t, 2);
+  oracle_prefetcher oracle(2, 1.0);
+  // Per-layer slots of 2 hold exactly one group: no room to prefetch (the cap is capacity − group).
+  const auto tight = simulate(s, g, policy_kind::lru,
+                              {.layout = cache_layout::per_layer,
+                               .capacity = 2,
+                               .hardware = seconds_profile(10.0, 1.0),
+                               .dense_bytes_per_layer = 0,
+                               .prefetch = &oracle});
+  EXPECT_EQ(tight.prefetches_issued, 0U);
+  const auto roomy = simulate(s, g, policy_kind::belady,
+                              {.layout = cache_layout::per_layer,
+                               .capacity = 4,
+                               .hardware = seconds_profile(10.0, 1.0),
+                               .dense_bytes_per_layer = 0,
+                               .prefetch = &oracle});
+  EXPECT_DOUBLE_EQ(roomy.stall_total(), 2.0) << "only the first group's two loads wait";
+  EXPECT_GT(roomy.prefetches_used, 0U);
+}
+
+// Properties on random traces, with and without prefetch: stall sums by cause, the budget holds
+// at every instant (the peak never exceeds the slots), Belady misses no more than any policy, and
+// the bounds are below what every run achieves.
+TEST(PagerSim, InvariantsOnRandomTraces) {
+  const auto g = small();
+  for (std::uint64_t seed = 1; seed <= 4; ++seed) {
+    synthetic_options so;
+    so.seed = seed;
+    so.sequences = 4;
+    so.decode_steps = 48;
+    so.batch_size = seed % 2 + 1;
+    const routing_trace trace = generate_synthetic(g, so);
+    for (const double r : {1.0, 10.0}) {
+      for (const std::uint32_t capacity : {8U, 24U, 60U}) {
+        const access_stream stream(trace, capacity);
+        sim_options o{.capacity = capacity, .hardware = no_setup(), .transfer_compute_ratio = r};
+        const sim_bounds bounds = simulate_bounds(stream, g, o);
+        for (const double recall : {1.0, 0.6}) {
+          oracle_prefetcher oracle(2, recall, seed);
+          for (const bool prefetch : {false, true}) {
+            o.prefetch = prefetch ? &oracle : nullptr;
+            for (const policy_kind p : {policy_kind::lru, policy_kind::lfu, policy_kind::belady}) {
+              SCOPED_TRACE(fmt::format("seed {} r {} cap {} recall {} prefetch {} {}", seed, r, capacity, recall,
+                                       prefetch, to_string(p)));
+              const sim_result res = simulate(stream, g, p, o);
+              double by_cause = 0.0;
+              for (const double x : res.stall_seconds) {
+                EXPECT_GE(x, 0.0);
+                by_cause += x;
+              }
+              double by_layer = 0.0;
+              for (const auto& l : res.layers) by_layer += l.stall_seconds;
+              EXPECT_NEAR(by_cause, by_layer, 1e-9 * (1.0 + by_layer));
+              EXPECT_LE(res.budget_peak_bytes, std::uint64_t{capacity} * res.expert_bytes);
+              EXPECT_EQ(res.hits + res.demand_misses, res.accesses);
+              EXPECT_EQ(res.prefetch_bytes + res.demand_bytes, res.bytes_moved());
+              EXPECT_LE(
+                  res.prefetches_used + res.prefetches_wasted + res.prefetches_promoted + res.prefetches_cancelled,
+                  res.prefetches_issued);
+              EXPECT_GE(res.stall_seconds_per_token() + 1e-12, bounds.bandwidth_lower_bound_per_token);
+              if (!prefetch) {
+                EXPECT_GE(res.demand_misses, bounds.belady_demand_misses);
+              }
+              EXPECT_NEAR(res.elapsed_seconds, res.compute_seconds + res.stall_total(), 1e-9 * res.elapsed_seconds);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(PagerSim, NoisyOracleIsDeterministicPerSeed) {
+  const auto g = small();
+  synthetic_options so;
+  so.seed = 3;
+  so.sequences = 2;
+  so.decode_steps = 32;
+  const routing_trace trace = generate_synthetic(g, so);
+  const access_stream stream(trace, 16);
+  oracle_prefetcher a(2, 0.7, 5);
+  oracle_prefetcher b(2, 0.7, 5);
+  const sim_options oa{.capacity = 16, .hardware = no_setup(), .transfer_compute_ratio = 2.0, .prefetch = &a};
+  const sim_options ob{.capacity = 16, .hardware = no_setup(), .transfer_compute_ratio = 2.0, .prefetch = &b};
+  const auto ra = simulate(stream, g, policy_kind::lru, oa);
+  const auto rb = simulate(stream, g, policy_kind::lru, ob);
+  EXPECT_EQ(ra.prefetches_issued, rb.prefetches_issued);
+  EXPECT_DOUBLE_EQ(ra.stall_total(), rb.stall_total());
+  const auto again = simulate(stream, g, policy_kind::lru, oa);  // reset() restarts the generator
+  EXPECT_DOUBLE_EQ(again.stall_total(), ra.stall_total());
+  EXPECT_THROW(oracle_prefetcher(0, 1.0), invalid_argument);
+  EXPECT_THROW(oracle_prefetcher(2, 1.5), invalid_argument);
+}
+
+TEST(PagerSim, RefusesBadParameters) {
+  const auto g = tiny();
+  const routing_trace t = two_tokens(g);
+  const access_stream s(t, 2);
+  const auto expect_refusal = [&](const sim_options& o, const char* says) {
+    try {
+      (void)simulate(s, g, policy_kind::lru, o);
+      ADD_FAILURE() << "accepted: " << says;
+    } catch (const invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr(says));
+    }
+  };
+  expect_refusal({.capacity = 1}, "capacity 1 out of range [2, 8]");
+  expect_refusal({.capacity = 9}, "capacity 9 out of range [2, 8]");
+  expect_refusal({.capacity = 4, .max_outstanding_prefetches = 3}, "max_outstanding_prefetches 3 out of range [0, 2]");
+  expect_refusal({.capacity = 4, .transfer_compute_ratio = -2.0}, "ratio -2 out of range");
+  hardware_profile bad = hardware_profile::preset("pcie4");
+  bad.links[0].gbytes_per_second = -1.0;
+  expect_refusal({.capacity = 4, .hardware = bad}, "gbytes_per_second -1 out of range");
+  const moe_geometry other(moe_geometry::config{
+      .name = "other", .layers = 3, .experts_per_layer = 4, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
+  EXPECT_THROW((void)simulate(s, other, policy_kind::lru, {.capacity = 4}), invalid_argument);
+  EXPECT_THROW((void)simulate(s, g, static_cast<policy_kind>(99), {.capacity = 4}), invalid_argument);
+}
+
+}  // namespace
+}  // namespace expage
