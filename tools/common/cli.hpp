@@ -1,0 +1,127 @@
+// Command-line parsing shared by the expage tools: usage errors (exit status 2), numbers with
+// their allowed range, comma lists, capacities in slots or percent, a progress bar, and the
+// geometry a trace's metadata names.
+#pragma once
+
+#include <expage/core/moe_geometry.hpp>
+#include <expage/trace/trace_io.hpp>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cstdint>
+#include <cstdio>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace expage_tools {
+
+/// A bad command line: exit status 2.
+struct usage_error {
+  std::string message;
+};
+
+/// Splits a comma-separated list; "a,", ",a" and "a,,b" yield an empty element (rejected by the callers).
+inline std::vector<std::string> split(std::string_view list) {
+  std::vector<std::string> out;
+  for (;;) {
+    const auto comma = list.find(',');
+    out.emplace_back(list.substr(0, comma));
+    if (comma == std::string_view::npos) break;
+    list.remove_prefix(comma + 1);
+  }
+  return out;
+}
+
+/// split() that refuses empty elements, naming @p flag.
+inline std::vector<std::string> split_nonempty(std::string_view flag, std::string_view list) {
+  auto out = split(list);
+  if (std::any_of(out.begin(), out.end(), [](const auto& v) { return v.empty(); })) {
+    throw usage_error{fmt::format("{} '{}': an empty value in the comma-separated list", flag, list)};
+  }
+  return out;
+}
+
+/// An integer in [lo, hi]. @throws usage_error naming the flag, the text and the range.
+template <class T>
+T parse_number(std::string_view flag, std::string_view text, T lo, T hi) {
+  T value{};
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size() || value < lo || value > hi) {
+    throw usage_error{fmt::format("{} '{}' is not a number in [{}, {}]", flag, text, lo, hi)};
+  }
+  return value;
+}
+
+/// A real in [lo, hi]. @throws usage_error naming the flag, the text and the range.
+inline double parse_real(std::string_view flag, std::string_view text, double lo, double hi) {
+  double v = 0.0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end != text.data() + text.size() || !(v >= lo && v <= hi)) {
+    throw usage_error{fmt::format("{} '{}' is not a number in [{}, {}]", flag, text, lo, hi)};
+  }
+  return v;
+}
+
+/// A capacity flag value for a scope of @p keys experts: "50%" or "128", at least @p minimum.
+inline std::uint32_t resolve_capacity(const std::string& text, std::uint32_t keys, std::uint32_t minimum) {
+  std::uint32_t slots = 0;
+  if (!text.empty() && text.back() == '%') {
+    const double pct = parse_real("--capacity", std::string_view(text).substr(0, text.size() - 1), 0.0, 100.0);
+    slots = static_cast<std::uint32_t>(pct / 100.0 * keys + 0.5);
+  } else {
+    slots = parse_number<std::uint32_t>("--capacity", text, 1, keys);
+  }
+  if (slots < minimum || slots > keys) {
+    throw usage_error{
+        fmt::format("--capacity {} gives {} slots, out of range [{}, {}] for this layout (a step's "
+                    "experts must fit)",
+                    text, slots, minimum, keys)};
+  }
+  return slots;
+}
+
+/// A progress bar on stderr; step() may be called from several threads.
+class progress_bar {
+ public:
+  progress_bar(bool enabled, std::size_t total) : enabled_(enabled), total_(std::max<std::size_t>(total, 1)) {}
+  void step(std::string_view what) {
+    const std::lock_guard lock(mutex_);
+    ++done_;
+    if (!enabled_) return;
+    const std::size_t width = 30;
+    const std::size_t filled = done_ * width / total_;
+    std::fprintf(stderr, "\r[%s%s] %3zu%% %-40.40s", std::string(filled, '#').c_str(),
+                 std::string(width - filled, '.').c_str(), done_ * 100 / total_, std::string(what).c_str());
+    if (done_ == total_) std::fputs("\n", stderr);
+    std::fflush(stderr);
+  }
+
+ private:
+  std::mutex mutex_;
+  bool enabled_;
+  std::size_t total_;
+  std::size_t done_ = 0;
+};
+
+/// The geometry of a trace from its metadata: the preset it names when the dimensions agree,
+/// else a shape-only geometry (byte and stall figures per unit).
+inline expage::moe_geometry geometry_of(const expage::trace_metadata& m) {
+  for (const std::string_view name : expage::moe_geometry::preset_names()) {
+    if (name == m.geometry) {
+      expage::moe_geometry g = expage::moe_geometry::preset(name);
+      if (g.layers() == m.layers && g.experts_per_layer() == m.experts_per_layer && g.top_k() == m.top_k) return g;
+    }
+  }
+  return expage::moe_geometry({.name = m.geometry.empty() ? std::string("trace-metadata") : m.geometry,
+                               .layers = m.layers,
+                               .experts_per_layer = m.experts_per_layer,
+                               .top_k = m.top_k,
+                               .hidden_size = 1,
+                               .intermediate_size = 1});
+}
+
+}  // namespace expage_tools

@@ -1,0 +1,603 @@
+// expage-sim: what does paging cost in time, not just in misses?
+//
+// Runs a routing trace (or a seeded synthetic one) through the discrete-event pager simulator
+// (include/expage/sim/pager_sim.hpp) for every layout x capacity x transfer/compute ratio x
+// policy x prefetcher, on every core, and reports stall per token by cause, bytes moved and the
+// oracles beside each result: Belady demand loading, Belady with a perfect prefetcher, and the
+// link-bandwidth lower bound.
+#include <expage/cache/replay.hpp>
+#include <expage/core/error.hpp>
+#include <expage/core/geometry_io.hpp>
+#include <expage/core/moe_geometry.hpp>
+#include <expage/core/units.hpp>
+#include <expage/sim/hardware_profile.hpp>
+#include <expage/sim/pager_sim.hpp>
+#include <expage/trace/synthetic_trace.hpp>
+#include <expage/trace/trace_io.hpp>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "cli.hpp"
+#include "tool_output.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using expage_tools::usage_error;
+
+constexpr std::string_view usage = R"(usage: expage-sim (--trace FILE | --synthetic) [options]
+
+Simulates paged MoE decoding in time: per layer, routing known at its start, demand loads
+ahead of prefetches on serial links, compute from a roofline of the geometry. Reports, for
+every layout x capacity x ratio x policy x prefetcher: stall per token (mean, p50, p99, by
+cause), miss ratio, bytes moved, prefetch use, and beside it the oracles: Belady demand, Belady
+with a perfect prefetcher (2 groups ahead), and the link-bandwidth lower bound.
+
+input (one of):
+  --trace FILE          a routing trace: .jsonl, .csv or .bin (expage binary), by extension
+  --synthetic           a seeded synthetic trace (see docs/traces.md); shaped by:
+    --sequences N         sequences (default 16)
+    --steps N             decode tokens per sequence (default 128)
+    --seed N              generator seed (default 1)
+    --locality P          probability a token keeps each previous expert, [0, 1] (default 0.3)
+  --batch N             sequences decoded in lockstep (default 1, or what a binary trace records)
+  --only-sequences LIST simulate only these sequence ids (e.g. one problem of a recorded trace)
+
+model, hardware and cache:
+  --geometry G          model: {}, or a geometry JSON file;
+                        default: the trace's geometry metadata, else mixtral-8x7b
+  --hardware H          hardware profile: {} or a profile JSON file (default pcie4)
+  --r LIST              transfer/compute ratios to sweep: rescale the links so one expert moves
+                        in r x the nominal layer time, e.g. 1,2.7,10,47 (default: the profile's)
+  --dense-bytes N       non-expert bytes a layer reads (default: estimated from the geometry)
+  --precision P         precision of the paged experts: bf16 fp16 fp8 int8 int4 int2 (default bf16)
+  --policy LIST         comma-separated: {} or all (default lru,belady)
+  --capacity LIST       slot counts or percentages of the layout's experts (default 25%,50%,75%)
+  --layout L            per-layer, global or both (default global)
+  --prefetch LIST       none, oracle or oracle:RECALL (recall in [0, 1]) (default none)
+  --distance D          prefetch distance in layer groups (default 2)
+  --prefetch-seed N     seed of the noisy oracle (default 1)
+  --no-bounds           skip the oracle columns (3 extra simulations per layout x capacity x ratio)
+
+output:
+  --json FILE           every result with its oracles, as JSON
+  --svg FILE            stall per token against expert memory, one panel per layout and ratio
+  --threads N           worker threads (default: every core)
+  --progress / --no-progress   force the progress bar on or off (default: on when stderr is a terminal)
+  --help                this text
+
+exit status: 0 success (every output completely written), 1 unreadable, malformed or
+mismatched trace or an unwritable output, 2 bad command line (a bad --geometry or --hardware
+file included, as in expage-replay).
+)";
+
+struct prefetch_choice {
+  std::string label;  // "none", "oracle", "oracle:0.9"
+  std::optional<double> recall;
+};
+
+struct config {
+  std::optional<std::string> trace;
+  bool synthetic = false;
+  expage::synthetic_options synth = [] {
+    expage::synthetic_options o;
+    o.seed = 1;
+    o.sequences = 16;
+    o.decode_steps = 128;
+    return o;
+  }();
+  std::optional<std::uint32_t> batch;
+  std::optional<std::set<std::uint32_t>> only_sequences;
+  std::optional<std::string> geometry;
+  std::string hardware = "pcie4";
+  std::vector<std::optional<double>> ratios = {std::nullopt};
+  std::optional<std::uint64_t> dense_bytes;
+  expage::precision format = expage::precision::bf16;
+  std::vector<expage::policy_kind> policies = {expage::policy_kind::lru, expage::policy_kind::belady};
+  std::vector<std::string> capacities = {"25%", "50%", "75%"};
+  std::vector<expage::cache_layout> layouts = {expage::cache_layout::global};
+  std::vector<prefetch_choice> prefetch = {{"none", std::nullopt}};
+  std::uint32_t distance = 2;
+  std::uint64_t prefetch_seed = 1;
+  bool bounds = true;
+  std::optional<std::string> json, svg;
+  unsigned threads = 0;
+  int progress = -1;
+};
+
+config parse(int argc, char** argv, const std::string& help) {
+  using expage_tools::parse_number;
+  using expage_tools::parse_real;
+  using expage_tools::split_nonempty;
+  config c;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view flag = argv[i];
+    const auto value = [&]() -> std::string_view {
+      if (i + 1 >= argc) throw usage_error{fmt::format("{} needs a value", flag)};
+      return argv[++i];
+    };
+    if (flag == "--help" || flag == "-h") {
+      std::fputs(help.c_str(), stdout);
+      std::exit(expage_tools::finish_stdout("expage-sim") ? 0 : 1);
+    } else if (flag == "--trace") {
+      c.trace = std::string(value());
+    } else if (flag == "--synthetic") {
+      c.synthetic = true;
+    } else if (flag == "--sequences") {
+      c.synth.sequences = parse_number<std::uint32_t>(flag, value(), 1, 1U << 20);
+    } else if (flag == "--steps") {
+      c.synth.decode_steps = parse_number<std::uint32_t>(flag, value(), 1, 1U << 20);
+    } else if (flag == "--seed") {
+      c.synth.seed = parse_number<std::uint64_t>(flag, value(), 0, ~std::uint64_t{0});
+    } else if (flag == "--locality") {
+      c.synth.locality = parse_real(flag, value(), 0.0, 1.0);
+    } else if (flag == "--batch") {
+      c.batch = parse_number<std::uint32_t>(flag, value(), 1, 4096);
+    } else if (flag == "--only-sequences") {
+      std::set<std::uint32_t> ids;
+      for (const auto& s : split_nonempty(flag, value())) {
+        ids.insert(parse_number<std::uint32_t>(flag, s, 0, ~std::uint32_t{0}));
+      }
+      c.only_sequences = std::move(ids);
+    } else if (flag == "--geometry") {
+      c.geometry = std::string(value());
+    } else if (flag == "--hardware") {
+      c.hardware = std::string(value());
+    } else if (flag == "--r") {
+      c.ratios.clear();
+      for (const auto& s : split_nonempty(flag, value())) c.ratios.emplace_back(parse_real(flag, s, 1e-6, 1e6));
+    } else if (flag == "--dense-bytes") {
+      c.dense_bytes = parse_number<std::uint64_t>(flag, value(), 0, std::uint64_t{1} << 50);
+    } else if (flag == "--precision") {
+      try {
+        c.format = expage::parse_precision(value());
+      } catch (const expage::invalid_argument& e) {
+        throw usage_error{fmt::format("--precision: {}", e.what())};
+      }
+    } else if (flag == "--policy") {
+      c.policies.clear();
+      for (const auto& name : split_nonempty(flag, value())) {
+        if (name == "all") {
+          const auto all = expage::all_policy_kinds();
+          c.policies.assign(all.begin(), all.end());
+          continue;
+        }
+        try {
+          c.policies.push_back(expage::parse_policy(name));
+        } catch (const expage::invalid_argument& e) {
+          throw usage_error{fmt::format("--policy: {}", e.what())};
+        }
+      }
+    } else if (flag == "--capacity") {
+      c.capacities = split_nonempty(flag, value());
+    } else if (flag == "--layout") {
+      const std::string_view v = value();
+      if (v == "per-layer") {
+        c.layouts = {expage::cache_layout::per_layer};
+      } else if (v == "global") {
+        c.layouts = {expage::cache_layout::global};
+      } else if (v == "both") {
+        c.layouts = {expage::cache_layout::per_layer, expage::cache_layout::global};
+      } else {
+        throw usage_error{fmt::format("--layout '{}' is not one of per-layer, global, both", v)};
+      }
+    } else if (flag == "--prefetch") {
+      c.prefetch.clear();
+      for (const auto& p : split_nonempty(flag, value())) {
+        if (p == "none") {
+          c.prefetch.push_back({p, std::nullopt});
+        } else if (p == "oracle") {
+          c.prefetch.push_back({p, 1.0});
+        } else if (p.starts_with("oracle:")) {
+          c.prefetch.push_back({p, parse_real("--prefetch oracle:RECALL", std::string_view(p).substr(7), 0.0, 1.0)});
+        } else {
+          throw usage_error{fmt::format("--prefetch '{}' is not one of none, oracle, oracle:RECALL", p)};
+        }
+      }
+    } else if (flag == "--distance") {
+      c.distance = parse_number<std::uint32_t>(flag, value(), 1, 64);
+    } else if (flag == "--prefetch-seed") {
+      c.prefetch_seed = parse_number<std::uint64_t>(flag, value(), 0, ~std::uint64_t{0});
+    } else if (flag == "--no-bounds") {
+      c.bounds = false;
+    } else if (flag == "--json") {
+      c.json = std::string(value());
+    } else if (flag == "--svg") {
+      c.svg = std::string(value());
+    } else if (flag == "--threads") {
+      c.threads = parse_number<unsigned>(flag, value(), 1, 1024);
+    } else if (flag == "--progress") {
+      c.progress = 1;
+    } else if (flag == "--no-progress") {
+      c.progress = 0;
+    } else {
+      throw usage_error{fmt::format("unknown flag '{}' (see --help)", flag)};
+    }
+  }
+  if (c.trace.has_value() == c.synthetic) throw usage_error{"give exactly one of --trace FILE and --synthetic"};
+  return c;
+}
+
+// One simulation of the sweep.
+struct job {
+  expage::cache_layout layout;
+  std::uint32_t slots;
+  std::optional<double> ratio;
+  expage::policy_kind policy;
+  std::size_t prefetch;  // index into config::prefetch
+  std::size_t cell;      // index of its (layout, slots, ratio) cell
+};
+
+struct cell {
+  expage::cache_layout layout;
+  std::uint32_t slots;
+  std::optional<double> ratio;
+  expage::sim_bounds bounds;
+};
+
+std::string json_number(double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : "null"; }
+
+std::string result_json(const expage::sim_result& r, const cell& c, bool bounds) {
+  std::string causes;
+  for (std::size_t i = 0; i < expage::stall_cause_count; ++i) {
+    causes += fmt::format(R"({}"{}":{})", i == 0 ? "" : ",", expage::to_string(static_cast<expage::stall_cause>(i)),
+                          json_number(r.stall_seconds[i] / static_cast<double>(std::max<std::uint64_t>(r.tokens, 1))));
+  }
+  std::vector<std::string> layers;
+  for (const auto& l : r.layers) {
+    layers.push_back(fmt::format("[{},{},{},{}]", l.accesses, l.hits, l.misses, json_number(l.stall_seconds)));
+  }
+  std::string oracle;
+  if (bounds) {
+    oracle = fmt::format(
+        R"(,"belady_demand_stall_per_token_s":{},"belady_demand_misses":{},"oracle_prefetch_stall_per_token_s":{},"bandwidth_lower_bound_per_token_s":{})",
+        json_number(c.bounds.belady_demand_stall_per_token), c.bounds.belady_demand_misses,
+        json_number(c.bounds.oracle_prefetch_stall_per_token), json_number(c.bounds.bandwidth_lower_bound_per_token));
+  }
+  return fmt::format(
+      R"({{"layout":"{}","slots":{},"policy":"{}","prefetch":"{}","ratio":{},"transfer_s":{},"layer_s":{},)"
+      R"("tokens":{},"accesses":{},"hits":{},"demand_misses":{},"miss_ratio":{},"evictions":{},)"
+      R"("bytes_moved":{},"demand_bytes":{},"prefetch_bytes":{},"stall_per_token_s":{},"stall_p50_s":{},"stall_p99_s":{},)"
+      R"("time_per_token_s":{},"stall_by_cause_per_token_s":{{{}}},"prefetches_issued":{},"prefetches_used":{},)"
+      R"("prefetches_late":{},"prefetches_wasted":{},"prefetches_promoted":{},"prefetches_cancelled":{},)"
+      R"("prefetches_refused":{},"prefetch_bytes_per_useful_byte":{},"budget_peak_bytes":{},"layers":[{}]{}}})",
+      expage::to_string(r.layout), r.capacity, expage::to_string(r.policy), r.prefetcher, json_number(r.ratio),
+      json_number(r.transfer_seconds), json_number(r.layer_seconds), r.tokens, r.accesses, r.hits, r.demand_misses,
+      json_number(r.miss_ratio()), r.evictions, r.bytes_moved(), r.demand_bytes, r.prefetch_bytes,
+      json_number(r.stall_seconds_per_token()), json_number(r.per_pass.p50), json_number(r.per_pass.p99),
+      json_number(r.seconds_per_token()), causes, r.prefetches_issued, r.prefetches_used, r.prefetches_late,
+      r.prefetches_wasted, r.prefetches_promoted, r.prefetches_cancelled, r.prefetches_refused,
+      json_number(r.prefetch_bytes_per_useful_byte()), r.budget_peak_bytes, fmt::join(layers, ","), oracle);
+}
+
+// Stall per token (ms) against expert memory (GiB): one panel per (layout, ratio); every series
+// has its own colour and dash pattern; the oracles are drawn in grey.
+std::string svg_chart(const std::vector<expage::sim_result>& results, const std::vector<job>& jobs,
+                      const std::vector<cell>& cells, bool bounds, const std::string& title) {
+  static constexpr const char* colors[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+                                           "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"};
+  static constexpr const char* dashes[] = {"", "6,3", "2,2", "8,3,2,3", "1,3", "10,4"};
+  std::vector<std::pair<expage::cache_layout, std::optional<double>>> panels;
+  for (const auto& c : cells) {
+    if (std::find(panels.begin(), panels.end(), std::pair{c.layout, c.ratio}) == panels.end()) {
+      panels.emplace_back(c.layout, c.ratio);
+    }
+  }
+  constexpr int width = 820, panel_h = 320, left = 80, right = 230, top = 50, gap = 70;
+  constexpr int plot_w = width - left - right, plot_h = panel_h - 40;
+  const int height = top + static_cast<int>(panels.size()) * (panel_h + gap);
+  std::string out = fmt::format(
+      R"svg(<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}" font-family="sans-serif" font-size="12">)svg"
+      "\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      R"svg(<text x="{}" y="26" font-size="15" font-weight="bold">{}</text>)svg"
+      "\n",
+      width, height, left, title);
+  for (std::size_t p = 0; p < panels.size(); ++p) {
+    const int y0 = top + static_cast<int>(p) * (panel_h + gap);
+    struct series {
+      std::string label;
+      std::vector<std::pair<double, double>> pts;  // (GiB, ms/token)
+      bool oracle;
+    };
+    std::vector<series> all;
+    const auto add_point = [&](const std::string& label, bool oracle, double gib, double ms) {
+      auto it = std::find_if(all.begin(), all.end(), [&](const series& s) { return s.label == label; });
+      if (it == all.end()) {
+        all.push_back({label, {}, oracle});
+        it = all.end() - 1;
+      }
+      it->pts.emplace_back(gib, ms);
+    };
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      const cell& c = cells[jobs[i].cell];
+      if (c.layout != panels[p].first || c.ratio != panels[p].second) continue;
+      const auto& r = results[i];
+      const double gib = static_cast<double>(r.expert_bytes) * c.slots *
+                         (c.layout == expage::cache_layout::global ? 1.0 : static_cast<double>(r.layers.size())) /
+                         static_cast<double>(std::uint64_t{1} << 30);
+      add_point(fmt::format("{} + {}", expage::to_string(r.policy), r.prefetcher), false, gib,
+                r.stall_seconds_per_token() * 1e3);
+      if (bounds && jobs[i].policy == jobs.front().policy && jobs[i].prefetch == 0) {
+        add_point("Belady demand (oracle)", true, gib, c.bounds.belady_demand_stall_per_token * 1e3);
+        add_point("Belady + perfect prefetch", true, gib, c.bounds.oracle_prefetch_stall_per_token * 1e3);
+        add_point("bandwidth lower bound", true, gib, c.bounds.bandwidth_lower_bound_per_token * 1e3);
+      }
+    }
+    double xmax = 0, ymax = 0;
+    for (auto& s : all) {
+      std::sort(s.pts.begin(), s.pts.end());
+      for (const auto& [x, y] : s.pts) {
+        xmax = std::max(xmax, x);
+        ymax = std::max(ymax, y);
+      }
+    }
+    xmax = xmax > 0 ? xmax * 1.05 : 1.0;
+    ymax = ymax > 0 ? ymax * 1.1 : 1.0;
+    const std::string ratio =
+        panels[p].second ? fmt::format("r = {}", *panels[p].second) : std::string("the profile's ratio");
+    out += fmt::format(
+        R"svg(<text x="{}" y="{}" font-weight="bold">{} slots, {}</text>)svg"
+        R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="none" stroke="black"/>)svg"
+        R"svg(<text x="{}" y="{}" text-anchor="middle">expert memory (GiB)</text>)svg"
+        R"svg(<text x="20" y="{}" transform="rotate(-90 20 {})" text-anchor="middle">stall per token (ms)</text>)svg"
+        "\n",
+        left, y0 - 8, expage::to_string(panels[p].first), ratio, left, y0, plot_w, plot_h, left + plot_w / 2,
+        y0 + plot_h + 32, y0 + plot_h / 2, y0 + plot_h / 2);
+    for (int t = 0; t <= 5; ++t) {
+      const double f = t / 5.0;
+      const int y = y0 + static_cast<int>((1.0 - f) * plot_h);
+      const int x = left + static_cast<int>(f * plot_w);
+      out += fmt::format(R"svg(<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="#e5e5e5"/>)svg"
+                         R"svg(<text x="{}" y="{}" text-anchor="end">{:.3g}</text>)svg"
+                         R"svg(<text x="{}" y="{}" text-anchor="middle">{:.3g}</text>)svg"
+                         "\n",
+                         left, y, left + plot_w, y, left - 6, y + 4, f * ymax, x, y0 + plot_h + 16, f * xmax);
+    }
+    std::size_t colored = 0, grey = 0;
+    for (std::size_t s = 0; s < all.size(); ++s) {
+      const bool oracle = all[s].oracle;
+      const char* color = oracle ? "#555555" : colors[colored % std::size(colors)];
+      const char* dash = oracle ? dashes[1 + grey % (std::size(dashes) - 1)]
+                                : dashes[(colored / std::size(colors)) % std::size(dashes)];
+      (oracle ? grey : colored)++;
+      std::string pts;
+      for (const auto& [x, y] : all[s].pts) {
+        pts += fmt::format("{:.1f},{:.1f} ", left + x / xmax * plot_w, y0 + (1.0 - y / ymax) * plot_h);
+      }
+      const int ly = y0 + 12 + 18 * static_cast<int>(s);
+      out += fmt::format(
+          R"svg(<polyline fill="none" stroke="{}" stroke-width="2" stroke-dasharray="{}" points="{}"/>)svg"
+          R"svg(<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="{}" stroke-width="2" stroke-dasharray="{}"/>)svg"
+          R"svg(<text x="{}" y="{}">{}</text>)svg"
+          "\n",
+          color, dash, pts, left + plot_w + 12, ly, left + plot_w + 40, ly, color, dash, left + plot_w + 46, ly + 4,
+          all[s].label);
+    }
+  }
+  out += "</svg>\n";
+  return out;
+}
+
+expage::routing_trace only(const expage::routing_trace& t, const std::set<std::uint32_t>& ids) {
+  expage::routing_trace out(t.layers(), t.experts_per_layer(), t.top_k());
+  out.set_batch_size(t.batch_size());
+  for (const expage::routing_event& e : t) {
+    if (ids.contains(e.sequence)) out.append(e);
+  }
+  if (out.empty()) {
+    throw usage_error{
+        fmt::format("--only-sequences {}: no event of the trace has one of these ids", fmt::join(ids, ","))};
+  }
+  out.restore_execution_order();
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const auto policy_names = [] {
+    std::vector<std::string_view> n;
+    for (const auto p : expage::all_policy_kinds()) n.push_back(expage::to_string(p));
+    return fmt::format("{}", fmt::join(n, ", "));
+  }();
+  const std::string help = fmt::format(fmt::runtime(usage), fmt::join(expage::moe_geometry::preset_names(), ", "),
+                                       fmt::join(expage::hardware_profile::preset_names(), ", "), policy_names);
+  try {
+    const config c = parse(argc, argv, help);
+    if (c.json) expage_tools::check_output_path("--json", *c.json);
+    if (c.svg) expage_tools::check_output_path("--svg", *c.svg);
+    const expage::hardware_profile hardware = [&] {
+      try {
+        return expage::hardware_from_argument(c.hardware);
+      } catch (const expage::invalid_argument& e) {
+        throw usage_error{fmt::format("--hardware: {}", e.what())};
+      } catch (const expage::format_error& e) {
+        throw usage_error{fmt::format("--hardware: {}", e.what())};
+      }
+    }();
+    const std::optional<expage::trace_metadata> meta =
+        c.trace ? expage::read_trace_metadata(*c.trace) : std::optional<expage::trace_metadata>{};
+    const expage::moe_geometry g = [&] {
+      if (!c.geometry && meta) return expage_tools::geometry_of(*meta);
+      try {
+        return expage::geometry_from_argument(c.geometry.value_or("mixtral-8x7b"));
+      } catch (const expage::invalid_argument& e) {
+        throw usage_error{fmt::format("--geometry: {}", e.what())};
+      } catch (const expage::format_error& e) {
+        throw usage_error{fmt::format("--geometry: {}", e.what())};
+      }
+    }();
+    // Ratios and capacities are checked before the trace is read.
+    for (const auto& r : c.ratios) {
+      try {
+        (void)expage::make_cost_model(g, hardware, c.format, c.dense_bytes, r);
+      } catch (const expage::invalid_argument& e) {
+        throw usage_error{fmt::format("--r: {}", e.what())};
+      }
+    }
+    std::vector<cell> cells;
+    for (const auto layout : c.layouts) {
+      const std::uint64_t keys = layout == expage::cache_layout::global ? g.expert_count() : g.experts_per_layer();
+      if (keys > UINT32_MAX) throw usage_error{fmt::format("--layout global: {} experts out of range", keys)};
+      for (const auto& text : c.capacities) {
+        const std::uint32_t slots = expage_tools::resolve_capacity(text, static_cast<std::uint32_t>(keys), g.top_k());
+        for (const auto& r : c.ratios) cells.push_back({layout, slots, r, {}});
+      }
+    }
+    expage::routing_trace trace = [&] {
+      if (c.trace) return expage::read_trace(*c.trace, g, {.batch_size = c.batch.value_or(0)});
+      expage::synthetic_options o = c.synth;
+      o.batch_size = c.batch.value_or(1);
+      return expage::generate_synthetic(g, o);
+    }();
+    if (c.batch && trace.batch_size() != *c.batch) {
+      trace.set_batch_size(*c.batch);
+      trace.restore_execution_order();
+    }
+    if (c.only_sequences) trace = only(trace, *c.only_sequences);
+    const std::string source = c.trace ? *c.trace : fmt::format("synthetic (seed {})", c.synth.seed);
+    fmt::print("{}: {} routing events, {} layers x {} experts, top-{}, batch {}; hardware {}\n", source, trace.size(),
+               g.layers(), g.experts_per_layer(), g.top_k(), trace.batch_size(), hardware.name);
+
+    // One access stream per distinct capacity when groups must be split; else one for all.
+    std::uint32_t smallest = UINT32_MAX;
+    for (const auto& cl : cells) smallest = std::min(smallest, cl.slots);
+    std::map<std::uint32_t, std::unique_ptr<expage::access_stream>> streams;
+    auto shared = std::make_unique<expage::access_stream>(trace, smallest);
+    const bool one_stream = shared->split_groups() == 0;
+    for (const auto& cl : cells) {
+      if (streams.contains(cl.slots)) continue;
+      streams[cl.slots] = one_stream ? nullptr : std::make_unique<expage::access_stream>(trace, cl.slots);
+    }
+    const auto stream_for = [&](std::uint32_t slots) -> const expage::access_stream& {
+      return one_stream ? *shared : *streams.at(slots);
+    };
+
+    std::vector<job> jobs;
+    for (std::size_t ci = 0; ci < cells.size(); ++ci) {
+      for (const auto p : c.policies) {
+        for (std::size_t f = 0; f < c.prefetch.size(); ++f) {
+          jobs.push_back({cells[ci].layout, cells[ci].slots, cells[ci].ratio, p, f, ci});
+        }
+      }
+    }
+    const bool bar_on = c.progress == 1 || (c.progress == -1 && ::isatty(STDERR_FILENO) != 0);
+    expage_tools::progress_bar bar(bar_on, jobs.size() + (c.bounds ? cells.size() : 0));
+    std::vector<expage::sim_result> results(jobs.size());
+    const unsigned threads =
+        std::max(1U, std::min<unsigned>(c.threads != 0 ? c.threads : std::thread::hardware_concurrency(),
+                                        static_cast<unsigned>(jobs.size() + cells.size())));
+    std::atomic<std::size_t> next{0};
+    std::exception_ptr failure;
+    std::mutex failure_mutex;
+    const std::size_t work = (c.bounds ? cells.size() : 0) + jobs.size();
+    const auto started = std::chrono::steady_clock::now();
+    const auto worker = [&] {
+      for (std::size_t i; (i = next.fetch_add(1)) < work;) {
+        try {
+          if (c.bounds && i < cells.size()) {
+            cell& cl = cells[i];
+            cl.bounds = expage::simulate_bounds(stream_for(cl.slots), g,
+                                                {.layout = cl.layout,
+                                                 .capacity = cl.slots,
+                                                 .format = c.format,
+                                                 .hardware = hardware,
+                                                 .transfer_compute_ratio = cl.ratio,
+                                                 .dense_bytes_per_layer = c.dense_bytes});
+            bar.step(fmt::format("oracles {} {}", expage::to_string(cl.layout), cl.slots));
+            continue;
+          }
+          const std::size_t k = i - (c.bounds ? cells.size() : 0);
+          const job& j = jobs[k];
+          std::unique_ptr<expage::oracle_prefetcher> oracle;
+          if (c.prefetch[j.prefetch].recall) {
+            oracle = std::make_unique<expage::oracle_prefetcher>(c.distance, *c.prefetch[j.prefetch].recall,
+                                                                 c.prefetch_seed);
+          }
+          results[k] = expage::simulate(stream_for(j.slots), g, j.policy,
+                                        {.layout = j.layout,
+                                         .capacity = j.slots,
+                                         .format = c.format,
+                                         .hardware = hardware,
+                                         .transfer_compute_ratio = j.ratio,
+                                         .dense_bytes_per_layer = c.dense_bytes,
+                                         .prefetch = oracle.get()});
+          bar.step(fmt::format("{} {} {}", expage::to_string(j.policy), expage::to_string(j.layout), j.slots));
+        } catch (...) {
+          const std::lock_guard lock(failure_mutex);
+          if (!failure) failure = std::current_exception();
+          next = work;
+        }
+      }
+    };
+    std::vector<std::thread> pool;
+    for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
+    worker();
+    for (auto& t : pool) t.join();
+    if (failure) std::rethrow_exception(failure);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+
+    fmt::print("\n{:<9} {:>6} {:>6} {:<8} {:<14} {:>7} {:>10} {:>11} {:>10} {:>10} {:>10} {:>8}", "layout", "slots",
+               "r", "policy", "prefetch", "miss", "moved", "stall/tok", "p50", "p99", "time/tok", "pf used");
+    if (c.bounds) fmt::print(" {:>11} {:>11} {:>11}", "belady", "oracle-pf", "bound");
+    fmt::print("\n");
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      const auto& r = results[i];
+      const cell& cl = cells[jobs[i].cell];
+      fmt::print(
+          "{:<9} {:>6} {:>6.3g} {:<8} {:<14} {:>7.4f} {:>10} {:>8.3f} ms {:>7.3f} ms {:>7.3f} ms {:>7.3f} ms {:>8}",
+          expage::to_string(r.layout), r.capacity, r.ratio, expage::to_string(r.policy), r.prefetcher, r.miss_ratio(),
+          expage::byte_size{r.bytes_moved()}, r.stall_seconds_per_token() * 1e3, r.per_pass.p50 * 1e3,
+          r.per_pass.p99 * 1e3, r.seconds_per_token() * 1e3,
+          r.prefetches_issued == 0 ? std::string("-") : fmt::format("{}/{}", r.prefetches_used, r.prefetches_issued));
+      if (c.bounds) {
+        fmt::print(" {:>8.3f} ms {:>8.3f} ms {:>8.3f} ms", cl.bounds.belady_demand_stall_per_token * 1e3,
+                   cl.bounds.oracle_prefetch_stall_per_token * 1e3, cl.bounds.bandwidth_lower_bound_per_token * 1e3);
+      }
+      fmt::print("\n");
+    }
+    fmt::print("\n{} simulations{} in {:.2f} s on {} thread(s) ({:.1f} M routing events/s per simulation)\n",
+               results.size(), c.bounds ? fmt::format(" + {} oracle cells", cells.size()) : std::string(), seconds,
+               threads,
+               static_cast<double>(trace.size()) * static_cast<double>(work) * (c.bounds ? 1.0 : 1.0) /
+                   std::max(seconds * threads, 1e-9) / 1e6);
+
+    if (c.json) {
+      std::string json = fmt::format(
+          R"({{"tool":"expage-sim","source":"{}","geometry":"{}","hardware":"{}","events":{},"batch":{},"precision":"{}","results":[)",
+          c.trace ? "trace" : "synthetic", g.name(), hardware.name, trace.size(), trace.batch_size(),
+          expage::to_string(c.format));
+      for (std::size_t i = 0; i < results.size(); ++i) {
+        json += (i == 0 ? "" : ",") + result_json(results[i], cells[jobs[i].cell], c.bounds);
+      }
+      json += "]}\n";
+      expage_tools::write_atomically(*c.json, json);
+    }
+    if (c.svg) {
+      expage_tools::write_atomically(
+          *c.svg, svg_chart(results, jobs, cells, c.bounds,
+                            fmt::format("Stall per token vs expert memory: {}, {}", g.name(), hardware.name)));
+    }
+    return expage_tools::finish_stdout("expage-sim") ? 0 : 1;
+  } catch (const usage_error& e) {
+    fmt::print(stderr, "expage-sim: {}\n", e.message);
+    return 2;
+  } catch (const std::exception& e) {  // format_error, geometry mismatch, unwritable output, ...
+    fmt::print(stderr, "expage-sim: {}\n", e.what());
+    return 1;
+  }
+}
