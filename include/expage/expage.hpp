@@ -52,6 +52,8 @@
 #include "expage/stream/host_copy_engine.hpp"
 #include "expage/stream/host_stream.hpp"
 #include "expage/trace/routing_trace.hpp"
+#include "expage/sim/hardware_profile.hpp"
+#include "expage/sim/pager_sim.hpp"
 #include "expage/trace/synthetic_trace.hpp"
 #include "expage/trace/trace_io.hpp"
 #include "expage/version.hpp"
