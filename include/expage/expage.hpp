@@ -40,6 +40,7 @@
 #include "expage/memory/tensor_storage.hpp"
 #include "expage/moe/expert_ffn.hpp"
 #include "expage/moe/routing.hpp"
+#include "expage/predict/expert_predictor.hpp"
 #include "expage/residency/completion.hpp"
 #include "expage/residency/epoch_domain.hpp"
 #include "expage/residency/handle_table.hpp"

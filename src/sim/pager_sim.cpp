@@ -53,20 +53,67 @@ void oracle_prefetcher::propose(const access_stream& stream, std::size_t g, std:
   // Raw 64-bit draws only (no std::*_distribution), so a seed gives the same run on every platform.
   const auto coin = [this] { return static_cast<double>(rng_() >> 11) * 0x1.0p-53; };
   const auto pick = [this, experts] { return static_cast<expert_index>(rng_() % experts); };
+  const auto confidence = static_cast<float>(recall_);  // calibrated: a proposal is right with probability recall
   for (std::size_t h = g + 1; h <= g + distance_ && h < stream.groups(); ++h) {
     const std::uint32_t layer = stream.layer(h);
     const auto routed = stream.experts(h);
     for (const expert_index e : routed) routed_[e] = 1;
     for (const expert_index e : routed) {
       if (recall_ >= 1.0 || coin() < recall_) {
-        out.push_back({.layer = layer, .expert = e, .use_group = h, .probability = 1.0F});
+        out.push_back({.layer = layer, .expert = e, .use_group = h, .probability = confidence});
       } else if (routed.size() < experts) {  // a false positive: an expert of the layer that is not routed there
         expert_index x = pick();
         while (routed_[x] != 0) x = pick();
-        out.push_back({.layer = layer, .expert = x, .use_group = h, .probability = 1.0F});
+        out.push_back({.layer = layer, .expert = x, .use_group = h, .probability = confidence});
       }
     }
     for (const expert_index e : routed) routed_[e] = 0;
+  }
+}
+
+predictive_prefetcher::predictive_prefetcher(std::unique_ptr<expert_predictor> predictor,
+                                             predictive_prefetch_options options)
+    : predictor_(std::move(predictor)), options_(options) {
+  if (!predictor_) throw invalid_argument("predictive_prefetcher: no predictor");
+  if (options.distance == 0 || options.distance > 64) {
+    throw invalid_argument(fmt::format("predictive_prefetcher: distance {} out of range [1, 64]", options.distance));
+  }
+  if (!(options.threshold >= 0.0F && options.threshold <= 1.0F)) {
+    throw invalid_argument(fmt::format("predictive_prefetcher: threshold {} out of range [0, 1]", options.threshold));
+  }
+}
+
+std::string predictive_prefetcher::name() const {
+  return fmt::format("{}:{}(d={})", predictor_->name(), options_.threshold, options_.distance);
+}
+
+void predictive_prefetcher::reset() { predictor_->reset(); }
+
+void predictive_prefetcher::propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) {
+  const std::uint32_t experts = stream.experts_per_layer();
+  const std::uint32_t per_layer = options_.per_layer != 0 ? options_.per_layer : stream.top_k();
+  if (stream.starts_pass(g)) predictor_->begin_pass();
+  const std::uint32_t layer = stream.layer(g);
+  predictor_->observe(layer, stream.experts(g));
+  probability_.resize(experts);
+  // The later groups of this pass within `distance` layers: their layers, never their routing.
+  for (std::size_t h = g + 1; h < stream.groups() && !stream.starts_pass(h); ++h) {
+    const std::uint32_t target = stream.layer(h);
+    if (target <= layer) continue;  // another part of a split layer-step
+    if (target > layer + options_.distance) break;
+    if (h > g + 1 && stream.layer(h - 1) == target) continue;  // predicted once per layer
+    predictor_->predict(target, probability_);
+    ranked_.clear();
+    for (std::uint32_t e = 0; e < experts; ++e) {
+      if (probability_[e] >= options_.threshold && probability_[e] > 0.0F) ranked_.emplace_back(probability_[e], e);
+    }
+    const std::size_t keep = std::min<std::size_t>(ranked_.size(), per_layer);
+    std::partial_sort(
+        ranked_.begin(), ranked_.begin() + static_cast<std::ptrdiff_t>(keep), ranked_.end(),
+        [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); });
+    for (std::size_t i = 0; i < keep; ++i) {
+      out.push_back({.layer = target, .expert = ranked_[i].second, .use_group = h, .probability = ranked_[i].first});
+    }
   }
 }
 
@@ -91,6 +138,7 @@ struct queued_prefetch {
   std::uint64_t use_group;
   std::uint64_t issued_group;
   std::uint64_t order;
+  double issued_at;  // a prefetch never starts before it was proposed
 };
 
 double quantile(std::vector<double>& v, double q) {
@@ -146,6 +194,7 @@ class engine {
     outstanding_cap_ = options.max_outstanding_prefetches != 0 ? options.max_outstanding_prefetches
                                                                : options.capacity - largest_group(stream);
     result_.layers.resize(layers_);
+    nominal_layer_ = cost.nominal_layer_seconds(stream.top_k() == 0 ? 1 : stream.top_k());
   }
 
   ~engine() { slots_.clear(); }  // every reservation goes back before the tracker
@@ -260,7 +309,7 @@ class engine {
       if (pf != nullptr) {
         proposals.clear();
         pf->propose(stream_, g, proposals);
-        for (const prefetch_request& r : proposals) admit(r, g);
+        for (const prefetch_request& r : proposals) admit(r, g, now);
       }
       for (const expert_index e : experts) clear_pin(s, key_of(layer, e), group_pin);
       const double compute = cost_.compute_seconds(experts.size());
@@ -365,18 +414,19 @@ class engine {
       in_flight_.pop_back();
     }
     while (!queue_.empty()) {
+      const auto best = std::min_element(queue_.begin(), queue_.end(), [](const auto& a, const auto& b) {
+        return std::tie(a.use_group, a.order) < std::tie(b.use_group, b.order);
+      });
+      // The link that can start it first; it starts only in idle time before `now`.
       link_state* link = &links_.front();
       for (auto& l : links_) {
         if (l.busy_until < link->busy_until) link = &l;
       }
-      if (link->busy_until >= now) break;
-      const auto best = std::min_element(queue_.begin(), queue_.end(), [](const auto& a, const auto& b) {
-        return std::tie(a.use_group, a.order) < std::tie(b.use_group, b.order);
-      });
+      const double start = std::max(link->busy_until, best->issued_at);
+      if (start >= now) break;
       const std::size_t f = static_cast<std::size_t>(best->flat);
       *best = queue_.back();
       queue_.pop_back();
-      const double start = link->busy_until;
       const double done = start + link->transfer;
       link->busy_until = done;
       link->busy = transfer_class::prefetch;
@@ -437,7 +487,7 @@ class engine {
     }
   }
 
-  void admit(const prefetch_request& r, std::size_t g) {
+  void admit(const prefetch_request& r, std::size_t g, double now) {
     if (r.layer >= layers_ || r.expert >= experts_) {
       throw invalid_argument(fmt::format("simulate: the prefetcher proposed L{}.E{}, out of range [0, {}) x [0, {})",
                                          r.layer, r.expert, layers_, experts_));
@@ -447,7 +497,7 @@ class engine {
     const std::uint32_t s = scope_of(r.layer);
     const std::uint32_t occupied = options_.capacity - free_[s];
     const bool has_victim = occupied > nonevictable_[s];
-    if (outstanding_ >= outstanding_cap_ || (free_[s] == 0 && !has_victim)) {
+    if (outstanding_ >= outstanding_cap_ || (free_[s] == 0 && !has_victim) || !worth_it(r, g)) {
       ++result_.prefetches_refused;
       return;
     }
@@ -478,8 +528,26 @@ class engine {
     predicted_use_[f] = r.use_group;
     set_pin(s, k, outstanding_pin);
     ++outstanding_;
-    queue_.push_back({f, r.use_group, g, order_++});
+    queue_.push_back({f, r.use_group, g, order_++, now});
     ++result_.prefetches_issued;
+  }
+
+  // PreScope Eq. 6–7 (see sim_options::admission).
+  [[nodiscard]] bool worth_it(const prefetch_request& r, std::size_t g) const noexcept {
+    if (options_.admission == prefetch_admission::all) return true;
+    const double p = std::clamp(static_cast<double>(r.probability), 0.0, 1.0);
+    if (p <= 0.0) return false;
+    // The expert is needed (h − g) layers from now, after the current layer's own loads, which
+    // delay the use as much as the link: only prefetch work queued ahead eats the idle gap.
+    double transfer = std::numeric_limits<double>::infinity();
+    for (const auto& l : links_) transfer = std::min(transfer, l.transfer);
+    const double ahead = static_cast<double>(queue_.size()) * transfer / static_cast<double>(links_.size());
+    const double groups_ahead = r.use_group == never ? 1.0 : static_cast<double>(r.use_group - g);
+    const double gap = groups_ahead * nominal_layer_ - ahead;
+    const double f = std::max(0.0, gap / transfer);
+    const double n = std::max(1.0, std::ceil(f));
+    const double xi = p * (f - n + 1.0) - (1.0 - p) * (n - f);
+    return xi > 0.0;
   }
 
   void finish(std::vector<double>& pass_stalls) {
@@ -523,6 +591,7 @@ class engine {
   std::uint32_t outstanding_ = 0;
   std::uint32_t outstanding_cap_ = 0;
   std::uint64_t order_ = 0;
+  double nominal_layer_ = 0.0;
   sim_result result_;
 };
 

@@ -128,9 +128,12 @@ TEST(PagerSim, PrefetchTimelineByHand) {
   const routing_trace t = two_tokens(g);
   const access_stream s(t, 4);
   oracle_prefetcher oracle(1, 1.0);
-  const auto r =
-      simulate(s, g, policy_kind::lru,
-               {.capacity = 4, .hardware = seconds_profile(1.0, 3.0), .dense_bytes_per_layer = 0, .prefetch = &oracle});
+  const auto r = simulate(s, g, policy_kind::lru,
+                          {.capacity = 4,
+                           .hardware = seconds_profile(1.0, 3.0),
+                           .dense_bytes_per_layer = 0,
+                           .prefetch = &oracle,
+                           .admission = prefetch_admission::all});
   EXPECT_DOUBLE_EQ(r.stall_total(), 10.0);
   EXPECT_DOUBLE_EQ(r.stall_seconds[static_cast<std::size_t>(stall_cause::demand_miss)], 9.0);
   EXPECT_DOUBLE_EQ(r.stall_seconds[static_cast<std::size_t>(stall_cause::queued_behind_prefetch)], 1.0);
@@ -145,6 +148,37 @@ TEST(PagerSim, PrefetchTimelineByHand) {
   EXPECT_EQ(r.demand_misses, 3U);
   EXPECT_EQ(r.hits, 5U);
   EXPECT_DOUBLE_EQ(r.prefetch_bytes_per_useful_byte(), 1.0);
+}
+
+// PreScope's test on the same timeline: the first proposal fits 2/3 of its transfer in the layer's
+// 2 s of compute (f = 2/3, ξ = p·f > 0 for p = 1); the second would queue behind it (f = 0, ξ = 0)
+// and is refused. The stall is the same 10 s with one prefetch fewer.
+TEST(PagerSim, CostBenefitAdmissionByHand) {
+  const auto g = tiny();
+  const routing_trace t = two_tokens(g);
+  const access_stream s(t, 4);
+  oracle_prefetcher oracle(1, 1.0);
+  const auto r = simulate(s, g, policy_kind::lru,
+                          {.capacity = 4,
+                           .hardware = seconds_profile(1.0, 3.0),
+                           .dense_bytes_per_layer = 0,
+                           .prefetch = &oracle,
+                           .admission = prefetch_admission::cost_benefit});
+  EXPECT_EQ(r.prefetches_issued, 1U);
+  EXPECT_EQ(r.prefetches_refused, 1U);
+  EXPECT_EQ(r.prefetches_used, 1U);
+  EXPECT_EQ(r.prefetches_late, 1U);
+  EXPECT_DOUBLE_EQ(r.stall_total(), 10.0);
+  // A noisy oracle (p = 0.5) cannot justify a transfer that does not fit: f = 2/3 < 1 needs p > 1/3,
+  // so it is admitted; at r = 6 (f = 1/6 + ...) it needs p > 5/6 and is refused.
+  oracle_prefetcher half(1, 0.5, 3);
+  const auto slow = simulate(s, g, policy_kind::lru,
+                             {.capacity = 4,
+                              .hardware = seconds_profile(1.0, 12.0),
+                              .dense_bytes_per_layer = 0,
+                              .prefetch = &half,
+                              .admission = prefetch_admission::cost_benefit});
+  EXPECT_EQ(slow.prefetches_issued, 0U);
 }
 
 // When compute is long enough to hide a transfer, a perfect prefetcher removes all but the first

@@ -68,7 +68,9 @@ model, hardware and cache:
   --policy LIST         comma-separated: {} or all (default lru,belady)
   --capacity LIST       slot counts or percentages of the layout's experts (default 25%,50%,75%)
   --layout L            per-layer, global or both (default global)
-  --prefetch LIST       none, oracle or oracle:RECALL (recall in [0, 1]) (default none)
+  --prefetch LIST       none; oracle or oracle:RECALL (the noisy oracle, recall in [0, 1]);
+                        coactivation[:T], frequency[:T], previous[:T]: an online predictor, prefetching
+                        experts predicted with probability >= T (default 0.5) (default none)
   --distance D          prefetch distance in layer groups (default 2)
   --prefetch-seed N     seed of the noisy oracle (default 1)
   --no-bounds           skip the oracle columns (3 extra simulations per layout x capacity x ratio)
@@ -86,8 +88,10 @@ file included, as in expage-replay).
 )";
 
 struct prefetch_choice {
-  std::string label;  // "none", "oracle", "oracle:0.9"
-  std::optional<double> recall;
+  std::string label{};             // "none", "oracle", "oracle:0.9", "coactivation:0.5"
+  std::optional<double> recall{};  // the noisy oracle
+  std::string predictor{};         // a predictive prefetcher: its predictor's name
+  float threshold = 0.5F;
 };
 
 struct config {
@@ -205,7 +209,20 @@ config parse(int argc, char** argv, const std::string& help) {
         } else if (p.starts_with("oracle:")) {
           c.prefetch.push_back({p, parse_real("--prefetch oracle:RECALL", std::string_view(p).substr(7), 0.0, 1.0)});
         } else {
-          throw usage_error{fmt::format("--prefetch '{}' is not one of none, oracle, oracle:RECALL", p)};
+          const auto colon = p.find(':');
+          const std::string name = p.substr(0, colon);
+          if (name != "coactivation" && name != "frequency" && name != "previous") {
+            throw usage_error{
+                fmt::format("--prefetch '{}' is not one of none, oracle, oracle:RECALL, coactivation[:THRESHOLD], "
+                            "frequency[:THRESHOLD], previous",
+                            p)};
+          }
+          prefetch_choice choice{p, std::nullopt, name, 0.5F};
+          if (colon != std::string::npos) {
+            choice.threshold = static_cast<float>(
+                parse_real("--prefetch PREDICTOR:THRESHOLD", std::string_view(p).substr(colon + 1), 0.0, 1.0));
+          }
+          c.prefetch.push_back(std::move(choice));
         }
       }
     } else if (flag == "--distance") {
@@ -523,10 +540,14 @@ int main(int argc, char** argv) {
           }
           const std::size_t k = i - (c.bounds ? cells.size() : 0);
           const job& j = jobs[k];
-          std::unique_ptr<expage::oracle_prefetcher> oracle;
-          if (c.prefetch[j.prefetch].recall) {
-            oracle = std::make_unique<expage::oracle_prefetcher>(c.distance, *c.prefetch[j.prefetch].recall,
-                                                                 c.prefetch_seed);
+          std::unique_ptr<expage::prefetcher> oracle;
+          const prefetch_choice& pc = c.prefetch[j.prefetch];
+          if (pc.recall) {
+            oracle = std::make_unique<expage::oracle_prefetcher>(c.distance, *pc.recall, c.prefetch_seed);
+          } else if (!pc.predictor.empty()) {
+            oracle = std::make_unique<expage::predictive_prefetcher>(
+                expage::make_predictor(pc.predictor, g.layers(), g.experts_per_layer(), g.top_k()),
+                expage::predictive_prefetch_options{.distance = c.distance, .threshold = pc.threshold});
           }
           results[k] = expage::simulate(stream_for(j.slots), g, j.policy,
                                         {.layout = j.layout,

@@ -29,6 +29,7 @@
 #include "expage/core/expert_id.hpp"
 #include "expage/core/moe_geometry.hpp"
 #include "expage/core/precision.hpp"
+#include "expage/predict/expert_predictor.hpp"
 #include "expage/sim/hardware_profile.hpp"
 
 #include <array>
@@ -100,6 +101,40 @@ class oracle_prefetcher final : public prefetcher {
   std::vector<std::uint8_t> routed_;  // scratch: experts routed in the target group
 };
 
+/// @brief Parameters of a predictive_prefetcher.
+struct predictive_prefetch_options {
+  std::uint32_t distance = 1;   ///< Layers ahead of the current one to prefetch for, [1, 64].
+  float threshold = 0.5F;       ///< Admit only experts predicted with at least this probability, [0, 1].
+  std::uint32_t per_layer = 0;  ///< At most this many per target layer; 0: the geometry's top-k.
+};
+
+/// @brief A prefetcher driven by an expert_predictor: after each group it tells the predictor
+/// the group's routing and proposes, for each of the next `distance` layers of the same pass,
+/// the most probable experts whose probability reaches the threshold, most probable first.
+///
+/// It reads of the stream only the routing up to the current group and the *layer sequence* of
+/// the pass (which group computes which layer), never later routing.
+class predictive_prefetcher final : public prefetcher {
+ public:
+  /// @throws expage::invalid_argument for a null predictor or options out of range.
+  predictive_prefetcher(std::unique_ptr<expert_predictor> predictor, predictive_prefetch_options options);
+  [[nodiscard]] std::string name() const override;
+  void reset() override;
+  void propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) override;
+
+ private:
+  std::unique_ptr<expert_predictor> predictor_;
+  predictive_prefetch_options options_;
+  std::vector<float> probability_;
+  std::vector<std::pair<float, expert_index>> ranked_;
+};
+
+/// How the simulator admits a proposed prefetch (after the slot, cap and victim-value checks).
+enum class prefetch_admission : std::uint8_t {
+  all,           ///< Every proposal (the ungated baseline).
+  cost_benefit,  ///< PreScope's test (Eq. 6–7): issue only when the expected time saved exceeds the expected delay.
+};
+
 /// @brief Simulation parameters.
 struct sim_options {
   cache_layout layout = cache_layout::global;                     ///< Per-layer or global slots.
@@ -109,6 +144,16 @@ struct sim_options {
   std::optional<double> transfer_compute_ratio{};                 ///< r: rescale the links to it (make_cost_model).
   std::optional<std::uint64_t> dense_bytes_per_layer{};           ///< Non-expert bytes per layer; unset: estimated.
   prefetcher* prefetch = nullptr;                                 ///< Null: demand loading only.
+  /// The admission rule for proposals. cost_benefit (PreScope Eq. 6–7, with f rounded up): with
+  /// f = (idle link time before the expert is needed) / (its transfer time), estimated at issue as
+  /// (groups until its use × nominal layer time − prefetch work queued ahead) / transfer time (the
+  /// current layer's demand loads delay the use as much as the link), and p the
+  /// predictor's probability, issue iff ξ = p·(f − ⌈f⌉ + 1) − (1 − p)·(⌈f⌉ − f) > 0: a transfer
+  /// that fits in the idle time is worth any p > 0; one that cannot (f < 1, the bandwidth-bound
+  /// regime) only p > 1 − f. ⌈f⌉ rather than round(f): Eq. 7's terms are the fraction of the
+  /// last transfer that fits and the fraction that does not, which needs ⌈f⌉ ≥ f (the paper's
+  /// text says "nearest integer", which would make the first term exceed 1 or go negative).
+  prefetch_admission admission = prefetch_admission::cost_benefit;
   /// Most prefetches queued or in flight at once; 0: capacity − the stream's largest group (the
   /// most that still leaves a whole group room to load on demand: a prefetch never takes the slot
   /// a demand load needs).

@@ -1,0 +1,115 @@
+/// @file
+/// @brief Expert predictors: from the routing seen so far, the probability that each expert of a
+/// later layer is routed for the current token.
+///
+/// One interface for every predictor (issue 14), used by the simulator's predictive prefetcher
+/// (sim/pager_sim.hpp) and, through the runtime's prefetch() entry point, by engines. A predictor
+/// sees the routing of the current forward pass layer by layer (observe()), and answers for any
+/// later layer (predict()). Every predictor is online: it learns only from what it has observed.
+#pragma once
+
+#include "expage/core/expert_id.hpp"
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace expage {
+
+/// @brief What every predictor implements.
+class expert_predictor {
+ public:
+  virtual ~expert_predictor() = default;
+  /// A short name for reports ("coactivation", "frequency", ...).
+  [[nodiscard]] virtual std::string name() const = 0;
+  /// Forgets everything learned (a new run).
+  virtual void reset() = 0;
+  /// A new forward pass starts (a new token at batch 1).
+  virtual void begin_pass() = 0;
+  /// Layer @p layer of the current pass routed @p experts (for a lockstep batch, the union).
+  /// Layers of one pass are observed in increasing order.
+  virtual void observe(std::uint32_t layer, std::span<const expert_index> experts) = 0;
+  /// Writes into @p probability (experts_per_layer entries) the probability that each expert of
+  /// @p layer (a layer after the last observed one) is routed in the current pass.
+  virtual void predict(std::uint32_t layer, std::span<float> probability) const = 0;
+};
+
+/// @brief Per-layer frequency so far: P(e@ℓ) = (times e was routed at ℓ) / passes, with a uniform
+/// prior k/E before the first pass (the baseline every predictor is compared with).
+class frequency_predictor final : public expert_predictor {
+ public:
+  frequency_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k);
+  [[nodiscard]] std::string name() const override { return "frequency"; }
+  void reset() override;
+  void begin_pass() override {}
+  void observe(std::uint32_t layer, std::span<const expert_index> experts) override;
+  void predict(std::uint32_t layer, std::span<float> probability) const override;
+
+ private:
+  std::uint32_t layers_, experts_, top_k_;
+  std::vector<std::uint64_t> count_;   // [layer][expert]
+  std::vector<std::uint64_t> passes_;  // per layer: passes observed
+};
+
+/// @brief Previous pass, same layer: the experts the layer routed last time have probability 1,
+/// the others 0 (temporal locality; the notes' second baseline).
+class previous_pass_predictor final : public expert_predictor {
+ public:
+  previous_pass_predictor(std::uint32_t layers, std::uint32_t experts_per_layer);
+  [[nodiscard]] std::string name() const override { return "previous"; }
+  void reset() override;
+  void begin_pass() override {}
+  void observe(std::uint32_t layer, std::span<const expert_index> experts) override;
+  void predict(std::uint32_t layer, std::span<float> probability) const override;
+
+ private:
+  std::uint32_t layers_, experts_;
+  std::vector<std::uint8_t> last_;  // [layer][expert]
+};
+
+/// @brief Co-activation (WiSP App. C): an online table C[ℓ, i; ℓ', j] of the passes in which
+/// expert i fired at layer ℓ and j at a later layer ℓ', with N[ℓ, i] the passes in which i fired
+/// at ℓ. For target layer ℓ', with R_ℓ the experts routed at each earlier observed layer ℓ of the
+/// current pass (at most `window` layers back):
+///
+///     P(j@ℓ') = Σ_ℓ w(ℓ' − ℓ) · mean_{i ∈ R_ℓ} C[ℓ,i;ℓ',j] / N[ℓ,i]  /  Σ_ℓ w(ℓ' − ℓ)
+///
+/// a distance-weighted mean of conditional probabilities, w(δ) = decay^(δ−1) (WiSP leaves the
+/// form of w open: "decreasing in distance"). Pairs never seen fall back to per-layer frequency.
+/// The table holds layers × window × experts² counters (Mixtral, window 4: 8,192 entries).
+class coactivation_predictor final : public expert_predictor {
+ public:
+  /// @throws expage::invalid_argument for 0 layers/experts, a window out of [1, 64], or a decay
+  ///         out of (0, 1].
+  coactivation_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k,
+                         std::uint32_t window = 4, double decay = 0.5);
+  [[nodiscard]] std::string name() const override { return "coactivation"; }
+  void reset() override;
+  void begin_pass() override;
+  void observe(std::uint32_t layer, std::span<const expert_index> experts) override;
+  void predict(std::uint32_t layer, std::span<float> probability) const override;
+
+ private:
+  [[nodiscard]] std::size_t cell(std::uint32_t from_layer, std::uint32_t distance, expert_index i,
+                                 expert_index j) const noexcept {
+    return ((std::size_t{from_layer} * window_ + (distance - 1)) * experts_ + i) * experts_ + j;
+  }
+
+  std::uint32_t layers_, experts_, top_k_, window_;
+  double decay_;
+  frequency_predictor prior_;
+  std::vector<std::uint32_t> pair_;   // C: [from layer][distance − 1][i][j]
+  std::vector<std::uint32_t> fired_;  // N: [layer][i]
+  // The current pass: which layers were observed and their experts.
+  std::vector<std::uint8_t> seen_;
+  std::vector<std::vector<expert_index>> routed_;
+};
+
+/// A predictor by name: "frequency", "previous", "coactivation".
+/// @throws expage::invalid_argument for another name, listing the accepted ones.
+[[nodiscard]] std::unique_ptr<expert_predictor> make_predictor(std::string_view name, std::uint32_t layers,
+                                                               std::uint32_t experts_per_layer, std::uint32_t top_k);
+
+}  // namespace expage

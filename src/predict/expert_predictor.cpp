@@ -1,0 +1,156 @@
+#include "expage/predict/expert_predictor.hpp"
+
+#include "expage/core/error.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace expage {
+namespace {
+
+void check_shape(std::string_view who, std::uint32_t layers, std::uint32_t experts, std::uint32_t top_k) {
+  if (layers == 0 || experts == 0 || top_k == 0 || top_k > experts) {
+    throw invalid_argument(
+        fmt::format("{}: {} layers x {} experts, top-{} out of range (layers and experts >= 1, "
+                    "top-k in [1, experts])",
+                    who, layers, experts, top_k));
+  }
+}
+
+}  // namespace
+
+frequency_predictor::frequency_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k)
+    : layers_(layers), experts_(experts_per_layer), top_k_(top_k) {
+  check_shape("frequency_predictor", layers, experts_per_layer, top_k);
+  reset();
+}
+
+void frequency_predictor::reset() {
+  count_.assign(std::size_t{layers_} * experts_, 0);
+  passes_.assign(layers_, 0);
+}
+
+void frequency_predictor::observe(std::uint32_t layer, std::span<const expert_index> experts) {
+  ++passes_[layer];
+  for (const expert_index e : experts) ++count_[std::size_t{layer} * experts_ + e];
+}
+
+void frequency_predictor::predict(std::uint32_t layer, std::span<float> probability) const {
+  const std::uint64_t n = passes_[layer];
+  for (std::uint32_t e = 0; e < experts_; ++e) {
+    probability[e] = n == 0 ? static_cast<float>(top_k_) / static_cast<float>(experts_)
+                            : static_cast<float>(static_cast<double>(count_[std::size_t{layer} * experts_ + e]) /
+                                                 static_cast<double>(n));
+  }
+}
+
+previous_pass_predictor::previous_pass_predictor(std::uint32_t layers, std::uint32_t experts_per_layer)
+    : layers_(layers), experts_(experts_per_layer) {
+  check_shape("previous_pass_predictor", layers, experts_per_layer, 1);
+  reset();
+}
+
+void previous_pass_predictor::reset() { last_.assign(std::size_t{layers_} * experts_, 0); }
+
+void previous_pass_predictor::observe(std::uint32_t layer, std::span<const expert_index> experts) {
+  std::fill_n(last_.begin() + static_cast<std::ptrdiff_t>(std::size_t{layer} * experts_), experts_, 0);
+  for (const expert_index e : experts) last_[std::size_t{layer} * experts_ + e] = 1;
+}
+
+void previous_pass_predictor::predict(std::uint32_t layer, std::span<float> probability) const {
+  for (std::uint32_t e = 0; e < experts_; ++e) probability[e] = last_[std::size_t{layer} * experts_ + e];
+}
+
+coactivation_predictor::coactivation_predictor(std::uint32_t layers, std::uint32_t experts_per_layer,
+                                               std::uint32_t top_k, std::uint32_t window, double decay)
+    : layers_(layers),
+      experts_(experts_per_layer),
+      top_k_(top_k),
+      window_(window),
+      decay_(decay),
+      prior_((check_shape("coactivation_predictor", layers, experts_per_layer, top_k), layers), experts_per_layer,
+             top_k) {
+  if (window == 0 || window > 64) {
+    throw invalid_argument(fmt::format("coactivation_predictor: window {} out of range [1, 64]", window));
+  }
+  if (!(decay > 0.0 && decay <= 1.0)) {
+    throw invalid_argument(fmt::format("coactivation_predictor: decay {} out of range (0, 1]", decay));
+  }
+  reset();
+}
+
+void coactivation_predictor::reset() {
+  prior_.reset();
+  pair_.assign(std::size_t{layers_} * window_ * experts_ * experts_, 0);
+  fired_.assign(std::size_t{layers_} * experts_, 0);
+  routed_.assign(layers_, {});
+  seen_.assign(layers_, 0);
+}
+
+void coactivation_predictor::begin_pass() {
+  std::fill(seen_.begin(), seen_.end(), 0);
+  for (auto& r : routed_) r.clear();
+}
+
+void coactivation_predictor::observe(std::uint32_t layer, std::span<const expert_index> experts) {
+  prior_.observe(layer, experts);
+  if (seen_[layer] != 0) {  // a split group: more experts of the same layer in this pass
+    for (const expert_index e : experts) {
+      if (std::find(routed_[layer].begin(), routed_[layer].end(), e) == routed_[layer].end()) {
+        routed_[layer].push_back(e);
+      }
+    }
+  } else {
+    seen_[layer] = 1;
+    routed_[layer].assign(experts.begin(), experts.end());
+  }
+  for (const expert_index e : experts) ++fired_[std::size_t{layer} * experts_ + e];
+  // Pairs with the earlier layers of this pass within the window.
+  for (std::uint32_t d = 1; d <= window_ && d <= layer; ++d) {
+    const std::uint32_t from = layer - d;
+    if (seen_[from] == 0) continue;
+    for (const expert_index i : routed_[from]) {
+      for (const expert_index j : experts) ++pair_[cell(from, d, i, j)];
+    }
+  }
+}
+
+void coactivation_predictor::predict(std::uint32_t layer, std::span<float> probability) const {
+  std::vector<double> score(experts_, 0.0);
+  double weights = 0.0;
+  double w = 1.0;
+  for (std::uint32_t d = 1; d <= window_ && d <= layer; ++d, w *= decay_) {
+    const std::uint32_t from = layer - d;
+    if (seen_[from] == 0 || routed_[from].empty()) continue;
+    const double share = w / static_cast<double>(routed_[from].size());
+    bool any = false;
+    for (const expert_index i : routed_[from]) {
+      // Passes before this one in which i fired at `from`: the current pass has not reached the
+      // target layer yet, so counting it would bias every conditional down by n / (n + 1).
+      const std::uint32_t n = fired_[std::size_t{from} * experts_ + i] - 1;
+      if (n == 0) continue;
+      any = true;
+      for (std::uint32_t j = 0; j < experts_; ++j) {
+        score[j] += share * static_cast<double>(pair_[cell(from, d, i, j)]) / static_cast<double>(n);
+      }
+    }
+    if (any) weights += w;
+  }
+  if (weights == 0.0) {  // nothing observed within the window yet: the per-layer frequency
+    prior_.predict(layer, probability);
+    return;
+  }
+  for (std::uint32_t j = 0; j < experts_; ++j) probability[j] = static_cast<float>(score[j] / weights);
+}
+
+std::unique_ptr<expert_predictor> make_predictor(std::string_view name, std::uint32_t layers,
+                                                 std::uint32_t experts_per_layer, std::uint32_t top_k) {
+  if (name == "frequency") return std::make_unique<frequency_predictor>(layers, experts_per_layer, top_k);
+  if (name == "previous") return std::make_unique<previous_pass_predictor>(layers, experts_per_layer);
+  if (name == "coactivation") return std::make_unique<coactivation_predictor>(layers, experts_per_layer, top_k);
+  throw invalid_argument(
+      fmt::format("unknown predictor '{}': expected one of frequency, previous, coactivation", name));
+}
+
+}  // namespace expage
