@@ -674,6 +674,7 @@ sim_bounds simulate_bounds(const access_stream& stream, const moe_geometry& geom
   const sim_result belady = simulate(stream, geometry, policy_kind::belady, o);
   oracle_prefetcher perfect(2, 1.0);
   o.prefetch = &perfect;
+  o.admission = prefetch_admission::all;  // a perfect prediction is worth issuing even when it cannot fully overlap
   const sim_result oracle = simulate(stream, geometry, policy_kind::belady, o);
   sim_bounds b;
   b.belady_demand_stall_per_token = belady.stall_seconds_per_token();

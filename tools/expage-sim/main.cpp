@@ -72,6 +72,8 @@ model, hardware and cache:
                         coactivation[:T], frequency[:T], previous[:T]: an online predictor, prefetching
                         experts predicted with probability >= T (default 0.5) (default none)
   --distance D          prefetch distance in layer groups (default 2)
+  --admission A         cost-benefit (PreScope Eq. 6-7: issue a prefetch only when the expected time
+                        saved exceeds the expected delay) or all (ungated) (default cost-benefit)
   --prefetch-seed N     seed of the noisy oracle (default 1)
   --no-bounds           skip the oracle columns (3 extra simulations per layout x capacity x ratio)
 
@@ -116,6 +118,7 @@ struct config {
   std::vector<expage::cache_layout> layouts = {expage::cache_layout::global};
   std::vector<prefetch_choice> prefetch = {{"none", std::nullopt}};
   std::uint32_t distance = 2;
+  expage::prefetch_admission admission = expage::prefetch_admission::cost_benefit;
   std::uint64_t prefetch_seed = 1;
   bool bounds = true;
   std::optional<std::string> json, svg;
@@ -227,6 +230,15 @@ config parse(int argc, char** argv, const std::string& help) {
       }
     } else if (flag == "--distance") {
       c.distance = parse_number<std::uint32_t>(flag, value(), 1, 64);
+    } else if (flag == "--admission") {
+      const std::string_view v = value();
+      if (v == "all") {
+        c.admission = expage::prefetch_admission::all;
+      } else if (v == "cost-benefit") {
+        c.admission = expage::prefetch_admission::cost_benefit;
+      } else {
+        throw usage_error{fmt::format("--admission '{}' is not one of cost-benefit, all", v)};
+      }
     } else if (flag == "--prefetch-seed") {
       c.prefetch_seed = parse_number<std::uint64_t>(flag, value(), 0, ~std::uint64_t{0});
     } else if (flag == "--no-bounds") {
@@ -556,7 +568,8 @@ int main(int argc, char** argv) {
                                          .hardware = hardware,
                                          .transfer_compute_ratio = j.ratio,
                                          .dense_bytes_per_layer = c.dense_bytes,
-                                         .prefetch = oracle.get()});
+                                         .prefetch = oracle.get(),
+                                         .admission = c.admission});
           bar.step(fmt::format("{} {} {}", expage::to_string(j.policy), expage::to_string(j.layout), j.slots));
         } catch (...) {
           const std::lock_guard lock(failure_mutex);
