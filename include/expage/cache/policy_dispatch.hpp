@@ -17,7 +17,7 @@
 
 namespace expage {
 
-/// The type tag visit_policy() passes: `typename decltype(tag)::type` is the policy.
+/// The type tag visit_policy() passes; its member alias `type` is the policy.
 template <eviction_policy Policy>
 struct policy_tag {
   using type = Policy;  ///< The policy type.

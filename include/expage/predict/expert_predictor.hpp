@@ -40,6 +40,8 @@ class expert_predictor {
 /// prior k/E before the first pass (the baseline every predictor is compared with).
 class frequency_predictor final : public expert_predictor {
  public:
+  /// A predictor for @p layers × @p experts_per_layer experts with top-@p top_k routing.
+  /// @throws expage::invalid_argument for 0 layers or experts, or top-k out of [1, experts].
   frequency_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k);
   [[nodiscard]] std::string name() const override { return "frequency"; }
   void reset() override;
@@ -57,6 +59,8 @@ class frequency_predictor final : public expert_predictor {
 /// the others 0 (temporal locality; the notes' second baseline).
 class previous_pass_predictor final : public expert_predictor {
  public:
+  /// A predictor for @p layers × @p experts_per_layer experts.
+  /// @throws expage::invalid_argument for 0 layers or experts.
   previous_pass_predictor(std::uint32_t layers, std::uint32_t experts_per_layer);
   [[nodiscard]] std::string name() const override { return "previous"; }
   void reset() override;

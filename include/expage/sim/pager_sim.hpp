@@ -177,16 +177,16 @@ struct stall_distribution {
 
 /// @brief What a simulation measured.
 struct sim_result {
-  policy_kind policy = policy_kind::lru;  ///< Eviction policy.
-  std::string prefetcher = "none";        ///< The prefetcher's name.
-  cache_layout layout = cache_layout::global;
-  std::uint32_t capacity = 0;
-  precision format = precision::bf16;
-  std::string hardware;            ///< Profile name.
-  double transfer_seconds = 0;     ///< One expert over the fastest link.
-  double layer_seconds = 0;        ///< Nominal layer compute time (top-k experts).
-  double ratio = 0;                ///< transfer_seconds / layer_seconds (∞ when compute is free).
-  std::uint64_t expert_bytes = 0;  ///< Bytes of one paged expert.
+  policy_kind policy = policy_kind::lru;       ///< Eviction policy.
+  std::string prefetcher = "none";             ///< The prefetcher's name.
+  cache_layout layout = cache_layout::global;  ///< Per-layer or global slots.
+  std::uint32_t capacity = 0;                  ///< Slots per layer or in all.
+  precision format = precision::bf16;          ///< Precision of the paged experts.
+  std::string hardware;                        ///< Profile name.
+  double transfer_seconds = 0;                 ///< One expert over the fastest link.
+  double layer_seconds = 0;                    ///< Nominal layer compute time (top-k experts).
+  double ratio = 0;                            ///< transfer_seconds / layer_seconds (∞ when compute is free).
+  std::uint64_t expert_bytes = 0;              ///< Bytes of one paged expert.
 
   std::uint64_t tokens = 0;         ///< Distinct (sequence, step) pairs.
   std::uint64_t passes = 0;         ///< Forward passes.
@@ -214,7 +214,9 @@ struct sim_result {
   std::uint64_t budget_peak_bytes = 0;       ///< High-water mark of the slot budget (in-flight loads included).
   std::vector<layer_sim_statistics> layers;  ///< Per MoE layer.
 
+  /// Bytes moved by demand loads and prefetches.
   [[nodiscard]] std::uint64_t bytes_moved() const noexcept { return demand_bytes + prefetch_bytes; }
+  /// Total stall, all causes, seconds.
   [[nodiscard]] double stall_total() const noexcept {
     double s = 0;
     for (const double x : stall_seconds) s += x;
