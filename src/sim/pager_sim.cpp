@@ -189,6 +189,7 @@ class engine {
     ready_at_.assign(keys, 0.0);
     unused_prefetch_.assign(keys, 0);
     predicted_use_.assign(keys, never);
+    prefetch_evicted_at_.assign(keys, never);
     slots_.resize(keys);
     for (const double t : cost.transfer_seconds) links_.push_back({.transfer = t});
     outstanding_cap_ = options.max_outstanding_prefetches != 0 ? options.max_outstanding_prefetches
@@ -268,12 +269,14 @@ class engine {
           }
           case residency::absent: {
             ++ls.misses;
+            note_refault(f);
             std::uint32_t victim = 0;
             const bool evicts = free_[s] == 0;
             if (evicts) victim = policy.victim(pin_view{pins_[s].data()}, ctx);
             policy.on_insert(k, ctx);
             if (evicts) {
               evict(s, victim);
+              ++demand_evictions_;
             } else {
               --free_[s];
             }
@@ -497,7 +500,7 @@ class engine {
     const std::uint32_t s = scope_of(r.layer);
     const std::uint32_t occupied = options_.capacity - free_[s];
     const bool has_victim = occupied > nonevictable_[s];
-    if (outstanding_ >= outstanding_cap_ || (free_[s] == 0 && !has_victim) || !worth_it(r, g)) {
+    if (outstanding_ >= outstanding_cap_ || (free_[s] == 0 && !has_victim) || !worth_it(r, g, free_[s] == 0)) {
       ++result_.prefetches_refused;
       return;
     }
@@ -519,6 +522,8 @@ class engine {
     policy.on_insert(k, ctx);
     if (evicts) {
       evict(s, victim);
+      prefetch_evicted_at_[flat_of_key(s, victim)] = demand_evictions_;
+      ++prefetch_evictions_;
     } else {
       --free_[s];
     }
@@ -533,7 +538,17 @@ class engine {
   }
 
   // PreScope Eq. 6–7 (see sim_options::admission).
-  [[nodiscard]] bool worth_it(const prefetch_request& r, std::size_t g) const noexcept {
+  // A demand miss on an expert a prefetch evicted, before the policy would have evicted it anyway
+  // (before the next demand eviction: the victim was the policy's next choice): that eviction
+  // cost a transfer. The running share of such refaults is the victim's expected cost.
+  void note_refault(std::size_t f) noexcept {
+    const std::uint64_t at = prefetch_evicted_at_[f];
+    if (at == never) return;
+    prefetch_evicted_at_[f] = never;
+    if (demand_evictions_ - at <= 1) ++prefetch_refaults_;
+  }
+
+  [[nodiscard]] bool worth_it(const prefetch_request& r, std::size_t g, bool evicts) const noexcept {
     if (options_.admission == prefetch_admission::all) return true;
     const double p = std::clamp(static_cast<double>(r.probability), 0.0, 1.0);
     if (p <= 0.0) return false;
@@ -547,7 +562,12 @@ class engine {
     const double f = std::max(0.0, gap / transfer);
     const double n = std::max(1.0, std::ceil(f));
     const double xi = p * (f - n + 1.0) - (1.0 - p) * (n - f);
-    return xi > 0.0;
+    // The victim's value, in transfers: the share of prefetch evictions refaulted within a pass
+    // (a prior of 1 in 2 until there is evidence).
+    const double victim =
+        evicts ? (static_cast<double>(prefetch_refaults_) + 1.0) / (static_cast<double>(prefetch_evictions_) + 2.0)
+               : 0.0;
+    return xi - victim > 0.0;
   }
 
   void finish(std::vector<double>& pass_stalls) {
@@ -591,6 +611,10 @@ class engine {
   std::uint32_t outstanding_ = 0;
   std::uint32_t outstanding_cap_ = 0;
   std::uint64_t order_ = 0;
+  std::vector<std::uint64_t> prefetch_evicted_at_;  // per flat expert: demand evictions when a prefetch evicted it
+  std::uint64_t demand_evictions_ = 0;
+  std::uint64_t prefetch_evictions_ = 0;
+  std::uint64_t prefetch_refaults_ = 0;
   double nominal_layer_ = 0.0;
   sim_result result_;
 };
