@@ -11,8 +11,16 @@
 
 #include <fmt/format.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <charconv>
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -59,6 +67,19 @@ class json_reader {
               fmt::format("field '{}': {} out of range {}{}, {}]", key, v.text, open_low ? "(" : "[", lo, hi));
     }
     return d;
+  }
+
+  /// A non-negative integer in [0, @p hi], from a number node without sign, fraction or exponent.
+  std::uint64_t integer(const json_value& v, std::string_view key, std::uint64_t hi) const {
+    if (v.type != json_value::kind::number || v.text.find_first_not_of("0123456789") != std::string::npos) {
+      fail_at(v.column, fmt::format("field '{}': expected a non-negative integer", key));
+    }
+    std::uint64_t n = 0;
+    const auto [end, ec] = std::from_chars(v.text.data(), v.text.data() + v.text.size(), n);
+    if (ec != std::errc() || end != v.text.data() + v.text.size() || n > hi) {
+      fail_at(v.column, fmt::format("field '{}': {} out of range [0, {}]", key, v.text, hi));
+    }
+    return n;
   }
 
   /// A string node's contents.
@@ -217,5 +238,46 @@ class json_reader {
   std::string_view source_;
   std::size_t pos_ = 0;
 };
+
+/// The most bytes a configuration file (a geometry, a hardware profile) may have.
+inline constexpr std::size_t max_config_file_bytes = std::size_t{64} << 10;
+
+/// Reads the whole configuration file @p path, which must be a regular file of at most
+/// max_config_file_bytes (a FIFO, a device or a directory is refused before anything is read);
+/// @p what names it in messages ("geometry file"). @throws format_error with the system's reason.
+inline std::string read_config_file(const std::filesystem::path& path, std::string_view what) {
+  const std::string name = path.string();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    throw format_error(fmt::format("{}: cannot open the {}: {}", name, what, std::strerror(err)));
+  }
+  struct closer {
+    int fd;
+    ~closer() { ::close(fd); }
+  } const close_on_exit{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    throw format_error(fmt::format("{}: a {} must be a regular file", name, what));
+  }
+  if (static_cast<std::uint64_t>(st.st_size) > max_config_file_bytes) {
+    throw format_error(
+        fmt::format("{}: {} bytes out of range [0, {}] for a {}", name, st.st_size, max_config_file_bytes, what));
+  }
+  std::string text(static_cast<std::size_t>(st.st_size), '\0');
+  std::size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t got = ::read(fd, text.data() + done, text.size() - done);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) {
+      const int err = errno;
+      throw format_error(fmt::format("{}: read error: {}", name, std::strerror(err)));
+    }
+    if (got == 0) break;
+    done += static_cast<std::size_t>(got);
+  }
+  text.resize(done);
+  return text;
+}
 
 }  // namespace expage::detail

@@ -9,16 +9,13 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <fstream>
 #include <limits>
-#include <sstream>
 
 namespace expage {
 namespace {
 
 constexpr std::array<std::string_view, 3> presets = {"pcie4", "pcie5", "c2c"};
 constexpr double inf = std::numeric_limits<double>::infinity();
-constexpr std::size_t max_profile_file_bytes = std::size_t{64} << 10;
 
 // One owner of every range the profile's fields accept: validate() and the JSON reader both use it.
 struct field_range {
@@ -134,21 +131,7 @@ hardware_profile parse_hardware_json(std::string_view text, std::string_view sou
 }
 
 hardware_profile read_hardware_profile(const std::filesystem::path& path) {
-  const std::string name = path.string();
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) {
-    throw format_error(fmt::format("{}: not a readable regular file", name));
-  }
-  const auto size = std::filesystem::file_size(path, ec);
-  if (ec || size > max_profile_file_bytes) {
-    throw format_error(fmt::format("{}: {} bytes out of range [0, {}] for a hardware profile", name, ec ? 0 : size,
-                                   max_profile_file_bytes));
-  }
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (!in && !in.eof()) throw format_error(fmt::format("{}: read error", name));
-  return parse_hardware_json(text.str(), name);
+  return parse_hardware_json(detail::read_config_file(path, "hardware profile"), path.string());
 }
 
 hardware_profile hardware_from_argument(std::string_view name_or_path) {
