@@ -36,7 +36,7 @@ TEST(LfruPolicy, ScoresHalveOncePerHalfLife) {
   EXPECT_DOUBLE_EQ(p.score(0, 2), 2.0);
   EXPECT_DOUBLE_EQ(p.score(0, 6), 0.5);  // epoch 3: two halvings
   EXPECT_DOUBLE_EQ(p.score(1, 6), 0.5);
-  EXPECT_EQ(lfru_policy(eight).half_life(), 4U);  // default: 4 × layers
+  EXPECT_EQ(lfru_policy(eight).half_life(), 8U);  // default: 8 × layers
 }
 
 // LFRU sits between LFU and LRU. Half-life 2 groups, victims chosen at time 6 (epoch 3).

@@ -357,8 +357,8 @@ inline reference_result reference_replay(const std::vector<group>& groups, std::
               return std::tuple(last_time(a), a) < std::tuple(last_time(b), b);
             }
             case policy_kind::lfru: {
-              // Σ over the key's accesses of 2^−(E(now) − E(t)), E(t) = ⌊t / (4·layers)⌋, from scratch.
-              const std::uint64_t h = 4 * std::uint64_t{layers};
+              // Σ over the key's accesses of 2^−(E(now) − E(t)), E(t) = ⌊t / (8·layers)⌋, from scratch.
+              const std::uint64_t h = 8 * std::uint64_t{layers};
               const auto score = [&](std::uint32_t r) {
                 double sum = 0.0;
                 for (const access& h_access : history[{s, r}]) {

@@ -28,8 +28,10 @@ namespace detail {
 
 /// @brief Options of lfru_policy.
 struct lfru_options {
-  /// Access groups after which an access weighs half as much; 0 means 4 × the model's layers
-  /// (about four decode tokens at batch 1, where each token runs every layer once).
+  /// Access groups after which an access weighs half as much; 0 means 8 × the model's layers
+  /// (about eight decode tokens at batch 1, where each token runs every layer once). Eight was
+  /// chosen among {1/4, 1, 2, 4, 8, 16, 32, 128} × layers on problem 0 of the real Mixtral trace
+  /// (docs/caches.md).
   std::uint64_t half_life = 0;
 };
 
@@ -62,9 +64,9 @@ class lfru_policy {
   /// A policy over the keys of @p space with the default options.
   explicit lfru_policy(const key_space& space) : lfru_policy(space, lfru_options{}) {}
   /// A policy over the keys of @p space.
-  /// @throws expage::invalid_argument when the default half-life (4 × layers) would be 0.
+  /// @throws expage::invalid_argument when the default half-life (8 × layers) would be 0.
   lfru_policy(const key_space& space, lfru_options options)
-      : half_life_(options.half_life != 0 ? options.half_life : 4 * std::uint64_t{space.layers}),
+      : half_life_(options.half_life != 0 ? options.half_life : 8 * std::uint64_t{space.layers}),
         value_(space.size(), 0.0),
         epoch_(space.size(), 0),
         last_(space.size(), 0) {
