@@ -62,9 +62,11 @@ struct lfru_options {
 class lfru_policy {
  public:
   /// A policy over the keys of @p space with the default options.
+  /// @throws expage::invalid_argument when @p space has no layers (the half-life would be 0).
   explicit lfru_policy(const key_space& space) : lfru_policy(space, lfru_options{}) {}
   /// A policy over the keys of @p space.
-  /// @throws expage::invalid_argument when the default half-life (8 × layers) would be 0.
+  /// @throws expage::invalid_argument when the half-life is left to its default and @p space has
+  ///         no layers (it would be 0).
   lfru_policy(const key_space& space, lfru_options options)
       : half_life_(options.half_life != 0 ? options.half_life : 8 * std::uint64_t{space.layers}),
         value_(space.size(), 0.0),

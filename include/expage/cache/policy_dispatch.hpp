@@ -21,7 +21,7 @@
 
 namespace expage {
 
-/// The type tag visit_policy() passes: `typename decltype(tag)::type` is the policy.
+/// The type tag visit_policy() passes: its member type `type` is the policy.
 template <eviction_policy Policy>
 struct policy_tag {
   using type = Policy;  ///< The policy type.
