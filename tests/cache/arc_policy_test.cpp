@@ -30,11 +30,11 @@ TEST(ArcPolicy, AdaptsItsTargetOnGhostHits) {
   EXPECT_EQ(d.access(2), 1U);
   EXPECT_EQ(d.policy.where(1), list::b1);
   EXPECT_EQ(d.access(1), 0U);
-  EXPECT_EQ(d.policy.target(), 1U);
+  EXPECT_DOUBLE_EQ(d.policy.target(), 1.0);
   EXPECT_EQ(d.policy.where(1), list::t2);
   EXPECT_EQ(d.policy.where(0), list::b2);
   EXPECT_EQ(d.access(0), 2U);
-  EXPECT_EQ(d.policy.target(), 0U);
+  EXPECT_DOUBLE_EQ(d.policy.target(), 0.0);
   EXPECT_EQ(d.policy.where(2), list::b1);
   EXPECT_EQ(d.access(3), 1U);
   EXPECT_EQ(d.policy.where(1), list::b2);
@@ -54,7 +54,7 @@ TEST(ArcPolicy, AOneTimeScanDoesNotFlushFrequentKeys) {
   }
   EXPECT_EQ(d.policy.where(0), list::t2);
   EXPECT_EQ(d.policy.where(1), list::t2);
-  EXPECT_EQ(d.policy.target(), 0U);
+  EXPECT_DOUBLE_EQ(d.policy.target(), 0.0);
 }
 
 // Case IV(A): with |T1| = c the victim, T1's LRU, is forgotten rather than remembered; with

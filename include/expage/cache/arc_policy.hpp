@@ -17,13 +17,13 @@ namespace expage {
 /// Residents are split into T1 (seen once recently) and T2 (seen at least twice), each an LRU
 /// list; B1 and B2 remember the keys last evicted from each (ghosts, keys only). A hit moves the
 /// key to T2's front. A miss on a ghost of B1 raises the target size p of T1 by
-/// max(⌊|B2|/|B1|⌋, 1) (at most c), a miss on a ghost of B2 lowers it by max(⌊|B1|/|B2|⌋, 1) (at
+/// max(|B2|/|B1|, 1) (at most c), a miss on a ghost of B2 lowers it by max(|B1|/|B2|, 1) (at
 /// least 0), and the key enters T2; any other miss enters T1. The victim (the paper's REPLACE)
 /// is T1's least recent key when |T1| > p, or |T1| = p and the newcomer is a ghost of B2, else
 /// T2's; it becomes a ghost of its list. The directory is bounded as in the paper: |T1| + |B1|
 /// ≤ c (on a plain miss with |T1| = c, T1's victim is forgotten rather than remembered) and
-/// |T1| + |T2| + |B1| + |B2| ≤ 2c, forgetting the oldest ghost of B1, then of B2. p is an
-/// integer and δ rounds down, as in libCacheSim's `ARC.c` (the paper's p is real).
+/// |T1| + |T2| + |B1| + |B2| ≤ 2c, forgetting the oldest ghost of B1, then of B2. p and the
+/// steps are real numbers, as in the paper and libCacheSim's `ARC.c`.
 ///
 /// The slot count c is learned, not configured: it is the number of residents when victim() is
 /// called (the cache is full then); until the first call there are no ghosts.
@@ -111,8 +111,8 @@ class arc_policy {
     if (from != list::b1 && from != list::b2 && t1_.size() >= slots_) {
       take_t1 = true;  // case IV(A) with |T1| = c: T1's LRU (bound_directory forgets it)
     } else {
-      const std::uint64_t p = from == list::none ? p_ : adapted_target(incoming);
-      const std::uint64_t t1 = t1_.size();
+      const double p = from == list::none ? p_ : adapted_target(incoming);
+      const auto t1 = static_cast<double>(t1_.size());
       take_t1 = t1 >= 1 && (t1 > p || (t1 == p && from == list::b2));
     }
     const std::uint32_t first = (take_t1 ? t1_ : t2_).oldest_unpinned(pins);
@@ -120,8 +120,8 @@ class arc_policy {
     return pending_;
   }
 
-  /// The target size of T1.
-  [[nodiscard]] std::uint64_t target() const noexcept { return p_; }
+  /// The target size of T1, in [0, c].
+  [[nodiscard]] double target() const noexcept { return p_; }
   /// Where @p key is.
   [[nodiscard]] list where(std::uint32_t key) const noexcept { return where_[key]; }
 
@@ -134,12 +134,11 @@ class arc_policy {
     return valid ? space_.key_of(ctx.layer, ctx.expert) : none;
   }
   // p after a miss on the ghost @p key (Megiddo & Modha, Fig. 4, cases II and III).
-  [[nodiscard]] std::uint64_t adapted_target(std::uint32_t key) const noexcept {
-    const std::uint64_t b1 = b1_.size();
-    const std::uint64_t b2 = b2_.size();
-    if (where_[key] == list::b1) return std::min<std::uint64_t>(p_ + std::max<std::uint64_t>(b2 / b1, 1), slots_);
-    const std::uint64_t delta = std::max<std::uint64_t>(b1 / b2, 1);
-    return p_ > delta ? p_ - delta : 0;
+  [[nodiscard]] double adapted_target(std::uint32_t key) const noexcept {
+    const auto b1 = static_cast<double>(b1_.size());
+    const auto b2 = static_cast<double>(b2_.size());
+    if (where_[key] == list::b1) return std::min(p_ + std::max(b2 / b1, 1.0), static_cast<double>(slots_));
+    return std::max(p_ - std::max(b1 / b2, 1.0), 0.0);
   }
   // |T1| + |B1| ≤ c and |T1| + |T2| + |B1| + |B2| ≤ 2c: the paper forgets B1's LRU (case IV(A))
   // or B2's (case IV(B)) before replacing; forgetting once the newcomer is in and the victim
@@ -163,7 +162,7 @@ class arc_policy {
   detail::key_list b2_;
   std::vector<list> where_;
   std::uint32_t pending_ = none;  // the latest victim() answer, until an eviction
-  std::uint64_t p_ = 0;           // target size of T1
+  double p_ = 0.0;                // target size of T1
   std::uint32_t slots_ = 0;       // c: residents at the latest victim() call
 };
 
