@@ -30,7 +30,7 @@ struct reference_result {
 };
 
 /// The queue-based policies (ARC, S3-FIFO, SIEVE), as their papers and libCacheSim
-/// (ARC.c, S3FIFOv0.c, Sieve.c) write them: plain vectors, front = oldest, linear searches,
+/// (ARC.c, S3FIFO.c, Sieve.c) write them: plain vectors, front = oldest, linear searches,
 /// and the eviction done *before* the newcomer is inserted (libCacheSim's order; slot_cache
 /// asks the policy for a victim, inserts, then evicts). Pinned keys (the group's) are passed
 /// over wherever a list is scanned.
@@ -44,10 +44,11 @@ inline reference_result reference_queue_replay(const std::vector<group>& groups,
     list resident;
     // ARC
     list t1, t2, b1, b2;
-    std::uint64_t p = 0;
+    double p = 0.0;
     // S3-FIFO
     list small, main, ghost;
     std::map<std::uint32_t, int> freq;
+    bool has_evicted = false;
     // SIEVE
     list queue;
     std::map<std::uint32_t, bool> visited;
@@ -88,9 +89,9 @@ inline reference_result reference_queue_replay(const std::vector<group>& groups,
       const bool full = st.resident.size() == capacity;
       std::uint32_t victim = 0;
       if (kind == policy_kind::arc) {
-        // Megiddo & Modha Fig. 4 (libCacheSim ARC.c: integer p, δ rounded down).
+        // Megiddo & Modha Fig. 4, real-valued p as in the paper and libCacheSim's ARC.c.
         const auto replace = [&](bool x_in_b2) {
-          const std::uint64_t t1 = st.t1.size();
+          const auto t1 = static_cast<double>(st.t1.size());
           const bool take_t1 = t1 >= 1 && (t1 > st.p || (t1 == st.p && x_in_b2));
           const std::uint32_t* v = first_unpinned(take_t1 ? st.t1 : st.t2);
           const bool from_t1 = v != nullptr ? take_t1 : !take_t1;
@@ -100,13 +101,14 @@ inline reference_result reference_queue_replay(const std::vector<group>& groups,
           (from_t1 ? st.b1 : st.b2).push_back(victim);
         };
         if (contains(st.b1, x)) {
-          st.p = std::min<std::uint64_t>(st.p + std::max<std::uint64_t>(st.b2.size() / st.b1.size(), 1), c);
+          st.p = std::min(st.p + std::max(static_cast<double>(st.b2.size()) / static_cast<double>(st.b1.size()), 1.0),
+                          static_cast<double>(c));
           if (full) replace(false);
           erase(st.b1, x);
           st.t2.push_back(x);
         } else if (contains(st.b2, x)) {
-          const std::uint64_t delta = std::max<std::uint64_t>(st.b1.size() / st.b2.size(), 1);
-          st.p = st.p > delta ? st.p - delta : 0;
+          st.p = std::max(st.p - std::max(static_cast<double>(st.b1.size()) / static_cast<double>(st.b2.size()), 1.0),
+                          0.0);
           if (full) replace(true);
           erase(st.b2, x);
           st.t2.push_back(x);
@@ -128,12 +130,13 @@ inline reference_result reference_queue_replay(const std::vector<group>& groups,
           st.t1.push_back(x);
         }
       } else if (kind == policy_kind::s3fifo) {
-        // libCacheSim S3FIFOv0.c, admitting every key (a slot cache must load what is routed).
+        // libCacheSim S3FIFO.c, admitting every key (a slot cache must load what is routed).
         const auto small_cap = static_cast<std::uint64_t>(static_cast<double>(c) * 0.1);
         const auto ghost_cap = static_cast<std::uint64_t>(static_cast<double>(c) * 0.9);
         const bool hit_on_ghost = contains(st.ghost, x);
         if (hit_on_ghost) erase(st.ghost, x);
         if (full) {
+          st.has_evicted = true;
           bool from_main = st.main.size() > c - small_cap || st.small.empty();
           for (bool evicted = false; !evicted;) {
             if (!from_main) {
@@ -171,7 +174,9 @@ inline reference_result reference_queue_replay(const std::vector<group>& groups,
             }
           }
         }
-        (hit_on_ghost ? st.main : st.small).push_back(x);
+        // Until the first eviction, keys beyond the small queue's share go to the main queue.
+        const bool to_main = hit_on_ghost || (!st.has_evicted && st.small.size() >= small_cap);
+        (to_main ? st.main : st.small).push_back(x);
         st.freq[x] = 0;
       } else {
         // libCacheSim Sieve.c: the hand walks toward newer keys, wrapping to the oldest.

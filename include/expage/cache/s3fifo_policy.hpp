@@ -15,8 +15,9 @@ namespace expage {
 /// three FIFO queues and a 2-bit access counter per resident key.
 ///
 /// - A new key enters the **small** queue (10% of the slots), unless the **ghost** queue
-///   remembers it, in which case it enters the **main** queue; its counter starts at 0. A hit
-///   adds 1 to the counter, saturating at 3; nothing moves.
+///   remembers it, in which case it enters the **main** queue; its counter starts at 0. While
+///   the cache first fills, keys beyond the small queue's share go to the main queue. A hit adds
+///   1 to the counter, saturating at 3; nothing moves.
 /// - Eviction reads from the main queue when it holds more than its share (the slots minus the
 ///   small queue's ⌊0.1·c⌋) or the small queue is empty, else from the small queue:
 ///   - small: the oldest key moves to the main queue (counter reset to 0) if it was hit at least
@@ -27,13 +28,14 @@ namespace expage {
 /// - The ghost queue holds keys only, at most ⌊0.9·c⌋, the oldest forgotten first; a key leaves
 ///   it when it is inserted again.
 ///
-/// The sizes, the threshold of two hits and the order of the checks are those of libCacheSim's
-/// `S3FIFOv0.c`, the authors' implementation of the paper (docs/caches.md lists where this
+/// The sizes, the threshold of two hits, the first fill and the order of the checks are those of
+/// libCacheSim's `S3FIFO.c`, the authors' implementation (docs/caches.md lists where this
 /// differs from libCacheSim).
 ///
 /// The slot count c is learned, not configured: it is the number of residents when victim() is
 /// called (the cache is full then); until the first call there are no ghosts, and keys evicted
-/// before it leave no ghost.
+/// before it leave no ghost. At the first call the keys inserted beyond the small queue's share
+/// move to the main queue, as if c had been known from the start.
 ///
 /// Pins: a pinned key is passed over where it stands, in either queue: it is not moved, its
 /// counter is not changed, and the key behind it is examined instead; if one queue holds only
@@ -112,6 +114,7 @@ class s3fifo_policy {
   /// The next victim (see the class comment); promotes and reinserts the keys it passes.
   [[nodiscard]] std::uint32_t victim(pin_view pins, const access_context& /*ctx*/) noexcept {
     slots_ = small_.size() + main_.size();
+    if (!evicted_) split_the_first_fill();
     bool from_main = main_.size() > main_capacity() || small_.empty();
     // Each step promotes or reinserts a key (at most 1 + 3 steps per key between evictions)
     // or returns; the bound only guards the precondition (some unpinned key exists).
@@ -153,6 +156,22 @@ class s3fifo_policy {
     return static_cast<std::uint32_t>(static_cast<double>(slots_) * 0.1);
   }
   [[nodiscard]] std::uint32_t main_capacity() const noexcept { return slots_ - small_capacity(); }
+  // libCacheSim's S3FIFO.c inserts into the main queue once the small queue is full, until the
+  // first eviction. c is unknown until then, so every key went to the small queue; at the first
+  // victim() the keys beyond the small queue's share move to the main queue, in their order:
+  // the queues are then what S3FIFO.c would hold (hits reorder neither queue).
+  void split_the_first_fill() noexcept {
+    evicted_ = true;
+    std::uint32_t k = small_.oldest();  // the oldest ⌊0.1·c⌋ stay; the newer ones move, oldest first
+    for (std::uint32_t i = 0; i < small_capacity() && k != none; ++i) k = small_.newer(k);
+    while (k != none) {
+      const std::uint32_t next = small_.newer(k);
+      small_.unlink(k);
+      main_.push_front(k);
+      where_[k] = queue::main;
+      k = next;
+    }
+  }
   [[nodiscard]] std::uint32_t ghost_capacity() const noexcept {
     return static_cast<std::uint32_t>(static_cast<double>(slots_) * 0.9);
   }
@@ -163,6 +182,7 @@ class s3fifo_policy {
   std::vector<queue> where_;
   std::vector<std::uint8_t> frequency_;
   std::uint32_t slots_ = 0;  // c: residents at the latest victim() call
+  bool evicted_ = false;     // victim() has been called
 };
 
 static_assert(eviction_policy<s3fifo_policy>);
