@@ -5,6 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <vector>
+
 namespace expage {
 namespace {
 
@@ -83,6 +86,17 @@ TEST(ArcPolicy, SkipsPinnedKeys) {
   EXPECT_EQ(d.access(3, {1}), 2U);                                   // |T1| = 2 > p = 0; 1 is pinned
   EXPECT_EQ(d.policy.where(2), list::b1);
   EXPECT_EQ(d.policy.where(1), list::t1);
+}
+
+// A sequential replay against libCacheSim: the hits and misses libcachesim 0.3.5 (PyPI) reports
+// for this sequence at 5 slots, unit sizes. Its request 32 tells a real-valued p (the paper's,
+// libCacheSim's) from an integer one.
+TEST(ArcPolicy, MatchesLibCacheSimOnARecordedSequence) {
+  const std::vector<std::uint32_t> keys = {2, 1, 5, 8,  13, 5, 5,  6, 6, 13, 7, 10, 6, 10, 10, 6, 1, 1, 7, 15,
+                                           5, 6, 1, 3,  2,  4, 3,  0, 2, 0,  8, 1,  4, 5,  8,  1, 4, 1, 1, 0,
+                                           7, 2, 0, 12, 1,  0, 13, 8, 0, 2,  4, 5,  3, 9,  6,  3, 4, 0, 7, 2};
+  policy_driver<arc_policy> d({.layers = 1, .experts_per_layer = 16}, 5);
+  EXPECT_EQ(d.hit_pattern(keys), "000001101100111101100110001011001011111100101100110000001000");
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace expage::testing {
@@ -41,6 +42,18 @@ struct policy_driver {
     }
     resident.push_back(key);
     return victim;
+  }
+
+  /// Accesses @p keys one at a time; '1' for each hit, '0' for each miss (libCacheSim's
+  /// sequential replay, for the recorded comparisons).
+  std::string hit_pattern(const std::vector<std::uint32_t>& keys) {
+    std::string out;
+    for (const std::uint32_t k : keys) {
+      const bool hit = std::find(resident.begin(), resident.end(), k) != resident.end();
+      (void)access(k);
+      out.push_back(hit ? '1' : '0');
+    }
+    return out;
   }
 };
 

@@ -5,6 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <vector>
+
 namespace expage {
 namespace {
 
@@ -72,6 +75,22 @@ TEST(S3FifoPolicy, PassesPinnedKeysWhereTheyStand) {
   EXPECT_EQ(d.policy.where(0), queue::small);
   EXPECT_EQ(d.policy.frequency(0), 1);
   EXPECT_EQ(d.policy.where(1), queue::ghost);
+}
+
+// A sequential replay against libCacheSim: the hits and misses libcachesim 0.3.5 (PyPI) reports
+// for this sequence at 20 slots, unit sizes (below 20 libCacheSim admits nothing).
+TEST(S3FifoPolicy, MatchesLibCacheSimOnARecordedSequence) {
+  const std::vector<std::uint32_t> keys = {
+      9,  3,  4,  6,  3,  13, 2,  26, 4,  5,  3,  7,  14, 3,  25, 3,  2,  8,  9,  7,  19, 11, 6,  12, 6,  4,  3,
+      13, 31, 20, 29, 23, 15, 11, 5,  19, 21, 18, 4,  7,  10, 9,  26, 2,  35, 20, 22, 31, 4,  5,  4,  3,  28, 18,
+      1,  22, 10, 7,  3,  8,  15, 25, 5,  25, 17, 8,  17, 22, 14, 5,  9,  14, 0,  11, 16, 0,  26, 23, 20, 8,  3,
+      29, 25, 25, 6,  3,  4,  13, 7,  21, 3,  0,  9,  6,  1,  4,  24, 9,  22, 23, 7,  29, 30, 5,  6,  16, 10, 1,
+      13, 9,  1,  19, 5,  23, 10, 14, 32, 14, 12, 15, 12, 31, 1,  1,  16, 12, 22, 22, 5,  6,  12, 13, 30, 0,  22,
+      5,  12, 11, 21, 5,  25, 5,  8,  1,  29, 9,  30, 9,  35, 1,  0,  8,  12, 1,  13, 18, 15, 16, 26, 3};
+  policy_driver<s3fifo_policy> d({.layers = 1, .experts_per_layer = 40}, 20);
+  EXPECT_EQ(d.hit_pattern(keys),
+            "0000100010100101101100101111000001110011000101011111000001101011001101110101011110011110101011010111"
+            "100110010110111001001011101111110011100111111111010111100101");
 }
 
 }  // namespace

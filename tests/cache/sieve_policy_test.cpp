@@ -5,6 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <vector>
+
 namespace expage {
 namespace {
 
@@ -45,6 +48,16 @@ TEST(SievePolicy, PassesPinnedKeysWithoutClearingThem) {
   // wraps, passes 0 again and evicts 1.
   EXPECT_EQ(d.access(3, {0, 2}), 1U);
   EXPECT_TRUE(d.policy.visited(0));
+}
+
+// A sequential replay against libCacheSim: the hits and misses libcachesim 0.3.5 (PyPI) reports
+// for this sequence at 5 slots, unit sizes.
+TEST(SievePolicy, MatchesLibCacheSimOnARecordedSequence) {
+  const std::vector<std::uint32_t> keys = {7, 4, 2, 0, 5, 7, 1, 8, 0, 6, 2, 7, 2, 2, 0, 2, 1, 6, 1, 3,
+                                           3, 6, 1, 3, 4, 0, 0, 0, 6, 0, 3, 1, 0, 1, 3, 0, 1, 0, 1, 7,
+                                           3, 1, 3, 1, 9, 2, 9, 0, 4, 9, 2, 4, 0, 1, 3, 2, 0, 5, 8, 9};
+  policy_driver<sieve_policy> d({.layers = 1, .experts_per_layer = 12}, 5);
+  EXPECT_EQ(d.hit_pattern(keys), "000001001001111101101011011101111111111011110011010000011000");
 }
 
 }  // namespace
