@@ -57,6 +57,11 @@ struct lfru_options {
 ///
 /// @code
 /// expage::slot_cache<expage::lfru_policy> cache(geometry, {.layout = expage::cache_layout::per_layer, .capacity = 4});
+/// // A longer memory: accesses halve every 16 passes over the layers.
+/// expage::slot_cache<expage::lfru_policy> slow(geometry, {.layout = expage::cache_layout::per_layer, .capacity = 4},
+///                                              [&](const expage::key_space& s) {
+///                                                return expage::lfru_policy(s, {.half_life = 16 * geometry.layers()});
+///                                              });
 /// @endcode
 /// @threadsafety thread-compatible.
 class lfru_policy {

@@ -50,8 +50,8 @@ namespace expage {
 /// allocation after construction.
 ///
 /// @code
-/// expage::slot_cache<expage::s3fifo_policy> cache(geometry, {.layout = expage::cache_layout::global, .capacity =
-/// 128});
+/// expage::slot_cache<expage::s3fifo_policy> cache(geometry,
+///                                                 {.layout = expage::cache_layout::global, .capacity = 128});
 /// @endcode
 /// @threadsafety thread-compatible.
 class s3fifo_policy {
