@@ -154,7 +154,7 @@ void BM_Replay_Synthetic(benchmark::State& state) {
   }();
   replay_bench(state, trace, g);
 }
-BENCHMARK(BM_Replay_Synthetic)->DenseRange(0, 6)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Replay_Synthetic)->DenseRange(0, 10)->Unit(benchmark::kMillisecond);
 
 // The real Mixtral HumanEval trace from ../shared/traces ($EXPAGE_TRACES_DIR), when present.
 void BM_Replay_RealTrace(benchmark::State& state) {
@@ -171,7 +171,7 @@ void BM_Replay_RealTrace(benchmark::State& state) {
   static const auto trace = expage::read_trace(file, g);
   replay_bench(state, trace, g);
 }
-BENCHMARK(BM_Replay_RealTrace)->DenseRange(0, 6)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Replay_RealTrace)->DenseRange(0, 10)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

@@ -5,12 +5,14 @@
 /// directly and link expage::cuda.
 #pragma once
 
+#include "expage/cache/arc_policy.hpp"
 #include "expage/cache/belady_policy.hpp"
 #include "expage/cache/decayed_reuse_histogram.hpp"
 #include "expage/cache/eviction_policy.hpp"
 #include "expage/cache/fmoe_priority_policy.hpp"
 #include "expage/cache/layer_decay_policy.hpp"
 #include "expage/cache/layered_miss_curves.hpp"
+#include "expage/cache/lfru_policy.hpp"
 #include "expage/cache/lfu_policy.hpp"
 #include "expage/cache/lru_policy.hpp"
 #include "expage/cache/miss_ratio_curve.hpp"
@@ -18,6 +20,8 @@
 #include "expage/cache/policy_dispatch.hpp"
 #include "expage/cache/replay.hpp"
 #include "expage/cache/reuse_distance.hpp"
+#include "expage/cache/s3fifo_policy.hpp"
+#include "expage/cache/sieve_policy.hpp"
 #include "expage/cache/slot_cache.hpp"
 #include "expage/cache/token_groups.hpp"
 #include "expage/core/error.hpp"

@@ -15,9 +15,10 @@
 namespace expage {
 namespace {
 
-constexpr std::array<policy_kind, 7> kinds = {policy_kind::lru,   policy_kind::fifo,        policy_kind::lfu,
-                                              policy_kind::fmoe,  policy_kind::layer_decay, policy_kind::next_turn,
-                                              policy_kind::belady};
+constexpr std::array<policy_kind, 11> kinds = {policy_kind::lru,    policy_kind::fifo,        policy_kind::lfu,
+                                               policy_kind::fmoe,   policy_kind::layer_decay, policy_kind::next_turn,
+                                               policy_kind::belady, policy_kind::arc,         policy_kind::s3fifo,
+                                               policy_kind::sieve,  policy_kind::lfru};
 
 template <eviction_policy Policy>
 replay_result run(const access_stream& stream, const moe_geometry& geometry, const replay_options& options) {
@@ -59,6 +60,10 @@ std::string_view to_string(policy_kind p) noexcept {
     case policy_kind::layer_decay: return "layer-decay";
     case policy_kind::next_turn: return "next-turn";
     case policy_kind::belady: return "belady";
+    case policy_kind::arc: return "arc";
+    case policy_kind::s3fifo: return "s3-fifo";
+    case policy_kind::sieve: return "sieve";
+    case policy_kind::lfru: return "lfru";
   }
   return "unknown";
 }

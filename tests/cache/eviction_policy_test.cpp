@@ -1,11 +1,15 @@
 // Every eviction policy against its slow reference on random access streams,
 // through slot_cache, in both layouts (a contract suite over the policies).
+#include "expage/cache/arc_policy.hpp"
 #include "expage/cache/belady_policy.hpp"
 #include "expage/cache/fmoe_priority_policy.hpp"
 #include "expage/cache/layer_decay_policy.hpp"
+#include "expage/cache/lfru_policy.hpp"
 #include "expage/cache/lfu_policy.hpp"
 #include "expage/cache/lru_policy.hpp"
 #include "expage/cache/next_turn_policy.hpp"
+#include "expage/cache/s3fifo_policy.hpp"
+#include "expage/cache/sieve_policy.hpp"
 #include "expage/cache/slot_cache.hpp"
 
 #include "cache/policy_reference.hpp"
@@ -92,12 +96,29 @@ template <>
 struct kind_of<belady_policy> {
   static constexpr policy_kind value = policy_kind::belady;
 };
+template <>
+struct kind_of<arc_policy> {
+  static constexpr policy_kind value = policy_kind::arc;
+};
+template <>
+struct kind_of<s3fifo_policy> {
+  static constexpr policy_kind value = policy_kind::s3fifo;
+};
+template <>
+struct kind_of<sieve_policy> {
+  static constexpr policy_kind value = policy_kind::sieve;
+};
+template <>
+struct kind_of<lfru_policy> {
+  static constexpr policy_kind value = policy_kind::lfru;
+};
 
 template <class Policy>
 class EvictionPolicyContract : public ::testing::Test {};
 
-using policies = ::testing::Types<lru_policy, fifo_policy, lfu_policy, fmoe_priority_policy, layer_decay_policy,
-                                  next_turn_policy, belady_policy>;
+using policies =
+    ::testing::Types<lru_policy, fifo_policy, lfu_policy, fmoe_priority_policy, layer_decay_policy, next_turn_policy,
+                     belady_policy, arc_policy, s3fifo_policy, sieve_policy, lfru_policy>;
 TYPED_TEST_SUITE(EvictionPolicyContract, policies);
 
 // Replays @p stream through slot_cache<Policy> and checks the expert_map after every group.

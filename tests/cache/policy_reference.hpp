@@ -29,6 +29,189 @@ struct reference_result {
   std::vector<std::uint32_t> victims;
 };
 
+/// The queue-based policies (ARC, S3-FIFO, SIEVE), as their papers and libCacheSim
+/// (ARC.c, S3FIFO.c, Sieve.c) write them: plain vectors, front = oldest, linear searches,
+/// and the eviction done *before* the newcomer is inserted (libCacheSim's order; slot_cache
+/// asks the policy for a victim, inserts, then evicts). Pinned keys (the group's) are passed
+/// over wherever a list is scanned.
+inline reference_result reference_queue_replay(const std::vector<group>& groups, std::uint32_t layers,
+                                               std::uint32_t experts, bool global, std::uint32_t capacity,
+                                               policy_kind kind) {
+  using list = std::vector<std::uint32_t>;
+  const auto contains = [](const list& l, std::uint32_t k) { return std::find(l.begin(), l.end(), k) != l.end(); };
+  const auto erase = [](list& l, std::uint32_t k) { l.erase(std::find(l.begin(), l.end(), k)); };
+  struct scope_state {
+    list resident;
+    // ARC
+    list t1, t2, b1, b2;
+    double p = 0.0;
+    // S3-FIFO
+    list small, main, ghost;
+    std::map<std::uint32_t, int> freq;
+    bool has_evicted = false;
+    // SIEVE
+    list queue;
+    std::map<std::uint32_t, bool> visited;
+    bool hand_set = false;
+    std::uint32_t hand = 0;
+  };
+  std::vector<scope_state> scopes(global ? 1 : layers);
+  reference_result out;
+  const std::uint64_t c = capacity;
+  for (const group& grp : groups) {
+    scope_state& st = scopes[global ? 0 : grp.layer];
+    list pinned;
+    for (const std::uint32_t e : grp.experts) pinned.push_back(global ? grp.layer * experts + e : e);
+    const auto first_unpinned = [&](const list& l) -> const std::uint32_t* {
+      for (const std::uint32_t& k : l) {
+        if (!contains(pinned, k)) return &k;
+      }
+      return nullptr;
+    };
+    for (const std::uint32_t x : pinned) {
+      if (contains(st.resident, x)) {
+        ++out.hits;
+        switch (kind) {
+          case policy_kind::arc:
+            if (contains(st.t1, x))
+              erase(st.t1, x);
+            else
+              erase(st.t2, x);
+            st.t2.push_back(x);
+            break;
+          case policy_kind::s3fifo: ++st.freq[x]; break;  // libCacheSim: unbounded, capped at use
+          case policy_kind::sieve: st.visited[x] = true; break;
+          default: break;
+        }
+        continue;
+      }
+      ++out.misses;
+      const bool full = st.resident.size() == capacity;
+      std::uint32_t victim = 0;
+      if (kind == policy_kind::arc) {
+        // Megiddo & Modha Fig. 4, real-valued p as in the paper and libCacheSim's ARC.c.
+        const auto replace = [&](bool x_in_b2) {
+          const auto t1 = static_cast<double>(st.t1.size());
+          const bool take_t1 = t1 >= 1 && (t1 > st.p || (t1 == st.p && x_in_b2));
+          const std::uint32_t* v = first_unpinned(take_t1 ? st.t1 : st.t2);
+          const bool from_t1 = v != nullptr ? take_t1 : !take_t1;
+          if (v == nullptr) v = first_unpinned(take_t1 ? st.t2 : st.t1);
+          victim = *v;
+          erase(from_t1 ? st.t1 : st.t2, victim);
+          (from_t1 ? st.b1 : st.b2).push_back(victim);
+        };
+        if (contains(st.b1, x)) {
+          st.p = std::min(st.p + std::max(static_cast<double>(st.b2.size()) / static_cast<double>(st.b1.size()), 1.0),
+                          static_cast<double>(c));
+          if (full) replace(false);
+          erase(st.b1, x);
+          st.t2.push_back(x);
+        } else if (contains(st.b2, x)) {
+          st.p = std::max(st.p - std::max(static_cast<double>(st.b1.size()) / static_cast<double>(st.b2.size()), 1.0),
+                          0.0);
+          if (full) replace(true);
+          erase(st.b2, x);
+          st.t2.push_back(x);
+        } else {
+          if (full) {
+            if (st.t1.size() + st.b1.size() >= c) {
+              if (st.t1.size() < c) {
+                st.b1.erase(st.b1.begin());
+                replace(false);
+              } else {
+                victim = *first_unpinned(st.t1);  // forgotten, not remembered
+                erase(st.t1, victim);
+              }
+            } else {
+              if (st.t1.size() + st.t2.size() + st.b1.size() + st.b2.size() >= 2 * c) st.b2.erase(st.b2.begin());
+              replace(false);
+            }
+          }
+          st.t1.push_back(x);
+        }
+      } else if (kind == policy_kind::s3fifo) {
+        // libCacheSim S3FIFO.c, admitting every key (a slot cache must load what is routed).
+        const auto small_cap = static_cast<std::uint64_t>(static_cast<double>(c) * 0.1);
+        const auto ghost_cap = static_cast<std::uint64_t>(static_cast<double>(c) * 0.9);
+        const bool hit_on_ghost = contains(st.ghost, x);
+        if (hit_on_ghost) erase(st.ghost, x);
+        if (full) {
+          st.has_evicted = true;
+          bool from_main = st.main.size() > c - small_cap || st.small.empty();
+          for (bool evicted = false; !evicted;) {
+            if (!from_main) {
+              const std::uint32_t* t = first_unpinned(st.small);
+              if (t == nullptr) {
+                from_main = true;
+                continue;
+              }
+              const std::uint32_t k = *t;
+              erase(st.small, k);
+              if (st.freq[k] >= 2) {
+                st.main.push_back(k);
+                st.freq[k] = 0;
+              } else {
+                victim = k;
+                st.ghost.push_back(k);
+                if (st.ghost.size() > ghost_cap) st.ghost.erase(st.ghost.begin());
+                evicted = true;
+              }
+            } else {
+              const std::uint32_t* t = first_unpinned(st.main);
+              if (t == nullptr) {
+                from_main = false;
+                continue;
+              }
+              const std::uint32_t k = *t;
+              erase(st.main, k);
+              if (st.freq[k] >= 1) {
+                st.main.push_back(k);
+                st.freq[k] = std::min(st.freq[k], 3) - 1;
+              } else {
+                victim = k;
+                evicted = true;
+              }
+            }
+          }
+        }
+        // Until the first eviction, keys beyond the small queue's share go to the main queue.
+        const bool to_main = hit_on_ghost || (!st.has_evicted && st.small.size() >= small_cap);
+        (to_main ? st.main : st.small).push_back(x);
+        st.freq[x] = 0;
+      } else {
+        // libCacheSim Sieve.c: the hand walks toward newer keys, wrapping to the oldest.
+        if (full) {
+          std::size_t at = 0;
+          if (st.hand_set)
+            at = static_cast<std::size_t>(std::find(st.queue.begin(), st.queue.end(), st.hand) - st.queue.begin());
+          for (;; ++at) {
+            if (at == st.queue.size()) at = 0;
+            const std::uint32_t k = st.queue[at];
+            if (contains(pinned, k)) continue;
+            if (st.visited[k]) {
+              st.visited[k] = false;
+              continue;
+            }
+            victim = k;
+            st.hand_set = at + 1 < st.queue.size();
+            if (st.hand_set) st.hand = st.queue[at + 1];
+            st.queue.erase(st.queue.begin() + static_cast<std::ptrdiff_t>(at));
+            break;
+          }
+        }
+        st.queue.push_back(x);
+        st.visited[x] = false;
+      }
+      if (full) {
+        erase(st.resident, victim);
+        out.victims.push_back(victim);
+      }
+      st.resident.push_back(x);
+    }
+  }
+  return out;
+}
+
 /// Replays @p groups with policy @p kind on a cache of @p capacity slots per scope.
 inline reference_result reference_replay(const std::vector<group>& groups, std::uint32_t layers, std::uint32_t experts,
                                          bool global, std::uint32_t capacity, policy_kind kind,
@@ -39,6 +222,9 @@ inline reference_result reference_replay(const std::vector<group>& groups, std::
     std::uint64_t order;  // global access counter
     float probability;
   };
+  if (kind == policy_kind::arc || kind == policy_kind::s3fifo || kind == policy_kind::sieve) {
+    return reference_queue_replay(groups, layers, experts, global, capacity, kind);
+  }
   const auto key = [&](std::uint32_t l, std::uint32_t e) { return global ? l * experts + e : e; };
   const auto scope = [&](std::uint32_t l) { return global ? 0U : l; };
   std::map<std::pair<std::uint32_t, std::uint32_t>, std::vector<access>> history;  // (scope, key)
@@ -175,6 +361,21 @@ inline reference_result reference_replay(const std::vector<group>& groups, std::
               if (std::abs(ea - eb) > 1e-9 * std::max(1.0, std::abs(ea))) return ea > eb;
               return std::tuple(last_time(a), a) < std::tuple(last_time(b), b);
             }
+            case policy_kind::lfru: {
+              // Σ over the key's accesses of 2^−(E(now) − E(t)), E(t) = ⌊t / (8·layers)⌋, from scratch.
+              const std::uint64_t h = 8 * std::uint64_t{layers};
+              const auto score = [&](std::uint32_t r) {
+                double sum = 0.0;
+                for (const access& h_access : history[{s, r}]) {
+                  sum += std::ldexp(1.0, -static_cast<int>(g / h - h_access.time / h));
+                }
+                return sum;
+              };
+              return std::tuple(score(a), last_time(a), a) < std::tuple(score(b), last_time(b), b);
+            }
+            case policy_kind::arc:
+            case policy_kind::s3fifo:
+            case policy_kind::sieve: return false;  // reference_queue_replay()
             case policy_kind::belady: {
               const auto na = next_use(a);
               const auto nb = next_use(b);

@@ -1,5 +1,6 @@
 #include "expage/cache/replay.hpp"
 
+#include "cache/policy_reference.hpp"
 #include "common/traces.hpp"
 #include "expage/cache/layered_miss_curves.hpp"
 #include "expage/trace/synthetic_trace.hpp"
@@ -109,11 +110,11 @@ TEST(Replay, RejectsBadParameters) {
   EXPECT_THROW((void)replay(s, g, policy_kind::lru, {.layout = cache_layout::per_layer, .capacity = 5}),
                invalid_argument);
   try {
-    (void)parse_policy("arc");
+    (void)parse_policy("clock");
     FAIL();
   } catch (const invalid_argument& e) {
-    EXPECT_THAT(e.what(), HasSubstr("'arc'"));
-    EXPECT_THAT(e.what(), HasSubstr("lru, fifo, lfu, fmoe, layer-decay, next-turn, belady"));
+    EXPECT_THAT(e.what(), HasSubstr("'clock'"));
+    EXPECT_THAT(e.what(), HasSubstr("lru, fifo, lfu, fmoe, layer-decay, next-turn, belady, arc, s3-fifo, sieve, lfru"));
   }
   for (const policy_kind p : all_policy_kinds()) EXPECT_EQ(parse_policy(to_string(p)), p);
 }
@@ -145,7 +146,7 @@ TEST(Replay, RefusesEnumValuesOutOfRange) {
   routing_trace t(g);
   add(t, 0, 0, 0, 0, 1);
   EXPECT_THAT([&] { (void)replay(t, g, static_cast<policy_kind>(42), {.capacity = 2}); },
-              ::testing::ThrowsMessage<invalid_argument>(HasSubstr("policy 42 out of range [0, 7)")));
+              ::testing::ThrowsMessage<invalid_argument>(HasSubstr("policy 42 out of range [0, 11)")));
   EXPECT_THAT([&] { (void)replay(t, g, policy_kind::lru, {.layout = static_cast<cache_layout>(9), .capacity = 2}); },
               ::testing::ThrowsMessage<invalid_argument>(HasSubstr("layout 9 out of range [0, 2)")));
   EXPECT_THAT([&] { (void)replay(t, g, policy_kind::lru, {.capacity = 2, .format = static_cast<precision>(17)}); },
@@ -202,6 +203,43 @@ TEST(Replay, LruEqualsTheGroupMissCurveForBatchedUnions) {
     for (const std::uint32_t x : s.experts(i)) (void)sequential.access({s.layer(i), x});
   }
   EXPECT_GE(sequential.per_layer_curve().misses(8), curves.per_layer_curve().misses(8));
+}
+
+// replay() of the queue- and score-based policies equals their brute-force references
+// (tests/cache/policy_reference.hpp) on small synthetic traces, in both layouts, with lockstep
+// batches whose groups pin up to 4 experts at once.
+TEST(Replay, ArcS3FifoSieveLfruEqualTheirReferences) {
+  const auto g = moe_geometry(moe_geometry::config{
+      .name = "mini", .layers = 3, .experts_per_layer = 8, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
+  for (std::uint64_t seed = 21; seed <= 23; ++seed) {
+    synthetic_options o;
+    o.seed = seed;
+    o.sequences = 4;
+    o.batch_size = 2;
+    o.decode_steps = 40;
+    o.locality = 0.5;
+    const routing_trace t = generate_synthetic(g, o);
+    const access_stream s(t, 4);
+    std::vector<testing::group> groups;
+    std::size_t widest = 0;
+    for (std::size_t i = 0; i < s.groups(); ++i) {
+      groups.push_back({s.layer(i), {s.experts(i).begin(), s.experts(i).end()}, {}});
+      widest = std::max(widest, s.experts(i).size());
+    }
+    ASSERT_GT(widest, 2U) << "the batch's unions pin more than one token's experts";
+    for (const policy_kind p : {policy_kind::arc, policy_kind::s3fifo, policy_kind::sieve, policy_kind::lfru}) {
+      for (const auto& [layout, capacity] :
+           {std::pair{cache_layout::per_layer, 4U}, std::pair{cache_layout::per_layer, 6U},
+            std::pair{cache_layout::global, 8U}, std::pair{cache_layout::global, 13U}}) {
+        const auto got = replay(s, g, p, {.layout = layout, .capacity = capacity});
+        const auto want = testing::reference_replay(groups, g.layers(), g.experts_per_layer(),
+                                                    layout == cache_layout::global, capacity, p);
+        EXPECT_EQ(got.misses, want.misses)
+            << to_string(p) << " seed " << seed << " " << to_string(layout) << " capacity " << capacity;
+        EXPECT_EQ(got.hits, want.hits);
+      }
+    }
+  }
 }
 
 // --- the real Mixtral HumanEval trace ------------------------------------------------------

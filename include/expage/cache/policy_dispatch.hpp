@@ -2,13 +2,17 @@
 /// @brief visit_policy: from a run-time policy_kind to the policy type, in one place.
 #pragma once
 
+#include "expage/cache/arc_policy.hpp"
 #include "expage/cache/belady_policy.hpp"
 #include "expage/cache/fmoe_priority_policy.hpp"
 #include "expage/cache/layer_decay_policy.hpp"
+#include "expage/cache/lfru_policy.hpp"
 #include "expage/cache/lfu_policy.hpp"
 #include "expage/cache/lru_policy.hpp"
 #include "expage/cache/next_turn_policy.hpp"
 #include "expage/cache/replay.hpp"
+#include "expage/cache/s3fifo_policy.hpp"
+#include "expage/cache/sieve_policy.hpp"
 #include "expage/core/error.hpp"
 
 #include <fmt/format.h>
@@ -44,6 +48,10 @@ decltype(auto) visit_policy(policy_kind kind, F&& f) {
     case policy_kind::layer_decay: return std::forward<F>(f)(policy_tag<layer_decay_policy>{});
     case policy_kind::next_turn: return std::forward<F>(f)(policy_tag<next_turn_policy>{});
     case policy_kind::belady: return std::forward<F>(f)(policy_tag<belady_policy>{});
+    case policy_kind::arc: return std::forward<F>(f)(policy_tag<arc_policy>{});
+    case policy_kind::s3fifo: return std::forward<F>(f)(policy_tag<s3fifo_policy>{});
+    case policy_kind::sieve: return std::forward<F>(f)(policy_tag<sieve_policy>{});
+    case policy_kind::lfru: return std::forward<F>(f)(policy_tag<lfru_policy>{});
   }
   throw invalid_argument(fmt::format("visit_policy: policy {} out of range [0, {})", static_cast<unsigned>(kind),
                                      all_policy_kinds().size()));

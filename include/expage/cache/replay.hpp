@@ -23,11 +23,16 @@ enum class policy_kind : std::uint8_t {
   layer_decay,  ///< layer_decay_policy (MoE-Infinity-style)
   next_turn,    ///< next_turn_policy (predicted next use on the layer cycle)
   belady,       ///< belady_policy (offline optimum)
+  arc,          ///< arc_policy (Megiddo & Modha's adaptive replacement)
+  s3fifo,       ///< s3fifo_policy (small, main and ghost FIFOs)
+  sieve,        ///< sieve_policy (FIFO with a visited bit and a moving hand)
+  lfru,         ///< lfru_policy (frequency-weighted LRU, vLLM PR #37190)
 };
 
 /// Every policy_kind, in declaration order.
 [[nodiscard]] std::span<const policy_kind> all_policy_kinds() noexcept;
-/// The command-line name: "lru", "fifo", "lfu", "fmoe", "layer-decay", "next-turn", "belady".
+/// The command-line name: "lru", "fifo", "lfu", "fmoe", "layer-decay", "next-turn", "belady", "arc",
+/// "s3-fifo", "sieve", "lfru".
 [[nodiscard]] std::string_view to_string(policy_kind p) noexcept;
 /// Parses a name produced by to_string(policy_kind).
 /// @throws expage::invalid_argument naming @p name and listing the accepted names.

@@ -80,7 +80,7 @@ struct slot_cache_statistics {
 ///
 /// Exceptions: bad requests throw before anything changes. The only other
 /// exception is std::bad_alloc from a policy that allocates a node when a key
-/// is inserted (LFU, fMoE, Belady; hits re-rank without allocating); the
+/// is inserted (LFU, LFRU, fMoE, Belady; hits re-rank without allocating); the
 /// cache then stays consistent and the experts of the group served so far
 /// stay resident (basic guarantee).
 ///

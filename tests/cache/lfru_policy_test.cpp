@@ -1,0 +1,81 @@
+// LFRU on hand-computed sequences.
+#include "expage/cache/lfru_policy.hpp"
+
+#include "expage/cache/lfu_policy.hpp"
+#include "expage/cache/lru_policy.hpp"
+
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdint>
+
+namespace expage {
+namespace {
+
+constexpr key_space eight{.layers = 1, .experts_per_layer = 8};
+
+// Accesses as (key, time), none evicting: a key's first access inserts it, the others hit.
+template <class Policy>
+Policy fed(Policy p, std::initializer_list<std::array<std::uint64_t, 2>> accesses) {
+  std::array<bool, 8> seen{};
+  for (const auto& [key, time] : accesses) {
+    const auto k = static_cast<std::uint32_t>(key);
+    if (seen[k]) {
+      p.on_hit(k, {.time = time});
+    } else {
+      p.on_insert(k, {.time = time});
+    }
+    seen[k] = true;
+  }
+  return p;
+}
+
+TEST(LfruPolicy, ScoresHalveOncePerHalfLife) {
+  const lfru_policy p = fed(lfru_policy(eight, {.half_life = 2}), {{0, 0}, {0, 1}, {0, 2}, {1, 5}});
+  // Key 0: epochs 0, 0, 1 → at epoch 1: 1 + 1/2 + 1/2 = 2; key 1: epoch 2 → 1.
+  EXPECT_DOUBLE_EQ(p.score(0, 2), 2.0);
+  EXPECT_DOUBLE_EQ(p.score(0, 6), 0.5);  // epoch 3: two halvings
+  EXPECT_DOUBLE_EQ(p.score(1, 6), 0.5);
+  EXPECT_EQ(lfru_policy(eight).half_life(), 8U);  // default: 8 × layers
+}
+
+// LFRU sits between LFU and LRU. Half-life 2 groups, victims chosen at time 6 (epoch 3).
+TEST(LfruPolicy, WeighsFrequencyByRecency) {
+  const std::uint8_t none[8] = {};
+  const access_context now{.time = 6};
+  // 0 at times 0, 1 (count 2, score 2/8); 1 at time 5 (count 1, score 1/2): LFRU and LRU evict
+  // 0, whose accesses are old; LFU evicts 1, the rarer.
+  {
+    const auto a = {std::array<std::uint64_t, 2>{0, 0}, {0, 1}, {1, 5}};
+    EXPECT_EQ(fed(lfru_policy(eight, {.half_life = 2}), a).victim({none}, now), 0U);
+    EXPECT_EQ(fed(lfu_policy(eight), a).victim({none}, now), 1U);
+  }
+  // 0 at times 1, 2, 3 (score (1/2 + 1)/4 + 1/4 = 0.625); 1 at time 4 (1/2): LFRU evicts 1;
+  // LRU evicts 0, the least recent.
+  {
+    const auto a = {std::array<std::uint64_t, 2>{0, 1}, {0, 2}, {0, 3}, {1, 4}};
+    EXPECT_EQ(fed(lfru_policy(eight, {.half_life = 2}), a).victim({none}, now), 1U);
+    EXPECT_EQ(fed(lru_policy(eight), a).victim({none}, now), 0U);
+  }
+}
+
+// Equal scores: the older last access goes first, then the smaller key; pinned keys never.
+TEST(LfruPolicy, BreaksTiesByRecencyAndSkipsPins) {
+  lfru_policy p = fed(lfru_policy(eight, {.half_life = 4}), {{3, 0}, {5, 1}, {2, 1}});
+  std::uint8_t pins[8] = {};
+  EXPECT_EQ(p.victim({pins}, {.time = 2}), 3U);
+  pins[3] = 1;
+  EXPECT_EQ(p.victim({pins}, {.time = 2}), 2U);
+  p.on_evict(2);
+  EXPECT_EQ(p.victim({pins}, {.time = 2}), 5U);
+}
+
+TEST(LfruPolicy, KeepsScoresAcrossEviction) {
+  lfru_policy p = fed(lfru_policy(eight, {.half_life = 100}), {{0, 0}, {0, 1}, {0, 2}});
+  p.on_evict(0);
+  p.on_insert(0, {.time = 3});
+  EXPECT_DOUBLE_EQ(p.score(0, 3), 4.0);
+}
+
+}  // namespace
+}  // namespace expage
