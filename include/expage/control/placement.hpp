@@ -37,9 +37,9 @@ struct placement_problem {
 
 /// @brief Units of every layer on every backend, and the load time it implies.
 struct tensor_placement {
-  std::uint32_t layers = 0;            ///< N.
-  std::uint32_t backends = 0;          ///< K.
-  std::vector<std::uint32_t> units;    ///< n_{i,k} at [i·K + k].
+  std::uint32_t layers = 0;          ///< N.
+  std::uint32_t backends = 0;        ///< K.
+  std::vector<std::uint32_t> units;  ///< n_{i,k} at [i·K + k].
   /// τ_load = Σ_i max_k n_{i,k}·unit_bytes / B_k (FluxMoE Eq. 9–10), seconds per iteration.
   double load_time = 0.0;
   /// n_{i,k}. @pre layer < layers, backend < backends.

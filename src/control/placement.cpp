@@ -1,0 +1,219 @@
+#include "expage/control/placement.hpp"
+
+#include "expage/core/error.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+namespace expage {
+
+namespace {
+
+constexpr std::size_t max_backends = 64;
+
+void check_bandwidths(std::span<const double> bandwidths, const char* who) {
+  if (bandwidths.empty() || bandwidths.size() > max_backends) {
+    throw invalid_argument(fmt::format("{}: {} backends out of range [1, {}]", who, bandwidths.size(), max_backends));
+  }
+  for (std::size_t k = 0; k < bandwidths.size(); ++k) {
+    if (!(bandwidths[k] > 0.0 && std::isfinite(bandwidths[k]))) {
+      throw invalid_argument(
+          fmt::format("{}: bandwidth {} of backend {} out of range (0, inf) bytes/s", who, bandwidths[k], k));
+    }
+  }
+}
+
+// The optimal split of h streamed units over backends 1..K-1 (greedy: each next unit to the backend
+// that would finish it first; exact for minimising max_k n_k/B_k), and that maximum in units·s/byte.
+double stream_split(std::uint32_t h, std::span<const double> bw, std::span<std::uint32_t> n) {
+  std::fill(n.begin(), n.end(), 0U);
+  double worst = 0.0;
+  for (std::uint32_t u = 0; u < h; ++u) {
+    std::size_t best = 1;
+    for (std::size_t k = 2; k < bw.size(); ++k) {
+      if ((n[k] + 1.0) / bw[k] < (n[best] + 1.0) / bw[best]) best = k;
+    }
+    ++n[best];
+    worst = std::max(worst, n[best] / bw[best]);
+  }
+  return worst;
+}
+
+}  // namespace
+
+std::vector<double> bandwidth_shares(std::span<const double> bandwidths) {
+  check_bandwidths(bandwidths, "bandwidth_shares");
+  const double total = std::accumulate(bandwidths.begin(), bandwidths.end(), 0.0);
+  std::vector<double> x(bandwidths.size());
+  for (std::size_t k = 0; k < x.size(); ++k) x[k] = bandwidths[k] / total;  // Eq. 8
+  return x;
+}
+
+std::uint64_t proportional_gpu_units(std::uint32_t layers, std::uint32_t units_per_layer,
+                                     std::span<const double> bandwidths) {
+  if (layers == 0 || units_per_layer == 0) {
+    throw invalid_argument(fmt::format("proportional_gpu_units: layers {} and units_per_layer {} must be in [1, 2^32)",
+                                       layers, units_per_layer));
+  }
+  const auto x = bandwidth_shares(bandwidths);
+  const auto total = std::uint64_t{layers} * units_per_layer;
+  return std::min(total, static_cast<std::uint64_t>(std::llround(x[0] * static_cast<double>(total))));
+}
+
+tensor_placement place_tensors(const placement_problem& p) {
+  if (p.layers == 0) throw invalid_argument("place_tensors: layers 0 out of range [1, 2^32)");
+  if (p.units_per_layer == 0) throw invalid_argument("place_tensors: units_per_layer 0 out of range [1, 2^32)");
+  if (p.unit_bytes == 0) throw invalid_argument("place_tensors: unit_bytes 0 out of range [1, 2^64)");
+  check_bandwidths(p.bandwidths, "place_tensors");
+  const std::uint32_t n_layers = p.layers;
+  const std::uint32_t u_layer = p.units_per_layer;
+  const auto k_count = static_cast<std::uint32_t>(p.bandwidths.size());
+  const std::uint64_t total = std::uint64_t{n_layers} * u_layer;
+  const std::uint64_t lowest = k_count == 1 ? total : 0;
+  if (p.gpu_units < lowest || p.gpu_units > total) {
+    throw invalid_argument(fmt::format("place_tensors: gpu_units {} out of range [{}, {}]{}", p.gpu_units, lowest,
+                                       total, k_count == 1 ? " (one backend holds every unit)" : ""));
+  }
+  const std::span<const double> bw = p.bandwidths;
+  const std::uint64_t streamed = total - p.gpu_units;  // H
+
+  // g(h) for h = 0..U streamed units in one layer (times unit_bytes: seconds), with its split.
+  std::vector<double> g(u_layer + 1);
+  std::vector<std::uint32_t> split(std::size_t{u_layer + 1} * k_count, 0);
+  for (std::uint32_t h = 0; h <= u_layer; ++h) {
+    const std::span<std::uint32_t> n(split.data() + std::size_t{h} * k_count, k_count);
+    const double streaming = k_count > 1 ? stream_split(h, bw, n) : 0.0;
+    n[0] = u_layer - h;
+    g[h] = std::max((u_layer - h) / bw[0], streaming);
+  }
+  bool convex = true;
+  for (std::uint32_t h = 1; h + 1 <= u_layer; ++h) {
+    if (g[h + 1] - g[h] < g[h] - g[h - 1] - 1e-12 * std::max(1.0, g[h])) convex = false;
+  }
+
+  std::vector<std::uint32_t> per_layer(n_layers);
+  if (convex) {
+    // Even spread, remainder by error diffusion: Σ g(h_i) of a convex g is least when the h_i differ
+    // by at most one.
+    for (std::uint32_t i = 0; i < n_layers; ++i) {
+      per_layer[i] = static_cast<std::uint32_t>((streamed * (i + 1)) / n_layers - (streamed * i) / n_layers);
+    }
+  } else {
+    // Exact: best[j] = least Σ g over the layers so far with j units streamed.
+    const auto cap = static_cast<std::size_t>(streamed);
+    constexpr double inf = std::numeric_limits<double>::infinity();
+    std::vector<double> best(cap + 1, inf);
+    std::vector<double> next(cap + 1);
+    std::vector<std::uint32_t> choice(std::size_t{n_layers} * (cap + 1), 0);
+    best[0] = 0.0;
+    for (std::uint32_t i = 0; i < n_layers; ++i) {
+      std::fill(next.begin(), next.end(), inf);
+      for (std::size_t j = 0; j <= cap; ++j) {
+        if (best[j] == inf) continue;
+        for (std::uint32_t h = 0; h <= u_layer && j + h <= cap; ++h) {
+          if (best[j] + g[h] < next[j + h]) {
+            next[j + h] = best[j] + g[h];
+            choice[std::size_t{i} * (cap + 1) + j + h] = h;
+          }
+        }
+      }
+      best.swap(next);
+    }
+    std::size_t j = cap;
+    for (std::uint32_t i = n_layers; i-- > 0;) {
+      per_layer[i] = choice[std::size_t{i} * (cap + 1) + j];
+      j -= per_layer[i];
+    }
+  }
+
+  tensor_placement out;
+  out.layers = n_layers;
+  out.backends = k_count;
+  out.units.resize(std::size_t{n_layers} * k_count);
+  double time = 0.0;
+  for (std::uint32_t i = 0; i < n_layers; ++i) {
+    const std::uint32_t h = per_layer[i];
+    std::copy_n(split.begin() + static_cast<std::ptrdiff_t>(std::size_t{h} * k_count), k_count,
+                out.units.begin() + static_cast<std::ptrdiff_t>(std::size_t{i} * k_count));
+    time += g[h];  // Eq. 9 per layer, summed as Eq. 10
+  }
+  out.load_time = time * static_cast<double>(p.unit_bytes);
+  return out;
+}
+
+std::vector<std::uint32_t> place_by_demand(std::uint32_t layers, std::uint32_t experts_per_layer,
+                                           std::span<const double> demand, std::span<const double> bandwidths) {
+  check_bandwidths(bandwidths, "place_by_demand");
+  if (layers == 0 || experts_per_layer == 0 || demand.size() != std::size_t{layers} * experts_per_layer) {
+    throw invalid_argument(fmt::format("place_by_demand: {} demands for {} layers x {} experts (need both >= 1)",
+                                       demand.size(), layers, experts_per_layer));
+  }
+  for (std::size_t i = 0; i < demand.size(); ++i) {
+    if (!(demand[i] >= 0.0 && std::isfinite(demand[i]))) {
+      throw invalid_argument(fmt::format("place_by_demand: demand {} at {} out of range [0, inf)", demand[i], i));
+    }
+  }
+  const auto x = bandwidth_shares(bandwidths);
+  std::vector<std::uint32_t> backend_order(bandwidths.size());
+  std::iota(backend_order.begin(), backend_order.end(), 0U);
+  std::stable_sort(backend_order.begin(), backend_order.end(),
+                   [&](std::uint32_t a, std::uint32_t b) { return bandwidths[a] > bandwidths[b]; });
+  std::vector<std::uint32_t> out(demand.size(), 0);
+  std::vector<std::uint32_t> order(experts_per_layer);
+  for (std::uint32_t i = 0; i < layers; ++i) {
+    const std::span<const double> p = demand.subspan(std::size_t{i} * experts_per_layer, experts_per_layer);
+    std::iota(order.begin(), order.end(), 0U);
+    std::stable_sort(order.begin(), order.end(), [&](std::uint32_t a, std::uint32_t b) { return p[a] > p[b]; });
+    const double total = std::accumulate(p.begin(), p.end(), 0.0);
+    const bool uniform = total == 0.0;  // no demand seen: place by raw bytes
+    const double whole = uniform ? static_cast<double>(experts_per_layer) : total;
+    std::size_t slot = 0;
+    double boundary = x[backend_order[0]] * whole;
+    double before = 0.0;
+    for (const std::uint32_t e : order) {
+      const double w = uniform ? 1.0 : p[e];
+      // Past the cumulative target of this backend: the expert's midpoint decides its side.
+      while (slot + 1 < backend_order.size() && before + 0.5 * w > boundary) {
+        ++slot;
+        boundary += x[backend_order[slot]] * whole;
+      }
+      out[std::size_t{i} * experts_per_layer + e] = backend_order[slot];
+      before += w;
+    }
+  }
+  return out;
+}
+
+double demanded_load_time(std::uint32_t layers, std::uint32_t experts_per_layer, std::span<const double> demand,
+                          std::span<const std::uint32_t> assignment, std::span<const double> bandwidths,
+                          double expert_bytes) {
+  check_bandwidths(bandwidths, "demanded_load_time");
+  const std::size_t n = std::size_t{layers} * experts_per_layer;
+  if (demand.size() != n || assignment.size() != n) {
+    throw invalid_argument(fmt::format("demanded_load_time: {} demands and {} assignments for {} experts",
+                                       demand.size(), assignment.size(), n));
+  }
+  std::vector<double> bytes(bandwidths.size());
+  double time = 0.0;
+  for (std::uint32_t i = 0; i < layers; ++i) {
+    std::fill(bytes.begin(), bytes.end(), 0.0);
+    for (std::uint32_t e = 0; e < experts_per_layer; ++e) {
+      const std::size_t at = std::size_t{i} * experts_per_layer + e;
+      if (assignment[at] >= bandwidths.size()) {
+        throw invalid_argument(fmt::format("demanded_load_time: backend {} of expert {} out of range [0, {})",
+                                           assignment[at], at, bandwidths.size()));
+      }
+      bytes[assignment[at]] += demand[at] * expert_bytes;
+    }
+    double worst = 0.0;
+    for (std::size_t k = 0; k < bytes.size(); ++k) worst = std::max(worst, bytes[k] / bandwidths[k]);
+    time += worst;  // Eq. 9–10 over demanded bytes
+  }
+  return time;
+}
+
+}  // namespace expage

@@ -1,0 +1,231 @@
+#include "expage/control/placement.hpp"
+
+#include "expage/core/error.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <vector>
+
+namespace expage {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(BandwidthShares, AreProportionalToBandwidth) {
+  const double bw[] = {200.0, 25.0, 25.0};
+  const auto x = bandwidth_shares(bw);
+  ASSERT_EQ(x.size(), 3U);
+  EXPECT_DOUBLE_EQ(x[0], 0.8);
+  EXPECT_DOUBLE_EQ(x[1], 0.1);
+  EXPECT_DOUBLE_EQ(x[0] + x[1] + x[2], 1.0);
+  // Eq. 7: every backend streams its share of a layer in the same time.
+  for (std::size_t k = 0; k < 3; ++k) EXPECT_DOUBLE_EQ(x[k] / bw[k], 1.0 / 250.0);
+  EXPECT_EQ(proportional_gpu_units(32, 24, bw), 614U);  // round(0.8 · 768)
+}
+
+// Slow reference: every split of every layer (all compositions of U into K parts), combined by a
+// dynamic program over layers keyed by GPU units used. Returns the least Σ_i max_k n_ik/B_k for
+// every GPU footprint 0..N·U.
+std::vector<double> brute_force(std::uint32_t layers, std::uint32_t units, const std::vector<double>& bw) {
+  std::vector<double> layer_cost_by_gpu(units + 1, std::numeric_limits<double>::infinity());
+  std::vector<std::uint32_t> n(bw.size(), 0);
+  const std::function<void(std::size_t, std::uint32_t)> enumerate = [&](std::size_t k, std::uint32_t left) {
+    if (k + 1 == bw.size()) {
+      n[k] = left;
+      double worst = 0.0;
+      for (std::size_t j = 0; j < bw.size(); ++j) worst = std::max(worst, n[j] / bw[j]);
+      layer_cost_by_gpu[n[0]] = std::min(layer_cost_by_gpu[n[0]], worst);
+      return;
+    }
+    for (std::uint32_t v = 0; v <= left; ++v) {
+      n[k] = v;
+      enumerate(k + 1, left - v);
+    }
+  };
+  enumerate(0, units);
+  const std::size_t total = std::size_t{layers} * units;
+  std::vector<double> best(total + 1, std::numeric_limits<double>::infinity());
+  best[0] = 0.0;
+  for (std::uint32_t i = 0; i < layers; ++i) {
+    std::vector<double> next(total + 1, std::numeric_limits<double>::infinity());
+    for (std::size_t j = 0; j <= total; ++j) {
+      if (std::isinf(best[j])) continue;
+      for (std::uint32_t g = 0; g <= units && j + g <= total; ++g) {
+        next[j + g] = std::min(next[j + g], best[j] + layer_cost_by_gpu[g]);
+      }
+    }
+    best.swap(next);
+  }
+  return best;
+}
+
+TEST(PlaceTensors, EqualsBruteForceForEverySmallCase) {
+  std::mt19937_64 rng(2024);
+  std::uniform_real_distribution<double> ratio(0.05, 1.0);
+  std::size_t cases = 0;
+  for (std::uint32_t k = 1; k <= 3; ++k) {
+    for (std::uint32_t n = 1; n <= 32; ++n) {
+      for (const std::uint32_t u : {1U, 2U, 3U, 5U}) {
+        // Random bandwidths, plus ratios that make the integer split non-convex (near-equal
+        // streaming backends) and exact ties.
+        std::vector<std::vector<double>> draws;
+        for (int d = 0; d < 2; ++d) {
+          std::vector<double> bw{1.0};
+          for (std::uint32_t j = 1; j < k; ++j) bw.push_back(ratio(rng));
+          draws.push_back(bw);
+        }
+        if (k == 3) draws.push_back({1.0, 0.3, 0.33});
+        if (k >= 2) draws.push_back(std::vector<double>(k, 1.0));
+        for (const auto& bw : draws) {
+          const auto reference = brute_force(n, u, bw);
+          for (std::uint64_t gpu = (k == 1 ? std::uint64_t{n} * u : 0); gpu <= std::uint64_t{n} * u; ++gpu) {
+            const auto placed =
+                place_tensors({.layers = n, .units_per_layer = u, .unit_bytes = 1, .bandwidths = bw, .gpu_units = gpu});
+            ASSERT_NEAR(placed.load_time, reference[gpu], 1e-9 * std::max(1.0, reference[gpu]))
+                << "N " << n << " U " << u << " K " << k << " G " << gpu;
+            std::uint64_t on_gpu = 0;
+            double recomputed = 0.0;
+            for (std::uint32_t i = 0; i < n; ++i) {
+              std::uint32_t sum = 0;
+              double worst = 0.0;
+              for (std::uint32_t b = 0; b < k; ++b) {
+                sum += placed.at(i, b);
+                worst = std::max(worst, placed.at(i, b) / bw[b]);
+              }
+              ASSERT_EQ(sum, u);
+              on_gpu += placed.at(i, 0);
+              recomputed += worst;
+            }
+            ASSERT_EQ(on_gpu, gpu);
+            ASSERT_NEAR(recomputed, placed.load_time, 1e-9 * std::max(1.0, recomputed));
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(cases, 10'000U);
+}
+
+TEST(PlaceTensors, SpreadsStreamedUnitsEvenlyAcrossLayers) {
+  // Mixtral in thirds of an expert (U = 24), GPU 200 GB/s, host 25 GB/s, at the Eq. 8 footprint.
+  const std::vector<double> bw{200e9, 25e9};
+  const std::uint64_t gpu = proportional_gpu_units(32, 24, bw);
+  const auto placed =
+      place_tensors({.layers = 32, .units_per_layer = 24, .unit_bytes = 1, .bandwidths = bw, .gpu_units = gpu});
+  std::uint32_t lo = 24;
+  std::uint32_t hi = 0;
+  for (std::uint32_t i = 0; i < 32; ++i) {
+    lo = std::min(lo, placed.at(i, 1));
+    hi = std::max(hi, placed.at(i, 1));
+  }
+  EXPECT_LE(hi - lo, 1U);
+  // The notes' figure for this case: the whole-unit optimum costs ≈ 1.093× the continuous bound
+  // N·U/ΣB (x_k = B_k/ΣB per layer).
+  const double continuous = 32.0 * 24.0 / (200e9 + 25e9);
+  EXPECT_NEAR(placed.load_time / continuous, 1.093, 0.01);
+}
+
+TEST(PlaceTensors, RejectsBadInputNamingTheValueAndItsRange) {
+  const auto expect_throw = [](const placement_problem& p, const char* what) {
+    try {
+      (void)place_tensors(p);
+      ADD_FAILURE() << "no exception for " << what;
+    } catch (const invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr(what));
+    }
+  };
+  expect_throw({.layers = 2, .units_per_layer = 3, .bandwidths = {1.0, 0.0}},
+               "bandwidth 0 of backend 1 out of range (0, inf)");
+  expect_throw({.layers = 2, .units_per_layer = 3, .bandwidths = {-5.0}}, "bandwidth -5 of backend 0");
+  expect_throw({.layers = 2, .units_per_layer = 3, .bandwidths = {1.0, NAN}}, "backend 1 out of range");
+  expect_throw({.layers = 2, .units_per_layer = 3, .bandwidths = {}}, "0 backends out of range [1, 64]");
+  expect_throw({.layers = 2, .units_per_layer = 3, .bandwidths = {1.0, 1.0}, .gpu_units = 7},
+               "gpu_units 7 out of range [0, 6]");
+  expect_throw({.layers = 2, .units_per_layer = 3, .bandwidths = {1.0}, .gpu_units = 5},
+               "gpu_units 5 out of range [6, 6]");
+  expect_throw({.layers = 0, .units_per_layer = 3, .bandwidths = {1.0}}, "layers 0");
+  expect_throw({.layers = 2, .units_per_layer = 0, .bandwidths = {1.0}}, "units_per_layer 0");
+  const double negative[] = {1.0, -1.0};
+  EXPECT_THROW((void)bandwidth_shares(negative), invalid_argument);
+}
+
+TEST(PlaceByDemand, BalancesDemandedBytesAndPutsHotExpertsOnTheFastBackend) {
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  for (const std::vector<double>& bw :
+       {std::vector<double>{200.0, 25.0}, std::vector<double>{25.0, 200.0}, std::vector<double>{100.0, 25.0, 3.0}}) {
+    const std::uint32_t layers = 8;
+    const std::uint32_t experts = 16;
+    std::vector<double> demand(layers * experts);
+    for (double& d : demand) d = std::pow(u(rng), 3.0);  // skewed
+    const auto assignment = place_by_demand(layers, experts, demand, bw);
+    const auto x = bandwidth_shares(bw);
+    for (std::uint32_t i = 0; i < layers; ++i) {
+      std::vector<double> load(bw.size(), 0.0);
+      double total = 0.0;
+      double biggest = 0.0;
+      for (std::uint32_t e = 0; e < experts; ++e) {
+        load[assignment[i * experts + e]] += demand[i * experts + e];
+        total += demand[i * experts + e];
+        biggest = std::max(biggest, demand[i * experts + e]);
+      }
+      // Each backend's demanded bytes within one expert of its Eq. 8 share of the layer's demand.
+      for (std::size_t k = 0; k < bw.size(); ++k) EXPECT_LE(std::abs(load[k] - x[k] * total), biggest + 1e-12);
+      // Hot experts gravitate to faster backends: demand is monotone in backend speed.
+      for (std::uint32_t a = 0; a < experts; ++a) {
+        for (std::uint32_t b = 0; b < experts; ++b) {
+          if (bw[assignment[i * experts + a]] > bw[assignment[i * experts + b]]) {
+            EXPECT_GE(demand[i * experts + a], demand[i * experts + b]);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(PlaceByDemand, UniformDemandGivesTheRawByteShares) {
+  const std::vector<double> bw{3.0, 1.0};
+  const std::vector<double> demand(2 * 8, 1.0);
+  const auto assignment = place_by_demand(2, 8, demand, bw);
+  for (std::uint32_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(std::count(assignment.begin() + i * 8, assignment.begin() + i * 8 + 8, 0U), 6);  // 0.75 · 8
+  }
+  const std::vector<double> none(16, 0.0);
+  EXPECT_EQ(place_by_demand(2, 8, none, bw), assignment);
+}
+
+TEST(PlaceByDemand, BeatsRawBytePlacementOnSkewedDemand) {
+  // Raw-byte placement at the same per-layer counts, experts in index order, against demand-weighted.
+  const std::vector<double> bw{100.0, 25.0};
+  std::vector<double> demand(16);
+  for (std::uint32_t e = 0; e < 16; ++e) demand[e] = 1.0 / (1.0 + e);  // expert 0 hottest
+  std::reverse(demand.begin(), demand.end());                          // hottest last in index order
+  const auto weighted = place_by_demand(1, 16, demand, bw);
+  std::vector<std::uint32_t> raw(16, 1);
+  std::fill(raw.begin(), raw.begin() + 13, 0U);  // round(0.8 · 16) = 13 on the GPU, by index
+  EXPECT_LT(demanded_load_time(1, 16, demand, weighted, bw, 1.0), demanded_load_time(1, 16, demand, raw, bw, 1.0));
+}
+
+TEST(PlaceByDemand, RejectsBadInput) {
+  const std::vector<double> bw{1.0, 1.0};
+  const std::vector<double> d{1.0, -1.0};
+  EXPECT_THROW((void)place_by_demand(1, 2, d, bw), invalid_argument);
+  const std::vector<double> ok{1.0, 1.0};
+  EXPECT_THROW((void)place_by_demand(1, 3, ok, bw), invalid_argument);
+  const std::vector<double> zero_bw{1.0, 0.0};
+  EXPECT_THROW((void)place_by_demand(1, 2, ok, zero_bw), invalid_argument);
+  const std::vector<std::uint32_t> bad{0, 2};
+  EXPECT_THROW((void)demanded_load_time(1, 2, ok, bad, bw, 1.0), invalid_argument);
+}
+
+}  // namespace
+}  // namespace expage
