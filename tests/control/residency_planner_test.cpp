@@ -1,0 +1,178 @@
+#include "expage/control/residency_planner.hpp"
+
+#include "expage/cache/layered_miss_curves.hpp"
+#include "expage/cache/miss_ratio_curve.hpp"
+#include "expage/core/error.hpp"
+#include "expage/core/moe_geometry.hpp"
+#include "expage/trace/routing_trace.hpp"
+#include "expage/trace/synthetic_trace.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+namespace expage {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Per-layer exact miss curves of a generated Mixtral-shaped trace, and the passes they cover.
+struct measured {
+  std::vector<miss_ratio_curve> curves;
+  std::uint64_t iterations = 0;
+};
+
+measured curves_of(std::uint64_t seed, std::uint32_t layers = 8) {
+  const moe_geometry g = moe_geometry::mixtral_8x7b();
+  const routing_trace t = generate_synthetic(g, {.seed = seed, .sequences = 2, .decode_steps = 96, .locality = 0.4});
+  layered_miss_curves c(layers, g.experts_per_layer());
+  for (const routing_event& e : t) {
+    if (e.layer < layers) c.access_group(e.layer, e.experts);
+  }
+  measured out;
+  for (std::uint32_t l = 0; l < layers; ++l) out.curves.push_back(c.layer_curve(l));
+  out.iterations = 2 * 96;
+  return out;
+}
+
+residency_planner_config config(double compute_time, std::uint64_t gpu_bytes) {
+  // Units: 1 "byte" per expert and 1 byte/s, so τ_load is misses per iteration.
+  return {.layers = 8,
+          .experts_per_layer = 8,
+          .compute_time = compute_time,
+          .bandwidth = 1.0,
+          .expert_bytes = 1,
+          .gpu_bytes = gpu_bytes};
+}
+
+TEST(ResidencyPlanner, RhoAndLoadTimeFollowEquations10And11) {
+  auto m = curves_of(1);
+  double expected = 0.0;
+  for (const auto& c : m.curves) expected += static_cast<double>(c.misses(4)) / static_cast<double>(m.iterations);
+  residency_planner p(config(0.5, 1000), m.curves, m.iterations, 4);
+  EXPECT_NEAR(p.load_time(), expected, 1e-12);
+  EXPECT_DOUBLE_EQ(p.alpha(), 0.5);
+  EXPECT_EQ(p.resident_bytes(), 32U);
+  const auto s = p.step(0);
+  EXPECT_NEAR(s.rho, 0.5 / expected, 1e-12);
+}
+
+TEST(ResidencyPlanner, DoesNothingInsideTheDeadZone) {
+  auto m = curves_of(2);
+  residency_planner probe(config(1.0, 1000), m.curves, m.iterations, 4);
+  const double load = probe.load_time();
+  for (const double rho : {0.9, 0.95, 1.0}) {
+    residency_planner p(config(rho * load, 1000), m.curves, m.iterations, 4);
+    const auto s = p.step(0);
+    EXPECT_EQ(s.added + s.released, 0U) << rho;
+    EXPECT_NEAR(s.rho, rho, 1e-9);
+  }
+}
+
+TEST(ResidencyPlanner, GrowsWhenIoBoundAndReleasesWhenComputeBound) {
+  auto m = curves_of(3);
+  residency_planner io(config(1e-3, 1000), m.curves, m.iterations, 2);
+  const auto grow = io.step(0);
+  EXPECT_LT(grow.rho, 0.9);
+  EXPECT_GT(grow.added, 0U);
+  for (const auto d : grow.delta) EXPECT_LE(d, 1);  // staggered: one expert per layer per period
+  residency_planner compute(config(1e3, 1000), m.curves, m.iterations);
+  const auto release = compute.step(0);
+  EXPECT_GT(release.rho, 1.0);
+  EXPECT_GT(release.released, 0U);
+  for (const auto d : release.delta) EXPECT_GE(d, -1);
+  EXPECT_GE(compute.config().compute_time / compute.load_time(), 0.9);  // never released below θ
+}
+
+// Eq. 12 at every step, under a KV cache that grows, shrinks and spikes past the whole device.
+TEST(ResidencyPlanner, NeverViolatesTheBudgetAfterKv) {
+  for (std::uint64_t seed = 1; seed <= 6; ++seed) {
+    auto m = curves_of(seed);
+    std::mt19937_64 rng(seed);
+    const std::uint64_t gpu = 80;
+    residency_planner p(config(seed % 2 == 0 ? 0.05 : 5.0, gpu), m.curves, m.iterations);
+    std::int64_t kv = 0;
+    for (int t = 0; t < 400; ++t) {
+      kv += static_cast<std::int64_t>(rng() % 9) - 4;
+      if (rng() % 50 == 0) kv += 40;  // a surge
+      kv = std::clamp<std::int64_t>(kv, 0, 100);
+      const auto kv_bytes = static_cast<std::uint64_t>(kv);
+      const std::uint64_t before = p.resident_bytes();
+      const auto s = p.step(kv_bytes);
+      const std::uint64_t room = kv_bytes >= gpu ? 0 : gpu - kv_bytes;
+      ASSERT_LE(p.resident_bytes(), room) << "seed " << seed << " t " << t;
+      // Releases are applied first: the footprint after them never exceeds the budget either.
+      ASSERT_LE(before - s.released, std::max(before, room));
+      if (!s.forced) {
+        for (const auto d : s.delta) ASSERT_LE(std::abs(d), 1);
+      }
+    }
+  }
+}
+
+TEST(ResidencyPlanner, DoesNotOscillateUnderStationaryInput) {
+  for (std::uint64_t seed = 1; seed <= 8; ++seed) {
+    auto m = curves_of(seed);
+    for (const std::uint32_t start : {0U, 3U, 8U}) {
+      for (const double compute : {0.02, 0.2, 0.6, 2.0}) {
+        residency_planner p(config(compute, 50), m.curves, m.iterations, start);
+        double previous = p.alpha();
+        int sign = 0;
+        int changes = 0;
+        int still = 0;
+        for (int t = 0; t < 60; ++t) {
+          (void)p.step(10);  // constant KV, constant curves
+          const double now = p.alpha();
+          const int s = now > previous ? 1 : (now < previous ? -1 : 0);
+          if (s != 0 && sign != 0 && s != sign) ++changes;
+          if (s != 0) sign = s;
+          still = s == 0 ? still + 1 : 0;
+          previous = now;
+        }
+        EXPECT_LE(changes, 1) << "seed " << seed << " start " << start << " compute " << compute;
+        EXPECT_GE(still, 40) << "converged and stays";
+      }
+    }
+  }
+}
+
+TEST(ResidencyPlanner, RejectsBadInputAndChangesNothing) {
+  auto m = curves_of(4);
+  const auto expect_throw = [&](residency_planner_config c, const char* what) {
+    try {
+      residency_planner p(c, m.curves, m.iterations);
+      ADD_FAILURE() << "no exception for " << what;
+    } catch (const invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr(what));
+    }
+  };
+  auto c = config(1.0, 10);
+  c.theta = 0.0;
+  expect_throw(c, "theta 0 out of range (0, 1]");
+  c.theta = 1.5;
+  expect_throw(c, "theta 1.5 out of range (0, 1]");
+  c = config(-1.0, 10);
+  expect_throw(c, "compute_time -1 out of range (0, inf)");
+  c = config(1.0, 10);
+  c.bandwidth = 0.0;
+  expect_throw(c, "bandwidth 0 out of range (0, inf) bytes/s");
+  c = config(1.0, 10);
+  c.layers = 7;
+  expect_throw(c, "8 miss curves for 7 layers");
+  residency_planner p(config(1.0, 10), m.curves, m.iterations, 5);
+  EXPECT_THROW(p.set_compute_time(0.0), invalid_argument);
+  EXPECT_DOUBLE_EQ(p.config().compute_time, 1.0);
+  auto fewer = m.curves;
+  fewer.pop_back();
+  EXPECT_THROW(p.set_curves(fewer, m.iterations), invalid_argument);
+  EXPECT_THROW(p.set_curves(m.curves, 0), invalid_argument);
+  EXPECT_EQ(p.capacity(0), 5U);
+}
+
+}  // namespace
+}  // namespace expage
