@@ -1,0 +1,177 @@
+/// @file
+/// @brief MV-WSA: the expert/KV memory split of WiSP (§3.3–3.5, App. B, App. D): the offline
+/// configurator over exact miss curves, the live closed-form rule, and the online controller step
+/// over decayed reuse histograms, as pure functions of their inputs (plus split_controller, which
+/// keeps the state of the online rule between bursts and falls back when a resize fails).
+///
+/// WiSP's extracted text lost nearly every symbol of Eq. 1–10 and every default of App. B/D (γ, the
+/// gate, the rate limit, the dead zones, the headroom h, the grid). The forms below are reconstructed
+/// from the surrounding prose ([R] in docs/control.md); the defaults are expage's own, untuned.
+#pragma once
+
+#include "expage/cache/decayed_reuse_histogram.hpp"
+#include "expage/cache/miss_ratio_curve.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace expage {
+
+/// @brief The budget and the costs of the split (WiSP Eq. 1 and Eq. 4) [R].
+struct split_model {
+  std::uint64_t budget_bytes = 0;       ///< B = B_E + B_KV: pageable bytes after fixed costs (Eq. 1).
+  std::uint32_t experts_per_layer = 0;  ///< E: the per-layer expert cap ranges over [0, E], E ≥ 1.
+  std::uint64_t slot_bytes = 0;         ///< S_E: GPU bytes of one more slot in every layer (N·s_e), ≥ 1.
+  std::uint64_t block_bytes = 0;        ///< S_b: bytes of one KV block summed over layers, ≥ 1.
+  std::uint64_t kv_floor_bytes = 0;     ///< B_KV^min, the admission floor (Eq. 6; see kv_admission_floor()).
+  double expert_miss_seconds = 0.0;     ///< β·s_e: seconds one expert miss costs (a transfer), ≥ 0.
+  double kv_miss_seconds = 0.0;         ///< τ_r·b: seconds one KV-block miss costs (a recompute), ≥ 0.
+};
+
+/// @brief WiSP Eq. 6 [R]: B_KV^min = C·ℓ·κ, the KV bytes a continuous-batching scheduler needs to
+/// hold the step's whole active set (served concurrency × context tokens per session × KV bytes per
+/// token). Below it the engine preempts every step or refuses to start.
+/// @throws expage::invalid_argument when the product overflows 64 bits.
+[[nodiscard]] std::uint64_t kv_admission_floor(std::uint64_t concurrency, std::uint64_t context_tokens,
+                                               std::uint64_t kv_bytes_per_token);
+
+/// @brief A split of the budget and what the model predicts for it.
+struct memory_split {
+  std::uint32_t expert_cap = 0;    ///< c: expert slots per layer.
+  std::uint64_t expert_bytes = 0;  ///< B_E = c·S_E.
+  std::uint64_t kv_bytes = 0;      ///< B_KV = B − B_E (Eq. 7/Eq. 10: the remainder, never over-committed).
+  /// T of Eq. 4 at this split, seconds over the curves' window (0 for live_split(), which has no curves).
+  double predicted_cost = 0.0;
+  /// Friendly ordering of two splits: equal when cap and KV bytes match.
+  friend bool operator==(const memory_split& a, const memory_split& b) noexcept {
+    return a.expert_cap == b.expert_cap && a.kv_bytes == b.kv_bytes;
+  }
+};
+
+/// @brief T(c) of WiSP Eq. 4 [R] with exact curves: β·s_e·M_E(c) + τ_r·b·M_KV(n), n = ⌊(B − c·S_E)/S_b⌋
+/// clamped to the KV curve's key count.
+/// @param experts misses with c slots in every layer (layered_miss_curves::per_layer_curve()), E keys.
+/// @param kv the KV block stream's curve (one key per block).
+/// @throws expage::invalid_argument for a bad model, a curve of the wrong size, or a cap whose bytes
+///         exceed the budget.
+[[nodiscard]] double split_cost(const split_model& model, const miss_ratio_curve& experts, const miss_ratio_curve& kv,
+                                std::uint32_t expert_cap);
+
+/// @brief The offline configurator (WiSP §3.4, Eq. 7) [R]: the cap minimising Eq. 4 subject to the
+/// floor B − c·S_E ≥ B_KV^min, the KV pool taking every remaining byte.
+///
+/// Eq. 5 (equal latency saved per byte in both pools) characterises an interior optimum of convex
+/// curves; exact miss curves are often not convex (WiSP's bimodal reuse), so the configurator
+/// evaluates Eq. 4 at every cap 0..E instead (E + 1 candidates; the KV side is then fixed), which is
+/// exact for any curve shape. Ties go to the smaller cap (more KV).
+/// @throws expage::invalid_argument for a bad model or curve, or a budget below the KV floor (named
+///         with both values).
+[[nodiscard]] memory_split configure_split(const split_model& model, const miss_ratio_curve& experts,
+                                           const miss_ratio_curve& kv);
+
+/// @brief The live closed-form rule (WiSP §3.5, App. D Eq. 8–10) [R].
+///
+///     B_KV^target = max(B_KV^min, (1 + h)·P·S_b)        (8)  floor as a continuous invariant
+///     c^target    = min(E, ⌊(B − B_KV^target)/S_E⌋)      (9)  every remaining byte to experts
+///     B_KV        = B − c^target·S_E                      (10) reclaims the clamp's slack
+///
+/// P is the burst's peak KV occupancy in blocks, h the headroom. A cap dead zone keeps
+/// @p current_cap when the target differs from it by fewer than @p cap_dead_zone experts (but never
+/// when keeping it would break Eq. 8).
+/// @throws expage::invalid_argument for a bad model, a negative or non-finite headroom, or a budget
+///         below the floor.
+[[nodiscard]] memory_split live_split(const split_model& model, std::uint64_t peak_kv_blocks, double headroom,
+                                      std::uint32_t current_cap, std::uint32_t cap_dead_zone = 0);
+
+/// @brief The knobs of the online controller (WiSP App. B; every value lost in the paper's text).
+struct online_split_config {
+  std::uint32_t grid_step = 1;  ///< Candidate caps 0, g, 2g, … and E, g ≥ 1.
+  /// Gate: move only when the predicted gain exceeds this share of the current predicted cost, [0, 1).
+  double gate = 0.02;
+  std::uint32_t rate_limit = 1;  ///< Most experts per layer the cap moves per burst, ≥ 1.
+  std::uint32_t dead_zone = 1;   ///< Never move toward a target closer than this many experts, ≥ 1.
+};
+
+/// @brief What online_split_step() decided.
+struct online_split_decision {
+  memory_split split;            ///< The split to apply now (the current one when nothing moves).
+  std::uint32_t target_cap = 0;  ///< The predicted-cost minimiser on the grid.
+  double current_cost = 0.0;     ///< Predicted cost of the current cap.
+  double target_cost = 0.0;      ///< Predicted cost of the target.
+  bool moved = false;            ///< True when split.expert_cap differs from the current cap.
+  /// The order of the two resizes (WiSP §3.5): the losing pool shrinks first, so the transient
+  /// footprint is the maximum of the two splits, never their sum.
+  bool shrink_kv_first = false;
+};
+
+/// @brief One burst of the online controller (WiSP App. B, "Algorithm 2") [R], pure.
+///
+/// The decayed reuse histograms (decayed_reuse_histogram: decay γ per burst, warm reuses only, App. B
+/// decisions 1–2) predict warm misses M̂_E(c) and M̂_KV(n); the predicted cost of a cap is Eq. 4 with
+/// them. Decision 3: because both streams' reuse distances are bimodal, a point marginal evaluated in
+/// the gap reads 0 and stalls; the controller instead evaluates the predicted cost at every cap of a
+/// grid (a lookahead over every move length, as UCP's lookahead allocation does) and takes the
+/// minimiser, within the floor, as its target. It moves toward it by at most rate_limit experts, and
+/// only when the target is at least dead_zone away and the predicted gain cost(current) − cost(target)
+/// exceeds gate·cost(current). With stationary histograms the target is fixed, so the cap moves
+/// monotonically to it and never reverses.
+/// @param experts histogram of per-layer expert reuse distances, max_capacity E.
+/// @param kv histogram of KV block reuse distances; caps whose KV blocks exceed its max_capacity read
+///        its value there.
+/// @throws expage::invalid_argument for a bad model or config, a histogram of the wrong size, a budget
+///         below the floor, or a current cap out of [0, E] or below the floor.
+[[nodiscard]] online_split_decision online_split_step(const split_model& model, const online_split_config& config,
+                                                      const decayed_reuse_histogram& experts,
+                                                      const decayed_reuse_histogram& kv, std::uint32_t current_cap);
+
+/// @brief The online controller's state between bursts: its two histograms and the split in force,
+/// with WiSP's fail-safe (D3): a resize that fails leaves the previous split in force.
+///
+/// @code
+/// expage::split_controller c(model, {.gate = 0.02}, {.max_capacity = 8, .bin_width = 1, .decay = 0.9},
+///                            {.max_capacity = 4096, .bin_width = 16, .decay = 0.9}, initial_cap);
+/// c.new_burst();
+/// for (auto d : expert_distances) c.experts().record(d);
+/// for (auto d : kv_distances) c.kv().record(d);
+/// const auto plan = c.step();
+/// if (plan.moved) c.commit(resize_both(plan.split, plan.shrink_kv_first));   // at a drained barrier
+/// @endcode
+/// @threadsafety single-owner.
+class split_controller {
+ public:
+  /// A controller at @p initial_cap with empty histograms.
+  /// @throws expage::invalid_argument as online_split_step() for the model, config and cap, or as
+  ///         decayed_reuse_histogram for the histogram configs.
+  split_controller(const split_model& model, const online_split_config& config, decayed_reuse_histogram::config experts,
+                   decayed_reuse_histogram::config kv, std::uint32_t initial_cap);
+
+  /// Starts a burst: decays both histograms.
+  void new_burst() noexcept {
+    experts_.new_burst();
+    kv_.new_burst();
+  }
+  /// The expert stream's histogram (record distances into it).
+  [[nodiscard]] decayed_reuse_histogram& experts() noexcept { return experts_; }
+  /// The KV stream's histogram.
+  [[nodiscard]] decayed_reuse_histogram& kv() noexcept { return kv_; }
+  /// Decides the burst's move (pure: nothing changes until commit()).
+  [[nodiscard]] online_split_decision step() const;
+  /// Records the outcome of applying @p decision: on success its split is in force; on failure the
+  /// previous split stays (D3) and the failure is counted.
+  void commit(const online_split_decision& decision, bool applied) noexcept;
+  /// The split in force.
+  [[nodiscard]] const memory_split& current() const noexcept { return current_; }
+  /// Resizes that failed.
+  [[nodiscard]] std::uint64_t failed_resizes() const noexcept { return failed_; }
+
+ private:
+  split_model model_;
+  online_split_config config_;
+  decayed_reuse_histogram experts_;
+  decayed_reuse_histogram kv_;
+  memory_split current_;
+  std::uint64_t failed_ = 0;
+};
+
+}  // namespace expage

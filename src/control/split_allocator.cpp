@@ -1,0 +1,220 @@
+#include "expage/control/split_allocator.hpp"
+
+#include "expage/core/error.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace expage {
+
+namespace {
+
+void check_model(const split_model& m, const char* who) {
+  if (m.experts_per_layer == 0)
+    throw invalid_argument(fmt::format("{}: experts_per_layer 0 out of range [1, 2^32)", who));
+  if (m.slot_bytes == 0) throw invalid_argument(fmt::format("{}: slot_bytes 0 out of range [1, 2^64)", who));
+  if (m.block_bytes == 0) throw invalid_argument(fmt::format("{}: block_bytes 0 out of range [1, 2^64)", who));
+  if (m.budget_bytes < m.kv_floor_bytes) {
+    throw invalid_argument(
+        fmt::format("{}: budget_bytes {} below the KV admission floor kv_floor_bytes {} (allowed: "
+                    "budget_bytes in [kv_floor_bytes, 2^64))",
+                    who, m.budget_bytes, m.kv_floor_bytes));
+  }
+  if (!(m.expert_miss_seconds >= 0.0 && std::isfinite(m.expert_miss_seconds))) {
+    throw invalid_argument(fmt::format("{}: expert_miss_seconds {} out of range [0, inf)", who, m.expert_miss_seconds));
+  }
+  if (!(m.kv_miss_seconds >= 0.0 && std::isfinite(m.kv_miss_seconds))) {
+    throw invalid_argument(fmt::format("{}: kv_miss_seconds {} out of range [0, inf)", who, m.kv_miss_seconds));
+  }
+}
+
+// The largest cap the floor admits: B − c·S_E ≥ B_KV^min.
+std::uint32_t max_cap(const split_model& m) {
+  const std::uint64_t by_floor = (m.budget_bytes - m.kv_floor_bytes) / m.slot_bytes;
+  return static_cast<std::uint32_t>(std::min<std::uint64_t>(m.experts_per_layer, by_floor));
+}
+
+std::uint64_t kv_blocks(const split_model& m, std::uint32_t cap) {
+  return (m.budget_bytes - std::uint64_t{cap} * m.slot_bytes) / m.block_bytes;
+}
+
+memory_split make_split(const split_model& m, std::uint32_t cap, double cost) {
+  memory_split s;
+  s.expert_cap = cap;
+  s.expert_bytes = std::uint64_t{cap} * m.slot_bytes;
+  s.kv_bytes = m.budget_bytes - s.expert_bytes;
+  s.predicted_cost = cost;
+  return s;
+}
+
+void check_config(const online_split_config& c) {
+  if (c.grid_step == 0) throw invalid_argument("online_split_step: grid_step 0 out of range [1, 2^32)");
+  if (!(c.gate >= 0.0 && c.gate < 1.0)) {
+    throw invalid_argument(fmt::format("online_split_step: gate {} out of range [0, 1)", c.gate));
+  }
+  if (c.rate_limit == 0) throw invalid_argument("online_split_step: rate_limit 0 out of range [1, 2^32)");
+  if (c.dead_zone == 0) throw invalid_argument("online_split_step: dead_zone 0 out of range [1, 2^32)");
+}
+
+void check_cap(const split_model& m, std::uint32_t cap, const char* who) {
+  if (cap > max_cap(m)) {
+    throw invalid_argument(
+        fmt::format("{}: current_cap {} out of range [0, {}] (E and the KV floor)", who, cap, max_cap(m)));
+  }
+}
+
+}  // namespace
+
+std::uint64_t kv_admission_floor(std::uint64_t concurrency, std::uint64_t context_tokens,
+                                 std::uint64_t kv_bytes_per_token) {
+  std::uint64_t tokens = 0;
+  std::uint64_t bytes = 0;
+  if (__builtin_mul_overflow(concurrency, context_tokens, &tokens) ||
+      __builtin_mul_overflow(tokens, kv_bytes_per_token, &bytes)) {
+    throw invalid_argument(fmt::format("kv_admission_floor: {} x {} x {} bytes out of range [0, 2^64)", concurrency,
+                                       context_tokens, kv_bytes_per_token));
+  }
+  return bytes;  // Eq. 6: C·ℓ·κ
+}
+
+double split_cost(const split_model& model, const miss_ratio_curve& experts, const miss_ratio_curve& kv,
+                  std::uint32_t expert_cap) {
+  check_model(model, "split_cost");
+  if (experts.key_count() != model.experts_per_layer) {
+    throw invalid_argument(fmt::format("split_cost: expert curve of {} keys, not experts_per_layer {}",
+                                       experts.key_count(), model.experts_per_layer));
+  }
+  if (expert_cap > model.experts_per_layer || std::uint64_t{expert_cap} * model.slot_bytes > model.budget_bytes) {
+    throw invalid_argument(
+        fmt::format("split_cost: expert_cap {} out of range [0, {}]", expert_cap,
+                    std::min<std::uint64_t>(model.experts_per_layer, model.budget_bytes / model.slot_bytes)));
+  }
+  const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(kv.key_count(), kv_blocks(model, expert_cap)));
+  // Eq. 4: an expert miss costs a transfer, a KV miss a recompute.
+  return model.expert_miss_seconds * static_cast<double>(experts.misses(expert_cap)) +
+         model.kv_miss_seconds * static_cast<double>(kv.misses(n));
+}
+
+memory_split configure_split(const split_model& model, const miss_ratio_curve& experts, const miss_ratio_curve& kv) {
+  check_model(model, "configure_split");
+  const std::uint32_t top = max_cap(model);  // Eq. 6: the floor bounds the cap
+  std::uint32_t best = 0;
+  double best_cost = split_cost(model, experts, kv, 0);
+  for (std::uint32_t c = 1; c <= top; ++c) {
+    const double cost = split_cost(model, experts, kv, c);
+    if (cost < best_cost) {
+      best_cost = cost;
+      best = c;
+    }
+  }
+  return make_split(model, best, best_cost);  // Eq. 7: (c*, B − c*·S_E)
+}
+
+memory_split live_split(const split_model& model, std::uint64_t peak_kv_blocks, double headroom,
+                        std::uint32_t current_cap, std::uint32_t cap_dead_zone) {
+  check_model(model, "live_split");
+  if (!(headroom >= 0.0 && std::isfinite(headroom))) {
+    throw invalid_argument(fmt::format("live_split: headroom {} out of range [0, inf)", headroom));
+  }
+  if (current_cap > model.experts_per_layer) {
+    throw invalid_argument(
+        fmt::format("live_split: current_cap {} out of range [0, {}]", current_cap, model.experts_per_layer));
+  }
+  // Eq. 8, in long double so that P·S_b·(1 + h) cannot wrap; clamped to the budget.
+  const long double working =
+      std::ceil((1.0L + static_cast<long double>(headroom)) * static_cast<long double>(peak_kv_blocks) *
+                static_cast<long double>(model.block_bytes));
+  const std::uint64_t wanted = working >= static_cast<long double>(model.budget_bytes)
+                                   ? model.budget_bytes
+                                   : static_cast<std::uint64_t>(working);
+  const std::uint64_t kv_target = std::max(model.kv_floor_bytes, wanted);
+  // Eq. 9: all remaining bytes to experts, at most E slots.
+  auto cap = static_cast<std::uint32_t>(
+      std::min<std::uint64_t>(model.experts_per_layer, (model.budget_bytes - kv_target) / model.slot_bytes));
+  // Cap dead zone (App. D): keep the current cap for small moves, unless it would break Eq. 8.
+  const std::uint32_t distance = cap > current_cap ? cap - current_cap : current_cap - cap;
+  const std::uint64_t current_bytes = std::uint64_t{current_cap} * model.slot_bytes;
+  if (distance < cap_dead_zone && current_bytes <= model.budget_bytes &&
+      model.budget_bytes - current_bytes >= kv_target) {
+    cap = current_cap;
+  }
+  return make_split(model, cap, 0.0);  // Eq. 10: B_KV = B − c·S_E
+}
+
+online_split_decision online_split_step(const split_model& model, const online_split_config& config,
+                                        const decayed_reuse_histogram& experts, const decayed_reuse_histogram& kv,
+                                        std::uint32_t current_cap) {
+  check_model(model, "online_split_step");
+  check_config(config);
+  check_cap(model, current_cap, "online_split_step");
+  if (experts.max_capacity() != model.experts_per_layer) {
+    throw invalid_argument(fmt::format("online_split_step: expert histogram covers {} slots, not experts_per_layer {}",
+                                       experts.max_capacity(), model.experts_per_layer));
+  }
+  // Predicted cost: Eq. 4 over the decayed warm-reuse curves (App. B decisions 1–2).
+  const auto cost = [&](std::uint32_t c) {
+    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(kv.max_capacity(), kv_blocks(model, c)));
+    return model.expert_miss_seconds * experts.predicted_misses(c) + model.kv_miss_seconds * kv.predicted_misses(n);
+  };
+  const std::uint32_t top = max_cap(model);
+  online_split_decision out;
+  out.current_cost = cost(current_cap);
+  // Decision 3: the whole grid, not the point marginal (which reads 0 inside a bimodal gap). Ties
+  // keep the current cap, then the closer candidate, so equal costs never cause a move.
+  std::uint32_t target = current_cap;
+  double target_cost = out.current_cost;
+  const auto consider = [&](std::uint32_t c) {
+    const double v = cost(c);
+    const auto dist = [&](std::uint32_t x) { return x > current_cap ? x - current_cap : current_cap - x; };
+    if (v < target_cost || (v == target_cost && dist(c) < dist(target))) {
+      target = c;
+      target_cost = v;
+    }
+  };
+  for (std::uint64_t c = 0; c <= top; c += config.grid_step) consider(static_cast<std::uint32_t>(c));
+  consider(top);
+  out.target_cap = target;
+  out.target_cost = target_cost;
+  const std::uint32_t distance = target > current_cap ? target - current_cap : current_cap - target;
+  const double gain = out.current_cost - target_cost;
+  std::uint32_t next = current_cap;
+  if (distance >= config.dead_zone && gain > config.gate * out.current_cost && gain > 0.0) {
+    const std::uint32_t step = std::min(distance, config.rate_limit);
+    next = target > current_cap ? current_cap + step : current_cap - step;
+  }
+  out.split = make_split(model, next, cost(next));
+  out.moved = next != current_cap;
+  out.shrink_kv_first = next > current_cap;  // experts grow: KV gives its bytes back first (§3.5)
+  return out;
+}
+
+split_controller::split_controller(const split_model& model, const online_split_config& config,
+                                   decayed_reuse_histogram::config experts, decayed_reuse_histogram::config kv,
+                                   std::uint32_t initial_cap)
+    : model_(model), config_(config), experts_(experts), kv_(kv) {
+  check_model(model_, "split_controller");
+  check_config(config_);
+  check_cap(model_, initial_cap, "split_controller");
+  if (experts_.max_capacity() != model_.experts_per_layer) {
+    throw invalid_argument(fmt::format("split_controller: expert histogram covers {} slots, not experts_per_layer {}",
+                                       experts_.max_capacity(), model_.experts_per_layer));
+  }
+  current_ = make_split(model_, initial_cap, 0.0);
+}
+
+online_split_decision split_controller::step() const {
+  return online_split_step(model_, config_, experts_, kv_, current_.expert_cap);
+}
+
+void split_controller::commit(const online_split_decision& decision, bool applied) noexcept {
+  if (applied) {
+    current_ = decision.split;
+  } else {
+    ++failed_;  // D3: the engine keeps its previous split
+  }
+}
+
+}  // namespace expage

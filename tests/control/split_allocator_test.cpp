@@ -1,0 +1,263 @@
+#include "expage/control/split_allocator.hpp"
+
+#include "expage/cache/decayed_reuse_histogram.hpp"
+#include "expage/cache/miss_ratio_curve.hpp"
+#include "expage/cache/reuse_distance.hpp"
+#include "expage/core/error.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+namespace expage {
+namespace {
+
+using ::testing::HasSubstr;
+
+// A stream over `keys` keys: a hot set reused at short distance and a cold ring reused at long
+// distance (bimodal reuse, as WiSP describes both streams).
+std::vector<std::uint32_t> bimodal_stream(std::uint32_t keys, std::uint32_t hot, std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::uint32_t> out;
+  std::uint32_t ring = hot;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (rng() % 3 != 0) {
+      out.push_back(static_cast<std::uint32_t>(rng() % hot));
+    } else {
+      out.push_back(ring);
+      ring = ring + 1 < keys ? ring + 1 : hot;
+    }
+  }
+  return out;
+}
+
+miss_ratio_curve random_curve(std::uint32_t keys, std::mt19937_64& rng) {
+  std::vector<std::uint64_t> hist(keys);
+  for (auto& h : hist) h = rng() % 4 == 0 ? rng() % 200 : rng() % 5;  // lumpy, often non-convex
+  return {hist, rng() % 10};
+}
+
+split_model model(std::uint64_t budget, std::uint64_t floor) {
+  return {.budget_bytes = budget,
+          .experts_per_layer = 8,
+          .slot_bytes = 10,
+          .block_bytes = 3,
+          .kv_floor_bytes = floor,
+          .expert_miss_seconds = 1.0,
+          .kv_miss_seconds = 0.7};
+}
+
+TEST(ConfigureSplit, EqualsATwoDimensionalBruteForce) {
+  std::mt19937_64 rng(17);
+  for (int trial = 0; trial < 300; ++trial) {
+    const auto experts = random_curve(8, rng);
+    const auto kv = random_curve(static_cast<std::uint32_t>(5 + rng() % 40), rng);
+    const std::uint64_t budget = 20 + rng() % 120;
+    const std::uint64_t floor = rng() % (budget / 2 + 1);
+    auto m = model(budget, floor);
+    m.kv_miss_seconds = static_cast<double>(rng() % 100) / 25.0;
+    const memory_split s = configure_split(m, experts, kv);
+    // Reference: every (cap, blocks) pair the budget and the floor admit.
+    double best = std::numeric_limits<double>::infinity();
+    for (std::uint32_t c = 0; c <= 8; ++c) {
+      if (c * m.slot_bytes > budget || budget - c * m.slot_bytes < floor) continue;
+      for (std::uint64_t n = 0; n <= kv.key_count() && c * m.slot_bytes + n * m.block_bytes <= budget; ++n) {
+        best = std::min(best, m.expert_miss_seconds * static_cast<double>(experts.misses(c)) +
+                                  m.kv_miss_seconds * static_cast<double>(kv.misses(n)));
+      }
+    }
+    ASSERT_NEAR(s.predicted_cost, best, 1e-9) << "trial " << trial;
+    ASSERT_GE(s.kv_bytes, floor);
+    ASSERT_EQ(s.kv_bytes + s.expert_bytes, budget);
+    ASSERT_EQ(s.expert_bytes, s.expert_cap * m.slot_bytes);
+  }
+}
+
+TEST(ConfigureSplit, TheFloorKeepsAnExpertHungrySplitAdmissible) {
+  // Expert misses cost everything, KV misses nothing: unconstrained, every byte would go to experts.
+  std::vector<std::uint64_t> hist(8, 100);
+  const miss_ratio_curve experts(hist, 0);
+  const miss_ratio_curve kv(std::vector<std::uint64_t>(16, 1), 0);
+  auto m = model(100, 0);
+  m.kv_miss_seconds = 0.0;
+  EXPECT_EQ(configure_split(m, experts, kv).expert_cap, 8U);
+  m.kv_floor_bytes = kv_admission_floor(2, 15, 1);  // 30 bytes: at most 7 slots of 10
+  const auto s = configure_split(m, experts, kv);
+  EXPECT_EQ(s.expert_cap, 7U);
+  EXPECT_EQ(s.kv_bytes, 30U);
+}
+
+TEST(ConfigureSplit, RejectsABudgetBelowTheKvFloorAndOtherBadInput) {
+  const miss_ratio_curve experts(std::vector<std::uint64_t>(8, 1), 0);
+  const miss_ratio_curve kv(std::vector<std::uint64_t>(8, 1), 0);
+  try {
+    (void)configure_split(model(50, 60), experts, kv);
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("budget_bytes 50 below the KV admission floor kv_floor_bytes 60"));
+  }
+  auto m = model(100, 0);
+  m.expert_miss_seconds = -1.0;
+  EXPECT_THROW((void)configure_split(m, experts, kv), invalid_argument);
+  m = model(100, 0);
+  m.slot_bytes = 0;
+  EXPECT_THROW((void)configure_split(m, experts, kv), invalid_argument);
+  const miss_ratio_curve wrong(std::vector<std::uint64_t>(4, 1), 0);
+  EXPECT_THROW((void)configure_split(model(100, 0), wrong, kv), invalid_argument);
+  EXPECT_THROW((void)kv_admission_floor(UINT64_MAX, 2, 2), invalid_argument);
+}
+
+TEST(LiveSplit, FollowsEquations8To10) {
+  const auto m = model(100, 12);
+  // Peak 6 blocks of 3 bytes, headroom 0.5: KV target 27 > floor 12; cap ⌊73/10⌋ = 7; KV 30.
+  auto s = live_split(m, 6, 0.5, 0);
+  EXPECT_EQ(s.expert_cap, 7U);
+  EXPECT_EQ(s.kv_bytes, 30U);
+  // A quiet burst: the floor binds (Eq. 8), cap clamps at E = 8 and KV takes the slack (Eq. 10).
+  s = live_split(m, 0, 0.5, 0);
+  EXPECT_EQ(s.expert_cap, 8U);
+  EXPECT_EQ(s.kv_bytes, 20U);
+  // A KV surge beyond the budget: every byte to KV.
+  s = live_split(m, 1000, 0.0, 5);
+  EXPECT_EQ(s.expert_cap, 0U);
+  EXPECT_EQ(s.kv_bytes, 100U);
+  // The cap dead zone keeps a nearby cap, but never one that breaks Eq. 8.
+  EXPECT_EQ(live_split(m, 6, 0.5, 6, 2).expert_cap, 6U);
+  EXPECT_EQ(live_split(m, 6, 0.5, 8, 2).expert_cap, 7U);  // cap 8 leaves 20 < 27 bytes of KV
+  EXPECT_THROW((void)live_split(m, 6, -0.1, 0), invalid_argument);
+  EXPECT_THROW((void)live_split(m, 6, 0.1, 9), invalid_argument);
+  EXPECT_THROW((void)live_split(model(10, 11), 0, 0.1, 0), invalid_argument);
+}
+
+// With γ = 1 and unit bins, the decayed histograms are the exact warm curves, so the online target
+// is the configurator's choice on those curves.
+TEST(OnlineSplitStep, TargetsTheConfiguratorsSplitOnExactWarmCurves) {
+  for (std::uint64_t seed = 1; seed <= 20; ++seed) {
+    const std::uint32_t kv_keys = 32;
+    const auto es = bimodal_stream(8, 2 + static_cast<std::uint32_t>(seed % 4), 3000, seed);
+    const auto ks = bimodal_stream(kv_keys, 4 + static_cast<std::uint32_t>(seed % 9), 3000, seed + 100);
+    decayed_reuse_histogram eh({.max_capacity = 8, .bin_width = 1, .decay = 1.0});
+    decayed_reuse_histogram kh({.max_capacity = kv_keys, .bin_width = 1, .decay = 1.0});
+    reuse_distance_tracker er(8);
+    reuse_distance_tracker kr(kv_keys);
+    eh.new_burst();
+    kh.new_burst();
+    for (const auto k : es) eh.record(er.access(k));
+    for (const auto k : ks) kh.record(kr.access(k));
+    const auto warm = [](const std::vector<std::uint32_t>& s, std::uint32_t keys) {
+      const auto full = lru_miss_ratio_curve(keys, s);
+      return miss_ratio_curve(full.warm_histogram(), 0);
+    };
+    auto m = model(130, 9);
+    m.kv_miss_seconds = 0.2 + static_cast<double>(seed % 5) * 0.3;
+    const auto offline = configure_split(m, warm(es, 8), warm(ks, kv_keys));
+    const auto d = online_split_step(m, {.gate = 0.0}, eh, kh, 0);
+    EXPECT_NEAR(d.target_cost, offline.predicted_cost, 1e-6 * std::max(1.0, offline.predicted_cost)) << seed;
+  }
+}
+
+TEST(OnlineSplitStep, ConvergesMonotonicallyUnderStationaryHistograms) {
+  decayed_reuse_histogram eh({.max_capacity = 8, .bin_width = 1, .decay = 0.9});
+  decayed_reuse_histogram kh({.max_capacity = 30, .bin_width = 5, .decay = 0.9});
+  reuse_distance_tracker er(8);
+  reuse_distance_tracker kr(30);
+  const auto es = bimodal_stream(8, 3, 400, 5);
+  const auto ks = bimodal_stream(30, 6, 400, 6);
+  auto m = model(120, 9);
+  split_controller c(m, {.gate = 0.01, .rate_limit = 1}, {.max_capacity = 8, .bin_width = 1, .decay = 0.9},
+                     {.max_capacity = 30, .bin_width = 5, .decay = 0.9}, 0);
+  std::vector<std::uint32_t> caps;
+  int sign = 0;
+  int reversals = 0;
+  for (int burst = 0; burst < 40; ++burst) {
+    c.new_burst();
+    for (const auto k : es) c.experts().record(er.access(k));  // the same burst every time
+    for (const auto k : ks) c.kv().record(kr.access(k));
+    const auto d = c.step();
+    if (d.moved) {
+      const int s = d.split.expert_cap > c.current().expert_cap ? 1 : -1;
+      if (sign != 0 && s != sign) ++reversals;
+      sign = s;
+      EXPECT_EQ(d.shrink_kv_first, s > 0);
+      EXPECT_LE(d.split.expert_cap > c.current().expert_cap ? d.split.expert_cap - c.current().expert_cap
+                                                            : c.current().expert_cap - d.split.expert_cap,
+                1U);
+    }
+    c.commit(d, true);
+    ASSERT_GE(c.current().kv_bytes, m.kv_floor_bytes);
+    ASSERT_EQ(c.current().kv_bytes + c.current().expert_bytes, m.budget_bytes);
+    caps.push_back(c.current().expert_cap);
+  }
+  EXPECT_EQ(reversals, 0);  // no A→B→A under stationary input
+  EXPECT_EQ(caps[30], caps.back());
+  EXPECT_GT(caps.back(), 0U);
+}
+
+TEST(OnlineSplitStep, CrossesABimodalGapWhereThePointMarginalIsZero) {
+  // Expert reuse: distance 0 or 6, nothing in between; at cap 2 the point marginal reads 0.
+  decayed_reuse_histogram eh({.max_capacity = 8, .bin_width = 1, .decay = 1.0});
+  for (int i = 0; i < 100; ++i) eh.record(0);
+  for (int i = 0; i < 100; ++i) eh.record(6);
+  decayed_reuse_histogram kh({.max_capacity = 20, .bin_width = 1, .decay = 1.0});
+  for (int i = 0; i < 10; ++i) kh.record(1);
+  ASSERT_EQ(eh.marginal(2), 0.0);
+  const auto d = online_split_step(model(200, 10), {.gate = 0.01, .rate_limit = 8}, eh, kh, 2);
+  EXPECT_EQ(d.target_cap, 7U);
+  EXPECT_TRUE(d.moved);
+  EXPECT_EQ(d.split.expert_cap, 7U);
+}
+
+TEST(OnlineSplitStep, GateAndDeadZoneHoldSmallMovesBack) {
+  decayed_reuse_histogram eh({.max_capacity = 8, .bin_width = 1, .decay = 1.0});
+  for (int i = 0; i < 100; ++i) eh.record(7);  // miss at every cap the budget admits (≤ 6)
+  eh.record(4);                                // one more slot (4 → 5) saves 1 of 101 misses
+  decayed_reuse_histogram kh({.max_capacity = 20, .bin_width = 1, .decay = 1.0});
+  const auto m = model(70, 10);
+  EXPECT_TRUE(online_split_step(m, {.gate = 0.0}, eh, kh, 4).moved);
+  EXPECT_FALSE(online_split_step(m, {.gate = 0.05}, eh, kh, 4).moved);
+  EXPECT_FALSE(online_split_step(m, {.gate = 0.0, .dead_zone = 2}, eh, kh, 4).moved);
+}
+
+TEST(SplitController, AFailedResizeLeavesThePreviousSplit) {
+  split_controller c(model(120, 9), {}, {.max_capacity = 8, .bin_width = 1, .decay = 1.0},
+                     {.max_capacity = 30, .bin_width = 1, .decay = 1.0}, 2);
+  for (int i = 0; i < 50; ++i) c.experts().record(5);
+  const auto d = c.step();
+  ASSERT_TRUE(d.moved);
+  c.commit(d, false);
+  EXPECT_EQ(c.current().expert_cap, 2U);
+  EXPECT_EQ(c.failed_resizes(), 1U);
+  c.commit(d, true);
+  EXPECT_EQ(c.current().expert_cap, 3U);
+}
+
+TEST(OnlineSplitStep, RejectsBadInputNamingTheValueAndItsRange) {
+  decayed_reuse_histogram eh({.max_capacity = 8, .bin_width = 1, .decay = 1.0});
+  decayed_reuse_histogram kh({.max_capacity = 20, .bin_width = 1, .decay = 1.0});
+  const auto expect_throw = [&](const split_model& m, const online_split_config& c, std::uint32_t cap,
+                                const char* what) {
+    try {
+      (void)online_split_step(m, c, eh, kh, cap);
+      ADD_FAILURE() << what;
+    } catch (const invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr(what));
+    }
+  };
+  expect_throw(model(200, 10), {.gate = 1.0}, 0, "gate 1 out of range [0, 1)");
+  expect_throw(model(200, 10), {.rate_limit = 0}, 0, "rate_limit 0 out of range");
+  expect_throw(model(200, 10), {.grid_step = 0}, 0, "grid_step 0 out of range");
+  expect_throw(model(200, 10), {.dead_zone = 0}, 0, "dead_zone 0 out of range");
+  expect_throw(model(50, 30), {}, 3, "current_cap 3 out of range [0, 2]");
+  expect_throw(model(5, 30), {}, 0, "budget_bytes 5 below the KV admission floor kv_floor_bytes 30");
+  decayed_reuse_histogram wrong({.max_capacity = 4, .bin_width = 1, .decay = 1.0});
+  EXPECT_THROW((void)online_split_step(model(200, 10), {}, wrong, kh, 0), invalid_argument);
+}
+
+}  // namespace
+}  // namespace expage
