@@ -3,6 +3,9 @@
 #include "expage/core/error.hpp"
 #include "expage/core/moe_geometry.hpp"
 #include "expage/memory/budget_tracker.hpp"
+#include "expage/memory/host_memory.hpp"
+#include "expage/residency/transition_manager.hpp"
+#include "expage/stream/host_stream.hpp"
 #include "expage/trace/routing_trace.hpp"
 #include "expage/trace/synthetic_trace.hpp"
 #include "expage/trace/trace_io.hpp"
@@ -182,6 +185,26 @@ TEST(HotSetController, ADemotionReturnsItsBytesBeforeTheSuccessorIsAdmitted) {
   ASSERT_EQ(plan.promotions.size(), 1U);
   EXPECT_TRUE(plan.deferred.empty());
   EXPECT_EQ(hi.used(), 100U);
+}
+
+TEST(HotSetController, PlansBecomeTransitionManagerTargetsDemotionsFirst) {
+  auto cfg = small_config();
+  cfg.hi_per_layer = 1;
+  cfg.decay = 0.0;
+  hot_set_controller c(cfg);
+  const std::uint32_t e0[] = {0};
+  const std::uint32_t e1[] = {1};
+  c.record(2, e0);
+  (void)c.end_interval();
+  c.record(2, e1);
+  const auto plan = c.end_interval();
+  using manager = transition_manager<host_stream, host_memory>;
+  const auto targets = to_transition_targets<manager::target>(plan);
+  ASSERT_EQ(targets.size(), 2U);
+  EXPECT_EQ(targets[0].expert, (expert_id{.layer = 2, .expert = 0}));
+  EXPECT_EQ(targets[0].state, residency_state::resident_lo);
+  EXPECT_EQ(targets[1].expert, (expert_id{.layer = 2, .expert = 1}));
+  EXPECT_EQ(targets[1].state, residency_state::resident_hi);
 }
 
 TEST(HotSetController, RejectsBadConfigurationsNamingTheValueAndItsRange) {

@@ -5,6 +5,7 @@
 
 #include "expage/core/expert_id.hpp"
 #include "expage/memory/budget_tracker.hpp"
+#include "expage/residency/residency_state.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -47,6 +48,23 @@ struct hot_set_plan {
   std::vector<expert_id> promotions;  ///< Enter the hi set now (their bytes are reserved).
   std::vector<expert_id> deferred;    ///< Chosen but refused by the budget; asked again next interval.
 };
+
+/// @brief The plan as transition targets in priority order, demotions (to resident_lo) before
+/// promotions (to resident_hi), for `transition_manager::set_targets()`:
+/// `manager.set_targets(to_transition_targets<decltype(manager)::target>(plan))`.
+///
+/// The controller's budget account is a planning account: the transition manager charges the real
+/// bytes of each hi version on its own pool account, so give the controller a separate account of
+/// the hi pool's size (or none) rather than the pool's.
+/// @tparam Target an aggregate of an expert_id `expert` and a residency_state `state`.
+template <class Target>
+[[nodiscard]] std::vector<Target> to_transition_targets(const hot_set_plan& plan) {
+  std::vector<Target> out;
+  out.reserve(plan.demotions.size() + plan.promotions.size());
+  for (const expert_id id : plan.demotions) out.push_back(Target{id, residency_state::resident_lo});
+  for (const expert_id id : plan.promotions) out.push_back(Target{id, residency_state::resident_hi});
+  return out;
+}
 
 /// Totals of a hot_set_controller since construction.
 struct hot_set_statistics {

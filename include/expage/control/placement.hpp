@@ -86,8 +86,12 @@ struct tensor_placement {
 /// side of the boundary its midpoint falls. Hence hot experts gravitate to the fast backend, each
 /// backend's demand is within one expert of x_k·D, and uniform demand gives the raw-byte shares.
 ///
+/// All experts of a model have the same size s, so the demanded bytes Σ p_e·s are balanced through
+/// the demands alone.
+/// @param layers N, ≥ 1. @param experts_per_layer E, ≥ 1.
 /// @param demand p_{i,e} ≥ 0 (expected routed activations per token, any common scale), layer-major,
-///        size layers · experts_per_layer; @param expert_bytes s, the bytes of one expert.
+///        size N·E; a layer with no demand at all is placed by raw bytes.
+/// @param bandwidths B_k as for bandwidth_shares().
 /// @return backend of every expert, layer-major.
 /// @throws expage::invalid_argument for a bad size, a negative or non-finite demand, or bad bandwidths.
 [[nodiscard]] std::vector<std::uint32_t> place_by_demand(std::uint32_t layers, std::uint32_t experts_per_layer,

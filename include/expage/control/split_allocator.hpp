@@ -43,7 +43,7 @@ struct memory_split {
   std::uint64_t kv_bytes = 0;      ///< B_KV = B − B_E (Eq. 7/Eq. 10: the remainder, never over-committed).
   /// T of Eq. 4 at this split, seconds over the curves' window (0 for live_split(), which has no curves).
   double predicted_cost = 0.0;
-  /// Friendly ordering of two splits: equal when cap and KV bytes match.
+  /// Equal when cap and KV bytes match.
   friend bool operator==(const memory_split& a, const memory_split& b) noexcept {
     return a.expert_cap == b.expert_cap && a.kv_bytes == b.kv_bytes;
   }
@@ -51,6 +51,7 @@ struct memory_split {
 
 /// @brief T(c) of WiSP Eq. 4 [R] with exact curves: β·s_e·M_E(c) + τ_r·b·M_KV(n), n = ⌊(B − c·S_E)/S_b⌋
 /// clamped to the KV curve's key count.
+/// @param model the budget and costs. @param expert_cap c, in [0, E] with c·S_E ≤ B.
 /// @param experts misses with c slots in every layer (layered_miss_curves::per_layer_curve()), E keys.
 /// @param kv the KV block stream's curve (one key per block).
 /// @throws expage::invalid_argument for a bad model, a curve of the wrong size, or a cap whose bytes
@@ -116,6 +117,7 @@ struct online_split_decision {
 /// only when the target is at least dead_zone away and the predicted gain cost(current) − cost(target)
 /// exceeds gate·cost(current). With stationary histograms the target is fixed, so the cap moves
 /// monotonically to it and never reverses.
+/// @param model the budget and costs. @param config the knobs. @param current_cap the cap in force.
 /// @param experts histogram of per-layer expert reuse distances, max_capacity E.
 /// @param kv histogram of KV block reuse distances; caps whose KV blocks exceed its max_capacity read
 ///        its value there.
