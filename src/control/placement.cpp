@@ -188,6 +188,49 @@ std::vector<std::uint32_t> place_by_demand(std::uint32_t layers, std::uint32_t e
   return out;
 }
 
+std::vector<std::uint32_t> place_hottest_first(const tensor_placement& counts, std::span<const double> demand,
+                                               std::span<const double> bandwidths) {
+  check_bandwidths(bandwidths, "place_hottest_first");
+  if (counts.backends != bandwidths.size() || counts.layers == 0 ||
+      counts.units.size() != std::size_t{counts.layers} * counts.backends) {
+    throw invalid_argument(fmt::format("place_hottest_first: placement of {} layers x {} backends for {} bandwidths",
+                                       counts.layers, counts.backends, bandwidths.size()));
+  }
+  std::uint32_t per_layer = 0;
+  for (std::uint32_t k = 0; k < counts.backends; ++k) per_layer += counts.at(0, k);
+  if (per_layer == 0 || demand.size() != std::size_t{counts.layers} * per_layer) {
+    throw invalid_argument(fmt::format("place_hottest_first: {} demands for {} layers x {} experts", demand.size(),
+                                       counts.layers, per_layer));
+  }
+  for (std::size_t i = 0; i < demand.size(); ++i) {
+    if (!(demand[i] >= 0.0 && std::isfinite(demand[i]))) {
+      throw invalid_argument(fmt::format("place_hottest_first: demand {} at {} out of range [0, inf)", demand[i], i));
+    }
+  }
+  std::vector<std::uint32_t> backend_order(bandwidths.size());
+  std::iota(backend_order.begin(), backend_order.end(), 0U);
+  std::stable_sort(backend_order.begin(), backend_order.end(),
+                   [&](std::uint32_t a, std::uint32_t b) { return bandwidths[a] > bandwidths[b]; });
+  std::vector<std::uint32_t> out(demand.size(), 0);
+  std::vector<std::uint32_t> order(per_layer);
+  for (std::uint32_t i = 0; i < counts.layers; ++i) {
+    std::uint32_t sum = 0;
+    for (std::uint32_t k = 0; k < counts.backends; ++k) sum += counts.at(i, k);
+    if (sum != per_layer) {
+      throw invalid_argument(
+          fmt::format("place_hottest_first: layer {} holds {} units, layer 0 holds {}", i, sum, per_layer));
+    }
+    const std::span<const double> p = demand.subspan(std::size_t{i} * per_layer, per_layer);
+    std::iota(order.begin(), order.end(), 0U);
+    std::stable_sort(order.begin(), order.end(), [&](std::uint32_t a, std::uint32_t b) { return p[a] > p[b]; });
+    std::size_t next = 0;
+    for (const std::uint32_t k : backend_order) {
+      for (std::uint32_t n = 0; n < counts.at(i, k); ++n) out[std::size_t{i} * per_layer + order[next++]] = k;
+    }
+  }
+  return out;
+}
+
 double demanded_load_time(std::uint32_t layers, std::uint32_t experts_per_layer, std::span<const double> demand,
                           std::span<const std::uint32_t> assignment, std::span<const double> bandwidths,
                           double expert_bytes) {

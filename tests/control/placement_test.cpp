@@ -215,6 +215,44 @@ TEST(PlaceByDemand, BeatsRawBytePlacementOnSkewedDemand) {
   EXPECT_LT(demanded_load_time(1, 16, demand, weighted, bw, 1.0), demanded_load_time(1, 16, demand, raw, bw, 1.0));
 }
 
+// Two backends, counts fixed: whenever the hottest g experts carry at most x_0 of the demand, no
+// choice of g experts beats hottest-first (exhaustive over every subset of size g).
+TEST(PlaceHottestFirst, KeepsTheCountsAndIsOptimalInItsRegime) {
+  std::mt19937_64 rng(9);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::size_t checked = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const std::uint32_t experts = 2 + static_cast<std::uint32_t>(rng() % 9);
+    const std::vector<double> bw{1.0 + 20.0 * u(rng), 1.0};
+    const auto g = static_cast<std::uint32_t>(rng() % (experts + 1));
+    const auto counts =
+        place_tensors({.layers = 1, .units_per_layer = experts, .unit_bytes = 1, .bandwidths = bw, .gpu_units = g});
+    std::vector<double> demand(experts);
+    for (double& d : demand) d = std::pow(u(rng), 2.0);
+    const auto placed = place_hottest_first(counts, demand, bw);
+    ASSERT_EQ(static_cast<std::uint32_t>(std::count(placed.begin(), placed.end(), 0U)), g);
+    std::vector<double> sorted = demand;
+    std::sort(sorted.rbegin(), sorted.rend());
+    const double top = std::accumulate(sorted.begin(), sorted.begin() + g, 0.0);
+    const double total = std::accumulate(sorted.begin(), sorted.end(), 0.0);
+    if (top > bandwidth_shares(bw)[0] * total) continue;
+    const double mine = demanded_load_time(1, experts, demand, placed, bw, 1.0);
+    for (std::uint32_t mask = 0; mask < (1U << experts); ++mask) {
+      if (static_cast<std::uint32_t>(__builtin_popcount(mask)) != g) continue;
+      std::vector<std::uint32_t> other(experts);
+      for (std::uint32_t e = 0; e < experts; ++e) other[e] = (mask >> e) & 1U ? 0U : 1U;
+      ASSERT_LE(mine, demanded_load_time(1, experts, demand, other, bw, 1.0) + 1e-12) << "trial " << trial;
+    }
+    ++checked;
+  }
+  EXPECT_GT(checked, 100U);
+  const tensor_placement two{.layers = 1, .backends = 2, .units = {1, 1}};
+  const std::vector<double> d{1.0, 2.0};
+  EXPECT_THROW((void)place_hottest_first(two, d, std::vector<double>{1.0}), invalid_argument);
+  EXPECT_THROW((void)place_hottest_first(two, std::vector<double>{1.0}, std::vector<double>{1.0, 1.0}),
+               invalid_argument);
+}
+
 TEST(PlaceByDemand, RejectsBadInput) {
   const std::vector<double> bw{1.0, 1.0};
   const std::vector<double> d{1.0, -1.0};
