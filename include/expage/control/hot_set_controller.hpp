@@ -51,7 +51,7 @@ struct hot_set_plan {
 
 /// @brief The plan as transition targets in priority order, demotions (to resident_lo) before
 /// promotions (to resident_hi), for `transition_manager::set_targets()`:
-/// `manager.set_targets(to_transition_targets<decltype(manager)::target>(plan))`.
+/// pass the manager's nested `target` type as @p Target.
 ///
 /// The controller's budget account is a planning account: the transition manager charges the real
 /// bytes of each hi version on its own pool account, so give the controller a separate account of
