@@ -72,7 +72,8 @@ struct residency_step {
 ///      .expert_bytes = g.expert_bytes(expage::precision::bf16), .gpu_bytes = 60_GiB},
 ///     curves_per_layer, iterations_measured);
 /// const auto s = planner.step(kv_bytes_now);   // every period
-/// for (std::uint32_t l = 0; l < 32; ++l) runtime.resize_layer(l, planner.capacity(l));
+/// runtime.resize(planner.resident_bytes());  // expert_runtime keeps one pool: its byte target
+/// // planner.capacity(l): how many of them layer l should keep (a per-layer cache's slots)
 /// @endcode
 /// @threadsafety single-owner.
 class residency_planner {
