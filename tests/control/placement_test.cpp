@@ -134,6 +134,17 @@ TEST(PlaceTensors, SpreadsStreamedUnitsEvenlyAcrossLayers) {
   EXPECT_NEAR(placed.load_time / continuous, 1.093, 0.01);
 }
 
+// Two near-equal streaming backends make the whole-unit split non-convex: with U = 2 and 2 units to
+// stream, one unit in each layer costs 2 · max(1/1, 1/0.33) = 6.06, both in one layer (one on each
+// streaming backend) 2/1 + max(1/0.3, 1/0.33) = 5.33. The even spread is not optimal here.
+TEST(PlaceTensors, UnevenSpreadWhenTheIntegerSplitIsNotConvex) {
+  const auto placed = place_tensors(
+      {.layers = 2, .units_per_layer = 2, .unit_bytes = 1, .bandwidths = {1.0, 0.3, 0.33}, .gpu_units = 2});
+  EXPECT_NEAR(placed.load_time, 2.0 + 1.0 / 0.3, 1e-12);
+  EXPECT_EQ(placed.at(0, 0) + placed.at(1, 0), 2U);
+  EXPECT_NE(placed.at(0, 0), placed.at(1, 0));
+}
+
 TEST(PlaceTensors, RejectsBadInputNamingTheValueAndItsRange) {
   const auto expect_throw = [](const placement_problem& p, const char* what) {
     try {
