@@ -157,7 +157,8 @@ TEST(PlaceTensors, RejectsBadInputNamingTheValueAndItsRange) {
   expect_throw({.layers = 2, .units_per_layer = 3, .bandwidths = {1.0, 0.0}},
                "bandwidth 0 of backend 1 out of range (0, inf)");
   expect_throw({.layers = 2, .units_per_layer = 3, .bandwidths = {-5.0}}, "bandwidth -5 of backend 0");
-  expect_throw({.layers = 2, .units_per_layer = 3, .bandwidths = {1.0, NAN}}, "backend 1 out of range");
+  expect_throw({.layers = 2, .units_per_layer = 3, .bandwidths = {1.0, std::numeric_limits<double>::quiet_NaN()}},
+               "backend 1 out of range");
   expect_throw({.layers = 2, .units_per_layer = 3, .bandwidths = {}}, "0 backends out of range [1, 64]");
   expect_throw({.layers = 2, .units_per_layer = 3, .bandwidths = {1.0, 1.0}, .gpu_units = 7},
                "gpu_units 7 out of range [0, 6]");
