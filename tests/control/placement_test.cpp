@@ -1,6 +1,11 @@
 #include "expage/control/placement.hpp"
 
 #include "expage/core/error.hpp"
+#include "expage/core/moe_geometry.hpp"
+#include "expage/trace/routing_trace.hpp"
+#include "expage/trace/trace_io.hpp"
+
+#include "common/traces.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -8,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -145,6 +151,24 @@ TEST(PlaceTensors, UnevenSpreadWhenTheIntegerSplitIsNotConvex) {
   EXPECT_NE(placed.at(0, 0), placed.at(1, 0));
 }
 
+// docs/control.md's table: whole-tensor load time over the continuous bound N·U/ΣB (Mixtral in
+// thirds of an expert, the Eq. 8 footprint).
+TEST(PlaceTensors, RoundingCostOnMixtral) {
+  struct row {
+    std::vector<double> bw;
+    double ratio;
+  };
+  for (const row& r : {row{{200e9, 25e9}, 1.093}, row{{400e9, 25e9}, 1.180}, row{{100e9, 25e9, 3e9}, 1.111}}) {
+    const auto placed = place_tensors({.layers = 32,
+                                       .units_per_layer = 24,
+                                       .unit_bytes = 1,
+                                       .bandwidths = r.bw,
+                                       .gpu_units = proportional_gpu_units(32, 24, r.bw)});
+    const double sum = std::accumulate(r.bw.begin(), r.bw.end(), 0.0);
+    EXPECT_NEAR(placed.load_time / (32.0 * 24.0 / sum), r.ratio, 0.0005);
+  }
+}
+
 TEST(PlaceTensors, RejectsBadInputNamingTheValueAndItsRange) {
   const auto expect_throw = [](const placement_problem& p, const char* what) {
     try {
@@ -263,6 +287,39 @@ TEST(PlaceHottestFirst, KeepsTheCountsAndIsOptimalInItsRegime) {
   EXPECT_THROW((void)place_hottest_first(two, d, std::vector<double>{1.0}), invalid_argument);
   EXPECT_THROW((void)place_hottest_first(two, std::vector<double>{1.0}, std::vector<double>{1.0, 1.0}),
                invalid_argument);
+}
+
+// docs/control.md: demand from problem 0 of the Mixtral trace, judged on problem 1, against the
+// routing-blind placement with the same Eq. 8 counts.
+TEST(PlaceByDemand, HeldOutDemandOnMixtralHumanEval) {
+  const auto file = testing::mixtral_humaneval_trace();
+  if (!file) GTEST_SKIP() << "../shared/traces is absent (set EXPAGE_TRACES_DIR)";
+  const routing_trace t = read_trace(*file, moe_geometry::mixtral_8x7b());
+  std::vector<double> d0(256, 0.0);
+  std::vector<double> d1(256, 0.0);
+  const std::vector<double> uniform(256, 1.0);
+  for (const routing_event& e : t) {
+    for (const auto x : e.experts) (e.sequence == 0 ? d0 : d1)[std::size_t{e.layer} * 8 + x] += 1.0;
+  }
+  for (const std::vector<double>& bw : {std::vector<double>{200e9, 25e9}, std::vector<double>{50e9, 25e9}}) {
+    const auto counts = place_tensors({.layers = 32,
+                                       .units_per_layer = 8,
+                                       .unit_bytes = 1,
+                                       .bandwidths = bw,
+                                       .gpu_units = proportional_gpu_units(32, 8, bw)});
+    const auto blind = place_hottest_first(counts, uniform, bw);
+    const auto hottest = place_hottest_first(counts, d0, bw);
+    const auto weighted = place_by_demand(32, 8, d0, bw);
+    const auto time = [&](const std::vector<double>& d, const std::vector<std::uint32_t>& a) {
+      return demanded_load_time(32, 8, d, a, bw, 1.0);
+    };
+    const double hot_out = time(d1, hottest) / time(d1, blind);
+    const double weighted_out = time(d1, weighted) / time(d1, blind);
+    std::printf("GPU %.0f / host %.0f GB/s: hottest-first %.3f held out (%.3f in sample), by-demand %.3f (%.3f)\n",
+                bw[0] / 1e9, bw[1] / 1e9, hot_out, time(d0, hottest) / time(d0, blind), weighted_out,
+                time(d0, weighted) / time(d0, blind));
+    EXPECT_LT(hot_out, 1.0);
+  }
 }
 
 TEST(PlaceByDemand, RejectsBadInput) {

@@ -4,8 +4,12 @@
 #include "expage/cache/miss_ratio_curve.hpp"
 #include "expage/core/error.hpp"
 #include "expage/core/moe_geometry.hpp"
+#include "expage/core/precision.hpp"
 #include "expage/trace/routing_trace.hpp"
 #include "expage/trace/synthetic_trace.hpp"
+#include "expage/trace/trace_io.hpp"
+
+#include "common/traces.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -13,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <random>
 #include <vector>
 
@@ -138,6 +143,48 @@ TEST(ResidencyPlanner, DoesNotOscillateUnderStationaryInput) {
         EXPECT_GE(still, 40) << "converged and stays";
       }
     }
+  }
+}
+
+// docs/control.md's table: problem 0's per-layer curves, batch 1, τ_comp = 9.6 ms, from α = 0.
+TEST(ResidencyPlanner, KneeOnMixtralHumanEval) {
+  const auto file = testing::mixtral_humaneval_trace();
+  if (!file) GTEST_SKIP() << "../shared/traces is absent (set EXPAGE_TRACES_DIR)";
+  const moe_geometry g = moe_geometry::mixtral_8x7b();
+  const routing_trace t = read_trace(*file, g);
+  layered_miss_curves c(g);
+  std::uint64_t passes = 0;
+  for (const routing_event& e : t) {
+    if (e.sequence != 0) continue;
+    passes += e.layer == 0 ? 1 : 0;
+    c.access_group(e.layer, e.experts);
+  }
+  std::vector<miss_ratio_curve> curves;
+  for (std::uint32_t l = 0; l < 32; ++l) curves.push_back(c.layer_curve(l));
+  struct row {
+    const char* link;
+    precision p;
+    double bandwidth;
+  };
+  for (const row& r : {row{"bf16 over PCIe 4", precision::bf16, 25e9}, row{"int4 over PCIe 4", precision::int4, 25e9},
+                       row{"int4 over 450 GB/s", precision::int4, 450e9}}) {
+    const std::uint64_t bytes = g.expert_bytes(r.p);
+    residency_planner p({.layers = 32,
+                         .experts_per_layer = 8,
+                         .compute_time = 9.6e-3,
+                         .bandwidth = r.bandwidth,
+                         .expert_bytes = bytes,
+                         .gpu_bytes = 256 * bytes},
+                        curves, passes, 0);
+    int last_move = 0;
+    for (int period = 1; period <= 20; ++period) {
+      const auto s = p.step(0);
+      if (s.added + s.released > 0) last_move = period;
+    }
+    const double rho = 9.6e-3 / p.load_time();
+    std::printf("%-20s alpha %.3f rho %.3f after %d periods\n", r.link, p.alpha(), rho, last_move);
+    EXPECT_LE(last_move, 10);
+    EXPECT_TRUE(rho >= 0.9 || p.alpha() == 1.0) << r.link;  // the knee, or full residency
   }
 }
 
