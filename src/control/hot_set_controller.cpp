@@ -83,9 +83,10 @@ std::vector<expert_index> hot_set_controller::hot_set(std::uint32_t layer) const
 hot_set_plan hot_set_controller::end_interval(budget_account* budget) {
   // EMA at the interval's end, then reset the counters (DynaExq §3.5, "Hotness Estimation").
   const double a = config_.decay;
-  for (std::size_t i = 0; i < score_.size(); ++i) {
-    score_[i] = a * score_[i] + (1.0 - a) * static_cast<double>(count_[i]);
-    count_[i] = 0;
+  auto count = count_.begin();
+  for (double& score : score_) {
+    score = a * score + (1.0 - a) * static_cast<double>(*count);
+    *count++ = 0;
   }
   hot_set_plan plan;
   for (std::uint32_t layer = 0; layer < config_.layers; ++layer) update_layer(layer, budget, plan);
