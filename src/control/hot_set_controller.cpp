@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <ranges>
 
 namespace expage {
 
@@ -110,8 +111,8 @@ void hot_set_controller::update_layer(std::uint32_t layer, budget_account* budge
     return -1;
   };
   const auto coldest_member = [&]() -> std::int64_t {
-    for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
-      if (member_[base + *it] != 0) return *it;
+    for (const expert_index e : std::views::reverse(order_)) {
+      if (member_[base + e] != 0) return e;
     }
     return -1;
   };
