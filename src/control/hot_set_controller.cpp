@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
-#include <ranges>
 
 namespace expage {
 
@@ -111,8 +110,9 @@ void hot_set_controller::update_layer(std::uint32_t layer, budget_account* budge
     return -1;
   };
   const auto coldest_member = [&]() -> std::int64_t {
-    for (const expert_index e : std::views::reverse(order_)) {
-      if (member_[base + e] != 0) return e;
+    // Reverse iteration by index: std::views::reverse does not compile with clang 14 over libstdc++ 12.
+    for (std::size_t r = order_.size(); r-- > 0;) {
+      if (member_[base + order_[r]] != 0) return order_[r];
     }
     return -1;
   };
