@@ -109,6 +109,7 @@ routing_trace generate_synthetic(const moe_geometry& geometry, const synthetic_o
   const double exponent = options.zipf_exponent.value_or(default_zipf_exponent(geometry));
   check_option("zipf_exponent", exponent, 0.0, 8.0);
   check_option("locality", options.locality, 0.0, 1.0);
+  check_option("cross_layer", options.cross_layer, 0.0, 1.0);
   check_option("sequences", options.sequences, 1, 1U << 24);
   check_option("batch_size", options.batch_size, 1, 1U << 16);
   check_option("workloads", options.workloads, 1, geometry.experts_per_layer());
@@ -145,6 +146,26 @@ routing_trace generate_synthetic(const moe_geometry& geometry, const synthetic_o
     }
   }
 
+  // Cross-layer co-activation: each decode token has a latent type (what the token is, which
+  // the residual stream carries through every layer); type c prefers k experts of its own at
+  // each layer. Drawn only when used, so traces without cross_layer stay what they were.
+  const std::uint32_t types = experts;
+  std::vector<std::uint32_t> preferred;  // [layer][type][k]
+  if (options.cross_layer > 0.0) {
+    preferred.reserve(std::size_t{layers} * types * k);
+    std::vector<std::uint32_t> perm(experts);
+    for (std::uint32_t l = 0; l < layers; ++l) {
+      for (std::uint32_t c = 0; c < types; ++c) {
+        std::iota(perm.begin(), perm.end(), 0U);
+        for (std::uint32_t i = 0; i < k; ++i) {  // the first k of a Fisher–Yates shuffle
+          std::swap(perm[i], perm[i + rng.below(experts - i)]);
+          preferred.push_back(perm[i]);
+        }
+      }
+    }
+  }
+  std::vector<std::uint32_t> token_type(options.batch_size, 0);  // per slot, the current token's
+
   routing_trace trace(geometry);
   trace.set_batch_size(options.batch_size);
   const std::size_t events = static_cast<std::size_t>(options.sequences) * steps * layers;
@@ -169,8 +190,18 @@ routing_trace generate_synthetic(const moe_geometry& geometry, const synthetic_o
     std::vector<std::uint32_t>& prev = previous[static_cast<std::size_t>(slot) * layers + layer];
     std::fill(excluded.begin(), excluded.end(), false);
     chosen.clear();
+    if (!preferred.empty() && phase == routing_phase::decode) {
+      if (layer == 0) token_type[slot] = rng.below(types);
+      const std::uint32_t* pref = preferred.data() + (std::size_t{layer} * types + token_type[slot]) * k;
+      for (std::uint32_t i = 0; i < k; ++i) {
+        if (!excluded[pref[i]] && rng.chance(options.cross_layer)) {
+          chosen.push_back(pref[i]);
+          excluded[pref[i]] = true;
+        }
+      }
+    }
     for (const std::uint32_t x : prev) {
-      if (rng.chance(options.locality)) {
+      if (chosen.size() < k && !excluded[x] && rng.chance(options.locality)) {
         chosen.push_back(x);
         excluded[x] = true;
       }

@@ -44,6 +44,14 @@ struct synthetic_options {
   /// Probability that a token keeps each of the previous token's experts at the same layer
   /// (temporal locality); the others are drawn afresh. In [0, 1].
   double locality = 0.3;
+  /// Cross-layer co-activation: each decode token has a latent type, one of experts_per_layer
+  /// types drawn uniformly, and each type prefers k experts of its own at every layer (a random
+  /// k-subset per layer and type); the token takes each preferred expert with this probability,
+  /// before temporal locality and the Zipf draw. Consecutive layers, and layers at any distance,
+  /// are then correlated, as the real Mixtral trace's are: 0.65 reproduces its cross-layer
+  /// predictability (docs/traces.md). 0 draws nothing, so traces without it are unchanged;
+  /// prefill tokens are not typed. In [0, 1].
+  double cross_layer = 0.0;
   /// Distinct workloads (hot sets); each sequence runs workload (sequence / shift_every) % workloads.
   /// Workload w's ranking is the layer's base ranking rotated by w·experts/workloads, so the top
   /// experts/workloads of different workloads are disjoint (DynaExq Fig. 2). ≥ 1.
@@ -63,7 +71,8 @@ struct synthetic_options {
 /// each expert's selection frequency is its capped Zipf share; a token keeps each expert of its
 /// predecessor with probability `locality`; sequences b·B … b·B+B−1 run in lockstep, so a pass
 /// routes B tokens per layer and their union grows with B; a sequence's first pass prefills
-/// `prefill_tokens` tokens. Events come in execution order with batch_size() = B.
+/// `prefill_tokens` tokens; with `cross_layer` > 0, a decode token's experts at consecutive layers
+/// are correlated. Events come in execution order with batch_size() = B.
 ///
 /// @code
 /// auto trace = expage::generate_synthetic(expage::moe_geometry::mixtral_8x7b(),
