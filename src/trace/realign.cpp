@@ -1,0 +1,322 @@
+// realign_trace(): greedy gap insertion under a plug-in co-occurrence model (see the header and
+// docs/traces.md, "Realignment").
+#include "expage/trace/realign.hpp"
+
+#include "expage/core/error.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <map>
+#include <numeric>
+#include <span>
+#include <tuple>
+#include <utility>
+
+namespace expage {
+namespace {
+
+// The events of one sequence, decode rows per layer in step order.
+struct sequence_rows {
+  std::uint32_t sequence = 0;
+  std::uint32_t prefill = 0;                     // P: decode steps are [P, P + decode_steps)
+  std::uint32_t decode_steps = 0;                // N − P
+  std::vector<std::vector<std::size_t>> decode;  // [layer] → event indices, ascending step
+  [[nodiscard]] bool complete(std::uint32_t layer) const noexcept { return decode[layer].size() == decode_steps; }
+};
+
+std::vector<sequence_rows> group_by_sequence(const routing_trace& trace) {
+  std::vector<std::size_t> order(trace.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::vector<std::tuple<std::uint32_t, std::uint32_t, std::uint32_t>> keys(trace.size());
+  for (std::size_t i = 0; i < trace.size(); ++i) {
+    const routing_event e = trace[i];
+    keys[i] = {e.sequence, e.layer, e.step};
+  }
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return keys[a] < keys[b]; });
+  const prefill_table prefill = trace.prefill_lengths();
+  // The placement indexes a complete layer's rows by step, so refuse what readers refuse.
+  for (std::size_t j = 0; j < order.size(); ++j) {
+    const auto [sequence, layer, step] = keys[order[j]];
+    if (j > 0 && keys[order[j - 1]] == keys[order[j]]) {
+      throw invalid_argument(
+          fmt::format("realign_trace: two events route sequence {} step {} layer {}", sequence, step, layer));
+    }
+    if (trace[order[j]].phase == routing_phase::decode && step < prefill[sequence]) {
+      throw invalid_argument(
+          fmt::format("realign_trace: decode step {} of sequence {} out of range [{}, 4294967295] "
+                      "(its prefill has {} steps)",
+                      step, sequence, prefill[sequence], prefill[sequence]));
+    }
+  }
+  std::vector<sequence_rows> result;
+  std::size_t begin = 0;
+  while (begin < order.size()) {
+    sequence_rows s;
+    s.sequence = std::get<0>(keys[order[begin]]);
+    s.prefill = prefill[s.sequence];
+    s.decode.resize(trace.layers());
+    std::uint64_t last = 0;
+    std::size_t end = begin;
+    for (; end < order.size() && std::get<0>(keys[order[end]]) == s.sequence; ++end) {
+      const std::size_t i = order[end];
+      last = std::max<std::uint64_t>(last, std::get<2>(keys[i]));
+      if (trace[i].phase == routing_phase::decode) s.decode[std::get<1>(keys[i])].push_back(i);
+    }
+    // Steps [P, last] are decode steps (routing_trace::gaps() uses the same extent).
+    s.decode_steps = last + 1 > s.prefill ? static_cast<std::uint32_t>(last + 1 - s.prefill) : 0;
+    result.push_back(std::move(s));
+    begin = end;
+  }
+  return result;
+}
+
+// Co-occurrence counts of (expert i at reference layer, expert j at the short layer), for every
+// reference layer: cells [ref][i][j] and row sums [ref][i].
+struct cooccurrence {
+  std::vector<std::uint64_t> cell;
+  std::vector<std::uint64_t> row;
+  cooccurrence(std::size_t references, std::uint32_t experts_per_layer)
+      : cell(references * experts_per_layer * experts_per_layer, 0), row(references * experts_per_layer, 0) {}
+};
+
+// log(offset + m) for counts m, tabulated: the score's terms take integer counts only.
+class log_table {
+ public:
+  explicit log_table(double offset) : offset_(offset) {}
+  double operator()(std::uint64_t m) {
+    if (m >= limit) return std::log(offset_ + static_cast<double>(m));
+    while (values_.size() <= m) values_.push_back(std::log(offset_ + static_cast<double>(values_.size())));
+    return values_[m];
+  }
+
+ private:
+  static constexpr std::uint64_t limit = std::uint64_t{1} << 20;
+  double offset_;
+  std::vector<double> values_;
+};
+
+// Counts over the other sequences in which `short_layer` and each other layer are both complete
+// (realign_options::pool_sequences), indexed by every layer of the trace.
+cooccurrence pooled_counts(const routing_trace& trace, std::span<const sequence_rows> sequences,
+                           std::uint32_t short_layer) {
+  const std::uint32_t layers = trace.layers();
+  const std::uint32_t experts = trace.experts_per_layer();
+  cooccurrence pool(layers, experts);
+  for (const sequence_rows& s : sequences) {
+    if (s.decode_steps == 0 || !s.complete(short_layer)) continue;
+    for (std::uint32_t ref = 0; ref < layers; ++ref) {
+      if (ref == short_layer || !s.complete(ref)) continue;
+      for (std::uint32_t t = 0; t < s.decode_steps; ++t) {
+        const routing_event a = trace[s.decode[ref][t]];
+        const routing_event b = trace[s.decode[short_layer][t]];
+        for (const std::uint32_t i : a.experts) {
+          for (const std::uint32_t j : b.experts) ++pool.cell[(std::size_t{ref} * experts + i) * experts + j];
+          pool.row[std::size_t{ref} * experts + i] += b.experts.size();
+        }
+      }
+    }
+  }
+  return pool;
+}
+
+// The composite log-likelihood of one short layer's placement, kept up to date as rows move.
+//   score = Σ_cells c·log(f + c + α) − Σ_rows r·log(f_r + r + α·E)
+// where c counts the placement's (i, j) pairs and f the fixed pooled counts: Σ over the
+// placement's pairs of log P(j | i) with P(j | i) = (f + c + α) / (f_r + r + α·E).
+class placement_score {
+ public:
+  placement_score(const routing_trace& trace, const sequence_rows& s, std::span<const std::uint32_t> references,
+                  const cooccurrence* pool, double alpha)
+      : refs_(references.size()),
+        k_(trace.top_k()),
+        experts_(trace.experts_per_layer()),
+        counts_(references.size(), trace.experts_per_layer()),
+        fixed_(references.size(), trace.experts_per_layer()),
+        cell_log_(alpha),
+        row_log_(alpha * trace.experts_per_layer()) {
+    // The reference layers' experts, [step][reference][k], so a row's update reads one run.
+    ref_experts_.reserve(std::size_t{s.decode_steps} * refs_ * k_);
+    for (std::uint32_t t = 0; t < s.decode_steps; ++t) {
+      for (const std::uint32_t ref : references) {
+        const routing_event e = trace[s.decode[ref][t]];
+        ref_experts_.insert(ref_experts_.end(), e.experts.begin(), e.experts.end());
+      }
+    }
+    if (pool != nullptr) {
+      const std::size_t e = experts_;
+      for (std::size_t r = 0; r < refs_; ++r) {
+        std::copy_n(pool->cell.begin() + static_cast<std::ptrdiff_t>(references[r] * e * e), e * e,
+                    fixed_.cell.begin() + static_cast<std::ptrdiff_t>(r * e * e));
+        std::copy_n(pool->row.begin() + static_cast<std::ptrdiff_t>(references[r] * e), e,
+                    fixed_.row.begin() + static_cast<std::ptrdiff_t>(r * e));
+      }
+    }
+  }
+
+  void reset() {
+    std::fill(counts_.cell.begin(), counts_.cell.end(), 0);
+    std::fill(counts_.row.begin(), counts_.row.end(), 0);
+    score_ = 0.0;
+  }
+
+  // Adds (add = true) or removes the pairs of a short-layer row with experts `row` placed at
+  // decode step `position` (relative to the prefill).
+  void update(std::span<const std::uint32_t> row, std::uint32_t position, bool add) {
+    const std::size_t e = experts_;
+    const std::uint64_t k = row.size();
+    const std::uint32_t* ref = ref_experts_.data() + std::size_t{position} * refs_ * k_;
+    for (std::size_t r = 0; r < refs_; ++r) {
+      for (std::size_t a = 0; a < k_; ++a, ++ref) {
+        const std::size_t i = (r * e + *ref);
+        for (const std::uint32_t j : row) {
+          const std::size_t at = i * e + j;
+          const std::uint64_t f = fixed_.cell[at];
+          std::uint64_t& c = counts_.cell[at];
+          score_ -= static_cast<double>(c) * cell_log_(f + c);
+          c = add ? c + 1 : c - 1;
+          score_ += static_cast<double>(c) * cell_log_(f + c);
+        }
+        const std::uint64_t f = fixed_.row[i];
+        std::uint64_t& c = counts_.row[i];
+        score_ += static_cast<double>(c) * row_log_(f + c);
+        c = add ? c + k : c - k;
+        score_ -= static_cast<double>(c) * row_log_(f + c);
+      }
+    }
+  }
+
+  [[nodiscard]] double score() const noexcept { return score_; }
+
+ private:
+  std::size_t refs_;
+  std::size_t k_;
+  std::uint32_t experts_;
+  std::vector<std::uint32_t> ref_experts_;
+  cooccurrence counts_;
+  cooccurrence fixed_;
+  log_table cell_log_;  // log(α + m)
+  log_table row_log_;   // log(α·E + m)
+  double score_ = 0.0;
+};
+
+// Greedy gap insertion for one short layer; returns the rows' decode positions (relative to P).
+std::vector<std::uint32_t> place_rows(const routing_trace& trace, const sequence_rows& s, std::uint32_t layer,
+                                      std::span<const std::uint32_t> references, const cooccurrence* pool, double alpha,
+                                      std::vector<gap_insertion>& insertions) {
+  const std::vector<std::size_t>& rows = s.decode[layer];
+  const std::size_t n = rows.size();
+  std::vector<std::uint32_t> position(n);
+  std::iota(position.begin(), position.end(), 0U);
+  placement_score model(trace, s, references, pool, alpha);
+  const std::size_t k = trace.top_k();
+  std::vector<std::uint32_t> row_experts;  // [row][k]
+  row_experts.reserve(n * k);
+  for (const std::size_t i : rows) {
+    const routing_event e = trace[i];
+    row_experts.insert(row_experts.end(), e.experts.begin(), e.experts.end());
+  }
+  const auto experts_of = [&](std::size_t r) { return std::span<const std::uint32_t>(row_experts.data() + r * k, k); };
+  std::vector<double> candidate(n + 1);
+  const std::size_t missing = s.decode_steps - n;
+  for (std::size_t round = 0; round < missing && n > 0; ++round) {
+    // Candidate r shifts rows r … n−1 one step later (r = n: none, the missing row stays at the
+    // tail). Sweeping r downwards moves one row per candidate. A tail step is free: rounds <
+    // missing, so the last row's position + 1 < decode_steps.
+    model.reset();
+    for (std::size_t r = 0; r < n; ++r) model.update(experts_of(r), position[r], true);
+    candidate[n] = model.score();
+    for (std::size_t r = n; r-- > 0;) {
+      const std::span<const std::uint32_t> experts = experts_of(r);
+      model.update(experts, position[r], false);
+      model.update(experts, position[r] + 1, true);
+      candidate[r] = model.score();
+    }
+    // Ties go to the later insertion point (fewer rows moved); leaving the row at the tail wins
+    // unless a position is better by more than rounding.
+    std::size_t best = n;
+    for (std::size_t r = n; r-- > 0;) {
+      if (candidate[r] > candidate[best]) best = r;
+    }
+    const double tolerance = 1e-9 * std::max(1.0, std::abs(candidate[n]));
+    if (best == n || candidate[best] - candidate[n] <= tolerance) break;
+    double runner_up = -HUGE_VAL;
+    for (std::size_t r = 0; r <= n; ++r) {
+      if (r != best) runner_up = std::max(runner_up, candidate[r]);
+    }
+    insertions.push_back({.step = s.prefill + position[best],
+                          .gain = candidate[best] - candidate[n],
+                          .margin = candidate[best] - runner_up});
+    for (std::size_t r = best; r < n; ++r) ++position[r];
+  }
+  return position;
+}
+
+}  // namespace
+
+realign_result realign_trace(const routing_trace& trace, const realign_options& options) {
+  if (!(options.smoothing > 0.0 && options.smoothing <= 1000.0)) {
+    throw invalid_argument(fmt::format("realign_options: smoothing = {} out of range (0, 1000]", options.smoothing));
+  }
+  const std::vector<sequence_rows> sequences = group_by_sequence(trace);
+  std::vector<std::uint32_t> new_step(trace.size());
+  for (std::size_t i = 0; i < trace.size(); ++i) new_step[i] = trace[i].step;
+  std::map<std::uint32_t, cooccurrence> pools;  // by short layer, built on first use
+  realign_result result{.trace = routing_trace(trace.layers(), trace.experts_per_layer(), trace.top_k()), .layers = {}};
+  for (const sequence_rows& s : sequences) {
+    for (std::uint32_t layer = 0; layer < trace.layers(); ++layer) {
+      const std::vector<std::size_t>& rows = s.decode[layer];
+      if (rows.size() >= s.decode_steps) continue;
+      std::vector<std::uint32_t> references;
+      for (std::uint32_t l = 0; l < trace.layers(); ++l) {
+        const std::uint32_t distance = l > layer ? l - layer : layer - l;
+        if (s.complete(l) && (options.reference_window == 0 || distance <= options.reference_window)) {
+          references.push_back(l);
+        }
+      }
+      realigned_layer report{.sequence = s.sequence,
+                             .layer = layer,
+                             .rows = static_cast<std::uint32_t>(rows.size()),
+                             .reference_layers = static_cast<std::uint32_t>(references.size()),
+                             .rows_moved = 0,
+                             .missing_steps = {},
+                             .insertions = {}};
+      std::vector<std::uint32_t> steps(rows.size());  // absolute, after realignment
+      for (std::size_t r = 0; r < rows.size(); ++r) steps[r] = trace[rows[r]].step;
+      if (!references.empty()) {
+        const cooccurrence* pool = nullptr;
+        if (options.pool_sequences) {
+          auto it = pools.find(layer);
+          if (it == pools.end()) it = pools.emplace(layer, pooled_counts(trace, sequences, layer)).first;
+          pool = &it->second;
+        }
+        const std::vector<std::uint32_t> position =
+            place_rows(trace, s, layer, references, pool, options.smoothing, report.insertions);
+        for (std::size_t r = 0; r < rows.size(); ++r) steps[r] = s.prefill + position[r];
+      }
+      std::vector<bool> present(s.decode_steps, false);
+      for (std::size_t r = 0; r < rows.size(); ++r) {
+        if (steps[r] != trace[rows[r]].step) ++report.rows_moved;
+        new_step[rows[r]] = steps[r];
+        present[steps[r] - s.prefill] = true;
+      }
+      for (std::uint32_t t = 0; t < s.decode_steps; ++t) {
+        if (!present[t]) report.missing_steps.push_back(s.prefill + t);
+      }
+      result.layers.push_back(std::move(report));
+    }
+  }
+  result.trace.set_batch_size(trace.batch_size());
+  result.trace.reserve(trace.size(), trace.probability_vectors() > 0);
+  for (std::size_t i = 0; i < trace.size(); ++i) {
+    routing_event e = trace[i];
+    e.step = new_step[i];
+    result.trace.append(e);
+  }
+  result.trace.restore_execution_order();
+  return result;
+}
+
+}  // namespace expage

@@ -1,0 +1,339 @@
+#include "expage/trace/realign.hpp"
+
+#include "common/traces.hpp"
+#include "expage/core/error.hpp"
+#include "expage/core/moe_geometry.hpp"
+#include "expage/trace/routing_trace.hpp"
+#include "expage/trace/synthetic_trace.hpp"
+#include "expage/trace/trace_io.hpp"
+
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <optional>
+#include <random>
+#include <vector>
+
+namespace {
+
+using expage::generate_synthetic;
+using expage::moe_geometry;
+using expage::realign_options;
+using expage::realign_result;
+using expage::realign_trace;
+using expage::realigned_layer;
+using expage::routing_event;
+using expage::routing_trace;
+using expage::synthetic_options;
+using expage::trace_gap;
+using ::testing::HasSubstr;
+
+// The trace without the row (sequence, step, layer), the layer's later rows renumbered one step
+// earlier: what a recorder that numbers each layer's rows densely writes when it loses the row.
+routing_trace delete_row(const routing_trace& t, std::uint32_t sequence, std::uint32_t layer, std::uint32_t step) {
+  routing_trace out(t.layers(), t.experts_per_layer(), t.top_k());
+  out.set_batch_size(t.batch_size());
+  out.reserve(t.size());
+  for (routing_event e : t) {
+    if (e.sequence == sequence && e.layer == layer) {
+      if (e.step == step) continue;
+      if (e.step > step) --e.step;
+    }
+    out.append(e);
+  }
+  out.restore_execution_order();
+  return out;
+}
+
+const realigned_layer* find_layer(const realign_result& r, std::uint32_t sequence, std::uint32_t layer) {
+  for (const realigned_layer& l : r.layers) {
+    if (l.sequence == sequence && l.layer == layer) return &l;
+  }
+  return nullptr;
+}
+
+// Decode steps per sequence (1 + the largest step), and the layers that have all of them.
+std::map<std::uint32_t, std::uint32_t> steps_per_sequence(const routing_trace& t) {
+  std::map<std::uint32_t, std::uint32_t> steps;
+  for (const routing_event& e : t) steps[e.sequence] = std::max(steps[e.sequence], e.step + 1);
+  return steps;
+}
+
+struct deletion_outcome {
+  int trials = 0;
+  int within_two = 0;
+  std::vector<int> errors;  // |recovered − deleted| per trial
+};
+
+// Deletes one interior row of a complete layer at a seeded random (sequence, layer, step),
+// realigns, and measures how far the recovered gap is from the deleted step.
+deletion_outcome deletion_experiment(const routing_trace& t, std::uint64_t seed, int trials,
+                                     std::optional<std::uint32_t> only_sequence = std::nullopt,
+                                     const realign_options& options = {}) {
+  std::mt19937_64 rng(seed);
+  const auto below = [&](std::uint64_t n) { return static_cast<std::uint32_t>(rng() % n); };  // n ≪ 2^64
+  const std::map<std::uint32_t, std::uint32_t> steps = steps_per_sequence(t);
+  std::map<std::uint32_t, std::vector<std::uint32_t>> complete;  // sequence → complete layers
+  std::map<std::uint32_t, std::vector<bool>> is_short;
+  for (const auto& [s, n] : steps) is_short[s].assign(t.layers(), false);
+  for (const trace_gap& g : t.gaps()) is_short[g.sequence][g.layer] = true;
+  std::vector<std::uint32_t> sequences;
+  for (const auto& [s, n] : steps) {
+    for (std::uint32_t l = 0; l < t.layers(); ++l) {
+      if (!is_short[s][l]) complete[s].push_back(l);
+    }
+    if ((!only_sequence || s == *only_sequence) && complete[s].size() >= 2) sequences.push_back(s);
+  }
+  deletion_outcome out;
+  for (int trial = 0; trial < trials; ++trial) {
+    const std::uint32_t s = sequences[below(sequences.size())];
+    const std::uint32_t layer = complete[s][below(complete[s].size())];
+    const std::uint32_t step = 1 + below(steps.at(s) - 2);  // interior: [1, steps − 2]
+    const realign_result r = realign_trace(delete_row(t, s, layer, step), options);
+    const realigned_layer* l = find_layer(r, s, layer);
+    EXPECT_NE(l, nullptr);
+    if (l == nullptr || l->missing_steps.size() != 1) continue;
+    const int error = std::abs(static_cast<int>(l->missing_steps[0]) - static_cast<int>(step));
+    out.within_two += error <= 2 ? 1 : 0;
+    out.errors.push_back(error);
+  }
+  out.trials = trials;
+  return out;
+}
+
+int median(std::vector<int> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// A Mixtral-shaped synthetic trace whose layers are correlated as the real trace's are:
+// cross_layer = 0.65 gives a co-occurrence table fitted to the trace a recall@2 of 0.49–0.50 at
+// layer distances 1 to 16, the realigned real trace's 0.46–0.50 (docs/traces.md).
+routing_trace correlated_trace(std::uint64_t seed) {
+  return generate_synthetic(moe_geometry::mixtral_8x7b(),
+                            {.seed = seed, .sequences = 4, .decode_steps = 96, .cross_layer = 0.65});
+}
+
+// The trace without the rows of its short (sequence, layer) pairs. Short layers are never
+// references, so a deletion in a complete layer is placed exactly as in the whole trace; the
+// realignment then has one layer to place instead of every short one.
+routing_trace complete_layers_only(const routing_trace& t) {
+  std::map<std::pair<std::uint32_t, std::uint32_t>, bool> is_short;
+  for (const trace_gap& g : t.gaps()) is_short[{g.sequence, g.layer}] = true;
+  routing_trace out(t.layers(), t.experts_per_layer(), t.top_k());
+  for (const routing_event& e : t) {
+    if (!is_short.contains({e.sequence, e.layer})) out.append(e);
+  }
+  return out;
+}
+
+TEST(Realign, RejectsSmoothingOutOfRange) {
+  const routing_trace t = correlated_trace(1);
+  for (const double alpha : {0.0, -1.0, 1001.0, std::nan("")}) {
+    try {
+      (void)realign_trace(t, {.smoothing = alpha});
+      ADD_FAILURE() << "smoothing " << alpha << " accepted";
+    } catch (const expage::invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr("smoothing"));
+      EXPECT_THAT(e.what(), HasSubstr("out of range (0, 1000]"));
+    }
+  }
+}
+
+TEST(Realign, RejectsDuplicateRows) {
+  routing_trace t(2, 4, 1);
+  const std::uint32_t x[] = {1};
+  const float w[] = {1.0F};
+  t.append({.sequence = 0, .step = 0, .layer = 0, .experts = x, .weights = w});
+  t.append({.sequence = 0, .step = 0, .layer = 0, .experts = x, .weights = w});
+  EXPECT_THROW((void)realign_trace(t), expage::invalid_argument);
+}
+
+TEST(Realign, CompleteTraceIsUnchanged) {
+  const routing_trace t = correlated_trace(2);
+  const realign_result r = realign_trace(t);
+  EXPECT_TRUE(r.layers.empty());
+  EXPECT_EQ(r.trace, t);
+}
+
+TEST(Realign, RecoversAPerfectlyCorrelatedDeletionAndLeavesTheStepAbsent) {
+  // Layer 1 copies layer 0's experts: the only placement that agrees is the true one.
+  routing_trace t(2, 8, 2);
+  std::mt19937_64 rng(3);
+  for (std::uint32_t step = 0; step < 40; ++step) {
+    const std::uint32_t a = static_cast<std::uint32_t>(rng() % 8);
+    const std::uint32_t x[] = {a, (a + 1 + static_cast<std::uint32_t>(rng() % 7)) % 8};
+    const float w[] = {0.6F, 0.4F};
+    for (std::uint32_t layer = 0; layer < 2; ++layer) {
+      t.append({.sequence = 0, .step = step, .layer = layer, .experts = x, .weights = w});
+    }
+  }
+  const routing_trace damaged = delete_row(t, 0, 1, 12);
+  ASSERT_EQ(damaged.gaps(), (std::vector<trace_gap>{{.sequence = 0, .layer = 1, .first_step = 39, .count = 1}}));
+  const realign_result r = realign_trace(damaged);
+  ASSERT_EQ(r.layers.size(), 1U);
+  const realigned_layer& l = r.layers[0];
+  EXPECT_EQ(l.sequence, 0U);
+  EXPECT_EQ(l.layer, 1U);
+  EXPECT_EQ(l.rows, 39U);
+  EXPECT_EQ(l.reference_layers, 1U);
+  EXPECT_EQ(l.rows_moved, 39U - 12U);
+  EXPECT_EQ(l.missing_steps, (std::vector<std::uint32_t>{12}));
+  ASSERT_EQ(l.insertions.size(), 1U);
+  EXPECT_EQ(l.insertions[0].step, 12U);
+  EXPECT_GT(l.insertions[0].gain, 0.0);
+  EXPECT_GT(l.insertions[0].margin, 0.0);
+  EXPECT_EQ(r.rows_moved(), 27U);
+  // The missing step is absent, so gaps() reports it where it is.
+  EXPECT_EQ(r.trace.gaps(), (std::vector<trace_gap>{{.sequence = 0, .layer = 1, .first_step = 12, .count = 1}}));
+  EXPECT_TRUE(r.trace.is_execution_ordered());
+  // Every row is back at its true step.
+  routing_trace expected(2, 8, 2);
+  for (const routing_event& e : t) {
+    if (!(e.layer == 1 && e.step == 12)) expected.append(e);
+  }
+  EXPECT_EQ(r.trace, expected);
+}
+
+TEST(Realign, IsIdempotent) {
+  const routing_trace t = delete_row(delete_row(correlated_trace(4), 1, 7, 30), 2, 20, 50);
+  const realign_result once = realign_trace(t);
+  ASSERT_EQ(once.layers.size(), 2U);
+  const realign_result twice = realign_trace(once.trace);
+  EXPECT_EQ(twice.trace, once.trace);
+  EXPECT_EQ(twice.rows_moved(), 0U);
+  ASSERT_EQ(twice.layers.size(), 2U);
+  for (std::size_t i = 0; i < 2; ++i) EXPECT_EQ(twice.layers[i].missing_steps, once.layers[i].missing_steps);
+}
+
+TEST(Realign, PlacesTwoGapsGreedily) {
+  const routing_trace t = correlated_trace(5);
+  const realign_result r = realign_trace(delete_row(delete_row(t, 0, 9, 60), 0, 9, 20));
+  const realigned_layer* l = find_layer(r, 0, 9);
+  ASSERT_NE(l, nullptr);
+  ASSERT_EQ(l->missing_steps.size(), 2U);
+  EXPECT_LE(std::abs(static_cast<int>(l->missing_steps[0]) - 20), 2);
+  EXPECT_LE(std::abs(static_cast<int>(l->missing_steps[1]) - 61), 2);
+}
+
+TEST(Realign, LeavesASequenceWithoutCompleteLayersAsItWas) {
+  routing_trace t(2, 4, 1);
+  const float w[] = {1.0F};
+  for (std::uint32_t step = 0; step < 6; ++step) {
+    for (std::uint32_t layer = 0; layer < 2; ++layer) {
+      if ((layer == 0 && step == 5) || (layer == 1 && step == 4)) continue;
+      const std::uint32_t x[] = {step % 4};
+      t.append({.sequence = 0, .step = step, .layer = layer, .experts = x, .weights = w});
+    }
+  }
+  const realign_result r = realign_trace(t);
+  ASSERT_EQ(r.layers.size(), 2U);
+  EXPECT_EQ(r.layers[0].reference_layers, 0U);
+  EXPECT_EQ(r.layers[0].missing_steps, (std::vector<std::uint32_t>{5}));
+  EXPECT_EQ(r.layers[1].missing_steps, (std::vector<std::uint32_t>{4}));
+  EXPECT_EQ(r.rows_moved(), 0U);
+  EXPECT_EQ(r.trace, t);
+}
+
+TEST(Realign, NeverMovesPrefillRows) {
+  const routing_trace t =
+      generate_synthetic(moe_geometry::mixtral_8x7b(),
+                         {.seed = 6, .sequences = 2, .decode_steps = 64, .prefill_tokens = 5, .cross_layer = 0.6});
+  const routing_trace damaged = delete_row(t, 1, 4, 30);  // a decode row (steps 5 … 68)
+  const realign_result r = realign_trace(damaged);
+  const realigned_layer* l = find_layer(r, 1, 4);
+  ASSERT_NE(l, nullptr);
+  ASSERT_EQ(l->missing_steps.size(), 1U);
+  EXPECT_LE(std::abs(static_cast<int>(l->missing_steps[0]) - 30), 2);
+  for (const routing_event& e : r.trace) {
+    EXPECT_EQ(e.phase == expage::routing_phase::prefill, e.step < 5U) << "step " << e.step;
+  }
+}
+
+// Validation by synthetic deletions (issue 12, "Trace realignment"): ≥ 75% of single interior
+// deletions placed within ±2 steps. Deterministic seeds; measured 42 of 48 (87.5%), median
+// error 1 step (docs/traces.md).
+TEST(Realign, SyntheticDeletionsAreRecoveredWithinTwoSteps) {
+  deletion_outcome all;
+  for (const std::uint64_t seed : {11U, 12U}) {
+    const deletion_outcome o = deletion_experiment(correlated_trace(seed), seed * 1000 + 7, 24);
+    all.trials += o.trials;
+    all.within_two += o.within_two;
+    all.errors.insert(all.errors.end(), o.errors.begin(), o.errors.end());
+  }
+  std::printf("synthetic deletions: %d of %d within +-2 steps, median error %d\n", all.within_two, all.trials,
+              median(all.errors));
+  RecordProperty("within_two", all.within_two);
+  RecordProperty("trials", all.trials);
+  EXPECT_GE(all.within_two * 4, all.trials * 3);
+}
+
+TEST(Realign, IndependentLayersGiveNoSignal) {
+  // Control: without cross-layer correlation the placement is a guess; most deletions miss.
+  const routing_trace t =
+      generate_synthetic(moe_geometry::mixtral_8x7b(), {.seed = 13, .sequences = 4, .decode_steps = 96});
+  const deletion_outcome o = deletion_experiment(t, 13007, 12);
+  std::printf("independent layers: %d of %d within +-2 steps\n", o.within_two, o.trials);
+  EXPECT_LT(o.within_two * 2, o.trials);
+}
+
+// --- the real Mixtral HumanEval trace (skipped when ../shared/traces is absent) -----------------
+
+TEST(RealTrace, RealignsTheMixtralShortLayers) {
+  const auto file = expage::testing::mixtral_humaneval_trace();
+  if (!file) GTEST_SKIP() << "real trace not found (set EXPAGE_TRACES_DIR)";
+  const routing_trace t = expage::read_jsonl(*file, moe_geometry::mixtral_8x7b());
+  const realign_result r = realign_trace(t);
+  // Every short layer of the README's table is reported, its missing steps counted as before.
+  std::map<std::uint32_t, std::map<std::uint32_t, std::uint32_t>> before;
+  for (const trace_gap& g : t.gaps()) before[g.sequence][g.layer] += g.count;
+  std::map<std::uint32_t, std::map<std::uint32_t, std::uint32_t>> after;
+  for (const trace_gap& g : r.trace.gaps()) after[g.sequence][g.layer] += g.count;
+  EXPECT_EQ(after, before);
+  ASSERT_EQ(r.layers.size(), 27U);
+  EXPECT_EQ(r.trace.size(), t.size());
+  std::size_t interior = 0;
+  for (const realigned_layer& l : r.layers) {
+    EXPECT_EQ(l.reference_layers, l.sequence == 0 ? 25U : 12U);
+    const std::uint32_t steps = l.sequence == 0 ? 83 : 255;
+    std::string inserted;
+    for (const auto& g : l.insertions) inserted += fmt::format(" {}:{:.1f}/{:.1f}", g.step, g.gain, g.margin);
+    std::printf("problem %u layer %2u: %3u rows, %3u moved, missing %s;%s\n", l.sequence, l.layer, l.rows, l.rows_moved,
+                fmt::format("{}", fmt::join(l.missing_steps, ",")).c_str(), inserted.c_str());
+    for (const std::uint32_t m : l.missing_steps) interior += m + 1 < steps ? 1 : 0;
+  }
+  std::printf("rows moved: %zu; missing steps placed in the interior: %zu of 37\n", r.rows_moved(), interior);
+  // The notes' finding 6: problem 0 layer 31 lost its row near step 6.
+  const realigned_layer* l31 = find_layer(r, 0, 31);
+  ASSERT_NE(l31, nullptr);
+  ASSERT_EQ(l31->missing_steps.size(), 1U);
+  EXPECT_LE(l31->missing_steps[0], 10U);
+  EXPECT_GT(interior, 20U);
+}
+
+TEST(RealTrace, MixtralSyntheticDeletionsOnCompleteLayers) {
+  const auto file = expage::testing::mixtral_humaneval_trace();
+  if (!file) GTEST_SKIP() << "real trace not found (set EXPAGE_TRACES_DIR)";
+  // The notes' prototype placed 18/24 and 20/24 within ±2 steps; measured here: 20/24 (problem 0)
+  // and 24/24 (problem 1), median error 1 and 0.
+  const routing_trace t = complete_layers_only(expage::read_jsonl(*file, moe_geometry::mixtral_8x7b()));
+  int within = 0;
+  int trials = 0;
+  for (const std::uint32_t problem : {0U, 1U}) {
+    const deletion_outcome o = deletion_experiment(t, 2026 + problem, 24, problem);
+    std::printf("real trace, problem %u: %d of %d deletions within +-2 steps, median error %d\n", problem, o.within_two,
+                o.trials, median(o.errors));
+    within += o.within_two;
+    trials += o.trials;
+  }
+  RecordProperty("within_two", within);
+  RecordProperty("trials", trials);
+  EXPECT_GE(within * 4, trials * 3);
+}
+
+}  // namespace
