@@ -3,11 +3,13 @@
 //   expage-trace info    --geometry mixtral-8x7b TRACE
 //   expage-trace convert --geometry mixtral-8x7b IN OUT
 //   expage-trace synth   --geometry qwen3-30b-a3b --sequences 64 --batch-size 8 OUT
+//   expage-trace realign --geometry mixtral-8x7b IN OUT
 //
 // Formats follow the file extension: .jsonl (JSON Lines), .csv, anything else binary.
 #include <expage/core/error.hpp>
 #include <expage/core/geometry_io.hpp>
 #include <expage/core/moe_geometry.hpp>
+#include <expage/trace/realign.hpp>
 #include <expage/trace/routing_trace.hpp>
 #include <expage/trace/synthetic_trace.hpp>
 #include <expage/trace/trace_io.hpp>
@@ -35,6 +37,8 @@ Commands:
   info TRACE           counts, sequences, phases and the gap table (steps missing per sequence and layer)
   convert IN OUT       read IN and write OUT; formats follow the extensions (.jsonl, .csv, else binary)
   synth OUT            write a synthetic trace (docs/traces.md)
+  realign IN OUT       re-register the rows of layers that lost rows against the complete layers
+                       and write OUT; prints what moved (docs/traces.md, "Realignment")
 
 Options:
   --geometry G         model preset ({}) or a geometry JSON file (docs/traces.md);
@@ -50,7 +54,12 @@ Options:
   --locality P         synth: probability of keeping each previous expert (default 0.3)
   --workloads W        synth: distinct hot sets (default 1)
   --shift-every N      synth: sequences per workload phase (default 1)
+  --cross-layer P      synth: probability of linking each expert to the previous layer's (default 0)
   --probabilities      synth: record full router probability vectors
+  --smoothing A        realign: additive smoothing of the co-occurrence model, (0, 1000] (default 0.5)
+  --no-pool            realign: score each sequence against its own complete layers only
+  --window W           realign: only complete layers within W layers of the short one, [0, 65536]
+                       (default 0: all)
   --help               this text
 
 exit status: 0 success (all output written), 1 unreadable, malformed or mismatched input or an
@@ -110,6 +119,28 @@ void print_info(const std::filesystem::path& path, const expage::routing_trace& 
   }
 }
 
+void print_realign(const std::filesystem::path& in, const std::filesystem::path& out, const expage::realign_result& r) {
+  fmt::print("{} -> {}: {} events; short layers: {}, rows moved: {}\n", in.string(), out.string(), r.trace.size(),
+             r.layers.size(), r.rows_moved());
+  if (r.layers.empty()) {
+    fmt::print("  no short layers: every layer of every sequence has every decode step\n");
+    return;
+  }
+  // gain: log-likelihood (nats) over leaving the row at the tail; margin: over the runner-up step.
+  fmt::print("  {:>8} {:>5} {:>5} {:>4} {:>10} {:>5}  {:<16} {}\n", "sequence", "layer", "rows", "refs", "rows moved",
+             "gaps", "missing steps", "insertions (step: gain/margin nats)");
+  for (const expage::realigned_layer& l : r.layers) {
+    std::string inserted;
+    for (const expage::gap_insertion& g : l.insertions) {
+      inserted += fmt::format("{}{}: {:.2f}/{:.2f}", inserted.empty() ? "" : ", ", g.step, g.gain, g.margin);
+    }
+    if (l.reference_layers == 0) inserted = "not realigned: no complete layer";
+    fmt::print("  {:>8} {:>5} {:>5} {:>4} {:>10} {:>5}  {:<16} {}\n", l.sequence, l.layer, l.rows, l.reference_layers,
+               l.rows_moved, l.missing_steps.size(), fmt::format("{}", fmt::join(l.missing_steps, ",")),
+               inserted.empty() ? "none (left at the tail)" : inserted);
+  }
+}
+
 int run(int argc, char** argv) {
   std::vector<std::string_view> args(argv + 1, argv + argc);
   const std::string names = fmt::format("{}", fmt::join(expage::moe_geometry::preset_names(), ", "));
@@ -118,14 +149,15 @@ int run(int argc, char** argv) {
     return args.empty() ? 2 : 0;
   }
   const std::string_view command = args[0];
-  if (command != "info" && command != "convert" && command != "synth") {
-    throw cli_error{fmt::format("unknown command '{}' (expected info, convert or synth)", command)};
+  if (command != "info" && command != "convert" && command != "synth" && command != "realign") {
+    throw cli_error{fmt::format("unknown command '{}' (expected info, convert, synth or realign)", command)};
   }
   std::optional<expage::moe_geometry> geometry;
   expage::synthetic_options synth;
   synth.seed = 1;
   std::optional<std::uint32_t> batch;
   bool trust_geometry = false;
+  expage::realign_options realign;
   std::vector<std::filesystem::path> files;
   for (std::size_t i = 1; i < args.size(); ++i) {
     const std::string_view arg = args[i];
@@ -165,6 +197,16 @@ int run(int argc, char** argv) {
       synth.workloads = parse_number<std::uint32_t>(arg, value(), 1, 1024);
     } else if (arg == "--shift-every") {
       synth.shift_every = parse_number<std::uint32_t>(arg, value(), 1, 1U << 24);
+    } else if (arg == "--cross-layer") {
+      synth.cross_layer = parse_number<double>(arg, value(), 0.0, 1.0);
+    } else if (arg == "--smoothing") {
+      const std::string_view text = value();
+      realign.smoothing = parse_number<double>(arg, text, 0.0, 1000.0);
+      if (realign.smoothing == 0.0) throw cli_error{fmt::format("{}: '{}' is not a number in (0, 1000]", arg, text)};
+    } else if (arg == "--window") {
+      realign.reference_window = parse_number<std::uint32_t>(arg, value(), 0, 65536);
+    } else if (arg == "--no-pool") {
+      realign.pool_sequences = false;
     } else if (arg == "--probabilities") {
       synth.probabilities = true;
     } else if (arg.starts_with("--")) {
@@ -173,7 +215,7 @@ int run(int argc, char** argv) {
       files.emplace_back(arg);
     }
   }
-  const std::size_t wanted = command == "convert" ? 2 : 1;
+  const std::size_t wanted = command == "convert" || command == "realign" ? 2 : 1;
   if (files.size() != wanted) {
     throw cli_error{fmt::format("{} takes {} file{}, got {}", command, wanted, wanted == 1 ? "" : "s", files.size())};
   }
@@ -197,7 +239,7 @@ int run(int argc, char** argv) {
     fmt::print("{}: {} events\n", files[0].string(), t.size());
     return 0;
   }
-  if (command == "convert") expage_tools::check_output_path("convert", files[1]);
+  if (command == "convert" || command == "realign") expage_tools::check_output_path(command, files[1]);
   const std::optional<expage::trace_metadata> meta = expage::read_trace_metadata(files[0]);
   if (!geometry) {
     if (!meta) {
@@ -217,6 +259,10 @@ int run(int argc, char** argv) {
   }
   if (command == "info") {
     print_info(files[0], t);
+  } else if (command == "realign") {
+    const expage::realign_result r = expage::realign_trace(t, realign);
+    expage::write_trace(files[1], r.trace, meta && !meta->geometry.empty() ? meta->geometry : geometry->name());
+    print_realign(files[0], files[1], r);
   } else {
     expage::write_trace(files[1], t, meta && !meta->geometry.empty() ? meta->geometry : geometry->name());
     fmt::print("{} -> {}: {} events\n", files[0].string(), files[1].string(), t.size());
