@@ -221,6 +221,18 @@ TEST(Realign, PlacesTwoGapsGreedily) {
   EXPECT_LE(std::abs(static_cast<int>(l->missing_steps[1]) - 61), 2);
 }
 
+TEST(Realign, ReferenceWindowKeepsTheNearLayers) {
+  const routing_trace damaged = delete_row(correlated_trace(7), 2, 0, 40);
+  const realign_result all = realign_trace(damaged);
+  const realign_result near = realign_trace(damaged, {.reference_window = 3});
+  ASSERT_EQ(all.layers.size(), 1U);
+  ASSERT_EQ(near.layers.size(), 1U);
+  EXPECT_EQ(all.layers[0].reference_layers, 31U);
+  EXPECT_EQ(near.layers[0].reference_layers, 3U);  // layers 1, 2, 3
+  ASSERT_EQ(near.layers[0].missing_steps.size(), 1U);
+  EXPECT_LE(std::abs(static_cast<int>(near.layers[0].missing_steps[0]) - 40), 2);
+}
+
 TEST(Realign, LeavesASequenceWithoutCompleteLayersAsItWas) {
   routing_trace t(2, 4, 1);
   const float w[] = {1.0F};
