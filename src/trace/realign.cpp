@@ -22,7 +22,7 @@ namespace {
 struct sequence_rows {
   std::uint32_t sequence = 0;
   std::uint32_t prefill = 0;                     // P: decode steps are [P, P + decode_steps)
-  std::uint32_t decode_steps = 0;                // N − P
+  std::uint64_t decode_steps = 0;                // N − P (2^32 when a step is UINT32_MAX)
   std::vector<std::vector<std::size_t>> decode;  // [layer] → event indices, ascending step
   [[nodiscard]] bool complete(std::uint32_t layer) const noexcept { return decode[layer].size() == decode_steps; }
 };
@@ -66,7 +66,7 @@ std::vector<sequence_rows> group_by_sequence(const routing_trace& trace) {
       if (trace[i].phase == routing_phase::decode) s.decode[std::get<1>(keys[i])].push_back(i);
     }
     // Steps [P, last] are decode steps (routing_trace::gaps() uses the same extent).
-    s.decode_steps = last + 1 > s.prefill ? static_cast<std::uint32_t>(last + 1 - s.prefill) : 0;
+    s.decode_steps = last + 1 > s.prefill ? last + 1 - s.prefill : 0;
     result.push_back(std::move(s));
     begin = end;
   }
@@ -75,9 +75,10 @@ std::vector<sequence_rows> group_by_sequence(const routing_trace& trace) {
 
 // Co-occurrence counts of (expert i at reference layer, expert j at the short layer), for every
 // reference layer: cells [ref][i][j] and row sums [ref][i].
+// Counts fit 32 bits: at most max_trace_events × top_k pairs.
 struct cooccurrence {
-  std::vector<std::uint64_t> cell;
-  std::vector<std::uint64_t> row;
+  std::vector<std::uint32_t> cell;
+  std::vector<std::uint32_t> row;
   cooccurrence(std::size_t references, std::uint32_t experts_per_layer)
       : cell(references * experts_per_layer * experts_per_layer, 0), row(references * experts_per_layer, 0) {}
 };
@@ -114,7 +115,7 @@ cooccurrence pooled_counts(const routing_trace& trace, std::span<const sequence_
         const routing_event b = trace[s.decode[short_layer][t]];
         for (const std::uint32_t i : a.experts) {
           for (const std::uint32_t j : b.experts) ++pool.cell[(std::size_t{ref} * experts + i) * experts + j];
-          pool.row[std::size_t{ref} * experts + i] += b.experts.size();
+          pool.row[std::size_t{ref} * experts + i] += static_cast<std::uint32_t>(b.experts.size());
         }
       }
     }
@@ -166,7 +167,7 @@ class placement_score {
   // decode step `position` (relative to the prefill).
   void update(std::span<const std::uint32_t> row, std::uint32_t position, bool add) {
     const std::size_t e = experts_;
-    const std::uint64_t k = row.size();
+    const auto k = static_cast<std::uint32_t>(row.size());
     const std::uint32_t* ref = ref_experts_.data() + std::size_t{position} * refs_ * k_;
     for (std::size_t r = 0; r < refs_; ++r) {
       for (std::size_t a = 0; a < k_; ++a, ++ref) {
@@ -174,13 +175,13 @@ class placement_score {
         for (const std::uint32_t j : row) {
           const std::size_t at = i * e + j;
           const std::uint64_t f = fixed_.cell[at];
-          std::uint64_t& c = counts_.cell[at];
+          std::uint32_t& c = counts_.cell[at];
           score_ -= static_cast<double>(c) * cell_log_(f + c);
           c = add ? c + 1 : c - 1;
           score_ += static_cast<double>(c) * cell_log_(f + c);
         }
         const std::uint64_t f = fixed_.row[i];
-        std::uint64_t& c = counts_.row[i];
+        std::uint32_t& c = counts_.row[i];
         score_ += static_cast<double>(c) * row_log_(f + c);
         c = add ? c + k : c - k;
         score_ -= static_cast<double>(c) * row_log_(f + c);
@@ -205,7 +206,7 @@ class placement_score {
 // Greedy gap insertion for one short layer; returns the rows' decode positions (relative to P).
 std::vector<std::uint32_t> place_rows(const routing_trace& trace, const sequence_rows& s, std::uint32_t layer,
                                       std::span<const std::uint32_t> references, const cooccurrence* pool, double alpha,
-                                      std::vector<gap_insertion>& insertions) {
+                                      std::uint32_t max_insertions, std::vector<gap_insertion>& insertions) {
   const std::vector<std::size_t>& rows = s.decode[layer];
   const std::size_t n = rows.size();
   std::vector<std::uint32_t> position(n);
@@ -220,8 +221,8 @@ std::vector<std::uint32_t> place_rows(const routing_trace& trace, const sequence
   }
   const auto experts_of = [&](std::size_t r) { return std::span<const std::uint32_t>(row_experts.data() + r * k, k); };
   std::vector<double> candidate(n + 1);
-  const std::size_t missing = s.decode_steps - n;
-  for (std::size_t round = 0; round < missing && n > 0; ++round) {
+  const std::uint64_t rounds = std::min<std::uint64_t>(s.decode_steps - n, max_insertions);
+  for (std::uint64_t round = 0; round < rounds && n > 0; ++round) {
     // Candidate r shifts rows r … n−1 one step later (r = n: none, the missing row stays at the
     // tail). Sweeping r downwards moves one row per candidate. A tail step is free: rounds <
     // missing, so the last row's position + 1 < decode_steps.
@@ -246,7 +247,7 @@ std::vector<std::uint32_t> place_rows(const routing_trace& trace, const sequence
     for (std::size_t r = 0; r <= n; ++r) {
       if (r != best) runner_up = std::max(runner_up, candidate[r]);
     }
-    insertions.push_back({.step = s.prefill + position[best],
+    insertions.push_back({.step = static_cast<std::uint32_t>(s.prefill + position[best]),
                           .gain = candidate[best] - candidate[n],
                           .margin = candidate[best] - runner_up});
     for (std::size_t r = best; r < n; ++r) ++position[r];
@@ -259,6 +260,10 @@ std::vector<std::uint32_t> place_rows(const routing_trace& trace, const sequence
 realign_result realign_trace(const routing_trace& trace, const realign_options& options) {
   if (!(options.smoothing > 0.0 && options.smoothing <= 1000.0)) {
     throw invalid_argument(fmt::format("realign_options: smoothing = {} out of range (0, 1000]", options.smoothing));
+  }
+  if (options.max_insertions < 1 || options.max_insertions > 65536) {
+    throw invalid_argument(
+        fmt::format("realign_options: max_insertions = {} out of range [1, 65536]", options.max_insertions));
   }
   const std::vector<sequence_rows> sequences = group_by_sequence(trace);
   std::vector<std::uint32_t> new_step(trace.size());
@@ -281,7 +286,7 @@ realign_result realign_trace(const routing_trace& trace, const realign_options& 
                              .rows = static_cast<std::uint32_t>(rows.size()),
                              .reference_layers = static_cast<std::uint32_t>(references.size()),
                              .rows_moved = 0,
-                             .missing_steps = {},
+                             .gaps = {},
                              .insertions = {}};
       std::vector<std::uint32_t> steps(rows.size());  // absolute, after realignment
       for (std::size_t r = 0; r < rows.size(); ++r) steps[r] = trace[rows[r]].step;
@@ -293,18 +298,26 @@ realign_result realign_trace(const routing_trace& trace, const realign_options& 
           pool = &it->second;
         }
         const std::vector<std::uint32_t> position =
-            place_rows(trace, s, layer, references, pool, options.smoothing, report.insertions);
+            place_rows(trace, s, layer, references, pool, options.smoothing, options.max_insertions, report.insertions);
         for (std::size_t r = 0; r < rows.size(); ++r) steps[r] = s.prefill + position[r];
       }
-      std::vector<bool> present(s.decode_steps, false);
+      // The missing decode steps as runs, from the ascending steps of the rows.
+      std::uint64_t expected = s.prefill;
+      const auto note = [&](std::uint64_t upto) {  // steps [expected, upto) are missing
+        if (upto > expected) {
+          report.gaps.push_back({.sequence = s.sequence,
+                                 .layer = layer,
+                                 .first_step = static_cast<std::uint32_t>(expected),
+                                 .count = static_cast<std::uint32_t>(upto - expected)});
+        }
+      };
       for (std::size_t r = 0; r < rows.size(); ++r) {
         if (steps[r] != trace[rows[r]].step) ++report.rows_moved;
         new_step[rows[r]] = steps[r];
-        present[steps[r] - s.prefill] = true;
+        note(steps[r]);
+        expected = std::uint64_t{steps[r]} + 1;
       }
-      for (std::uint32_t t = 0; t < s.decode_steps; ++t) {
-        if (!present[t]) report.missing_steps.push_back(s.prefill + t);
-      }
+      note(s.prefill + s.decode_steps);
       result.layers.push_back(std::move(report));
     }
   }

@@ -119,6 +119,17 @@ void print_info(const std::filesystem::path& path, const expage::routing_trace& 
   }
 }
 
+// "13", "81-82", "16,57": the missing steps of a layer.
+std::string missing_runs(const std::vector<expage::trace_gap>& gaps) {
+  std::string text;
+  for (const expage::trace_gap& g : gaps) {
+    if (!text.empty()) text += ',';
+    text += g.count == 1 ? fmt::format("{}", g.first_step)
+                         : fmt::format("{}-{}", g.first_step, std::uint64_t{g.first_step} + g.count - 1);
+  }
+  return text;
+}
+
 void print_realign(const std::filesystem::path& in, const std::filesystem::path& out, const expage::realign_result& r) {
   fmt::print("{} -> {}: {} events; short layers: {}, rows moved: {}\n", in.string(), out.string(), r.trace.size(),
              r.layers.size(), r.rows_moved());
@@ -127,16 +138,16 @@ void print_realign(const std::filesystem::path& in, const std::filesystem::path&
     return;
   }
   // gain: log-likelihood (nats) over leaving the row at the tail; margin: over the runner-up step.
-  fmt::print("  {:>8} {:>5} {:>5} {:>4} {:>10} {:>5}  {:<16} {}\n", "sequence", "layer", "rows", "refs", "rows moved",
-             "gaps", "missing steps", "insertions (step: gain/margin nats)");
+  fmt::print("  {:>8} {:>5} {:>5} {:>4} {:>10} {:>7}  {:<16} {}\n", "sequence", "layer", "rows", "refs", "rows moved",
+             "missing", "missing steps", "insertions (step: gain/margin nats)");
   for (const expage::realigned_layer& l : r.layers) {
     std::string inserted;
     for (const expage::gap_insertion& g : l.insertions) {
       inserted += fmt::format("{}{}: {:.2f}/{:.2f}", inserted.empty() ? "" : ", ", g.step, g.gain, g.margin);
     }
     if (l.reference_layers == 0) inserted = "not realigned: no complete layer";
-    fmt::print("  {:>8} {:>5} {:>5} {:>4} {:>10} {:>5}  {:<16} {}\n", l.sequence, l.layer, l.rows, l.reference_layers,
-               l.rows_moved, l.missing_steps.size(), fmt::format("{}", fmt::join(l.missing_steps, ",")),
+    fmt::print("  {:>8} {:>5} {:>5} {:>4} {:>10} {:>7}  {:<16} {}\n", l.sequence, l.layer, l.rows, l.reference_layers,
+               l.rows_moved, l.missing(), missing_runs(l.gaps),
                inserted.empty() ? "none (left at the tail)" : inserted);
   }
 }

@@ -33,6 +33,9 @@ struct realign_options {
   /// (synthetic deletions placed within ±2 steps: 44/48 with all layers, 29/48 with a window
   /// of 2); a window helps only where correlation is confined to neighbouring layers.
   std::uint32_t reference_window = 0;
+  /// Most gaps placed per short layer, in [1, 65536]: a round costs O(rows · L · k²), so a layer
+  /// that lost more rows than this keeps the rest at its tail. Real losses are 1–3 rows.
+  std::uint32_t max_insertions = 64;
 };
 
 /// @brief One greedy gap insertion of realign_trace().
@@ -54,9 +57,16 @@ struct realigned_layer {
   std::uint32_t rows = 0;              ///< Decode rows the layer has.
   std::uint32_t reference_layers = 0;  ///< Complete layers of the sequence it was scored against (0: left as it was).
   std::uint32_t rows_moved = 0;        ///< Rows whose step changed.
-  /// The layer's missing decode steps after realignment, ascending; steps not recovered as
-  /// interior gaps stay at the tail, where the recorder's numbering put them.
-  std::vector<std::uint32_t> missing_steps;
+  /// The layer's missing decode steps after realignment, as the runs routing_trace::gaps() of
+  /// the realigned trace reports for it, ascending; steps not recovered as interior gaps stay at
+  /// the tail, where the recorder's numbering put them.
+  std::vector<trace_gap> gaps;
+  /// Missing decode steps in all gaps.
+  [[nodiscard]] std::uint64_t missing() const noexcept {
+    std::uint64_t n = 0;
+    for (const trace_gap& g : gaps) n += g.count;
+    return n;
+  }
   std::vector<gap_insertion> insertions;  ///< The greedy insertions, in the order they were made.
 };
 
@@ -93,8 +103,8 @@ struct realign_result {
 /// Search: greedy gap insertion. Starting from the rows at the first steps (every missing step
 /// at the tail), each round tries every insertion point (before row r, shifting rows r… one step
 /// later, or none) and keeps the best if it beats leaving the row at the tail; at most
-/// (missing steps) rounds. One round costs O(rows · L · k²) with incrementally updated counts
-/// and score, L the complete layers and k top_k. Prefill rows are never moved.
+/// min(missing steps, realign_options::max_insertions) rounds. One round costs O(rows · L · k²) with incrementally
+/// updated counts and score, L the complete layers and k top_k. Prefill rows are never moved.
 ///
 /// Sequences without a complete layer are left as they are (reference_layers = 0). Complete
 /// layers, other sequences and every field but the step of moved rows are unchanged. The
@@ -103,10 +113,12 @@ struct realign_result {
 ///
 /// @code
 /// expage::realign_result r = expage::realign_trace(expage::read_trace(path, geometry));
-/// for (const expage::realigned_layer& l : r.layers) use(l.sequence, l.layer, l.missing_steps);
+/// for (const expage::realigned_layer& l : r.layers) use(l.sequence, l.layer, l.gaps);
 /// replay(r.trace);
 /// @endcode
-/// @throws expage::invalid_argument when options.smoothing is not in (0, 1000].
+/// @throws expage::invalid_argument when options.smoothing is not in (0, 1000] or
+/// options.max_insertions not in [1, 65536] (naming the value and the range), or when two
+/// events share (sequence, step, layer) or a decode step precedes its sequence's prefill.
 [[nodiscard]] realign_result realign_trace(const routing_trace& trace, const realign_options& options = {});
 
 }  // namespace expage

@@ -71,7 +71,7 @@ struct synthetic_options {
 /// each expert's selection frequency is its capped Zipf share; a token keeps each expert of its
 /// predecessor with probability `locality`; sequences b·B … b·B+B−1 run in lockstep, so a pass
 /// routes B tokens per layer and their union grows with B; a sequence's first pass prefills
-/// `prefill_tokens` tokens; with `cross_layer` > 0, a decode token's experts at consecutive layers
+/// `prefill_tokens` tokens; with `cross_layer` > 0, a decode token's experts at all its layers
 /// are correlated. Events come in execution order with batch_size() = B.
 ///
 /// @code
