@@ -12,6 +12,7 @@
 #include <expage/core/units.hpp>
 #include <expage/sim/hardware_profile.hpp>
 #include <expage/sim/pager_sim.hpp>
+#include <expage/trace/realign.hpp>
 #include <expage/trace/synthetic_trace.hpp>
 #include <expage/trace/trace_io.hpp>
 
@@ -56,6 +57,8 @@ input (one of):
     --locality P          probability a token keeps each previous expert, [0, 1] (default 0.3)
   --batch N             sequences decoded in lockstep (default 1, or what a binary trace records)
   --only-sequences LIST simulate only these sequence ids (e.g. one problem of a recorded trace)
+  --realign             re-register the rows of layers that lost rows first (realign_trace,
+                        docs/traces.md), so that cross-layer predictors see aligned tokens
 
 model, hardware and cache:
   --geometry G          model: {}, or a geometry JSON file;
@@ -108,6 +111,7 @@ struct config {
   }();
   std::optional<std::uint32_t> batch;
   std::optional<std::set<std::uint32_t>> only_sequences;
+  bool realign = false;
   std::optional<std::string> geometry;
   std::string hardware = "pcie4";
   std::vector<std::optional<double>> ratios = {std::nullopt};
@@ -160,6 +164,8 @@ config parse(int argc, char** argv, const std::string& help) {
         ids.insert(parse_number<std::uint32_t>(flag, s, 0, ~std::uint32_t{0}));
       }
       c.only_sequences = std::move(ids);
+    } else if (flag == "--realign") {
+      c.realign = true;
     } else if (flag == "--geometry") {
       c.geometry = std::string(value());
     } else if (flag == "--hardware") {
@@ -496,6 +502,11 @@ int main(int argc, char** argv) {
     if (c.batch && trace.batch_size() != *c.batch) {
       trace.set_batch_size(*c.batch);
       trace.restore_execution_order();
+    }
+    if (c.realign) {
+      const expage::realign_result r = expage::realign_trace(trace);
+      fmt::print("realigned: {} short layer(s), {} row(s) moved\n", r.layers.size(), r.rows_moved());
+      trace = r.trace;
     }
     if (c.only_sequences) trace = only(trace, *c.only_sequences);
     const std::string source = c.trace ? *c.trace : fmt::format("synthetic (seed {})", c.synth.seed);
