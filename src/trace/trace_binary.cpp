@@ -7,11 +7,16 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <ostream>
+#include <semaphore>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 namespace expage {
@@ -213,6 +218,63 @@ bool decode_record(std::span<const std::byte> bytes, std::size_t o, std::uint64_
 
 }  // namespace
 
+// Hashes the payload on a second thread while the caller decodes it. FNV-1a is a serial chain
+// (xor, then a 64-bit multiply, per byte: about 3 ns a byte on the machine of docs/performance.md),
+// the largest single cost of reading a large trace, and decoding needs none of its result until
+// the end. Chunks rotate through `depth` buffers (a few scheduler time slices of slack on a busy
+// machine) and are hashed in submission order; the caller
+// refills a buffer only after its hash completed (acquire()), and reads the sum only after
+// finish(). Every hand-over goes through a semaphore (release/acquire), which orders the buffer's
+// bytes, the queue entry and the running sum between the two threads.
+class checksum_worker {
+ public:
+  static constexpr std::size_t depth = 4;  // buffers in flight
+
+  explicit checksum_worker(std::uint64_t seed) : sum_(seed), thread_([this] { run(); }) {}
+  checksum_worker(const checksum_worker&) = delete;
+  checksum_worker& operator=(const checksum_worker&) = delete;
+  ~checksum_worker() {
+    (void)finish();
+    stop_.store(true, std::memory_order_relaxed);  // published by the release below
+    submitted_.release();
+    thread_.join();
+  }
+  // Waits until buffer @p b (< depth) may be overwritten.
+  void acquire(std::size_t b) { free_[b].acquire(); }
+  // Queues @p bytes, which lie in buffer @p b; @pre acquire(b) since b's last submit().
+  void submit(std::size_t b, std::span<const std::byte> bytes) {
+    queue_[b] = bytes;
+    submitted_.release();
+  }
+  // Waits for every queued hash; the sum of everything submitted.
+  [[nodiscard]] std::uint64_t finish() {
+    for (auto& f : free_) f.acquire();
+    for (auto& f : free_) f.release();
+    return sum_;
+  }
+
+ private:
+  void run() {
+    for (std::size_t k = 0;; k = (k + 1) % depth) {
+      submitted_.acquire();
+      if (stop_.load(std::memory_order_relaxed)) return;  // ordered by the acquire above
+      sum_ = fnv1a(queue_[k], sum_);
+      free_[k].release();
+    }
+  }
+  std::uint64_t sum_;
+  std::array<std::span<const std::byte>, depth> queue_{};
+  std::array<std::binary_semaphore, depth> free_{std::binary_semaphore(1), std::binary_semaphore(1),
+                                                 std::binary_semaphore(1), std::binary_semaphore(1)};
+  std::counting_semaphore<depth> submitted_{0};
+  std::atomic<bool> stop_{false};
+  std::thread thread_;  // last: started once everything it reads exists
+};
+
+// Payloads from this size on are hashed by a checksum_worker (when there is a second core):
+// below it a thread costs more than it saves.
+constexpr std::uint64_t threaded_checksum_bytes = std::uint64_t{4} << 20;
+
 // The streaming reader's state: the input, the header, the running checksum and one chunk.
 namespace detail {
 struct binary_stream {
@@ -226,6 +288,9 @@ struct binary_stream {
   std::uint64_t vectors_seen = 0;  // records whose has_probabilities is 1
   bool finished = false;
   std::vector<std::byte> chunk;
+  std::optional<checksum_worker> worker;  // hashes the records while they are decoded (large traces)
+  std::array<std::vector<std::byte>, checksum_worker::depth> buffers;
+  std::size_t buffer = 0;  // the buffer the next chunk goes to
   std::vector<std::uint32_t> experts;
   std::vector<float> weights;
   std::vector<routing_event> events;
@@ -236,6 +301,40 @@ struct binary_stream {
       : owned(std::move(input)), in(&i), layout(read_layout(i, geometry)) {
     batch_size = options.batch_size != 0 ? options.batch_size : layout.h.batch_size;
     experts_per_layer = geometry.experts_per_layer();
+    if (layout.h.events * layout.record_bytes >= threaded_checksum_bytes && std::thread::hardware_concurrency() > 1) {
+      try {
+        worker.emplace(sum);
+      } catch (const std::system_error&) {  // no thread to be had: hash on this one
+      }
+    }
+  }
+
+  // Takes the running sum back from the worker: from here on this thread hashes.
+  void join_checksum() {
+    if (worker) {
+      sum = worker->finish();
+      worker.reset();
+    }
+  }
+  // Reads the next @p n record bytes: into a buffer hashed by the worker, or hashed here.
+  std::span<const std::byte> read_records(std::size_t n) {
+    if (!worker) {
+      chunk.resize(n);
+      take(chunk.data(), n);
+      return chunk;
+    }
+    const std::size_t b = buffer;
+    buffer = (buffer + 1) % checksum_worker::depth;
+    worker->acquire(b);
+    buffers[b].resize(n);
+    const std::size_t got = in->read_fully(reinterpret_cast<char*>(buffers[b].data()), n);
+    worker->submit(b, std::span<const std::byte>(buffers[b].data(), got));
+    if (got != n) {
+      fail(at(in->offset()), "payload",
+           fmt::format("input ends at byte {} where the header implies {} bytes (truncated)", in->offset(),
+                       layout.expected_size));
+    }
+    return std::span<const std::byte>(buffers[b].data(), n);
   }
 
   [[nodiscard]] source_position at(std::uint64_t offset) const noexcept { return {in->name(), offset, true}; }
@@ -258,6 +357,7 @@ struct binary_stream {
   }
   // After a record error: hash the rest; a checksum mismatch explains the error better.
   [[noreturn]] void drain_and_rethrow() {
+    join_checksum();
     std::array<std::byte, 1 << 16> rest{};
     for (;;) {
       const std::size_t n = in->read(reinterpret_cast<char*>(rest.data()), rest.size());
@@ -269,6 +369,7 @@ struct binary_stream {
   }
   // The end: the vectors (hashed, counted and checked, not kept), no trailing data, the checksum.
   void finish() {
+    join_checksum();
     const binary_header& h = layout.h;
     if (vectors_seen != h.vectors) {
       fail(at(40), "probability_vectors",
@@ -314,17 +415,18 @@ std::span<const routing_event> detail::binary_stream::next() {
     return events;
   }
   const std::uint64_t record_bytes = layout.record_bytes;
-  const std::size_t chunk_records = std::max<std::size_t>(1, (std::size_t{1} << 16) / record_bytes);
+  // 64 KiB chunks; 256 KiB when hashed on the helper thread (fewer hand-overs).
+  const std::size_t chunk_bytes = std::size_t{1} << (worker ? 18 : 16);
+  const std::size_t chunk_records = std::max<std::size_t>(1, chunk_bytes / record_bytes);
   const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk_records, remaining));
-  chunk.resize(n * record_bytes);
   experts.reserve(n * top_k);
   weights.reserve(n * top_k);
   events.reserve(n);
   try {
-    take(chunk.data(), chunk.size());
+    const std::span<const std::byte> bytes = read_records(n * record_bytes);
     for (std::size_t i = 0; i < n; ++i) {
       const std::uint64_t offset = header_size + (delivered + i) * record_bytes;
-      if (decode_record(chunk, i * record_bytes, offset, layout.k, in->name(), r, experts, weights)) ++vectors_seen;
+      if (decode_record(bytes, i * record_bytes, offset, layout.k, in->name(), r, experts, weights)) ++vectors_seen;
       if (vectors_seen > layout.h.vectors) {
         fail(at(offset + 13), "has_probabilities",
              fmt::format("more events carry probabilities than the {} the header declares", layout.h.vectors));
@@ -398,6 +500,7 @@ routing_trace read_binary_from(std::unique_ptr<detail::byte_input> input, const 
     }
     return builder.finish(st.batch_size);
   }
+  st.join_checksum();  // the records are kept whole until their vectors: nothing to overlap
   const std::uint64_t record_bytes = st.layout.record_bytes;
   const std::size_t chunk_records = std::max<std::size_t>(1, (std::size_t{1} << 16) / record_bytes);
   std::vector<std::byte> records;

@@ -365,6 +365,28 @@ TEST(BinaryTraceReader, ChecksTheChecksumAtTheEndAndTheHeaderAtOnce) {
                expage::format_error);
 }
 
+// From 4 MiB of records on, the checksum is computed on a helper thread while the records are
+// decoded (when the machine has two cores): same events, same verdicts.
+TEST(BinaryTraceReader, LargeTracesHashOnAHelperThreadWithTheSameVerdicts) {
+  const auto g = expage::moe_geometry::mixtral_8x7b();
+  const expage::routing_trace t = expage::generate_synthetic(g, {.seed = 4, .sequences = 16, .decode_steps = 320});
+  std::string bytes = expage::encode_binary(t);
+  ASSERT_GE(bytes.size(), std::size_t{4} << 20);
+  const auto span = std::as_bytes(std::span<const char>(bytes.data(), bytes.size()));
+  EXPECT_TRUE(expage::parse_binary(span, g, "big.bin") == t);
+  std::uint64_t n = 0;
+  expage::binary_trace_reader in(span, g, "big.bin");
+  for (auto chunk = in.next(); !chunk.empty(); chunk = in.next()) n += chunk.size();
+  EXPECT_EQ(n, t.size());
+  // A flipped bit in the middle: the records still decode, the checksum catches it at the end.
+  bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x01);
+  const auto flipped = std::as_bytes(std::span<const char>(bytes.data(), bytes.size()));
+  EXPECT_THROW((void)expage::parse_binary(flipped, g, "big.bin"), expage::format_error);
+  // Abandoned half-way: the helper thread is stopped and joined.
+  expage::binary_trace_reader abandoned(flipped, g, "big.bin");
+  for (int i = 0; i < 10; ++i) (void)abandoned.next();
+}
+
 TEST(TraceIo, HugeSequenceIdsCostNothing) {
   const routing_trace t = expage::parse_jsonl(
       R"({"sequence":4294967295,"step":1,"layer":0,"experts":[0,1],"weights":[1,1]})"
