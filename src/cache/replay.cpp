@@ -1,6 +1,5 @@
 #include "expage/cache/replay.hpp"
 
-#include "expage/cache/layered_miss_curves.hpp"
 #include "expage/cache/miss_ratio_curve.hpp"
 #include "expage/cache/policy_dispatch.hpp"
 #include "expage/cache/token_groups.hpp"
@@ -414,21 +413,30 @@ class order_check {
 };
 
 // The sequential LRU jobs of a sweep in one pass: the exact miss curves (WiSP Eq. 3 through
-// miss_ratio_curve) of every layer and of the whole model, plus, per layer, the histogram of
-// global distances so a global cache's misses can be told per layer.
+// miss_ratio_curve) of the layouts the jobs use: per layer, one builder per layer; global, one
+// builder over every expert plus, per layer, the histogram of global distances, so a global
+// cache's misses can be told per layer.
 class lru_curve_runner {
  public:
-  explicit lru_curve_runner(const moe_geometry& geometry)
-      : curves_(geometry),
-        by_layer_(geometry.layers(), std::vector<std::uint64_t>(static_cast<std::size_t>(geometry.expert_count()), 0)),
-        cold_(geometry.layers(), 0) {}
+  lru_curve_runner(const moe_geometry& geometry, bool per_layer, bool global)
+      : experts_(geometry.experts_per_layer()), cold_(geometry.layers(), 0) {
+    if (per_layer) layers_.assign(geometry.layers(), miss_curve_builder(geometry.experts_per_layer()));
+    if (global) {
+      const auto keys = static_cast<std::size_t>(geometry.expert_count());
+      global_.emplace(keys);
+      by_layer_.assign(geometry.layers(), std::vector<std::uint64_t>(keys, 0));
+    }
+  }
 
   void access(std::uint32_t layer, expert_index e) {
-    const layered_distance d = curves_.access_unchecked({.layer = layer, .expert = e});
-    if (d.global == reuse_distance_tracker::cold) {
-      ++cold_[layer];
-    } else {
-      ++by_layer_[layer][d.global];
+    if (!layers_.empty()) (void)layers_[layer].access_unchecked(e);
+    if (global_) {
+      const std::size_t d = global_->access_unchecked(std::size_t{layer} * experts_ + e);
+      if (d == reuse_distance_tracker::cold) {
+        ++cold_[layer];
+      } else {
+        ++by_layer_[layer][d];
+      }
     }
   }
 
@@ -440,7 +448,7 @@ class lru_curve_runner {
     std::uint64_t distinct = 0;
     for (std::uint32_t l = 0; l < geometry.layers(); ++l) {
       const miss_ratio_curve curve =
-          options.layout == cache_layout::per_layer ? curves_.layer_curve(l) : miss_ratio_curve(by_layer_[l], cold_[l]);
+          options.layout == cache_layout::per_layer ? layers_[l].curve() : miss_ratio_curve(by_layer_[l], cold_[l]);
       auto& layer = r.layers[l];
       layer.accesses = curve.accesses();
       layer.misses = curve.misses(static_cast<std::size_t>(c));
@@ -451,7 +459,7 @@ class lru_curve_runner {
       if (options.layout == cache_layout::per_layer) {
         r.evictions += layer.misses - std::min(c, curve.compulsory_misses());
       }
-      distinct += cold_[l];
+      distinct += curve.compulsory_misses();
     }
     if (options.layout == cache_layout::global) r.evictions = r.misses - std::min(c, distinct);
     r.hits = r.accesses - r.misses;
@@ -460,9 +468,11 @@ class lru_curve_runner {
   }
 
  private:
-  layered_miss_curves curves_;
-  std::vector<std::vector<std::uint64_t>> by_layer_;  // [layer][global distance]
-  std::vector<std::uint64_t> cold_;                   // [layer] first accesses
+  std::uint32_t experts_;
+  std::vector<miss_curve_builder> layers_;            // per-layer layout: one per layer
+  std::optional<miss_curve_builder> global_;          // global layout: over every expert
+  std::vector<std::vector<std::uint64_t>> by_layer_;  // global layout: [layer][global distance]
+  std::vector<std::uint64_t> cold_;                   // global layout: [layer] first accesses
 };
 
 // The checks replay() applies to one job, before anything is read.
@@ -505,7 +515,13 @@ std::optional<std::vector<replay_result>> replay_ordered(routing_event_source& s
     return j.policy == policy_kind::lru && j.options.mode == replay_mode::sequential;
   };
   std::optional<lru_curve_runner> curves;
-  if (std::count_if(jobs.begin(), jobs.end(), curve_job) >= 2) curves.emplace(geometry);
+  if (std::count_if(jobs.begin(), jobs.end(), curve_job) >= 2) {
+    const auto uses = [&](cache_layout layout) {
+      return std::any_of(jobs.begin(), jobs.end(),
+                         [&](const replay_job& j) { return curve_job(j) && j.options.layout == layout; });
+    };
+    curves.emplace(geometry, uses(cache_layout::per_layer), uses(cache_layout::global));
+  }
   std::vector<std::unique_ptr<job_runner>> runners(jobs.size());
   for (std::size_t j = 0; j < jobs.size(); ++j) {
     if (!(curves && curve_job(jobs[j]))) runners[j] = make_runner(jobs[j].policy, geometry, jobs[j].options);
