@@ -29,7 +29,7 @@ namespace expage {
 /// @threadsafety single-owner.
 class routing_event_source {
  public:
-  virtual ~routing_event_source() = default;
+  virtual ~routing_event_source() = default;  ///< Destroys the source.
   /// The next events; empty at the end.
   /// @throws expage::format_error (or what the implementation documents) on bad input.
   [[nodiscard]] virtual std::span<const routing_event> next() = 0;
@@ -40,9 +40,9 @@ class routing_event_source {
   [[nodiscard]] virtual std::uint32_t batch_size() const noexcept = 0;
 
  protected:
-  routing_event_source() = default;
-  routing_event_source(const routing_event_source&) = default;
-  routing_event_source& operator=(const routing_event_source&) = default;
+  routing_event_source() = default;                                        ///< For implementations.
+  routing_event_source(const routing_event_source&) = default;             ///< For implementations.
+  routing_event_source& operator=(const routing_event_source&) = default;  ///< For implementations.
 };
 
 /// @brief The events of an in-memory routing_trace, in chunks of @p chunk events (tests, and the
