@@ -23,10 +23,12 @@
 #include <charconv>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <vector>
 
 namespace {
@@ -488,7 +490,10 @@ int main(int argc, char** argv) {
     const auto started = std::chrono::steady_clock::now();
     const bool needs_future =
         std::find(c.policies.begin(), c.policies.end(), expage::policy_kind::belady) != c.policies.end();
-    if (c.trace && !c.in_memory && !needs_future && expage::format_of(*c.trace) == expage::trace_format::binary) {
+    // A FIFO cannot be read twice: it is read whole, in case it turns out not to be ordered.
+    std::error_code regular_error;
+    if (c.trace && !c.in_memory && !needs_future && expage::format_of(*c.trace) == expage::trace_format::binary &&
+        std::filesystem::is_regular_file(*c.trace, regular_error)) {
       // One pass over the file for every replay, in bounded memory.
       expage::binary_trace_reader in(*c.trace, g, {.batch_size = c.batch.value_or(0)});
       if (auto r = expage::replay_ordered(in, g, all)) {
