@@ -288,8 +288,9 @@ struct binary_stream {
   std::uint64_t vectors_seen = 0;  // records whose has_probabilities is 1
   bool finished = false;
   std::vector<std::byte> chunk;
-  std::optional<checksum_worker> worker;  // hashes the records while they are decoded (large traces)
+  // The buffers the worker hashes are declared before it, so it is joined (destroyed) first.
   std::array<std::vector<std::byte>, checksum_worker::depth> buffers;
+  std::optional<checksum_worker> worker;  // hashes the records while they are decoded (large traces)
   std::size_t buffer = 0;  // the buffer the next chunk goes to
   std::vector<std::uint32_t> experts;
   std::vector<float> weights;
