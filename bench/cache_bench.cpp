@@ -3,6 +3,11 @@
 //   BM_SlotCache_HitPath             vs  BM_Baseline_ListLru_HitPath   (goal ≥ 50 M accesses/s/core)
 //   BM_SlotCache_Mixed               vs  BM_Baseline_ListLru_Mixed     (hits and misses, Qwen3-30B layer)
 //   BM_Replay_Synthetic/<policy>, BM_Replay_RealTrace/<policy>         (routing events/s)
+//   BM_Replay_BinaryStreaming  vs  BM_Replay_BinaryInMemory  vs  BM_Baseline_ListLru_Requests
+//                              (decode + validate + checksum + LRU replay of one binary trace; the
+//                               baseline is a hash map + list LRU over pre-decoded keys, what a
+//                               general-purpose simulator such as libCacheSim runs per request)
+//   BM_Replay_SweepOnePass     vs  BM_Replay_SweepPerCapacity    (16 sequential LRU capacities)
 #include "expage/cache/lru_policy.hpp"
 #include "expage/cache/replay.hpp"
 #include "expage/cache/slot_cache.hpp"
@@ -15,6 +20,8 @@
 #include <filesystem>
 #include <list>
 #include <random>
+#include <span>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -172,6 +179,122 @@ void BM_Replay_RealTrace(benchmark::State& state) {
   replay_bench(state, trace, g);
 }
 BENCHMARK(BM_Replay_RealTrace)->DenseRange(0, 10)->Unit(benchmark::kMillisecond);
+
+// --- the binary trace, end to end (issue 12, item 2) ---------------------------------------------
+
+// A Mixtral decode trace (64 sequences × 256 steps, batch 1: 524,288 events, 1,048,576 expert
+// requests) encoded in expage's binary format, held in memory so the figures exclude the disk.
+const std::string& binary_trace() {
+  static const std::string bytes = [] {
+    expage::synthetic_options o;
+    o.seed = 1;
+    o.sequences = 64;
+    o.decode_steps = 256;
+    return expage::encode_binary(expage::generate_synthetic(expage::moe_geometry::mixtral_8x7b(), o));
+  }();
+  return bytes;
+}
+std::span<const std::byte> binary_bytes() {
+  return std::as_bytes(std::span<const char>(binary_trace().data(), binary_trace().size()));
+}
+constexpr std::uint32_t bench_slots = 128;
+
+void BM_Replay_BinaryStreaming(benchmark::State& state) {
+  const auto g = expage::moe_geometry::mixtral_8x7b();
+  const expage::replay_job jobs[] = {
+      {expage::policy_kind::lru, {.layout = expage::cache_layout::global, .capacity = bench_slots}}};
+  std::uint64_t requests = 0;
+  for (auto _ : state) {
+    expage::binary_trace_reader in(binary_bytes(), g, "bench.bin");
+    const auto r = expage::replay_ordered(in, g, jobs);
+    requests = (*r)[0].accesses;
+    benchmark::DoNotOptimize(r->front().misses);
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(requests));
+}
+BENCHMARK(BM_Replay_BinaryStreaming)->Unit(benchmark::kMillisecond);
+
+void BM_Replay_BinaryInMemory(benchmark::State& state) {
+  const auto g = expage::moe_geometry::mixtral_8x7b();
+  std::uint64_t requests = 0;
+  for (auto _ : state) {
+    const expage::routing_trace t = expage::parse_binary(binary_bytes(), g, "bench.bin");
+    const auto r = expage::replay(t, g, expage::policy_kind::lru,
+                                  {.layout = expage::cache_layout::global, .capacity = bench_slots});
+    requests = r.accesses;
+    benchmark::DoNotOptimize(r.misses);
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(requests));
+}
+BENCHMARK(BM_Replay_BinaryInMemory)->Unit(benchmark::kMillisecond);
+
+void BM_Baseline_ListLru_Requests(benchmark::State& state) {
+  const auto g = expage::moe_geometry::mixtral_8x7b();
+  std::vector<std::uint64_t> keys;  // decoded beforehand: the baseline pays for the cache alone
+  {
+    const expage::routing_trace t = expage::parse_binary(binary_bytes(), g, "bench.bin");
+    for (const expage::routing_event& e : t) {
+      for (const std::uint32_t x : e.experts) keys.push_back(std::uint64_t{e.layer} * g.experts_per_layer() + x);
+    }
+  }
+  for (auto _ : state) {
+    std::list<std::uint64_t> order;
+    std::unordered_map<std::uint64_t, std::list<std::uint64_t>::iterator> where;
+    std::uint64_t misses = 0;
+    for (const std::uint64_t k : keys) {
+      const auto it = where.find(k);
+      if (it != where.end()) {
+        order.splice(order.begin(), order, it->second);
+        continue;
+      }
+      ++misses;
+      if (order.size() == bench_slots) {
+        where.erase(order.back());
+        order.pop_back();
+      }
+      order.push_front(k);
+      where.emplace(k, order.begin());
+    }
+    benchmark::DoNotOptimize(misses);
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(keys.size()));
+}
+BENCHMARK(BM_Baseline_ListLru_Requests)->Unit(benchmark::kMillisecond);
+
+std::vector<expage::replay_job> sweep_jobs() {
+  std::vector<expage::replay_job> jobs;
+  for (std::uint32_t c = 16; c <= 256; c += 16) {
+    jobs.push_back({expage::policy_kind::lru,
+                    {.layout = expage::cache_layout::global, .capacity = c, .mode = expage::replay_mode::sequential}});
+  }
+  return jobs;
+}
+
+void BM_Replay_SweepOnePass(benchmark::State& state) {
+  const auto g = expage::moe_geometry::mixtral_8x7b();
+  const auto jobs = sweep_jobs();
+  for (auto _ : state) {
+    expage::binary_trace_reader in(binary_bytes(), g, "bench.bin");
+    const auto r = expage::replay_ordered(in, g, jobs);
+    benchmark::DoNotOptimize(r->back().misses);
+  }
+  state.SetItemsProcessed(state.iterations() * 1048576 * static_cast<std::int64_t>(jobs.size()));
+}
+BENCHMARK(BM_Replay_SweepOnePass)->Unit(benchmark::kMillisecond);
+
+void BM_Replay_SweepPerCapacity(benchmark::State& state) {
+  const auto g = expage::moe_geometry::mixtral_8x7b();
+  const auto jobs = sweep_jobs();
+  for (auto _ : state) {
+    for (const auto& job : jobs) {
+      expage::binary_trace_reader in(binary_bytes(), g, "bench.bin");
+      const auto r = expage::replay_ordered(in, g, std::span(&job, 1));
+      benchmark::DoNotOptimize(r->back().misses);
+    }
+  }
+  state.SetItemsProcessed(state.iterations() * 1048576 * static_cast<std::int64_t>(jobs.size()));
+}
+BENCHMARK(BM_Replay_SweepPerCapacity)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

@@ -63,6 +63,7 @@
 #include "expage/stream/host_copy_engine.hpp"
 #include "expage/stream/host_stream.hpp"
 #include "expage/trace/realign.hpp"
+#include "expage/trace/routing_event_source.hpp"
 #include "expage/trace/routing_trace.hpp"
 #include "expage/trace/synthetic_trace.hpp"
 #include "expage/trace/trace_io.hpp"

@@ -117,14 +117,8 @@ prefill_table routing_trace::prefill_lengths() const {
 
 execution_key routing_trace::execution_key_of(std::size_t i, const prefill_table& prefill_lengths) const noexcept {
   const std::uint32_t s = sequence_[i];
-  const std::uint32_t prefill = prefill_lengths.empty() ? 0 : prefill_lengths[s];
-  std::uint32_t pass = 0;
-  if (phase_[i] == routing_phase::decode) {
-    // Decode step t of a sequence with P prefill tokens runs in pass t − P + 1 (pass 0 is the
-    // prefill); a decode step below P is an inconsistent trace: order it by step alone.
-    pass = step_[i] >= prefill ? step_[i] - prefill + (prefill > 0 ? 1U : 0U) : 0;
-  }
-  return {.batch = s / batch_size_, .pass = pass, .layer = layer_[i], .sequence = s, .step = step_[i]};
+  return execution_key_for(s, step_[i], layer_[i], phase_[i], prefill_lengths.empty() ? 0 : prefill_lengths[s],
+                           batch_size_);
 }
 
 bool routing_trace::is_execution_ordered() const {

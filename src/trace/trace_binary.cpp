@@ -1,14 +1,22 @@
 #include "expage/trace/trace_io.hpp"
 
+#include "record_check.hpp"
 #include "trace_input.hpp"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <cmath>
 #include <cstring>
+#include <memory>
+#include <optional>
 #include <ostream>
+#include <semaphore>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 namespace expage {
@@ -118,17 +126,24 @@ binary_header parse_header(std::span<const std::byte> bytes, std::string_view so
   return h;
 }
 
-// Reads a binary trace from @p in in chunks: memory is the trace plus one chunk (plus the
-// record region when probability vectors follow it). The payload checksum is checked at the
-// end; a record that fails validation is reported as checksum corruption when the checksum
-// does not match either (the rest of the input is hashed, not kept).
-routing_trace read_binary_from(detail::byte_input& in, const moe_geometry& geometry,
-                               const trace_read_options& options) {
+// A binary trace's header, checked against the geometry and the input's size, and what follows
+// from it. Memory is allocated only after the counts were bounded by the bytes present.
+struct binary_layout {
+  binary_header h;
+  std::uint64_t k = 0;             // top-k
+  std::uint64_t record_bytes = 0;  // per record
+  std::uint64_t vector_bytes = 0;  // per probability vector
+  std::uint64_t expected_size = 0;
+};
+
+binary_layout read_layout(detail::byte_input& in, const moe_geometry& geometry) {
   const std::string_view source = in.name();
   const auto at = [&](std::uint64_t offset) { return source_position{source, offset, true}; };
   std::array<std::byte, header_size> header_bytes{};
   const std::size_t got = in.read_fully(reinterpret_cast<char*>(header_bytes.data()), header_size);
-  const binary_header h = parse_header(std::span(header_bytes).first(got), source);
+  binary_layout l;
+  l.h = parse_header(std::span(header_bytes).first(got), source);
+  const binary_header& h = l.h;
   const std::array<std::pair<std::string_view, std::uint32_t>, 3> dims = {
       {{"layers", geometry.layers()},
        {"experts_per_layer", geometry.experts_per_layer()},
@@ -141,9 +156,9 @@ routing_trace read_binary_from(detail::byte_input& in, const moe_geometry& geome
                        dims[i].second));
     }
   }
-  const std::uint64_t k = geometry.top_k();
-  const std::uint64_t record_bytes = record_fixed_bytes + 6 * k;
-  const std::uint64_t vector_bytes = 4ULL * geometry.experts_per_layer();
+  l.k = geometry.top_k();
+  l.record_bytes = record_fixed_bytes + 6 * l.k;
+  l.vector_bytes = 4ULL * geometry.experts_per_layer();
   if (h.events > max_trace_events) {
     fail(at(32), "event_count", fmt::format("{} out of range [1, {}] (max_trace_events)", h.events, max_trace_events));
   }
@@ -156,138 +171,383 @@ routing_trace read_binary_from(detail::byte_input& in, const moe_geometry& geome
         at(12), "flags",
         fmt::format("probability flag {} contradicts {} probability vectors", h.flags & flag_probabilities, h.vectors));
   }
-  const std::uint64_t expected_size = header_size + h.events * record_bytes + h.vectors * vector_bytes;
+  l.expected_size = header_size + h.events * l.record_bytes + h.vectors * l.vector_bytes;
   if (const std::optional<std::uint64_t> size = in.known_size()) {
     const std::uint64_t payload = *size - header_size;
     // Bound the counts by the bytes present before anything is allocated.
-    if (h.events > payload / record_bytes) {
+    if (h.events > payload / l.record_bytes) {
       fail(at(32), "event_count",
-           fmt::format("{} events of {} bytes do not fit in the {} payload bytes (truncated)", h.events, record_bytes,
+           fmt::format("{} events of {} bytes do not fit in the {} payload bytes (truncated)", h.events, l.record_bytes,
                        payload));
     }
-    if (h.vectors > (payload - h.events * record_bytes) / vector_bytes) {
+    if (h.vectors > (payload - h.events * l.record_bytes) / l.vector_bytes) {
       fail(at(40), "probability_vectors",
            fmt::format("{} vectors of {} bytes out of range for {} events and {} payload bytes", h.vectors,
-                       vector_bytes, h.events, payload));
+                       l.vector_bytes, h.events, payload));
     }
-    if (*size != expected_size) {
-      fail(at(std::min<std::uint64_t>(*size, expected_size)), "payload",
-           fmt::format("{} bytes where the header implies {} (truncated or trailing data)", *size, expected_size));
+    if (*size != l.expected_size) {
+      fail(at(std::min<std::uint64_t>(*size, l.expected_size)), "payload",
+           fmt::format("{} bytes where the header implies {} (truncated or trailing data)", *size, l.expected_size));
+    }
+  }
+  return l;
+}
+
+// The fixed fields of the record at @p o of @p bytes (file offset @p offset), checked: phase and
+// has_probabilities in [0, 1], reserved 0. Experts and weights are appended to @p experts and
+// @p weights. Returns whether a probability vector belongs to the record.
+bool decode_record(std::span<const std::byte> bytes, std::size_t o, std::uint64_t offset, std::uint64_t k,
+                   std::string_view source, staged_record& r, std::vector<std::uint32_t>& experts,
+                   std::vector<float>& weights) {
+  const auto at = [&](std::uint64_t where) { return source_position{source, where, true}; };
+  r.sequence = load_le<std::uint32_t>(bytes, o);
+  r.step = load_le<std::uint32_t>(bytes, o + 4);
+  r.layer = load_le<std::uint32_t>(bytes, o + 8);
+  const auto phase = load_le<std::uint8_t>(bytes, o + 12);
+  if (phase > 1) fail(at(offset + 12), "phase", fmt::format("{} out of range [0, 1]", phase));
+  r.phase = static_cast<routing_phase>(phase);
+  const auto has_vector = load_le<std::uint8_t>(bytes, o + 13);
+  if (has_vector > 1) fail(at(offset + 13), "has_probabilities", fmt::format("{} out of range [0, 1]", has_vector));
+  if (const auto reserved = load_le<std::uint16_t>(bytes, o + 14); reserved != 0) {
+    fail(at(offset + 14), "reserved", fmt::format("{} where 0 is required", reserved));
+  }
+  for (std::size_t j = 0; j < k; ++j) experts.push_back(load_le<std::uint16_t>(bytes, o + 16 + 2 * j));
+  for (std::size_t j = 0; j < k; ++j) weights.push_back(load_f32(bytes, o + 16 + 2 * k + 4 * j));
+  return has_vector == 1;
+}
+
+}  // namespace
+
+// Hashes the payload on a second thread while the caller decodes it. FNV-1a is a serial chain
+// (xor, then a 64-bit multiply, per byte: about 3 ns a byte on the machine of docs/performance.md),
+// the largest single cost of reading a large trace, and decoding needs none of its result until
+// the end. Chunks rotate through `depth` buffers (a few scheduler time slices of slack on a busy
+// machine) and are hashed in submission order; the caller
+// refills a buffer only after its hash completed (acquire()), and reads the sum only after
+// finish(). Every hand-over goes through a semaphore (release/acquire), which orders the buffer's
+// bytes, the queue entry and the running sum between the two threads.
+class checksum_worker {
+ public:
+  static constexpr std::size_t depth = 4;  // buffers in flight
+
+  explicit checksum_worker(std::uint64_t seed) : sum_(seed), thread_([this] { run(); }) {}
+  checksum_worker(const checksum_worker&) = delete;
+  checksum_worker& operator=(const checksum_worker&) = delete;
+  ~checksum_worker() {
+    (void)finish();
+    stop_.store(true, std::memory_order_relaxed);  // published by the release below
+    submitted_.release();
+    thread_.join();
+  }
+  // Waits until buffer @p b (< depth) may be overwritten.
+  void acquire(std::size_t b) { free_[b].acquire(); }
+  // Queues @p bytes, which lie in buffer @p b; @pre acquire(b) since b's last submit().
+  void submit(std::size_t b, std::span<const std::byte> bytes) {
+    queue_[b] = bytes;
+    submitted_.release();
+  }
+  // Waits for every queued hash; the sum of everything submitted.
+  [[nodiscard]] std::uint64_t finish() {
+    for (auto& f : free_) f.acquire();
+    for (auto& f : free_) f.release();
+    return sum_;
+  }
+
+ private:
+  void run() {
+    for (std::size_t k = 0;; k = (k + 1) % depth) {
+      submitted_.acquire();
+      if (stop_.load(std::memory_order_relaxed)) return;  // ordered by the acquire above
+      sum_ = fnv1a(queue_[k], sum_);
+      free_[k].release();
+    }
+  }
+  std::uint64_t sum_;
+  std::array<std::span<const std::byte>, depth> queue_{};
+  std::array<std::binary_semaphore, depth> free_{std::binary_semaphore(1), std::binary_semaphore(1),
+                                                 std::binary_semaphore(1), std::binary_semaphore(1)};
+  std::counting_semaphore<depth> submitted_{0};
+  std::atomic<bool> stop_{false};
+  std::thread thread_;  // last: started once everything it reads exists
+};
+
+// Payloads from this size on are hashed by a checksum_worker (when there is a second core):
+// below it a thread costs more than it saves.
+constexpr std::uint64_t threaded_checksum_bytes = std::uint64_t{4} << 20;
+
+// The streaming reader's state: the input, the header, the running checksum and one chunk.
+namespace detail {
+struct binary_stream {
+  std::unique_ptr<detail::byte_input> owned;
+  detail::byte_input* in = nullptr;
+  binary_layout layout;
+  std::uint32_t batch_size = 1;
+  std::uint32_t experts_per_layer = 0;
+  std::uint64_t sum = 0xcbf29ce484222325ULL;
+  std::uint64_t delivered = 0;     // records delivered so far
+  std::uint64_t vectors_seen = 0;  // records whose has_probabilities is 1
+  bool finished = false;
+  std::vector<std::byte> chunk;
+  // The buffers the worker hashes are declared before it, so it is joined (destroyed) first.
+  std::array<std::vector<std::byte>, checksum_worker::depth> buffers;
+  std::optional<checksum_worker> worker;  // hashes the records while they are decoded (large traces)
+  std::size_t buffer = 0;  // the buffer the next chunk goes to
+  std::vector<std::uint32_t> experts;
+  std::vector<float> weights;
+  std::vector<routing_event> events;
+  staged_record r;
+
+  binary_stream(std::unique_ptr<detail::byte_input> input, detail::byte_input& i, const moe_geometry& geometry,
+                const trace_read_options& options)
+      : owned(std::move(input)), in(&i), layout(read_layout(i, geometry)) {
+    batch_size = options.batch_size != 0 ? options.batch_size : layout.h.batch_size;
+    experts_per_layer = geometry.experts_per_layer();
+    if (layout.h.events * layout.record_bytes >= threaded_checksum_bytes && std::thread::hardware_concurrency() > 1) {
+      try {
+        worker.emplace(sum);
+      } catch (const std::system_error&) {  // no thread to be had: hash on this one
+      }
     }
   }
 
-  std::uint64_t sum = 0xcbf29ce484222325ULL;
+  // Takes the running sum back from the worker: from here on this thread hashes.
+  void join_checksum() {
+    if (worker) {
+      sum = worker->finish();
+      worker.reset();
+    }
+  }
+  // Reads the next @p n record bytes: into a buffer hashed by the worker, or hashed here.
+  std::span<const std::byte> read_records(std::size_t n) {
+    if (!worker) {
+      chunk.resize(n);
+      take(chunk.data(), n);
+      return chunk;
+    }
+    const std::size_t b = buffer;
+    buffer = (buffer + 1) % checksum_worker::depth;
+    worker->acquire(b);
+    buffers[b].resize(n);
+    const std::size_t got = in->read_fully(reinterpret_cast<char*>(buffers[b].data()), n);
+    worker->submit(b, std::span<const std::byte>(buffers[b].data(), got));
+    if (got != n) {
+      fail(at(in->offset()), "payload",
+           fmt::format("input ends at byte {} where the header implies {} bytes (truncated)", in->offset(),
+                       layout.expected_size));
+    }
+    return std::span<const std::byte>(buffers[b].data(), n);
+  }
+
+  [[nodiscard]] source_position at(std::uint64_t offset) const noexcept { return {in->name(), offset, true}; }
+
   // Reads exactly @p n payload bytes into @p out, hashing them.
-  const auto take = [&](std::byte* out, std::size_t n) {
-    const std::size_t got_now = in.read_fully(reinterpret_cast<char*>(out), n);
-    sum = fnv1a(std::span<const std::byte>(out, got_now), sum);
-    if (got_now != n) {
-      fail(at(in.offset()), "payload",
-           fmt::format("input ends at byte {} where the header implies {} bytes (truncated)", in.offset(),
-                       expected_size));
+  void take(std::byte* out, std::size_t n) {
+    const std::size_t got = in->read_fully(reinterpret_cast<char*>(out), n);
+    sum = fnv1a(std::span<const std::byte>(out, got), sum);
+    if (got != n) {
+      fail(at(in->offset()), "payload",
+           fmt::format("input ends at byte {} where the header implies {} bytes (truncated)", in->offset(),
+                       layout.expected_size));
     }
-  };
-  const auto check_sum = [&] {
-    if (sum != h.payload_sum) {
+  }
+  void check_sum() const {
+    if (sum != layout.h.payload_sum) {
       fail(at(48), "payload_checksum",
-           fmt::format("{:#018x} does not match the payload's {:#018x}", h.payload_sum, sum));
+           fmt::format("{:#018x} does not match the payload's {:#018x}", layout.h.payload_sum, sum));
     }
-  };
-  // On a record error: hash the rest; a checksum mismatch explains the error better.
-  const auto drain_and_rethrow = [&] {
-    std::array<std::byte, 1 << 16> chunk{};
+  }
+  // After a record error: hash the rest; a checksum mismatch explains the error better.
+  [[noreturn]] void drain_and_rethrow() {
+    join_checksum();
+    std::array<std::byte, 1 << 16> rest{};
     for (;;) {
-      const std::size_t n = in.read(reinterpret_cast<char*>(chunk.data()), chunk.size());
+      const std::size_t n = in->read(reinterpret_cast<char*>(rest.data()), rest.size());
       if (n == 0) break;
-      sum = fnv1a(std::span<const std::byte>(chunk.data(), n), sum);
+      sum = fnv1a(std::span<const std::byte>(rest.data(), n), sum);
     }
     check_sum();
     throw;
-  };
-
-  detail::trace_builder builder(geometry, source, true);
-  if (in.known_size()) builder.trace().reserve(static_cast<std::size_t>(h.events), h.vectors > 0);
-  staged_record r;
-  const std::size_t chunk_records = std::max<std::size_t>(1, (std::size_t{1} << 16) / record_bytes);
-  std::vector<std::byte> chunk;
-  // With vectors the records are kept until the vectors (after all records) arrive.
-  std::vector<std::byte> records;
-  const auto parse_record = [&](std::span<const std::byte> bytes, std::size_t offset_in_bytes, std::uint64_t i,
-                                std::uint64_t& vector_offset, std::uint64_t& vectors_used,
-                                std::span<const std::byte> vector_bytes_now) {
-    const std::uint64_t offset = header_size + i * record_bytes;
-    const std::size_t o = offset_in_bytes;
-    r.clear();
-    r.sequence = load_le<std::uint32_t>(bytes, o);
-    r.step = load_le<std::uint32_t>(bytes, o + 4);
-    r.layer = load_le<std::uint32_t>(bytes, o + 8);
-    const auto phase = load_le<std::uint8_t>(bytes, o + 12);
-    if (phase > 1) fail(at(offset + 12), "phase", fmt::format("{} out of range [0, 1]", phase));
-    r.phase = static_cast<routing_phase>(phase);
-    const auto has_vector = load_le<std::uint8_t>(bytes, o + 13);
-    if (has_vector > 1) fail(at(offset + 13), "has_probabilities", fmt::format("{} out of range [0, 1]", has_vector));
-    if (const auto reserved = load_le<std::uint16_t>(bytes, o + 14); reserved != 0) {
-      fail(at(offset + 14), "reserved", fmt::format("{} where 0 is required", reserved));
+  }
+  // The end: the vectors (hashed, counted and checked, not kept), no trailing data, the checksum.
+  void finish() {
+    join_checksum();
+    const binary_header& h = layout.h;
+    if (vectors_seen != h.vectors) {
+      fail(at(40), "probability_vectors",
+           fmt::format("header declares {} vectors but {} events carry one", h.vectors, vectors_seen));
     }
-    r.has_experts = true;
-    r.has_weights = true;
-    for (std::size_t j = 0; j < k; ++j) r.experts.push_back(load_le<std::uint16_t>(bytes, o + 16 + 2 * j));
-    for (std::size_t j = 0; j < k; ++j) r.weights.push_back(load_f32(bytes, o + 16 + 2 * k + 4 * j));
-    if (has_vector == 1) {
-      if (vectors_used == h.vectors) {
-        fail(at(offset + 13), "has_probabilities",
-             fmt::format("more events carry probabilities than the {} the header declares", h.vectors));
-      }
-      for (std::size_t j = 0; j < geometry.experts_per_layer(); ++j) {
-        r.probabilities.push_back(load_f32(vector_bytes_now, 4 * j));
-      }
-      vector_offset += vector_bytes;
-      ++vectors_used;
-    }
-    builder.append(r, offset);
-  };
-  std::uint64_t vector_offset = header_size + h.events * record_bytes;
-  std::uint64_t vectors_used = 0;
-  try {
-    if (h.vectors == 0) {
-      for (std::uint64_t first = 0; first < h.events; first += chunk_records) {
-        const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk_records, h.events - first));
-        chunk.resize(n * record_bytes);
-        take(chunk.data(), chunk.size());
-        for (std::size_t i = 0; i < n; ++i) {
-          parse_record(chunk, i * record_bytes, first + i, vector_offset, vectors_used, {});
+    std::vector<std::byte> vector(static_cast<std::size_t>(layout.vector_bytes));
+    for (std::uint64_t v = 0; v < h.vectors; ++v) {
+      const std::uint64_t offset = in->offset();
+      take(vector.data(), vector.size());
+      for (std::size_t j = 0; j < experts_per_layer; ++j) {
+        const float p = load_f32(vector, 4 * j);
+        if (!std::isfinite(p) || p < 0.0F) {
+          fail(at(offset + 4 * j), "probabilities",
+               fmt::format("probability {} of vector {} is {}: out of range [0, inf)", j, v, p));
         }
       }
-    } else {
-      for (std::uint64_t first = 0; first < h.events; first += chunk_records) {
-        const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk_records, h.events - first));
-        const std::size_t old = records.size();
-        records.resize(old + n * record_bytes);
-        take(records.data() + old, n * record_bytes);
+    }
+    std::byte extra{};
+    if (in->read(reinterpret_cast<char*>(&extra), 1) != 0) {
+      fail(at(layout.expected_size), "payload",
+           fmt::format("trailing data after the {} bytes the header implies (truncated or trailing data)",
+                       layout.expected_size));
+    }
+    check_sum();
+    finished = true;
+  }
+
+  std::uint32_t layers = 0;
+  std::uint32_t top_k = 0;
+
+  std::span<const routing_event> next();
+};
+}  // namespace detail
+
+std::span<const routing_event> detail::binary_stream::next() {
+  events.clear();
+  experts.clear();
+  weights.clear();
+  if (finished) return events;
+  const std::uint64_t remaining = layout.h.events - delivered;
+  if (remaining == 0) {
+    finish();
+    return events;
+  }
+  const std::uint64_t record_bytes = layout.record_bytes;
+  // 64 KiB chunks; 256 KiB when hashed on the helper thread (fewer hand-overs).
+  const std::size_t chunk_bytes = std::size_t{1} << (worker ? 18 : 16);
+  const std::size_t chunk_records = std::max<std::size_t>(1, chunk_bytes / record_bytes);
+  const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk_records, remaining));
+  experts.reserve(n * top_k);
+  weights.reserve(n * top_k);
+  events.reserve(n);
+  try {
+    const std::span<const std::byte> bytes = read_records(n * record_bytes);
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint64_t offset = header_size + (delivered + i) * record_bytes;
+      if (decode_record(bytes, i * record_bytes, offset, layout.k, in->name(), r, experts, weights)) ++vectors_seen;
+      if (vectors_seen > layout.h.vectors) {
+        fail(at(offset + 13), "has_probabilities",
+             fmt::format("more events carry probabilities than the {} the header declares", layout.h.vectors));
       }
-      std::vector<std::byte> vector(vector_bytes);
-      for (std::uint64_t i = 0; i < h.events; ++i) {
-        const auto o = static_cast<std::size_t>(i * record_bytes);
-        const bool has_vector = std::to_integer<std::uint8_t>(records[o + 13]) == 1;
-        if (has_vector && vectors_used < h.vectors) take(vector.data(), vector.size());
-        parse_record(records, o, i, vector_offset, vectors_used, vector);
-      }
-      if (vectors_used != h.vectors) {
-        fail(at(40), "probability_vectors",
-             fmt::format("header declares {} vectors but {} events carry one", h.vectors, vectors_used));
+      events.push_back({.sequence = *r.sequence,
+                        .step = *r.step,
+                        .layer = *r.layer,
+                        .phase = r.phase,
+                        .experts = std::span<const std::uint32_t>(experts.data() + i * top_k, top_k),
+                        .weights = std::span<const float>(weights.data() + i * top_k, top_k),
+                        .probabilities = {}});
+      if (const auto problem = detail::check_record(events.back(), layers, experts_per_layer, top_k)) {
+        fail(at(offset), detail::to_string(problem->field), problem->message);
       }
     }
   } catch (const format_error&) {
     drain_and_rethrow();
   }
+  delivered += n;
+  return events;
+}
+
+binary_trace_reader::binary_trace_reader(const std::filesystem::path& path, const moe_geometry& geometry,
+                                         const trace_read_options& options) {
+  auto input = std::make_unique<detail::byte_input>(path);
+  detail::byte_input& i = *input;
+  state_ = std::make_unique<detail::binary_stream>(std::move(input), i, geometry, options);
+  state_->layers = geometry.layers();
+  state_->top_k = geometry.top_k();
+}
+
+binary_trace_reader::binary_trace_reader(std::span<const std::byte> bytes, const moe_geometry& geometry,
+                                         std::string_view source_name, const trace_read_options& options) {
+  auto input = std::make_unique<detail::byte_input>(
+      std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()), source_name);
+  detail::byte_input& i = *input;
+  state_ = std::make_unique<detail::binary_stream>(std::move(input), i, geometry, options);
+  state_->layers = geometry.layers();
+  state_->top_k = geometry.top_k();
+}
+
+binary_trace_reader::~binary_trace_reader() = default;
+
+std::span<const routing_event> binary_trace_reader::next() { return state_->next(); }
+std::uint32_t binary_trace_reader::layers() const noexcept { return state_->layers; }
+std::uint32_t binary_trace_reader::experts_per_layer() const noexcept { return state_->experts_per_layer; }
+std::uint32_t binary_trace_reader::top_k() const noexcept { return state_->top_k; }
+std::uint32_t binary_trace_reader::batch_size() const noexcept { return state_->batch_size; }
+std::uint64_t binary_trace_reader::events() const noexcept { return state_->layout.h.events; }
+std::uint64_t binary_trace_reader::probability_vectors() const noexcept { return state_->layout.h.vectors; }
+
+namespace {
+
+// Reads a whole binary trace. Without probability vectors it is the streaming reader's chunks
+// appended to a trace_builder (one validation, one checksum); with vectors, which follow all
+// records, the records are kept until their vectors arrive.
+routing_trace read_binary_from(std::unique_ptr<detail::byte_input> input, const moe_geometry& geometry,
+                               const trace_read_options& options) {
+  detail::byte_input& in = *input;
+  detail::binary_stream st(std::move(input), in, geometry, options);
+  st.layers = geometry.layers();
+  st.top_k = geometry.top_k();
+  const binary_header& h = st.layout.h;
+  const std::string_view source = in.name();
+  detail::trace_builder builder(geometry, source, true);
+  if (in.known_size()) builder.trace().reserve(static_cast<std::size_t>(h.events), h.vectors > 0);
+  if (h.vectors == 0) {
+    std::uint64_t i = 0;
+    for (auto chunk = st.next(); !chunk.empty(); chunk = st.next()) {
+      for (const routing_event& e : chunk) builder.append(e, header_size + (i++) * st.layout.record_bytes);
+    }
+    return builder.finish(st.batch_size);
+  }
+  st.join_checksum();  // the records are kept whole until their vectors: nothing to overlap
+  const std::uint64_t record_bytes = st.layout.record_bytes;
+  const std::size_t chunk_records = std::max<std::size_t>(1, (std::size_t{1} << 16) / record_bytes);
+  std::vector<std::byte> records;
+  std::vector<std::byte> vector(static_cast<std::size_t>(st.layout.vector_bytes));
+  std::uint64_t vectors_used = 0;
+  staged_record r;
+  try {
+    for (std::uint64_t first = 0; first < h.events; first += chunk_records) {
+      const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk_records, h.events - first));
+      const std::size_t old = records.size();
+      records.resize(old + n * record_bytes);
+      st.take(records.data() + old, n * record_bytes);
+    }
+    for (std::uint64_t i = 0; i < h.events; ++i) {
+      const auto o = static_cast<std::size_t>(i * record_bytes);
+      const std::uint64_t offset = header_size + i * record_bytes;
+      r.clear();
+      r.has_experts = true;
+      r.has_weights = true;
+      if (decode_record(records, o, offset, st.layout.k, source, r, r.experts, r.weights)) {
+        if (vectors_used == h.vectors) {
+          fail(st.at(offset + 13), "has_probabilities",
+               fmt::format("more events carry probabilities than the {} the header declares", h.vectors));
+        }
+        st.take(vector.data(), vector.size());
+        for (std::size_t j = 0; j < geometry.experts_per_layer(); ++j)
+          r.probabilities.push_back(load_f32(vector, 4 * j));
+        ++vectors_used;
+      }
+      builder.append(r, offset);
+    }
+    if (vectors_used != h.vectors) {
+      fail(st.at(40), "probability_vectors",
+           fmt::format("header declares {} vectors but {} events carry one", h.vectors, vectors_used));
+    }
+  } catch (const format_error&) {
+    st.drain_and_rethrow();
+  }
   std::byte extra{};
   if (in.read(reinterpret_cast<char*>(&extra), 1) != 0) {
-    fail(
-        at(expected_size), "payload",
-        fmt::format("trailing data after the {} bytes the header implies (truncated or trailing data)", expected_size));
+    fail(st.at(st.layout.expected_size), "payload",
+         fmt::format("trailing data after the {} bytes the header implies (truncated or trailing data)",
+                     st.layout.expected_size));
   }
-  check_sum();
-  return builder.finish(options.batch_size != 0 ? options.batch_size : h.batch_size);
+  st.check_sum();
+  return builder.finish(st.batch_size);
 }
 
 }  // namespace
@@ -340,14 +600,14 @@ std::string encode_binary(const routing_trace& trace) {
 
 routing_trace parse_binary(std::span<const std::byte> bytes, const moe_geometry& geometry,
                            std::string_view source_name) {
-  detail::byte_input in(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()), source_name);
-  return read_binary_from(in, geometry, {});
+  return read_binary_from(std::make_unique<detail::byte_input>(
+                              std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()), source_name),
+                          geometry, {});
 }
 
 routing_trace read_binary(const std::filesystem::path& path, const moe_geometry& geometry,
                           const trace_read_options& options) {
-  detail::byte_input in(path);
-  return read_binary_from(in, geometry, options);
+  return read_binary_from(std::make_unique<detail::byte_input>(path), geometry, options);
 }
 
 void write_binary(const std::filesystem::path& path, const routing_trace& trace) {

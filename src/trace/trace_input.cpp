@@ -281,6 +281,14 @@ void trace_builder::append(const staged_record& r, std::uint64_t where) {
   positions_.push_back(where);
 }
 
+void trace_builder::append(const routing_event& e, std::uint64_t where) {
+  if (trace_.size() >= max_trace_events) {
+    fail(at(where), "record", fmt::format("more than {} records (max_trace_events)", max_trace_events));
+  }
+  trace_.append(e);
+  positions_.push_back(where);
+}
+
 routing_trace trace_builder::finish(std::uint32_t batch_size) {
   const std::size_t n = trace_.size();
   if (n == 0) {

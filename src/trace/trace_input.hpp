@@ -129,6 +129,8 @@ class trace_builder {
   trace_builder(const moe_geometry& geometry, std::string_view source, bool byte_offsets);
   // Validates @p r and appends it. @throws format_error naming @p at and the field.
   void append(const staged_record& r, std::uint64_t where);
+  // Appends @p e, already validated (detail::check_record) by the binary reader.
+  void append(const routing_event& e, std::uint64_t where);
   [[nodiscard]] std::size_t size() const noexcept { return trace_.size(); }
   [[nodiscard]] routing_trace& trace() noexcept { return trace_; }
   // Rejects an empty trace, duplicates and decode-before-prefill (naming both records), sets

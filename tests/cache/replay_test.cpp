@@ -6,11 +6,13 @@
 #include "expage/trace/synthetic_trace.hpp"
 #include "expage/trace/trace_io.hpp"
 
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <list>
 #include <map>
 #include <tuple>
 #include <vector>
@@ -237,9 +239,169 @@ TEST(Replay, ArcS3FifoSieveLfruEqualTheirReferences) {
         EXPECT_EQ(got.misses, want.misses)
             << to_string(p) << " seed " << seed << " " << to_string(layout) << " capacity " << capacity;
         EXPECT_EQ(got.hits, want.hits);
+// --- sequential mode and the streaming replay ------------------------------------------------
+
+// A naive list simulation of the sequential semantics: every routed expert, in execution and
+// top-k order, is one request; no pinning. LRU moves a hit to the front, FIFO does not.
+std::uint64_t naive_sequential_misses(const routing_trace& t, bool global, std::uint32_t cap, policy_kind kind) {
+  std::vector<std::list<std::uint32_t>> scopes(global ? 1 : t.layers());
+  std::uint64_t misses = 0;
+  for (const routing_event& e : t) {
+    auto& res = scopes[global ? 0 : e.layer];
+    for (const std::uint32_t x : e.experts) {
+      const std::uint32_t key = e.layer * t.experts_per_layer() + x;
+      const auto it = std::find(res.begin(), res.end(), key);
+      if (it != res.end()) {
+        if (kind == policy_kind::lru) res.splice(res.begin(), res, it);
+        continue;
+      }
+      ++misses;
+      if (res.size() == cap) res.pop_back();
+      res.push_front(key);
+    }
+  }
+  return misses;
+}
+
+TEST(ReplaySequential, DiffersFromGroupedWhereAGroupPinsItsExperts) {
+  const auto g = tiny();
+  routing_trace t(g);
+  add(t, 0, 0, 0, 0, 1);  // 0, 1 resident; 0 is the least recently used
+  add(t, 0, 1, 0, 2, 0);  // grouped: 0 is pinned, 2 evicts 1; sequential: 2 evicts 0, then 0 misses
+  const replay_options grouped{.layout = cache_layout::per_layer, .capacity = 2};
+  replay_options sequential = grouped;
+  sequential.mode = replay_mode::sequential;
+  EXPECT_EQ(replay(t, g, policy_kind::lru, grouped).misses, 3U);
+  EXPECT_EQ(replay(t, g, policy_kind::lru, sequential).misses, 4U);
+  const access_stream s(t, 1, replay_mode::sequential);
+  EXPECT_EQ(s.groups(), 4U);
+  EXPECT_EQ(s.mode(), replay_mode::sequential);
+  EXPECT_EQ(s.accesses(), 4U);
+  sequential.capacity = 1;  // a group of one fits one slot
+  EXPECT_EQ(replay(s, g, policy_kind::lru, sequential).misses, 4U);
+  EXPECT_THROW((void)replay(s, g, policy_kind::lru, grouped), invalid_argument) << "a stream of the other mode";
+  EXPECT_THROW((void)replay(t, g, policy_kind::lru, {.capacity = 2, .mode = static_cast<replay_mode>(7)}),
+               invalid_argument);
+}
+
+TEST(ReplaySequential, LruAndFifoEqualANaiveListOnSeededTraces) {
+  const auto g = moe_geometry::mixtral_8x7b();
+  for (const std::uint32_t batch : {1U, 3U}) {
+    const routing_trace t = generate_synthetic(
+        g, {.seed = 11 + batch, .sequences = 6, .decode_steps = 12, .prefill_tokens = 3, .batch_size = batch});
+    for (const cache_layout layout : {cache_layout::per_layer, cache_layout::global}) {
+      for (const std::uint32_t cap : layout == cache_layout::global ? std::vector<std::uint32_t>{1, 40, 130}
+                                                                    : std::vector<std::uint32_t>{1, 3, 7}) {
+        for (const policy_kind p : {policy_kind::lru, policy_kind::fifo}) {
+          const auto r = replay(t, g, p, {.layout = layout, .capacity = cap, .mode = replay_mode::sequential});
+          EXPECT_EQ(r.misses, naive_sequential_misses(t, layout == cache_layout::global, cap, p))
+              << "batch " << batch << " " << to_string(layout) << " " << cap << " " << to_string(p);
+          EXPECT_EQ(r.accesses, t.size() * g.top_k());
+        }
       }
     }
   }
+}
+
+void expect_same(const replay_result& a, const replay_result& b, const std::string& what) {
+  EXPECT_EQ(a.policy, b.policy) << what;
+  EXPECT_EQ(a.accesses, b.accesses) << what;
+  EXPECT_EQ(a.hits, b.hits) << what;
+  EXPECT_EQ(a.misses, b.misses) << what;
+  EXPECT_EQ(a.compulsory, b.compulsory) << what;
+  EXPECT_EQ(a.evictions, b.evictions) << what;
+  EXPECT_EQ(a.tokens, b.tokens) << what;
+  EXPECT_EQ(a.split_groups, b.split_groups) << what;
+  EXPECT_EQ(a.bytes_moved, b.bytes_moved) << what;
+  ASSERT_EQ(a.layers.size(), b.layers.size()) << what;
+  for (std::size_t l = 0; l < a.layers.size(); ++l) {
+    EXPECT_EQ(a.layers[l].accesses, b.layers[l].accesses) << what << " layer " << l;
+    EXPECT_EQ(a.layers[l].misses, b.layers[l].misses) << what << " layer " << l;
+    EXPECT_EQ(a.layers[l].hits, b.layers[l].hits) << what << " layer " << l;
+  }
+}
+
+TEST(ReplayOrdered, EqualsReplayForEveryPolicyModeLayoutAndCapacityInOnePass) {
+  const auto g = moe_geometry::mixtral_8x7b();
+  // Batch 4 with prefill: unions of up to 4 × 2 experts, split at small capacities.
+  const routing_trace t =
+      generate_synthetic(g, {.seed = 5, .sequences = 8, .decode_steps = 10, .prefill_tokens = 4, .batch_size = 4});
+  std::vector<replay_job> jobs;
+  for (const replay_mode mode : {replay_mode::grouped, replay_mode::sequential}) {
+    for (const cache_layout layout : {cache_layout::per_layer, cache_layout::global}) {
+      for (const std::uint32_t cap : layout == cache_layout::global ? std::vector<std::uint32_t>{2, 9, 64, 256}
+                                                                    : std::vector<std::uint32_t>{2, 3, 5, 8}) {
+        for (const policy_kind p : all_policy_kinds()) {
+          if (p == policy_kind::belady) continue;
+          jobs.push_back({p, {.layout = layout, .capacity = cap, .format = precision::int4, .mode = mode}});
+        }
+      }
+    }
+  }
+  trace_event_source source(t, 7);  // chunks that cut layer-steps
+  const auto results = replay_ordered(source, g, jobs);
+  ASSERT_TRUE(results.has_value());
+  ASSERT_EQ(results->size(), jobs.size());
+  bool split = false;
+  for (std::size_t j = 0; j < jobs.size(); ++j) {
+    const auto want = replay(t, g, jobs[j].policy, jobs[j].options);
+    split = split || want.split_groups > 0;
+    expect_same((*results)[j], want,
+                fmt::format("{} {} {} {}", to_string(jobs[j].options.mode), to_string(jobs[j].options.layout),
+                            jobs[j].options.capacity, to_string(jobs[j].policy)));
+  }
+  EXPECT_TRUE(split) << "the test should cover split layer-steps";
+}
+
+TEST(ReplayOrdered, ASingleSequentialLruJobEqualsTheCurveSweep) {
+  const auto g = moe_geometry::mixtral_8x7b();
+  const routing_trace t = generate_synthetic(g, {.seed = 9, .sequences = 4, .decode_steps = 16});
+  const replay_job one[] = {
+      {policy_kind::lru, {.layout = cache_layout::global, .capacity = 37, .mode = replay_mode::sequential}}};
+  const replay_job two[] = {
+      one[0], {policy_kind::lru, {.layout = cache_layout::global, .capacity = 38, .mode = replay_mode::sequential}}};
+  trace_event_source a(t);
+  trace_event_source b(t);
+  const auto slot_cache_result = replay_ordered(a, g, one);
+  const auto curve_result = replay_ordered(b, g, two);
+  ASSERT_TRUE(slot_cache_result && curve_result);
+  expect_same((*slot_cache_result)[0], (*curve_result)[0], "capacity 37");
+}
+
+TEST(ReplayOrdered, YieldsNothingForATraceOutOfExecutionOrder) {
+  const auto g = tiny();
+  routing_trace t(g);
+  add(t, 0, 1, 0, 0, 1);
+  add(t, 0, 0, 0, 2, 3);
+  const replay_job jobs[] = {{policy_kind::lru, {.capacity = 2}}};
+  trace_event_source source(t);
+  EXPECT_FALSE(replay_ordered(source, g, jobs).has_value());
+
+  routing_trace prefill_late(g);  // a prefill record after a decode record of its sequence
+  const std::uint32_t e[] = {0, 1};
+  const float w[] = {0.5F, 0.5F};
+  prefill_late.append({.sequence = 0, .step = 3, .layer = 0, .experts = e, .weights = w});
+  prefill_late.append(
+      {.sequence = 0, .step = 0, .layer = 1, .phase = routing_phase::prefill, .experts = e, .weights = w});
+  trace_event_source late(prefill_late);
+  EXPECT_FALSE(replay_ordered(late, g, jobs).has_value());
+}
+
+TEST(ReplayOrdered, RejectsBeladyBadCapacitiesAndGeometryMismatches) {
+  const auto g = tiny();
+  routing_trace t(g);
+  add(t, 0, 0, 0, 0, 1);
+  trace_event_source source(t);
+  const auto fails = [&](replay_job job, const moe_geometry& geometry, std::string_view message) {
+    const replay_job jobs[] = {job};
+    EXPECT_THAT([&] { (void)replay_ordered(source, geometry, jobs); },
+                ::testing::ThrowsMessage<invalid_argument>(HasSubstr(message)));
+  };
+  fails({policy_kind::belady, {.capacity = 2}}, g, "needs every future access");
+  fails({policy_kind::lru, {.capacity = 1}}, g, "capacity 1 out of range [2, 4]");
+  fails({policy_kind::lru, {.capacity = 9, .mode = replay_mode::sequential}}, g, "capacity 9 out of range [1, 4]");
+  fails({policy_kind::lru, {.capacity = 2, .link_gbytes_per_second = -1.0}}, g, "out of range (0, inf)");
+  fails({policy_kind::lru, {.capacity = 2}}, moe_geometry::mixtral_8x7b(), "refusing a geometry mismatch");
 }
 
 // --- the real Mixtral HumanEval trace ------------------------------------------------------

@@ -312,6 +312,81 @@ TEST(TraceIo, BadBinaryNamesByteOffsetAndField) {
 }
 
 // Sequence ids are labels, not indices: the largest one costs no memory.
+TEST(BinaryTraceReader, StreamsWhatReadBinaryReadsInBoundedChunks) {
+  const auto g = expage::moe_geometry::mixtral_8x7b();
+  for (const bool vectors : {false, true}) {
+    const expage::routing_trace t =
+        expage::generate_synthetic(g, {.seed = 3, .sequences = 4, .decode_steps = 300, .probabilities = vectors});
+    const std::string bytes = expage::encode_binary(t);
+    const auto span = std::as_bytes(std::span<const char>(bytes.data(), bytes.size()));
+    expage::binary_trace_reader in(span, g, "mem.bin");
+    EXPECT_EQ(in.events(), t.size());
+    EXPECT_EQ(in.probability_vectors(), vectors ? t.size() : 0U);
+    std::size_t i = 0;
+    std::size_t chunks = 0;
+    for (auto chunk = in.next(); !chunk.empty(); chunk = in.next()) {
+      ++chunks;
+      EXPECT_LE(chunk.size(), std::size_t{1} << 16);
+      for (const expage::routing_event& e : chunk) {
+        ASSERT_LT(i, t.size());
+        const expage::routing_event want = t[i++];
+        EXPECT_EQ(e.sequence, want.sequence);
+        EXPECT_EQ(e.step, want.step);
+        EXPECT_EQ(e.layer, want.layer);
+        EXPECT_EQ(e.phase, want.phase);
+        EXPECT_TRUE(std::equal(e.experts.begin(), e.experts.end(), want.experts.begin(), want.experts.end()));
+        EXPECT_TRUE(std::equal(e.weights.begin(), e.weights.end(), want.weights.begin(), want.weights.end()));
+        EXPECT_TRUE(e.probabilities.empty());
+      }
+    }
+    EXPECT_EQ(i, t.size());
+    EXPECT_GT(chunks, 1U) << "the test should span several chunks";
+    EXPECT_TRUE(in.next().empty()) << "the end stays the end";
+  }
+}
+
+TEST(BinaryTraceReader, ChecksTheChecksumAtTheEndAndTheHeaderAtOnce) {
+  const auto g = expage::moe_geometry::mixtral_8x7b();
+  const expage::routing_trace t = expage::generate_synthetic(g, {.seed = 3, .sequences = 2, .decode_steps = 40});
+  std::string bytes = expage::encode_binary(t);
+  bytes[bytes.size() - 1] = static_cast<char>(bytes[bytes.size() - 1] ^ 0x40);  // a weight's bits: still valid
+  const auto span = std::as_bytes(std::span<const char>(bytes.data(), bytes.size()));
+  expage::binary_trace_reader in(span, g, "flipped.bin");
+  EXPECT_THAT(
+      [&] {
+        for (auto chunk = in.next(); !chunk.empty(); chunk = in.next()) {
+        }
+      },
+      ::testing::ThrowsMessage<expage::format_error>(::testing::HasSubstr("payload_checksum")));
+  EXPECT_THAT([&] { expage::binary_trace_reader other(span, expage::moe_geometry::phi_3_5_moe(), "x.bin"); },
+              ::testing::ThrowsMessage<expage::format_error>(::testing::HasSubstr("refusing a geometry mismatch")));
+  const std::string cut = bytes.substr(0, bytes.size() - 5);
+  EXPECT_THROW(expage::binary_trace_reader(std::as_bytes(std::span<const char>(cut.data(), cut.size())), g, "cut.bin"),
+               expage::format_error);
+}
+
+// From 4 MiB of records on, the checksum is computed on a helper thread while the records are
+// decoded (when the machine has two cores): same events, same verdicts.
+TEST(BinaryTraceReader, LargeTracesHashOnAHelperThreadWithTheSameVerdicts) {
+  const auto g = expage::moe_geometry::mixtral_8x7b();
+  const expage::routing_trace t = expage::generate_synthetic(g, {.seed = 4, .sequences = 16, .decode_steps = 320});
+  std::string bytes = expage::encode_binary(t);
+  ASSERT_GE(bytes.size(), std::size_t{4} << 20);
+  const auto span = std::as_bytes(std::span<const char>(bytes.data(), bytes.size()));
+  EXPECT_TRUE(expage::parse_binary(span, g, "big.bin") == t);
+  std::uint64_t n = 0;
+  expage::binary_trace_reader in(span, g, "big.bin");
+  for (auto chunk = in.next(); !chunk.empty(); chunk = in.next()) n += chunk.size();
+  EXPECT_EQ(n, t.size());
+  // A flipped bit in the middle: the records still decode, the checksum catches it at the end.
+  bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x01);
+  const auto flipped = std::as_bytes(std::span<const char>(bytes.data(), bytes.size()));
+  EXPECT_THROW((void)expage::parse_binary(flipped, g, "big.bin"), expage::format_error);
+  // Abandoned half-way: the helper thread is stopped and joined.
+  expage::binary_trace_reader abandoned(flipped, g, "big.bin");
+  for (int i = 0; i < 10; ++i) (void)abandoned.next();
+}
+
 TEST(TraceIo, HugeSequenceIdsCostNothing) {
   const routing_trace t = expage::parse_jsonl(
       R"({"sequence":4294967295,"step":1,"layer":0,"experts":[0,1],"weights":[1,1]})"

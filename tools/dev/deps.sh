@@ -5,7 +5,8 @@
 # CUDA targets are built, without it they are skipped.
 set -euo pipefail
 
-packages=(cmake ninja-build g++ libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev doxygen)
+# python3-venv: the libCacheSim comparison (ctest compat.libcachesim) makes a virtual environment.
+packages=(cmake ninja-build g++ libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev doxygen python3-venv)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -23,10 +23,12 @@
 #include <charconv>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <vector>
 
 namespace {
@@ -59,6 +61,13 @@ model and cache:
   --layout L            per-layer, global or both (default global)
   --precision P         precision of paged expert versions: bf16 fp16 fp8 int8 int4 int2 (default bf16)
   --link-gbps X         host-to-device bandwidth for the stall model, GB/s (default 25)
+  --sequential          every routed expert is its own request, with no group pinning (the
+                        semantics of general-purpose cache simulators such as libCacheSim);
+                        default: grouped, the experts of one layer-step pinned together
+                        (docs/caches.md); capacities may then go down to 1 slot
+  --in-memory           read the whole trace before replaying (the default streams an expage
+                        binary trace in execution order, in bounded memory, unless a policy
+                        needs the future: belady)
 
 output:
   --per-layer           also print each layer's miss ratio
@@ -96,6 +105,8 @@ struct config {
   std::vector<expage::cache_layout> layouts = {expage::cache_layout::global};
   expage::precision format = expage::precision::bf16;
   double link_gbps = 25.0;
+  expage::replay_mode mode = expage::replay_mode::grouped;
+  bool in_memory = false;
   bool per_layer = false;
   std::optional<std::string> csv, json, svg;
   std::uint32_t curve_points = 24;
@@ -213,6 +224,10 @@ config parse(int argc, char** argv, const std::string& help) {
       }
     } else if (flag == "--link-gbps") {
       c.link_gbps = parse_real(flag, value(), 1e-3, 1e6);
+    } else if (flag == "--sequential") {
+      c.mode = expage::replay_mode::sequential;
+    } else if (flag == "--in-memory") {
+      c.in_memory = true;
     } else if (flag == "--per-layer") {
       c.per_layer = true;
     } else if (flag == "--csv") {
@@ -414,28 +429,9 @@ int main(int argc, char** argv) {
       }
       const auto keys = static_cast<std::uint32_t>(all_keys);
       for (const auto& text : c.capacities) {
-        jobs.push_back({layout, resolve_capacity(text, keys, g.top_k()), text});
+        jobs.push_back(
+            {layout, resolve_capacity(text, keys, c.mode == expage::replay_mode::sequential ? 1 : g.top_k()), text});
       }
-    }
-    expage::routing_trace trace = [&] {
-      if (c.trace) {
-        expage::routing_trace t = expage::read_trace(*c.trace, g, {.batch_size = c.batch.value_or(0)});
-        if (!meta && !c.trust_geometry) {
-          try {
-            expage::check_trace_geometry(t, g);
-          } catch (const expage::invalid_argument& e) {
-            throw expage::format_error(fmt::format("{}: {}", *c.trace, e.what()));
-          }
-        }
-        return t;
-      }
-      expage::synthetic_options o = c.synth;
-      o.batch_size = c.batch.value_or(1);
-      return expage::generate_synthetic(g, o);
-    }();
-    if (c.batch && trace.batch_size() != *c.batch) {  // a binary trace records its own; --batch overrides it
-      trace.set_batch_size(*c.batch);
-      trace.restore_execution_order();
     }
     if (g.hidden_size() == 1 && g.intermediate_size() == 1) {
       fmt::print(stderr,
@@ -444,8 +440,11 @@ int main(int argc, char** argv) {
                  g.name());
     }
     const std::string source = c.trace ? *c.trace : fmt::format("synthetic (seed {})", c.synth.seed);
-    fmt::print("{}: {} routing events, {} layers x {} experts, top-{}, batch {}\n", source, trace.size(), g.layers(),
-               g.experts_per_layer(), g.top_k(), trace.batch_size());
+    const auto print_source = [&](std::uint64_t events, std::uint32_t batch) {
+      fmt::print("{}: {} routing events, {} layers x {} experts, top-{}, batch {}{}\n", source, events, g.layers(),
+                 g.experts_per_layer(), g.top_k(), batch,
+                 c.mode == expage::replay_mode::sequential ? ", sequential requests" : "");
+    };
 
     const bool bar = c.progress == 1 || (c.progress == -1 && ::isatty(STDERR_FILENO) != 0);
     // The capacities each layout's curve samples: from top-k (a step must fit) to every expert.
@@ -460,21 +459,109 @@ int main(int argc, char** argv) {
       }
       return slots;
     };
-    std::size_t curve_runs = 0;
-    if (c.svg || c.json) {
-      for (const auto layout : c.layouts) curve_runs += curve_capacities(layout).size() * c.policies.size();
-    }
-    progress_bar progress(bar, jobs.size() * c.policies.size() + curve_runs);
-
-    std::vector<expage::replay_result> results;
-    const auto started = std::chrono::steady_clock::now();
+    // Every replay the outputs need: the table's, then the curves' (one job per point and policy).
+    std::vector<expage::replay_job> all;
     for (const auto& j : jobs) {
-      const expage::access_stream stream(trace, j.slots);
       for (const auto p : c.policies) {
-        results.push_back(expage::replay(
-            stream, g, p,
-            {.layout = j.layout, .capacity = j.slots, .format = c.format, .link_gbytes_per_second = c.link_gbps}));
-        progress.step(fmt::format("{} {} {}", expage::to_string(p), expage::to_string(j.layout), j.slots));
+        all.push_back({p,
+                       {.layout = j.layout,
+                        .capacity = j.slots,
+                        .format = c.format,
+                        .link_gbytes_per_second = c.link_gbps,
+                        .mode = c.mode}});
+      }
+    }
+    std::vector<curve> curves;
+    if (c.svg || c.json) {
+      for (const auto layout : c.layouts) {
+        for (const auto p : c.policies) curves.push_back({p, layout, {}});
+        for (const std::uint32_t s : curve_capacities(layout)) {
+          for (const auto p : c.policies) {
+            all.push_back({p, {.layout = layout, .capacity = s, .format = c.format, .mode = c.mode}});
+          }
+        }
+      }
+    }
+    progress_bar progress(bar, all.size());
+
+    std::vector<expage::replay_result> done;
+    std::uint64_t events = 0;
+    std::uint32_t batch = 1;
+    const auto started = std::chrono::steady_clock::now();
+    const bool needs_future =
+        std::find(c.policies.begin(), c.policies.end(), expage::policy_kind::belady) != c.policies.end();
+    // A FIFO cannot be read twice: it is read whole, in case it turns out not to be ordered.
+    std::error_code regular_error;
+    if (c.trace && !c.in_memory && !needs_future && expage::format_of(*c.trace) == expage::trace_format::binary &&
+        std::filesystem::is_regular_file(*c.trace, regular_error)) {
+      // One pass over the file for every replay, in bounded memory.
+      expage::binary_trace_reader in(*c.trace, g, {.batch_size = c.batch.value_or(0)});
+      if (auto r = expage::replay_ordered(in, g, all)) {
+        done = std::move(*r);
+        events = in.events();
+        batch = in.batch_size();
+        print_source(events, batch);
+        for (const auto& x : done) {
+          progress.step(fmt::format("{} {} {}", expage::to_string(x.policy), expage::to_string(x.options.layout),
+                                    x.options.capacity));
+        }
+      } else {
+        fmt::print(stderr, "expage-replay: note: {} is not in execution order: reading it whole to sort it\n",
+                   *c.trace);
+      }
+    }
+    if (done.empty() && !all.empty()) {
+      expage::routing_trace trace = [&] {
+        if (c.trace) {
+          expage::routing_trace t = expage::read_trace(*c.trace, g, {.batch_size = c.batch.value_or(0)});
+          if (!meta && !c.trust_geometry) {
+            try {
+              expage::check_trace_geometry(t, g);
+            } catch (const expage::invalid_argument& e) {
+              throw expage::format_error(fmt::format("{}: {}", *c.trace, e.what()));
+            }
+          }
+          return t;
+        }
+        expage::synthetic_options o = c.synth;
+        o.batch_size = c.batch.value_or(1);
+        return expage::generate_synthetic(g, o);
+      }();
+      if (c.batch && trace.batch_size() != *c.batch) {  // a binary trace records its own; --batch overrides it
+        trace.set_batch_size(*c.batch);
+        trace.restore_execution_order();
+      }
+      events = trace.size();
+      batch = trace.batch_size();
+      print_source(events, batch);
+      // A stream built for the smallest capacity serves every larger one when it split no group
+      // (the grouping depends on the limit only through splits), so a sweep builds one stream.
+      std::vector<expage::access_stream> streams;
+      const auto stream_for = [&](std::uint32_t slots) -> const expage::access_stream& {
+        for (const auto& s : streams) {
+          if (s.group_limit() == slots || (s.group_limit() <= slots && s.split_groups() == 0)) return s;
+        }
+        return streams.emplace_back(trace, slots, c.mode);
+      };
+      std::vector<std::size_t> order(all.size());  // by capacity, so the smallest stream comes first
+      for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+      std::stable_sort(order.begin(), order.end(),
+                       [&](std::size_t a, std::size_t b) { return all[a].options.capacity < all[b].options.capacity; });
+      done.resize(all.size());
+      for (const std::size_t i : order) {
+        const auto& j = all[i];
+        done[i] = expage::replay(stream_for(j.options.capacity), g, j.policy, j.options);
+        progress.step(fmt::format("{} {} {}", expage::to_string(j.policy), expage::to_string(j.options.layout),
+                                  j.options.capacity));
+      }
+    }
+    const std::vector<expage::replay_result> results(
+        done.begin(), done.begin() + static_cast<std::ptrdiff_t>(jobs.size() * c.policies.size()));
+    for (std::size_t i = results.size(); i < done.size(); ++i) {
+      const auto& r = done[i];
+      for (auto& cv : curves) {
+        if (cv.policy == r.policy && cv.layout == r.options.layout)
+          cv.points.emplace_back(r.options.capacity, r.miss_ratio());
       }
     }
 
@@ -502,25 +589,8 @@ int main(int argc, char** argv) {
       }
     }
 
-    std::vector<curve> curves;
-    if (c.svg || c.json) {
-      for (const auto layout : c.layouts) {
-        for (const auto p : c.policies) curves.push_back({p, layout, {}});
-        const std::size_t first = curves.size() - c.policies.size();
-        for (const std::uint32_t s : curve_capacities(layout)) {
-          const expage::access_stream stream(trace, s);
-          for (std::size_t k = 0; k < c.policies.size(); ++k) {
-            const auto r =
-                expage::replay(stream, g, c.policies[k], {.layout = layout, .capacity = s, .format = c.format});
-            curves[first + k].points.emplace_back(s, r.miss_ratio());
-            progress.step(
-                fmt::format("curve {} {} {}", expage::to_string(c.policies[k]), expage::to_string(layout), s));
-          }
-        }
-      }
-    }
-    fmt::print("\n{} replays in {:.2f} s ({:.1f} M routing events/s)\n", results.size(), seconds,
-               static_cast<double>(trace.size()) * static_cast<double>(results.size()) / std::max(seconds, 1e-9) / 1e6);
+    fmt::print("\n{} replays in {:.2f} s ({:.1f} M routing events/s)\n", done.size(), seconds,
+               static_cast<double>(events) * static_cast<double>(done.size()) / std::max(seconds, 1e-9) / 1e6);
 
     if (c.csv) {
       std::string csv =
@@ -536,8 +606,9 @@ int main(int argc, char** argv) {
     }
     if (c.json) {
       std::string json = fmt::format(
-          R"({{"source":"{}","geometry":"{}","events":{},"batch":{},"precision":"{}","results":[)",
-          c.trace ? "trace" : "synthetic", g.name(), trace.size(), trace.batch_size(), expage::to_string(c.format));
+          R"({{"source":"{}","geometry":"{}","events":{},"batch":{},"precision":"{}","mode":"{}","results":[)",
+          c.trace ? "trace" : "synthetic", g.name(), events, batch, expage::to_string(c.format),
+          expage::to_string(c.mode));
       for (std::size_t i = 0; i < results.size(); ++i) {
         const auto& r = results[i];
         std::vector<std::string> layers;

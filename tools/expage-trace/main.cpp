@@ -6,6 +6,7 @@
 //   expage-trace realign --geometry mixtral-8x7b IN OUT
 //
 // Formats follow the file extension: .jsonl (JSON Lines), .csv, anything else binary.
+#include <expage/cache/replay.hpp>
 #include <expage/core/error.hpp>
 #include <expage/core/geometry_io.hpp>
 #include <expage/core/moe_geometry.hpp>
@@ -39,6 +40,11 @@ Commands:
   synth OUT            write a synthetic trace (docs/traces.md)
   realign IN OUT       re-register the rows of layers that lost rows against the complete layers
                        and write OUT; prints what moved (docs/traces.md, "Realignment")
+  requests IN OUT      write IN's sequential request stream (every routed expert, in execution
+                       and top-k order: expage-replay --sequential) as libCacheSim's oracleGeneral
+                       binary: 24-byte little-endian records (uint32 time = forward pass, uint64
+                       obj_id = layer x experts_per_layer + expert, uint32 size = 1, int64 next
+                       access as a request index, -1 for never), for cachesim and libcachesim
 
 Options:
   --geometry G         model preset ({}) or a geometry JSON file (docs/traces.md);
@@ -150,6 +156,30 @@ void print_realign(const std::filesystem::path& in, const std::filesystem::path&
                l.rows_moved, l.missing(), missing_runs(l.gaps),
                inserted.empty() ? "none (left at the tail)" : inserted);
   }
+
+// The sequential request stream of @p t in libCacheSim's oracleGeneral format (struct {uint32
+// real_time; uint64 obj_id; uint32 obj_size; int64 next_access_vtime;}, packed, little-endian;
+// next_access_vtime -1 for no next access): the requests access_stream builds in sequential mode,
+// so the two simulators see one stream.
+std::string oracle_general(const expage::routing_trace& t) {
+  const expage::access_stream stream(t, 1, expage::replay_mode::sequential);
+  std::string out;
+  out.reserve(static_cast<std::size_t>(stream.groups()) * 24);
+  const auto put = [&](auto value) {
+    for (std::size_t b = 0; b < sizeof value; ++b) {
+      out += static_cast<char>((static_cast<std::uint64_t>(value) >> (8 * b)) & 0xFFU);
+    }
+  };
+  std::uint32_t pass = 0;
+  for (std::size_t g = 0; g < stream.groups(); ++g) {
+    if (stream.starts_pass(g)) ++pass;
+    const std::uint64_t next = stream.next_use(g)[0];
+    put(pass);
+    put(std::uint64_t{stream.layer(g)} * t.experts_per_layer() + stream.experts(g)[0]);
+    put(std::uint32_t{1});
+    put(next == expage::never ? std::int64_t{-1} : static_cast<std::int64_t>(next));
+  }
+  return out;
 }
 
 int run(int argc, char** argv) {
@@ -160,8 +190,10 @@ int run(int argc, char** argv) {
     return args.empty() ? 2 : 0;
   }
   const std::string_view command = args[0];
-  if (command != "info" && command != "convert" && command != "synth" && command != "realign") {
-    throw cli_error{fmt::format("unknown command '{}' (expected info, convert, synth or realign)", command)};
+  if (command != "info" && command != "convert" && command != "synth" && command != "realign" &&
+      command != "requests") {
+    throw cli_error{
+        fmt::format("unknown command '{}' (expected info, convert, synth, realign or requests)", command)};
   }
   std::optional<expage::moe_geometry> geometry;
   expage::synthetic_options synth;
@@ -226,7 +258,7 @@ int run(int argc, char** argv) {
       files.emplace_back(arg);
     }
   }
-  const std::size_t wanted = command == "convert" || command == "realign" ? 2 : 1;
+  const std::size_t wanted = command == "convert" || command == "realign" || command == "requests" ? 2 : 1;
   if (files.size() != wanted) {
     throw cli_error{fmt::format("{} takes {} file{}, got {}", command, wanted, wanted == 1 ? "" : "s", files.size())};
   }
@@ -250,7 +282,9 @@ int run(int argc, char** argv) {
     fmt::print("{}: {} events\n", files[0].string(), t.size());
     return 0;
   }
-  if (command == "convert" || command == "realign") expage_tools::check_output_path(command, files[1]);
+  if (command == "convert" || command == "realign" || command == "requests") {
+    expage_tools::check_output_path(command, files[1]);
+  }
   const std::optional<expage::trace_metadata> meta = expage::read_trace_metadata(files[0]);
   if (!geometry) {
     if (!meta) {
@@ -274,6 +308,9 @@ int run(int argc, char** argv) {
     const expage::realign_result r = expage::realign_trace(t, realign);
     expage::write_trace(files[1], r.trace, meta && !meta->geometry.empty() ? meta->geometry : geometry->name());
     print_realign(files[0], files[1], r);
+  } else if (command == "requests") {
+    expage_tools::write_atomically(files[1], oracle_general(t));
+    fmt::print("{} -> {}: {} requests\n", files[0].string(), files[1].string(), t.size() * t.top_k());
   } else {
     expage::write_trace(files[1], t, meta && !meta->geometry.empty() ? meta->geometry : geometry->name());
     fmt::print("{} -> {}: {} events\n", files[0].string(), files[1].string(), t.size());

@@ -5,9 +5,11 @@
 #include "expage/cache/slot_cache.hpp"
 #include "expage/core/moe_geometry.hpp"
 #include "expage/core/precision.hpp"
+#include "expage/trace/routing_event_source.hpp"
 #include "expage/trace/routing_trace.hpp"
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -38,6 +40,23 @@ enum class policy_kind : std::uint8_t {
 /// @throws expage::invalid_argument naming @p name and listing the accepted names.
 [[nodiscard]] policy_kind parse_policy(std::string_view name);
 
+/// @brief How a replay turns routing into cache requests (docs/caches.md, "Grouped and sequential").
+enum class replay_mode : std::uint8_t {
+  /// The default, what an MoE engine does: the experts one layer needs for one forward pass of
+  /// one lockstep batch form one request group (their union, split by group_tokens() when it
+  /// exceeds the slots), pinned while it is served, so loading one never evicts another.
+  grouped,
+  /// Every routed expert of every event, in execution order and top-k order, is its own request
+  /// with no pinning: the semantics of general-purpose cache simulators such as libCacheSim,
+  /// against which LRU and FIFO are checked exactly.
+  sequential,
+};
+
+/// The command-line name: "grouped" or "sequential".
+[[nodiscard]] constexpr std::string_view to_string(replay_mode m) noexcept {
+  return m == replay_mode::sequential ? "sequential" : "grouped";
+}
+
 /// @brief A trace flattened into access groups: the experts one layer needs
 /// for one forward pass of one lockstep batch, split by group_tokens() when
 /// the union exceeds the group limit; with each expert's next use (for Belady)
@@ -52,7 +71,12 @@ class access_stream {
   /// Flattens @p trace (which must be in execution order) for groups of at most @p group_limit experts.
   /// @throws expage::invalid_argument when the trace is not in execution order or a token needs more
   ///         than @p group_limit experts.
-  access_stream(const routing_trace& trace, std::uint32_t group_limit);
+  access_stream(const routing_trace& trace, std::uint32_t group_limit)
+      : access_stream(trace, group_limit, replay_mode::grouped) {}
+  /// Flattens @p trace for @p mode: grouped as above; sequential makes every routed expert a group
+  /// of one (groups() == accesses(), next_use() in request order, @p group_limit unused beyond its check).
+  /// @throws expage::invalid_argument as the other constructor, and when @p mode is not a declared enumerator.
+  access_stream(const routing_trace& trace, std::uint32_t group_limit, replay_mode mode);
 
   [[nodiscard]] std::size_t groups() const noexcept { return layer_.size(); }            ///< Access groups.
   [[nodiscard]] std::uint32_t layer(std::size_t g) const noexcept { return layer_[g]; }  ///< Layer of group @p g.
@@ -78,12 +102,14 @@ class access_stream {
   [[nodiscard]] std::uint64_t split_groups() const noexcept { return split_; }  ///< Layer-steps that needed splitting.
   [[nodiscard]] std::uint64_t compulsory() const noexcept { return compulsory_; }  ///< Distinct experts requested.
   [[nodiscard]] std::uint32_t group_limit() const noexcept { return limit_; }      ///< The limit it was built for.
+  [[nodiscard]] replay_mode mode() const noexcept { return mode_; }                ///< The mode it was built for.
   [[nodiscard]] std::uint32_t layers() const noexcept { return layers_; }          ///< The trace's layers.
   [[nodiscard]] std::uint32_t experts_per_layer() const noexcept { return experts_per_layer_; }  ///< Its experts.
   [[nodiscard]] std::uint32_t top_k() const noexcept { return top_k_; }                          ///< Its top-k.
 
  private:
   std::uint32_t limit_;
+  replay_mode mode_ = replay_mode::grouped;
   std::vector<std::uint32_t> layer_;
   std::vector<std::uint8_t> starts_pass_;
   std::vector<std::size_t> offset_;
@@ -106,6 +132,7 @@ struct replay_options {
   std::uint32_t capacity = 0;                     ///< Slots per layer or in all.
   precision format = precision::bf16;             ///< Precision of the paged expert versions (bytes per miss).
   double link_gbytes_per_second = 25.0;           ///< Host-to-device bandwidth of the stall model, GB/s (10^9).
+  replay_mode mode = replay_mode::grouped;        ///< Grouped (MoE-correct, default) or sequential requests.
 };
 
 /// @brief Per-layer counters of a replay.
@@ -117,16 +144,16 @@ struct layer_replay_statistics {
 
 /// @brief What a replay measured.
 struct replay_result {
-  policy_kind policy = policy_kind::lru;        ///< The policy replayed.
-  replay_options options;                       ///< The parameters.
-  std::uint64_t accesses = 0;                   ///< Expert requests.
-  std::uint64_t hits = 0;                       ///< Requests served from a slot.
-  std::uint64_t misses = 0;                     ///< Requests loaded (compulsory included).
-  std::uint64_t compulsory = 0;                 ///< First requests of each expert: misses at any capacity.
-  std::uint64_t evictions = 0;                  ///< Loads that displaced an expert.
-  std::uint64_t tokens = 0;                     ///< Tokens replayed.
-  std::uint64_t split_groups = 0;               ///< Layer-steps whose union exceeded the slots and were split.
-  std::uint64_t bytes_moved = 0;                ///< misses × expert bytes in `options.format`.
+  policy_kind policy = policy_kind::lru;  ///< The policy replayed.
+  replay_options options;                 ///< The parameters.
+  std::uint64_t accesses = 0;             ///< Expert requests.
+  std::uint64_t hits = 0;                 ///< Requests served from a slot.
+  std::uint64_t misses = 0;               ///< Requests loaded (compulsory included).
+  std::uint64_t compulsory = 0;           ///< First requests of each expert: misses at any capacity.
+  std::uint64_t evictions = 0;            ///< Loads that displaced an expert.
+  std::uint64_t tokens = 0;               ///< Tokens replayed.
+  std::uint64_t split_groups = 0;         ///< Layer-steps whose union exceeded the slots and were split (grouped).
+  std::uint64_t bytes_moved = 0;          ///< misses × expert bytes in `options.format`.
   std::vector<layer_replay_statistics> layers;  ///< Per MoE layer.
 
   /// misses / accesses (0 without accesses).
@@ -145,8 +172,9 @@ struct replay_result {
 
 /// Replays @p stream through a slot_cache with @p policy.
 /// @throws expage::invalid_argument when the stream's trace and @p geometry differ in layers,
-///         experts or top-k, when @p policy, the layout or the precision is not a declared
-///         enumerator, or when the capacity is out of range for the layout or below the stream's
+///         experts or top-k, when @p policy, the layout, the precision or the mode is not a
+///         declared enumerator, when the stream was built for another mode than `options.mode`,
+///         or when the capacity is out of range for the layout or (grouped) below the stream's
 ///         group limit.
 [[nodiscard]] replay_result replay(const access_stream& stream, const moe_geometry& geometry, policy_kind policy,
                                    const replay_options& options);
@@ -165,5 +193,37 @@ struct replay_result {
 ///         out of range for the layout, and as access_stream and the other overload do.
 [[nodiscard]] replay_result replay(const routing_trace& trace, const moe_geometry& geometry, policy_kind policy,
                                    const replay_options& options);
+
+/// @brief One replay of a sweep: a policy and its parameters.
+struct replay_job {
+  policy_kind policy = policy_kind::lru;  ///< The policy.
+  replay_options options;                 ///< Layout, capacity, precision, link, mode.
+};
+
+/// @brief Replays the events of @p source under every job of @p jobs in one pass over the source,
+/// holding one chunk of events and one layer-step at a time: peak memory is independent of the
+/// trace's length.
+///
+/// The events must come in execution order (what expage's writers and the synthetic generator
+/// produce). Order is checked as they stream by, in linear time; a trace that turns out not to
+/// be in execution order yields nothing, and the caller replays it in memory
+/// (restore_execution_order(), then replay()). The results equal replay()'s on the same trace,
+/// field for field. Sequential LRU jobs share one pass of layered_miss_curves when there are two
+/// or more (the exact miss curve gives every capacity at once). Belady needs the future: it is
+/// refused here (use access_stream and replay()).
+///
+/// @code
+/// expage::binary_trace_reader in("trace.bin", geometry);
+/// const expage::replay_job jobs[] = {{expage::policy_kind::lru, {.layout = expage::cache_layout::global, .capacity =
+/// 128}}}; if (auto r = expage::replay_ordered(in, geometry, jobs)) fmt::print("{} misses\n", (*r)[0].misses);
+/// @endcode
+/// @returns one result per job, in job order; nothing when the events are not in execution order.
+/// @throws expage::invalid_argument as replay() does for each job (capacity, enums, link), when a
+///         job is Belady, or when @p source's dimensions differ from @p geometry's; what
+///         @p source throws (expage::format_error for a bad binary trace), in which case no
+///         result is valid.
+[[nodiscard]] std::optional<std::vector<replay_result>> replay_ordered(routing_event_source& source,
+                                                                       const moe_geometry& geometry,
+                                                                       std::span<const replay_job> jobs);
 
 }  // namespace expage

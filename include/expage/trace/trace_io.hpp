@@ -18,18 +18,24 @@
 #pragma once
 
 #include "expage/core/moe_geometry.hpp"
+#include "expage/trace/routing_event_source.hpp"
 #include "expage/trace/routing_trace.hpp"
 
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <iosfwd>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 
 namespace expage {
+
+namespace detail {
+struct binary_stream;  // binary_trace_reader's state (src/trace/trace_binary.cpp)
+}  // namespace detail
 
 /// Longest line a text reader accepts, in bytes (a record with a 65,536-float probability
 /// vector takes about 1 MiB).
@@ -135,6 +141,57 @@ inline constexpr std::uint16_t binary_trace_version = 1;
 /// @throws expage::format_error on bad input or when the file cannot be read.
 [[nodiscard]] routing_trace read_binary(const std::filesystem::path& path, const moe_geometry& geometry,
                                         const trace_read_options& options = {});
+/// @brief A binary trace read as a stream: one chunk of records at a time, never the whole trace.
+///
+/// Validates what read_binary() validates (header, geometry, every record, the payload checksum,
+/// truncation and trailing data) with memory bounded by one chunk (64 KiB of records plus their
+/// events), independent of the trace's length. From 4 MiB of records on, on a machine with a
+/// second core, the serial FNV-1a checksum runs on a helper thread owned by the reader while
+/// the records are decoded (4 buffers of 256 KiB in flight); the thread is joined before the
+/// end, on an error and in the destructor. The checksum covers the whole payload, so it is
+/// checked when the last chunk has been delivered: next() returns the empty end-of-trace chunk
+/// only after it matched, and a consumer must discard its results when next() throws. Events
+/// are delivered without their probability vectors (the vectors follow all records in the
+/// format); the vectors are still read, counted against the header and checksummed.
+/// The events are in stored order, which is not necessarily execution order.
+///
+/// @code
+/// expage::binary_trace_reader in("trace.bin", geometry);
+/// std::uint64_t n = 0;
+/// for (auto chunk = in.next(); !chunk.empty(); chunk = in.next()) n += chunk.size();
+/// @endcode
+/// @threadsafety single-owner.
+class binary_trace_reader final : public routing_event_source {
+ public:
+  /// Opens @p path and checks its header against @p geometry; @p options.batch_size, when not 0,
+  /// overrides the recorded batch size.
+  /// @throws expage::format_error when the file cannot be read, its header is malformed or its
+  ///         dimensions differ from @p geometry's.
+  binary_trace_reader(const std::filesystem::path& path, const moe_geometry& geometry,
+                      const trace_read_options& options = {});
+  /// Reads the binary trace in @p bytes (not copied: it must outlive the reader), named
+  /// @p source_name in error messages.
+  /// @throws expage::format_error as the other constructor.
+  binary_trace_reader(std::span<const std::byte> bytes, const moe_geometry& geometry, std::string_view source_name,
+                      const trace_read_options& options = {});
+  binary_trace_reader(const binary_trace_reader&) = delete;
+  binary_trace_reader& operator=(const binary_trace_reader&) = delete;
+  ~binary_trace_reader() override;
+
+  /// The next chunk of records; empty at the end, once the checksum and the length were verified.
+  /// @throws expage::format_error naming the byte offset and the field of the first bad record.
+  [[nodiscard]] std::span<const routing_event> next() override;
+  [[nodiscard]] std::uint32_t layers() const noexcept override;             ///< From the header.
+  [[nodiscard]] std::uint32_t experts_per_layer() const noexcept override;  ///< From the header.
+  [[nodiscard]] std::uint32_t top_k() const noexcept override;              ///< From the header.
+  [[nodiscard]] std::uint32_t batch_size() const noexcept override;         ///< Recorded or overridden.
+  [[nodiscard]] std::uint64_t events() const noexcept;                      ///< Records the header declares.
+  [[nodiscard]] std::uint64_t probability_vectors() const noexcept;         ///< Vectors the header declares.
+
+ private:
+  std::unique_ptr<detail::binary_stream> state_;
+};
+
 /// Encodes @p trace in the binary format, events in their stored order.
 [[nodiscard]] std::string encode_binary(const routing_trace& trace);
 /// Writes @p trace to the file @p path in the binary format, atomically.

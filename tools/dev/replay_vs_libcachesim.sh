@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Whole-process replay, expage against libCacheSim, on one request stream, in one run (issue 12,
+# item 2). Generates the synthetic Mixtral trace (640 sequences x 512 decode steps: 10,485,760
+# routing events, 20,971,520 expert requests) in expage's binary format, writes the same stream
+# as libCacheSim's oracleGeneral binary (expage-trace requests), and times with /usr/bin/time
+# (wall seconds, CPU seconds = user + system, peak RSS) the median of REPEATS runs of:
+#   expage-replay (streaming, default)   LRU, 128 global slots, grouped and --sequential
+#   expage-replay --in-memory            the pre-streaming path, for reference
+#   libcachesim (PyPI, C core)           LRU(128).process_trace(TraceReader(oracleGeneral)), whole
+#                                        Python process, and the C call alone (timed inside)
+#   python + import libcachesim          the interpreter's share of the whole-process figure
+#   a 4-capacity sequential LRU sweep    expage: one pass; libcachesim: one process_trace each
+#                                        (measured once: the libcachesim side is long)
+# Usage: tools/dev/replay_vs_libcachesim.sh BUILD_DIR PYTHON_WITH_LIBCACHESIM [WORK_DIR] [REPEATS]
+#   e.g. tools/dev/replay_vs_libcachesim.sh build/release /tmp/lcs-venv/bin/python /tmp/rs 3
+set -euo pipefail
+build="$1"
+python="$2"
+work="${3:-/tmp/expage-vs-libcachesim}"
+repeats="${4:-3}"
+mkdir -p "$work"
+trace="$work/mixtral-640x512.bin"
+requests="$work/mixtral-640x512.oracleGeneral"
+[[ -f "$trace" ]] || "$build/tools/expage-trace" synth --geometry mixtral-8x7b --sequences 640 --decode-steps 512 "$trace"
+[[ -f "$requests" ]] || "$build/tools/expage-trace" requests "$trace" "$requests"
+cat "$trace" "$requests" >/dev/null  # both from the page cache, as a second run would be
+
+capacities="32,64,128,192"  # the sweep (libcachesim replays once per capacity)
+lcs_run='
+import sys, time, libcachesim as lcs
+path, caps = sys.argv[1], [int(c) for c in sys.argv[2].split(",")]
+reader = lcs.TraceReader(path, lcs.TraceType.ORACLE_GENERAL_TRACE)
+n = reader.get_num_of_req()
+t = time.perf_counter()
+for c in caps:
+    ratio, _ = lcs.LRU(c, hashpower=20).process_trace(reader)
+    print(f"LRU {c}: misses {round(ratio * n)} of {n}")
+print(f"c_core_seconds {time.perf_counter() - t:.3f}")
+'
+# One measurement: "name wall_s peak_kib c_core_s(or -)"
+measure() {
+  local name="$1"
+  shift
+  local best=()
+  for ((i = 0; i < repeats; i++)); do
+    /usr/bin/time -f "%e %M %U %S" -o "$work/time.txt" "$@" >"$work/out.txt" 2>"$work/err.txt"
+    local c_core
+    c_core=$(awk '/c_core_seconds/ {print $2}' "$work/out.txt")
+    best+=("$(awk '{printf "%s %s %.2f", $1, $2, $3 + $4}' "$work/time.txt") ${c_core:--}")
+  done
+  # median by wall time
+  printf '%s\n' "${best[@]}" | sort -n | awk -v n="$name" -v r="$repeats" 'NR == int((r + 1) / 2) {printf "%-44s %8.2f s %8.2f s %9.0f MiB %8s\n", n, $1, $3, $2 / 1024, $4}'
+}
+
+echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), load $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "trace: $(stat -c %s "$trace") bytes (expage binary), $(stat -c %s "$requests") bytes (oracleGeneral)"
+printf '%-44s %10s %10s %13s %8s\n' "run (median of $repeats by wall)" "wall" "CPU" "peak RSS" "C core"
+measure "expage-replay LRU 128 (grouped, streaming)" \
+  "$build/tools/expage-replay" --trace "$trace" --policy lru --capacity 128 --no-progress
+measure "expage-replay LRU 128 --sequential" \
+  "$build/tools/expage-replay" --trace "$trace" --policy lru --capacity 128 --no-progress --sequential
+measure "expage-replay LRU 128 --in-memory" \
+  "$build/tools/expage-replay" --trace "$trace" --policy lru --capacity 128 --no-progress --in-memory
+measure "libcachesim LRU 128 (python + C core)" "$python" -c "$lcs_run" "$requests" 128
+measure "python + import libcachesim (no replay)" "$python" -c "import libcachesim"
+repeats=1
+measure "expage-replay LRU sweep x4 --sequential" \
+  "$build/tools/expage-replay" --trace "$trace" --policy lru --capacity "$capacities" --no-progress --sequential
+measure "libcachesim LRU sweep x4" "$python" -c "$lcs_run" "$requests" "$capacities"
+echo
+echo "miss counts (LRU 128): expage --sequential vs libcachesim"
+"$build/tools/expage-replay" --trace "$trace" --policy lru --capacity 128 --no-progress --sequential |
+  awk '$1 == "global" {print "  expage      misses", $6, "of", $4}'
+"$python" -c "$lcs_run" "$requests" 128 | awk '/misses/ {print "  libcachesim misses", $4, "of", $6}'
