@@ -106,10 +106,14 @@ tensor_placement place_tensors(const placement_problem& p) {
     // Exact: best[j] = least Σ g over the layers so far with j units streamed.
     const auto cap = static_cast<std::size_t>(streamed);
     constexpr double inf = std::numeric_limits<double>::infinity();
-    std::vector<double> best(cap + 1, inf);
+    // best starts as {0, inf, inf, ...}: built whole rather than written through operator[] after
+    // construction, which GCC's -Wnull-dereference cannot prove safe at -O2 under -fsanitize=thread.
+    std::vector<double> best;
+    best.reserve(cap + 1);
+    best.push_back(0.0);
+    best.resize(cap + 1, inf);
     std::vector<double> next(cap + 1);
     std::vector<std::uint32_t> choice(std::size_t{n_layers} * (cap + 1), 0);
-    best[0] = 0.0;
     for (std::uint32_t i = 0; i < n_layers; ++i) {
       std::fill(next.begin(), next.end(), inf);
       for (std::size_t j = 0; j <= cap; ++j) {

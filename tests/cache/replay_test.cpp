@@ -239,6 +239,11 @@ TEST(Replay, ArcS3FifoSieveLfruEqualTheirReferences) {
         EXPECT_EQ(got.misses, want.misses)
             << to_string(p) << " seed " << seed << " " << to_string(layout) << " capacity " << capacity;
         EXPECT_EQ(got.hits, want.hits);
+      }
+    }
+  }
+}
+
 // --- sequential mode and the streaming replay ------------------------------------------------
 
 // A naive list simulation of the sequential semantics: every routed expert, in execution and

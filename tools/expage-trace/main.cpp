@@ -156,6 +156,7 @@ void print_realign(const std::filesystem::path& in, const std::filesystem::path&
                l.rows_moved, l.missing(), missing_runs(l.gaps),
                inserted.empty() ? "none (left at the tail)" : inserted);
   }
+}
 
 // The sequential request stream of @p t in libCacheSim's oracleGeneral format (struct {uint32
 // real_time; uint64 obj_id; uint32 obj_size; int64 next_access_vtime;}, packed, little-endian;
