@@ -15,6 +15,7 @@
 #include "expage/residency/completion.hpp"
 #include "expage/residency/handle_table.hpp"
 #include "expage/residency/transition_manager.hpp"
+#include "expage/runtime/detail/inline_mutex.hpp"
 #include "expage/runtime/event_trace.hpp"
 #include "expage/stream/async_stream.hpp"
 #include "expage/vmm/virtual_memory.hpp"
@@ -1495,7 +1496,9 @@ class expert_runtime {
   std::array<std::byte*, expert_tensor_count> stable_base_{};
   std::array<std::byte*, expert_tensor_count> slot_base_{};
 
-  mutable std::mutex mutex_;  // guards everything below (the trace and stall_mutex_ have their own locks)
+  // Guards everything below (the trace and the stall counters have their own synchronization).
+  // An inline_mutex: the hit path's one lock/unlock is two inline atomics, not two library calls.
+  mutable detail::inline_mutex mutex_;
   Policy policy_;
   vmm_block_pool<Vmm> pool_;
   handle_table table_;
