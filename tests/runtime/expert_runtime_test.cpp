@@ -144,6 +144,67 @@ TEST(ExpertRuntime, NeverEvictsAnExpertWhoseKernelIsPendingOrWhoseLeaseIsHeld) {
   EXPECT_EQ(w.check_views(rt), "");
 }
 
+// A completion already ready at release is not kept, so it must not hide an earlier lease's
+// pending completion of the same expert: the eviction still waits for that one.
+TEST(ExpertRuntime, AReadyCompletionDoesNotHideAnEarlierPendingOne) {
+  runtime_world w;
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 2});
+  const std::uint32_t routed[] = {0, 1};
+  struct pending_kernel {
+    std::shared_ptr<std::atomic<int>> waited;
+    [[nodiscard]] bool ready() const { return waited->load() > 0; }
+    void wait() { waited->fetch_add(1); }
+  };
+  auto waited = std::make_shared<std::atomic<int>>(0);
+  auto first = rt.acquire(0, routed);
+  auto second = rt.acquire(0, routed);
+  EXPECT_EQ(first.experts().size(), 2U);
+  first.release(pending_kernel{waited});  // its kernel still reads L0.E0 and L0.E1
+  completion_flag done;
+  done.set();
+  second.release(done);  // a kernel that has completed: nothing to keep
+  EXPECT_TRUE(first.experts().empty()) << "a released lease names no experts";
+  EXPECT_EQ(rt.statistics().pinned, 0U) << "a release is visible at once, drained or not";
+  w.compute.synchronize();
+  auto next = rt.acquire(1, routed);  // evicts both: must wait for the first lease's kernel
+  EXPECT_EQ(waited->load(), 1);
+  EXPECT_EQ(rt.statistics().total.fence_waits, 1U);
+  w.check_on_compute(rt, 1, routed);
+  next.release();
+  w.compute.synchronize();
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
+// Leases released on another thread than the one that acquired them (the release takes no lock
+// unless prefetches or a shrink wait for it): the pins are drained by the next call, and a
+// shrink held up by a lease completes when that lease is released on the other thread.
+TEST(ExpertRuntime, LeasesReleasedOnAnotherThreadAreDrained) {
+  runtime_world w;
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());
+  const std::uint32_t a[] = {0, 1};
+  const std::uint32_t b[] = {2, 3};
+  auto la = rt.acquire(0, a);
+  auto lb = rt.acquire(0, b);
+  const auto r = rt.resize(2 * rt.expert_bytes());
+  EXPECT_EQ(r.held, 2U);
+  completion_flag done;
+  done.set();
+  std::thread([&] {
+    la.release(done);
+    lb.release(done);
+  }).join();
+  EXPECT_EQ(rt.statistics().resident, 2U) << "the last release shrank to the capacity";
+  EXPECT_EQ(w.account.used(), 2 * rt.expert_bytes());
+  for (int i = 0; i < 100; ++i) {
+    const std::uint32_t layer = static_cast<std::uint32_t>(i % 4);
+    auto lease = rt.acquire(layer, a);
+    std::thread([&] { lease.release(done); }).join();
+  }
+  EXPECT_EQ(rt.statistics().pinned, 0U);
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
 // A lease released with a completion that fails (a faulted device context): the acquire that
 // needs its experts fails with that error and changes nothing; the experts are never evicted
 // afterwards (the kernel may still read them) and later acquires take other victims.

@@ -15,6 +15,7 @@
 #include "expage/residency/completion.hpp"
 #include "expage/residency/handle_table.hpp"
 #include "expage/residency/transition_manager.hpp"
+#include "expage/runtime/detail/inline_mutex.hpp"
 #include "expage/runtime/event_trace.hpp"
 #include "expage/stream/async_stream.hpp"
 #include "expage/vmm/virtual_memory.hpp"
@@ -28,6 +29,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -35,6 +37,7 @@
 #include <ostream>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -212,6 +215,8 @@ struct resident_expert {
 /// kernels ordered after an acquire, and entries of a lease's experts do not change while it is held.
 template <aliasing_virtual_memory Vmm, async_stream Stream, eviction_policy Policy>
 class expert_runtime {
+  struct lease_record;  // a lease's state shared with the runtime (private, defined below)
+
  public:
   /// The streams' event type.
   using event_type = typename Stream::event_type;
@@ -227,15 +232,16 @@ class expert_runtime {
     lease& operator=(const lease&) = delete;
     /// Takes over @p other.
     lease(lease&& other) noexcept
-        : runtime_(std::exchange(other.runtime_, nullptr)), layer_(other.layer_), experts_(std::move(other.experts_)) {}
-    // (expert_list's move is its array's copy and its vector's move: noexcept.)
+        : runtime_(std::exchange(other.runtime_, nullptr)),
+          record_(std::exchange(other.record_, nullptr)),
+          layer_(other.layer_) {}
     /// Releases this lease (as release()), then takes over @p other.
     lease& operator=(lease&& other) noexcept {
       if (this != &other) {
         release_quietly();
         runtime_ = std::exchange(other.runtime_, nullptr);
+        record_ = std::exchange(other.record_, nullptr);
         layer_ = other.layer_;
-        experts_ = std::move(other.experts_);
       }
       return *this;
     }
@@ -243,8 +249,11 @@ class expert_runtime {
     ~lease() { release_quietly(); }
 
     [[nodiscard]] std::uint32_t layer() const noexcept { return layer_; }  ///< The layer.
-    /// The routed experts, in the order acquire() was given them (indices within the layer).
-    [[nodiscard]] std::span<const std::uint32_t> experts() const noexcept { return experts_.view(); }
+    /// The routed experts, in the order acquire() was given them (indices within the layer); empty
+    /// once released.
+    [[nodiscard]] std::span<const std::uint32_t> experts() const noexcept {
+      return record_ != nullptr ? std::span<const std::uint32_t>(record_->experts) : std::span<const std::uint32_t>();
+    }
     /// True until released.
     [[nodiscard]] explicit operator bool() const noexcept { return runtime_ != nullptr; }
 
@@ -254,56 +263,41 @@ class expert_runtime {
     /// @throws whatever recording the event throws (the lease is then still held).
     void release() {
       if (runtime_ == nullptr) throw invalid_argument("expert_runtime::lease::release: the lease was already released");
-      runtime_->release_lease(*this, std::nullopt);
+      runtime_->release_lease(*this, runtime_->record_compute());
       runtime_ = nullptr;
+      record_ = nullptr;
     }
-    /// Ends the lease with the engine's own completion of its kernel(s): the experts may be evicted once it is ready.
+    /// Ends the lease with the engine's own completion of its kernel(s) (any type that models
+    /// `completion`, or an any_completion): the experts may be evicted once it is ready. A
+    /// completion already ready here is not kept (no type erasure, no copy of its state).
     /// @throws expage::invalid_argument when the lease was already released (or moved from).
-    void release(any_completion done) {
+    template <class C>
+    requires completion<std::remove_cvref_t<C>>
+    void release(C&& done) {
       if (runtime_ == nullptr) throw invalid_argument("expert_runtime::lease::release: the lease was already released");
-      runtime_->release_lease(*this, std::move(done));
+      runtime_->release_lease(*this, std::forward<C>(done));
       runtime_ = nullptr;
+      record_ = nullptr;
     }
 
    private:
     friend class expert_runtime;
-    lease(expert_runtime* runtime, std::uint32_t layer, std::span<const std::uint32_t> experts)
-        : runtime_(runtime), layer_(layer), experts_(experts) {}
+    lease(expert_runtime* runtime, lease_record* record, std::uint32_t layer) noexcept
+        : runtime_(runtime), record_(record), layer_(layer) {}
     void release_quietly() noexcept {
       if (runtime_ == nullptr) return;
       try {
-        runtime_->release_lease(*this, std::nullopt);
+        runtime_->release_lease(*this, runtime_->record_compute());
       } catch (...) {  // recording failed (a broken device context): nothing can read the experts any more
         runtime_->release_lease(*this, any_completion{});
       }
       runtime_ = nullptr;
+      record_ = nullptr;
     }
 
-    // The routed experts: inline up to 16 (no allocation on the hit path), on the heap beyond.
-    class expert_list {
-     public:
-      expert_list() noexcept = default;
-      explicit expert_list(std::span<const std::uint32_t> e) : size_(e.size()) {
-        if (e.size() <= inline_.size()) {
-          std::copy(e.begin(), e.end(), inline_.begin());
-        } else {
-          heap_.assign(e.begin(), e.end());
-        }
-      }
-      [[nodiscard]] std::span<const std::uint32_t> view() const noexcept {
-        return size_ <= inline_.size() ? std::span<const std::uint32_t>(inline_.data(), size_)
-                                       : std::span<const std::uint32_t>(heap_);
-      }
-
-     private:
-      std::array<std::uint32_t, 16> inline_{};
-      std::vector<std::uint32_t> heap_;
-      std::size_t size_ = 0;
-    };
-
     expert_runtime* runtime_ = nullptr;
+    lease_record* record_ = nullptr;  // the runtime's record of this lease, from acquire() to the drain of its release
     std::uint32_t layer_ = 0;
-    expert_list experts_;
   };
 
   /// Builds the runtime: reserves the views' address ranges (no memory yet) and the pool.
@@ -349,7 +343,6 @@ class expert_runtime {
     }
     free_slots_.reserve(expert_count_);
     loading_.reserve(expert_count_);
-    group_.reserve(expert_count_);
     for (std::uint32_t s = expert_count_; s-- > 0;) free_slots_.push_back(s);
     // The views' ranges: reserved once, never moved (no memory behind them until a load).
     reserve_views();
@@ -368,6 +361,7 @@ class expert_runtime {
       if (stream != nullptr) quietly_synchronize(*record_event_quietly(*stream));
     }
     const std::lock_guard lock(mutex_);
+    drain_releases();
     for (std::uint32_t f = 0; f < expert_count_; ++f) {
       entry& e = entries_[f];
       if (e.slot < 0) continue;
@@ -395,24 +389,28 @@ class expert_runtime {
   /// expage::invalid_argument when the loader reports a size other than the tensor's. Strong
   /// guarantee (see the class comment).
   [[nodiscard]] lease acquire(std::uint32_t layer, std::span<const std::uint32_t> experts) {
-    lease granted(this, layer, experts);  // before the lock: may allocate for groups above 16
+    validate_group(layer, experts, "acquire");  // the geometry is immutable: before the lock
     const std::lock_guard lock(mutex_);
     const double t0 = tracing() ? trace_.now_us() : 0.0;
-    try {
-      validate_group(layer, experts, "acquire");
-    } catch (...) {
-      granted.runtime_ = nullptr;
-      throw;
+    const bool drained = drain_releases();
+    if (experts.size() > capacity_) {
+      throw invalid_argument(fmt::format(
+          "expert_runtime::acquire: {} experts routed at layer {} but at most {} can be resident (split the tokens "
+          "with group_tokens)",
+          experts.size(), layer, capacity_));
     }
+    lease_record& record = take_record(layer, experts);  // may throw bad_alloc: nothing changed
     try {
-      serve(layer, experts);
+      serve(layer, record.flat);
     } catch (...) {
       ++failed_acquires_;
-      granted.runtime_ = nullptr;  // nothing was pinned: nothing to release
+      free_records_.push_back(&record);  // nothing was pinned: nothing to release
       throw;
     }
+    held_records_.push_back(&record);  // capacity reserved by take_record(): never reallocates
+    if (drained && release_work_.load(std::memory_order_relaxed)) settle();  // under the lock: relaxed
     if (tracing()) trace_.span(fmt::format("acquire L{}", layer), "acquire", host_track_, t0, trace_.now_us() - t0);
-    return granted;
+    return lease(this, &record, layer);
   }
   /// @}
 
@@ -439,7 +437,9 @@ class expert_runtime {
     }
     std::stable_sort(prefetch_queue_.begin(), prefetch_queue_.end(),
                      [](const queued_prefetch& a, const queued_prefetch& b) { return a.priority > b.priority; });
+    drain_releases();
     pump_prefetches();
+    settle();
   }
 
   /// Drops every prefetch request not yet issued; returns how many were dropped.
@@ -449,6 +449,7 @@ class expert_runtime {
     for (const queued_prefetch& q : prefetch_queue_) entries_[q.expert].queued = false;
     prefetch_queue_.clear();
     prefetch_cancelled_ += n;
+    settle();
     return n;
   }
 
@@ -468,6 +469,7 @@ class expert_runtime {
     }
     const auto requested = static_cast<std::uint32_t>(wanted);
     const std::lock_guard lock(mutex_);
+    drain_releases();
     while (resident_count() > requested) {
       const std::optional<std::uint32_t> victim = choose_victim({}, /*ready_only=*/false, /*include_loading=*/true);
       if (!victim) break;  // the rest is pinned
@@ -476,6 +478,7 @@ class expert_runtime {
     }
     pool_.trim();
     capacity_ = requested;  // the target: surplus experts still pinned go when their leases are released
+    settle();
     const std::uint32_t in_force = std::max(requested, resident_count());
     if (tracing()) trace_.instant(fmt::format("resize to {} experts", requested), "resize", host_track_);
     return {.requested = requested, .capacity = in_force, .held = in_force - requested};
@@ -530,10 +533,11 @@ class expert_runtime {
   [[nodiscard]] std::vector<resident_expert> resident_set() const {
     const std::lock_guard lock(mutex_);
     std::vector<resident_expert> out;
+    const std::vector<std::uint32_t> pins = live_pins();
     for (std::uint32_t f = 0; f < expert_count_; ++f) {
       const entry& e = entries_[f];
       if (e.slot >= 0) {
-        out.push_back({.expert = geometry_.expert_at(f), .slot = e.slot, .loading = e.loading, .pins = pins_[f]});
+        out.push_back({.expert = geometry_.expert_at(f), .slot = e.slot, .loading = e.loading, .pins = pins[f]});
       }
     }
     return out;
@@ -570,7 +574,8 @@ class expert_runtime {
     s.tier = source_.format;
     s.capacity = capacity_;
     s.resident = resident_count();
-    s.pinned = static_cast<std::uint32_t>(std::count_if(pins_.begin(), pins_.end(), [](auto p) { return p > 0; }));
+    const std::vector<std::uint32_t> pins = live_pins();
+    s.pinned = static_cast<std::uint32_t>(std::count_if(pins.begin(), pins.end(), [](auto p) { return p > 0; }));
     s.resident_bytes = std::uint64_t{s.resident} * expert_bytes();
     s.peak_resident_bytes = peak_resident_ * expert_bytes();
     s.prefetch_queued = prefetch_queue_.size();
@@ -587,8 +592,10 @@ class expert_runtime {
   /// evicts experts above a lowered capacity whose kernels have completed.
   void poll() {
     const std::lock_guard lock(mutex_);
+    drain_releases();
     pump_prefetches();
     shrink_to_capacity();
+    settle();
   }
   /// @}
 
@@ -688,14 +695,21 @@ class expert_runtime {
                                          geometry_.experts_per_layer(), layer));
     }
   }
-  void validate_group(std::uint32_t layer, std::span<const std::uint32_t> experts, const char* what) {
-    check_layer(layer, what);
-    if (experts.size() > capacity_) {
-      throw invalid_argument(fmt::format(
-          "expert_runtime::{}: {} experts routed at layer {} but at most {} can be resident (split the tokens with "
-          "group_tokens)",
-          what, experts.size(), layer, capacity_));
+  // Ranges and repeats (the capacity is checked under the lock).
+  void validate_group(std::uint32_t layer, std::span<const std::uint32_t> experts, const char* what) const {
+    bool valid = layer < geometry_.layers();
+    const std::uint32_t per_layer = geometry_.experts_per_layer();
+    for (std::size_t i = 0; i < experts.size(); ++i) {
+      valid = valid && experts[i] < per_layer;
+      for (std::size_t j = 0; j < i; ++j) valid = valid && experts[j] != experts[i];
     }
+    if (!valid) [[unlikely]]
+      refuse_group(layer, experts, what);
+  }
+  // Throws the error validate_group() found.
+  [[noreturn, gnu::cold, gnu::noinline]] void refuse_group(std::uint32_t layer, std::span<const std::uint32_t> experts,
+                                                           const char* what) const {
+    check_layer(layer, what);
     for (std::size_t i = 0; i < experts.size(); ++i) {
       check_expert(layer, experts[i], what);
       for (std::size_t j = 0; j < i; ++j) {
@@ -705,6 +719,8 @@ class expert_runtime {
         }
       }
     }
+    EXPAGE_ASSERT(false, "expert_runtime: refuse_group() found nothing to refuse");
+    std::abort();
   }
 
   // The addresses a page of expert f's tensor t is mapped at.
@@ -925,6 +941,7 @@ class expert_runtime {
     runtime_layer_statistics& s = layer_stats_[id.layer];
     ++s.evictions;
     if (e.prefetched) {
+      --unused_prefetches_;
       ++s.prefetch_wasted;
       s.prefetch_wasted_bytes += expert_bytes();
     }
@@ -937,17 +954,16 @@ class expert_runtime {
 
   // Demand path of acquire(): plan every miss (fallible, nothing changes), then map and fill
   // (fallible, undone on failure), then commit (noexcept). See the class comment.
-  void serve(std::uint32_t layer, std::span<const std::uint32_t> experts) {
+  // @p group: the routed experts' flat indices.
+  void serve(std::uint32_t layer, std::span<const std::uint32_t> group) {
     ++clock_;
-    std::vector<std::uint32_t>& group = group_;  // reserved at construction: no allocation
-    group.clear();
     bool all_hit = true;
-    for (const std::uint32_t e : experts) {
-      const std::uint32_t f = flat(layer, e);
-      group.push_back(f);
-      all_hit = all_hit && entries_[f].slot >= 0 && !entries_[f].loading;
+    if (loading_.empty()) {  // no load in flight: the compact map says it all
+      for (const std::uint32_t f : group) all_hit = all_hit && map_[f] >= 0;
+    } else {
+      for (const std::uint32_t f : group) all_hit = all_hit && entries_[f].slot >= 0 && !entries_[f].loading;
     }
-    if (all_hit) {  // the hit path: rank, pin, count; nothing to load, nothing to wait for
+    if (all_hit) [[likely]] {  // the hit path: rank, pin, count; nothing to load, nothing to wait for
       runtime_layer_statistics& s = layer_stats_[layer];
       for (const std::uint32_t f : group) {
         hit(f, layer, s);
@@ -957,6 +973,10 @@ class expert_runtime {
       ++s.acquires;
       return;
     }
+    serve_misses(layer, group);
+  }
+  // serve() with at least one miss (or a load in flight), out of line so that the hit path stays short.
+  [[gnu::noinline]] void serve_misses(std::uint32_t layer, std::span<const std::uint32_t> group) {
     refresh_loading();
     std::vector<planned_load> plan;
     std::uint32_t free_budgeted = 0;  // fresh slots this group takes
@@ -973,7 +993,7 @@ class expert_runtime {
         }
       }
       if (!p.fresh) {
-        std::vector<std::uint32_t> excluded = group;
+        std::vector<std::uint32_t> excluded(group.begin(), group.end());
         for (const planned_load& q : plan) {
           if (q.victim) excluded.push_back(*q.victim);
         }
@@ -1068,9 +1088,11 @@ class expert_runtime {
 
   // A hit on resident expert f: re-rank it; a prefetched expert's first use counts as used.
   void hit(std::uint32_t f, std::uint32_t layer, runtime_layer_statistics& s) noexcept {
-    entry& e = entries_[f];
     policy_.on_hit(f, access_context{.time = clock_, .layer = layer, .expert = f % geometry_.experts_per_layer()});
+    if (unused_prefetches_ == 0) return;  // the common case: the entry's cache line is not touched
+    entry& e = entries_[f];
     if (e.prefetched) {
+      --unused_prefetches_;
       ++s.prefetch_used;
       s.prefetch_used_bytes += expert_bytes();
       e.prefetched = false;
@@ -1210,15 +1232,110 @@ class expert_runtime {
     }
   }
 
-  void release_lease(lease& l, std::optional<any_completion> done) {
-    std::shared_ptr<event_type> recorded;
-    if (!done) {
-      recorded = std::make_shared<event_type>();
-      compute_->record(*recorded);  // may throw: the lease is then still held
+  // The compute stream's event, recorded now, as the completion of a lease released without one.
+  any_completion record_compute() {
+    auto recorded = std::make_shared<event_type>();
+    compute_->record(*recorded);  // may throw: the lease is then still held
+    return any_completion(event_completion<event_type>(std::move(recorded)));
+  }
+
+  // A lease's state shared with the runtime. acquire() fills it under the lock; release() writes
+  // the completion and sets `released` without the lock (the lease is single-owner, so one thread
+  // writes it); the next call that holds the lock drains it: the ring takes the completion, the
+  // experts are unpinned. The record returns to the free list only then, so the release's writes
+  // are never raced.
+  struct lease_record {
+    // Set by release() (seq_cst: with release_work_, see settle()); read by drain_releases().
+    std::atomic<bool> released{false};
+    any_completion done;                 // empty when the completion was ready at release
+    std::uint32_t layer = 0;             // the lease's layer
+    std::vector<std::uint32_t> experts;  // its experts as acquire() was given them (capacity kept across reuses)
+    std::vector<std::uint32_t> flat;     // ... and their flat indices
+  };
+
+  // A free record for a lease of @p experts at @p layer (allocates only when more leases are held
+  // at once than ever before). Strong guarantee.
+  lease_record& take_record(std::uint32_t layer, std::span<const std::uint32_t> experts) {
+    if (free_records_.empty()) {
+      held_records_.reserve(records_.size() + 1);
+      free_records_.reserve(records_.size() + 1);
+      records_.push_back(std::make_unique<lease_record>());
+      free_records_.push_back(records_.back().get());
     }
-    any_completion completed =
-        done ? std::move(*done) : any_completion(event_completion<event_type>(std::move(recorded)));
-    const std::lock_guard lock(mutex_);
+    lease_record& r = *free_records_.back();
+    if (r.flat.capacity() < experts.size()) {  // allocates only for a group larger than any before
+      r.experts.reserve(experts.size());
+      r.flat.reserve(experts.size());
+    }
+    r.experts.resize(experts.size());
+    r.flat.resize(experts.size());
+    const std::uint32_t first = flat(layer, 0);
+    for (std::size_t i = 0; i < experts.size(); ++i) {
+      r.experts[i] = experts[i];
+      r.flat[i] = first + experts[i];
+    }
+    r.layer = layer;
+    // Relaxed: the record is free (drained), and the lease reaches the releasing thread through
+    // the engine's own synchronization, which orders this store before the release's.
+    r.released.store(false, std::memory_order_relaxed);
+    free_records_.pop_back();
+    return r;
+  }
+
+  // Ends lease @p l with @p done (no lock unless prefetches are queued or experts wait for a
+  // lowered capacity: then it drains at once, as a release under the lock would).
+  template <class C>
+  void release_lease(lease& l, C&& done) noexcept(std::is_same_v<std::remove_cvref_t<C>, any_completion>) {
+    lease_record& r = *l.record_;
+    bool ready = false;
+    try {
+      ready = std::as_const(done).ready();
+    } catch (...) {  // a completion that cannot say: keep it; waiting on it reports its failure
+    }
+    // A completion that is ready needs no WAR fence: it is not kept (the expert's previous
+    // completion, if one is pending, still guards it).
+    if (!ready) r.done = any_completion(std::forward<C>(done));  // may throw bad_alloc: still held
+    if (tracing()) {
+      try {
+        trace_.instant(fmt::format("release L{}", r.layer), "kernel", host_track_);
+      } catch (...) {  // tracing is best effort
+      }
+    }
+    // Seq_cst, then the load below: with settle()'s store of release_work_ and its drain, either
+    // this release sees the work or the lock holder sees this release (no release is left undrained
+    // while a queued prefetch or a shrink waits for it).
+    r.released.store(true, std::memory_order_seq_cst);
+    if (release_work_.load(std::memory_order_seq_cst)) {
+      const std::lock_guard lock(mutex_);
+      settle();
+    }
+  }
+
+  // Under the lock: drains every released lease (its completion into the ring, its experts
+  // unpinned). Returns true when it drained one.
+  bool drain_releases() noexcept {
+    std::size_t kept = 0;
+    for (lease_record* r : held_records_) {
+      // Pairs with the seq_cst store in release_lease(): its completion is visible.
+      if (r->released.load(std::memory_order_seq_cst)) {
+        retire_lease(*r);
+        free_records_.push_back(r);  // capacity records_.size(): never reallocates
+      } else {
+        held_records_[kept++] = r;
+      }
+    }
+    const bool drained = kept != held_records_.size();
+    held_records_.resize(kept);
+    return drained;
+  }
+  void retire_lease(lease_record& r) noexcept {
+    if (!r.done.has_value()) {
+      for (const std::uint32_t f : r.flat) {
+        EXPAGE_ASSERT(pins_[f] > 0, "expert_runtime: a lease released an expert it did not pin");
+        --pins_[f];
+      }
+      return;
+    }
     // The ring keeps the last completion_ring completions; the one 256 releases back is
     // complete in practice, and is waited for before its place is reused.
     const std::uint64_t ticket = ++tickets_;
@@ -1229,16 +1346,37 @@ class expert_runtime {
       } catch (...) {  // a failed context: nothing can still read through it
       }
     }
-    place = std::move(completed);
-    for (const std::uint32_t e : l.experts_.view()) {
-      const std::uint32_t f = flat(l.layer_, e);
+    place = std::move(r.done);
+    for (const std::uint32_t f : r.flat) {
       EXPAGE_ASSERT(pins_[f] > 0, "expert_runtime: a lease released an expert it did not pin");
       --pins_[f];
       entries_[f].last_use = ticket;
     }
-    if (tracing()) trace_.instant(fmt::format("release L{}", l.layer_), "kernel", host_track_);
-    pump_prefetches();
-    shrink_to_capacity();
+  }
+  // Under the lock, at the end of every call that may leave work for a release (queued
+  // prefetches, experts above a lowered capacity): publishes whether a release must take the
+  // lock, then drains the releases that raced with the decision and does the work they allow.
+  void settle() noexcept {
+    for (;;) {
+      const bool work = !prefetch_queue_.empty() || resident_count() > capacity_;
+      release_work_.store(work, std::memory_order_seq_cst);  // pairs with the load in release_lease()
+      if (!work) return;
+      drain_releases();
+      pump_prefetches();
+      shrink_to_capacity();
+      if (prefetch_queue_.empty() && resident_count() <= capacity_) continue;  // publish "no work"
+      // Work remains: any release from now on sees release_work_ set and takes the lock itself.
+      return;
+    }
+  }
+  // pins_ less the pins of released leases not yet drained (for const queries).
+  [[nodiscard]] std::vector<std::uint32_t> live_pins() const {
+    std::vector<std::uint32_t> pins = pins_;
+    for (const lease_record* r : held_records_) {
+      if (!r->released.load(std::memory_order_seq_cst)) continue;
+      for (const std::uint32_t f : r->flat) --pins[f];
+    }
+    return pins;
   }
 
   // The completion of the last lease that read @p e, or nullptr when it is known complete.
@@ -1330,6 +1468,7 @@ class expert_runtime {
     e.loaded = std::move(loaded);
     e.loading = true;
     e.prefetched = true;
+    ++unused_prefetches_;
     loading_.push_back(f);
     map_[f] = slot;
     const expert_id id = geometry_.expert_at(f);
@@ -1357,7 +1496,9 @@ class expert_runtime {
   std::array<std::byte*, expert_tensor_count> stable_base_{};
   std::array<std::byte*, expert_tensor_count> slot_base_{};
 
-  mutable std::mutex mutex_;  // guards everything below (the trace and stall_mutex_ have their own locks)
+  // Guards everything below (the trace and the stall counters have their own synchronization).
+  // An inline_mutex: the hit path's one lock/unlock is two inline atomics, not two library calls.
+  mutable detail::inline_mutex mutex_;
   Policy policy_;
   vmm_block_pool<Vmm> pool_;
   handle_table table_;
@@ -1367,16 +1508,22 @@ class expert_runtime {
   std::vector<std::int32_t> map_;      // per flat index: slot or -1 (view b)
   std::vector<std::uint32_t> free_slots_;
   std::vector<std::uint32_t> loading_;  // experts whose load event may be pending
-  std::vector<std::uint32_t> group_;    // serve()'s flat indices of the group (reused)
   static constexpr std::size_t completion_ring = 256;
   std::vector<any_completion> completions_ = std::vector<any_completion>(completion_ring);  // by ticket
   std::uint64_t tickets_ = 0;
+  std::vector<std::unique_ptr<lease_record>> records_;  // every lease record (addresses stable)
+  std::vector<lease_record*> free_records_;             // records no lease holds
+  std::vector<lease_record*> held_records_;             // records of leases acquired and not yet drained
+  // True while a release must take the lock (queued prefetches, experts above the capacity);
+  // written under the lock by settle(), read by release_lease() without it (seq_cst, see there).
+  std::atomic<bool> release_work_{false};
   std::vector<queued_prefetch> prefetch_queue_;
   std::uint64_t prefetch_serial_ = 0;
   std::uint64_t prefetch_cancelled_ = 0;
   std::uint64_t failed_acquires_ = 0;
   std::uint64_t peak_resident_ = 0;
   std::uint64_t clock_ = 0;
+  std::uint32_t unused_prefetches_ = 0;  // experts with entry::prefetched set
   std::vector<runtime_layer_statistics> layer_stats_;
   // Compute-stream stall per layer, written by the compute stream's thread (relaxed: statistics).
   std::unique_ptr<std::atomic<std::uint64_t>[]> stall_ns_;
