@@ -228,6 +228,14 @@ class engine {
       double ready = now;
       stall_cause cause = stall_cause::demand_miss;
       const link_state* critical_link = nullptr;
+      // The layer waits for the last of its demand loads; that one's link says what it queued behind.
+      const auto wait_for = [&](std::pair<double, const link_state*> load) {
+        if (load.first > ready) {
+          ready = load.first;
+          cause = stall_cause::demand_miss;
+          critical_link = load.second;
+        }
+      };
       auto& ls = result_.layers[layer];
       for (std::size_t i = 0; i < experts.size(); ++i) {
         const expert_index e = experts[i];
@@ -259,12 +267,7 @@ class engine {
             predicted_use_[f] = never;
             dequeue(f);
             policy.on_hit(k, ctx);
-            const auto [done, link] = demand_load(f, now);
-            if (done > ready) {
-              ready = done;
-              cause = stall_cause::demand_miss;
-              critical_link = link;
-            }
+            wait_for(demand_load(f, now));
             break;
           }
           case residency::absent: {
@@ -281,12 +284,7 @@ class engine {
               --free_[s];
             }
             reserve(s, f);
-            const auto [done, link] = demand_load(f, now);
-            if (done > ready) {
-              ready = done;
-              cause = stall_cause::demand_miss;
-              critical_link = link;
-            }
+            wait_for(demand_load(f, now));
             break;
           }
         }

@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "cli.hpp"
 #include "tool_output.hpp"
 
 #include <unistd.h>
@@ -32,6 +33,14 @@
 #include <vector>
 
 namespace {
+
+using expage_tools::geometry_of;
+using expage_tools::parse_number;
+using expage_tools::parse_real;
+using expage_tools::progress_bar;
+using expage_tools::resolve_capacity;
+using expage_tools::split;
+using expage_tools::usage_error;
 
 constexpr std::string_view usage = R"(usage: expage-replay (--trace FILE | --synthetic) [options]
 
@@ -83,10 +92,6 @@ mismatched trace or an unwritable output, 2 bad command line. Synthetic traces a
 sequences x (steps + prefill) x layers <= 2^28 events (max_trace_events).
 )";
 
-struct usage_error {
-  std::string message;
-};
-
 struct config {
   std::optional<std::string> trace;
   bool synthetic = false;
@@ -112,37 +117,6 @@ struct config {
   std::uint32_t curve_points = 24;
   int progress = -1;  // -1 auto
 };
-
-// Splits a comma-separated list; "a,", ",a" and "a,,b" yield an empty element (rejected by the callers).
-std::vector<std::string> split(std::string_view list) {
-  std::vector<std::string> out;
-  for (;;) {
-    const auto comma = list.find(',');
-    out.emplace_back(list.substr(0, comma));
-    if (comma == std::string_view::npos) break;
-    list.remove_prefix(comma + 1);
-  }
-  return out;
-}
-
-template <class T>
-T parse_number(std::string_view flag, std::string_view text, T lo, T hi) {
-  T value{};
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || end != text.data() + text.size() || value < lo || value > hi) {
-    throw usage_error{fmt::format("{} '{}' is not a number in [{}, {}]", flag, text, lo, hi)};
-  }
-  return value;
-}
-
-double parse_real(std::string_view flag, std::string_view text, double lo, double hi) {
-  double v = 0.0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec != std::errc() || end != text.data() + text.size() || !(v >= lo && v <= hi)) {
-    throw usage_error{fmt::format("{} '{}' is not a number in [{}, {}]", flag, text, lo, hi)};
-  }
-  return v;
-}
 
 config parse(int argc, char** argv, const std::string& help) {
   config c;
@@ -262,44 +236,6 @@ config parse(int argc, char** argv, const std::string& help) {
   return c;
 }
 
-// A capacity flag value for a scope of `keys` experts: "50%" or "128".
-std::uint32_t resolve_capacity(const std::string& text, std::uint32_t keys, std::uint32_t minimum) {
-  std::uint32_t slots = 0;
-  if (!text.empty() && text.back() == '%') {
-    const double pct = parse_real("--capacity", std::string_view(text).substr(0, text.size() - 1), 0.0, 100.0);
-    slots = static_cast<std::uint32_t>(pct / 100.0 * keys + 0.5);
-  } else {
-    slots = parse_number<std::uint32_t>("--capacity", text, 1, keys);
-  }
-  if (slots < minimum || slots > keys) {
-    throw usage_error{
-        fmt::format("--capacity {} gives {} slots, out of range [{}, {}] for this layout (a step's "
-                    "experts must fit)",
-                    text, slots, minimum, keys)};
-  }
-  return slots;
-}
-
-class progress_bar {
- public:
-  progress_bar(bool enabled, std::size_t total) : enabled_(enabled), total_(std::max<std::size_t>(total, 1)) {}
-  void step(std::string_view what) {
-    ++done_;
-    if (!enabled_) return;
-    const std::size_t width = 30;
-    const std::size_t filled = done_ * width / total_;
-    std::fprintf(stderr, "\r[%s%s] %3zu%% %-40.40s", std::string(filled, '#').c_str(),
-                 std::string(width - filled, '.').c_str(), done_ * 100 / total_, std::string(what).c_str());
-    if (done_ == total_) std::fputs("\n", stderr);
-    std::fflush(stderr);
-  }
-
- private:
-  bool enabled_;
-  std::size_t total_;
-  std::size_t done_ = 0;
-};
-
 struct curve {
   expage::policy_kind policy;
   expage::cache_layout layout;
@@ -358,23 +294,6 @@ std::string svg_chart(const std::vector<curve>& curves, const expage::moe_geomet
 }
 
 void write_file(const std::string& path, const std::string& text) { expage_tools::write_atomically(path, text); }
-
-// The geometry of a trace from its metadata: the preset it names when the dimensions agree,
-// else a shape-only geometry (byte and stall figures per unit).
-expage::moe_geometry geometry_of(const expage::trace_metadata& m) {
-  for (const std::string_view name : expage::moe_geometry::preset_names()) {
-    if (name == m.geometry) {
-      expage::moe_geometry g = expage::moe_geometry::preset(name);
-      if (g.layers() == m.layers && g.experts_per_layer() == m.experts_per_layer && g.top_k() == m.top_k) return g;
-    }
-  }
-  return expage::moe_geometry({.name = m.geometry.empty() ? std::string("trace-metadata") : m.geometry,
-                               .layers = m.layers,
-                               .experts_per_layer = m.experts_per_layer,
-                               .top_k = m.top_k,
-                               .hidden_size = 1,
-                               .intermediate_size = 1});
-}
 
 }  // namespace
 

@@ -17,6 +17,7 @@
 
 #include <fmt/format.h>
 
+#include "cli.hpp"
 #include "tool_output.hpp"
 
 #include <charconv>
@@ -31,6 +32,8 @@
 #include <vector>
 
 namespace {
+
+using expage_tools::geometry_of;
 
 constexpr std::string_view usage = R"(usage: expage-trace COMMAND [OPTIONS] FILE...
 
@@ -84,23 +87,6 @@ T parse_number(std::string_view flag, std::string_view text, T lo, T hi) {
     throw cli_error{fmt::format("{}: '{}' is not a number in [{}, {}]", flag, text, lo, hi)};
   }
   return value;
-}
-
-// The geometry of a trace from its metadata: the preset it names when the dimensions agree,
-// else a shape-only geometry (byte figures per unit).
-expage::moe_geometry geometry_of(const expage::trace_metadata& m) {
-  for (const std::string_view name : expage::moe_geometry::preset_names()) {
-    if (name == m.geometry) {
-      expage::moe_geometry g = expage::moe_geometry::preset(name);
-      if (g.layers() == m.layers && g.experts_per_layer() == m.experts_per_layer && g.top_k() == m.top_k) return g;
-    }
-  }
-  return expage::moe_geometry({.name = m.geometry.empty() ? std::string("trace-metadata") : m.geometry,
-                               .layers = m.layers,
-                               .experts_per_layer = m.experts_per_layer,
-                               .top_k = m.top_k,
-                               .hidden_size = 1,
-                               .intermediate_size = 1});
 }
 
 void print_info(const std::filesystem::path& path, const expage::routing_trace& t) {
@@ -193,8 +179,7 @@ int run(int argc, char** argv) {
   const std::string_view command = args[0];
   if (command != "info" && command != "convert" && command != "synth" && command != "realign" &&
       command != "requests") {
-    throw cli_error{
-        fmt::format("unknown command '{}' (expected info, convert, synth, realign or requests)", command)};
+    throw cli_error{fmt::format("unknown command '{}' (expected info, convert, synth, realign or requests)", command)};
   }
   std::optional<expage::moe_geometry> geometry;
   expage::synthetic_options synth;
