@@ -82,7 +82,8 @@ output:
   --per-layer           also print each layer's miss ratio
   --csv FILE            write the results as CSV
   --json FILE           write the results (and curves) as JSON
-  --svg FILE            draw every policy's miss-ratio curve over capacity as SVG
+  --svg FILE            draw every policy's expert loads per token against expert memory (GiB),
+                        one panel per layout, as SVG
   --curve-points N      capacities sampled per curve for --svg/--json (default 24)
   --progress / --no-progress   force the progress bar on or off (default: on when stderr is a terminal)
   --help                this text
@@ -236,58 +237,98 @@ config parse(int argc, char** argv, const std::string& help) {
   return c;
 }
 
+struct curve_point {
+  std::uint32_t slots;
+  double miss_ratio;
+  double misses_per_token;  // what the plot shows: a miss ratio's denominator changes with the grouping
+};
+
 struct curve {
   expage::policy_kind policy;
   expage::cache_layout layout;
-  std::vector<std::pair<std::uint32_t, double>> points;  // (slots, miss ratio)
+  std::vector<curve_point> points;
 };
 
-std::string svg_chart(const std::vector<curve>& curves, const expage::moe_geometry& g, const std::string& title) {
-  constexpr int width = 760, height = 460, left = 70, right = 190, top = 50, bottom = 60;
-  constexpr int plot_w = width - left - right, plot_h = height - top - bottom;
-  static constexpr const char* colors[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728",
-                                           "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"};
+// Expert loads per token against expert memory, one panel per layout. Every series has its own
+// colour and dash pattern (10 colours × 4 dashes before one repeats), and the y axis counts loads
+// per token rather than a miss ratio, whose denominator changes where groups are split.
+std::string svg_chart(const std::vector<curve>& curves, const expage::moe_geometry& g, expage::precision format,
+                      const std::string& title) {
+  static constexpr const char* colors[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+                                           "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"};
+  static constexpr const char* dashes[] = {"", "7,3", "2,2", "9,3,2,3"};
+  std::vector<expage::cache_layout> panels;
+  for (const auto& c : curves) {
+    if (std::find(panels.begin(), panels.end(), c.layout) == panels.end()) panels.push_back(c.layout);
+  }
+  // Shape-only geometries have no real bytes: their x axis is slots.
+  const bool bytes = !(g.hidden_size() == 1 && g.intermediate_size() == 1);
+  const auto x_of = [&](const curve& c, std::uint32_t slots) {
+    const double per = c.layout == expage::cache_layout::global ? 1.0 : static_cast<double>(g.layers());
+    return bytes ? static_cast<double>(slots) * per * static_cast<double>(g.expert_bytes(format)) /
+                       static_cast<double>(std::uint64_t{1} << 30)
+                 : static_cast<double>(slots);
+  };
+  constexpr int width = 820, panel_h = 340, left = 80, right = 220, top = 50, gap = 70;
+  constexpr int plot_w = width - left - right, plot_h = panel_h - 40;
+  const int height = top + static_cast<int>(panels.size()) * (panel_h + gap);
   std::string out = fmt::format(
       R"svg(<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}" font-family="sans-serif" font-size="12">)svg"
       "\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-      R"svg(<text x="{}" y="24" font-size="15" font-weight="bold">{}</text>)svg"
+      R"svg(<text x="{}" y="26" font-size="15" font-weight="bold">{}</text>)svg"
       "\n",
       width, height, left, title);
-  for (int t = 0; t <= 10; ++t) {  // grid and axes
-    const double f = t / 10.0;
-    const int y = top + static_cast<int>((1.0 - f) * plot_h);
-    const int x = left + static_cast<int>(f * plot_w);
-    out += fmt::format(R"svg(<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="#ddd"/>)svg"
-                       R"svg(<text x="{}" y="{}" text-anchor="end">{:.1f}</text>)svg"
-                       R"svg(<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="#eee"/>)svg"
-                       R"svg(<text x="{}" y="{}" text-anchor="middle">{}%</text>)svg"
-                       "\n",
-                       left, y, left + plot_w, y, left - 6, y + 4, f, x, top, x, top + plot_h, x, top + plot_h + 16,
-                       t * 10);
-  }
-  out +=
-      fmt::format(R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="none" stroke="black"/>)svg"
-                  R"svg(<text x="{}" y="{}" text-anchor="middle">cache capacity (% of the layout's experts)</text>)svg"
-                  R"svg(<text x="18" y="{}" transform="rotate(-90 18 {})" text-anchor="middle">miss ratio</text>)svg"
-                  "\n",
-                  left, top, plot_w, plot_h, left + plot_w / 2, height - 18, top + plot_h / 2, top + plot_h / 2);
-  for (std::size_t i = 0; i < curves.size(); ++i) {
-    const auto& c = curves[i];
-    const double keys =
-        c.layout == expage::cache_layout::global ? static_cast<double>(g.expert_count()) : g.experts_per_layer();
-    std::string points;
-    for (const auto& [slots, ratio] : c.points) {
-      points += fmt::format("{:.1f},{:.1f} ", left + slots / keys * plot_w, top + (1.0 - ratio) * plot_h);
+  for (std::size_t p = 0; p < panels.size(); ++p) {
+    const int y0 = top + static_cast<int>(p) * (panel_h + gap);
+    double xmax = 0.0, ymax = 0.0;
+    for (const auto& c : curves) {
+      if (c.layout != panels[p]) continue;
+      for (const auto& pt : c.points) {
+        xmax = std::max(xmax, x_of(c, pt.slots));
+        ymax = std::max(ymax, pt.misses_per_token);
+      }
     }
-    const char* color = colors[i % std::size(colors)];
-    const std::string label = fmt::format("{} ({})", expage::to_string(c.policy), expage::to_string(c.layout));
-    out += fmt::format(R"svg(<polyline fill="none" stroke="{}" stroke-width="2" points="{}"/>)svg"
-                       R"svg(<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="{}" stroke-width="3"/>)svg"
-                       R"svg(<text x="{}" y="{}">{}</text>)svg"
-                       "\n",
-                       color, points, left + plot_w + 14, top + 14 + 20 * static_cast<int>(i), left + plot_w + 34,
-                       top + 14 + 20 * static_cast<int>(i), color, left + plot_w + 40,
-                       top + 18 + 20 * static_cast<int>(i), label);
+    xmax = xmax > 0 ? xmax * 1.02 : 1.0;
+    ymax = ymax > 0 ? ymax * 1.1 : 1.0;
+    out += fmt::format(
+        R"svg(<text x="{}" y="{}" font-weight="bold">{} slots</text>)svg"
+        R"svg(<rect x="{}" y="{}" width="{}" height="{}" fill="none" stroke="black"/>)svg"
+        R"svg(<text x="{}" y="{}" text-anchor="middle">{}</text>)svg"
+        R"svg(<text x="20" y="{}" transform="rotate(-90 20 {})" text-anchor="middle">expert loads per token</text>)svg"
+        "\n",
+        left, y0 - 8, expage::to_string(panels[p]), left, y0, plot_w, plot_h, left + plot_w / 2, y0 + plot_h + 32,
+        bytes ? fmt::format("expert memory (GiB, {})", expage::to_string(format)) : std::string("slots"),
+        y0 + plot_h / 2, y0 + plot_h / 2);
+    for (int t = 0; t <= 5; ++t) {
+      const double f = t / 5.0;
+      const int y = y0 + static_cast<int>((1.0 - f) * plot_h);
+      const int x = left + static_cast<int>(f * plot_w);
+      out += fmt::format(R"svg(<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="#e5e5e5"/>)svg"
+                         R"svg(<text x="{}" y="{}" text-anchor="end">{:.3g}</text>)svg"
+                         R"svg(<text x="{}" y="{}" text-anchor="middle">{:.3g}</text>)svg"
+                         "\n",
+                         left, y, left + plot_w, y, left - 6, y + 4, f * ymax, x, y0 + plot_h + 16, f * xmax);
+    }
+    std::size_t series = 0;
+    for (const auto& c : curves) {
+      if (c.layout != panels[p]) continue;
+      const char* color = colors[series % std::size(colors)];
+      const char* dash = dashes[(series / std::size(colors)) % std::size(dashes)];
+      std::string pts;
+      for (const auto& pt : c.points) {
+        pts += fmt::format("{:.1f},{:.1f} ", left + x_of(c, pt.slots) / xmax * plot_w,
+                           y0 + (1.0 - pt.misses_per_token / ymax) * plot_h);
+      }
+      const int ly = y0 + 12 + 18 * static_cast<int>(series);
+      out += fmt::format(
+          R"svg(<polyline fill="none" stroke="{}" stroke-width="2" stroke-dasharray="{}" points="{}"/>)svg"
+          R"svg(<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="{}" stroke-width="2" stroke-dasharray="{}"/>)svg"
+          R"svg(<text x="{}" y="{}">{}</text>)svg"
+          "\n",
+          color, dash, pts, left + plot_w + 12, ly, left + plot_w + 40, ly, color, dash, left + plot_w + 46, ly + 4,
+          expage::to_string(c.policy));
+      ++series;
+    }
   }
   out += "</svg>\n";
   return out;
@@ -480,7 +521,8 @@ int main(int argc, char** argv) {
       const auto& r = done[i];
       for (auto& cv : curves) {
         if (cv.policy == r.policy && cv.layout == r.options.layout)
-          cv.points.emplace_back(r.options.capacity, r.miss_ratio());
+          cv.points.push_back({r.options.capacity, r.miss_ratio(),
+                               r.tokens == 0 ? 0.0 : static_cast<double>(r.misses) / static_cast<double>(r.tokens)});
       }
     }
 
@@ -541,7 +583,7 @@ int main(int argc, char** argv) {
       json += "],\"curves\":[";
       for (std::size_t i = 0; i < curves.size(); ++i) {
         std::vector<std::string> pts;
-        for (const auto& [s, m] : curves[i].points) pts.push_back(fmt::format("[{},{:.6f}]", s, m));
+        for (const auto& pt : curves[i].points) pts.push_back(fmt::format("[{},{:.6f}]", pt.slots, pt.miss_ratio));
         json +=
             fmt::format(R"({}{{"policy":"{}","layout":"{}","points":[{}]}})", i == 0 ? "" : ",",
                         expage::to_string(curves[i].policy), expage::to_string(curves[i].layout), fmt::join(pts, ","));
@@ -550,8 +592,8 @@ int main(int argc, char** argv) {
       write_file(*c.json, json);
     }
     if (c.svg) {
-      write_file(*c.svg, svg_chart(curves, g,
-                                   fmt::format("Miss ratio vs. expert-cache capacity: {}, {}", g.name(),
+      write_file(*c.svg, svg_chart(curves, g, c.format,
+                                   fmt::format("Expert loads per token vs. expert memory: {}, {}", g.name(),
                                                c.trace ? "routing trace" : "synthetic trace")));
     }
     return expage_tools::finish_stdout("expage-replay") ? 0 : 1;
