@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <map>
 #include <tuple>
+#include <stdexcept>
 #include <vector>
 
 namespace expage::testing {
@@ -96,6 +97,7 @@ inline reference_result reference_queue_replay(const std::vector<group>& groups,
           const std::uint32_t* v = first_unpinned(take_t1 ? st.t1 : st.t2);
           const bool from_t1 = v != nullptr ? take_t1 : !take_t1;
           if (v == nullptr) v = first_unpinned(take_t1 ? st.t2 : st.t1);
+          if (v == nullptr) throw std::logic_error("reference ARC: every resident key is pinned");
           victim = *v;
           erase(from_t1 ? st.t1 : st.t2, victim);
           (from_t1 ? st.b1 : st.b2).push_back(victim);
