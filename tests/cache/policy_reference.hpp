@@ -10,8 +10,8 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
-#include <tuple>
 #include <stdexcept>
+#include <tuple>
 #include <vector>
 
 namespace expage::testing {
