@@ -627,7 +627,8 @@ int main(int argc, char** argv) {
           c.trace ? "trace" : "synthetic", g.name(), hardware.name, trace.size(), trace.batch_size(),
           expage::to_string(c.format));
       for (std::size_t i = 0; i < results.size(); ++i) {
-        json += (i == 0 ? "" : ",") + result_json(results[i], cells[jobs[i].cell], c.bounds);
+        if (i != 0) json += ',';
+        json += result_json(results[i], cells[jobs[i].cell], c.bounds);
       }
       json += "]}\n";
       expage_tools::write_atomically(*c.json, json);
