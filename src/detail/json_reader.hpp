@@ -28,14 +28,23 @@
 
 namespace expage::detail {
 
+struct json_member;
+
 struct json_value {
   enum class kind : unsigned char { object, array, string, number, boolean, null };
   kind type = kind::null;
   std::size_t column = 0;                                   // 1-based column (byte offset + 1) where the value starts
   std::string text;                                         // a string's contents, a number's token
   bool flag = false;                                        // a boolean's value
-  std::vector<std::pair<std::string, json_value>> members;  // an object's fields, in file order
+  std::vector<json_member> members;                         // an object's fields, in file order
   std::vector<json_value> items;                            // an array's elements
+};
+
+/// One field of an object. A named struct rather than std::pair: a pair of an incomplete type cannot
+/// be a vector's element while json_value is being defined (libc++ and clang reject it; GCC accepts).
+struct json_member {
+  std::string key;
+  json_value value;
 };
 
 class json_reader {
@@ -135,7 +144,7 @@ class json_reader {
         expect(':');
         skip_space();
         json_value member = value(depth + 1);
-        v.members.emplace_back(std::move(key), std::move(member));
+        v.members.push_back(json_member{std::move(key), std::move(member)});
         skip_space();
         if (peek() == ',') {
           ++pos_;

@@ -66,7 +66,6 @@ coactivation_predictor::coactivation_predictor(std::uint32_t layers, std::uint32
                                                std::uint32_t top_k, std::uint32_t window, double decay)
     : layers_(layers),
       experts_(experts_per_layer),
-      top_k_(top_k),
       window_(window),
       decay_(decay),
       prior_((check_shape("coactivation_predictor", layers, experts_per_layer, top_k), layers), experts_per_layer,

@@ -101,7 +101,7 @@ class coactivation_predictor final : public expert_predictor {
     return ((std::size_t{from_layer} * window_ + (distance - 1)) * experts_ + i) * experts_ + j;
   }
 
-  std::uint32_t layers_, experts_, top_k_, window_;
+  std::uint32_t layers_, experts_, window_;  // top-k lives in prior_
   double decay_;
   frequency_predictor prior_;
   std::vector<std::uint32_t> pair_;   // C: [from layer][distance − 1][i][j]
