@@ -157,11 +157,23 @@ std::uint32_t largest_group(const access_stream& stream) noexcept {
   return static_cast<std::uint32_t>(most);
 }
 
+// Demand loading with the guard's baseline policy, cumulative after each group: what the prefetch guards
+// compare against. Computed by a demand-only run beforehand, which is what a shadow cache of keys
+// beside the real one would know online (it reads the stream only up to the current group).
+struct shadow_point {
+  std::uint64_t misses;
+  double stall;
+};
+
 template <eviction_policy Policy>
 class engine {
+  template <eviction_policy>
+  friend class engine;
+
  public:
   engine(const access_stream& stream, const moe_geometry& geometry, const sim_options& options, const cost_model& cost)
       : stream_(stream),
+        geometry_(geometry),
         options_(options),
         cost_(cost),
         layers_(geometry.layers()),
@@ -189,7 +201,7 @@ class engine {
     ready_at_.assign(keys, 0.0);
     unused_prefetch_.assign(keys, 0);
     predicted_use_.assign(keys, never);
-    prefetch_evicted_at_.assign(keys, never);
+    prefetch_evicted_at_.assign(keys, victim_note{});
     slots_.resize(keys);
     for (const double t : cost.transfer_seconds) links_.push_back({.transfer = t});
     outstanding_cap_ = options.max_outstanding_prefetches != 0 ? options.max_outstanding_prefetches
@@ -203,6 +215,16 @@ class engine {
   sim_result run() {
     prefetcher* const pf = options_.prefetch;
     if (pf != nullptr) pf->reset();
+    if (pf != nullptr && options_.admission == prefetch_admission::cost_benefit) {
+      sim_options demand_only = options_;
+      demand_only.prefetch = nullptr;
+      shadow_.reserve(stream_.groups());
+      visit_policy(options_.guard_baseline, [&](auto tag) {
+        engine<typename decltype(tag)::type> shadow(stream_, geometry_, demand_only, cost_);
+        shadow.record_ = &shadow_;
+        static_cast<void>(shadow.run());
+      });
+    }
     std::vector<prefetch_request> proposals;
     double pass_stall = 0.0;
     std::vector<double> pass_stalls;
@@ -272,7 +294,7 @@ class engine {
           }
           case residency::absent: {
             ++ls.misses;
-            note_refault(f);
+            note_refault(f, g);
             std::uint32_t victim = 0;
             const bool evicts = free_[s] == 0;
             if (evicts) victim = policy.victim(pin_view{pins_[s].data()}, ctx);
@@ -307,12 +329,14 @@ class engine {
           result_.stall_seconds[static_cast<std::size_t>(stall_cause::demand_miss)] += stall - behind;
         }
       }
+      stall_so_far_ += stall;
       if (pf != nullptr) {
         proposals.clear();
         pf->propose(stream_, g, proposals);
         for (const prefetch_request& r : proposals) admit(r, g, now);
       }
       for (const expert_index e : experts) clear_pin(s, key_of(layer, e), group_pin);
+      if (record_ != nullptr) record_->push_back({result_.demand_misses, stall_so_far_});
       const double compute = cost_.compute_seconds(experts.size());
       result_.compute_seconds += compute;
       now = ready + compute;
@@ -434,6 +458,7 @@ class engine {
       state_[f] = residency::in_flight;
       ready_at_[f] = done;
       result_.prefetch_bytes += cost_.expert_bytes;
+      ++started_prefetches_;
       if (done <= now) {
         land(f);
       } else {
@@ -520,7 +545,7 @@ class engine {
     policy.on_insert(k, ctx);
     if (evicts) {
       evict(s, victim);
-      prefetch_evicted_at_[flat_of_key(s, victim)] = demand_evictions_;
+      prefetch_evicted_at_[flat_of_key(s, victim)] = victim_note{.group = g, .demand_evictions = demand_evictions_};
       ++prefetch_evictions_;
     } else {
       --free_[s];
@@ -535,19 +560,36 @@ class engine {
     ++result_.prefetches_issued;
   }
 
-  // PreScope Eq. 6–7 (see sim_options::admission).
-  // A demand miss on an expert a prefetch evicted, before the policy would have evicted it anyway
-  // (before the next demand eviction: the victim was the policy's next choice): that eviction
-  // cost a transfer. The running share of such refaults is the victim's expected cost.
-  void note_refault(std::size_t f) noexcept {
-    const std::uint64_t at = prefetch_evicted_at_[f];
-    if (at == never) return;
-    prefetch_evicted_at_[f] = never;
-    if (demand_evictions_ - at <= 1) ++prefetch_refaults_;
+  // A demand miss on an expert a prefetch evicted. Before the policy's next demand eviction (the
+  // victim was the policy's next choice, so later it would have gone anyway) it is the prefetch's
+  // doing: the running share of such refaults is the victim's expected cost in worth_it(). Within
+  // a pass of layers it is reported (prefetch_victim_refaults), a looser attribution.
+  void note_refault(std::size_t f, std::size_t g) noexcept {
+    const victim_note at = prefetch_evicted_at_[f];
+    if (at.group == never) return;
+    prefetch_evicted_at_[f] = victim_note{};
+    if (demand_evictions_ - at.demand_evictions <= 1) ++prefetch_refaults_;
+    if (g - at.group <= layers_) ++result_.prefetch_victim_refaults;
   }
 
+  // The guards of cost_benefit admission (sim_options::max_prefetch_overhead and stall_guard),
+  // against demand loading with the baseline policy up to this group (shadow_): bytes moved,
+  // counting every outstanding prefetch as if it will be wasted, stay within (1 + share)× the
+  // shadow's plus one transfer; and the stall so far does not exceed the shadow's.
+  [[nodiscard]] bool within_guards(std::size_t g) const noexcept {
+    const shadow_point& base = shadow_[g];
+    const double allowed = options_.max_prefetch_overhead;
+    if (!std::isinf(allowed)) {
+      const double moved = static_cast<double>(result_.demand_misses + started_prefetches_ + outstanding_);
+      if (moved > (1.0 + allowed) * static_cast<double>(base.misses) + 1.0) return false;
+    }
+    return !options_.stall_guard || stall_so_far_ <= base.stall;
+  }
+
+  // PreScope Eq. 6–7 (see sim_options::admission).
   [[nodiscard]] bool worth_it(const prefetch_request& r, std::size_t g, bool evicts) const noexcept {
     if (options_.admission == prefetch_admission::all) return true;
+    if (!within_guards(g)) return false;
     const double p = std::clamp(static_cast<double>(r.probability), 0.0, 1.0);
     if (p <= 0.0) return false;
     // The expert is needed (h − g) layers from now, after the current layer's own loads, which
@@ -587,6 +629,7 @@ class engine {
   }
 
   const access_stream& stream_;
+  const moe_geometry& geometry_;
   const sim_options& options_;
   const cost_model& cost_;
   std::uint32_t layers_;
@@ -609,8 +652,16 @@ class engine {
   std::uint32_t outstanding_ = 0;
   std::uint32_t outstanding_cap_ = 0;
   std::uint64_t order_ = 0;
-  std::vector<std::uint64_t> prefetch_evicted_at_;  // per flat expert: demand evictions when a prefetch evicted it
+  struct victim_note {
+    std::uint64_t group = never;          // when a prefetch evicted it
+    std::uint64_t demand_evictions = 0;   // demand evictions by then
+  };
+  std::vector<victim_note> prefetch_evicted_at_;  // per flat expert
   std::uint64_t demand_evictions_ = 0;
+  std::uint64_t started_prefetches_ = 0;
+  double stall_so_far_ = 0.0;
+  std::vector<shadow_point> shadow_;
+  std::vector<shadow_point>* record_ = nullptr;  // set on a shadow run
   std::uint64_t prefetch_evictions_ = 0;
   std::uint64_t prefetch_refaults_ = 0;
   double nominal_layer_ = 0.0;
@@ -658,6 +709,17 @@ void check_options(const access_stream& stream, const moe_geometry& geometry, po
         "simulate: max_outstanding_prefetches {} out of range [0, {}] (capacity − largest group: a whole group must "
         "always find room for its demand loads)",
         options.max_outstanding_prefetches, options.capacity - largest_group(stream)));
+  }
+  if (static_cast<std::size_t>(options.guard_baseline) >= kinds.size()) {
+    throw invalid_argument(fmt::format("simulate: guard_baseline {} out of range [0, {})",
+                                       static_cast<unsigned>(options.guard_baseline), kinds.size()));
+  }
+  if (options.guard_baseline == policy_kind::belady) {
+    throw invalid_argument("simulate: guard_baseline belady is not an online policy (it reads the future)");
+  }
+  if (!(options.max_prefetch_overhead >= 0.0)) {  // NaN fails too
+    throw invalid_argument(
+        fmt::format("simulate: max_prefetch_overhead {} out of range [0, inf]", options.max_prefetch_overhead));
   }
 }
 

@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
+#include <random>
 
 namespace expage {
 namespace {
@@ -262,6 +264,63 @@ TEST(PagerSim, InvariantsOnRandomTraces) {
   }
 }
 
+// A prefetcher that proposes random experts of the next layer: every proposal is a guess.
+class random_prefetcher final : public prefetcher {
+ public:
+  explicit random_prefetcher(std::uint32_t experts) : experts_(experts) {}
+  [[nodiscard]] std::string name() const override { return "random"; }
+  void reset() override { rng_.seed(7); }
+  void propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) override {
+    if (g + 1 >= stream.groups()) return;
+    std::uniform_int_distribution<std::uint32_t> pick(0, experts_ - 1);
+    for (int i = 0; i < 2; ++i) {
+      out.push_back({.layer = stream.layer(g + 1),
+                     .expert = static_cast<expert_index>(pick(rng_)),
+                     .use_group = g + 1,
+                     .probability = 0.9F});  // overconfident on purpose
+    }
+  }
+
+ private:
+  std::uint32_t experts_;
+  std::mt19937_64 rng_{7};
+};
+
+// The guards of cost_benefit admission bound what an overconfident, useless prefetcher costs
+// against LRU demand loading: without them it moves far more bytes and stalls longer; with them
+// bytes stay within (1 + share)× and stall within a few transfers of demand loading.
+TEST(PagerSim, GuardsSilenceAUselessPrefetcher) {
+  const auto g = small();
+  synthetic_options so;
+  so.seed = 5;
+  so.sequences = 4;
+  so.decode_steps = 64;
+  const routing_trace trace = generate_synthetic(g, so);
+  for (const std::uint32_t capacity : {16U, 48U}) {
+    SCOPED_TRACE(fmt::format("capacity {}", capacity));
+    const access_stream stream(trace, capacity);
+    sim_options o{.capacity = capacity, .hardware = no_setup(), .transfer_compute_ratio = 0.5};
+    const sim_result demand = simulate(stream, g, policy_kind::lru, o);
+    random_prefetcher guess(g.experts_per_layer());
+    o.prefetch = &guess;
+    o.max_prefetch_overhead = std::numeric_limits<double>::infinity();
+    o.stall_guard = false;
+    const sim_result unguarded = simulate(stream, g, policy_kind::lru, o);
+    EXPECT_GT(static_cast<double>(unguarded.bytes_moved()), 1.2 * static_cast<double>(demand.bytes_moved()));
+    o.max_prefetch_overhead = 0.05;
+    o.stall_guard = true;
+    const sim_result guarded = simulate(stream, g, policy_kind::lru, o);
+    EXPECT_GT(guarded.prefetches_issued, 0U) << "the guards pause admission, they do not forbid it";
+    EXPECT_LT(guarded.prefetches_issued, unguarded.prefetches_issued);
+    const double transfer_bytes = static_cast<double>(demand.expert_bytes);
+    // Admission keeps the bound at every group; prefetches admitted before a pause can still
+    // displace an expert needed later, hence a few transfers of slack at the end.
+    EXPECT_LE(static_cast<double>(guarded.bytes_moved()),
+              1.05 * static_cast<double>(demand.bytes_moved()) + 8.0 * transfer_bytes);
+    EXPECT_LE(guarded.stall_total(), demand.stall_total() + 8.0 * demand.transfer_seconds);
+  }
+}
+
 TEST(PagerSim, NoisyOracleIsDeterministicPerSeed) {
   const auto g = small();
   synthetic_options so;
@@ -300,6 +359,9 @@ TEST(PagerSim, RefusesBadParameters) {
   expect_refusal({.capacity = 9}, "capacity 9 out of range [2, 8]");
   expect_refusal({.capacity = 4, .max_outstanding_prefetches = 3}, "max_outstanding_prefetches 3 out of range [0, 2]");
   expect_refusal({.capacity = 4, .transfer_compute_ratio = -2.0}, "ratio -2 out of range");
+  expect_refusal({.capacity = 4, .max_prefetch_overhead = -0.5}, "max_prefetch_overhead -0.5 out of range [0, inf]");
+  expect_refusal({.capacity = 4, .max_prefetch_overhead = std::nan("")}, "max_prefetch_overhead nan out of range");
+  expect_refusal({.capacity = 4, .guard_baseline = policy_kind::belady}, "guard_baseline belady is not an online policy");
   hardware_profile bad = hardware_profile::preset("pcie4");
   bad.links[0].gbytes_per_second = -1.0;
   expect_refusal({.capacity = 4, .hardware = bad}, "gbytes_per_second -1 out of range");

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <limits>
 #include <cmath>
 #include <map>
 #include <memory>
@@ -77,6 +78,8 @@ model, hardware and cache:
   --distance D          prefetch distance in layer groups (default 2)
   --admission A         cost-benefit (PreScope Eq. 6-7: issue a prefetch only when the expected time
                         saved exceeds the expected delay) or all (ungated) (default cost-benefit)
+  --max-overhead X      cost-benefit's byte guard: bytes moved stay within (1 + X) x those of LRU
+                        demand loading, tracked online by a shadow cache, [0, inf] (default 0.05)
   --prefetch-seed N     seed of the noisy oracle (default 1)
   --no-bounds           skip the oracle columns (3 extra simulations per layout x capacity x ratio)
 
@@ -123,6 +126,7 @@ struct config {
   std::vector<prefetch_choice> prefetch = {{"none", std::nullopt}};
   std::uint32_t distance = 2;
   expage::prefetch_admission admission = expage::prefetch_admission::cost_benefit;
+  double max_overhead = 0.05;
   std::uint64_t prefetch_seed = 1;
   bool bounds = true;
   std::optional<std::string> json, svg;
@@ -245,6 +249,9 @@ config parse(int argc, char** argv, const std::string& help) {
       } else {
         throw usage_error{fmt::format("--admission '{}' is not one of cost-benefit, all", v)};
       }
+    } else if (flag == "--max-overhead") {
+      const std::string_view v = value();
+      c.max_overhead = v == "inf" ? std::numeric_limits<double>::infinity() : parse_real(flag, v, 0.0, 1e9);
     } else if (flag == "--prefetch-seed") {
       c.prefetch_seed = parse_number<std::uint64_t>(flag, value(), 0, ~std::uint64_t{0});
     } else if (flag == "--no-bounds") {
@@ -309,14 +316,14 @@ std::string result_json(const expage::sim_result& r, const cell& c, bool bounds)
       R"("bytes_moved":{},"demand_bytes":{},"prefetch_bytes":{},"stall_per_token_s":{},"stall_p50_s":{},"stall_p99_s":{},)"
       R"("time_per_token_s":{},"stall_by_cause_per_token_s":{{{}}},"prefetches_issued":{},"prefetches_used":{},)"
       R"("prefetches_late":{},"prefetches_wasted":{},"prefetches_promoted":{},"prefetches_cancelled":{},)"
-      R"("prefetches_refused":{},"prefetch_bytes_per_useful_byte":{},"budget_peak_bytes":{},"layers":[{}]{}}})",
+      R"("prefetches_refused":{},"prefetch_victim_refaults":{},"prefetch_bytes_per_useful_byte":{},"budget_peak_bytes":{},"layers":[{}]{}}})",
       expage::to_string(r.layout), r.capacity, expage::to_string(r.policy), r.prefetcher, json_number(r.ratio),
       json_number(r.transfer_seconds), json_number(r.layer_seconds), r.tokens, r.accesses, r.hits, r.demand_misses,
       json_number(r.miss_ratio()), r.evictions, r.bytes_moved(), r.demand_bytes, r.prefetch_bytes,
       json_number(r.stall_seconds_per_token()), json_number(r.per_pass.p50), json_number(r.per_pass.p99),
       json_number(r.seconds_per_token()), causes, r.prefetches_issued, r.prefetches_used, r.prefetches_late,
       r.prefetches_wasted, r.prefetches_promoted, r.prefetches_cancelled, r.prefetches_refused,
-      json_number(r.prefetch_bytes_per_useful_byte()), r.budget_peak_bytes, fmt::join(layers, ","), oracle);
+      r.prefetch_victim_refaults, json_number(r.prefetch_bytes_per_useful_byte()), r.budget_peak_bytes, fmt::join(layers, ","), oracle);
 }
 
 // Stall per token (ms) against expert memory (GiB): one panel per (layout, ratio); every series
@@ -580,7 +587,8 @@ int main(int argc, char** argv) {
                                          .transfer_compute_ratio = j.ratio,
                                          .dense_bytes_per_layer = c.dense_bytes,
                                          .prefetch = oracle.get(),
-                                         .admission = c.admission});
+                                         .admission = c.admission,
+                                         .max_prefetch_overhead = c.max_overhead});
           bar.step(fmt::format("{} {} {}", expage::to_string(j.policy), expage::to_string(j.layout), j.slots));
         } catch (...) {
           const std::lock_guard lock(failure_mutex);

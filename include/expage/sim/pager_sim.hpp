@@ -154,6 +154,21 @@ struct sim_options {
   /// last transfer that fits and the fraction that does not, which needs ⌈f⌉ ≥ f (the paper's
   /// text says "nearest integer", which would make the first term exceed 1 or go negative).
   prefetch_admission admission = prefetch_admission::cost_benefit;
+  /// The byte guard of cost_benefit admission: bytes moved (outstanding prefetches counted as if
+  /// wasted) may exceed those of demand loading with `guard_baseline` by at most this share (plus
+  /// one transfer), measured as the run goes against a shadow of that demand-only cache up to the
+  /// current group (what a key-only shadow cache beside the real one knows online). Admission
+  /// pauses while the bound would be crossed. +∞ turns it off. [0, +∞].
+  double max_prefetch_overhead = 0.05;
+  /// The stall guard of cost_benefit admission: pause prefetching while the stall so far exceeds
+  /// the demand-only shadow's. With both guards a prefetcher cannot lose more than one transfer of
+  /// bytes or one group of stall to demand loading before it is silenced, and resumes once demand
+  /// loading would have lost as much.
+  bool stall_guard = true;
+  /// What the guards compare against: demand loading with this online policy (not Belady). LRU,
+  /// the default, makes "never hurts" mean "never worse than plain LRU demand paging", so an
+  /// eviction policy better than LRU (next_turn) earns credit the prefetcher may spend.
+  policy_kind guard_baseline = policy_kind::lru;
   /// Most prefetches queued or in flight at once; 0: capacity − the stream's largest group (the
   /// most that still leaves a whole group room to load on demand: a prefetch never takes the slot
   /// a demand load needs).
@@ -204,6 +219,7 @@ struct sim_result {
   std::uint64_t prefetches_wasted = 0;     ///< Transferred, then evicted unused.
   std::uint64_t prefetches_cancelled = 0;  ///< Dropped from the queue unstarted (stale).
   std::uint64_t prefetches_refused = 0;    ///< Proposals refused (no slot, cap, or a more valuable victim).
+  std::uint64_t prefetch_victim_refaults = 0;  ///< Demand misses on experts a prefetch evicted less than a pass before.
 
   std::uint64_t demand_bytes = 0;                         ///< Bytes moved by demand loads.
   std::uint64_t prefetch_bytes = 0;                       ///< Bytes moved by prefetches (started ones).
