@@ -33,11 +33,11 @@ struct json_member;
 struct json_value {
   enum class kind : unsigned char { object, array, string, number, boolean, null };
   kind type = kind::null;
-  std::size_t column = 0;                                   // 1-based column (byte offset + 1) where the value starts
-  std::string text;                                         // a string's contents, a number's token
-  bool flag = false;                                        // a boolean's value
-  std::vector<json_member> members;                         // an object's fields, in file order
-  std::vector<json_value> items;                            // an array's elements
+  std::size_t column = 0;            // 1-based column (byte offset + 1) where the value starts
+  std::string text;                  // a string's contents, a number's token
+  bool flag = false;                 // a boolean's value
+  std::vector<json_member> members;  // an object's fields, in file order
+  std::vector<json_value> items;     // an array's elements
 };
 
 /// One field of an object. A named struct rather than std::pair: a pair of an incomplete type cannot

@@ -653,8 +653,8 @@ class engine {
   std::uint32_t outstanding_cap_ = 0;
   std::uint64_t order_ = 0;
   struct victim_note {
-    std::uint64_t group = never;          // when a prefetch evicted it
-    std::uint64_t demand_evictions = 0;   // demand evictions by then
+    std::uint64_t group = never;         // when a prefetch evicted it
+    std::uint64_t demand_evictions = 0;  // demand evictions by then
   };
   std::vector<victim_note> prefetch_evicted_at_;  // per flat expert
   std::uint64_t demand_evictions_ = 0;

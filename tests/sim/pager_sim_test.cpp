@@ -361,7 +361,8 @@ TEST(PagerSim, RefusesBadParameters) {
   expect_refusal({.capacity = 4, .transfer_compute_ratio = -2.0}, "ratio -2 out of range");
   expect_refusal({.capacity = 4, .max_prefetch_overhead = -0.5}, "max_prefetch_overhead -0.5 out of range [0, inf]");
   expect_refusal({.capacity = 4, .max_prefetch_overhead = std::nan("")}, "max_prefetch_overhead nan out of range");
-  expect_refusal({.capacity = 4, .guard_baseline = policy_kind::belady}, "guard_baseline belady is not an online policy");
+  expect_refusal({.capacity = 4, .guard_baseline = policy_kind::belady},
+                 "guard_baseline belady is not an online policy");
   hardware_profile bad = hardware_profile::preset("pcie4");
   bad.links[0].gbytes_per_second = -1.0;
   expect_refusal({.capacity = 4, .hardware = bad}, "gbytes_per_second -1 out of range");

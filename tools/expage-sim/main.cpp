@@ -13,6 +13,7 @@
 #include <expage/sim/hardware_profile.hpp>
 #include <expage/sim/pager_sim.hpp>
 #include <expage/trace/realign.hpp>
+#include <expage/trace/shuffle.hpp>
 #include <expage/trace/synthetic_trace.hpp>
 #include <expage/trace/trace_io.hpp>
 
@@ -27,8 +28,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <limits>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -60,6 +61,8 @@ input (one of):
   --only-sequences LIST simulate only these sequence ids (e.g. one problem of a recorded trace)
   --realign             re-register the rows of layers that lost rows first (realign_trace,
                         docs/traces.md), so that cross-layer predictors see aligned tokens
+  --shuffle-tokens SEED the shuffled-order control: each sequence's decode tokens in a random order
+                        (shuffle_tokens; a token's layers stay together), applied last
 
 model, hardware and cache:
   --geometry G          model: {}, or a geometry JSON file;
@@ -115,6 +118,7 @@ struct config {
   std::optional<std::uint32_t> batch;
   std::optional<std::set<std::uint32_t>> only_sequences;
   bool realign = false;
+  std::optional<std::uint64_t> shuffle_seed;
   std::optional<std::string> geometry;
   std::string hardware = "pcie4";
   std::vector<std::optional<double>> ratios = {std::nullopt};
@@ -170,6 +174,8 @@ config parse(int argc, char** argv, const std::string& help) {
       c.only_sequences = std::move(ids);
     } else if (flag == "--realign") {
       c.realign = true;
+    } else if (flag == "--shuffle-tokens") {
+      c.shuffle_seed = parse_number<std::uint64_t>(flag, value(), 0, ~std::uint64_t{0});
     } else if (flag == "--geometry") {
       c.geometry = std::string(value());
     } else if (flag == "--hardware") {
@@ -316,14 +322,17 @@ std::string result_json(const expage::sim_result& r, const cell& c, bool bounds)
       R"("bytes_moved":{},"demand_bytes":{},"prefetch_bytes":{},"stall_per_token_s":{},"stall_p50_s":{},"stall_p99_s":{},)"
       R"("time_per_token_s":{},"stall_by_cause_per_token_s":{{{}}},"prefetches_issued":{},"prefetches_used":{},)"
       R"("prefetches_late":{},"prefetches_wasted":{},"prefetches_promoted":{},"prefetches_cancelled":{},)"
-      R"("prefetches_refused":{},"prefetch_victim_refaults":{},"prefetch_bytes_per_useful_byte":{},"budget_peak_bytes":{},"layers":[{}]{}}})",
+      R"("prefetches_refused":{},"prefetch_victim_refaults":{},"prefetch_precision":{},"prefetch_coverage":{},)"
+      R"("prefetch_timeliness":{},"prefetch_bytes_per_useful_byte":{},"budget_peak_bytes":{},"layers":[{}]{}}})",
       expage::to_string(r.layout), r.capacity, expage::to_string(r.policy), r.prefetcher, json_number(r.ratio),
       json_number(r.transfer_seconds), json_number(r.layer_seconds), r.tokens, r.accesses, r.hits, r.demand_misses,
       json_number(r.miss_ratio()), r.evictions, r.bytes_moved(), r.demand_bytes, r.prefetch_bytes,
       json_number(r.stall_seconds_per_token()), json_number(r.per_pass.p50), json_number(r.per_pass.p99),
       json_number(r.seconds_per_token()), causes, r.prefetches_issued, r.prefetches_used, r.prefetches_late,
       r.prefetches_wasted, r.prefetches_promoted, r.prefetches_cancelled, r.prefetches_refused,
-      r.prefetch_victim_refaults, json_number(r.prefetch_bytes_per_useful_byte()), r.budget_peak_bytes, fmt::join(layers, ","), oracle);
+      r.prefetch_victim_refaults, json_number(r.prefetch_precision()), json_number(r.prefetch_coverage()),
+      json_number(r.prefetch_timeliness()), json_number(r.prefetch_bytes_per_useful_byte()), r.budget_peak_bytes,
+      fmt::join(layers, ","), oracle);
 }
 
 // Stall per token (ms) against expert memory (GiB): one panel per (layout, ratio); every series
@@ -516,9 +525,13 @@ int main(int argc, char** argv) {
       trace = r.trace;
     }
     if (c.only_sequences) trace = only(trace, *c.only_sequences);
+    if (c.shuffle_seed) trace = expage::shuffle_tokens(trace, *c.shuffle_seed);
     const std::string source = c.trace ? *c.trace : fmt::format("synthetic (seed {})", c.synth.seed);
     fmt::print("{}: {} routing events, {} layers x {} experts, top-{}, batch {}; hardware {}\n", source, trace.size(),
                g.layers(), g.experts_per_layer(), g.top_k(), trace.batch_size(), hardware.name);
+    if (c.shuffle_seed) {
+      fmt::print("shuffled-order control: decode tokens permuted within each sequence (seed {})\n", *c.shuffle_seed);
+    }
 
     // One access stream per distinct capacity when groups must be split; else one for all.
     std::uint32_t smallest = UINT32_MAX;
@@ -604,19 +617,21 @@ int main(int argc, char** argv) {
     if (failure) std::rethrow_exception(failure);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
 
-    fmt::print("\n{:<9} {:>6} {:>6} {:<8} {:<14} {:>7} {:>10} {:>11} {:>10} {:>10} {:>10} {:>8}", "layout", "slots",
-               "r", "policy", "prefetch", "miss", "moved", "stall/tok", "p50", "p99", "time/tok", "pf used");
+    fmt::print("\n{:<9} {:>6} {:>6} {:<8} {:<14} {:>7} {:>10} {:>11} {:>10} {:>10} {:>10} {:>19}", "layout", "slots",
+               "r", "policy", "prefetch", "miss", "moved", "stall/tok", "p50", "p99", "time/tok", "pf prec/cov/timely");
     if (c.bounds) fmt::print(" {:>11} {:>11} {:>11}", "belady", "oracle-pf", "bound");
     fmt::print("\n");
     for (std::size_t i = 0; i < results.size(); ++i) {
       const auto& r = results[i];
       const cell& cl = cells[jobs[i].cell];
       fmt::print(
-          "{:<9} {:>6} {:>6.3g} {:<8} {:<14} {:>7.4f} {:>10} {:>8.3f} ms {:>7.3f} ms {:>7.3f} ms {:>7.3f} ms {:>8}",
+          "{:<9} {:>6} {:>6.3g} {:<8} {:<14} {:>7.4f} {:>10} {:>8.3f} ms {:>7.3f} ms {:>7.3f} ms {:>7.3f} ms {:>19}",
           expage::to_string(r.layout), r.capacity, r.ratio, expage::to_string(r.policy), r.prefetcher, r.miss_ratio(),
           expage::byte_size{r.bytes_moved()}, r.stall_seconds_per_token() * 1e3, r.per_pass.p50 * 1e3,
           r.per_pass.p99 * 1e3, r.seconds_per_token() * 1e3,
-          r.prefetches_issued == 0 ? std::string("-") : fmt::format("{}/{}", r.prefetches_used, r.prefetches_issued));
+          r.prefetches_issued == 0 ? std::string("-")
+                                   : fmt::format("{:.2f}/{:.2f}/{:.2f}", r.prefetch_precision(), r.prefetch_coverage(),
+                                                 r.prefetch_timeliness()));
       if (c.bounds) {
         fmt::print(" {:>8.3f} ms {:>8.3f} ms {:>8.3f} ms", cl.bounds.belady_demand_stall_per_token * 1e3,
                    cl.bounds.oracle_prefetch_stall_per_token * 1e3, cl.bounds.bandwidth_lower_bound_per_token * 1e3);

@@ -212,13 +212,13 @@ struct sim_result {
   std::uint64_t compulsory = 0;     ///< Distinct experts requested.
   std::uint64_t evictions = 0;      ///< Loads (demand or prefetch) that displaced an expert.
 
-  std::uint64_t prefetches_issued = 0;     ///< Admitted prefetches (a slot reserved).
-  std::uint64_t prefetches_used = 0;       ///< Prefetched experts requested before eviction.
-  std::uint64_t prefetches_late = 0;       ///< Of those, requested while still in flight.
-  std::uint64_t prefetches_promoted = 0;   ///< Queued prefetches turned into demand loads before starting.
-  std::uint64_t prefetches_wasted = 0;     ///< Transferred, then evicted unused.
-  std::uint64_t prefetches_cancelled = 0;  ///< Dropped from the queue unstarted (stale).
-  std::uint64_t prefetches_refused = 0;    ///< Proposals refused (no slot, cap, or a more valuable victim).
+  std::uint64_t prefetches_issued = 0;         ///< Admitted prefetches (a slot reserved).
+  std::uint64_t prefetches_used = 0;           ///< Prefetched experts requested before eviction.
+  std::uint64_t prefetches_late = 0;           ///< Of those, requested while still in flight.
+  std::uint64_t prefetches_promoted = 0;       ///< Queued prefetches turned into demand loads before starting.
+  std::uint64_t prefetches_wasted = 0;         ///< Transferred, then evicted unused.
+  std::uint64_t prefetches_cancelled = 0;      ///< Dropped from the queue unstarted (stale).
+  std::uint64_t prefetches_refused = 0;        ///< Proposals refused (no slot, cap, or a more valuable victim).
   std::uint64_t prefetch_victim_refaults = 0;  ///< Demand misses on experts a prefetch evicted less than a pass before.
 
   std::uint64_t demand_bytes = 0;                         ///< Bytes moved by demand loads.
@@ -252,6 +252,22 @@ struct sim_result {
   }
   /// Prefetch bytes moved per byte of prefetch that served a request (∞ when none did; 0 without prefetch).
   [[nodiscard]] double prefetch_bytes_per_useful_byte() const noexcept;
+  /// Precision: used / issued prefetches (0 when none was issued).
+  [[nodiscard]] double prefetch_precision() const noexcept {
+    return prefetches_issued == 0 ? 0.0 : static_cast<double>(prefetches_used) / static_cast<double>(prefetches_issued);
+  }
+  /// Coverage (recall of the misses): used prefetches / (used prefetches + demand loads), the
+  /// share of the transfers a request needed that a prefetch had started.
+  [[nodiscard]] double prefetch_coverage() const noexcept {
+    const std::uint64_t needed = prefetches_used + demand_misses;
+    return needed == 0 ? 0.0 : static_cast<double>(prefetches_used) / static_cast<double>(needed);
+  }
+  /// Timeliness: the share of used prefetches that had landed when requested (0 when none was used).
+  [[nodiscard]] double prefetch_timeliness() const noexcept {
+    return prefetches_used == 0
+               ? 0.0
+               : static_cast<double>(prefetches_used - prefetches_late) / static_cast<double>(prefetches_used);
+  }
 };
 
 /// Simulates @p stream with eviction policy @p policy.
