@@ -186,6 +186,9 @@ TEST(ExpertRuntime, LeasesReleasedOnAnotherThreadAreDrained) {
   const std::uint32_t b[] = {2, 3};
   auto la = rt.acquire(0, a);
   auto lb = rt.acquire(0, b);
+  // The loads done: a shrink never waits for a copy, so an expert still loading would stay
+  // resident until a later call (the releases alone must complete the shrink here).
+  w.copy.synchronize();
   const auto r = rt.resize(2 * rt.expert_bytes());
   EXPECT_EQ(r.held, 2U);
   completion_flag done;
@@ -426,6 +429,9 @@ TEST(ExpertRuntime, ResizeBelowPinnedExpertsHoldsThemAndShrinksOnRelease) {
   const std::uint32_t b[] = {2, 3};
   auto la = rt.acquire(0, a);
   auto lb = rt.acquire(0, b);
+  // The loads done: a shrink never waits for a copy, so an expert still loading would stay
+  // resident until a later call (the releases alone must complete the shrink here).
+  w.copy.synchronize();
   const auto r = rt.resize(2 * rt.expert_bytes());
   EXPECT_FALSE(r.complete());
   EXPECT_EQ(r.capacity, 4U);
