@@ -19,6 +19,7 @@
 //   moe_decode --trace-out trace.json --json stats.json
 #include <expage/expage.hpp>
 #include <expage/runtime/expert_runtime.hpp>
+#include <expage/runtime/runtime_prefetcher.hpp>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -70,6 +71,7 @@ struct options {
   std::string view = "records";
   precision format = precision::bf16;
   std::string policy = "lru";
+  std::string prefetch = "none";
   std::uint64_t host_limit = 4_GiB;
   bool check = true;
   bool physics = false;
@@ -131,6 +133,12 @@ options parse(int argc, char** argv) {
       if (o.policy != "lru" && o.policy != "lfu" && o.policy != "next-turn") {
         usage(fmt::format("--policy '{}' is not lru, lfu or next-turn", o.policy));
       }
+    } else if (a == "--prefetch") {
+      o.prefetch = value();
+      if (o.prefetch != "none" && o.prefetch != "coactivation" && o.prefetch != "frequency" &&
+          o.prefetch != "previous") {
+        usage(fmt::format("--prefetch '{}' is not none, coactivation, frequency or previous", o.prefetch));
+      }
     } else if (a == "--host-limit") {
       o.host_limit = parse_uint(a, value(), 0, 1ULL << 50);
     } else if (a == "--no-check") {
@@ -144,6 +152,7 @@ options parse(int argc, char** argv) {
       std::puts(
           "moe_decode [--geometry NAME] [--scale N] [--tokens N] [--budget P%] [--trace FILE [--problem ID]]\n"
           "           [--precision bf16|int4] [--view records|stable|slots] [--policy lru|lfu|next-turn]\n"
+          "           [--prefetch none|coactivation|frequency|previous]\n"
           "           [--weights FILE] [--write-weights FILE] [--trace-out FILE] [--json FILE]\n"
           "           [--host-limit BYTES] [--no-check] [--physics] [--quick]");
       std::exit(0);
@@ -521,13 +530,20 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
       (g.tensor_bytes(expert_tensor::down, o.format) + granularity - 1) / granularity * granularity;
   const std::uint64_t capacity = experts_for(budget, g);
   expage::budget_tracker tracker(capacity * page, "experts");
-  expage::host_stream copy("copy"), compute("compute");
-  expage::expert_runtime<expage::host_vmm, expage::host_stream, Policy> rt(
-      g, tracker.root(), vmm, copy, compute, store.source(),
-      {.views = {.stable_tensors = o.view == "stable" || o.view == "records",
-                 .slots = o.view == "slots",
-                 .records = o.view == "records"},
-       .trace_events = o.trace_out.empty() || quiet ? 0 : std::size_t{1} << 20});
+  expage::host_stream copy("copy"), compute("compute"), prefetch("prefetch");
+  using runtime_type = expage::expert_runtime<expage::host_vmm, expage::host_stream, Policy>;
+  runtime_type rt(g, tracker.root(), vmm, copy, compute, store.source(),
+                  {.views = {.stable_tensors = o.view == "stable" || o.view == "records",
+                             .slots = o.view == "slots",
+                             .records = o.view == "records"},
+                   .trace_events = o.trace_out.empty() || quiet ? 0 : std::size_t{1} << 20},
+                  o.prefetch == "none" ? nullptr : &prefetch);
+  // The predictor-driven prefetcher: told each layer's routing after its acquire(), it requests
+  // the next layer's likely experts on the prefetch stream (docs/prefetch.md).
+  std::optional<expage::runtime_prefetcher<runtime_type>> prefetcher;
+  if (o.prefetch != "none") {
+    prefetcher.emplace(rt, expage::make_predictor(o.prefetch, g.layers(), g.experts_per_layer(), g.top_k()));
+  }
 
   const std::uint64_t H = g.hidden_size();
   const std::uint32_t E = g.experts_per_layer(), K = g.top_k();
@@ -603,6 +619,7 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
       if (offsets[e + 1] > offsets[e]) routed.push_back(e);
     }
     auto lease = rt.acquire(layer, routed);
+    if (prefetcher) prefetcher->on_routed(layer, routed);
     // The FFN reads the weights through the chosen view; the lease's experts' entries are fixed.
     if (o.view == "records") {
       std::ranges::copy(rt.records(layer), records.begin());
@@ -660,6 +677,8 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
     if (layer + 1 == g.layers()) r.tokens += n;
   }
   compute.synchronize();
+  prefetch.synchronize();
+  rt.poll();
   r.wall_s = std::chrono::duration<double>(clock_type::now() - t0).count();
   r.compute_s = static_cast<double>(compute_ns.load()) * 1e-9;
   r.stats = rt.statistics();
@@ -730,6 +749,12 @@ int run(const options& o) {
              static_cast<double>(r.tokens) / r.wall_s);
   fmt::print("  tier {}: hits {}  misses {}  hit rate {:.1f}%  evictions {}\n", r.stats.tier, t.hits, t.misses,
              100 * r.stats.hit_ratio(), t.evictions);
+  if (o.prefetch != "none") {
+    fmt::print("  prefetch ({}): {} issued ({}), used {} ({}), wasted {} ({}), cancelled {}\n", o.prefetch,
+               t.prefetches, expage::byte_size{t.prefetch_bytes}, t.prefetch_used,
+               expage::byte_size{t.prefetch_used_bytes}, t.prefetch_wasted, expage::byte_size{t.prefetch_wasted_bytes},
+               r.stats.prefetch_cancelled);
+  }
   fmt::print("  bytes moved {}  compute {:.3f} s  waiting on loads {:.3f} s  checking {:.3f} s\n",
              expage::byte_size{t.bytes_loaded}, r.compute_s, static_cast<double>(t.load_wait_ns) * 1e-9, r.check_s);
   if (o.check) {

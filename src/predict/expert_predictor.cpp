@@ -143,6 +143,20 @@ void coactivation_predictor::predict(std::uint32_t layer, std::span<float> proba
   for (std::uint32_t j = 0; j < experts_; ++j) probability[j] = static_cast<float>(score[j] / weights);
 }
 
+void most_probable(std::span<const float> probability, float threshold, std::size_t most,
+                   std::vector<std::pair<float, expert_index>>& out) {
+  out.clear();
+  for (std::size_t e = 0; e < probability.size(); ++e) {
+    if (probability[e] >= threshold && probability[e] > 0.0F)
+      out.emplace_back(probability[e], static_cast<expert_index>(e));
+  }
+  const std::size_t keep = std::min(out.size(), most);
+  std::partial_sort(
+      out.begin(), out.begin() + static_cast<std::ptrdiff_t>(keep), out.end(),
+      [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); });
+  out.resize(keep);
+}
+
 std::unique_ptr<expert_predictor> make_predictor(std::string_view name, std::uint32_t layers,
                                                  std::uint32_t experts_per_layer, std::uint32_t top_k) {
   if (name == "frequency") return std::make_unique<frequency_predictor>(layers, experts_per_layer, top_k);

@@ -103,17 +103,8 @@ void predictive_prefetcher::propose(const access_stream& stream, std::size_t g, 
     if (target > layer + options_.distance) break;
     if (h > g + 1 && stream.layer(h - 1) == target) continue;  // predicted once per layer
     predictor_->predict(target, probability_);
-    ranked_.clear();
-    for (std::uint32_t e = 0; e < experts; ++e) {
-      if (probability_[e] >= options_.threshold && probability_[e] > 0.0F) ranked_.emplace_back(probability_[e], e);
-    }
-    const std::size_t keep = std::min<std::size_t>(ranked_.size(), per_layer);
-    std::partial_sort(
-        ranked_.begin(), ranked_.begin() + static_cast<std::ptrdiff_t>(keep), ranked_.end(),
-        [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); });
-    for (std::size_t i = 0; i < keep; ++i) {
-      out.push_back({.layer = target, .expert = ranked_[i].second, .use_group = h, .probability = ranked_[i].first});
-    }
+    most_probable(probability_, options_.threshold, per_layer, ranked_);
+    for (const auto& [p, e] : ranked_) out.push_back({.layer = target, .expert = e, .use_group = h, .probability = p});
   }
 }
 

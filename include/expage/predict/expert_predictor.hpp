@@ -14,6 +14,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace expage {
@@ -110,6 +111,12 @@ class coactivation_predictor final : public expert_predictor {
   std::vector<std::uint8_t> seen_;
   std::vector<std::vector<expert_index>> routed_;
 };
+
+/// Writes into @p out the experts whose @p probability is at least @p threshold (and above 0),
+/// most probable first (ties: the smaller index), at most @p most of them: what a prefetcher
+/// requests for one layer.
+void most_probable(std::span<const float> probability, float threshold, std::size_t most,
+                   std::vector<std::pair<float, expert_index>>& out);
 
 /// A predictor by name: "frequency", "previous", "coactivation".
 /// @throws expage::invalid_argument for another name, listing the accepted ones.

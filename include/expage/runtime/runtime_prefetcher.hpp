@@ -1,0 +1,153 @@
+/// @file
+/// @brief runtime_prefetcher: an expert_predictor driving an expert_runtime's prefetch() entry
+/// point (docs/prefetch.md, "In the runtime").
+///
+/// The engine tells it each layer's routing right after that layer's acquire(); it tells the
+/// predictor, asks it for the next `distance` layers of the same forward pass, and requests the
+/// most probable experts there through expert_runtime::prefetch() with their probability as the
+/// priority. The runtime does the rest as it does for any prefetch: on its own stream, never
+/// ahead of a demand load, into a free slot or in place of an idle expert, never waiting.
+///
+/// What keeps it from hurting in the runtime:
+/// - **stale requests are dropped:** each call first cancels the requests not yet issued (they
+///   were for this layer or were re-predicted now);
+/// - **a byte guard** (runtime_prefetch_options::max_overhead): while the bytes of prefetches
+///   evicted unused exceed the given share of the bytes the layers needed (demand loads plus used
+///   prefetches), plus one expert, it requests nothing, and resumes when demand traffic has grown
+///   enough. This is the runtime's form of the simulator's byte guard (sim/pager_sim.hpp), which
+///   can also see a shadow of demand loading; the runtime counts its waste directly.
+///
+/// Threading: one thread (the engine's, which calls acquire()) calls on_routed(); the runtime it
+/// drives may be used by other threads meanwhile (prefetch(), resize() and statistics() lock).
+#pragma once
+
+#include "expage/core/error.hpp"
+#include "expage/predict/expert_predictor.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <utility>
+#include <vector>
+
+namespace expage {
+
+/// @brief Parameters of a runtime_prefetcher.
+struct runtime_prefetch_options {
+  std::uint32_t distance = 1;   ///< Layers ahead of the routed one to request for, [1, 64].
+  float threshold = 0.0F;       ///< Request only experts predicted with at least this probability, [0, 1].
+  std::uint32_t per_layer = 0;  ///< At most this many per target layer; 0: the geometry's top-k.
+  /// The byte guard: request nothing while prefetch bytes wasted exceed this share of the bytes
+  /// the layers needed (demand loads + used prefetches), plus one expert. +∞ turns it off. [0, +∞].
+  double max_overhead = 0.05;
+};
+
+/// @brief What a runtime_prefetcher did.
+struct runtime_prefetch_statistics {
+  std::uint64_t passes = 0;     ///< Forward passes seen (a layer not after the previous one starts one).
+  std::uint64_t layers = 0;     ///< on_routed() calls.
+  std::uint64_t requested = 0;  ///< Experts requested through prefetch() (the runtime ignores resident ones).
+  std::uint64_t paused = 0;     ///< on_routed() calls that requested nothing because of the byte guard.
+  std::uint64_t cancelled = 0;  ///< Stale requests cancelled before the runtime issued them.
+};
+
+/// @brief Drives @p Runtime's prefetch() from an expert_predictor. @p Runtime is an
+/// expert_runtime (anything with its geometry(), prefetch(), cancel_prefetches() and statistics()).
+template <class Runtime>
+class runtime_prefetcher {
+ public:
+  /// @throws expage::invalid_argument for a null predictor, options out of range, or a runtime
+  ///         without a prefetch stream (detected at the first request).
+  runtime_prefetcher(Runtime& runtime, std::unique_ptr<expert_predictor> predictor,
+                     runtime_prefetch_options options = {})
+      : runtime_(runtime), predictor_(std::move(predictor)), options_(options) {
+    if (!predictor_) throw invalid_argument("runtime_prefetcher: the predictor is null");
+    if (options.distance == 0 || options.distance > 64) {
+      throw invalid_argument(fmt::format("runtime_prefetcher: distance {} out of range [1, 64]", options.distance));
+    }
+    if (!(options.threshold >= 0.0F && options.threshold <= 1.0F)) {
+      throw invalid_argument(fmt::format("runtime_prefetcher: threshold {} out of range [0, 1]", options.threshold));
+    }
+    if (!(options.max_overhead >= 0.0)) {
+      throw invalid_argument(
+          fmt::format("runtime_prefetcher: max_overhead {} out of range [0, inf]", options.max_overhead));
+    }
+    const auto& g = runtime_.geometry();
+    if (options.per_layer > g.experts_per_layer()) {
+      throw invalid_argument(fmt::format("runtime_prefetcher: per_layer {} out of range [0, {}]", options.per_layer,
+                                         g.experts_per_layer()));
+    }
+    per_layer_ = options.per_layer != 0 ? options.per_layer : g.top_k();
+    probability_.resize(g.experts_per_layer());
+  }
+
+  /// Layer @p layer of the current forward pass was routed to @p experts (call after its
+  /// acquire(); layers of a pass in increasing order, a layer not after the previous one starts
+  /// a new pass). Cancels the stale requests, then requests the next layers' likely experts.
+  /// @throws expage::invalid_argument for a layer or expert out of range (nothing is requested).
+  void on_routed(std::uint32_t layer, std::span<const std::uint32_t> experts) {
+    const auto& g = runtime_.geometry();
+    if (layer >= g.layers()) {
+      throw invalid_argument(fmt::format("runtime_prefetcher: layer {} out of range [0, {})", layer, g.layers()));
+    }
+    for (const std::uint32_t e : experts) {
+      if (e >= g.experts_per_layer()) {
+        throw invalid_argument(
+            fmt::format("runtime_prefetcher: expert {} out of range [0, {})", e, g.experts_per_layer()));
+      }
+    }
+    if (stats_.layers == 0 || layer <= last_layer_) {
+      predictor_->begin_pass();
+      ++stats_.passes;
+    }
+    last_layer_ = layer;
+    ++stats_.layers;
+    predictor_->observe(layer, experts);
+    stats_.cancelled += runtime_.cancel_prefetches();
+    if (layer + 1 >= g.layers()) return;  // the pass ends here
+    if (!within_overhead()) {
+      ++stats_.paused;
+      return;
+    }
+    const std::uint32_t last = std::min<std::uint32_t>(g.layers() - 1, layer + options_.distance);
+    for (std::uint32_t target = layer + 1; target <= last; ++target) {
+      predictor_->predict(target, probability_);
+      most_probable(probability_, options_.threshold, per_layer_, ranked_);
+      // One request per expert, each with its probability as the priority (higher first).
+      for (const auto& [p, e] : ranked_) {
+        const std::uint32_t one[] = {e};
+        runtime_.prefetch(target, one, p);
+        ++stats_.requested;
+      }
+    }
+  }
+
+  /// What it did so far.
+  [[nodiscard]] const runtime_prefetch_statistics& statistics() const noexcept { return stats_; }
+  /// The predictor it drives.
+  [[nodiscard]] const expert_predictor& predictor() const noexcept { return *predictor_; }
+
+ private:
+  [[nodiscard]] bool within_overhead() const {
+    if (std::isinf(options_.max_overhead)) return true;
+    // In experts (every expert moves the same bytes): wasted ≤ share × (demand loads + used) + 1.
+    const auto s = runtime_.statistics();
+    const auto wasted = static_cast<double>(s.total.prefetch_wasted);
+    const auto needed = static_cast<double>(s.total.misses + s.total.prefetch_used);
+    return wasted <= options_.max_overhead * needed + 1.0;
+  }
+
+  Runtime& runtime_;
+  std::unique_ptr<expert_predictor> predictor_;
+  runtime_prefetch_options options_;
+  std::uint32_t per_layer_ = 0;
+  std::uint32_t last_layer_ = 0;
+  runtime_prefetch_statistics stats_;
+  std::vector<float> probability_;
+  std::vector<std::pair<float, expert_index>> ranked_;
+};
+
+}  // namespace expage
