@@ -136,8 +136,8 @@ options parse(int argc, char** argv) {
     } else if (a == "--prefetch") {
       o.prefetch = value();
       if (o.prefetch != "none" && o.prefetch != "coactivation" && o.prefetch != "frequency" &&
-          o.prefetch != "previous") {
-        usage(fmt::format("--prefetch '{}' is not none, coactivation, frequency or previous", o.prefetch));
+          o.prefetch != "previous" && o.prefetch != "fmoe") {
+        usage(fmt::format("--prefetch '{}' is not none, coactivation, frequency, previous or fmoe", o.prefetch));
       }
     } else if (a == "--host-limit") {
       o.host_limit = parse_uint(a, value(), 0, 1ULL << 50);
@@ -152,7 +152,7 @@ options parse(int argc, char** argv) {
       std::puts(
           "moe_decode [--geometry NAME] [--scale N] [--tokens N] [--budget P%] [--trace FILE [--problem ID]]\n"
           "           [--precision bf16|int4] [--view records|stable|slots] [--policy lru|lfu|next-turn]\n"
-          "           [--prefetch none|coactivation|frequency|previous]\n"
+          "           [--prefetch none|coactivation|frequency|previous|fmoe]\n"
           "           [--weights FILE] [--write-weights FILE] [--trace-out FILE] [--json FILE]\n"
           "           [--host-limit BYTES] [--no-check] [--physics] [--quick]");
       std::exit(0);

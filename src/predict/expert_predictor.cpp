@@ -1,10 +1,12 @@
 #include "expage/predict/expert_predictor.hpp"
 
 #include "expage/core/error.hpp"
+#include "expage/detail/assert.hpp"
 
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace expage {
 namespace {
@@ -143,6 +145,126 @@ void coactivation_predictor::predict(std::uint32_t layer, std::span<float> proba
   for (std::uint32_t j = 0; j < experts_; ++j) probability[j] = static_cast<float>(score[j] / weights);
 }
 
+fmoe_map_predictor::fmoe_map_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k,
+                                       std::uint32_t capacity)
+    : layers_(layers), experts_(experts_per_layer), top_k_(top_k), capacity_(capacity) {
+  check_shape("fmoe_map_predictor", layers, experts_per_layer, top_k);
+  if (capacity == 0 || capacity > 65536) {
+    throw invalid_argument(fmt::format("fmoe_map_predictor: capacity {} out of range [1, 65536]", capacity));
+  }
+  reset();
+}
+
+void fmoe_map_predictor::reset() {
+  store_.clear();
+  count_ = 0;
+  current_.assign(std::size_t{layers_} * experts_, 0.0F);
+  observed_ = false;
+  dot_.clear();
+  norm_old_.clear();
+  norm_new_ = 0.0;
+  best_ = 0;
+  score_ = 0.0;
+}
+
+void fmoe_map_predictor::finish_pass() {
+  if (!observed_) return;
+  const auto cosine = [&](std::size_t y) {
+    double dot = 0.0, a = 0.0, b = 0.0;
+    const std::span<const float> old(store_.data() + y * layers_ * experts_, std::size_t{layers_} * experts_);
+    for (std::size_t i = 0; i < old.size(); ++i) {
+      dot += double{current_[i]} * double{old[i]};
+      a += double{current_[i]} * double{current_[i]};
+      b += double{old[i]} * double{old[i]};
+    }
+    return a == 0.0 || b == 0.0 ? 0.0 : dot / std::sqrt(a * b);
+  };
+  std::size_t slot = count_;
+  if (count_ == capacity_) {  // replace the stored map most redundant with this one
+    double most = -1.0;
+    for (std::size_t y = 0; y < count_; ++y) {
+      const double r = cosine(y);
+      if (r > most) {
+        most = r;
+        slot = y;
+      }
+    }
+  } else {
+    store_.resize(store_.size() + current_.size());
+    ++count_;
+  }
+  std::ranges::copy(current_, store_.begin() + static_cast<std::ptrdiff_t>(slot * current_.size()));
+}
+
+void fmoe_map_predictor::begin_pass() {
+  finish_pass();
+  std::ranges::fill(current_, 0.0F);
+  observed_ = false;
+  dot_.assign(count_, 0.0);
+  norm_old_.assign(count_, 0.0);
+  norm_new_ = 0.0;
+  score_ = 0.0;
+}
+
+void fmoe_map_predictor::observe(std::uint32_t layer, std::span<const expert_index> experts) {
+  if (layer >= layers_ || experts.empty()) return;
+  // A sparse router vector: 1/k on the routed experts (the trace has no full probabilities).
+  const std::span<float> now(current_.data() + std::size_t{layer} * experts_, experts_);
+  std::ranges::fill(now, 0.0F);
+  const float share = 1.0F / static_cast<float>(experts.size());
+  for (const expert_index e : experts) {
+    if (e < experts_) now[e] = share;
+  }
+  observed_ = true;
+  if (dot_.size() != count_) {  // the first pass after reset(): no begin_pass() yet
+    dot_.assign(count_, 0.0);
+    norm_old_.assign(count_, 0.0);
+  }
+  for (const float p : now) norm_new_ += double{p} * double{p};
+  // Trajectory search (Eq. 5), incrementally: add this layer's terms to every stored map's sums.
+  double best = -1.0;
+  for (std::size_t y = 0; y < count_; ++y) {
+    const std::span<const float> old = row(y, layer);
+    double d = 0.0, n = 0.0;
+    for (std::uint32_t e = 0; e < experts_; ++e) {
+      d += double{now[e]} * double{old[e]};
+      n += double{old[e]} * double{old[e]};
+    }
+    dot_[y] += d;
+    norm_old_[y] += n;
+    const double c = norm_old_[y] == 0.0 || norm_new_ == 0.0 ? 0.0 : dot_[y] / std::sqrt(norm_old_[y] * norm_new_);
+    if (c > best) {  // ties: the lower slot
+      best = c;
+      best_ = y;
+    }
+  }
+  score_ = std::max(best, 0.0);
+}
+
+void fmoe_map_predictor::predict(std::uint32_t layer, std::span<float> probability) const {
+  EXPAGE_ASSERT(probability.size() == experts_, "fmoe_map_predictor: probability span of the wrong size");
+  if (count_ == 0 || !observed_ || layer >= layers_) {
+    std::ranges::fill(probability, static_cast<float>(top_k_) / static_cast<float>(experts_));
+    return;
+  }
+  const std::span<const float> p = row(best_, layer);
+  std::vector<expert_index> order(experts_);
+  for (std::uint32_t e = 0; e < experts_; ++e) order[e] = e;
+  std::ranges::stable_sort(order, [&](expert_index a, expert_index b) { return p[a] > p[b]; });
+  // Eq. 6–8: the smallest set by descending p whose mass reaches δ = clip(1 − score, 0, 1), ≥ k.
+  const double delta = std::clamp(1.0 - score_, 0.0, 1.0);
+  std::ranges::fill(probability, 0.0F);
+  const double top = double{p[order[0]]};
+  double mass = 0.0;
+  for (std::uint32_t i = 0; i < experts_; ++i) {
+    if (i >= top_k_ && mass >= delta) break;
+    const expert_index e = order[i];
+    if (p[e] <= 0.0F && i >= top_k_) break;
+    mass += double{p[e]};
+    probability[e] = top > 0.0 ? static_cast<float>(score_ * double{p[e]} / top) : 0.0F;
+  }
+}
+
 void most_probable(std::span<const float> probability, float threshold, std::size_t most,
                    std::vector<std::pair<float, expert_index>>& out) {
   out.clear();
@@ -162,8 +284,9 @@ std::unique_ptr<expert_predictor> make_predictor(std::string_view name, std::uin
   if (name == "frequency") return std::make_unique<frequency_predictor>(layers, experts_per_layer, top_k);
   if (name == "previous") return std::make_unique<previous_pass_predictor>(layers, experts_per_layer);
   if (name == "coactivation") return std::make_unique<coactivation_predictor>(layers, experts_per_layer, top_k);
+  if (name == "fmoe") return std::make_unique<fmoe_map_predictor>(layers, experts_per_layer, top_k);
   throw invalid_argument(
-      fmt::format("unknown predictor '{}': expected one of frequency, previous, coactivation", name));
+      fmt::format("unknown predictor '{}': expected one of frequency, previous, coactivation, fmoe", name));
 }
 
 }  // namespace expage

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <random>
@@ -52,6 +54,146 @@ struct reference_coactivation {
     return weights == 0.0 ? -1.0F : static_cast<float>(score / weights);
   }
 };
+
+// The slow, obviously correct expert-map store: every finished pass's map kept (when full, the
+// stored map with the highest whole-map cosine to the new one is replaced); trajectory search
+// from scratch over the observed prefix; the δ-set by sorting.
+struct reference_fmoe {
+  std::uint32_t layers, experts, top_k, capacity;
+  std::vector<std::vector<float>> maps;  // [map][layer * experts + expert]
+
+  static std::vector<float> sparse(std::uint32_t experts, const std::vector<expert_index>& routed) {
+    std::vector<float> row(experts, 0.0F);
+    for (const expert_index e : routed) row[e] = 1.0F / static_cast<float>(routed.size());
+    return row;
+  }
+  std::vector<float> map_of(const std::vector<std::vector<expert_index>>& pass) const {
+    std::vector<float> m(std::size_t{layers} * experts, 0.0F);
+    for (std::uint32_t l = 0; l < pass.size(); ++l) {
+      const auto row = sparse(experts, pass[l]);
+      std::copy(row.begin(), row.end(), m.begin() + l * experts);
+    }
+    return m;
+  }
+  void finish(const std::vector<std::vector<expert_index>>& pass) {
+    const auto m = map_of(pass);
+    if (maps.size() < capacity) {
+      maps.push_back(m);
+      return;
+    }
+    std::size_t worst = 0;
+    double most = -1.0;
+    for (std::size_t y = 0; y < maps.size(); ++y) {
+      double d = 0, a = 0, b = 0;
+      for (std::size_t i = 0; i < m.size(); ++i) {
+        d += double{m[i]} * double{maps[y][i]};
+        a += double{m[i]} * double{m[i]};
+        b += double{maps[y][i]} * double{maps[y][i]};
+      }
+      const double c = a == 0 || b == 0 ? 0.0 : d / std::sqrt(a * b);
+      if (c > most) {
+        most = c;
+        worst = y;
+      }
+    }
+    maps[worst] = m;
+  }
+  std::vector<float> predict(const std::vector<std::vector<expert_index>>& current, std::uint32_t target) const {
+    std::vector<float> out(experts, static_cast<float>(top_k) / static_cast<float>(experts));
+    if (maps.empty() || current.empty()) return out;
+    const auto now = map_of(current);
+    std::size_t best = 0;
+    double score = -1.0;
+    for (std::size_t y = 0; y < maps.size(); ++y) {
+      double d = 0, a = 0, b = 0;  // per layer, then summed (the predictor's order of additions)
+      for (std::uint32_t l = 0; l < current.size(); ++l) {
+        double dl = 0, al = 0, bl = 0;
+        for (std::uint32_t e = 0; e < experts; ++e) {
+          const double x = now[l * experts + e], z = maps[y][l * experts + e];
+          dl += x * z;
+          al += x * x;
+          bl += z * z;
+        }
+        d += dl;
+        a += al;
+        b += bl;
+      }
+      const double c = a == 0 || b == 0 ? 0.0 : d / std::sqrt(b * a);
+      if (c > score) {
+        score = c;
+        best = y;
+      }
+    }
+    score = std::max(score, 0.0);
+    std::vector<std::pair<float, expert_index>> ranked;
+    for (expert_index e = 0; e < experts; ++e) ranked.emplace_back(maps[best][target * experts + e], e);
+    std::stable_sort(ranked.begin(), ranked.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
+    std::fill(out.begin(), out.end(), 0.0F);
+    const double delta = std::clamp(1.0 - score, 0.0, 1.0);
+    double mass = 0;
+    for (std::uint32_t i = 0; i < experts; ++i) {
+      if (i >= top_k && mass >= delta) break;
+      if (ranked[i].first <= 0.0F && i >= top_k) break;
+      mass += double{ranked[i].first};
+      out[ranked[i].second] = static_cast<float>(score * double{ranked[i].first} / double{ranked[0].first});
+    }
+    return out;
+  }
+};
+
+TEST(FmoeMapPredictor, EqualsTheReferenceOnRandomPasses) {
+  constexpr std::uint32_t layers = 5, experts = 6, top_k = 2;
+  std::mt19937_64 rng(11);
+  for (const std::uint32_t capacity : {3U, 50U}) {
+    fmoe_map_predictor p(layers, experts, top_k, capacity);
+    reference_fmoe ref{layers, experts, top_k, capacity, {}};
+    std::vector<float> got(experts);
+    std::vector<std::vector<expert_index>> previous;
+    for (int pass = 0; pass < 40; ++pass) {
+      p.begin_pass();
+      if (!previous.empty()) ref.finish(previous);
+      std::vector<std::vector<expert_index>> current;
+      for (std::uint32_t l = 0; l < layers; ++l) {
+        if (l > 0) {
+          p.predict(l, got);
+          const auto want = ref.predict(current, l);
+          for (expert_index j = 0; j < experts; ++j) {
+            EXPECT_NEAR(got[j], want[j], 1e-6) << "capacity " << capacity << " pass " << pass << " layer " << l;
+          }
+        }
+        const expert_index a = static_cast<expert_index>(rng() % 3);  // a few recurring routes
+        const expert_index b = static_cast<expert_index>(3 + (a + l + rng() % 2) % 3);
+        const std::vector<expert_index> r{a, b};
+        p.observe(l, r);
+        current.push_back(r);
+      }
+      previous = current;
+    }
+    EXPECT_EQ(p.stored(), std::min<std::size_t>(capacity, 39));
+  }
+  EXPECT_THROW(fmoe_map_predictor(4, 8, 2, 0), invalid_argument);
+  EXPECT_THROW(fmoe_map_predictor(4, 8, 9), invalid_argument);
+}
+
+// A pass that repeats a stored one is found and predicted exactly: its top-k at full confidence.
+TEST(FmoeMapPredictor, FindsARepeatedTrajectory) {
+  fmoe_map_predictor p(4, 8, 2);
+  const std::vector<std::vector<expert_index>> a{{0, 1}, {2, 3}, {4, 5}, {6, 7}};
+  const std::vector<std::vector<expert_index>> b{{1, 2}, {3, 4}, {5, 6}, {7, 0}};
+  for (const auto* pass : {&a, &b}) {
+    p.begin_pass();
+    for (std::uint32_t l = 0; l < 4; ++l) p.observe(l, (*pass)[l]);
+  }
+  p.begin_pass();
+  p.observe(0, b[0]);
+  p.observe(1, b[1]);
+  std::vector<float> got(8);
+  p.predict(2, got);
+  EXPECT_FLOAT_EQ(got[5], 1.0F);
+  EXPECT_FLOAT_EQ(got[6], 1.0F);
+  EXPECT_EQ(std::count(got.begin(), got.end(), 0.0F), 6);
+  EXPECT_EQ(make_predictor("fmoe", 4, 8, 2)->name(), "fmoe");
+}
 
 TEST(CoactivationPredictor, EqualsTheCountingReferenceOnRandomPasses) {
   constexpr std::uint32_t layers = 6, experts = 5, top_k = 2;

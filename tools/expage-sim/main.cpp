@@ -76,7 +76,8 @@ model, hardware and cache:
   --capacity LIST       slot counts or percentages of the layout's experts (default 25%,50%,75%)
   --layout L            per-layer, global or both (default global)
   --prefetch LIST       none; oracle or oracle:RECALL (the noisy oracle, recall in [0, 1]);
-                        coactivation[:T], frequency[:T], previous[:T]: an online predictor, prefetching
+                        coactivation[:T], frequency[:T], previous[:T], fmoe[:T] (fMoE's expert-map
+                        store, trajectory search): an online predictor, prefetching
                         experts predicted with probability >= T (default 0.5) (default none)
   --distance D          prefetch distance in layer groups (default 2)
   --admission A         cost-benefit (PreScope Eq. 6-7: issue a prefetch only when the expected time
@@ -230,10 +231,10 @@ config parse(int argc, char** argv, const std::string& help) {
         } else {
           const auto colon = p.find(':');
           const std::string name = p.substr(0, colon);
-          if (name != "coactivation" && name != "frequency" && name != "previous") {
+          if (name != "coactivation" && name != "frequency" && name != "previous" && name != "fmoe") {
             throw usage_error{
                 fmt::format("--prefetch '{}' is not one of none, oracle, oracle:RECALL, coactivation[:THRESHOLD], "
-                            "frequency[:THRESHOLD], previous",
+                            "frequency[:THRESHOLD], previous[:THRESHOLD], fmoe[:THRESHOLD]",
                             p)};
           }
           prefetch_choice choice{p, std::nullopt, name, 0.5F};

@@ -112,13 +112,63 @@ class coactivation_predictor final : public expert_predictor {
   std::vector<std::vector<expert_index>> routed_;
 };
 
+/// @brief fMoE's expert-map store with trajectory search (fMoE §4, Eq. 5–8; control-layer notes E5).
+///
+/// An *expert map* is one forward pass's router probability vectors, one per layer. The store
+/// keeps up to `capacity` maps of past passes. After the current pass has observed layers
+/// 0..ℓ, trajectory search (Eq. 5) picks the stored map y whose first ℓ + 1 rows are most similar
+/// (cosine of the concatenated rows) to the current pass's; for a later layer ℓ' it predicts that
+/// map's row P_ℓ'. The threshold δ = clip(1 − score, 0, 1) sets how many experts (Eq. 6–8): the
+/// smallest set, by descending p, whose mass reaches δ, and at least top-k of them, so a map that
+/// matches less well prefetches more. Those experts get probability score · p_j / max p (the best
+/// one the similarity itself), the others 0. When the store is full a finished pass replaces the
+/// stored map most redundant with it (highest whole-map similarity; fMoE's RDY without its
+/// semantic term).
+///
+/// Routing traces without router probabilities (the Mixtral trace records only the top-2) give
+/// each routed expert 1/k (a sparse map, as the notes prescribe). fMoE's semantic search (Eq. 4,
+/// layers before d) needs per-token embeddings and is not implemented: before any layer is
+/// observed, and with an empty store, the prediction is uniform k/E. Per observed layer the search
+/// costs O(capacity · E) (running dot products), a finished pass O(capacity · L · E).
+class fmoe_map_predictor final : public expert_predictor {
+ public:
+  /// @throws expage::invalid_argument for 0 layers/experts, top-k out of [1, experts], or a
+  ///         capacity out of [1, 65536].
+  fmoe_map_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k,
+                     std::uint32_t capacity = 1024);
+  [[nodiscard]] std::string name() const override { return "fmoe"; }
+  void reset() override;
+  void begin_pass() override;
+  void observe(std::uint32_t layer, std::span<const expert_index> experts) override;
+  void predict(std::uint32_t layer, std::span<float> probability) const override;
+  /// Maps stored now.
+  [[nodiscard]] std::size_t stored() const noexcept { return count_; }
+
+ private:
+  [[nodiscard]] std::span<const float> row(std::size_t map, std::uint32_t layer) const noexcept {
+    return {store_.data() + (map * layers_ + layer) * experts_, experts_};
+  }
+  void finish_pass();
+
+  std::uint32_t layers_, experts_, top_k_, capacity_;
+  std::vector<float> store_;  // [map][layer][expert]
+  std::size_t count_ = 0;
+  std::vector<float> current_;    // [layer][expert] of this pass (zero rows not observed)
+  bool observed_ = false;         // a layer of this pass was observed
+  std::vector<double> dot_;       // per stored map: Σ over observed layers of P_new · P_old
+  std::vector<double> norm_old_;  // per stored map: Σ over observed layers of |P_old|²
+  double norm_new_ = 0.0;         // Σ over observed layers of |P_new|²
+  std::size_t best_ = 0;          // the trajectory-search winner after the last observed layer
+  double score_ = 0.0;            // its cosine similarity
+};
+
 /// Writes into @p out the experts whose @p probability is at least @p threshold (and above 0),
 /// most probable first (ties: the smaller index), at most @p most of them: what a prefetcher
 /// requests for one layer.
 void most_probable(std::span<const float> probability, float threshold, std::size_t most,
                    std::vector<std::pair<float, expert_index>>& out);
 
-/// A predictor by name: "frequency", "previous", "coactivation".
+/// A predictor by name: "frequency", "previous", "coactivation", "fmoe".
 /// @throws expage::invalid_argument for another name, listing the accepted ones.
 [[nodiscard]] std::unique_ptr<expert_predictor> make_predictor(std::string_view name, std::uint32_t layers,
                                                                std::uint32_t experts_per_layer, std::uint32_t top_k);
