@@ -3,18 +3,26 @@
 // geometry a trace's metadata names.
 #pragma once
 
+#include <expage/core/error.hpp>
+#include <expage/core/geometry_io.hpp>
 #include <expage/core/moe_geometry.hpp>
+#include <expage/sim/hardware_profile.hpp>
+#include <expage/trace/routing_trace.hpp>
 #include <expage/trace/trace_io.hpp>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace expage_tools {
@@ -64,6 +72,55 @@ inline double parse_real(std::string_view flag, std::string_view text, double lo
     throw usage_error{fmt::format("{} '{}' is not a number in [{}, {}]", flag, text, lo, hi)};
   }
   return v;
+}
+
+/// A byte count: a number with an optional unit, "24GiB", "512MiB", "40GB", "123456". Binary
+/// units are powers of 1024, decimal ones of 1000. @throws usage_error naming the flag, the text
+/// and the range [lo, 2^53].
+inline std::uint64_t parse_bytes(std::string_view flag, std::string_view text, std::uint64_t lo) {
+  constexpr std::pair<std::string_view, double> units[] = {{"TiB", 1099511627776.0},
+                                                           {"GiB", 1073741824.0},
+                                                           {"MiB", 1048576.0},
+                                                           {"KiB", 1024.0},
+                                                           {"TB", 1e12},
+                                                           {"GB", 1e9},
+                                                           {"MB", 1e6},
+                                                           {"KB", 1e3},
+                                                           {"B", 1.0}};
+  double scale = 1.0;
+  std::string_view number = text;
+  for (const auto& [unit, factor] : units) {
+    if (number.size() > unit.size() && number.ends_with(unit)) {
+      number.remove_suffix(unit.size());
+      scale = factor;
+      break;
+    }
+  }
+  double v = 0.0;
+  const auto [end, ec] = std::from_chars(number.data(), number.data() + number.size(), v);
+  const double bytes = v * scale;
+  if (ec != std::errc() || end != number.data() + number.size() || !(bytes >= static_cast<double>(lo)) ||
+      bytes > 9007199254740992.0) {
+    throw usage_error{
+        fmt::format("{} '{}' is not a byte count in [{}, 2^53] (e.g. 24GiB, 512MiB, 40GB)", flag, text, lo)};
+  }
+  return static_cast<std::uint64_t>(bytes);
+}
+
+/// The events of @p t whose sequence is in @p ids, in execution order (e.g. one problem of a
+/// recorded trace). @throws usage_error when none is.
+inline expage::routing_trace only_sequences(const expage::routing_trace& t, const std::set<std::uint32_t>& ids) {
+  expage::routing_trace out(t.layers(), t.experts_per_layer(), t.top_k());
+  out.set_batch_size(t.batch_size());
+  for (const expage::routing_event& e : t) {
+    if (ids.contains(e.sequence)) out.append(e);
+  }
+  if (out.empty()) {
+    throw usage_error{
+        fmt::format("--only-sequences {}: no event of the trace has one of these ids", fmt::join(ids, ","))};
+  }
+  out.restore_execution_order();
+  return out;
 }
 
 /// A capacity flag value for a scope of @p keys experts: "50%" or "128", at least @p minimum.
@@ -122,6 +179,33 @@ inline expage::moe_geometry geometry_of(const expage::trace_metadata& m) {
                                .top_k = m.top_k,
                                .hidden_size = 1,
                                .intermediate_size = 1});
+}
+
+/// The hardware profile a --hardware value names (a preset or a JSON file). @throws usage_error
+/// (exit status 2) with the reader's message for an unknown preset or a bad file.
+inline expage::hardware_profile hardware_argument(std::string_view text) {
+  try {
+    return expage::hardware_from_argument(text);
+  } catch (const expage::invalid_argument& e) {
+    throw usage_error{fmt::format("--hardware: {}", e.what())};
+  } catch (const expage::format_error& e) {
+    throw usage_error{fmt::format("--hardware: {}", e.what())};
+  }
+}
+
+/// The geometry a --geometry value names (a preset or a JSON file); without one, the trace's
+/// metadata's, else @p fallback. @throws usage_error (exit status 2) for a bad name or file.
+inline expage::moe_geometry geometry_argument(const std::optional<std::string>& text,
+                                              const std::optional<expage::trace_metadata>& meta,
+                                              std::string_view fallback = "mixtral-8x7b") {
+  if (!text && meta) return geometry_of(*meta);
+  try {
+    return expage::geometry_from_argument(text ? std::string_view(*text) : fallback);
+  } catch (const expage::invalid_argument& e) {
+    throw usage_error{fmt::format("--geometry: {}", e.what())};
+  } catch (const expage::format_error& e) {
+    throw usage_error{fmt::format("--geometry: {}", e.what())};
+  }
 }
 
 }  // namespace expage_tools

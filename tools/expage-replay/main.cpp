@@ -352,16 +352,7 @@ int main(int argc, char** argv) {
     if (c.svg) expage_tools::check_output_path("--svg", *c.svg);
     const std::optional<expage::trace_metadata> meta =
         c.trace ? expage::read_trace_metadata(*c.trace) : std::optional<expage::trace_metadata>{};
-    expage::moe_geometry g = [&] {
-      if (!c.geometry && meta) return geometry_of(*meta);
-      try {
-        return expage::geometry_from_argument(c.geometry.value_or("mixtral-8x7b"));
-      } catch (const expage::invalid_argument& e) {
-        throw usage_error{fmt::format("--geometry: {}", e.what())};
-      } catch (const expage::format_error& e) {
-        throw usage_error{fmt::format("--geometry: {}", e.what())};
-      }
-    }();
+    expage::moe_geometry g = expage_tools::geometry_argument(c.geometry, meta);
     if (c.synthetic) {
       const std::uint64_t events = std::uint64_t{c.synth.sequences} *
                                    (std::uint64_t{c.synth.decode_steps} + c.synth.prefill_tokens) * g.layers();

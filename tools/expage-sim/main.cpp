@@ -444,20 +444,6 @@ std::string svg_chart(const std::vector<expage::sim_result>& results, const std:
   return out;
 }
 
-expage::routing_trace only(const expage::routing_trace& t, const std::set<std::uint32_t>& ids) {
-  expage::routing_trace out(t.layers(), t.experts_per_layer(), t.top_k());
-  out.set_batch_size(t.batch_size());
-  for (const expage::routing_event& e : t) {
-    if (ids.contains(e.sequence)) out.append(e);
-  }
-  if (out.empty()) {
-    throw usage_error{
-        fmt::format("--only-sequences {}: no event of the trace has one of these ids", fmt::join(ids, ","))};
-  }
-  out.restore_execution_order();
-  return out;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -472,27 +458,10 @@ int main(int argc, char** argv) {
     const config c = parse(argc, argv, help);
     if (c.json) expage_tools::check_output_path("--json", *c.json);
     if (c.svg) expage_tools::check_output_path("--svg", *c.svg);
-    const expage::hardware_profile hardware = [&] {
-      try {
-        return expage::hardware_from_argument(c.hardware);
-      } catch (const expage::invalid_argument& e) {
-        throw usage_error{fmt::format("--hardware: {}", e.what())};
-      } catch (const expage::format_error& e) {
-        throw usage_error{fmt::format("--hardware: {}", e.what())};
-      }
-    }();
+    const expage::hardware_profile hardware = expage_tools::hardware_argument(c.hardware);
     const std::optional<expage::trace_metadata> meta =
         c.trace ? expage::read_trace_metadata(*c.trace) : std::optional<expage::trace_metadata>{};
-    const expage::moe_geometry g = [&] {
-      if (!c.geometry && meta) return expage_tools::geometry_of(*meta);
-      try {
-        return expage::geometry_from_argument(c.geometry.value_or("mixtral-8x7b"));
-      } catch (const expage::invalid_argument& e) {
-        throw usage_error{fmt::format("--geometry: {}", e.what())};
-      } catch (const expage::format_error& e) {
-        throw usage_error{fmt::format("--geometry: {}", e.what())};
-      }
-    }();
+    const expage::moe_geometry g = expage_tools::geometry_argument(c.geometry, meta);
     // Ratios and capacities are checked before the trace is read.
     for (const auto& r : c.ratios) {
       try {
@@ -525,7 +494,7 @@ int main(int argc, char** argv) {
       fmt::print("realigned: {} short layer(s), {} row(s) moved\n", r.layers.size(), r.rows_moved());
       trace = r.trace;
     }
-    if (c.only_sequences) trace = only(trace, *c.only_sequences);
+    if (c.only_sequences) trace = expage_tools::only_sequences(trace, *c.only_sequences);
     if (c.shuffle_seed) trace = expage::shuffle_tokens(trace, *c.shuffle_seed);
     const std::string source = c.trace ? *c.trace : fmt::format("synthetic (seed {})", c.synth.seed);
     fmt::print("{}: {} routing events, {} layers x {} experts, top-{}, batch {}; hardware {}\n", source, trace.size(),
