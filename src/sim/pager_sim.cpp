@@ -742,6 +742,58 @@ sim_result simulate(const access_stream& stream, const moe_geometry& geometry, p
   return r;
 }
 
+namespace {
+
+// Hindsight-static top-n: in each scope (all experts, or each layer) the n = capacity − largest
+// group most requested experts, resident from the start and never evicted; every other request
+// is loaded on demand into the remaining slots and dropped after its group. No static set misses
+// fewer: without reuse, misses are the requests outside the set, least when the set is the
+// n most requested. A layer waits for its loads spread over the links, each to the one that
+// finishes it first (what simulate() does for demand loads on idle links).
+void hindsight_static(const access_stream& stream, const moe_geometry& geometry, const sim_options& options,
+                      const cost_model& cost, sim_bounds& b) {
+  const bool global = options.layout == cache_layout::global;
+  const std::uint32_t experts = geometry.experts_per_layer();
+  const std::size_t scopes = global ? 1 : geometry.layers();
+  const std::size_t per_scope = global ? std::size_t{geometry.layers()} * experts : experts;
+  std::vector<std::uint64_t> count(scopes * per_scope, 0);
+  const auto key = [&](std::uint32_t layer, expert_index e) {
+    return global ? std::size_t{layer} * experts + e : std::size_t{layer} * per_scope + e;
+  };
+  for (std::size_t g = 0; g < stream.groups(); ++g) {
+    for (const expert_index e : stream.experts(g)) ++count[key(stream.layer(g), e)];
+  }
+  const std::uint32_t n = options.capacity - largest_group(stream);
+  std::vector<std::uint8_t> resident(count.size(), 0);
+  std::vector<std::uint32_t> order(per_scope);
+  for (std::size_t s = 0; s < scopes; ++s) {
+    for (std::uint32_t i = 0; i < per_scope; ++i) order[i] = i;
+    const auto* c = count.data() + s * per_scope;
+    std::stable_sort(order.begin(), order.end(), [&](std::uint32_t x, std::uint32_t y) { return c[x] > c[y]; });
+    for (std::uint32_t i = 0; i < n && i < per_scope; ++i) resident[s * per_scope + order[i]] = 1;
+  }
+  std::vector<double> busy(cost.transfer_seconds.size());
+  double stall = 0.0;
+  for (std::size_t g = 0; g < stream.groups(); ++g) {
+    std::ranges::fill(busy, 0.0);
+    double ready = 0.0;
+    for (const expert_index e : stream.experts(g)) {
+      if (resident[key(stream.layer(g), e)] != 0) continue;
+      ++b.hindsight_static_misses;
+      std::size_t best = 0;
+      for (std::size_t k = 1; k < busy.size(); ++k) {
+        if (busy[k] + cost.transfer_seconds[k] < busy[best] + cost.transfer_seconds[best]) best = k;
+      }
+      busy[best] += cost.transfer_seconds[best];
+      ready = std::max(ready, busy[best]);
+    }
+    stall += ready;
+  }
+  b.hindsight_static_stall_per_token = stream.tokens() == 0 ? 0.0 : stall / static_cast<double>(stream.tokens());
+}
+
+}  // namespace
+
 sim_bounds simulate_bounds(const access_stream& stream, const moe_geometry& geometry, const sim_options& options) {
   sim_options o = options;
   o.prefetch = nullptr;
@@ -761,6 +813,7 @@ sim_bounds simulate_bounds(const access_stream& stream, const moe_geometry& geom
   b.bandwidth_lower_bound_per_token =
       belady.tokens == 0 ? 0.0
                          : std::max(0.0, link_seconds - belady.compute_seconds) / static_cast<double>(belady.tokens);
+  hindsight_static(stream, geometry, options, cost, b);
   return b;
 }
 

@@ -7,6 +7,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -318,6 +319,38 @@ TEST(PagerSim, GuardsSilenceAUselessPrefetcher) {
     EXPECT_LE(static_cast<double>(guarded.bytes_moved()),
               1.05 * static_cast<double>(demand.bytes_moved()) + 8.0 * transfer_bytes);
     EXPECT_LE(guarded.stall_total(), demand.stall_total() + 8.0 * demand.transfer_seconds);
+  }
+}
+
+// Hindsight-static top-n against brute force: over every static set of n experts (n = capacity −
+// the largest group), the fewest misses equal the bound's, and its stall is those misses' loads.
+TEST(PagerSim, HindsightStaticEqualsTheBestStaticSetByBruteForce) {
+  const auto g = tiny();  // 2 layers × 4 experts: 8 keys in the global layout
+  synthetic_options so;
+  so.seed = 6;
+  so.sequences = 2;
+  so.decode_steps = 20;
+  const routing_trace trace = generate_synthetic(g, so);
+  for (const std::uint32_t capacity : {2U, 4U, 6U, 8U}) {
+    SCOPED_TRACE(fmt::format("capacity {}", capacity));
+    const access_stream stream(trace, capacity);
+    const sim_options o{.capacity = capacity, .hardware = seconds_profile(1.0, 2.0), .dense_bytes_per_layer = 0};
+    const sim_bounds b = simulate_bounds(stream, g, o);
+    const std::uint32_t n = capacity - 2;  // every group routes top-2
+    std::uint64_t fewest = ~std::uint64_t{0};
+    for (std::uint32_t set = 0; set < 256; ++set) {
+      if (static_cast<std::uint32_t>(std::popcount(set)) != n) continue;
+      std::uint64_t misses = 0;
+      for (std::size_t i = 0; i < stream.groups(); ++i) {
+        for (const expert_index e : stream.experts(i))
+          misses += ((set >> (stream.layer(i) * 4 + e)) & 1U) == 0 ? 1U : 0U;
+      }
+      fewest = std::min(fewest, misses);
+    }
+    EXPECT_EQ(b.hindsight_static_misses, fewest);
+    // One link, 2 s per transfer: each layer waits 2 s per load.
+    EXPECT_DOUBLE_EQ(b.hindsight_static_stall_per_token * static_cast<double>(stream.tokens()),
+                     2.0 * static_cast<double>(fewest));
   }
 }
 

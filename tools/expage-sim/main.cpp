@@ -48,7 +48,8 @@ Simulates paged MoE decoding in time: per layer, routing known at its start, dem
 ahead of prefetches on serial links, compute from a roofline of the geometry. Reports, for
 every layout x capacity x ratio x policy x prefetcher: stall per token (mean, p50, p99, by
 cause), miss ratio, bytes moved, prefetch use, and beside it the oracles: Belady demand, Belady
-with a perfect prefetcher (2 groups ahead), and the link-bandwidth lower bound.
+with a perfect prefetcher (2 groups ahead), the link-bandwidth lower bound, and the best static
+residency chosen in hindsight (top-n most requested experts, never evicted).
 
 input (one of):
   --trace FILE          a routing trace: .jsonl, .csv or .bin (expage binary), by extension
@@ -313,9 +314,11 @@ std::string result_json(const expage::sim_result& r, const cell& c, bool bounds)
   std::string oracle;
   if (bounds) {
     oracle = fmt::format(
-        R"(,"belady_demand_stall_per_token_s":{},"belady_demand_misses":{},"oracle_prefetch_stall_per_token_s":{},"bandwidth_lower_bound_per_token_s":{})",
+        R"(,"belady_demand_stall_per_token_s":{},"belady_demand_misses":{},"oracle_prefetch_stall_per_token_s":{},"bandwidth_lower_bound_per_token_s":{},)"
+        R"("hindsight_static_stall_per_token_s":{},"hindsight_static_misses":{})",
         json_number(c.bounds.belady_demand_stall_per_token), c.bounds.belady_demand_misses,
-        json_number(c.bounds.oracle_prefetch_stall_per_token), json_number(c.bounds.bandwidth_lower_bound_per_token));
+        json_number(c.bounds.oracle_prefetch_stall_per_token), json_number(c.bounds.bandwidth_lower_bound_per_token),
+        json_number(c.bounds.hindsight_static_stall_per_token), c.bounds.hindsight_static_misses);
   }
   return fmt::format(
       R"({{"layout":"{}","slots":{},"policy":"{}","prefetch":"{}","ratio":{},"transfer_s":{},"layer_s":{},)"
@@ -387,6 +390,7 @@ std::string svg_chart(const std::vector<expage::sim_result>& results, const std:
         add_point("Belady demand (oracle)", true, gib, c.bounds.belady_demand_stall_per_token * 1e3);
         add_point("Belady + perfect prefetch", true, gib, c.bounds.oracle_prefetch_stall_per_token * 1e3);
         add_point("bandwidth lower bound", true, gib, c.bounds.bandwidth_lower_bound_per_token * 1e3);
+        add_point("hindsight-static top-n", true, gib, c.bounds.hindsight_static_stall_per_token * 1e3);
       }
     }
     double xmax = 0, ymax = 0;
@@ -589,7 +593,7 @@ int main(int argc, char** argv) {
 
     fmt::print("\n{:<9} {:>6} {:>6} {:<8} {:<14} {:>7} {:>10} {:>11} {:>10} {:>10} {:>10} {:>19}", "layout", "slots",
                "r", "policy", "prefetch", "miss", "moved", "stall/tok", "p50", "p99", "time/tok", "pf prec/cov/timely");
-    if (c.bounds) fmt::print(" {:>11} {:>11} {:>11}", "belady", "oracle-pf", "bound");
+    if (c.bounds) fmt::print(" {:>11} {:>11} {:>11} {:>11}", "belady", "oracle-pf", "bound", "static");
     fmt::print("\n");
     for (std::size_t i = 0; i < results.size(); ++i) {
       const auto& r = results[i];
@@ -603,8 +607,9 @@ int main(int argc, char** argv) {
                                    : fmt::format("{:.2f}/{:.2f}/{:.2f}", r.prefetch_precision(), r.prefetch_coverage(),
                                                  r.prefetch_timeliness()));
       if (c.bounds) {
-        fmt::print(" {:>8.3f} ms {:>8.3f} ms {:>8.3f} ms", cl.bounds.belady_demand_stall_per_token * 1e3,
-                   cl.bounds.oracle_prefetch_stall_per_token * 1e3, cl.bounds.bandwidth_lower_bound_per_token * 1e3);
+        fmt::print(" {:>8.3f} ms {:>8.3f} ms {:>8.3f} ms {:>8.3f} ms", cl.bounds.belady_demand_stall_per_token * 1e3,
+                   cl.bounds.oracle_prefetch_stall_per_token * 1e3, cl.bounds.bandwidth_lower_bound_per_token * 1e3,
+                   cl.bounds.hindsight_static_stall_per_token * 1e3);
       }
       fmt::print("\n");
     }

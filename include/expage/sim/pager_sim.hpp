@@ -286,6 +286,13 @@ struct sim_bounds {
   /// at this capacity stalls less: it must move at least Belady's bytes, and can at best hide the
   /// link behind all of the compute.
   double bandwidth_lower_bound_per_token = 0;
+  /// Hindsight-static top-n: the n = capacity − largest group most requested experts of each
+  /// scope (chosen knowing the whole stream) resident from the start and never evicted, every
+  /// other request loaded on demand and dropped after its group. The best any fixed residency
+  /// (DynaExq's or llama.cpp's `--n-cpu-moe` kind) can do; free of compulsory misses, so it can
+  /// beat Belady at large capacities.
+  double hindsight_static_stall_per_token = 0;
+  std::uint64_t hindsight_static_misses = 0;  ///< Its demand loads.
 };
 
 /// Computes the bounds for @p options (its prefetcher is ignored).
