@@ -3,6 +3,7 @@
 // geometry a trace's metadata names.
 #pragma once
 
+#include <expage/cache/replay.hpp>
 #include <expage/core/error.hpp>
 #include <expage/core/geometry_io.hpp>
 #include <expage/core/moe_geometry.hpp>
@@ -181,6 +182,23 @@ inline expage::moe_geometry geometry_of(const expage::trace_metadata& m) {
                                .intermediate_size = 1});
 }
 
+/// A comma-separated set of ids (--only-sequences 0,3). @throws usage_error naming @p flag.
+inline std::set<std::uint32_t> parse_id_set(std::string_view flag, std::string_view text) {
+  std::set<std::uint32_t> ids;
+  for (const auto& s : split_nonempty(flag, text))
+    ids.insert(parse_number<std::uint32_t>(flag, s, 0, ~std::uint32_t{0}));
+  return ids;
+}
+
+/// The eviction policies' command-line names, comma-separated; without Belady when @p online_only.
+inline std::string policy_names(bool online_only) {
+  std::vector<std::string_view> n;
+  for (const auto p : expage::all_policy_kinds()) {
+    if (!online_only || p != expage::policy_kind::belady) n.push_back(expage::to_string(p));
+  }
+  return fmt::format("{}", fmt::join(n, ", "));
+}
+
 /// The hardware profile a --hardware value names (a preset or a JSON file). @throws usage_error
 /// (exit status 2) with the reader's message for an unknown preset or a bad file.
 inline expage::hardware_profile hardware_argument(std::string_view text) {
@@ -206,6 +224,23 @@ inline expage::moe_geometry geometry_argument(const std::optional<std::string>& 
   } catch (const expage::format_error& e) {
     throw usage_error{fmt::format("--geometry: {}", e.what())};
   }
+}
+
+/// What a simulating tool runs on: the hardware profile, the trace's metadata (when a trace is
+/// given) and the geometry (--geometry, else the metadata's). @throws usage_error (exit status 2)
+/// for a bad --hardware or --geometry; the reader's errors for an unreadable trace header.
+struct model_inputs {
+  expage::hardware_profile hardware;               ///< --hardware.
+  std::optional<expage::trace_metadata> metadata;  ///< The trace's, when one is given.
+  expage::moe_geometry geometry;                   ///< --geometry or the metadata's.
+};
+inline model_inputs load_model_inputs(std::string_view hardware, const std::optional<std::string>& geometry,
+                                      const std::optional<std::string>& trace) {
+  expage::hardware_profile h = hardware_argument(hardware);
+  std::optional<expage::trace_metadata> meta =
+      trace ? expage::read_trace_metadata(*trace) : std::optional<expage::trace_metadata>{};
+  expage::moe_geometry g = geometry_argument(geometry, meta);
+  return {std::move(h), std::move(meta), std::move(g)};
 }
 
 }  // namespace expage_tools

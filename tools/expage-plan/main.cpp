@@ -112,11 +112,7 @@ config parse(int argc, char** argv, const std::string& help) {
     } else if (flag == "--seed") {
       c.synth.seed = parse_number<std::uint64_t>(flag, value(), 0, ~std::uint64_t{0});
     } else if (flag == "--only-sequences") {
-      std::set<std::uint32_t> ids;
-      for (const auto& s : expage_tools::split_nonempty(flag, value())) {
-        ids.insert(parse_number<std::uint32_t>(flag, s, 0, ~std::uint32_t{0}));
-      }
-      c.only = std::move(ids);
+      c.only = expage_tools::parse_id_set(flag, value());
     } else if (flag == "--budget") {
       c.budget = expage_tools::parse_bytes(flag, value(), 1);
     } else if (flag == "--kv-floor") {
@@ -289,23 +285,16 @@ std::string plan_svg(const expage::plan_result& plan, const std::string& title) 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const auto policy_names = [] {
-    std::vector<std::string_view> n;
-    for (const auto p : expage::all_policy_kinds()) {
-      if (p != expage::policy_kind::belady) n.push_back(expage::to_string(p));
-    }
-    return fmt::format("{}", fmt::join(n, ", "));
-  }();
+  const std::string policy_names = expage_tools::policy_names(true);
   const std::string help = fmt::format(fmt::runtime(usage), fmt::join(expage::moe_geometry::preset_names(), ", "),
                                        fmt::join(expage::hardware_profile::preset_names(), ", "), policy_names);
   try {
     const config c = parse(argc, argv, help);
     if (c.json) expage_tools::check_output_path("--json", *c.json);
     if (c.svg) expage_tools::check_output_path("--svg", *c.svg);
-    const expage::hardware_profile hardware = expage_tools::hardware_argument(c.hardware);
-    const std::optional<expage::trace_metadata> meta =
-        c.trace ? expage::read_trace_metadata(*c.trace) : std::optional<expage::trace_metadata>{};
-    const expage::moe_geometry g = expage_tools::geometry_argument(c.geometry, meta);
+    const expage_tools::model_inputs inputs = expage_tools::load_model_inputs(c.hardware, c.geometry, c.trace);
+    const expage::hardware_profile& hardware = inputs.hardware;
+    const expage::moe_geometry& g = inputs.geometry;
     expage::plan_options o;
     o.budget_bytes = *c.budget;
     try {

@@ -169,11 +169,7 @@ config parse(int argc, char** argv, const std::string& help) {
     } else if (flag == "--batch") {
       c.batch = parse_number<std::uint32_t>(flag, value(), 1, 4096);
     } else if (flag == "--only-sequences") {
-      std::set<std::uint32_t> ids;
-      for (const auto& s : split_nonempty(flag, value())) {
-        ids.insert(parse_number<std::uint32_t>(flag, s, 0, ~std::uint32_t{0}));
-      }
-      c.only_sequences = std::move(ids);
+      c.only_sequences = expage_tools::parse_id_set(flag, value());
     } else if (flag == "--realign") {
       c.realign = true;
     } else if (flag == "--shuffle-tokens") {
@@ -451,21 +447,16 @@ std::string svg_chart(const std::vector<expage::sim_result>& results, const std:
 }  // namespace
 
 int main(int argc, char** argv) {
-  const auto policy_names = [] {
-    std::vector<std::string_view> n;
-    for (const auto p : expage::all_policy_kinds()) n.push_back(expage::to_string(p));
-    return fmt::format("{}", fmt::join(n, ", "));
-  }();
+  const std::string policy_names = expage_tools::policy_names(false);
   const std::string help = fmt::format(fmt::runtime(usage), fmt::join(expage::moe_geometry::preset_names(), ", "),
                                        fmt::join(expage::hardware_profile::preset_names(), ", "), policy_names);
   try {
     const config c = parse(argc, argv, help);
     if (c.json) expage_tools::check_output_path("--json", *c.json);
     if (c.svg) expage_tools::check_output_path("--svg", *c.svg);
-    const expage::hardware_profile hardware = expage_tools::hardware_argument(c.hardware);
-    const std::optional<expage::trace_metadata> meta =
-        c.trace ? expage::read_trace_metadata(*c.trace) : std::optional<expage::trace_metadata>{};
-    const expage::moe_geometry g = expage_tools::geometry_argument(c.geometry, meta);
+    const expage_tools::model_inputs inputs = expage_tools::load_model_inputs(c.hardware, c.geometry, c.trace);
+    const expage::hardware_profile& hardware = inputs.hardware;
+    const expage::moe_geometry& g = inputs.geometry;
     // Ratios and capacities are checked before the trace is read.
     for (const auto& r : c.ratios) {
       try {
