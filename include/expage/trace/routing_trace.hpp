@@ -54,7 +54,7 @@ inline constexpr std::uint32_t max_sketch_dims = 4096;
 ///
 /// Loose enough for a softmax exported in bfloat16 (each value rounded by up to 2^−9 of itself,
 /// so the sum by up to about 0.002), tight enough to refuse what is not a distribution: logits,
-/// a top-k slice (Mixtral's top-2 mass is typically 0.6–0.9) or an unnormalised score vector.
+/// a top-k slice (short of 1 by the mass of the experts left out) or unnormalised scores.
 inline constexpr double probability_sum_tolerance = 0.01;
 
 /// @brief The optional per-record fields of a trace: every record carries each one or none does.
