@@ -322,7 +322,8 @@ realign_result realign_trace(const routing_trace& trace, const realign_options& 
     }
   }
   result.trace.set_batch_size(trace.batch_size());
-  result.trace.reserve(trace.size(), trace.probability_vectors() > 0);
+  result.trace.declare_fields(trace.fields());
+  result.trace.reserve(trace.size());
   for (std::size_t i = 0; i < trace.size(); ++i) {
     routing_event e = trace[i];
     e.step = new_step[i];

@@ -39,10 +39,12 @@ routing_event routing_trace::operator[](std::size_t i) const noexcept {
                   .phase = phase_[i],
                   .experts = std::span<const std::uint32_t>(experts_.data() + i * k, k),
                   .weights = std::span<const float>(weights_.data() + i * k, k),
-                  .probabilities = {}};
-  if (probability_offset_[i] != no_probabilities) {
-    e.probabilities = std::span<const float>(probabilities_.data() + probability_offset_[i], experts_per_layer_);
+                  .probabilities = {},
+                  .sketch = {}};
+  if (fields_.probabilities) {
+    e.probabilities = std::span<const float>(probabilities_.data() + i * experts_per_layer_, experts_per_layer_);
   }
+  if (const std::size_t d = fields_.sketch_dims; d > 0) e.sketch = std::span<const float>(sketch_.data() + i * d, d);
   return e;
 }
 
@@ -53,19 +55,36 @@ void routing_trace::set_batch_size(std::uint32_t batch_size) {
   batch_size_ = batch_size;
 }
 
+void routing_trace::declare_fields(const trace_fields& fields) {
+  if (fields.sketch_dims > max_sketch_dims) {
+    throw invalid_argument(fmt::format("routing_trace: sketch_dims = {} out of range [0, {}] (max_sketch_dims)",
+                                       fields.sketch_dims, max_sketch_dims));
+  }
+  if (!empty() && fields != fields_) {
+    throw invalid_argument(fmt::format(
+        "routing_trace: cannot declare probabilities = {}, sketch_dims = {} for a trace whose {} events carry "
+        "probabilities = {}, sketch_dims = {}",
+        fields.probabilities, fields.sketch_dims, size(), fields_.probabilities, fields_.sketch_dims));
+  }
+  fields_ = fields;
+  fields_declared_ = true;
+}
+
 void routing_trace::reserve(std::size_t events, bool with_probabilities) {
   sequence_.reserve(events);
   step_.reserve(events);
   layer_.reserve(events);
   phase_.reserve(events);
-  probability_offset_.reserve(events);
   experts_.reserve(events * top_k_);
   weights_.reserve(events * top_k_);
-  if (with_probabilities) probabilities_.reserve(events * experts_per_layer_);
+  if (with_probabilities || fields_.probabilities) probabilities_.reserve(events * experts_per_layer_);
+  if (fields_.sketch_dims > 0) sketch_.reserve(events * fields_.sketch_dims);
 }
 
 void routing_trace::append(const routing_event& event) {
-  if (const auto problem = detail::check_record(event, layers_, experts_per_layer_, top_k_)) {
+  // The first event of an undeclared trace decides which optional fields every event carries.
+  const trace_fields fields = empty() && !fields_declared_ ? detail::fields_of(event) : fields_;
+  if (const auto problem = detail::check_record(event, layers_, experts_per_layer_, top_k_, fields)) {
     throw invalid_argument(fmt::format("routing_trace: field '{}': {} at sequence {} step {} layer {}",
                                        detail::to_string(problem->field), problem->message, event.sequence, event.step,
                                        event.layer));
@@ -79,22 +98,19 @@ void routing_trace::append(const routing_event& event) {
   grow(step_, n);
   grow(layer_, n);
   grow(phase_, n);
-  grow(probability_offset_, n);
   grow(experts_, n * top_k_);
   grow(weights_, n * top_k_);
-  if (!event.probabilities.empty()) grow(probabilities_, probabilities_.size() + experts_per_layer_);
+  grow(probabilities_, probabilities_.size() + event.probabilities.size());
+  grow(sketch_, sketch_.size() + event.sketch.size());
   sequence_.push_back(event.sequence);
   step_.push_back(event.step);
   layer_.push_back(event.layer);
   phase_.push_back(event.phase);
   experts_.insert(experts_.end(), event.experts.begin(), event.experts.end());
   weights_.insert(weights_.end(), event.weights.begin(), event.weights.end());
-  if (event.probabilities.empty()) {
-    probability_offset_.push_back(no_probabilities);
-  } else {
-    probability_offset_.push_back(probabilities_.size());
-    probabilities_.insert(probabilities_.end(), event.probabilities.begin(), event.probabilities.end());
-  }
+  probabilities_.insert(probabilities_.end(), event.probabilities.begin(), event.probabilities.end());
+  sketch_.insert(sketch_.end(), event.sketch.begin(), event.sketch.end());
+  fields_ = fields;
 }
 
 prefill_table routing_trace::prefill_lengths() const {
@@ -175,7 +191,9 @@ void routing_trace::restore_execution_order() {
   // Permute into fresh arrays (strong guarantee: nothing changes until all allocations succeeded).
   routing_trace sorted(layers_, experts_per_layer_, top_k_);
   sorted.batch_size_ = batch_size_;
-  sorted.reserve(size(), !probabilities_.empty());
+  sorted.fields_ = fields_;
+  sorted.fields_declared_ = fields_declared_;
+  sorted.reserve(size());
   for (const std::size_t i : order) sorted.append((*this)[i]);
   *this = std::move(sorted);
 }
@@ -225,7 +243,7 @@ std::vector<trace_gap> routing_trace::gaps() const {
 
 bool operator==(const routing_trace& a, const routing_trace& b) noexcept {
   if (a.layers_ != b.layers_ || a.experts_per_layer_ != b.experts_per_layer_ || a.top_k_ != b.top_k_ ||
-      a.batch_size_ != b.batch_size_ || a.size() != b.size()) {
+      a.batch_size_ != b.batch_size_ || a.fields_ != b.fields_ || a.size() != b.size()) {
     return false;
   }
   const auto same_bits = [](std::span<const float> x, std::span<const float> y) {
@@ -236,7 +254,8 @@ bool operator==(const routing_trace& a, const routing_trace& b) noexcept {
     const routing_event y = b[i];
     if (x.sequence != y.sequence || x.step != y.step || x.layer != y.layer || x.phase != y.phase ||
         !std::equal(x.experts.begin(), x.experts.end(), y.experts.begin(), y.experts.end()) ||
-        !same_bits(x.weights, y.weights) || !same_bits(x.probabilities, y.probabilities)) {
+        !same_bits(x.weights, y.weights) || !same_bits(x.probabilities, y.probabilities) ||
+        !same_bits(x.sketch, y.sketch)) {
       return false;
     }
   }

@@ -27,8 +27,10 @@ using detail::source_position;
 using detail::staged_record;
 
 constexpr std::array<char, 8> binary_magic = {'E', 'X', 'P', 'G', 'T', 'R', 'C', '1'};
-constexpr std::size_t header_size = 64;
+constexpr std::size_t header_size = 64;     // version 1
+constexpr std::size_t header_size_v2 = 72;  // version 2: + sketch_dims, record_size
 constexpr std::uint32_t flag_probabilities = 1;
+constexpr std::uint32_t flag_sketch = 2;  // version 2 only
 constexpr std::size_t record_fixed_bytes = 16;
 
 std::uint64_t fnv1a(std::span<const std::byte> bytes, std::uint64_t h = 0xcbf29ce484222325ULL) noexcept {
@@ -79,6 +81,10 @@ std::span<const std::byte> as_bytes(std::string_view s) noexcept {
 }
 
 struct binary_header {
+  std::uint16_t version = 1;
+  std::size_t size = header_size;  // header bytes: 64 (version 1) or 72 (version 2)
+  std::uint32_t sketch_dims = 0;   // version 2
+  std::uint32_t record_size = 0;   // version 2: as declared
   std::uint32_t flags = 0;
   std::uint32_t batch_size = 0;
   std::uint64_t events = 0;
@@ -87,8 +93,18 @@ struct binary_header {
   trace_metadata meta;
 };
 
-// Validates the 64-byte header @p bytes (checksum, magic, version, flags, counts); the
-// dimensions are returned in meta, not compared.
+// Reads the header: 64 bytes, and 8 more when they say version 2. Returns what was read (a
+// short input yields a short span, which parse_header() refuses).
+std::span<const std::byte> read_header_bytes(detail::byte_input& in, std::array<std::byte, header_size_v2>& buffer) {
+  std::size_t got = in.read_fully(reinterpret_cast<char*>(buffer.data()), header_size);
+  if (got == header_size && load_le<std::uint16_t>(buffer, 8) == binary_trace_version_with_fields) {
+    got += in.read_fully(reinterpret_cast<char*>(buffer.data() + header_size), header_size_v2 - header_size);
+  }
+  return std::span<const std::byte>(buffer).first(got);
+}
+
+// Validates the header @p bytes (checksum, magic, version, flags, counts); the dimensions are
+// returned in meta, not compared.
 binary_header parse_header(std::span<const std::byte> bytes, std::string_view source) {
   const auto at = [&](std::uint64_t offset) { return source_position{source, offset, true}; };
   if (bytes.size() < header_size) {
@@ -98,22 +114,35 @@ binary_header parse_header(std::span<const std::byte> bytes, std::string_view so
   if (std::memcmp(bytes.data(), binary_magic.data(), binary_magic.size()) != 0) {
     fail(at(0), "magic", "not an expage binary trace (expected \"EXPGTRC1\")");
   }
-  const auto version = load_le<std::uint16_t>(bytes, 8);
-  if (version != binary_trace_version) {
+  binary_header h;
+  h.version = load_le<std::uint16_t>(bytes, 8);
+  if (h.version != binary_trace_version && h.version != binary_trace_version_with_fields) {
     fail(at(8), "version",
-         fmt::format("version {} unsupported (this reader reads version {})", version, binary_trace_version));
+         fmt::format("version {} unsupported (this reader reads versions {} and {})", h.version, binary_trace_version,
+                     binary_trace_version_with_fields));
+  }
+  const bool v2 = h.version == binary_trace_version_with_fields;
+  h.size = v2 ? header_size_v2 : header_size;
+  if (bytes.size() < h.size) {
+    fail(
+        at(bytes.size()), "header",
+        fmt::format("file of {} bytes is shorter than the {}-byte version {} header", bytes.size(), h.size, h.version));
   }
   const auto declared_header = load_le<std::uint16_t>(bytes, 10);
-  if (declared_header != header_size) {
-    fail(at(10), "header_size", fmt::format("{} where version 1 has {}", declared_header, header_size));
+  if (declared_header != h.size) {
+    fail(at(10), "header_size", fmt::format("{} where version {} has {}", declared_header, h.version, h.size));
   }
-  const std::uint64_t header_sum = load_le<std::uint64_t>(bytes, 56);
-  if (const std::uint64_t actual = fnv1a(bytes.first(56)); actual != header_sum) {
-    fail(at(56), "header_checksum", fmt::format("{:#018x} does not match the header's {:#018x}", header_sum, actual));
+  const std::size_t sum_at = h.size - 8;  // the header checksum is the header's last 8 bytes
+  const std::uint64_t header_sum = load_le<std::uint64_t>(bytes, sum_at);
+  if (const std::uint64_t actual = fnv1a(bytes.first(sum_at)); actual != header_sum) {
+    fail(at(sum_at), "header_checksum",
+         fmt::format("{:#018x} does not match the header's {:#018x}", header_sum, actual));
   }
-  binary_header h;
   h.flags = load_le<std::uint32_t>(bytes, 12);
-  if ((h.flags & ~flag_probabilities) != 0) fail(at(12), "flags", fmt::format("unknown flags {:#x}", h.flags));
+  const std::uint32_t known_flags = v2 ? flag_probabilities | flag_sketch : flag_probabilities;
+  if ((h.flags & ~known_flags) != 0) {
+    fail(at(12), "flags", fmt::format("unknown flags {:#x} (version {} knows {:#x})", h.flags, h.version, known_flags));
+  }
   h.meta.layers = load_le<std::uint32_t>(bytes, 16);
   h.meta.experts_per_layer = load_le<std::uint32_t>(bytes, 20);
   h.meta.top_k = load_le<std::uint32_t>(bytes, 24);
@@ -123,6 +152,21 @@ binary_header parse_header(std::span<const std::byte> bytes, std::string_view so
   h.events = load_le<std::uint64_t>(bytes, 32);
   h.vectors = load_le<std::uint64_t>(bytes, 40);
   h.payload_sum = load_le<std::uint64_t>(bytes, 48);
+  if (v2) {
+    h.sketch_dims = load_le<std::uint32_t>(bytes, 56);
+    h.record_size = load_le<std::uint32_t>(bytes, 60);
+    if (h.sketch_dims > max_sketch_dims) {
+      fail(at(56), "sketch_dims",
+           fmt::format("{} out of range [0, {}] (max_sketch_dims)", h.sketch_dims, max_sketch_dims));
+    }
+    if (((h.flags & flag_sketch) != 0) != (h.sketch_dims > 0)) {
+      fail(at(12), "flags",
+           fmt::format("sketch flag {} contradicts sketch_dims {}", (h.flags & flag_sketch) >> 1U, h.sketch_dims));
+    }
+    h.meta.fields = trace_fields{.probabilities = (h.flags & flag_probabilities) != 0, .sketch_dims = h.sketch_dims};
+  } else if (h.vectors > 0) {
+    h.meta.fields = trace_fields{.probabilities = true, .sketch_dims = 0};
+  }
   return h;
 }
 
@@ -131,18 +175,18 @@ binary_header parse_header(std::span<const std::byte> bytes, std::string_view so
 struct binary_layout {
   binary_header h;
   std::uint64_t k = 0;             // top-k
-  std::uint64_t record_bytes = 0;  // per record
+  std::uint64_t record_bytes = 0;  // per record, with its optional fields in version 2
   std::uint64_t vector_bytes = 0;  // per probability vector
+  trace_fields fields{};           // declared by the header
   std::uint64_t expected_size = 0;
 };
 
 binary_layout read_layout(detail::byte_input& in, const moe_geometry& geometry) {
   const std::string_view source = in.name();
   const auto at = [&](std::uint64_t offset) { return source_position{source, offset, true}; };
-  std::array<std::byte, header_size> header_bytes{};
-  const std::size_t got = in.read_fully(reinterpret_cast<char*>(header_bytes.data()), header_size);
+  std::array<std::byte, header_size_v2> header_bytes{};
   binary_layout l;
-  l.h = parse_header(std::span(header_bytes).first(got), source);
+  l.h = parse_header(read_header_bytes(in, header_bytes), source);
   const binary_header& h = l.h;
   const std::array<std::pair<std::string_view, std::uint32_t>, 3> dims = {
       {{"layers", geometry.layers()},
@@ -156,9 +200,12 @@ binary_layout read_layout(detail::byte_input& in, const moe_geometry& geometry) 
                        dims[i].second));
     }
   }
+  const bool v2 = h.version == binary_trace_version_with_fields;
   l.k = geometry.top_k();
-  l.record_bytes = record_fixed_bytes + 6 * l.k;
   l.vector_bytes = 4ULL * geometry.experts_per_layer();
+  l.fields = h.meta.fields.value_or(trace_fields{});
+  l.record_bytes = record_fixed_bytes + 6 * l.k;
+  if (v2) l.record_bytes += (l.fields.probabilities ? l.vector_bytes : 0) + 4ULL * l.fields.sketch_dims;
   if (h.events > max_trace_events) {
     fail(at(32), "event_count", fmt::format("{} out of range [1, {}] (max_trace_events)", h.events, max_trace_events));
   }
@@ -171,16 +218,28 @@ binary_layout read_layout(detail::byte_input& in, const moe_geometry& geometry) 
         at(12), "flags",
         fmt::format("probability flag {} contradicts {} probability vectors", h.flags & flag_probabilities, h.vectors));
   }
-  l.expected_size = header_size + h.events * l.record_bytes + h.vectors * l.vector_bytes;
+  if (v2 && h.vectors != 0 && h.vectors != h.events) {
+    fail(
+        at(40), "probability_vectors",
+        fmt::format("{} vectors for {} events: a trace has the field on every record or on none", h.vectors, h.events));
+  }
+  if (v2 && h.record_size != l.record_bytes) {
+    fail(at(60), "record_size",
+         fmt::format("{} where top_k = {}, experts_per_layer = {}, the probability flag and sketch_dims = {} imply {}",
+                     h.record_size, l.k, geometry.experts_per_layer(), l.fields.sketch_dims, l.record_bytes));
+  }
+  // Version 1 keeps its vectors in a section after the records; version 2 inside each record.
+  const std::uint64_t section_vectors = v2 ? 0 : h.vectors;
+  l.expected_size = h.size + h.events * l.record_bytes + section_vectors * l.vector_bytes;
   if (const std::optional<std::uint64_t> size = in.known_size()) {
-    const std::uint64_t payload = *size - header_size;
+    const std::uint64_t payload = *size - h.size;
     // Bound the counts by the bytes present before anything is allocated.
     if (h.events > payload / l.record_bytes) {
       fail(at(32), "event_count",
            fmt::format("{} events of {} bytes do not fit in the {} payload bytes (truncated)", h.events, l.record_bytes,
                        payload));
     }
-    if (h.vectors > (payload - h.events * l.record_bytes) / l.vector_bytes) {
+    if (section_vectors > (payload - h.events * l.record_bytes) / l.vector_bytes) {
       fail(at(40), "probability_vectors",
            fmt::format("{} vectors of {} bytes out of range for {} events and {} payload bytes", h.vectors,
                        l.vector_bytes, h.events, payload));
@@ -193,11 +252,12 @@ binary_layout read_layout(detail::byte_input& in, const moe_geometry& geometry) 
   return l;
 }
 
-// The fixed fields of the record at @p o of @p bytes (file offset @p offset), checked: phase and
-// has_probabilities in [0, 1], reserved 0. Experts and weights are appended to @p experts and
+// The fixed fields of the record at @p o of @p bytes (file offset @p offset), checked: phase in
+// [0, 1], has_probabilities equal to @p vectors (the header's declaration: a trace has the field
+// on every record or on none), reserved 0. Experts and weights are appended to @p experts and
 // @p weights. Returns whether a probability vector belongs to the record.
 bool decode_record(std::span<const std::byte> bytes, std::size_t o, std::uint64_t offset, std::uint64_t k,
-                   std::string_view source, staged_record& r, std::vector<std::uint32_t>& experts,
+                   std::string_view source, bool vectors, staged_record& r, std::vector<std::uint32_t>& experts,
                    std::vector<float>& weights) {
   const auto at = [&](std::uint64_t where) { return source_position{source, where, true}; };
   r.sequence = load_le<std::uint32_t>(bytes, o);
@@ -208,12 +268,22 @@ bool decode_record(std::span<const std::byte> bytes, std::size_t o, std::uint64_
   r.phase = static_cast<routing_phase>(phase);
   const auto has_vector = load_le<std::uint8_t>(bytes, o + 13);
   if (has_vector > 1) fail(at(offset + 13), "has_probabilities", fmt::format("{} out of range [0, 1]", has_vector));
+  if ((has_vector == 1) != vectors) {
+    fail(at(offset + 13), "has_probabilities",
+         fmt::format("{} where the header declares {} (a trace has the field on every record or on none)", has_vector,
+                     vectors ? "a probability vector on every record" : "no probability vectors"));
+  }
   if (const auto reserved = load_le<std::uint16_t>(bytes, o + 14); reserved != 0) {
     fail(at(offset + 14), "reserved", fmt::format("{} where 0 is required", reserved));
   }
   for (std::size_t j = 0; j < k; ++j) experts.push_back(load_le<std::uint16_t>(bytes, o + 16 + 2 * j));
   for (std::size_t j = 0; j < k; ++j) weights.push_back(load_f32(bytes, o + 16 + 2 * k + 4 * j));
   return has_vector == 1;
+}
+
+// Appends the @p count floats at @p o of @p bytes to @p out (a version 2 record's optional fields).
+void decode_floats(std::span<const std::byte> bytes, std::size_t o, std::size_t count, std::vector<float>& out) {
+  for (std::size_t j = 0; j < count; ++j) out.push_back(load_f32(bytes, o + 4 * j));
 }
 
 }  // namespace
@@ -291,9 +361,11 @@ struct binary_stream {
   // The buffers the worker hashes are declared before it, so it is joined (destroyed) first.
   std::array<std::vector<std::byte>, checksum_worker::depth> buffers;
   std::optional<checksum_worker> worker;  // hashes the records while they are decoded (large traces)
-  std::size_t buffer = 0;  // the buffer the next chunk goes to
+  std::size_t buffer = 0;                 // the buffer the next chunk goes to
   std::vector<std::uint32_t> experts;
   std::vector<float> weights;
+  std::vector<float> probabilities;  // version 2: delivered with the events
+  std::vector<float> sketch;         // version 2: delivered with the events
   std::vector<routing_event> events;
   staged_record r;
 
@@ -376,16 +448,15 @@ struct binary_stream {
       fail(at(40), "probability_vectors",
            fmt::format("header declares {} vectors but {} events carry one", h.vectors, vectors_seen));
     }
+    const std::uint64_t section_vectors = h.version == binary_trace_version_with_fields ? 0 : h.vectors;
     std::vector<std::byte> vector(static_cast<std::size_t>(layout.vector_bytes));
-    for (std::uint64_t v = 0; v < h.vectors; ++v) {
+    std::vector<float> values(experts_per_layer);
+    for (std::uint64_t v = 0; v < section_vectors; ++v) {
       const std::uint64_t offset = in->offset();
       take(vector.data(), vector.size());
-      for (std::size_t j = 0; j < experts_per_layer; ++j) {
-        const float p = load_f32(vector, 4 * j);
-        if (!std::isfinite(p) || p < 0.0F) {
-          fail(at(offset + 4 * j), "probabilities",
-               fmt::format("probability {} of vector {} is {}: out of range [0, inf)", j, v, p));
-        }
+      for (std::size_t j = 0; j < experts_per_layer; ++j) values[j] = load_f32(vector, 4 * j);
+      if (const auto problem = detail::check_probabilities(values, experts_per_layer)) {
+        fail(at(offset), "probabilities", fmt::format("vector {}: {}", v, problem->message));
       }
     }
     std::byte extra{};
@@ -409,6 +480,8 @@ std::span<const routing_event> detail::binary_stream::next() {
   events.clear();
   experts.clear();
   weights.clear();
+  probabilities.clear();
+  sketch.clear();
   if (finished) return events;
   const std::uint64_t remaining = layout.h.events - delivered;
   if (remaining == 0) {
@@ -420,14 +493,28 @@ std::span<const routing_event> detail::binary_stream::next() {
   const std::size_t chunk_bytes = std::size_t{1} << (worker ? 18 : 16);
   const std::size_t chunk_records = std::max<std::size_t>(1, chunk_bytes / record_bytes);
   const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk_records, remaining));
+  // Version 2 records carry their optional fields, delivered with the events; version 1 keeps
+  // its vectors after all records (checked in finish(), not delivered).
+  const bool v2 = layout.h.version == binary_trace_version_with_fields;
+  const trace_fields delivered_fields = v2 ? layout.fields : trace_fields{};
+  const std::size_t p = delivered_fields.probabilities ? experts_per_layer : 0;
+  const std::size_t d = delivered_fields.sketch_dims;
   experts.reserve(n * top_k);
   weights.reserve(n * top_k);
+  probabilities.reserve(n * p);  // never reallocated below: the events' spans point into them
+  sketch.reserve(n * d);
   events.reserve(n);
   try {
     const std::span<const std::byte> bytes = read_records(n * record_bytes);
     for (std::size_t i = 0; i < n; ++i) {
-      const std::uint64_t offset = header_size + (delivered + i) * record_bytes;
-      if (decode_record(bytes, i * record_bytes, offset, layout.k, in->name(), r, experts, weights)) ++vectors_seen;
+      const std::uint64_t offset = layout.h.size + (delivered + i) * record_bytes;
+      const std::size_t o = i * record_bytes;
+      if (decode_record(bytes, o, offset, layout.k, in->name(), layout.h.vectors > 0, r, experts, weights)) {
+        ++vectors_seen;
+      }
+      const std::size_t fixed = record_fixed_bytes + 6 * top_k;
+      decode_floats(bytes, o + fixed, p, probabilities);
+      decode_floats(bytes, o + fixed + 4 * p, d, sketch);
       if (vectors_seen > layout.h.vectors) {
         fail(at(offset + 13), "has_probabilities",
              fmt::format("more events carry probabilities than the {} the header declares", layout.h.vectors));
@@ -438,8 +525,10 @@ std::span<const routing_event> detail::binary_stream::next() {
                         .phase = r.phase,
                         .experts = std::span<const std::uint32_t>(experts.data() + i * top_k, top_k),
                         .weights = std::span<const float>(weights.data() + i * top_k, top_k),
-                        .probabilities = {}});
-      if (const auto problem = detail::check_record(events.back(), layers, experts_per_layer, top_k)) {
+                        .probabilities = std::span<const float>(probabilities.data() + i * p, p),
+                        .sketch = std::span<const float>(sketch.data() + i * d, d)});
+      if (const auto problem =
+              detail::check_record(events.back(), layers, experts_per_layer, top_k, delivered_fields)) {
         fail(at(offset), detail::to_string(problem->field), problem->message);
       }
     }
@@ -478,6 +567,8 @@ std::uint32_t binary_trace_reader::top_k() const noexcept { return state_->top_k
 std::uint32_t binary_trace_reader::batch_size() const noexcept { return state_->batch_size; }
 std::uint64_t binary_trace_reader::events() const noexcept { return state_->layout.h.events; }
 std::uint64_t binary_trace_reader::probability_vectors() const noexcept { return state_->layout.h.vectors; }
+std::uint16_t binary_trace_reader::version() const noexcept { return state_->layout.h.version; }
+trace_fields binary_trace_reader::fields() const noexcept { return state_->layout.fields; }
 
 namespace {
 
@@ -493,11 +584,12 @@ routing_trace read_binary_from(std::unique_ptr<detail::byte_input> input, const 
   const binary_header& h = st.layout.h;
   const std::string_view source = in.name();
   detail::trace_builder builder(geometry, source, true);
+  if (h.meta.fields) builder.declare_fields(*h.meta.fields, 12);
   if (in.known_size()) builder.trace().reserve(static_cast<std::size_t>(h.events), h.vectors > 0);
-  if (h.vectors == 0) {
+  if (h.vectors == 0 || h.version == binary_trace_version_with_fields) {
     std::uint64_t i = 0;
     for (auto chunk = st.next(); !chunk.empty(); chunk = st.next()) {
-      for (const routing_event& e : chunk) builder.append(e, header_size + (i++) * st.layout.record_bytes);
+      for (const routing_event& e : chunk) builder.append(e, h.size + (i++) * st.layout.record_bytes);
     }
     return builder.finish(st.batch_size);
   }
@@ -521,7 +613,7 @@ routing_trace read_binary_from(std::unique_ptr<detail::byte_input> input, const 
       r.clear();
       r.has_experts = true;
       r.has_weights = true;
-      if (decode_record(records, o, offset, st.layout.k, source, r, r.experts, r.weights)) {
+      if (decode_record(records, o, offset, st.layout.k, source, true, r, r.experts, r.weights)) {
         if (vectors_used == h.vectors) {
           fail(st.at(offset + 13), "has_probabilities",
                fmt::format("more events carry probabilities than the {} the header declares", h.vectors));
@@ -555,28 +647,29 @@ routing_trace read_binary_from(std::unique_ptr<detail::byte_input> input, const 
 namespace detail {
 
 std::optional<trace_metadata> read_binary_metadata(byte_input& in) {
-  std::array<std::byte, header_size> header_bytes{};
-  const std::size_t got = in.read_fully(reinterpret_cast<char*>(header_bytes.data()), header_size);
-  return parse_header(std::span(header_bytes).first(got), in.name()).meta;
+  std::array<std::byte, header_size_v2> header_bytes{};
+  return parse_header(read_header_bytes(in, header_bytes), in.name()).meta;
 }
 
 }  // namespace detail
 
-std::string encode_binary(const routing_trace& trace) {
+namespace {
+
+// Version 1: what expage has always written, byte for byte, for a trace without optional fields.
+std::string encode_binary_v1(const routing_trace& trace) {
   const std::size_t k = trace.top_k();
   std::string out;
-  out.reserve(header_size + trace.size() * (record_fixed_bytes + 6 * k) +
-              trace.probability_vectors() * trace.experts_per_layer() * 4);
+  out.reserve(header_size + trace.size() * (record_fixed_bytes + 6 * k));
   out.append(binary_magic.data(), binary_magic.size());
   store_le<std::uint16_t>(out, binary_trace_version);
   store_le<std::uint16_t>(out, static_cast<std::uint16_t>(header_size));
-  store_le<std::uint32_t>(out, trace.probability_vectors() > 0 ? flag_probabilities : 0U);
+  store_le<std::uint32_t>(out, 0);  // flags: no probability vectors
   store_le<std::uint32_t>(out, trace.layers());
   store_le<std::uint32_t>(out, trace.experts_per_layer());
   store_le<std::uint32_t>(out, trace.top_k());
   store_le<std::uint32_t>(out, trace.batch_size());
   store_le<std::uint64_t>(out, trace.size());
-  store_le<std::uint64_t>(out, trace.probability_vectors());
+  store_le<std::uint64_t>(out, 0);  // probability vectors
   store_le<std::uint64_t>(out, 0);  // payload checksum, patched below
   store_le<std::uint64_t>(out, 0);  // header checksum, patched below
   for (const routing_event& e : trace) {
@@ -584,18 +677,63 @@ std::string encode_binary(const routing_trace& trace) {
     store_le<std::uint32_t>(out, e.step);
     store_le<std::uint32_t>(out, e.layer);
     store_le<std::uint8_t>(out, static_cast<std::uint8_t>(e.phase));
-    store_le<std::uint8_t>(out, e.probabilities.empty() ? 0 : 1);
+    store_le<std::uint8_t>(out, 0);  // has_probabilities
     store_le<std::uint16_t>(out, 0);
     // experts_per_layer ≤ 65536, so every expert id fits 16 bits.
     for (const std::uint32_t x : e.experts) store_le<std::uint16_t>(out, static_cast<std::uint16_t>(x));
     for (const float w : e.weights) store_f32(out, w);
   }
-  for (const routing_event& e : trace) {
-    for (const float p : e.probabilities) store_f32(out, p);
-  }
   patch_le<std::uint64_t>(out, 48, fnv1a(as_bytes(std::string_view(out).substr(header_size))));
   patch_le<std::uint64_t>(out, 56, fnv1a(as_bytes(std::string_view(out).substr(0, 56))));
   return out;
+}
+
+// Version 2: the version 1 header plus sketch_dims and record_size; each record is followed by
+// its probability vector and its sketch, so a stream delivers them with their events.
+std::string encode_binary_v2(const routing_trace& trace) {
+  const trace_fields& f = trace.fields();
+  const std::size_t k = trace.top_k();
+  const std::size_t record_size = record_fixed_bytes + 6 * k +
+                                  (f.probabilities ? 4 * std::size_t{trace.experts_per_layer()} : 0) +
+                                  4 * std::size_t{f.sketch_dims};
+  std::string out;
+  out.reserve(header_size_v2 + trace.size() * record_size);
+  out.append(binary_magic.data(), binary_magic.size());
+  store_le<std::uint16_t>(out, binary_trace_version_with_fields);
+  store_le<std::uint16_t>(out, static_cast<std::uint16_t>(header_size_v2));
+  store_le<std::uint32_t>(out, (f.probabilities ? flag_probabilities : 0U) | (f.sketch_dims > 0 ? flag_sketch : 0U));
+  store_le<std::uint32_t>(out, trace.layers());
+  store_le<std::uint32_t>(out, trace.experts_per_layer());
+  store_le<std::uint32_t>(out, trace.top_k());
+  store_le<std::uint32_t>(out, trace.batch_size());
+  store_le<std::uint64_t>(out, trace.size());
+  store_le<std::uint64_t>(out, trace.probability_vectors());
+  store_le<std::uint64_t>(out, 0);  // payload checksum, patched below
+  store_le<std::uint32_t>(out, f.sketch_dims);
+  // ≤ 16 + 6·65536 + 4·65536 + 4·4096 bytes: fits 32 bits.
+  store_le<std::uint32_t>(out, static_cast<std::uint32_t>(record_size));
+  store_le<std::uint64_t>(out, 0);  // header checksum, patched below
+  for (const routing_event& e : trace) {
+    store_le<std::uint32_t>(out, e.sequence);
+    store_le<std::uint32_t>(out, e.step);
+    store_le<std::uint32_t>(out, e.layer);
+    store_le<std::uint8_t>(out, static_cast<std::uint8_t>(e.phase));
+    store_le<std::uint8_t>(out, f.probabilities ? 1 : 0);
+    store_le<std::uint16_t>(out, 0);
+    for (const std::uint32_t x : e.experts) store_le<std::uint16_t>(out, static_cast<std::uint16_t>(x));
+    for (const float w : e.weights) store_f32(out, w);
+    for (const float p : e.probabilities) store_f32(out, p);
+    for (const float x : e.sketch) store_f32(out, x);
+  }
+  patch_le<std::uint64_t>(out, 48, fnv1a(as_bytes(std::string_view(out).substr(header_size_v2))));
+  patch_le<std::uint64_t>(out, 64, fnv1a(as_bytes(std::string_view(out).substr(0, 64))));
+  return out;
+}
+
+}  // namespace
+
+std::string encode_binary(const routing_trace& trace) {
+  return trace.fields().any() ? encode_binary_v2(trace) : encode_binary_v1(trace);
 }
 
 routing_trace parse_binary(std::span<const std::byte> bytes, const moe_geometry& geometry,

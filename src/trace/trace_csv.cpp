@@ -200,6 +200,10 @@ routing_trace read_csv_from(detail::byte_input& in, const moe_geometry& geometry
       for (const std::string& raw : fields) {
         const std::string_view name = trim(raw);
         const std::optional<csv_column> c = column_of(name);
+        if (!c && name == "sketch") {
+          fail(at, "sketch",
+               "the CSV format does not carry hidden-state sketches (use JSON Lines or the binary format)");
+        }
         if (!c) fail(at, printable(name), "unknown column");
         if (std::find(columns.begin(), columns.end(), *c) != columns.end()) {
           fail(at, printable(name), "column given twice (as itself or an alias)");
@@ -304,7 +308,21 @@ routing_trace read_csv(const std::filesystem::path& path, const moe_geometry& ge
   return read_csv_from(in, geometry, options);
 }
 
+namespace {
+
+void check_csv_can_hold(const routing_trace& trace) {
+  if (trace.fields().sketch_dims > 0) {
+    throw invalid_argument(fmt::format(
+        "write_csv: the trace has a hidden-state sketch of {} values per record, which the CSV format does not "
+        "carry (write JSON Lines or binary)",
+        trace.fields().sketch_dims));
+  }
+}
+
+}  // namespace
+
 void write_csv(std::ostream& out, const routing_trace& trace, std::string_view geometry_name) {
+  check_csv_can_hold(trace);
   const trace_metadata meta = metadata_of(trace, geometry_name);
   std::string geometry;
   for (const char c : meta.geometry) {
@@ -327,6 +345,7 @@ void write_csv(std::ostream& out, const routing_trace& trace, std::string_view g
 }
 
 void write_csv(const std::filesystem::path& path, const routing_trace& trace, std::string_view geometry_name) {
+  check_csv_can_hold(trace);  // before a temporary file exists
   detail::write_file_atomically(path, [&](std::ostream& out) { write_csv(out, trace, geometry_name); });
 }
 

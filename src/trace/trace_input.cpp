@@ -247,6 +247,7 @@ void staged_record::clear() {
   experts.clear();
   weights.clear();
   probabilities.clear();
+  sketch.clear();
   has_experts = false;
   has_weights = false;
   sequence_name = "sequence";
@@ -256,6 +257,15 @@ void staged_record::clear() {
 
 trace_builder::trace_builder(const moe_geometry& geometry, std::string_view source, bool byte_offsets)
     : trace_(geometry), source_(source), byte_offsets_(byte_offsets) {}
+
+void trace_builder::declare_fields(const trace_fields& fields, std::uint64_t where) {
+  if (fields.sketch_dims > max_sketch_dims) {
+    fail(at(where), "sketch_dims",
+         fmt::format("{} out of range [0, {}] (max_sketch_dims)", fields.sketch_dims, max_sketch_dims));
+  }
+  trace_.declare_fields(fields);
+  fields_declared_ = true;
+}
 
 void trace_builder::append(const staged_record& r, std::uint64_t where) {
   const source_position here = at(where);
@@ -273,8 +283,11 @@ void trace_builder::append(const staged_record& r, std::uint64_t where) {
                         .phase = r.phase,
                         .experts = r.experts,
                         .weights = r.weights,
-                        .probabilities = r.probabilities};
-  if (const auto problem = check_record(e, trace_.layers(), trace_.experts_per_layer(), trace_.top_k())) {
+                        .probabilities = r.probabilities,
+                        .sketch = r.sketch};
+  // As routing_trace::append: without a declaration the first record decides.
+  const trace_fields fields = trace_.empty() && !fields_declared_ ? fields_of(e) : trace_.fields();
+  if (const auto problem = check_record(e, trace_.layers(), trace_.experts_per_layer(), trace_.top_k(), fields)) {
     fail(here, problem->field == record_field::weights ? r.weights_name : to_string(problem->field), problem->message);
   }
   trace_.append(e);

@@ -112,6 +112,7 @@ struct staged_record {
   std::vector<std::uint32_t> experts;
   std::vector<float> weights;
   std::vector<float> probabilities;
+  std::vector<float> sketch;
   bool has_experts = false;
   bool has_weights = false;
   std::string_view sequence_name = "sequence";
@@ -127,6 +128,9 @@ struct staged_record {
 class trace_builder {
  public:
   trace_builder(const moe_geometry& geometry, std::string_view source, bool byte_offsets);
+  // Declares the optional fields every record must carry (the input's metadata or header says
+  // so); without a declaration the first record decides. @throws format_error at @p where.
+  void declare_fields(const trace_fields& fields, std::uint64_t where);
   // Validates @p r and appends it. @throws format_error naming @p at and the field.
   void append(const staged_record& r, std::uint64_t where);
   // Appends @p e, already validated (detail::check_record) by the binary reader.
@@ -142,6 +146,7 @@ class trace_builder {
   routing_trace trace_;
   std::string_view source_;
   bool byte_offsets_;
+  bool fields_declared_ = false;
   std::vector<std::uint64_t> positions_;
 };
 

@@ -24,7 +24,8 @@ trace_metadata metadata_of(const routing_trace& trace, std::string_view geometry
           .layers = trace.layers(),
           .experts_per_layer = trace.experts_per_layer(),
           .top_k = trace.top_k(),
-          .batch_size = trace.batch_size()};
+          .batch_size = trace.batch_size(),
+          .fields = trace.fields().any() ? std::optional<trace_fields>(trace.fields()) : std::nullopt};
 }
 
 routing_trace read_trace(const std::filesystem::path& path, const moe_geometry& geometry,

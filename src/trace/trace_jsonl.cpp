@@ -65,13 +65,16 @@ class json_line {
   }
 
   // {"expage_trace": 1, "geometry": "...", "layers": L, "experts_per_layer": E, "top_k": K,
-  //  "batch_size": B}: geometry and batch_size optional, the rest required.
+  //  "batch_size": B}: geometry and batch_size optional, the rest required. Version 2 adds the
+  //  optional-field declaration "probabilities": true|false and "sketch_dims": D (both optional,
+  //  absent = false / 0); a version 2 line always declares, so its records must match it.
   trace_metadata parse_metadata() {
     trace_metadata meta;
     skip_space();
     expect('{', "expage_trace");
     std::string key = "expage_trace";
     bool has_version = false;
+    std::uint32_t version = 0;
     for (;;) {
       skip_space();
       key = parse_string(key);
@@ -80,8 +83,11 @@ class json_line {
       skip_space();
       if (key == "expage_trace") {
         mark_seen(key, key);
-        const std::uint32_t version = parse_uint(number_token(key), at_, key);
-        if (version != 1) fail(at_, key, fmt::format("metadata version {} unsupported (this reader reads 1)", version));
+        version = parse_uint(number_token(key), at_, key);
+        if (version != 1 && version != 2) {
+          fail(at_, key, fmt::format("metadata version {} unsupported (this reader reads 1 and 2)", version));
+        }
+        if (version == 2) meta.fields = trace_fields{};
         has_version = true;
       } else if (key == "geometry") {
         mark_seen(key, "geometry");
@@ -98,9 +104,28 @@ class json_line {
          : key == "experts_per_layer" ? meta.experts_per_layer
          : key == "top_k"             ? meta.top_k
                                       : meta.batch_size) = v;
+      } else if (version == 2 && key == "probabilities") {
+        mark_seen(key, "probabilities");
+        if (text_.substr(pos_, 4) == "true") {
+          pos_ += 4;
+          meta.fields->probabilities = true;
+        } else if (text_.substr(pos_, 5) == "false") {
+          pos_ += 5;
+        } else {
+          fail(at_, key, "expected true or false");
+        }
+      } else if (version == 2 && key == "sketch_dims") {
+        mark_seen(key, "sketch_dims");
+        const std::uint32_t v = parse_uint(number_token(key), at_, key);
+        if (v > max_sketch_dims)
+          fail(at_, key, fmt::format("{} out of range [0, {}] (max_sketch_dims)", v, max_sketch_dims));
+        meta.fields->sketch_dims = v;
+      } else if (version == 1 && (key == "probabilities" || key == "sketch_dims")) {
+        fail(at_, key, "a metadata version 2 field in a version 1 metadata record (write \"expage_trace\": 2)");
       } else {
         fail(at_, printable(key),
-             "unknown metadata field (expected expage_trace, geometry, layers, experts_per_layer, top_k, batch_size)");
+             "unknown metadata field (expected expage_trace, geometry, layers, experts_per_layer, top_k, batch_size"
+             "; version 2 also probabilities, sketch_dims)");
       }
       skip_space();
       if (peek() == ',') {
@@ -173,6 +198,19 @@ class json_line {
       } else {
         parse_array(key, [&](std::string_view t) { r.probabilities.push_back(parse_float(t, at_, key)); });
         if (r.probabilities.empty()) fail(at_, key, "empty; write null or omit the field");
+      }
+    } else if (key == "sketch") {
+      mark_seen(key, "sketch");
+      if (text_.substr(pos_, 4) == "null") {
+        pos_ += 4;
+      } else {
+        parse_array(key, [&](std::string_view t) {
+          if (r.sketch.size() >= max_sketch_dims) {
+            fail(at_, key, fmt::format("more than {} sketch values (max_sketch_dims)", max_sketch_dims));
+          }
+          r.sketch.push_back(parse_float(t, at_, key));
+        });
+        if (r.sketch.empty()) fail(at_, key, "empty; write null or omit the field");
       }
     } else if (key == "phase") {
       mark_seen(key, "phase");
@@ -344,6 +382,7 @@ routing_trace read_jsonl_from(detail::byte_input& in, const moe_geometry& geomet
     if (first && parser.is_metadata()) {
       meta = parser.parse_metadata();
       detail::check_metadata(*meta, geometry, at);
+      if (meta->fields) builder.declare_fields(*meta->fields, line->number);
       first = false;
       continue;
     }
@@ -393,7 +432,8 @@ routing_trace read_jsonl(const std::filesystem::path& path, const moe_geometry& 
 
 void write_jsonl(std::ostream& out, const routing_trace& trace, std::string_view geometry_name) {
   const trace_metadata meta = metadata_of(trace, geometry_name);
-  std::string line = fmt::format(R"({{"expage_trace": 1, )");
+  // Version 1, as before, unless the trace has optional fields to declare.
+  std::string line = fmt::format(R"({{"expage_trace": {}, )", meta.fields ? 2 : 1);
   if (!meta.geometry.empty()) {
     std::string escaped;
     for (const char c : meta.geometry) {
@@ -402,14 +442,20 @@ void write_jsonl(std::ostream& out, const routing_trace& trace, std::string_view
     }
     line += fmt::format(R"("geometry": "{}", )", escaped);
   }
-  line += fmt::format(R"("layers": {}, "experts_per_layer": {}, "top_k": {}, "batch_size": {}}})", meta.layers,
+  line += fmt::format(R"("layers": {}, "experts_per_layer": {}, "top_k": {}, "batch_size": {})", meta.layers,
                       meta.experts_per_layer, meta.top_k, meta.batch_size);
+  if (meta.fields) {
+    line += fmt::format(R"(, "probabilities": {}, "sketch_dims": {})", meta.fields->probabilities,
+                        meta.fields->sketch_dims);
+  }
+  line += '}';
   out << line << '\n';
   for (const routing_event& e : trace) {
     line = fmt::format(R"({{"sequence": {}, "step": {}, "layer": {}, "phase": "{}", "experts": [{}], "weights": [{}])",
                        e.sequence, e.step, e.layer, to_string(e.phase), list_of(e.experts, ", "),
                        list_of(e.weights, ", "));
     if (!e.probabilities.empty()) line += fmt::format(R"(, "probabilities": [{}])", list_of(e.probabilities, ", "));
+    if (!e.sketch.empty()) line += fmt::format(R"(, "sketch": [{}])", list_of(e.sketch, ", "));
     line += "}\n";
     out << line;
   }

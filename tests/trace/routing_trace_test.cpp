@@ -58,14 +58,24 @@ TEST(RoutingTrace, AppendCopiesTheEventAndIndexingReturnsIt) {
   std::array<float, 8> probabilities{};
   probabilities[6] = 0.5F;
   probabilities[5] = 0.2F;
+  probabilities[0] = 0.3F;
+  const std::array<float, 3> sketch = {-1.5F, 0.0F, 2.25F};
   t.append({.sequence = 3,
             .step = 9,
             .layer = 2,
             .phase = routing_phase::prefill,
             .experts = experts,
             .weights = weights,
-            .probabilities = probabilities});
-  add(t, 3, 10, 2);
+            .probabilities = probabilities,
+            .sketch = sketch});
+  const std::array<float, 8> uniform = {0.125F, 0.125F, 0.125F, 0.125F, 0.125F, 0.125F, 0.125F, 0.125F};
+  t.append({.sequence = 3,
+            .step = 10,
+            .layer = 2,
+            .experts = experts,
+            .weights = weights,
+            .probabilities = uniform,
+            .sketch = sketch});
   ASSERT_EQ(t.size(), 2U);
   const routing_event e = t[0];
   EXPECT_EQ(e.sequence, 3U);
@@ -76,8 +86,10 @@ TEST(RoutingTrace, AppendCopiesTheEventAndIndexingReturnsIt) {
   EXPECT_THAT(e.weights, ::testing::ElementsAre(0.7F, 0.3F));
   ASSERT_EQ(e.probabilities.size(), 8U);
   EXPECT_EQ(e.probabilities[6], 0.5F);
-  EXPECT_TRUE(t[1].probabilities.empty());
-  EXPECT_EQ(t.probability_vectors(), 1U);
+  EXPECT_THAT(e.sketch, ::testing::ElementsAre(-1.5F, 0.0F, 2.25F));
+  EXPECT_EQ(t[1].probabilities[7], 0.125F);
+  EXPECT_EQ(t.probability_vectors(), 2U);
+  EXPECT_EQ(t.fields(), (expage::trace_fields{.probabilities = true, .sketch_dims = 3}));
   EXPECT_EQ(std::distance(t.begin(), t.end()), 2);
   std::uint32_t steps = 0;
   for (const routing_event& ev : t) steps += ev.step;

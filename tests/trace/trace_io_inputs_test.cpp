@@ -259,12 +259,12 @@ TEST_F(TraceInputs, ForeignTracesWithoutMetadataAreCheckedForPlausibility) {  //
 TEST_F(TraceInputs, MalformedMetadataIsNamed) {
   const std::string record = R"({"sequence": 0, "step": 0, "layer": 0, "experts": [1, 2], "weights": [0.6, 0.4]})";
   EXPECT_THAT(message_of([&] {
-                (void)expage::parse_jsonl(R"({"expage_trace": 2, "layers": 32})"
+                (void)expage::parse_jsonl(R"({"expage_trace": 3, "layers": 32})"
                                           "\n" +
                                               record,
                                           mixtral(), "m.jsonl");
               }),
-              HasSubstr("metadata version 2 unsupported"));
+              HasSubstr("metadata version 3 unsupported"));
   EXPECT_THAT(message_of([&] {
                 (void)expage::parse_jsonl(R"({"expage_trace": 1, "layers": 32, "top_k": 2})"
                                           "\n" +

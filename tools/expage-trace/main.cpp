@@ -100,6 +100,9 @@ void print_info(const std::filesystem::path& path, const expage::routing_trace& 
              path.string(), t.size(), prefill, t.size() - prefill, per_sequence.size(), t.layers(),
              t.experts_per_layer(), t.top_k(), t.batch_size());
   if (t.probability_vectors() > 0) fmt::print("  {} events carry full probability vectors\n", t.probability_vectors());
+  if (t.fields().sketch_dims > 0) {
+    fmt::print("  {} events carry a hidden-state sketch of {} values\n", t.size(), t.fields().sketch_dims);
+  }
   const std::vector<expage::trace_gap> gaps = t.gaps();
   if (gaps.empty()) {
     fmt::print("  no gaps: every layer of every sequence has every step\n");

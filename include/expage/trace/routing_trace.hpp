@@ -3,8 +3,9 @@
 ///
 /// The trace model (docs/traces.md): one routing_event per (token, MoE layer) with the token's
 /// sequence (request) id, its step (token index within the sequence), the layer, the phase
-/// (prefill or decode), the top-k expert ids in descending weight, their gating weights and,
-/// optionally, the full router probability vector (fMoE's expert maps).
+/// (prefill or decode), the top-k expert ids in descending weight, their gating weights and two
+/// optional fields that a trace carries on every record or on none (trace_fields): the full
+/// router probability vector (fMoE's expert maps) and a hidden-state sketch.
 #pragma once
 
 #include "expage/core/moe_geometry.hpp"
@@ -43,6 +44,33 @@ struct routing_event {
   std::span<const std::uint32_t> experts{};     ///< The top-k expert ids, distinct, in descending weight.
   std::span<const float> weights{};             ///< Gating weight of each of `experts` (same length).
   std::span<const float> probabilities{};       ///< Full router vector (experts_per_layer floats) or empty.
+  std::span<const float> sketch{};              ///< Hidden-state sketch (trace_fields::sketch_dims floats) or empty.
+};
+
+/// Most floats a hidden-state sketch may have (trace_fields::sketch_dims).
+inline constexpr std::uint32_t max_sketch_dims = 4096;
+
+/// @brief How far a router probability vector's sum may be from 1: |Σp − 1| ≤ 0.01.
+///
+/// Loose enough for a softmax exported in bfloat16 (each value rounded by up to 2^−9 of itself,
+/// so the sum by up to about 0.002), tight enough to refuse what is not a distribution: logits,
+/// a top-k slice (short of 1 by the mass of the experts left out) or unnormalised scores.
+inline constexpr double probability_sum_tolerance = 0.01;
+
+/// @brief The optional per-record fields of a trace: every record carries each one or none does.
+///
+/// - probabilities: the router's softmax over the layer's experts, experts_per_layer floats in
+///   [0, 1] summing to 1 within probability_sum_tolerance (fMoE §4's expert maps).
+/// - sketch: sketch_dims finite floats per (token, layer), e.g. a random projection of the
+///   hidden state the router saw, for semantic search over recorded traces (fMoE's
+///   semantic-based expert-map lookup) and for learned predictors. expage does not interpret it.
+struct trace_fields {
+  bool probabilities = false;     ///< Every record carries a probability vector.
+  std::uint32_t sketch_dims = 0;  ///< Floats of every record's sketch, [0, max_sketch_dims]; 0: no sketch.
+  /// Equal when both fields match.
+  friend constexpr bool operator==(const trace_fields&, const trace_fields&) noexcept = default;
+  /// True when some optional field is present.
+  [[nodiscard]] constexpr bool any() const noexcept { return probabilities || sketch_dims > 0; }
 };
 
 /// @brief Where an event sits in execution order (see routing_trace).
@@ -117,8 +145,12 @@ struct trace_gap {
 /// execution order; append() accepts any order, and restore_execution_order() sorts.
 ///
 /// Storage: per event a fixed record (sequence, step, layer, phase), top_k() expert ids and
-/// weights in flat arrays, and an optional probability vector of experts_per_layer() floats.
-/// operator[] is O(1) and builds a view; nothing is allocated per access.
+/// weights in flat arrays. The optional fields (fields()) are two more flat arrays indexed by
+/// event, experts_per_layer() and sketch_dims floats per event, empty when absent: a trace
+/// without them pays nothing. Every event carries each optional field or none does; the first
+/// event appended to an empty trace decides, unless declare_fields() did (the readers declare
+/// what a file's metadata or header states). operator[] is O(1) and builds a view; nothing is
+/// allocated per access.
 ///
 /// @code
 /// expage::routing_trace trace(32, 8, 2);  // Mixtral-8x7B
@@ -180,8 +212,15 @@ class routing_trace {
   [[nodiscard]] std::size_t size() const noexcept { return sequence_.size(); }
   /// True without events.
   [[nodiscard]] bool empty() const noexcept { return sequence_.empty(); }
-  /// Events that carry a full probability vector.
-  [[nodiscard]] std::size_t probability_vectors() const noexcept { return probabilities_.size() / experts_per_layer_; }
+  /// Events that carry a full probability vector: size() or 0.
+  [[nodiscard]] std::size_t probability_vectors() const noexcept { return fields_.probabilities ? size() : 0; }
+  /// The optional fields every event carries.
+  [[nodiscard]] const trace_fields& fields() const noexcept { return fields_; }
+
+  /// Declares the optional fields every event will carry, before the first append().
+  /// @throws expage::invalid_argument when fields.sketch_dims exceeds max_sketch_dims, or the
+  /// trace already has events whose fields differ from @p fields (the trace is then unchanged).
+  void declare_fields(const trace_fields& fields);
 
   /// The event at @p i.
   /// @pre i < size().
@@ -198,11 +237,14 @@ class routing_trace {
   /// Appends @p event (its spans are copied); strong guarantee.
   /// @throws expage::invalid_argument naming the field and its allowed range: layer out of
   /// [0, layers), experts.size() ≠ top_k, an expert out of [0, experts_per_layer) or repeated,
-  /// weights.size() ≠ experts.size(), a weight not finite or negative, probabilities neither
-  /// empty nor experts_per_layer finite non-negative floats.
+  /// weights.size() ≠ experts.size(), a weight not finite or negative; an optional field present
+  /// where the trace's events lack it or the reverse (fields()); probabilities not
+  /// experts_per_layer floats in [0, 1] summing to 1 ± probability_sum_tolerance; a sketch not
+  /// fields().sketch_dims (at most max_sketch_dims) finite floats.
   void append(const routing_event& event);
 
-  /// Reserves room for @p events events (and as many probability vectors when @p with_probabilities).
+  /// Reserves room for @p events events with the optional fields the trace carries (and
+  /// probability vectors when @p with_probabilities).
   void reserve(std::size_t events, bool with_probabilities = false);
 
   /// Number of prefill steps of each sequence (1 + its largest prefill step; 0 without prefill).
@@ -224,24 +266,24 @@ class routing_trace {
   /// Steps missing per (sequence, layer), sorted by sequence, layer, first_step. O(n log n).
   [[nodiscard]] std::vector<trace_gap> gaps() const;
 
-  /// Equal when dimensions, batch size and every event (bitwise weights) match.
+  /// Equal when dimensions, batch size, fields and every event (bitwise floats) match.
   friend bool operator==(const routing_trace& a, const routing_trace& b) noexcept;
 
  private:
-  static constexpr std::uint64_t no_probabilities = ~std::uint64_t{0};
-
   std::uint32_t layers_;
   std::uint32_t experts_per_layer_;
   std::uint32_t top_k_;
   std::uint32_t batch_size_ = 1;
+  trace_fields fields_{};
+  bool fields_declared_ = false;  // by declare_fields(), else by the first event
   std::vector<std::uint32_t> sequence_;
   std::vector<std::uint32_t> step_;
   std::vector<std::uint32_t> layer_;
   std::vector<routing_phase> phase_;
-  std::vector<std::uint64_t> probability_offset_;  // into probabilities_, or no_probabilities
-  std::vector<std::uint32_t> experts_;             // size() × top_k
-  std::vector<float> weights_;                     // size() × top_k
-  std::vector<float> probabilities_;               // probability_vectors() × experts_per_layer
+  std::vector<std::uint32_t> experts_;  // size() × top_k
+  std::vector<float> weights_;          // size() × top_k
+  std::vector<float> probabilities_;    // size() × experts_per_layer, or empty
+  std::vector<float> sketch_;           // size() × sketch_dims, or empty
 };
 
 static_assert(std::forward_iterator<routing_trace::iterator>);

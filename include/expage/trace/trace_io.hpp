@@ -61,6 +61,10 @@ struct trace_metadata {
   std::uint32_t experts_per_layer = 0;  ///< Routed experts per layer.
   std::uint32_t top_k = 0;              ///< Experts per token.
   std::uint32_t batch_size = 0;         ///< Lockstep batch size, 0 when unrecorded.
+  /// The optional per-record fields the trace declares (JSON Lines metadata version 2, binary
+  /// header); nothing when it predates the declaration (JSON Lines metadata version 1, CSV), whose
+  /// first record decides.
+  std::optional<trace_fields> fields;
   /// Equal when every field matches.
   friend bool operator==(const trace_metadata&, const trace_metadata&) = default;
 };
@@ -80,8 +84,9 @@ enum class trace_format : std::uint8_t {
 
 /// @name JSON Lines
 /// One object per line with keys `sequence`|`problem_id`, `step`|`token_idx`, `layer`, `experts`,
-/// `weights`|`gating_probs`, optional `probabilities`, `phase` ("prefill"/"decode", default
-/// decode) and `dataset` (ignored). Blank lines are skipped.
+/// `weights`|`gating_probs`, optional `probabilities`, `sketch`, `phase` ("prefill"/"decode",
+/// default decode) and `dataset` (ignored). Blank lines are skipped. A trace with optional fields
+/// declares them in a version 2 metadata line (`"probabilities": true, "sketch_dims": 64`).
 /// @{
 
 /// Parses JSON Lines @p text; @p source_name names the input in error messages.
@@ -93,7 +98,8 @@ enum class trace_format : std::uint8_t {
 [[nodiscard]] routing_trace read_jsonl(const std::filesystem::path& path, const moe_geometry& geometry,
                                        const trace_read_options& options = {});
 /// Writes @p trace as JSON Lines with the generic key names, floats in shortest round-trip form,
-/// after a metadata line (`{"expage_trace": 1, "geometry": ..., "layers": ...}`).
+/// after a metadata line (`{"expage_trace": 1, "geometry": ..., "layers": ...}`; version 2, which
+/// adds `probabilities` and `sketch_dims`, when the trace has optional fields).
 void write_jsonl(std::ostream& out, const routing_trace& trace, std::string_view geometry_name = {});
 /// Writes @p trace to the file @p path as JSON Lines, atomically.
 /// @throws expage::invalid_argument when the file cannot be written (with the system's reason).
@@ -104,7 +110,8 @@ void write_jsonl(const std::filesystem::path& path, const routing_trace& trace, 
 /// A header line naming the columns (`sequence`|`problem_id`, `step`|`token_idx`, `layer`,
 /// `experts`, `weights`|`gating_probs`, optional `phase`, `probabilities`, `dataset`), then one
 /// record per line. List fields hold values separated by `;` or spaces, optionally in double
-/// quotes and brackets: `6;5`, `"[6, 5]"`.
+/// quotes and brackets: `6;5`, `"[6, 5]"`. CSV does not carry hidden-state sketches: a `sketch`
+/// column is refused, and so is writing a trace that has one (use JSON Lines or binary).
 /// @{
 
 /// Parses CSV @p text; @p source_name names the input in error messages.
@@ -117,19 +124,26 @@ void write_jsonl(const std::filesystem::path& path, const routing_trace& trace, 
                                      const trace_read_options& options = {});
 /// Writes @p trace as CSV: a metadata comment line (`# expage_trace 1 layers=32 ...`), then the
 /// header `sequence,step,layer,phase,experts,weights[,probabilities]` and the records.
+/// @throws expage::invalid_argument when the trace has a hidden-state sketch (nothing is written).
 void write_csv(std::ostream& out, const routing_trace& trace, std::string_view geometry_name = {});
 /// Writes @p trace to the file @p path as CSV, atomically.
-/// @throws expage::invalid_argument when the file cannot be written (with the system's reason).
+/// @throws expage::invalid_argument when the trace has a hidden-state sketch (no file is created)
+/// or the file cannot be written (with the system's reason).
 void write_csv(const std::filesystem::path& path, const routing_trace& trace, std::string_view geometry_name = {});
 /// @}
 
 /// @name Binary
-/// A 64-byte header (magic `EXPGTRC1`, version, dimensions, batch size, counts, FNV-1a
-/// checksums) followed by fixed-size little-endian records; layout in docs/traces.md.
+/// A header (magic `EXPGTRC1`, version, dimensions, batch size, counts, FNV-1a checksums)
+/// followed by fixed-size little-endian records; layout in docs/traces.md. Version 1 (64-byte
+/// header) is written for traces without optional fields, byte for byte as before; version 2
+/// (72-byte header declaring the optional fields and the record size) for the others, each
+/// record followed by its probability vector and sketch. Both versions are read.
 /// @{
 
-/// The binary format's version written by encode_binary().
+/// The binary format's version encode_binary() writes for a trace without optional fields.
 inline constexpr std::uint16_t binary_trace_version = 1;
+/// The binary format's version encode_binary() writes for a trace with optional fields (trace_fields).
+inline constexpr std::uint16_t binary_trace_version_with_fields = 2;
 
 /// Decodes a binary trace from @p bytes; its dimensions (the header is its geometry metadata)
 /// must equal @p geometry's.
@@ -150,10 +164,12 @@ inline constexpr std::uint16_t binary_trace_version = 1;
 /// the records are decoded (4 buffers of 256 KiB in flight); the thread is joined before the
 /// end, on an error and in the destructor. The checksum covers the whole payload, so it is
 /// checked when the last chunk has been delivered: next() returns the empty end-of-trace chunk
-/// only after it matched, and a consumer must discard its results when next() throws. Events
-/// are delivered without their probability vectors (the vectors follow all records in the
-/// format); the vectors are still read, counted against the header and checksummed.
-/// The events are in stored order, which is not necessarily execution order.
+/// only after it matched, and a consumer must discard its results when next() throws. Version 2
+/// events are delivered with their optional fields (probability vectors and sketches, which
+/// follow each record). Version 1 events are delivered without their probability vectors (the
+/// vectors follow all records in that format); the vectors are still read, validated, counted
+/// against the header and checksummed. The events are in stored order, which is not
+/// necessarily execution order.
 ///
 /// @code
 /// expage::binary_trace_reader in("trace.bin", geometry);
@@ -187,12 +203,16 @@ class binary_trace_reader final : public routing_event_source {
   [[nodiscard]] std::uint32_t batch_size() const noexcept override;         ///< Recorded or overridden.
   [[nodiscard]] std::uint64_t events() const noexcept;                      ///< Records the header declares.
   [[nodiscard]] std::uint64_t probability_vectors() const noexcept;         ///< Vectors the header declares.
+  [[nodiscard]] std::uint16_t version() const noexcept;                     ///< The format version, 1 or 2.
+  /// The optional fields the header declares (delivered with the events in version 2 only).
+  [[nodiscard]] trace_fields fields() const noexcept;
 
  private:
   std::unique_ptr<detail::binary_stream> state_;
 };
 
-/// Encodes @p trace in the binary format, events in their stored order.
+/// Encodes @p trace in the binary format, events in their stored order: version 1 when it has no
+/// optional fields (trace_fields), else version 2.
 [[nodiscard]] std::string encode_binary(const routing_trace& trace);
 /// Writes @p trace to the file @p path in the binary format, atomically.
 /// @throws expage::invalid_argument when the file cannot be written (with the system's reason).
