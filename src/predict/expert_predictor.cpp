@@ -173,9 +173,9 @@ void fmoe_map_predictor::finish_pass() {
     double dot = 0.0, a = 0.0, b = 0.0;
     const std::span<const float> old(store_.data() + y * layers_ * experts_, std::size_t{layers_} * experts_);
     for (std::size_t i = 0; i < old.size(); ++i) {
-      dot += double{current_[i]} * double{old[i]};
-      a += double{current_[i]} * double{current_[i]};
-      b += double{old[i]} * double{old[i]};
+      dot += static_cast<double>(current_[i]) * static_cast<double>(old[i]);
+      a += static_cast<double>(current_[i]) * static_cast<double>(current_[i]);
+      b += static_cast<double>(old[i]) * static_cast<double>(old[i]);
     }
     return a == 0.0 || b == 0.0 ? 0.0 : dot / std::sqrt(a * b);
   };
@@ -220,15 +220,15 @@ void fmoe_map_predictor::observe(std::uint32_t layer, std::span<const expert_ind
     dot_.assign(count_, 0.0);
     norm_old_.assign(count_, 0.0);
   }
-  for (const float p : now) norm_new_ += double{p} * double{p};
+  for (const float p : now) norm_new_ += static_cast<double>(p) * static_cast<double>(p);
   // Trajectory search (Eq. 5), incrementally: add this layer's terms to every stored map's sums.
   double best = -1.0;
   for (std::size_t y = 0; y < count_; ++y) {
     const std::span<const float> old = row(y, layer);
     double d = 0.0, n = 0.0;
     for (std::uint32_t e = 0; e < experts_; ++e) {
-      d += double{now[e]} * double{old[e]};
-      n += double{old[e]} * double{old[e]};
+      d += static_cast<double>(now[e]) * static_cast<double>(old[e]);
+      n += static_cast<double>(old[e]) * static_cast<double>(old[e]);
     }
     dot_[y] += d;
     norm_old_[y] += n;
@@ -254,14 +254,14 @@ void fmoe_map_predictor::predict(std::uint32_t layer, std::span<float> probabili
   // Eq. 6–8: the smallest set by descending p whose mass reaches δ = clip(1 − score, 0, 1), ≥ k.
   const double delta = std::clamp(1.0 - score_, 0.0, 1.0);
   std::ranges::fill(probability, 0.0F);
-  const double top = double{p[order[0]]};
+  const double top = static_cast<double>(p[order[0]]);
   double mass = 0.0;
   for (std::uint32_t i = 0; i < experts_; ++i) {
     if (i >= top_k_ && mass >= delta) break;
     const expert_index e = order[i];
     if (p[e] <= 0.0F && i >= top_k_) break;
-    mass += double{p[e]};
-    probability[e] = top > 0.0 ? static_cast<float>(score_ * double{p[e]} / top) : 0.0F;
+    mass += static_cast<double>(p[e]);
+    probability[e] = top > 0.0 ? static_cast<float>(score_ * static_cast<double>(p[e]) / top) : 0.0F;
   }
 }
 

@@ -86,9 +86,9 @@ struct reference_fmoe {
     for (std::size_t y = 0; y < maps.size(); ++y) {
       double d = 0, a = 0, b = 0;
       for (std::size_t i = 0; i < m.size(); ++i) {
-        d += double{m[i]} * double{maps[y][i]};
-        a += double{m[i]} * double{m[i]};
-        b += double{maps[y][i]} * double{maps[y][i]};
+        d += static_cast<double>(m[i]) * static_cast<double>(maps[y][i]);
+        a += static_cast<double>(m[i]) * static_cast<double>(m[i]);
+        b += static_cast<double>(maps[y][i]) * static_cast<double>(maps[y][i]);
       }
       const double c = a == 0 || b == 0 ? 0.0 : d / std::sqrt(a * b);
       if (c > most) {
@@ -134,8 +134,9 @@ struct reference_fmoe {
     for (std::uint32_t i = 0; i < experts; ++i) {
       if (i >= top_k && mass >= delta) break;
       if (ranked[i].first <= 0.0F && i >= top_k) break;
-      mass += double{ranked[i].first};
-      out[ranked[i].second] = static_cast<float>(score * double{ranked[i].first} / double{ranked[0].first});
+      mass += static_cast<double>(ranked[i].first);
+      out[ranked[i].second] =
+          static_cast<float>(score * static_cast<double>(ranked[i].first) / static_cast<double>(ranked[0].first));
     }
     return out;
   }
