@@ -87,6 +87,8 @@ class runtime_prefetcher {
   /// Layer @p layer of the current forward pass was routed to @p experts (call after its
   /// acquire(); layers of a pass in increasing order, a layer not after the previous one starts
   /// a new pass). Cancels the stale requests, then requests the next layers' likely experts.
+  /// expert_runtime::cancel_prefetches() drops every queued request, so one runtime_prefetcher
+  /// should be the only source of prefetch requests on its runtime.
   /// @throws expage::invalid_argument for a layer or expert out of range (nothing is requested).
   void on_routed(std::uint32_t layer, std::span<const std::uint32_t> experts) {
     const auto& g = runtime_.geometry();
