@@ -5,6 +5,10 @@
 //       goal ≤ 1.5× the slot cache's access alone and under 1 µs. The engine releases with its
 //       own completion (already recorded, as a CUDA event would be); the _RecordEvent variant
 //       lets release() record the compute stream's event itself (a host_stream record).
+//   BM_Runtime_AcquireRelease_AllHit_Prefetcher  vs  BM_Runtime_AcquireRelease_AllHit
+//       the same, with a runtime_prefetcher (co-activation) told each layer's routing: what
+//       prediction, the stale-request cancel and the byte guard add per layer (every expert is
+//       resident, so no load is issued).
 //   BM_Runtime_Miss/<model>               vs  BM_Baseline_CopyIntoMappedPages/<model>
 //       one expert loaded per lease at its real size (Mixtral-8x7B 336 MiB, Qwen3-30B-A3B
 //       9 MiB, bf16), evicting another: map, fill on the copy stream, fences, unmap; goal
@@ -12,7 +16,9 @@
 #include "expage/cache/lru_policy.hpp"
 #include "expage/cache/slot_cache.hpp"
 #include "expage/core/units.hpp"
+#include "expage/predict/expert_predictor.hpp"
 #include "expage/runtime/expert_runtime.hpp"
+#include "expage/runtime/runtime_prefetcher.hpp"
 #include "expage/stream/host_stream.hpp"
 #include "expage/vmm/host_vmm.hpp"
 
@@ -72,19 +78,21 @@ void BM_Baseline_SlotCache_AllHit(benchmark::State& state) {
 }
 BENCHMARK(BM_Baseline_SlotCache_AllHit);
 
-template <bool RecordEvent>
+template <bool RecordEvent, bool Prefetcher = false>
 void BM_Runtime_AcquireRelease_AllHit(benchmark::State& state) {
   const auto g = mixtral_routing();
   expage::host_vmm vmm({.granularity = 4_KiB});
-  expage::host_stream copy("copy"), compute("compute");
+  expage::host_stream copy("copy"), compute("compute"), prefetch("prefetch");
   std::vector<std::byte> bytes;
   auto source = zero_source(g, bytes);
-  runtime rt(g,
-             [&]() -> expage::budget_account& {
-               static expage::budget_tracker budget(1_GiB);
-               return budget.root();
-             }(),
-             vmm, copy, compute, source, {.capacity = 256});
+  runtime rt(
+      g,
+      [&]() -> expage::budget_account& {
+        static expage::budget_tracker budget(1_GiB);
+        return budget.root();
+      }(),
+      vmm, copy, compute, source, {.capacity = 256}, Prefetcher ? &prefetch : nullptr);
+  expage::runtime_prefetcher<runtime> pf(rt, expage::make_predictor("coactivation", g.layers(), 8, 2));
   const std::uint32_t all[] = {0, 1, 2, 3, 4, 5, 6, 7};
   for (std::uint32_t l = 0; l < g.layers(); ++l) rt.acquire(l, all).release();
   compute.synchronize();
@@ -95,7 +103,9 @@ void BM_Runtime_AcquireRelease_AllHit(benchmark::State& state) {
   kernel_done.set();
   std::size_t i = 0;
   for (auto _ : state) {
-    auto lease = rt.acquire(static_cast<std::uint32_t>(i % 32), groups[i & 4095]);
+    const auto layer = static_cast<std::uint32_t>(i % 32);
+    auto lease = rt.acquire(layer, groups[i & 4095]);
+    if constexpr (Prefetcher) pf.on_routed(layer, groups[i & 4095]);
     ++i;
     if constexpr (RecordEvent) {
       lease.release();
@@ -109,6 +119,7 @@ void BM_Runtime_AcquireRelease_AllHit(benchmark::State& state) {
 }
 BENCHMARK(BM_Runtime_AcquireRelease_AllHit<false>)->Name("BM_Runtime_AcquireRelease_AllHit");
 BENCHMARK(BM_Runtime_AcquireRelease_AllHit<true>)->Name("BM_Runtime_AcquireRelease_AllHit_RecordEvent");
+BENCHMARK(BM_Runtime_AcquireRelease_AllHit<false, true>)->Name("BM_Runtime_AcquireRelease_AllHit_Prefetcher");
 
 expage::moe_geometry model(std::int64_t which) {
   return which == 0 ? expage::moe_geometry::mixtral_8x7b() : expage::moe_geometry::qwen3_30b_a3b();

@@ -1,10 +1,14 @@
 // The pager simulator's speed beside replay() on the same stream: the goal is at least
 // 10 M routing events/s single-threaded for a demand-only LRU run (docs/performance.md).
 #include <expage/cache/replay.hpp>
+#include <expage/predict/expert_predictor.hpp>
 #include <expage/sim/pager_sim.hpp>
 #include <expage/trace/synthetic_trace.hpp>
 
 #include <benchmark/benchmark.h>
+
+#include <limits>
+#include <vector>
 
 namespace {
 
@@ -66,6 +70,59 @@ void BM_Simulate_LruOraclePrefetch(benchmark::State& state) {
   state.SetLabel("routing events");
 }
 BENCHMARK(BM_Simulate_LruOraclePrefetch)->Unit(benchmark::kMillisecond);
+
+// Co-activation prefetch at r = 1 with cost-benefit admission, without and with the guards: the
+// guards' demand-only shadow run is their cost.
+template <bool Guarded>
+void BM_Simulate_LruCoactivation(benchmark::State& state) {
+  const auto& s = stream();
+  expage::predictive_prefetcher pf(expage::make_predictor("coactivation", 32, 8, 2),
+                                   {.distance = 1, .threshold = 0.0F});
+  expage::sim_options o{.capacity = slots, .transfer_compute_ratio = 1.0, .prefetch = &pf};
+  if (!Guarded) {
+    o.max_prefetch_overhead = std::numeric_limits<double>::infinity();
+    o.stall_guard = false;
+  }
+  for (auto _ : state) {
+    const auto r = expage::simulate(s, mixtral(), expage::policy_kind::lru, o);
+    benchmark::DoNotOptimize(r.demand_misses);
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(s.events()));
+  state.SetLabel("routing events");
+}
+BENCHMARK(BM_Simulate_LruCoactivation<false>)
+    ->Name("BM_Simulate_LruCoactivation_Unguarded")
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Simulate_LruCoactivation<true>)
+    ->Name("BM_Simulate_LruCoactivation_Guarded")
+    ->Unit(benchmark::kMillisecond);
+
+// One forward pass of a predictor on Mixtral's shape: observe each layer, predict the next. The
+// per-layer frequency table is the baseline; co-activation and fMoE's map store (1K maps, full
+// after the first thousand passes) beside it. Items: layers.
+void BM_Predictor_Pass(benchmark::State& state, const char* name) {
+  const auto& s = stream();
+  auto p = expage::make_predictor(name, 32, 8, 2);
+  std::vector<float> probability(8);
+  std::size_t g = 0;
+  for (std::size_t warm = 0; warm < 2048 * 32; ++warm, g = (g + 1) % s.groups()) {  // fill the map store
+    if (s.starts_pass(g)) p->begin_pass();
+    p->observe(s.layer(g), s.experts(g));
+  }
+  for (auto _ : state) {
+    if (s.starts_pass(g)) p->begin_pass();
+    const std::uint32_t layer = s.layer(g);
+    p->observe(layer, s.experts(g));
+    if (layer + 1 < 32) p->predict(layer + 1, probability);
+    benchmark::DoNotOptimize(probability.data());
+    g = (g + 1) % s.groups();
+  }
+  state.SetItemsProcessed(state.iterations());
+  state.SetLabel("layers");
+}
+BENCHMARK_CAPTURE(BM_Predictor_Pass, frequency, "frequency");
+BENCHMARK_CAPTURE(BM_Predictor_Pass, coactivation, "coactivation");
+BENCHMARK_CAPTURE(BM_Predictor_Pass, fmoe, "fmoe");
 
 }  // namespace
 

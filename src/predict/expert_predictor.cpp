@@ -157,8 +157,10 @@ fmoe_map_predictor::fmoe_map_predictor(std::uint32_t layers, std::uint32_t exper
 
 void fmoe_map_predictor::reset() {
   store_.clear();
+  norm_map_.clear();
   count_ = 0;
   current_.assign(std::size_t{layers_} * experts_, 0.0F);
+  seen_.assign(layers_, 0);
   observed_ = false;
   dot_.clear();
   norm_old_.clear();
@@ -169,21 +171,13 @@ void fmoe_map_predictor::reset() {
 
 void fmoe_map_predictor::finish_pass() {
   if (!observed_) return;
-  const auto cosine = [&](std::size_t y) {
-    double dot = 0.0, a = 0.0, b = 0.0;
-    const std::span<const float> old(store_.data() + y * layers_ * experts_, std::size_t{layers_} * experts_);
-    for (std::size_t i = 0; i < old.size(); ++i) {
-      dot += static_cast<double>(current_[i]) * static_cast<double>(old[i]);
-      a += static_cast<double>(current_[i]) * static_cast<double>(current_[i]);
-      b += static_cast<double>(old[i]) * static_cast<double>(old[i]);
-    }
-    return a == 0.0 || b == 0.0 ? 0.0 : dot / std::sqrt(a * b);
-  };
   std::size_t slot = count_;
-  if (count_ == capacity_) {  // replace the stored map most redundant with this one
+  if (count_ == capacity_) {
+    // Replace the stored map most redundant with this one: the highest whole-map cosine. The rows
+    // this pass did not observe are zero, so observe()'s running dot products are whole-map ones.
     double most = -1.0;
     for (std::size_t y = 0; y < count_; ++y) {
-      const double r = cosine(y);
+      const double r = norm_map_[y] == 0.0 || norm_new_ == 0.0 ? 0.0 : dot_[y] / std::sqrt(norm_map_[y] * norm_new_);
       if (r > most) {
         most = r;
         slot = y;
@@ -191,14 +185,17 @@ void fmoe_map_predictor::finish_pass() {
     }
   } else {
     store_.resize(store_.size() + current_.size());
+    norm_map_.push_back(0.0);
     ++count_;
   }
   std::ranges::copy(current_, store_.begin() + static_cast<std::ptrdiff_t>(slot * current_.size()));
+  norm_map_[slot] = norm_new_;
 }
 
 void fmoe_map_predictor::begin_pass() {
   finish_pass();
   std::ranges::fill(current_, 0.0F);
+  std::ranges::fill(seen_, std::uint8_t{0});
   observed_ = false;
   dot_.assign(count_, 0.0);
   norm_old_.assign(count_, 0.0);
@@ -206,23 +203,9 @@ void fmoe_map_predictor::begin_pass() {
   score_ = 0.0;
 }
 
-void fmoe_map_predictor::observe(std::uint32_t layer, std::span<const expert_index> experts) {
-  if (layer >= layers_ || experts.empty()) return;
-  // A sparse router vector: 1/k on the routed experts (the trace has no full probabilities).
-  const std::span<float> now(current_.data() + std::size_t{layer} * experts_, experts_);
-  std::ranges::fill(now, 0.0F);
-  const float share = 1.0F / static_cast<float>(experts.size());
-  for (const expert_index e : experts) {
-    if (e < experts_) now[e] = share;
-  }
-  observed_ = true;
-  if (dot_.size() != count_) {  // the first pass after reset(): no begin_pass() yet
-    dot_.assign(count_, 0.0);
-    norm_old_.assign(count_, 0.0);
-  }
-  for (const float p : now) norm_new_ += static_cast<double>(p) * static_cast<double>(p);
-  // Trajectory search (Eq. 5), incrementally: add this layer's terms to every stored map's sums.
-  double best = -1.0;
+void fmoe_map_predictor::add_row(std::uint32_t layer, double sign) {
+  const std::span<const float> now(current_.data() + std::size_t{layer} * experts_, experts_);
+  for (const float p : now) norm_new_ += sign * static_cast<double>(p) * static_cast<double>(p);
   for (std::size_t y = 0; y < count_; ++y) {
     const std::span<const float> old = row(y, layer);
     double d = 0.0, n = 0.0;
@@ -230,8 +213,38 @@ void fmoe_map_predictor::observe(std::uint32_t layer, std::span<const expert_ind
       d += static_cast<double>(now[e]) * static_cast<double>(old[e]);
       n += static_cast<double>(old[e]) * static_cast<double>(old[e]);
     }
-    dot_[y] += d;
-    norm_old_[y] += n;
+    dot_[y] += sign * d;
+    norm_old_[y] += sign * n;
+  }
+}
+
+void fmoe_map_predictor::observe(std::uint32_t layer, std::span<const expert_index> experts) {
+  if (layer >= layers_ || experts.empty()) return;
+  if (dot_.size() != count_) {  // the first pass after reset(): no begin_pass() yet
+    dot_.assign(count_, 0.0);
+    norm_old_.assign(count_, 0.0);
+  }
+  // A sparse router vector: 1/k on the routed experts (the trace has no full probabilities). A
+  // layer observed again in the same pass (a split group) takes the union, its old terms removed.
+  const std::span<float> now(current_.data() + std::size_t{layer} * experts_, experts_);
+  std::size_t routed = 0;
+  if (seen_[layer] != 0) {
+    add_row(layer, -1.0);
+    for (float& p : now) p = p > 0.0F ? 1.0F : 0.0F;
+  } else {
+    std::ranges::fill(now, 0.0F);
+  }
+  for (const expert_index e : experts) {
+    if (e < experts_) now[e] = 1.0F;
+  }
+  for (const float p : now) routed += p > 0.0F ? 1U : 0U;
+  for (float& p : now) p = p > 0.0F ? 1.0F / static_cast<float>(routed) : 0.0F;
+  seen_[layer] = 1;
+  observed_ = true;
+  // Trajectory search (Eq. 5), incrementally: add this layer's terms to every stored map's sums.
+  add_row(layer, 1.0);
+  double best = -1.0;
+  for (std::size_t y = 0; y < count_; ++y) {
     const double c = norm_old_[y] == 0.0 || norm_new_ == 0.0 ? 0.0 : dot_[y] / std::sqrt(norm_old_[y] * norm_new_);
     if (c > best) {  // ties: the lower slot
       best = c;
@@ -248,20 +261,19 @@ void fmoe_map_predictor::predict(std::uint32_t layer, std::span<float> probabili
     return;
   }
   const std::span<const float> p = row(best_, layer);
-  std::vector<expert_index> order(experts_);
-  for (std::uint32_t e = 0; e < experts_; ++e) order[e] = e;
-  std::ranges::stable_sort(order, [&](expert_index a, expert_index b) { return p[a] > p[b]; });
-  // Eq. 6–8: the smallest set by descending p whose mass reaches δ = clip(1 − score, 0, 1), ≥ k.
+  // Eq. 6–8: the smallest set by descending p whose mass reaches δ = clip(1 − score, 0, 1), ≥ k
+  // (experts with p = 0 add no mass and would get probability 0: most_probable() leaves them out).
+  most_probable(p, 0.0F, experts_, ranked_);
   const double delta = std::clamp(1.0 - score_, 0.0, 1.0);
   std::ranges::fill(probability, 0.0F);
-  const double top = static_cast<double>(p[order[0]]);
+  if (ranked_.empty()) return;
+  const auto top = static_cast<double>(ranked_.front().first);
   double mass = 0.0;
-  for (std::uint32_t i = 0; i < experts_; ++i) {
+  for (std::size_t i = 0; i < ranked_.size(); ++i) {
     if (i >= top_k_ && mass >= delta) break;
-    const expert_index e = order[i];
-    if (p[e] <= 0.0F && i >= top_k_) break;
-    mass += static_cast<double>(p[e]);
-    probability[e] = top > 0.0 ? static_cast<float>(score_ * static_cast<double>(p[e]) / top) : 0.0F;
+    const auto [pe, e] = ranked_[i];
+    mass += static_cast<double>(pe);
+    probability[e] = static_cast<float>(score_ * static_cast<double>(pe) / top);
   }
 }
 

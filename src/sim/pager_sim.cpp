@@ -206,7 +206,8 @@ class engine {
   sim_result run() {
     prefetcher* const pf = options_.prefetch;
     if (pf != nullptr) pf->reset();
-    if (pf != nullptr && options_.admission == prefetch_admission::cost_benefit) {
+    const bool guarded = !std::isinf(options_.max_prefetch_overhead) || options_.stall_guard;
+    if (pf != nullptr && options_.admission == prefetch_admission::cost_benefit && guarded) {
       sim_options demand_only = options_;
       demand_only.prefetch = nullptr;
       shadow_.reserve(stream_.groups());
@@ -568,6 +569,7 @@ class engine {
   // counting every outstanding prefetch as if it will be wasted, stay within (1 + share)× the
   // shadow's plus one transfer; and the stall so far does not exceed the shadow's.
   [[nodiscard]] bool within_guards(std::size_t g) const noexcept {
+    if (shadow_.empty()) return true;  // both guards off: no shadow was run
     const shadow_point& base = shadow_[g];
     const double allowed = options_.max_prefetch_overhead;
     if (!std::isinf(allowed)) {

@@ -176,6 +176,30 @@ TEST(FmoeMapPredictor, EqualsTheReferenceOnRandomPasses) {
   EXPECT_THROW(fmoe_map_predictor(4, 8, 9), invalid_argument);
 }
 
+// A layer observed in two parts (a split group) predicts as its union observed at once.
+TEST(FmoeMapPredictor, ASplitLayerIsItsUnion) {
+  fmoe_map_predictor whole(3, 6, 2), split(3, 6, 2);
+  std::mt19937_64 rng(5);
+  std::vector<float> a(6), b(6);
+  for (int pass = 0; pass < 12; ++pass) {
+    whole.begin_pass();
+    split.begin_pass();
+    for (std::uint32_t l = 0; l < 3; ++l) {
+      const auto x = static_cast<expert_index>(rng() % 6);
+      const auto y = static_cast<expert_index>((x + 1 + rng() % 5) % 6);
+      const std::vector<expert_index> both{x, y}, first{x}, second{y};
+      whole.observe(l, both);
+      split.observe(l, first);
+      split.observe(l, second);
+      if (l + 1 < 3) {
+        whole.predict(l + 1, a);
+        split.predict(l + 1, b);
+        for (std::size_t e = 0; e < 6; ++e) EXPECT_NEAR(a[e], b[e], 1e-6) << "pass " << pass << " layer " << l;
+      }
+    }
+  }
+}
+
 // A pass that repeats a stored one is found and predicted exactly: its top-k at full confidence.
 TEST(FmoeMapPredictor, FindsARepeatedTrajectory) {
   fmoe_map_predictor p(4, 8, 2);

@@ -128,8 +128,10 @@ class coactivation_predictor final : public expert_predictor {
 /// Routing traces without router probabilities (the Mixtral trace records only the top-2) give
 /// each routed expert 1/k (a sparse map, as the notes prescribe). fMoE's semantic search (Eq. 4,
 /// layers before d) needs per-token embeddings and is not implemented: before any layer is
-/// observed, and with an empty store, the prediction is uniform k/E. Per observed layer the search
-/// costs O(capacity · E) (running dot products), a finished pass O(capacity · L · E).
+/// observed, and with an empty store, the prediction is uniform k/E. A layer observed twice in a
+/// pass (a split group) counts as the union of its experts. Per observed layer the search costs
+/// O(capacity · E) (running dot products); a finished pass O(capacity), its redundancy check
+/// reusing those sums.
 class fmoe_map_predictor final : public expert_predictor {
  public:
   /// @throws expage::invalid_argument for 0 layers/experts, top-k out of [1, experts], or a
@@ -149,17 +151,22 @@ class fmoe_map_predictor final : public expert_predictor {
     return {store_.data() + (map * layers_ + layer) * experts_, experts_};
   }
   void finish_pass();
+  // Adds (sign +1) or removes (−1) the current pass's row of @p layer in the running sums.
+  void add_row(std::uint32_t layer, double sign);
 
   std::uint32_t layers_, experts_, top_k_, capacity_;
-  std::vector<float> store_;  // [map][layer][expert]
+  std::vector<float> store_;      // [map][layer][expert]
+  std::vector<double> norm_map_;  // per stored map: |map|² over all its rows
   std::size_t count_ = 0;
-  std::vector<float> current_;    // [layer][expert] of this pass (zero rows not observed)
-  bool observed_ = false;         // a layer of this pass was observed
-  std::vector<double> dot_;       // per stored map: Σ over observed layers of P_new · P_old
-  std::vector<double> norm_old_;  // per stored map: Σ over observed layers of |P_old|²
-  double norm_new_ = 0.0;         // Σ over observed layers of |P_new|²
-  std::size_t best_ = 0;          // the trajectory-search winner after the last observed layer
-  double score_ = 0.0;            // its cosine similarity
+  std::vector<float> current_;      // [layer][expert] of this pass (zero rows not observed)
+  std::vector<std::uint8_t> seen_;  // per layer: observed in this pass
+  bool observed_ = false;           // a layer of this pass was observed
+  std::vector<double> dot_;         // per stored map: Σ over observed layers of P_new · P_old
+  std::vector<double> norm_old_;    // per stored map: Σ over observed layers of |P_old|²
+  double norm_new_ = 0.0;           // Σ over observed layers of |P_new|²
+  std::size_t best_ = 0;            // the trajectory-search winner after the last observed layer
+  double score_ = 0.0;              // its cosine similarity
+  mutable std::vector<std::pair<float, expert_index>> ranked_;  // predict()'s scratch (no allocation per call)
 };
 
 /// Writes into @p out the experts whose @p probability is at least @p threshold (and above 0),

@@ -529,6 +529,15 @@ class expert_runtime {
   /// @name Queries
   /// @{
 
+  /// The counters summed over layers, as statistics().total, without the snapshot's copies and
+  /// scans: cheap enough to read once per layer (runtime_prefetcher's guard does).
+  [[nodiscard]] runtime_layer_statistics totals() const {
+    const std::lock_guard lock(mutex_);
+    runtime_layer_statistics t;
+    for (std::size_t l = 0; l < layer_stats_.size(); ++l) t += layer_snapshot(l);
+    return t;
+  }
+
   /// Every expert resident (or loading) now, in flat-index order.
   [[nodiscard]] std::vector<resident_expert> resident_set() const {
     const std::lock_guard lock(mutex_);
@@ -566,9 +575,9 @@ class expert_runtime {
   [[nodiscard]] runtime_statistics statistics() const {
     const std::lock_guard lock(mutex_);
     runtime_statistics s;
-    s.layers = layer_stats_;
+    s.layers.resize(layer_stats_.size());
     for (std::size_t l = 0; l < s.layers.size(); ++l) {
-      s.layers[l].load_wait_ns = stall_ns_[l].load(std::memory_order_relaxed);
+      s.layers[l] = layer_snapshot(l);
       s.total += s.layers[l];
     }
     s.tier = source_.format;
@@ -1368,6 +1377,12 @@ class expert_runtime {
       // Work remains: any release from now on sees release_work_ set and takes the lock itself.
       return;
     }
+  }
+  // Under the lock: layer l's counters with the time its compute stream waited on loads.
+  [[nodiscard]] runtime_layer_statistics layer_snapshot(std::size_t l) const noexcept {
+    runtime_layer_statistics s = layer_stats_[l];
+    s.load_wait_ns = stall_ns_[l].load(std::memory_order_relaxed);
+    return s;
   }
   // pins_ less the pins of released leases not yet drained (for const queries).
   [[nodiscard]] std::vector<std::uint32_t> live_pins() const {

@@ -4,9 +4,10 @@
 ///
 /// The engine tells it each layer's routing right after that layer's acquire(); it tells the
 /// predictor, asks it for the next `distance` layers of the same forward pass, and requests the
-/// most probable experts there through expert_runtime::prefetch() with their probability as the
-/// priority. The runtime does the rest as it does for any prefetch: on its own stream, never
-/// ahead of a demand load, into a free slot or in place of an idle expert, never waiting.
+/// most probable experts there through expert_runtime::prefetch(), one request per layer, most
+/// probable first, at the priority of the layer's most probable one. The runtime does the rest as
+/// it does for any prefetch: on its own stream, never ahead of a demand load, into a free slot or
+/// in place of an idle expert, never waiting.
 ///
 /// What keeps it from hurting in the runtime:
 /// - **stale requests are dropped:** each call first cancels the requests not yet issued (they
@@ -55,7 +56,7 @@ struct runtime_prefetch_statistics {
 };
 
 /// @brief Drives @p Runtime's prefetch() from an expert_predictor. @p Runtime is an
-/// expert_runtime (anything with its geometry(), prefetch(), cancel_prefetches() and statistics()).
+/// expert_runtime (anything with its geometry(), prefetch(), cancel_prefetches() and totals()).
 template <class Runtime>
 class runtime_prefetcher {
  public:
@@ -118,12 +119,13 @@ class runtime_prefetcher {
     for (std::uint32_t target = layer + 1; target <= last; ++target) {
       predictor_->predict(target, probability_);
       most_probable(probability_, options_.threshold, per_layer_, ranked_);
-      // One request per expert, each with its probability as the priority (higher first).
-      for (const auto& [p, e] : ranked_) {
-        const std::uint32_t one[] = {e};
-        runtime_.prefetch(target, one, p);
-        ++stats_.requested;
-      }
+      if (ranked_.empty()) continue;
+      // One request per layer, most probable first (the runtime keeps a request's order among
+      // equal priorities), at the priority of its most probable expert.
+      request_.clear();
+      for (const auto& [p, e] : ranked_) request_.push_back(e);
+      runtime_.prefetch(target, request_, ranked_.front().first);
+      stats_.requested += request_.size();
     }
   }
 
@@ -136,9 +138,9 @@ class runtime_prefetcher {
   [[nodiscard]] bool within_overhead() const {
     if (std::isinf(options_.max_overhead)) return true;
     // In experts (every expert moves the same bytes): wasted ≤ share × (demand loads + used) + 1.
-    const auto s = runtime_.statistics();
-    const auto wasted = static_cast<double>(s.total.prefetch_wasted);
-    const auto needed = static_cast<double>(s.total.misses + s.total.prefetch_used);
+    const auto t = runtime_.totals();
+    const auto wasted = static_cast<double>(t.prefetch_wasted);
+    const auto needed = static_cast<double>(t.misses + t.prefetch_used);
     return wasted <= options_.max_overhead * needed + 1.0;
   }
 
@@ -150,6 +152,7 @@ class runtime_prefetcher {
   runtime_prefetch_statistics stats_;
   std::vector<float> probability_;
   std::vector<std::pair<float, expert_index>> ranked_;
+  std::vector<std::uint32_t> request_;
 };
 
 }  // namespace expage
