@@ -29,6 +29,14 @@ void check_model(const split_model& m, const char* who) {
   if (!(m.kv_miss_seconds >= 0.0 && std::isfinite(m.kv_miss_seconds))) {
     throw invalid_argument(fmt::format("{}: kv_miss_seconds {} out of range [0, inf)", who, m.kv_miss_seconds));
   }
+  const std::uint64_t room = (m.budget_bytes - m.kv_floor_bytes) / m.slot_bytes;
+  if (m.min_expert_cap > m.experts_per_layer || m.min_expert_cap > room) {
+    throw invalid_argument(fmt::format(
+        "{}: min_expert_cap {} out of range [0, {}] (E = {}, and {} slots of {} bytes fit between the KV floor and "
+        "the budget)",
+        who, m.min_expert_cap, std::min<std::uint64_t>(m.experts_per_layer, room), m.experts_per_layer, room,
+        m.slot_bytes));
+  }
 }
 
 // The largest cap the floor admits: B − c·S_E ≥ B_KV^min.
@@ -57,12 +65,16 @@ void check_config(const online_split_config& c) {
   }
   if (c.rate_limit == 0) throw invalid_argument("online_split_step: rate_limit 0 out of range [1, 2^32)");
   if (c.dead_zone == 0) throw invalid_argument("online_split_step: dead_zone 0 out of range [1, 2^32)");
+  if (!(c.reversal_gate >= c.gate && c.reversal_gate < 1.0)) {
+    throw invalid_argument(
+        fmt::format("online_split_step: reversal_gate {} out of range [gate = {}, 1)", c.reversal_gate, c.gate));
+  }
 }
 
 void check_cap(const split_model& m, std::uint32_t cap, const char* who) {
-  if (cap > max_cap(m)) {
-    throw invalid_argument(
-        fmt::format("{}: current_cap {} out of range [0, {}] (E and the KV floor)", who, cap, max_cap(m)));
+  if (cap > max_cap(m) || cap < m.min_expert_cap) {
+    throw invalid_argument(fmt::format("{}: current_cap {} out of range [{}, {}] (min_expert_cap to E and the KV floor)",
+                                       who, cap, m.min_expert_cap, max_cap(m)));
   }
 }
 
@@ -101,9 +113,9 @@ double split_cost(const split_model& model, const miss_ratio_curve& experts, con
 memory_split configure_split(const split_model& model, const miss_ratio_curve& experts, const miss_ratio_curve& kv) {
   check_model(model, "configure_split");
   const std::uint32_t top = max_cap(model);  // Eq. 6: the floor bounds the cap
-  std::uint32_t best = 0;
-  double best_cost = split_cost(model, experts, kv, 0);
-  for (std::uint32_t c = 1; c <= top; ++c) {
+  std::uint32_t best = model.min_expert_cap;
+  double best_cost = split_cost(model, experts, kv, best);
+  for (std::uint32_t c = best + 1; c <= top; ++c) {
     const double cost = split_cost(model, experts, kv, c);
     if (cost < best_cost) {
       best_cost = cost;
@@ -132,12 +144,13 @@ memory_split live_split(const split_model& model, std::uint64_t peak_kv_blocks, 
                                    : static_cast<std::uint64_t>(working);
   const std::uint64_t kv_target = std::max(model.kv_floor_bytes, wanted);
   // Eq. 9: all remaining bytes to experts, at most E slots.
-  auto cap = static_cast<std::uint32_t>(
-      std::min<std::uint64_t>(model.experts_per_layer, (model.budget_bytes - kv_target) / model.slot_bytes));
+  auto cap = std::max(model.min_expert_cap, static_cast<std::uint32_t>(std::min<std::uint64_t>(
+                                                 model.experts_per_layer,
+                                                 (model.budget_bytes - kv_target) / model.slot_bytes)));
   // Cap dead zone (App. D): keep the current cap for small moves, unless it would break Eq. 8.
   const std::uint32_t distance = cap > current_cap ? cap - current_cap : current_cap - cap;
   const std::uint64_t current_bytes = std::uint64_t{current_cap} * model.slot_bytes;
-  if (distance < cap_dead_zone && current_bytes <= model.budget_bytes &&
+  if (distance < cap_dead_zone && current_cap >= model.min_expert_cap && current_bytes <= model.budget_bytes &&
       model.budget_bytes - current_bytes >= kv_target) {
     cap = current_cap;
   }
@@ -146,7 +159,7 @@ memory_split live_split(const split_model& model, std::uint64_t peak_kv_blocks, 
 
 online_split_decision online_split_step(const split_model& model, const online_split_config& config,
                                         const decayed_reuse_histogram& experts, const decayed_reuse_histogram& kv,
-                                        std::uint32_t current_cap) {
+                                        std::uint32_t current_cap, int previous_move) {
   check_model(model, "online_split_step");
   check_config(config);
   check_cap(model, current_cap, "online_split_step");
@@ -174,14 +187,18 @@ online_split_decision online_split_step(const split_model& model, const online_s
       target_cost = v;
     }
   };
-  for (std::uint64_t c = 0; c <= top; c += config.grid_step) consider(static_cast<std::uint32_t>(c));
+  for (std::uint64_t c = model.min_expert_cap; c <= top; c += config.grid_step) {
+    consider(static_cast<std::uint32_t>(c));
+  }
   consider(top);
   out.target_cap = target;
   out.target_cost = target_cost;
   const std::uint32_t distance = target > current_cap ? target - current_cap : current_cap - target;
   const double gain = out.current_cost - target_cost;
   std::uint32_t next = current_cap;
-  if (distance >= config.dead_zone && gain > config.gate * out.current_cost && gain > 0.0) {
+  const int direction = target > current_cap ? 1 : -1;
+  const double gate = previous_move != 0 && direction != previous_move ? config.reversal_gate : config.gate;
+  if (distance >= config.dead_zone && gain > gate * out.current_cost && gain > 0.0) {
     const std::uint32_t step = std::min(distance, config.rate_limit);
     next = target > current_cap ? current_cap + step : current_cap - step;
   }
@@ -206,11 +223,12 @@ split_controller::split_controller(const split_model& model, const online_split_
 }
 
 online_split_decision split_controller::step() const {
-  return online_split_step(model_, config_, experts_, kv_, current_.expert_cap);
+  return online_split_step(model_, config_, experts_, kv_, current_.expert_cap, last_move_);
 }
 
 void split_controller::commit(const online_split_decision& decision, bool applied) noexcept {
   if (applied) {
+    if (decision.split.expert_cap != current_.expert_cap) last_move_ = decision.split.expert_cap > current_.expert_cap ? 1 : -1;
     current_ = decision.split;
   } else {
     ++failed_;  // D3: the engine keeps its previous split

@@ -170,6 +170,7 @@ class engine {
         layers_(geometry.layers()),
         experts_(geometry.experts_per_layer()),
         global_(options.layout == cache_layout::global),
+        capacity_(options.capacity),
         tracker_(
             static_cast<std::size_t>((global_ ? 1 : std::uint64_t{layers_}) * options.capacity * cost.expert_bytes),
             "experts") {
@@ -195,8 +196,8 @@ class engine {
     prefetch_evicted_at_.assign(keys, victim_note{});
     slots_.resize(keys);
     for (const double t : cost.transfer_seconds) links_.push_back({.transfer = t});
-    outstanding_cap_ = options.max_outstanding_prefetches != 0 ? options.max_outstanding_prefetches
-                                                               : options.capacity - largest_group(stream);
+    largest_group_ = largest_group(stream);
+    set_outstanding_cap();
     result_.layers.resize(layers_);
     nominal_layer_ = cost.nominal_layer_seconds(stream.top_k() == 0 ? 1 : stream.top_k());
   }
@@ -222,10 +223,20 @@ class engine {
     std::vector<double> pass_stalls;
     pass_stalls.reserve(static_cast<std::size_t>(stream_.passes()));
     double now = 0.0;
+    std::uint64_t pass = 0;
+    auto next_resize = options_.capacity_schedule.begin();
     for (std::size_t g = 0; g < stream_.groups(); ++g) {
       if (g != 0 && stream_.starts_pass(g)) {
         pass_stalls.push_back(pass_stall);
         pass_stall = 0.0;
+        ++pass;
+      }
+      if (next_resize != options_.capacity_schedule.end() && next_resize->pass == pass && stream_.starts_pass(g)) {
+        const double drained = resize(next_resize->capacity, g, now);
+        ++next_resize;
+        pass_stall += drained - now;
+        stall_so_far_ += drained - now;
+        now = drained;
       }
       if (pf != nullptr) {
         advance_links(now);
@@ -334,12 +345,72 @@ class engine {
       now = ready + compute;
     }
     pass_stalls.push_back(pass_stall);
+    result_.pass_stalls = pass_stalls;
     result_.elapsed_seconds = now;
     finish(pass_stalls);
     return std::move(result_);
   }
 
  private:
+  void set_outstanding_cap() noexcept {
+    const std::uint32_t room = capacity_ - largest_group_;
+    outstanding_cap_ =
+        options_.max_outstanding_prefetches != 0 ? std::min(options_.max_outstanding_prefetches, room) : room;
+  }
+
+  // A drained barrier at `now` before group g (the first of a pass): every transfer lands, queued
+  // prefetches are dropped, then each scope shrinks (evicting the policy's victims) or grows to
+  // `capacity`, the budget accounts following so that the budget holds at every instant. Returns
+  // the time the barrier ends (the wait is resize stall).
+  double resize(std::uint32_t capacity, std::size_t g, double now) {
+    double drained = now;
+    for (const auto& l : links_) drained = std::max(drained, l.busy_until);
+    advance_links(drained);
+    cancel_queued();
+    result_.stall_seconds[static_cast<std::size_t>(stall_cause::resize)] += drained - now;
+    const bool shrink = capacity < capacity_;
+    const auto bytes = [this](std::uint64_t slots) { return static_cast<std::size_t>(slots * cost_.expert_bytes); };
+    const std::uint64_t scopes = policies_.size();
+    if (!shrink) {  // grow the budget first, then the slots
+      static_cast<void>(tracker_.root().set_capacity(bytes(scopes * capacity)));
+      if (!global_) {
+        for (budget_account* a : accounts_) static_cast<void>(a->set_capacity(bytes(capacity)));
+      }
+    }
+    for (std::uint32_t s = 0; s < scopes; ++s) {
+      if (shrink) {
+        const access_context ctx{.time = g, .layer = s, .expert = 0};
+        std::uint32_t occupied = capacity_ - free_[s];
+        while (occupied > capacity) {
+          EXPAGE_ASSERT(occupied > nonevictable_[s], "simulate: a drained barrier left an expert pinned");
+          evict(s, policies_[s].victim(pin_view{pins_[s].data()}, ctx));
+          ++result_.resize_evictions;
+          --occupied;
+        }
+        free_[s] = capacity - occupied;
+      } else {
+        free_[s] += capacity - capacity_;
+      }
+    }
+    if (shrink) {  // the slots are gone: shrink the budget after them
+      if (!global_) {
+        for (budget_account* a : accounts_) {
+          [[maybe_unused]] const auto change = a->set_capacity(bytes(capacity));
+          EXPAGE_ASSERT(change.complete(), "simulate: a shrunk scope still holds more than its budget");
+        }
+      }
+      [[maybe_unused]] const auto change = tracker_.root().set_capacity(bytes(scopes * capacity));
+      EXPAGE_ASSERT(change.complete(), "simulate: the shrunk pool still holds more than its budget");
+    }
+    capacity_ = capacity;
+    set_outstanding_cap();
+    ++result_.resizes;
+    return drained;
+  }
+
+  // Drops every queued (unstarted) prefetch, giving its slot back.
+  void cancel_queued() { cancel_if([](const queued_prefetch&) { return true; }); }
+
   [[nodiscard]] std::uint32_t scope_of(std::uint32_t layer) const noexcept { return global_ ? 0 : layer; }
   [[nodiscard]] std::uint32_t key_of(std::uint32_t layer, expert_index e) const noexcept {
     return global_ ? layer * experts_ + e : e;
@@ -480,10 +551,17 @@ class engine {
   // Drops queued prefetches whose predicted use has passed (or, without a prediction, that have
   // waited a whole pass of layers).
   void cancel_stale(std::size_t g) {
+    cancel_if([&](const queued_prefetch& q) {
+      return q.use_group != never ? q.use_group < g : q.issued_group + layers_ < g;
+    });
+  }
+
+  // Drops the queued prefetches `stale` selects, giving their slots back.
+  template <class Stale>
+  void cancel_if(Stale stale) {
     for (std::size_t i = 0; i < queue_.size();) {
       const queued_prefetch q = queue_[i];
-      const bool stale = q.use_group != never ? q.use_group < g : q.issued_group + layers_ < g;
-      if (!stale) {
+      if (!stale(q)) {
         ++i;
         continue;
       }
@@ -513,7 +591,7 @@ class engine {
     const std::size_t f = flat(r.layer, r.expert);
     if (state_[f] != residency::absent) return;  // already resident or on its way
     const std::uint32_t s = scope_of(r.layer);
-    const std::uint32_t occupied = options_.capacity - free_[s];
+    const std::uint32_t occupied = capacity_ - free_[s];
     const bool has_victim = occupied > nonevictable_[s];
     if (outstanding_ >= outstanding_cap_ || (free_[s] == 0 && !has_victim) || !worth_it(r, g, free_[s] == 0)) {
       ++result_.prefetches_refused;
@@ -628,6 +706,8 @@ class engine {
   std::uint32_t layers_;
   std::uint32_t experts_;
   bool global_;
+  std::uint32_t capacity_;  // slots per scope in force (options_.capacity until a resize)
+  std::uint32_t largest_group_ = 0;
   budget_tracker tracker_;  // declared before slots_: every reservation is released first
   std::vector<budget_account*> accounts_;
   std::vector<Policy> policies_;
@@ -702,6 +782,24 @@ void check_options(const access_stream& stream, const moe_geometry& geometry, po
         "simulate: max_outstanding_prefetches {} out of range [0, {}] (capacity − largest group: a whole group must "
         "always find room for its demand loads)",
         options.max_outstanding_prefetches, options.capacity - largest_group(stream)));
+  }
+  std::uint64_t previous = 0;
+  for (std::size_t i = 0; i < options.capacity_schedule.size(); ++i) {
+    const slot_resize& c = options.capacity_schedule[i];
+    if (c.pass >= std::max<std::uint64_t>(stream.passes(), 1) || (i != 0 && c.pass <= previous)) {
+      throw invalid_argument(fmt::format(
+          "simulate: capacity_schedule[{}].pass {} out of range [{}, {}) (increasing passes of the stream)", i, c.pass,
+          i == 0 ? 0 : previous + 1, std::max<std::uint64_t>(stream.passes(), 1)));
+    }
+    if (c.capacity < std::max(stream.group_limit(), largest_group(stream) + options.max_outstanding_prefetches) ||
+        c.capacity > keys) {
+      throw invalid_argument(fmt::format(
+          "simulate: capacity_schedule[{}].capacity {} out of range [{}, {}] (the stream's group limit, plus "
+          "max_outstanding_prefetches, to the {} layout's experts)",
+          i, c.capacity, std::max(stream.group_limit(), largest_group(stream) + options.max_outstanding_prefetches),
+          keys, to_string(options.layout)));
+    }
+    previous = c.pass;
   }
   if (static_cast<std::size_t>(options.guard_baseline) >= kinds.size()) {
     throw invalid_argument(fmt::format("simulate: guard_baseline {} out of range [0, {})",
@@ -800,6 +898,7 @@ sim_bounds simulate_bounds(const access_stream& stream, const moe_geometry& geom
   sim_options o = options;
   o.prefetch = nullptr;
   o.max_outstanding_prefetches = 0;
+  o.capacity_schedule.clear();  // the bounds are for the fixed capacity
   const sim_result belady = simulate(stream, geometry, policy_kind::belady, o);
   oracle_prefetcher perfect(2, 1.0);
   o.prefetch = &perfect;

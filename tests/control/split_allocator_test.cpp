@@ -224,6 +224,42 @@ TEST(OnlineSplitStep, GateAndDeadZoneHoldSmallMovesBack) {
   EXPECT_FALSE(online_split_step(m, {.gate = 0.0, .dead_zone = 2}, eh, kh, 4).moved);
 }
 
+// A move back against the last one needs the reversal gate: estimates jitter under stationary
+// input, and an A→B→A cycle must be paid for by a real shift.
+TEST(OnlineSplitStep, AReversalNeedsTheLargerGate) {
+  decayed_reuse_histogram eh({.max_capacity = 8, .bin_width = 1, .decay = 1.0});
+  for (int i = 0; i < 100; ++i) eh.record(7);  // miss at every cap the budget admits
+  for (int i = 0; i < 8; ++i) eh.record(4);    // one more slot (4 → 5) saves 8 of 108 misses (7.4%)
+  decayed_reuse_histogram kh({.max_capacity = 20, .bin_width = 1, .decay = 1.0});
+  const auto m = model(70, 10);
+  const online_split_config c{.gate = 0.05, .reversal_gate = 0.10};
+  EXPECT_TRUE(online_split_step(m, c, eh, kh, 4, 0).moved);   // no previous move
+  EXPECT_TRUE(online_split_step(m, c, eh, kh, 4, +1).moved);  // the same direction
+  EXPECT_FALSE(online_split_step(m, c, eh, kh, 4, -1).moved);  // a reversal: 7.4% < 10%
+  EXPECT_TRUE(online_split_step(m, {.gate = 0.05, .reversal_gate = 0.07}, eh, kh, 4, -1).moved);
+  EXPECT_THROW((void)online_split_step(m, {.gate = 0.05, .reversal_gate = 0.04}, eh, kh, 4), invalid_argument);
+}
+
+// Every decision stays at or above the least cap a step can run with.
+TEST(SplitModel, MinExpertCapBoundsEveryDecision) {
+  split_model m = model(200, 10);
+  m.min_expert_cap = 3;
+  decayed_reuse_histogram eh({.max_capacity = 8, .bin_width = 1, .decay = 1.0});
+  decayed_reuse_histogram kh({.max_capacity = 60, .bin_width = 1, .decay = 1.0});
+  for (int i = 0; i < 1000; ++i) kh.record(55);  // hits only with 56 blocks: cap 3, the least
+  const auto d = online_split_step(m, {.gate = 0.0}, eh, kh, 5);
+  EXPECT_EQ(d.target_cap, 3U);
+  EXPECT_EQ(live_split(m, 60, 0.0, 5).expert_cap, 3U);
+  EXPECT_THROW((void)online_split_step(m, {}, eh, kh, 2), invalid_argument);  // below the least cap
+  m.min_expert_cap = 20;  // more than E
+  try {
+    (void)live_split(m, 0, 0.0, 5);
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("min_expert_cap 20 out of range [0, 8]"));
+  }
+}
+
 TEST(SplitController, AFailedResizeLeavesThePreviousSplit) {
   split_controller c(model(120, 9), {}, {.max_capacity = 8, .bin_width = 1, .decay = 1.0},
                      {.max_capacity = 30, .bin_width = 1, .decay = 1.0}, 2);

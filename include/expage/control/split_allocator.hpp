@@ -27,6 +27,9 @@ struct split_model {
   std::uint64_t kv_floor_bytes = 0;     ///< B_KV^min, the admission floor (Eq. 6; see kv_admission_floor()).
   double expert_miss_seconds = 0.0;     ///< β·s_e: seconds one expert miss costs (a transfer), ≥ 0.
   double kv_miss_seconds = 0.0;         ///< τ_r·b: seconds one KV-block miss costs (a recompute), ≥ 0.
+  /// The least cap a step can run with (its largest group of routed experts; 0: no limit). Every
+  /// split chosen lies in [min_expert_cap, E]; the budget must admit it above the KV floor.
+  std::uint32_t min_expert_cap = 0;
 };
 
 /// @brief WiSP Eq. 6 [R]: B_KV^min = C·ℓ·κ, the KV bytes a continuous-batching scheduler needs to
@@ -92,6 +95,10 @@ struct online_split_config {
   double gate = 0.02;
   std::uint32_t rate_limit = 1;  ///< Most experts per layer the cap moves per burst, ≥ 1.
   std::uint32_t dead_zone = 1;   ///< Never move toward a target closer than this many experts, ≥ 1.
+  /// Reversal gate: a move opposite to the previous one needs a predicted gain above this share
+  /// of the current predicted cost, [gate, 1). Under stationary input the estimates still jitter
+  /// from burst to burst; a reversal must beat that noise, so an A→B→A cycle needs a real shift.
+  double reversal_gate = 0.10;
 };
 
 /// @brief What online_split_step() decided.
@@ -121,11 +128,14 @@ struct online_split_decision {
 /// @param experts histogram of per-layer expert reuse distances, max_capacity E.
 /// @param kv histogram of KV block reuse distances; caps whose KV blocks exceed its max_capacity read
 ///        its value there.
+/// @param previous_move the direction of the last move made (−1 down, +1 up, 0 none): a move the
+///        other way needs a gain above config.reversal_gate instead of config.gate.
 /// @throws expage::invalid_argument for a bad model or config, a histogram of the wrong size, a budget
-///         below the floor, or a current cap out of [0, E] or below the floor.
+///         below the floor, or a current cap out of [min_expert_cap, E] or below the floor.
 [[nodiscard]] online_split_decision online_split_step(const split_model& model, const online_split_config& config,
                                                       const decayed_reuse_histogram& experts,
-                                                      const decayed_reuse_histogram& kv, std::uint32_t current_cap);
+                                                      const decayed_reuse_histogram& kv, std::uint32_t current_cap,
+                                                      int previous_move = 0);
 
 /// @brief The online controller's state between bursts: its two histograms and the split in force,
 /// with WiSP's fail-safe (D3): a resize that fails leaves the previous split in force.
@@ -166,6 +176,8 @@ class split_controller {
   [[nodiscard]] const memory_split& current() const noexcept { return current_; }
   /// Resizes that failed.
   [[nodiscard]] std::uint64_t failed_resizes() const noexcept { return failed_; }
+  /// The direction of the last applied move: −1, +1, or 0 before any.
+  [[nodiscard]] int last_move() const noexcept { return last_move_; }
 
  private:
   split_model model_;
@@ -174,6 +186,7 @@ class split_controller {
   decayed_reuse_histogram kv_;
   memory_split current_;
   std::uint64_t failed_ = 0;
+  int last_move_ = 0;
 };
 
 }  // namespace expage

@@ -135,6 +135,12 @@ enum class prefetch_admission : std::uint8_t {
   cost_benefit,  ///< PreScope's test (Eq. 6–7): issue only when the expected time saved exceeds the expected delay.
 };
 
+/// @brief A change of the slot count at a drained barrier (sim_options::capacity_schedule).
+struct slot_resize {
+  std::uint64_t pass = 0;      ///< The forward pass before whose first layer it applies.
+  std::uint32_t capacity = 0;  ///< Slots per layer or in all from then on.
+};
+
 /// @brief Simulation parameters.
 struct sim_options {
   cache_layout layout = cache_layout::global;                     ///< Per-layer or global slots.
@@ -173,6 +179,14 @@ struct sim_options {
   /// most that still leaves a whole group room to load on demand: a prefetch never takes the slot
   /// a demand load needs).
   std::uint32_t max_outstanding_prefetches = 0;
+  /// Resizes of the slot pool, in increasing pass order (the expert side of an MV-WSA split,
+  /// WiSP §3.5). Each fires at a drained barrier before its pass: the layer waits until every
+  /// transfer in flight has landed (stall charged to stall_cause::resize), queued prefetches are
+  /// cancelled, a shrink evicts the policy's victims until each scope fits (a re-page from the
+  /// host master later, no transfer now) and the budget accounts follow, shrunk after the
+  /// evictions and grown before the new slots are used, so the budget holds at every instant.
+  /// Every capacity obeys the same range as `capacity`.
+  std::vector<slot_resize> capacity_schedule{};
 };
 
 /// @brief Per-layer figures of a simulation.
@@ -228,6 +242,9 @@ struct sim_result {
   double elapsed_seconds = 0;                             ///< Modelled time from the first layer to the last one's end.
   stall_distribution per_pass;                            ///< Stall per forward pass.
   std::uint64_t budget_peak_bytes = 0;       ///< High-water mark of the slot budget (in-flight loads included).
+  std::uint64_t resizes = 0;                 ///< Capacity changes applied (sim_options::capacity_schedule).
+  std::uint64_t resize_evictions = 0;        ///< Experts a shrink evicted.
+  std::vector<double> pass_stalls;           ///< Stall of every forward pass, seconds, in order.
   std::vector<layer_sim_statistics> layers;  ///< Per MoE layer.
 
   /// Bytes moved by demand loads and prefetches.
