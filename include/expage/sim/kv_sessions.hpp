@@ -1,0 +1,126 @@
+/// @file
+/// @brief The KV side of the expert/KV split: a session model that generates the KV block
+/// references of a served workload, and an LRU block pool that replays them under a capacity
+/// that may change at drained barriers.
+///
+/// MV-WSA (WiSP §3.3–3.5) trades expert slots against KV blocks, so the simulator needs a KV
+/// stream beside the expert one. WiSP's own is not published; this model follows the design of
+/// the control-layer notes (Part C(i), item 8):
+///
+/// - C session slots are served at once (continuous batching); a slot runs sessions back to back;
+/// - a session is a sequence of turns; a turn appends tokens (the prompt, then a tool's output or
+///   a user message), which the turn's prefill writes, then decodes some tokens, one per step;
+/// - between turns the session waits (a tool call) while the others run; its KV stays cached
+///   (prefix caching) unless the pool evicts it, and the next turn's prefill reads the whole
+///   prefix again: that cross-turn reuse is the far mode of WiSP's bimodal reuse distances;
+/// - every step of a running session reads every block of its context: the near mode, which
+///   makes the KV LRU curve a step at the working set (WiSP §3.5's claim);
+/// - every session of a phase shares a system prompt (the same prefix blocks).
+///
+/// Step i of a KV stream is forward pass i of the expert stream it is paired with.
+/// @code
+/// expage::kv_session_options o;
+/// o.phases = {{.name = "tool-calls", .steps = 2048, .concurrency = 8, .turns = 6, .prompt_tokens = 512,
+///              .append_tokens = 256, .decode_tokens = 48, .think_steps = 96, .shared_prefix_tokens = 1024}};
+/// const auto kv = expage::generate_kv_sessions(o);
+/// const auto pool = expage::simulate_kv_pool(kv, /*capacity_blocks=*/1200);
+/// @endcode
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace expage {
+
+namespace detail {
+class kv_session_generator;
+}  // namespace detail
+
+/// @brief One stationary stretch of a workload: a session mix.
+struct kv_phase {
+  std::string name;                        ///< For reports ("tool-calls", "long-context").
+  std::uint64_t steps = 0;                 ///< Scheduler steps (forward passes) it lasts, ≥ 1.
+  std::uint32_t concurrency = 1;           ///< Sessions served at once (C), [1, 4096].
+  std::uint32_t turns = 1;                 ///< Turns per session, ≥ 1.
+  std::uint32_t prompt_tokens = 0;         ///< Tokens of a session's first turn after the shared prefix.
+  std::uint32_t append_tokens = 0;         ///< Tokens each later turn appends (tool output, user message).
+  std::uint32_t decode_tokens = 1;         ///< Mean tokens decoded per turn (uniform in [d/2, 3d/2]), ≥ 1.
+  std::uint32_t think_steps = 0;           ///< Mean steps a session waits between turns (same spread).
+  std::uint32_t shared_prefix_tokens = 0;  ///< System prompt every session of the phase shares.
+};
+
+/// @brief Parameters of generate_kv_sessions().
+struct kv_session_options {
+  std::uint32_t block_tokens = 16;  ///< Tokens per KV block (vLLM's default 16), [1, 65536].
+  std::vector<kv_phase> phases;     ///< In order; at a phase's start every slot begins a new session.
+  std::uint64_t seed = 1;           ///< Seed of the length draws (same seed, same stream everywhere).
+  /// At most this many block references in all, [1, 2^32]: a guard against a phase whose
+  /// contexts would make the stream larger than memory.
+  std::uint64_t max_references = std::uint64_t{1} << 30;
+};
+
+/// @brief The KV block references of a workload, step by step (one step per forward pass).
+/// @threadsafety thread-compatible (immutable after construction).
+class kv_block_stream {
+ public:
+  kv_block_stream() = default;
+  /// Steps (forward passes).
+  [[nodiscard]] std::uint64_t steps() const noexcept { return offset_.empty() ? 0 : offset_.size() - 1; }
+  /// The blocks step @p s reads, each once, in order (a session's prefix first).
+  [[nodiscard]] std::span<const std::uint32_t> blocks(std::uint64_t s) const noexcept {
+    return std::span(blocks_).subspan(offset_[s], offset_[s + 1] - offset_[s]);
+  }
+  /// Distinct blocks ever referenced (block ids are [0, key_count())).
+  [[nodiscard]] std::uint32_t key_count() const noexcept { return keys_; }
+  /// Block references in all.
+  [[nodiscard]] std::uint64_t references() const noexcept { return blocks_.size(); }
+  /// Tokens per block.
+  [[nodiscard]] std::uint32_t block_tokens() const noexcept { return block_tokens_; }
+  /// The phase step @p s belongs to.
+  [[nodiscard]] std::uint32_t phase(std::uint64_t s) const noexcept { return phase_[s]; }
+  /// The largest number of blocks one step reads: the least pool that never thrashes within a step.
+  [[nodiscard]] std::uint64_t peak_step_blocks() const noexcept { return peak_; }
+
+ private:
+  friend class detail::kv_session_generator;
+  std::vector<std::uint64_t> offset_;
+  std::vector<std::uint32_t> blocks_;
+  std::vector<std::uint32_t> phase_;
+  std::uint32_t keys_ = 0;
+  std::uint32_t block_tokens_ = 16;
+  std::uint64_t peak_ = 0;
+};
+
+/// Generates the block references of @p options' phases.
+/// @throws expage::invalid_argument naming the first field out of range (phase index, field,
+///         value, range), or when the stream would exceed max_references or 2^32 − 1 blocks.
+[[nodiscard]] kv_block_stream generate_kv_sessions(const kv_session_options& options);
+
+/// @brief A change of the KV pool's size at a drained barrier.
+struct kv_capacity_change {
+  std::uint64_t step = 0;    ///< The step before which it applies.
+  std::uint64_t blocks = 0;  ///< The pool's blocks from then on.
+};
+
+/// @brief What a KV pool replay measured.
+struct kv_pool_result {
+  std::uint64_t references = 0;  ///< Block reads.
+  std::uint64_t hits = 0;        ///< Reads of a cached block.
+  std::uint64_t cold = 0;        ///< First reads: the KV is written then, by the step itself (no cost).
+  std::uint64_t recomputes = 0;  ///< Reads of a block evicted earlier: its tokens are prefilled again.
+  std::uint64_t evictions = 0;   ///< Blocks evicted (by a read or by a shrink).
+  std::vector<std::uint64_t> step_recomputes;  ///< Recomputes of every step, in order.
+};
+
+/// @brief Replays @p stream against an LRU pool of @p capacity_blocks blocks (prefix caching:
+/// a block stays cached until evicted; a step's reads pin nothing, so a step that reads more
+/// blocks than the pool holds thrashes, the cliff below WiSP's admission floor).
+/// @p schedule resizes the pool before the given steps (increasing); a shrink evicts the least
+/// recently used blocks.
+/// @throws expage::invalid_argument for a capacity of 0 or a schedule out of order or range.
+[[nodiscard]] kv_pool_result simulate_kv_pool(const kv_block_stream& stream, std::uint64_t capacity_blocks,
+                                              std::span<const kv_capacity_change> schedule = {});
+
+}  // namespace expage

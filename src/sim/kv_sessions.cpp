@@ -1,0 +1,249 @@
+#include "expage/sim/kv_sessions.hpp"
+
+#include "expage/core/error.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+#include <random>
+
+namespace expage {
+
+namespace {
+
+void check_phase(const kv_phase& p, std::size_t i) {
+  const auto fail = [&](std::string_view field, std::uint64_t value, std::string_view range) {
+    throw invalid_argument(fmt::format("generate_kv_sessions: phases[{}] ('{}') {} {} out of range {}", i, p.name,
+                                       field, value, range));
+  };
+  if (p.steps == 0) fail("steps", p.steps, "[1, 2^64)");
+  if (p.concurrency == 0 || p.concurrency > 4096) fail("concurrency", p.concurrency, "[1, 4096]");
+  if (p.turns == 0) fail("turns", p.turns, "[1, 2^32)");
+  if (p.decode_tokens == 0) fail("decode_tokens", p.decode_tokens, "[1, 2^32)");
+}
+
+// A session slot of the continuous-batching scheduler.
+struct session {
+  enum class state : std::uint8_t { waiting, prefill, decoding };
+  state now = state::waiting;
+  std::uint64_t wait = 0;         // steps left before the next prefill
+  std::uint32_t turn = 0;         // turns finished
+  std::uint64_t tokens = 0;       // own tokens (after the shared full blocks)
+  std::uint64_t decode_left = 0;  // tokens left to decode in this turn
+  std::vector<std::uint32_t> own;  // its blocks, in order
+};
+
+}  // namespace
+
+class detail::kv_session_generator {
+ public:
+  explicit kv_session_generator(const kv_session_options& o) : options_(o), rng_(o.seed) {}
+
+  kv_block_stream run() {
+    kv_block_stream out;
+    out.block_tokens_ = options_.block_tokens;
+    out.offset_.push_back(0);
+    for (std::size_t i = 0; i < options_.phases.size(); ++i) phase(options_.phases[i], static_cast<std::uint32_t>(i), out);
+    out.keys_ = next_id_;
+    return out;
+  }
+
+ private:
+  // Uniform in [m/2, m + m/2], at least `least`; raw 64-bit draws only, so a seed gives the same
+  // stream on every platform.
+  std::uint64_t draw(std::uint64_t mean, std::uint64_t least) {
+    const std::uint64_t lo = mean / 2;
+    const std::uint64_t hi = mean + mean / 2;
+    return std::max(least, lo + rng_() % (hi - lo + 1));
+  }
+
+  std::uint32_t new_block() {
+    if (next_id_ == std::numeric_limits<std::uint32_t>::max()) {
+      throw invalid_argument(fmt::format("generate_kv_sessions: more than {} blocks; raise block_tokens",
+                                         std::numeric_limits<std::uint32_t>::max() - 1));
+    }
+    return next_id_++;
+  }
+
+  void grow(session& s, std::uint64_t tokens) {
+    s.tokens += tokens;
+    const std::uint64_t bt = options_.block_tokens;
+    while (s.own.size() * bt < s.tokens) s.own.push_back(new_block());
+  }
+
+  void start_session(session& s, const kv_phase& p) {
+    s.own.clear();
+    s.tokens = 0;
+    s.turn = 0;
+    grow(s, p.shared_prefix_tokens % options_.block_tokens + std::max<std::uint64_t>(p.prompt_tokens, 1));
+    s.now = session::state::prefill;
+  }
+
+  void phase(const kv_phase& p, std::uint32_t index, kv_block_stream& out) {
+    std::vector<std::uint32_t> shared(p.shared_prefix_tokens / options_.block_tokens);
+    for (auto& b : shared) b = new_block();
+    std::vector<session> slots(p.concurrency);
+    // The phase starts in its steady state rather than with every session at its first turn: each
+    // slot holds a session in a uniformly drawn turn, its earlier turns' tokens already in its
+    // context, waiting a uniform share of a think time (or of a first start) before its next
+    // prefill. Otherwise every session would return at once a think time into the phase, a wave
+    // a long-running service never sees.
+    for (session& s : slots) {
+      const auto turn = static_cast<std::uint32_t>(rng_() % p.turns);
+      if (turn == 0) {
+        s.turn = p.turns;  // a new session starts after the wait
+      } else {
+        start_session(s, p);
+        s.turn = turn;
+        grow(s, std::uint64_t{turn - 1} * (std::uint64_t{p.append_tokens} + p.decode_tokens) + p.decode_tokens);
+      }
+      s.now = session::state::waiting;
+      s.wait = rng_() % (std::uint64_t{p.think_steps} + 1);
+    }
+    for (std::uint64_t step = 0; step < p.steps; ++step) {
+      const std::size_t first = out.blocks_.size();
+      bool any = false;
+      const auto read = [&](const session& s) {
+        if (!any) {
+          out.blocks_.insert(out.blocks_.end(), shared.begin(), shared.end());
+          any = true;
+        }
+        out.blocks_.insert(out.blocks_.end(), s.own.begin(), s.own.end());
+      };
+      for (session& s : slots) {
+        switch (s.now) {
+          case session::state::waiting:
+            if (s.wait > 0) {
+              --s.wait;
+              break;
+            }
+            if (s.turn >= p.turns) {
+              start_session(s, p);
+            } else {
+              grow(s, p.append_tokens);
+              s.now = session::state::prefill;
+            }
+            [[fallthrough]];
+          case session::state::prefill:
+            read(s);  // the prefill reads the whole prefix (cached or recomputed) and writes the new tokens
+            s.decode_left = draw(p.decode_tokens, 1);
+            s.now = session::state::decoding;
+            break;
+          case session::state::decoding:
+            grow(s, 1);
+            read(s);
+            if (--s.decode_left == 0) {
+              ++s.turn;
+              s.now = session::state::waiting;
+              s.wait = s.turn >= p.turns ? 0 : draw(p.think_steps, 0);
+            }
+            break;
+        }
+      }
+      const std::size_t n = out.blocks_.size() - first;
+      out.peak_ = std::max<std::uint64_t>(out.peak_, n);
+      if (out.blocks_.size() > options_.max_references) {
+        throw invalid_argument(fmt::format(
+            "generate_kv_sessions: the stream passes max_references {} at step {} of phases[{}] ('{}'); shorten the "
+            "phase, its contexts or its concurrency, or raise block_tokens",
+            options_.max_references, step, index, p.name));
+      }
+      out.offset_.push_back(out.blocks_.size());
+      out.phase_.push_back(index);
+    }
+  }
+
+  const kv_session_options& options_;
+  std::mt19937_64 rng_;
+  std::uint32_t next_id_ = 0;
+};
+
+kv_block_stream generate_kv_sessions(const kv_session_options& options) {
+  if (options.block_tokens == 0 || options.block_tokens > 65536) {
+    throw invalid_argument(
+        fmt::format("generate_kv_sessions: block_tokens {} out of range [1, 65536]", options.block_tokens));
+  }
+  if (options.max_references == 0 || options.max_references > (std::uint64_t{1} << 32)) {
+    throw invalid_argument(
+        fmt::format("generate_kv_sessions: max_references {} out of range [1, 2^32]", options.max_references));
+  }
+  if (options.phases.empty()) throw invalid_argument("generate_kv_sessions: no phases (give at least one)");
+  for (std::size_t i = 0; i < options.phases.size(); ++i) check_phase(options.phases[i], i);
+  return detail::kv_session_generator(options).run();
+}
+
+kv_pool_result simulate_kv_pool(const kv_block_stream& stream, std::uint64_t capacity_blocks,
+                                std::span<const kv_capacity_change> schedule) {
+  if (capacity_blocks == 0) throw invalid_argument("simulate_kv_pool: capacity_blocks 0 out of range [1, 2^64)");
+  for (std::size_t i = 0; i < schedule.size(); ++i) {
+    const std::uint64_t least = i == 0 ? 0 : schedule[i - 1].step + 1;
+    if (schedule[i].step < least || schedule[i].step >= std::max<std::uint64_t>(stream.steps(), 1)) {
+      throw invalid_argument(fmt::format("simulate_kv_pool: schedule[{}].step {} out of range [{}, {})", i,
+                                         schedule[i].step, least, std::max<std::uint64_t>(stream.steps(), 1)));
+    }
+    if (schedule[i].blocks == 0) {
+      throw invalid_argument(fmt::format("simulate_kv_pool: schedule[{}].blocks 0 out of range [1, 2^64)", i));
+    }
+  }
+  // An LRU list over block ids: nodes [0, keys) plus a sentinel at index keys (head = MRU).
+  const std::uint32_t keys = stream.key_count();
+  const std::uint32_t sentinel = keys;
+  std::vector<std::uint32_t> prev(std::size_t{keys} + 1, sentinel);
+  std::vector<std::uint32_t> next(std::size_t{keys} + 1, sentinel);
+  enum : std::uint8_t { unseen, cached, evicted };
+  std::vector<std::uint8_t> state(keys, unseen);
+  std::uint64_t size = 0;
+  std::uint64_t capacity = capacity_blocks;
+  const auto unlink = [&](std::uint32_t k) {
+    next[prev[k]] = next[k];
+    prev[next[k]] = prev[k];
+  };
+  const auto push_front = [&](std::uint32_t k) {
+    prev[k] = sentinel;
+    next[k] = next[sentinel];
+    prev[next[sentinel]] = k;
+    next[sentinel] = k;
+  };
+  kv_pool_result r;
+  const auto evict_lru = [&] {
+    const std::uint32_t victim = prev[sentinel];
+    unlink(victim);
+    state[victim] = evicted;
+    --size;
+    ++r.evictions;
+  };
+  r.step_recomputes.reserve(stream.steps());
+  auto change = schedule.begin();
+  for (std::uint64_t s = 0; s < stream.steps(); ++s) {
+    if (change != schedule.end() && change->step == s) {
+      capacity = change->blocks;
+      while (size > capacity) evict_lru();
+      ++change;
+    }
+    std::uint64_t recomputes = 0;
+    for (const std::uint32_t k : stream.blocks(s)) {
+      ++r.references;
+      if (state[k] == cached) {
+        ++r.hits;
+        unlink(k);
+        push_front(k);
+        continue;
+      }
+      if (state[k] == unseen) {
+        ++r.cold;
+      } else {
+        ++recomputes;
+      }
+      if (size == capacity) evict_lru();
+      state[k] = cached;
+      push_front(k);
+      ++size;
+    }
+    r.recomputes += recomputes;
+    r.step_recomputes.push_back(recomputes);
+  }
+  return r;
+}
+
+}  // namespace expage

@@ -1,0 +1,283 @@
+#include "expage/sim/split_sim.hpp"
+
+#include "expage/cache/decayed_reuse_histogram.hpp"
+#include "expage/cache/layered_miss_curves.hpp"
+#include "expage/cache/reuse_distance.hpp"
+#include "expage/core/error.hpp"
+#include "expage/detail/assert.hpp"
+#include "expage/memory/budget_tracker.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace expage {
+
+namespace {
+
+std::uint64_t burst_count(const split_workload& w) {
+  return (w.experts->passes() + w.burst_passes - 1) / w.burst_passes;
+}
+
+// The smallest per-layer cap the expert stream can run with.
+std::uint32_t least_cap(const split_workload& w) {
+  std::size_t most = 0;
+  for (std::size_t g = 0; g < w.experts->groups(); ++g) most = std::max(most, w.experts->experts(g).size());
+  return std::max<std::uint32_t>(static_cast<std::uint32_t>(most), 1);
+}
+
+std::uint64_t kv_blocks_for(const split_model& m, std::uint32_t cap) {
+  return (m.budget_bytes - std::uint64_t{cap} * m.slot_bytes) / m.block_bytes;
+}
+
+// Shrinks or grows @p r on @p account to @p bytes (a grow after the other pool's shrink always fits).
+void resize_reservation(reservation& r, budget_account& account, std::size_t bytes) {
+  if (bytes < r.bytes()) {
+    r.shrink(bytes);
+    return;
+  }
+  if (bytes == r.bytes()) return;
+  [[maybe_unused]] const bool grown = r ? r.try_grow(bytes - r.bytes()) : static_cast<bool>(r = account.try_reserve(bytes));
+  EXPAGE_ASSERT(grown, "split: the budget refused a grow after the other pool's shrink");
+}
+
+}  // namespace
+
+void check_split_workload(const split_workload& w) {
+  if (w.experts == nullptr || w.kv == nullptr) {
+    throw invalid_argument("split workload: both streams are required (experts and kv)");
+  }
+  if (w.experts->layers() != 0 &&
+      (w.experts->layers() != w.geometry.layers() || w.experts->experts_per_layer() != w.geometry.experts_per_layer())) {
+    throw invalid_argument(fmt::format("split workload: the expert stream is {} layers x {} experts, the geometry '{}' "
+                                       "{} x {}",
+                                       w.experts->layers(), w.experts->experts_per_layer(), w.geometry.name(),
+                                       w.geometry.layers(), w.geometry.experts_per_layer()));
+  }
+  if (w.experts->passes() == 0) throw invalid_argument("split workload: the expert stream has no passes");
+  if (w.kv->steps() != w.experts->passes()) {
+    throw invalid_argument(fmt::format(
+        "split workload: the KV stream has {} steps, the expert stream {} passes (step i is pass i: they must match)",
+        w.kv->steps(), w.experts->passes()));
+  }
+  if (w.budget_bytes == 0) throw invalid_argument("split workload: budget_bytes 0 out of range [1, 2^64)");
+  if (w.kv_floor_bytes > w.budget_bytes) {
+    throw invalid_argument(fmt::format("split workload: budget_bytes {} below the KV floor kv_floor_bytes {}",
+                                       w.budget_bytes, w.kv_floor_bytes));
+  }
+  if (w.kv_bytes_per_token == 0) throw invalid_argument("split workload: kv_bytes_per_token 0 out of range [1, 2^64)");
+  if (w.burst_passes == 0) throw invalid_argument("split workload: burst_passes 0 out of range [1, 2^64)");
+  const std::uint64_t bursts = (w.experts->passes() + w.burst_passes - 1) / w.burst_passes;
+  if (w.warmup_bursts >= bursts) {
+    throw invalid_argument(fmt::format("split workload: warmup_bursts {} out of range [0, {}) (the workload's bursts)",
+                                       w.warmup_bursts, bursts));
+  }
+}
+
+split_model make_split_model(const split_workload& w) {
+  check_split_workload(w);
+  const sim_options& o = w.expert_options;
+  const cost_model cost =
+      make_cost_model(w.geometry, o.hardware, o.format, o.dense_bytes_per_layer, o.transfer_compute_ratio);
+  split_model m;
+  m.budget_bytes = w.budget_bytes;
+  m.experts_per_layer = w.geometry.experts_per_layer();
+  m.slot_bytes = std::uint64_t{w.geometry.layers()} * cost.expert_bytes;  // S_E = N·s_e
+  m.block_bytes = std::uint64_t{w.kv->block_tokens()} * w.kv_bytes_per_token;
+  m.kv_floor_bytes = w.kv_floor_bytes;
+  m.expert_miss_seconds = *std::min_element(cost.transfer_seconds.begin(), cost.transfer_seconds.end());
+  m.kv_miss_seconds = cost.recompute_seconds_per_token * static_cast<double>(w.kv->block_tokens());
+  m.min_expert_cap = least_cap(w);
+  return m;
+}
+
+std::vector<std::uint32_t> admissible_caps(const split_workload& w) {
+  check_split_workload(w);
+  const split_model m = [&] {
+    split_model x = make_split_model(w);
+    x.min_expert_cap = 0;  // checked here, with a message about the workload
+    return x;
+  }();
+  const std::uint32_t least = least_cap(w);
+  const std::uint64_t room = (m.budget_bytes - m.kv_floor_bytes) / m.slot_bytes;
+  const auto top = static_cast<std::uint32_t>(std::min<std::uint64_t>(m.experts_per_layer, room));
+  if (top < least) {
+    throw invalid_argument(fmt::format(
+        "split workload: budget_bytes {} leaves {} bytes above the KV floor {}, below the {} bytes of the least "
+        "expert cap {} (a step's largest group): the engine must not start there",
+        m.budget_bytes, m.budget_bytes - m.kv_floor_bytes, m.kv_floor_bytes, std::uint64_t{least} * m.slot_bytes,
+        least));
+  }
+  std::vector<std::uint32_t> caps;
+  for (std::uint32_t c = least; c <= top; ++c) caps.push_back(c);
+  return caps;
+}
+
+split_run evaluate_split_schedule(const split_workload& w, std::span<const std::uint32_t> caps, std::string controller) {
+  const auto admissible = admissible_caps(w);
+  const split_model m = make_split_model(w);
+  if (caps.empty()) throw invalid_argument("evaluate_split_schedule: no caps");
+  for (std::size_t i = 0; i < caps.size(); ++i) {
+    if (caps[i] < admissible.front() || caps[i] > admissible.back()) {
+      throw invalid_argument(fmt::format("evaluate_split_schedule: caps[{}] = {} out of range [{}, {}]", i, caps[i],
+                                         admissible.front(), admissible.back()));
+    }
+  }
+  const std::uint64_t bursts = burst_count(w);
+  const auto cap_of = [&](std::uint64_t b) { return caps[std::min<std::uint64_t>(b, caps.size() - 1)]; };
+
+  // The barrier sequence, with both pools under one budget_tracker: the losing pool shrinks
+  // before the other grows (WiSP §3.5), so the footprint never exceeds B.
+  split_run run;
+  run.controller = std::move(controller);
+  budget_tracker budget(static_cast<std::size_t>(m.budget_bytes), "split");
+  budget_account& expert_pool = budget.add_account("experts", static_cast<std::size_t>(m.budget_bytes));
+  budget_account& kv_pool = budget.add_account("kv", static_cast<std::size_t>(m.budget_bytes));
+  reservation expert_bytes;
+  reservation kv_bytes;
+  resize_reservation(expert_bytes, expert_pool, static_cast<std::size_t>(std::uint64_t{cap_of(0)} * m.slot_bytes));
+  resize_reservation(kv_bytes, kv_pool, static_cast<std::size_t>(kv_blocks_for(m, cap_of(0)) * m.block_bytes));
+  sim_options o = w.expert_options;
+  o.layout = cache_layout::per_layer;
+  o.prefetch = nullptr;
+  o.capacity = cap_of(0);
+  o.capacity_schedule.clear();
+  std::vector<kv_capacity_change> kv_schedule;
+  run.min_kv_bytes = kv_bytes.bytes();
+  std::int64_t last_direction = 0;
+  for (std::uint64_t b = 1; b < bursts; ++b) {
+    const std::uint32_t from = cap_of(b - 1);
+    const std::uint32_t to = cap_of(b);
+    if (to == from) continue;
+    const std::uint64_t pass = b * w.burst_passes;
+    const auto expert_target = static_cast<std::size_t>(std::uint64_t{to} * m.slot_bytes);
+    const auto kv_target = static_cast<std::size_t>(kv_blocks_for(m, to) * m.block_bytes);
+    if (to > from) {  // experts grow: KV gives its bytes back first
+      resize_reservation(kv_bytes, kv_pool, kv_target);
+      resize_reservation(expert_bytes, expert_pool, expert_target);
+    } else {
+      resize_reservation(expert_bytes, expert_pool, expert_target);
+      resize_reservation(kv_bytes, kv_pool, kv_target);
+    }
+    run.min_kv_bytes = std::min<std::uint64_t>(run.min_kv_bytes, kv_bytes.bytes());
+    o.capacity_schedule.push_back({.pass = pass, .capacity = to});
+    kv_schedule.push_back({.step = pass, .blocks = kv_blocks_for(m, to)});
+    ++run.moves;
+    const std::int64_t direction = to > from ? 1 : -1;
+    if (last_direction != 0 && direction != last_direction) ++run.reversals;
+    last_direction = direction;
+    run.converged_burst = b;
+  }
+  run.budget_peak_bytes = budget.root().statistics().peak;
+
+  const sim_result experts = simulate(*w.experts, w.geometry, w.policy, o);
+  const kv_pool_result kv = simulate_kv_pool(*w.kv, kv_blocks_for(m, cap_of(0)), kv_schedule);
+  run.bursts.resize(bursts);
+  std::uint64_t counted = 0;
+  for (std::uint64_t b = 0; b < bursts; ++b) {
+    split_burst& out = run.bursts[b];
+    out.first_pass = b * w.burst_passes;
+    out.expert_cap = cap_of(b);
+    out.kv_blocks = kv_blocks_for(m, out.expert_cap);
+    const std::uint64_t end = std::min<std::uint64_t>(out.first_pass + w.burst_passes, experts.pass_stalls.size());
+    for (std::uint64_t p = out.first_pass; p < end; ++p) {
+      out.expert_stall_seconds += experts.pass_stalls[p];
+      out.kv_recompute_seconds += static_cast<double>(kv.step_recomputes[p]) * m.kv_miss_seconds;
+    }
+    if (b < w.warmup_bursts) continue;
+    run.expert_stall_seconds += out.expert_stall_seconds;
+    run.kv_recompute_seconds += out.kv_recompute_seconds;
+    counted += end - out.first_pass;
+  }
+  // Tokens charged: the stream's tokens in proportion to the passes charged (exact at batch 1).
+  run.tokens = static_cast<std::uint64_t>(static_cast<long double>(experts.tokens) * static_cast<long double>(counted) /
+                                          static_cast<long double>(experts.passes));
+  return run;
+}
+
+std::vector<split_run> split_grid(const split_workload& w) {
+  std::vector<split_run> grid;
+  for (const std::uint32_t c : admissible_caps(w)) {
+    const std::uint32_t caps[] = {c};
+    grid.push_back(evaluate_split_schedule(w, caps, fmt::format("static:{}", c)));
+  }
+  return grid;
+}
+
+split_run run_online_split(const split_workload& w, const online_split_options& options) {
+  const auto admissible = admissible_caps(w);
+  const split_model m = make_split_model(w);
+  const std::uint64_t budget_blocks = std::max<std::uint64_t>(m.budget_bytes / m.block_bytes, 1);
+  const std::uint64_t initial = options.initial_cap == 0 ? admissible.back() : options.initial_cap;
+  if (initial < admissible.front() || initial > admissible.back()) {
+    throw invalid_argument(fmt::format("run_online_split: initial_cap {} out of range [{}, {}]", initial,
+                                       admissible.front(), admissible.back()));
+  }
+  const std::size_t kv_capacity =
+      static_cast<std::size_t>(std::min<std::uint64_t>(budget_blocks, reuse_distance_tracker::max_key_count));
+  split_controller controller(
+      m, options.controller,
+      {.max_capacity = m.experts_per_layer, .bin_width = 1, .decay = options.decay},
+      {.max_capacity = kv_capacity,
+       .bin_width = options.kv_bins == 0 ? 1 : std::max<std::size_t>(1, (kv_capacity + options.kv_bins - 1) / options.kv_bins),
+       .decay = options.decay},
+      static_cast<std::uint32_t>(initial));
+  // The reuse distances, measured over the whole history (what shadow LRU stacks beside both
+  // pools would see online), binned per burst.
+  layered_miss_curves expert_distances(w.geometry);
+  reuse_distance_tracker kv_distances(std::max<std::uint32_t>(w.kv->key_count(), 1));
+  const std::uint64_t bursts = burst_count(w);
+  std::vector<std::uint32_t> caps;
+  caps.reserve(bursts);
+  std::uint64_t failed = 0;
+  std::vector<online_split_decision> decisions;
+  decisions.reserve(bursts);
+  std::size_t g = 0;
+  for (std::uint64_t b = 0; b < bursts; ++b) {
+    caps.push_back(controller.current().expert_cap);
+    controller.new_burst();
+    const std::uint64_t end = std::min<std::uint64_t>((b + 1) * w.burst_passes, w.experts->passes());
+    for (std::uint64_t pass = b * w.burst_passes; pass < end; ++pass) {
+      for (const std::uint32_t block : w.kv->blocks(pass)) controller.kv().record(kv_distances.access(block));
+      do {
+        const std::uint32_t layer = w.experts->layer(g);
+        for (const expert_index e : w.experts->experts(g)) {
+          controller.experts().record(expert_distances.access({.layer = layer, .expert = e}).layer);
+        }
+        ++g;
+      } while (g < w.experts->groups() && !w.experts->starts_pass(g));
+    }
+    if (b + 1 == bursts) break;
+    const online_split_decision d = controller.step();
+    decisions.push_back(d);
+    if (!d.moved) continue;
+    const bool refused = options.refuse_resize && options.refuse_resize(b + 1);
+    controller.commit(d, !refused);
+    failed += refused ? 1 : 0;
+  }
+  split_run run = evaluate_split_schedule(w, caps, "online");
+  run.failed_resizes = failed;
+  for (std::size_t b = 0; b < decisions.size(); ++b) {
+    run.bursts[b].target_cap = decisions[b].target_cap;
+    run.bursts[b].predicted_cost = decisions[b].current_cost;
+    run.bursts[b].predicted_target_cost = decisions[b].target_cost;
+  }
+  return run;
+}
+
+split_run run_live_split(const split_workload& w, double headroom, std::uint32_t cap_dead_zone) {
+  const auto admissible = admissible_caps(w);
+  const split_model m = make_split_model(w);
+  const std::uint64_t bursts = burst_count(w);
+  std::vector<std::uint32_t> caps{admissible.back()};
+  for (std::uint64_t b = 0; b + 1 < bursts; ++b) {
+    std::uint64_t peak = 0;
+    const std::uint64_t end = std::min<std::uint64_t>((b + 1) * w.burst_passes, w.kv->steps());
+    for (std::uint64_t s = b * w.burst_passes; s < end; ++s) peak = std::max<std::uint64_t>(peak, w.kv->blocks(s).size());
+    caps.push_back(live_split(m, peak, headroom, caps.back(), cap_dead_zone).expert_cap);
+  }
+  return evaluate_split_schedule(w, caps, fmt::format("live:{}", headroom));
+}
+
+}  // namespace expage

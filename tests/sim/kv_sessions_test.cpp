@@ -1,0 +1,241 @@
+#include "expage/sim/kv_sessions.hpp"
+
+#include "expage/cache/reuse_distance.hpp"
+#include "expage/core/error.hpp"
+
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <list>
+#include <random>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace expage {
+namespace {
+
+using ::testing::HasSubstr;
+
+kv_phase tool_calls(std::uint64_t steps) {
+  return {.name = "tool-calls",
+          .steps = steps,
+          .concurrency = 4,
+          .turns = 5,
+          .prompt_tokens = 96,
+          .append_tokens = 40,
+          .decode_tokens = 12,
+          .think_steps = 30,
+          .shared_prefix_tokens = 64};
+}
+
+kv_phase long_context(std::uint64_t steps) {
+  return {.name = "long-context",
+          .steps = steps,
+          .concurrency = 2,
+          .turns = 2,
+          .prompt_tokens = 900,
+          .append_tokens = 100,
+          .decode_tokens = 40,
+          .think_steps = 10,
+          .shared_prefix_tokens = 0};
+}
+
+kv_session_options two_phases(std::uint64_t seed = 3) {
+  kv_session_options o;
+  o.block_tokens = 16;
+  o.seed = seed;
+  o.phases = {tool_calls(300), long_context(200)};
+  return o;
+}
+
+TEST(KvSessions, SameSeedSameStreamAnotherSeedAnother) {
+  const auto a = generate_kv_sessions(two_phases(3));
+  const auto b = generate_kv_sessions(two_phases(3));
+  const auto c = generate_kv_sessions(two_phases(4));
+  ASSERT_EQ(a.steps(), 500U);
+  ASSERT_EQ(a.references(), b.references());
+  bool differs = c.references() != a.references();
+  for (std::uint64_t s = 0; s < a.steps(); ++s) {
+    const auto x = a.blocks(s);
+    const auto y = b.blocks(s);
+    ASSERT_TRUE(std::equal(x.begin(), x.end(), y.begin(), y.end())) << "step " << s;
+    if (!differs && s < c.steps()) {
+      const auto z = c.blocks(s);
+      differs = !std::equal(x.begin(), x.end(), z.begin(), z.end());
+    }
+  }
+  EXPECT_TRUE(differs);
+}
+
+// Every step reads distinct blocks within [0, key_count); phases are labelled in order; the peak is
+// the largest step; the phases' blocks are disjoint (a phase starts new sessions).
+TEST(KvSessions, StepsReadDistinctBlocksAndPhasesAreDisjoint) {
+  const auto kv = generate_kv_sessions(two_phases());
+  std::uint64_t peak = 0;
+  std::vector<int> phase_of_block(kv.key_count(), -1);
+  for (std::uint64_t s = 0; s < kv.steps(); ++s) {
+    EXPECT_EQ(kv.phase(s), s < 300 ? 0U : 1U);
+    std::unordered_set<std::uint32_t> seen;
+    for (const std::uint32_t b : kv.blocks(s)) {
+      ASSERT_LT(b, kv.key_count());
+      EXPECT_TRUE(seen.insert(b).second) << "block " << b << " read twice in step " << s;
+      int& p = phase_of_block[b];
+      if (p < 0) p = static_cast<int>(kv.phase(s));
+      EXPECT_EQ(p, static_cast<int>(kv.phase(s))) << "block " << b;
+    }
+    peak = std::max<std::uint64_t>(peak, kv.blocks(s).size());
+  }
+  EXPECT_EQ(kv.peak_step_blocks(), peak);
+}
+
+// One session, one turn, no shared prefix: the prefill reads ⌈prompt/16⌉ blocks, then every decode
+// step reads the whole context, one more block each time the context crosses a block boundary.
+TEST(KvSessions, ADecodeStepReadsTheWholeContext) {
+  kv_session_options o;
+  o.block_tokens = 16;
+  o.phases = {{.name = "one",
+               .steps = 200,
+               .concurrency = 1,
+               .turns = 1,
+               .prompt_tokens = 40,
+               .decode_tokens = 100,
+               .think_steps = 0}};
+  const auto kv = generate_kv_sessions(o);
+  std::uint64_t s = 0;
+  while (kv.blocks(s).empty()) ++s;  // the staggered start
+  ASSERT_EQ(kv.blocks(s).size(), 3U);  // 40 tokens
+  std::uint64_t tokens = 40;
+  for (std::uint64_t d = 1; d < 50; ++d) {
+    ++tokens;
+    ASSERT_EQ(kv.blocks(s + d).size(), (tokens + 15) / 16) << "decode step " << d;
+    const auto prev = kv.blocks(s + d - 1);
+    const auto now = kv.blocks(s + d);
+    EXPECT_TRUE(std::equal(prev.begin(), prev.end(), now.begin())) << "the prefix keeps its blocks";
+  }
+}
+
+// The far mode: a session's next turn re-reads its prefix after waiting; with a pool that holds
+// every session's context nothing is recomputed, with one that holds only the running ones the
+// waiting sessions' prefixes are.
+TEST(KvSessions, CrossTurnReuseIsTheFarMode) {
+  kv_session_options o;
+  o.phases = {tool_calls(600)};
+  const auto kv = generate_kv_sessions(o);
+  const auto all = simulate_kv_pool(kv, kv.key_count());
+  EXPECT_EQ(all.recomputes, 0U);
+  EXPECT_LE(all.cold, kv.key_count());  // a session drawn mid-way whose wait outlasts the phase is never read
+  const auto tight = simulate_kv_pool(kv, kv.peak_step_blocks());
+  EXPECT_GT(tight.recomputes, 0U);
+  EXPECT_EQ(tight.hits + tight.cold + tight.recomputes, tight.references);
+}
+
+// Obviously correct LRU over a std::list, with the same resize rule.
+std::vector<std::uint64_t> reference_pool(const kv_block_stream& kv, std::uint64_t capacity,
+                                          const std::vector<kv_capacity_change>& schedule) {
+  std::list<std::uint32_t> lru;  // front = most recent
+  std::unordered_map<std::uint32_t, std::list<std::uint32_t>::iterator> where;
+  std::unordered_set<std::uint32_t> seen;
+  std::vector<std::uint64_t> out;
+  auto change = schedule.begin();
+  for (std::uint64_t s = 0; s < kv.steps(); ++s) {
+    if (change != schedule.end() && change->step == s) {
+      capacity = change->blocks;
+      while (lru.size() > capacity) {
+        where.erase(lru.back());
+        lru.pop_back();
+      }
+      ++change;
+    }
+    std::uint64_t recomputes = 0;
+    for (const std::uint32_t b : kv.blocks(s)) {
+      if (const auto it = where.find(b); it != where.end()) {
+        lru.erase(it->second);
+      } else {
+        if (!seen.insert(b).second) ++recomputes;
+        if (lru.size() == capacity) {
+          where.erase(lru.back());
+          lru.pop_back();
+        }
+      }
+      lru.push_front(b);
+      where[b] = lru.begin();
+    }
+    out.push_back(recomputes);
+  }
+  return out;
+}
+
+TEST(KvSessions, PoolEqualsAReferenceLruUnderRandomResizes) {
+  const auto kv = generate_kv_sessions(two_phases());
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 12; ++trial) {
+    const std::uint64_t capacity = 1 + rng() % (kv.peak_step_blocks() * 3);
+    std::vector<kv_capacity_change> schedule;
+    for (std::uint64_t s = 1 + rng() % 40; s < kv.steps(); s += 1 + rng() % 60) {
+      schedule.push_back({.step = s, .blocks = 1 + rng() % (kv.peak_step_blocks() * 3)});
+    }
+    SCOPED_TRACE(fmt::format("trial {}: capacity {}, {} resizes", trial, capacity, schedule.size()));
+    const auto r = simulate_kv_pool(kv, capacity, schedule);
+    EXPECT_EQ(r.step_recomputes, reference_pool(kv, capacity, schedule));
+    EXPECT_EQ(r.hits + r.cold + r.recomputes, r.references);
+  }
+}
+
+// At a fixed capacity the pool's recomputes are the warm reads whose LRU stack distance is at
+// least the capacity (WiSP Eq. 3 over the block stream).
+TEST(KvSessions, StaticPoolMatchesTheExactMissCurve) {
+  const auto kv = generate_kv_sessions(two_phases());
+  reuse_distance_tracker rd(kv.key_count());
+  std::vector<std::size_t> distances;
+  for (std::uint64_t s = 0; s < kv.steps(); ++s) {
+    for (const std::uint32_t b : kv.blocks(s)) distances.push_back(rd.access(b));
+  }
+  for (const std::uint64_t n : {1ULL, 7ULL, 50ULL, 200ULL, 333ULL, 1000ULL}) {
+    std::uint64_t expected = 0;
+    for (const std::size_t d : distances) expected += d != reuse_distance_tracker::cold && d >= n ? 1 : 0;
+    EXPECT_EQ(simulate_kv_pool(kv, n).recomputes, expected) << "capacity " << n;
+  }
+}
+
+TEST(KvSessions, BadInputIsNamedWithItsRange) {
+  const auto expect_error = [](kv_session_options o, const char* text) {
+    try {
+      static_cast<void>(generate_kv_sessions(o));
+      ADD_FAILURE() << "no error for " << text;
+    } catch (const invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr(text));
+    }
+  };
+  kv_session_options o = two_phases();
+  o.block_tokens = 0;
+  expect_error(o, "block_tokens 0 out of range [1, 65536]");
+  o = two_phases();
+  o.phases.clear();
+  expect_error(o, "no phases");
+  o = two_phases();
+  o.phases[1].concurrency = 0;
+  expect_error(o, "phases[1] ('long-context') concurrency 0 out of range [1, 4096]");
+  o = two_phases();
+  o.phases[0].steps = 0;
+  expect_error(o, "phases[0] ('tool-calls') steps 0");
+  o = two_phases();
+  o.phases[0].decode_tokens = 0;
+  expect_error(o, "decode_tokens 0");
+  o = two_phases();
+  o.max_references = 1000;
+  expect_error(o, "max_references 1000");
+
+  const auto kv = generate_kv_sessions(two_phases());
+  EXPECT_THROW(static_cast<void>(simulate_kv_pool(kv, 0)), invalid_argument);
+  const std::vector<kv_capacity_change> backwards{{.step = 5, .blocks = 3}, {.step = 5, .blocks = 4}};
+  try {
+    static_cast<void>(simulate_kv_pool(kv, 10, backwards));
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("schedule[1].step 5 out of range [6, 500)"));
+  }
+}
+
+}  // namespace
+}  // namespace expage

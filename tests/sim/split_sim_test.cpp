@@ -1,0 +1,440 @@
+#include "expage/sim/split_sim.hpp"
+
+#include "expage/core/error.hpp"
+#include "expage/trace/synthetic_trace.hpp"
+#include "expage/trace/trace_io.hpp"
+#include "common/traces.hpp"
+
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <list>
+#include <random>
+
+namespace expage {
+namespace {
+
+using ::testing::HasSubstr;
+
+moe_geometry small() {  // bf16 expert 12,288 bytes
+  return moe_geometry(moe_geometry::config{
+      .name = "small", .layers = 6, .experts_per_layer = 16, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
+}
+
+routing_trace traffic(std::uint64_t seed, std::uint32_t sequences, std::uint32_t steps) {
+  synthetic_options so;
+  so.seed = seed;
+  so.sequences = sequences;
+  so.decode_steps = steps;
+  return generate_synthetic(small(), so);
+}
+
+sim_options demand(std::uint32_t capacity) {
+  sim_options o;
+  o.layout = cache_layout::per_layer;
+  o.capacity = capacity;
+  o.transfer_compute_ratio = 2.0;
+  o.hardware.links[0].setup_seconds = 0.0;
+  return o;
+}
+
+// ---- simulate() with a capacity schedule ------------------------------------------------------
+
+// Per-layer LRU with resizes at pass barriers, over std::list: misses of every pass.
+std::vector<std::uint64_t> reference_misses(const access_stream& s, std::uint32_t capacity,
+                                            const std::vector<slot_resize>& schedule) {
+  std::vector<std::list<expert_index>> lru(s.layers());
+  std::vector<std::uint64_t> out;
+  auto change = schedule.begin();
+  std::uint64_t pass = 0;
+  for (std::size_t g = 0; g < s.groups(); ++g) {
+    if (s.starts_pass(g)) {
+      if (g != 0) ++pass;
+      out.push_back(0);
+      if (change != schedule.end() && change->pass == pass) {
+        capacity = change->capacity;
+        for (auto& l : lru) {
+          while (l.size() > capacity) l.pop_back();
+        }
+        ++change;
+      }
+    }
+    auto& l = lru[s.layer(g)];
+    const auto group = s.experts(g);
+    for (const expert_index e : group) {
+      if (const auto it = std::find(l.begin(), l.end(), e); it != l.end()) {
+        l.erase(it);
+      } else {
+        ++out.back();
+        if (l.size() == capacity) {  // the least recent expert the group does not need (the group is pinned)
+          auto victim = std::prev(l.end());
+          while (std::find(group.begin(), group.end(), *victim) != group.end()) --victim;
+          l.erase(victim);
+        }
+      }
+      l.push_front(e);
+    }
+  }
+  return out;
+}
+
+TEST(SimulateSchedule, DemandLruEqualsAReferenceUnderRandomResizes) {
+  const auto g = small();
+  const access_stream s(traffic(5, 3, 60), g.top_k());
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 10; ++trial) {
+    sim_options o = demand(2 + static_cast<std::uint32_t>(rng() % 15));
+    for (std::uint64_t p = rng() % 20; p < s.passes(); p += 1 + rng() % 30) {
+      o.capacity_schedule.push_back({.pass = p, .capacity = 2 + static_cast<std::uint32_t>(rng() % 15)});
+    }
+    SCOPED_TRACE(fmt::format("trial {}: {} resizes", trial, o.capacity_schedule.size()));
+    const sim_result r = simulate(s, g, policy_kind::lru, o);
+    const auto expected = reference_misses(s, o.capacity, o.capacity_schedule);
+    ASSERT_EQ(r.pass_stalls.size(), expected.size());
+    std::uint64_t total = 0;
+    for (std::size_t p = 0; p < expected.size(); ++p) {
+      // Demand loading on one idle link: a pass stalls for its misses' transfers (no drain: nothing in flight).
+      EXPECT_NEAR(r.pass_stalls[p], static_cast<double>(expected[p]) * r.transfer_seconds, 1e-12) << "pass " << p;
+      total += expected[p];
+    }
+    EXPECT_EQ(r.demand_misses, total);
+    EXPECT_EQ(r.resizes, o.capacity_schedule.size());
+    std::uint32_t most = o.capacity;
+    for (const auto& c : o.capacity_schedule) most = std::max(most, c.capacity);
+    EXPECT_LE(r.budget_peak_bytes, std::uint64_t{g.layers()} * most * r.expert_bytes);
+  }
+}
+
+// A resize at pass 0 is the initial capacity.
+TEST(SimulateSchedule, AResizeAtTheFirstPassIsTheInitialCapacity) {
+  const auto g = small();
+  const access_stream s(traffic(5, 2, 40), g.top_k());
+  sim_options o = demand(9);
+  o.capacity_schedule = {{.pass = 0, .capacity = 4}};
+  const sim_result a = simulate(s, g, policy_kind::lru, o);
+  const sim_result b = simulate(s, g, policy_kind::lru, demand(4));
+  EXPECT_EQ(a.demand_misses, b.demand_misses);
+  EXPECT_DOUBLE_EQ(a.stall_total(), b.stall_total());
+}
+
+// With prefetches in flight a barrier drains them: that wait is resize stall, queued prefetches
+// are cancelled, and the budget still holds (prefetch slots included).
+TEST(SimulateSchedule, ABarrierDrainsInFlightPrefetches) {
+  const auto g = small();
+  const access_stream s(traffic(6, 2, 60), g.top_k());
+  oracle_prefetcher oracle(2, 1.0);
+  sim_options o = demand(8);
+  o.prefetch = &oracle;
+  o.admission = prefetch_admission::all;
+  o.transfer_compute_ratio = 4.0;
+  for (std::uint64_t p = 5; p < s.passes(); p += 7) {
+    o.capacity_schedule.push_back({.pass = p, .capacity = (p / 7) % 2 == 0 ? 5U : 12U});
+  }
+  const sim_result r = simulate(s, g, policy_kind::lru, o);
+  EXPECT_GT(r.stall_seconds[static_cast<std::size_t>(stall_cause::resize)], 0.0);
+  EXPECT_GT(r.resize_evictions, 0U);
+  EXPECT_LE(r.budget_peak_bytes, std::uint64_t{g.layers()} * 12 * r.expert_bytes);
+  EXPECT_EQ(r.prefetches_used + r.prefetches_wasted + r.prefetches_cancelled + r.prefetches_promoted,
+            r.prefetches_issued);
+}
+
+TEST(SimulateSchedule, BadSchedulesAreNamed) {
+  const auto g = small();
+  const access_stream s(traffic(5, 1, 20), g.top_k());
+  const auto expect_error = [&](std::vector<slot_resize> schedule, const char* text) {
+    sim_options o = demand(4);
+    o.capacity_schedule = std::move(schedule);
+    try {
+      static_cast<void>(simulate(s, g, policy_kind::lru, o));
+      ADD_FAILURE() << "no error for " << text;
+    } catch (const invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr(text));
+    }
+  };
+  expect_error({{.pass = 3, .capacity = 5}, {.pass = 3, .capacity = 6}},
+               "capacity_schedule[1].pass 3 out of range [4, 20)");
+  expect_error({{.pass = 20, .capacity = 5}}, "capacity_schedule[0].pass 20 out of range [0, 20)");
+  expect_error({{.pass = 2, .capacity = 1}}, "capacity_schedule[0].capacity 1 out of range [2, 16]");
+  expect_error({{.pass = 2, .capacity = 17}}, "capacity_schedule[0].capacity 17 out of range [2, 16]");
+}
+
+// ---- the split, measured by the simulator ------------------------------------------------------
+
+// Sessions whose KV competes with the experts: a tool-call mix (small contexts, many turns) and a
+// long-context one.
+kv_phase tool_calls(std::uint64_t steps) {
+  return {.name = "tool-calls",
+          .steps = steps,
+          .concurrency = 4,
+          .turns = 6,
+          .prompt_tokens = 64,
+          .append_tokens = 32,
+          .decode_tokens = 10,
+          .think_steps = 24,
+          .shared_prefix_tokens = 64};
+}
+
+kv_phase long_context(std::uint64_t steps) {
+  return {.name = "long-context",
+          .steps = steps,
+          .concurrency = 3,
+          .turns = 3,
+          .prompt_tokens = 700,
+          .append_tokens = 120,
+          .decode_tokens = 24,
+          .think_steps = 30,
+          .shared_prefix_tokens = 0};
+}
+
+struct fixture {
+  moe_geometry geometry = small();
+  access_stream experts;
+  kv_block_stream kv;
+  split_workload workload;
+
+  fixture(std::vector<kv_phase> phases, std::uint64_t budget_slots, std::uint64_t seed = 9)
+      : experts(traffic(seed, 1, 0 + [&] {
+                  std::uint64_t n = 0;
+                  for (const auto& p : phases) n += p.steps;
+                  return static_cast<std::uint32_t>(n);
+                }()),
+                small().top_k()) {
+    kv_session_options ko;
+    ko.phases = std::move(phases);
+    ko.seed = seed;
+    kv = generate_kv_sessions(ko);
+    workload.experts = &experts;
+    workload.kv = &kv;
+    workload.geometry = geometry;
+    workload.expert_options = demand(2);
+    workload.kv_bytes_per_token = 512;
+    const std::uint64_t slot = std::uint64_t{geometry.layers()} * geometry.expert_bytes(precision::bf16);
+    workload.budget_bytes = budget_slots * slot;
+    workload.kv_floor_bytes = 2 * slot;
+    workload.burst_passes = 16;
+  }
+};
+
+// A static schedule costs what its two simulations say, and the grid holds every admissible cap.
+TEST(SplitSim, AStaticSplitCostsWhatTheSimulatorsSay) {
+  fixture f({tool_calls(320)}, 12);
+  const split_model m = make_split_model(f.workload);
+  const auto caps = admissible_caps(f.workload);
+  EXPECT_EQ(caps.front(), 2U);
+  EXPECT_EQ(caps.back(), 10U);  // 12 slots of budget, 2 kept for the floor
+  const auto grid = split_grid(f.workload);
+  ASSERT_EQ(grid.size(), caps.size());
+  for (std::size_t i = 0; i < grid.size(); ++i) {
+    const split_run& run = grid[i];
+    SCOPED_TRACE(run.controller);
+    sim_options o = f.workload.expert_options;
+    o.capacity = caps[i];
+    const sim_result direct = simulate(f.experts, f.geometry, policy_kind::lru, o);
+    EXPECT_NEAR(run.expert_stall_seconds, direct.stall_total(), 1e-9);
+    const std::uint64_t blocks = (m.budget_bytes - caps[i] * m.slot_bytes) / m.block_bytes;
+    EXPECT_NEAR(run.kv_recompute_seconds,
+                static_cast<double>(simulate_kv_pool(f.kv, blocks).recomputes) * m.kv_miss_seconds, 1e-9);
+    EXPECT_EQ(run.moves, 0U);
+    EXPECT_LE(run.budget_peak_bytes, m.budget_bytes);
+    EXPECT_GE(run.min_kv_bytes, m.kv_floor_bytes);
+  }
+}
+
+// The controller never exceeds the budget or goes below the floor, at every barrier, including
+// when resizes are refused (WiSP D3: the previous split stays); under stationary input it never
+// reverses.
+TEST(SplitSim, OnlineInvariantsHoldUnderRefusedResizes) {
+  fixture f({tool_calls(480)}, 12);
+  const split_model m = make_split_model(f.workload);
+  online_split_options o;
+  o.controller.rate_limit = 4;
+  const split_run clean = run_online_split(f.workload, o);
+  EXPECT_EQ(clean.reversals, 0U);
+  EXPECT_LE(clean.budget_peak_bytes, m.budget_bytes);
+  EXPECT_GE(clean.min_kv_bytes, m.kv_floor_bytes);
+  std::mt19937_64 rng(3);
+  o.refuse_resize = [&](std::uint64_t) { return rng() % 2 == 0; };
+  for (int trial = 0; trial < 4; ++trial) {
+    const split_run faulty = run_online_split(f.workload, o);
+    EXPECT_LE(faulty.budget_peak_bytes, m.budget_bytes);
+    EXPECT_GE(faulty.min_kv_bytes, m.kv_floor_bytes);
+    for (const auto& b : faulty.bursts) {
+      EXPECT_LE(b.expert_cap * m.slot_bytes + b.kv_blocks * m.block_bytes, m.budget_bytes);
+    }
+  }
+}
+
+// The controller follows a phase shift: tool calls leave the KV pool little to do, long contexts
+// want it (synthetic routing and sessions, so it runs everywhere; the figures on the real trace
+// are MvWsaAcceptanceOnMixtralHumanEval's). Here the static optimum is a compromise the online
+// controller matches while moving the split with the phases.
+TEST(SplitSim, OnlineFollowsAPhaseShift) {
+  fixture f({tool_calls(600), long_context(600), tool_calls(600)}, 14);
+  f.workload.expert_options.transfer_compute_ratio = 3.0;
+  const auto grid = split_grid(f.workload);
+  const auto best =
+      std::min_element(grid.begin(), grid.end(), [](const auto& x, const auto& y) { return x.cost() < y.cost(); });
+  const split_run online = run_online_split(f.workload, {});
+  EXPECT_LE(online.cost(), 1.01 * best->cost());
+  double tools = 0;
+  double longer = 0;
+  std::size_t n_tools = 0;
+  std::size_t n_long = 0;
+  for (const auto& b : online.bursts) {
+    const bool second_phase = b.first_pass >= 600 && b.first_pass < 1200;
+    (second_phase ? longer : tools) += b.expert_cap;
+    ++(second_phase ? n_long : n_tools);
+  }
+  EXPECT_LT(longer / static_cast<double>(n_long) + 2.0, tools / static_cast<double>(n_tools))
+      << "the long-context phase gets the KV pool";
+  EXPECT_LE(online.budget_peak_bytes, f.workload.budget_bytes);
+}
+
+// Problem @p sequence of @p t, its decode steps repeated @p times as one longer sequence.
+routing_trace tiled(const routing_trace& t, std::uint32_t sequence, std::uint32_t times) {
+  routing_trace out(t.layers(), t.experts_per_layer(), t.top_k());
+  std::uint32_t length = 0;
+  for (const routing_event& e : t) {
+    if (e.sequence == sequence) length = std::max(length, e.step + 1);
+  }
+  for (std::uint32_t r = 0; r < times; ++r) {
+    for (const routing_event& e : t) {
+      if (e.sequence != sequence) continue;
+      routing_event x = e;
+      x.sequence = 0;
+      x.step = e.step + r * length;
+      out.append(x);
+    }
+  }
+  return out;
+}
+
+// Mixtral-8x7B: 32 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes.
+constexpr std::uint64_t mixtral_kv_bytes_per_token = 32 * 8 * 128 * 2 * 2;
+
+// The two session mixes of docs/control.md: agents calling tools (8 sessions, short contexts
+// behind a shared 2K-token system prompt, quick returns) and long-context agents (12 sessions of
+// 16K-token documents, most of them waiting on a slow tool at any time).
+kv_phase agent_tools(std::uint64_t steps) {
+  return {.name = "tool-calls", .steps = steps, .concurrency = 8, .turns = 6, .prompt_tokens = 1536,
+          .append_tokens = 384, .decode_tokens = 24, .think_steps = 40, .shared_prefix_tokens = 2048};
+}
+kv_phase long_docs(std::uint64_t steps) {
+  return {.name = "long-context", .steps = steps, .concurrency = 12, .turns = 4, .prompt_tokens = 16000,
+          .append_tokens = 1000, .decode_tokens = 32, .think_steps = 160, .shared_prefix_tokens = 0};
+}
+
+double quantile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5)];
+}
+
+// The MV-WSA acceptance figures of issue 12 (docs/control.md): the online controller against the
+// exhaustive grid, both run by the simulator, on stationary session mixes and on a phase shift
+// (tool calls → long context → tool calls), at seven budgets. The expert stream is one problem of
+// the Mixtral HumanEval trace repeated to about 3,000 tokens (a problem is 83 or 255 tokens, too
+// short for sessions whose tools take 160 steps); hardware c2c (bf16 experts over 450 GB/s, a
+// miss costing about as much as recomputing one 16-token KV block). Parameters tuned on problem 0,
+// reported on problem 1 with them frozen (online_split_options' defaults).
+TEST(SplitSim, MvWsaAcceptanceOnMixtralHumanEval) {
+#if defined(EXPAGE_SANITIZED)
+  GTEST_SKIP() << "a measurement: run in the release build";
+#endif
+  const auto file = testing::mixtral_humaneval_trace();
+  if (!file) GTEST_SKIP() << "../shared/traces is absent (set EXPAGE_TRACES_DIR)";
+  const auto g = moe_geometry::mixtral_8x7b();
+  const routing_trace all = read_trace(*file, g);
+  const std::uint64_t slot = std::uint64_t{g.layers()} * g.expert_bytes(precision::bf16);
+  for (const std::uint32_t p : {0U, 1U}) {
+    const access_stream experts(tiled(all, p, p == 0 ? 36 : 12), g.top_k());
+    const std::uint64_t n = experts.passes();
+    std::vector<double> stationary;
+    std::vector<double> competing;  // where the grid's best split is not "experts take everything"
+    std::vector<double> shift_gains;
+    for (int mix = 0; mix < 3; ++mix) {
+      kv_session_options ko;
+      ko.seed = 5;
+      if (mix == 0) ko.phases = {agent_tools(n)};
+      if (mix == 1) ko.phases = {long_docs(n)};
+      if (mix == 2) ko.phases = {agent_tools(n / 3), long_docs(n / 3), agent_tools(n - 2 * (n / 3))};
+      const kv_block_stream kv = generate_kv_sessions(ko);
+      split_workload w;
+      w.experts = &experts;
+      w.kv = &kv;
+      w.geometry = g;
+      w.expert_options.layout = cache_layout::per_layer;
+      w.expert_options.hardware = hardware_profile::preset("c2c");
+      w.kv_bytes_per_token = mixtral_kv_bytes_per_token;
+      w.burst_passes = 16;
+      w.kv_floor_bytes = kv.peak_step_blocks() * 16 * mixtral_kv_bytes_per_token;  // the largest step's blocks
+      for (const double extra : {4.25, 4.5, 5.0, 5.75, 6.0, 6.5, 7.25}) {  // budget = floor + extra expert slots
+        w.budget_bytes = w.kv_floor_bytes + static_cast<std::uint64_t>(extra * static_cast<double>(slot));
+        const auto grid = split_grid(w);
+        const auto best = std::min_element(grid.begin(), grid.end(),
+                                           [](const auto& x, const auto& y) { return x.cost() < y.cost(); });
+        const split_run online = run_online_split(w, {});
+        const split_run live = run_live_split(w, 0.1);
+        const double ratio = online.cost() / best->cost();
+        std::printf("problem %u %-12s floor+%.2f slots: grid best %-9s %7.3f ms/token, online %7.3f (%+6.1f%%, %llu moves, "
+                    "%llu reversals, final cap from burst %llu of %zu), live rule %7.3f (%+6.1f%%)\n",
+                    p, mix == 0 ? "tool-calls" : mix == 1 ? "long-context" : "phase-shift", extra,
+                    best->controller.c_str(), best->cost_per_token() * 1e3, online.cost_per_token() * 1e3,
+                    100 * (ratio - 1), static_cast<unsigned long long>(online.moves),
+                    static_cast<unsigned long long>(online.reversals),
+                    static_cast<unsigned long long>(online.converged_burst), online.bursts.size(),
+                    live.cost_per_token() * 1e3, 100 * (live.cost() / best->cost() - 1));
+        EXPECT_LE(online.budget_peak_bytes, w.budget_bytes);
+        EXPECT_GE(online.min_kv_bytes, w.kv_floor_bytes);
+        if (mix == 2) {
+          shift_gains.push_back(1.0 - ratio);
+          EXPECT_LT(online.cost(), best->cost()) << "the phase shift at floor+" << extra;
+        } else {
+          EXPECT_EQ(online.reversals, 0U) << "stationary input at floor+" << extra;
+          stationary.push_back(ratio - 1);
+          if (best != std::prev(grid.end()) || grid.back().kv_recompute_seconds > 0) competing.push_back(ratio - 1);
+        }
+      }
+    }
+    std::printf("problem %u: stationary, online over the grid oracle: median %+.2f%%, p90 %+.2f%% (where KV competes, "
+                "%zu cases: median %+.2f%%, p90 %+.2f%%); phase shift, online over the best static split: median "
+                "%.1f%% better, least %.1f%%\n",
+                p, 100 * quantile(stationary, 0.5), 100 * quantile(stationary, 0.9), competing.size(),
+                100 * quantile(competing, 0.5), 100 * quantile(competing, 0.9), 100 * quantile(shift_gains, 0.5),
+                100 * quantile(shift_gains, 0.0));
+    EXPECT_LE(quantile(stationary, 0.5), 0.02) << "problem " << p;
+  }
+}
+
+TEST(SplitSim, BadWorkloadsAreNamed) {
+  fixture f({tool_calls(64)}, 12);
+  split_workload w = f.workload;
+  w.budget_bytes = w.kv_floor_bytes + 1;
+  try {
+    static_cast<void>(split_grid(w));
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("the engine must not start there"));
+  }
+  w = f.workload;
+  w.burst_passes = 0;
+  EXPECT_THROW(static_cast<void>(split_grid(w)), invalid_argument);
+  w = f.workload;
+  w.kv_bytes_per_token = 0;
+  EXPECT_THROW(static_cast<void>(split_grid(w)), invalid_argument);
+  fixture shorter({tool_calls(32)}, 12);
+  w = f.workload;
+  w.kv = &shorter.kv;
+  try {
+    static_cast<void>(split_grid(w));
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("the KV stream has 32 steps, the expert stream 64 passes"));
+  }
+  const std::uint32_t bad[] = {11};
+  EXPECT_THROW(static_cast<void>(evaluate_split_schedule(f.workload, bad)), invalid_argument);
+}
+
+}  // namespace
+}  // namespace expage
