@@ -3,6 +3,7 @@
 #include "expage/core/error.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <limits>
@@ -158,6 +159,35 @@ class detail::kv_session_generator {
   std::mt19937_64 rng_;
   std::uint32_t next_id_ = 0;
 };
+
+namespace {
+
+constexpr std::string_view preset_list[] = {"tool-calls", "long-context", "phase-shift"};
+
+kv_phase tool_calls_phase(std::uint64_t steps) {
+  return {.name = "tool-calls", .steps = steps, .concurrency = 8, .turns = 6, .prompt_tokens = 1536,
+          .append_tokens = 384, .decode_tokens = 24, .think_steps = 40, .shared_prefix_tokens = 2048};
+}
+
+kv_phase long_context_phase(std::uint64_t steps) {
+  return {.name = "long-context", .steps = steps, .concurrency = 12, .turns = 4, .prompt_tokens = 16000,
+          .append_tokens = 1000, .decode_tokens = 32, .think_steps = 160, .shared_prefix_tokens = 0};
+}
+
+}  // namespace
+
+std::span<const std::string_view> kv_session_preset_names() noexcept { return preset_list; }
+
+std::vector<kv_phase> kv_session_preset(std::string_view name, std::uint64_t steps) {
+  if (steps < 3) throw invalid_argument(fmt::format("kv_session_preset: steps {} out of range [3, 2^64)", steps));
+  if (name == "tool-calls") return {tool_calls_phase(steps)};
+  if (name == "long-context") return {long_context_phase(steps)};
+  if (name == "phase-shift") {
+    return {tool_calls_phase(steps / 3), long_context_phase(steps / 3), tool_calls_phase(steps - 2 * (steps / 3))};
+  }
+  throw invalid_argument(fmt::format("kv_session_preset: unknown session mix '{}' (presets: {})", name,
+                                     fmt::join(preset_list, ", ")));
+}
 
 kv_block_stream generate_kv_sessions(const kv_session_options& options) {
   if (options.block_tokens == 0 || options.block_tokens > 65536) {

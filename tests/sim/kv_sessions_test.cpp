@@ -198,6 +198,26 @@ TEST(KvSessions, StaticPoolMatchesTheExactMissCurve) {
   }
 }
 
+TEST(KvSessions, PresetsCoverTheirStepsAndUnknownNamesAreListed) {
+  for (const std::string_view name : kv_session_preset_names()) {
+    const auto phases = kv_session_preset(name, 1000);
+    std::uint64_t steps = 0;
+    for (const auto& p : phases) steps += p.steps;
+    EXPECT_EQ(steps, 1000U) << name;
+    kv_session_options o;
+    o.phases = phases;
+    EXPECT_EQ(generate_kv_sessions(o).steps(), 1000U) << name;
+  }
+  EXPECT_EQ(kv_session_preset("phase-shift", 9).size(), 3U);
+  try {
+    static_cast<void>(kv_session_preset("chat", 100));
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("unknown session mix 'chat' (presets: tool-calls, long-context, phase-shift)"));
+  }
+  EXPECT_THROW(static_cast<void>(kv_session_preset("tool-calls", 2)), invalid_argument);
+}
+
 TEST(KvSessions, BadInputIsNamedWithItsRange) {
   const auto expect_error = [](kv_session_options o, const char* text) {
     try {

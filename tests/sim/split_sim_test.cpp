@@ -314,18 +314,6 @@ routing_trace tiled(const routing_trace& t, std::uint32_t sequence, std::uint32_
 // Mixtral-8x7B: 32 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes.
 constexpr std::uint64_t mixtral_kv_bytes_per_token = 32 * 8 * 128 * 2 * 2;
 
-// The two session mixes of docs/control.md: agents calling tools (8 sessions, short contexts
-// behind a shared 2K-token system prompt, quick returns) and long-context agents (12 sessions of
-// 16K-token documents, most of them waiting on a slow tool at any time).
-kv_phase agent_tools(std::uint64_t steps) {
-  return {.name = "tool-calls", .steps = steps, .concurrency = 8, .turns = 6, .prompt_tokens = 1536,
-          .append_tokens = 384, .decode_tokens = 24, .think_steps = 40, .shared_prefix_tokens = 2048};
-}
-kv_phase long_docs(std::uint64_t steps) {
-  return {.name = "long-context", .steps = steps, .concurrency = 12, .turns = 4, .prompt_tokens = 16000,
-          .append_tokens = 1000, .decode_tokens = 32, .think_steps = 160, .shared_prefix_tokens = 0};
-}
-
 double quantile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
   return v[static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5)];
@@ -356,9 +344,7 @@ TEST(SplitSim, MvWsaAcceptanceOnMixtralHumanEval) {
     for (int mix = 0; mix < 3; ++mix) {
       kv_session_options ko;
       ko.seed = 5;
-      if (mix == 0) ko.phases = {agent_tools(n)};
-      if (mix == 1) ko.phases = {long_docs(n)};
-      if (mix == 2) ko.phases = {agent_tools(n / 3), long_docs(n / 3), agent_tools(n - 2 * (n / 3))};
+      ko.phases = kv_session_preset(kv_session_preset_names()[static_cast<std::size_t>(mix)], n);
       const kv_block_stream kv = generate_kv_sessions(ko);
       split_workload w;
       w.experts = &experts;

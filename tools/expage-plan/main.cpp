@@ -9,7 +9,9 @@
 #include <expage/core/precision.hpp>
 #include <expage/core/units.hpp>
 #include <expage/sim/hardware_profile.hpp>
+#include <expage/sim/kv_sessions.hpp>
 #include <expage/sim/plan.hpp>
+#include <expage/sim/split_sim.hpp>
 #include <expage/trace/synthetic_trace.hpp>
 #include <expage/trace/trace_io.hpp>
 
@@ -60,6 +62,15 @@ model and hardware:
   --points N            capacities simulated per precision, [2, 64] (default 8)
   --tolerance X         recommend within (1 + X) x the best time per token, [0, 10] (default 0.05)
 
+KV recompute (the MV-WSA split, WiSP 3.3-3.5; docs/control.md):
+  --sessions MIX        model the KV cache's own misses with a session mix: {}; each forward
+                        pass of the trace is one scheduler step. Adds, per precision, every
+                        per-layer expert cap with the KV pool taking the rest (expert stall + KV
+                        recompute, both simulated), the online controller and the live rule.
+                        Needs --kv-bytes-per-token; the KV floor defaults to the largest step's blocks
+  --burst N             passes between the controller's drained barriers (default 16)
+  --block-tokens N      tokens per KV block (default 16)
+
 output:
   --json FILE           every option and the recommendation, as JSON
   --svg FILE            time per token (ms) against expert memory (GiB), one series per precision
@@ -85,6 +96,9 @@ struct config {
   expage::cache_layout layout = expage::cache_layout::global;
   std::uint32_t points = 8;
   double tolerance = 0.05;
+  std::optional<std::string> sessions;
+  std::uint64_t burst = 16;
+  std::uint32_t block_tokens = 16;
   std::optional<std::string> json, svg;
 };
 
@@ -160,6 +174,17 @@ config parse(int argc, char** argv, const std::string& help) {
       c.points = parse_number<std::uint32_t>(flag, value(), 2, 64);
     } else if (flag == "--tolerance") {
       c.tolerance = parse_real(flag, value(), 0.0, 10.0);
+    } else if (flag == "--sessions") {
+      const std::string_view v = value();
+      const auto names = expage::kv_session_preset_names();
+      if (std::find(names.begin(), names.end(), v) == names.end()) {
+        throw usage_error{fmt::format("--sessions '{}' is not one of {}", v, fmt::join(names, ", "))};
+      }
+      c.sessions = std::string(v);
+    } else if (flag == "--burst") {
+      c.burst = parse_number<std::uint64_t>(flag, value(), 1, 1U << 20);
+    } else if (flag == "--block-tokens") {
+      c.block_tokens = parse_number<std::uint32_t>(flag, value(), 1, 65536);
     } else if (flag == "--json") {
       c.json = std::string(value());
     } else if (flag == "--svg") {
@@ -176,18 +201,63 @@ config parse(int argc, char** argv, const std::string& help) {
         "saves in transfers: give one --precision with --r, or leave --r out to compare precisions"};
   }
   const bool sessions = c.concurrency || c.context || c.kv_per_token;
-  if (sessions && c.kv_floor)
+  if ((c.concurrency || c.context || (c.kv_per_token && !c.sessions)) && c.kv_floor)
     throw usage_error{"give --kv-floor or --concurrency/--context/--kv-bytes-per-token, not both"};
-  if (sessions && !(c.concurrency && c.context && c.kv_per_token)) {
+  if (sessions && !(c.concurrency && c.context && c.kv_per_token) && !(c.sessions && !c.concurrency && !c.context)) {
     throw usage_error{"--concurrency, --context and --kv-bytes-per-token go together"};
+  }
+  if (c.sessions && !c.kv_per_token) {
+    throw usage_error{"--sessions needs --kv-bytes-per-token (the KV bytes of one token over all layers)"};
+  }
+  if (c.sessions && c.kv_per_token && *c.kv_per_token == 0) {
+    throw usage_error{"--kv-bytes-per-token 0 out of range [1, 2^64) with --sessions"};
   }
   return c;
 }
 
 std::string json_number(double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : "null"; }
 
+// The MV-WSA split at one precision: the grid of per-layer caps, the online controller and the
+// live rule, each run by the simulator with the session mix's KV stream.
+struct split_report {
+  expage::precision format = expage::precision::bf16;
+  expage::split_model model;
+  std::vector<expage::split_run> grid;
+  std::size_t best = 0;
+  expage::split_run online;
+  expage::split_run live;
+};
+
+std::string split_run_json(const expage::split_run& r, const expage::split_model& m) {
+  std::vector<std::string> caps;
+  for (const auto& b : r.bursts) caps.push_back(fmt::format("{}", b.expert_cap));
+  const std::uint32_t last = r.bursts.empty() ? 0 : r.bursts.back().expert_cap;
+  return fmt::format(
+      R"({{"controller":"{}","final_cap":{},"expert_bytes":{},"kv_bytes":{},"expert_stall_per_token_s":{},)"
+      R"("kv_recompute_per_token_s":{},"cost_per_token_s":{},"moves":{},"reversals":{},"budget_peak_bytes":{},)"
+      R"("caps_per_burst":[{}]}})",
+      r.controller, last, std::uint64_t{last} * m.slot_bytes, m.budget_bytes - std::uint64_t{last} * m.slot_bytes,
+      json_number(r.tokens == 0 ? 0.0 : r.expert_stall_seconds / static_cast<double>(r.tokens)),
+      json_number(r.tokens == 0 ? 0.0 : r.kv_recompute_seconds / static_cast<double>(r.tokens)),
+      json_number(r.cost_per_token()), r.moves, r.reversals, r.budget_peak_bytes, fmt::join(caps, ","));
+}
+
+std::string splits_json(const std::vector<split_report>& splits, std::string_view mix) {
+  std::vector<std::string> rows;
+  for (const auto& s : splits) {
+    std::vector<std::string> grid;
+    for (const auto& r : s.grid) grid.push_back(split_run_json(r, s.model));
+    rows.push_back(fmt::format(
+        R"({{"precision":"{}","sessions":"{}","slot_bytes":{},"block_bytes":{},"kv_floor_bytes":{},"grid":[{}],)"
+        R"("best":{},"online":{},"live":{}}})",
+        expage::to_string(s.format), mix, s.model.slot_bytes, s.model.block_bytes, s.model.kv_floor_bytes,
+        fmt::join(grid, ","), s.best, split_run_json(s.online, s.model), split_run_json(s.live, s.model)));
+  }
+  return fmt::format("[{}]", fmt::join(rows, ","));
+}
+
 std::string plan_json(const expage::plan_result& plan, const expage::plan_options& o, const expage::moe_geometry& g,
-                      std::string_view hardware) {
+                      std::string_view hardware, const std::string& splits) {
   std::vector<std::string> rows;
   for (const auto& a : plan.options) {
     rows.push_back(fmt::format(
@@ -199,10 +269,10 @@ std::string plan_json(const expage::plan_result& plan, const expage::plan_option
   }
   return fmt::format(
       R"({{"tool":"expage-plan","geometry":"{}","hardware":"{}","policy":"{}","budget_bytes":{},"kv_floor_bytes":{},)"
-      R"("tolerance":{},"options":[{}],"best":{},"recommended":{}}})"
+      R"("tolerance":{},"options":[{}],"best":{},"recommended":{},"splits":{}}})"
       "\n",
       g.name(), hardware, expage::to_string(o.policy), o.budget_bytes, o.kv_floor_bytes, json_number(o.tolerance),
-      fmt::join(rows, ","), plan.best, plan.recommended);
+      fmt::join(rows, ","), plan.best, plan.recommended, splits.empty() ? "[]" : splits);
 }
 
 // Time per token (ms) against expert memory (GiB): one series per precision (colour and dash),
@@ -287,7 +357,8 @@ std::string plan_svg(const expage::plan_result& plan, const std::string& title) 
 int main(int argc, char** argv) {
   const std::string policy_names = expage_tools::policy_names(true);
   const std::string help = fmt::format(fmt::runtime(usage), fmt::join(expage::moe_geometry::preset_names(), ", "),
-                                       fmt::join(expage::hardware_profile::preset_names(), ", "), policy_names);
+                                       fmt::join(expage::hardware_profile::preset_names(), ", "), policy_names,
+                                       fmt::join(expage::kv_session_preset_names(), ", "));
   try {
     const config c = parse(argc, argv, help);
     if (c.json) expage_tools::check_output_path("--json", *c.json);
@@ -357,7 +428,71 @@ int main(int argc, char** argv) {
         r.slots, expage::to_string(r.format), expage::byte_size{r.expert_bytes}, expage::byte_size{r.kv_bytes},
         r.result.seconds_per_token() * 1e3, o.tolerance * 100, b.slots, expage::to_string(b.format),
         b.result.seconds_per_token() * 1e3);
-    if (c.json) expage_tools::write_atomically(*c.json, plan_json(plan, o, g, hardware.name));
+    std::vector<split_report> splits;
+    if (c.sessions) {
+      const expage::access_stream experts(trace, g.top_k());
+      expage::kv_session_options ko;
+      ko.block_tokens = c.block_tokens;
+      ko.phases = expage::kv_session_preset(*c.sessions, std::max<std::uint64_t>(experts.passes(), 3));
+      if (experts.passes() < 3) throw usage_error{"--sessions needs a trace of at least 3 forward passes"};
+      const expage::kv_block_stream kv = expage::generate_kv_sessions(ko);
+      const std::uint64_t block_bytes = std::uint64_t{c.block_tokens} * *c.kv_per_token;
+      const std::uint64_t floor =
+          c.kv_floor || c.concurrency ? o.kv_floor_bytes : kv.peak_step_blocks() * block_bytes;
+      fmt::print("\nwith KV recompute modelled: session mix {}, {} KV block reads, {} bytes per block, KV floor {}, "
+                 "bursts of {} passes; per-layer expert slots, {} eviction\n",
+                 *c.sessions, kv.references(), block_bytes, expage::byte_size{floor}, c.burst,
+                 expage::to_string(o.policy));
+      fmt::print("{:<9} {:>9} {:>12} {:>12} {:>11} {:>11} {:>11}\n", "precision", "cap/layer", "experts", "KV",
+                 "stall/tok", "recomp/tok", "cost/tok");
+      for (const auto p : o.precisions) {
+        expage::split_workload w;
+        w.experts = &experts;
+        w.kv = &kv;
+        w.geometry = g;
+        w.expert_options.hardware = hardware;
+        w.expert_options.format = p;
+        w.expert_options.transfer_compute_ratio = c.ratio;
+        w.policy = o.policy;
+        w.budget_bytes = o.budget_bytes;
+        w.kv_floor_bytes = floor;
+        w.kv_bytes_per_token = *c.kv_per_token;
+        w.burst_passes = c.burst;
+        split_report rep;
+        rep.format = p;
+        try {
+          rep.model = expage::make_split_model(w);
+          rep.grid = expage::split_grid(w);
+        } catch (const expage::invalid_argument& e) {
+          throw usage_error{fmt::format("--sessions at {}: {}", expage::to_string(p), e.what())};
+        }
+        rep.online = expage::run_online_split(w, {});
+        rep.live = expage::run_live_split(w, 0.1);
+        for (std::size_t i = 0; i < rep.grid.size(); ++i) {
+          if (rep.grid[i].cost() < rep.grid[rep.best].cost()) rep.best = i;
+        }
+        const auto row = [&](const expage::split_run& run, std::string_view note) {
+          const std::uint32_t cap = run.bursts.back().expert_cap;
+          const auto per_token = [&](double x) {
+            return run.tokens == 0 ? 0.0 : x / static_cast<double>(run.tokens) * 1e3;
+          };
+          fmt::print("{:<9} {:>9} {:>12} {:>12} {:>8.3f} ms {:>8.3f} ms {:>8.3f} ms{}\n", expage::to_string(p),
+                     run.moves == 0 ? fmt::format("{}", cap) : fmt::format("->{}", cap),
+                     expage::byte_size{cap * rep.model.slot_bytes},
+                     expage::byte_size{rep.model.budget_bytes - cap * rep.model.slot_bytes},
+                     per_token(run.expert_stall_seconds), per_token(run.kv_recompute_seconds),
+                     run.cost_per_token() * 1e3, note);
+        };
+        for (std::size_t i = 0; i < rep.grid.size(); ++i) row(rep.grid[i], i == rep.best ? "  <- best static split" : "");
+        row(rep.online, fmt::format("  online MV-WSA ({} moves; final cap shown)", rep.online.moves));
+        row(rep.live, fmt::format("  live rule, headroom 10% ({} moves)", rep.live.moves));
+        splits.push_back(std::move(rep));
+      }
+    }
+    if (c.json) {
+      expage_tools::write_atomically(*c.json,
+                                     plan_json(plan, o, g, hardware.name, c.sessions ? splits_json(splits, *c.sessions) : ""));
+    }
     if (c.svg) {
       expage_tools::write_atomically(
           *c.svg, plan_svg(plan, fmt::format("Time per token vs expert memory: {}, {}, budget {}", g.name(),

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace expage {
@@ -92,6 +93,17 @@ class kv_block_stream {
   std::uint32_t block_tokens_ = 16;
   std::uint64_t peak_ = 0;
 };
+
+/// @brief The built-in session mixes (docs/control.md), each lasting @p steps steps:
+/// - "tool-calls": 8 agents calling quick tools behind a shared 2,048-token system prompt
+///   (1,536-token task, 384 tokens appended per turn, 24 decoded, 40-step tool calls, 6 turns);
+/// - "long-context": 12 agents over 16,000-token documents waiting on slow tools (1,000 tokens
+///   appended per turn, 32 decoded, 160-step tool calls, 4 turns): most of their KV sits idle;
+/// - "phase-shift": tool-calls, long-context, tool-calls, a third of the steps each.
+/// @throws expage::invalid_argument for an unknown name (listing the presets) or steps < 3.
+[[nodiscard]] std::vector<kv_phase> kv_session_preset(std::string_view name, std::uint64_t steps);
+/// The preset names.
+[[nodiscard]] std::span<const std::string_view> kv_session_preset_names() noexcept;
 
 /// Generates the block references of @p options' phases.
 /// @throws expage::invalid_argument naming the first field out of range (phase index, field,
