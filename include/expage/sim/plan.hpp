@@ -10,10 +10,10 @@
 /// the KV cache, where it buys batch size or context. A budget that leaves the experts no room
 /// above the KV floor is refused (WiSP Table 3: an engine must not start there).
 ///
-/// What it does not model yet: the KV cache's own misses (the MV-WSA split of the control-layer
-/// issue weighs expert stall against KV recompute; here the KV side is a floor and a remainder)
-/// and the quality cost of lower precisions (the tool reports each precision; choosing one is a
-/// quality decision).
+/// Here the KV side is a floor and a remainder; its own misses (KV recompute weighed against
+/// expert stall, the MV-WSA split) are split_sim.hpp's, which `expage-plan --sessions` adds. The
+/// quality cost of lower precisions is not modelled (the tool reports each precision; choosing one
+/// is a quality decision).
 #pragma once
 
 #include "expage/cache/replay.hpp"

@@ -124,6 +124,7 @@ struct split_run {
 /// whole context at once), a 5% gate, a 30% reversal gate, and no rate limit (a move goes to the
 /// target at once: a move that pays is large, and a rate limit only delays it).
 struct online_split_options {
+  /// The step's knobs (grid, gates, rate limit, dead zone).
   online_split_config controller{.grid_step = 1,
                                  .gate = 0.05,
                                  .rate_limit = std::numeric_limits<std::uint32_t>::max(),
