@@ -365,8 +365,9 @@ class engine {
   double resize(std::uint32_t capacity, std::size_t g, double now) {
     double drained = now;
     for (const auto& l : links_) drained = std::max(drained, l.busy_until);
-    advance_links(drained);
-    cancel_queued();
+    cancel_queued();         // first: nothing may start in the idle link time before the barrier
+    advance_links(drained);  // every transfer in flight lands
+    EXPAGE_ASSERT(outstanding_ == 0, "simulate: a prefetch outlived a drained barrier");
     result_.stall_seconds[static_cast<std::size_t>(stall_cause::resize)] += drained - now;
     const bool shrink = capacity < capacity_;
     const auto bytes = [this](std::uint64_t slots) { return static_cast<std::size_t>(slots * cost_.expert_bytes); };

@@ -42,6 +42,14 @@ void resize_reservation(reservation& r, budget_account& account, std::size_t byt
   EXPAGE_ASSERT(grown, "split: the budget refused a grow after the other pool's shrink");
 }
 
+// Exact (one block per bin) up to 2^22 bins, so that a pool of billions of tiny blocks does not
+// allocate billions of bins; `bins` bins when asked.
+std::size_t kv_bin_width(std::size_t capacity, std::uint32_t bins) {
+  constexpr std::size_t most_exact = std::size_t{1} << 22;
+  const std::size_t n = bins == 0 ? most_exact : bins;
+  return bins == 0 && capacity <= most_exact ? 1 : std::max<std::size_t>(1, (capacity + n - 1) / n);
+}
+
 }  // namespace
 
 void check_split_workload(const split_workload& w) {
@@ -220,7 +228,7 @@ split_run run_online_split(const split_workload& w, const online_split_options& 
       m, options.controller,
       {.max_capacity = m.experts_per_layer, .bin_width = 1, .decay = options.decay},
       {.max_capacity = kv_capacity,
-       .bin_width = options.kv_bins == 0 ? 1 : std::max<std::size_t>(1, (kv_capacity + options.kv_bins - 1) / options.kv_bins),
+       .bin_width = kv_bin_width(kv_capacity, options.kv_bins),
        .decay = options.decay},
       static_cast<std::uint32_t>(initial));
   // The reuse distances, measured over the whole history (what shadow LRU stacks beside both

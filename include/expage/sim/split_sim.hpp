@@ -131,7 +131,8 @@ struct online_split_options {
                                  .dead_zone = 1,
                                  .reversal_gate = 0.30};
   double decay = 0.9;  ///< γ of both histograms, per burst, (0, 1].
-  /// Bins of the KV histogram over the budget's blocks; 0 (the default): one per block, exact.
+  /// Bins of the KV histogram over the budget's blocks; 0 (the default): one per block, exact
+  /// (up to 2^22 blocks; beyond, 2^22 bins).
   /// Coarse bins blur the cliff at the step's working set, where the near mode of the KV reuse
   /// distances sits (every decode step rereads its context), and predict misses that never happen.
   std::uint32_t kv_bins = 0;
