@@ -2,7 +2,10 @@
 // 10 M routing events/s single-threaded for a demand-only LRU run (docs/performance.md).
 #include <expage/cache/replay.hpp>
 #include <expage/predict/expert_predictor.hpp>
+#include <expage/cache/reuse_distance.hpp>
+#include <expage/sim/kv_sessions.hpp>
 #include <expage/sim/pager_sim.hpp>
+#include <expage/sim/split_sim.hpp>
 #include <expage/trace/synthetic_trace.hpp>
 
 #include <benchmark/benchmark.h>
@@ -18,15 +21,25 @@ const expage::moe_geometry& mixtral() {
 }
 
 // A synthetic Mixtral decode trace: 64 sequences x 256 tokens x 32 layers = 524,288 routing events.
-const expage::access_stream& stream() {
-  static const auto trace = [] {
+const expage::routing_trace& trace() {
+  static const auto t = [] {
     expage::synthetic_options o;
     o.seed = 1;
     o.sequences = 64;
     o.decode_steps = 256;
     return expage::generate_synthetic(mixtral(), o);
   }();
-  static const expage::access_stream s(trace, 128);
+  return t;
+}
+
+const expage::access_stream& stream() {
+  static const expage::access_stream s(trace(), 128);
+  return s;
+}
+
+// The same trace for per-layer slots (groups of at most top-k, so every cap from 2 runs).
+const expage::access_stream& per_layer_stream() {
+  static const expage::access_stream s(trace(), mixtral().top_k());
   return s;
 }
 
@@ -123,6 +136,83 @@ void BM_Predictor_Pass(benchmark::State& state, const char* name) {
 BENCHMARK_CAPTURE(BM_Predictor_Pass, frequency, "frequency");
 BENCHMARK_CAPTURE(BM_Predictor_Pass, coactivation, "coactivation");
 BENCHMARK_CAPTURE(BM_Predictor_Pass, fmoe, "fmoe");
+
+// The KV side of the split: the tool-calls session mix over the stream's passes (one step each).
+const expage::kv_block_stream& kv_stream() {
+  static const auto kv = [] {
+    expage::kv_session_options o;
+    o.phases = expage::kv_session_preset("tool-calls", stream().passes());
+    return expage::generate_kv_sessions(o);
+  }();
+  return kv;
+}
+
+// Baseline: the exact LRU stack distance of every block read (what the miss curve costs).
+void BM_KvPool_StackDistances(benchmark::State& state) {
+  const auto& kv = kv_stream();
+  for (auto _ : state) {
+    expage::reuse_distance_tracker rd(kv.key_count());
+    std::uint64_t far = 0;
+    for (std::uint64_t s = 0; s < kv.steps(); ++s) {
+      for (const std::uint32_t b : kv.blocks(s)) far += rd.access(b) >= 2048 ? 1U : 0U;
+    }
+    benchmark::DoNotOptimize(far);
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(kv.references()));
+  state.SetLabel("block reads");
+}
+BENCHMARK(BM_KvPool_StackDistances)->Unit(benchmark::kMillisecond);
+
+// simulate_kv_pool(): the LRU block pool at one size (what every split's KV side costs).
+void BM_KvPool_Replay(benchmark::State& state) {
+  const auto& kv = kv_stream();
+  for (auto _ : state) {
+    const auto r = expage::simulate_kv_pool(kv, 2048);
+    benchmark::DoNotOptimize(r.recomputes);
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(kv.references()));
+  state.SetLabel("block reads");
+}
+BENCHMARK(BM_KvPool_Replay)->Unit(benchmark::kMillisecond);
+
+expage::split_workload split_workload() {
+  expage::split_workload w;
+  w.experts = &per_layer_stream();
+  w.kv = &kv_stream();
+  w.geometry = mixtral();
+  w.expert_options.hardware = expage::hardware_profile::preset("c2c");
+  w.kv_bytes_per_token = 128 * 1024;
+  w.kv_floor_bytes = kv_stream().peak_step_blocks() * 16 * w.kv_bytes_per_token;
+  const std::uint64_t slot = std::uint64_t{mixtral().layers()} * mixtral().expert_bytes(expage::precision::bf16);
+  w.budget_bytes = w.kv_floor_bytes + 6 * slot;
+  return w;
+}
+
+// Baseline: one static split (a per-layer expert simulation and a KV pool replay).
+void BM_Split_Static(benchmark::State& state) {
+  const auto w = split_workload();
+  const std::uint32_t caps[] = {5};
+  for (auto _ : state) {
+    const auto r = expage::evaluate_split_schedule(w, caps, "static");
+    benchmark::DoNotOptimize(r.expert_stall_seconds);
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(stream().events()));
+  state.SetLabel("routing events");
+}
+BENCHMARK(BM_Split_Static)->Unit(benchmark::kMillisecond);
+
+// The online controller: both streams' reuse distances into its histograms, a decision per
+// burst, then the same simulation of its schedule.
+void BM_Split_Online(benchmark::State& state) {
+  const auto w = split_workload();
+  for (auto _ : state) {
+    const auto r = expage::run_online_split(w, {});
+    benchmark::DoNotOptimize(r.expert_stall_seconds);
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(stream().events()));
+  state.SetLabel("routing events");
+}
+BENCHMARK(BM_Split_Online)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 
