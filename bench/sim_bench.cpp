@@ -1,8 +1,8 @@
 // The pager simulator's speed beside replay() on the same stream: the goal is at least
 // 10 M routing events/s single-threaded for a demand-only LRU run (docs/performance.md).
 #include <expage/cache/replay.hpp>
-#include <expage/predict/expert_predictor.hpp>
 #include <expage/cache/reuse_distance.hpp>
+#include <expage/predict/expert_predictor.hpp>
 #include <expage/sim/kv_sessions.hpp>
 #include <expage/sim/pager_sim.hpp>
 #include <expage/sim/split_sim.hpp>

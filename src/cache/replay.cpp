@@ -236,6 +236,7 @@ access_stream::access_stream(const routing_trace& trace, std::uint32_t group_lim
     experts_.insert(experts_.end(), experts.begin(), experts.end());
     probability_.insert(probability_.end(), p.begin(), p.end());
     offset_.push_back(experts_.size());
+    largest_group_ = std::max(largest_group_, static_cast<std::uint32_t>(experts.size()));
   };
   const auto flush = [&] {
     if (!step.empty() && step.emit(mode_, limit_, top_k_, emit)) ++split_;

@@ -39,16 +39,6 @@ void check_model(const split_model& m, const char* who) {
   }
 }
 
-// The largest cap the floor admits: B − c·S_E ≥ B_KV^min.
-std::uint32_t max_cap(const split_model& m) {
-  const std::uint64_t by_floor = (m.budget_bytes - m.kv_floor_bytes) / m.slot_bytes;
-  return static_cast<std::uint32_t>(std::min<std::uint64_t>(m.experts_per_layer, by_floor));
-}
-
-std::uint64_t kv_blocks(const split_model& m, std::uint32_t cap) {
-  return (m.budget_bytes - std::uint64_t{cap} * m.slot_bytes) / m.block_bytes;
-}
-
 memory_split make_split(const split_model& m, std::uint32_t cap, double cost) {
   memory_split s;
   s.expert_cap = cap;
@@ -72,13 +62,23 @@ void check_config(const online_split_config& c) {
 }
 
 void check_cap(const split_model& m, std::uint32_t cap, const char* who) {
-  if (cap > max_cap(m) || cap < m.min_expert_cap) {
-    throw invalid_argument(fmt::format("{}: current_cap {} out of range [{}, {}] (min_expert_cap to E and the KV floor)",
-                                       who, cap, m.min_expert_cap, max_cap(m)));
+  if (cap > max_expert_cap(m) || cap < m.min_expert_cap) {
+    throw invalid_argument(
+        fmt::format("{}: current_cap {} out of range [{}, {}] (min_expert_cap to E and the KV floor)", who, cap,
+                    m.min_expert_cap, max_expert_cap(m)));
   }
 }
 
 }  // namespace
+
+std::uint32_t max_expert_cap(const split_model& m) noexcept {
+  const std::uint64_t by_floor = (m.budget_bytes - m.kv_floor_bytes) / m.slot_bytes;  // Eq. 6
+  return static_cast<std::uint32_t>(std::min<std::uint64_t>(m.experts_per_layer, by_floor));
+}
+
+std::uint64_t kv_blocks(const split_model& m, std::uint32_t cap) noexcept {
+  return (m.budget_bytes - std::uint64_t{cap} * m.slot_bytes) / m.block_bytes;  // Eq. 10, in blocks
+}
 
 std::uint64_t kv_admission_floor(std::uint64_t concurrency, std::uint64_t context_tokens,
                                  std::uint64_t kv_bytes_per_token) {
@@ -112,7 +112,7 @@ double split_cost(const split_model& model, const miss_ratio_curve& experts, con
 
 memory_split configure_split(const split_model& model, const miss_ratio_curve& experts, const miss_ratio_curve& kv) {
   check_model(model, "configure_split");
-  const std::uint32_t top = max_cap(model);  // Eq. 6: the floor bounds the cap
+  const std::uint32_t top = max_expert_cap(model);  // Eq. 6: the floor bounds the cap
   std::uint32_t best = model.min_expert_cap;
   double best_cost = split_cost(model, experts, kv, best);
   for (std::uint32_t c = best + 1; c <= top; ++c) {
@@ -144,9 +144,9 @@ memory_split live_split(const split_model& model, std::uint64_t peak_kv_blocks, 
                                    : static_cast<std::uint64_t>(working);
   const std::uint64_t kv_target = std::max(model.kv_floor_bytes, wanted);
   // Eq. 9: all remaining bytes to experts, at most E slots.
-  auto cap = std::max(model.min_expert_cap, static_cast<std::uint32_t>(std::min<std::uint64_t>(
-                                                 model.experts_per_layer,
-                                                 (model.budget_bytes - kv_target) / model.slot_bytes)));
+  auto cap = std::max(model.min_expert_cap,
+                      static_cast<std::uint32_t>(std::min<std::uint64_t>(
+                          model.experts_per_layer, (model.budget_bytes - kv_target) / model.slot_bytes)));
   // Cap dead zone (App. D): keep the current cap for small moves, unless it would break Eq. 8.
   const std::uint32_t distance = cap > current_cap ? cap - current_cap : current_cap - cap;
   const std::uint64_t current_bytes = std::uint64_t{current_cap} * model.slot_bytes;
@@ -172,7 +172,7 @@ online_split_decision online_split_step(const split_model& model, const online_s
     const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(kv.max_capacity(), kv_blocks(model, c)));
     return model.expert_miss_seconds * experts.predicted_misses(c) + model.kv_miss_seconds * kv.predicted_misses(n);
   };
-  const std::uint32_t top = max_cap(model);
+  const std::uint32_t top = max_expert_cap(model);
   online_split_decision out;
   out.current_cost = cost(current_cap);
   // Decision 3: the whole grid, not the point marginal (which reads 0 inside a bimodal gap). Ties
@@ -228,7 +228,8 @@ online_split_decision split_controller::step() const {
 
 void split_controller::commit(const online_split_decision& decision, bool applied) noexcept {
   if (applied) {
-    if (decision.split.expert_cap != current_.expert_cap) last_move_ = decision.split.expert_cap > current_.expert_cap ? 1 : -1;
+    if (decision.split.expert_cap != current_.expert_cap)
+      last_move_ = decision.split.expert_cap > current_.expert_cap ? 1 : -1;
     current_ = decision.split;
   } else {
     ++failed_;  // D3: the engine keeps its previous split

@@ -15,8 +15,8 @@ namespace {
 
 void check_phase(const kv_phase& p, std::size_t i) {
   const auto fail = [&](std::string_view field, std::uint64_t value, std::string_view range) {
-    throw invalid_argument(fmt::format("generate_kv_sessions: phases[{}] ('{}') {} {} out of range {}", i, p.name,
-                                       field, value, range));
+    throw invalid_argument(
+        fmt::format("generate_kv_sessions: phases[{}] ('{}') {} {} out of range {}", i, p.name, field, value, range));
   };
   if (p.steps == 0) fail("steps", p.steps, "[1, 2^64)");
   if (p.concurrency == 0 || p.concurrency > 4096) fail("concurrency", p.concurrency, "[1, 4096]");
@@ -26,12 +26,11 @@ void check_phase(const kv_phase& p, std::size_t i) {
 
 // A session slot of the continuous-batching scheduler.
 struct session {
-  enum class state : std::uint8_t { waiting, prefill, decoding };
-  state now = state::waiting;
-  std::uint64_t wait = 0;         // steps left before the next prefill
-  std::uint32_t turn = 0;         // turns finished
-  std::uint64_t tokens = 0;       // own tokens (after the shared full blocks)
-  std::uint64_t decode_left = 0;  // tokens left to decode in this turn
+  bool decoding = false;           // else waiting for its next prefill
+  std::uint64_t wait = 0;          // steps left before the next prefill
+  std::uint32_t turn = 0;          // turns finished
+  std::uint64_t tokens = 0;        // own tokens (after the shared full blocks)
+  std::uint64_t decode_left = 0;   // tokens left to decode in this turn
   std::vector<std::uint32_t> own;  // its blocks, in order
 };
 
@@ -45,7 +44,8 @@ class detail::kv_session_generator {
     kv_block_stream out;
     out.block_tokens_ = options_.block_tokens;
     out.offset_.push_back(0);
-    for (std::size_t i = 0; i < options_.phases.size(); ++i) phase(options_.phases[i], static_cast<std::uint32_t>(i), out);
+    for (std::size_t i = 0; i < options_.phases.size(); ++i)
+      phase(options_.phases[i], static_cast<std::uint32_t>(i), out);
     out.keys_ = next_id_;
     return out;
   }
@@ -78,7 +78,6 @@ class detail::kv_session_generator {
     s.tokens = 0;
     s.turn = 0;
     grow(s, p.shared_prefix_tokens % options_.block_tokens + std::max<std::uint64_t>(p.prompt_tokens, 1));
-    s.now = session::state::prefill;
   }
 
   void phase(const kv_phase& p, std::uint32_t index, kv_block_stream& out) {
@@ -99,7 +98,6 @@ class detail::kv_session_generator {
         s.turn = turn;
         grow(s, std::uint64_t{turn - 1} * (std::uint64_t{p.append_tokens} + p.decode_tokens) + p.decode_tokens);
       }
-      s.now = session::state::waiting;
       s.wait = rng_() % (std::uint64_t{p.think_steps} + 1);
     }
     for (std::uint64_t step = 0; step < p.steps; ++step) {
@@ -113,33 +111,27 @@ class detail::kv_session_generator {
         out.blocks_.insert(out.blocks_.end(), s.own.begin(), s.own.end());
       };
       for (session& s : slots) {
-        switch (s.now) {
-          case session::state::waiting:
-            if (s.wait > 0) {
-              --s.wait;
-              break;
-            }
-            if (s.turn >= p.turns) {
-              start_session(s, p);
-            } else {
-              grow(s, p.append_tokens);
-              s.now = session::state::prefill;
-            }
-            [[fallthrough]];
-          case session::state::prefill:
-            read(s);  // the prefill reads the whole prefix (cached or recomputed) and writes the new tokens
-            s.decode_left = draw(p.decode_tokens, 1);
-            s.now = session::state::decoding;
-            break;
-          case session::state::decoding:
-            grow(s, 1);
-            read(s);
-            if (--s.decode_left == 0) {
-              ++s.turn;
-              s.now = session::state::waiting;
-              s.wait = s.turn >= p.turns ? 0 : draw(p.think_steps, 0);
-            }
-            break;
+        if (!s.decoding) {
+          if (s.wait > 0) {
+            --s.wait;
+            continue;
+          }
+          if (s.turn >= p.turns) {
+            start_session(s, p);
+          } else {
+            grow(s, p.append_tokens);
+          }
+          read(s);  // the prefill reads the whole prefix (cached or recomputed) and writes the new tokens
+          s.decode_left = draw(p.decode_tokens, 1);
+          s.decoding = true;
+        } else {
+          grow(s, 1);
+          read(s);
+          if (--s.decode_left == 0) {
+            ++s.turn;
+            s.decoding = false;
+            s.wait = s.turn >= p.turns ? 0 : draw(p.think_steps, 0);
+          }
         }
       }
       const std::size_t n = out.blocks_.size() - first;
@@ -165,13 +157,27 @@ namespace {
 constexpr std::string_view preset_list[] = {"tool-calls", "long-context", "phase-shift"};
 
 kv_phase tool_calls_phase(std::uint64_t steps) {
-  return {.name = "tool-calls", .steps = steps, .concurrency = 8, .turns = 6, .prompt_tokens = 1536,
-          .append_tokens = 384, .decode_tokens = 24, .think_steps = 40, .shared_prefix_tokens = 2048};
+  return {.name = "tool-calls",
+          .steps = steps,
+          .concurrency = 8,
+          .turns = 6,
+          .prompt_tokens = 1536,
+          .append_tokens = 384,
+          .decode_tokens = 24,
+          .think_steps = 40,
+          .shared_prefix_tokens = 2048};
 }
 
 kv_phase long_context_phase(std::uint64_t steps) {
-  return {.name = "long-context", .steps = steps, .concurrency = 12, .turns = 4, .prompt_tokens = 16000,
-          .append_tokens = 1000, .decode_tokens = 32, .think_steps = 160, .shared_prefix_tokens = 0};
+  return {.name = "long-context",
+          .steps = steps,
+          .concurrency = 12,
+          .turns = 4,
+          .prompt_tokens = 16000,
+          .append_tokens = 1000,
+          .decode_tokens = 32,
+          .think_steps = 160,
+          .shared_prefix_tokens = 0};
 }
 
 }  // namespace
@@ -185,8 +191,8 @@ std::vector<kv_phase> kv_session_preset(std::string_view name, std::uint64_t ste
   if (name == "phase-shift") {
     return {tool_calls_phase(steps / 3), long_context_phase(steps / 3), tool_calls_phase(steps - 2 * (steps / 3))};
   }
-  throw invalid_argument(fmt::format("kv_session_preset: unknown session mix '{}' (presets: {})", name,
-                                     fmt::join(preset_list, ", ")));
+  throw invalid_argument(
+      fmt::format("kv_session_preset: unknown session mix '{}' (presets: {})", name, fmt::join(preset_list, ", ")));
 }
 
 kv_block_stream generate_kv_sessions(const kv_session_options& options) {

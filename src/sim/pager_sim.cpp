@@ -141,13 +141,6 @@ double quantile(std::vector<double>& v, double q) {
   return v[k];
 }
 
-// The most experts one group of the stream needs at once (≤ its group limit).
-std::uint32_t largest_group(const access_stream& stream) noexcept {
-  std::size_t most = 0;
-  for (std::size_t g = 0; g < stream.groups(); ++g) most = std::max(most, stream.experts(g).size());
-  return static_cast<std::uint32_t>(most);
-}
-
 // Demand loading with the guard's baseline policy, cumulative after each group: what the prefetch guards
 // compare against. Computed by a demand-only run beforehand, which is what a shadow cache of keys
 // beside the real one would know online (it reads the stream only up to the current group).
@@ -196,7 +189,6 @@ class engine {
     prefetch_evicted_at_.assign(keys, victim_note{});
     slots_.resize(keys);
     for (const double t : cost.transfer_seconds) links_.push_back({.transfer = t});
-    largest_group_ = largest_group(stream);
     set_outstanding_cap();
     result_.layers.resize(layers_);
     nominal_layer_ = cost.nominal_layer_seconds(stream.top_k() == 0 ? 1 : stream.top_k());
@@ -353,7 +345,7 @@ class engine {
 
  private:
   void set_outstanding_cap() noexcept {
-    const std::uint32_t room = capacity_ - largest_group_;
+    const std::uint32_t room = capacity_ - stream_.largest_group();
     outstanding_cap_ =
         options_.max_outstanding_prefetches != 0 ? std::min(options_.max_outstanding_prefetches, room) : room;
   }
@@ -410,7 +402,9 @@ class engine {
   }
 
   // Drops every queued (unstarted) prefetch, giving its slot back.
-  void cancel_queued() { cancel_if([](const queued_prefetch&) { return true; }); }
+  void cancel_queued() {
+    cancel_if([](const queued_prefetch&) { return true; });
+  }
 
   [[nodiscard]] std::uint32_t scope_of(std::uint32_t layer) const noexcept { return global_ ? 0 : layer; }
   [[nodiscard]] std::uint32_t key_of(std::uint32_t layer, expert_index e) const noexcept {
@@ -708,7 +702,6 @@ class engine {
   std::uint32_t experts_;
   bool global_;
   std::uint32_t capacity_;  // slots per scope in force (options_.capacity until a resize)
-  std::uint32_t largest_group_ = 0;
   budget_tracker tracker_;  // declared before slots_: every reservation is released first
   std::vector<budget_account*> accounts_;
   std::vector<Policy> policies_;
@@ -778,26 +771,26 @@ void check_options(const access_stream& stream, const moe_geometry& geometry, po
                     "{} layout's experts)",
                     options.capacity, stream.group_limit(), keys, to_string(options.layout)));
   }
-  if (options.max_outstanding_prefetches > options.capacity - largest_group(stream)) {
+  if (options.max_outstanding_prefetches > options.capacity - stream.largest_group()) {
     throw invalid_argument(fmt::format(
         "simulate: max_outstanding_prefetches {} out of range [0, {}] (capacity − largest group: a whole group must "
         "always find room for its demand loads)",
-        options.max_outstanding_prefetches, options.capacity - largest_group(stream)));
+        options.max_outstanding_prefetches, options.capacity - stream.largest_group()));
   }
   std::uint64_t previous = 0;
   for (std::size_t i = 0; i < options.capacity_schedule.size(); ++i) {
     const slot_resize& c = options.capacity_schedule[i];
     if (c.pass >= std::max<std::uint64_t>(stream.passes(), 1) || (i != 0 && c.pass <= previous)) {
-      throw invalid_argument(fmt::format(
-          "simulate: capacity_schedule[{}].pass {} out of range [{}, {}) (increasing passes of the stream)", i, c.pass,
-          i == 0 ? 0 : previous + 1, std::max<std::uint64_t>(stream.passes(), 1)));
+      throw invalid_argument(
+          fmt::format("simulate: capacity_schedule[{}].pass {} out of range [{}, {}) (increasing passes of the stream)",
+                      i, c.pass, i == 0 ? 0 : previous + 1, std::max<std::uint64_t>(stream.passes(), 1)));
     }
-    if (c.capacity < std::max(stream.group_limit(), largest_group(stream) + options.max_outstanding_prefetches) ||
+    if (c.capacity < std::max(stream.group_limit(), stream.largest_group() + options.max_outstanding_prefetches) ||
         c.capacity > keys) {
       throw invalid_argument(fmt::format(
           "simulate: capacity_schedule[{}].capacity {} out of range [{}, {}] (the stream's group limit, plus "
           "max_outstanding_prefetches, to the {} layout's experts)",
-          i, c.capacity, std::max(stream.group_limit(), largest_group(stream) + options.max_outstanding_prefetches),
+          i, c.capacity, std::max(stream.group_limit(), stream.largest_group() + options.max_outstanding_prefetches),
           keys, to_string(options.layout)));
     }
     previous = c.pass;
@@ -864,7 +857,7 @@ void hindsight_static(const access_stream& stream, const moe_geometry& geometry,
   for (std::size_t g = 0; g < stream.groups(); ++g) {
     for (const expert_index e : stream.experts(g)) ++count[key(stream.layer(g), e)];
   }
-  const std::uint32_t n = options.capacity - largest_group(stream);
+  const std::uint32_t n = options.capacity - stream.largest_group();
   std::vector<std::uint8_t> resident(count.size(), 0);
   std::vector<std::uint32_t> order(per_scope);
   for (std::size_t s = 0; s < scopes; ++s) {

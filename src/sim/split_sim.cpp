@@ -1,7 +1,6 @@
 #include "expage/sim/split_sim.hpp"
 
 #include "expage/cache/decayed_reuse_histogram.hpp"
-#include "expage/cache/layered_miss_curves.hpp"
 #include "expage/cache/reuse_distance.hpp"
 #include "expage/core/error.hpp"
 #include "expage/detail/assert.hpp"
@@ -20,15 +19,22 @@ std::uint64_t burst_count(const split_workload& w) {
   return (w.experts->passes() + w.burst_passes - 1) / w.burst_passes;
 }
 
-// The smallest per-layer cap the expert stream can run with.
-std::uint32_t least_cap(const split_workload& w) {
-  std::size_t most = 0;
-  for (std::size_t g = 0; g < w.experts->groups(); ++g) most = std::max(most, w.experts->experts(g).size());
-  return std::max<std::uint32_t>(static_cast<std::uint32_t>(most), 1);
-}
+// The caps a model admits, [min_expert_cap, max_expert_cap]; refuses a budget with none.
+struct cap_range {
+  std::uint32_t least = 0;
+  std::uint32_t top = 0;
+};
 
-std::uint64_t kv_blocks_for(const split_model& m, std::uint32_t cap) {
-  return (m.budget_bytes - std::uint64_t{cap} * m.slot_bytes) / m.block_bytes;
+cap_range admissible_range(const split_model& m) {
+  const cap_range r{.least = m.min_expert_cap, .top = max_expert_cap(m)};
+  if (r.top < r.least) {
+    throw invalid_argument(fmt::format(
+        "split workload: budget_bytes {} leaves {} bytes above the KV floor {}, below the {} bytes of the least "
+        "expert cap {} (a step's largest group): the engine must not start there",
+        m.budget_bytes, m.budget_bytes - m.kv_floor_bytes, m.kv_floor_bytes, std::uint64_t{r.least} * m.slot_bytes,
+        r.least));
+  }
+  return r;
 }
 
 // Shrinks or grows @p r on @p account to @p bytes (a grow after the other pool's shrink always fits).
@@ -38,7 +44,8 @@ void resize_reservation(reservation& r, budget_account& account, std::size_t byt
     return;
   }
   if (bytes == r.bytes()) return;
-  [[maybe_unused]] const bool grown = r ? r.try_grow(bytes - r.bytes()) : static_cast<bool>(r = account.try_reserve(bytes));
+  [[maybe_unused]] const bool grown =
+      r ? r.try_grow(bytes - r.bytes()) : static_cast<bool>(r = account.try_reserve(bytes));
   EXPAGE_ASSERT(grown, "split: the budget refused a grow after the other pool's shrink");
 }
 
@@ -56,12 +63,13 @@ void check_split_workload(const split_workload& w) {
   if (w.experts == nullptr || w.kv == nullptr) {
     throw invalid_argument("split workload: both streams are required (experts and kv)");
   }
-  if (w.experts->layers() != 0 &&
-      (w.experts->layers() != w.geometry.layers() || w.experts->experts_per_layer() != w.geometry.experts_per_layer())) {
-    throw invalid_argument(fmt::format("split workload: the expert stream is {} layers x {} experts, the geometry '{}' "
-                                       "{} x {}",
-                                       w.experts->layers(), w.experts->experts_per_layer(), w.geometry.name(),
-                                       w.geometry.layers(), w.geometry.experts_per_layer()));
+  if (w.experts->layers() != 0 && (w.experts->layers() != w.geometry.layers() ||
+                                   w.experts->experts_per_layer() != w.geometry.experts_per_layer())) {
+    throw invalid_argument(
+        fmt::format("split workload: the expert stream is {} layers x {} experts, the geometry '{}' "
+                    "{} x {}",
+                    w.experts->layers(), w.experts->experts_per_layer(), w.geometry.name(), w.geometry.layers(),
+                    w.geometry.experts_per_layer()));
   }
   if (w.experts->passes() == 0) throw invalid_argument("split workload: the expert stream has no passes");
   if (w.kv->steps() != w.experts->passes()) {
@@ -76,7 +84,7 @@ void check_split_workload(const split_workload& w) {
   }
   if (w.kv_bytes_per_token == 0) throw invalid_argument("split workload: kv_bytes_per_token 0 out of range [1, 2^64)");
   if (w.burst_passes == 0) throw invalid_argument("split workload: burst_passes 0 out of range [1, 2^64)");
-  const std::uint64_t bursts = (w.experts->passes() + w.burst_passes - 1) / w.burst_passes;
+  const std::uint64_t bursts = burst_count(w);
   if (w.warmup_bursts >= bursts) {
     throw invalid_argument(fmt::format("split workload: warmup_bursts {} out of range [0, {}) (the workload's bursts)",
                                        w.warmup_bursts, bursts));
@@ -96,40 +104,27 @@ split_model make_split_model(const split_workload& w) {
   m.kv_floor_bytes = w.kv_floor_bytes;
   m.expert_miss_seconds = *std::min_element(cost.transfer_seconds.begin(), cost.transfer_seconds.end());
   m.kv_miss_seconds = cost.recompute_seconds_per_token * static_cast<double>(w.kv->block_tokens());
-  m.min_expert_cap = least_cap(w);
+  m.min_expert_cap = std::max<std::uint32_t>(w.experts->largest_group(), 1);
   return m;
 }
 
 std::vector<std::uint32_t> admissible_caps(const split_workload& w) {
-  check_split_workload(w);
-  const split_model m = [&] {
-    split_model x = make_split_model(w);
-    x.min_expert_cap = 0;  // checked here, with a message about the workload
-    return x;
-  }();
-  const std::uint32_t least = least_cap(w);
-  const std::uint64_t room = (m.budget_bytes - m.kv_floor_bytes) / m.slot_bytes;
-  const auto top = static_cast<std::uint32_t>(std::min<std::uint64_t>(m.experts_per_layer, room));
-  if (top < least) {
-    throw invalid_argument(fmt::format(
-        "split workload: budget_bytes {} leaves {} bytes above the KV floor {}, below the {} bytes of the least "
-        "expert cap {} (a step's largest group): the engine must not start there",
-        m.budget_bytes, m.budget_bytes - m.kv_floor_bytes, m.kv_floor_bytes, std::uint64_t{least} * m.slot_bytes,
-        least));
-  }
+  const cap_range r = admissible_range(make_split_model(w));
   std::vector<std::uint32_t> caps;
-  for (std::uint32_t c = least; c <= top; ++c) caps.push_back(c);
+  for (std::uint32_t c = r.least; c <= r.top; ++c) caps.push_back(c);
   return caps;
 }
 
-split_run evaluate_split_schedule(const split_workload& w, std::span<const std::uint32_t> caps, std::string controller) {
-  const auto admissible = admissible_caps(w);
-  const split_model m = make_split_model(w);
+namespace {
+
+// evaluate_split_schedule() for a workload whose model and admissible range are known.
+split_run evaluate(const split_workload& w, const split_model& m, cap_range range, std::span<const std::uint32_t> caps,
+                   std::string controller) {
   if (caps.empty()) throw invalid_argument("evaluate_split_schedule: no caps");
   for (std::size_t i = 0; i < caps.size(); ++i) {
-    if (caps[i] < admissible.front() || caps[i] > admissible.back()) {
+    if (caps[i] < range.least || caps[i] > range.top) {
       throw invalid_argument(fmt::format("evaluate_split_schedule: caps[{}] = {} out of range [{}, {}]", i, caps[i],
-                                         admissible.front(), admissible.back()));
+                                         range.least, range.top));
     }
   }
   const std::uint64_t bursts = burst_count(w);
@@ -145,7 +140,7 @@ split_run evaluate_split_schedule(const split_workload& w, std::span<const std::
   reservation expert_bytes;
   reservation kv_bytes;
   resize_reservation(expert_bytes, expert_pool, static_cast<std::size_t>(std::uint64_t{cap_of(0)} * m.slot_bytes));
-  resize_reservation(kv_bytes, kv_pool, static_cast<std::size_t>(kv_blocks_for(m, cap_of(0)) * m.block_bytes));
+  resize_reservation(kv_bytes, kv_pool, static_cast<std::size_t>(kv_blocks(m, cap_of(0)) * m.block_bytes));
   sim_options o = w.expert_options;
   o.layout = cache_layout::per_layer;
   o.prefetch = nullptr;
@@ -160,7 +155,7 @@ split_run evaluate_split_schedule(const split_workload& w, std::span<const std::
     if (to == from) continue;
     const std::uint64_t pass = b * w.burst_passes;
     const auto expert_target = static_cast<std::size_t>(std::uint64_t{to} * m.slot_bytes);
-    const auto kv_target = static_cast<std::size_t>(kv_blocks_for(m, to) * m.block_bytes);
+    const auto kv_target = static_cast<std::size_t>(kv_blocks(m, to) * m.block_bytes);
     if (to > from) {  // experts grow: KV gives its bytes back first
       resize_reservation(kv_bytes, kv_pool, kv_target);
       resize_reservation(expert_bytes, expert_pool, expert_target);
@@ -170,7 +165,7 @@ split_run evaluate_split_schedule(const split_workload& w, std::span<const std::
     }
     run.min_kv_bytes = std::min<std::uint64_t>(run.min_kv_bytes, kv_bytes.bytes());
     o.capacity_schedule.push_back({.pass = pass, .capacity = to});
-    kv_schedule.push_back({.step = pass, .blocks = kv_blocks_for(m, to)});
+    kv_schedule.push_back({.step = pass, .blocks = kv_blocks(m, to)});
     ++run.moves;
     const std::int64_t direction = to > from ? 1 : -1;
     if (last_direction != 0 && direction != last_direction) ++run.reversals;
@@ -180,14 +175,14 @@ split_run evaluate_split_schedule(const split_workload& w, std::span<const std::
   run.budget_peak_bytes = budget.root().statistics().peak;
 
   const sim_result experts = simulate(*w.experts, w.geometry, w.policy, o);
-  const kv_pool_result kv = simulate_kv_pool(*w.kv, kv_blocks_for(m, cap_of(0)), kv_schedule);
+  const kv_pool_result kv = simulate_kv_pool(*w.kv, kv_blocks(m, cap_of(0)), kv_schedule);
   run.bursts.resize(bursts);
   std::uint64_t counted = 0;
   for (std::uint64_t b = 0; b < bursts; ++b) {
     split_burst& out = run.bursts[b];
     out.first_pass = b * w.burst_passes;
     out.expert_cap = cap_of(b);
-    out.kv_blocks = kv_blocks_for(m, out.expert_cap);
+    out.kv_blocks = kv_blocks(m, out.expert_cap);
     const std::uint64_t end = std::min<std::uint64_t>(out.first_pass + w.burst_passes, experts.pass_stalls.size());
     for (std::uint64_t p = out.first_pass; p < end; ++p) {
       out.expert_stall_seconds += experts.pass_stalls[p];
@@ -204,36 +199,46 @@ split_run evaluate_split_schedule(const split_workload& w, std::span<const std::
   return run;
 }
 
+}  // namespace
+
+split_run evaluate_split_schedule(const split_workload& w, std::span<const std::uint32_t> caps,
+                                  std::string controller) {
+  const split_model m = make_split_model(w);
+  return evaluate(w, m, admissible_range(m), caps, std::move(controller));
+}
+
 std::vector<split_run> split_grid(const split_workload& w) {
+  const split_model m = make_split_model(w);
+  const cap_range range = admissible_range(m);
   std::vector<split_run> grid;
-  for (const std::uint32_t c : admissible_caps(w)) {
+  for (std::uint32_t c = range.least; c <= range.top; ++c) {
     const std::uint32_t caps[] = {c};
-    grid.push_back(evaluate_split_schedule(w, caps, fmt::format("static:{}", c)));
+    grid.push_back(evaluate(w, m, range, caps, fmt::format("static:{}", c)));
   }
   return grid;
 }
 
 split_run run_online_split(const split_workload& w, const online_split_options& options) {
-  const auto admissible = admissible_caps(w);
   const split_model m = make_split_model(w);
+  const cap_range range = admissible_range(m);
   const std::uint64_t budget_blocks = std::max<std::uint64_t>(m.budget_bytes / m.block_bytes, 1);
-  const std::uint64_t initial = options.initial_cap == 0 ? admissible.back() : options.initial_cap;
-  if (initial < admissible.front() || initial > admissible.back()) {
-    throw invalid_argument(fmt::format("run_online_split: initial_cap {} out of range [{}, {}]", initial,
-                                       admissible.front(), admissible.back()));
+  const std::uint64_t initial = options.initial_cap == 0 ? range.top : options.initial_cap;
+  if (initial < range.least || initial > range.top) {
+    throw invalid_argument(
+        fmt::format("run_online_split: initial_cap {} out of range [{}, {}]", initial, range.least, range.top));
   }
   const std::size_t kv_capacity =
       static_cast<std::size_t>(std::min<std::uint64_t>(budget_blocks, reuse_distance_tracker::max_key_count));
   split_controller controller(
-      m, options.controller,
-      {.max_capacity = m.experts_per_layer, .bin_width = 1, .decay = options.decay},
-      {.max_capacity = kv_capacity,
-       .bin_width = kv_bin_width(kv_capacity, options.kv_bins),
-       .decay = options.decay},
+      m, options.controller, {.max_capacity = m.experts_per_layer, .bin_width = 1, .decay = options.decay},
+      {.max_capacity = kv_capacity, .bin_width = kv_bin_width(kv_capacity, options.kv_bins), .decay = options.decay},
       static_cast<std::uint32_t>(initial));
   // The reuse distances, measured over the whole history (what shadow LRU stacks beside both
   // pools would see online), binned per burst.
-  layered_miss_curves expert_distances(w.geometry);
+  // Per-layer stacks: a per-layer cache of c slots misses an access whose distance in its layer is ≥ c.
+  std::vector<reuse_distance_tracker> expert_distances;
+  expert_distances.reserve(w.geometry.layers());
+  for (std::uint32_t l = 0; l < w.geometry.layers(); ++l) expert_distances.emplace_back(m.experts_per_layer);
   reuse_distance_tracker kv_distances(std::max<std::uint32_t>(w.kv->key_count(), 1));
   const std::uint64_t bursts = burst_count(w);
   std::vector<std::uint32_t> caps;
@@ -251,7 +256,7 @@ split_run run_online_split(const split_workload& w, const online_split_options& 
       do {
         const std::uint32_t layer = w.experts->layer(g);
         for (const expert_index e : w.experts->experts(g)) {
-          controller.experts().record(expert_distances.access({.layer = layer, .expert = e}).layer);
+          controller.experts().record(expert_distances[layer].access(e));
         }
         ++g;
       } while (g < w.experts->groups() && !w.experts->starts_pass(g));
@@ -264,7 +269,7 @@ split_run run_online_split(const split_workload& w, const online_split_options& 
     controller.commit(d, !refused);
     failed += refused ? 1 : 0;
   }
-  split_run run = evaluate_split_schedule(w, caps, "online");
+  split_run run = evaluate(w, m, range, caps, "online");
   run.failed_resizes = failed;
   for (std::size_t b = 0; b < decisions.size(); ++b) {
     run.bursts[b].target_cap = decisions[b].target_cap;
@@ -275,17 +280,18 @@ split_run run_online_split(const split_workload& w, const online_split_options& 
 }
 
 split_run run_live_split(const split_workload& w, double headroom, std::uint32_t cap_dead_zone) {
-  const auto admissible = admissible_caps(w);
   const split_model m = make_split_model(w);
+  const cap_range range = admissible_range(m);
   const std::uint64_t bursts = burst_count(w);
-  std::vector<std::uint32_t> caps{admissible.back()};
+  std::vector<std::uint32_t> caps{range.top};
   for (std::uint64_t b = 0; b + 1 < bursts; ++b) {
     std::uint64_t peak = 0;
     const std::uint64_t end = std::min<std::uint64_t>((b + 1) * w.burst_passes, w.kv->steps());
-    for (std::uint64_t s = b * w.burst_passes; s < end; ++s) peak = std::max<std::uint64_t>(peak, w.kv->blocks(s).size());
+    for (std::uint64_t s = b * w.burst_passes; s < end; ++s)
+      peak = std::max<std::uint64_t>(peak, w.kv->blocks(s).size());
     caps.push_back(live_split(m, peak, headroom, caps.back(), cap_dead_zone).expert_cap);
   }
-  return evaluate_split_schedule(w, caps, fmt::format("live:{}", headroom));
+  return evaluate(w, m, range, caps, fmt::format("live:{}", headroom));
 }
 
 }  // namespace expage

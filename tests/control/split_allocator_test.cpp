@@ -233,8 +233,8 @@ TEST(OnlineSplitStep, AReversalNeedsTheLargerGate) {
   decayed_reuse_histogram kh({.max_capacity = 20, .bin_width = 1, .decay = 1.0});
   const auto m = model(70, 10);
   const online_split_config c{.gate = 0.05, .reversal_gate = 0.10};
-  EXPECT_TRUE(online_split_step(m, c, eh, kh, 4, 0).moved);   // no previous move
-  EXPECT_TRUE(online_split_step(m, c, eh, kh, 4, +1).moved);  // the same direction
+  EXPECT_TRUE(online_split_step(m, c, eh, kh, 4, 0).moved);    // no previous move
+  EXPECT_TRUE(online_split_step(m, c, eh, kh, 4, +1).moved);   // the same direction
   EXPECT_FALSE(online_split_step(m, c, eh, kh, 4, -1).moved);  // a reversal: 7.4% < 10%
   EXPECT_TRUE(online_split_step(m, {.gate = 0.05, .reversal_gate = 0.07}, eh, kh, 4, -1).moved);
   EXPECT_THROW((void)online_split_step(m, {.gate = 0.05, .reversal_gate = 0.04}, eh, kh, 4), invalid_argument);
@@ -251,7 +251,7 @@ TEST(SplitModel, MinExpertCapBoundsEveryDecision) {
   EXPECT_EQ(d.target_cap, 3U);
   EXPECT_EQ(live_split(m, 60, 0.0, 5).expert_cap, 3U);
   EXPECT_THROW((void)online_split_step(m, {}, eh, kh, 2), invalid_argument);  // below the least cap
-  m.min_expert_cap = 20;  // more than E
+  m.min_expert_cap = 20;                                                      // more than E
   try {
     (void)live_split(m, 0, 0.0, 5);
     ADD_FAILURE();

@@ -103,7 +103,7 @@ TEST(KvSessions, ADecodeStepReadsTheWholeContext) {
                .think_steps = 0}};
   const auto kv = generate_kv_sessions(o);
   std::uint64_t s = 0;
-  while (kv.blocks(s).empty()) ++s;  // the staggered start
+  while (kv.blocks(s).empty()) ++s;    // the staggered start
   ASSERT_EQ(kv.blocks(s).size(), 3U);  // 40 tokens
   std::uint64_t tokens = 40;
   for (std::uint64_t d = 1; d < 50; ++d) {

@@ -1,9 +1,9 @@
 #include "expage/sim/split_sim.hpp"
 
+#include "common/traces.hpp"
 #include "expage/core/error.hpp"
 #include "expage/trace/synthetic_trace.hpp"
 #include "expage/trace/trace_io.hpp"
-#include "common/traces.hpp"
 
 #include <fmt/format.h>
 #include <gmock/gmock.h>
@@ -195,11 +195,14 @@ struct fixture {
   split_workload workload;
 
   fixture(std::vector<kv_phase> phases, std::uint64_t budget_slots, std::uint64_t seed = 9)
-      : experts(traffic(seed, 1, 0 + [&] {
-                  std::uint64_t n = 0;
-                  for (const auto& p : phases) n += p.steps;
-                  return static_cast<std::uint32_t>(n);
-                }()),
+      : experts(traffic(
+                    seed, 1,
+                    0 +
+                        [&] {
+                          std::uint64_t n = 0;
+                          for (const auto& p : phases) n += p.steps;
+                          return static_cast<std::uint32_t>(n);
+                        }()),
                 small().top_k()) {
     kv_session_options ko;
     ko.phases = std::move(phases);
@@ -363,14 +366,17 @@ TEST(SplitSim, MvWsaAcceptanceOnMixtralHumanEval) {
         const split_run online = run_online_split(w, {});
         const split_run live = run_live_split(w, 0.1);
         const double ratio = online.cost() / best->cost();
-        std::printf("problem %u %-12s floor+%.2f slots: grid best %-9s %7.3f ms/token, online %7.3f (%+6.1f%%, %llu moves, "
-                    "%llu reversals, final cap from burst %llu of %zu), live rule %7.3f (%+6.1f%%)\n",
-                    p, mix == 0 ? "tool-calls" : mix == 1 ? "long-context" : "phase-shift", extra,
-                    best->controller.c_str(), best->cost_per_token() * 1e3, online.cost_per_token() * 1e3,
-                    100 * (ratio - 1), static_cast<unsigned long long>(online.moves),
-                    static_cast<unsigned long long>(online.reversals),
-                    static_cast<unsigned long long>(online.converged_burst), online.bursts.size(),
-                    live.cost_per_token() * 1e3, 100 * (live.cost() / best->cost() - 1));
+        std::printf(
+            "problem %u %-12s floor+%.2f slots: grid best %-9s %7.3f ms/token, online %7.3f (%+6.1f%%, %llu moves, "
+            "%llu reversals, final cap from burst %llu of %zu), live rule %7.3f (%+6.1f%%)\n",
+            p,
+            mix == 0   ? "tool-calls"
+            : mix == 1 ? "long-context"
+                       : "phase-shift",
+            extra, best->controller.c_str(), best->cost_per_token() * 1e3, online.cost_per_token() * 1e3,
+            100 * (ratio - 1), static_cast<unsigned long long>(online.moves),
+            static_cast<unsigned long long>(online.reversals), static_cast<unsigned long long>(online.converged_burst),
+            online.bursts.size(), live.cost_per_token() * 1e3, 100 * (live.cost() / best->cost() - 1));
         EXPECT_LE(online.budget_peak_bytes, w.budget_bytes);
         EXPECT_GE(online.min_kv_bytes, w.kv_floor_bytes);
         if (mix == 2) {
@@ -383,12 +389,13 @@ TEST(SplitSim, MvWsaAcceptanceOnMixtralHumanEval) {
         }
       }
     }
-    std::printf("problem %u: stationary, online over the grid oracle: median %+.2f%%, p90 %+.2f%% (where KV competes, "
-                "%zu cases: median %+.2f%%, p90 %+.2f%%); phase shift, online over the best static split: median "
-                "%.1f%% better, least %.1f%%\n",
-                p, 100 * quantile(stationary, 0.5), 100 * quantile(stationary, 0.9), competing.size(),
-                100 * quantile(competing, 0.5), 100 * quantile(competing, 0.9), 100 * quantile(shift_gains, 0.5),
-                100 * quantile(shift_gains, 0.0));
+    std::printf(
+        "problem %u: stationary, online over the grid oracle: median %+.2f%%, p90 %+.2f%% (where KV competes, "
+        "%zu cases: median %+.2f%%, p90 %+.2f%%); phase shift, online over the best static split: median "
+        "%.1f%% better, least %.1f%%\n",
+        p, 100 * quantile(stationary, 0.5), 100 * quantile(stationary, 0.9), competing.size(),
+        100 * quantile(competing, 0.5), 100 * quantile(competing, 0.9), 100 * quantile(shift_gains, 0.5),
+        100 * quantile(shift_gains, 0.0));
     EXPECT_LE(quantile(stationary, 0.5), 0.02) << "problem " << p;
   }
 }

@@ -237,9 +237,8 @@ std::string split_run_json(const expage::split_run& r, const expage::split_model
       R"("kv_recompute_per_token_s":{},"cost_per_token_s":{},"moves":{},"reversals":{},"budget_peak_bytes":{},)"
       R"("caps_per_burst":[{}]}})",
       r.controller, last, std::uint64_t{last} * m.slot_bytes, m.budget_bytes - std::uint64_t{last} * m.slot_bytes,
-      json_number(r.tokens == 0 ? 0.0 : r.expert_stall_seconds / static_cast<double>(r.tokens)),
-      json_number(r.tokens == 0 ? 0.0 : r.kv_recompute_seconds / static_cast<double>(r.tokens)),
-      json_number(r.cost_per_token()), r.moves, r.reversals, r.budget_peak_bytes, fmt::join(caps, ","));
+      json_number(r.expert_stall_per_token()), json_number(r.kv_recompute_per_token()), json_number(r.cost_per_token()),
+      r.moves, r.reversals, r.budget_peak_bytes, fmt::join(caps, ","));
 }
 
 std::string splits_json(const std::vector<split_report>& splits, std::string_view mix) {
@@ -437,12 +436,11 @@ int main(int argc, char** argv) {
       if (experts.passes() < 3) throw usage_error{"--sessions needs a trace of at least 3 forward passes"};
       const expage::kv_block_stream kv = expage::generate_kv_sessions(ko);
       const std::uint64_t block_bytes = std::uint64_t{c.block_tokens} * *c.kv_per_token;
-      const std::uint64_t floor =
-          c.kv_floor || c.concurrency ? o.kv_floor_bytes : kv.peak_step_blocks() * block_bytes;
-      fmt::print("\nwith KV recompute modelled: session mix {}, {} KV block reads, {} bytes per block, KV floor {}, "
-                 "bursts of {} passes; per-layer expert slots, {} eviction\n",
-                 *c.sessions, kv.references(), block_bytes, expage::byte_size{floor}, c.burst,
-                 expage::to_string(o.policy));
+      const std::uint64_t floor = c.kv_floor || c.concurrency ? o.kv_floor_bytes : kv.peak_step_blocks() * block_bytes;
+      fmt::print(
+          "\nwith KV recompute modelled: session mix {}, {} KV block reads, {} bytes per block, KV floor {}, "
+          "bursts of {} passes; per-layer expert slots, {} eviction\n",
+          *c.sessions, kv.references(), block_bytes, expage::byte_size{floor}, c.burst, expage::to_string(o.policy));
       fmt::print("{:<9} {:>9} {:>12} {:>12} {:>11} {:>11} {:>11}\n", "precision", "cap/layer", "experts", "KV",
                  "stall/tok", "recomp/tok", "cost/tok");
       for (const auto p : o.precisions) {
@@ -473,25 +471,23 @@ int main(int argc, char** argv) {
         }
         const auto row = [&](const expage::split_run& run, std::string_view note) {
           const std::uint32_t cap = run.bursts.back().expert_cap;
-          const auto per_token = [&](double x) {
-            return run.tokens == 0 ? 0.0 : x / static_cast<double>(run.tokens) * 1e3;
-          };
           fmt::print("{:<9} {:>9} {:>12} {:>12} {:>8.3f} ms {:>8.3f} ms {:>8.3f} ms{}\n", expage::to_string(p),
                      run.moves == 0 ? fmt::format("{}", cap) : fmt::format("->{}", cap),
                      expage::byte_size{cap * rep.model.slot_bytes},
                      expage::byte_size{rep.model.budget_bytes - cap * rep.model.slot_bytes},
-                     per_token(run.expert_stall_seconds), per_token(run.kv_recompute_seconds),
-                     run.cost_per_token() * 1e3, note);
+                     run.expert_stall_per_token() * 1e3, run.kv_recompute_per_token() * 1e3, run.cost_per_token() * 1e3,
+                     note);
         };
-        for (std::size_t i = 0; i < rep.grid.size(); ++i) row(rep.grid[i], i == rep.best ? "  <- best static split" : "");
+        for (std::size_t i = 0; i < rep.grid.size(); ++i)
+          row(rep.grid[i], i == rep.best ? "  <- best static split" : "");
         row(rep.online, fmt::format("  online MV-WSA ({} moves; final cap shown)", rep.online.moves));
         row(rep.live, fmt::format("  live rule, headroom 10% ({} moves)", rep.live.moves));
         splits.push_back(std::move(rep));
       }
     }
     if (c.json) {
-      expage_tools::write_atomically(*c.json,
-                                     plan_json(plan, o, g, hardware.name, c.sessions ? splits_json(splits, *c.sessions) : ""));
+      expage_tools::write_atomically(
+          *c.json, plan_json(plan, o, g, hardware.name, c.sessions ? splits_json(splits, *c.sessions) : ""));
     }
     if (c.svg) {
       expage_tools::write_atomically(

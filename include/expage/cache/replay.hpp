@@ -102,8 +102,10 @@ class access_stream {
   [[nodiscard]] std::uint64_t split_groups() const noexcept { return split_; }  ///< Layer-steps that needed splitting.
   [[nodiscard]] std::uint64_t compulsory() const noexcept { return compulsory_; }  ///< Distinct experts requested.
   [[nodiscard]] std::uint32_t group_limit() const noexcept { return limit_; }      ///< The limit it was built for.
-  [[nodiscard]] replay_mode mode() const noexcept { return mode_; }                ///< The mode it was built for.
-  [[nodiscard]] std::uint32_t layers() const noexcept { return layers_; }          ///< The trace's layers.
+  /// The most experts one group holds (≤ group_limit()): the fewest slots a scope can run it with.
+  [[nodiscard]] std::uint32_t largest_group() const noexcept { return largest_group_; }
+  [[nodiscard]] replay_mode mode() const noexcept { return mode_; }        ///< The mode it was built for.
+  [[nodiscard]] std::uint32_t layers() const noexcept { return layers_; }  ///< The trace's layers.
   [[nodiscard]] std::uint32_t experts_per_layer() const noexcept { return experts_per_layer_; }  ///< Its experts.
   [[nodiscard]] std::uint32_t top_k() const noexcept { return top_k_; }                          ///< Its top-k.
 
@@ -121,6 +123,7 @@ class access_stream {
   std::uint64_t events_ = 0;
   std::uint64_t split_ = 0;
   std::uint64_t compulsory_ = 0;
+  std::uint32_t largest_group_ = 0;
   std::uint32_t layers_ = 0;
   std::uint32_t experts_per_layer_ = 0;
   std::uint32_t top_k_ = 0;

@@ -32,6 +32,14 @@ struct split_model {
   std::uint32_t min_expert_cap = 0;
 };
 
+/// The largest cap the budget admits above the KV floor (Eq. 6): min(E, ⌊(B − B_KV^min)/S_E⌋).
+/// @pre budget_bytes ≥ kv_floor_bytes and slot_bytes ≥ 1.
+[[nodiscard]] std::uint32_t max_expert_cap(const split_model& model) noexcept;
+
+/// The KV blocks a cap leaves (Eq. 10 [R], in blocks): ⌊(B − c·S_E)/S_b⌋.
+/// @pre c·S_E ≤ budget_bytes and block_bytes ≥ 1.
+[[nodiscard]] std::uint64_t kv_blocks(const split_model& model, std::uint32_t expert_cap) noexcept;
+
 /// @brief WiSP Eq. 6 [R]: B_KV^min = C·ℓ·κ, the KV bytes a continuous-batching scheduler needs to
 /// hold the step's whole active set (served concurrency × context tokens per session × KV bytes per
 /// token). Below it the engine preempts every step or refuses to start.

@@ -118,11 +118,11 @@ struct kv_capacity_change {
 
 /// @brief What a KV pool replay measured.
 struct kv_pool_result {
-  std::uint64_t references = 0;  ///< Block reads.
-  std::uint64_t hits = 0;        ///< Reads of a cached block.
-  std::uint64_t cold = 0;        ///< First reads: the KV is written then, by the step itself (no cost).
-  std::uint64_t recomputes = 0;  ///< Reads of a block evicted earlier: its tokens are prefilled again.
-  std::uint64_t evictions = 0;   ///< Blocks evicted (by a read or by a shrink).
+  std::uint64_t references = 0;                ///< Block reads.
+  std::uint64_t hits = 0;                      ///< Reads of a cached block.
+  std::uint64_t cold = 0;                      ///< First reads: the KV is written then, by the step itself (no cost).
+  std::uint64_t recomputes = 0;                ///< Reads of a block evicted earlier: its tokens are prefilled again.
+  std::uint64_t evictions = 0;                 ///< Blocks evicted (by a read or by a shrink).
   std::vector<std::uint64_t> step_recomputes;  ///< Recomputes of every step, in order.
 };
 

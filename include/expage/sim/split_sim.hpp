@@ -86,23 +86,30 @@ struct split_burst {
 
 /// @brief A split run measured by the simulator.
 struct split_run {
-  std::string controller;                 ///< "static:c", "online", "live", ...
-  std::vector<split_burst> bursts;        ///< Per burst, in order.
-  double expert_stall_seconds = 0.0;      ///< Σ over the bursts after the warm-up.
-  double kv_recompute_seconds = 0.0;      ///< Σ over the bursts after the warm-up.
-  std::uint64_t tokens = 0;               ///< Tokens charged (after the warm-up bursts).
-  std::uint64_t moves = 0;                ///< Barriers at which the split changed.
-  std::uint64_t reversals = 0;            ///< Moves opposite to the previous move (A→B→A counts one).
-  std::uint64_t failed_resizes = 0;       ///< Moves refused (the previous split stayed, WiSP D3).
-  std::uint64_t budget_peak_bytes = 0;    ///< High-water mark of expert + KV bytes, transients included.
-  std::uint64_t min_kv_bytes = 0;         ///< The least KV pool in force (≥ the floor).
-  std::uint64_t converged_burst = 0;      ///< The first burst from which the cap never changes.
+  std::string controller;               ///< "static:c", "online", "live", ...
+  std::vector<split_burst> bursts;      ///< Per burst, in order.
+  double expert_stall_seconds = 0.0;    ///< Σ over the bursts after the warm-up.
+  double kv_recompute_seconds = 0.0;    ///< Σ over the bursts after the warm-up.
+  std::uint64_t tokens = 0;             ///< Tokens charged (after the warm-up bursts).
+  std::uint64_t moves = 0;              ///< Barriers at which the split changed.
+  std::uint64_t reversals = 0;          ///< Moves opposite to the previous move (A→B→A counts one).
+  std::uint64_t failed_resizes = 0;     ///< Moves refused (the previous split stayed, WiSP D3).
+  std::uint64_t budget_peak_bytes = 0;  ///< High-water mark of expert + KV bytes, transients included.
+  std::uint64_t min_kv_bytes = 0;       ///< The least KV pool in force (≥ the floor).
+  std::uint64_t converged_burst = 0;    ///< The first burst from which the cap never changes.
 
   /// The modelled cost: expert stall + KV recompute, seconds.
   [[nodiscard]] double cost() const noexcept { return expert_stall_seconds + kv_recompute_seconds; }
   /// cost() per token.
-  [[nodiscard]] double cost_per_token() const noexcept {
-    return tokens == 0 ? 0.0 : cost() / static_cast<double>(tokens);
+  [[nodiscard]] double cost_per_token() const noexcept { return per_token(cost()); }
+  /// Expert stall per token.
+  [[nodiscard]] double expert_stall_per_token() const noexcept { return per_token(expert_stall_seconds); }
+  /// KV recompute per token.
+  [[nodiscard]] double kv_recompute_per_token() const noexcept { return per_token(kv_recompute_seconds); }
+
+ private:
+  [[nodiscard]] double per_token(double seconds) const noexcept {
+    return tokens == 0 ? 0.0 : seconds / static_cast<double>(tokens);
   }
 };
 
@@ -154,6 +161,7 @@ struct online_split_options {
 /// WiSP's live rule (§3.5, App. D Eq. 8–10, live_split()) driven by the workload: at each barrier
 /// P is the largest number of blocks one step of the last burst read, and the KV pool gets
 /// max(floor, (1 + h)·P·S_b), the experts the rest.
-[[nodiscard]] split_run run_live_split(const split_workload& workload, double headroom, std::uint32_t cap_dead_zone = 0);
+[[nodiscard]] split_run run_live_split(const split_workload& workload, double headroom,
+                                       std::uint32_t cap_dead_zone = 0);
 
 }  // namespace expage
