@@ -23,6 +23,12 @@ runtime_layer_statistics& runtime_layer_statistics::operator+=(const runtime_lay
   load_wait_ns += o.load_wait_ns;
   fence_waits += o.fence_waits;
   fence_wait_ns += o.fence_wait_ns;
+  lo_served += o.lo_served;
+  promotions += o.promotions;
+  promotion_bytes += o.promotion_bytes;
+  demotions += o.demotions;
+  demotion_bytes += o.demotion_bytes;
+  switches += o.switches;
   return *this;
 }
 
@@ -32,10 +38,11 @@ void write_layer(std::ostream& out, const runtime_layer_statistics& s) {
   out << fmt::format(
       R"({{"acquires":{},"hits":{},"misses":{},"bytes_loaded":{},"evictions":{},"prefetches":{},)"
       R"("prefetch_bytes":{},"prefetch_used":{},"prefetch_used_bytes":{},"prefetch_wasted":{},)"
-      R"("prefetch_wasted_bytes":{},"load_waits":{},"load_wait_ns":{},"fence_waits":{},"fence_wait_ns":{}}})",
+      R"("prefetch_wasted_bytes":{},"load_waits":{},"load_wait_ns":{},"fence_waits":{},"fence_wait_ns":{},)"
+      R"("lo_served":{},"promotions":{},"promotion_bytes":{},"demotions":{},"demotion_bytes":{},"switches":{}}})",
       s.acquires, s.hits, s.misses, s.bytes_loaded, s.evictions, s.prefetches, s.prefetch_bytes, s.prefetch_used,
       s.prefetch_used_bytes, s.prefetch_wasted, s.prefetch_wasted_bytes, s.load_waits, s.load_wait_ns, s.fence_waits,
-      s.fence_wait_ns);
+      s.fence_wait_ns, s.lo_served, s.promotions, s.promotion_bytes, s.demotions, s.demotion_bytes, s.switches);
 }
 
 }  // namespace
@@ -45,10 +52,21 @@ void runtime_statistics::write_json(std::ostream& out) const {
   write_json_string(out, to_string(tier));
   out << fmt::format(
       R"(,"capacity":{},"resident":{},"pinned":{},"resident_bytes":{},"peak_resident_bytes":{},)"
-      R"("prefetch_queued":{},"prefetch_cancelled":{},"failed_acquires":{},"poisoned":{},"trace_dropped":{},)"
-      R"("hit_ratio":{:.6f},)",
+      R"("prefetch_queued":{},"prefetch_cancelled":{},"transitions_queued":{},"transitions_cancelled":{},)"
+      R"("transitions_failed":{},"failed_acquires":{},"poisoned":{},"trace_dropped":{},"hit_ratio":{:.6f},)"
+      R"("hi_coverage":{:.6f},)",
       capacity, resident, pinned, resident_bytes, peak_resident_bytes, prefetch_queued, prefetch_cancelled,
-      failed_acquires, poisoned, trace_dropped, hit_ratio());
+      transitions_queued, transitions_cancelled, transitions_failed, failed_acquires, poisoned, trace_dropped,
+      hit_ratio(), hi_coverage());
+  out << "\"tiers\":[";
+  for (std::size_t t = 0; t < tiers.size(); ++t) {
+    if (t != 0) out << ',';
+    out << fmt::format(R"({{"tier":"{}","format":)", to_string(static_cast<version_tier>(t)));
+    write_json_string(out, to_string(tiers[t].format));
+    out << fmt::format(R"(,"capacity":{},"resident":{},"resident_bytes":{},"peak_resident_bytes":{}}})",
+                       tiers[t].capacity, tiers[t].resident, tiers[t].resident_bytes, tiers[t].peak_resident_bytes);
+  }
+  out << "],";
   out << "\"total\":";
   write_layer(out, total);
   out << ",\"layers\":[";

@@ -90,6 +90,13 @@ inline constexpr residency_state all_residency_states[] = {residency_state::resi
   return to == target_of(from) || can_begin(to, from);
 }
 
+/// @brief A target residency for one expert: what a controller asks a transition_manager or an
+/// expert_runtime to reach (`set_targets()`), in priority order.
+struct residency_target {
+  expert_id expert;       ///< The expert.
+  residency_state state;  ///< resident_hi, resident_lo or absent.
+};
+
 /// @brief A transition the residency table forbids, or one refused because
 /// the expert is in use; names the expert, its current state and the state requested.
 ///

@@ -130,10 +130,7 @@ template <async_stream Stream, physical_memory Memory, physical_memory Staging =
 class transition_manager {
  public:
   /// A target residency for one expert.
-  struct target {
-    expert_id expert;       ///< The expert.
-    residency_state state;  ///< resident_hi, resident_lo or absent.
-  };
+  using target = residency_target;
 
   /// Starts the worker. @p high and @p low describe the two version classes. With @p staging,
   /// every update is copied through a block of that bounded pool: the worker copies the stored

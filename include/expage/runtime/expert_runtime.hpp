@@ -1,7 +1,7 @@
 /// @file
 /// @brief expert_runtime: one object an engine embeds that owns the experts' residency from
-/// routing to kernel: leases, three views of one residency state, demand loads, prefetch and
-/// resize, with the fences that make eviction safe.
+/// routing to kernel: leases, three views of one residency state, demand loads, prefetch,
+/// hi/lo versions switched without blocking, and resize, with the fences that make eviction safe.
 #pragma once
 
 #include "expage/cache/eviction_policy.hpp"
@@ -37,6 +37,7 @@
 #include <ostream>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <variant>
@@ -56,6 +57,24 @@ struct runtime_views {
   /// (c) The handle table's `version_record`s (DynaExq §3.2) for mixed-precision kernels.
   bool records = true;
 };
+
+/// @brief The two tiers of versions an expert_runtime holds (DynaExq §3.2: a high- and a
+/// low-precision version per expert). A runtime built from one source has only `hi`, whatever
+/// that source's precision; one built from a tiered_source has both.
+enum class version_tier : std::uint8_t {
+  hi = 0,  ///< The first source's versions (bf16, say).
+  lo = 1,  ///< The second source's versions (int4, say): cheaper to hold and to move.
+};
+/// Tiers a runtime can have.
+inline constexpr std::size_t version_tier_count = 2;
+/// "hi" or "lo".
+[[nodiscard]] constexpr std::string_view to_string(version_tier t) noexcept {
+  return t == version_tier::hi ? "hi" : "lo";
+}
+/// The residency_state a handle publishes when @p t's version becomes active: resident_hi or resident_lo.
+[[nodiscard]] constexpr residency_state resident_state(version_tier t) noexcept {
+  return t == version_tier::hi ? residency_state::resident_hi : residency_state::resident_lo;
+}
 
 /// @brief Where one precision's expert weights come from: a loader that enqueues, on the
 /// stream it is given, whatever fills a page with tensor `t` of expert `id` in `format`
@@ -78,11 +97,25 @@ struct expert_source {
   }
 };
 
+/// @brief The sources of a runtime with two tiers: every expert can be loaded in either precision.
+template <async_stream Stream>
+struct tiered_source {
+  expert_source<Stream> hi;  ///< The high-precision versions (tier hi).
+  expert_source<Stream> lo;  ///< The low-precision versions (tier lo).
+};
+
 /// @brief Construction parameters of an expert_runtime.
 struct expert_runtime_options {
-  runtime_views views{};       ///< The views to maintain.
-  std::uint32_t capacity = 0;  ///< Resident experts (slots); 0: as many as the account's capacity holds.
-  /// Most prefetch loads in flight at once, ≥ 1.
+  runtime_views views{};  ///< The views to maintain.
+  /// Resident versions of tier hi (slots). One source: 0 means as many as the account's capacity
+  /// holds. Two sources: 0 means none (the hi tier then grows only by resize_tiers()).
+  std::uint32_t capacity = 0;
+  /// Resident versions of tier lo (two sources only); 0: as many as the account holds after the hi slots.
+  std::uint32_t lo_capacity = 0;
+  /// Two sources: the tier a demand miss and a prefetch load (lo: an absent expert is served at low
+  /// precision at once, and promoted in the background when the controller asks, as in DynaExq).
+  version_tier demand_tier = version_tier::lo;
+  /// Background loads (prefetches and transitions) in flight at once, ≥ 1.
   std::uint32_t max_prefetch_in_flight = 2;
   /// Events the Chrome trace keeps; 0: no trace.
   std::size_t trace_events = 0;
@@ -94,7 +127,7 @@ struct runtime_layer_statistics {
   std::uint64_t hits = 0;                   ///< Routed experts found resident (or loading) at acquire.
   std::uint64_t misses = 0;                 ///< Routed experts loaded on demand.
   std::uint64_t bytes_loaded = 0;           ///< Bytes of demand loads.
-  std::uint64_t evictions = 0;              ///< Experts of this layer evicted.
+  std::uint64_t evictions = 0;              ///< Versions of this layer's experts evicted.
   std::uint64_t prefetches = 0;             ///< Prefetch loads issued.
   std::uint64_t prefetch_bytes = 0;         ///< Bytes of prefetch loads.
   std::uint64_t prefetch_used = 0;          ///< Prefetched experts a lease used before their eviction.
@@ -105,25 +138,44 @@ struct runtime_layer_statistics {
   std::uint64_t load_wait_ns = 0;           ///< Time the compute stream waited on loads (streams that run host work).
   std::uint64_t fence_waits = 0;            ///< Evictions that waited on a victim's last kernel (WAR fence).
   std::uint64_t fence_wait_ns = 0;          ///< Host time those waits took.
+  std::uint64_t lo_served = 0;              ///< Routed experts served by their lo version (two tiers).
+  std::uint64_t promotions = 0;             ///< hi versions loaded in the background by set_targets().
+  std::uint64_t promotion_bytes = 0;        ///< Their bytes.
+  std::uint64_t demotions = 0;              ///< lo versions loaded in the background by set_targets().
+  std::uint64_t demotion_bytes = 0;         ///< Their bytes.
+  std::uint64_t switches = 0;               ///< Records switched to the other tier's version (publish-then-switch).
 
   /// Adds @p o's counters.
   runtime_layer_statistics& operator+=(const runtime_layer_statistics& o) noexcept;
+};
+
+/// @brief The occupancy of one tier.
+struct runtime_tier_statistics {
+  precision format = precision::bf16;     ///< The tier's precision.
+  std::uint32_t capacity = 0;             ///< Resident versions allowed now.
+  std::uint32_t resident = 0;             ///< Versions resident or loading now (active or not).
+  std::uint64_t resident_bytes = 0;       ///< Bytes they hold (charged to the account).
+  std::uint64_t peak_resident_bytes = 0;  ///< Highest resident_bytes.
 };
 
 /// @brief A snapshot of an expert_runtime's counters.
 struct runtime_statistics {
   std::vector<runtime_layer_statistics> layers;  ///< Per layer.
   runtime_layer_statistics total;                ///< Summed over layers.
-  precision tier = precision::bf16;              ///< The resident versions' precision.
-  std::uint32_t capacity = 0;                    ///< Resident experts allowed now.
-  std::uint32_t resident = 0;                    ///< Experts resident or loading now.
+  std::vector<runtime_tier_statistics> tiers;    ///< Per tier (hi, then lo when the runtime has two).
+  precision tier = precision::bf16;              ///< The hi tier's precision.
+  std::uint32_t capacity = 0;                    ///< Resident hi versions allowed now.
+  std::uint32_t resident = 0;                    ///< Versions resident or loading now, in every tier.
   std::uint32_t pinned = 0;                      ///< Experts held by leases now.
-  std::uint64_t resident_bytes = 0;              ///< Bytes the resident experts hold (charged to the account).
+  std::uint64_t resident_bytes = 0;              ///< Bytes the resident versions hold (charged to the account).
   std::uint64_t peak_resident_bytes = 0;         ///< Highest resident_bytes.
   std::uint64_t prefetch_queued = 0;             ///< Prefetch requests waiting now.
   std::uint64_t prefetch_cancelled = 0;          ///< Prefetch requests cancelled before they were issued.
+  std::uint64_t transitions_queued = 0;          ///< set_targets() requests waiting now.
+  std::uint64_t transitions_cancelled = 0;       ///< Requests a newer set_targets() superseded before they were done.
+  std::uint64_t transitions_failed = 0;          ///< Background loads of a transition that threw (nothing changed).
   std::uint64_t failed_acquires = 0;             ///< acquire() calls that threw (nothing changed).
-  std::uint32_t poisoned = 0;       ///< Experts whose last kernel's completion failed: kept resident, never evicted.
+  std::uint32_t poisoned = 0;       ///< Versions whose last kernel's completion failed: kept resident, never evicted.
   std::uint64_t trace_dropped = 0;  ///< Trace events dropped because the trace was full.
 
   /// The hit ratio of demand accesses, hits / (hits + misses); 0 without accesses.
@@ -131,76 +183,105 @@ struct runtime_statistics {
     const std::uint64_t n = total.hits + total.misses;
     return n == 0 ? 0.0 : static_cast<double>(total.hits) / static_cast<double>(n);
   }
+  /// The share of routed experts served by a hi version, (hits + misses − lo_served) / (hits + misses); 0 without
+  /// accesses.
+  [[nodiscard]] double hi_coverage() const noexcept {
+    const std::uint64_t n = total.hits + total.misses;
+    return n == 0 ? 0.0 : static_cast<double>(n - total.lo_served) / static_cast<double>(n);
+  }
   /// Writes every counter as one JSON object.
   void write_json(std::ostream& out) const;
 };
 
-/// @brief What resize() achieved (as budget_account::set_capacity()).
+/// @brief What resize() achieved in one tier (as budget_account::set_capacity()).
 struct runtime_resize {
-  std::uint32_t requested = 0;  ///< The capacity asked for, in experts.
-  std::uint32_t capacity = 0;   ///< The capacity in force now (≥ requested when leases pin experts).
-  std::uint32_t held = 0;       ///< Experts above `requested` that leases still pin.
+  std::uint32_t requested = 0;  ///< The capacity asked for, in versions.
+  std::uint32_t capacity = 0;   ///< The capacity in force now (≥ requested when leases pin versions).
+  std::uint32_t held = 0;       ///< Versions above `requested` that leases still pin.
   /// True when the requested capacity is in force.
   [[nodiscard]] bool complete() const noexcept { return capacity == requested; }
 };
 
-/// @brief One resident expert, as resident_set() lists it.
+/// @brief One resident version, as resident_set() lists it.
 struct resident_expert {
-  expert_id expert;    ///< The expert.
-  std::int32_t slot;   ///< Its slot.
-  bool loading;        ///< Its load may still be in flight.
-  std::uint32_t pins;  ///< Leases holding it.
+  expert_id expert;                      ///< The expert.
+  std::int32_t slot;                     ///< Its slot in its tier.
+  bool loading;                          ///< Its load may still be in flight.
+  std::uint32_t pins;                    ///< Leases holding it.
+  version_tier tier = version_tier::hi;  ///< The tier of this version.
+  bool active = true;  ///< Its record is the expert's (false: a background load, not yet switched to).
 };
 
 /// @brief The expert residency runtime: one object an engine embeds that owns
 /// every routed expert's residency from routing to kernel.
 ///
-/// - **Memory.** Every resident expert holds one lease of physical blocks from a
+/// - **Memory.** Every resident version holds one lease of physical blocks from a
 ///   vmm_block_pool charged to the engine's budget account (one lease per
-///   expert: its gate_up and down pages). The account's admission is the only
-///   limit besides `capacity`, so the runtime never over-commits it, copies in
-///   flight included: a load's bytes are charged before its copy is enqueued.
-/// - **Views**, all of the same blocks (aliased mappings, no copies): (a) stable
-///   tensors, expert (l, e) of weight t at `base_t + (l·E + e)·σ_t` (FluxMoE
-///   Eq. 4, σ_t the tensor's bytes rounded up to the granularity); (b) slots,
-///   slot s of weight t at `slot_base_t + s·σ_t`, and the `expert_map`;
-///   (c) records, one `version_record` per expert in the handle table, pointing
-///   into (a) when it is kept, else into (b). After every public call the three
-///   agree: an expert has a slot ⇔ its pages are mapped ⇔ its record is published.
-/// - **Leases.** acquire(layer, experts) pins every routed expert, serves hits at
-///   once and loads misses on the copy stream; the compute stream then waits on
-///   the load events of the experts it needs that are still loading (RAW fence:
-///   one event per load, never a stream- or device-wide synchronization). The
-///   engine enqueues its kernel on the compute stream and releases the lease;
-///   release() records the compute stream's event after the kernel (or takes the
-///   engine's completion), and until that completes the experts cannot be
-///   evicted: an eviction waits for the victim's last completion (WAR fence on
-///   one event) and never touches a pinned expert (vLLM PR #37190).
-/// - **Choice of victims** by the eviction policy, over one global key space of
-///   `layers × experts` keys; experts pinned by a lease, still loading, or pinned
-///   by an open window of the handle table are never victims.
-/// - **Prefetch** (prefetch(), cancel_prefetches()) loads on its own stream, so a
-///   demand load never queues behind it; it never waits for a fence, never evicts
-///   a pinned or loading expert, and counts the bytes it moved, used and wasted.
-/// - **Resize** (resize()) evicts down to a new capacity before anything grows,
-///   and returns the freed blocks to the system.
+///   version: its gate_up and down pages). The account's admission is the only
+///   limit besides each tier's capacity, so the runtime never over-commits it,
+///   copies in flight included: a load's bytes are charged before its copy is enqueued.
+/// - **Tiers.** Built from one source, the runtime holds one version per resident
+///   expert (tier hi). Built from a tiered_source it has two tiers of slots, hi and
+///   lo, each with its own capacity, eviction policy and views, under the one
+///   account: an expert has an *active* version (the one its record points at and
+///   leases are served from) in either tier, and while a transition runs, a second,
+///   *background* version in the other tier. A demand miss loads the demand tier
+///   (lo by default: a hi miss is served at low precision at once, never stalling
+///   for the bigger copy). set_targets() promotes, demotes and evicts in the
+///   background (DynaExq §3.4): the new version is loaded on the prefetch stream
+///   while the old one keeps serving, and the record switches to it only when the
+///   load is complete, no lease holds the expert and its last kernel has completed
+///   (publish-then-switch, §3.2); the old version is then freed.
+/// - **Views**, all of the same blocks (aliased mappings, no copies), per tier:
+///   (a) stable tensors, expert (l, e) of weight t at `base_t + (l·E + e)·σ_t`
+///   (FluxMoE Eq. 4, σ_t the tensor's bytes in the tier's precision rounded up to the
+///   granularity); (b) slots, slot s of weight t at `slot_base_t + s·σ_t`, and the
+///   `expert_map` (the slot of the expert's active version when it is in this tier,
+///   else −1); (c) records, one `version_record` per expert in the handle table, the
+///   active version's, pointing into (a) when it is kept, else into (b). After every
+///   public call they agree: an expert has an active version in tier T ⇔ its
+///   expert_map(T) entry is its slot ⇔ its record points at that version's pages
+///   (in T's precision); every resident version's pages are mapped in T's views.
+/// - **Leases.** acquire(layer, experts) pins every routed expert's active version,
+///   serves hits at once and loads misses on the copy stream; the compute stream
+///   then waits on the load events of the experts it needs that are still loading
+///   (RAW fence: one event per load, never a stream- or device-wide
+///   synchronization). The engine enqueues its kernel on the compute stream and
+///   releases the lease; release() records the compute stream's event after the
+///   kernel (or takes the engine's completion), and until that completes the
+///   versions cannot be evicted or switched: an eviction waits for the victim's
+///   last completion (WAR fence on one event) and never touches a pinned version
+///   (vLLM PR #37190); a switch is only made once the old version's kernels are done.
+///   lease::tiers() says which tier served each expert.
+/// - **Choice of victims** by the tier's eviction policy, over one global key space
+///   of `layers × experts` keys; versions pinned by a lease, still loading, or
+///   whose expert an open window of the handle table pins are never victims.
+///   Evicting an active version whose expert has a complete background version
+///   switches the expert to that version instead of making it absent.
+/// - **Prefetch** (prefetch(), cancel_prefetches()) loads the demand tier on its own
+///   stream, so a demand load never queues behind it; it never waits for a fence,
+///   never evicts a pinned or loading version, and counts the bytes it moved, used
+///   and wasted. Transitions share that stream and its in-flight limit.
+/// - **Resize** (resize(), resize_tiers()) evicts down to the new capacities before
+///   anything grows, and returns the freed blocks to the system.
 /// - **Strong guarantee.** If acquire() throws (a map, a loader, a budget refusal,
-///   a victim's failed completion), every view, the policy, the budget, the
-///   statistics other than `failed_acquires`, and every expert's bytes are as
+///   a victim's failed completion), every view, the policies, the budget, the
+///   statistics other than `failed_acquires`, and every version's bytes are as
 ///   before: a miss that was to reuse a victim's blocks only writes into them
 ///   after every fallible step, and a failure after that point reloads the
 ///   victim's bytes from its source before the call returns. (A failure of
 ///   that reload too, a double fault, leaves the victim evicted: the basic
-///   guarantee.)
+///   guarantee.) A background load that fails changes nothing either; its request
+///   is dropped and counted.
 ///
 /// A lease released with a completion that fails (its wait() throws, as a CUDA event of a
 /// faulted context does) makes the acquire that needed its experts throw that error with the
-/// strong guarantee; those experts are then never evicted, since whether the kernel still reads
+/// strong guarantee; those versions are then never evicted, since whether the kernel still reads
 /// them is unknown (`runtime_statistics::poisoned`), and later acquires choose other victims.
 ///
-/// A group larger than the capacity is refused with an error naming both:
-/// split the tokens with group_tokens() first. Duplicate experts in a group,
-/// experts or layers out of range are refused before anything changes.
+/// A group whose experts need more slots of the demand tier than it has is refused with an
+/// error naming both: split the tokens with group_tokens() first. Duplicate experts in a
+/// group, experts or layers out of range are refused before anything changes.
 ///
 /// @code
 /// expage::expert_runtime<expage::host_vmm, expage::host_stream, expage::lru_policy> rt(
@@ -222,6 +303,11 @@ class expert_runtime {
   using event_type = typename Stream::event_type;
   /// The backend's physical block.
   using block = typename Vmm::physical_block;
+
+  /// A target residency for one expert (set_targets()): resident_hi, resident_lo (two tiers
+  /// only) or absent. transition_manager takes the same type, so
+  /// `to_transition_targets<residency_target>()` turns a hot_set_controller's plan into either's.
+  using target = residency_target;
 
   /// @brief Routed experts held resident for one layer's kernel; move-only.
   /// @threadsafety single-owner.
@@ -253,6 +339,13 @@ class expert_runtime {
     /// once released.
     [[nodiscard]] std::span<const std::uint32_t> experts() const noexcept {
       return record_ != nullptr ? std::span<const std::uint32_t>(record_->experts) : std::span<const std::uint32_t>();
+    }
+    /// The tier whose version serves each of experts(), in the same order; empty once released.
+    [[nodiscard]] std::span<const version_tier> tiers() const noexcept {
+      if (record_ == nullptr) return {};
+      if (runtime_->tier_count_ == 1)
+        return std::span<const version_tier>(runtime_->all_hi_).first(record_->flat.size());
+      return record_->tiers;
     }
     /// True until released.
     [[nodiscard]] explicit operator bool() const noexcept { return runtime_ != nullptr; }
@@ -300,57 +393,30 @@ class expert_runtime {
     std::uint32_t layer_ = 0;
   };
 
-  /// Builds the runtime: reserves the views' address ranges (no memory yet) and the pool.
+  /// Builds a runtime with one tier: reserves the views' address ranges (no memory yet) and the pool.
   /// @param geometry the model; @param account the budget every resident expert is charged to;
   /// @param vmm the virtual-memory backend; @param copy the stream demand loads run on;
   /// @param compute the stream the engine's kernels run on; @param source the experts' weights;
   /// @param options views, capacity, prefetch and trace sizes; @param prefetch the stream
-  /// prefetch loads run on (nullptr: prefetch() is refused).
+  /// prefetch and transition loads run on (nullptr: prefetch() and set_targets() are refused).
   /// @throws expage::invalid_argument when no view is asked for, the capacity is out of range
   /// [top_k, experts] or more than the account's capacity holds (naming the bytes), the source
   /// has no loader, or max_prefetch_in_flight is 0.
   /// @throws whatever the backend's reserve() throws (nothing is kept).
   expert_runtime(const moe_geometry& geometry, budget_account& account, Vmm& vmm, Stream& copy, Stream& compute,
                  expert_source<Stream> source, expert_runtime_options options = {}, Stream* prefetch = nullptr)
-      : geometry_(geometry),
-        account_(&account),
-        vmm_(&vmm),
-        copy_(&copy),
-        compute_(&compute),
-        prefetch_(prefetch),
-        source_(std::move(source)),
-        options_(options),
-        granularity_(vmm.granularity()),
-        page_bytes_{round_up(geometry.tensor_bytes(expert_tensor::gate_up, source_.format)),
-                    round_up(geometry.tensor_bytes(expert_tensor::down, source_.format))},
-        expert_count_(static_cast<std::uint32_t>(geometry.expert_count())),
-        capacity_(checked_capacity(geometry, account, options, source_, page_bytes_)),
-        policy_(key_space{.layers = geometry.layers(),
-                          .experts_per_layer = geometry.experts_per_layer(),
-                          .global = true,
-                          .layer = 0}),
-        pool_(vmm, account, {.max_blocks = std::size_t{expert_count_} * blocks_per_expert()}),
-        table_(geometry),
-        entries_(expert_count_),
-        pins_(expert_count_, 0),
-        blocked_(expert_count_, 0),
-        map_(expert_count_, -1),
-        layer_stats_(geometry.layers()),
-        stall_ns_(std::make_unique<std::atomic<std::uint64_t>[]>(geometry.layers())),
-        trace_(options.trace_events) {
-    if (options.max_prefetch_in_flight == 0) {
-      throw invalid_argument("expert_runtime: max_prefetch_in_flight 0 out of range [1, 2^32)");
-    }
-    free_slots_.reserve(expert_count_);
-    loading_.reserve(expert_count_);
-    for (std::uint32_t s = expert_count_; s-- > 0;) free_slots_.push_back(s);
-    // The views' ranges: reserved once, never moved (no memory behind them until a load).
-    reserve_views();
-    host_track_ = trace_.add_track("runtime (host)");
-    copy_track_ = trace_.add_track("copy stream");
-    prefetch_track_ = trace_.add_track("prefetch stream");
-    compute_track_ = trace_.add_track("compute stream");
-  }
+      : expert_runtime(geometry, account, vmm, copy, compute, std::move(source), std::nullopt, options, prefetch) {}
+
+  /// Builds a runtime with two tiers, hi and lo, under one account (see the class comment).
+  /// `options.capacity` and `options.lo_capacity` size the tiers; the demand tier needs at least
+  /// top_k slots, neither more than the experts, and both together at most the account's capacity.
+  /// @throws expage::invalid_argument as the one-tier constructor, naming the tier, or when the two
+  /// sources have the same precision.
+  expert_runtime(const moe_geometry& geometry, budget_account& account, Vmm& vmm, Stream& copy, Stream& compute,
+                 tiered_source<Stream> sources, expert_runtime_options options = {}, Stream* prefetch = nullptr)
+      : expert_runtime(geometry, account, vmm, copy, compute, std::move(sources.hi), std::move(sources.lo), options,
+                       prefetch) {}
+
   expert_runtime(const expert_runtime&) = delete;
   expert_runtime& operator=(const expert_runtime&) = delete;
   /// Waits for loads in flight and every expert's last completion, unmaps every page and frees the ranges.
@@ -362,17 +428,20 @@ class expert_runtime {
     }
     const std::lock_guard lock(mutex_);
     drain_releases();
-    for (std::uint32_t f = 0; f < expert_count_; ++f) {
-      entry& e = entries_[f];
-      if (e.slot < 0) continue;
-      EXPAGE_ASSERT(pins_[f] == 0, "expert_runtime destroyed while a lease is held");
-      quietly_wait(e);
-      unmap_expert(f);
-      e.blocks.release();
-    }
-    for (std::size_t t = 0; t < expert_tensor_count; ++t) {
-      if (stable_base_[t] != nullptr) vmm_->free(stable_base_[t]);
-      if (slot_base_[t] != nullptr) vmm_->free(slot_base_[t]);
+    for (std::size_t t = 0; t < tier_count_; ++t) {
+      tier_state& T = tier(t);
+      for (std::uint32_t f = 0; f < expert_count_; ++f) {
+        version& v = T.versions[f];
+        if (v.slot < 0) continue;
+        EXPAGE_ASSERT(T.pins[f] == 0, "expert_runtime destroyed while a lease is held");
+        quietly_wait(v);
+        unmap_version(t, f);
+        v.blocks.release();
+      }
+      for (std::size_t w = 0; w < expert_tensor_count; ++w) {
+        if (T.stable_base[w] != nullptr) vmm_->free(T.stable_base[w]);
+        if (T.slot_base[w] != nullptr) vmm_->free(T.slot_base[w]);
+      }
     }
   }
 
@@ -380,28 +449,24 @@ class expert_runtime {
   /// @{
 
   /// Makes every expert of @p experts (indices within @p layer) resident for one kernel of
-  /// @p layer and pins them until the lease is released. Hits are served at once; misses are
-  /// loaded on the copy stream; the compute stream waits on the loads still in flight.
+  /// @p layer and pins them until the lease is released. An expert with an active version is
+  /// served by it (a hit; with two tiers a hi miss is served by a resident lo version);
+  /// an absent one is loaded into the demand tier on the copy stream; the compute stream waits
+  /// on the loads still in flight.
   /// @throws expage::invalid_argument for a layer or expert out of range, a repeated expert, or
-  /// more experts than the capacity (nothing changes).
-  /// @throws expage::out_of_budget when every other resident expert is pinned and the account
-  /// has no room; whatever the backend, the loader or a victim's completion throws; or
-  /// expage::invalid_argument when the loader reports a size other than the tensor's. Strong
+  /// more experts needing the demand tier than its capacity (nothing changes).
+  /// @throws expage::out_of_budget when every other resident version of the demand tier is pinned
+  /// and the account has no room; whatever the backend, the loader or a victim's completion throws;
+  /// or expage::invalid_argument when the loader reports a size other than the tensor's. Strong
   /// guarantee (see the class comment).
   [[nodiscard]] lease acquire(std::uint32_t layer, std::span<const std::uint32_t> experts) {
     validate_group(layer, experts, "acquire");  // the geometry is immutable: before the lock
     const std::lock_guard lock(mutex_);
     const double t0 = tracing() ? trace_.now_us() : 0.0;
     const bool drained = drain_releases();
-    if (experts.size() > capacity_) {
-      throw invalid_argument(fmt::format(
-          "expert_runtime::acquire: {} experts routed at layer {} but at most {} can be resident (split the tokens "
-          "with group_tokens)",
-          experts.size(), layer, capacity_));
-    }
     lease_record& record = take_record(layer, experts);  // may throw bad_alloc: nothing changed
     try {
-      serve(layer, record.flat);
+      serve(layer, record);
     } catch (...) {
       ++failed_acquires_;
       free_records_.push_back(&record);  // nothing was pinned: nothing to release
@@ -417,11 +482,11 @@ class expert_runtime {
   /// @name Control entry points
   /// @{
 
-  /// Queues loads of @p experts of @p layer that are not resident, to run on the prefetch stream
-  /// when they can without delaying demand work: at most max_prefetch_in_flight at once, into a
-  /// free slot or in place of an unpinned resident expert whose last kernel has completed (never
-  /// waiting for one). Higher @p priority is issued first. Requests for experts that are resident
-  /// or queued already are ignored.
+  /// Queues loads of @p experts of @p layer that are not resident, into the demand tier, to run
+  /// on the prefetch stream when they can without delaying demand work: at most
+  /// max_prefetch_in_flight background loads at once, into a free slot or in place of an
+  /// unpinned resident version whose last kernel has completed (never waiting for one). Higher
+  /// @p priority is issued first. Requests for experts that are resident or queued already are ignored.
   /// @throws expage::invalid_argument for a layer or expert out of range, or when the runtime
   /// has no prefetch stream.
   void prefetch(std::uint32_t layer, std::span<const std::uint32_t> experts, float priority = 0.0F) {
@@ -431,14 +496,14 @@ class expert_runtime {
     for (const std::uint32_t e : experts) check_expert(layer, e, "prefetch");
     for (const std::uint32_t e : experts) {
       const std::uint32_t f = flat(layer, e);
-      if (entries_[f].slot >= 0 || entries_[f].queued) continue;
+      if (active_[f] != no_tier || queued_[f] != 0) continue;
       prefetch_queue_.push_back({f, priority, prefetch_serial_++});
-      entries_[f].queued = true;
+      queued_[f] = 1;
     }
     std::stable_sort(prefetch_queue_.begin(), prefetch_queue_.end(),
                      [](const queued_prefetch& a, const queued_prefetch& b) { return a.priority > b.priority; });
     drain_releases();
-    pump_prefetches();
+    pump_background();
     settle();
   }
 
@@ -446,76 +511,173 @@ class expert_runtime {
   std::size_t cancel_prefetches() noexcept {
     const std::lock_guard lock(mutex_);
     const std::size_t n = prefetch_queue_.size();
-    for (const queued_prefetch& q : prefetch_queue_) entries_[q.expert].queued = false;
+    for (const queued_prefetch& q : prefetch_queue_) queued_[q.expert] = 0;
     prefetch_queue_.clear();
     prefetch_cancelled_ += n;
     settle();
     return n;
   }
 
-  /// Sets the bytes the runtime may hold to @p bytes (whole experts: ⌊bytes / expert_bytes()⌋).
-  /// Shrinking evicts unpinned experts first (waiting for their last kernels), returns their
-  /// blocks to the system, and only then lowers the capacity; growing raises it. The account
-  /// is never over-committed at any instant: loads are charged before their copies start.
-  /// @throws expage::invalid_argument when the capacity would leave [top_k, experts].
+  /// Replaces the pending transitions with @p targets, in priority order (DynaExq §3.4; the
+  /// shape of transition_manager::set_targets(), so a hot_set_controller drives either):
+  /// - resident_hi / resident_lo: load the expert's version of that tier on the prefetch stream
+  ///   (a free slot with budget, or an unpinned version whose last kernel is done and whose
+  ///   expert is not itself targeted at that tier; never waiting), then switch its record to it
+  ///   once the load is complete, no lease holds the expert and its last kernel has completed;
+  ///   the old version is then freed. An absent expert's new version is active at once.
+  /// - absent: evict the expert's versions once no lease holds it and its last kernel is done.
+  /// Requests that find no room stay queued and are retried by later calls (acquire's slow
+  /// path, poll(), releases); queued requests not listed again are cancelled; an expert's
+  /// target is remembered after its request is done (a version at its target tier is not a
+  /// victim for another expert's transition).
+  /// @throws expage::invalid_argument (nothing changes) for an unknown expert, an expert listed
+  /// twice, a state other than those three, resident_lo without a lo tier, or a runtime
+  /// without a prefetch stream.
+  void set_targets(std::span<const target> targets) {
+    if (prefetch_ == nullptr) throw invalid_argument("expert_runtime::set_targets: the runtime has no prefetch stream");
+    std::vector<std::uint8_t> seen(expert_count_, 0);
+    for (const target& t : targets) {
+      geometry_.validate(t.expert);
+      const auto f = static_cast<std::uint32_t>(geometry_.flat_index(t.expert));
+      if (seen[f] != 0) {
+        throw invalid_argument(fmt::format("expert_runtime::set_targets: {} listed twice", t.expert));
+      }
+      seen[f] = 1;
+      const bool ok = t.state == residency_state::resident_hi || t.state == residency_state::absent ||
+                      (t.state == residency_state::resident_lo && tier_count_ == 2);
+      if (!ok) {
+        throw invalid_argument(
+            fmt::format("expert_runtime::set_targets: state {} for {} out of range (resident_hi, {}absent)",
+                        to_string(t.state), t.expert, tier_count_ == 2 ? "resident_lo, " : ""));
+      }
+    }
+    std::vector<queued_transition> queue;
+    queue.reserve(targets.size());
+    for (const target& t : targets) {
+      queue.push_back({static_cast<std::uint32_t>(geometry_.flat_index(t.expert)), goal_of(t.state)});
+    }
+    const std::lock_guard lock(mutex_);
+    for (const queued_transition& q : transition_queue_) {
+      if (seen[q.expert] == 0) {
+        target_[q.expert] = no_goal;
+        ++transitions_cancelled_;
+      }
+    }
+    transition_queue_ = std::move(queue);
+    for (const queued_transition& q : transition_queue_) target_[q.expert] = q.goal;
+    drain_releases();
+    pump_background();
+    settle();
+  }
+
+  /// Sets the bytes the runtime may hold to @p bytes (whole experts: ⌊bytes / expert_bytes()⌋)
+  /// in a one-tier runtime (two tiers: resize_tiers()). Shrinking evicts unpinned experts first
+  /// (waiting for their last kernels), returns their blocks to the system, and only then lowers
+  /// the capacity; growing raises it. The account is never over-committed at any instant: loads
+  /// are charged before their copies start.
+  /// @throws expage::invalid_argument when the capacity would leave [top_k, experts], or the runtime has two tiers.
   /// @throws whatever a victim's completion throws (experts evicted so far stay evicted).
   runtime_resize resize(std::size_t bytes) {
-    const std::uint64_t wanted = bytes / expert_bytes();
-    const std::uint32_t top_k = geometry_.top_k();
-    if (wanted < top_k || wanted > expert_count_) {
-      throw invalid_argument(fmt::format(
-          "expert_runtime::resize: {} bytes hold {} experts of {} bytes, out of range [{}, {}] (top-k to all experts)",
-          bytes, wanted, expert_bytes(), top_k, expert_count_));
+    if (tier_count_ != 1) {
+      throw invalid_argument("expert_runtime::resize: the runtime has two tiers; size them with resize_tiers()");
     }
-    const auto requested = static_cast<std::uint32_t>(wanted);
+    return resize_tiers(bytes, 0)[0];
+  }
+
+  /// Sets the bytes of each tier: ⌊hi_bytes / expert_bytes(hi)⌋ hi versions and ⌊lo_bytes /
+  /// expert_bytes(lo)⌋ lo versions (@p lo_bytes is ignored with one tier). Every shrinking tier
+  /// evicts first (waiting for its victims' last kernels) and returns its blocks to the system,
+  /// and only then are capacities raised: the footprint never exceeds the larger of the old and
+  /// the new total (WiSP §3.4: shrink the losing pool before growing the other).
+  /// @throws expage::invalid_argument when the demand tier would hold fewer than top_k
+  /// versions, a tier more than the experts, or both together more than the account's capacity
+  /// (nothing changes).
+  /// @throws whatever a victim's completion throws (versions evicted so far stay evicted).
+  std::array<runtime_resize, version_tier_count> resize_tiers(std::size_t hi_bytes, std::size_t lo_bytes) {
+    std::array<std::uint32_t, version_tier_count> wanted{};
+    const std::array<std::size_t, version_tier_count> bytes{hi_bytes, lo_bytes};
+    for (std::size_t t = 0; t < tier_count_; ++t) {
+      const std::uint64_t n = bytes[t] / expert_bytes(static_cast<version_tier>(t));
+      const std::uint32_t least = t == demand_tier_ ? geometry_.top_k() : 0;
+      if (n < least || n > expert_count_) {
+        throw invalid_argument(
+            fmt::format("expert_runtime::resize: {} bytes hold {} {} of {} bytes, out of range [{}, {}]{}", bytes[t], n,
+                        tier_count_ == 1 ? std::string("experts")
+                                         : fmt::format("{} versions", to_string(static_cast<version_tier>(t))),
+                        expert_bytes(static_cast<version_tier>(t)), least, expert_count_,
+                        least > 0 ? " (top-k to all experts)" : ""));
+      }
+      wanted[t] = static_cast<std::uint32_t>(n);
+    }
+    check_total(wanted, "resize");
     const std::lock_guard lock(mutex_);
     drain_releases();
-    while (resident_count() > requested) {
-      const std::optional<std::uint32_t> victim = choose_victim({}, /*ready_only=*/false, /*include_loading=*/true);
-      if (!victim) break;  // the rest is pinned
-      fence(*victim, nullptr);
-      evict(*victim);
+    for (std::size_t t = 0; t < tier_count_; ++t) {
+      while (resident_count(t) > wanted[t]) {
+        const std::optional<std::uint32_t> victim =
+            choose_victim(t, {}, /*ready_only=*/false, /*include_loading=*/true);
+        if (!victim) break;  // the rest is pinned
+        fence(t, *victim, nullptr);
+        evict(t, *victim);
+      }
     }
     pool_.trim();
-    capacity_ = requested;  // the target: surplus experts still pinned go when their leases are released
+    std::array<runtime_resize, version_tier_count> out{};
+    for (std::size_t t = 0; t < tier_count_; ++t) {
+      tier(t).capacity = wanted[t];  // the target: surplus versions still pinned go when their leases are released
+      const std::uint32_t in_force = std::max(wanted[t], resident_count(t));
+      out[t] = {.requested = wanted[t], .capacity = in_force, .held = in_force - wanted[t]};
+    }
     settle();
-    const std::uint32_t in_force = std::max(requested, resident_count());
-    if (tracing()) trace_.instant(fmt::format("resize to {} experts", requested), "resize", host_track_);
-    return {.requested = requested, .capacity = in_force, .held = in_force - requested};
+    if (tracing()) {
+      trace_.instant(tier_count_ == 1 ? fmt::format("resize to {} experts", wanted[0])
+                                      : fmt::format("resize to {} hi + {} lo", wanted[0], wanted[1]),
+                     "resize", host_track_);
+    }
+    return out;
   }
   /// @}
 
   /// @name Views
   /// @{
 
-  /// View (a): tensor @p t of layer @p layer as one `[E, ...]` array at a stable address: expert
-  /// e's page is at `+ e · page_bytes(t)` and mapped only while e is resident.
-  /// @throws expage::invalid_argument for a layer out of range or when the view is not kept.
-  [[nodiscard]] std::byte* stable_tensor(std::uint32_t layer, expert_tensor t) const {
+  /// View (a): tensor @p t of layer @p layer in tier @p tier as one `[E, ...]` array at a stable
+  /// address: expert e's page is at `+ e · page_bytes(t, tier)` and mapped only while e has a
+  /// version in that tier.
+  /// @throws expage::invalid_argument for a layer out of range, a tier the runtime lacks, or when the view is not kept.
+  [[nodiscard]] std::byte* stable_tensor(std::uint32_t layer, expert_tensor t,
+                                         version_tier which = version_tier::hi) const {
     check_layer(layer, "stable_tensor");
+    const tier_state& T = checked_tier(which, "stable_tensor");
     if (!options_.views.stable_tensors) {
       throw invalid_argument("expert_runtime::stable_tensor: the stable-tensor view was not asked for");
     }
-    return stable_base_[index(t)] + std::size_t{layer} * geometry_.experts_per_layer() * page_bytes_[index(t)];
+    return T.stable_base[index(t)] + std::size_t{layer} * geometry_.experts_per_layer() * T.page_bytes[index(t)];
   }
-  /// View (b): slot @p slot of tensor @p t.
-  /// @throws expage::invalid_argument for a slot out of range [0, capacity) or when the view is not kept.
-  [[nodiscard]] std::byte* slot_address(std::int32_t slot, expert_tensor t) const {
+  /// View (b): slot @p slot of tensor @p t in tier @p tier.
+  /// @throws expage::invalid_argument for a slot out of range [0, experts), a tier the runtime
+  /// lacks, or when the view is not kept.
+  [[nodiscard]] std::byte* slot_address(std::int32_t slot, expert_tensor t,
+                                        version_tier which = version_tier::hi) const {
+    const tier_state& T = checked_tier(which, "slot_address");
     if (!options_.views.slots) throw invalid_argument("expert_runtime::slot_address: the slot view was not asked for");
     if (slot < 0 || static_cast<std::uint32_t>(slot) >= expert_count_) {
       throw invalid_argument(
           fmt::format("expert_runtime::slot_address: slot {} out of range [0, {})", slot, expert_count_));
     }
-    return slot_base_[index(t)] + static_cast<std::size_t>(slot) * page_bytes_[index(t)];
+    return T.slot_base[index(t)] + static_cast<std::size_t>(slot) * T.page_bytes[index(t)];
   }
-  /// View (b): layer @p layer's `expert_map` (expert → slot, −1 when not resident), host array.
-  /// @throws expage::invalid_argument for a layer out of range.
-  [[nodiscard]] std::span<const std::int32_t> expert_map(std::uint32_t layer) const {
+  /// View (b): layer @p layer's `expert_map` in tier @p tier (expert → slot of its active
+  /// version when that is in this tier, else −1), host array.
+  /// @throws expage::invalid_argument for a layer out of range or a tier the runtime lacks.
+  [[nodiscard]] std::span<const std::int32_t> expert_map(std::uint32_t layer,
+                                                         version_tier which = version_tier::hi) const {
     check_layer(layer, "expert_map");
-    return std::span<const std::int32_t>(map_).subspan(std::size_t{layer} * geometry_.experts_per_layer(),
-                                                       geometry_.experts_per_layer());
+    return std::span<const std::int32_t>(checked_tier(which, "expert_map").map)
+        .subspan(std::size_t{layer} * geometry_.experts_per_layer(), geometry_.experts_per_layer());
   }
-  /// View (c): layer @p layer's version records (the handle table's mirror; zero records for absent experts).
+  /// View (c): layer @p layer's version records (the handle table's mirror: every expert's active
+  /// version, in its tier's precision; zero records for absent experts).
   /// @throws expage::invalid_argument for a layer out of range or when the view is not kept.
   [[nodiscard]] std::span<const version_record> records(std::uint32_t layer) const {
     check_layer(layer, "records");
@@ -538,34 +700,67 @@ class expert_runtime {
     return t;
   }
 
-  /// Every expert resident (or loading) now, in flat-index order.
+  /// Every version resident (or loading) now, by tier, then in flat-index order.
   [[nodiscard]] std::vector<resident_expert> resident_set() const {
     const std::lock_guard lock(mutex_);
     std::vector<resident_expert> out;
-    const std::vector<std::uint32_t> pins = live_pins();
-    for (std::uint32_t f = 0; f < expert_count_; ++f) {
-      const entry& e = entries_[f];
-      if (e.slot >= 0) {
-        out.push_back({.expert = geometry_.expert_at(f), .slot = e.slot, .loading = e.loading, .pins = pins[f]});
+    for (std::size_t t = 0; t < tier_count_; ++t) {
+      const std::vector<std::uint32_t> pins = live_pins(t);
+      const tier_state& T = tier(t);
+      for (std::uint32_t f = 0; f < expert_count_; ++f) {
+        const version& v = T.versions[f];
+        if (v.slot < 0) continue;
+        out.push_back({.expert = geometry_.expert_at(f),
+                       .slot = v.slot,
+                       .loading = v.loading,
+                       .pins = pins[f],
+                       .tier = static_cast<version_tier>(t),
+                       .active = active_[f] == t});
       }
     }
     return out;
   }
-  /// True when expert @p id is resident or loading. @throws expage::invalid_argument for an unknown expert.
+  /// True when expert @p id has an active version (resident or loading). @throws expage::invalid_argument for an
+  /// unknown expert.
   [[nodiscard]] bool resident(expert_id id) const {
     geometry_.validate(id);
     const std::lock_guard lock(mutex_);
-    return entries_[geometry_.flat_index(id)].slot >= 0;
+    return active_[geometry_.flat_index(id)] != no_tier;
   }
-  /// Bytes one resident expert holds: both pages, rounded up to the granularity.
-  [[nodiscard]] std::size_t expert_bytes() const noexcept { return page_bytes_[0] + page_bytes_[1]; }
-  /// σ_t: bytes of one page of tensor @p t.
-  [[nodiscard]] std::size_t page_bytes(expert_tensor t) const noexcept { return page_bytes_[index(t)]; }
-  /// Resident experts allowed (after resize(), the target; experts that leases held above it are
-  /// evicted as their kernels complete).
-  [[nodiscard]] std::uint32_t capacity() const {
+  /// The tier of expert @p id's active version, or nullopt when it is absent.
+  /// @throws expage::invalid_argument for an unknown expert.
+  [[nodiscard]] std::optional<version_tier> active_tier(expert_id id) const {
+    geometry_.validate(id);
     const std::lock_guard lock(mutex_);
-    return capacity_;
+    const std::uint8_t a = active_[geometry_.flat_index(id)];
+    return a == no_tier ? std::nullopt : std::optional<version_tier>(static_cast<version_tier>(a));
+  }
+  /// Tiers: 1 (one source) or 2 (a tiered_source).
+  [[nodiscard]] std::size_t tier_count() const noexcept { return tier_count_; }
+  /// The precision of tier @p which. @throws expage::invalid_argument for a tier the runtime lacks.
+  [[nodiscard]] precision format(version_tier which = version_tier::hi) const {
+    return checked_tier(which, "format").source.format;
+  }
+  /// The tier demand misses and prefetches load.
+  [[nodiscard]] version_tier demand_tier() const noexcept { return static_cast<version_tier>(demand_tier_); }
+  /// Bytes one resident version of tier @p which holds: both pages, rounded up to the granularity.
+  /// @throws expage::invalid_argument for a tier the runtime lacks.
+  [[nodiscard]] std::size_t expert_bytes(version_tier which = version_tier::hi) const {
+    const tier_state& T = checked_tier(which, "expert_bytes");
+    return T.page_bytes[0] + T.page_bytes[1];
+  }
+  /// σ_t: bytes of one page of tensor @p t in tier @p which.
+  /// @throws expage::invalid_argument for a tier the runtime lacks.
+  [[nodiscard]] std::size_t page_bytes(expert_tensor t, version_tier which = version_tier::hi) const {
+    return checked_tier(which, "page_bytes").page_bytes[index(t)];
+  }
+  /// Resident versions allowed in tier @p which (after a resize, the target; versions that leases
+  /// held above it are evicted as their kernels complete).
+  /// @throws expage::invalid_argument for a tier the runtime lacks.
+  [[nodiscard]] std::uint32_t capacity(version_tier which = version_tier::hi) const {
+    const tier_state& T = checked_tier(which, "capacity");
+    const std::lock_guard lock(mutex_);
+    return T.capacity;
   }
   /// The model.
   [[nodiscard]] const moe_geometry& geometry() const noexcept { return geometry_; }
@@ -580,29 +775,51 @@ class expert_runtime {
       s.layers[l] = layer_snapshot(l);
       s.total += s.layers[l];
     }
-    s.tier = source_.format;
-    s.capacity = capacity_;
-    s.resident = resident_count();
-    const std::vector<std::uint32_t> pins = live_pins();
-    s.pinned = static_cast<std::uint32_t>(std::count_if(pins.begin(), pins.end(), [](auto p) { return p > 0; }));
-    s.resident_bytes = std::uint64_t{s.resident} * expert_bytes();
-    s.peak_resident_bytes = peak_resident_ * expert_bytes();
+    std::uint32_t pinned = 0;
+    std::vector<std::uint8_t> held(expert_count_, 0);
+    for (std::size_t t = 0; t < tier_count_; ++t) {
+      const tier_state& T = tier(t);
+      const std::size_t per_version = T.page_bytes[0] + T.page_bytes[1];
+      const std::uint32_t resident = resident_count(t);
+      s.tiers.push_back({.format = T.source.format,
+                         .capacity = T.capacity,
+                         .resident = resident,
+                         .resident_bytes = std::uint64_t{resident} * per_version,
+                         .peak_resident_bytes = T.peak * per_version});
+      s.resident += resident;
+      s.resident_bytes += s.tiers.back().resident_bytes;
+      const std::vector<std::uint32_t> pins = live_pins(t);
+      for (std::uint32_t f = 0; f < expert_count_; ++f) {
+        if (pins[f] > 0 && held[f] == 0) {
+          held[f] = 1;
+          ++pinned;
+        }
+      }
+      s.poisoned += static_cast<std::uint32_t>(
+          std::count_if(T.versions.begin(), T.versions.end(), [](const version& v) { return v.poisoned; }));
+    }
+    s.tier = tier(0).source.format;
+    s.capacity = tier(0).capacity;
+    s.pinned = pinned;
+    s.peak_resident_bytes = peak_bytes_;
     s.prefetch_queued = prefetch_queue_.size();
     s.prefetch_cancelled = prefetch_cancelled_;
+    s.transitions_queued = transition_queue_.size();
+    s.transitions_cancelled = transitions_cancelled_;
+    s.transitions_failed = transitions_failed_;
     s.failed_acquires = failed_acquires_;
-    s.poisoned = static_cast<std::uint32_t>(
-        std::count_if(entries_.begin(), entries_.end(), [](const entry& e) { return e.poisoned; }));
     s.trace_dropped = trace_.dropped();
     return s;
   }
   /// The Chrome trace (empty unless options.trace_events > 0).
   [[nodiscard]] const event_trace& trace() const noexcept { return trace_; }
-  /// Marks finished loads resident (queries events, never waits), issues queued prefetches, and
-  /// evicts experts above a lowered capacity whose kernels have completed.
+  /// Marks finished loads resident (queries events, never waits), switches experts whose
+  /// background version is ready, issues queued prefetches and transitions, and evicts versions
+  /// above a lowered capacity whose kernels have completed.
   void poll() {
     const std::lock_guard lock(mutex_);
     drain_releases();
-    pump_prefetches();
+    pump_background();
     shrink_to_capacity();
     settle();
   }
@@ -610,83 +827,244 @@ class expert_runtime {
 
  private:
   using lease_type = typename vmm_block_pool<Vmm>::lease;
-  struct entry {
+  static constexpr std::uint8_t no_tier = 0xFF;   // active_: the expert is absent
+  static constexpr std::uint8_t no_goal = 0xFF;   // target_: no target
+  static constexpr std::uint8_t goal_absent = 2;  // target_: evict
+  enum class load_kind : std::uint8_t { demand, prefetch, transition };
+
+  // One tier's version of one expert.
+  struct version {
     std::int32_t slot = -1;              // -1: absent
     bool loading = false;                // the load's event may not have completed
-    bool queued = false;                 // in the prefetch queue
     bool prefetched = false;             // loaded by prefetch, no lease has used it yet
     bool poisoned = false;               // its last kernel's completion failed: never evicted
+    load_kind kind = load_kind::demand;  // who loaded it
     lease_type blocks;                   // the physical blocks and their budget
     std::shared_ptr<event_type> loaded;  // the load's event
     std::uint64_t last_use = 0;          // ticket of the last lease that read it (0: none)
+  };
+  // Everything one tier holds: its source, pages, ranges, capacity, policy and versions.
+  struct tier_state {
+    tier_state(expert_source<Stream> src, const key_space& keys, std::uint32_t experts)
+        : source(std::move(src)), policy(keys), versions(experts), pins(experts, 0), map(experts, -1) {}
+    expert_source<Stream> source;
+    std::array<std::size_t, expert_tensor_count> page_bytes{};
+    std::array<std::byte*, expert_tensor_count> stable_base{};
+    std::array<std::byte*, expert_tensor_count> slot_base{};
+    std::uint32_t capacity = 0;
+    Policy policy;
+    std::vector<version> versions;    // per flat index
+    std::vector<std::uint32_t> pins;  // per flat index: leases holding this version
+    std::vector<std::int32_t> map;    // per flat index: slot of the active version when in this tier, or -1 (view b)
+    std::vector<std::uint32_t> free_slots;
+    std::uint64_t peak = 0;  // most versions resident at once
   };
   struct queued_prefetch {
     std::uint32_t expert;
     float priority;
     std::uint64_t serial;
   };
+  struct queued_transition {
+    std::uint32_t expert;
+    std::uint8_t goal;  // a tier, or goal_absent
+  };
   // One miss of a group, planned before anything changes.
   struct planned_load {
     std::uint32_t expert = 0;             // flat index
-    std::optional<std::uint32_t> victim;  // flat index whose blocks (and slot) it takes
+    std::optional<std::uint32_t> victim;  // flat index whose version (blocks and slot) in the demand tier it takes
     lease_type fresh;                     // blocks from the pool when there is no victim
     std::int32_t slot = -1;
-    std::optional<transition> version;   // the records view's transition of the expert
-    std::optional<transition> eviction;  // ... and of its victim
-    bool stable_mapped = false;          // its stable pages are mapped
-    bool slot_mapped = false;            // its slot pages are mapped (fresh blocks only)
-    bool filling = false;                // the loader ran (the blocks' bytes changed)
+    std::optional<transition> activation;  // the records view's transition of the expert
+    std::optional<transition> eviction;    // ... and of its victim (an eviction, or a switch to its other version)
+    bool stable_mapped = false;            // its stable pages are mapped
+    bool slot_mapped = false;              // its slot pages are mapped (fresh blocks only)
+    bool filling = false;                  // the loader ran (the blocks' bytes changed)
   };
 
+  // The constructors' common body: @p lo is the second tier's source, if any.
+  expert_runtime(const moe_geometry& geometry, budget_account& account, Vmm& vmm, Stream& copy, Stream& compute,
+                 expert_source<Stream> hi, std::optional<expert_source<Stream>> lo, expert_runtime_options options,
+                 Stream* prefetch)
+      : geometry_(geometry),
+        account_(&account),
+        vmm_(&vmm),
+        copy_(&copy),
+        compute_(&compute),
+        prefetch_(prefetch),
+        options_(options),
+        granularity_(vmm.granularity()),
+        expert_count_(static_cast<std::uint32_t>(geometry.expert_count())),
+        tier_count_(lo ? 2 : 1),
+        demand_tier_(lo ? static_cast<std::uint8_t>(options.demand_tier) : 0),
+        pool_(vmm, account,
+              {.max_blocks =
+                   std::size_t{expert_count_} * (blocks_of(geometry, hi.format, vmm.granularity()) +
+                                                 (lo ? blocks_of(geometry, lo->format, vmm.granularity()) : 0))}),
+        table_(geometry),
+        active_(expert_count_, no_tier),
+        all_hi_(geometry.experts_per_layer(), version_tier::hi),
+        target_(expert_count_, no_goal),
+        queued_(expert_count_, 0),
+        blocked_(expert_count_, 0),
+        layer_stats_(geometry.layers()),
+        stall_ns_(std::make_unique<std::atomic<std::uint64_t>[]>(geometry.layers())),
+        trace_(options.trace_events) {
+    if (options.max_prefetch_in_flight == 0) {
+      throw invalid_argument("expert_runtime: max_prefetch_in_flight 0 out of range [1, 2^32)");
+    }
+    if (!options.views.stable_tensors && !options.views.slots && !options.views.records) {
+      throw invalid_argument("expert_runtime: no view asked for (stable_tensors, slots, records)");
+    }
+    if (!hi.load || (lo && !lo->load)) throw invalid_argument("expert_runtime: an expert source has no loader");
+    if (lo && lo->format == hi.format) {
+      throw invalid_argument(
+          fmt::format("expert_runtime: both tiers have precision {}; a lo tier needs another", hi.format));
+    }
+    const key_space keys{
+        .layers = geometry.layers(), .experts_per_layer = geometry.experts_per_layer(), .global = true, .layer = 0};
+    tiers_[0].emplace(std::move(hi), keys, expert_count_);
+    if (lo) tiers_[1].emplace(std::move(*lo), keys, expert_count_);
+    for (std::size_t t = 0; t < tier_count_; ++t) {
+      tier_state& T = tier(t);
+      for (std::size_t w = 0; w < expert_tensor_count; ++w) {
+        T.page_bytes[w] = round_up(geometry.tensor_bytes(static_cast<expert_tensor>(w), T.source.format));
+      }
+      T.free_slots.reserve(expert_count_);
+      for (std::uint32_t s = expert_count_; s-- > 0;) T.free_slots.push_back(s);
+    }
+    set_initial_capacities();
+    loading_.reserve(std::size_t{expert_count_} * tier_count_);
+    background_.reserve(expert_count_);
+    // The views' ranges: reserved once, never moved (no memory behind them until a load).
+    reserve_views();
+    host_track_ = trace_.add_track("runtime (host)");
+    copy_track_ = trace_.add_track("copy stream");
+    prefetch_track_ = trace_.add_track("prefetch stream");
+    compute_track_ = trace_.add_track("compute stream");
+  }
+
   static constexpr std::size_t index(expert_tensor t) noexcept { return static_cast<std::size_t>(t); }
+  [[nodiscard]] tier_state& tier(std::size_t t) noexcept { return *tiers_[t]; }
+  [[nodiscard]] const tier_state& tier(std::size_t t) const noexcept { return *tiers_[t]; }
+  [[nodiscard]] const tier_state& checked_tier(version_tier which, const char* what) const {
+    const auto t = static_cast<std::size_t>(which);
+    if (t >= tier_count_) {
+      throw invalid_argument(fmt::format("expert_runtime::{}: tier {} out of range: the runtime has one tier (hi)",
+                                         what, to_string(which)));
+    }
+    return tier(t);
+  }
   [[nodiscard]] std::size_t round_up(std::uint64_t bytes) const noexcept {
     return static_cast<std::size_t>((bytes + granularity_ - 1) / granularity_ * granularity_);
   }
-  [[nodiscard]] std::size_t blocks_per_page(std::size_t t) const noexcept { return page_bytes_[t] / granularity_; }
-  [[nodiscard]] std::size_t blocks_per_expert() const noexcept { return blocks_per_page(0) + blocks_per_page(1); }
+  static std::size_t blocks_of(const moe_geometry& g, precision p, std::size_t granularity) noexcept {
+    std::size_t n = 0;
+    for (std::size_t w = 0; w < expert_tensor_count; ++w) {
+      n += static_cast<std::size_t>((g.tensor_bytes(static_cast<expert_tensor>(w), p) + granularity - 1) / granularity);
+    }
+    return n;
+  }
+  [[nodiscard]] std::size_t blocks_per_page(std::size_t t, std::size_t w) const noexcept {
+    return tier(t).page_bytes[w] / granularity_;
+  }
+  [[nodiscard]] std::size_t blocks_per_version(std::size_t t) const noexcept {
+    return blocks_per_page(t, 0) + blocks_per_page(t, 1);
+  }
+  [[nodiscard]] std::size_t version_bytes(std::size_t t) const noexcept {
+    return tier(t).page_bytes[0] + tier(t).page_bytes[1];
+  }
   [[nodiscard]] std::uint32_t flat(std::uint32_t layer, std::uint32_t e) const noexcept {
     return static_cast<std::uint32_t>(geometry_.flat_index({layer, e}));
   }
   [[nodiscard]] bool tracing() const noexcept { return trace_.capacity() != 0; }
-  [[nodiscard]] std::uint32_t resident_count() const noexcept { return expert_count_ - free_count(); }
-  [[nodiscard]] std::uint32_t free_count() const noexcept { return static_cast<std::uint32_t>(free_slots_.size()); }
+  [[nodiscard]] std::uint32_t resident_count(std::size_t t) const noexcept {
+    return expert_count_ - static_cast<std::uint32_t>(tier(t).free_slots.size());
+  }
+  [[nodiscard]] std::uint64_t resident_bytes() const noexcept {
+    std::uint64_t b = 0;
+    for (std::size_t t = 0; t < tier_count_; ++t) b += std::uint64_t{resident_count(t)} * version_bytes(t);
+    return b;
+  }
+  // The other tier of a two-tier runtime.
+  [[nodiscard]] static std::size_t other(std::size_t t) noexcept { return 1 - t; }
+  // Expert f's version in the tier that is not @p t, when the runtime has two tiers and it is resident.
+  [[nodiscard]] version* sibling(std::size_t t, std::uint32_t f) noexcept {
+    if (tier_count_ != 2) return nullptr;
+    version& v = tier(other(t)).versions[f];
+    return v.slot >= 0 ? &v : nullptr;
+  }
+  [[nodiscard]] static std::uint8_t goal_of(residency_state s) noexcept {
+    if (s == residency_state::resident_hi) return 0;
+    if (s == residency_state::resident_lo) return 1;
+    return goal_absent;
+  }
+  // Keys of loading_: one per (tier, expert).
+  [[nodiscard]] std::uint32_t key(std::size_t t, std::uint32_t f) const noexcept {
+    return static_cast<std::uint32_t>(t) * expert_count_ + f;
+  }
 
-  static std::uint32_t checked_capacity(const moe_geometry& g, const budget_account& account,
-                                        const expert_runtime_options& o, const expert_source<Stream>& source,
-                                        const std::array<std::size_t, 2>& pages) {
-    if (!o.views.stable_tensors && !o.views.slots && !o.views.records) {
-      throw invalid_argument("expert_runtime: no view asked for (stable_tensors, slots, records)");
+  void set_initial_capacities() {
+    const std::size_t d = demand_tier_;
+    std::array<std::uint32_t, version_tier_count> caps{};
+    const std::uint64_t experts = expert_count_;
+    if (tier_count_ == 1) {
+      const std::uint64_t fits = account_->capacity() / version_bytes(0);
+      caps[0] = options_.capacity != 0 ? options_.capacity : static_cast<std::uint32_t>(std::min(fits, experts));
+    } else {
+      caps[0] = options_.capacity;
+      const std::uint64_t hi_used = std::uint64_t{caps[0]} * version_bytes(0);
+      const std::uint64_t rest = account_->capacity() > hi_used ? account_->capacity() - hi_used : 0;
+      caps[1] = options_.lo_capacity != 0 ? options_.lo_capacity
+                                          : static_cast<std::uint32_t>(std::min(rest / version_bytes(1), experts));
     }
-    if (!source.load) throw invalid_argument("expert_runtime: the expert source has no loader");
-    const std::size_t per_expert = pages[0] + pages[1];
-    const std::uint64_t fits = account.capacity() / per_expert;
-    const std::uint64_t experts = g.expert_count();
-    const std::uint64_t wanted = o.capacity == 0 ? std::min(fits, experts) : o.capacity;
-    if (wanted < g.top_k() || wanted > experts) {
-      throw invalid_argument(fmt::format(
-          "expert_runtime: capacity {} out of range [{}, {}] (one layer's routed experts to all experts of {}); the "
-          "account {} holds {} bytes, {} experts of {} bytes",
-          wanted, g.top_k(), experts, g.name(), account.name(), account.capacity(), fits, per_expert));
+    for (std::size_t t = 0; t < tier_count_; ++t) {
+      const std::uint32_t least = t == d ? geometry_.top_k() : 0;
+      if (caps[t] < least || caps[t] > experts) {
+        const std::size_t per = version_bytes(t);
+        throw invalid_argument(fmt::format(
+            "expert_runtime: {}capacity {} out of range [{}, {}] ({} to all experts of {}); the account {} holds {} "
+            "bytes, {} experts of {} bytes",
+            tier_count_ == 1 ? "" : fmt::format("{} ", to_string(static_cast<version_tier>(t))), caps[t], least,
+            experts, least > 0 ? "one layer's routed experts" : "none", geometry_.name(), account_->name(),
+            account_->capacity(), account_->capacity() / per, per));
+      }
     }
-    if (wanted > fits) {
-      throw invalid_argument(fmt::format("expert_runtime: capacity {} needs {} bytes but the account {} holds {}",
-                                         wanted, wanted * per_expert, account.name(), account.capacity()));
+    check_total(caps, "");
+    for (std::size_t t = 0; t < tier_count_; ++t) tier(t).capacity = caps[t];
+  }
+  // The capacities' bytes fit the account.
+  void check_total(const std::array<std::uint32_t, version_tier_count>& caps, std::string_view what) const {
+    std::uint64_t need = 0;
+    for (std::size_t t = 0; t < tier_count_; ++t) need += std::uint64_t{caps[t]} * version_bytes(t);
+    if (need > account_->capacity()) {
+      const std::string who = what.empty() ? "expert_runtime" : fmt::format("expert_runtime::{}", what);
+      if (tier_count_ == 1) {
+        throw invalid_argument(fmt::format("{}: capacity {} needs {} bytes but the account {} holds {}", who, caps[0],
+                                           need, account_->name(), account_->capacity()));
+      }
+      throw invalid_argument(fmt::format("{}: {} hi + {} lo versions need {} bytes but the account {} holds {}", who,
+                                         caps[0], caps[1], need, account_->name(), account_->capacity()));
     }
-    return static_cast<std::uint32_t>(wanted);
   }
 
   void reserve_views() {
     try {
-      for (std::size_t t = 0; t < expert_tensor_count; ++t) {
-        const std::size_t range = std::size_t{expert_count_} * page_bytes_[t];
-        if (options_.views.stable_tensors) stable_base_[t] = vmm_->reserve(range);
-        // Slots are reserved for every expert so that resize() can grow without moving them.
-        if (options_.views.slots || !options_.views.stable_tensors) slot_base_[t] = vmm_->reserve(range);
+      for (std::size_t t = 0; t < tier_count_; ++t) {
+        tier_state& T = tier(t);
+        for (std::size_t w = 0; w < expert_tensor_count; ++w) {
+          const std::size_t range = std::size_t{expert_count_} * T.page_bytes[w];
+          if (options_.views.stable_tensors) T.stable_base[w] = vmm_->reserve(range);
+          // Slots are reserved for every expert so that a resize can grow without moving them.
+          if (options_.views.slots || !options_.views.stable_tensors) T.slot_base[w] = vmm_->reserve(range);
+        }
       }
     } catch (...) {
-      for (std::size_t t = 0; t < expert_tensor_count; ++t) {
-        if (stable_base_[t] != nullptr) vmm_->free(std::exchange(stable_base_[t], nullptr));
-        if (slot_base_[t] != nullptr) vmm_->free(std::exchange(slot_base_[t], nullptr));
+      for (std::size_t t = 0; t < tier_count_; ++t) {
+        tier_state& T = tier(t);
+        for (std::size_t w = 0; w < expert_tensor_count; ++w) {
+          if (T.stable_base[w] != nullptr) vmm_->free(std::exchange(T.stable_base[w], nullptr));
+          if (T.slot_base[w] != nullptr) vmm_->free(std::exchange(T.slot_base[w], nullptr));
+        }
       }
       throw;
     }
@@ -732,31 +1110,32 @@ class expert_runtime {
     std::abort();
   }
 
-  // The addresses a page of expert f's tensor t is mapped at.
-  [[nodiscard]] std::byte* stable_page(std::uint32_t f, std::size_t t) const noexcept {
-    return stable_base_[t] + std::size_t{f} * page_bytes_[t];  // FluxMoE Eq. 4
+  // The addresses a page of expert f's tensor w is mapped at in tier t.
+  [[nodiscard]] std::byte* stable_page(std::size_t t, std::uint32_t f, std::size_t w) const noexcept {
+    return tier(t).stable_base[w] + std::size_t{f} * tier(t).page_bytes[w];  // FluxMoE Eq. 4
   }
-  [[nodiscard]] std::byte* slot_page(std::int32_t slot, std::size_t t) const noexcept {
-    return slot_base_[t] + static_cast<std::size_t>(slot) * page_bytes_[t];
+  [[nodiscard]] std::byte* slot_page(std::size_t t, std::int32_t slot, std::size_t w) const noexcept {
+    return tier(t).slot_base[w] + static_cast<std::size_t>(slot) * tier(t).page_bytes[w];
   }
   // Where a kernel reads expert f (records) and where its loader writes: (a) when kept, else (b).
-  [[nodiscard]] std::byte* data_page(std::uint32_t f, std::int32_t slot, std::size_t t) const noexcept {
-    return stable_base_[t] != nullptr ? stable_page(f, t) : slot_page(slot, t);
+  [[nodiscard]] std::byte* data_page(std::size_t t, std::uint32_t f, std::int32_t slot, std::size_t w) const noexcept {
+    return tier(t).stable_base[w] != nullptr ? stable_page(t, f, w) : slot_page(t, slot, w);
   }
   // Where loads write: the slot page when slots exist (a mapping that lives as long as the slot,
   // so a host backend does not fault its pages in again per load), else the stable page.
-  [[nodiscard]] std::byte* fill_page(std::uint32_t f, std::int32_t slot, std::size_t t) const noexcept {
-    return slot_base_[t] != nullptr ? slot_page(slot, t) : stable_page(f, t);
+  [[nodiscard]] std::byte* fill_page(std::size_t t, std::uint32_t f, std::int32_t slot, std::size_t w) const noexcept {
+    return tier(t).slot_base[w] != nullptr ? slot_page(t, slot, w) : stable_page(t, f, w);
   }
-  [[nodiscard]] std::span<const block> page_blocks(std::span<const block> all, std::size_t t) const noexcept {
-    return t == 0 ? all.first(blocks_per_page(0)) : all.subspan(blocks_per_page(0), blocks_per_page(1));
+  [[nodiscard]] std::span<const block> page_blocks(std::size_t t, std::span<const block> all,
+                                                   std::size_t w) const noexcept {
+    return w == 0 ? all.first(blocks_per_page(t, 0)) : all.subspan(blocks_per_page(t, 0), blocks_per_page(t, 1));
   }
 
-  // One expert's blocks from the pool, or an empty lease when the account refuses.
-  lease_type try_fresh_blocks() {
-    if (account_->headroom() < expert_bytes()) return {};  // the common refusal, without an exception
+  // One version's blocks of tier t from the pool, or an empty lease when the account refuses.
+  lease_type try_fresh_blocks(std::size_t t) {
+    if (account_->headroom() < version_bytes(t)) return {};  // the common refusal, without an exception
     try {
-      return pool_.acquire(blocks_per_expert());
+      return pool_.acquire(blocks_per_version(t));
     } catch (const out_of_budget&) {  // a concurrent reservation took the headroom
       return {};
     }
@@ -780,76 +1159,121 @@ class expert_runtime {
       throw;
     }
   }
-  // Maps expert f's blocks at its stable pages and slot pages. @p alias_all: the blocks are
-  // mapped elsewhere already (a victim's). Strong guarantee.
-  void map_expert(std::uint32_t f, std::int32_t slot, std::span<const block> blocks, bool alias_all, bool map_slots) {
+  // Maps expert f's blocks at its stable pages and slot pages in tier t. @p alias_all: the
+  // blocks are mapped elsewhere already (a victim's). Strong guarantee.
+  void map_version(std::size_t t, std::uint32_t f, std::int32_t slot, std::span<const block> blocks, bool alias_all,
+                   bool map_slots) {
+    const tier_state& T = tier(t);
     std::size_t done = 0;  // steps completed: 2 per tensor (stable, slot)
     try {
-      for (std::size_t t = 0; t < expert_tensor_count; ++t) {
+      for (std::size_t w = 0; w < expert_tensor_count; ++w) {
         bool primary_done = alias_all;
-        if (stable_base_[t] != nullptr) {
-          map_page(stable_page(f, t), page_blocks(blocks, t), primary_done);
+        if (T.stable_base[w] != nullptr) {
+          map_page(stable_page(t, f, w), page_blocks(t, blocks, w), primary_done);
           primary_done = true;
         }
         ++done;
-        if (slot_base_[t] != nullptr && map_slots) map_page(slot_page(slot, t), page_blocks(blocks, t), primary_done);
+        if (T.slot_base[w] != nullptr && map_slots) {
+          map_page(slot_page(t, slot, w), page_blocks(t, blocks, w), primary_done);
+        }
         ++done;
       }
     } catch (...) {
       for (std::size_t step = 0; step < done; ++step) {
-        const std::size_t t = step / 2;
-        if (step % 2 == 0 && stable_base_[t] != nullptr) vmm_->unmap(stable_page(f, t), page_bytes_[t]);
-        if (step % 2 == 1 && slot_base_[t] != nullptr && map_slots) vmm_->unmap(slot_page(slot, t), page_bytes_[t]);
+        const std::size_t w = step / 2;
+        if (step % 2 == 0 && T.stable_base[w] != nullptr) vmm_->unmap(stable_page(t, f, w), T.page_bytes[w]);
+        if (step % 2 == 1 && T.slot_base[w] != nullptr && map_slots) {
+          vmm_->unmap(slot_page(t, slot, w), T.page_bytes[w]);
+        }
       }
       throw;
     }
   }
-  // Unmaps every mapping of expert f (slot pages first, so the stable ones are the last to go).
-  void unmap_expert(std::uint32_t f) noexcept {
-    const std::int32_t slot = entries_[f].slot;
-    for (std::size_t t = 0; t < expert_tensor_count; ++t) {
-      if (slot_base_[t] != nullptr) vmm_->unmap(slot_page(slot, t), page_bytes_[t]);
-      if (stable_base_[t] != nullptr) vmm_->unmap(stable_page(f, t), page_bytes_[t]);
+  // Unmaps what map_version() mapped for a load that failed: the stable pages, and the slot pages
+  // when they were mapped for it (fresh blocks).
+  void unmap_failed(std::size_t t, std::uint32_t f, std::int32_t slot, bool stable_mapped, bool slot_mapped) noexcept {
+    const tier_state& T = tier(t);
+    for (std::size_t w = 0; w < expert_tensor_count; ++w) {
+      if (stable_mapped && T.stable_base[w] != nullptr) vmm_->unmap(stable_page(t, f, w), T.page_bytes[w]);
+      if (slot_mapped && T.slot_base[w] != nullptr) vmm_->unmap(slot_page(t, slot, w), T.page_bytes[w]);
+    }
+  }
+  // Unmaps every mapping of expert f's version in tier t (slot pages first, so the stable ones are the last to go).
+  void unmap_version(std::size_t t, std::uint32_t f) noexcept {
+    const tier_state& T = tier(t);
+    const std::int32_t slot = T.versions[f].slot;
+    for (std::size_t w = 0; w < expert_tensor_count; ++w) {
+      if (T.slot_base[w] != nullptr) vmm_->unmap(slot_page(t, slot, w), T.page_bytes[w]);
+      if (T.stable_base[w] != nullptr) vmm_->unmap(stable_page(t, f, w), T.page_bytes[w]);
     }
   }
 
-  // Enqueues the fill of expert f's pages (at its data pages) on @p stream; checks the loader's sizes.
-  std::uint64_t fill(std::uint32_t f, std::int32_t slot, Stream& stream) {
+  // Enqueues the fill of expert f's tier-t pages on @p stream; checks the loader's sizes.
+  std::uint64_t fill(std::size_t t, std::uint32_t f, std::int32_t slot, Stream& stream) {
+    const expert_source<Stream>& source = tier(t).source;
     const expert_id id = geometry_.expert_at(f);
     std::uint64_t bytes = 0;
-    for (std::size_t t = 0; t < expert_tensor_count; ++t) {
-      const auto tensor = static_cast<expert_tensor>(t);
-      const std::size_t want = static_cast<std::size_t>(geometry_.tensor_bytes(tensor, source_.format));
-      const std::size_t got = source_.load(id, tensor, {fill_page(f, slot, t), want}, stream);
+    for (std::size_t w = 0; w < expert_tensor_count; ++w) {
+      const auto tensor = static_cast<expert_tensor>(w);
+      const std::size_t want = static_cast<std::size_t>(geometry_.tensor_bytes(tensor, source.format));
+      const std::size_t got = source.load(id, tensor, {fill_page(t, f, slot, w), want}, stream);
       if (got != want) {
         throw invalid_argument(
             fmt::format("expert_runtime: the loader of {} ({}, {}) reported {} bytes, the tensor "
                         "has {}",
-                        id, to_string(tensor), source_.format, got, want));
+                        id, to_string(tensor), source.format, got, want));
       }
       bytes += got;
     }
     return bytes;
   }
 
-  [[nodiscard]] version_record record_of(std::uint32_t f, std::int32_t slot) const {
-    version_record r = packed_version_record(source_.format, data_page(f, slot, 0), data_page(f, slot, 1),
-                                             expert_ffn_shape::of(geometry_));
-    return r;
+  [[nodiscard]] version_record record_of(std::size_t t, std::uint32_t f, std::int32_t slot) const {
+    return packed_version_record(tier(t).source.format, data_page(t, f, slot, 0), data_page(t, f, slot, 1),
+                                 expert_ffn_shape::of(geometry_));
+  }
+  // Begins the records view's transition of expert f to a new active version in tier t.
+  [[nodiscard]] std::optional<transition> begin_version(std::size_t t, std::uint32_t f) {
+    if (!options_.views.records) return std::nullopt;
+    const residency_state from = table_.state(geometry_.expert_at(f));
+    const residency_state to = t == 0 ? residency_state::promoting : residency_state::demoting;
+    // A one-tier runtime's versions are all "hi"; a reload of an absent expert may use either.
+    return table_.begin(geometry_.expert_at(f), can_begin(from, to) ? to : residency_state::promoting);
+  }
+  // Begins (and prepares) the records view's transition for evicting expert f's tier-t version:
+  // none when that version is not the active one; a switch to its sibling when it has one; else
+  // an eviction to nothing.
+  [[nodiscard]] std::optional<transition> begin_eviction(std::size_t t, std::uint32_t f) {
+    if (!options_.views.records || active_[f] != t) return std::nullopt;
+    if (const version* s = sibling(t, f)) {
+      const std::size_t o = other(t);
+      transition tr =
+          table_.begin(geometry_.expert_at(f), o == 0 ? residency_state::promoting : residency_state::demoting);
+      tr.prepare(record_of(o, f, s->slot), version_storage(std::monostate{}));
+      return tr;
+    }
+    return table_.begin(geometry_.expert_at(f), residency_state::evicting);
   }
 
-  // A resident expert that may be evicted: not pinned by a lease, not loading (unless
-  // @p include_loading: the caller then waits for the load in fence()), not in
-  // @p excluded, not pinned by a handle-table window; with @p ready_only also with its last
-  // kernel done (never waits). Polls loading experts first so finished loads become evictable.
-  std::optional<std::uint32_t> choose_victim(std::span<const std::uint32_t> excluded, bool ready_only,
-                                             bool include_loading = false) {
+  // A resident version of tier t that may be evicted: not pinned by a lease, not loading (unless
+  // @p include_loading: the caller then waits for the load in fence()), not in @p excluded, not
+  // whose expert a handle-table window pins (when evicting it would make the expert absent);
+  // with @p ready_only also with its last kernel done (never waits); with @p protect_targets
+  // not a version at its expert's target tier. Polls loading versions first so finished loads
+  // become evictable.
+  std::optional<std::uint32_t> choose_victim(std::size_t t, std::span<const std::uint32_t> excluded, bool ready_only,
+                                             bool include_loading = false, bool protect_targets = false) {
     refresh_loading();
+    tier_state& T = tier(t);
     blocked_.assign(expert_count_, 0);  // sized at construction: never allocates
     std::uint32_t candidates = 0;
     for (std::uint32_t f = 0; f < expert_count_; ++f) {
-      const bool blocked =
-          entries_[f].slot < 0 || pins_[f] > 0 || entries_[f].poisoned || (entries_[f].loading && !include_loading);
+      const version& v = T.versions[f];
+      bool blocked = v.slot < 0 || T.pins[f] > 0 || v.poisoned || (v.loading && !include_loading) ||
+                     (protect_targets && target_[f] == t);
+      if (!blocked && active_[f] == t) {  // evicting it switches to a sibling: that must be complete too
+        if (const version* s = sibling(t, f); s != nullptr && s->loading && !include_loading) blocked = true;
+      }
       blocked_[f] = blocked ? 1 : 0;
       if (!blocked) ++candidates;
     }
@@ -858,10 +1282,11 @@ class expert_runtime {
       blocked_[f] = 1;
     }
     while (candidates > 0) {
-      const std::uint32_t v = policy_.victim(pin_view{blocked_.data()}, access_context{.time = clock_});
-      EXPAGE_ASSERT(entries_[v].slot >= 0 && blocked_[v] == 0, "expert_runtime: the policy chose a blocked victim");
-      const bool window_pinned = options_.views.records && table_.pinned(geometry_.expert_at(v));
-      const any_completion* last = last_use(entries_[v]);
+      const std::uint32_t v = T.policy.victim(pin_view{blocked_.data()}, access_context{.time = clock_});
+      EXPAGE_ASSERT(T.versions[v].slot >= 0 && blocked_[v] == 0, "expert_runtime: the policy chose a blocked victim");
+      const bool to_absent = active_[v] == t && sibling(t, v) == nullptr;
+      const bool window_pinned = to_absent && options_.views.records && table_.pinned(geometry_.expert_at(v));
+      const any_completion* last = last_use(T.versions[v]);
       const bool busy = ready_only && last != nullptr && !last->ready();
       if (!window_pinned && !busy) return v;
       blocked_[v] = 1;
@@ -869,30 +1294,35 @@ class expert_runtime {
     }
     return std::nullopt;
   }
-  // Resident experts no lease pins and no load holds (for messages).
-  [[nodiscard]] std::uint32_t evictable_count() const noexcept {
+  // Resident versions of tier t no lease pins and no load holds (for messages).
+  [[nodiscard]] std::uint32_t evictable_count(std::size_t t) const noexcept {
+    const tier_state& T = tier(t);
     std::uint32_t n = 0;
     for (std::uint32_t f = 0; f < expert_count_; ++f) {
-      if (entries_[f].slot >= 0 && pins_[f] == 0 && !entries_[f].loading) ++n;
+      if (T.versions[f].slot >= 0 && T.pins[f] == 0 && !T.versions[f].loading) ++n;
     }
     return n;
   }
 
-  // Marks resident the loading experts whose load event has completed (queries, never waits).
+  // Marks resident the loading versions whose load event has completed (queries, never waits).
   void refresh_loading() {
     if (loading_.empty()) return;
-    std::erase_if(loading_, [&](std::uint32_t f) {
-      entry& e = entries_[f];
-      if (e.loaded && !e.loaded->query()) return false;
-      e.loading = false;
+    std::erase_if(loading_, [&](std::uint32_t k) {
+      version& v = tier(k / expert_count_).versions[k % expert_count_];
+      if (v.loaded && !v.loaded->query()) return false;
+      v.loading = false;
       return true;
     });
   }
 
-  // WAR fence: waits (on the host) for the victim's last kernel. Throws what the completion throws.
-  void fence(std::uint32_t v, runtime_layer_statistics* stats) {
-    entry& e = entries_[v];
+  // WAR fence: waits (on the host) for the last kernel of expert v's tier-t version; when
+  // evicting it switches to a sibling still loading, for that load too. Throws what the completion throws.
+  void fence(std::size_t t, std::uint32_t f, runtime_layer_statistics* stats) {
+    version& e = tier(t).versions[f];
     if (e.loaded && e.loading) e.loaded->synchronize();  // a victim still loading: wait for its copy first
+    if (active_[f] == t) {
+      if (version* s = sibling(t, f); s != nullptr && s->loading && s->loaded) s->loaded->synchronize();
+    }
     any_completion* const last = last_use(e);
     if (last == nullptr || last->ready()) return;
     const auto t0 = std::chrono::steady_clock::now();
@@ -900,102 +1330,141 @@ class expert_runtime {
     try {
       last->wait();
     } catch (...) {
-      // The kernel's completion failed: whether it still reads the expert is unknown, so the
-      // expert is never evicted (it keeps its slot and its budget) and is counted as poisoned.
+      // The kernel's completion failed: whether it still reads the version is unknown, so it
+      // is never evicted (it keeps its slot and its budget) and is counted as poisoned.
       e.poisoned = true;
       throw;
     }
     const auto ns = static_cast<std::uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
-    runtime_layer_statistics& s = stats != nullptr ? *stats : layer_stats_[geometry_.expert_at(v).layer];
+    runtime_layer_statistics& s = stats != nullptr ? *stats : layer_stats_[geometry_.expert_at(f).layer];
     ++s.fence_waits;
     s.fence_wait_ns += ns;
     if (tracing()) {
-      trace_.span(fmt::format("fence {}", geometry_.expert_at(v)), "wait", host_track_, trace_t0,
+      trace_.span(fmt::format("fence {}", geometry_.expert_at(f)), "wait", host_track_, trace_t0,
                   trace_.now_us() - trace_t0);
     }
   }
 
-  // Evicts the unpinned, fenced expert v: publishes its absence, unmaps, returns blocks and budget.
-  void evict(std::uint32_t v) {
-    const expert_id id = geometry_.expert_at(v);
-    if (options_.views.records) {
-      transition tr = table_.begin(id, residency_state::evicting);
-      tr.publish();
-    }
-    retire(v);
+  // Evicts expert f's unpinned, fenced tier-t version: publishes the expert's absence (or its
+  // switch to its other version), unmaps, returns blocks and budget.
+  void evict(std::size_t t, std::uint32_t f) {
+    if (std::optional<transition> tr = begin_eviction(t, f)) tr->publish();
+    retire(t, f, /*eviction=*/true);
   }
-  // The noexcept tail of an eviction (records already published).
-  void retire(std::uint32_t v) noexcept {
-    entry& e = entries_[v];
-    unmap_expert(v);
-    e.blocks.release();
-    free_slots_.push_back(static_cast<std::uint32_t>(e.slot));  // capacity expert_count_: never reallocates
-    forget(v);
+  // The noexcept tail of an eviction or a switch (records already published).
+  void retire(std::size_t t, std::uint32_t f, bool eviction) noexcept {
+    tier_state& T = tier(t);
+    version& v = T.versions[f];
+    unmap_version(t, f);
+    v.blocks.release();
+    T.free_slots.push_back(static_cast<std::uint32_t>(v.slot));  // capacity expert_count_: never reallocates
+    forget(t, f, eviction);
   }
-  // Gives victim v's blocks to the expert that takes its slot (the slot keeps mapping them):
-  // unmaps v's stable pages and forgets v.
-  [[nodiscard]] lease_type hand_over(std::uint32_t v) noexcept {
-    lease_type blocks = std::move(entries_[v].blocks);
-    for (std::size_t t = 0; t < expert_tensor_count; ++t) {
-      if (stable_base_[t] != nullptr) vmm_->unmap(stable_page(v, t), page_bytes_[t]);
+  // Gives expert f's tier-t version's blocks to the expert that takes its slot (the slot keeps
+  // mapping them): unmaps f's stable pages in that tier and forgets the version.
+  [[nodiscard]] lease_type hand_over(std::size_t t, std::uint32_t f) noexcept {
+    tier_state& T = tier(t);
+    lease_type blocks = std::move(T.versions[f].blocks);
+    for (std::size_t w = 0; w < expert_tensor_count; ++w) {
+      if (T.stable_base[w] != nullptr) vmm_->unmap(stable_page(t, f, w), T.page_bytes[w]);
     }
-    forget(v);
+    forget(t, f, /*eviction=*/true);
     return blocks;
   }
-  // The bookkeeping every eviction shares: counters, map, policy, loading list, entry, trace.
-  void forget(std::uint32_t v) noexcept {
-    entry& e = entries_[v];
-    const expert_id id = geometry_.expert_at(v);
+  // The bookkeeping every removal of a version shares: counters, maps, policy, loading list,
+  // the expert's active tier (its sibling takes over when it has one), trace.
+  void forget(std::size_t t, std::uint32_t f, bool eviction) noexcept {
+    tier_state& T = tier(t);
+    version& v = T.versions[f];
+    const expert_id id = geometry_.expert_at(f);
     runtime_layer_statistics& s = layer_stats_[id.layer];
-    ++s.evictions;
-    if (e.prefetched) {
+    if (eviction) ++s.evictions;
+    if (v.prefetched) {
       --unused_prefetches_;
       ++s.prefetch_wasted;
-      s.prefetch_wasted_bytes += expert_bytes();
+      s.prefetch_wasted_bytes += version_bytes(t);
     }
-    map_[v] = -1;
-    policy_.on_evict(v);
-    std::erase(loading_, v);
-    e = entry{};
-    if (tracing()) trace_.instant(fmt::format("evict {}", id), "evict", host_track_);
+    T.map[f] = -1;
+    T.policy.on_evict(f);
+    if (v.loading) std::erase(loading_, key(t, f));
+    if (active_[f] == t) {
+      if (const version* sib = sibling(t, f)) {  // the background version becomes the active one
+        active_[f] = static_cast<std::uint8_t>(other(t));
+        tier(other(t)).map[f] = sib->slot;
+      } else {
+        active_[f] = no_tier;
+      }
+    }
+    std::erase(background_, f);  // no longer two versions (or never was)
+    v = version{};
+    if (tracing()) {
+      trace_.instant(
+          fmt::format("{} {} {}", eviction ? "evict" : "retire", id, to_string(static_cast<version_tier>(t))), "evict",
+          host_track_);
+    }
   }
 
   // Demand path of acquire(): plan every miss (fallible, nothing changes), then map and fill
   // (fallible, undone on failure), then commit (noexcept). See the class comment.
-  // @p group: the routed experts' flat indices.
-  void serve(std::uint32_t layer, std::span<const std::uint32_t> group) {
+  void serve(std::uint32_t layer, lease_record& record) {
     ++clock_;
-    bool all_hit = true;
-    if (loading_.empty()) {  // no load in flight: the compact map says it all
-      for (const std::uint32_t f : group) all_hit = all_hit && map_[f] >= 0;
-    } else {
-      for (const std::uint32_t f : group) all_hit = all_hit && entries_[f].slot >= 0 && !entries_[f].loading;
-    }
-    if (all_hit) [[likely]] {  // the hit path: rank, pin, count; nothing to load, nothing to wait for
+    const std::span<const std::uint32_t> group = record.flat;
+    bool all_hit = loading_.empty() && background_.empty();  // nothing in flight: the compact state says it all
+    for (const std::uint32_t f : group) all_hit = all_hit && active_[f] != no_tier;
+    if (all_hit) [[likely]] {  // the hit path: rank, pin, count; nothing to load, switch or wait for
       runtime_layer_statistics& s = layer_stats_[layer];
-      for (const std::uint32_t f : group) {
-        hit(f, layer, s);
-        ++pins_[f];
+      if (tier_count_ == 1) {  // every version is a hi one (record.tiers is not kept)
+        tier_state& T = tier(0);
+        for (const std::uint32_t f : group) {
+          hit(T, f, layer, s);
+          ++T.pins[f];
+        }
+      } else {
+        for (std::size_t i = 0; i < group.size(); ++i) {
+          const std::uint32_t f = group[i];
+          const std::uint8_t t = active_[f];
+          hit(tier(t), f, layer, s);
+          ++tier(t).pins[f];
+          record.tiers[i] = static_cast<version_tier>(t);
+          if (t != 0) ++s.lo_served;
+        }
       }
       s.hits += group.size();
       ++s.acquires;
       return;
     }
-    serve_misses(layer, group);
+    serve_misses(layer, record);
   }
-  // serve() with at least one miss (or a load in flight), out of line so that the hit path stays short.
-  [[gnu::noinline]] void serve_misses(std::uint32_t layer, std::span<const std::uint32_t> group) {
+  // serve() with at least one miss, a load in flight or a background version, out of line so
+  // that the hit path stays short.
+  [[gnu::noinline]] void serve_misses(std::uint32_t layer, lease_record& record) {
+    const std::span<const std::uint32_t> group = record.flat;
+    const std::size_t d = demand_tier_;
+    tier_state& D = tier(d);
+    std::uint32_t need = 0;  // the group's experts that need a demand-tier slot
+    for (const std::uint32_t f : group)
+      if (active_[f] == no_tier || active_[f] == d) ++need;
+    if (need > D.capacity) {
+      const std::string where =
+          tier_count_ == 1 ? std::string() : fmt::format(" in the {} tier", to_string(static_cast<version_tier>(d)));
+      throw invalid_argument(fmt::format(
+          "expert_runtime::acquire: {} experts routed at layer {} but at most {} can be resident{} (split the tokens "
+          "with group_tokens)",
+          need, layer, D.capacity, where));
+    }
     refresh_loading();
+    if (!background_.empty()) {
+      for (const std::uint32_t f : group) try_switch(f);  // a complete background version serves from now on
+    }
     std::vector<planned_load> plan;
     std::uint32_t free_budgeted = 0;  // fresh slots this group takes
     for (const std::uint32_t f : group) {
-      entry& e = entries_[f];
-      if (e.slot >= 0) continue;
+      if (active_[f] != no_tier) continue;
       planned_load p;
       p.expert = f;
-      if (resident_count() + free_budgeted < capacity_) {
-        lease_type fresh = try_fresh_blocks();
+      if (resident_count(d) + free_budgeted < D.capacity) {
+        lease_type fresh = try_fresh_blocks(d);
         if (fresh) {
           p.fresh = std::move(fresh);
           ++free_budgeted;
@@ -1006,53 +1475,50 @@ class expert_runtime {
         for (const planned_load& q : plan) {
           if (q.victim) excluded.push_back(*q.victim);
         }
-        std::optional<std::uint32_t> v = choose_victim(excluded, /*ready_only=*/false);
-        if (!v) v = choose_victim(excluded, /*ready_only=*/false, /*include_loading=*/true);
+        std::optional<std::uint32_t> v = choose_victim(d, excluded, /*ready_only=*/false);
+        if (!v) v = choose_victim(d, excluded, /*ready_only=*/false, /*include_loading=*/true);
         if (!v) {
           throw out_of_budget(fmt::format("expert_runtime::acquire: no room for {} at layer {}: {} of {} resident "
-                                          "experts are pinned or loading "
-                                          "and the account {} has {} bytes free (an expert needs {})",
-                                          geometry_.expert_at(f), layer, resident_count() - evictable_count(),
-                                          resident_count(), account_->name(), account_->available(), expert_bytes()),
-                              expert_bytes(), account_->available());
+                                          "{} versions are pinned or loading "
+                                          "and the account {} has {} bytes free (a version needs {})",
+                                          geometry_.expert_at(f), layer, resident_count(d) - evictable_count(d),
+                                          resident_count(d), to_string(static_cast<version_tier>(d)), account_->name(),
+                                          account_->available(), version_bytes(d)),
+                              version_bytes(d), account_->available());
         }
-        fence(*v, &layer_stats_[layer]);
+        fence(d, *v, &layer_stats_[layer]);
         p.victim = v;
       }
-      if (options_.views.records) {
-        if (p.victim) p.eviction.emplace(table_.begin(geometry_.expert_at(*p.victim), residency_state::evicting));
-        p.version.emplace(table_.begin(geometry_.expert_at(f), residency_state::promoting));
-      }
+      if (p.victim) p.eviction = begin_eviction(d, *p.victim);
+      p.activation = begin_version(d, f);
       plan.push_back(std::move(p));
     }
     // Slots: a victim's slot is taken over with its blocks; fresh blocks take a free slot.
-    std::size_t next_free = free_slots_.size();
+    std::size_t next_free = D.free_slots.size();
     for (planned_load& p : plan) {
-      p.slot = p.victim ? entries_[*p.victim].slot : static_cast<std::int32_t>(free_slots_[--next_free]);
+      p.slot = p.victim ? D.versions[*p.victim].slot : static_cast<std::int32_t>(D.free_slots[--next_free]);
     }
     std::uint64_t bytes = 0;
     std::shared_ptr<event_type> loaded;
     try {
       for (planned_load& p : plan) {
-        const std::span<const block> blocks = p.victim ? entries_[*p.victim].blocks.blocks() : p.fresh.blocks();
-        map_expert(p.expert, p.slot, blocks, p.victim.has_value(), !p.victim.has_value());
+        const std::span<const block> blocks = p.victim ? D.versions[*p.victim].blocks.blocks() : p.fresh.blocks();
+        map_version(d, p.expert, p.slot, blocks, p.victim.has_value(), !p.victim.has_value());
         p.stable_mapped = true;
         p.slot_mapped = !p.victim.has_value();
         p.filling = true;
-        bytes += fill(p.expert, p.slot, *copy_);
+        bytes += fill(d, p.expert, p.slot, *copy_);
       }
       if (!plan.empty()) loaded = record_event(*copy_);  // the loads' event: before anything is published
       for (planned_load& p : plan) {
-        if (p.version) {
-          p.version->prepare(record_of(p.expert, p.slot), version_storage(std::monostate{}));
-        }
+        if (p.activation) p.activation->prepare(record_of(d, p.expert, p.slot), version_storage(std::monostate{}));
       }
       // The records view last: a mirror hook that throws leaves the transitions to abort.
       for (planned_load& p : plan) {
         if (p.eviction) p.eviction->publish();
       }
       for (planned_load& p : plan) {
-        if (p.version) p.version->publish();
+        if (p.activation) p.activation->publish();
       }
     } catch (...) {
       undo(plan);
@@ -1063,70 +1529,80 @@ class expert_runtime {
     for (planned_load& p : plan) {
       lease_type blocks;
       if (p.victim) {
-        blocks = hand_over(*p.victim);
+        blocks = hand_over(d, *p.victim);
       } else {
         blocks = std::move(p.fresh);
-        free_slots_.erase(std::find(free_slots_.begin(), free_slots_.end(), static_cast<std::uint32_t>(p.slot)));
+        D.free_slots.erase(std::find(D.free_slots.begin(), D.free_slots.end(), static_cast<std::uint32_t>(p.slot)));
       }
-      entry& e = entries_[p.expert];
-      e.slot = p.slot;
-      e.blocks = std::move(blocks);
-      e.loaded = loaded;
-      e.loading = true;
-      loading_.push_back(p.expert);  // capacity expert_count_ reserved: never reallocates
-      map_[p.expert] = p.slot;
+      version& v = D.versions[p.expert];
+      v.slot = p.slot;
+      v.blocks = std::move(blocks);
+      v.loaded = loaded;
+      v.loading = true;
+      v.kind = load_kind::demand;
+      loading_.push_back(key(d, p.expert));  // capacity experts × tiers reserved: never reallocates
+      D.map[p.expert] = p.slot;
+      active_[p.expert] = static_cast<std::uint8_t>(d);
     }
-    for (const std::uint32_t f : group) {
+    for (std::size_t i = 0; i < group.size(); ++i) {
+      const std::uint32_t f = group[i];
+      const std::uint8_t t = active_[f];
       const bool planned = std::any_of(plan.begin(), plan.end(), [&](const planned_load& p) { return p.expert == f; });
-      const access_context ctx{.time = clock_, .layer = layer, .expert = f % geometry_.experts_per_layer()};
       if (planned) {
-        policy_on_insert(f, ctx);
+        policy_on_insert(t, f,
+                         access_context{.time = clock_, .layer = layer, .expert = f % geometry_.experts_per_layer()});
       } else {
         ++s.hits;
-        hit(f, layer, s);
+        hit(tier(t), f, layer, s);
       }
-      ++pins_[f];
+      ++tier(t).pins[f];
+      if (tier_count_ != 1) record.tiers[i] = static_cast<version_tier>(t);
+      if (t != 0) ++s.lo_served;
     }
     s.misses += plan.size();
     s.bytes_loaded += bytes;
     ++s.acquires;
-    peak_resident_ = std::max<std::uint64_t>(peak_resident_, resident_count());
+    note_peak(d);
     if (tracing() && !plan.empty()) trace_load(*copy_, copy_track_, layer, plan.size(), bytes, "load");
     wait_for_loads(layer, group);
   }
 
-  // A hit on resident expert f: re-rank it; a prefetched expert's first use counts as used.
-  void hit(std::uint32_t f, std::uint32_t layer, runtime_layer_statistics& s) noexcept {
-    policy_.on_hit(f, access_context{.time = clock_, .layer = layer, .expert = f % geometry_.experts_per_layer()});
-    if (unused_prefetches_ == 0) return;  // the common case: the entry's cache line is not touched
-    entry& e = entries_[f];
-    if (e.prefetched) {
+  // A hit on expert f's version in tier @p T: re-rank it; a prefetched version's first use counts as used.
+  void hit(tier_state& T, std::uint32_t f, std::uint32_t layer, runtime_layer_statistics& s) noexcept {
+    T.policy.on_hit(f, access_context{.time = clock_, .layer = layer, .expert = f % geometry_.experts_per_layer()});
+    if (unused_prefetches_ == 0) return;  // the common case: the version's cache line is not touched
+    version& v = T.versions[f];
+    if (v.prefetched) {
       --unused_prefetches_;
       ++s.prefetch_used;
-      s.prefetch_used_bytes += expert_bytes();
-      e.prefetched = false;
+      s.prefetch_used_bytes += T.page_bytes[0] + T.page_bytes[1];
+      v.prefetched = false;
     }
   }
 
   // A node-based policy may throw bad_alloc on insert; the runtime's state is committed by then,
-  // so the expert stays resident but unranked until its next hit re-ranks it (counted nowhere).
-  void policy_on_insert(std::uint32_t f, const access_context& ctx) noexcept {
+  // so the version stays resident but unranked until its next hit re-ranks it (counted nowhere).
+  void policy_on_insert(std::size_t t, std::uint32_t f, const access_context& ctx) noexcept {
     try {
-      policy_.on_insert(f, ctx);
+      tier(t).policy.on_insert(f, ctx);
     } catch (...) {
       EXPAGE_ASSERT(false, "expert_runtime: the eviction policy failed to rank a new expert");
     }
   }
+  void note_peak(std::size_t t) noexcept {
+    tier(t).peak = std::max<std::uint64_t>(tier(t).peak, resident_count(t));
+    peak_bytes_ = std::max(peak_bytes_, resident_bytes());
+  }
 
-  // RAW fence: the compute stream waits on the load events of the group's experts still loading.
+  // RAW fence: the compute stream waits on the load events of the group's active versions still loading.
   void wait_for_loads(std::uint32_t layer, std::span<const std::uint32_t> group) noexcept {
     runtime_layer_statistics& s = layer_stats_[layer];
     std::vector<const event_type*> waited;
     for (const std::uint32_t f : group) {
-      entry& e = entries_[f];
-      if (!e.loading || !e.loaded) continue;
-      if (std::find(waited.begin(), waited.end(), e.loaded.get()) != waited.end()) continue;
-      waited.push_back(e.loaded.get());
+      const version& v = tier(active_[f]).versions[f];
+      if (!v.loading || !v.loaded) continue;
+      if (std::find(waited.begin(), waited.end(), v.loaded.get()) != waited.end()) continue;
+      waited.push_back(v.loaded.get());
       ++s.load_waits;
     }
     if (waited.empty()) return;
@@ -1182,34 +1658,34 @@ class expert_runtime {
     if (std::any_of(plan.begin(), plan.end(), [](const planned_load& p) { return p.filling; })) {
       quietly_synchronize(*record_event_quietly(*copy_));
     }
+    const std::size_t d = demand_tier_;
     for (auto it = plan.rbegin(); it != plan.rend(); ++it) {
       planned_load& p = *it;
-      for (std::size_t t = 0; t < expert_tensor_count; ++t) {
-        if (p.stable_mapped && stable_base_[t] != nullptr) vmm_->unmap(stable_page(p.expert, t), page_bytes_[t]);
-        if (p.slot_mapped && slot_base_[t] != nullptr) vmm_->unmap(slot_page(p.slot, t), page_bytes_[t]);
-      }
-      if (p.victim && p.filling) restore(*p.victim);
+      unmap_failed(d, p.expert, p.slot, p.stable_mapped, p.slot_mapped);
+      if (p.victim && p.filling) restore(d, *p.victim, *copy_, p.eviction);
     }
     plan.clear();  // aborts the transitions, returns fresh blocks and their budget
   }
-  // Reloads victim v's bytes into its own pages (a failed miss wrote into them) and waits.
-  void restore(std::uint32_t v) noexcept {
+  // Reloads expert f's tier-t bytes into its own pages (a failed load wrote into them) and waits.
+  // @p eviction: the records view's transition begun for evicting it (none when the version is
+  // not the active one), aborted by the caller when the reload succeeds.
+  void restore(std::size_t t, std::uint32_t f, Stream& stream, std::optional<transition>& eviction) noexcept {
+    version& v = tier(t).versions[f];
     try {
-      (void)fill(v, entries_[v].slot, *copy_);
-      entries_[v].loaded = record_event(*copy_);
-      entries_[v].loaded->synchronize();
+      (void)fill(t, f, v.slot, stream);
+      v.loaded = record_event(stream);
+      v.loaded->synchronize();
     } catch (...) {
-      // Double fault: the victim's bytes are lost. Evict it (basic guarantee).
-      quietly_synchronize(*record_event_quietly(*copy_));
-      if (options_.views.records) {
-        if (auto tr = table_.try_begin(geometry_.expert_at(v), residency_state::evicting)) {
-          try {
-            tr->publish();
-          } catch (...) {
-          }
+      // Double fault: the version's bytes are lost. Evict it (basic guarantee): its record goes
+      // first (to nothing, or to its other version), through the transition already begun.
+      quietly_synchronize(*record_event_quietly(stream));
+      if (eviction) {
+        try {
+          eviction->publish();
+        } catch (...) {  // a mirror hook failed: nothing more can be done for the record (basic guarantee)
         }
       }
-      retire(v);
+      retire(t, f, /*eviction=*/true);
     }
   }
 
@@ -1231,9 +1707,9 @@ class expert_runtime {
     } catch (...) {  // a failed device context: nothing left to wait for
     }
   }
-  void quietly_wait(entry& e) noexcept {
-    if (e.loaded) quietly_synchronize(*e.loaded);
-    if (any_completion* const last = last_use(e)) {
+  void quietly_wait(version& v) noexcept {
+    if (v.loaded) quietly_synchronize(*v.loaded);
+    if (any_completion* const last = last_use(v)) {
       try {
         last->wait();
       } catch (...) {
@@ -1259,7 +1735,8 @@ class expert_runtime {
     any_completion done;                 // empty when the completion was ready at release
     std::uint32_t layer = 0;             // the lease's layer
     std::vector<std::uint32_t> experts;  // its experts as acquire() was given them (capacity kept across reuses)
-    std::vector<std::uint32_t> flat;     // ... and their flat indices
+    std::vector<std::uint32_t> flat;     // ... their flat indices
+    std::vector<version_tier> tiers;     // ... and the tier of the version each was served by (two tiers only)
   };
 
   // A free record for a lease of @p experts at @p layer (allocates only when more leases are held
@@ -1275,9 +1752,11 @@ class expert_runtime {
     if (r.flat.capacity() < experts.size()) {  // allocates only for a group larger than any before
       r.experts.reserve(experts.size());
       r.flat.reserve(experts.size());
+      if (tier_count_ != 1) r.tiers.reserve(experts.size());
     }
     r.experts.resize(experts.size());
     r.flat.resize(experts.size());
+    if (tier_count_ != 1) r.tiers.resize(experts.size());
     const std::uint32_t first = flat(layer, 0);
     for (std::size_t i = 0; i < experts.size(); ++i) {
       r.experts[i] = experts[i];
@@ -1291,8 +1770,8 @@ class expert_runtime {
     return r;
   }
 
-  // Ends lease @p l with @p done (no lock unless prefetches are queued or experts wait for a
-  // lowered capacity: then it drains at once, as a release under the lock would).
+  // Ends lease @p l with @p done (no lock unless background work waits: then it drains at once,
+  // as a release under the lock would).
   template <class C>
   void release_lease(lease& l, C&& done) noexcept(std::is_same_v<std::remove_cvref_t<C>, any_completion>) {
     lease_record& r = *l.record_;
@@ -1301,8 +1780,8 @@ class expert_runtime {
       ready = std::as_const(done).ready();
     } catch (...) {  // a completion that cannot say: keep it; waiting on it reports its failure
     }
-    // A completion that is ready needs no WAR fence: it is not kept (the expert's previous
-    // completion, if one is pending, still guards it).
+    // A completion that is ready needs no WAR fence: it is not kept (the versions' previous
+    // completion, if one is pending, still guards them).
     if (!ready) r.done = any_completion(std::forward<C>(done));  // may throw bad_alloc: still held
     if (tracing()) {
       try {
@@ -1312,7 +1791,7 @@ class expert_runtime {
     }
     // Seq_cst, then the load below: with settle()'s store of release_work_ and its drain, either
     // this release sees the work or the lock holder sees this release (no release is left undrained
-    // while a queued prefetch or a shrink waits for it).
+    // while a queued prefetch, a transition, a switch or a shrink waits for it).
     r.released.store(true, std::memory_order_seq_cst);
     if (release_work_.load(std::memory_order_seq_cst)) {
       const std::lock_guard lock(mutex_);
@@ -1320,7 +1799,7 @@ class expert_runtime {
     }
   }
 
-  // Under the lock: drains every released lease (its completion into the ring, its experts
+  // Under the lock: drains every released lease (its completion into the ring, its versions
   // unpinned). Returns true when it drained one.
   bool drain_releases() noexcept {
     std::size_t kept = 0;
@@ -1338,45 +1817,52 @@ class expert_runtime {
     return drained;
   }
   void retire_lease(lease_record& r) noexcept {
-    if (!r.done.has_value()) {
-      for (const std::uint32_t f : r.flat) {
-        EXPAGE_ASSERT(pins_[f] > 0, "expert_runtime: a lease released an expert it did not pin");
-        --pins_[f];
+    std::uint64_t ticket = 0;
+    if (r.done.has_value()) {
+      // The ring keeps the last completion_ring completions; the one 256 releases back is
+      // complete in practice, and is waited for before its place is reused.
+      ticket = ++tickets_;
+      any_completion& place = completions_[ticket % completion_ring];
+      if (!place.ready()) {
+        try {
+          place.wait();
+        } catch (...) {  // a failed context: nothing can still read through it
+        }
       }
-      return;
+      place = std::move(r.done);
     }
-    // The ring keeps the last completion_ring completions; the one 256 releases back is
-    // complete in practice, and is waited for before its place is reused.
-    const std::uint64_t ticket = ++tickets_;
-    any_completion& place = completions_[ticket % completion_ring];
-    if (!place.ready()) {
-      try {
-        place.wait();
-      } catch (...) {  // a failed context: nothing can still read through it
-      }
-    }
-    place = std::move(r.done);
-    for (const std::uint32_t f : r.flat) {
-      EXPAGE_ASSERT(pins_[f] > 0, "expert_runtime: a lease released an expert it did not pin");
-      --pins_[f];
-      entries_[f].last_use = ticket;
+    const bool one_tier = tier_count_ == 1;
+    for (std::size_t i = 0; i < r.flat.size(); ++i) {
+      tier_state& T = tier(one_tier ? 0 : static_cast<std::size_t>(r.tiers[i]));
+      const std::uint32_t f = r.flat[i];
+      EXPAGE_ASSERT(T.pins[f] > 0, "expert_runtime: a lease released an expert it did not pin");
+      --T.pins[f];
+      if (ticket != 0) T.versions[f].last_use = ticket;
     }
   }
   // Under the lock, at the end of every call that may leave work for a release (queued
-  // prefetches, experts above a lowered capacity): publishes whether a release must take the
-  // lock, then drains the releases that raced with the decision and does the work they allow.
+  // prefetches or transitions, background versions to switch to, versions above a lowered
+  // capacity): publishes whether a release must take the lock, then drains the releases that
+  // raced with the decision and does the work they allow.
   void settle() noexcept {
     for (;;) {
-      const bool work = !prefetch_queue_.empty() || resident_count() > capacity_;
+      const bool work = background_work();
       release_work_.store(work, std::memory_order_seq_cst);  // pairs with the load in release_lease()
       if (!work) return;
       drain_releases();
-      pump_prefetches();
+      pump_background();
       shrink_to_capacity();
-      if (prefetch_queue_.empty() && resident_count() <= capacity_) continue;  // publish "no work"
+      if (!background_work()) continue;  // publish "no work"
       // Work remains: any release from now on sees release_work_ set and takes the lock itself.
       return;
     }
+  }
+  [[nodiscard]] bool background_work() const noexcept {
+    if (!prefetch_queue_.empty() || !transition_queue_.empty() || !background_.empty()) return true;
+    for (std::size_t t = 0; t < tier_count_; ++t) {
+      if (resident_count(t) > tier(t).capacity) return true;
+    }
+    return false;
   }
   // Under the lock: layer l's counters with the time its compute stream waited on loads.
   [[nodiscard]] runtime_layer_statistics layer_snapshot(std::size_t l) const noexcept {
@@ -1384,115 +1870,237 @@ class expert_runtime {
     s.load_wait_ns = stall_ns_[l].load(std::memory_order_relaxed);
     return s;
   }
-  // pins_ less the pins of released leases not yet drained (for const queries).
-  [[nodiscard]] std::vector<std::uint32_t> live_pins() const {
-    std::vector<std::uint32_t> pins = pins_;
+  // Tier t's pins less the pins of released leases not yet drained (for const queries).
+  [[nodiscard]] std::vector<std::uint32_t> live_pins(std::size_t t) const {
+    std::vector<std::uint32_t> pins = tier(t).pins;
     for (const lease_record* r : held_records_) {
       if (!r->released.load(std::memory_order_seq_cst)) continue;
-      for (const std::uint32_t f : r->flat) --pins[f];
+      for (std::size_t i = 0; i < r->flat.size(); ++i) {
+        if (tier_count_ == 1 || static_cast<std::size_t>(r->tiers[i]) == t) --pins[r->flat[i]];
+      }
     }
     return pins;
   }
 
-  // The completion of the last lease that read @p e, or nullptr when it is known complete.
-  [[nodiscard]] any_completion* last_use(const entry& e) noexcept {
-    if (e.last_use == 0 || tickets_ - e.last_use >= completion_ring) return nullptr;
-    return &completions_[e.last_use % completion_ring];
+  // The completion of the last lease that read @p v, or nullptr when it is known complete.
+  [[nodiscard]] any_completion* last_use(const version& v) noexcept {
+    if (v.last_use == 0 || tickets_ - v.last_use >= completion_ring) return nullptr;
+    return &completions_[v.last_use % completion_ring];
   }
 
-  // After a resize() that pinned experts held up: evict unpinned surplus whose kernels are done.
+  // After a resize that pinned versions held up: evict unpinned surplus whose kernels are done.
   void shrink_to_capacity() noexcept {
-    while (resident_count() > capacity_) {
-      std::optional<std::uint32_t> v;
-      try {
-        v = choose_victim({}, /*ready_only=*/true);
-        if (!v) return;
-        evict(*v);
-      } catch (...) {
-        return;
+    for (std::size_t t = 0; t < tier_count_; ++t) {
+      while (resident_count(t) > tier(t).capacity) {
+        std::optional<std::uint32_t> v;
+        try {
+          v = choose_victim(t, {}, /*ready_only=*/true);
+          if (!v) break;
+          evict(t, *v);
+        } catch (...) {
+          break;
+        }
       }
     }
+  }
+
+  // Switches expert f to its background version when that version's load is complete, no lease
+  // holds its active version and that version's last kernel has completed (never waits); the old
+  // version is freed. True when it switched. Publish-then-switch (DynaExq §3.2): a kernel
+  // enqueued before reads the old version, whose blocks are only freed once it is done.
+  bool try_switch(std::uint32_t f) noexcept {
+    const std::uint8_t a = active_[f];
+    if (a == no_tier || sibling(a, f) == nullptr) return false;
+    if (target_[f] == a || target_[f] == goal_absent) return false;  // a newer target keeps (or drops) the active one
+    const std::size_t b = other(a);
+    version& next = tier(b).versions[f];
+    if (next.loading && next.loaded && !next.loaded->query()) return false;
+    version& now = tier(a).versions[f];
+    if (tier(a).pins[f] > 0 || now.poisoned) return false;
+    // Its own load must be done too (a lease released with an engine's completion says nothing of it).
+    if (now.loading && now.loaded && !now.loaded->query()) return false;
+    if (const any_completion* last = last_use(now); last != nullptr && !last->ready()) return false;
+    try {
+      if (std::optional<transition> tr = begin_eviction(a, f)) tr->publish();  // the switch to `next`
+    } catch (...) {
+      return false;  // the table refused (a mirror hook failed): try again later
+    }
+    if (next.loading) {
+      next.loading = false;
+      std::erase(loading_, key(b, f));
+    }
+    retire(a, f, /*eviction=*/false);  // `next` becomes the active version
+    ++layer_stats_[geometry_.expert_at(f).layer].switches;
+    if (tracing()) {
+      trace_.instant(fmt::format("switch {} to {}", geometry_.expert_at(f), to_string(static_cast<version_tier>(b))),
+                     "switch", host_track_);
+    }
+    return true;
+  }
+
+  // Under the lock: the background work every entry point drives: switches, transitions, prefetches.
+  void pump_background() noexcept {
+    refresh_loading();
+    for (std::size_t i = 0; i < background_.size();) {
+      if (!try_switch(background_[i])) ++i;  // a switch erases its entry
+    }
+    pump_transitions();
+    pump_prefetches();
+  }
+  [[nodiscard]] std::uint32_t background_in_flight() const noexcept {
+    return static_cast<std::uint32_t>(std::count_if(loading_.begin(), loading_.end(), [&](std::uint32_t k) {
+      return tier(k / expert_count_).versions[k % expert_count_].kind != load_kind::demand;
+    }));
+  }
+
+  // Issues queued transitions in priority order while the in-flight limit allows; a request
+  // done (or found impossible) leaves the queue, one without room stays for a later call.
+  void pump_transitions() noexcept {
+    if (transition_queue_.empty()) return;
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < transition_queue_.size(); ++i) {
+      const queued_transition q = transition_queue_[i];
+      bool done = false;
+      try {
+        done = step_transition(q.expert, q.goal);
+      } catch (...) {
+        ++transitions_failed_;  // nothing changed (issue_background's guarantee): drop the request
+        target_[q.expert] = no_goal;
+        done = true;
+      }
+      if (!done) transition_queue_[kept++] = q;
+    }
+    transition_queue_.resize(kept);
+  }
+  // One step of expert f toward @p goal; true when nothing is left to do for it.
+  bool step_transition(std::uint32_t f, std::uint8_t goal) {
+    const std::uint8_t a = active_[f];
+    if (goal == goal_absent) {
+      if (a == no_tier) return true;
+      // Evict every version once nothing holds it (a switch target first, then the active one).
+      for (const std::size_t t : {std::size_t{other_or_none(a)}, std::size_t{a}}) {
+        if (t >= tier_count_ || tier(t).versions[f].slot < 0) continue;
+        const version& v = tier(t).versions[f];
+        const any_completion* last = last_use(v);
+        const bool to_absent = active_[f] == t && sibling(t, f) == nullptr;
+        if (tier(t).pins[f] > 0 || v.poisoned || v.loading || (last != nullptr && !last->ready()) ||
+            (to_absent && options_.views.records && table_.pinned(geometry_.expert_at(f)))) {
+          return false;
+        }
+        evict(t, f);
+      }
+      return active_[f] == no_tier;
+    }
+    if (a == goal) {  // there already: drop a background version of the other tier left from an older request
+      if (const version* s = sibling(goal, f)) {
+        if (s->loading) return false;  // its copy is in flight: retire it once done
+        retire(other(goal), f, /*eviction=*/false);
+      }
+      return true;
+    }
+    // Loading in the background: try_switch() completes the request (and if that version is
+    // evicted meanwhile, the next call loads it again).
+    if (tier(goal).versions[f].slot >= 0) return false;
+    if (background_in_flight() >= options_.max_prefetch_in_flight) return false;
+    return issue_background(f, goal, load_kind::transition);
+  }
+  [[nodiscard]] std::uint8_t other_or_none(std::uint8_t a) const noexcept {
+    return tier_count_ == 2 && a < 2 ? static_cast<std::uint8_t>(1 - a) : no_tier;
   }
 
   // Issues queued prefetches while slots, budget and the in-flight limit allow, never waiting.
   void pump_prefetches() noexcept {
-    if (prefetch_queue_.empty()) return;
-    refresh_loading();
-    const auto in_flight = [&] {
-      return static_cast<std::uint32_t>(
-          std::count_if(loading_.begin(), loading_.end(), [&](std::uint32_t f) { return entries_[f].prefetched; }));
-    };
-    while (!prefetch_queue_.empty() && in_flight() < options_.max_prefetch_in_flight) {
+    while (!prefetch_queue_.empty() && background_in_flight() < options_.max_prefetch_in_flight) {
       const queued_prefetch q = prefetch_queue_.front();
       try {
-        if (!issue_prefetch(q.expert)) return;  // no room without waiting: try again later
+        if (active_[q.expert] == no_tier && !issue_background(q.expert, demand_tier_, load_kind::prefetch)) {
+          return;  // no room without waiting: try again later
+        }
       } catch (...) {
-        // A failed prefetch changes nothing (issue_prefetch's guarantee); drop the request.
+        // A failed prefetch changes nothing (issue_background's guarantee); drop the request.
       }
       prefetch_queue_.erase(prefetch_queue_.begin());
-      entries_[q.expert].queued = false;
+      queued_[q.expert] = 0;
     }
   }
 
-  // One prefetch: a free slot with budget, or a victim whose kernels are done. False when neither.
-  bool issue_prefetch(std::uint32_t f) {
-    if (entries_[f].slot >= 0) return true;  // became resident meanwhile
+  // One background load of expert f's tier-t version on the prefetch stream: into a free slot
+  // with budget, or in place of a version whose kernels are done (for a transition, not one at
+  // its expert's target tier). An absent expert's version is active at once (its record is
+  // published now, and an acquire waits on its load, as after a demand miss); an expert with an
+  // active version in the other tier keeps it until try_switch(). False when there is no room
+  // without waiting. Strong guarantee.
+  bool issue_background(std::uint32_t f, std::size_t t, load_kind kind) {
+    tier_state& T = tier(t);
     lease_type fresh;
-    if (resident_count() < capacity_) fresh = try_fresh_blocks();
+    if (resident_count(t) < T.capacity) fresh = try_fresh_blocks(t);
     std::optional<std::uint32_t> victim;
     if (!fresh) {
       const std::uint32_t self[] = {f};
-      victim = choose_victim(self, /*ready_only=*/true);
+      victim = choose_victim(t, self, /*ready_only=*/true, /*include_loading=*/false,
+                             /*protect_targets=*/kind == load_kind::transition);
       if (!victim) return false;
     }
-    // The same protocol as a demand miss, with one load and the prefetch stream.
+    const bool becomes_active = active_[f] == no_tier;
     std::optional<transition> eviction;
-    std::optional<transition> version;
-    const std::int32_t slot = victim ? entries_[*victim].slot : static_cast<std::int32_t>(free_slots_.back());
-    if (options_.views.records) {
-      if (victim) eviction.emplace(table_.begin(geometry_.expert_at(*victim), residency_state::evicting));
-      version.emplace(table_.begin(geometry_.expert_at(f), residency_state::promoting));
-    }
-    const std::span<const block> blocks = victim ? entries_[*victim].blocks.blocks() : fresh.blocks();
-    map_expert(f, slot, blocks, victim.has_value(), !victim.has_value());
+    std::optional<transition> next;
+    const std::int32_t slot = victim ? T.versions[*victim].slot : static_cast<std::int32_t>(T.free_slots.back());
+    if (victim) eviction = begin_eviction(t, *victim);
+    if (becomes_active) next = begin_version(t, f);
+    const std::span<const block> blocks = victim ? T.versions[*victim].blocks.blocks() : fresh.blocks();
+    map_version(t, f, slot, blocks, victim.has_value(), !victim.has_value());
     std::uint64_t bytes = 0;
     std::shared_ptr<event_type> loaded;
     try {
-      bytes = fill(f, slot, *prefetch_);
+      bytes = fill(t, f, slot, *prefetch_);
       loaded = record_event(*prefetch_);
-      if (version) version->prepare(record_of(f, slot), version_storage(std::monostate{}));
+      if (next) next->prepare(record_of(t, f, slot), version_storage(std::monostate{}));
       if (eviction) eviction->publish();
-      if (version) version->publish();
+      if (next) next->publish();
     } catch (...) {
       quietly_synchronize(*record_event_quietly(*prefetch_));
-      for (std::size_t t = 0; t < expert_tensor_count; ++t) {
-        if (stable_base_[t] != nullptr) vmm_->unmap(stable_page(f, t), page_bytes_[t]);
-        if (!victim && slot_base_[t] != nullptr) vmm_->unmap(slot_page(slot, t), page_bytes_[t]);
-      }
-      if (victim) restore(*victim);
+      unmap_failed(t, f, slot, /*stable_mapped=*/true, /*slot_mapped=*/!victim);
+      if (victim) restore(t, *victim, *prefetch_, eviction);
       throw;
     }
     if (victim) {
-      fresh = hand_over(*victim);
+      fresh = hand_over(t, *victim);
     } else {
-      free_slots_.pop_back();
+      T.free_slots.pop_back();
     }
-    entry& e = entries_[f];
-    e.slot = slot;
-    e.blocks = std::move(fresh);
-    e.loaded = std::move(loaded);
-    e.loading = true;
-    e.prefetched = true;
-    ++unused_prefetches_;
-    loading_.push_back(f);
-    map_[f] = slot;
+    version& v = T.versions[f];
+    v.slot = slot;
+    v.blocks = std::move(fresh);
+    v.loaded = std::move(loaded);
+    v.loading = true;
+    v.kind = kind;
+    loading_.push_back(key(t, f));
+    if (becomes_active) {
+      active_[f] = static_cast<std::uint8_t>(t);
+      T.map[f] = slot;
+    } else {
+      background_.push_back(f);  // capacity expert_count_: never reallocates
+    }
     const expert_id id = geometry_.expert_at(f);
-    policy_on_insert(f, access_context{.time = clock_, .layer = id.layer, .expert = id.expert});
+    policy_on_insert(t, f, access_context{.time = clock_, .layer = id.layer, .expert = id.expert});
     runtime_layer_statistics& s = layer_stats_[id.layer];
-    ++s.prefetches;
-    s.prefetch_bytes += bytes;
-    peak_resident_ = std::max<std::uint64_t>(peak_resident_, resident_count());
-    if (tracing()) trace_load(*prefetch_, prefetch_track_, id.layer, 1, bytes, "prefetch");
+    const char* category = "prefetch";
+    if (kind == load_kind::prefetch) {
+      v.prefetched = true;
+      ++unused_prefetches_;
+      ++s.prefetches;
+      s.prefetch_bytes += bytes;
+    } else if (t == 0) {
+      ++s.promotions;
+      s.promotion_bytes += bytes;
+      category = "promote";
+    } else {
+      ++s.demotions;
+      s.demotion_bytes += bytes;
+      category = "demote";
+    }
+    note_peak(t);
+    if (tracing()) trace_load(*prefetch_, prefetch_track_, id.layer, 1, bytes, category);
     return true;
   }
 
@@ -1502,43 +2110,44 @@ class expert_runtime {
   Stream* copy_;
   Stream* compute_;
   Stream* prefetch_;
-  expert_source<Stream> source_;
   expert_runtime_options options_;
   std::size_t granularity_;
-  std::array<std::size_t, expert_tensor_count> page_bytes_;
   std::uint32_t expert_count_;
-  std::uint32_t capacity_;
-  std::array<std::byte*, expert_tensor_count> stable_base_{};
-  std::array<std::byte*, expert_tensor_count> slot_base_{};
+  std::size_t tier_count_;
+  std::size_t demand_tier_;
 
   // Guards everything below (the trace and the stall counters have their own synchronization).
   // An inline_mutex: the hit path's one lock/unlock is two inline atomics, not two library calls.
   mutable detail::inline_mutex mutex_;
-  Policy policy_;
+  std::array<std::optional<tier_state>, version_tier_count> tiers_;  // in place: the hit path reads no pointer
   vmm_block_pool<Vmm> pool_;
   handle_table table_;
-  std::vector<entry> entries_;         // per flat index
-  std::vector<std::uint32_t> pins_;    // per flat index: leases holding it
-  std::vector<std::uint8_t> blocked_;  // choose_victim()'s pin_view scratch, per flat index
-  std::vector<std::int32_t> map_;      // per flat index: slot or -1 (view b)
-  std::vector<std::uint32_t> free_slots_;
-  std::vector<std::uint32_t> loading_;  // experts whose load event may be pending
+  std::vector<std::uint8_t> active_;       // per flat index: the tier of the active version, or no_tier
+  std::vector<version_tier> all_hi_;       // lease::tiers() of a one-tier runtime: hi, once per expert of a layer
+  std::vector<std::uint8_t> target_;       // per flat index: set_targets()'s goal (a tier, goal_absent) or no_goal
+  std::vector<std::uint8_t> queued_;       // per flat index: in the prefetch queue
+  std::vector<std::uint8_t> blocked_;      // choose_victim()'s pin_view scratch, per flat index
+  std::vector<std::uint32_t> loading_;     // key(tier, expert) of versions whose load event may be pending
+  std::vector<std::uint32_t> background_;  // experts with a version in each tier (the inactive one to switch to)
   static constexpr std::size_t completion_ring = 256;
   std::vector<any_completion> completions_ = std::vector<any_completion>(completion_ring);  // by ticket
   std::uint64_t tickets_ = 0;
   std::vector<std::unique_ptr<lease_record>> records_;  // every lease record (addresses stable)
   std::vector<lease_record*> free_records_;             // records no lease holds
   std::vector<lease_record*> held_records_;             // records of leases acquired and not yet drained
-  // True while a release must take the lock (queued prefetches, experts above the capacity);
-  // written under the lock by settle(), read by release_lease() without it (seq_cst, see there).
+  // True while a release must take the lock (background work waits); written under the lock by
+  // settle(), read by release_lease() without it (seq_cst, see there).
   std::atomic<bool> release_work_{false};
   std::vector<queued_prefetch> prefetch_queue_;
+  std::vector<queued_transition> transition_queue_;
   std::uint64_t prefetch_serial_ = 0;
   std::uint64_t prefetch_cancelled_ = 0;
+  std::uint64_t transitions_cancelled_ = 0;
+  std::uint64_t transitions_failed_ = 0;
   std::uint64_t failed_acquires_ = 0;
-  std::uint64_t peak_resident_ = 0;
+  std::uint64_t peak_bytes_ = 0;
   std::uint64_t clock_ = 0;
-  std::uint32_t unused_prefetches_ = 0;  // experts with entry::prefetched set
+  std::uint32_t unused_prefetches_ = 0;  // versions with version::prefetched set
   std::vector<runtime_layer_statistics> layer_stats_;
   // Compute-stream stall per layer, written by the compute stream's thread (relaxed: statistics).
   std::unique_ptr<std::atomic<std::uint64_t>[]> stall_ns_;

@@ -1,0 +1,717 @@
+// expert_runtime with two tiers (hi bf16, lo int4) on host_vmm + host_stream: demand misses into
+// the lo tier, promotions and demotions in the background with publish-then-switch, no switch
+// under a lease or a pending kernel, targets that supersede each other, resize_tiers, fault
+// injection in background loads, bad input, and a compute thread against a control thread.
+#include "common/failing_vmm.hpp"
+#include "common/runtime_fixture.hpp"
+
+#include "expage/cache/lru_policy.hpp"
+
+#include <gtest/gtest.h>
+
+#include <future>
+#include <random>
+#include <sstream>
+#include <thread>
+
+namespace expage::testing {
+namespace {
+
+using namespace expage::literals;
+
+using runtime = expert_runtime<host_vmm, host_stream, lru_policy>;
+using target = residency_target;
+
+// runtime_world plus an int4 version of every expert (distinct bytes) and a budget sized for
+// `hi` bf16 versions and `lo` int4 versions.
+struct tiered_world : runtime_world {
+  std::vector<std::vector<std::byte>> lo_tensors;  // per (flat index, tensor)
+  budget_tracker tiers_budget;
+  budget_account& tiers_account;
+
+  explicit tiered_world(std::size_t hi = 2, std::size_t lo = 4)
+      : tiers_budget(hi * page_rounded(precision::bf16) + lo * page_rounded(precision::int4)),
+        tiers_account(tiers_budget.root()) {
+    for (std::uint64_t f = 0; f < geometry.expert_count(); ++f) {
+      for (std::size_t t = 0; t < expert_tensor_count; ++t) {
+        std::vector<std::byte> w(geometry.tensor_bytes(static_cast<expert_tensor>(t), precision::int4));
+        std::mt19937_64 rng(seed_of(f, t) ^ 0x10);
+        for (std::byte& b : w) b = static_cast<std::byte>(rng());
+        lo_tensors.push_back(std::move(w));
+      }
+    }
+  }
+  // Bytes one version of @p p holds in the runtime (pages of 4 KiB).
+  [[nodiscard]] std::size_t page_rounded(precision p) const {
+    std::size_t n = 0;
+    for (std::size_t t = 0; t < expert_tensor_count; ++t) {
+      n += (geometry.tensor_bytes(static_cast<expert_tensor>(t), p) + 4095) / 4096 * 4096;
+    }
+    return n;
+  }
+  [[nodiscard]] const std::vector<std::byte>& weights_in(precision p, expert_id id, expert_tensor t) const {
+    if (p == precision::bf16) return weights(id, t);
+    return lo_tensors[geometry.flat_index(id) * 2 + static_cast<std::size_t>(t)];
+  }
+  [[nodiscard]] expert_source<host_stream> lo_source() {
+    return {.format = precision::int4,
+            .load = [this](expert_id id, expert_tensor t, std::span<std::byte> page, host_stream& s) {
+              const auto& w = weights_in(precision::int4, id, t);
+              s.copy(page.data(), w.data(), w.size());
+              return w.size();
+            }};
+  }
+  [[nodiscard]] tiered_source<host_stream> sources() { return {.hi = source(), .lo = lo_source()}; }
+
+  // Enqueues on the compute stream a read of every routed expert through its record (what a
+  // mixed-precision kernel does): the bytes must be the weights of the record's precision, and
+  // that precision the tier the lease says served it.
+  void check_lease_on_compute(runtime& rt, const runtime::lease& lease) {
+    struct read {
+      expert_id id;
+      version_record record;
+      precision served;
+    };
+    std::vector<read> reads;
+    for (std::size_t i = 0; i < lease.experts().size(); ++i) {
+      const std::uint32_t e = lease.experts()[i];
+      reads.push_back(
+          {.id = {lease.layer(), e}, .record = rt.records(lease.layer())[e], .served = rt.format(lease.tiers()[i])});
+    }
+    compute.enqueue([this, reads] {
+      for (const read& r : reads) {
+        if (r.record.format != r.served || r.record.tensor(expert_tensor::gate_up) == nullptr) {
+          ++mismatches;
+          continue;
+        }
+        for (std::size_t t = 0; t < expert_tensor_count; ++t) {
+          const auto tensor = static_cast<expert_tensor>(t);
+          const auto& w = weights_in(r.record.format, r.id, tensor);
+          mismatches += static_cast<std::size_t>(std::memcmp(r.record.tensor(tensor), w.data(), w.size()) != 0);
+        }
+        ++checked;
+      }
+    });
+  }
+
+  // Every view of every version agrees with the others and with the weights ("" when they do).
+  [[nodiscard]] std::string check_tiers(runtime& rt) {
+    copy.synchronize();
+    std::string problems;
+    const auto set = rt.resident_set();
+    const std::uint64_t n = geometry.expert_count();
+    std::vector<std::array<std::int32_t, 2>> slot_of(n, {-1, -1});
+    std::vector<int> active(n, -1);
+    std::uint64_t bytes = 0;
+    for (const auto& r : set) {
+      const auto f = geometry.flat_index(r.expert);
+      const auto t = static_cast<std::size_t>(r.tier);
+      slot_of[f][t] = r.slot;
+      bytes += rt.expert_bytes(r.tier);
+      if (r.active) {
+        if (active[f] >= 0) problems += fmt::format("{}: two active versions; ", r.expert);
+        active[f] = static_cast<int>(t);
+      }
+    }
+    if (tiers_account.used() != bytes) {
+      problems += fmt::format("account uses {} bytes, versions hold {}; ", tiers_account.used(), bytes);
+    }
+    for (std::uint64_t f = 0; f < n; ++f) {
+      const expert_id id = geometry.expert_at(f);
+      if (active[f] < 0 && (slot_of[f][0] >= 0 || slot_of[f][1] >= 0)) {
+        problems += fmt::format("{}: a version without an active one; ", id);
+      }
+      for (std::size_t t = 0; t < 2; ++t) {
+        const auto tier = static_cast<version_tier>(t);
+        const std::int32_t want_map = active[f] == static_cast<int>(t) ? slot_of[f][t] : -1;
+        if (rt.expert_map(id.layer, tier)[id.expert] != want_map) {
+          problems += fmt::format("{}: expert_map({}) {} but want {}; ", id, to_string(tier),
+                                  rt.expert_map(id.layer, tier)[id.expert], want_map);
+        }
+        const bool resident = slot_of[f][t] >= 0;
+        for (std::size_t w = 0; w < expert_tensor_count; ++w) {
+          const auto tensor = static_cast<expert_tensor>(w);
+          const std::byte* stable = rt.stable_tensor(id.layer, tensor, tier) + id.expert * rt.page_bytes(tensor, tier);
+          if (vmm.block_at(stable).has_value() != resident) {
+            problems +=
+                fmt::format("{} {}: stable page mapped {} but resident {}; ", id, to_string(tier), !resident, resident);
+            continue;
+          }
+          if (!resident) continue;
+          const std::byte* slot = rt.slot_address(slot_of[f][t], tensor, tier);
+          if (vmm.block_at(slot) != vmm.block_at(stable)) {
+            problems += fmt::format("{} {}: slot does not alias the stable page; ", id, to_string(tier));
+          }
+          const auto& weights = weights_in(rt.format(tier), id, tensor);
+          if (std::memcmp(stable, weights.data(), weights.size()) != 0) {
+            problems +=
+                fmt::format("{} {} ({}): bytes differ from its weights; ", id, to_string(tier), to_string(tensor));
+          }
+        }
+      }
+      const version_record& r = rt.records(id.layer)[id.expert];
+      if (active[f] < 0) {
+        if (r.tensor(expert_tensor::gate_up) != nullptr)
+          problems += fmt::format("{}: record of an absent expert; ", id);
+      } else {
+        const auto tier = static_cast<version_tier>(active[f]);
+        const std::byte* want = rt.stable_tensor(id.layer, expert_tensor::gate_up, tier) +
+                                id.expert * rt.page_bytes(expert_tensor::gate_up, tier);
+        if (r.tensor(expert_tensor::gate_up) != want || r.format != rt.format(tier)) {
+          problems += fmt::format("{}: record does not point at its active {} version; ", id, to_string(tier));
+        }
+      }
+    }
+    return problems;
+  }
+  // The state a failed call must leave unchanged.
+  [[nodiscard]] std::string state(runtime& rt) {
+    std::string s;
+    for (const auto& r : rt.resident_set()) {
+      s += fmt::format("{}:{}:{}:{};", r.expert, to_string(r.tier), r.slot, r.active);
+    }
+    for (std::uint32_t l = 0; l < geometry.layers(); ++l) {
+      for (const auto& r : rt.records(l)) s += fmt::format("{};", static_cast<const void*>(r.data[0]));
+    }
+    return s + fmt::format("used {}", tiers_account.used());
+  }
+};
+
+// A completion the test completes by hand.
+struct manual_kernel {
+  std::shared_ptr<std::atomic<bool>> done = std::make_shared<std::atomic<bool>>(false);
+  [[nodiscard]] bool ready() const { return done->load(); }
+  void wait() const {
+    while (!done->load()) std::this_thread::yield();
+  }
+};
+
+TEST(ExpertRuntimeTiers, MissesLoadTheLoTierAndHitsServeTheActiveVersion) {
+  tiered_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 2}, &prefetch);
+  EXPECT_EQ(rt.tier_count(), 2U);
+  EXPECT_EQ(rt.capacity(version_tier::hi), 2U);
+  EXPECT_EQ(rt.capacity(version_tier::lo), 4U) << "the lo tier gets what the account holds after the hi slots";
+  EXPECT_EQ(rt.demand_tier(), version_tier::lo);
+  const std::uint32_t routed[] = {5, 2};
+  {
+    auto lease = rt.acquire(1, routed);
+    ASSERT_EQ(lease.tiers().size(), 2U);
+    EXPECT_EQ(lease.tiers()[0], version_tier::lo);
+    w.check_lease_on_compute(rt, lease);
+    lease.release();
+  }
+  w.compute.synchronize();
+  EXPECT_EQ(w.check_tiers(rt), "");
+  EXPECT_EQ(rt.records(1)[5].format, precision::int4);
+  const auto s = rt.statistics();
+  EXPECT_EQ(s.total.misses, 2U);
+  EXPECT_EQ(s.total.lo_served, 2U);
+  EXPECT_EQ(s.hi_coverage(), 0.0);
+  ASSERT_EQ(s.tiers.size(), 2U);
+  EXPECT_EQ(s.tiers[1].resident, 2U);
+  EXPECT_EQ(s.tiers[0].resident, 0U);
+  EXPECT_EQ(w.mismatches.load(), 0U);
+}
+
+// DynaExq §3.4: the promotion loads on the prefetch stream while the lo version keeps serving
+// (no acquire waits for it), and the record switches only once the load is complete.
+TEST(ExpertRuntimeTiers, PromotionRunsInTheBackgroundAndSwitchesWhenComplete) {
+  tiered_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 2}, &prefetch);
+  const std::uint32_t routed[] = {3};
+  rt.acquire(0, routed).release();
+  w.compute.synchronize();
+  std::promise<void> gate;
+  auto opened = gate.get_future().share();
+  prefetch.enqueue([opened] { opened.wait(); });  // the promotion's copy cannot finish yet
+  const target promote[] = {{.expert = {0, 3}, .state = residency_state::resident_hi}};
+  rt.set_targets(promote);
+  EXPECT_EQ(rt.statistics().total.promotions, 1U);
+  for (int i = 0; i < 3; ++i) {
+    auto lease = rt.acquire(0, routed);
+    EXPECT_EQ(lease.tiers()[0], version_tier::lo) << "served by the lo version while hi loads";
+    w.check_lease_on_compute(rt, lease);
+    lease.release();
+    w.compute.synchronize();  // returns: the compute stream never waits for the gated promotion
+  }
+  EXPECT_EQ(rt.records(0)[3].format, precision::int4);
+  gate.set_value();
+  prefetch.synchronize();
+  rt.poll();
+  EXPECT_EQ(rt.active_tier({0, 3}), version_tier::hi);
+  EXPECT_EQ(rt.records(0)[3].format, precision::bf16);
+  {
+    auto lease = rt.acquire(0, routed);
+    EXPECT_EQ(lease.tiers()[0], version_tier::hi);
+    w.check_lease_on_compute(rt, lease);
+    lease.release();
+  }
+  w.compute.synchronize();
+  EXPECT_EQ(w.check_tiers(rt), "");
+  const auto s = rt.statistics();
+  EXPECT_EQ(s.total.switches, 1U);
+  EXPECT_EQ(s.tiers[1].resident, 0U) << "the lo version is freed after the switch";
+  EXPECT_EQ(s.total.lo_served, 4U);
+  EXPECT_EQ(s.transitions_queued, 0U);
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_EQ(w.checked.load(), 4U);
+}
+
+// The record of an expert a lease holds, or whose last kernel is pending, never changes.
+TEST(ExpertRuntimeTiers, NeverSwitchesUnderALeaseOrAPendingKernel) {
+  tiered_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 2}, &prefetch);
+  const std::uint32_t routed[] = {1};
+  auto held = rt.acquire(2, routed);
+  const target promote[] = {{.expert = {2, 1}, .state = residency_state::resident_hi}};
+  rt.set_targets(promote);
+  prefetch.synchronize();
+  rt.poll();
+  EXPECT_EQ(rt.active_tier({2, 1}), version_tier::lo) << "a lease holds the lo version";
+  manual_kernel kernel;
+  held.release(kernel);
+  rt.poll();
+  EXPECT_EQ(rt.active_tier({2, 1}), version_tier::lo) << "its kernel is pending";
+  EXPECT_EQ(rt.records(2)[1].format, precision::int4);
+  {
+    auto lease = rt.acquire(2, routed);  // the slow path tries the switch too, and must not make it
+    EXPECT_EQ(lease.tiers()[0], version_tier::lo);
+    lease.release(kernel);
+  }
+  kernel.done->store(true);
+  w.copy.synchronize();  // a real kernel is ordered after the lo version's load; this fake one is not
+  rt.poll();
+  EXPECT_EQ(rt.active_tier({2, 1}), version_tier::hi);
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
+TEST(ExpertRuntimeTiers, DemotionsEvictionsAndSupersededTargets) {
+  tiered_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
+             {.capacity = 2, .max_prefetch_in_flight = 4}, &prefetch);
+  // Two absent experts promoted: their hi versions are active at once (as a prefetch).
+  const target two_hi[] = {{.expert = {0, 0}, .state = residency_state::resident_hi},
+                           {.expert = {0, 1}, .state = residency_state::resident_hi}};
+  rt.set_targets(two_hi);
+  prefetch.synchronize();
+  rt.poll();
+  EXPECT_EQ(rt.active_tier({0, 0}), version_tier::hi);
+  EXPECT_EQ(rt.active_tier({0, 1}), version_tier::hi);
+  // A third promotion finds the hi tier full of targets: it waits (protected), then gets the
+  // slot of the expert demoted in the same call.
+  const target swap[] = {{.expert = {0, 1}, .state = residency_state::resident_lo},
+                         {.expert = {0, 2}, .state = residency_state::resident_hi}};
+  rt.set_targets(swap);
+  prefetch.synchronize();
+  rt.poll();
+  prefetch.synchronize();
+  rt.poll();
+  EXPECT_EQ(rt.active_tier({0, 1}), version_tier::lo) << "demoted: its lo version loaded, switched, hi freed";
+  EXPECT_EQ(rt.active_tier({0, 2}), version_tier::hi);
+  EXPECT_EQ(rt.active_tier({0, 0}), version_tier::hi) << "still a hi target: not a victim";
+  EXPECT_EQ(w.check_tiers(rt), "");
+  // Absent: evicted once nothing holds it.
+  const target drop[] = {{.expert = {0, 0}, .state = residency_state::absent}};
+  rt.set_targets(drop);
+  EXPECT_FALSE(rt.resident({0, 0}));
+  // A queued request that a newer call does not list is cancelled.
+  std::promise<void> gate;
+  auto opened = gate.get_future().share();
+  prefetch.enqueue([opened] { opened.wait(); });
+  const target many[] = {{.expert = {1, 0}, .state = residency_state::resident_lo},
+                         {.expert = {1, 1}, .state = residency_state::resident_lo},
+                         {.expert = {1, 2}, .state = residency_state::resident_lo},
+                         {.expert = {1, 3}, .state = residency_state::resident_lo},
+                         {.expert = {1, 4}, .state = residency_state::resident_lo}};
+  rt.set_targets(many);  // the lo tier's three free slots taken (in flight behind the gate), two queued
+  const auto before = rt.statistics();
+  EXPECT_EQ(before.transitions_queued, 2U) << "no slot without waiting for the gated loads";
+  EXPECT_TRUE(rt.resident({1, 2}));
+  rt.set_targets({});
+  EXPECT_EQ(rt.statistics().transitions_cancelled, before.transitions_cancelled + 2);
+  gate.set_value();
+  prefetch.synchronize();
+  rt.poll();
+  EXPECT_FALSE(rt.resident({1, 4}));
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
+TEST(ExpertRuntimeTiers, DemandTierHiLoadsHiAndStillServesResidentLoVersions) {
+  tiered_world w(4, 2);
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
+             {.capacity = 4, .lo_capacity = 2, .demand_tier = version_tier::hi}, &prefetch);
+  const target lo[] = {{.expert = {3, 7}, .state = residency_state::resident_lo}};
+  rt.set_targets(lo);
+  prefetch.synchronize();
+  const std::uint32_t routed[] = {7, 6};
+  auto lease = rt.acquire(3, routed);
+  EXPECT_EQ(lease.tiers()[0], version_tier::lo) << "a hi miss served by the resident lo version";
+  EXPECT_EQ(lease.tiers()[1], version_tier::hi) << "a demand miss loads the demand tier";
+  w.check_lease_on_compute(rt, lease);
+  lease.release();
+  w.compute.synchronize();
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
+// resize_tiers shrinks the losing tier first; the account is never over-committed.
+TEST(ExpertRuntimeTiers, ResizeTiersShrinksFirstAndRefusesBadSizes) {
+  tiered_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 2}, &prefetch);
+  std::mt19937_64 rng(3);
+  for (int i = 0; i < 20; ++i) {
+    const auto layer = static_cast<std::uint32_t>(rng() % 4);
+    rt.acquire(layer, w.random_group(rng, 2)).release();
+  }
+  const std::size_t hi = rt.expert_bytes(version_tier::hi);
+  const std::size_t lo = rt.expert_bytes(version_tier::lo);
+  ASSERT_EQ(rt.statistics().tiers[1].resident, 4U);
+  // Trade the hi tier's bytes for lo slots: 0 hi + 7 lo versions fit the same account.
+  const std::size_t total = w.tiers_account.capacity();
+  const auto r = rt.resize_tiers(0, total);
+  EXPECT_TRUE(r[0].complete() && r[1].complete());
+  EXPECT_EQ(rt.capacity(version_tier::hi), 0U);
+  EXPECT_EQ(rt.capacity(version_tier::lo), total / lo);
+  EXPECT_LE(w.tiers_account.used(), total);
+  const auto before = w.state(rt);
+  const auto expect_error = [&](auto&& call, std::string_view says) {
+    try {
+      call();
+      ADD_FAILURE() << "accepted: " << says;
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(w.state(rt), before) << says;
+  };
+  expect_error([&] { (void)rt.resize_tiers(2 * hi, lo); }, "1 lo versions of");
+  expect_error([&] { (void)rt.resize_tiers(33 * hi, 4 * lo); }, "out of range [0, 32]");
+  expect_error([&] { (void)rt.resize_tiers(2 * hi, 7 * lo); }, "need");
+  expect_error([&] { (void)rt.resize(hi); }, "resize_tiers");
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
+TEST(ExpertRuntimeTiers, RefusesBadInputAndChangesNothing) {
+  tiered_world w;
+  host_stream prefetch("prefetch");
+  const auto expect_error = [](auto&& call, std::string_view says) {
+    try {
+      call();
+      ADD_FAILURE() << "accepted: " << says;
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  expect_error(
+      [&] {
+        (void)runtime(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute,
+                      tiered_source<host_stream>{.hi = w.source(), .lo = w.source()});
+      },
+      "both tiers have precision bf16");
+  expect_error(
+      [&] {
+        (void)runtime(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
+                      {.capacity = 2, .lo_capacity = 1});
+      },
+      "lo capacity 1 out of range [2, 32]");
+  expect_error(
+      [&] {
+        (void)runtime(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
+                      {.capacity = 3, .lo_capacity = 4});
+      },
+      "3 hi + 4 lo versions need");
+  EXPECT_EQ(w.tiers_account.used(), 0U);
+
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 2}, &prefetch);
+  const std::uint32_t routed[] = {0, 1};
+  rt.acquire(0, routed).release();
+  const auto before = w.state(rt);
+  const target twice[] = {{.expert = {0, 0}, .state = residency_state::resident_hi},
+                          {.expert = {0, 0}, .state = residency_state::absent}};
+  const target transitional[] = {{.expert = {0, 0}, .state = residency_state::promoting}};
+  const target unknown[] = {{.expert = {4, 0}, .state = residency_state::resident_hi}};
+  expect_error([&] { rt.set_targets(twice); }, "listed twice");
+  expect_error([&] { rt.set_targets(transitional); }, "state promoting for L0.E0 out of range");
+  expect_error([&] { rt.set_targets(unknown); }, "layer 4");
+  const std::uint32_t five[] = {0, 1, 2, 3, 4};
+  expect_error([&] { (void)rt.acquire(1, five); },
+               "5 experts routed at layer 1 but at most 4 can be resident in the lo tier");
+  EXPECT_EQ(w.state(rt), before);
+
+  // One tier: no lo tier to target or view; no prefetch stream: no targets at all.
+  runtime_world one;
+  runtime single(one.geometry, one.account, one.vmm, one.copy, one.compute, one.source());
+  const target lo[] = {{.expert = {0, 0}, .state = residency_state::resident_lo}};
+  expect_error([&] { single.set_targets(lo); }, "no prefetch stream");
+  expect_error([&] { (void)single.stable_tensor(0, expert_tensor::down, version_tier::lo); }, "tier lo out of range");
+  expect_error([&] { (void)single.expert_map(0, version_tier::lo); }, "one tier");
+  host_stream p1("p1");
+  runtime single_p(one.geometry, one.account, one.vmm, one.copy, one.compute, one.source(), {.capacity = 2}, &p1);
+  expect_error([&] { single_p.set_targets(lo); }, "out of range (resident_hi, absent)");
+}
+
+// A background load that fails (its loader throws, its map fails) changes nothing; its request is
+// dropped and counted. A promotion into a free hi slot, and a demotion whose lo load reuses a
+// victim's slot (the victim's bytes are then restored from its source).
+TEST(ExpertRuntimeTiers, AFailedBackgroundLoadChangesNothing) {
+  enum class fault { loader, map };
+  for (const fault kind : {fault::loader, fault::map}) {
+    for (const bool over_victim : {false, true}) {
+      SCOPED_TRACE(fmt::format("{} fault, {}", kind == fault::loader ? "loader" : "map",
+                               over_victim ? "demotion over a victim" : "promotion into a free slot"));
+      tiered_world w(1, 2);
+      failing_vmm vmm(host_vmm::options{.granularity = 4096});
+      int fail_load = 0;  // loads of a down tensor until one fails
+      auto sources = w.sources();
+      for (expert_source<host_stream>* src : {&sources.hi, &sources.lo}) {
+        src->load = [&, inner = src->load](expert_id id, expert_tensor t, std::span<std::byte> page, host_stream& s) {
+          if (fail_load > 0 && t == expert_tensor::down && --fail_load == 0) {
+            s.copy(page.data(), w.weights(id, t).data(), page.size() / 2);  // half a copy, then the decoder fails
+            throw format_error("injected decode failure");
+          }
+          return inner(id, t, page, s);
+        };
+      }
+      host_stream prefetch("prefetch");
+      expert_runtime<failing_vmm, host_stream, lru_policy> rt(w.geometry, w.tiers_account, vmm, w.copy, w.compute,
+                                                              sources, {.capacity = 1}, &prefetch);
+      const std::uint32_t first[] = {0, 1};
+      rt.acquire(0, first).release();  // lo: (0, 0), (0, 1): full
+      target request{.expert = {0, 1}, .state = residency_state::resident_hi};
+      if (over_victim) {
+        const target promote[] = {{.expert = {0, 0}, .state = residency_state::resident_hi}};
+        rt.set_targets(promote);
+        w.compute.synchronize();  // the lease's kernel is done: nothing holds the lo version
+        prefetch.synchronize();
+        rt.poll();  // (0, 0) switched to hi, its lo slot freed
+        const std::uint32_t more[] = {2};
+        rt.acquire(0, more).release();                                        // lo: (0, 1), (0, 2): full again
+        request = {.expert = {0, 0}, .state = residency_state::resident_lo};  // its lo load needs a victim
+      }
+      const auto snapshot = [&] {
+        w.copy.synchronize();
+        prefetch.synchronize();
+        std::string s;
+        for (const auto& r : rt.resident_set()) {
+          s += fmt::format("{}:{}:{}:{};", r.expert, to_string(r.tier), r.slot, r.active);
+        }
+        for (const auto& r : rt.records(0)) s += fmt::format("{};", static_cast<const void*>(r.data[0]));
+        return s + fmt::format("used {}", w.tiers_account.used());
+      };
+      const std::string before = snapshot();
+      const auto counts = rt.statistics().total;
+      if (kind == fault::loader) fail_load = 1;
+      if (kind == fault::map) vmm.fail_map_in = 1;
+      const target requests[] = {request};
+      rt.set_targets(requests);
+      EXPECT_EQ(snapshot(), before);
+      const auto s = rt.statistics();
+      EXPECT_EQ(s.transitions_failed, 1U);
+      EXPECT_EQ(s.transitions_queued, 0U);
+      EXPECT_EQ(s.total.promotions, counts.promotions);
+      EXPECT_EQ(s.total.demotions, counts.demotions);
+      // Every resident version still holds its bytes (a victim's were restored).
+      for (const auto& r : rt.resident_set()) {
+        for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+          const auto& want = w.weights_in(rt.format(r.tier), r.expert, t);
+          const std::byte* at =
+              rt.stable_tensor(r.expert.layer, t, r.tier) + r.expert.expert * rt.page_bytes(t, r.tier);
+          EXPECT_EQ(std::memcmp(at, want.data(), want.size()), 0)
+              << fmt::format("{} {} {}", r.expert, to_string(r.tier), to_string(t));
+        }
+      }
+      vmm.heal();
+      rt.set_targets(requests);
+      w.compute.synchronize();
+      prefetch.synchronize();
+      rt.poll();
+      EXPECT_EQ(rt.active_tier(request.expert), over_victim ? version_tier::lo : version_tier::hi);
+    }
+  }
+}
+
+// A double fault: a background load over a victim fails, and so does the victim's reload. The
+// victim is then evicted (basic guarantee), but its record goes with it: no handle points at
+// its unmapped pages, and every view still agrees.
+TEST(ExpertRuntimeTiers, ADoubleFaultEvictsTheVictimAndItsRecord) {
+  tiered_world w(1, 2);
+  bool fail_lo = false;
+  auto sources = w.sources();
+  sources.lo.load = [&, inner = sources.lo.load](expert_id id, expert_tensor t, std::span<std::byte> page,
+                                                 host_stream& s) {
+    if (fail_lo) throw format_error("injected decode failure");
+    return inner(id, t, page, s);
+  };
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, sources, {.capacity = 1}, &prefetch);
+  const std::uint32_t first[] = {0, 1};
+  rt.acquire(0, first).release();
+  const target promote[] = {{.expert = {0, 0}, .state = residency_state::resident_hi}};
+  rt.set_targets(promote);
+  w.compute.synchronize();
+  prefetch.synchronize();
+  rt.poll();
+  ASSERT_EQ(rt.active_tier({0, 0}), version_tier::hi);
+  const std::uint32_t more[] = {2};
+  rt.acquire(0, more).release();  // lo: (0, 1), (0, 2)
+  fail_lo = true;
+  const target demote[] = {{.expert = {0, 0}, .state = residency_state::resident_lo}};
+  rt.set_targets(demote);  // its lo load takes the LRU victim (0, 1): the load and the reload fail
+  prefetch.synchronize();
+  EXPECT_FALSE(rt.resident({0, 1}));
+  EXPECT_EQ(rt.records(0)[1].tensor(expert_tensor::gate_up), nullptr);
+  EXPECT_EQ(rt.statistics().transitions_failed, 1U);
+  EXPECT_EQ(w.check_tiers(rt), "");
+  fail_lo = false;
+  const std::uint32_t again[] = {1};
+  auto lease = rt.acquire(0, again);
+  w.check_lease_on_compute(rt, lease);
+  lease.release();
+  w.compute.synchronize();
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
+// Random leases, targets, prefetches and resizes: after every step every view of every version
+// agrees, and kernels read complete versions of the precision their lease was served at; a held
+// lease's records never change.
+TEST(ExpertRuntimeTiers, ViewsAgreeOnRandomWorkloads) {
+  tiered_world w(3, 5);
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
+             {.capacity = 3, .max_prefetch_in_flight = 3}, &prefetch);
+  std::mt19937_64 rng(17);
+  const std::size_t hi = rt.expert_bytes(version_tier::hi);
+  std::optional<runtime::lease> held;
+  std::vector<std::pair<const std::byte*, precision>> held_records;
+  const auto records_of = [&](const runtime::lease& l) {
+    std::vector<std::pair<const std::byte*, precision>> out;
+    for (const std::uint32_t e : l.experts()) {
+      const version_record& r = rt.records(l.layer())[e];
+      out.emplace_back(r.tensor(expert_tensor::gate_up), r.format);
+    }
+    return out;
+  };
+  for (int step = 0; step < 400; ++step) {
+    const auto op = rng() % 10;
+    const auto layer = static_cast<std::uint32_t>(rng() % 4);
+    if (op < 5) {
+      try {
+        auto lease = rt.acquire(layer, w.random_group(rng, 1 + rng() % 2));
+        w.check_lease_on_compute(rt, lease);
+        if (!held && rng() % 4 == 0) {
+          held_records = records_of(lease);
+          held = std::move(lease);
+        } else {
+          lease.release();
+        }
+      } catch (const out_of_budget&) {
+        // Every lo slot held or loading: release the held lease and go on.
+      }
+    } else if (op < 7) {
+      std::vector<target> targets;
+      for (const std::uint32_t e : w.random_group(rng, 1 + rng() % 3)) {
+        const auto s = rng() % 3;
+        targets.push_back({.expert = {layer, e},
+                           .state = s == 0   ? residency_state::resident_hi
+                                    : s == 1 ? residency_state::resident_lo
+                                             : residency_state::absent});
+      }
+      rt.set_targets(targets);
+    } else if (op == 7) {
+      rt.prefetch(layer, w.random_group(rng, 2), static_cast<float>(rng() % 3));
+    } else if (op == 8) {
+      const std::size_t h = rng() % 4;  // 0..3 hi; the rest of the account to lo
+      (void)rt.resize_tiers(h * hi, w.tiers_account.capacity() - h * hi);
+    } else {
+      rt.poll();
+    }
+    if (held) {
+      ASSERT_EQ(records_of(*held), held_records) << "a held lease's records changed at step " << step;
+      if (rng() % 3 == 0) {
+        held->release();
+        held.reset();
+      }
+    }
+    w.compute.synchronize();
+    prefetch.synchronize();
+    ASSERT_EQ(w.check_tiers(rt), "") << "step " << step;
+    ASSERT_LE(w.tiers_account.used(), w.tiers_account.capacity());
+  }
+  if (held) held->release();
+  w.compute.synchronize();
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_GT(w.checked.load(), 100U);
+  const auto s = rt.statistics();
+  EXPECT_GT(s.total.switches, 0U);
+  EXPECT_GT(s.total.promotions, 0U);
+  EXPECT_GT(s.total.demotions, 0U);
+  std::ostringstream json;
+  s.write_json(json);
+  EXPECT_NE(json.str().find("\"tiers\":[{\"tier\":\"hi\",\"format\":\"bf16\""), std::string::npos) << json.str();
+  EXPECT_NE(json.str().find("\"hi_coverage\":"), std::string::npos);
+}
+
+// A compute thread acquires, reads and releases while a control thread retargets, prefetches
+// and resizes the tiers (TSan).
+TEST(ExpertRuntimeTiers, StressComputeAgainstControl) {
+  tiered_world w(3, 5);
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
+             {.capacity = 3, .max_prefetch_in_flight = 2}, &prefetch);
+  const std::size_t hi = rt.expert_bytes(version_tier::hi);
+  std::atomic<bool> done{false};
+  std::thread control([&] {
+    std::mt19937_64 rng(23);
+    int round = 0;
+    while (!done.load()) {
+      const auto layer = static_cast<std::uint32_t>(rng() % 4);
+      std::vector<target> targets;
+      for (const std::uint32_t e : w.random_group(rng, 2)) {
+        targets.push_back({.expert = {layer, e},
+                           .state = rng() % 2 == 0 ? residency_state::resident_hi : residency_state::resident_lo});
+      }
+      rt.set_targets(targets);
+      if (++round % 5 == 0) rt.prefetch(layer, w.random_group(rng, 2));
+      if (round % 16 == 0) {
+        const std::size_t h = rng() % 4;
+        (void)rt.resize_tiers(h * hi, w.tiers_account.capacity() - h * hi);
+      }
+      if (round % 64 == 0) std::this_thread::yield();
+    }
+  });
+  std::mt19937_64 rng(29);
+  for (int step = 0; step < 1500; ++step) {
+    const auto layer = static_cast<std::uint32_t>(rng() % 4);
+    try {
+      auto lease = rt.acquire(layer, w.random_group(rng, 1 + rng() % 2));
+      w.check_lease_on_compute(rt, lease);
+      lease.release();
+    } catch (const out_of_budget&) {
+      w.compute.synchronize();
+      prefetch.synchronize();
+      rt.poll();
+    }
+  }
+  done.store(true);
+  control.join();
+  w.compute.synchronize();
+  prefetch.synchronize();
+  rt.set_targets({});
+  (void)rt.cancel_prefetches();
+  rt.poll();
+  prefetch.synchronize();  // what the poll issued
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_GT(w.checked.load(), 1000U);
+  EXPECT_LE(w.tiers_account.used(), w.tiers_account.capacity());
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
+}  // namespace
+}  // namespace expage::testing
