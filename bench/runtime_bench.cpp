@@ -9,6 +9,9 @@
 //       the same, with a runtime_prefetcher (co-activation) told each layer's routing: what
 //       prediction, the stale-request cancel and the byte guard add per layer (every expert is
 //       resident, so no load is issued).
+//   BM_Runtime_AcquireRelease_AllHit_Tiered  vs  BM_Runtime_AcquireRelease_AllHit
+//       two tiers (bf16 hi, int4 lo), half of every layer's experts active in each: what serving
+//       each expert from its active tier (lease::tiers()) adds to the one-tier hit path.
 //   BM_Runtime_Miss/<model>               vs  BM_Baseline_CopyIntoMappedPages/<model>
 //       one expert loaded per lease at its real size (Mixtral-8x7B 336 MiB, Qwen3-30B-A3B
 //       9 MiB, bf16), evicting another: map, fill on the copy stream, fences, unmap; goal
@@ -120,6 +123,49 @@ void BM_Runtime_AcquireRelease_AllHit(benchmark::State& state) {
 BENCHMARK(BM_Runtime_AcquireRelease_AllHit<false>)->Name("BM_Runtime_AcquireRelease_AllHit");
 BENCHMARK(BM_Runtime_AcquireRelease_AllHit<true>)->Name("BM_Runtime_AcquireRelease_AllHit_RecordEvent");
 BENCHMARK(BM_Runtime_AcquireRelease_AllHit<false, true>)->Name("BM_Runtime_AcquireRelease_AllHit_Prefetcher");
+
+void BM_Runtime_AcquireRelease_AllHit_Tiered(benchmark::State& state) {
+  const auto g = mixtral_routing();
+  expage::host_vmm vmm({.granularity = 4_KiB});
+  expage::host_stream copy("copy"), compute("compute"), prefetch("prefetch");
+  std::vector<std::byte> hi_bytes, lo_bytes;
+  expage::tiered_source<expage::host_stream> sources{.hi = zero_source(g, hi_bytes),
+                                                     .lo = {.format = expage::precision::int4, .load = {}}};
+  lo_bytes.assign(g.tensor_bytes(expage::expert_tensor::gate_up, expage::precision::int4), std::byte{2});
+  sources.lo.load = [&g, &lo_bytes](expage::expert_id, expage::expert_tensor t, std::span<std::byte> page,
+                                    expage::host_stream& s) {
+    const std::size_t n = g.tensor_bytes(t, expage::precision::int4);
+    s.copy(page.data(), lo_bytes.data(), n);
+    return n;
+  };
+  static expage::budget_tracker budget(1_GiB);
+  runtime rt(g, budget.root(), vmm, copy, compute, sources, {.capacity = 128, .lo_capacity = 256}, &prefetch);
+  const std::uint32_t all[] = {0, 1, 2, 3, 4, 5, 6, 7};
+  for (std::uint32_t l = 0; l < g.layers(); ++l) rt.acquire(l, all).release();  // every expert lo
+  std::vector<expage::residency_target> hi;                                     // experts 0-3 of every layer promoted
+  for (std::uint32_t l = 0; l < g.layers(); ++l) {
+    for (std::uint32_t e = 0; e < 4; ++e) hi.push_back({{l, e}, expage::residency_state::resident_hi});
+  }
+  rt.set_targets(hi);
+  while (rt.statistics().total.switches < hi.size()) {
+    compute.synchronize();
+    copy.synchronize();
+    prefetch.synchronize();
+    rt.poll();
+  }
+  const auto groups = top2_groups();
+  expage::completion_flag kernel_done;
+  kernel_done.set();
+  std::size_t i = 0;
+  for (auto _ : state) {
+    auto lease = rt.acquire(static_cast<std::uint32_t>(i % 32), groups[i & 4095]);
+    ++i;
+    lease.release(kernel_done);
+  }
+  state.SetItemsProcessed(state.iterations());
+  state.counters["hi_coverage"] = rt.statistics().hi_coverage();
+}
+BENCHMARK(BM_Runtime_AcquireRelease_AllHit_Tiered);
 
 expage::moe_geometry model(std::int64_t which) {
   return which == 0 ? expage::moe_geometry::mixtral_8x7b() : expage::moe_geometry::qwen3_30b_a3b();

@@ -13,9 +13,18 @@
 // by the loader itself (the full-size model needs no full-size memory); or from a safetensors
 // file (--weights FILE, written by --write-weights FILE).
 //
+// Mixed precision (--lo-precision int4): the runtime holds two tiers under the one budget
+// (--hi-share of it for bf16 versions, the rest for int4 ones). A miss loads the int4 version and
+// is served at once; DynaExq's hot_set_controller (EMA hotness, per-layer top-n with hysteresis,
+// control/hot_set_controller.hpp) picks each layer's hi set every --interval tokens and the
+// runtime promotes and demotes in the background (set_targets(), publish-then-switch). Every
+// layer is then checked bit-exact against all-resident weights in the precision each expert was
+// served at, and its distance to the all-bf16 output is reported.
+//
 //   moe_decode                                   OLMoE-1B-7B at 1/8 scale, 25% budget, 32 tokens
 //   moe_decode --geometry mixtral-8x7b --scale 16 --trace ../shared/traces/.../humaneval_2_routing.jsonl
 //   moe_decode --quick                           a short run (the CI test)
+//   moe_decode --lo-precision int4 --hi-share 50%  two tiers, the hot set in bf16
 //   moe_decode --trace-out trace.json --json stats.json
 #include <expage/expage.hpp>
 #include <expage/runtime/expert_runtime.hpp>
@@ -70,6 +79,10 @@ struct options {
   std::string write_weights;
   std::string view = "records";
   precision format = precision::bf16;
+  std::optional<precision> lo_format;  // two tiers: --lo-precision
+  double hi_share = 0.5;               // of the budget, for the hi tier
+  std::uint32_t hi_per_layer = 0;      // the hot set's size per layer; 0: what the hi tier holds
+  std::uint32_t interval = 2;          // tokens per hot-set interval
   std::string policy = "lru";
   std::string prefetch = "none";
   std::uint64_t host_limit = 4_GiB;
@@ -128,6 +141,18 @@ options parse(int argc, char** argv) {
       const std::string_view v = value();
       if (v != "bf16" && v != "int4") usage(fmt::format("--precision '{}' is not bf16 or int4", v));
       o.format = v == "bf16" ? precision::bf16 : precision::int4;
+    } else if (a == "--lo-precision") {
+      const std::string_view v = value();
+      if (v != "int4" && v != "int8") usage(fmt::format("--lo-precision '{}' is not int4 or int8", v));
+      o.lo_format = v == "int4" ? precision::int4 : precision::int8;
+    } else if (a == "--hi-share") {
+      std::string v(value());
+      if (v.empty() || v.back() != '%') usage(fmt::format("--hi-share '{}' must be a percentage, e.g. 50%", v));
+      o.hi_share = static_cast<double>(parse_uint(a, std::string_view(v).substr(0, v.size() - 1), 0, 100)) / 100.0;
+    } else if (a == "--hi-per-layer") {
+      o.hi_per_layer = static_cast<std::uint32_t>(parse_uint(a, value(), 1, 1U << 20));
+    } else if (a == "--interval") {
+      o.interval = static_cast<std::uint32_t>(parse_uint(a, value(), 1, 1U << 20));
     } else if (a == "--policy") {
       o.policy = value();
       if (o.policy != "lru" && o.policy != "lfu" && o.policy != "next-turn") {
@@ -152,6 +177,7 @@ options parse(int argc, char** argv) {
       std::puts(
           "moe_decode [--geometry NAME] [--scale N] [--tokens N] [--budget P%] [--trace FILE [--problem ID]]\n"
           "           [--precision bf16|int4] [--view records|stable|slots] [--policy lru|lfu|next-turn]\n"
+          "           [--lo-precision int4|int8 [--hi-share P%] [--hi-per-layer N] [--interval TOKENS]]\n"
           "           [--prefetch none|coactivation|frequency|previous|fmoe]\n"
           "           [--weights FILE] [--write-weights FILE] [--trace-out FILE] [--json FILE]\n"
           "           [--host-limit BYTES] [--no-check] [--physics] [--quick]");
@@ -159,6 +185,9 @@ options parse(int argc, char** argv) {
     } else {
       usage(fmt::format("unknown option '{}' (see --help)", a));
     }
+  }
+  if (o.lo_format && o.format != precision::bf16) {
+    usage(fmt::format("--lo-precision needs --precision bf16 for the hi tier, not {}", o.format));
   }
   return o;
 }
@@ -508,36 +537,81 @@ struct run_result {
   double check_s = 0;
   std::uint64_t mismatching_layers = 0;
   double worst_error = 0;
+  double worst_bf16_error = 0;  // two tiers: the output against all-bf16 weights
+  double sum_bf16_error = 0;
+  std::uint64_t hi_capacity = 0, lo_capacity = 0;
+  std::uint32_t hi_per_layer = 0;
   expage::runtime_statistics stats;
 };
 
 template <class Policy>
-run_result decode(const options& o, const expage::moe_geometry& g, const weight_store& store, double budget,
-                  std::span<const step_routing> replay, bool quiet) {
-  // Granules small enough that rounding a page up wastes little, large enough to keep mappings few.
-  // (the largest of 2 MiB, 64 KiB and 4 KiB that rounds no tensor up by more than 1/16).
+run_result decode(const options& o, const expage::moe_geometry& g, const weight_store& store,
+                  const weight_store* lo_store, double budget, std::span<const step_routing> replay, bool quiet) {
+  // Granules small enough that rounding a page up wastes little, large enough to keep mappings few
+  // (the largest of 2 MiB, 64 KiB and 4 KiB that rounds no tensor of any tier up by more than 1/16).
+  std::vector<precision> formats{o.format};
+  if (lo_store != nullptr) formats.push_back(*o.lo_format);
   const auto wastes_little = [&](std::size_t granule) {
-    for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
-      const std::uint64_t bytes = g.tensor_bytes(t, o.format);
-      if ((bytes + granule - 1) / granule * granule - bytes > bytes / 16) return false;
+    for (const precision f : formats) {
+      for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+        const std::uint64_t bytes = g.tensor_bytes(t, f);
+        if ((bytes + granule - 1) / granule * granule - bytes > bytes / 16) return false;
+      }
     }
     return true;
   };
   const std::size_t granularity = wastes_little(2_MiB) ? 2_MiB : wastes_little(64_KiB) ? 64_KiB : 4_KiB;
   expage::host_vmm vmm({.granularity = granularity});
-  const std::uint64_t page =
-      (g.tensor_bytes(expert_tensor::gate_up, o.format) + granularity - 1) / granularity * granularity +
-      (g.tensor_bytes(expert_tensor::down, o.format) + granularity - 1) / granularity * granularity;
+  const auto page_of = [&](precision f) {
+    return (g.tensor_bytes(expert_tensor::gate_up, f) + granularity - 1) / granularity * granularity +
+           (g.tensor_bytes(expert_tensor::down, f) + granularity - 1) / granularity * granularity;
+  };
+  const std::uint64_t page = page_of(o.format);
   const std::uint64_t capacity = experts_for(budget, g);
   expage::budget_tracker tracker(capacity * page, "experts");
   expage::host_stream copy("copy"), compute("compute"), prefetch("prefetch");
   using runtime_type = expage::expert_runtime<expage::host_vmm, expage::host_stream, Policy>;
-  runtime_type rt(g, tracker.root(), vmm, copy, compute, store.source(),
-                  {.views = {.stable_tensors = o.view == "stable" || o.view == "records",
-                             .slots = o.view == "slots",
-                             .records = o.view == "records"},
-                   .trace_events = o.trace_out.empty() || quiet ? 0 : std::size_t{1} << 20},
-                  o.prefetch == "none" ? nullptr : &prefetch);
+  expage::expert_runtime_options runtime_options{
+      .views = {.stable_tensors = o.view == "stable" || o.view == "records",
+                .slots = o.view == "slots",
+                .records = o.view == "records"},
+      .trace_events = o.trace_out.empty() || quiet ? 0 : std::size_t{1} << 20};
+  run_result r;
+  // Two tiers: hi_share of the bytes for bf16 versions, the rest for lo ones (at least top-k of them).
+  std::optional<runtime_type> tiered;
+  std::optional<runtime_type> single;
+  if (lo_store != nullptr) {
+    const std::uint64_t total = capacity * page;
+    const std::uint64_t lo_page = page_of(*o.lo_format);
+    std::uint64_t hi = std::min<std::uint64_t>(
+        static_cast<std::uint64_t>(o.hi_share * static_cast<double>(total)) / page, g.expert_count());
+    while (hi > 0 && (total - hi * page) / lo_page < g.top_k()) --hi;
+    r.hi_capacity = hi;
+    r.lo_capacity = std::min<std::uint64_t>((total - hi * page) / lo_page, g.expert_count());
+    runtime_options.capacity = static_cast<std::uint32_t>(r.hi_capacity);
+    runtime_options.lo_capacity = static_cast<std::uint32_t>(r.lo_capacity);
+    runtime_options.demand_tier = expage::version_tier::lo;
+    tiered.emplace(g, tracker.root(), vmm, copy, compute,
+                   expage::tiered_source<expage::host_stream>{.hi = store.source(), .lo = lo_store->source()},
+                   runtime_options, &prefetch);
+  } else {
+    single.emplace(g, tracker.root(), vmm, copy, compute, store.source(), runtime_options,
+                   o.prefetch == "none" ? nullptr : &prefetch);
+  }
+  runtime_type& rt = tiered ? *tiered : *single;
+  // DynaExq's hot set (§3.5): EMA hotness per expert, each layer's top-n with hysteresis; the
+  // runtime promotes and demotes in the background (its hi tier holds the sets).
+  std::optional<expage::hot_set_controller> hot;
+  if (tiered) {
+    r.hi_per_layer = o.hi_per_layer != 0
+                         ? o.hi_per_layer
+                         : static_cast<std::uint32_t>(std::max<std::uint64_t>(1, r.hi_capacity / g.layers()));
+    r.hi_per_layer = std::min(r.hi_per_layer, g.experts_per_layer());
+    hot.emplace(expage::hot_set_config{.layers = g.layers(),
+                                       .experts_per_layer = g.experts_per_layer(),
+                                       .hi_per_layer = r.hi_per_layer,
+                                       .hi_bytes = page});
+  }
   // The predictor-driven prefetcher: told each layer's routing after its acquire(), it requests
   // the next layer's likely experts on the prefetch stream (docs/prefetch.md).
   std::optional<expage::runtime_prefetcher<runtime_type>> prefetcher;
@@ -565,22 +639,25 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
     }
     return it->second;
   };
-  // The all-resident reference: every expert's bf16 weights (or generated on demand).
-  std::map<std::uint64_t, std::array<std::vector<std::byte>, 2>> reference_weights;
-  const auto reference_record = [&](expert_id id) {
-    auto& w = reference_weights[g.flat_index(id)];
+  // The all-resident reference: every expert's weights in a precision (generated on demand).
+  std::map<std::pair<std::uint64_t, precision>, std::array<std::vector<std::byte>, 2>> reference_weights;
+  const auto reference_record = [&](expert_id id, precision f) {
+    auto& w = reference_weights[{g.flat_index(id), f}];
     if (w[0].empty()) {
-      for (std::size_t t = 0; t < 2; ++t) w[t] = stored_tensor(g, id, static_cast<expert_tensor>(t), precision::bf16);
+      for (std::size_t t = 0; t < 2; ++t) w[t] = stored_tensor(g, id, static_cast<expert_tensor>(t), f);
     }
-    return expage::packed_version_record(precision::bf16, w[0].data(), w[1].data(), shape);
+    return expage::packed_version_record(f, w[0].data(), w[1].data(), shape);
   };
 
-  run_result r;
   std::vector<float> x, out, ref;
   std::vector<std::uint32_t> offsets(E + 1), order, position;
   std::vector<std::int32_t> ids;
   std::vector<float> weights;
-  std::vector<expage::version_record> records(E), reference(E);
+  std::vector<expage::version_record> records(E), reference(E), bf16_reference(E);
+  std::vector<precision> served(E, o.format);
+  std::vector<float> ref_bf16;
+  std::uint64_t passes = 0;
+  std::vector<std::uint32_t> token_experts(K);
   std::atomic<std::uint64_t> compute_ns{0};
   const auto t0 = clock_type::now();
   const std::uint32_t tokens_asked = o.tokens == 0 ? 32 : o.tokens;
@@ -620,22 +697,31 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
     }
     auto lease = rt.acquire(layer, routed);
     if (prefetcher) prefetcher->on_routed(layer, routed);
+    for (std::size_t i = 0; i < routed.size(); ++i) served[routed[i]] = rt.format(lease.tiers()[i]);
+    if (hot) {
+      for (std::uint32_t i = 0; i < n; ++i) {
+        for (std::uint32_t k = 0; k < K; ++k) token_experts[k] = static_cast<std::uint32_t>(ids[i * K + k]);
+        hot->record(layer, token_experts);
+      }
+    }
     // The FFN reads the weights through the chosen view; the lease's experts' entries are fixed.
     if (o.view == "records") {
       std::ranges::copy(rt.records(layer), records.begin());
     } else {
-      for (const std::uint32_t e : routed) {
+      for (std::size_t i = 0; i < routed.size(); ++i) {  // each expert in the tier that serves it
+        const std::uint32_t e = routed[i];
+        const expage::version_tier tier = lease.tiers()[i];
         std::byte* gu = nullptr;
         std::byte* dn = nullptr;
         if (o.view == "stable") {
-          gu = rt.stable_tensor(layer, expert_tensor::gate_up) + e * rt.page_bytes(expert_tensor::gate_up);
-          dn = rt.stable_tensor(layer, expert_tensor::down) + e * rt.page_bytes(expert_tensor::down);
+          gu = rt.stable_tensor(layer, expert_tensor::gate_up, tier) + e * rt.page_bytes(expert_tensor::gate_up, tier);
+          dn = rt.stable_tensor(layer, expert_tensor::down, tier) + e * rt.page_bytes(expert_tensor::down, tier);
         } else {
-          const std::int32_t slot = rt.expert_map(layer)[e];
-          gu = rt.slot_address(slot, expert_tensor::gate_up);
-          dn = rt.slot_address(slot, expert_tensor::down);
+          const std::int32_t slot = rt.expert_map(layer, tier)[e];
+          gu = rt.slot_address(slot, expert_tensor::gate_up, tier);
+          dn = rt.slot_address(slot, expert_tensor::down, tier);
         }
-        records[e] = expage::packed_version_record(o.format, gu, dn, shape);
+        records[e] = expage::packed_version_record(rt.format(tier), gu, dn, shape);
       }
     }
     out.assign(n * H, 0.0F);
@@ -648,16 +734,29 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
     expage::host_event done;
     compute.record(done);
     if (o.check) {
+      // One tier: against bf16 weights (bit-exact for bf16, relative RMS ≤ 0.3 for int4). Two
+      // tiers: bit-exact against the weights each expert was served in, and the distance to bf16.
       const auto c0 = clock_type::now();
-      for (const std::uint32_t e : routed) reference[e] = reference_record({layer, e});
+      for (const std::uint32_t e : routed)
+        reference[e] = reference_record({layer, e}, hot ? served[e] : precision::bf16);
       ref.assign(n * H, 0.0F);
       expage::expert_ffn(x, K, offsets, order, weights, reference, shape, ref);
+      if (hot) {
+        for (const std::uint32_t e : routed) bf16_reference[e] = reference_record({layer, e}, precision::bf16);
+        ref_bf16.assign(n * H, 0.0F);
+        expage::expert_ffn(x, K, offsets, order, weights, bf16_reference, shape, ref_bf16);
+      }
       done.synchronize();
-      const bool exact = o.format == precision::bf16;
+      const bool exact = hot || o.format == precision::bf16;
       const double err = relative_rms(out, ref);
       r.worst_error = std::max(r.worst_error, err);
       if (exact ? std::memcmp(out.data(), ref.data(), out.size() * sizeof(float)) != 0 : err > 0.3) {
         ++r.mismatching_layers;
+      }
+      if (hot) {
+        const double to_bf16 = relative_rms(out, ref_bf16);
+        r.worst_bf16_error = std::max(r.worst_bf16_error, to_bf16);
+        r.sum_bf16_error += to_bf16;
       }
       r.check_s += std::chrono::duration<double>(clock_type::now() - c0).count();
     } else {
@@ -674,7 +773,15 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
       const auto inv = static_cast<float>(1.0 / std::sqrt(sq / static_cast<double>(H) + 1e-6));
       for (std::uint64_t h = 0; h < H; ++h) st[h] *= inv;
     }
-    if (layer + 1 == g.layers()) r.tokens += n;
+    if (layer + 1 == g.layers()) {
+      r.tokens += n;
+      // Every `interval` passes the hot sets move (demotions first) and the runtime follows.
+      if (hot && ++passes % o.interval == 0) {
+        const expage::hot_set_plan plan = hot->end_interval();
+        const auto targets = expage::to_transition_targets<expage::residency_target>(plan);
+        rt.set_targets(targets);
+      }
+    }
   }
   compute.synchronize();
   prefetch.synchronize();
@@ -743,12 +850,22 @@ int run(const options& o) {
       !o.weights.empty()  ? o.weights
       : store.in_memory() ? "generated, in host memory"
                           : "generated by the loader");
-  const run_result r = decode<Policy>(o, g, store, o.budget, replay, false);
+  std::optional<weight_store> lo_store;
+  if (o.lo_format) lo_store.emplace(g, *o.lo_format, o);
+  const run_result r = decode<Policy>(o, g, store, lo_store ? &*lo_store : nullptr, o.budget, replay, false);
   const auto& t = r.stats.total;
   fmt::print("  tokens {}  in {:.2f} s  ({:.1f} tokens/s)\n", r.tokens, r.wall_s,
              static_cast<double>(r.tokens) / r.wall_s);
   fmt::print("  tier {}: hits {}  misses {}  hit rate {:.1f}%  evictions {}\n", r.stats.tier, t.hits, t.misses,
              100 * r.stats.hit_ratio(), t.evictions);
+  if (o.lo_format) {
+    fmt::print(
+        "  tiers: {} hi ({}) + {} lo ({}) versions; hot set {} per layer every {} tokens; served hi {:.1f}% "
+        "(lo {}), promotions {} ({}), demotions {} ({}), switches {}, transitions cancelled {}\n",
+        r.hi_capacity, o.format, r.lo_capacity, *o.lo_format, r.hi_per_layer, o.interval, 100 * r.stats.hi_coverage(),
+        t.lo_served, t.promotions, expage::byte_size{t.promotion_bytes}, t.demotions,
+        expage::byte_size{t.demotion_bytes}, t.switches, r.stats.transitions_cancelled);
+  }
   if (o.prefetch != "none") {
     fmt::print("  prefetch ({}): {} issued ({}), used {} ({}), wasted {} ({}), cancelled {}\n", o.prefetch,
                t.prefetches, expage::byte_size{t.prefetch_bytes}, t.prefetch_used,
@@ -757,7 +874,13 @@ int run(const options& o) {
   }
   fmt::print("  bytes moved {}  compute {:.3f} s  waiting on loads {:.3f} s  checking {:.3f} s\n",
              expage::byte_size{t.bytes_loaded}, r.compute_s, static_cast<double>(t.load_wait_ns) * 1e-9, r.check_s);
-  if (o.check) {
+  if (o.check && o.lo_format) {
+    fmt::print(
+        "  check against all-resident weights in the served precision: {} of {} layer steps differ (bit-exact "
+        "required); against all-bf16: relative RMS mean {:.2e}, worst {:.2e}\n",
+        r.mismatching_layers, t.acquires,
+        r.sum_bf16_error / static_cast<double>(std::max<std::uint64_t>(1, t.acquires)), r.worst_bf16_error);
+  } else if (o.check) {
     fmt::print("  check against all-resident weights: {} of {} layer steps differ ({}), worst relative RMS {:.2e}\n",
                r.mismatching_layers, t.acquires, o.format == precision::bf16 ? "bit-exact required" : "≤ 0.3 required",
                r.worst_error);
@@ -766,7 +889,8 @@ int run(const options& o) {
     // The physics: all-resident compute + bytes moved / memcpy bandwidth, measured now.
     options all = o;
     all.check = false;
-    const run_result resident = decode<Policy>(all, g, store, 1.0, replay, true);
+    all.lo_format.reset();  // the physics: one tier, all resident
+    const run_result resident = decode<Policy>(all, g, store, nullptr, 1.0, replay, true);
     std::vector<std::byte> a(64_MiB, std::byte{1}), b(64_MiB);
     const auto m0 = clock_type::now();
     for (int i = 0; i < 8; ++i) std::memcpy(b.data(), a.data(), a.size());
@@ -774,7 +898,7 @@ int run(const options& o) {
         8.0 * static_cast<double>(a.size()) / std::chrono::duration<double>(clock_type::now() - m0).count();
     options timed = o;
     timed.check = false;
-    const run_result paged = decode<Policy>(timed, g, store, o.budget, replay, true);
+    const run_result paged = decode<Policy>(timed, g, store, lo_store ? &*lo_store : nullptr, o.budget, replay, true);
     const double physics = resident.wall_s + static_cast<double>(paged.stats.total.bytes_loaded) / bw;
     fmt::print("  physics: all-resident {:.3f} s + {} / {:.1f} GB/s = {:.3f} s; paged {:.3f} s: {:.3f}× the physics\n",
                resident.wall_s, expage::byte_size{paged.stats.total.bytes_loaded}, bw * 1e-9, physics, paged.wall_s,
