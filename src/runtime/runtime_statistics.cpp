@@ -63,8 +63,15 @@ void runtime_statistics::write_json(std::ostream& out) const {
     if (t != 0) out << ',';
     out << fmt::format(R"({{"tier":"{}","format":)", to_string(static_cast<version_tier>(t)));
     write_json_string(out, to_string(tiers[t].format));
-    out << fmt::format(R"(,"capacity":{},"resident":{},"resident_bytes":{},"peak_resident_bytes":{}}})",
+    out << fmt::format(R"(,"capacity":{},"resident":{},"resident_bytes":{},"peak_resident_bytes":{},"total":)",
                        tiers[t].capacity, tiers[t].resident, tiers[t].resident_bytes, tiers[t].peak_resident_bytes);
+    write_layer(out, tiers[t].total);
+    out << ",\"layers\":[";
+    for (std::size_t l = 0; l < tiers[t].layers.size(); ++l) {
+      if (l != 0) out << ',';
+      write_layer(out, tiers[t].layers[l]);
+    }
+    out << "]}";
   }
   out << "],";
   out << "\"total\":";

@@ -211,6 +211,8 @@ TEST(ExpertRuntimeTiers, MissesLoadTheLoTierAndHitsServeTheActiveVersion) {
   EXPECT_EQ(s.hi_coverage(), 0.0);
   ASSERT_EQ(s.tiers.size(), 2U);
   EXPECT_EQ(s.tiers[1].resident, 2U);
+  EXPECT_EQ(s.tiers[1].total.misses, 2U);
+  EXPECT_EQ(s.tiers[0].total.misses, 0U);
   EXPECT_EQ(s.tiers[0].resident, 0U);
   EXPECT_EQ(w.mismatches.load(), 0U);
 }
@@ -652,6 +654,19 @@ TEST(ExpertRuntimeTiers, ViewsAgreeOnRandomWorkloads) {
   EXPECT_GT(s.total.switches, 0U);
   EXPECT_GT(s.total.promotions, 0U);
   EXPECT_GT(s.total.demotions, 0U);
+  // Per tier and per layer: the tiers' counters add up to the layers' (leases' own counters apart).
+  for (std::uint32_t l = 0; l < w.geometry.layers(); ++l) {
+    runtime_layer_statistics sum = s.tiers[0].layers[l];
+    sum += s.tiers[1].layers[l];
+    EXPECT_EQ(sum.hits, s.layers[l].hits);
+    EXPECT_EQ(sum.misses, s.layers[l].misses);
+    EXPECT_EQ(sum.evictions, s.layers[l].evictions);
+    EXPECT_EQ(sum.lo_served, s.layers[l].lo_served);
+    EXPECT_EQ(s.tiers[0].layers[l].lo_served, 0U);
+    EXPECT_EQ(s.tiers[1].layers[l].promotions, 0U);
+    EXPECT_EQ(s.tiers[0].layers[l].demotions, 0U);
+  }
+  EXPECT_EQ(s.tiers[1].total.hits + s.tiers[1].total.misses, s.total.lo_served);
   std::ostringstream json;
   s.write_json(json);
   EXPECT_NE(json.str().find("\"tiers\":[{\"tier\":\"hi\",\"format\":\"bf16\""), std::string::npos) << json.str();

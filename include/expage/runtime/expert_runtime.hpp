@@ -156,6 +156,11 @@ struct runtime_tier_statistics {
   std::uint32_t resident = 0;             ///< Versions resident or loading now (active or not).
   std::uint64_t resident_bytes = 0;       ///< Bytes they hold (charged to the account).
   std::uint64_t peak_resident_bytes = 0;  ///< Highest resident_bytes.
+  /// Per layer, the counters of this tier's versions: hits served by them, demand loads into
+  /// them, their bytes, evictions, prefetches, promotions (hi) or demotions (lo), switches to
+  /// them. `acquires`, `load_waits` and `load_wait_ns` belong to a lease, not a tier: 0 here.
+  std::vector<runtime_layer_statistics> layers;
+  runtime_layer_statistics total;  ///< Summed over layers.
 };
 
 /// @brief A snapshot of an expert_runtime's counters.
@@ -696,7 +701,7 @@ class expert_runtime {
   [[nodiscard]] runtime_layer_statistics totals() const {
     const std::lock_guard lock(mutex_);
     runtime_layer_statistics t;
-    for (std::size_t l = 0; l < layer_stats_.size(); ++l) t += layer_snapshot(l);
+    for (std::uint32_t l = 0; l < geometry_.layers(); ++l) t += layer_snapshot(l);
     return t;
   }
 
@@ -770,7 +775,7 @@ class expert_runtime {
   [[nodiscard]] runtime_statistics statistics() const {
     const std::lock_guard lock(mutex_);
     runtime_statistics s;
-    s.layers.resize(layer_stats_.size());
+    s.layers.resize(geometry_.layers());
     for (std::size_t l = 0; l < s.layers.size(); ++l) {
       s.layers[l] = layer_snapshot(l);
       s.total += s.layers[l];
@@ -785,7 +790,15 @@ class expert_runtime {
                          .capacity = T.capacity,
                          .resident = resident,
                          .resident_bytes = std::uint64_t{resident} * per_version,
-                         .peak_resident_bytes = T.peak * per_version});
+                         .peak_resident_bytes = T.peak * per_version,
+                         .layers = {},
+                         .total = {}});
+      runtime_tier_statistics& ts = s.tiers.back();
+      ts.layers.resize(geometry_.layers());
+      for (std::uint32_t l = 0; l < geometry_.layers(); ++l) {
+        ts.layers[l] = tier_snapshot(t, l);
+        ts.total += ts.layers[l];
+      }
       s.resident += resident;
       s.resident_bytes += s.tiers.back().resident_bytes;
       const std::vector<std::uint32_t> pins = live_pins(t);
@@ -906,7 +919,7 @@ class expert_runtime {
         target_(expert_count_, no_goal),
         queued_(expert_count_, 0),
         blocked_(expert_count_, 0),
-        layer_stats_(geometry.layers()),
+        layer_stats_(std::size_t{geometry.layers()} * (lo ? 2 : 1)),
         stall_ns_(std::make_unique<std::atomic<std::uint64_t>[]>(geometry.layers())),
         trace_(options.trace_events) {
     if (options.max_prefetch_in_flight == 0) {
@@ -1317,7 +1330,7 @@ class expert_runtime {
 
   // WAR fence: waits (on the host) for the last kernel of expert v's tier-t version; when
   // evicting it switches to a sibling still loading, for that load too. Throws what the completion throws.
-  void fence(std::size_t t, std::uint32_t f, runtime_layer_statistics* stats) {
+  void fence(std::size_t t, std::uint32_t f, runtime_layer_statistics* into) {
     version& e = tier(t).versions[f];
     if (e.loaded && e.loading) e.loaded->synchronize();  // a victim still loading: wait for its copy first
     if (active_[f] == t) {
@@ -1337,7 +1350,7 @@ class expert_runtime {
     }
     const auto ns = static_cast<std::uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
-    runtime_layer_statistics& s = stats != nullptr ? *stats : layer_stats_[geometry_.expert_at(f).layer];
+    runtime_layer_statistics& s = into != nullptr ? *into : stats(t, geometry_.expert_at(f).layer);
     ++s.fence_waits;
     s.fence_wait_ns += ns;
     if (tracing()) {
@@ -1378,7 +1391,7 @@ class expert_runtime {
     tier_state& T = tier(t);
     version& v = T.versions[f];
     const expert_id id = geometry_.expert_at(f);
-    runtime_layer_statistics& s = layer_stats_[id.layer];
+    runtime_layer_statistics& s = stats(t, id.layer);
     if (eviction) ++s.evictions;
     if (v.prefetched) {
       --unused_prefetches_;
@@ -1413,24 +1426,26 @@ class expert_runtime {
     bool all_hit = loading_.empty() && background_.empty();  // nothing in flight: the compact state says it all
     for (const std::uint32_t f : group) all_hit = all_hit && active_[f] != no_tier;
     if (all_hit) [[likely]] {  // the hit path: rank, pin, count; nothing to load, switch or wait for
-      runtime_layer_statistics& s = layer_stats_[layer];
+      runtime_layer_statistics& s = stats(0, layer);
       if (tier_count_ == 1) {  // every version is a hi one (record.tiers is not kept)
         tier_state& T = tier(0);
         for (const std::uint32_t f : group) {
           hit(T, f, layer, s);
           ++T.pins[f];
         }
+        s.hits += group.size();
       } else {
         for (std::size_t i = 0; i < group.size(); ++i) {
           const std::uint32_t f = group[i];
           const std::uint8_t t = active_[f];
-          hit(tier(t), f, layer, s);
+          runtime_layer_statistics& st = stats(t, layer);
+          hit(tier(t), f, layer, st);
+          ++st.hits;
           ++tier(t).pins[f];
           record.tiers[i] = static_cast<version_tier>(t);
-          if (t != 0) ++s.lo_served;
+          if (t != 0) ++st.lo_served;
         }
       }
-      s.hits += group.size();
       ++s.acquires;
       return;
     }
@@ -1486,7 +1501,7 @@ class expert_runtime {
                                           account_->available(), version_bytes(d)),
                               version_bytes(d), account_->available());
         }
-        fence(d, *v, &layer_stats_[layer]);
+        fence(d, *v, &stats(d, layer));
         p.victim = v;
       }
       if (p.victim) p.eviction = begin_eviction(d, *p.victim);
@@ -1525,7 +1540,7 @@ class expert_runtime {
       throw;
     }
     // Commit: nothing below throws.
-    runtime_layer_statistics& s = layer_stats_[layer];
+    runtime_layer_statistics& s = stats(d, layer);
     for (planned_load& p : plan) {
       lease_type blocks;
       if (p.victim) {
@@ -1548,20 +1563,21 @@ class expert_runtime {
       const std::uint32_t f = group[i];
       const std::uint8_t t = active_[f];
       const bool planned = std::any_of(plan.begin(), plan.end(), [&](const planned_load& p) { return p.expert == f; });
+      runtime_layer_statistics& st = stats(t, layer);
       if (planned) {
         policy_on_insert(t, f,
                          access_context{.time = clock_, .layer = layer, .expert = f % geometry_.experts_per_layer()});
       } else {
-        ++s.hits;
-        hit(tier(t), f, layer, s);
+        ++st.hits;
+        hit(tier(t), f, layer, st);
       }
       ++tier(t).pins[f];
       if (tier_count_ != 1) record.tiers[i] = static_cast<version_tier>(t);
-      if (t != 0) ++s.lo_served;
+      if (t != 0) ++st.lo_served;
     }
     s.misses += plan.size();
     s.bytes_loaded += bytes;
-    ++s.acquires;
+    ++stats(0, layer).acquires;
     note_peak(d);
     if (tracing() && !plan.empty()) trace_load(*copy_, copy_track_, layer, plan.size(), bytes, "load");
     wait_for_loads(layer, group);
@@ -1596,7 +1612,7 @@ class expert_runtime {
 
   // RAW fence: the compute stream waits on the load events of the group's active versions still loading.
   void wait_for_loads(std::uint32_t layer, std::span<const std::uint32_t> group) noexcept {
-    runtime_layer_statistics& s = layer_stats_[layer];
+    runtime_layer_statistics& s = stats(0, layer);  // a lease's count (per layer, not per tier)
     std::vector<const event_type*> waited;
     for (const std::uint32_t f : group) {
       const version& v = tier(active_[f]).versions[f];
@@ -1867,8 +1883,22 @@ class expert_runtime {
   // Under the lock: layer l's counters with the time its compute stream waited on loads.
   [[nodiscard]] runtime_layer_statistics layer_snapshot(std::size_t l) const noexcept {
     runtime_layer_statistics s = layer_stats_[l];
+    for (std::size_t t = 1; t < tier_count_; ++t) s += layer_stats_[t * geometry_.layers() + l];
     s.load_wait_ns = stall_ns_[l].load(std::memory_order_relaxed);
     return s;
+  }
+  // Under the lock: layer l's counters in tier t (the lease's own counters, acquires and load
+  // waits, are the layer's: zero here).
+  [[nodiscard]] runtime_layer_statistics tier_snapshot(std::size_t t, std::size_t l) const noexcept {
+    runtime_layer_statistics s = layer_stats_[t * geometry_.layers() + l];
+    s.acquires = 0;
+    s.load_waits = 0;
+    s.load_wait_ns = 0;
+    return s;
+  }
+  // The counters of layer l in tier t (acquires and load waits of a layer are kept in tier 0's).
+  [[nodiscard]] runtime_layer_statistics& stats(std::size_t t, std::uint32_t l) noexcept {
+    return layer_stats_[t * geometry_.layers() + l];
   }
   // Tier t's pins less the pins of released leases not yet drained (for const queries).
   [[nodiscard]] std::vector<std::uint32_t> live_pins(std::size_t t) const {
@@ -1930,7 +1960,7 @@ class expert_runtime {
       std::erase(loading_, key(b, f));
     }
     retire(a, f, /*eviction=*/false);  // `next` becomes the active version
-    ++layer_stats_[geometry_.expert_at(f).layer].switches;
+    ++stats(b, geometry_.expert_at(f).layer).switches;
     if (tracing()) {
       trace_.instant(fmt::format("switch {} to {}", geometry_.expert_at(f), to_string(static_cast<version_tier>(b))),
                      "switch", host_track_);
@@ -2083,7 +2113,7 @@ class expert_runtime {
     }
     const expert_id id = geometry_.expert_at(f);
     policy_on_insert(t, f, access_context{.time = clock_, .layer = id.layer, .expert = id.expert});
-    runtime_layer_statistics& s = layer_stats_[id.layer];
+    runtime_layer_statistics& s = stats(t, id.layer);
     const char* category = "prefetch";
     if (kind == load_kind::prefetch) {
       v.prefetched = true;
@@ -2147,8 +2177,8 @@ class expert_runtime {
   std::uint64_t failed_acquires_ = 0;
   std::uint64_t peak_bytes_ = 0;
   std::uint64_t clock_ = 0;
-  std::uint32_t unused_prefetches_ = 0;  // versions with version::prefetched set
-  std::vector<runtime_layer_statistics> layer_stats_;
+  std::uint32_t unused_prefetches_ = 0;                // versions with version::prefetched set
+  std::vector<runtime_layer_statistics> layer_stats_;  // per (tier, layer): tier · layers + layer
   // Compute-stream stall per layer, written by the compute stream's thread (relaxed: statistics).
   std::unique_ptr<std::atomic<std::uint64_t>[]> stall_ns_;
   event_trace trace_;
