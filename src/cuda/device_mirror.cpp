@@ -2,6 +2,7 @@
 
 #include "expage/core/error.hpp"
 #include "expage/cuda/runtime.hpp"
+#include "staging_ring.hpp"
 
 #include <fmt/format.h>
 
@@ -13,41 +14,23 @@ device_mirror::device_mirror(std::size_t experts, cudaStream_t compute, std::siz
     throw invalid_argument(
         fmt::format("cuda::device_mirror: {} experts and {} staging slots must both be ≥ 1", experts, staging_slots));
   }
+  void* device = nullptr;
+  check(cudaMalloc(&device, experts * sizeof(version_record)), "cudaMalloc (device_mirror)");
+  device_ = static_cast<version_record*>(device);
   try {
-    void* device = nullptr;
-    check(cudaMalloc(&device, experts * sizeof(version_record)), "cudaMalloc (device_mirror)");
-    device_ = static_cast<version_record*>(device);
-    void* staging = nullptr;
-    check(cudaHostAlloc(&staging, staging_slots * sizeof(version_record), cudaHostAllocDefault),
-          "cudaHostAlloc (device_mirror staging)");
-    staging_ = static_cast<version_record*>(staging);
-    copied_.reserve(staging_slots);
-    for (std::size_t i = 0; i < staging_slots; ++i) {
-      cudaEvent_t e = nullptr;
-      check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags (device_mirror)");
-      copied_.push_back(e);
-    }
-    used_.assign(staging_slots, false);
+    staging_ = std::make_unique<detail::staging_ring>(staging_slots, sizeof(version_record), "cuda::device_mirror");
     check(cudaMemset(device_, 0, experts * sizeof(version_record)), "cudaMemset (device_mirror)");
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize (device_mirror construction)");
   } catch (...) {
-    release();
+    staging_.reset();
+    (void)cudaFree(device_);
     throw;
   }
 }
 
-device_mirror::~device_mirror() { release(); }
-
-void device_mirror::release() noexcept {
-  for (cudaEvent_t e : copied_) {
-    (void)cudaEventSynchronize(e);  // the copy reading the staging must finish before it is freed
-    (void)cudaEventDestroy(e);
-  }
-  copied_.clear();
-  if (staging_ != nullptr) (void)cudaFreeHost(staging_);
+device_mirror::~device_mirror() {
+  staging_.reset();  // waits for the copies reading it
   if (device_ != nullptr) (void)cudaFree(device_);
-  staging_ = nullptr;
-  device_ = nullptr;
 }
 
 void device_mirror::update(std::size_t index, const version_record& record) {
@@ -64,19 +47,7 @@ void device_mirror::update(std::size_t index, const version_record& record) {
         "after the capture ends",
         index));
   }
-  const std::size_t slot = next_;
-  if (used_[slot]) check(cudaEventSynchronize(copied_[slot]), "cudaEventSynchronize (device_mirror slot)");
-  staging_[slot] = record;
-  check(cudaMemcpyAsync(device_ + index, staging_ + slot, sizeof(version_record), cudaMemcpyHostToDevice, compute_),
-        "cudaMemcpyAsync (device_mirror update)");
-  if (const cudaError_t rc = cudaEventRecord(copied_[slot], compute_); rc != cudaSuccess) {
-    // The copy is queued but cannot be fenced: let it finish before the slot can be reused.
-    (void)cudaStreamSynchronize(compute_);
-    used_[slot] = false;
-    check(rc, "cudaEventRecord (device_mirror slot)");
-  }
-  used_[slot] = true;
-  next_ = (slot + 1) % copied_.size();
+  staging_->copy_async(device_ + index, &record, sizeof(version_record), compute_);
 }
 
 }  // namespace expage::cuda

@@ -9,6 +9,8 @@
 #include "expage/core/units.hpp"
 #include "expage/cuda/cuda_stream.hpp"
 #include "expage/cuda/cuda_vmm.hpp"
+#include "expage/cuda/device_expert_map.hpp"
+#include "expage/cuda/device_mirror.hpp"
 #include "expage/cuda/pinned_host_memory.hpp"
 #include "expage/cuda/runtime.hpp"
 #include "expage/memory/budget_tracker.hpp"
@@ -16,6 +18,8 @@
 #include "expage/runtime/expert_runtime.hpp"
 
 #include <gtest/gtest.h>
+
+#include <cuda_runtime_api.h>
 
 #include <random>
 #include <vector>
@@ -77,6 +81,106 @@ TEST(CudaExpertRuntime, LoadsEvictsAndEveryViewReadsTheExpertOnTheDevice) {
   compute.synchronize();
   EXPECT_GT(rt.statistics().total.evictions, 0U);
   EXPECT_LE(budget.root().used(), 4 * per_expert);
+}
+
+TEST(DeviceExpertMap, ConstructionWithoutADeviceIsACudaErrorNotACrash) {
+  if (cuda::device_available()) GTEST_SKIP() << "a device is present";
+  EXPECT_THROW(cuda::device_expert_map(16, 2, nullptr), cuda_error);
+  EXPECT_THROW(cuda::device_expert_map(16, 3, nullptr), invalid_argument);
+}
+
+// Two tiers (bf16, int4) with both device mirrors: after every lease and retargeting, the device
+// maps and records equal the host views, and every routed expert reads right through its record.
+TEST(CudaExpertRuntime, TwoTiersAndTheDeviceMirrorsFollowTheHostViews) {
+  if (!cuda::device_available()) GTEST_SKIP() << no_device_reason();
+  const moe_geometry g(moe_geometry::config{.name = "gpu-tiers",
+                                            .layers = 4,
+                                            .experts_per_layer = 8,
+                                            .top_k = 2,
+                                            .hidden_size = 1024,
+                                            .intermediate_size = 512});
+  cuda::pinned_host_memory pinned;
+  tensor_storage<cuda::cuda_stream> hi_store(g, precision::bf16, pinned);
+  tensor_storage<cuda::cuda_stream> lo_store(g, precision::int4, pinned);
+  const auto seed = [&](expert_id id, expert_tensor t, precision p) {
+    return g.flat_index(id) * 4 + static_cast<std::uint64_t>(t) * 2 + (p == precision::bf16 ? 0 : 1) + 11;
+  };
+  for (std::uint64_t f = 0; f < g.expert_count(); ++f) {
+    for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+      for (auto* store : {&hi_store, &lo_store}) {
+        auto slot = store->slot(g.expert_at(f), t);
+        fill_pattern(reinterpret_cast<std::uint64_t*>(slot.data()), store->tensor_bytes(t) / 8,
+                     seed(g.expert_at(f), t, store->format()));
+      }
+    }
+  }
+  cuda::cuda_vmm vmm;
+  cuda::cuda_stream copy, compute, prefetch;
+  const auto pages = [&](precision p) {
+    std::size_t n = 0;
+    for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+      n += (g.tensor_bytes(t, p) + vmm.granularity() - 1) / vmm.granularity() * vmm.granularity();
+    }
+    return n;
+  };
+  budget_tracker budget(2 * pages(precision::bf16) + 6 * pages(precision::int4));
+  cuda::device_mirror records(g.expert_count(), compute.native());
+  cuda::device_expert_map maps(g.expert_count(), 2, compute.native());
+  expert_runtime<cuda::cuda_vmm, cuda::cuda_stream, lru_policy> rt(
+      g, budget.root(), vmm, copy, compute,
+      tiered_source<cuda::cuda_stream>{.hi = expert_source<cuda::cuda_stream>::from(hi_store),
+                                       .lo = expert_source<cuda::cuda_stream>::from(lo_store)},
+      {.capacity = 2, .lo_capacity = 6, .record_mirror = &records, .map_mirror = &maps}, &prefetch);
+  std::mt19937_64 rng(5);
+  for (int step = 0; step < 60; ++step) {
+    const auto layer = static_cast<std::uint32_t>(rng() % g.layers());
+    const std::uint32_t a = static_cast<std::uint32_t>(rng() % 8);
+    const std::uint32_t routed[] = {a, (a + 1 + static_cast<std::uint32_t>(rng() % 7)) % 8};
+    if (step % 5 == 0) {
+      const residency_target t[] = {{{layer, a}, residency_state::resident_hi}};
+      rt.set_targets(t);
+    }
+    auto lease = rt.acquire(layer, routed);
+    compute.synchronize();
+    for (std::size_t i = 0; i < 2; ++i) {
+      const expert_id id{layer, routed[i]};
+      const precision p = rt.format(lease.tiers()[i]);
+      const auto& store = p == precision::bf16 ? hi_store : lo_store;
+      for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+        EXPECT_EQ(
+            device_mismatches(rt.records(layer)[routed[i]].tensor(t), store.tensor_bytes(t) / 8 * 8, seed(id, t, p)),
+            0U);
+      }
+    }
+    lease.release();
+    compute.synchronize();
+    prefetch.synchronize();
+    rt.poll();
+    compute.synchronize();
+    for (std::size_t tier = 0; tier < 2; ++tier) {
+      std::vector<std::int32_t> device(g.expert_count());
+      ASSERT_EQ(cudaMemcpy(device.data(), maps.map(static_cast<version_tier>(tier)), device.size() * 4,
+                           cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      for (std::uint32_t l = 0; l < g.layers(); ++l) {
+        for (std::uint32_t e = 0; e < 8; ++e) {
+          ASSERT_EQ(device[g.flat_index({l, e})], rt.expert_map(l, static_cast<version_tier>(tier))[e]) << step;
+        }
+      }
+    }
+    std::vector<version_record> device(g.expert_count());
+    ASSERT_EQ(
+        cudaMemcpy(device.data(), records.records(), device.size() * sizeof(version_record), cudaMemcpyDeviceToHost),
+        cudaSuccess);
+    for (std::uint32_t l = 0; l < g.layers(); ++l) {
+      for (std::uint32_t e = 0; e < 8; ++e) {
+        ASSERT_EQ(device[g.flat_index({l, e})].tensor(expert_tensor::gate_up),
+                  rt.records(l)[e].tensor(expert_tensor::gate_up));
+      }
+    }
+  }
+  EXPECT_GT(rt.statistics().total.switches, 0U);
+  EXPECT_EQ(maps.failed_updates(), 0U);
 }
 
 }  // namespace

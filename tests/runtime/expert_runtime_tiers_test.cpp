@@ -62,6 +62,14 @@ struct tiered_world : runtime_world {
             }};
   }
   [[nodiscard]] tiered_source<host_stream> sources() { return {.hi = source(), .lo = lo_source()}; }
+  [[nodiscard]] std::vector<std::int32_t> whole_map_of(const runtime& rt, version_tier tier) const {
+    std::vector<std::int32_t> out;
+    for (std::uint32_t l = 0; l < geometry.layers(); ++l) {
+      const auto m = rt.expert_map(l, tier);
+      out.insert(out.end(), m.begin(), m.end());
+    }
+    return out;
+  }
 
   // Enqueues on the compute stream a read of every routed expert through its record (what a
   // mixed-precision kernel does): the bytes must be the weights of the record's precision, and
@@ -175,6 +183,22 @@ struct tiered_world : runtime_world {
     }
     return s + fmt::format("used {}", tiers_account.used());
   }
+};
+
+// Shadows of the maps and records built only from what the mirror hooks were told: what a device
+// copy updated in stream order would hold.
+struct shadow_map final : expert_map_hook {
+  explicit shadow_map(std::size_t experts)
+      : map{std::vector<std::int32_t>(experts, -1), std::vector<std::int32_t>(experts, -1)} {}
+  void update(version_tier tier, std::size_t index, std::int32_t slot) noexcept override {
+    map[static_cast<std::size_t>(tier)][index] = slot;
+  }
+  std::array<std::vector<std::int32_t>, 2> map;
+};
+struct shadow_records final : mirror_hook {
+  explicit shadow_records(std::size_t experts) : records(experts) {}
+  void update(std::size_t index, const version_record& record) override { records[index] = record; }
+  std::vector<version_record> records;
 };
 
 // A completion the test completes by hand.
@@ -586,8 +610,10 @@ TEST(ExpertRuntimeTiers, ADoubleFaultEvictsTheVictimAndItsRecord) {
 TEST(ExpertRuntimeTiers, ViewsAgreeOnRandomWorkloads) {
   tiered_world w(3, 5);
   host_stream prefetch("prefetch");
+  shadow_map maps(w.geometry.expert_count());
+  shadow_records mirror(w.geometry.expert_count());
   runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
-             {.capacity = 3, .max_prefetch_in_flight = 3}, &prefetch);
+             {.capacity = 3, .max_prefetch_in_flight = 3, .record_mirror = &mirror, .map_mirror = &maps}, &prefetch);
   std::mt19937_64 rng(17);
   const std::size_t hi = rt.expert_bytes(version_tier::hi);
   std::optional<runtime::lease> held;
@@ -645,6 +671,17 @@ TEST(ExpertRuntimeTiers, ViewsAgreeOnRandomWorkloads) {
     prefetch.synchronize();
     ASSERT_EQ(w.check_tiers(rt), "") << "step " << step;
     ASSERT_LE(w.tiers_account.used(), w.tiers_account.capacity());
+    // The mirrors were told every change: they equal the host views.
+    for (std::size_t t = 0; t < 2; ++t) {
+      ASSERT_EQ(maps.map[t], w.whole_map_of(rt, static_cast<version_tier>(t))) << "step " << step;
+    }
+    for (std::uint32_t l = 0; l < w.geometry.layers(); ++l) {
+      for (std::uint32_t e = 0; e < w.geometry.experts_per_layer(); ++e) {
+        const version_record& r = mirror.records[w.geometry.flat_index({l, e})];
+        ASSERT_EQ(r.tensor(expert_tensor::gate_up), rt.records(l)[e].tensor(expert_tensor::gate_up)) << "step " << step;
+        ASSERT_EQ(r.format, rt.records(l)[e].format);
+      }
+    }
   }
   if (held) held->release();
   w.compute.synchronize();

@@ -7,9 +7,13 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
-#include <vector>
+#include <memory>
 
 namespace expage::cuda {
+
+namespace detail {
+class staging_ring;  // src/cuda/staging_ring.hpp
+}  // namespace detail
 
 /// @brief A device copy of a handle_table's mirror: one version_record per
 /// expert, in moe_geometry::flat_index order, at a device address fixed for
@@ -62,15 +66,10 @@ class device_mirror final : public mirror_hook {
   [[nodiscard]] std::size_t size() const noexcept { return experts_; }
 
  private:
-  void release() noexcept;
-
   std::size_t experts_;
   cudaStream_t compute_;
   version_record* device_ = nullptr;
-  version_record* staging_ = nullptr;  // pinned ring of staging records
-  std::vector<cudaEvent_t> copied_;    // per slot: recorded after the copy that read it
-  std::vector<bool> used_;             // per slot: copied_ has been recorded
-  std::size_t next_ = 0;
+  std::unique_ptr<detail::staging_ring> staging_;  // pinned ring of staging records
 };
 
 }  // namespace expage::cuda

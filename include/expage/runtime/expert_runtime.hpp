@@ -17,6 +17,7 @@
 #include "expage/residency/transition_manager.hpp"
 #include "expage/runtime/detail/inline_mutex.hpp"
 #include "expage/runtime/event_trace.hpp"
+#include "expage/runtime/expert_map_hook.hpp"
 #include "expage/stream/async_stream.hpp"
 #include "expage/vmm/virtual_memory.hpp"
 #include "expage/vmm/vmm_block_pool.hpp"
@@ -57,24 +58,6 @@ struct runtime_views {
   /// (c) The handle table's `version_record`s (DynaExq §3.2) for mixed-precision kernels.
   bool records = true;
 };
-
-/// @brief The two tiers of versions an expert_runtime holds (DynaExq §3.2: a high- and a
-/// low-precision version per expert). A runtime built from one source has only `hi`, whatever
-/// that source's precision; one built from a tiered_source has both.
-enum class version_tier : std::uint8_t {
-  hi = 0,  ///< The first source's versions (bf16, say).
-  lo = 1,  ///< The second source's versions (int4, say): cheaper to hold and to move.
-};
-/// Tiers a runtime can have.
-inline constexpr std::size_t version_tier_count = 2;
-/// "hi" or "lo".
-[[nodiscard]] constexpr std::string_view to_string(version_tier t) noexcept {
-  return t == version_tier::hi ? "hi" : "lo";
-}
-/// The residency_state a handle publishes when @p t's version becomes active: resident_hi or resident_lo.
-[[nodiscard]] constexpr residency_state resident_state(version_tier t) noexcept {
-  return t == version_tier::hi ? residency_state::resident_hi : residency_state::resident_lo;
-}
 
 /// @brief Where one precision's expert weights come from: a loader that enqueues, on the
 /// stream it is given, whatever fills a page with tensor `t` of expert `id` in `format`
@@ -119,6 +102,12 @@ struct expert_runtime_options {
   std::uint32_t max_prefetch_in_flight = 2;
   /// Events the Chrome trace keeps; 0: no trace.
   std::size_t trace_events = 0;
+  /// Told of every record the runtime publishes (view c), e.g. a `cuda::device_mirror` on the
+  /// compute stream; not owned, may be null. A failing update fails that publish (strong guarantee).
+  mirror_hook* record_mirror = nullptr;
+  /// Told of every change of an `expert_map` (view b), e.g. a `cuda::device_expert_map` on the
+  /// compute stream; not owned, may be null.
+  expert_map_hook* map_mirror = nullptr;
 };
 
 /// @brief Counters of one layer (and, summed, of the runtime).
@@ -913,7 +902,7 @@ class expert_runtime {
               {.max_blocks =
                    std::size_t{expert_count_} * (blocks_of(geometry, hi.format, vmm.granularity()) +
                                                  (lo ? blocks_of(geometry, lo->format, vmm.granularity()) : 0))}),
-        table_(geometry),
+        table_(geometry, handle_table_options{.mirror = options.record_mirror}),
         active_(expert_count_, no_tier),
         all_hi_(geometry.experts_per_layer(), version_tier::hi),
         target_(expert_count_, no_goal),
@@ -1005,6 +994,11 @@ class expert_runtime {
     if (tier_count_ != 2) return nullptr;
     version& v = tier(other(t)).versions[f];
     return v.slot >= 0 ? &v : nullptr;
+  }
+  // Entry f of tier t's expert_map becomes @p slot, on the host and through the map mirror.
+  void set_map(std::size_t t, std::uint32_t f, std::int32_t slot) noexcept {
+    tier(t).map[f] = slot;
+    if (options_.map_mirror != nullptr) options_.map_mirror->update(static_cast<version_tier>(t), f, slot);
   }
   [[nodiscard]] static std::uint8_t goal_of(residency_state s) noexcept {
     if (s == residency_state::resident_hi) return 0;
@@ -1398,13 +1392,13 @@ class expert_runtime {
       ++s.prefetch_wasted;
       s.prefetch_wasted_bytes += version_bytes(t);
     }
-    T.map[f] = -1;
+    if (active_[f] == t) set_map(t, f, -1);
     T.policy.on_evict(f);
     if (v.loading) std::erase(loading_, key(t, f));
     if (active_[f] == t) {
       if (const version* sib = sibling(t, f)) {  // the background version becomes the active one
         active_[f] = static_cast<std::uint8_t>(other(t));
-        tier(other(t)).map[f] = sib->slot;
+        set_map(other(t), f, sib->slot);
       } else {
         active_[f] = no_tier;
       }
@@ -1556,7 +1550,7 @@ class expert_runtime {
       v.loading = true;
       v.kind = load_kind::demand;
       loading_.push_back(key(d, p.expert));  // capacity experts × tiers reserved: never reallocates
-      D.map[p.expert] = p.slot;
+      set_map(d, p.expert, p.slot);
       active_[p.expert] = static_cast<std::uint8_t>(d);
     }
     for (std::size_t i = 0; i < group.size(); ++i) {
@@ -2107,7 +2101,7 @@ class expert_runtime {
     loading_.push_back(key(t, f));
     if (becomes_active) {
       active_[f] = static_cast<std::uint8_t>(t);
-      T.map[f] = slot;
+      set_map(t, f, slot);
     } else {
       background_.push_back(f);  // capacity expert_count_: never reallocates
     }

@@ -1,0 +1,68 @@
+#include "expage/cuda/device_expert_map.hpp"
+
+#include "expage/core/error.hpp"
+#include "expage/cuda/runtime.hpp"
+#include "staging_ring.hpp"
+
+#include <fmt/format.h>
+
+namespace expage::cuda {
+
+device_expert_map::device_expert_map(std::size_t experts, std::size_t tiers, cudaStream_t compute,
+                                     std::size_t staging_slots)
+    : experts_(experts), tiers_(tiers), compute_(compute) {
+  if (experts == 0 || tiers == 0 || tiers > version_tier_count || staging_slots == 0) {
+    throw invalid_argument(
+        fmt::format("cuda::device_expert_map: {} experts, {} tiers and {} staging slots out of range ([1, 2^64), [1, "
+                    "{}], [1, 2^64))",
+                    experts, tiers, staging_slots, version_tier_count));
+  }
+  void* device = nullptr;
+  check(cudaMalloc(&device, experts * tiers * sizeof(std::int32_t)), "cudaMalloc (device_expert_map)");
+  device_ = static_cast<std::int32_t*>(device);
+  try {
+    staging_ = std::make_unique<detail::staging_ring>(staging_slots, sizeof(std::int32_t), "cuda::device_expert_map");
+    check(cudaMemset(device_, 0xFF, experts * tiers * sizeof(std::int32_t)), "cudaMemset (device_expert_map)");  // −1
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize (device_expert_map construction)");
+  } catch (...) {
+    staging_.reset();
+    (void)cudaFree(device_);
+    throw;
+  }
+}
+
+device_expert_map::~device_expert_map() {
+  staging_.reset();  // waits for the copies reading it
+  if (device_ != nullptr) (void)cudaFree(device_);
+}
+
+void device_expert_map::update(version_tier tier, std::size_t index, std::int32_t slot) noexcept {
+  const auto t = static_cast<std::size_t>(tier);
+  try {
+    if (t >= tiers_ || index >= experts_) {
+      throw invalid_argument(
+          fmt::format("cuda::device_expert_map::update: tier {} entry {} out of range ({} tiers of {})",
+                      to_string(tier), index, tiers_, experts_));
+    }
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check(cudaStreamIsCapturing(compute_, &capture), "cudaStreamIsCapturing (device_expert_map)");
+    if (capture != cudaStreamCaptureStatusNone) {
+      throw cuda_error(static_cast<int>(cudaErrorStreamCaptureUnsupported),
+                       fmt::format("cuda::device_expert_map::update: the compute stream is being captured into a CUDA "
+                                   "graph; entry {} of tier {} was not copied (acquire outside the capture)",
+                                   index, to_string(tier)));
+    }
+    staging_->copy_async(device_ + t * experts_ + index, &slot, sizeof(slot), compute_);
+  } catch (const std::exception& e) {
+    if (failed_++ == 0) first_failure_ = e.what();
+  }
+}
+
+void device_expert_map::throw_if_failed() const {
+  if (failed_ != 0) {
+    throw cuda_error(static_cast<int>(cudaErrorUnknown),
+                     fmt::format("cuda::device_expert_map: {} updates failed; the first: {}", failed_, first_failure_));
+  }
+}
+
+}  // namespace expage::cuda
