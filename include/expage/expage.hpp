@@ -56,6 +56,7 @@
 #include "expage/residency/transition_manager.hpp"
 #include "expage/residency/version_record.hpp"
 #include "expage/runtime/event_trace.hpp"
+#include "expage/runtime/expert_map_hook.hpp"
 #include "expage/runtime/expert_runtime.hpp"
 #include "expage/sim/hardware_profile.hpp"
 #include "expage/sim/pager_sim.hpp"
