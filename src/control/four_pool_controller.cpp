@@ -402,7 +402,7 @@ four_pool_decision four_pool_controller::step() const {
 
   // Gate, reversal gate, dead zone, rate limit (WiSP App. B). A split breaking the coverage
   // constraint leaves whatever the gain.
-  if (d.target == current_) return d;
+  if (d.target == current_ || stats_.bursts <= config_.settle_bursts) return d;
   const double gain = d.current_cost - d.target_cost;
   const int dir = direction(current_, d.target);
   const double gate = last_move_ != 0 && dir != 0 && dir != last_move_ ? config_.reversal_gate : config_.gate;

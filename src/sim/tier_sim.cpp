@@ -256,8 +256,8 @@ class tier_engine {
           break;
         }
         case serve_action::load_hi:
-          if (queued_[f] == job::promote) unqueue(f);  // the queued promotion becomes a demand load
           if (room(f, tier_pool::hi)) {
+            if (queued_[f] == job::promote) unqueue(f);  // the queued promotion becomes this demand load
             at = demand(f, tier_pool::hi, now_, waited_behind);
           } else if (split_.tiered() && room(f, tier_pool::lo)) {  // no hi slot free now: lo this time
             at = demand(f, tier_pool::lo, now_, waited_behind);
@@ -356,14 +356,15 @@ class tier_engine {
   }
 
   // The least recently used version of pool @p p in @p layer that may go: active, not pinned by
-  // the group, nothing of its expert in flight, and (hi) not a hi-set member. -1 when none.
+  // the group, and (hi) not a hi-set member. A version whose expert has its other version on the
+  // way may go (the expert then waits for that one). -1 when none.
   [[nodiscard]] std::int64_t victim(std::uint32_t layer, tier_pool p) const noexcept {
     std::int64_t best = -1;
     std::uint64_t oldest = std::numeric_limits<std::uint64_t>::max();
     const auto& state = p == tier_pool::hi ? hi_ : lo_;
     const auto& stamp = p == tier_pool::hi ? stamp_hi_ : stamp_lo_;
     for (std::size_t f = std::size_t{layer} * e_, end = f + e_; f < end; ++f) {
-      if (state[f] != version::active || pinned_[f] != 0 || flying_[f] != 0) continue;
+      if (state[f] != version::active || pinned_[f] != 0) continue;
       if (p == tier_pool::hi && member_[f] != 0) continue;
       if (stamp[f] < oldest) {
         oldest = stamp[f];

@@ -206,6 +206,11 @@ struct four_pool_config {
   std::uint32_t rate_limit = std::numeric_limits<std::uint32_t>::max();
   std::uint32_t dead_zone = 1;  ///< Never move toward a target within this many slots in both pools, ≥ 1.
   std::uint32_t grid_step = 1;  ///< Candidate H and L every grid_step slots (admissible_splits()), ≥ 1.
+  /// Bursts the histograms see before the first move. Estimates from one or two bursts swing, and
+  /// a move made on them sets the direction the reversal gate then defends; but on the Mixtral
+  /// trace waiting costs more than it saves (3 bursts: +2 points over the grid on problem 0), so
+  /// the default moves at once.
+  std::uint32_t settle_bursts = 0;
   /// KV histogram bins over the budget's blocks; 0: exact (one block per bin) up to 2^22 blocks.
   std::uint32_t kv_bins = 0;
   /// A static split: the hi set still follows the traffic per interval, but no curves are kept and
