@@ -165,8 +165,9 @@ four_pool_split make_four_pool_split(const four_pool_model& m, std::uint32_t hi_
         "[{}, {}], tiered lo_slots ≥ {} and hi_slots + lo_slots ≤ {}, hi_slots ≤ {}, and the experts at most {} bytes "
         "(the budget {} less the KV floor {})",
         hi_slots, lo_slots, experts, m.min_group, m.experts_per_layer, m.min_group, m.experts_per_layer,
-        std::min(m.space.max_hi_slots, m.experts_per_layer), m.budget_bytes - std::max(m.kv_floor_bytes, m.space.min_kv_bytes),
-        m.budget_bytes, std::max(m.kv_floor_bytes, m.space.min_kv_bytes)));
+        std::min(m.space.max_hi_slots, m.experts_per_layer),
+        m.budget_bytes - std::max(m.kv_floor_bytes, m.space.min_kv_bytes), m.budget_bytes,
+        std::max(m.kv_floor_bytes, m.space.min_kv_bytes)));
   }
   return s;
 }
@@ -201,8 +202,8 @@ std::vector<four_pool_split> admissible_splits(const four_pool_model& m, std::ui
   }
   if (out.empty()) {
     const std::uint64_t floor = std::max(m.kv_floor_bytes, m.space.min_kv_bytes);
-    const std::uint64_t least = std::uint64_t{m.min_group} * m.layers *
-                                (m.space.tiered ? m.lo_expert_bytes : m.hi_expert_bytes);
+    const std::uint64_t least =
+        std::uint64_t{m.min_group} * m.layers * (m.space.tiered ? m.lo_expert_bytes : m.hi_expert_bytes);
     throw invalid_argument(fmt::format(
         "four-pool split: budget_bytes {} leaves {} bytes above the KV floor {}, below the {} bytes of the least "
         "admissible split ({} slots per layer of the {} version): the engine must not start there",
@@ -229,9 +230,9 @@ four_pool_controller::four_pool_controller(const four_pool_model& model, const f
       rank_({.max_capacity = model_.experts_per_layer, .bin_width = 1, .decay = config_.decay}),
       kv_(kv_histogram_config(model_.budget_bytes / model_.block_bytes, config_.kv_bins, config_.decay)) {
   if (!admissible(model_, initial)) {
-    throw invalid_argument(fmt::format(
-        "four_pool_controller: the initial split (hi_slots {}, lo_slots {}, kv_bytes {}) is not admissible",
-        initial.hi_slots, initial.lo_slots, initial.kv_bytes));
+    throw invalid_argument(
+        fmt::format("four_pool_controller: the initial split (hi_slots {}, lo_slots {}, kv_bytes {}) is not admissible",
+                    initial.hi_slots, initial.lo_slots, initial.kv_bytes));
   }
   (void)hot_.resize(n_hi_of(initial));
   const std::uint32_t e = model_.experts_per_layer;
@@ -424,7 +425,8 @@ four_pool_decision four_pool_controller::step() const {
   // a hi-only split keeps what fits as its LRU contents.
   if (current_.tiered() && next.hi_slots < current_.hi_slots) {
     for (std::uint32_t l = 0; l < model_.layers; ++l) {
-      for (const expert_index x : hot_.demotions_for(l, next.hi_slots)) d.hi_evictions.push_back({.layer = l, .expert = x});
+      for (const expert_index x : hot_.demotions_for(l, next.hi_slots))
+        d.hi_evictions.push_back({.layer = l, .expert = x});
     }
   }
   // Shrink before grow across the three pools (WiSP §3.5): the footprint stays within B at every
@@ -451,9 +453,9 @@ void four_pool_controller::commit(const four_pool_decision& decision, bool appli
   }
   if (decision.split == current_) return;
   if (!admissible(model_, decision.split)) {
-    throw invalid_argument(fmt::format(
-        "four_pool_controller::commit: split (hi_slots {}, lo_slots {}, kv_bytes {}) is not admissible",
-        decision.split.hi_slots, decision.split.lo_slots, decision.split.kv_bytes));
+    throw invalid_argument(
+        fmt::format("four_pool_controller::commit: split (hi_slots {}, lo_slots {}, kv_bytes {}) is not admissible",
+                    decision.split.hi_slots, decision.split.lo_slots, decision.split.kv_bytes));
   }
   const int dir = direction(current_, decision.split);
   if (dir != 0) {

@@ -181,9 +181,10 @@ std::vector<expert_index> hot_set_controller::demotions_for(std::uint32_t layer,
 
 hot_set_plan hot_set_controller::resize(std::uint32_t hi_per_layer) {
   if (hi_per_layer > config_.experts_per_layer) {
-    throw invalid_argument(fmt::format("hot_set_controller::resize: hi_per_layer {} out of range [0, {}] "
-                                       "(experts_per_layer)",
-                                       hi_per_layer, config_.experts_per_layer));
+    throw invalid_argument(
+        fmt::format("hot_set_controller::resize: hi_per_layer {} out of range [0, {}] "
+                    "(experts_per_layer)",
+                    hi_per_layer, config_.experts_per_layer));
   }
   hot_set_plan plan;
   for (std::uint32_t layer = 0; layer < config_.layers; ++layer) {

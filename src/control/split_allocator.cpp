@@ -86,8 +86,7 @@ decayed_reuse_histogram::config kv_histogram_config(std::uint64_t budget_blocks,
   const auto capacity = static_cast<std::size_t>(
       std::min<std::uint64_t>(std::max<std::uint64_t>(budget_blocks, 1), reuse_distance_tracker::max_key_count));
   const std::size_t n = bins == 0 ? most_exact : bins;
-  const std::size_t width =
-      bins == 0 && capacity <= most_exact ? 1 : std::max<std::size_t>(1, (capacity + n - 1) / n);
+  const std::size_t width = bins == 0 && capacity <= most_exact ? 1 : std::max<std::size_t>(1, (capacity + n - 1) / n);
   return {.max_capacity = capacity, .bin_width = width, .decay = decay};
 }
 

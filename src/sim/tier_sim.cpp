@@ -17,8 +17,8 @@ namespace expage {
 void check_tier_workload(const tier_workload& w) {
   check_split_workload(w.base);
   if (w.base.policy != policy_kind::lru) {
-    throw invalid_argument(fmt::format("tier workload: policy {} is not lru (both expert pools page with LRU)",
-                                       to_string(w.base.policy)));
+    throw invalid_argument(
+        fmt::format("tier workload: policy {} is not lru (both expert pools page with LRU)", to_string(w.base.policy)));
   }
   const auto& g = w.base.geometry;
   const precision hi = w.base.expert_options.format;
@@ -187,9 +187,7 @@ class tier_engine {
     for (const tier_target& t : targets) {
       const std::size_t f = flat(t.expert.layer, t.expert.expert);
       switch (t.state) {
-        case residency_state::resident_hi:
-          member_[f] = 1;
-          break;
+        case residency_state::resident_hi: member_[f] = 1; break;
         case residency_state::resident_lo:
           member_[f] = 0;
           if (queued_[f] == job::promote) unqueue(f);
@@ -232,9 +230,7 @@ class tier_engine {
       double waited_behind = 0.0;
       bool waited_late = false;
       switch (decide_serve(s, split_.tiered())) {
-        case serve_action::serve_hi:
-          touch(f, tier_pool::hi);
-          break;
+        case serve_action::serve_hi: touch(f, tier_pool::hi); break;
         case serve_action::serve_lo:
           touch(f, tier_pool::lo);
           served = tier_pool::lo;
@@ -320,8 +316,6 @@ class tier_engine {
     r.min_kv_bytes = min_kv_;
     r.invariant_violations = violations_ + occupancy_violations();
   }
-
-
 
  private:
   [[nodiscard]] std::size_t flat(std::uint32_t layer, expert_index x) const noexcept {
@@ -464,14 +458,13 @@ class tier_engine {
       if (member_[f] == 0 || hi_[f] != version::none || !split_.tiered()) return readiness::stale;
       const std::uint32_t layer = layer_of(f);
       return hi_used_[layer] < split_.hi_slots || victim(layer, tier_pool::hi) >= 0 ? readiness::start
-                                                                                  : readiness::wait;
+                                                                                    : readiness::wait;
     }
     if (member_[f] != 0 || hi_[f] != version::active || lo_[f] != version::none || !split_.tiered()) {
       return readiness::stale;
     }
     const std::uint32_t layer = layer_of(f);
-    return lo_used_[layer] < split_.lo_slots || victim(layer, tier_pool::lo) >= 0 ? readiness::start
-                                                                                : readiness::wait;
+    return lo_used_[layer] < split_.lo_slots || victim(layer, tier_pool::lo) >= 0 ? readiness::start : readiness::wait;
   }
 
   // Lets the links catch up to `until`: in time order, background transfers land and queued ones
@@ -710,7 +703,8 @@ std::uint64_t burst_count(const tier_workload& w) {
 }
 
 std::string split_name(const four_pool_split& s) {
-  return s.tiered() ? fmt::format("static:{}+{}", s.hi_slots, s.lo_slots) : fmt::format("static:hi-only {}", s.hi_slots);
+  return s.tiered() ? fmt::format("static:{}+{}", s.hi_slots, s.lo_slots)
+                    : fmt::format("static:hi-only {}", s.hi_slots);
 }
 
 // The LRU stack depths, ascending, of the cached blocks whose session is open after step @p step:
@@ -732,7 +726,8 @@ std::vector<std::uint64_t> open_depths(const kv_block_stream& kv, std::span<cons
 // One run: the controller (frozen for a static split) drives the engine pass by pass.
 tier_run run(const tier_workload& w, const four_pool_model& m, four_pool_controller& controller,
              const four_pool_options* options, std::string name) {
-  const std::function<resize_fault(std::uint64_t)>* fault = options != nullptr ? &options->inject_resize_fault : nullptr;
+  const std::function<resize_fault(std::uint64_t)>* fault =
+      options != nullptr ? &options->inject_resize_fault : nullptr;
   const sim_options& o = w.base.expert_options;
   const cost_model hi =
       make_cost_model(w.base.geometry, o.hardware, o.format, o.dense_bytes_per_layer, o.transfer_compute_ratio);
@@ -788,6 +783,8 @@ tier_run run(const tier_workload& w, const four_pool_model& m, four_pool_control
     }
   }
   engine.finish();
+  out.hi_sets.reserve(m.layers);
+  for (std::uint32_t l = 0; l < m.layers; ++l) out.hi_sets.push_back(controller.hot_set().hot_set(l));
 
   // The KV pool, resized at the same barriers.
   std::vector<kv_capacity_change> schedule;
@@ -823,8 +820,9 @@ tier_run run(const tier_workload& w, const four_pool_model& m, four_pool_control
     out.lo_activations += x.lo_activations;
     counted += end - x.first_pass;
   }
-  out.tokens = static_cast<std::uint64_t>(static_cast<long double>(stream.tokens()) * static_cast<long double>(counted) /
-                                          static_cast<long double>(stream.passes()));
+  out.tokens =
+      static_cast<std::uint64_t>(static_cast<long double>(stream.tokens()) * static_cast<long double>(counted) /
+                                 static_cast<long double>(stream.passes()));
   out.lo_activation_seconds = w.lo_activation_seconds;
   engine.report(out);
   out.invariant_violations += mismatches;

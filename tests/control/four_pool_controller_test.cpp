@@ -36,9 +36,10 @@ four_pool_model small_model(std::uint64_t budget, std::uint64_t floor) {
 // The admissibility rule, written out.
 bool admissible_by_hand(const four_pool_model& m, std::uint32_t hi, std::uint32_t lo) {
   const std::uint32_t e = m.experts_per_layer;
-  const bool shape = lo == 0 ? m.space.hi_only && hi >= m.min_group && hi <= e
-                             : m.space.tiered && lo >= m.min_group && hi + lo <= e;
-  const std::uint64_t experts = std::uint64_t{hi} * m.layers * m.hi_expert_bytes + std::uint64_t{lo} * m.layers * m.lo_expert_bytes;
+  const bool shape =
+      lo == 0 ? m.space.hi_only && hi >= m.min_group && hi <= e : m.space.tiered && lo >= m.min_group && hi + lo <= e;
+  const std::uint64_t experts =
+      std::uint64_t{hi} * m.layers * m.hi_expert_bytes + std::uint64_t{lo} * m.layers * m.lo_expert_bytes;
   return shape && hi <= m.space.max_hi_slots && experts <= m.budget_bytes &&
          m.budget_bytes - experts >= std::max(m.kv_floor_bytes, m.space.min_kv_bytes);
 }
@@ -150,8 +151,8 @@ TEST(FourPoolController, TargetsMapOntoTheRuntimesType) {
 
 // Per layer, misses of an LRU cache of `slots` over the experts of index ≥ `first`, first sights
 // not counted (warm misses): the exact curve the controller's histograms must reproduce.
-std::uint64_t warm_lru_misses(const std::vector<std::pair<std::uint32_t, std::uint32_t>>& accesses, std::uint32_t layers,
-                              std::uint32_t first, std::uint32_t slots) {
+std::uint64_t warm_lru_misses(const std::vector<std::pair<std::uint32_t, std::uint32_t>>& accesses,
+                              std::uint32_t layers, std::uint32_t first, std::uint32_t slots) {
   std::vector<std::list<std::uint32_t>> lru(layers);
   std::vector<std::vector<bool>> seen(layers, std::vector<bool>(64, false));
   std::uint64_t misses = 0;
@@ -197,11 +198,12 @@ TEST(FourPoolController, CurvesEqualExactLruCurvesOfTheFilteredStreams) {
       if (!s.tiered()) {
         expected = m.hi_miss_seconds * static_cast<double>(warm_lru_misses(accesses, 2, 0, s.hi_slots));
       } else {
-        const auto outside = std::count_if(accesses.begin(), accesses.end(), [&](auto a) { return a.second >= s.hi_slots; });
+        const auto outside =
+            std::count_if(accesses.begin(), accesses.end(), [&](auto a) { return a.second >= s.hi_slots; });
         expected = m.lo_miss_seconds * static_cast<double>(warm_lru_misses(accesses, 2, s.hi_slots, s.lo_slots)) +
                    m.lo_activation_seconds * static_cast<double>(outside);
-        EXPECT_NEAR(c.predicted_hi_coverage(s), 1.0 - static_cast<double>(outside) / static_cast<double>(accesses.size()),
-                    1e-12);
+        EXPECT_NEAR(c.predicted_hi_coverage(s),
+                    1.0 - static_cast<double>(outside) / static_cast<double>(accesses.size()), 1e-12);
       }
       EXPECT_NEAR(c.predicted_cost(s), expected, 1e-9) << s.hi_slots << "+" << s.lo_slots;
     }
@@ -251,7 +253,8 @@ TEST(FourPoolController, StepTakesTheGridMinimumAndShrinksBeforeGrowing) {
     EXPECT_EQ(d.moved, !(d.split == c.current()));
     if (!d.moved) continue;
     EXPECT_EQ(d.split, d.target);  // no rate limit, no dead zone beyond 1
-    std::array<std::uint64_t, 3> bytes{hi_pool_bytes(m, c.current()), lo_pool_bytes(m, c.current()), c.current().kv_bytes};
+    std::array<std::uint64_t, 3> bytes{hi_pool_bytes(m, c.current()), lo_pool_bytes(m, c.current()),
+                                       c.current().kv_bytes};
     bool grown = false;
     for (const pool_resize& r : d.steps) {
       const auto p = static_cast<std::size_t>(r.pool);
@@ -374,7 +377,8 @@ TEST(FourPoolController, OpenSessionBlocksRaiseTheKvValue) {
   for (std::uint64_t d = 0; d < 80; ++d) depths.push_back(d);
   c.set_kv_open_depths(depths);
   const auto blocks = kv_pool_blocks(m, small_kv);
-  EXPECT_DOUBLE_EQ(c.predicted_cost(small_kv), m.kv_miss_seconds * static_cast<double>(80 - std::min<std::uint64_t>(blocks, 80)));
+  EXPECT_DOUBLE_EQ(c.predicted_cost(small_kv),
+                   m.kv_miss_seconds * static_cast<double>(80 - std::min<std::uint64_t>(blocks, 80)));
   EXPECT_LT(c.predicted_cost(big_kv), c.predicted_cost(small_kv));
   EXPECT_THROW(c.set_kv_open_depths({3, 1}), invalid_argument);
 }

@@ -88,7 +88,8 @@ struct fixture {
     w.expert_options.layout = cache_layout::per_layer;
     w.expert_options.transfer_compute_ratio = 2.0;
     w.expert_options.hardware.links[0].setup_seconds = 0.0;
-    w.expert_options.dense_bytes_per_layer = 20000;  // the same for both precisions (simulate() estimates per precision)
+    w.expert_options.dense_bytes_per_layer =
+        20000;  // the same for both precisions (simulate() estimates per precision)
     w.kv_bytes_per_token = 512;
     w.budget_bytes = static_cast<std::uint64_t>(budget_slots * static_cast<double>(slot()));
     w.kv_floor_bytes = 2 * slot();
@@ -96,7 +97,9 @@ struct fixture {
     workload.lo_activation_seconds = 0.25 * make_four_pool_model(workload).hi_miss_seconds;
     workload.hot.margin = 0.1875;  // κ = 0.75 of the mean count per interval (2 passes × top-2 / 16 experts)
   }
-  [[nodiscard]] std::uint64_t slot() const { return std::uint64_t{geometry.layers()} * geometry.expert_bytes(precision::bf16); }
+  [[nodiscard]] std::uint64_t slot() const {
+    return std::uint64_t{geometry.layers()} * geometry.expert_bytes(precision::bf16);
+  }
 };
 
 // ---- the simulator against the single-precision one ------------------------------------------
@@ -166,8 +169,10 @@ struct reference_result {
 
 reference_result reference_tiered(const tier_workload& w, const four_pool_model& m, const four_pool_split& split) {
   const sim_options& o = w.base.expert_options;
-  const cost_model hi = make_cost_model(w.base.geometry, o.hardware, o.format, o.dense_bytes_per_layer, o.transfer_compute_ratio);
-  const cost_model lo = make_cost_model(w.base.geometry, o.hardware, w.lo_format, o.dense_bytes_per_layer, o.transfer_compute_ratio);
+  const cost_model hi =
+      make_cost_model(w.base.geometry, o.hardware, o.format, o.dense_bytes_per_layer, o.transfer_compute_ratio);
+  const cost_model lo =
+      make_cost_model(w.base.geometry, o.hardware, w.lo_format, o.dense_bytes_per_layer, o.transfer_compute_ratio);
   const double t_hi = hi.transfer_seconds[0];
   const double t_lo = lo.transfer_seconds[0];
   const access_stream& s = *w.base.experts;
@@ -260,7 +265,8 @@ reference_result reference_tiered(const tier_workload& w, const four_pool_model&
     }
   };
   const auto earliest = [&] {
-    return std::min_element(flights.begin(), flights.end(), [](const flight& a, const flight& b) { return a.done < b.done; });
+    return std::min_element(flights.begin(), flights.end(),
+                            [](const flight& a, const flight& b) { return a.done < b.done; });
   };
   const auto advance = [&](double until) {
     for (;;) {
@@ -465,7 +471,8 @@ TEST(TierSim, InvariantsHoldUnderRefusedResizesAndFailedTransfers) {
     EXPECT_GE(r.min_kv_bytes, m.kv_floor_bytes);
     for (const auto& b : r.bursts) EXPECT_TRUE(admissible(m, b.split));
     // Static splits under failed transfers too.
-    for (const auto& s : {make_four_pool_split(m, 2, 5), make_four_pool_split(m, 4, 0), make_four_pool_split(m, 0, 2)}) {
+    for (const auto& s :
+         {make_four_pool_split(m, 2, 5), make_four_pool_split(m, 4, 0), make_four_pool_split(m, 0, 2)}) {
       const tier_run x = evaluate_tier_split(f.workload, s);
       EXPECT_EQ(x.invariant_violations, 0U);
       EXPECT_LE(x.budget_peak_bytes, m.budget_bytes);
@@ -591,7 +598,6 @@ double quantile(std::vector<double> v, double q) {
   return v[static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5)];
 }
 
-
 // cost() of @p r over its bursts from @p warmup on, with the quality price @p lambda.
 double cost_after(const tier_run& r, std::size_t warmup, double lambda) {
   double c = 0.0;
@@ -666,8 +672,8 @@ TEST(TierSim, FourPoolAcceptanceOnMixtralHumanEval) {
             for (std::size_t i = 1; i < grid.size(); ++i) {
               if (cost(grid[i]) < cost(grid[best])) best = i;
             }
-            const double per_token = static_cast<double>(std::max<std::uint64_t>(
-                online.tokens * (online.bursts.size() - warmup) / online.bursts.size(), 1));
+            const double per_token = static_cast<double>(
+                std::max<std::uint64_t>(online.tokens * (online.bursts.size() - warmup) / online.bursts.size(), 1));
             line += fmt::format(" | {}: grid {} {:.3f} ms/tok, four-pool {:+.1f}%", warmup == 0 ? "run" : "steady",
                                 grid[best].controller, cost(grid[best]) / per_token * 1e3,
                                 100 * (cost(online) / cost(grid[best]) - 1));

@@ -170,12 +170,12 @@ struct pool_resize {
 
 /// @brief What four_pool_controller::step() decided at a burst's drained barrier.
 struct four_pool_decision {
-  four_pool_split split;   ///< The split to apply now (the current one when nothing moves).
-  four_pool_split target;  ///< The predicted-cost minimiser over the admissible splits.
-  double current_cost = 0.0;           ///< Predicted cost of the current split, seconds over the window.
-  double target_cost = 0.0;            ///< Predicted cost of the target.
-  double current_hi_coverage = 1.0;    ///< Predicted share of activations served hi, current split.
-  double target_hi_coverage = 1.0;     ///< The same for the target.
+  four_pool_split split;             ///< The split to apply now (the current one when nothing moves).
+  four_pool_split target;            ///< The predicted-cost minimiser over the admissible splits.
+  double current_cost = 0.0;         ///< Predicted cost of the current split, seconds over the window.
+  double target_cost = 0.0;          ///< Predicted cost of the target.
+  double current_hi_coverage = 1.0;  ///< Predicted share of activations served hi, current split.
+  double target_hi_coverage = 1.0;   ///< The same for the target.
   /// Seconds saved per byte by one more slot (block) of each pool at the current split, the others
   /// fixed, indexed by tier_pool: the one unit in which the equimarginal rule compares the pools.
   std::array<double, 3> marginal_seconds_per_byte{};
@@ -361,13 +361,13 @@ class four_pool_controller {
   std::vector<four_pool_split> candidates_;
   four_pool_split current_;
   hot_set_controller hot_;
-  decayed_reuse_histogram rank_;                  // Â: the rank of each activation's expert
+  decayed_reuse_histogram rank_;                   // Â: the rank of each activation's expert
   std::vector<decayed_reuse_histogram> filtered_;  // M̂_H for H = 0..E: distances among experts of rank ≥ H
   decayed_reuse_histogram kv_;
-  std::vector<expert_index> stacks_;               // per layer (E entries each), most recent first
-  std::vector<std::uint32_t> depth_;               // per layer: entries of its stack in use
-  std::vector<std::uint32_t> rank_of_;             // scratch: rank of every expert of one layer
-  std::vector<std::uint32_t> above_;               // scratch: ranks above an access in its stack
+  std::vector<expert_index> stacks_;           // per layer (E entries each), most recent first
+  std::vector<std::uint32_t> depth_;           // per layer: entries of its stack in use
+  std::vector<std::uint32_t> rank_of_;         // scratch: rank of every expert of one layer
+  std::vector<std::uint32_t> above_;           // scratch: ranks above an access in its stack
   std::vector<std::uint64_t> kv_open_depths_;  // ascending
   four_pool_statistics stats_;
   int last_move_ = 0;

@@ -25,7 +25,8 @@ class routing_trace;
 struct hot_set_config {
   std::uint32_t layers = 0;             ///< MoE layers, ≥ 1.
   std::uint32_t experts_per_layer = 0;  ///< Experts per layer, ≥ 1.
-  std::uint32_t hi_per_layer = 0;       ///< n_hi: the hi set's size in every layer, in [1, experts_per_layer] (resize() may set 0).
+  std::uint32_t hi_per_layer =
+      0;  ///< n_hi: the hi set's size in every layer, in [1, experts_per_layer] (resize() may set 0).
   /// α of the EMA S ← α·S + (1 − α)·c, in [0, 1) (DynaExq §3.5; no value given in the paper).
   double decay = 0.8;
   /// δ: additive hysteresis margin in score units (routed activations per interval), ≥ 0. A challenger

@@ -80,44 +80,47 @@ void check_tier_workload(const tier_workload& workload);
 
 /// @brief One burst of a tier run.
 struct tier_burst {
-  std::uint64_t first_pass = 0;       ///< Its first pass.
-  four_pool_split split;              ///< The split in force.
-  double expert_stall_seconds = 0.0;  ///< Stall waiting for experts (a barrier's drain included).
-  double kv_recompute_seconds = 0.0;  ///< KV recompute.
-  std::uint64_t activations = 0;      ///< Routed activations served.
-  std::uint64_t lo_activations = 0;   ///< Of those, served at lo.
-  four_pool_split target;             ///< Online runs: the controller's target at this burst's end.
-  double predicted_cost = 0.0;        ///< Online runs: the predicted cost of the split in force.
+  std::uint64_t first_pass = 0;        ///< Its first pass.
+  four_pool_split split;               ///< The split in force.
+  double expert_stall_seconds = 0.0;   ///< Stall waiting for experts (a barrier's drain included).
+  double kv_recompute_seconds = 0.0;   ///< KV recompute.
+  std::uint64_t activations = 0;       ///< Routed activations served.
+  std::uint64_t lo_activations = 0;    ///< Of those, served at lo.
+  four_pool_split target;              ///< Online runs: the controller's target at this burst's end.
+  double predicted_cost = 0.0;         ///< Online runs: the predicted cost of the split in force.
   double predicted_target_cost = 0.0;  ///< Online runs: of the target.
 };
 
 /// @brief A tier run measured by the simulator.
 struct tier_run {
-  std::string controller;                ///< "static:hi-only H", "static:H+L", "four-pool", ...
-  std::vector<tier_burst> bursts;        ///< Per burst, in order.
-  double expert_stall_seconds = 0.0;     ///< After the warm-up bursts.
-  double kv_recompute_seconds = 0.0;     ///< After the warm-up.
-  double compute_seconds = 0.0;          ///< After the warm-up.
-  double lo_activation_seconds = 0.0;    ///< λ_q of the workload.
-  std::uint64_t activations = 0;         ///< After the warm-up.
-  std::uint64_t lo_activations = 0;      ///< Served at lo, after the warm-up.
-  std::uint64_t tokens = 0;              ///< Tokens charged.
-  std::uint64_t demand_hi_loads = 0;     ///< Hi versions loaded on demand (whole run).
-  std::uint64_t demand_lo_loads = 0;     ///< Lo versions loaded on demand.
-  std::uint64_t promotions = 0;          ///< Background hi transfers landed (the hi set's promotions).
-  std::uint64_t demotions = 0;           ///< Background lo transfers landed (demotions to the lo tier).
-  std::uint64_t dropped_transfers = 0;   ///< Queued background transfers dropped unstarted (a barrier, a demand).
-  std::uint64_t failed_transfers = 0;    ///< Transfers that failed (fault injection).
-  std::uint64_t bytes_moved = 0;         ///< Bytes of every transfer started.
-  std::uint64_t moves = 0;               ///< Barriers at which the split changed.
-  std::uint64_t reversals = 0;           ///< Moves against the previous one (four_pool_controller's direction).
-  std::uint64_t failed_resizes = 0;      ///< Moves refused (the previous split stayed, WiSP D3).
-  std::uint64_t budget_peak_bytes = 0;   ///< High-water mark of hi + lo + KV bytes, transients included.
-  std::uint64_t min_kv_bytes = 0;        ///< The least KV pool in force.
+  std::string controller;               ///< "static:hi-only H", "static:H+L", "four-pool", ...
+  std::vector<tier_burst> bursts;       ///< Per burst, in order.
+  double expert_stall_seconds = 0.0;    ///< After the warm-up bursts.
+  double kv_recompute_seconds = 0.0;    ///< After the warm-up.
+  double compute_seconds = 0.0;         ///< After the warm-up.
+  double lo_activation_seconds = 0.0;   ///< λ_q of the workload.
+  std::uint64_t activations = 0;        ///< After the warm-up.
+  std::uint64_t lo_activations = 0;     ///< Served at lo, after the warm-up.
+  std::uint64_t tokens = 0;             ///< Tokens charged.
+  std::uint64_t demand_hi_loads = 0;    ///< Hi versions loaded on demand (whole run).
+  std::uint64_t demand_lo_loads = 0;    ///< Lo versions loaded on demand.
+  std::uint64_t promotions = 0;         ///< Background hi transfers landed (the hi set's promotions).
+  std::uint64_t demotions = 0;          ///< Background lo transfers landed (demotions to the lo tier).
+  std::uint64_t dropped_transfers = 0;  ///< Queued background transfers dropped unstarted (a barrier, a demand).
+  std::uint64_t failed_transfers = 0;   ///< Transfers that failed (fault injection).
+  std::uint64_t bytes_moved = 0;        ///< Bytes of every transfer started.
+  std::uint64_t moves = 0;              ///< Barriers at which the split changed.
+  std::uint64_t reversals = 0;          ///< Moves against the previous one (four_pool_controller's direction).
+  std::uint64_t failed_resizes = 0;     ///< Moves refused (the previous split stayed, WiSP D3).
+  std::uint64_t budget_peak_bytes = 0;  ///< High-water mark of hi + lo + KV bytes, transients included.
+  std::uint64_t min_kv_bytes = 0;       ///< The least KV pool in force.
   /// Checks that failed (a pool over its slots, a pinned or in-flight version evicted, the budget
   /// refusing a reservation the slot counts allowed): 0 in a correct run.
   std::uint64_t invariant_violations = 0;
   std::uint64_t converged_burst = 0;  ///< The first burst from which the split never changes.
+  /// The hi set of every layer at the end of the run (the members the hysteresis controller
+  /// chose; empty without a lo tier), ascending.
+  std::vector<std::vector<expert_index>> hi_sets;
 
   /// λ_q × lo activations, seconds.
   [[nodiscard]] double quality_seconds() const noexcept {
@@ -137,8 +140,7 @@ struct tier_run {
   [[nodiscard]] double kv_recompute_per_token() const noexcept { return per_token(kv_recompute_seconds); }
   /// Share of activations served at hi (1 with none).
   [[nodiscard]] double hi_coverage() const noexcept {
-    return activations == 0 ? 1.0
-                            : 1.0 - static_cast<double>(lo_activations) / static_cast<double>(activations);
+    return activations == 0 ? 1.0 : 1.0 - static_cast<double>(lo_activations) / static_cast<double>(activations);
   }
 
  private:
@@ -198,8 +200,7 @@ struct four_pool_options {
 /// - "hi+lo": the expert tiers split online within a fixed KV share (@p kv_share_bytes, e.g. the
 ///   grid oracle's KV pool: a share chosen with hindsight).
 /// @return the runs in that order (a space the budget cannot admit is skipped).
-[[nodiscard]] std::vector<tier_run> run_two_pool_baselines(const tier_workload& workload,
-                                                           std::uint64_t kv_share_bytes,
+[[nodiscard]] std::vector<tier_run> run_two_pool_baselines(const tier_workload& workload, std::uint64_t kv_share_bytes,
                                                            const four_pool_options& options = {});
 
 }  // namespace expage
