@@ -314,6 +314,10 @@ class tier_engine {
     r.bytes_moved = bytes_;
     r.budget_peak_bytes = tracker_.root().statistics().peak;
     r.min_kv_bytes = min_kv_;
+    r.stall_seconds[static_cast<std::size_t>(stall_cause::demand_miss)] = demand_stall_;
+    r.stall_seconds[static_cast<std::size_t>(stall_cause::late_prefetch)] = late_stall_;
+    r.stall_seconds[static_cast<std::size_t>(stall_cause::queued_behind_prefetch)] = behind_stall_;
+    r.stall_seconds[static_cast<std::size_t>(stall_cause::resize)] = resize_stall_;
     r.invariant_violations = violations_ + occupancy_violations();
   }
 

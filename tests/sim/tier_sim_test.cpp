@@ -1,5 +1,6 @@
 #include "expage/sim/tier_sim.hpp"
 
+#include "common/split_workloads.hpp"
 #include "common/traces.hpp"
 #include "expage/core/error.hpp"
 #include "expage/trace/synthetic_trace.hpp"
@@ -23,82 +24,25 @@ std::string describe(const four_pool_split& s) {
   return s.tiered() ? fmt::format("{}+{}", s.hi_slots, s.lo_slots) : fmt::format("hi{}", s.hi_slots);
 }
 
-moe_geometry small() {  // bf16 expert 12,288 bytes
-  return moe_geometry(moe_geometry::config{
-      .name = "small", .layers = 6, .experts_per_layer = 16, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
-}
+using testing::mixtral_kv_bytes_per_token;
+using testing::quantile;
+using testing::tiled;
 
-routing_trace traffic(std::uint64_t seed, std::uint32_t steps, double zipf = 1.2) {
-  synthetic_options so;
-  so.seed = seed;
-  so.sequences = 1;
-  so.decode_steps = steps;
-  so.zipf_exponent = zipf;
-  return generate_synthetic(small(), so);
-}
 
-kv_phase tool_calls(std::uint64_t steps) {
-  return {.name = "tool-calls",
-          .steps = steps,
-          .concurrency = 4,
-          .turns = 6,
-          .prompt_tokens = 64,
-          .append_tokens = 32,
-          .decode_tokens = 10,
-          .think_steps = 24,
-          .shared_prefix_tokens = 64};
-}
-
-kv_phase long_context(std::uint64_t steps) {
-  return {.name = "long-context",
-          .steps = steps,
-          .concurrency = 3,
-          .turns = 3,
-          .prompt_tokens = 700,
-          .append_tokens = 120,
-          .decode_tokens = 24,
-          .think_steps = 30,
-          .shared_prefix_tokens = 0};
-}
+kv_phase tool_calls(std::uint64_t steps) { return testing::small_tool_calls(steps); }
+kv_phase long_context(std::uint64_t steps) { return testing::small_long_context(steps); }
 
 // A small workload: synthetic routing on `small`, a session mix, a budget in hi slots (a bf16
 // expert in every layer) above a floor of two slots; c2c-like ratio with free setup.
-struct fixture {
-  moe_geometry geometry = small();
-  access_stream experts;
-  kv_block_stream kv;
+struct fixture : testing::small_split_fixture {
   tier_workload workload;
 
   fixture(std::vector<kv_phase> phases, double budget_slots, std::uint64_t seed = 9)
-      : experts(traffic(seed,
-                        [&] {
-                          std::uint64_t n = 0;
-                          for (const auto& p : phases) n += p.steps;
-                          return static_cast<std::uint32_t>(n);
-                        }()),
-                small().top_k()) {
-    kv_session_options ko;
-    ko.phases = std::move(phases);
-    ko.seed = seed;
-    kv = generate_kv_sessions(ko);
-    split_workload& w = workload.base;
-    w.experts = &experts;
-    w.kv = &kv;
-    w.geometry = geometry;
-    w.expert_options.layout = cache_layout::per_layer;
-    w.expert_options.transfer_compute_ratio = 2.0;
-    w.expert_options.hardware.links[0].setup_seconds = 0.0;
-    w.expert_options.dense_bytes_per_layer =
-        20000;  // the same for both precisions (simulate() estimates per precision)
-    w.kv_bytes_per_token = 512;
-    w.budget_bytes = static_cast<std::uint64_t>(budget_slots * static_cast<double>(slot()));
-    w.kv_floor_bytes = 2 * slot();
-    w.burst_passes = 16;
+      : small_split_fixture(std::move(phases), budget_slots, seed, 1.2) {
+    workload.base = small_split_fixture::workload;
+    workload.base.expert_options.dense_bytes_per_layer = 20000;  // the same for both precisions
     workload.lo_activation_seconds = 0.25 * make_four_pool_model(workload).hi_miss_seconds;
     workload.hot.margin = 0.1875;  // κ = 0.75 of the mean count per interval (2 passes × top-2 / 16 experts)
-  }
-  [[nodiscard]] std::uint64_t slot() const {
-    return std::uint64_t{geometry.layers()} * geometry.expert_bytes(precision::bf16);
   }
 };
 
@@ -466,6 +410,9 @@ TEST(TierSim, InvariantsHoldUnderRefusedResizesAndFailedTransfers) {
     SCOPED_TRACE(seed);
     EXPECT_GT(r.failed_transfers, 0U);
     EXPECT_GT(r.failed_resizes, 0U);
+    double by_cause = 0.0;
+    for (const double x : r.stall_seconds) by_cause += x;
+    EXPECT_NEAR(by_cause, r.expert_stall_seconds, 1e-9 * std::max(1.0, r.expert_stall_seconds));
     EXPECT_EQ(r.invariant_violations, 0U);
     EXPECT_LE(r.budget_peak_bytes, m.budget_bytes);
     EXPECT_GE(r.min_kv_bytes, m.kv_floor_bytes);
@@ -570,32 +517,6 @@ TEST(TierSim, BadWorkloadsAreNamed) {
   }
   EXPECT_THROW(static_cast<void>(evaluate_tier_split(f.workload, {.hi_slots = 20, .lo_slots = 0, .kv_bytes = 0})),
                invalid_argument);
-}
-
-// Problem @p sequence of @p t, its decode steps repeated @p times as one longer sequence.
-routing_trace tiled(const routing_trace& t, std::uint32_t sequence, std::uint32_t times) {
-  routing_trace out(t.layers(), t.experts_per_layer(), t.top_k());
-  std::uint32_t length = 0;
-  for (const routing_event& e : t) {
-    if (e.sequence == sequence) length = std::max(length, e.step + 1);
-  }
-  for (std::uint32_t r = 0; r < times; ++r) {
-    for (const routing_event& e : t) {
-      if (e.sequence != sequence) continue;
-      routing_event x = e;
-      x.sequence = 0;
-      x.step = e.step + r * length;
-      out.append(x);
-    }
-  }
-  return out;
-}
-
-constexpr std::uint64_t mixtral_kv_bytes_per_token = 32 * 8 * 128 * 2 * 2;
-
-double quantile(std::vector<double> v, double q) {
-  std::sort(v.begin(), v.end());
-  return v[static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5)];
 }
 
 // cost() of @p r over its bursts from @p warmup on, with the quality price @p lambda.

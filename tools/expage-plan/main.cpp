@@ -305,6 +305,16 @@ std::string splits_json(const std::vector<split_report>& splits, std::string_vie
   return fmt::format("[{}]", fmt::join(rows, ","));
 }
 
+// The opening of an SVG of @p width × @p height with @p title above its plots.
+std::string svg_header(double width, double height, double left, const std::string& title) {
+  return fmt::format(
+      R"(<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}" font-family="sans-serif" font-size="12">)"
+      "\n"
+      R"(<text x="{}" y="22" font-size="14">{}</text>)"
+      "\n",
+      width, height, left, title);
+}
+
 // The four-pool analysis: the (hi, lo, KV) grid, the online controller and the two-pool ones,
 // all run by the tier simulator on the session mix's KV stream.
 struct tier_report {
@@ -385,12 +395,7 @@ std::string tiers_svg(const tier_report& t, const std::string& title, std::uint6
   max_y = max_y > 0 ? max_y * 1.1 : 1;
   const auto x_of = [&](double v) { return left + v / max_x * pw; };
   const auto y_of = [&](double ms) { return top + panel - ms / max_y * panel; };
-  std::string out = fmt::format(
-      R"(<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}" font-family="sans-serif" font-size="12">)"
-      "\n"
-      R"(<text x="{}" y="22" font-size="14">{}</text>)"
-      "\n",
-      width, height, left, title);
+  std::string out = svg_header(width, height, left, title);
   const auto axes = [&](double y0, const std::string& xlabel, const std::string& ylabel, double xmax, double ymax) {
     out += fmt::format(
         R"(<line x1="{0}" y1="{1}" x2="{2}" y2="{1}" stroke="black"/><line x1="{0}" y1="{3}" x2="{0}" y2="{1}" stroke="black"/>)"
@@ -521,17 +526,15 @@ std::string plan_svg(const expage::plan_result& plan, const std::string& title) 
   const double pw = width - left - right, ph = height - top - bottom;
   const auto x_of = [&](double gib) { return left + gib / max_x * pw; };
   const auto y_of = [&](double ms) { return top + ph - ms / max_y * ph; };
-  std::string out = fmt::format(
-      R"(<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}" font-family="sans-serif" font-size="12">)"
-      "\n"
-      R"(<text x="{}" y="22" font-size="14">{}</text>)"
-      "\n"
-      R"(<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="black"/><line x1="{}" y1="{}" x2="{}" y2="{}" stroke="black"/>)"
-      "\n"
-      R"svg(<text x="{}" y="{}">expert memory (GiB)</text><text x="12" y="{}" transform="rotate(-90 12 {})">time per token (ms)</text>)svg"
-      "\n",
-      width, height, left, title, left, top + ph, left + pw, top + ph, left, top, left, top + ph, left + pw / 2 - 50,
-      height - 12, top + ph / 2 + 40, top + ph / 2 + 40);
+  std::string out =
+      svg_header(width, height, left, title) +
+      fmt::format(
+          R"(<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="black"/><line x1="{}" y1="{}" x2="{}" y2="{}" stroke="black"/>)"
+          "\n"
+          R"svg(<text x="{}" y="{}">expert memory (GiB)</text><text x="12" y="{}" transform="rotate(-90 12 {})">time per token (ms)</text>)svg"
+          "\n",
+          left, top + ph, left + pw, top + ph, left, top, left, top + ph, left + pw / 2 - 50, height - 12,
+          top + ph / 2 + 40, top + ph / 2 + 40);
   for (int t = 0; t <= 4; ++t) {
     out += fmt::format(
         R"(<text x="{}" y="{}" text-anchor="middle">{:.3g}</text><text x="{}" y="{}" text-anchor="end">{:.3g}</text>)"

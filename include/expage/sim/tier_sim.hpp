@@ -41,6 +41,7 @@
 #include "expage/core/precision.hpp"
 #include "expage/sim/split_sim.hpp"
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -93,15 +94,19 @@ struct tier_burst {
 
 /// @brief A tier run measured by the simulator.
 struct tier_run {
-  std::string controller;               ///< "static:hi-only H", "static:H+L", "four-pool", ...
-  std::vector<tier_burst> bursts;       ///< Per burst, in order.
-  double expert_stall_seconds = 0.0;    ///< After the warm-up bursts.
-  double kv_recompute_seconds = 0.0;    ///< After the warm-up.
-  double compute_seconds = 0.0;         ///< After the warm-up.
-  double lo_activation_seconds = 0.0;   ///< λ_q of the workload.
-  std::uint64_t activations = 0;        ///< After the warm-up.
-  std::uint64_t lo_activations = 0;     ///< Served at lo, after the warm-up.
-  std::uint64_t tokens = 0;             ///< Tokens charged.
+  std::string controller;              ///< "static:hi-only H", "static:H+L", "four-pool", ...
+  std::vector<tier_burst> bursts;      ///< Per burst, in order.
+  double expert_stall_seconds = 0.0;   ///< After the warm-up bursts.
+  double kv_recompute_seconds = 0.0;   ///< After the warm-up.
+  double compute_seconds = 0.0;        ///< After the warm-up.
+  double lo_activation_seconds = 0.0;  ///< λ_q of the workload.
+  std::uint64_t activations = 0;       ///< After the warm-up.
+  std::uint64_t lo_activations = 0;    ///< Served at lo, after the warm-up.
+  std::uint64_t tokens = 0;            ///< Tokens charged.
+  /// Expert stall of the whole run (warm-up included) by cause: demand loads, waits for a hi-set
+  /// transfer in flight (late_prefetch), demand loads queued behind one (queued_behind_prefetch),
+  /// barrier drains (resize).
+  std::array<double, stall_cause_count> stall_seconds{};
   std::uint64_t demand_hi_loads = 0;    ///< Hi versions loaded on demand (whole run).
   std::uint64_t demand_lo_loads = 0;    ///< Lo versions loaded on demand.
   std::uint64_t promotions = 0;         ///< Background hi transfers landed (the hi set's promotions).
