@@ -213,8 +213,8 @@ std::vector<four_pool_split> admissible_splits(const four_pool_model& m, std::ui
   return out;
 }
 
-std::vector<tier_target> four_pool_decision::to_targets() const {
-  std::vector<tier_target> out;
+std::vector<residency_target> four_pool_decision::to_targets() const {
+  std::vector<residency_target> out;
   out.reserve(hi_evictions.size());
   for (const expert_id id : hi_evictions) out.push_back({.expert = id, .state = residency_state::absent});
   return out;
@@ -281,12 +281,21 @@ void four_pool_controller::record(std::uint32_t layer, std::span<const expert_in
   }
 }
 
-std::vector<tier_target> four_pool_controller::end_interval() {
+std::vector<residency_target> four_pool_controller::end_interval() {
   const hot_set_plan plan = hot_.end_interval(nullptr);
-  std::vector<tier_target> out;
-  out.reserve(plan.demotions.size() + plan.promotions.size());
+  std::vector<residency_target> out;
+  out.reserve(plan.demotions.size() + std::size_t{model_.layers} * hot_.config().hi_per_layer);
   for (const expert_id id : plan.demotions) out.push_back({.expert = id, .state = residency_state::resident_lo});
   for (const expert_id id : plan.promotions) out.push_back({.expert = id, .state = residency_state::resident_hi});
+  // The other members: set_targets() cancels pending requests a list leaves out.
+  for (std::uint32_t l = 0; l < model_.layers; ++l) {
+    for (const expert_index x : hot_.hot_set(l)) {
+      const expert_id id{.layer = l, .expert = x};
+      if (std::find(plan.promotions.begin(), plan.promotions.end(), id) == plan.promotions.end()) {
+        out.push_back({.expert = id, .state = residency_state::resident_hi});
+      }
+    }
+  }
   if (!config_.frozen) {
     // Hotness changes only here: rank every layer once (descending S, ties to the lower index, as
     // the hot set ranks them).

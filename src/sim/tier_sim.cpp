@@ -66,6 +66,7 @@ four_pool_model make_four_pool_model(const tier_workload& w) {
   m.lo_activation_seconds = w.lo_activation_seconds;
   m.min_hi_coverage = w.min_hi_coverage;
   m.min_group = s.min_expert_cap;
+  m.members_load_hi = w.members_load_hi;
   return m;
 }
 
@@ -183,8 +184,8 @@ class tier_engine {
   }
 
   // Applies the hi set's transitions decided at an interval's end (at the current time).
-  void apply_targets(std::span<const tier_target> targets) {
-    for (const tier_target& t : targets) {
+  void apply_targets(std::span<const residency_target> targets) {
+    for (const residency_target& t : targets) {
       const std::size_t f = flat(t.expert.layer, t.expert.expert);
       switch (t.state) {
         case residency_state::resident_hi: member_[f] = 1; break;
@@ -229,7 +230,7 @@ class tier_engine {
       double at = now_;
       double waited_behind = 0.0;
       bool waited_late = false;
-      switch (decide_serve(s, split_.tiered())) {
+      switch (decide_serve(s, split_.tiered(), m_.members_load_hi)) {
         case serve_action::serve_hi: touch(f, tier_pool::hi); break;
         case serve_action::serve_lo:
           touch(f, tier_pool::lo);

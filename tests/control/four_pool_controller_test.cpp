@@ -130,23 +130,45 @@ TEST(FourPoolController, TheServeRuleOfIssue12) {
   EXPECT_EQ(decide_serve({.in_flight = true}, true), a::wait);
   EXPECT_EQ(decide_serve({.member = true}, true), a::load_hi);  // a hi-set member loads hi
   EXPECT_EQ(decide_serve({}, true), a::load_lo);
-  EXPECT_EQ(decide_serve({}, false), a::load_hi);  // no lo tier: the hi pool pages on demand
+  EXPECT_EQ(decide_serve({}, false), a::load_hi);                      // no lo tier: the hi pool pages on demand
+  EXPECT_EQ(decide_serve({.member = true}, true, false), a::load_lo);  // expert_runtime's fixed demand tier lo
+  EXPECT_EQ(decide_serve({.member = true}, false, false), a::load_hi);
   EXPECT_EQ(to_string(a::load_lo), "load-lo");
 }
 
-struct runtime_target {  // the shape of expert_runtime::target
-  expert_id expert;
-  residency_state state;
-};
-
-TEST(FourPoolController, TargetsMapOntoTheRuntimesType) {
-  const std::vector<tier_target> t = {{.expert = {.layer = 1, .expert = 3}, .state = residency_state::resident_lo},
-                                      {.expert = {.layer = 0, .expert = 2}, .state = residency_state::resident_hi}};
-  const auto out = to_runtime_targets<runtime_target>(t);
-  ASSERT_EQ(out.size(), 2U);
-  EXPECT_EQ(out[0].expert.expert, 3U);
-  EXPECT_EQ(out[0].state, residency_state::resident_lo);
-  EXPECT_EQ(out[1].state, residency_state::resident_hi);
+// Every interval's list names all the hi set's members (the runtime replaces pending requests
+// with each list), demotions first, then the interval's promotions, then the other members.
+TEST(FourPoolController, IntervalTargetsListEveryMemberAfterTheDemotions) {
+  std::mt19937_64 rng(2);
+  const four_pool_model m = small_model(800, 14);
+  four_pool_controller c(m, {}, make_four_pool_split(m, 3, 3));
+  for (int interval = 0; interval < 40; ++interval) {
+    for (int step = 0; step < 4; ++step) {
+      for (std::uint32_t layer = 0; layer < 2; ++layer) {
+        const expert_index a = static_cast<expert_index>(rng() % 6);
+        const expert_index b = static_cast<expert_index>((a + 1 + rng() % 5) % 6);
+        const expert_index group[] = {a, b};
+        c.record(layer, group);
+      }
+    }
+    const auto targets = c.end_interval();
+    std::size_t members = 0;
+    for (std::uint32_t l = 0; l < 2; ++l) members += c.hot_set().hot_set(l).size();
+    std::size_t hi = 0;
+    bool seen_hi = false;
+    for (const residency_target& t : targets) {
+      if (t.state == residency_state::resident_hi) {
+        ++hi;
+        seen_hi = true;
+        EXPECT_TRUE(c.hot_set().is_hot(t.expert));
+      } else {
+        EXPECT_EQ(t.state, residency_state::resident_lo);
+        EXPECT_FALSE(seen_hi) << "demotions come first";
+        EXPECT_FALSE(c.hot_set().is_hot(t.expert));
+      }
+    }
+    EXPECT_EQ(hi, members);
+  }
 }
 
 // Per layer, misses of an LRU cache of `slots` over the experts of index ≥ `first`, first sights
@@ -339,7 +361,7 @@ TEST(FourPoolController, CommitResizesTheHiSetOrKeepsThePreviousSplit) {
   EXPECT_EQ(c.current(), d.split);
   EXPECT_EQ(c.hot_set().config().hi_per_layer, d.split.tiered() ? d.split.hi_slots : 0U);
   for (const expert_id id : expected_drops) EXPECT_FALSE(c.hot_set().is_hot(id));
-  for (const tier_target& t : d.to_targets()) EXPECT_EQ(t.state, residency_state::absent);
+  for (const residency_target& t : d.to_targets()) EXPECT_EQ(t.state, residency_state::absent);
   EXPECT_EQ(c.statistics().moves, 1U);
 }
 

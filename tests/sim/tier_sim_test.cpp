@@ -28,7 +28,6 @@ using testing::mixtral_kv_bytes_per_token;
 using testing::quantile;
 using testing::tiled;
 
-
 kv_phase tool_calls(std::uint64_t steps) { return testing::small_tool_calls(steps); }
 kv_phase long_context(std::uint64_t steps) { return testing::small_long_context(steps); }
 
@@ -302,7 +301,7 @@ reference_result reference_tiered(const tier_workload& w, const four_pool_model&
           if (!room(f, t.to_hi)) ADD_FAILURE() << "the reference found no slot";
           ready = std::max(ready, load(f, t.to_hi, t.done));
         }
-      } else if (y.member && room(f, true)) {
+      } else if (y.member && w.members_load_hi && room(f, true)) {
         queue.remove_if([&](const job& q) { return q.f == f; });
         ready = std::max(ready, load(f, true, now));
         ++n_hi;
@@ -331,6 +330,7 @@ TEST(TierSim, TieredSplitsEqualASlowReference) {
     f.workload.hot.max_promotions_per_layer = 1 + static_cast<std::uint32_t>(seed % 3);
     f.workload.interval_passes = 1 + seed % 3;
     f.workload.base.expert_options.transfer_compute_ratio = seed % 2 == 0 ? 0.8 : 3.0;  // idle link time, or none
+    f.workload.members_load_hi = seed % 3 != 0;  // and expert_runtime's rule: every miss loads lo
     const four_pool_model m = make_four_pool_model(f.workload);
     for (const four_pool_split& s : admissible_splits(m)) {
       if (!s.tiered() || s.hi_slots == 0 || (s.hi_slots + s.lo_slots) % 3 != seed % 3) continue;
@@ -346,6 +346,9 @@ TEST(TierSim, TieredSplitsEqualASlowReference) {
       EXPECT_EQ(r.invariant_violations, 0U);
       EXPECT_LE(r.budget_peak_bytes, m.budget_bytes);
       EXPECT_GT(r.promotions, 0U);
+      if (!f.workload.members_load_hi) {
+        EXPECT_EQ(r.demand_hi_loads, 0U);
+      }
     }
   }
 }

@@ -64,6 +64,9 @@ struct four_pool_model {
   double min_hi_coverage = 0.0;
   /// g ≥ 1: the most experts one layer-step routes; a pool that loads on demand needs ≥ g slots.
   std::uint32_t min_group = 1;
+  /// The serve rule's choice for a hi-set member missing both versions: load hi (true), or the lo
+  /// tier like any miss (false: `expert_runtime`'s fixed demand tier lo). decide_serve().
+  bool members_load_hi = true;
   four_pool_space space{};  ///< Which splits are admissible.
 };
 
@@ -131,33 +134,16 @@ struct expert_residency {
 
 /// @brief The per-layer rule (issue 12: "serve a hi miss from a resident lo version or load lo"):
 /// hi if resident; else the resident lo version (no stall, quality price); else wait for a
-/// version in flight; else load on demand: hi for a hi-set member (its promotion has not landed,
-/// HOBBIT-style "load hi by a rule") or when there is no lo tier, lo otherwise.
-[[nodiscard]] constexpr serve_action decide_serve(const expert_residency& s, bool lo_tier) noexcept {
+/// version in flight; else load on demand: hi when there is no lo tier, or for a hi-set member
+/// (its promotion has not landed: "load hi by a rule") when @p members_load_hi, lo otherwise.
+/// `expert_runtime` as built loads its fixed demand tier (lo by default) for every miss, which is
+/// this rule with @p members_load_hi false.
+[[nodiscard]] constexpr serve_action decide_serve(const expert_residency& s, bool lo_tier,
+                                                  bool members_load_hi = true) noexcept {
   if (s.hi_ready) return serve_action::serve_hi;
   if (s.lo_ready) return serve_action::serve_lo;
   if (s.in_flight) return serve_action::wait;
-  return s.member || !lo_tier ? serve_action::load_hi : serve_action::load_lo;
-}
-
-/// @brief One residency target for the runtime: the aggregate shape of
-/// `expert_runtime::target` and `transition_manager` targets ({expert, state}).
-struct tier_target {
-  expert_id expert;       ///< Which expert.
-  residency_state state;  ///< resident_hi (promote), resident_lo (demote to the lo tier) or absent (drop).
-  /// Equal when both fields are.
-  friend bool operator==(const tier_target&, const tier_target&) = default;
-};
-
-/// The targets as the runtime's own type: pass `expert_runtime::target` (any aggregate of an
-/// expert_id `expert` and a residency_state `state`) as @p Target. The order is kept (drops and
-/// demotions before promotions).
-template <class Target>
-[[nodiscard]] std::vector<Target> to_runtime_targets(std::span<const tier_target> targets) {
-  std::vector<Target> out;
-  out.reserve(targets.size());
-  for (const tier_target& t : targets) out.push_back(Target{t.expert, t.state});
-  return out;
+  return !lo_tier || (s.member && members_load_hi) ? serve_action::load_hi : serve_action::load_lo;
 }
 
 /// One resize step of a burst decision: set @p pool to @p bytes.
@@ -186,8 +172,8 @@ struct four_pool_decision {
   /// The resizes in order (WiSP §3.5 extended to three pools): every shrinking pool first, so the
   /// transient footprint never exceeds B, then the growing pools, most valuable per byte first.
   std::vector<pool_resize> steps;
-  /// hi_evictions as `absent` targets.
-  [[nodiscard]] std::vector<tier_target> to_targets() const;
+  /// hi_evictions as `absent` targets (`expert_runtime::target` is residency_target).
+  [[nodiscard]] std::vector<residency_target> to_targets() const;
 };
 
 /// @brief The knobs of the four-pool controller.
@@ -274,12 +260,12 @@ struct four_pool_statistics {
 ///     c.record(layer, routed);
 ///   }
 ///   for (auto d : kv_reuse_distances) c.kv().record(d);
-///   if (end_of_interval) rt.set_targets(expage::to_runtime_targets<expert_runtime::target>(c.end_interval()));
+///   if (end_of_interval) rt.set_targets(c.end_interval());
 ///   if (end_of_burst) {                                 // a drained barrier
 ///     const auto d = c.step();
 ///     bool ok = true;
 ///     if (d.moved) {
-///       rt.set_targets(expage::to_runtime_targets<expert_runtime::target>(d.to_targets()));
+///       rt.set_targets(d.to_targets());
 ///       ok = apply_in_order(d.steps);                   // resize_tiers() and the KV pool's resize
 ///       c.commit(d, ok);
 ///     }
@@ -297,9 +283,9 @@ class four_pool_controller {
 
   // ---- per layer -------------------------------------------------------------------------------
 
-  /// decide_serve() with the split in force.
+  /// decide_serve() with the split in force and the model's members_load_hi.
   [[nodiscard]] serve_action serve(const expert_residency& s) const noexcept {
-    return decide_serve(s, current_.tiered());
+    return decide_serve(s, current_.tiered(), model_.members_load_hi);
   }
   /// Counts one layer's routing: the hot set's counters, and (unless frozen) the expert curves.
   /// @throws expage::invalid_argument naming a layer or expert out of range; nothing is counted then.
@@ -319,9 +305,12 @@ class four_pool_controller {
 
   // ---- per interval ----------------------------------------------------------------------------
 
-  /// Ends a hot-set interval (hot_set_controller::end_interval()): the hi set's transitions as
-  /// targets, demotions (resident_lo) before promotions (resident_hi); none without a lo tier.
-  [[nodiscard]] std::vector<tier_target> end_interval();
+  /// Ends a hot-set interval (hot_set_controller::end_interval()) and returns the targets for
+  /// `set_targets()`, in priority order: the interval's demotions (resident_lo), its promotions
+  /// (resident_hi), then every other member of the hi set (resident_hi). The runtime replaces its
+  /// pending requests with each list, so a promotion decided earlier and not yet done must be
+  /// listed again; a member already hi is a no-op. None without a lo tier.
+  [[nodiscard]] std::vector<residency_target> end_interval();
 
   // ---- per burst -------------------------------------------------------------------------------
 

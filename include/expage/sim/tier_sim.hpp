@@ -13,8 +13,8 @@
 ///   flight is never preempted (PreScope premise 3); each link is a serial queue;
 /// - every routed expert is pinned and served by decide_serve(): hi if resident; else its resident
 ///   lo version (no stall, λ_q charged); else wait for a version in flight; else a demand load,
-///   ahead of every queued transfer, on the link that finishes it first: hi for a hi-set member or
-///   without a lo tier, lo otherwise (into the lo pool's LRU);
+///   ahead of every queued transfer, on the link that finishes it first: hi without a lo tier (or
+///   for a hi-set member, with members_load_hi), lo otherwise (into the lo pool's LRU);
 /// - the layer computes once its last expert is ready, for the roofline time of what it reads
 ///   (dense bytes plus each expert at the precision it is served at); its stall is ready − now.
 ///
@@ -60,6 +60,9 @@ struct tier_workload {
   double lo_activation_seconds = 0.0;     ///< λ_q: seconds charged per activation served at lo, ≥ 0.
   double min_hi_coverage = 0.0;           ///< q_min in [0, 1]: the controller's coverage constraint.
   std::uint64_t interval_passes = 2;      ///< The hot set's interval, in passes, ≥ 1.
+  /// The serve rule for a hi-set member missing both versions (four_pool_model::members_load_hi):
+  /// true loads hi; false loads the lo tier like any miss, as `expert_runtime` with its demand tier lo.
+  bool members_load_hi = true;
   /// The hot set's hysteresis (decay, margin, rank slack, promotions per layer per interval); its
   /// dimensions and n_hi come from the geometry and the split.
   hot_set_config hot{};
