@@ -320,6 +320,8 @@ class four_pool_controller {
   [[nodiscard]] four_pool_decision step() const;
   /// Records the outcome of applying @p decision: on success its split is in force (the hi set is
   /// resized to it); on failure the previous split stays (WiSP D3) and the failure is counted.
+  /// @throws expage::invalid_argument when @p applied and the decision's split is not admissible
+  ///         (nothing changes).
   void commit(const four_pool_decision& decision, bool applied);
 
   /// The predicted cost of @p split (seconds over the histograms' window). @pre admissible.
