@@ -24,6 +24,7 @@
 #include "expage/cache/sieve_policy.hpp"
 #include "expage/cache/slot_cache.hpp"
 #include "expage/cache/token_groups.hpp"
+#include "expage/control/four_pool_controller.hpp"
 #include "expage/control/hot_set_controller.hpp"
 #include "expage/control/placement.hpp"
 #include "expage/control/residency_planner.hpp"

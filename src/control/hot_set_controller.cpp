@@ -146,10 +146,13 @@ void hot_set_controller::update_layer(std::uint32_t layer, budget_account* budge
       if (!(score_[base + xe] > 0.0) || !promote(xe)) break;
       continue;
     }
+    if (members_[layer] == 0) break;  // n_hi = 0 (resize()): an empty hi tier, nothing to swap
     const auto he = static_cast<expert_index>(coldest_member());
     // Hysteresis (§3.5): the same additive margin for promotion and demotion, and the rank slack.
     if (!(score_[base + xe] > score_[base + he] + config_.margin)) break;
-    if (rank_[he] < config_.hi_per_layer + config_.rank_slack) break;
+    // The slack in force shrinks when a resize() left less room than it (n_hi + slack ≤ E).
+    const std::uint32_t slack = std::min(config_.rank_slack, n_experts - config_.hi_per_layer);
+    if (rank_[he] < config_.hi_per_layer + slack) break;
     // Evict first, so the successor's reservation can use the bytes just returned.
     member_[base + he] = 0;
     --members_[layer];
@@ -159,6 +162,43 @@ void hot_set_controller::update_layer(std::uint32_t layer, budget_account* budge
     if (!promote(xe)) break;
   }
   stats_.max_promotions_in_layer = std::max(stats_.max_promotions_in_layer, promoted);
+}
+
+std::vector<expert_index> hot_set_controller::demotions_for(std::uint32_t layer, std::uint32_t hi_per_layer) const {
+  const std::size_t base = std::size_t{layer} * config_.experts_per_layer;
+  std::vector<expert_index> members;
+  for (expert_index e = 0; e < config_.experts_per_layer; ++e) {
+    if (member_[base + e] != 0) members.push_back(e);
+  }
+  if (members.size() <= hi_per_layer) return {};
+  // Coldest first: lowest S, ties to the higher index (the reverse of update_layer()'s ranking).
+  std::stable_sort(members.begin(), members.end(), [&](expert_index x, expert_index y) {
+    return score_[base + x] < score_[base + y] || (score_[base + x] == score_[base + y] && x > y);
+  });
+  members.resize(members.size() - hi_per_layer);
+  return members;
+}
+
+hot_set_plan hot_set_controller::resize(std::uint32_t hi_per_layer) {
+  if (hi_per_layer > config_.experts_per_layer) {
+    throw invalid_argument(
+        fmt::format("hot_set_controller::resize: hi_per_layer {} out of range [0, {}] "
+                    "(experts_per_layer)",
+                    hi_per_layer, config_.experts_per_layer));
+  }
+  hot_set_plan plan;
+  for (std::uint32_t layer = 0; layer < config_.layers; ++layer) {
+    for (const expert_index e : demotions_for(layer, hi_per_layer)) {
+      const std::size_t f = index({.layer = layer, .expert = e});
+      member_[f] = 0;
+      --members_[layer];
+      held_[f].release();
+      ++stats_.demotions;
+      plan.demotions.push_back({.layer = layer, .expert = e});
+    }
+  }
+  config_.hi_per_layer = hi_per_layer;
+  return plan;
 }
 
 hot_set_evaluation evaluate_hot_set(const routing_trace& trace, const hot_set_config& config,

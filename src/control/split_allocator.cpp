@@ -80,6 +80,16 @@ std::uint64_t kv_blocks(const split_model& m, std::uint32_t cap) noexcept {
   return (m.budget_bytes - std::uint64_t{cap} * m.slot_bytes) / m.block_bytes;  // Eq. 10, in blocks
 }
 
+decayed_reuse_histogram::config kv_histogram_config(std::uint64_t budget_blocks, std::uint32_t bins,
+                                                    double decay) noexcept {
+  constexpr std::size_t most_exact = std::size_t{1} << 22;
+  const auto capacity = static_cast<std::size_t>(
+      std::min<std::uint64_t>(std::max<std::uint64_t>(budget_blocks, 1), reuse_distance_tracker::max_key_count));
+  const std::size_t n = bins == 0 ? most_exact : bins;
+  const std::size_t width = bins == 0 && capacity <= most_exact ? 1 : std::max<std::size_t>(1, (capacity + n - 1) / n);
+  return {.max_capacity = capacity, .bin_width = width, .decay = decay};
+}
+
 std::uint64_t kv_admission_floor(std::uint64_t concurrency, std::uint64_t context_tokens,
                                  std::uint64_t kv_bytes_per_token) {
   std::uint64_t tokens = 0;

@@ -47,6 +47,9 @@ class detail::kv_session_generator {
     for (std::size_t i = 0; i < options_.phases.size(); ++i)
       phase(options_.phases[i], static_cast<std::uint32_t>(i), out);
     out.keys_ = next_id_;
+    const std::uint64_t steps = out.offset_.size() - 1;
+    for (auto& c : close_) c = c == open_ ? steps : c;  // still open at the end
+    out.close_ = std::move(close_);
     return out;
   }
 
@@ -64,6 +67,7 @@ class detail::kv_session_generator {
       throw invalid_argument(fmt::format("generate_kv_sessions: more than {} blocks; raise block_tokens",
                                          std::numeric_limits<std::uint32_t>::max() - 1));
     }
+    close_.push_back(open_);
     return next_id_++;
   }
 
@@ -74,6 +78,7 @@ class detail::kv_session_generator {
   }
 
   void start_session(session& s, const kv_phase& p) {
+    close(s.own);
     s.own.clear();
     s.tokens = 0;
     s.turn = 0;
@@ -101,9 +106,10 @@ class detail::kv_session_generator {
       s.wait = rng_() % (std::uint64_t{p.think_steps} + 1);
     }
     for (std::uint64_t step = 0; step < p.steps; ++step) {
+      step_ = out.offset_.size() - 1;
       const std::size_t first = out.blocks_.size();
       bool any = false;
-      const auto read = [&](const session& s) {
+      const auto read = [&](session& s) {
         if (!any) {
           out.blocks_.insert(out.blocks_.end(), shared.begin(), shared.end());
           any = true;
@@ -131,6 +137,7 @@ class detail::kv_session_generator {
             ++s.turn;
             s.decoding = false;
             s.wait = s.turn >= p.turns ? 0 : draw(p.think_steps, 0);
+            if (s.turn >= p.turns) close(s.own);  // its last turn ended: the session is closed
           }
         }
       }
@@ -145,11 +152,26 @@ class detail::kv_session_generator {
       out.offset_.push_back(out.blocks_.size());
       out.phase_.push_back(index);
     }
+    // The phase ends: its sessions and its shared prefix close.
+    step_ = out.offset_.size() - 2;
+    for (const session& s : slots) close(s.own);
+    close(shared);
   }
 
+  // Records that the blocks @p blocks are closed at the end of the current step (once: the first
+  // close stands).
+  void close(const std::vector<std::uint32_t>& blocks) {
+    for (const std::uint32_t b : blocks) {
+      if (close_[b] == open_) close_[b] = step_;
+    }
+  }
+
+  static constexpr std::uint64_t open_ = std::numeric_limits<std::uint64_t>::max();
   const kv_session_options& options_;
   std::mt19937_64 rng_;
   std::uint32_t next_id_ = 0;
+  std::uint64_t step_ = 0;            // the stream's step being generated
+  std::vector<std::uint64_t> close_;  // per block: the step its session closed at (open_ while open)
 };
 
 namespace {

@@ -49,14 +49,6 @@ void resize_reservation(reservation& r, budget_account& account, std::size_t byt
   EXPAGE_ASSERT(grown, "split: the budget refused a grow after the other pool's shrink");
 }
 
-// Exact (one block per bin) up to 2^22 bins, so that a pool of billions of tiny blocks does not
-// allocate billions of bins; `bins` bins when asked.
-std::size_t kv_bin_width(std::size_t capacity, std::uint32_t bins) {
-  constexpr std::size_t most_exact = std::size_t{1} << 22;
-  const std::size_t n = bins == 0 ? most_exact : bins;
-  return bins == 0 && capacity <= most_exact ? 1 : std::max<std::size_t>(1, (capacity + n - 1) / n);
-}
-
 }  // namespace
 
 void check_split_workload(const split_workload& w) {
@@ -221,18 +213,15 @@ std::vector<split_run> split_grid(const split_workload& w) {
 split_run run_online_split(const split_workload& w, const online_split_options& options) {
   const split_model m = make_split_model(w);
   const cap_range range = admissible_range(m);
-  const std::uint64_t budget_blocks = std::max<std::uint64_t>(m.budget_bytes / m.block_bytes, 1);
   const std::uint64_t initial = options.initial_cap == 0 ? range.top : options.initial_cap;
   if (initial < range.least || initial > range.top) {
     throw invalid_argument(
         fmt::format("run_online_split: initial_cap {} out of range [{}, {}]", initial, range.least, range.top));
   }
-  const std::size_t kv_capacity =
-      static_cast<std::size_t>(std::min<std::uint64_t>(budget_blocks, reuse_distance_tracker::max_key_count));
-  split_controller controller(
-      m, options.controller, {.max_capacity = m.experts_per_layer, .bin_width = 1, .decay = options.decay},
-      {.max_capacity = kv_capacity, .bin_width = kv_bin_width(kv_capacity, options.kv_bins), .decay = options.decay},
-      static_cast<std::uint32_t>(initial));
+  split_controller controller(m, options.controller,
+                              {.max_capacity = m.experts_per_layer, .bin_width = 1, .decay = options.decay},
+                              kv_histogram_config(m.budget_bytes / m.block_bytes, options.kv_bins, options.decay),
+                              static_cast<std::uint32_t>(initial));
   // The reuse distances, measured over the whole history (what shadow LRU stacks beside both
   // pools would see online), binned per burst.
   // Per-layer stacks: a per-layer cache of c slots misses an access whose distance in its layer is ≥ c.

@@ -238,6 +238,54 @@ TEST(HotSetController, RejectsBadConfigurationsNamingTheValueAndItsRange) {
   expect_throw(c, "layers 0");
 }
 
+// resize() drops the coldest members (releasing their bytes) and lets a grown set fill at the
+// following intervals, still one promotion per layer per interval; 0 empties the hi tier.
+TEST(HotSetController, ResizeDropsTheColdestAndAGrownSetFillsStaggered) {
+  budget_tracker budget(10000);
+  auto& hi = budget.add_account("hi", 10000);
+  auto cfg = small_config();
+  cfg.hi_per_layer = 3;
+  cfg.max_promotions_per_layer = 3;
+  hot_set_controller c(cfg);
+  for (int interval = 0; interval < 3; ++interval) {
+    for (std::uint32_t e = 0; e < 4; ++e) {
+      for (std::uint32_t n = 0; n <= e; ++n) {
+        const std::uint32_t x[] = {e};
+        c.record(0, x);  // expert e routed e + 1 times: 3 > 2 > 1 > 0 in hotness
+      }
+    }
+    (void)c.end_interval(&hi);
+  }
+  EXPECT_EQ(c.hot_set(0), (std::vector<expert_index>{1, 2, 3}));
+  EXPECT_EQ(hi.used(), 300U);
+  EXPECT_EQ(c.demotions_for(0, 1), (std::vector<expert_index>{1, 2}));  // coldest first
+  const hot_set_plan shrink = c.resize(1);
+  EXPECT_EQ(shrink.demotions, (std::vector<expert_id>{{.layer = 0, .expert = 1}, {.layer = 0, .expert = 2}}));
+  EXPECT_TRUE(shrink.promotions.empty());
+  EXPECT_EQ(c.hot_set(0), (std::vector<expert_index>{3}));
+  EXPECT_EQ(hi.used(), 100U);
+  EXPECT_EQ(c.config().hi_per_layer, 1U);
+  // Growing fills one slot per layer per interval when staggered to 1.
+  hot_set_controller d([] {
+    auto x = small_config();
+    x.max_promotions_per_layer = 1;
+    return x;
+  }());
+  const std::uint32_t all[] = {0, 1, 2, 3, 4, 5};
+  d.record(1, all);
+  (void)d.end_interval();  // one member (one promotion per interval)
+  EXPECT_TRUE(d.resize(5).demotions.empty());
+  for (std::size_t expected = 2; expected <= 4; ++expected) {
+    d.record(1, all);
+    EXPECT_EQ(d.end_interval().promotions.size(), 1U);
+    EXPECT_EQ(d.hot_set(1).size(), expected);
+  }
+  EXPECT_EQ(d.resize(0).demotions.size(), 4U);
+  d.record(1, all);
+  EXPECT_TRUE(d.end_interval().promotions.empty());  // an empty hi tier stays empty
+  EXPECT_THROW((void)d.resize(7), invalid_argument);
+}
+
 TEST(HotSetController, RecordOutOfRangeThrowsAndCountsNothing) {
   hot_set_controller c(small_config());
   const std::uint32_t bad[] = {1, 6};

@@ -1,5 +1,6 @@
 #include "expage/sim/split_sim.hpp"
 
+#include "common/split_workloads.hpp"
 #include "common/traces.hpp"
 #include "expage/core/error.hpp"
 #include "expage/trace/synthetic_trace.hpp"
@@ -18,10 +19,11 @@ namespace {
 
 using ::testing::HasSubstr;
 
-moe_geometry small() {  // bf16 expert 12,288 bytes
-  return moe_geometry(moe_geometry::config{
-      .name = "small", .layers = 6, .experts_per_layer = 16, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
-}
+using testing::mixtral_kv_bytes_per_token;
+using testing::quantile;
+using testing::tiled;
+
+moe_geometry small() { return testing::small_geometry(); }
 
 routing_trace traffic(std::uint64_t seed, std::uint32_t sequences, std::uint32_t steps) {
   synthetic_options so;
@@ -164,61 +166,10 @@ TEST(SimulateSchedule, BadSchedulesAreNamed) {
 
 // Sessions whose KV competes with the experts: a tool-call mix (small contexts, many turns) and a
 // long-context one.
-kv_phase tool_calls(std::uint64_t steps) {
-  return {.name = "tool-calls",
-          .steps = steps,
-          .concurrency = 4,
-          .turns = 6,
-          .prompt_tokens = 64,
-          .append_tokens = 32,
-          .decode_tokens = 10,
-          .think_steps = 24,
-          .shared_prefix_tokens = 64};
-}
+kv_phase tool_calls(std::uint64_t steps) { return testing::small_tool_calls(steps); }
+kv_phase long_context(std::uint64_t steps) { return testing::small_long_context(steps); }
 
-kv_phase long_context(std::uint64_t steps) {
-  return {.name = "long-context",
-          .steps = steps,
-          .concurrency = 3,
-          .turns = 3,
-          .prompt_tokens = 700,
-          .append_tokens = 120,
-          .decode_tokens = 24,
-          .think_steps = 30,
-          .shared_prefix_tokens = 0};
-}
-
-struct fixture {
-  moe_geometry geometry = small();
-  access_stream experts;
-  kv_block_stream kv;
-  split_workload workload;
-
-  fixture(std::vector<kv_phase> phases, std::uint64_t budget_slots, std::uint64_t seed = 9)
-      : experts(traffic(
-                    seed, 1,
-                    0 +
-                        [&] {
-                          std::uint64_t n = 0;
-                          for (const auto& p : phases) n += p.steps;
-                          return static_cast<std::uint32_t>(n);
-                        }()),
-                small().top_k()) {
-    kv_session_options ko;
-    ko.phases = std::move(phases);
-    ko.seed = seed;
-    kv = generate_kv_sessions(ko);
-    workload.experts = &experts;
-    workload.kv = &kv;
-    workload.geometry = geometry;
-    workload.expert_options = demand(2);
-    workload.kv_bytes_per_token = 512;
-    const std::uint64_t slot = std::uint64_t{geometry.layers()} * geometry.expert_bytes(precision::bf16);
-    workload.budget_bytes = budget_slots * slot;
-    workload.kv_floor_bytes = 2 * slot;
-    workload.burst_passes = 16;
-  }
-};
+using fixture = testing::small_split_fixture;
 
 // A static schedule costs what its two simulations say, and the grid holds every admissible cap.
 TEST(SplitSim, AStaticSplitCostsWhatTheSimulatorsSay) {
@@ -293,33 +244,6 @@ TEST(SplitSim, OnlineFollowsAPhaseShift) {
   EXPECT_LT(longer / static_cast<double>(n_long) + 2.0, tools / static_cast<double>(n_tools))
       << "the long-context phase gets the KV pool";
   EXPECT_LE(online.budget_peak_bytes, f.workload.budget_bytes);
-}
-
-// Problem @p sequence of @p t, its decode steps repeated @p times as one longer sequence.
-routing_trace tiled(const routing_trace& t, std::uint32_t sequence, std::uint32_t times) {
-  routing_trace out(t.layers(), t.experts_per_layer(), t.top_k());
-  std::uint32_t length = 0;
-  for (const routing_event& e : t) {
-    if (e.sequence == sequence) length = std::max(length, e.step + 1);
-  }
-  for (std::uint32_t r = 0; r < times; ++r) {
-    for (const routing_event& e : t) {
-      if (e.sequence != sequence) continue;
-      routing_event x = e;
-      x.sequence = 0;
-      x.step = e.step + r * length;
-      out.append(x);
-    }
-  }
-  return out;
-}
-
-// Mixtral-8x7B: 32 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes.
-constexpr std::uint64_t mixtral_kv_bytes_per_token = 32 * 8 * 128 * 2 * 2;
-
-double quantile(std::vector<double> v, double q) {
-  std::sort(v.begin(), v.end());
-  return v[static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5)];
 }
 
 // The MV-WSA acceptance figures of issue 12 (docs/control.md): the online controller against the

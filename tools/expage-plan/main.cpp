@@ -12,6 +12,7 @@
 #include <expage/sim/kv_sessions.hpp>
 #include <expage/sim/plan.hpp>
 #include <expage/sim/split_sim.hpp>
+#include <expage/sim/tier_sim.hpp>
 #include <expage/trace/synthetic_trace.hpp>
 #include <expage/trace/trace_io.hpp>
 
@@ -71,6 +72,18 @@ KV recompute (the MV-WSA split, WiSP 3.3-3.5; docs/control.md):
   --burst N             passes between the controller's drained barriers (default 16)
   --block-tokens N      tokens per KV block (default 16)
 
+four pools (hi and lo expert tiers plus KV under one budget; docs/control.md):
+  --tiers HI:LO         weigh a hi tier and a lo tier of the experts, e.g. bf16:int4: every
+                        (hi slots, lo slots) split with the KV pool taking the rest, each run by
+                        the tier simulator (the grid oracle), the online four-pool controller and
+                        the two-pool controllers beside it. Needs --sessions; not with --r
+  --quality-seconds S   the quality price of one activation served at lo, seconds, [0, 1]
+  --min-hi-coverage Q   or: the least share of activations served at hi, [0, 1]
+                        (one of the two is required with --tiers)
+  --interval N          passes per hot-set interval (default 2)
+  --tiers-svg FILE      cost per token (ms) against expert memory (GiB) for every split, and the
+                        online controller's pools (GiB) over the passes
+
 output:
   --json FILE           every option and the recommendation, as JSON
   --svg FILE            time per token (ms) against expert memory (GiB), one series per precision
@@ -100,6 +113,11 @@ struct config {
   std::uint64_t burst = 16;
   std::uint32_t block_tokens = 16;
   std::optional<std::string> json, svg;
+  std::optional<std::pair<expage::precision, expage::precision>> tiers;
+  std::optional<double> quality_seconds;
+  std::optional<double> min_hi_coverage;
+  std::uint64_t interval = 2;
+  std::optional<std::string> tiers_svg;
 };
 
 config parse(int argc, char** argv, const std::string& help) {
@@ -185,6 +203,25 @@ config parse(int argc, char** argv, const std::string& help) {
       c.burst = parse_number<std::uint64_t>(flag, value(), 1, 1U << 20);
     } else if (flag == "--block-tokens") {
       c.block_tokens = parse_number<std::uint32_t>(flag, value(), 1, 65536);
+    } else if (flag == "--tiers") {
+      const std::string_view v = value();
+      const auto colon = v.find(':');
+      if (colon == std::string_view::npos) {
+        throw usage_error{fmt::format("--tiers '{}' is not HI:LO, two precisions (e.g. bf16:int4)", v)};
+      }
+      try {
+        c.tiers = {expage::parse_precision(v.substr(0, colon)), expage::parse_precision(v.substr(colon + 1))};
+      } catch (const expage::invalid_argument& e) {
+        throw usage_error{fmt::format("--tiers: {}", e.what())};
+      }
+    } else if (flag == "--quality-seconds") {
+      c.quality_seconds = parse_real(flag, value(), 0.0, 1.0);
+    } else if (flag == "--min-hi-coverage") {
+      c.min_hi_coverage = parse_real(flag, value(), 0.0, 1.0);
+    } else if (flag == "--interval") {
+      c.interval = parse_number<std::uint64_t>(flag, value(), 1, 1U << 20);
+    } else if (flag == "--tiers-svg") {
+      c.tiers_svg = std::string(value());
     } else if (flag == "--json") {
       c.json = std::string(value());
     } else if (flag == "--svg") {
@@ -211,6 +248,19 @@ config parse(int argc, char** argv, const std::string& help) {
   }
   if (c.sessions && c.kv_per_token && *c.kv_per_token == 0) {
     throw usage_error{"--kv-bytes-per-token 0 out of range [1, 2^64) with --sessions"};
+  }
+  const bool tier_flags = c.quality_seconds || c.min_hi_coverage || c.tiers_svg;
+  if (tier_flags && !c.tiers) throw usage_error{"--quality-seconds, --min-hi-coverage and --tiers-svg need --tiers"};
+  if (c.tiers) {
+    if (!c.sessions) throw usage_error{"--tiers needs --sessions MIX (the KV pool's own misses are what it trades)"};
+    if (c.ratio) {
+      throw usage_error{"--tiers compares two precisions over the same links: leave --r out"};
+    }
+    if (!c.quality_seconds && !c.min_hi_coverage) {
+      throw usage_error{
+          "--tiers needs the price of quality: --quality-seconds S (seconds per activation served at lo) or "
+          "--min-hi-coverage Q"};
+    }
   }
   return c;
 }
@@ -255,8 +305,192 @@ std::string splits_json(const std::vector<split_report>& splits, std::string_vie
   return fmt::format("[{}]", fmt::join(rows, ","));
 }
 
+// The opening of an SVG of @p width × @p height with @p title above its plots.
+std::string svg_header(double width, double height, double left, const std::string& title) {
+  return fmt::format(
+      R"(<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}" font-family="sans-serif" font-size="12">)"
+      "\n"
+      R"(<text x="{}" y="22" font-size="14">{}</text>)"
+      "\n",
+      width, height, left, title);
+}
+
+// The four-pool analysis: the (hi, lo, KV) grid, the online controller and the two-pool ones,
+// all run by the tier simulator on the session mix's KV stream.
+struct tier_report {
+  expage::precision hi = expage::precision::bf16;
+  expage::precision lo = expage::precision::int4;
+  expage::four_pool_model model;
+  std::uint64_t interval = 2;
+  std::vector<expage::tier_run> grid;
+  std::size_t oracle = 0;
+  expage::tier_run online;
+  std::vector<expage::tier_run> two_pool;
+};
+
+double gib(std::uint64_t bytes) { return static_cast<double>(bytes) / 1073741824.0; }
+
+std::string tier_split_name(const expage::four_pool_split& s) {
+  return s.tiered() ? fmt::format("{}+{}", s.hi_slots, s.lo_slots) : fmt::format("hi-only {}", s.hi_slots);
+}
+
+std::string tier_run_json(const expage::tier_run& r, const expage::four_pool_model& m, bool with_bursts) {
+  const expage::four_pool_split& s = r.bursts.back().split;
+  std::vector<std::string> bursts;
+  if (with_bursts) {
+    for (const auto& b : r.bursts) {
+      bursts.push_back(fmt::format("[{},{},{}]", b.split.hi_slots, b.split.lo_slots, b.split.kv_bytes));
+    }
+  }
+  std::vector<std::string> sets;
+  for (const auto& layer : r.hi_sets) sets.push_back(fmt::format("[{}]", fmt::join(layer, ",")));
+  const double tokens = static_cast<double>(std::max<std::uint64_t>(r.tokens, 1));
+  return fmt::format(
+      R"({{"controller":"{}","hi_slots":{},"lo_slots":{},"hi_bytes":{},"lo_bytes":{},"kv_bytes":{},)"
+      R"("stall_per_token_s":{},"kv_recompute_per_token_s":{},"quality_per_token_s":{},"cost_per_token_s":{},)"
+      R"("time_per_token_s":{},"hi_coverage":{},"moves":{},"reversals":{},"budget_peak_bytes":{},"min_kv_bytes":{},)"
+      R"("invariant_violations":{},"hi_sets":[{}]{}}})",
+      r.controller, s.hi_slots, s.lo_slots, expage::hi_pool_bytes(m, s), expage::lo_pool_bytes(m, s), s.kv_bytes,
+      json_number(r.expert_stall_per_token()), json_number(r.kv_recompute_per_token()),
+      json_number(r.quality_seconds() / tokens), json_number(r.cost_per_token()), json_number(r.time_per_token()),
+      json_number(r.hi_coverage()), r.moves, r.reversals, r.budget_peak_bytes, r.min_kv_bytes, r.invariant_violations,
+      fmt::join(sets, ","), with_bursts ? fmt::format(R"(,"splits_per_burst":[{}])", fmt::join(bursts, ",")) : "");
+}
+
+std::string tiers_json(const tier_report& t) {
+  std::vector<std::string> grid;
+  for (const auto& r : t.grid) grid.push_back(tier_run_json(r, t.model, false));
+  std::vector<std::string> two;
+  for (const auto& r : t.two_pool) two.push_back(tier_run_json(r, t.model, true));
+  return fmt::format(
+      R"({{"hi_precision":"{}","lo_precision":"{}","quality_seconds":{},"min_hi_coverage":{},"interval_passes":{},)"
+      R"("hi_slot_bytes":{},"lo_slot_bytes":{},"kv_floor_bytes":{},"grid":[{}],"oracle":{},"four_pool":{},)"
+      R"("two_pool":[{}]}})",
+      expage::to_string(t.hi), expage::to_string(t.lo), json_number(t.model.lo_activation_seconds),
+      json_number(t.model.min_hi_coverage), t.interval, std::uint64_t{t.model.layers} * t.model.hi_expert_bytes,
+      std::uint64_t{t.model.layers} * t.model.lo_expert_bytes, t.model.kv_floor_bytes, fmt::join(grid, ","), t.oracle,
+      tier_run_json(t.online, t.model, true), fmt::join(two, ","));
+}
+
+// Two panels. Top: cost per token (ms) against expert memory (GiB) for every static split of the
+// grid, one series per hi slot count (hi-only splits their own series), each with its own colour
+// and dash; the oracle circled, the online controller's final split a cross. Bottom: the online
+// controller's pools (GiB) over the passes: hi, lo and KV.
+std::string tiers_svg(const tier_report& t, const std::string& title, std::uint64_t burst_passes) {
+  constexpr double width = 820, panel = 300, left = 80, right = 190, top = 40, gap = 80;
+  constexpr const char* colours[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e",
+                                     "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"};
+  constexpr const char* dashes[] = {"", "6,3", "2,2", "8,3,2,3", "4,4", "1,3", "10,2", "3,6", "6,2,2,2", "12,4"};
+  const double pw = width - left - right;
+  const double height = top + 2 * panel + gap + 50;
+  const auto expert_gib = [&](const expage::four_pool_split& s) {
+    return gib(expage::hi_pool_bytes(t.model, s) + expage::lo_pool_bytes(t.model, s));
+  };
+  double max_x = 0, max_y = 0;
+  for (const auto& r : t.grid) {
+    max_x = std::max(max_x, expert_gib(r.bursts.front().split));
+    max_y = std::max(max_y, r.cost_per_token() * 1e3);
+  }
+  max_x = max_x > 0 ? max_x * 1.05 : 1;
+  max_y = max_y > 0 ? max_y * 1.1 : 1;
+  const auto x_of = [&](double v) { return left + v / max_x * pw; };
+  const auto y_of = [&](double ms) { return top + panel - ms / max_y * panel; };
+  std::string out = svg_header(width, height, left, title);
+  const auto axes = [&](double y0, const std::string& xlabel, const std::string& ylabel, double xmax, double ymax) {
+    out += fmt::format(
+        R"(<line x1="{0}" y1="{1}" x2="{2}" y2="{1}" stroke="black"/><line x1="{0}" y1="{3}" x2="{0}" y2="{1}" stroke="black"/>)"
+        "\n"
+        R"svg(<text x="{4}" y="{5}">{6}</text><text x="14" y="{7}" transform="rotate(-90 14 {7})">{8}</text>)svg"
+        "\n",
+        left, y0 + panel, left + pw, y0, left + pw / 2 - 60, y0 + panel + 32, xlabel, y0 + panel / 2 + 50, ylabel);
+    for (int k = 0; k <= 4; ++k) {
+      out += fmt::format(
+          R"(<text x="{}" y="{}" text-anchor="middle">{:.3g}</text><text x="{}" y="{}" text-anchor="end">{:.3g}</text>)"
+          "\n",
+          left + pw * k / 4, y0 + panel + 16, xmax * k / 4, left - 6, y0 + panel - panel * k / 4 + 4, ymax * k / 4);
+    }
+  };
+  axes(top, "expert memory, hi + lo (GiB)", "cost per token (ms)", max_x, max_y);
+  // One series per hi slot count among the tiered splits (lo slots vary along it), and the hi-only splits.
+  std::vector<std::pair<std::string, std::vector<const expage::tier_run*>>> series;
+  for (const auto& r : t.grid) {
+    const auto& s = r.bursts.front().split;
+    const std::string name = s.tiered() ? fmt::format("{} hi + lo", s.hi_slots) : "hi-only";
+    auto it = std::find_if(series.begin(), series.end(), [&](const auto& x) { return x.first == name; });
+    if (it == series.end()) it = series.insert(series.end(), {name, {}});
+    it->second.push_back(&r);
+  }
+  for (std::size_t i = 0; i < series.size(); ++i) {
+    std::string points;
+    std::string marks;  // every split a dot too: a series of one split has no line
+    for (const auto* r : series[i].second) {
+      const double px = x_of(expert_gib(r->bursts.front().split));
+      const double py = y_of(r->cost_per_token() * 1e3);
+      points += fmt::format("{:.1f},{:.1f} ", px, py);
+      marks += fmt::format(R"(<circle cx="{:.1f}" cy="{:.1f}" r="2.5" fill="{}"/>)", px, py, colours[i % 10]);
+    }
+    out += marks + "\n";
+    const double ly = top + 10 + 22.0 * static_cast<double>(i);
+    out += fmt::format(
+        R"(<polyline fill="none" stroke="{0}" stroke-width="2" stroke-dasharray="{1}" points="{2}"/>)"
+        "\n"
+        R"(<line x1="{3}" y1="{4}" x2="{5}" y2="{4}" stroke="{0}" stroke-width="2" stroke-dasharray="{1}"/><text x="{6}" y="{7}">{8}</text>)"
+        "\n",
+        colours[i % 10], dashes[i % 10], points, left + pw + 12, ly, left + pw + 40, left + pw + 46, ly + 4,
+        series[i].first);
+  }
+  const auto& oracle = t.grid[t.oracle];
+  const double ox = x_of(expert_gib(oracle.bursts.front().split));
+  const double oy = y_of(oracle.cost_per_token() * 1e3);
+  out += fmt::format(R"(<circle cx="{:.1f}" cy="{:.1f}" r="7" fill="none" stroke="black" stroke-width="2"/>)"
+                     R"(<text x="{:.1f}" y="{:.1f}" text-anchor="end">oracle</text>)"
+                     "\n",
+                     ox, oy, ox - 10, oy - 10);
+  const double fx = x_of(expert_gib(t.online.bursts.back().split));
+  const double fy = y_of(t.online.cost_per_token() * 1e3);
+  out += fmt::format(
+      R"svg(<path d="M{0:.1f},{1:.1f} l8,8 m-8,0 l8,-8" stroke="black" stroke-width="2" transform="translate(-4,-4)"/>)svg"
+      R"(<text x="{2:.1f}" y="{3:.1f}" text-anchor="end">four-pool online</text>)"
+      "\n",
+      fx, fy, fx - 10, fy + 18);
+  // Bottom panel: the pools over the passes.
+  const double y0 = top + panel + gap;
+  const auto& bursts = t.online.bursts;
+  const double passes = static_cast<double>(bursts.size() * burst_passes);
+  double max_gib = 0;
+  for (const auto& b : bursts) {
+    max_gib = std::max({max_gib, gib(expage::hi_pool_bytes(t.model, b.split)),
+                        gib(expage::lo_pool_bytes(t.model, b.split)), gib(b.split.kv_bytes)});
+  }
+  max_gib = max_gib > 0 ? max_gib * 1.1 : 1;
+  axes(y0, "forward pass", "pool (GiB)", passes, max_gib);
+  const char* pool_names[] = {"hi pool", "lo pool", "KV pool"};
+  for (std::size_t p = 0; p < 3; ++p) {
+    std::string points;
+    for (std::size_t b = 0; b < bursts.size(); ++b) {
+      const auto& s = bursts[b].split;
+      const double g = gib(p == 0   ? expage::hi_pool_bytes(t.model, s)
+                           : p == 1 ? expage::lo_pool_bytes(t.model, s)
+                                    : s.kv_bytes);
+      const double y = y0 + panel - g / max_gib * panel;
+      points += fmt::format("{:.1f},{:.1f} {:.1f},{:.1f} ",
+                            left + pw * static_cast<double>(b) / static_cast<double>(bursts.size()), y,
+                            left + pw * static_cast<double>(b + 1) / static_cast<double>(bursts.size()), y);
+    }
+    const double ly = y0 + 10 + 22.0 * static_cast<double>(p);
+    out += fmt::format(
+        R"(<polyline fill="none" stroke="{0}" stroke-width="2" stroke-dasharray="{1}" points="{2}"/>)"
+        "\n"
+        R"(<line x1="{3}" y1="{4}" x2="{5}" y2="{4}" stroke="{0}" stroke-width="2" stroke-dasharray="{1}"/><text x="{6}" y="{7}">{8}</text>)"
+        "\n",
+        colours[p], dashes[p], points, left + pw + 12, ly, left + pw + 40, left + pw + 46, ly + 4, pool_names[p]);
+  }
+  out += "</svg>\n";
+  return out;
+}
+
 std::string plan_json(const expage::plan_result& plan, const expage::plan_options& o, const expage::moe_geometry& g,
-                      std::string_view hardware, const std::string& splits) {
+                      std::string_view hardware, const std::string& splits, const std::string& tiers) {
   std::vector<std::string> rows;
   for (const auto& a : plan.options) {
     rows.push_back(fmt::format(
@@ -268,10 +502,11 @@ std::string plan_json(const expage::plan_result& plan, const expage::plan_option
   }
   return fmt::format(
       R"({{"tool":"expage-plan","geometry":"{}","hardware":"{}","policy":"{}","budget_bytes":{},"kv_floor_bytes":{},)"
-      R"("tolerance":{},"options":[{}],"best":{},"recommended":{},"splits":{}}})"
+      R"("tolerance":{},"options":[{}],"best":{},"recommended":{},"splits":{},"tiers":{}}})"
       "\n",
       g.name(), hardware, expage::to_string(o.policy), o.budget_bytes, o.kv_floor_bytes, json_number(o.tolerance),
-      fmt::join(rows, ","), plan.best, plan.recommended, splits.empty() ? "[]" : splits);
+      fmt::join(rows, ","), plan.best, plan.recommended, splits.empty() ? "[]" : splits,
+      tiers.empty() ? "null" : tiers);
 }
 
 // Time per token (ms) against expert memory (GiB): one series per precision (colour and dash),
@@ -291,17 +526,15 @@ std::string plan_svg(const expage::plan_result& plan, const std::string& title) 
   const double pw = width - left - right, ph = height - top - bottom;
   const auto x_of = [&](double gib) { return left + gib / max_x * pw; };
   const auto y_of = [&](double ms) { return top + ph - ms / max_y * ph; };
-  std::string out = fmt::format(
-      R"(<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}" font-family="sans-serif" font-size="12">)"
-      "\n"
-      R"(<text x="{}" y="22" font-size="14">{}</text>)"
-      "\n"
-      R"(<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="black"/><line x1="{}" y1="{}" x2="{}" y2="{}" stroke="black"/>)"
-      "\n"
-      R"svg(<text x="{}" y="{}">expert memory (GiB)</text><text x="12" y="{}" transform="rotate(-90 12 {})">time per token (ms)</text>)svg"
-      "\n",
-      width, height, left, title, left, top + ph, left + pw, top + ph, left, top, left, top + ph, left + pw / 2 - 50,
-      height - 12, top + ph / 2 + 40, top + ph / 2 + 40);
+  std::string out =
+      svg_header(width, height, left, title) +
+      fmt::format(
+          R"(<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="black"/><line x1="{}" y1="{}" x2="{}" y2="{}" stroke="black"/>)"
+          "\n"
+          R"svg(<text x="{}" y="{}">expert memory (GiB)</text><text x="12" y="{}" transform="rotate(-90 12 {})">time per token (ms)</text>)svg"
+          "\n",
+          left, top + ph, left + pw, top + ph, left, top, left, top + ph, left + pw / 2 - 50, height - 12,
+          top + ph / 2 + 40, top + ph / 2 + 40);
   for (int t = 0; t <= 4; ++t) {
     out += fmt::format(
         R"(<text x="{}" y="{}" text-anchor="middle">{:.3g}</text><text x="{}" y="{}" text-anchor="end">{:.3g}</text>)"
@@ -362,6 +595,7 @@ int main(int argc, char** argv) {
     const config c = parse(argc, argv, help);
     if (c.json) expage_tools::check_output_path("--json", *c.json);
     if (c.svg) expage_tools::check_output_path("--svg", *c.svg);
+    if (c.tiers_svg) expage_tools::check_output_path("--tiers-svg", *c.tiers_svg);
     const expage_tools::model_inputs inputs = expage_tools::load_model_inputs(c.hardware, c.geometry, c.trace);
     const expage::hardware_profile& hardware = inputs.hardware;
     const expage::moe_geometry& g = inputs.geometry;
@@ -387,6 +621,14 @@ int main(int argc, char** argv) {
       } catch (const expage::invalid_argument& e) {
         throw usage_error{fmt::format("--r: {}", e.what())};
       }
+    }
+    if (c.tiers && g.expert_bytes(c.tiers->second) >= g.expert_bytes(c.tiers->first)) {
+      throw usage_error{fmt::format(
+          "--tiers {}:{}: the lo precision {} ({} bytes per expert of {}) is not smaller than the hi precision {} ({} "
+          "bytes)",
+          expage::to_string(c.tiers->first), expage::to_string(c.tiers->second), expage::to_string(c.tiers->second),
+          g.expert_bytes(c.tiers->second), g.name(), expage::to_string(c.tiers->first),
+          g.expert_bytes(c.tiers->first))};
     }
     if (o.kv_floor_bytes >= o.budget_bytes) {
       throw usage_error{fmt::format("the KV floor of {} is not below the budget of {}: no room for experts",
@@ -428,6 +670,7 @@ int main(int argc, char** argv) {
         r.result.seconds_per_token() * 1e3, o.tolerance * 100, b.slots, expage::to_string(b.format),
         b.result.seconds_per_token() * 1e3);
     std::vector<split_report> splits;
+    std::optional<tier_report> tiers;
     if (c.sessions) {
       const expage::access_stream experts(trace, g.top_k());
       expage::kv_session_options ko;
@@ -484,10 +727,90 @@ int main(int argc, char** argv) {
         row(rep.live, fmt::format("  live rule, headroom 10% ({} moves)", rep.live.moves));
         splits.push_back(std::move(rep));
       }
+      if (c.tiers) {
+        tier_report& t = tiers.emplace();
+        t.hi = c.tiers->first;
+        t.lo = c.tiers->second;
+        t.interval = c.interval;
+        expage::tier_workload w;
+        w.base.experts = &experts;
+        w.base.kv = &kv;
+        w.base.geometry = g;
+        w.base.expert_options.hardware = hardware;
+        w.base.expert_options.format = t.hi;
+        w.base.budget_bytes = o.budget_bytes;
+        w.base.kv_floor_bytes = floor;
+        w.base.kv_bytes_per_token = *c.kv_per_token;
+        w.base.burst_passes = c.burst;
+        w.lo_format = t.lo;
+        w.lo_activation_seconds = c.quality_seconds.value_or(0.0);
+        w.min_hi_coverage = c.min_hi_coverage.value_or(0.0);
+        w.interval_passes = c.interval;
+        try {
+          t.model = expage::make_four_pool_model(w);
+          t.grid = expage::tier_grid(w);
+        } catch (const expage::invalid_argument& e) {
+          throw usage_error{
+              fmt::format("--tiers {}:{}: {}", expage::to_string(t.hi), expage::to_string(t.lo), e.what())};
+        }
+        t.oracle = expage::tier_oracle(t.grid, w.min_hi_coverage);
+        t.online = expage::run_four_pool(w);
+        t.two_pool = expage::run_two_pool_baselines(w, t.grid[t.oracle].bursts.front().split.kv_bytes);
+        fmt::print(
+            "\nfour pools: hi {} and lo {} experts and the KV cache under the budget; quality {} s per activation "
+            "served "
+            "at lo{}; hot-set interval {} passes; cost = stall + recompute + quality\n",
+            expage::to_string(t.hi), expage::to_string(t.lo), t.model.lo_activation_seconds,
+            w.min_hi_coverage > 0 ? fmt::format(", hi coverage at least {}", w.min_hi_coverage) : "", c.interval);
+        fmt::print("{:<22} {:>11} {:>11} {:>11} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6}\n", "split (hi+lo per layer)",
+                   "hi", "lo", "KV", "stall/tok", "recomp/tok", "qual/tok", "cost/tok", "time/tok", "cover");
+        const auto row = [&](const expage::tier_run& run, std::string_view name, std::string_view note) {
+          const auto& s = run.bursts.back().split;
+          const double tokens = static_cast<double>(std::max<std::uint64_t>(run.tokens, 1));
+          fmt::print(
+              "{:<22} {:>11} {:>11} {:>11} {:>7.3f} ms {:>7.3f} ms {:>7.3f} ms {:>7.3f} ms {:>7.3f} ms {:>6.3f}{}\n",
+              name, expage::byte_size{expage::hi_pool_bytes(t.model, s)},
+              expage::byte_size{expage::lo_pool_bytes(t.model, s)}, expage::byte_size{s.kv_bytes},
+              run.expert_stall_per_token() * 1e3, run.kv_recompute_per_token() * 1e3,
+              run.quality_seconds() / tokens * 1e3, run.cost_per_token() * 1e3, run.time_per_token() * 1e3,
+              run.hi_coverage(), note);
+        };
+        for (std::size_t i = 0; i < t.grid.size(); ++i) {
+          row(t.grid[i], tier_split_name(t.grid[i].bursts.front().split),
+              i == t.oracle ? "  <- best static split (oracle)" : "");
+        }
+        row(t.online, fmt::format("four-pool ->{}", tier_split_name(t.online.bursts.back().split)),
+            fmt::format("  online ({} moves; final split shown)", t.online.moves));
+        for (const auto& two : t.two_pool) {
+          row(two, fmt::format("{} ->{}", two.controller, tier_split_name(two.bursts.back().split)),
+              "  two-pool controller");
+        }
+        const auto& best = t.grid[t.oracle];
+        const auto& s = best.bursts.front().split;
+        fmt::print(
+            "\nrecommended: {} hi slots and {} lo slots per layer ({} hi, {} lo), {} to the KV cache: {:.3f} ms per "
+            "token "
+            "of cost, {:.3f} ms modelled time, {:.1f}% of activations at hi (the online controller: {:.3f} ms of "
+            "cost). "
+            "The hi set the hysteresis controller held at the end is in the JSON (tiers.grid[{}].hi_sets).\n",
+            s.hi_slots, s.lo_slots, expage::byte_size{expage::hi_pool_bytes(t.model, s)},
+            expage::byte_size{expage::lo_pool_bytes(t.model, s)}, expage::byte_size{s.kv_bytes},
+            best.cost_per_token() * 1e3, best.time_per_token() * 1e3, 100 * best.hi_coverage(),
+            t.online.cost_per_token() * 1e3, t.oracle);
+      }
     }
     if (c.json) {
       expage_tools::write_atomically(
-          *c.json, plan_json(plan, o, g, hardware.name, c.sessions ? splits_json(splits, *c.sessions) : ""));
+          *c.json, plan_json(plan, o, g, hardware.name, c.sessions ? splits_json(splits, *c.sessions) : "",
+                             tiers ? tiers_json(*tiers) : ""));
+    }
+    if (c.tiers_svg && tiers) {
+      expage_tools::write_atomically(
+          *c.tiers_svg, tiers_svg(*tiers,
+                                  fmt::format("Four pools: {}, {}, budget {}, hi {} / lo {}, sessions {}", g.name(),
+                                              hardware.name, expage::byte_size{o.budget_bytes},
+                                              expage::to_string(tiers->hi), expage::to_string(tiers->lo), *c.sessions),
+                                  c.burst));
     }
     if (c.svg) {
       expage_tools::write_atomically(

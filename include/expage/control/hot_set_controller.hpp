@@ -25,7 +25,8 @@ class routing_trace;
 struct hot_set_config {
   std::uint32_t layers = 0;             ///< MoE layers, ≥ 1.
   std::uint32_t experts_per_layer = 0;  ///< Experts per layer, ≥ 1.
-  std::uint32_t hi_per_layer = 0;       ///< n_hi: the hi set's size in every layer, in [1, experts_per_layer].
+  std::uint32_t hi_per_layer =
+      0;  ///< n_hi: the hi set's size in every layer, in [1, experts_per_layer] (resize() may set 0).
   /// α of the EMA S ← α·S + (1 − α)·c, in [0, 1) (DynaExq §3.5; no value given in the paper).
   double decay = 0.8;
   /// δ: additive hysteresis margin in score units (routed activations per interval), ≥ 0. A challenger
@@ -123,6 +124,21 @@ class hot_set_controller {
   /// @param budget charged with hi_bytes per promotion (nullptr: admit every promotion).
   /// @return the transitions decided, demotions first.
   [[nodiscard]] hot_set_plan end_interval(budget_account* budget = nullptr);
+
+  /// @brief Changes n_hi, the hi set's size in every layer, to @p hi_per_layer (a resize of the hi pool).
+  ///
+  /// Shrinking demotes each layer's coldest members (lowest S, ties to the higher index) until n_hi
+  /// remain, releasing their reservations; growing demotes nothing, and the free slots fill at the
+  /// following end_interval() calls (still at most max_promotions_per_layer per layer per interval).
+  /// 0 empties the hi tier; the scores keep updating. When n_hi + rank_slack exceeds the experts per
+  /// layer, the slack in force is experts_per_layer − n_hi.
+  /// @return the demotions, in layer order (no promotions or deferrals).
+  /// @throws expage::invalid_argument when @p hi_per_layer exceeds experts_per_layer; nothing changes then.
+  hot_set_plan resize(std::uint32_t hi_per_layer);
+
+  /// The members of layer @p layer that resize(@p hi_per_layer) would demote, coldest first, without
+  /// changing anything. @pre layer < layers.
+  [[nodiscard]] std::vector<expert_index> demotions_for(std::uint32_t layer, std::uint32_t hi_per_layer) const;
 
   /// True when @p id is in its layer's hi set. @pre id within the configured dimensions.
   [[nodiscard]] bool is_hot(expert_id id) const noexcept { return member_[index(id)] != 0; }

@@ -40,6 +40,14 @@ struct split_model {
 /// @pre c·S_E ≤ budget_bytes and block_bytes ≥ 1.
 [[nodiscard]] std::uint64_t kv_blocks(const split_model& model, std::uint32_t expert_cap) noexcept;
 
+/// @brief The decayed histogram of a KV block stream whose pool holds at most @p budget_blocks
+/// blocks: capacities [0, min(budget_blocks, reuse_distance_tracker::max_key_count)] (at least 1),
+/// one block per bin (exact) up to 2^22 blocks with @p bins = 0, else about @p bins bins (2^22 for
+/// 0), so that a pool of billions of tiny blocks does not allocate a bin each; decay @p decay.
+/// Coarse bins blur the cliff at a step's working set, where the near mode of KV reuse sits.
+[[nodiscard]] decayed_reuse_histogram::config kv_histogram_config(std::uint64_t budget_blocks, std::uint32_t bins,
+                                                                  double decay) noexcept;
+
 /// @brief WiSP Eq. 6 [R]: B_KV^min = C·ℓ·κ, the KV bytes a continuous-batching scheduler needs to
 /// hold the step's whole active set (served concurrency × context tokens per session × KV bytes per
 /// token). Below it the engine preempts every step or refuses to start.

@@ -83,12 +83,20 @@ class kv_block_stream {
   [[nodiscard]] std::uint32_t phase(std::uint64_t s) const noexcept { return phase_[s]; }
   /// The largest number of blocks one step reads: the least pool that never thrashes within a step.
   [[nodiscard]] std::uint64_t peak_step_blocks() const noexcept { return peak_; }
+  /// The step at whose end the session owning block @p block closed (its last turn ended, or its
+  /// phase did; a phase's shared prefix closes with the phase), steps() if it is still open at the
+  /// stream's end. No step after it reads the block. A block is open after step s when this is
+  /// greater than s: what a session-aware engine knows without seeing the future (which cached
+  /// blocks belong to conversations still open, idle ones waiting on a tool included).
+  /// @pre block < key_count().
+  [[nodiscard]] std::uint64_t closes_at(std::uint32_t block) const noexcept { return close_[block]; }
 
  private:
   friend class detail::kv_session_generator;
   std::vector<std::uint64_t> offset_;
   std::vector<std::uint32_t> blocks_;
   std::vector<std::uint32_t> phase_;
+  std::vector<std::uint64_t> close_;
   std::uint32_t keys_ = 0;
   std::uint32_t block_tokens_ = 16;
   std::uint64_t peak_ = 0;

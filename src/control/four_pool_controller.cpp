@@ -1,0 +1,479 @@
+#include "expage/control/four_pool_controller.hpp"
+
+#include "expage/control/split_allocator.hpp"
+#include "expage/core/error.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+namespace expage {
+
+std::string_view to_string(tier_pool p) noexcept {
+  switch (p) {
+    case tier_pool::hi: return "hi";
+    case tier_pool::lo: return "lo";
+    case tier_pool::kv: return "kv";
+  }
+  return "unknown";
+}
+
+std::string_view to_string(serve_action a) noexcept {
+  switch (a) {
+    case serve_action::serve_hi: return "serve-hi";
+    case serve_action::serve_lo: return "serve-lo";
+    case serve_action::wait: return "wait";
+    case serve_action::load_hi: return "load-hi";
+    case serve_action::load_lo: return "load-lo";
+  }
+  return "unknown";
+}
+
+namespace {
+
+void check_seconds(double v, const char* field) {
+  if (!(v >= 0.0 && std::isfinite(v))) {
+    throw invalid_argument(fmt::format("four_pool_model: {} {} out of range [0, inf)", field, v));
+  }
+}
+
+void check_config(const four_pool_config& c) {
+  if (!(c.decay > 0.0 && c.decay <= 1.0)) {
+    throw invalid_argument(fmt::format("four_pool_controller: decay {} out of range (0, 1]", c.decay));
+  }
+  if (!(c.gate >= 0.0 && c.gate < 1.0)) {
+    throw invalid_argument(fmt::format("four_pool_controller: gate {} out of range [0, 1)", c.gate));
+  }
+  if (!(c.reversal_gate >= c.gate && c.reversal_gate < 1.0)) {
+    throw invalid_argument(
+        fmt::format("four_pool_controller: reversal_gate {} out of range [gate = {}, 1)", c.reversal_gate, c.gate));
+  }
+  if (c.rate_limit == 0) throw invalid_argument("four_pool_controller: rate_limit 0 out of range [1, 2^32)");
+  if (c.dead_zone == 0) throw invalid_argument("four_pool_controller: dead_zone 0 out of range [1, 2^32)");
+  if (c.grid_step == 0) throw invalid_argument("four_pool_controller: grid_step 0 out of range [1, 2^32)");
+}
+
+hot_set_config hot_config(const four_pool_model& m, const four_pool_config& c) {
+  hot_set_config h = c.hot;
+  h.layers = m.layers;
+  h.experts_per_layer = m.experts_per_layer;
+  h.hi_per_layer = 1;  // resized to the split's n_hi by the constructor (the config admits no 0)
+  h.hi_bytes = static_cast<std::size_t>(m.hi_expert_bytes);
+  h.rank_slack = std::min(h.rank_slack, m.experts_per_layer - 1);
+  return h;
+}
+
+std::uint32_t n_hi_of(const four_pool_split& s) noexcept { return s.tiered() ? s.hi_slots : 0; }
+
+// +1 when the KV pool grows (or, with KV unchanged, the hi pool does), −1 when it shrinks, 0 for none.
+int direction(const four_pool_split& from, const four_pool_split& to) noexcept {
+  if (to.kv_bytes != from.kv_bytes) return to.kv_bytes > from.kv_bytes ? 1 : -1;
+  if (to.hi_slots != from.hi_slots) return to.hi_slots > from.hi_slots ? 1 : -1;
+  return 0;
+}
+
+std::uint32_t slot_distance(const four_pool_split& a, const four_pool_split& b) noexcept {
+  if (a.tiered() != b.tiered()) return std::numeric_limits<std::uint32_t>::max();  // a mode change
+  const auto d = [](std::uint32_t x, std::uint32_t y) { return x > y ? x - y : y - x; };
+  return std::max(d(a.hi_slots, b.hi_slots), d(a.lo_slots, b.lo_slots));
+}
+
+// Moves x toward y by at most r.
+std::uint32_t toward(std::uint32_t x, std::uint32_t y, std::uint32_t r) noexcept {
+  if (y > x) return y - x > r ? x + r : y;
+  return x - y > r ? x - r : y;
+}
+
+}  // namespace
+
+void check_four_pool_model(const four_pool_model& m) {
+  if (m.layers == 0) throw invalid_argument("four_pool_model: layers 0 out of range [1, 2^32)");
+  if (m.experts_per_layer == 0) throw invalid_argument("four_pool_model: experts_per_layer 0 out of range [1, 2^32)");
+  if (m.hi_expert_bytes == 0) throw invalid_argument("four_pool_model: hi_expert_bytes 0 out of range [1, 2^64)");
+  if (m.lo_expert_bytes == 0 || m.lo_expert_bytes > m.hi_expert_bytes) {
+    throw invalid_argument(fmt::format("four_pool_model: lo_expert_bytes {} out of range [1, {}] (hi_expert_bytes)",
+                                       m.lo_expert_bytes, m.hi_expert_bytes));
+  }
+  if (m.block_bytes == 0) throw invalid_argument("four_pool_model: block_bytes 0 out of range [1, 2^64)");
+  std::uint64_t all = 0;
+  if (__builtin_mul_overflow(std::uint64_t{m.layers} * m.experts_per_layer, m.hi_expert_bytes, &all)) {
+    throw invalid_argument(fmt::format("four_pool_model: {} layers x {} experts x {} bytes out of range [0, 2^64)",
+                                       m.layers, m.experts_per_layer, m.hi_expert_bytes));
+  }
+  if (m.budget_bytes < m.kv_floor_bytes) {
+    throw invalid_argument(fmt::format(
+        "four_pool_model: budget_bytes {} below the KV admission floor kv_floor_bytes {} (allowed: budget_bytes in "
+        "[kv_floor_bytes, 2^64))",
+        m.budget_bytes, m.kv_floor_bytes));
+  }
+  if (m.space.min_kv_bytes > m.budget_bytes) {
+    throw invalid_argument(fmt::format("four_pool_model: space.min_kv_bytes {} out of range [0, {}] (budget_bytes)",
+                                       m.space.min_kv_bytes, m.budget_bytes));
+  }
+  check_seconds(m.hi_miss_seconds, "hi_miss_seconds");
+  check_seconds(m.lo_miss_seconds, "lo_miss_seconds");
+  check_seconds(m.kv_miss_seconds, "kv_miss_seconds");
+  check_seconds(m.lo_activation_seconds, "lo_activation_seconds");
+  if (!(m.min_hi_coverage >= 0.0 && m.min_hi_coverage <= 1.0)) {
+    throw invalid_argument(fmt::format("four_pool_model: min_hi_coverage {} out of range [0, 1]", m.min_hi_coverage));
+  }
+  if (m.min_group == 0 || m.min_group > m.experts_per_layer) {
+    throw invalid_argument(fmt::format("four_pool_model: min_group {} out of range [1, {}] (experts_per_layer)",
+                                       m.min_group, m.experts_per_layer));
+  }
+  if (!m.space.hi_only && !m.space.tiered) {
+    throw invalid_argument("four_pool_model: space admits neither hi-only nor tiered splits");
+  }
+}
+
+std::uint64_t hi_pool_bytes(const four_pool_model& m, const four_pool_split& s) noexcept {
+  return std::uint64_t{s.hi_slots} * m.layers * m.hi_expert_bytes;
+}
+
+std::uint64_t lo_pool_bytes(const four_pool_model& m, const four_pool_split& s) noexcept {
+  return std::uint64_t{s.lo_slots} * m.layers * m.lo_expert_bytes;
+}
+
+std::uint64_t kv_pool_blocks(const four_pool_model& m, const four_pool_split& s) noexcept {
+  return s.kv_bytes / m.block_bytes;
+}
+
+bool admissible(const four_pool_model& m, const four_pool_split& s) noexcept {
+  const std::uint32_t e = m.experts_per_layer;
+  if (s.hi_slots > e || s.lo_slots > e || s.hi_slots > m.space.max_hi_slots) return false;
+  if (s.tiered()) {
+    if (!m.space.tiered || s.lo_slots < m.min_group || s.hi_slots + s.lo_slots > e) return false;
+  } else if (!m.space.hi_only || s.hi_slots < m.min_group) {
+    return false;
+  }
+  const std::uint64_t experts = hi_pool_bytes(m, s) + lo_pool_bytes(m, s);  // ≤ 2·N·E·s_hi: no overflow
+  if (experts > m.budget_bytes) return false;
+  return s.kv_bytes == m.budget_bytes - experts && s.kv_bytes >= std::max(m.kv_floor_bytes, m.space.min_kv_bytes);
+}
+
+four_pool_split make_four_pool_split(const four_pool_model& m, std::uint32_t hi_slots, std::uint32_t lo_slots) {
+  check_four_pool_model(m);
+  four_pool_split s{.hi_slots = hi_slots, .lo_slots = lo_slots, .kv_bytes = 0};
+  const std::uint64_t experts = hi_pool_bytes(m, s) + lo_pool_bytes(m, s);
+  s.kv_bytes = experts <= m.budget_bytes ? m.budget_bytes - experts : 0;
+  if (!admissible(m, s)) {
+    throw invalid_argument(fmt::format(
+        "four_pool_split: hi_slots {} and lo_slots {} ({} expert bytes) not admissible: hi-only needs hi_slots in "
+        "[{}, {}], tiered lo_slots ≥ {} and hi_slots + lo_slots ≤ {}, hi_slots ≤ {}, and the experts at most {} bytes "
+        "(the budget {} less the KV floor {})",
+        hi_slots, lo_slots, experts, m.min_group, m.experts_per_layer, m.min_group, m.experts_per_layer,
+        std::min(m.space.max_hi_slots, m.experts_per_layer),
+        m.budget_bytes - std::max(m.kv_floor_bytes, m.space.min_kv_bytes), m.budget_bytes,
+        std::max(m.kv_floor_bytes, m.space.min_kv_bytes)));
+  }
+  return s;
+}
+
+std::vector<four_pool_split> admissible_splits(const four_pool_model& m, std::uint32_t step) {
+  check_four_pool_model(m);
+  if (step == 0) throw invalid_argument("admissible_splits: step 0 out of range [1, 2^32)");
+  const std::uint32_t e = m.experts_per_layer;
+  // Every step-th value of [first, last], and last.
+  const auto values = [step](std::uint32_t first, std::uint32_t last) {
+    std::vector<std::uint32_t> v;
+    for (std::uint64_t x = first; x <= last; x += step) v.push_back(static_cast<std::uint32_t>(x));
+    if (!v.empty() && v.back() != last) v.push_back(last);
+    return v;
+  };
+  std::vector<four_pool_split> out;
+  const auto consider = [&](std::uint32_t hi, std::uint32_t lo) {
+    four_pool_split s{.hi_slots = hi, .lo_slots = lo, .kv_bytes = 0};
+    const std::uint64_t experts = hi_pool_bytes(m, s) + lo_pool_bytes(m, s);
+    if (experts > m.budget_bytes) return;
+    s.kv_bytes = m.budget_bytes - experts;
+    if (admissible(m, s)) out.push_back(s);
+  };
+  const std::uint32_t top_hi = std::min(e, m.space.max_hi_slots);
+  if (m.space.hi_only && m.min_group <= top_hi) {
+    for (const std::uint32_t hi : values(m.min_group, top_hi)) consider(hi, 0);
+  }
+  if (m.space.tiered) {
+    for (const std::uint32_t hi : values(0, std::min(top_hi, e - m.min_group))) {
+      for (const std::uint32_t lo : values(m.min_group, e - hi)) consider(hi, lo);
+    }
+  }
+  if (out.empty()) {
+    const std::uint64_t floor = std::max(m.kv_floor_bytes, m.space.min_kv_bytes);
+    const std::uint64_t least =
+        std::uint64_t{m.min_group} * m.layers * (m.space.tiered ? m.lo_expert_bytes : m.hi_expert_bytes);
+    throw invalid_argument(fmt::format(
+        "four-pool split: budget_bytes {} leaves {} bytes above the KV floor {}, below the {} bytes of the least "
+        "admissible split ({} slots per layer of the {} version): the engine must not start there",
+        m.budget_bytes, m.budget_bytes - std::min(m.budget_bytes, floor), floor, least, m.min_group,
+        m.space.tiered ? "lo" : "hi"));
+  }
+  return out;
+}
+
+std::vector<residency_target> four_pool_decision::to_targets() const {
+  std::vector<residency_target> out;
+  out.reserve(hi_evictions.size());
+  for (const expert_id id : hi_evictions) out.push_back({.expert = id, .state = residency_state::absent});
+  return out;
+}
+
+four_pool_controller::four_pool_controller(const four_pool_model& model, const four_pool_config& config,
+                                           four_pool_split initial)
+    : model_((check_four_pool_model(model), model)),
+      config_((check_config(config), config)),
+      candidates_(admissible_splits(model_, config_.grid_step)),
+      current_(initial),
+      hot_(hot_config(model_, config_)),
+      rank_({.max_capacity = model_.experts_per_layer, .bin_width = 1, .decay = config_.decay}),
+      kv_(kv_histogram_config(model_.budget_bytes / model_.block_bytes, config_.kv_bins, config_.decay)) {
+  if (!admissible(model_, initial)) {
+    throw invalid_argument(
+        fmt::format("four_pool_controller: the initial split (hi_slots {}, lo_slots {}, kv_bytes {}) is not admissible",
+                    initial.hi_slots, initial.lo_slots, initial.kv_bytes));
+  }
+  (void)hot_.resize(n_hi_of(initial));
+  const std::uint32_t e = model_.experts_per_layer;
+  if (!config_.frozen) {
+    filtered_.assign(std::size_t{e} + 1,
+                     decayed_reuse_histogram({.max_capacity = e, .bin_width = 1, .decay = config_.decay}));
+    stacks_.assign(std::size_t{model_.layers} * e, 0);
+    depth_.assign(model_.layers, 0);
+    rank_of_.assign(std::size_t{model_.layers} * e, 0);
+    for (std::uint32_t l = 0; l < model_.layers; ++l) {
+      for (std::uint32_t x = 0; x < e; ++x) rank_of_[std::size_t{l} * e + x] = x;  // equal scores: by index
+    }
+    above_.assign(e + 1, 0);
+  }
+}
+
+void four_pool_controller::record(std::uint32_t layer, std::span<const expert_index> experts) {
+  hot_.record(layer, experts);  // validates before anything is counted
+  if (config_.frozen) return;
+  const std::uint32_t e = model_.experts_per_layer;
+  const std::uint32_t* rank = rank_of_.data() + std::size_t{layer} * e;
+  // The layer's LRU stack, most recent first: a fixed segment of E entries, depth_ of them used.
+  expert_index* const stack = stacks_.data() + std::size_t{layer} * e;
+  std::uint32_t& depth = depth_[layer];
+  for (const expert_index x : experts) {
+    const std::uint32_t r = rank[x];
+    rank_.record(r);  // Â(H) = activations of rank ≥ H: those a top-H hi set serves at lo
+    expert_index* const it = std::find(stack, stack + depth, x);
+    if (it != stack + depth) {
+      // The LRU stack distance counted over the experts of rank ≥ H only, for every H ≤ r (for H > r
+      // the expert is hi and the lo cache never sees it): d_H = p − #{above it with rank < H}.
+      const auto p = static_cast<std::size_t>(it - stack);
+      std::fill(above_.begin(), above_.end(), 0U);
+      for (const expert_index* a = stack; a != it; ++a) ++above_[rank[*a] + 1];
+      std::size_t below_h = 0;  // #{above with rank < H}
+      for (std::uint32_t h = 0; h <= r; ++h) {
+        below_h += above_[h];
+        filtered_[h].record(p - below_h);
+      }
+      std::copy_backward(stack, it, it + 1);  // move to front
+    } else {
+      std::copy_backward(stack, stack + depth, stack + depth + 1);  // a first sight: cold, dropped
+      ++depth;                                                      // (App. B decision 2)
+    }
+    stack[0] = x;
+  }
+}
+
+std::vector<residency_target> four_pool_controller::end_interval() {
+  const hot_set_plan plan = hot_.end_interval(nullptr);
+  std::vector<residency_target> out;
+  out.reserve(plan.demotions.size() + std::size_t{model_.layers} * hot_.config().hi_per_layer);
+  for (const expert_id id : plan.demotions) out.push_back({.expert = id, .state = residency_state::resident_lo});
+  for (const expert_id id : plan.promotions) out.push_back({.expert = id, .state = residency_state::resident_hi});
+  // The other members: set_targets() cancels pending requests a list leaves out.
+  for (std::uint32_t l = 0; l < model_.layers; ++l) {
+    for (const expert_index x : hot_.hot_set(l)) {
+      const expert_id id{.layer = l, .expert = x};
+      if (std::find(plan.promotions.begin(), plan.promotions.end(), id) == plan.promotions.end()) {
+        out.push_back({.expert = id, .state = residency_state::resident_hi});
+      }
+    }
+  }
+  if (!config_.frozen) {
+    // Hotness changes only here: rank every layer once (descending S, ties to the lower index, as
+    // the hot set ranks them).
+    const std::uint32_t e = model_.experts_per_layer;
+    std::vector<expert_index> order(e);
+    for (std::uint32_t l = 0; l < model_.layers; ++l) {
+      std::iota(order.begin(), order.end(), expert_index{0});
+      std::stable_sort(order.begin(), order.end(), [&](expert_index x, expert_index y) {
+        return hot_.hotness({.layer = l, .expert = x}) > hot_.hotness({.layer = l, .expert = y});
+      });
+      for (std::uint32_t r = 0; r < e; ++r) rank_of_[std::size_t{l} * e + order[r]] = r;
+    }
+  }
+  return out;
+}
+
+void four_pool_controller::set_kv_open_depths(std::vector<std::uint64_t> depths) {
+  if (!std::is_sorted(depths.begin(), depths.end())) {
+    throw invalid_argument("four_pool_controller::set_kv_open_depths: depths not sorted ascending");
+  }
+  kv_open_depths_ = std::move(depths);
+}
+
+void four_pool_controller::new_burst() noexcept {
+  ++stats_.bursts;
+  if (config_.frozen) return;
+  rank_.new_burst();
+  for (auto& h : filtered_) h.new_burst();
+  kv_.new_burst();
+}
+
+double four_pool_controller::kv_cost(std::uint64_t blocks) const {
+  const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(blocks, kv_.max_capacity()));
+  // The open sessions' blocks a pool of `blocks` cannot hold: each is recomputed on its return.
+  const auto held = std::lower_bound(kv_open_depths_.begin(), kv_open_depths_.end(), blocks);
+  const auto open = static_cast<double>(kv_open_depths_.end() - held);
+  return model_.kv_miss_seconds * std::max(kv_.predicted_misses(n), open);
+}
+
+double four_pool_controller::expert_cost(std::uint32_t hi, std::uint32_t lo) const {
+  if (lo == 0) return model_.hi_miss_seconds * filtered_[0].predicted_misses(hi);  // the hi-only pager
+  return model_.lo_miss_seconds * filtered_[hi].predicted_misses(std::min(lo, model_.experts_per_layer)) +
+         model_.lo_activation_seconds * rank_.predicted_misses(hi);
+}
+
+double four_pool_controller::predicted_cost(const four_pool_split& s) const {
+  if (config_.frozen) return 0.0;
+  return expert_cost(s.hi_slots, s.lo_slots) + kv_cost(kv_pool_blocks(model_, s));
+}
+
+double four_pool_controller::predicted_hi_coverage(const four_pool_split& s) const {
+  if (!s.tiered() || config_.frozen || !(rank_.total_mass() > 0.0)) return 1.0;
+  if (s.hi_slots == 0) return 0.0;
+  return std::clamp(1.0 - rank_.predicted_misses(s.hi_slots) / rank_.total_mass(), 0.0, 1.0);
+}
+
+four_pool_decision four_pool_controller::step() const {
+  four_pool_decision d;
+  d.split = current_;
+  d.target = current_;
+  if (config_.frozen) return d;
+  d.current_cost = predicted_cost(current_);
+  d.current_hi_coverage = predicted_hi_coverage(current_);
+  const double q_min = model_.min_hi_coverage;
+  // A relative tolerance: the decayed sums carry rounding that must not make a split infeasible.
+  const auto feasible = [&](double coverage) { return coverage >= q_min - 1e-9; };
+  // The target: the least predicted cost among the splits meeting the coverage constraint (the
+  // most covering split when none does); ties keep the current split, then the nearer one.
+  const auto bytes_distance = [&](const four_pool_split& s) {
+    const auto d1 = [](std::uint64_t x, std::uint64_t y) { return x > y ? x - y : y - x; };
+    return d1(hi_pool_bytes(model_, s), hi_pool_bytes(model_, current_)) +
+           d1(lo_pool_bytes(model_, s), lo_pool_bytes(model_, current_));
+  };
+  bool any_feasible = false;
+  for (const auto& s : candidates_) any_feasible = any_feasible || feasible(predicted_hi_coverage(s));
+  struct scored {
+    std::size_t index;
+    double cost;
+    double coverage;
+  };
+  const auto better = [&](const scored& a, const scored& b) {
+    if (!any_feasible && a.coverage != b.coverage) return a.coverage > b.coverage;
+    if (a.cost != b.cost) return a.cost < b.cost;
+    const four_pool_split& x = candidates_[a.index];
+    const four_pool_split& y = candidates_[b.index];
+    if ((x == current_) != (y == current_)) return x == current_;
+    return bytes_distance(x) < bytes_distance(y);
+  };
+  scored best{.index = candidates_.size(), .cost = 0.0, .coverage = 0.0};
+  for (std::size_t i = 0; i < candidates_.size(); ++i) {
+    const four_pool_split& s = candidates_[i];
+    const scored x{.index = i, .cost = predicted_cost(s), .coverage = predicted_hi_coverage(s)};
+    if (any_feasible && !feasible(x.coverage)) continue;
+    if (best.index == candidates_.size() || better(x, best)) best = x;
+  }
+  d.target = candidates_[best.index];  // candidates_ is never empty (admissible_splits() throws first)
+  d.target_cost = best.cost;
+  d.target_hi_coverage = best.coverage;
+
+  // Marginals at the current split, seconds saved per byte (the others fixed): the one unit of
+  // the equimarginal rule. 0 where one more slot is undefined (beyond E, or a lo slot without a lo tier).
+  const std::uint32_t e = model_.experts_per_layer;
+  const double here = expert_cost(current_.hi_slots, current_.lo_slots);
+  const double slot_hi = static_cast<double>(model_.layers) * static_cast<double>(model_.hi_expert_bytes);
+  const double slot_lo = static_cast<double>(model_.layers) * static_cast<double>(model_.lo_expert_bytes);
+  if (current_.hi_slots + (current_.tiered() ? current_.lo_slots : 0) < e) {
+    d.marginal_seconds_per_byte[0] = (here - expert_cost(current_.hi_slots + 1, current_.lo_slots)) / slot_hi;
+  }
+  if (current_.tiered() && current_.hi_slots + current_.lo_slots < e) {
+    d.marginal_seconds_per_byte[1] = (here - expert_cost(current_.hi_slots, current_.lo_slots + 1)) / slot_lo;
+  }
+  const std::uint64_t blocks = kv_pool_blocks(model_, current_);
+  d.marginal_seconds_per_byte[2] = (kv_cost(blocks) - kv_cost(blocks + 1)) / static_cast<double>(model_.block_bytes);
+
+  // Gate, reversal gate, dead zone, rate limit (WiSP App. B). A split breaking the coverage
+  // constraint leaves whatever the gain.
+  if (d.target == current_ || stats_.bursts <= config_.settle_bursts) return d;
+  const double gain = d.current_cost - d.target_cost;
+  const int dir = direction(current_, d.target);
+  const double gate = last_move_ != 0 && dir != 0 && dir != last_move_ ? config_.reversal_gate : config_.gate;
+  const bool forced = any_feasible && !feasible(d.current_hi_coverage);
+  if (!forced && !(gain > 0.0 && gain > gate * d.current_cost)) return d;
+  if (!forced && slot_distance(current_, d.target) < config_.dead_zone) return d;
+  four_pool_split next = d.target;
+  if (current_.tiered() == d.target.tiered()) {
+    four_pool_split limited{.hi_slots = toward(current_.hi_slots, d.target.hi_slots, config_.rate_limit),
+                            .lo_slots = toward(current_.lo_slots, d.target.lo_slots, config_.rate_limit),
+                            .kv_bytes = 0};
+    limited.kv_bytes = model_.budget_bytes - hi_pool_bytes(model_, limited) - lo_pool_bytes(model_, limited);
+    if (admissible(model_, limited)) next = limited;
+  }
+  d.split = next;
+  d.moved = !(next == current_);
+
+  // The hi set's members beyond the new n_hi (coldest first) leave before the hi pool shrinks;
+  // a hi-only split keeps what fits as its LRU contents.
+  if (current_.tiered() && next.hi_slots < current_.hi_slots) {
+    for (std::uint32_t l = 0; l < model_.layers; ++l) {
+      for (const expert_index x : hot_.demotions_for(l, next.hi_slots))
+        d.hi_evictions.push_back({.layer = l, .expert = x});
+    }
+  }
+  // Shrink before grow across the three pools (WiSP §3.5): the footprint stays within B at every
+  // step; the growing pools then go in order of their value per byte.
+  const std::array<std::uint64_t, 3> from{hi_pool_bytes(model_, current_), lo_pool_bytes(model_, current_),
+                                          current_.kv_bytes};
+  const std::array<std::uint64_t, 3> to{hi_pool_bytes(model_, next), lo_pool_bytes(model_, next), next.kv_bytes};
+  std::vector<std::size_t> grows;
+  for (std::size_t p = 0; p < 3; ++p) {
+    if (to[p] < from[p]) d.steps.push_back({.pool = static_cast<tier_pool>(p), .bytes = to[p]});
+    if (to[p] > from[p]) grows.push_back(p);
+  }
+  std::stable_sort(grows.begin(), grows.end(), [&](std::size_t x, std::size_t y) {
+    return d.marginal_seconds_per_byte[x] > d.marginal_seconds_per_byte[y];
+  });
+  for (const std::size_t p : grows) d.steps.push_back({.pool = static_cast<tier_pool>(p), .bytes = to[p]});
+  return d;
+}
+
+void four_pool_controller::commit(const four_pool_decision& decision, bool applied) {
+  if (!applied) {
+    ++stats_.failed_resizes;  // D3: the engine keeps its previous split
+    return;
+  }
+  if (decision.split == current_) return;
+  if (!admissible(model_, decision.split)) {
+    throw invalid_argument(
+        fmt::format("four_pool_controller::commit: split (hi_slots {}, lo_slots {}, kv_bytes {}) is not admissible",
+                    decision.split.hi_slots, decision.split.lo_slots, decision.split.kv_bytes));
+  }
+  const int dir = direction(current_, decision.split);
+  if (dir != 0) {
+    if (last_move_ != 0 && dir != last_move_) ++stats_.reversals;
+    last_move_ = dir;
+  }
+  ++stats_.moves;
+  if (n_hi_of(decision.split) != hot_.config().hi_per_layer) (void)hot_.resize(n_hi_of(decision.split));
+  current_ = decision.split;
+}
+
+}  // namespace expage

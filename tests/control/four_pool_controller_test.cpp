@@ -1,0 +1,409 @@
+#include "expage/control/four_pool_controller.hpp"
+
+#include "expage/core/error.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <list>
+#include <random>
+#include <vector>
+
+namespace expage {
+namespace {
+
+using ::testing::HasSubstr;
+
+// 2 layers of 6 experts: a hi slot (in every layer) is 80 bytes, a lo slot 20, a KV block 7.
+four_pool_model small_model(std::uint64_t budget, std::uint64_t floor) {
+  return {.budget_bytes = budget,
+          .layers = 2,
+          .experts_per_layer = 6,
+          .hi_expert_bytes = 40,
+          .lo_expert_bytes = 10,
+          .block_bytes = 7,
+          .kv_floor_bytes = floor,
+          .hi_miss_seconds = 1.0,
+          .lo_miss_seconds = 0.25,
+          .kv_miss_seconds = 0.5,
+          .lo_activation_seconds = 0.1,
+          .min_hi_coverage = 0.0,
+          .min_group = 2};
+}
+
+// The admissibility rule, written out.
+bool admissible_by_hand(const four_pool_model& m, std::uint32_t hi, std::uint32_t lo) {
+  const std::uint32_t e = m.experts_per_layer;
+  const bool shape =
+      lo == 0 ? m.space.hi_only && hi >= m.min_group && hi <= e : m.space.tiered && lo >= m.min_group && hi + lo <= e;
+  const std::uint64_t experts =
+      std::uint64_t{hi} * m.layers * m.hi_expert_bytes + std::uint64_t{lo} * m.layers * m.lo_expert_bytes;
+  return shape && hi <= m.space.max_hi_slots && experts <= m.budget_bytes &&
+         m.budget_bytes - experts >= std::max(m.kv_floor_bytes, m.space.min_kv_bytes);
+}
+
+TEST(FourPoolSplits, AdmissibleSplitsEqualABruteForce) {
+  std::mt19937_64 rng(3);
+  for (int trial = 0; trial < 300; ++trial) {
+    four_pool_model m = small_model(100 + rng() % 700, rng() % 200);
+    m.kv_floor_bytes = std::min(m.kv_floor_bytes, m.budget_bytes);
+    m.space.hi_only = rng() % 4 != 0;
+    m.space.tiered = !m.space.hi_only || rng() % 4 != 0;
+    m.space.max_hi_slots = rng() % 3 == 0 ? static_cast<std::uint32_t>(rng() % 7) : m.space.max_hi_slots;
+    m.space.min_kv_bytes = rng() % 3 == 0 ? rng() % m.budget_bytes : 0;
+    std::vector<four_pool_split> expected;
+    for (std::uint32_t hi = 0; hi <= 6; ++hi) {  // hi-only first, then tiered by H, then L
+      if (admissible_by_hand(m, hi, 0)) expected.push_back(make_four_pool_split(m, hi, 0));
+    }
+    for (std::uint32_t hi = 0; hi <= 6; ++hi) {
+      for (std::uint32_t lo = 1; lo <= 6; ++lo) {
+        if (admissible_by_hand(m, hi, lo)) expected.push_back(make_four_pool_split(m, hi, lo));
+      }
+    }
+    SCOPED_TRACE(fmt::format("budget {} floor {} min_kv {}", m.budget_bytes, m.kv_floor_bytes, m.space.min_kv_bytes));
+    if (expected.empty()) {
+      try {
+        static_cast<void>(admissible_splits(m));
+        ADD_FAILURE() << "no error";
+      } catch (const invalid_argument& e) {
+        EXPECT_THAT(e.what(), HasSubstr("the engine must not start there"));
+      }
+      continue;
+    }
+    const auto got = admissible_splits(m);
+    ASSERT_EQ(got, expected);
+    for (const auto& s : got) {
+      EXPECT_TRUE(admissible(m, s));
+      EXPECT_EQ(hi_pool_bytes(m, s) + lo_pool_bytes(m, s) + s.kv_bytes, m.budget_bytes);  // KV takes the rest
+    }
+    // A coarser grid keeps a subset, with the largest values.
+    const auto coarse = admissible_splits(m, 3);
+    for (const auto& s : coarse) EXPECT_NE(std::find(got.begin(), got.end(), s), got.end());
+  }
+}
+
+TEST(FourPoolSplits, BadModelsAndSplitsAreNamed) {
+  const auto expect_error = [](const four_pool_model& m, const char* text) {
+    try {
+      check_four_pool_model(m);
+      ADD_FAILURE() << "no error for " << text;
+    } catch (const invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr(text));
+    }
+  };
+  expect_error(small_model(50, 60), "budget_bytes 50 below the KV admission floor kv_floor_bytes 60");
+  four_pool_model m = small_model(500, 20);
+  m.lo_expert_bytes = 50;
+  expect_error(m, "lo_expert_bytes 50 out of range [1, 40] (hi_expert_bytes)");
+  m = small_model(500, 20);
+  m.min_hi_coverage = 1.5;
+  expect_error(m, "min_hi_coverage 1.5 out of range [0, 1]");
+  m = small_model(500, 20);
+  m.min_group = 7;
+  expect_error(m, "min_group 7 out of range [1, 6]");
+  m = small_model(500, 20);
+  m.lo_activation_seconds = -1;
+  expect_error(m, "lo_activation_seconds -1 out of range [0, inf)");
+  m = small_model(500, 20);
+  m.space.hi_only = m.space.tiered = false;
+  expect_error(m, "neither hi-only nor tiered");
+  m = small_model(500, 20);
+  try {
+    static_cast<void>(make_four_pool_split(m, 5, 2));  // 7 > 6 experts per layer
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("hi_slots 5 and lo_slots 2"));
+  }
+  EXPECT_THROW(four_pool_controller(m, {.decay = 0.0}, make_four_pool_split(m, 2, 0)), invalid_argument);
+  EXPECT_THROW(four_pool_controller(m, {.gate = 0.5, .reversal_gate = 0.2}, make_four_pool_split(m, 2, 0)),
+               invalid_argument);
+  EXPECT_THROW(four_pool_controller(m, {}, four_pool_split{.hi_slots = 2, .lo_slots = 0, .kv_bytes = 1}),
+               invalid_argument);  // KV is not the remainder
+}
+
+TEST(FourPoolController, TheServeRuleOfIssue12) {
+  using a = serve_action;
+  EXPECT_EQ(decide_serve({.hi_ready = true, .lo_ready = true}, true), a::serve_hi);
+  EXPECT_EQ(decide_serve({.lo_ready = true, .in_flight = true, .member = true}, true), a::serve_lo);  // no stall
+  EXPECT_EQ(decide_serve({.in_flight = true}, true), a::wait);
+  EXPECT_EQ(decide_serve({.member = true}, true), a::load_hi);  // a hi-set member loads hi
+  EXPECT_EQ(decide_serve({}, true), a::load_lo);
+  EXPECT_EQ(decide_serve({}, false), a::load_hi);                      // no lo tier: the hi pool pages on demand
+  EXPECT_EQ(decide_serve({.member = true}, true, false), a::load_lo);  // expert_runtime's fixed demand tier lo
+  EXPECT_EQ(decide_serve({.member = true}, false, false), a::load_hi);
+  EXPECT_EQ(to_string(a::load_lo), "load-lo");
+}
+
+// Every interval's list names all the hi set's members (the runtime replaces pending requests
+// with each list), demotions first, then the interval's promotions, then the other members.
+TEST(FourPoolController, IntervalTargetsListEveryMemberAfterTheDemotions) {
+  std::mt19937_64 rng(2);
+  const four_pool_model m = small_model(800, 14);
+  four_pool_controller c(m, {}, make_four_pool_split(m, 3, 3));
+  for (int interval = 0; interval < 40; ++interval) {
+    for (int step = 0; step < 4; ++step) {
+      for (std::uint32_t layer = 0; layer < 2; ++layer) {
+        const expert_index a = static_cast<expert_index>(rng() % 6);
+        const expert_index b = static_cast<expert_index>((a + 1 + rng() % 5) % 6);
+        const expert_index group[] = {a, b};
+        c.record(layer, group);
+      }
+    }
+    const auto targets = c.end_interval();
+    std::size_t members = 0;
+    for (std::uint32_t l = 0; l < 2; ++l) members += c.hot_set().hot_set(l).size();
+    std::size_t hi = 0;
+    bool seen_hi = false;
+    for (const residency_target& t : targets) {
+      if (t.state == residency_state::resident_hi) {
+        ++hi;
+        seen_hi = true;
+        EXPECT_TRUE(c.hot_set().is_hot(t.expert));
+      } else {
+        EXPECT_EQ(t.state, residency_state::resident_lo);
+        EXPECT_FALSE(seen_hi) << "demotions come first";
+        EXPECT_FALSE(c.hot_set().is_hot(t.expert));
+      }
+    }
+    EXPECT_EQ(hi, members);
+  }
+}
+
+// Per layer, misses of an LRU cache of `slots` over the experts of index ≥ `first`, first sights
+// not counted (warm misses): the exact curve the controller's histograms must reproduce.
+std::uint64_t warm_lru_misses(const std::vector<std::pair<std::uint32_t, std::uint32_t>>& accesses,
+                              std::uint32_t layers, std::uint32_t first, std::uint32_t slots) {
+  std::vector<std::list<std::uint32_t>> lru(layers);
+  std::vector<std::vector<bool>> seen(layers, std::vector<bool>(64, false));
+  std::uint64_t misses = 0;
+  for (const auto& [layer, x] : accesses) {
+    if (x < first) continue;
+    auto& l = lru[layer];
+    const auto it = std::find(l.begin(), l.end(), x);
+    if (it != l.end()) {
+      if (static_cast<std::uint32_t>(std::distance(l.begin(), it)) >= slots) ++misses;
+      l.erase(it);
+    } else if (seen[layer][x]) {
+      ++misses;
+    }
+    seen[layer][x] = true;
+    l.push_front(x);
+  }
+  return misses;
+}
+
+// With γ = 1 and the ranks fixed (no interval ended: ties rank by index), the predicted costs are
+// the exact warm LRU miss curves of the streams each split's pools see: the plain per-layer curve
+// for a hi-only split, and for a tiered split of H hi slots the curve of the experts ranked ≥ H
+// (the lo cache's stream) plus λ_q per activation of those experts.
+TEST(FourPoolController, CurvesEqualExactLruCurvesOfTheFilteredStreams) {
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 20; ++trial) {
+    four_pool_model m = small_model(100000, 7);
+    four_pool_controller c(m, {.decay = 1.0}, make_four_pool_split(m, 2, 0));
+    std::vector<std::pair<std::uint32_t, std::uint32_t>> accesses;
+    for (int step = 0; step < 300; ++step) {
+      for (std::uint32_t layer = 0; layer < 2; ++layer) {
+        std::vector<expert_index> group;
+        while (group.size() < 2) {
+          const auto x = static_cast<expert_index>(std::min<std::uint64_t>(rng() % 9, rng() % 6));  // skewed
+          if (std::find(group.begin(), group.end(), x) == group.end()) group.push_back(x);
+        }
+        c.record(layer, group);
+        for (const auto x : group) accesses.emplace_back(layer, x);
+      }
+    }
+    for (const auto& s : c.candidates()) {
+      double expected = 0.0;
+      if (!s.tiered()) {
+        expected = m.hi_miss_seconds * static_cast<double>(warm_lru_misses(accesses, 2, 0, s.hi_slots));
+      } else {
+        const auto outside =
+            std::count_if(accesses.begin(), accesses.end(), [&](auto a) { return a.second >= s.hi_slots; });
+        expected = m.lo_miss_seconds * static_cast<double>(warm_lru_misses(accesses, 2, s.hi_slots, s.lo_slots)) +
+                   m.lo_activation_seconds * static_cast<double>(outside);
+        EXPECT_NEAR(c.predicted_hi_coverage(s),
+                    1.0 - static_cast<double>(outside) / static_cast<double>(accesses.size()), 1e-12);
+      }
+      EXPECT_NEAR(c.predicted_cost(s), expected, 1e-9) << s.hi_slots << "+" << s.lo_slots;
+    }
+  }
+}
+
+// Feeds @p c one burst of skewed routing (a hot head of @p head experts per layer) and KV
+// reuse distances around @p kv_distance.
+void feed_burst(four_pool_controller& c, std::mt19937_64& rng, std::uint32_t head, std::uint64_t kv_distance,
+                int intervals = 4) {
+  c.new_burst();
+  const std::uint32_t layers = c.model().layers;
+  const std::uint32_t e = c.model().experts_per_layer;
+  for (int interval = 0; interval < intervals; ++interval) {
+    for (int step = 0; step < 8; ++step) {
+      for (std::uint32_t layer = 0; layer < layers; ++layer) {
+        std::vector<expert_index> group;
+        while (group.size() < 2) {
+          const auto x = static_cast<expert_index>(rng() % 4 != 0 ? rng() % head : rng() % e);
+          if (std::find(group.begin(), group.end(), x) == group.end()) group.push_back(x);
+        }
+        c.record(layer, group);
+      }
+      for (int k = 0; k < 6; ++k) c.kv().record(static_cast<std::size_t>(kv_distance / 2 + rng() % (kv_distance + 1)));
+    }
+    static_cast<void>(c.end_interval());
+  }
+}
+
+// The target is the least predicted cost among the admissible splits (the lookahead over the
+// whole grid), and the resize steps shrink every losing pool before any pool grows, so the
+// footprint stays within B after every step.
+TEST(FourPoolController, StepTakesTheGridMinimumAndShrinksBeforeGrowing) {
+  std::mt19937_64 rng(5);
+  int moved = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const four_pool_model m = small_model(400 + rng() % 400, 14 + rng() % 60);
+    const auto all = admissible_splits(m);
+    four_pool_controller c(m, {.gate = 0.0, .reversal_gate = 0.0, .settle_bursts = 0}, all[rng() % all.size()]);
+    feed_burst(c, rng, 1 + static_cast<std::uint32_t>(rng() % 5), 5 + rng() % 60);
+    const four_pool_decision d = c.step();
+    double least = 1e300;
+    for (const auto& s : c.candidates()) least = std::min(least, c.predicted_cost(s));
+    EXPECT_DOUBLE_EQ(d.target_cost, least);
+    moved += d.moved ? 1 : 0;
+    EXPECT_DOUBLE_EQ(c.predicted_cost(d.target), least);
+    EXPECT_EQ(d.moved, !(d.split == c.current()));
+    if (!d.moved) continue;
+    EXPECT_EQ(d.split, d.target);  // no rate limit, no dead zone beyond 1
+    std::array<std::uint64_t, 3> bytes{hi_pool_bytes(m, c.current()), lo_pool_bytes(m, c.current()),
+                                       c.current().kv_bytes};
+    bool grown = false;
+    for (const pool_resize& r : d.steps) {
+      const auto p = static_cast<std::size_t>(r.pool);
+      if (r.bytes > bytes[p]) grown = true;
+      EXPECT_FALSE(grown && r.bytes < bytes[p]) << "a shrink after a grow";
+      bytes[p] = r.bytes;
+      EXPECT_LE(bytes[0] + bytes[1] + bytes[2], m.budget_bytes);
+    }
+    EXPECT_EQ(bytes[0], hi_pool_bytes(m, d.split));
+    EXPECT_EQ(bytes[1], lo_pool_bytes(m, d.split));
+    EXPECT_EQ(bytes[2], d.split.kv_bytes);
+    EXPECT_GE(d.split.kv_bytes, m.kv_floor_bytes);
+  }
+  EXPECT_GT(moved, 20);
+}
+
+// Nothing moves before the histograms have seen settle_bursts bursts.
+TEST(FourPoolController, WaitsForTheHistogramsToSettle) {
+  std::mt19937_64 rng(21);
+  const four_pool_model m = small_model(800, 14);
+  four_pool_controller c(m, {.gate = 0.0, .reversal_gate = 0.0, .settle_bursts = 3}, make_four_pool_split(m, 6, 0));
+  for (int b = 1; b <= 3; ++b) {
+    feed_burst(c, rng, 2, 80);
+    EXPECT_FALSE(c.step().moved) << "burst " << b;
+  }
+  feed_burst(c, rng, 2, 80);
+  EXPECT_TRUE(c.step().moved);
+}
+
+TEST(FourPoolController, GateRateLimitAndCoverageConstraint) {
+  std::mt19937_64 rng(9);
+  const four_pool_model m = small_model(800, 14);
+  // A gate of 99% of the current cost: nothing moves.
+  {
+    four_pool_controller c(m, {.gate = 0.99, .reversal_gate = 0.99}, make_four_pool_split(m, 6, 0));
+    feed_burst(c, rng, 2, 80);
+    const auto d = c.step();
+    EXPECT_FALSE(d.moved);
+    EXPECT_EQ(d.split, c.current());
+  }
+  // A rate limit of one slot per pool per burst within one mode.
+  for (int trial = 0; trial < 20; ++trial) {
+    four_pool_controller c(m, {.gate = 0.0, .reversal_gate = 0.0, .rate_limit = 1, .settle_bursts = 0},
+                           make_four_pool_split(m, 0, 6));
+    feed_burst(c, rng, 1 + static_cast<std::uint32_t>(rng() % 3), 10 + rng() % 100);
+    const auto d = c.step();
+    if (d.moved && d.split.tiered()) {
+      EXPECT_LE(std::max(d.split.hi_slots, 0U), 1U);
+      EXPECT_GE(d.split.lo_slots, 5U);
+    }
+  }
+  // With q_min the target meets the coverage constraint.
+  four_pool_model q = m;
+  q.min_hi_coverage = 0.6;
+  q.lo_activation_seconds = 0.0;  // quality free: only the constraint keeps the hi tier
+  four_pool_controller c(q, {.gate = 0.0, .reversal_gate = 0.0, .settle_bursts = 0}, make_four_pool_split(q, 0, 6));
+  feed_burst(c, rng, 3, 30);
+  const auto d = c.step();
+  EXPECT_GE(d.target_hi_coverage, 0.6);
+  EXPECT_TRUE(d.moved) << "a split below q_min leaves whatever the gain";
+  EXPECT_GE(c.predicted_hi_coverage(d.split), 0.6);
+}
+
+// A refused resize keeps the previous split (WiSP D3); an applied one resizes the hi set, whose
+// dropped members are the ones the decision named, coldest first.
+TEST(FourPoolController, CommitResizesTheHiSetOrKeepsThePreviousSplit) {
+  std::mt19937_64 rng(13);
+  const four_pool_model m = small_model(800, 14);
+  four_pool_controller c(m, {.gate = 0.0, .reversal_gate = 0.0}, make_four_pool_split(m, 4, 2));
+  for (int b = 0; b < 3; ++b) feed_burst(c, rng, 2, 5);
+  EXPECT_EQ(c.hot_set().config().hi_per_layer, 4U);
+  // Make KV valuable: far reuses that a larger pool would hold.
+  for (int b = 0; b < 4; ++b) feed_burst(c, rng, 2, 60);
+  const auto d = c.step();
+  ASSERT_TRUE(d.moved);
+  const four_pool_split before = c.current();
+  c.commit(d, false);
+  EXPECT_EQ(c.current(), before);
+  EXPECT_EQ(c.statistics().failed_resizes, 1U);
+  const auto expected_drops = d.hi_evictions;
+  c.commit(d, true);
+  EXPECT_EQ(c.current(), d.split);
+  EXPECT_EQ(c.hot_set().config().hi_per_layer, d.split.tiered() ? d.split.hi_slots : 0U);
+  for (const expert_id id : expected_drops) EXPECT_FALSE(c.hot_set().is_hot(id));
+  for (const residency_target& t : d.to_targets()) EXPECT_EQ(t.state, residency_state::absent);
+  EXPECT_EQ(c.statistics().moves, 1U);
+}
+
+// Under stationary input the controller moves toward one target and never back (no A→B→A):
+// the reversal gate must be beaten by a real shift, not by the jitter of the estimates.
+TEST(FourPoolController, DoesNotOscillateUnderStationaryInput) {
+  std::uint64_t moves = 0;
+  for (std::uint64_t seed = 1; seed <= 8; ++seed) {
+    std::mt19937_64 rng(seed);
+    const four_pool_model m = small_model(500 + 50 * seed, 14);
+    const auto all = admissible_splits(m);
+    four_pool_controller c(m, {}, all[seed % all.size()]);
+    const auto head = static_cast<std::uint32_t>(1 + seed % 4);
+    const std::uint64_t kv = 10 + 7 * seed;
+    for (int burst = 0; burst < 60; ++burst) {
+      feed_burst(c, rng, head, kv);
+      const auto d = c.step();
+      if (d.moved) c.commit(d, true);
+    }
+    EXPECT_EQ(c.statistics().reversals, 0U) << "seed " << seed;
+    moves += c.statistics().moves;
+  }
+  EXPECT_GT(moves, 0U) << "the starts were chosen away from the targets";
+}
+
+// The open sessions' KV blocks deeper than a pool are predicted to miss even before the
+// histogram has seen their reuse.
+TEST(FourPoolController, OpenSessionBlocksRaiseTheKvValue) {
+  const four_pool_model m = small_model(800, 14);
+  four_pool_controller c(m, {}, make_four_pool_split(m, 6, 0));
+  const four_pool_split small_kv = make_four_pool_split(m, 6, 0);
+  const four_pool_split big_kv = make_four_pool_split(m, 0, 2);
+  EXPECT_DOUBLE_EQ(c.predicted_cost(small_kv), 0.0);
+  std::vector<std::uint64_t> depths;
+  for (std::uint64_t d = 0; d < 80; ++d) depths.push_back(d);
+  c.set_kv_open_depths(depths);
+  const auto blocks = kv_pool_blocks(m, small_kv);
+  EXPECT_DOUBLE_EQ(c.predicted_cost(small_kv),
+                   m.kv_miss_seconds * static_cast<double>(80 - std::min<std::uint64_t>(blocks, 80)));
+  EXPECT_LT(c.predicted_cost(big_kv), c.predicted_cost(small_kv));
+  EXPECT_THROW(c.set_kv_open_depths({3, 1}), invalid_argument);
+}
+
+}  // namespace
+}  // namespace expage

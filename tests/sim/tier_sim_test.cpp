@@ -1,0 +1,635 @@
+#include "expage/sim/tier_sim.hpp"
+
+#include "common/split_workloads.hpp"
+#include "common/traces.hpp"
+#include "expage/core/error.hpp"
+#include "expage/trace/synthetic_trace.hpp"
+#include "expage/trace/trace_io.hpp"
+
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <list>
+#include <random>
+
+namespace expage {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string describe(const four_pool_split& s) {
+  return s.tiered() ? fmt::format("{}+{}", s.hi_slots, s.lo_slots) : fmt::format("hi{}", s.hi_slots);
+}
+
+using testing::mixtral_kv_bytes_per_token;
+using testing::quantile;
+using testing::tiled;
+
+kv_phase tool_calls(std::uint64_t steps) { return testing::small_tool_calls(steps); }
+kv_phase long_context(std::uint64_t steps) { return testing::small_long_context(steps); }
+
+// A small workload: synthetic routing on `small`, a session mix, a budget in hi slots (a bf16
+// expert in every layer) above a floor of two slots; c2c-like ratio with free setup.
+struct fixture : testing::small_split_fixture {
+  tier_workload workload;
+
+  fixture(std::vector<kv_phase> phases, double budget_slots, std::uint64_t seed = 9)
+      : small_split_fixture(std::move(phases), budget_slots, seed, 1.2) {
+    workload.base = small_split_fixture::workload;
+    workload.base.expert_options.dense_bytes_per_layer = 20000;  // the same for both precisions
+    workload.lo_activation_seconds = 0.25 * make_four_pool_model(workload).hi_miss_seconds;
+    workload.hot.margin = 0.1875;  // κ = 0.75 of the mean count per interval (2 passes × top-2 / 16 experts)
+  }
+};
+
+// ---- the simulator against the single-precision one ------------------------------------------
+
+// A hi-only split is WiSP's pager at hi precision: the same misses, stall and compute as
+// simulate() with per-layer LRU slots, and the same KV recompute as the split simulator's.
+TEST(TierSim, AHiOnlySplitIsTheSplitSimulatorsPager) {
+  fixture f({tool_calls(320)}, 12);
+  const four_pool_model m = make_four_pool_model(f.workload);
+  for (const four_pool_split& s : admissible_splits(m)) {
+    if (s.tiered()) continue;
+    SCOPED_TRACE(s.hi_slots);
+    const tier_run r = evaluate_tier_split(f.workload, s);
+    sim_options o = f.workload.base.expert_options;
+    o.capacity = s.hi_slots;
+    const sim_result direct = simulate(f.experts, f.geometry, policy_kind::lru, o);
+    EXPECT_NEAR(r.expert_stall_seconds, direct.stall_total(), 1e-9);
+    EXPECT_NEAR(r.compute_seconds, direct.compute_seconds, 1e-9);
+    EXPECT_EQ(r.demand_hi_loads, direct.demand_misses);
+    EXPECT_EQ(r.lo_activations, 0U);
+    const std::uint32_t caps[] = {s.hi_slots};
+    const split_run split = evaluate_split_schedule(f.workload.base, caps);
+    EXPECT_NEAR(r.kv_recompute_seconds, split.kv_recompute_seconds, 1e-9);
+    EXPECT_NEAR(r.cost(), split.cost(), 1e-9);
+    EXPECT_LE(r.budget_peak_bytes, m.budget_bytes);
+    EXPECT_EQ(r.invariant_violations, 0U);
+  }
+}
+
+// A tiered split without hi slots pages lo versions exactly as simulate() does at the lo
+// precision, and prices every activation at λ_q.
+TEST(TierSim, ALoOnlySplitIsThePagerAtTheLoPrecision) {
+  fixture f({tool_calls(320)}, 6);
+  const four_pool_model m = make_four_pool_model(f.workload);
+  for (const four_pool_split& s : admissible_splits(m)) {
+    if (!s.tiered() || s.hi_slots != 0) continue;
+    const std::uint32_t lo = s.lo_slots;
+    SCOPED_TRACE(lo);
+    const tier_run r = evaluate_tier_split(f.workload, s);
+    sim_options o = f.workload.base.expert_options;
+    o.capacity = lo;
+    o.format = precision::int4;
+    const sim_result direct = simulate(f.experts, f.geometry, policy_kind::lru, o);
+    EXPECT_NEAR(r.expert_stall_seconds, direct.stall_total(), 1e-9);
+    EXPECT_EQ(r.demand_lo_loads, direct.demand_misses);
+    EXPECT_EQ(r.lo_activations, r.activations);
+    EXPECT_DOUBLE_EQ(r.hi_coverage(), 0.0);
+    EXPECT_NEAR(r.quality_seconds(), f.workload.lo_activation_seconds * static_cast<double>(direct.accesses), 1e-12);
+    EXPECT_EQ(r.invariant_violations, 0U);
+  }
+}
+
+// ---- a slow reference of the tiered model --------------------------------------------------
+
+// The tier model of tier_sim.hpp written plainly (one link, no setup, no faults, a static split):
+// per expert a hi and a lo version (none, in flight until a time, active), LRU by last use, a
+// FIFO of background transfers started in idle link time, the hi set from a hot_set_controller
+// run the same way. Returns stall, lo activations, promotions and demotions.
+struct reference_result {
+  double stall = 0.0;
+  std::uint64_t lo = 0;
+  std::uint64_t promotions = 0;
+  std::uint64_t demotions = 0;
+  std::uint64_t hi_loads = 0;
+  std::uint64_t lo_loads = 0;
+};
+
+reference_result reference_tiered(const tier_workload& w, const four_pool_model& m, const four_pool_split& split) {
+  const sim_options& o = w.base.expert_options;
+  const cost_model hi =
+      make_cost_model(w.base.geometry, o.hardware, o.format, o.dense_bytes_per_layer, o.transfer_compute_ratio);
+  const cost_model lo =
+      make_cost_model(w.base.geometry, o.hardware, w.lo_format, o.dense_bytes_per_layer, o.transfer_compute_ratio);
+  const double t_hi = hi.transfer_seconds[0];
+  const double t_lo = lo.transfer_seconds[0];
+  const access_stream& s = *w.base.experts;
+  const std::uint32_t e = m.experts_per_layer;
+  enum { none, flying, active };
+  struct expert {
+    int hi = none;
+    int lo = none;
+    std::uint64_t hi_used = 0;
+    std::uint64_t lo_used = 0;
+    bool member = false;
+  };
+  std::vector<expert> x(std::size_t{m.layers} * e);
+  struct job {
+    std::size_t f;
+    bool promote;
+    double issued;
+  };
+  struct flight {
+    std::size_t f;
+    bool to_hi;
+    double done;
+    bool discarded;  // its slot went to a demand load
+  };
+  std::list<job> queue;
+  std::list<flight> flights;
+  double link = 0.0;
+  double now = 0.0;
+  std::uint64_t clock = 0;
+  reference_result out;
+  hot_set_config hc = w.hot;
+  hc.layers = m.layers;
+  hc.experts_per_layer = e;
+  hc.hi_per_layer = split.hi_slots;
+  hot_set_controller hot(hc);
+  std::vector<bool> pinned(x.size(), false);
+  const auto used = [&](std::uint32_t layer, bool hi_pool) {
+    std::uint32_t n = 0;
+    for (std::uint32_t k = 0; k < e; ++k) n += (hi_pool ? x[layer * e + k].hi : x[layer * e + k].lo) != none ? 1U : 0U;
+    return n;
+  };
+  const auto in_flight = [&](std::size_t f) {
+    return std::any_of(flights.begin(), flights.end(), [&](const flight& t) { return t.f == f; });
+  };
+  // The LRU evictable version of a pool in a layer (active, unpinned, not a member for hi).
+  const auto victim = [&](std::uint32_t layer, bool hi_pool) -> std::int64_t {
+    std::int64_t best = -1;
+    std::uint64_t oldest = ~std::uint64_t{0};
+    for (std::uint32_t k = 0; k < e; ++k) {
+      const std::size_t f = layer * e + k;
+      const expert& y = x[f];
+      if ((hi_pool ? y.hi : y.lo) != active || pinned[f] || (hi_pool && y.member)) continue;
+      if ((hi_pool ? y.hi_used : y.lo_used) < oldest) {
+        oldest = hi_pool ? y.hi_used : y.lo_used;
+        best = static_cast<std::int64_t>(f);
+      }
+    }
+    return best;
+  };
+  const auto room = [&](std::size_t f, bool hi_pool) {
+    const auto layer = static_cast<std::uint32_t>(f / e);
+    if (used(layer, hi_pool) < (hi_pool ? split.hi_slots : split.lo_slots)) return true;
+    if (const std::int64_t v = victim(layer, hi_pool); v >= 0) {
+      (hi_pool ? x[static_cast<std::size_t>(v)].hi : x[static_cast<std::size_t>(v)].lo) = none;
+      return true;
+    }
+    for (flight& t : flights) {  // the slot of a background transfer in flight
+      if (t.discarded || t.to_hi != hi_pool || t.f / e != layer || pinned[t.f]) continue;
+      t.discarded = true;
+      (hi_pool ? x[t.f].hi : x[t.f].lo) = none;
+      return true;
+    }
+    return false;
+  };
+  const auto land = [&](std::list<flight>::iterator it) {
+    const flight t = *it;
+    flights.erase(it);
+    if (t.discarded) return;
+    expert& y = x[t.f];
+    if (t.to_hi) {
+      y.hi = active;
+      y.hi_used = ++clock;
+      y.lo = none;
+      ++out.promotions;
+    } else {
+      y.lo = active;
+      y.lo_used = ++clock;
+      y.hi = none;
+      ++out.demotions;
+    }
+  };
+  const auto earliest = [&] {
+    return std::min_element(flights.begin(), flights.end(),
+                            [](const flight& a, const flight& b) { return a.done < b.done; });
+  };
+  const auto advance = [&](double until) {
+    for (;;) {
+      const auto landing = earliest();
+      const double land_at = landing == flights.end() ? 1e300 : landing->done;
+      auto pick = queue.end();
+      for (auto it = queue.begin(); it != queue.end();) {
+        const expert& y = x[it->f];
+        const bool stale = it->promote ? (!y.member || y.hi != none) : (y.member || y.hi != active || y.lo != none);
+        if (stale) {
+          it = queue.erase(it);
+          continue;
+        }
+        const auto layer = static_cast<std::uint32_t>(it->f / e);
+        if (!in_flight(it->f) && (used(layer, it->promote) < (it->promote ? split.hi_slots : split.lo_slots) ||
+                                  victim(layer, it->promote) >= 0)) {
+          pick = it;
+          break;
+        }
+        ++it;
+      }
+      const double start = pick == queue.end() ? 1e300 : std::max(link, pick->issued);
+      if (land_at <= until && land_at <= start) {
+        land(landing);
+        continue;
+      }
+      if (pick == queue.end() || start >= until) return;
+      const job j = *pick;
+      queue.erase(pick);
+      room(j.f, j.promote);
+      (j.promote ? x[j.f].hi : x[j.f].lo) = flying;
+      link = start + (j.promote ? t_hi : t_lo);
+      flights.push_back({j.f, j.promote, link, false});
+    }
+  };
+  const auto land_until = [&](double t) {
+    for (auto it = earliest(); it != flights.end() && it->done <= t; it = earliest()) land(it);
+  };
+  const auto enqueue = [&](std::size_t f, bool promote) {
+    queue.remove_if([&](const job& q) { return q.f == f; });
+    queue.push_back({f, promote, now});
+  };
+  const auto load = [&](std::size_t f, bool to_hi, double from) {
+    link = std::max(link, from) + (to_hi ? t_hi : t_lo);
+    expert& y = x[f];
+    (to_hi ? y.hi : y.lo) = active;
+    (to_hi ? y.hi_used : y.lo_used) = ++clock;
+    ++(to_hi ? out.hi_loads : out.lo_loads);
+    return link;
+  };
+  std::uint64_t pass = 0;
+  for (std::size_t g = 0; g < s.groups(); ++g) {
+    if (g != 0 && s.starts_pass(g) && ++pass % w.interval_passes == 0) {
+      const hot_set_plan plan = hot.end_interval();
+      for (const expert_id id : plan.demotions) {
+        const std::size_t f = id.layer * e + id.expert;
+        x[f].member = false;
+        queue.remove_if([&](const job& q) { return q.f == f; });
+        if (x[f].hi != none && x[f].lo == none) enqueue(f, false);
+      }
+      for (const expert_id id : plan.promotions) x[id.layer * e + id.expert].member = true;
+      for (std::size_t f = 0; f < x.size(); ++f) {
+        const bool queued = std::any_of(queue.begin(), queue.end(), [&](const job& q) { return q.f == f; });
+        if (x[f].member && x[f].hi == none && !queued) enqueue(f, true);
+      }
+    }
+    advance(now);
+    const std::uint32_t layer = s.layer(g);
+    for (const expert_index k : s.experts(g)) pinned[layer * e + k] = true;
+    double ready = now;
+    std::uint32_t n_hi = 0;
+    std::uint32_t n_lo = 0;
+    for (const expert_index k : s.experts(g)) {
+      const std::size_t f = layer * e + k;
+      expert& y = x[f];
+      if (y.hi == active) {
+        y.hi_used = ++clock;
+        ++n_hi;
+      } else if (y.lo == active) {
+        y.lo_used = ++clock;
+        ++n_lo;
+      } else if (in_flight(f)) {
+        const flight t = *std::find_if(flights.begin(), flights.end(), [&](const flight& q) { return q.f == f; });
+        ++(t.to_hi ? n_hi : n_lo);
+        if (!t.discarded) {
+          ready = std::max(ready, t.done);
+        } else {
+          land_until(t.done);
+          if (!room(f, t.to_hi)) ADD_FAILURE() << "the reference found no slot";
+          ready = std::max(ready, load(f, t.to_hi, t.done));
+        }
+      } else if (y.member && w.members_load_hi && room(f, true)) {
+        queue.remove_if([&](const job& q) { return q.f == f; });
+        ready = std::max(ready, load(f, true, now));
+        ++n_hi;
+      } else {
+        if (!room(f, false)) ADD_FAILURE() << "the reference found no lo slot";
+        ready = std::max(ready, load(f, false, now));
+        ++n_lo;
+      }
+    }
+    for (const expert_index k : s.experts(g)) pinned[layer * e + k] = false;
+    out.stall += ready - now;
+    out.lo += n_lo;
+    now = ready + (hi.dense_seconds + n_hi * hi.seconds_per_expert_read + n_lo * lo.seconds_per_expert_read);
+    hot.record(layer, s.experts(g));
+  }
+  land_until(1e300);  // what is still in flight lands after the last layer
+  return out;
+}
+
+// Static tiered splits on random small workloads: the simulator and the plain reference agree on
+// the stall, the activations served at lo, and every transfer count.
+TEST(TierSim, TieredSplitsEqualASlowReference) {
+  for (std::uint64_t seed = 1; seed <= 6; ++seed) {
+    fixture f({tool_calls(200)}, 9, seed);
+    f.workload.hot.margin = seed % 2 == 0 ? 0.0 : 0.3;
+    f.workload.hot.max_promotions_per_layer = 1 + static_cast<std::uint32_t>(seed % 3);
+    f.workload.interval_passes = 1 + seed % 3;
+    f.workload.base.expert_options.transfer_compute_ratio = seed % 2 == 0 ? 0.8 : 3.0;  // idle link time, or none
+    f.workload.members_load_hi = seed % 3 != 0;  // and expert_runtime's rule: every miss loads lo
+    const four_pool_model m = make_four_pool_model(f.workload);
+    for (const four_pool_split& s : admissible_splits(m)) {
+      if (!s.tiered() || s.hi_slots == 0 || (s.hi_slots + s.lo_slots) % 3 != seed % 3) continue;
+      SCOPED_TRACE(fmt::format("seed {} split {}+{}", seed, s.hi_slots, s.lo_slots));
+      const tier_run r = evaluate_tier_split(f.workload, s);
+      const reference_result ref = reference_tiered(f.workload, m, s);
+      EXPECT_NEAR(r.expert_stall_seconds, ref.stall, 1e-9);
+      EXPECT_EQ(r.lo_activations, ref.lo);
+      EXPECT_EQ(r.promotions, ref.promotions);
+      EXPECT_EQ(r.demotions, ref.demotions);
+      EXPECT_EQ(r.demand_hi_loads, ref.hi_loads);
+      EXPECT_EQ(r.demand_lo_loads, ref.lo_loads);
+      EXPECT_EQ(r.invariant_violations, 0U);
+      EXPECT_LE(r.budget_peak_bytes, m.budget_bytes);
+      EXPECT_GT(r.promotions, 0U);
+      if (!f.workload.members_load_hi) {
+        EXPECT_EQ(r.demand_hi_loads, 0U);
+      }
+    }
+  }
+}
+
+// ---- the grid, the online controller, faults -----------------------------------------------
+
+// The grid holds every admissible split once (checked against a brute force over all slot pairs),
+// and its oracle is the least cost. KV takes the rest of every split: an LRU block pool never
+// recomputes more with more blocks, so no split with a smaller KV pool can do better.
+TEST(TierSim, TheGridIsExhaustiveAndKvTakesTheRest) {
+  fixture f({tool_calls(160)}, 5);
+  const four_pool_model m = make_four_pool_model(f.workload);
+  const auto grid = tier_grid(f.workload);
+  std::size_t admissible_pairs = 0;
+  double least = 1e300;
+  for (std::uint32_t hi = 0; hi <= 16; ++hi) {
+    for (std::uint32_t lo = 0; lo <= 16; ++lo) {
+      four_pool_split s{.hi_slots = hi, .lo_slots = lo, .kv_bytes = 0};
+      const std::uint64_t experts = hi_pool_bytes(m, s) + lo_pool_bytes(m, s);
+      if (experts > m.budget_bytes) continue;
+      s.kv_bytes = m.budget_bytes - experts;
+      if (!admissible(m, s)) continue;
+      ++admissible_pairs;
+      least = std::min(least, evaluate_tier_split(f.workload, s).cost());
+    }
+  }
+  ASSERT_EQ(grid.size(), admissible_pairs);
+  EXPECT_DOUBLE_EQ(grid[tier_oracle(grid)].cost(), least);
+  std::uint64_t previous = ~std::uint64_t{0};
+  for (std::uint64_t blocks = 1; blocks < 400; blocks += 7) {
+    const std::uint64_t recomputes = simulate_kv_pool(f.kv, blocks).recomputes;
+    EXPECT_LE(recomputes, previous);
+    previous = recomputes;
+  }
+  // With a coverage constraint the oracle is the cheapest split that meets it.
+  const std::size_t covered = tier_oracle(grid, 0.5);
+  EXPECT_GE(grid[covered].hi_coverage(), 0.5);
+  for (const auto& r : grid) {
+    if (r.hi_coverage() >= 0.5) {
+      EXPECT_LE(grid[covered].cost(), r.cost());
+    }
+  }
+}
+
+// The invariants hold when resizes are refused (before or after the shrinks) and transfers fail
+// mid-flight: the budget at every instant, the KV floor at every barrier, every pool within its
+// slots, nothing pinned or in flight evicted; the failures are seen and survived.
+TEST(TierSim, InvariantsHoldUnderRefusedResizesAndFailedTransfers) {
+  fixture f({tool_calls(300), long_context(300), tool_calls(300)}, 9);
+  const four_pool_model m = make_four_pool_model(f.workload);
+  for (std::uint64_t seed = 1; seed <= 4; ++seed) {
+    std::mt19937_64 rng(seed);
+    f.workload.fail_transfer = [&](std::uint64_t) { return rng() % 10 == 0; };
+    four_pool_options o;
+    o.controller.gate = 0.0;
+    o.controller.reversal_gate = 0.0;  // move as often as possible
+    o.inject_resize_fault = [&](std::uint64_t) {
+      const auto r = rng() % 3;
+      return r == 0 ? resize_fault::none : r == 1 ? resize_fault::refused : resize_fault::refused_after_shrink;
+    };
+    const tier_run r = run_four_pool(f.workload, o);
+    SCOPED_TRACE(seed);
+    EXPECT_GT(r.failed_transfers, 0U);
+    EXPECT_GT(r.failed_resizes, 0U);
+    double by_cause = 0.0;
+    for (const double x : r.stall_seconds) by_cause += x;
+    EXPECT_NEAR(by_cause, r.expert_stall_seconds, 1e-9 * std::max(1.0, r.expert_stall_seconds));
+    EXPECT_EQ(r.invariant_violations, 0U);
+    EXPECT_LE(r.budget_peak_bytes, m.budget_bytes);
+    EXPECT_GE(r.min_kv_bytes, m.kv_floor_bytes);
+    for (const auto& b : r.bursts) EXPECT_TRUE(admissible(m, b.split));
+    // Static splits under failed transfers too.
+    for (const auto& s :
+         {make_four_pool_split(m, 2, 5), make_four_pool_split(m, 4, 0), make_four_pool_split(m, 0, 2)}) {
+      const tier_run x = evaluate_tier_split(f.workload, s);
+      EXPECT_EQ(x.invariant_violations, 0U);
+      EXPECT_LE(x.budget_peak_bytes, m.budget_bytes);
+    }
+  }
+}
+
+// Stationary session mixes: the controller settles and never reverses (no A→B→A), and stays near
+// the grid's best static split (a loose bound on this small synthetic model; the figures that
+// matter are the Mixtral ones, FourPoolAcceptanceOnMixtralHumanEval).
+TEST(TierSim, OnlineSettlesUnderStationaryInput) {
+  for (std::uint64_t seed = 1; seed <= 3; ++seed) {
+    for (const bool longer : {false, true}) {
+      fixture f({longer ? long_context(1000) : tool_calls(1000)}, 9, seed);
+      f.workload.base.expert_options.transfer_compute_ratio = 1.0;
+      const auto grid = tier_grid(f.workload);
+      // Three bursts before the first move: on these short synthetic streams the first bursts'
+      // estimates over-correct (seed 3 moves hi7 → hi2 and back), which the Mixtral trace does not.
+      four_pool_options o;
+      o.controller.settle_bursts = 3;
+      const tier_run online = run_four_pool(f.workload, o);
+      SCOPED_TRACE(fmt::format("seed {} {}", seed, longer ? "long-context" : "tool-calls"));
+      EXPECT_EQ(online.reversals, 0U);
+      EXPECT_LE(online.cost(), 1.2 * grid[tier_oracle(grid)].cost());
+      EXPECT_EQ(online.invariant_violations, 0U);
+    }
+  }
+}
+
+// On a phase shift the controller moves the split with the phases: the long-context phase gets
+// a larger KV pool than the tool-call phases around it, and the run beats every static split.
+// The two-pool baselines are the four-pool controller over their restricted spaces.
+TEST(TierSim, OnlineFollowsAPhaseShift) {
+  fixture f({tool_calls(600), long_context(600), tool_calls(600)}, 12);
+  f.workload.base.expert_options.transfer_compute_ratio = 1.0;
+  const auto grid = tier_grid(f.workload);
+  const tier_run online = run_four_pool(f.workload);
+  double kv_long = 0;
+  double kv_tools = 0;
+  std::size_t n_long = 0;
+  std::size_t n_tools = 0;
+  for (const auto& b : online.bursts) {
+    const bool second = b.first_pass >= 640 && b.first_pass < 1200;
+    (second ? kv_long : kv_tools) += static_cast<double>(b.split.kv_bytes);
+    ++(second ? n_long : n_tools);
+  }
+  EXPECT_GT(kv_long / static_cast<double>(n_long), kv_tools / static_cast<double>(n_tools));
+  EXPECT_LT(online.cost(), grid[tier_oracle(grid)].cost());
+  const std::uint64_t share = grid[tier_oracle(grid)].bursts.front().split.kv_bytes;
+  const auto two = run_two_pool_baselines(f.workload, share);
+  ASSERT_EQ(two.size(), 3U);
+  for (const auto& b : two[0].bursts) EXPECT_FALSE(b.split.tiered()) << "hi+KV has no lo tier";
+  for (const auto& b : two[1].bursts) EXPECT_EQ(b.split.hi_slots, 0U) << "lo+KV has no hi slot";
+  for (const auto& b : two[2].bursts) EXPECT_GE(b.split.kv_bytes, share) << "hi+lo keeps the KV share";
+}
+
+TEST(TierSim, BadWorkloadsAreNamed) {
+  fixture f({tool_calls(64)}, 6);
+  const auto expect_error = [](const tier_workload& w, const char* text) {
+    try {
+      static_cast<void>(make_four_pool_model(w));
+      ADD_FAILURE() << "no error for " << text;
+    } catch (const invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr(text));
+    }
+  };
+  tier_workload w = f.workload;
+  w.base.policy = policy_kind::fifo;
+  expect_error(w, "is not lru");
+  w = f.workload;
+  w.lo_format = precision::bf16;
+  expect_error(w, "the lo precision bf16");
+  w = f.workload;
+  w.lo_activation_seconds = -1;
+  expect_error(w, "lo_activation_seconds -1 out of range [0, inf)");
+  w = f.workload;
+  w.min_hi_coverage = 2;
+  expect_error(w, "min_hi_coverage 2 out of range [0, 1]");
+  w = f.workload;
+  w.interval_passes = 0;
+  expect_error(w, "interval_passes 0 out of range");
+  w = f.workload;
+  w.base.kv_floor_bytes = 100;
+  expect_error(w, "kv_floor_bytes 100 out of range [8192,");
+  w = f.workload;
+  w.base.budget_bytes = w.base.kv_floor_bytes - 1;
+  expect_error(w, "below the KV floor");
+  w = f.workload;
+  w.base.budget_bytes = w.base.kv_floor_bytes + 1000;  // no room for a split above the floor
+  try {
+    static_cast<void>(tier_grid(w));
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("the engine must not start there"));
+  }
+  EXPECT_THROW(static_cast<void>(evaluate_tier_split(f.workload, {.hi_slots = 20, .lo_slots = 0, .kv_bytes = 0})),
+               invalid_argument);
+}
+
+// cost() of @p r over its bursts from @p warmup on, with the quality price @p lambda.
+double cost_after(const tier_run& r, std::size_t warmup, double lambda) {
+  double c = 0.0;
+  for (std::size_t b = warmup; b < r.bursts.size(); ++b) {
+    const tier_burst& x = r.bursts[b];
+    c += x.expert_stall_seconds + x.kv_recompute_seconds + lambda * static_cast<double>(x.lo_activations);
+  }
+  return c;
+}
+
+// The four-pool acceptance figures of issue 12 (docs/control.md): the online controller against
+// the exhaustive (hi, lo, KV) grid on the stationary session mixes, and against the best two-pool
+// controller on the phase shift (tool calls → long context → tool calls), at three budgets (the KV
+// floor plus 3, 4.5 and 6 bf16 expert slots), bf16 hi and int4 lo experts over the c2c link, for
+// two quality prices λ_q (an eighth and a quarter of a hi transfer per activation served at lo).
+// The expert stream is one HumanEval problem repeated to about 3,000 tokens, as in
+// SplitSim.MvWsaAcceptanceOnMixtralHumanEval. Costs are given over the whole run and in the steady
+// state (after a warm-up of 48 bursts, one long-context session's lifetime: a phase starts with
+// its sessions' earlier contexts never read, so the KV working set only reaches its size then).
+// Parameters tuned on problem 0 (four_pool_config's defaults), reported on problem 1.
+TEST(TierSim, FourPoolAcceptanceOnMixtralHumanEval) {
+#if defined(EXPAGE_SANITIZED)
+  GTEST_SKIP() << "a measurement: run in the release build";
+#endif
+  const auto file = testing::mixtral_humaneval_trace();
+  if (!file) GTEST_SKIP() << "../shared/traces is absent (set EXPAGE_TRACES_DIR)";
+  const auto g = moe_geometry::mixtral_8x7b();
+  const routing_trace all = read_trace(*file, g);
+  const std::uint64_t slot = std::uint64_t{g.layers()} * g.expert_bytes(precision::bf16);
+  constexpr std::size_t steady = 48;
+  for (const std::uint32_t p : {0U, 1U}) {
+    const access_stream experts(tiled(all, p, p == 0 ? 36 : 12), g.top_k());
+    const std::uint64_t n = experts.passes();
+    for (const double kappa : {0.125, 0.25}) {
+      std::vector<double> stationary[2];  // [whole run, steady state]: four-pool / grid − 1
+      std::vector<double> shift[2];       // 1 − four-pool / best two-pool
+      for (int mix = 0; mix < 3; ++mix) {
+        kv_session_options ko;
+        ko.seed = 5;
+        ko.phases = kv_session_preset(kv_session_preset_names()[static_cast<std::size_t>(mix)], n);
+        const kv_block_stream kv = generate_kv_sessions(ko);
+        tier_workload w;
+        w.base.experts = &experts;
+        w.base.kv = &kv;
+        w.base.geometry = g;
+        w.base.expert_options.layout = cache_layout::per_layer;
+        w.base.expert_options.hardware = hardware_profile::preset("c2c");
+        w.base.kv_bytes_per_token = mixtral_kv_bytes_per_token;
+        w.base.burst_passes = 16;
+        w.base.kv_floor_bytes = kv.peak_step_blocks() * 16 * mixtral_kv_bytes_per_token;
+        const char* name = mix == 0 ? "tool-calls" : mix == 1 ? "long-context" : "phase-shift";
+        for (const double extra : {3.0, 4.5, 6.0}) {
+          w.base.budget_bytes = w.base.kv_floor_bytes + static_cast<std::uint64_t>(extra * static_cast<double>(slot));
+          const double lambda = kappa * make_four_pool_model(w).hi_miss_seconds;
+          w.lo_activation_seconds = lambda;
+          const auto grid = tier_grid(w);
+          const tier_run online = run_four_pool(w);
+          EXPECT_LE(online.budget_peak_bytes, w.base.budget_bytes);
+          EXPECT_GE(online.min_kv_bytes, w.base.kv_floor_bytes);
+          EXPECT_EQ(online.invariant_violations, 0U);
+          std::string path;
+          for (std::size_t b = 0; b < online.bursts.size(); ++b) {
+            if (b == 0 || !(online.bursts[b].split == online.bursts[b - 1].split)) {
+              path += fmt::format(" {}@{}", describe(online.bursts[b].split), b);
+            }
+          }
+          std::vector<tier_run> two;
+          std::string line = fmt::format("p{} λ=t_hi/{:.0f} {:<12} floor+{:.1f}:", p, 1 / kappa, name, extra);
+          for (const std::size_t warmup : {std::size_t{0}, steady}) {
+            const auto cost = [&](const tier_run& r) { return cost_after(r, warmup, lambda); };
+            std::size_t best = 0;
+            for (std::size_t i = 1; i < grid.size(); ++i) {
+              if (cost(grid[i]) < cost(grid[best])) best = i;
+            }
+            const double per_token = static_cast<double>(
+                std::max<std::uint64_t>(online.tokens * (online.bursts.size() - warmup) / online.bursts.size(), 1));
+            line += fmt::format(" | {}: grid {} {:.3f} ms/tok, four-pool {:+.1f}%", warmup == 0 ? "run" : "steady",
+                                grid[best].controller, cost(grid[best]) / per_token * 1e3,
+                                100 * (cost(online) / cost(grid[best]) - 1));
+            if (mix != 2) {
+              stationary[warmup == 0 ? 0 : 1].push_back(cost(online) / cost(grid[best]) - 1);
+              continue;
+            }
+            if (two.empty()) two = run_two_pool_baselines(w, grid[best].bursts.front().split.kv_bytes);
+            std::size_t b2 = 0;
+            for (std::size_t i = 1; i < two.size(); ++i) {
+              if (cost(two[i]) < cost(two[b2])) b2 = i;
+            }
+            for (const auto& t : two) line += fmt::format(", {} {:.3f}", t.controller, cost(t) / per_token * 1e3);
+            shift[warmup == 0 ? 0 : 1].push_back(1 - cost(online) / cost(two[b2]));
+            line += fmt::format(" -> {:.1f}% below {}", 100 * shift[warmup == 0 ? 0 : 1].back(), two[b2].controller);
+          }
+          fmt::print("{}\n    path:{} ({} moves, {} reversals)\n", line, path, online.moves, online.reversals);
+        }
+      }
+      fmt::print(
+          "problem {}, λ = t_hi/{:.0f}: stationary, four-pool over the grid: median {:+.1f}%, worst {:+.1f}% (steady "
+          "state: median {:+.1f}%, worst {:+.1f}%); phase shift, below the best two-pool: least {:.1f}%, median "
+          "{:.1f}% (steady state: least {:.1f}%, median {:.1f}%)\n",
+          p, 1 / kappa, 100 * quantile(stationary[0], 0.5), 100 * quantile(stationary[0], 1.0),
+          100 * quantile(stationary[1], 0.5), 100 * quantile(stationary[1], 1.0), 100 * quantile(shift[0], 0.0),
+          100 * quantile(shift[0], 0.5), 100 * quantile(shift[1], 0.0), 100 * quantile(shift[1], 0.5));
+      // Loose regression bounds (the figures themselves are printed and in docs/control.md).
+      EXPECT_LE(quantile(stationary[1], 0.5), 0.05) << "problem " << p;
+      EXPECT_GT(quantile(shift[0], 0.5), 0.0) << "problem " << p;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace expage
