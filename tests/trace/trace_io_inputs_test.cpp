@@ -2,6 +2,7 @@
 // trace readers (bounded reads, memory, empty and truncated input, geometry metadata, messages).
 #include "expage/trace/trace_io.hpp"
 
+#include "common/binary_trace_bytes.hpp"
 #include "common/traces.hpp"
 
 #include "expage/core/error.hpp"
@@ -186,24 +187,22 @@ TEST_F(TraceInputs, JsonlGarbageWithoutNewlinesNeedsNoMemory) {  // the class, a
 }
 
 TEST_F(TraceInputs, BinaryHeaderCannotReserveWhatIsNotThere) {  // the class: declared sizes
-  std::string bytes = expage::encode_binary(small_trace());
-  bytes[36] = 0x40;  // event_count ~ 2^46, header checksum recomputed
-  std::uint64_t h = 0xcbf29ce484222325ULL;
-  for (std::size_t i = 0; i < 56; ++i) h = (h ^ static_cast<unsigned char>(bytes[i])) * 0x100000001b3ULL;
-  for (std::size_t i = 0; i < 8; ++i) bytes[56 + i] = static_cast<char>((h >> (8 * i)) & 0xFFU);
-  EXPECT_THAT(message_of([&] {
-                (void)expage::parse_binary(std::as_bytes(std::span(bytes.data(), bytes.size())), mixtral(), "b.bin");
-              }),
-              HasSubstr("field 'event_count': 274877907328 out of range [1, 268435456] (max_trace_events)"));
-  bytes[36] = 0;
-  bytes[35] = 0x01;  // 2^24 + n events: within the limit, beyond the bytes present
-  h = 0xcbf29ce484222325ULL;
-  for (std::size_t i = 0; i < 56; ++i) h = (h ^ static_cast<unsigned char>(bytes[i])) * 0x100000001b3ULL;
-  for (std::size_t i = 0; i < 8; ++i) bytes[56 + i] = static_cast<char>((h >> (8 * i)) & 0xFFU);
-  EXPECT_THAT(message_of([&] {
-                (void)expage::parse_binary(std::as_bytes(std::span(bytes.data(), bytes.size())), mixtral(), "b.bin");
-              }),
-              HasSubstr("do not fit"));
+  for (const std::uint16_t version : {expage::binary_trace_version, expage::binary_trace_version_blocked}) {
+    std::string bytes = expage::encode_binary(small_trace(), {.version = version});
+    bytes[36] = 0x40;  // event_count ~ 2^46, checksums recomputed
+    expage::testing::reseal_binary(bytes);
+    EXPECT_THAT(message_of([&] {
+                  (void)expage::parse_binary(std::as_bytes(std::span(bytes.data(), bytes.size())), mixtral(), "b.bin");
+                }),
+                HasSubstr("field 'event_count': 274877907328 out of range [1, 268435456] (max_trace_events)"));
+    bytes[36] = 0;
+    bytes[35] = 0x01;  // 2^24 + n events: within the limit, beyond the bytes present
+    expage::testing::reseal_binary(bytes);
+    EXPECT_THAT(message_of([&] {
+                  (void)expage::parse_binary(std::as_bytes(std::span(bytes.data(), bytes.size())), mixtral(), "b.bin");
+                }),
+                HasSubstr("do not fit"));
+  }
 }
 
 // --- 2b. Linear-time load of ordered traces ----------------------------------------------------
