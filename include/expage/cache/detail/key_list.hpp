@@ -19,31 +19,53 @@ class key_list {
 
   explicit key_list(std::uint32_t keys) : prev_(keys, none), next_(keys, none) {}
 
+  // Each operation reads the links it needs once into locals before it writes any: the links,
+  // head_ and tail_ are all std::uint32_t, so after a store the compiler would reload them.
   void push_front(std::uint32_t k) noexcept {
-    ++size_;
+    const std::uint32_t head = head_;
     prev_[k] = none;
-    next_[k] = head_;
-    if (head_ != none) prev_[head_] = k;
+    next_[k] = head;
+    if (head != none) {
+      prev_[head] = k;
+    } else {
+      tail_ = k;
+    }
     head_ = k;
-    if (tail_ == none) tail_ = k;
+    ++size_;
   }
   void unlink(std::uint32_t k) noexcept {
-    --size_;
-    if (prev_[k] != none)
-      next_[prev_[k]] = next_[k];
-    else
-      head_ = next_[k];
-    if (next_[k] != none)
-      prev_[next_[k]] = prev_[k];
-    else
-      tail_ = prev_[k];
-    prev_[k] = next_[k] = none;
-  }
-  void move_to_front(std::uint32_t k) noexcept {
-    if (head_ != k) {
-      unlink(k);
-      push_front(k);
+    const std::uint32_t before = prev_[k];
+    const std::uint32_t after = next_[k];
+    if (before != none) {
+      next_[before] = after;
+    } else {
+      head_ = after;
     }
+    if (after != none) {
+      prev_[after] = before;
+    } else {
+      tail_ = before;
+    }
+    prev_[k] = none;
+    next_[k] = none;
+    --size_;
+  }
+  // unlink() then push_front(), fused.
+  void move_to_front(std::uint32_t k) noexcept {
+    const std::uint32_t head = head_;
+    if (head == k) return;
+    const std::uint32_t before = prev_[k];  // not none: k is listed and not the head
+    const std::uint32_t after = next_[k];
+    next_[before] = after;
+    if (after != none) {
+      prev_[after] = before;
+    } else {
+      tail_ = before;
+    }
+    prev_[k] = none;
+    next_[k] = head;
+    prev_[head] = k;
+    head_ = k;
   }
   [[nodiscard]] std::uint32_t size() const noexcept { return size_; }
   [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
