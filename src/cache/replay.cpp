@@ -547,18 +547,21 @@ class order_check {
 
   // How @p e continues the events before it.
   [[nodiscard]] step_change next(const routing_event& e) {
-    if (!started_ || e.sequence != sequence_) {  // consecutive events mostly share a sequence: divide once
+    if (!started_ || e.sequence != sequence_) {  // consecutive events mostly share a sequence
+      const std::uint32_t batch = e.sequence / batch_size_;
+      if (!started_ || batch != batch_) {
+        if (started_ && batch < batch_) return step_change::disorder;
+        batch_ = batch;
+        near_.clear();
+        if (!far_.empty()) far_.clear();  // clear() touches every bucket, even when empty
+      }
       sequence_ = e.sequence;
-      sequence_batch_ = e.sequence / batch_size_;
+      // Stays valid until the sequence changes: only a new sequence resizes or clears near_ (and
+      // far_'s nodes never move).
+      state_ = &state_of(e.sequence - batch * batch_size_);
     }
-    const std::uint32_t batch = sequence_batch_;
-    if (!started_ || batch != batch_) {
-      if (started_ && batch < batch_) return step_change::disorder;
-      batch_ = batch;
-      near_.clear();
-      if (!far_.empty()) far_.clear();  // clear() touches every bucket, even when empty
-    }
-    sequence_state& s = state_of(e.sequence - batch * batch_size_);
+    const std::uint32_t batch = batch_;
+    sequence_state& s = *state_;
     if (e.phase == routing_phase::prefill) {
       if (s.decoded) return step_change::disorder;
       s.prefill = std::max(s.prefill, e.step == UINT32_MAX ? UINT32_MAX : e.step + 1);
@@ -596,8 +599,8 @@ class order_check {
   static constexpr std::uint32_t near_limit = 1U << 16;  // dense below, hashed above (huge batches)
   std::uint32_t batch_size_;
   std::uint32_t batch_ = 0;
-  std::uint32_t sequence_ = 0;        // the last event's sequence
-  std::uint32_t sequence_batch_ = 0;  // and its batch
+  std::uint32_t sequence_ = 0;       // the last event's sequence
+  sequence_state* state_ = nullptr;  // and its state
   bool started_ = false;
   execution_key previous_{};
   std::vector<sequence_state> near_;

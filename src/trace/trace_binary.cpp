@@ -436,6 +436,9 @@ class checksum_worker {
 // below it a thread costs more than it saves.
 constexpr std::uint64_t threaded_checksum_bytes = std::uint64_t{4} << 20;
 
+// Version 3 delivers at most this many events per chunk.
+constexpr std::size_t blocked_chunk_events = 512;
+
 // The streaming reader's state: the input, the header, the running checksum and one chunk.
 namespace detail {
 struct binary_stream {
@@ -449,6 +452,8 @@ struct binary_stream {
   std::uint64_t vectors_seen = 0;  // records whose has_probabilities is 1
   bool finished = false;
   std::vector<std::byte> chunk;
+  std::size_t buffered = 0;        // version 3: records in `chunk`, checked, not yet delivered
+  std::uint64_t buffer_first = 0;  // version 3: the index of the first record in `chunk`
   // The buffers the worker hashes are declared before it, so it is joined (destroyed) first.
   std::array<std::vector<std::byte>, checksum_worker::depth> buffers;
   std::optional<checksum_worker> worker;  // hashes the records while they are decoded (large traces)
@@ -669,12 +674,30 @@ std::span<const routing_event> detail::binary_stream::next() {
   }
   const std::uint64_t record_bytes = layout.record_bytes;
   const bool blocked = layout.h.version == binary_trace_version_blocked;
-  // 64 KiB chunks (their events stay in the core's cache until the consumer reads them); 256 KiB
-  // when hashed on the helper thread (fewer hand-overs); version 3 reads whole blocks, at least one.
-  const std::size_t chunk_bytes = std::size_t{1} << (worker ? 18 : 16);
-  std::size_t n = std::max<std::size_t>(1, chunk_bytes / record_bytes);
-  if (blocked) n = std::max<std::size_t>(1, n / layout.h.block_records) * layout.h.block_records;
-  n = static_cast<std::size_t>(std::min<std::uint64_t>(n, remaining));
+  std::size_t n = 0;
+  if (blocked) {
+    // Whole blocks are read (about 64 KiB, at least one) and checked, then delivered in chunks of
+    // up to blocked_chunk_events: a chunk's events, about 80 bytes each, stay in the core's
+    // first-level cache until the consumer has read them.
+    if (buffered == 0) {
+      const std::size_t per_block = layout.h.block_records;
+      const std::size_t want = std::max<std::size_t>(1, (std::size_t{1} << 16) / record_bytes / per_block) * per_block;
+      buffered = static_cast<std::size_t>(std::min<std::uint64_t>(want, remaining));
+      buffer_first = delivered;
+      try {
+        (void)read_blocks(buffered);
+      } catch (const format_error&) {
+        buffered = 0;
+        throw;
+      }
+    }
+    n = std::min(buffered, blocked_chunk_events);
+  } else {
+    // 64 KiB chunks; 256 KiB when hashed on the helper thread (fewer hand-overs).
+    const std::size_t chunk_bytes = std::size_t{1} << (worker ? 18 : 16);
+    n = static_cast<std::size_t>(
+        std::min<std::uint64_t>(std::max<std::size_t>(1, chunk_bytes / record_bytes), remaining));
+  }
   // Versions 2 and 3 deliver the optional fields with the events; version 1 keeps its vectors
   // after all records (checked in finish(), not delivered).
   const trace_fields delivered_fields = wide_header(layout.h.version) ? layout.fields : trace_fields{};
@@ -689,12 +712,17 @@ std::span<const routing_event> detail::binary_stream::next() {
   const bool plain = !delivered_fields.any() && layout.h.vectors == 0;
   try {
     if (blocked) {
-      const std::span<const std::byte> bytes = read_blocks(n);
+      // Records [delivered, delivered + n) of the blocks in `chunk`, block by block.
       const std::size_t per_block = layout.h.block_records;
       const std::size_t stride = per_block * record_bytes + block_checksum_bytes;
-      for (std::size_t first = 0; first < n; first += per_block) {
-        decode(bytes.subspan(first / per_block * stride), first, std::min(per_block, n - first), plain);
+      for (std::size_t i = 0; i < n;) {
+        const auto at = static_cast<std::size_t>(delivered - buffer_first) + i;  // in the buffer
+        const std::size_t count = std::min(n - i, per_block - at % per_block);
+        decode(std::span<const std::byte>(chunk).subspan(at / per_block * stride + at % per_block * record_bytes), i,
+               count, plain);
+        i += count;
       }
+      buffered -= n;
     } else {
       decode(read_records(n * record_bytes), 0, n, plain);
     }
