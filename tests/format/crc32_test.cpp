@@ -13,25 +13,18 @@ namespace {
 
 std::span<const std::byte> bytes_of(std::string_view s) { return std::as_bytes(std::span(s.data(), s.size())); }
 
-// Bit-at-a-time CRC-32, the obviously correct reference for the sliced implementation.
-std::uint32_t slow_crc32(std::span<const std::byte> bytes) {
+// Bit-at-a-time reflected CRC-32 with @p polynomial (0xEDB88320: CRC-32; 0x82F63B78: CRC-32C),
+// the obviously correct reference for the sliced tables and the instructions.
+std::uint32_t slow_crc(std::span<const std::byte> bytes, std::uint32_t polynomial) {
   std::uint32_t c = 0xFFFFFFFFU;
   for (const std::byte b : bytes) {
     c ^= std::to_integer<std::uint32_t>(b);
-    for (int bit = 0; bit < 8; ++bit) c = (c & 1U) != 0 ? (c >> 1U) ^ 0xEDB88320U : c >> 1U;
+    for (int bit = 0; bit < 8; ++bit) c = (c & 1U) != 0 ? (c >> 1U) ^ polynomial : c >> 1U;
   }
   return ~c;
 }
-
-// Bit-at-a-time CRC-32C (Castagnoli), the reference for the instruction and the tables.
-std::uint32_t slow_crc32c(std::span<const std::byte> bytes) {
-  std::uint32_t c = 0xFFFFFFFFU;
-  for (const std::byte b : bytes) {
-    c ^= std::to_integer<std::uint32_t>(b);
-    for (int bit = 0; bit < 8; ++bit) c = (c & 1U) != 0 ? (c >> 1U) ^ 0x82F63B78U : c >> 1U;
-  }
-  return ~c;
-}
+std::uint32_t slow_crc32(std::span<const std::byte> bytes) { return slow_crc(bytes, 0xEDB88320U); }
+std::uint32_t slow_crc32c(std::span<const std::byte> bytes) { return slow_crc(bytes, 0x82F63B78U); }
 
 TEST(Crc32, MatchesTheStandardCheckValue) {
   EXPECT_EQ(expage::crc32(bytes_of("123456789")), 0xCBF43926U);

@@ -34,18 +34,7 @@ class key_list {
     ++size_;
   }
   void unlink(std::uint32_t k) noexcept {
-    const std::uint32_t before = prev_[k];
-    const std::uint32_t after = next_[k];
-    if (before != none) {
-      next_[before] = after;
-    } else {
-      head_ = after;
-    }
-    if (after != none) {
-      prev_[after] = before;
-    } else {
-      tail_ = before;
-    }
+    bridge(prev_[k], next_[k]);
     prev_[k] = none;
     next_[k] = none;
     --size_;
@@ -54,14 +43,7 @@ class key_list {
   void move_to_front(std::uint32_t k) noexcept {
     const std::uint32_t head = head_;
     if (head == k) return;
-    const std::uint32_t before = prev_[k];  // not none: k is listed and not the head
-    const std::uint32_t after = next_[k];
-    next_[before] = after;
-    if (after != none) {
-      prev_[after] = before;
-    } else {
-      tail_ = before;
-    }
+    bridge(prev_[k], next_[k]);  // k has a newer key (it is not the head), so the head stays
     prev_[k] = none;
     next_[k] = head;
     prev_[head] = k;
@@ -81,6 +63,21 @@ class key_list {
   }
 
  private:
+  // Links the keys around a leaving key to each other: @p before (newer, or none at the head)
+  // and @p after (older, or none at the tail).
+  void bridge(std::uint32_t before, std::uint32_t after) noexcept {
+    if (before != none) {
+      next_[before] = after;
+    } else {
+      head_ = after;
+    }
+    if (after != none) {
+      prev_[after] = before;
+    } else {
+      tail_ = before;
+    }
+  }
+
   std::vector<std::uint32_t> prev_;
   std::vector<std::uint32_t> next_;
   std::uint32_t head_ = none;
