@@ -547,6 +547,14 @@ class order_check {
 
   // How @p e continues the events before it.
   [[nodiscard]] step_change next(const routing_event& e) {
+    // The next layer of the same decode token (most events of a batch-1 trace): the same batch,
+    // prefill length and pass, so only the layer decides the order.
+    if (started_ && e.sequence == previous_.sequence && e.step == previous_.step && e.phase == routing_phase::decode &&
+        previous_phase_ == routing_phase::decode && e.layer > previous_.layer) {
+      previous_.layer = e.layer;
+      return step_change::layer;
+    }
+    previous_phase_ = e.phase;
     if (!started_ || e.sequence != sequence_) {  // consecutive events mostly share a sequence
       const std::uint32_t batch = e.sequence / batch_size_;
       if (!started_ || batch != batch_) {
@@ -603,6 +611,7 @@ class order_check {
   sequence_state* state_ = nullptr;  // and its state
   bool started_ = false;
   execution_key previous_{};
+  routing_phase previous_phase_ = routing_phase::decode;
   std::vector<sequence_state> near_;
   std::unordered_map<std::uint32_t, sequence_state> far_;
 };

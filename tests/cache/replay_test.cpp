@@ -378,6 +378,26 @@ TEST(ReplayOrdered, ASingleSequentialLruJobEqualsTheCurveSweep) {
   expect_same((*slot_cache_result)[0], (*curve_result)[0], "capacity 37");
 }
 
+// A source that delivers what no reader would (an event of a layer or expert out of range, a
+// repeated record), as it is given.
+class unchecked_source final : public routing_event_source {
+ public:
+  explicit unchecked_source(std::vector<routing_event> events) : events_(std::move(events)) {}
+  std::span<const routing_event> next() override {
+    if (done_) return {};
+    done_ = true;
+    return events_;
+  }
+  std::uint32_t layers() const noexcept override { return 2; }
+  std::uint32_t experts_per_layer() const noexcept override { return 4; }
+  std::uint32_t top_k() const noexcept override { return 2; }
+  std::uint32_t batch_size() const noexcept override { return 1; }
+
+ private:
+  std::vector<routing_event> events_;
+  bool done_ = false;
+};
+
 TEST(ReplayOrdered, YieldsNothingForATraceOutOfExecutionOrder) {
   const auto g = tiny();
   routing_trace t(g);
@@ -395,6 +415,17 @@ TEST(ReplayOrdered, YieldsNothingForATraceOutOfExecutionOrder) {
       {.sequence = 0, .step = 0, .layer = 1, .phase = routing_phase::prefill, .experts = e, .weights = w});
   trace_event_source late(prefill_late);
   EXPECT_FALSE(replay_ordered(late, g, jobs).has_value());
+
+  // One decode token whose layers go down, or repeat (a routing_trace never holds the repeat:
+  // an unchecked source delivers it).
+  routing_trace down(g);
+  add(down, 0, 0, 1, 0, 1);
+  add(down, 0, 0, 0, 2, 3);
+  trace_event_source layers_down(down);
+  EXPECT_FALSE(replay_ordered(layers_down, g, jobs).has_value());
+  const std::vector<routing_event> twice = {down[0], down[0]};
+  unchecked_source repeated(twice);
+  EXPECT_FALSE(replay_ordered(repeated, g, jobs).has_value());
 }
 
 TEST(ReplayOrdered, RejectsBeladyBadCapacitiesAndGeometryMismatches) {
@@ -413,25 +444,6 @@ TEST(ReplayOrdered, RejectsBeladyBadCapacitiesAndGeometryMismatches) {
   fails({policy_kind::lru, {.capacity = 2, .link_gbytes_per_second = -1.0}}, g, "out of range (0, inf)");
   fails({policy_kind::lru, {.capacity = 2}}, moe_geometry::mixtral_8x7b(), "refusing a geometry mismatch");
 }
-
-// A source that delivers what no reader would: an event of a layer or expert out of range.
-class unchecked_source final : public routing_event_source {
- public:
-  explicit unchecked_source(std::vector<routing_event> events) : events_(std::move(events)) {}
-  std::span<const routing_event> next() override {
-    if (done_) return {};
-    done_ = true;
-    return events_;
-  }
-  std::uint32_t layers() const noexcept override { return 2; }
-  std::uint32_t experts_per_layer() const noexcept override { return 4; }
-  std::uint32_t top_k() const noexcept override { return 2; }
-  std::uint32_t batch_size() const noexcept override { return 1; }
-
- private:
-  std::vector<routing_event> events_;
-  bool done_ = false;
-};
 
 TEST(ReplayOrdered, RefusesEventsOutOfRangeFromASourceThatDoesNotCheck) {
   const std::uint32_t good[] = {0, 1};
