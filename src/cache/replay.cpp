@@ -164,7 +164,9 @@ class cache_runner final : public job_runner {
   void group(std::uint32_t layer, std::span<const expert_index> experts, const access_hints& hints) override {
     access(layer, experts, hints.time == never ? groups_ : hints.time, hints.next_use, hints.probability);
   }
-  std::uint64_t serve(const step_run& run) override {
+  // Flattened: the steps' groups, the cache's decisions and the policy's list operations in one
+  // loop, with no call per group.
+  [[gnu::flatten]] std::uint64_t serve(const step_run& run) override {
     if (options_.mode == replay_mode::sequential) {
       // emit_step()'s sequential groups, every routed expert in order, without its loop per step.
       for (const routing_event& e : run.events.first(run.ends.empty() ? 0 : run.ends.back())) {
@@ -353,6 +355,13 @@ class token_counter {
   void add(std::uint32_t sequence, std::uint32_t step) {
     const std::uint64_t token = (std::uint64_t{sequence} << 32) | step;
     if (!small_.empty() && small_.back() == token) return;  // the token's next layer, usually
+    add_new(token);
+  }
+  [[nodiscard]] std::uint64_t count() const noexcept { return count_; }
+
+ private:
+  // add() beyond its inlined first test.
+  [[gnu::noinline]] void add_new(std::uint64_t token) {
     if (large_.empty()) {
       if (std::find(small_.begin(), small_.end(), token) != small_.end()) return;
       if (small_.size() < 16) {
@@ -364,9 +373,7 @@ class token_counter {
     }
     if (large_.insert(token).second) ++count_;
   }
-  [[nodiscard]] std::uint64_t count() const noexcept { return count_; }
 
- private:
   std::vector<std::uint64_t> small_;
   std::unordered_set<std::uint64_t> large_;
   std::uint64_t count_ = 0;

@@ -365,14 +365,15 @@ std::size_t decode_plain(std::span<const std::byte> bytes, std::size_t count, st
       std::memcpy(&w[j], &bits, sizeof bits);
     }
     if (!ok) return i;
-    events[i] = {.sequence = load_le<std::uint32_t>(bytes, o),
-                 .step = load_le<std::uint32_t>(bytes, o + 4),
-                 .layer = layer,
-                 .phase = static_cast<routing_phase>(std::to_integer<std::uint8_t>(bytes[o + 12])),
-                 .experts = std::span<const std::uint32_t>(x, top_k),
-                 .weights = std::span<const float>(w, top_k),
-                 .probabilities = {},
-                 .sketch = {}};
+    // The optional fields' spans are left as they are: empty, since a plain trace's events are
+    // value-initialised and only ever given empty ones (decode_checked() included).
+    routing_event& e = events[i];
+    e.sequence = load_le<std::uint32_t>(bytes, o);
+    e.step = load_le<std::uint32_t>(bytes, o + 4);
+    e.layer = layer;
+    e.phase = static_cast<routing_phase>(std::to_integer<std::uint8_t>(bytes[o + 12]));
+    e.experts = std::span<const std::uint32_t>(x, top_k);
+    e.weights = std::span<const float>(w, top_k);
   }
   return count;
 }
