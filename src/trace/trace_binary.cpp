@@ -380,12 +380,12 @@ std::size_t decode_plain(std::span<const std::byte> bytes, std::size_t count, st
 
 }  // namespace
 
-// Hashes the payload on a second thread while the caller decodes it. FNV-1a is a serial chain
-// (xor, then a 64-bit multiply, per byte: about 3 ns a byte on the machine of docs/performance.md),
-// the largest single cost of reading a large trace, and decoding needs none of its result until
-// the end. Chunks rotate through `depth` buffers (a few scheduler time slices of slack on a busy
-// machine) and are hashed in submission order; the caller
-// refills a buffer only after its hash completed (acquire()), and reads the sum only after
+// Hashes a version 1 or 2 payload on a second thread while the caller decodes it. FNV-1a is a
+// serial chain (xor, then a 64-bit multiply, per byte: 1.1 ns a byte on an idle core of
+// docs/performance.md, 3 ns under load), the largest single cost of reading such a trace, and
+// decoding needs none of its result until the end. Chunks rotate through `depth` buffers (a few
+// scheduler time slices of slack on a busy machine) and are hashed in submission order; the
+// caller refills a buffer only after its hash completed (acquire()), and reads the sum only after
 // finish(). Every hand-over goes through a semaphore (release/acquire), which orders the buffer's
 // bytes, the queue entry and the running sum between the two threads.
 class checksum_worker {
