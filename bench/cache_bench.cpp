@@ -3,9 +3,12 @@
 //   BM_SlotCache_HitPath             vs  BM_Baseline_ListLru_HitPath   (goal ≥ 50 M accesses/s/core)
 //   BM_SlotCache_Mixed               vs  BM_Baseline_ListLru_Mixed     (hits and misses, Qwen3-30B layer)
 //   BM_Replay_Synthetic/<policy>, BM_Replay_RealTrace/<policy>         (routing events/s)
-//   BM_Replay_BinaryStreaming  vs  BM_Replay_BinaryInMemory  vs  BM_Baseline_ListLru_Requests
-//                              (decode + validate + checksum + LRU replay of one binary trace; the
-//                               baseline is a hash map + list LRU over pre-decoded keys, what a
+//   BM_Replay_BinaryStreaming[Sequential]  vs  BM_Replay_BinaryStreamingVersion1  vs
+//   BM_Replay_BinaryInMemory  vs  BM_Baseline_SlotCache_Requests  vs  BM_Baseline_ListLru_Requests
+//                              (decode + validate + checksum + LRU replay of one binary trace, in
+//                               format version 3 (block CRC-32C) and version 1 (one FNV-1a); the
+//                               baselines run over pre-decoded keys: slot_cache, what replay ran
+//                               before it had its own cache, and a hash map + list LRU, what a
 //                               general-purpose simulator such as libCacheSim runs per request)
 //   BM_Replay_SweepOnePass     vs  BM_Replay_SweepPerCapacity    (16 sequential LRU capacities)
 #include "expage/cache/lru_policy.hpp"
@@ -183,36 +186,53 @@ BENCHMARK(BM_Replay_RealTrace)->DenseRange(0, 10)->Unit(benchmark::kMillisecond)
 // --- the binary trace, end to end (issue 12, item 2) ---------------------------------------------
 
 // A Mixtral decode trace (64 sequences × 256 steps, batch 1: 524,288 events, 1,048,576 expert
-// requests) encoded in expage's binary format, held in memory so the figures exclude the disk.
-const std::string& binary_trace() {
-  static const std::string bytes = [] {
+// requests) encoded in expage's binary format (version 3 unless asked), held in memory so the
+// figures exclude the disk.
+const std::string& binary_trace(std::uint16_t version = expage::binary_trace_version_blocked) {
+  static const expage::routing_trace trace = [] {
     expage::synthetic_options o;
     o.seed = 1;
     o.sequences = 64;
     o.decode_steps = 256;
-    return expage::encode_binary(expage::generate_synthetic(expage::moe_geometry::mixtral_8x7b(), o));
+    return expage::generate_synthetic(expage::moe_geometry::mixtral_8x7b(), o);
   }();
-  return bytes;
+  static const std::string v3 = expage::encode_binary(trace);
+  static const std::string v1 = expage::encode_binary(trace, {.version = expage::binary_trace_version});
+  return version == expage::binary_trace_version ? v1 : v3;
 }
-std::span<const std::byte> binary_bytes() {
-  return std::as_bytes(std::span<const char>(binary_trace().data(), binary_trace().size()));
+std::span<const std::byte> binary_bytes(std::uint16_t version = expage::binary_trace_version_blocked) {
+  const std::string& bytes = binary_trace(version);
+  return std::as_bytes(std::span<const char>(bytes.data(), bytes.size()));
 }
 constexpr std::uint32_t bench_slots = 128;
 
-void BM_Replay_BinaryStreaming(benchmark::State& state) {
+void stream_replay(benchmark::State& state, std::uint16_t version, expage::replay_mode mode) {
   const auto g = expage::moe_geometry::mixtral_8x7b();
   const expage::replay_job jobs[] = {
-      {expage::policy_kind::lru, {.layout = expage::cache_layout::global, .capacity = bench_slots}}};
+      {expage::policy_kind::lru, {.layout = expage::cache_layout::global, .capacity = bench_slots, .mode = mode}}};
   std::uint64_t requests = 0;
   for (auto _ : state) {
-    expage::binary_trace_reader in(binary_bytes(), g, "bench.bin");
+    expage::binary_trace_reader in(binary_bytes(version), g, "bench.bin");
     const auto r = expage::replay_ordered(in, g, jobs);
     requests = (*r)[0].accesses;
     benchmark::DoNotOptimize(r->front().misses);
   }
   state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(requests));
 }
+void BM_Replay_BinaryStreaming(benchmark::State& state) {
+  stream_replay(state, expage::binary_trace_version_blocked, expage::replay_mode::grouped);
+}
 BENCHMARK(BM_Replay_BinaryStreaming)->Unit(benchmark::kMillisecond);
+void BM_Replay_BinaryStreamingSequential(benchmark::State& state) {
+  stream_replay(state, expage::binary_trace_version_blocked, expage::replay_mode::sequential);
+}
+BENCHMARK(BM_Replay_BinaryStreamingSequential)->Unit(benchmark::kMillisecond);
+// Version 1 (14 MB: from 4 MiB on its FNV-1a runs on the reader's helper thread, whose CPU time
+// Google Benchmark does not count; the wall time does).
+void BM_Replay_BinaryStreamingVersion1(benchmark::State& state) {
+  stream_replay(state, expage::binary_trace_version, expage::replay_mode::grouped);
+}
+BENCHMARK(BM_Replay_BinaryStreamingVersion1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 void BM_Replay_BinaryInMemory(benchmark::State& state) {
   const auto g = expage::moe_geometry::mixtral_8x7b();
@@ -228,15 +248,38 @@ void BM_Replay_BinaryInMemory(benchmark::State& state) {
 }
 BENCHMARK(BM_Replay_BinaryInMemory)->Unit(benchmark::kMillisecond);
 
-void BM_Baseline_ListLru_Requests(benchmark::State& state) {
-  const auto g = expage::moe_geometry::mixtral_8x7b();
-  std::vector<std::uint64_t> keys;  // decoded beforehand: the baseline pays for the cache alone
-  {
-    const expage::routing_trace t = expage::parse_binary(binary_bytes(), g, "bench.bin");
-    for (const expage::routing_event& e : t) {
-      for (const std::uint32_t x : e.experts) keys.push_back(std::uint64_t{e.layer} * g.experts_per_layer() + x);
+// The trace's requests, decoded beforehand (the baselines pay for the cache alone): global keys
+// layer · E + expert, in execution and top-k order.
+const std::vector<std::uint64_t>& request_keys() {
+  static const std::vector<std::uint64_t> keys = [] {
+    const auto g = expage::moe_geometry::mixtral_8x7b();
+    std::vector<std::uint64_t> k;
+    for (const expage::routing_event& e : expage::parse_binary(binary_bytes(), g, "bench.bin")) {
+      for (const std::uint32_t x : e.experts) k.push_back(std::uint64_t{e.layer} * g.experts_per_layer() + x);
     }
+    return k;
+  }();
+  return keys;
+}
+
+// slot_cache<lru_policy>, one request per access() (sequential): the cache replay() ran before.
+void BM_Baseline_SlotCache_Requests(benchmark::State& state) {
+  const auto g = expage::moe_geometry::mixtral_8x7b();
+  const std::vector<std::uint64_t>& keys = request_keys();
+  for (auto _ : state) {
+    expage::slot_cache<expage::lru_policy> cache(g, {.layout = expage::cache_layout::global, .capacity = bench_slots});
+    for (const std::uint64_t k : keys) {
+      const auto e = static_cast<expage::expert_index>(k % g.experts_per_layer());
+      (void)cache.access(static_cast<std::uint32_t>(k / g.experts_per_layer()), std::span(&e, 1));
+    }
+    benchmark::DoNotOptimize(cache.statistics().misses);
   }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(keys.size()));
+}
+BENCHMARK(BM_Baseline_SlotCache_Requests)->Unit(benchmark::kMillisecond);
+
+void BM_Baseline_ListLru_Requests(benchmark::State& state) {
+  const std::vector<std::uint64_t>& keys = request_keys();
   for (auto _ : state) {
     std::list<std::uint64_t> order;
     std::unordered_map<std::uint64_t, std::list<std::uint64_t>::iterator> where;

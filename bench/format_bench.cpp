@@ -3,12 +3,16 @@
 //
 //   BM_Bf16_Encode, BM_Bf16_Inspect, BM_Bf16_Decode          vs  BM_Baseline_Memcpy
 //   BM_GroupQuant_Quantize/<bits>, BM_GroupQuant_Dequantize/<bits>
+//   BM_Checksum_Crc32c  vs  BM_Checksum_Crc32  vs  BM_Baseline_Fnv1a   (the binary trace format's
+//                        block checksum (version 3), the containers' CRC-32, and the serial
+//                        FNV-1a 64 of trace versions 1 and 2, over the same bytes)
 //
 // Throughput is counted in bf16 bytes (2 per weight) for every benchmark, so the rates compare
 // directly. Weights: 1024 × 4096 (one slice of an expert tensor), N(0, 0.02²) with 0.1%
 // outliers ×30, seed 1. Results: docs/kernels.md.
 #include "expage/core/precision.hpp"
 #include "expage/format/bf16_codec.hpp"
+#include "expage/format/crc32.hpp"
 #include "expage/format/float16.hpp"
 #include "expage/format/group_quant.hpp"
 
@@ -19,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <vector>
 
 namespace {
@@ -56,6 +61,34 @@ void BM_Baseline_Memcpy(benchmark::State& state) {
   count_bf16_bytes(state);
 }
 BENCHMARK(BM_Baseline_Memcpy)->Unit(benchmark::kMillisecond);
+
+std::span<const std::byte> bf16_bytes() { return std::as_bytes(std::span(bf16_weights())); }
+
+void BM_Checksum_Crc32c(benchmark::State& state) {
+  for (auto _ : state) benchmark::DoNotOptimize(expage::crc32c(bf16_bytes()));
+  count_bf16_bytes(state);
+}
+BENCHMARK(BM_Checksum_Crc32c)->Unit(benchmark::kMillisecond);
+
+void BM_Checksum_Crc32(benchmark::State& state) {
+  for (auto _ : state) benchmark::DoNotOptimize(expage::crc32(bf16_bytes()));
+  count_bf16_bytes(state);
+}
+BENCHMARK(BM_Checksum_Crc32)->Unit(benchmark::kMillisecond);
+
+// FNV-1a 64 as trace versions 1 and 2 compute it (src/trace/trace_binary.cpp): a serial chain.
+void BM_Baseline_Fnv1a(benchmark::State& state) {
+  for (auto _ : state) {
+    std::uint64_t h = 0xcbf29ce484222325ULL;
+    for (const std::byte b : bf16_bytes()) {
+      h ^= std::to_integer<std::uint64_t>(b);
+      h *= 0x100000001b3ULL;
+    }
+    benchmark::DoNotOptimize(h);
+  }
+  count_bf16_bytes(state);
+}
+BENCHMARK(BM_Baseline_Fnv1a)->Unit(benchmark::kMillisecond);
 
 void BM_Bf16_Encode(benchmark::State& state) {
   std::size_t size = 0;

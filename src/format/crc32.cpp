@@ -3,19 +3,28 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_CRC32) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define EXPAGE_CRC32C_ARM 1
+#include <arm_acle.h>
+#endif
 
 namespace expage {
 namespace {
 
-// Slicing-by-8 tables: table[k][b] is the CRC of byte b followed by k zero bytes.
+// Slicing-by-8 tables of a reflected CRC-32 polynomial: table[k][b] is the CRC of byte b
+// followed by k zero bytes.
 using crc_tables = std::array<std::array<std::uint32_t, 256>, 8>;
 
-constexpr crc_tables make_tables() noexcept {
+constexpr crc_tables make_tables(std::uint32_t polynomial) noexcept {
   crc_tables t{};
   for (std::uint32_t b = 0; b < 256; ++b) {
     std::uint32_t c = b;
-    for (int bit = 0; bit < 8; ++bit) c = (c & 1U) != 0 ? (c >> 1U) ^ 0xEDB88320U : c >> 1U;
+    for (int bit = 0; bit < 8; ++bit) c = (c & 1U) != 0 ? (c >> 1U) ^ polynomial : c >> 1U;
     t[0][b] = c;
   }
   for (std::size_t k = 1; k < 8; ++k) {
@@ -24,11 +33,11 @@ constexpr crc_tables make_tables() noexcept {
   return t;
 }
 
-constexpr crc_tables tables = make_tables();
+constexpr crc_tables ieee_tables = make_tables(0xEDB88320U);
+constexpr crc_tables castagnoli_tables = make_tables(0x82F63B78U);
 
-}  // namespace
-
-std::uint32_t crc32(std::span<const std::byte> bytes, std::uint32_t crc) noexcept {
+// The reflected CRC of @p bytes with the tables @p tables, from the register value ~crc.
+std::uint32_t sliced_crc(const crc_tables& tables, std::span<const std::byte> bytes, std::uint32_t crc) noexcept {
   std::uint32_t c = ~crc;
   const std::byte* p = bytes.data();
   std::size_t n = bytes.size();
@@ -42,6 +51,60 @@ std::uint32_t crc32(std::span<const std::byte> bytes, std::uint32_t crc) noexcep
   }
   for (std::size_t i = 0; i < n; ++i) c = (c >> 8U) ^ tables[0][(c ^ at(i)) & 0xFFU];
   return ~c;
+}
+
+#if defined(__x86_64__)
+// The SSE4.2 instruction computes the same reflected register update as the tables, eight
+// little-endian bytes at a time (x86-64 is little-endian, so a word load is the byte order).
+__attribute__((target("sse4.2"))) std::uint32_t crc32c_sse42(std::span<const std::byte> bytes,
+                                                             std::uint32_t crc) noexcept {
+  std::uint64_t c = ~crc;
+  const std::byte* p = bytes.data();
+  std::size_t n = bytes.size();
+  for (; n >= 8; p += 8, n -= 8) {
+    std::uint64_t word = 0;
+    std::memcpy(&word, p, sizeof word);
+    c = _mm_crc32_u64(c, word);
+  }
+  auto c32 = static_cast<std::uint32_t>(c);
+  for (; n > 0; ++p, --n) c32 = _mm_crc32_u8(c32, std::to_integer<std::uint8_t>(*p));
+  return ~c32;
+}
+
+bool has_sse42() noexcept {
+  static const bool has = __builtin_cpu_supports("sse4.2") != 0;
+  return has;
+}
+#endif
+
+}  // namespace
+
+std::uint32_t crc32(std::span<const std::byte> bytes, std::uint32_t crc) noexcept {
+  return sliced_crc(ieee_tables, bytes, crc);
+}
+
+std::uint32_t detail::crc32c_tables(std::span<const std::byte> bytes, std::uint32_t crc) noexcept {
+  return sliced_crc(castagnoli_tables, bytes, crc);
+}
+
+std::uint32_t crc32c(std::span<const std::byte> bytes, std::uint32_t crc) noexcept {
+#if defined(__x86_64__)
+  if (has_sse42()) return crc32c_sse42(bytes, crc);
+#elif defined(EXPAGE_CRC32C_ARM)
+  std::uint32_t c = ~crc;
+  const std::byte* p = bytes.data();
+  std::size_t n = bytes.size();
+  for (; n >= 8; p += 8, n -= 8) {
+    std::uint64_t word = 0;
+    std::memcpy(&word, p, sizeof word);
+    c = __crc32cd(c, word);
+  }
+  for (; n > 0; ++p, --n) c = __crc32cb(c, std::to_integer<std::uint8_t>(*p));
+  return ~c;
+#endif
+#if !defined(EXPAGE_CRC32C_ARM)
+  return detail::crc32c_tables(bytes, crc);
+#endif
 }
 
 }  // namespace expage

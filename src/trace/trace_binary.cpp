@@ -1,5 +1,6 @@
 #include "expage/trace/trace_io.hpp"
 
+#include "expage/format/crc32.hpp"
 #include "record_check.hpp"
 #include "trace_input.hpp"
 
@@ -28,10 +29,16 @@ using detail::staged_record;
 
 constexpr std::array<char, 8> binary_magic = {'E', 'X', 'P', 'G', 'T', 'R', 'C', '1'};
 constexpr std::size_t header_size = 64;     // version 1
-constexpr std::size_t header_size_v2 = 72;  // version 2: + sketch_dims, record_size
+constexpr std::size_t header_size_v2 = 72;  // versions 2 and 3: + sketch_dims, record_size
 constexpr std::uint32_t flag_probabilities = 1;
-constexpr std::uint32_t flag_sketch = 2;  // version 2 only
+constexpr std::uint32_t flag_sketch = 2;  // versions 2 and 3
 constexpr std::size_t record_fixed_bytes = 16;
+// Version 3: each block of block_records records is followed by its CRC-32C. The reader holds
+// one block, so a header may not ask for more than max_block_bytes of records per block (a
+// record larger than that is a block of its own); the writer aims at written_block_bytes.
+constexpr std::size_t block_checksum_bytes = 4;
+constexpr std::uint64_t max_block_bytes = std::uint64_t{16} << 20;
+constexpr std::uint64_t written_block_bytes = std::uint64_t{64} << 10;
 
 std::uint64_t fnv1a(std::span<const std::byte> bytes, std::uint64_t h = 0xcbf29ce484222325ULL) noexcept {
   for (const std::byte b : bytes) {
@@ -80,24 +87,40 @@ std::span<const std::byte> as_bytes(std::string_view s) noexcept {
   return std::as_bytes(std::span<const char>(s.data(), s.size()));
 }
 
+// The checksum of block @p index of a version 3 payload: the CRC-32C of the index (8 bytes,
+// little-endian) followed by the block's records, so a block moved or repeated elsewhere in
+// the file does not match.
+std::uint32_t block_checksum(std::uint64_t index, std::span<const std::byte> records) noexcept {
+  std::array<std::byte, 8> at{};
+  for (std::size_t i = 0; i < at.size(); ++i) at[i] = static_cast<std::byte>((index >> (8 * i)) & 0xFFU);
+  return crc32c(records, crc32c(at));
+}
+
+// Versions 2 and 3 have the 72-byte header with the record size; their records carry their
+// optional fields.
+constexpr bool wide_header(std::uint16_t version) noexcept {
+  return version == binary_trace_version_with_fields || version == binary_trace_version_blocked;
+}
+
 struct binary_header {
   std::uint16_t version = 1;
-  std::size_t size = header_size;  // header bytes: 64 (version 1) or 72 (version 2)
-  std::uint32_t sketch_dims = 0;   // version 2
-  std::uint32_t record_size = 0;   // version 2: as declared
+  std::size_t size = header_size;   // header bytes: 64 (version 1) or 72 (versions 2 and 3)
+  std::uint32_t sketch_dims = 0;    // versions 2 and 3
+  std::uint32_t record_size = 0;    // versions 2 and 3: as declared
+  std::uint32_t block_records = 0;  // version 3: records per checksummed block; 0 before
   std::uint32_t flags = 0;
   std::uint32_t batch_size = 0;
   std::uint64_t events = 0;
   std::uint64_t vectors = 0;
-  std::uint64_t payload_sum = 0;
+  std::uint64_t payload_sum = 0;  // versions 1 and 2: FNV-1a 64 of the whole payload
   trace_metadata meta;
 };
 
-// Reads the header: 64 bytes, and 8 more when they say version 2. Returns what was read (a
+// Reads the header: 64 bytes, and 8 more when they say version 2 or 3. Returns what was read (a
 // short input yields a short span, which parse_header() refuses).
 std::span<const std::byte> read_header_bytes(detail::byte_input& in, std::array<std::byte, header_size_v2>& buffer) {
   std::size_t got = in.read_fully(reinterpret_cast<char*>(buffer.data()), header_size);
-  if (got == header_size && load_le<std::uint16_t>(buffer, 8) == binary_trace_version_with_fields) {
+  if (got == header_size && wide_header(load_le<std::uint16_t>(buffer, 8))) {
     got += in.read_fully(reinterpret_cast<char*>(buffer.data() + header_size), header_size_v2 - header_size);
   }
   return std::span<const std::byte>(buffer).first(got);
@@ -116,12 +139,12 @@ binary_header parse_header(std::span<const std::byte> bytes, std::string_view so
   }
   binary_header h;
   h.version = load_le<std::uint16_t>(bytes, 8);
-  if (h.version != binary_trace_version && h.version != binary_trace_version_with_fields) {
+  if (h.version != binary_trace_version && !wide_header(h.version)) {
     fail(at(8), "version",
-         fmt::format("version {} unsupported (this reader reads versions {} and {})", h.version, binary_trace_version,
-                     binary_trace_version_with_fields));
+         fmt::format("version {} unsupported (this reader reads versions {} to {})", h.version, binary_trace_version,
+                     binary_trace_version_blocked));
   }
-  const bool v2 = h.version == binary_trace_version_with_fields;
+  const bool v2 = wide_header(h.version);
   h.size = v2 ? header_size_v2 : header_size;
   if (bytes.size() < h.size) {
     fail(
@@ -151,7 +174,14 @@ binary_header parse_header(std::span<const std::byte> bytes, std::string_view so
   if (h.batch_size == 0) fail(at(28), "batch_size", "0 out of range [1, 4294967295]");
   h.events = load_le<std::uint64_t>(bytes, 32);
   h.vectors = load_le<std::uint64_t>(bytes, 40);
-  h.payload_sum = load_le<std::uint64_t>(bytes, 48);
+  if (h.version == binary_trace_version_blocked) {
+    h.block_records = load_le<std::uint32_t>(bytes, 48);  // its range depends on the record size: read_layout()
+    if (const auto reserved = load_le<std::uint32_t>(bytes, 52); reserved != 0) {
+      fail(at(52), "reserved", fmt::format("{} where 0 is required", reserved));
+    }
+  } else {
+    h.payload_sum = load_le<std::uint64_t>(bytes, 48);
+  }
   if (v2) {
     h.sketch_dims = load_le<std::uint32_t>(bytes, 56);
     h.record_size = load_le<std::uint32_t>(bytes, 60);
@@ -178,7 +208,13 @@ struct binary_layout {
   std::uint64_t record_bytes = 0;  // per record, with its optional fields in version 2
   std::uint64_t vector_bytes = 0;  // per probability vector
   trace_fields fields{};           // declared by the header
+  std::uint64_t blocks = 0;        // version 3: checksummed blocks, ⌈events / block_records⌉
   std::uint64_t expected_size = 0;
+
+  // The file offset of record @p i (version 3 counts the checksums of the blocks before it).
+  [[nodiscard]] std::uint64_t record_offset(std::uint64_t i) const noexcept {
+    return h.size + i * record_bytes + (h.block_records == 0 ? 0 : i / h.block_records * block_checksum_bytes);
+  }
 };
 
 binary_layout read_layout(detail::byte_input& in, const moe_geometry& geometry) {
@@ -200,7 +236,7 @@ binary_layout read_layout(detail::byte_input& in, const moe_geometry& geometry) 
                        dims[i].second));
     }
   }
-  const bool v2 = h.version == binary_trace_version_with_fields;
+  const bool v2 = wide_header(h.version);
   l.k = geometry.top_k();
   l.vector_bytes = 4ULL * geometry.experts_per_layer();
   l.fields = h.meta.fields.value_or(trace_fields{});
@@ -228,9 +264,20 @@ binary_layout read_layout(detail::byte_input& in, const moe_geometry& geometry) 
          fmt::format("{} where top_k = {}, experts_per_layer = {}, the probability flag and sketch_dims = {} imply {}",
                      h.record_size, l.k, geometry.experts_per_layer(), l.fields.sketch_dims, l.record_bytes));
   }
-  // Version 1 keeps its vectors in a section after the records; version 2 inside each record.
+  if (h.version == binary_trace_version_blocked) {
+    const std::uint64_t most = std::max<std::uint64_t>(1, max_block_bytes / l.record_bytes);
+    if (h.block_records == 0 || h.block_records > most) {
+      fail(at(48), "block_records",
+           fmt::format("{} out of range [1, {}] (a block holds at most {} bytes of {}-byte records, or one record)",
+                       h.block_records, most, max_block_bytes, l.record_bytes));
+    }
+    l.blocks = h.events / h.block_records + (h.events % h.block_records != 0 ? 1 : 0);
+  }
+  // Version 1 keeps its vectors in a section after the records; versions 2 and 3 inside each
+  // record; version 3 adds a checksum after each block.
   const std::uint64_t section_vectors = v2 ? 0 : h.vectors;
-  l.expected_size = h.size + h.events * l.record_bytes + section_vectors * l.vector_bytes;
+  l.expected_size =
+      h.size + h.events * l.record_bytes + section_vectors * l.vector_bytes + l.blocks * block_checksum_bytes;
   if (const std::optional<std::uint64_t> size = in.known_size()) {
     const std::uint64_t payload = *size - h.size;
     // Bound the counts by the bytes present before anything is allocated.
@@ -254,12 +301,14 @@ binary_layout read_layout(detail::byte_input& in, const moe_geometry& geometry) 
 
 // The fixed fields of the record at @p o of @p bytes (file offset @p offset), checked: phase in
 // [0, 1], has_probabilities equal to @p vectors (the header's declaration: a trace has the field
-// on every record or on none), reserved 0. Experts and weights are appended to @p experts and
-// @p weights. Returns whether a probability vector belongs to the record.
+// on every record or on none), reserved 0; into @p r (cleared first), experts and weights
+// included. Returns whether a probability vector belongs to the record.
 bool decode_record(std::span<const std::byte> bytes, std::size_t o, std::uint64_t offset, std::uint64_t k,
-                   std::string_view source, bool vectors, staged_record& r, std::vector<std::uint32_t>& experts,
-                   std::vector<float>& weights) {
+                   std::string_view source, bool vectors, staged_record& r) {
   const auto at = [&](std::uint64_t where) { return source_position{source, where, true}; };
+  r.clear();
+  r.has_experts = true;
+  r.has_weights = true;
   r.sequence = load_le<std::uint32_t>(bytes, o);
   r.step = load_le<std::uint32_t>(bytes, o + 4);
   r.layer = load_le<std::uint32_t>(bytes, o + 8);
@@ -276,24 +325,67 @@ bool decode_record(std::span<const std::byte> bytes, std::size_t o, std::uint64_
   if (const auto reserved = load_le<std::uint16_t>(bytes, o + 14); reserved != 0) {
     fail(at(offset + 14), "reserved", fmt::format("{} where 0 is required", reserved));
   }
-  for (std::size_t j = 0; j < k; ++j) experts.push_back(load_le<std::uint16_t>(bytes, o + 16 + 2 * j));
-  for (std::size_t j = 0; j < k; ++j) weights.push_back(load_f32(bytes, o + 16 + 2 * k + 4 * j));
+  for (std::size_t j = 0; j < k; ++j) r.experts.push_back(load_le<std::uint16_t>(bytes, o + 16 + 2 * j));
+  for (std::size_t j = 0; j < k; ++j) r.weights.push_back(load_f32(bytes, o + 16 + 2 * k + 4 * j));
   return has_vector == 1;
 }
 
-// Appends the @p count floats at @p o of @p bytes to @p out (a version 2 record's optional fields).
-void decode_floats(std::span<const std::byte> bytes, std::size_t o, std::size_t count, std::vector<float>& out) {
-  for (std::size_t j = 0; j < count; ++j) out.push_back(load_f32(bytes, o + 4 * j));
+// The @p out.size() floats at @p o of @p bytes (a version 2 or 3 record's optional fields).
+void decode_floats(std::span<const std::byte> bytes, std::size_t o, std::span<float> out) noexcept {
+  for (std::size_t j = 0; j < out.size(); ++j) out[j] = load_f32(bytes, o + 4 * j);
+}
+
+// The plain records (no optional field delivered, has_probabilities 0) at @p bytes, decoded into
+// @p events, @p experts and @p weights from their first element on, up to the first record this
+// quick test cannot vouch for; returns how many were decoded. The test is a sufficient condition
+// for what decode_record() and detail::check_record() accept (layer in range, phase 0 or 1,
+// has_probabilities and reserved 0, distinct experts in range, weights finite and ≥ 0, where a
+// weight's sign bit must be clear: -0.0 is left to them); the record it stops at goes to them,
+// which name the problem or accept it, so every rule and message keeps one owner.
+// @p K is the top-k when known at compile time (the loops unroll), else 0 and @p k decides.
+template <std::size_t K>
+std::size_t decode_plain(std::span<const std::byte> bytes, std::size_t count, std::size_t k, std::uint32_t layers,
+                         std::uint32_t experts_per_layer, routing_event* events, std::uint32_t* experts,
+                         float* weights) noexcept {
+  const std::size_t top_k = K != 0 ? K : k;
+  const std::size_t record_bytes = record_fixed_bytes + 6 * top_k;
+  for (std::size_t i = 0; i < count; ++i) {
+    const std::size_t o = i * record_bytes;
+    const auto layer = load_le<std::uint32_t>(bytes, o + 8);
+    // phase (byte 12) in {0, 1}; has_probabilities (13) and reserved (14-15) 0.
+    bool ok = layer < layers && (load_le<std::uint32_t>(bytes, o + 12) & ~std::uint32_t{1}) == 0;
+    std::uint32_t* x = experts + i * top_k;
+    float* w = weights + i * top_k;
+    for (std::size_t j = 0; j < top_k; ++j) {
+      x[j] = load_le<std::uint16_t>(bytes, o + 16 + 2 * j);
+      ok &= x[j] < experts_per_layer;
+      for (std::size_t m = 0; m < j; ++m) ok &= x[m] != x[j];
+      const auto bits = load_le<std::uint32_t>(bytes, o + 16 + 2 * top_k + 4 * j);
+      ok &= bits < 0x7F800000U;  // sign clear, exponent not all ones: finite and ≥ +0
+      std::memcpy(&w[j], &bits, sizeof bits);
+    }
+    if (!ok) return i;
+    // The optional fields' spans are left as they are: empty, since a plain trace's events are
+    // value-initialised and only ever given empty ones (decode_checked() included).
+    routing_event& e = events[i];
+    e.sequence = load_le<std::uint32_t>(bytes, o);
+    e.step = load_le<std::uint32_t>(bytes, o + 4);
+    e.layer = layer;
+    e.phase = static_cast<routing_phase>(std::to_integer<std::uint8_t>(bytes[o + 12]));
+    e.experts = std::span<const std::uint32_t>(x, top_k);
+    e.weights = std::span<const float>(w, top_k);
+  }
+  return count;
 }
 
 }  // namespace
 
-// Hashes the payload on a second thread while the caller decodes it. FNV-1a is a serial chain
-// (xor, then a 64-bit multiply, per byte: about 3 ns a byte on the machine of docs/performance.md),
-// the largest single cost of reading a large trace, and decoding needs none of its result until
-// the end. Chunks rotate through `depth` buffers (a few scheduler time slices of slack on a busy
-// machine) and are hashed in submission order; the caller
-// refills a buffer only after its hash completed (acquire()), and reads the sum only after
+// Hashes a version 1 or 2 payload on a second thread while the caller decodes it. FNV-1a is a
+// serial chain (xor, then a 64-bit multiply, per byte: 1.1 ns a byte on an idle core of
+// docs/performance.md, 3 ns under load), the largest single cost of reading such a trace, and
+// decoding needs none of its result until the end. Chunks rotate through `depth` buffers (a few
+// scheduler time slices of slack on a busy machine) and are hashed in submission order; the
+// caller refills a buffer only after its hash completed (acquire()), and reads the sum only after
 // finish(). Every hand-over goes through a semaphore (release/acquire), which orders the buffer's
 // bytes, the queue entry and the running sum between the two threads.
 class checksum_worker {
@@ -345,6 +437,9 @@ class checksum_worker {
 // below it a thread costs more than it saves.
 constexpr std::uint64_t threaded_checksum_bytes = std::uint64_t{4} << 20;
 
+// Version 3 delivers at most this many events per chunk.
+constexpr std::size_t blocked_chunk_events = 512;
+
 // The streaming reader's state: the input, the header, the running checksum and one chunk.
 namespace detail {
 struct binary_stream {
@@ -358,14 +453,16 @@ struct binary_stream {
   std::uint64_t vectors_seen = 0;  // records whose has_probabilities is 1
   bool finished = false;
   std::vector<std::byte> chunk;
+  std::size_t buffered = 0;        // version 3: records in `chunk`, checked, not yet delivered
+  std::uint64_t buffer_first = 0;  // version 3: the index of the first record in `chunk`
   // The buffers the worker hashes are declared before it, so it is joined (destroyed) first.
   std::array<std::vector<std::byte>, checksum_worker::depth> buffers;
   std::optional<checksum_worker> worker;  // hashes the records while they are decoded (large traces)
   std::size_t buffer = 0;                 // the buffer the next chunk goes to
   std::vector<std::uint32_t> experts;
   std::vector<float> weights;
-  std::vector<float> probabilities;  // version 2: delivered with the events
-  std::vector<float> sketch;         // version 2: delivered with the events
+  std::vector<float> probabilities;  // versions 2 and 3: delivered with the events
+  std::vector<float> sketch;         // versions 2 and 3: delivered with the events
   std::vector<routing_event> events;
   staged_record r;
 
@@ -374,7 +471,9 @@ struct binary_stream {
       : owned(std::move(input)), in(&i), layout(read_layout(i, geometry)) {
     batch_size = options.batch_size != 0 ? options.batch_size : layout.h.batch_size;
     experts_per_layer = geometry.experts_per_layer();
-    if (layout.h.events * layout.record_bytes >= threaded_checksum_bytes && std::thread::hardware_concurrency() > 1) {
+    // Version 3's block checksums (CRC-32C) cost less than the hand-over to a thread would.
+    if (layout.h.version != binary_trace_version_blocked &&
+        layout.h.events * layout.record_bytes >= threaded_checksum_bytes && std::thread::hardware_concurrency() > 1) {
       try {
         worker.emplace(sum);
       } catch (const std::system_error&) {  // no thread to be had: hash on this one
@@ -410,6 +509,89 @@ struct binary_stream {
     return std::span<const std::byte>(buffers[b].data(), n);
   }
 
+  // Reads the @p n records of the next whole blocks (version 3) with their checksums, and checks
+  // every block's checksum before any of its records is decoded. Returns the blocks as read:
+  // each block_records records (the last block fewer) followed by 4 checksum bytes.
+  std::span<const std::byte> read_blocks(std::size_t n) {
+    const std::uint64_t per_block = layout.h.block_records;
+    const std::uint64_t first_block = delivered / per_block;  // delivered is a multiple of per_block
+    const std::size_t blocks = (n + per_block - 1) / per_block;
+    const auto record_bytes = static_cast<std::size_t>(layout.record_bytes);
+    chunk.resize(n * record_bytes + blocks * block_checksum_bytes);
+    const std::size_t got = in->read_fully(reinterpret_cast<char*>(chunk.data()), chunk.size());
+    if (got != chunk.size()) {
+      fail(at(in->offset()), "payload",
+           fmt::format("input ends at byte {} where the header implies {} bytes (truncated)", in->offset(),
+                       layout.expected_size));
+    }
+    const std::span<const std::byte> bytes(chunk);
+    for (std::size_t b = 0; b < blocks; ++b) {
+      const std::size_t records = std::min<std::size_t>(per_block, n - b * per_block);
+      const std::span<const std::byte> block = bytes.subspan(b * (per_block * record_bytes + block_checksum_bytes));
+      const auto stored = load_le<std::uint32_t>(block, records * record_bytes);
+      if (const std::uint32_t actual = block_checksum(first_block + b, block.first(records * record_bytes));
+          actual != stored) {
+        const std::uint64_t first = delivered + b * per_block;
+        fail(at(layout.record_offset(first) + records * record_bytes), "block_checksum",
+             fmt::format("{:#010x} does not match the {:#010x} of block {} (events {} to {}): the file is corrupt",
+                         stored, actual, first_block + b, first, first + records - 1));
+      }
+    }
+    return bytes;
+  }
+
+  // Decodes the @p count records at @p bytes into the chunk's events from @p first on: the plain
+  // ones through decode_plain(), any other through decode_checked().
+  void decode(std::span<const std::byte> bytes, std::size_t first, std::size_t count, bool plain) {
+    const auto record_bytes = static_cast<std::size_t>(layout.record_bytes);
+    for (std::size_t i = 0; i < count; ++i) {
+      if (plain) {
+        const std::span<const std::byte> rest = bytes.subspan(i * record_bytes);
+        const std::size_t j = first + i;
+        i += top_k == 2 ? decode_plain<2>(rest, count - i, 2, layers, experts_per_layer, &events[j], &experts[j * 2],
+                                          &weights[j * 2])
+                        : decode_plain<0>(rest, count - i, top_k, layers, experts_per_layer, &events[j],
+                                          &experts[j * top_k], &weights[j * top_k]);
+        if (i == count) break;
+      }
+      decode_checked(bytes, i * record_bytes, first + i);
+    }
+  }
+
+  // Decodes record @p index of the chunk, at @p o of @p bytes, through decode_record() and
+  // detail::check_record(), with its optional fields (versions 2 and 3).
+  // @throws format_error naming the record's byte offset and the field.
+  void decode_checked(std::span<const std::byte> bytes, std::size_t o, std::size_t index) {
+    const std::uint64_t offset = layout.record_offset(delivered + index);
+    const bool delivers_fields = wide_header(layout.h.version);
+    const trace_fields f = delivers_fields ? layout.fields : trace_fields{};
+    const std::size_t p = f.probabilities ? experts_per_layer : 0;
+    const std::size_t d = f.sketch_dims;
+    if (decode_record(bytes, o, offset, layout.k, in->name(), layout.h.vectors > 0, r)) ++vectors_seen;
+    if (vectors_seen > layout.h.vectors) {
+      fail(at(offset + 13), "has_probabilities",
+           fmt::format("more events carry probabilities than the {} the header declares", layout.h.vectors));
+    }
+    std::copy(r.experts.begin(), r.experts.end(), experts.begin() + static_cast<std::ptrdiff_t>(index * top_k));
+    std::copy(r.weights.begin(), r.weights.end(), weights.begin() + static_cast<std::ptrdiff_t>(index * top_k));
+    const std::span<float> vector = std::span(probabilities).subspan(index * p, p);
+    const std::span<float> sketch_values = std::span(sketch).subspan(index * d, d);
+    const std::size_t fixed = record_fixed_bytes + 6 * top_k;
+    decode_floats(bytes, o + fixed, vector);
+    decode_floats(bytes, o + fixed + 4 * p, sketch_values);
+    events[index] = {.sequence = *r.sequence,
+                     .step = *r.step,
+                     .layer = *r.layer,
+                     .phase = r.phase,
+                     .experts = std::span<const std::uint32_t>(experts).subspan(index * top_k, top_k),
+                     .weights = std::span<const float>(weights).subspan(index * top_k, top_k),
+                     .probabilities = vector,
+                     .sketch = sketch_values};
+    if (const auto problem = detail::check_record(events[index], layers, experts_per_layer, top_k, f)) {
+      fail(at(offset), detail::to_string(problem->field), problem->message);
+    }
+  }
+
   [[nodiscard]] source_position at(std::uint64_t offset) const noexcept { return {in->name(), offset, true}; }
 
   // Reads exactly @p n payload bytes into @p out, hashing them.
@@ -422,14 +604,18 @@ struct binary_stream {
                        layout.expected_size));
     }
   }
+  // Versions 1 and 2: the payload's FNV-1a (version 3 checked every block as it was read).
   void check_sum() const {
+    if (layout.h.version == binary_trace_version_blocked) return;
     if (sum != layout.h.payload_sum) {
       fail(at(48), "payload_checksum",
            fmt::format("{:#018x} does not match the payload's {:#018x}", layout.h.payload_sum, sum));
     }
   }
-  // After a record error: hash the rest; a checksum mismatch explains the error better.
+  // After a record error: hash the rest; a checksum mismatch explains the error better (versions
+  // 1 and 2; a version 3 block was checked before its records were decoded).
   [[noreturn]] void drain_and_rethrow() {
+    if (layout.h.version == binary_trace_version_blocked) throw;
     join_checksum();
     std::array<std::byte, 1 << 16> rest{};
     for (;;) {
@@ -448,7 +634,7 @@ struct binary_stream {
       fail(at(40), "probability_vectors",
            fmt::format("header declares {} vectors but {} events carry one", h.vectors, vectors_seen));
     }
-    const std::uint64_t section_vectors = h.version == binary_trace_version_with_fields ? 0 : h.vectors;
+    const std::uint64_t section_vectors = wide_header(h.version) ? 0 : h.vectors;
     std::vector<std::byte> vector(static_cast<std::size_t>(layout.vector_bytes));
     std::vector<float> values(experts_per_layer);
     for (std::uint64_t v = 0; v < section_vectors; ++v) {
@@ -477,60 +663,69 @@ struct binary_stream {
 }  // namespace detail
 
 std::span<const routing_event> detail::binary_stream::next() {
-  events.clear();
-  experts.clear();
-  weights.clear();
-  probabilities.clear();
-  sketch.clear();
-  if (finished) return events;
+  if (finished) {
+    events.clear();
+    return events;
+  }
   const std::uint64_t remaining = layout.h.events - delivered;
   if (remaining == 0) {
+    events.clear();
     finish();
     return events;
   }
   const std::uint64_t record_bytes = layout.record_bytes;
-  // 64 KiB chunks; 256 KiB when hashed on the helper thread (fewer hand-overs).
-  const std::size_t chunk_bytes = std::size_t{1} << (worker ? 18 : 16);
-  const std::size_t chunk_records = std::max<std::size_t>(1, chunk_bytes / record_bytes);
-  const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk_records, remaining));
-  // Version 2 records carry their optional fields, delivered with the events; version 1 keeps
-  // its vectors after all records (checked in finish(), not delivered).
-  const bool v2 = layout.h.version == binary_trace_version_with_fields;
-  const trace_fields delivered_fields = v2 ? layout.fields : trace_fields{};
+  const bool blocked = layout.h.version == binary_trace_version_blocked;
+  std::size_t n = 0;
+  if (blocked) {
+    // Whole blocks are read (about 64 KiB, at least one) and checked, then delivered in chunks of
+    // up to blocked_chunk_events: a chunk's events, about 80 bytes each, stay in the core's
+    // first-level cache until the consumer has read them.
+    if (buffered == 0) {
+      const std::size_t per_block = layout.h.block_records;
+      const std::size_t want = std::max<std::size_t>(1, (std::size_t{1} << 16) / record_bytes / per_block) * per_block;
+      buffered = static_cast<std::size_t>(std::min<std::uint64_t>(want, remaining));
+      buffer_first = delivered;
+      try {
+        (void)read_blocks(buffered);
+      } catch (const format_error&) {
+        buffered = 0;
+        throw;
+      }
+    }
+    n = std::min(buffered, blocked_chunk_events);
+  } else {
+    // 64 KiB chunks; 256 KiB when hashed on the helper thread (fewer hand-overs).
+    const std::size_t chunk_bytes = std::size_t{1} << (worker ? 18 : 16);
+    n = static_cast<std::size_t>(
+        std::min<std::uint64_t>(std::max<std::size_t>(1, chunk_bytes / record_bytes), remaining));
+  }
+  // Versions 2 and 3 deliver the optional fields with the events; version 1 keeps its vectors
+  // after all records (checked in finish(), not delivered).
+  const trace_fields delivered_fields = wide_header(layout.h.version) ? layout.fields : trace_fields{};
   const std::size_t p = delivered_fields.probabilities ? experts_per_layer : 0;
   const std::size_t d = delivered_fields.sketch_dims;
-  experts.reserve(n * top_k);
-  weights.reserve(n * top_k);
-  probabilities.reserve(n * p);  // never reallocated below: the events' spans point into them
-  sketch.reserve(n * d);
-  events.reserve(n);
+  // Sized once per chunk and never reallocated below: the events' spans point into them.
+  events.resize(n);
+  experts.resize(n * top_k);
+  weights.resize(n * top_k);
+  probabilities.resize(n * p);
+  sketch.resize(n * d);
+  const bool plain = !delivered_fields.any() && layout.h.vectors == 0;
   try {
-    const std::span<const std::byte> bytes = read_records(n * record_bytes);
-    for (std::size_t i = 0; i < n; ++i) {
-      const std::uint64_t offset = layout.h.size + (delivered + i) * record_bytes;
-      const std::size_t o = i * record_bytes;
-      if (decode_record(bytes, o, offset, layout.k, in->name(), layout.h.vectors > 0, r, experts, weights)) {
-        ++vectors_seen;
+    if (blocked) {
+      // Records [delivered, delivered + n) of the blocks in `chunk`, block by block.
+      const std::size_t per_block = layout.h.block_records;
+      const std::size_t stride = per_block * record_bytes + block_checksum_bytes;
+      for (std::size_t i = 0; i < n;) {
+        const auto at = static_cast<std::size_t>(delivered - buffer_first) + i;  // in the buffer
+        const std::size_t count = std::min(n - i, per_block - at % per_block);
+        decode(std::span<const std::byte>(chunk).subspan(at / per_block * stride + at % per_block * record_bytes), i,
+               count, plain);
+        i += count;
       }
-      const std::size_t fixed = record_fixed_bytes + 6 * top_k;
-      decode_floats(bytes, o + fixed, p, probabilities);
-      decode_floats(bytes, o + fixed + 4 * p, d, sketch);
-      if (vectors_seen > layout.h.vectors) {
-        fail(at(offset + 13), "has_probabilities",
-             fmt::format("more events carry probabilities than the {} the header declares", layout.h.vectors));
-      }
-      events.push_back({.sequence = *r.sequence,
-                        .step = *r.step,
-                        .layer = *r.layer,
-                        .phase = r.phase,
-                        .experts = std::span<const std::uint32_t>(experts.data() + i * top_k, top_k),
-                        .weights = std::span<const float>(weights.data() + i * top_k, top_k),
-                        .probabilities = std::span<const float>(probabilities.data() + i * p, p),
-                        .sketch = std::span<const float>(sketch.data() + i * d, d)});
-      if (const auto problem =
-              detail::check_record(events.back(), layers, experts_per_layer, top_k, delivered_fields)) {
-        fail(at(offset), detail::to_string(problem->field), problem->message);
-      }
+      buffered -= n;
+    } else {
+      decode(read_records(n * record_bytes), 0, n, plain);
     }
   } catch (const format_error&) {
     drain_and_rethrow();
@@ -568,6 +763,7 @@ std::uint32_t binary_trace_reader::batch_size() const noexcept { return state_->
 std::uint64_t binary_trace_reader::events() const noexcept { return state_->layout.h.events; }
 std::uint64_t binary_trace_reader::probability_vectors() const noexcept { return state_->layout.h.vectors; }
 std::uint16_t binary_trace_reader::version() const noexcept { return state_->layout.h.version; }
+std::uint32_t binary_trace_reader::block_records() const noexcept { return state_->layout.h.block_records; }
 trace_fields binary_trace_reader::fields() const noexcept { return state_->layout.fields; }
 
 namespace {
@@ -586,10 +782,10 @@ routing_trace read_binary_from(std::unique_ptr<detail::byte_input> input, const 
   detail::trace_builder builder(geometry, source, true);
   if (h.meta.fields) builder.declare_fields(*h.meta.fields, 12);
   if (in.known_size()) builder.trace().reserve(static_cast<std::size_t>(h.events), h.vectors > 0);
-  if (h.vectors == 0 || h.version == binary_trace_version_with_fields) {
+  if (h.vectors == 0 || wide_header(h.version)) {
     std::uint64_t i = 0;
     for (auto chunk = st.next(); !chunk.empty(); chunk = st.next()) {
-      for (const routing_event& e : chunk) builder.append(e, h.size + (i++) * st.layout.record_bytes);
+      for (const routing_event& e : chunk) builder.append(e, st.layout.record_offset(i++));
     }
     return builder.finish(st.batch_size);
   }
@@ -610,10 +806,7 @@ routing_trace read_binary_from(std::unique_ptr<detail::byte_input> input, const 
     for (std::uint64_t i = 0; i < h.events; ++i) {
       const auto o = static_cast<std::size_t>(i * record_bytes);
       const std::uint64_t offset = header_size + i * record_bytes;
-      r.clear();
-      r.has_experts = true;
-      r.has_weights = true;
-      if (decode_record(records, o, offset, st.layout.k, source, true, r, r.experts, r.weights)) {
+      if (decode_record(records, o, offset, st.layout.k, source, true, r)) {
         if (vectors_used == h.vectors) {
           fail(st.at(offset + 13), "has_probabilities",
                fmt::format("more events carry probabilities than the {} the header declares", h.vectors));
@@ -655,34 +848,53 @@ std::optional<trace_metadata> read_binary_metadata(byte_input& in) {
 
 namespace {
 
-// Version 1: what expage has always written, byte for byte, for a trace without optional fields.
-std::string encode_binary_v1(const routing_trace& trace) {
-  const std::size_t k = trace.top_k();
-  std::string out;
-  out.reserve(header_size + trace.size() * (record_fixed_bytes + 6 * k));
+// The header's first 48 bytes, the same in every version: magic to probability_vectors.
+void encode_header_start(std::string& out, std::uint16_t version, std::size_t size, const routing_trace& trace) {
+  const trace_fields& f = trace.fields();
   out.append(binary_magic.data(), binary_magic.size());
-  store_le<std::uint16_t>(out, binary_trace_version);
-  store_le<std::uint16_t>(out, static_cast<std::uint16_t>(header_size));
-  store_le<std::uint32_t>(out, 0);  // flags: no probability vectors
+  store_le<std::uint16_t>(out, version);
+  store_le<std::uint16_t>(out, static_cast<std::uint16_t>(size));
+  store_le<std::uint32_t>(out, (f.probabilities ? flag_probabilities : 0U) | (f.sketch_dims > 0 ? flag_sketch : 0U));
   store_le<std::uint32_t>(out, trace.layers());
   store_le<std::uint32_t>(out, trace.experts_per_layer());
   store_le<std::uint32_t>(out, trace.top_k());
   store_le<std::uint32_t>(out, trace.batch_size());
   store_le<std::uint64_t>(out, trace.size());
-  store_le<std::uint64_t>(out, 0);  // probability vectors
+  store_le<std::uint64_t>(out, trace.probability_vectors());
+}
+
+// One record, followed by its optional fields (none in version 1, which is written only for a
+// trace without them).
+void encode_record(std::string& out, const routing_event& e, const trace_fields& f) {
+  store_le<std::uint32_t>(out, e.sequence);
+  store_le<std::uint32_t>(out, e.step);
+  store_le<std::uint32_t>(out, e.layer);
+  store_le<std::uint8_t>(out, static_cast<std::uint8_t>(e.phase));
+  store_le<std::uint8_t>(out, f.probabilities ? 1 : 0);  // has_probabilities
+  store_le<std::uint16_t>(out, 0);
+  // experts_per_layer ≤ 65536, so every expert id fits 16 bits.
+  for (const std::uint32_t x : e.experts) store_le<std::uint16_t>(out, static_cast<std::uint16_t>(x));
+  for (const float w : e.weights) store_f32(out, w);
+  for (const float p : e.probabilities) store_f32(out, p);
+  for (const float x : e.sketch) store_f32(out, x);
+}
+
+// Versions 2 and 3: a record with its fields, ≤ 16 + 6·65536 + 4·65536 + 4·4096 bytes.
+std::size_t record_size_of(const routing_trace& trace) noexcept {
+  const trace_fields& f = trace.fields();
+  return record_fixed_bytes + 6 * std::size_t{trace.top_k()} +
+         (f.probabilities ? 4 * std::size_t{trace.experts_per_layer()} : 0) + 4 * std::size_t{f.sketch_dims};
+}
+
+// Version 1: what expage wrote before version 3, byte for byte, for a trace without optional
+// fields: one FNV-1a over the whole payload.
+std::string encode_binary_v1(const routing_trace& trace) {
+  std::string out;
+  out.reserve(header_size + trace.size() * record_size_of(trace));
+  encode_header_start(out, binary_trace_version, header_size, trace);
   store_le<std::uint64_t>(out, 0);  // payload checksum, patched below
   store_le<std::uint64_t>(out, 0);  // header checksum, patched below
-  for (const routing_event& e : trace) {
-    store_le<std::uint32_t>(out, e.sequence);
-    store_le<std::uint32_t>(out, e.step);
-    store_le<std::uint32_t>(out, e.layer);
-    store_le<std::uint8_t>(out, static_cast<std::uint8_t>(e.phase));
-    store_le<std::uint8_t>(out, 0);  // has_probabilities
-    store_le<std::uint16_t>(out, 0);
-    // experts_per_layer ≤ 65536, so every expert id fits 16 bits.
-    for (const std::uint32_t x : e.experts) store_le<std::uint16_t>(out, static_cast<std::uint16_t>(x));
-    for (const float w : e.weights) store_f32(out, w);
-  }
+  for (const routing_event& e : trace) encode_record(out, e, {});
   patch_le<std::uint64_t>(out, 48, fnv1a(as_bytes(std::string_view(out).substr(header_size))));
   patch_le<std::uint64_t>(out, 56, fnv1a(as_bytes(std::string_view(out).substr(0, 56))));
   return out;
@@ -691,49 +903,61 @@ std::string encode_binary_v1(const routing_trace& trace) {
 // Version 2: the version 1 header plus sketch_dims and record_size; each record is followed by
 // its probability vector and its sketch, so a stream delivers them with their events.
 std::string encode_binary_v2(const routing_trace& trace) {
-  const trace_fields& f = trace.fields();
-  const std::size_t k = trace.top_k();
-  const std::size_t record_size = record_fixed_bytes + 6 * k +
-                                  (f.probabilities ? 4 * std::size_t{trace.experts_per_layer()} : 0) +
-                                  4 * std::size_t{f.sketch_dims};
+  const std::size_t record_size = record_size_of(trace);
   std::string out;
   out.reserve(header_size_v2 + trace.size() * record_size);
-  out.append(binary_magic.data(), binary_magic.size());
-  store_le<std::uint16_t>(out, binary_trace_version_with_fields);
-  store_le<std::uint16_t>(out, static_cast<std::uint16_t>(header_size_v2));
-  store_le<std::uint32_t>(out, (f.probabilities ? flag_probabilities : 0U) | (f.sketch_dims > 0 ? flag_sketch : 0U));
-  store_le<std::uint32_t>(out, trace.layers());
-  store_le<std::uint32_t>(out, trace.experts_per_layer());
-  store_le<std::uint32_t>(out, trace.top_k());
-  store_le<std::uint32_t>(out, trace.batch_size());
-  store_le<std::uint64_t>(out, trace.size());
-  store_le<std::uint64_t>(out, trace.probability_vectors());
+  encode_header_start(out, binary_trace_version_with_fields, header_size_v2, trace);
   store_le<std::uint64_t>(out, 0);  // payload checksum, patched below
-  store_le<std::uint32_t>(out, f.sketch_dims);
-  // ≤ 16 + 6·65536 + 4·65536 + 4·4096 bytes: fits 32 bits.
+  store_le<std::uint32_t>(out, trace.fields().sketch_dims);
   store_le<std::uint32_t>(out, static_cast<std::uint32_t>(record_size));
   store_le<std::uint64_t>(out, 0);  // header checksum, patched below
-  for (const routing_event& e : trace) {
-    store_le<std::uint32_t>(out, e.sequence);
-    store_le<std::uint32_t>(out, e.step);
-    store_le<std::uint32_t>(out, e.layer);
-    store_le<std::uint8_t>(out, static_cast<std::uint8_t>(e.phase));
-    store_le<std::uint8_t>(out, f.probabilities ? 1 : 0);
-    store_le<std::uint16_t>(out, 0);
-    for (const std::uint32_t x : e.experts) store_le<std::uint16_t>(out, static_cast<std::uint16_t>(x));
-    for (const float w : e.weights) store_f32(out, w);
-    for (const float p : e.probabilities) store_f32(out, p);
-    for (const float x : e.sketch) store_f32(out, x);
-  }
+  for (const routing_event& e : trace) encode_record(out, e, trace.fields());
   patch_le<std::uint64_t>(out, 48, fnv1a(as_bytes(std::string_view(out).substr(header_size_v2))));
+  patch_le<std::uint64_t>(out, 64, fnv1a(as_bytes(std::string_view(out).substr(0, 64))));
+  return out;
+}
+
+// Version 3: version 2's header and records, with block_records where version 2 has its payload
+// checksum, and the records in blocks of about 64 KiB, each followed by its CRC-32C.
+std::string encode_binary_v3(const routing_trace& trace) {
+  const std::size_t record_size = record_size_of(trace);
+  const std::size_t per_block = std::max<std::size_t>(1, written_block_bytes / record_size);
+  const std::size_t blocks = (trace.size() + per_block - 1) / per_block;
+  std::string out;
+  out.reserve(header_size_v2 + trace.size() * record_size + blocks * block_checksum_bytes);
+  encode_header_start(out, binary_trace_version_blocked, header_size_v2, trace);
+  store_le<std::uint32_t>(out, static_cast<std::uint32_t>(per_block));
+  store_le<std::uint32_t>(out, 0);  // reserved
+  store_le<std::uint32_t>(out, trace.fields().sketch_dims);
+  store_le<std::uint32_t>(out, static_cast<std::uint32_t>(record_size));
+  store_le<std::uint64_t>(out, 0);  // header checksum, patched below
+  for (std::size_t b = 0; b < blocks; ++b) {
+    const std::size_t start = out.size();
+    const std::size_t end = std::min(trace.size(), (b + 1) * per_block);
+    for (std::size_t i = b * per_block; i < end; ++i) encode_record(out, trace[i], trace.fields());
+    store_le<std::uint32_t>(out, block_checksum(b, as_bytes(std::string_view(out).substr(start))));
+  }
   patch_le<std::uint64_t>(out, 64, fnv1a(as_bytes(std::string_view(out).substr(0, 64))));
   return out;
 }
 
 }  // namespace
 
-std::string encode_binary(const routing_trace& trace) {
-  return trace.fields().any() ? encode_binary_v2(trace) : encode_binary_v1(trace);
+std::string encode_binary(const routing_trace& trace, const binary_write_options& options) {
+  switch (options.version) {
+    case binary_trace_version:
+      if (trace.fields().any()) {
+        throw invalid_argument(
+            "encode_binary: version 1 cannot carry this trace's optional fields (probability vectors or a sketch); "
+            "write version 2 or 3");
+      }
+      return encode_binary_v1(trace);
+    case binary_trace_version_with_fields: return encode_binary_v2(trace);
+    case binary_trace_version_blocked: return encode_binary_v3(trace);
+    default: break;
+  }
+  throw invalid_argument(fmt::format("encode_binary: version {} out of range [{}, {}]", options.version,
+                                     binary_trace_version, binary_trace_version_blocked));
 }
 
 routing_trace parse_binary(std::span<const std::byte> bytes, const moe_geometry& geometry,
@@ -748,8 +972,8 @@ routing_trace read_binary(const std::filesystem::path& path, const moe_geometry&
   return read_binary_from(std::make_unique<detail::byte_input>(path), geometry, options);
 }
 
-void write_binary(const std::filesystem::path& path, const routing_trace& trace) {
-  const std::string bytes = encode_binary(trace);
+void write_binary(const std::filesystem::path& path, const routing_trace& trace, const binary_write_options& options) {
+  const std::string bytes = encode_binary(trace, options);
   detail::write_file_atomically(
       path, [&](std::ostream& out) { out.write(bytes.data(), static_cast<std::streamsize>(bytes.size())); });
 }

@@ -3,6 +3,8 @@
 #include "cache/policy_reference.hpp"
 #include "common/traces.hpp"
 #include "expage/cache/layered_miss_curves.hpp"
+#include "expage/cache/policy_dispatch.hpp"
+#include "expage/cache/slot_cache.hpp"
 #include "expage/trace/synthetic_trace.hpp"
 #include "expage/trace/trace_io.hpp"
 
@@ -343,19 +345,22 @@ TEST(ReplayOrdered, EqualsReplayForEveryPolicyModeLayoutAndCapacityInOnePass) {
       }
     }
   }
-  trace_event_source source(t, 7);  // chunks that cut layer-steps
-  const auto results = replay_ordered(source, g, jobs);
-  ASSERT_TRUE(results.has_value());
-  ASSERT_EQ(results->size(), jobs.size());
-  bool split = false;
-  for (std::size_t j = 0; j < jobs.size(); ++j) {
-    const auto want = replay(t, g, jobs[j].policy, jobs[j].options);
-    split = split || want.split_groups > 0;
-    expect_same((*results)[j], want,
-                fmt::format("{} {} {} {}", to_string(jobs[j].options.mode), to_string(jobs[j].options.layout),
-                            jobs[j].options.capacity, to_string(jobs[j].policy)));
+  std::vector<replay_result> want;
+  for (const replay_job& job : jobs) want.push_back(replay(t, g, job.policy, job.options));
+  EXPECT_TRUE(std::any_of(want.begin(), want.end(), [](const replay_result& r) { return r.split_groups > 0; }))
+      << "the test should cover split layer-steps";
+  // Chunks of 1 and 7 events cut layer-steps (a step then spans chunks); 4096 holds the trace.
+  for (const std::size_t chunk : {1U, 7U, 4096U}) {
+    trace_event_source source(t, chunk);
+    const auto results = replay_ordered(source, g, jobs);
+    ASSERT_TRUE(results.has_value());
+    ASSERT_EQ(results->size(), jobs.size());
+    for (std::size_t j = 0; j < jobs.size(); ++j) {
+      expect_same((*results)[j], want[j],
+                  fmt::format("chunk {}: {} {} {} {}", chunk, to_string(jobs[j].options.mode),
+                              to_string(jobs[j].options.layout), jobs[j].options.capacity, to_string(jobs[j].policy)));
+    }
   }
-  EXPECT_TRUE(split) << "the test should cover split layer-steps";
 }
 
 TEST(ReplayOrdered, ASingleSequentialLruJobEqualsTheCurveSweep) {
@@ -372,6 +377,26 @@ TEST(ReplayOrdered, ASingleSequentialLruJobEqualsTheCurveSweep) {
   ASSERT_TRUE(slot_cache_result && curve_result);
   expect_same((*slot_cache_result)[0], (*curve_result)[0], "capacity 37");
 }
+
+// A source that delivers what no reader would (an event of a layer or expert out of range, a
+// repeated record), as it is given.
+class unchecked_source final : public routing_event_source {
+ public:
+  explicit unchecked_source(std::vector<routing_event> events) : events_(std::move(events)) {}
+  std::span<const routing_event> next() override {
+    if (done_) return {};
+    done_ = true;
+    return events_;
+  }
+  std::uint32_t layers() const noexcept override { return 2; }
+  std::uint32_t experts_per_layer() const noexcept override { return 4; }
+  std::uint32_t top_k() const noexcept override { return 2; }
+  std::uint32_t batch_size() const noexcept override { return 1; }
+
+ private:
+  std::vector<routing_event> events_;
+  bool done_ = false;
+};
 
 TEST(ReplayOrdered, YieldsNothingForATraceOutOfExecutionOrder) {
   const auto g = tiny();
@@ -390,6 +415,17 @@ TEST(ReplayOrdered, YieldsNothingForATraceOutOfExecutionOrder) {
       {.sequence = 0, .step = 0, .layer = 1, .phase = routing_phase::prefill, .experts = e, .weights = w});
   trace_event_source late(prefill_late);
   EXPECT_FALSE(replay_ordered(late, g, jobs).has_value());
+
+  // One decode token whose layers go down, or repeat (a routing_trace never holds the repeat:
+  // an unchecked source delivers it).
+  routing_trace down(g);
+  add(down, 0, 0, 1, 0, 1);
+  add(down, 0, 0, 0, 2, 3);
+  trace_event_source layers_down(down);
+  EXPECT_FALSE(replay_ordered(layers_down, g, jobs).has_value());
+  const std::vector<routing_event> twice = {down[0], down[0]};
+  unchecked_source repeated(twice);
+  EXPECT_FALSE(replay_ordered(repeated, g, jobs).has_value());
 }
 
 TEST(ReplayOrdered, RejectsBeladyBadCapacitiesAndGeometryMismatches) {
@@ -407,6 +443,65 @@ TEST(ReplayOrdered, RejectsBeladyBadCapacitiesAndGeometryMismatches) {
   fails({policy_kind::lru, {.capacity = 9, .mode = replay_mode::sequential}}, g, "capacity 9 out of range [1, 4]");
   fails({policy_kind::lru, {.capacity = 2, .link_gbytes_per_second = -1.0}}, g, "out of range (0, inf)");
   fails({policy_kind::lru, {.capacity = 2}}, moe_geometry::mixtral_8x7b(), "refusing a geometry mismatch");
+}
+
+TEST(ReplayOrdered, RefusesEventsOutOfRangeFromASourceThatDoesNotCheck) {
+  const std::uint32_t good[] = {0, 1};
+  const std::uint32_t bad[] = {0, 4};
+  const float w[] = {0.5F, 0.5F};
+  const replay_job jobs[] = {{policy_kind::lru, {.capacity = 2}}};
+  unchecked_source expert(
+      {{.layer = 0, .experts = good, .weights = w}, {.step = 1, .layer = 0, .experts = bad, .weights = w}});
+  EXPECT_THAT([&] { (void)replay_ordered(expert, tiny(), jobs); },
+              ::testing::ThrowsMessage<invalid_argument>(HasSubstr("routes layer 0, experts [0, 4]: out of range")));
+  unchecked_source layer({{.layer = 2, .experts = good, .weights = w}});
+  EXPECT_THAT([&] { (void)replay_ordered(layer, tiny(), jobs); },
+              ::testing::ThrowsMessage<invalid_argument>(HasSubstr("routes layer 2")));
+  unchecked_source weights({{.layer = 0, .experts = good, .weights = std::span(w, 1)}});
+  EXPECT_THROW((void)replay_ordered(weights, tiny(), jobs), invalid_argument);
+}
+
+// replay() runs its own cache (cache_runner in src/cache/replay.cpp): the decisions of
+// slot_cache<Policy>::access() without the slots, with a fast path for groups of one. Driven by
+// the same groups and hints, slot_cache gives the same counts, layer by layer, for every policy,
+// layout and mode, on seeded traces whose batched steps pin and split.
+TEST(Replay, EqualsTheSlotCacheForEveryPolicyLayoutAndMode) {
+  const auto g = moe_geometry(moe_geometry::config{
+      .name = "mini", .layers = 3, .experts_per_layer = 8, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
+  for (const std::uint64_t seed : {31U, 32U}) {
+    const routing_trace t = generate_synthetic(
+        g, {.seed = seed, .sequences = 6, .decode_steps = 30, .prefill_tokens = 2, .batch_size = 3, .locality = 0.4});
+    for (const replay_mode mode : {replay_mode::grouped, replay_mode::sequential}) {
+      for (const cache_layout layout : {cache_layout::per_layer, cache_layout::global}) {
+        for (const std::uint32_t cap : layout == cache_layout::global ? std::vector<std::uint32_t>{2, 7, 16}
+                                                                      : std::vector<std::uint32_t>{2, 3, 5}) {
+          const access_stream s(t, cap, mode);
+          for (const policy_kind p : all_policy_kinds()) {
+            const replay_options options{.layout = layout, .capacity = cap, .mode = mode};
+            const replay_result got = replay(s, g, p, options);
+            std::vector<std::uint64_t> misses(g.layers(), 0);
+            const slot_cache_statistics want = visit_policy(p, [&](auto tag) {
+              slot_cache<typename decltype(tag)::type> cache(g, {.layout = layout, .capacity = cap});
+              for (std::size_t i = 0; i < s.groups(); ++i) {
+                misses[s.layer(i)] +=
+                    cache
+                        .access(s.layer(i), s.experts(i),
+                                {.time = i, .next_use = s.next_use(i), .probability = s.probability(i)})
+                        .misses;
+              }
+              return cache.statistics();
+            });
+            const std::string what =
+                fmt::format("seed {} {} {} {} {}", seed, to_string(mode), to_string(layout), cap, to_string(p));
+            EXPECT_EQ(got.misses, want.misses) << what;
+            EXPECT_EQ(got.hits, want.hits) << what;
+            EXPECT_EQ(got.evictions, want.evictions) << what;
+            for (std::uint32_t l = 0; l < g.layers(); ++l) EXPECT_EQ(got.layers[l].misses, misses[l]) << what;
+          }
+        }
+      }
+    }
+  }
 }
 
 // --- the real Mixtral HumanEval trace ------------------------------------------------------

@@ -1,6 +1,7 @@
 // The optional per-record fields (router probability vectors, hidden-state sketches) through the
 // model, JSON Lines, CSV and both binary versions: round trips, version 1 unchanged, every refusal
 // naming its value, and mixed presence refused naming the record (docs/traces.md).
+#include "common/binary_trace_bytes.hpp"
 #include "expage/core/error.hpp"
 #include "expage/core/moe_geometry.hpp"
 #include "expage/trace/routing_trace.hpp"
@@ -74,11 +75,7 @@ std::span<const std::byte> bytes_of(const std::string& s) {
   return std::as_bytes(std::span<const char>(s.data(), s.size()));
 }
 
-std::uint64_t fnv1a(std::string_view s) {
-  std::uint64_t h = 0xcbf29ce484222325ULL;
-  for (const char c : s) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ULL;
-  return h;
-}
+std::uint64_t fnv1a(const std::string& s) { return expage::testing::fnv1a(bytes_of(s)); }
 
 template <class T>
 void put(std::string& b, std::size_t at, T v) {
@@ -91,15 +88,7 @@ void put_f32(std::string& b, std::size_t at, float f) {
   put(b, at, bits);
 }
 
-// Both checksums recomputed, so a test reaches the check after them.
-void reseal_v1(std::string& b) {
-  put(b, 48, fnv1a(std::string_view(b).substr(64)));
-  put(b, 56, fnv1a(std::string_view(b).substr(0, 56)));
-}
-void reseal_v2(std::string& b) {
-  put(b, 48, fnv1a(std::string_view(b).substr(72)));
-  put(b, 64, fnv1a(std::string_view(b).substr(0, 64)));
-}
+using expage::testing::reseal_binary;
 
 // Version 1 with its probability section after the records, written straight from the
 // specification in docs/traces.md (what earlier expage versions wrote for such a trace).
@@ -134,7 +123,7 @@ std::string encode_v1_with_vectors(const routing_trace& t) {
       put_f32(b, b.size() - 4, p);
     }
   }
-  reseal_v1(b);
+  reseal_binary(b);
   return b;
 }
 
@@ -160,9 +149,17 @@ TEST(TraceFields, JsonlAndBinaryRoundTripWithAndWithoutTheFields) {
     const routing_trace from_text = expage::parse_jsonl(text, mixtral(), "t.jsonl");
     EXPECT_EQ(from_text, t) << f.sketch_dims;
     const std::string bytes = expage::encode_binary(t);
-    EXPECT_EQ(static_cast<int>(bytes[8]), f.any() ? 2 : 1) << "version 2 only with optional fields";
+    EXPECT_EQ(static_cast<int>(bytes[8]), 3) << "version 3 by default, with or without optional fields";
     const routing_trace from_bytes = expage::parse_binary(bytes_of(bytes), mixtral(), "t.bin");
     EXPECT_EQ(from_bytes, t) << f.sketch_dims;
+    // Version 2 carries the fields too; version 1 only a trace without them.
+    EXPECT_EQ(expage::parse_binary(bytes_of(expage::encode_binary(t, {.version = 2})), mixtral(), "t.bin"), t);
+    if (f.any()) {
+      EXPECT_THAT(message_of([&] { (void)expage::encode_binary(t, {.version = 1}); }),
+                  HasSubstr("version 1 cannot carry this trace's optional fields"));
+    } else {
+      EXPECT_EQ(expage::parse_binary(bytes_of(expage::encode_binary(t, {.version = 1})), mixtral(), "t.bin"), t);
+    }
     // JSON Lines → binary → JSON Lines is the identity, text included.
     EXPECT_EQ(jsonl_of(from_bytes), text);
     EXPECT_EQ(expage::encode_binary(from_text), bytes);
@@ -184,7 +181,7 @@ TEST(TraceFields, MetadataDeclaresTheFieldsAndVersionOneIsKeptWithout) {
 
 TEST(TraceFields, VersionOneIsByteIdenticalWithoutTheFields) {
   const routing_trace t = trace_with({});
-  const std::string bytes = expage::encode_binary(t);
+  const std::string bytes = expage::encode_binary(t, {.version = 1});
   ASSERT_EQ(bytes.size(), 64U + t.size() * (16U + 12U));
   EXPECT_EQ(bytes[8], 1);
   EXPECT_EQ(bytes[10], 64);
@@ -192,8 +189,20 @@ TEST(TraceFields, VersionOneIsByteIdenticalWithoutTheFields) {
   // (commit 4c4627e, `expage-trace synth --geometry mixtral-8x7b --seed 99 --sequences 4
   // --decode-steps 6 --prefill 2 --batch-size 2` gives the same trace).
   const routing_trace batched = trace_with({}, 2);
-  EXPECT_EQ(fnv1a(expage::encode_binary(batched)), 0x9b7839149c4ca76cULL)
-      << std::hex << fnv1a(expage::encode_binary(batched));
+  EXPECT_EQ(fnv1a(expage::encode_binary(batched, {.version = 1})), 0x9b7839149c4ca76cULL)
+      << std::hex << fnv1a(expage::encode_binary(batched, {.version = 1}));
+}
+
+// Version 3 (written by default since) pinned the same way, so its bytes do not drift: version
+// 2's header with block_records at byte 48, and the 1,024 records of 28 bytes in one block
+// followed by its CRC-32C.
+TEST(TraceFields, VersionThreeIsPinned) {
+  const routing_trace batched = trace_with({}, 2);
+  const std::string bytes = expage::encode_binary(batched);
+  ASSERT_EQ(bytes.size(), 72U + batched.size() * 28U + 4U);
+  EXPECT_EQ(bytes.substr(72, batched.size() * 28), expage::encode_binary(batched, {.version = 1}).substr(64))
+      << "the records are version 1's";
+  EXPECT_EQ(fnv1a(bytes), 0x948c3b6acee39615ULL) << std::hex << fnv1a(bytes);
 }
 
 TEST(TraceFields, VersionOneProbabilityVectorsStillRead) {
@@ -211,28 +220,30 @@ TEST(TraceFields, VersionOneProbabilityVectorsStillRead) {
   EXPECT_EQ(n, t.size());
 }
 
-TEST(TraceFields, TheStreamingReaderDeliversVersionTwoFields) {
+TEST(TraceFields, TheStreamingReaderDeliversVersionTwoAndThreeFields) {
   const trace_fields f{.probabilities = true, .sketch_dims = 16};
   const routing_trace t = trace_with(f);
-  const std::string bytes = expage::encode_binary(t);
-  expage::binary_trace_reader in(bytes_of(bytes), mixtral(), "v2.bin");
-  EXPECT_EQ(in.version(), 2U);
-  EXPECT_EQ(in.fields(), f);
-  EXPECT_EQ(in.probability_vectors(), t.size());
-  std::size_t i = 0;
-  std::size_t chunks = 0;
-  for (auto chunk = in.next(); !chunk.empty(); chunk = in.next()) {
-    ++chunks;
-    for (const routing_event& e : chunk) {
-      const routing_event want = t[i++];
-      EXPECT_EQ(e.step, want.step);
-      EXPECT_TRUE(std::equal(e.probabilities.begin(), e.probabilities.end(), want.probabilities.begin(),
-                             want.probabilities.end()));
-      EXPECT_TRUE(std::equal(e.sketch.begin(), e.sketch.end(), want.sketch.begin(), want.sketch.end()));
+  for (const std::uint16_t version : {expage::binary_trace_version_with_fields, expage::binary_trace_version_blocked}) {
+    const std::string bytes = expage::encode_binary(t, {.version = version});
+    expage::binary_trace_reader in(bytes_of(bytes), mixtral(), "v2.bin");
+    EXPECT_EQ(in.version(), version);
+    EXPECT_EQ(in.fields(), f);
+    EXPECT_EQ(in.probability_vectors(), t.size());
+    std::size_t i = 0;
+    std::size_t chunks = 0;
+    for (auto chunk = in.next(); !chunk.empty(); chunk = in.next()) {
+      ++chunks;
+      for (const routing_event& e : chunk) {
+        const routing_event want = t[i++];
+        EXPECT_EQ(e.step, want.step);
+        EXPECT_TRUE(std::equal(e.probabilities.begin(), e.probabilities.end(), want.probabilities.begin(),
+                               want.probabilities.end()));
+        EXPECT_TRUE(std::equal(e.sketch.begin(), e.sketch.end(), want.sketch.begin(), want.sketch.end()));
+      }
     }
+    EXPECT_EQ(i, t.size());
+    EXPECT_GT(chunks, 1U) << "several chunks, so the fields' buffers are reused";
   }
-  EXPECT_EQ(i, t.size());
-  EXPECT_GT(chunks, 1U) << "several chunks, so the fields' buffers are reused";
 }
 
 TEST(TraceFields, FilesRoundTripAndMetadataReportsTheFields) {
@@ -395,7 +406,7 @@ TEST(TraceFields, TextReadersNameBadFieldValues) {
 
 TEST(TraceFields, BinaryReadersNameBadFieldsByByteOffset) {
   const routing_trace t = trace_with({.probabilities = true, .sketch_dims = 4});
-  const std::string good = expage::encode_binary(t);
+  const std::string good = expage::encode_binary(t, {.version = 2});
   const std::size_t record = 16 + 12 + 4 * 8 + 4 * 4;  // 76 bytes
   ASSERT_EQ(good.size(), 72 + t.size() * record);
   const auto binary_error = [&](const std::string& bytes) {
@@ -412,45 +423,45 @@ TEST(TraceFields, BinaryReadersNameBadFieldsByByteOffset) {
   EXPECT_EQ(binary_error(good), "no exception");
   std::string p = good;
   put_f32(p, 72 + record + 28 + 4 * 3, 1.25F);  // record 1, expert 3
-  reseal_v2(p);
+  reseal_binary(p);
   EXPECT_THAT(binary_error(p), HasSubstr("b.bin: byte 148: field 'probabilities': probability 1.25 of expert 3 out "
                                          "of range [0, 1]"));
   std::string s = good;
   put_f32(s, 72 + 2 * record + 28 + 32 + 4, std::numeric_limits<float>::infinity());  // record 2, dimension 1
-  reseal_v2(s);
+  reseal_binary(s);
   EXPECT_THAT(binary_error(s), HasSubstr("b.bin: byte 224: field 'sketch': sketch value inf at dimension 1"));
   std::string mixed = good;
   mixed[72 + record + 13] = 0;  // record 1 claims no vector
-  reseal_v2(mixed);
+  reseal_binary(mixed);
   EXPECT_THAT(binary_error(mixed), HasSubstr("b.bin: byte 161: field 'has_probabilities': 0 where the header declares "
                                              "a probability vector on every record"));
   std::string dims = good;
   put<std::uint32_t>(dims, 56, 5);
-  reseal_v2(dims);
+  reseal_binary(dims);
   EXPECT_THAT(binary_error(dims), HasSubstr("byte 60: field 'record_size': 76 where top_k = 2, experts_per_layer = 8, "
                                             "the probability flag and sketch_dims = 5 imply 80"));
   std::string big = good;
   put<std::uint32_t>(big, 56, 5000);
-  reseal_v2(big);
+  reseal_binary(big);
   EXPECT_THAT(binary_error(big), HasSubstr("byte 56: field 'sketch_dims': 5000 out of range [0, 4096]"));
   std::string flag = good;
   put<std::uint32_t>(flag, 12, 1);  // sketch flag cleared, sketch_dims still 4
-  reseal_v2(flag);
+  reseal_binary(flag);
   EXPECT_THAT(binary_error(flag), HasSubstr("byte 12: field 'flags': sketch flag 0 contradicts sketch_dims 4"));
   std::string unknown = good;
   put<std::uint32_t>(unknown, 12, 7);
-  reseal_v2(unknown);
+  reseal_binary(unknown);
   EXPECT_THAT(binary_error(unknown), HasSubstr("field 'flags': unknown flags 0x7 (version 2 knows 0x3)"));
   std::string some = good;
   put<std::uint64_t>(some, 40, 3);
-  reseal_v2(some);
+  reseal_binary(some);
   EXPECT_THAT(binary_error(some), HasSubstr("byte 40: field 'probability_vectors': 3 vectors for 1024 events: a trace "
                                             "has the field on every record or on none"));
   std::string short_header = good.substr(0, 70);
   EXPECT_THAT(binary_error(short_header), HasSubstr("shorter than the 72-byte version 2 header"));
   std::string header_size = good;
   put<std::uint16_t>(header_size, 10, 64);
-  reseal_v2(header_size);
+  reseal_binary(header_size);
   EXPECT_THAT(binary_error(header_size), HasSubstr("field 'header_size': 64 where version 2 has 72"));
   std::string sum = good;
   sum[72 + 5] = 9;  // not resealed
@@ -458,17 +469,43 @@ TEST(TraceFields, BinaryReadersNameBadFieldsByByteOffset) {
   EXPECT_THAT(binary_error(good.substr(0, good.size() - 4)), HasSubstr("truncated"));
   EXPECT_THAT(binary_error(good + "x"), HasSubstr("trailing data"));
 
+  // Version 3: the same records in blocks of 862 (64 KiB) with a CRC-32C after each; offsets
+  // count the checksums before the record.
+  const std::string good3 = expage::encode_binary(t);
+  ASSERT_EQ(good3.size(), 72 + t.size() * record + 2 * 4);
+  std::string p3 = good3;
+  const std::size_t record900 = 72 + 900 * record + 4;
+  put_f32(p3, record900 + 28 + 4 * 3, 1.25F);
+  reseal_binary(p3);
+  EXPECT_THAT(binary_error(p3), HasSubstr(fmt::format("b.bin: byte {}: field 'probabilities': probability 1.25 of "
+                                                      "expert 3 out of range [0, 1]",
+                                                      record900)));
+  std::string mixed3 = good3;
+  mixed3[record900 + 13] = 0;
+  reseal_binary(mixed3);
+  EXPECT_THAT(binary_error(mixed3), HasSubstr(fmt::format("b.bin: byte {}: field 'has_probabilities': 0 where the "
+                                                          "header declares a probability vector on every record",
+                                                          record900 + 13)));
+  p3 = good3;
+  p3[record900 + 28 + 32 + 1] = static_cast<char>(p3[record900 + 28 + 32 + 1] ^ 0x01);  // a sketch value, not resealed
+  EXPECT_THAT(binary_error(p3),
+              HasSubstr(fmt::format("b.bin: byte {}: field 'block_checksum'", 72 + t.size() * record + 4)));
+  std::string unknown3 = good3;
+  put<std::uint32_t>(unknown3, 12, 7);
+  reseal_binary(unknown3);
+  EXPECT_THAT(binary_error(unknown3), HasSubstr("field 'flags': unknown flags 0x7 (version 3 knows 0x3)"));
+
   // Version 1: a record without a vector among records with one, and a vector that is no distribution.
   const std::string v1 = encode_v1_with_vectors(trace_with({.probabilities = true}));
   std::string v1_mixed = v1;
   v1_mixed[64 + 28 + 13] = 0;
-  reseal_v1(v1_mixed);
+  reseal_binary(v1_mixed);
   EXPECT_THAT(binary_error(v1_mixed), HasSubstr("b.bin: byte 105: field 'has_probabilities': 0 where the header "
                                                 "declares a probability vector on every record"));
   std::string v1_sum = v1;
   const std::size_t vector1 = 64 + 1024 * 28 + 32;
   put_f32(v1_sum, vector1 + 4, 0.0F);  // vector 1, expert 1: the sum drops below 1
-  reseal_v1(v1_sum);
+  reseal_binary(v1_sum);
   // read_binary names the record the vector belongs to; the stream, which does not keep the
   // records, names the vector.
   EXPECT_THAT(message_of([&] { (void)expage::parse_binary(bytes_of(v1_sum), mixtral(), "b.bin"); }),

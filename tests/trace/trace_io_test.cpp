@@ -1,5 +1,6 @@
 #include "expage/trace/trace_io.hpp"
 
+#include "common/binary_trace_bytes.hpp"
 #include "common/traces.hpp"
 
 #include "expage/core/error.hpp"
@@ -80,13 +81,24 @@ class TraceFiles : public ::testing::Test {
 TEST_F(TraceFiles, BinaryRoundTripIsIdentical) {
   for (const std::uint32_t batch : {1U, 3U}) {
     const routing_trace t = small_synthetic(batch, batch == 3);
-    const fs::path file = dir_ / "t.bin";
-    expage::write_binary(file, t);
-    const routing_trace back = expage::read_binary(file, mixtral());
-    EXPECT_EQ(back, t) << "batch " << batch;
-    EXPECT_EQ(back.batch_size(), batch);
-    EXPECT_EQ(expage::read_trace(file, mixtral()), t);
+    for (const std::uint16_t version : {expage::binary_trace_version, expage::binary_trace_version_with_fields,
+                                        expage::binary_trace_version_blocked}) {
+      if (version == expage::binary_trace_version && t.fields().any()) continue;  // version 1 cannot carry them
+      const fs::path file = dir_ / "t.bin";
+      expage::write_binary(file, t, {.version = version});
+      const routing_trace back = expage::read_binary(file, mixtral());
+      EXPECT_EQ(back, t) << "batch " << batch << " version " << version;
+      EXPECT_EQ(back.batch_size(), batch);
+      EXPECT_EQ(expage::read_trace(file, mixtral()), t);
+      EXPECT_EQ(expage::binary_trace_reader(file, mixtral()).version(), version);
+    }
   }
+  // The default is version 3; a version that does not exist is refused before any file is made.
+  expage::write_binary(dir_ / "d.bin", small_synthetic());
+  EXPECT_EQ(expage::binary_trace_reader(dir_ / "d.bin", mixtral()).version(), expage::binary_trace_version_blocked);
+  EXPECT_THAT([&] { expage::write_binary(dir_ / "v4.bin", small_synthetic(), {.version = 4}); },
+              ::testing::ThrowsMessage<expage::invalid_argument>(HasSubstr("version 4 out of range [1, 3]")));
+  EXPECT_FALSE(fs::exists(dir_ / "v4.bin"));
 }
 
 TEST_F(TraceFiles, TextRoundTripsAreIdentical) {
@@ -243,22 +255,10 @@ TEST(TraceIo, BadCsvNamesFileLineAndField) {
   }
 }
 
-// Rewrites the two checksums of an encoded trace after a deliberate edit.
-void reseal(std::string& b) {
-  const auto fnv = [](std::string_view s) {
-    std::uint64_t h = 0xcbf29ce484222325ULL;
-    for (const char c : s) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ULL;
-    return h;
-  };
-  const auto put = [&](std::size_t at, std::uint64_t v) {
-    for (std::size_t i = 0; i < 8; ++i) b[at + i] = static_cast<char>((v >> (8 * i)) & 0xFFU);
-  };
-  put(48, fnv(std::string_view(b).substr(64)));
-  put(56, fnv(std::string_view(b).substr(0, 56)));
-}
+using expage::testing::reseal_binary;
 
-TEST(TraceIo, BadBinaryNamesByteOffsetAndField) {
-  const std::string good = expage::encode_binary(small_synthetic());
+TEST(TraceIo, BadBinaryNamesByteOffsetAndField) {  // version 1
+  const std::string good = expage::encode_binary(small_synthetic(), {.version = 1});
   ASSERT_EQ(good.size(), 64U + (4U * 8U * 32U) * (16U + 12U));
   const auto expect_error = [&](const std::string& bytes, const moe_geometry& g, std::vector<std::string> expected,
                                 const char* name) {
@@ -274,8 +274,9 @@ TEST(TraceIo, BadBinaryNamesByteOffsetAndField) {
   magic[0] = 'X';
   expect_error(magic, mixtral(), {"byte 0:", "field 'magic'"}, "magic");
   std::string version = good;
-  version[8] = 3;
-  expect_error(version, mixtral(), {"byte 8:", "field 'version'", "version 3 unsupported"}, "version");
+  version[8] = 4;
+  expect_error(version, mixtral(),
+               {"byte 8:", "field 'version'", "version 4 unsupported (this reader reads versions 1 to 3)"}, "version");
   std::string header_bit = good;
   header_bit[20] = 9;  // experts_per_layer, not resealed
   expect_error(header_bit, mixtral(), {"byte 56:", "field 'header_checksum'"}, "header checksum");
@@ -289,26 +290,107 @@ TEST(TraceIo, BadBinaryNamesByteOffsetAndField) {
   expect_error(flipped, mixtral(), {"byte 48:", "field 'payload_checksum'"}, "payload checksum");
   std::string count = good;
   count[36] = 1;  // event_count high bytes
-  reseal(count);
+  reseal_binary(count);
   expect_error(count, mixtral(), {"byte 32:", "field 'event_count'"}, "event count");
   // Field-level corruption with valid checksums: expert id of record 3 (offset 64 + 3·28 + 16).
   std::string expert = good;
   expert[64 + 3 * 28 + 16] = 8;
   expert[64 + 3 * 28 + 17] = 0;
-  reseal(expert);
+  reseal_binary(expert);
   expect_error(expert, mixtral(), {"byte 148:", "field 'experts'", "expert 8 out of range [0, 8)"}, "expert");
   std::string layer = good;
   layer[64 + 28 + 8] = 40;
-  reseal(layer);
+  reseal_binary(layer);
   expect_error(layer, mixtral(), {"byte 92:", "field 'layer'", "layer 40 out of range [0, 32)"}, "layer");
   std::string duplicate = good;
   std::copy_n(good.begin() + 64, 28, duplicate.begin() + 64 + 28);  // record 1 := record 0
-  reseal(duplicate);
+  reseal_binary(duplicate);
   expect_error(duplicate, mixtral(), {"byte 92:", "duplicate record", "first at byte 64"}, "duplicate");
   std::string phase = good;
   phase[64 + 12] = 7;
-  reseal(phase);
+  reseal_binary(phase);
   expect_error(phase, mixtral(), {"byte 76:", "field 'phase'"}, "phase");
+}
+
+// Version 3: 72-byte header, blocks of block_records records each followed by a CRC-32C. A record's
+// byte offset counts the checksums before it.
+TEST(TraceIo, BadVersionThreeNamesByteOffsetAndField) {
+  const routing_trace t = small_synthetic();  // 1,024 records of 28 bytes
+  const std::string good = expage::encode_binary(t);
+  ASSERT_EQ(good[8], 3);
+  const std::uint32_t per_block = 65536 / 28;  // 2,340: the writer's 64 KiB blocks
+  std::string small = good;                    // blocks of 100 records, to have several
+  small.resize(72);
+  expage::testing::put_le<std::uint32_t>(std::as_writable_bytes(std::span(small.data(), small.size())), 48, 100);
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    small += good.substr(72 + i * 28, 28);
+    if (i % 100 == 99 || i + 1 == t.size()) small += std::string(4, '\0');
+  }
+  reseal_binary(small);
+  ASSERT_EQ(small.size(), 72 + 1024 * 28 + 11 * 4);
+  ASSERT_EQ(expage::parse_binary(bytes_of(small), mixtral(), "small.bin"), t) << "any block size is read";
+  ASSERT_EQ(good.size(), 72 + 1024 * 28 + 4) << "one block of " << per_block;
+  const auto message = [&](const std::string& bytes) {
+    std::string whole = "no exception";
+    try {
+      (void)expage::parse_binary(bytes_of(bytes), mixtral(), "v3.bin");
+    } catch (const expage::format_error& e) {
+      whole = e.what();
+    }
+    return whole;
+  };
+  // Record 250 is the 51st of block 2: 72 + 250 · 28 + 2 checksums before it.
+  const std::size_t record250 = 72 + 250 * 28 + 2 * 4;
+  std::string expert = small;
+  expert[record250 + 16] = 8;
+  reseal_binary(expert);
+  EXPECT_THAT(message(expert),
+              HasSubstr(fmt::format("v3.bin: byte {}: field 'experts': expert 8 out of range [0, 8)", record250)));
+  std::string flipped = small;
+  flipped[record250 + 20] = static_cast<char>(flipped[record250 + 20] ^ 0x01);  // a weight: still a valid record
+  EXPECT_THAT(message(flipped),
+              HasSubstr(fmt::format("v3.bin: byte {}: field 'block_checksum'", 72 + 300 * 28 + 2 * 4)));
+  EXPECT_THAT(message(flipped), HasSubstr("of block 2 (events 200 to 299): the file is corrupt"));
+  // No event of a corrupt block is delivered: the stream stops before block 2.
+  std::uint64_t delivered = 0;
+  EXPECT_THROW(
+      {
+        expage::binary_trace_reader in(bytes_of(flipped), mixtral(), "v3.bin");
+        for (auto chunk = in.next(); !chunk.empty(); chunk = in.next()) delivered += chunk.size();
+      },
+      expage::format_error);
+  EXPECT_LE(delivered, 200U);
+  // Two blocks swapped with their checksums: each checksum covers its block's index.
+  std::string swapped = small;
+  std::copy_n(small.begin() + 72 + 100 * 28 + 4, 100 * 28 + 4, swapped.begin() + 72);
+  std::copy_n(small.begin() + 72, 100 * 28 + 4, swapped.begin() + 72 + 100 * 28 + 4);
+  EXPECT_THAT(message(swapped), HasSubstr("field 'block_checksum'"));
+  std::string zero = good;
+  zero[48] = 0;
+  zero[49] = 0;
+  reseal_binary(zero);
+  EXPECT_THAT(message(zero), HasSubstr("byte 48: field 'block_records': 0 out of range [1, 599186] (a block holds at "
+                                       "most 16777216 bytes of 28-byte records, or one record)"));
+  std::string huge = good;
+  expage::testing::put_le<std::uint32_t>(std::as_writable_bytes(std::span(huge.data(), huge.size())), 48, 599187);
+  reseal_binary(huge);
+  EXPECT_THAT(message(huge), HasSubstr("byte 48: field 'block_records': 599187 out of range [1, 599186]"));
+  std::string reserved = good;
+  reserved[53] = 1;
+  reseal_binary(reserved);
+  EXPECT_THAT(message(reserved), HasSubstr("byte 52: field 'reserved': 256 where 0 is required"));
+  std::string header = good;
+  header[20] = 9;  // not resealed
+  EXPECT_THAT(message(header), HasSubstr("byte 64: field 'header_checksum'"));
+  EXPECT_THAT(message(good.substr(0, 70)), HasSubstr("shorter than the 72-byte version 3 header"));
+  EXPECT_THAT(message(small.substr(0, small.size() - 1)), HasSubstr("truncated"));
+  EXPECT_THAT(message(small.substr(0, small.size() - 4 - 28)), HasSubstr("truncated"));
+  EXPECT_THAT(message(small + "x"), HasSubstr("trailing data"));
+  std::string duplicate = small;
+  std::copy_n(small.begin() + 72, 28, duplicate.begin() + 72 + 28);  // record 1 := record 0
+  reseal_binary(duplicate);
+  EXPECT_THAT(message(duplicate), HasSubstr("byte 100: field 'step': duplicate record"));
+  EXPECT_THAT(message(duplicate), HasSubstr("first at byte 72"));
 }
 
 // Sequence ids are labels, not indices: the largest one costs no memory.
@@ -336,7 +418,7 @@ TEST(BinaryTraceReader, StreamsWhatReadBinaryReadsInBoundedChunks) {
         EXPECT_EQ(e.phase, want.phase);
         EXPECT_TRUE(std::equal(e.experts.begin(), e.experts.end(), want.experts.begin(), want.experts.end()));
         EXPECT_TRUE(std::equal(e.weights.begin(), e.weights.end(), want.weights.begin(), want.weights.end()));
-        // Version 2 (written for traces with optional fields) delivers them with the events.
+        // Version 3 (like version 2) delivers the optional fields with the events.
         EXPECT_TRUE(std::equal(e.probabilities.begin(), e.probabilities.end(), want.probabilities.begin(),
                                want.probabilities.end()));
       }
@@ -347,10 +429,10 @@ TEST(BinaryTraceReader, StreamsWhatReadBinaryReadsInBoundedChunks) {
   }
 }
 
-TEST(BinaryTraceReader, ChecksTheChecksumAtTheEndAndTheHeaderAtOnce) {
+TEST(BinaryTraceReader, ChecksTheChecksumAtTheEndAndTheHeaderAtOnce) {  // versions 1 and 2
   const auto g = expage::moe_geometry::mixtral_8x7b();
   const expage::routing_trace t = expage::generate_synthetic(g, {.seed = 3, .sequences = 2, .decode_steps = 40});
-  std::string bytes = expage::encode_binary(t);
+  std::string bytes = expage::encode_binary(t, {.version = 2});
   bytes[bytes.size() - 1] = static_cast<char>(bytes[bytes.size() - 1] ^ 0x40);  // a weight's bits: still valid
   const auto span = std::as_bytes(std::span<const char>(bytes.data(), bytes.size()));
   expage::binary_trace_reader in(span, g, "flipped.bin");
@@ -369,10 +451,10 @@ TEST(BinaryTraceReader, ChecksTheChecksumAtTheEndAndTheHeaderAtOnce) {
 
 // From 4 MiB of records on, the checksum is computed on a helper thread while the records are
 // decoded (when the machine has two cores): same events, same verdicts.
-TEST(BinaryTraceReader, LargeTracesHashOnAHelperThreadWithTheSameVerdicts) {
+TEST(BinaryTraceReader, LargeTracesHashOnAHelperThreadWithTheSameVerdicts) {  // versions 1 and 2
   const auto g = expage::moe_geometry::mixtral_8x7b();
   const expage::routing_trace t = expage::generate_synthetic(g, {.seed = 4, .sequences = 16, .decode_steps = 320});
-  std::string bytes = expage::encode_binary(t);
+  std::string bytes = expage::encode_binary(t, {.version = 1});
   ASSERT_GE(bytes.size(), std::size_t{4} << 20);
   const auto span = std::as_bytes(std::span<const char>(bytes.data(), bytes.size()));
   EXPECT_TRUE(expage::parse_binary(span, g, "big.bin") == t);
@@ -451,6 +533,7 @@ TEST(RealTrace, MixtralHumanEvalLoadsInExecutionOrderWithItsGaps) {
 
   // Every conversion keeps it exactly.
   EXPECT_EQ(expage::parse_binary(bytes_of(expage::encode_binary(t)), mixtral(), "mem"), t);
+  EXPECT_EQ(expage::parse_binary(bytes_of(expage::encode_binary(t, {.version = 1})), mixtral(), "mem"), t);
   EXPECT_EQ(expage::parse_jsonl(jsonl_of(t), mixtral(), "mem"), t);
   EXPECT_EQ(expage::parse_csv(csv_of(t), mixtral(), "mem"), t);
 }

@@ -65,6 +65,9 @@ Options:
   --shift-every N      synth: sequences per workload phase (default 1)
   --cross-layer P      synth: probability of linking each expert to the previous layer's (default 0)
   --probabilities      synth: record full router probability vectors
+  --binary-version V   binary output of convert, synth and realign: format version 1, 2 or 3
+                       (default 3, checked in blocks; 1 and 2 for expage readers older than
+                       version 3, 1 only for a trace without optional fields; docs/traces.md)
   --smoothing A        realign: additive smoothing of the co-occurrence model, (0, 1000] (default 0.5)
   --no-pool            realign: score each sequence against its own complete layers only
   --window W           realign: only complete layers within W layers of the short one, [0, 65536]
@@ -89,7 +92,18 @@ T parse_number(std::string_view flag, std::string_view text, T lo, T hi) {
   return value;
 }
 
-void print_info(const std::filesystem::path& path, const expage::routing_trace& t) {
+// Writes @p t to @p path (atomically) in the format its name implies, binary in @p binary_version.
+void write_output(const std::filesystem::path& path, const expage::routing_trace& t, std::string_view geometry_name,
+                  std::uint16_t binary_version) {
+  if (expage::format_of(path) == expage::trace_format::binary) {
+    expage::write_binary(path, t, {.version = binary_version});
+  } else {
+    expage::write_trace(path, t, geometry_name);
+  }
+}
+
+void print_info(const std::filesystem::path& path, const expage::routing_trace& t,
+                const expage::moe_geometry& geometry) {
   std::map<std::uint32_t, std::size_t> per_sequence;
   std::size_t prefill = 0;
   for (const expage::routing_event& e : t) {
@@ -102,6 +116,15 @@ void print_info(const std::filesystem::path& path, const expage::routing_trace& 
   if (t.probability_vectors() > 0) fmt::print("  {} events carry full probability vectors\n", t.probability_vectors());
   if (t.fields().sketch_dims > 0) {
     fmt::print("  {} events carry a hidden-state sketch of {} values\n", t.size(), t.fields().sketch_dims);
+  }
+  if (expage::format_of(path) == expage::trace_format::binary) {
+    const expage::binary_trace_reader header(path, geometry);
+    if (header.block_records() > 0) {
+      fmt::print("  binary format version {}: blocks of {} records, each checked by its CRC-32C\n", header.version(),
+                 header.block_records());
+    } else {
+      fmt::print("  binary format version {}: one FNV-1a checksum over the payload\n", header.version());
+    }
   }
   const std::vector<expage::trace_gap> gaps = t.gaps();
   if (gaps.empty()) {
@@ -190,6 +213,7 @@ int run(int argc, char** argv) {
   std::optional<std::uint32_t> batch;
   bool trust_geometry = false;
   expage::realign_options realign;
+  std::optional<std::uint16_t> binary_version;
   std::vector<std::filesystem::path> files;
   for (std::size_t i = 1; i < args.size(); ++i) {
     const std::string_view arg = args[i];
@@ -241,6 +265,9 @@ int run(int argc, char** argv) {
       realign.pool_sequences = false;
     } else if (arg == "--probabilities") {
       synth.probabilities = true;
+    } else if (arg == "--binary-version") {
+      binary_version =
+          parse_number<std::uint16_t>(arg, value(), expage::binary_trace_version, expage::binary_trace_version_blocked);
     } else if (arg.starts_with("--")) {
       throw cli_error{fmt::format("unknown option '{}' (see --help)", arg)};
     } else {
@@ -251,6 +278,14 @@ int run(int argc, char** argv) {
   if (files.size() != wanted) {
     throw cli_error{fmt::format("{} takes {} file{}, got {}", command, wanted, wanted == 1 ? "" : "s", files.size())};
   }
+  if (binary_version &&
+      (command == "info" || command == "requests" || expage::format_of(files.back()) != expage::trace_format::binary)) {
+    throw cli_error{
+        fmt::format("--binary-version applies to the binary output of convert, synth and realign, not to "
+                    "{} {}",
+                    command, files.back().string())};
+  }
+  const std::uint16_t output_version = binary_version.value_or(expage::binary_trace_version_blocked);
   if (command == "synth") {
     if (!geometry) throw cli_error{fmt::format("synth needs --geometry (one of: {}, or a JSON file)", names)};
     synth.batch_size = batch.value_or(1);
@@ -267,7 +302,7 @@ int run(int argc, char** argv) {
     if (events == 0) throw cli_error{"--prefill and --decode-steps are both 0: the trace would have no events"};
     expage_tools::check_output_path("synth", files[0]);
     const expage::routing_trace t = expage::generate_synthetic(*geometry, synth);
-    expage::write_trace(files[0], t, geometry->name());
+    write_output(files[0], t, geometry->name(), output_version);
     fmt::print("{}: {} events\n", files[0].string(), t.size());
     return 0;
   }
@@ -292,16 +327,17 @@ int run(int argc, char** argv) {
     }
   }
   if (command == "info") {
-    print_info(files[0], t);
+    print_info(files[0], t, *geometry);
   } else if (command == "realign") {
     const expage::realign_result r = expage::realign_trace(t, realign);
-    expage::write_trace(files[1], r.trace, meta && !meta->geometry.empty() ? meta->geometry : geometry->name());
+    write_output(files[1], r.trace, meta && !meta->geometry.empty() ? meta->geometry : geometry->name(),
+                 output_version);
     print_realign(files[0], files[1], r);
   } else if (command == "requests") {
     expage_tools::write_atomically(files[1], oracle_general(t));
     fmt::print("{} -> {}: {} requests\n", files[0].string(), files[1].string(), t.size() * t.top_k());
   } else {
-    expage::write_trace(files[1], t, meta && !meta->geometry.empty() ? meta->geometry : geometry->name());
+    write_output(files[1], t, meta && !meta->geometry.empty() ? meta->geometry : geometry->name(), output_version);
     fmt::print("{} -> {}: {} events\n", files[0].string(), files[1].string(), t.size());
   }
   return 0;

@@ -1,5 +1,5 @@
 /// @file
-/// @brief Trace replay: run a routing trace through a slot cache and account the traffic.
+/// @brief Trace replay: run a routing trace through an expert cache and account the traffic.
 #pragma once
 
 #include "expage/cache/slot_cache.hpp"
@@ -173,7 +173,8 @@ struct replay_result {
   }
 };
 
-/// Replays @p stream through a slot_cache with @p policy.
+/// Replays @p stream with @p policy: the decisions slot_cache<Policy> makes for the same groups
+/// (docs/caches.md), without its slots.
 /// @throws expage::invalid_argument when the stream's trace and @p geometry differ in layers,
 ///         experts or top-k, when @p policy, the layout, the precision or the mode is not a
 ///         declared enumerator, when the stream was built for another mode than `options.mode`,
@@ -222,9 +223,10 @@ struct replay_job {
 /// @endcode
 /// @returns one result per job, in job order; nothing when the events are not in execution order.
 /// @throws expage::invalid_argument as replay() does for each job (capacity, enums, link), when a
-///         job is Belady, or when @p source's dimensions differ from @p geometry's; what
-///         @p source throws (expage::format_error for a bad binary trace), in which case no
-///         result is valid.
+///         job is Belady, when @p source's dimensions differ from @p geometry's, or when an event
+///         routes a layer or an expert out of range or has not top_k experts and weights (only a
+///         source that does not validate delivers one); what @p source throws
+///         (expage::format_error for a bad binary trace), in which case no result is valid.
 [[nodiscard]] std::optional<std::vector<replay_result>> replay_ordered(routing_event_source& source,
                                                                        const moe_geometry& geometry,
                                                                        std::span<const replay_job> jobs);

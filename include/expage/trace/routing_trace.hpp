@@ -86,20 +86,29 @@ struct execution_key {
   friend constexpr auto operator<=>(const execution_key&, const execution_key&) noexcept = default;
 };
 
+/// The forward pass of its lockstep batch that runs step @p step of a sequence in @p phase whose
+/// prefill has @p prefill_length tokens: 0 for the prefill, step − prefill_length + 1 for decode
+/// (step itself without a prefill). The one owner of the pass formula: execution_key_for() and
+/// the streaming replay's order check both call it.
+[[nodiscard]] constexpr std::uint32_t forward_pass(std::uint32_t step, routing_phase phase,
+                                                   std::uint32_t prefill_length) noexcept {
+  if (phase != routing_phase::decode) return 0;
+  // Decode step t of a sequence with P prefill tokens runs in pass t − P + 1 (pass 0 is the
+  // prefill); a decode step below P is an inconsistent trace: order it by step alone.
+  return step >= prefill_length ? step - prefill_length + (prefill_length > 0 ? 1U : 0U) : 0;
+}
+
 /// The execution_key of an event of @p sequence at @p step and @p layer in @p phase, for a
 /// sequence whose prefill has @p prefill_length tokens, in lockstep batches of @p batch_size
-/// (≥ 1). The one owner of the pass formula: routing_trace::execution_key_of() and the streaming
-/// replay's order check both call it.
+/// (≥ 1); routing_trace::execution_key_of() calls it.
 [[nodiscard]] constexpr execution_key execution_key_for(std::uint32_t sequence, std::uint32_t step, std::uint32_t layer,
                                                         routing_phase phase, std::uint32_t prefill_length,
                                                         std::uint32_t batch_size) noexcept {
-  std::uint32_t pass = 0;
-  if (phase == routing_phase::decode) {
-    // Decode step t of a sequence with P prefill tokens runs in pass t − P + 1 (pass 0 is the
-    // prefill); a decode step below P is an inconsistent trace: order it by step alone.
-    pass = step >= prefill_length ? step - prefill_length + (prefill_length > 0 ? 1U : 0U) : 0;
-  }
-  return {.batch = sequence / batch_size, .pass = pass, .layer = layer, .sequence = sequence, .step = step};
+  return {.batch = sequence / batch_size,
+          .pass = forward_pass(step, phase, prefill_length),
+          .layer = layer,
+          .sequence = sequence,
+          .step = step};
 }
 
 /// @brief The prefill length of every sequence that has one, 0 for the others.

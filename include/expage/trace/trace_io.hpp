@@ -133,17 +133,31 @@ void write_csv(const std::filesystem::path& path, const routing_trace& trace, st
 /// @}
 
 /// @name Binary
-/// A header (magic `EXPGTRC1`, version, dimensions, batch size, counts, FNV-1a checksums)
-/// followed by fixed-size little-endian records; layout in docs/traces.md. Version 1 (64-byte
-/// header) is written for traces without optional fields, byte for byte as before; version 2
-/// (72-byte header declaring the optional fields and the record size) for the others, each
-/// record followed by its probability vector and sketch. Both versions are read.
+/// A header (magic `EXPGTRC1`, version, dimensions, batch size, counts, an FNV-1a header
+/// checksum) followed by fixed-size little-endian records; layout in docs/traces.md. Version 3,
+/// written by default, keeps version 2's 72-byte header and records (each followed by its
+/// probability vector and sketch) and checks them in blocks of about 64 KiB, each followed by its
+/// CRC-32C. Versions 1 (64-byte header, no optional fields in the records) and 2 carry one FNV-1a
+/// over the whole payload; they are written on request, for readers older than version 3. All
+/// three are read.
 /// @{
 
-/// The binary format's version encode_binary() writes for a trace without optional fields.
+/// The binary format's first version: a 64-byte header and one FNV-1a 64 over the payload.
 inline constexpr std::uint16_t binary_trace_version = 1;
-/// The binary format's version encode_binary() writes for a trace with optional fields (trace_fields).
+/// The binary format's version 2: a 72-byte header declaring the optional fields (trace_fields)
+/// and the record size, each record followed by its fields; one FNV-1a 64 over the payload.
 inline constexpr std::uint16_t binary_trace_version_with_fields = 2;
+/// The binary format's version 3, what encode_binary() writes by default: version 2's header and
+/// records, checksummed in blocks (a CRC-32C after each), so a reader checks each block before
+/// it decodes it, at several GB/s.
+inline constexpr std::uint16_t binary_trace_version_blocked = 3;
+
+/// @brief How encode_binary() and write_binary() write.
+struct binary_write_options {
+  /// The format version: binary_trace_version_blocked (3, the default), or 2 or 1 for a reader
+  /// older than version 3 (1 only for a trace without optional fields).
+  std::uint16_t version = binary_trace_version_blocked;
+};
 
 /// Decodes a binary trace from @p bytes; its dimensions (the header is its geometry metadata)
 /// must equal @p geometry's.
@@ -157,19 +171,23 @@ inline constexpr std::uint16_t binary_trace_version_with_fields = 2;
                                         const trace_read_options& options = {});
 /// @brief A binary trace read as a stream: one chunk of records at a time, never the whole trace.
 ///
-/// Validates what read_binary() validates (header, geometry, every record, the payload checksum,
-/// truncation and trailing data) with memory bounded by one chunk (64 KiB of records plus their
-/// events), independent of the trace's length. From 4 MiB of records on, on a machine with a
-/// second core, the serial FNV-1a checksum runs on a helper thread owned by the reader while
-/// the records are decoded (4 buffers of 256 KiB in flight); the thread is joined before the
-/// end, on an error and in the destructor. The checksum covers the whole payload, so it is
-/// checked when the last chunk has been delivered: next() returns the empty end-of-trace chunk
-/// only after it matched, and a consumer must discard its results when next() throws. Version 2
-/// events are delivered with their optional fields (probability vectors and sketches, which
-/// follow each record). Version 1 events are delivered without their probability vectors (the
-/// vectors follow all records in that format); the vectors are still read, validated, counted
-/// against the header and checksummed. The events are in stored order, which is not
-/// necessarily execution order.
+/// Validates what read_binary() validates (header, geometry, every record, the checksums,
+/// truncation and trailing data) with memory bounded by one chunk (256 KiB of records, or one
+/// version 3 block, plus their events), independent of the trace's length.
+///
+/// Version 3: each block's CRC-32C is checked before any of its records is decoded, so no event
+/// of a corrupt block is ever delivered. Versions 1 and 2: the FNV-1a checksum covers the whole
+/// payload, so it is checked when the last chunk has been delivered: next() returns the empty
+/// end-of-trace chunk only after it matched, and a consumer must discard its results when next()
+/// throws. From 4 MiB of records on, on a machine with a second core, that serial checksum runs
+/// on a helper thread owned by the reader while the records are decoded (4 buffers of 256 KiB in
+/// flight); the thread is joined before the end, on an error and in the destructor.
+///
+/// Version 2 and 3 events are delivered with their optional fields (probability vectors and
+/// sketches, which follow each record). Version 1 events are delivered without their probability
+/// vectors (the vectors follow all records in that format); the vectors are still read,
+/// validated, counted against the header and checksummed. The events are in stored order, which
+/// is not necessarily execution order.
 ///
 /// @code
 /// expage::binary_trace_reader in("trace.bin", geometry);
@@ -203,7 +221,9 @@ class binary_trace_reader final : public routing_event_source {
   [[nodiscard]] std::uint32_t batch_size() const noexcept override;         ///< Recorded or overridden.
   [[nodiscard]] std::uint64_t events() const noexcept;                      ///< Records the header declares.
   [[nodiscard]] std::uint64_t probability_vectors() const noexcept;         ///< Vectors the header declares.
-  [[nodiscard]] std::uint16_t version() const noexcept;                     ///< The format version, 1 or 2.
+  [[nodiscard]] std::uint16_t version() const noexcept;                     ///< The format version, 1 to 3.
+  /// Records per checksummed block (version 3); 0 in versions 1 and 2.
+  [[nodiscard]] std::uint32_t block_records() const noexcept;
   /// The optional fields the header declares (delivered with the events in version 2 only).
   [[nodiscard]] trace_fields fields() const noexcept;
 
@@ -211,12 +231,15 @@ class binary_trace_reader final : public routing_event_source {
   std::unique_ptr<detail::binary_stream> state_;
 };
 
-/// Encodes @p trace in the binary format, events in their stored order: version 1 when it has no
-/// optional fields (trace_fields), else version 2.
-[[nodiscard]] std::string encode_binary(const routing_trace& trace);
+/// Encodes @p trace in the binary format version @p options.version, events in their stored order.
+/// @throws expage::invalid_argument when the version is not 1, 2 or 3, or is 1 for a trace with
+///         optional fields (trace_fields).
+[[nodiscard]] std::string encode_binary(const routing_trace& trace, const binary_write_options& options = {});
 /// Writes @p trace to the file @p path in the binary format, atomically.
-/// @throws expage::invalid_argument when the file cannot be written (with the system's reason).
-void write_binary(const std::filesystem::path& path, const routing_trace& trace);
+/// @throws expage::invalid_argument as encode_binary() (before any file is created), or when the
+///         file cannot be written (with the system's reason).
+void write_binary(const std::filesystem::path& path, const routing_trace& trace,
+                  const binary_write_options& options = {});
 /// @}
 
 /// Reads @p path in the format format_of() infers from its name.

@@ -19,31 +19,35 @@ class key_list {
 
   explicit key_list(std::uint32_t keys) : prev_(keys, none), next_(keys, none) {}
 
+  // Each operation reads the links it needs once into locals before it writes any: the links,
+  // head_ and tail_ are all std::uint32_t, so after a store the compiler would reload them.
   void push_front(std::uint32_t k) noexcept {
-    ++size_;
+    const std::uint32_t head = head_;
     prev_[k] = none;
-    next_[k] = head_;
-    if (head_ != none) prev_[head_] = k;
+    next_[k] = head;
+    if (head != none) {
+      prev_[head] = k;
+    } else {
+      tail_ = k;
+    }
     head_ = k;
-    if (tail_ == none) tail_ = k;
+    ++size_;
   }
   void unlink(std::uint32_t k) noexcept {
+    bridge(prev_[k], next_[k]);
+    prev_[k] = none;
+    next_[k] = none;
     --size_;
-    if (prev_[k] != none)
-      next_[prev_[k]] = next_[k];
-    else
-      head_ = next_[k];
-    if (next_[k] != none)
-      prev_[next_[k]] = prev_[k];
-    else
-      tail_ = prev_[k];
-    prev_[k] = next_[k] = none;
   }
+  // unlink() then push_front(), fused.
   void move_to_front(std::uint32_t k) noexcept {
-    if (head_ != k) {
-      unlink(k);
-      push_front(k);
-    }
+    const std::uint32_t head = head_;
+    if (head == k) return;
+    bridge(prev_[k], next_[k]);  // k has a newer key (it is not the head), so the head stays
+    prev_[k] = none;
+    next_[k] = head;
+    prev_[head] = k;
+    head_ = k;
   }
   [[nodiscard]] std::uint32_t size() const noexcept { return size_; }
   [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
@@ -59,6 +63,21 @@ class key_list {
   }
 
  private:
+  // Links the keys around a leaving key to each other: @p before (newer, or none at the head)
+  // and @p after (older, or none at the tail).
+  void bridge(std::uint32_t before, std::uint32_t after) noexcept {
+    if (before != none) {
+      next_[before] = after;
+    } else {
+      head_ = after;
+    }
+    if (after != none) {
+      prev_[after] = before;
+    } else {
+      tail_ = before;
+    }
+  }
+
   std::vector<std::uint32_t> prev_;
   std::vector<std::uint32_t> next_;
   std::uint32_t head_ = none;
