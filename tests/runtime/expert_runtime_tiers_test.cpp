@@ -312,6 +312,12 @@ TEST(ExpertRuntimeTiers, NeverSwitchesUnderALeaseOrAPendingKernel) {
   }
   kernel.done->store(true);
   w.copy.synchronize();  // a real kernel is ordered after the lo version's load; this fake one is not
+  {
+    auto window = rt.table().open_window();  // engine code reading the record through a handle
+    ASSERT_NE(rt.table().pin(window, {2, 1}), nullptr);
+    rt.poll();
+    EXPECT_EQ(rt.active_tier({2, 1}), version_tier::lo) << "a window pins the expert";
+  }
   rt.poll();
   EXPECT_EQ(rt.active_tier({2, 1}), version_tier::hi);
   EXPECT_EQ(w.check_tiers(rt), "");

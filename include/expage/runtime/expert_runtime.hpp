@@ -251,7 +251,8 @@ struct resident_expert {
 ///   kernel (or takes the engine's completion), and until that completes the
 ///   versions cannot be evicted or switched: an eviction waits for the victim's
 ///   last completion (WAR fence on one event) and never touches a pinned version
-///   (vLLM PR #37190); a switch is only made once the old version's kernels are done.
+///   (vLLM PR #37190); a switch is only made once the old version's kernels are done,
+///   and not while an open window of the handle table pins the expert.
 ///   lease::tiers() says which tier served each expert.
 /// - **Choice of victims** by the tier's eviction policy, over one global key space
 ///   of `layers × experts` keys; versions pinned by a lease, still loading, or
@@ -1297,7 +1298,7 @@ class expert_runtime {
 
   // A resident version of tier t that may be evicted: not pinned by a lease, not loading (unless
   // @p include_loading: the caller then waits for the load in fence()), not in @p excluded, not
-  // whose expert a handle-table window pins (when evicting it would make the expert absent);
+  // whose expert a handle-table window pins (when it is the active version);
   // with @p ready_only also with its last kernel done (never waits); with @p protect_targets
   // not a version at its expert's target tier. Polls loading versions first so finished loads
   // become evictable.
@@ -1324,8 +1325,9 @@ class expert_runtime {
     while (candidates > 0) {
       const std::uint32_t v = T.policy.victim(pin_view{blocked_.data()}, access_context{.time = clock_});
       EXPAGE_ASSERT(T.versions[v].slot >= 0 && blocked_[v] == 0, "expert_runtime: the policy chose a blocked victim");
-      const bool to_absent = active_[v] == t && sibling(t, v) == nullptr;
-      const bool window_pinned = to_absent && options_.views.records && table_.pinned(geometry_.expert_at(v));
+      // Evicting an active version changes the expert's record (to nothing, or to its other
+      // version): not while an open window of the handle table pins the expert.
+      const bool window_pinned = active_[v] == t && options_.views.records && table_.pinned(geometry_.expert_at(v));
       const any_completion* last = last_use(T.versions[v]);
       const bool busy = ready_only && last != nullptr && !last->ready();
       if (!window_pinned && !busy) return v;
@@ -1996,6 +1998,7 @@ class expert_runtime {
     // Its own load must be done too (a lease released with an engine's completion says nothing of it).
     if (now.loading && now.loaded && !now.loaded->query()) return false;
     if (const any_completion* last = last_use(now); last != nullptr && !last->ready()) return false;
+    if (options_.views.records && table_.pinned(geometry_.expert_at(f))) return false;  // a window reads it
     try {
       if (std::optional<transition> tr = begin_eviction(a, f)) tr->publish();  // the switch to `next`
     } catch (...) {
@@ -2058,9 +2061,9 @@ class expert_runtime {
         if (t >= tier_count_ || tier(t).versions[f].slot < 0) continue;
         const version& v = tier(t).versions[f];
         const any_completion* last = last_use(v);
-        const bool to_absent = active_[f] == t && sibling(t, f) == nullptr;
+        const bool changes_record = active_[f] == t;
         if (tier(t).pins[f] > 0 || v.poisoned || v.loading || (last != nullptr && !last->ready()) ||
-            (to_absent && options_.views.records && table_.pinned(geometry_.expert_at(f)))) {
+            (changes_record && options_.views.records && table_.pinned(geometry_.expert_at(f)))) {
           return false;
         }
         evict(t, f);
