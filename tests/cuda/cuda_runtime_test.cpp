@@ -136,10 +136,6 @@ TEST(CudaExpertRuntime, TwoTiersAndTheDeviceMirrorsFollowTheHostViews) {
     const auto layer = static_cast<std::uint32_t>(rng() % g.layers());
     const std::uint32_t a = static_cast<std::uint32_t>(rng() % 8);
     const std::uint32_t routed[] = {a, (a + 1 + static_cast<std::uint32_t>(rng() % 7)) % 8};
-    if (step % 5 == 0) {
-      const residency_target t[] = {{{layer, a}, residency_state::resident_hi}};
-      rt.set_targets(t);
-    }
     auto lease = rt.acquire(layer, routed);
     compute.synchronize();
     for (std::size_t i = 0; i < 2; ++i) {
@@ -154,9 +150,17 @@ TEST(CudaExpertRuntime, TwoTiersAndTheDeviceMirrorsFollowTheHostViews) {
     }
     lease.release();
     compute.synchronize();
+    // Every fifth step promotes the expert just served (from lo, mostly): its hi version loads on
+    // the prefetch stream, and the record switches once that load and the lease's kernel are done.
+    const bool promoted = step % 5 == 0;
+    if (promoted) {
+      const residency_target t[] = {{{layer, a}, residency_state::resident_hi}};
+      rt.set_targets(t);
+    }
     prefetch.synchronize();
     rt.poll();
     compute.synchronize();
+    if (promoted) EXPECT_EQ(rt.active_tier({layer, a}), version_tier::hi) << step;
     for (std::size_t tier = 0; tier < 2; ++tier) {
       std::vector<std::int32_t> device(g.expert_count());
       ASSERT_EQ(cudaMemcpy(device.data(), maps.map(static_cast<version_tier>(tier)), device.size() * 4,

@@ -124,7 +124,9 @@ struct online_split_config {
 /// recomputed when its session returns. The histogram sees a session's far reuse only after it
 /// happened (and was recomputed); the open blocks are known as soon as the context is written, by
 /// an engine that knows which conversations are open [not in WiSP; docs/control.md].
-/// @param kv the KV stream's histogram; @p blocks beyond its max_capacity read its value there.
+/// @param kv the KV stream's histogram.
+/// @param blocks the pool's size in blocks; beyond the histogram's max_capacity it reads the value there.
+/// @param open_depths the LRU stack depths of the open sessions' cached blocks, ascending.
 [[nodiscard]] double kv_predicted_misses(const decayed_reuse_histogram& kv, std::uint64_t blocks,
                                          std::span<const std::uint64_t> open_depths) noexcept;
 

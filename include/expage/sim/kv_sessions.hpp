@@ -118,6 +118,8 @@ class kv_block_stream {
 /// split controller (kv_predicted_misses(), split_controller::set_kv_open_depths(),
 /// four_pool_controller::set_kv_open_depths()). A block's depth is the number of blocks read since
 /// it was last read. O(K log K) for K blocks read so far.
+/// @param kv the block stream (its sessions and their closing steps).
+/// @param step the step after which a session counts as open.
 /// @param last_read per block, the position of its last read in the order of all block reads
 ///        (`never`: not read yet).
 [[nodiscard]] std::vector<std::uint64_t> open_block_depths(const kv_block_stream& kv,
