@@ -2,9 +2,12 @@
 //
 //   BM_Baseline_H2D/pinned:1         one cudaMemcpyAsync of 256 MiB from pinned memory, one stream
 //   BM_CudaCopyEngine_Pinned/M       the same bytes, chunked (4 MiB) over M streams, direct
-//   BM_CudaCopyEngine_Pageable/M/T   the same bytes from pageable memory through a ring of 8 × 4 MiB
+//   BM_CudaCopyEngine_Pageable/M/T/S the same bytes from pageable memory through a ring of S × 4 MiB
 //                                    pinned slots over M streams, T host threads filling each slot
 //   BM_Baseline_H2D/pinned:0         the same from pageable memory (the runtime stages it)
+//   BM_Baseline_HostStaging/threads:T  T host threads copying the pageable bytes into pinned memory,
+//                                    no device: the most any staging ring with T threads can reach
+//                                    (host memory bandwidth), reported beside the goal
 //
 // Each iteration waits for its copy (stream synchronize on the caller stream).
 // Counter vs_pinned_peak = rate / (the pinned peak, best of three, measured once
@@ -25,6 +28,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -111,7 +115,7 @@ void BM_CudaCopyEngine_Pageable(benchmark::State& state) {
   if (skip_without_device(state)) return;
   buffers& b = shared_buffers();
   expage::cuda::copy_engine engine({.streams = static_cast<std::size_t>(state.range(0)),
-                                    .staging_slots = 8,
+                                    .staging_slots = static_cast<std::size_t>(state.range(2)),
                                     .chunk_bytes = 4_MiB,
                                     .staging_threads = static_cast<std::size_t>(state.range(1))});
   expage::cuda::cuda_stream stream;
@@ -123,9 +127,38 @@ void BM_CudaCopyEngine_Pageable(benchmark::State& state) {
   state.counters["slot_fences"] = static_cast<double>(engine.statistics().slot_fences);
 }
 BENCHMARK(BM_CudaCopyEngine_Pageable)
-    ->Args({2, 1})
-    ->Args({2, 4})
-    ->Args({4, 8})
+    ->Args({2, 1, 8})
+    ->Args({2, 4, 8})
+    ->Args({4, 8, 8})
+    ->Args({4, 8, 16})
+    ->Args({4, 12, 24})
+    ->Args({4, 16, 32})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+// The host side alone: T threads each memcpy a contiguous T-th of the pageable buffer into the
+// pinned one. A staging ring moves every byte this way once before its DMA, so with T threads it
+// cannot beat this rate (it also shares the memory bus with the DMA reads of the pinned slots).
+void BM_Baseline_HostStaging(benchmark::State& state) {
+  if (skip_without_device(state)) return;  // pinned memory needs the driver
+  buffers& b = shared_buffers();
+  const auto threads = static_cast<std::size_t>(state.range(0));
+  const std::size_t share = total_bytes / threads;
+  for (auto _ : state) {
+    std::vector<std::jthread> workers;
+    workers.reserve(threads);
+    for (std::size_t t = 0; t < threads; ++t) {
+      workers.emplace_back([&b, t, share] { std::memcpy(b.pinned + t * share, b.pageable.data() + t * share, share); });
+    }
+  }
+  report(state);
+}
+BENCHMARK(BM_Baseline_HostStaging)
+    ->ArgName("threads")
+    ->Arg(1)
+    ->Arg(4)
+    ->Arg(8)
+    ->Arg(16)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

@@ -9,12 +9,20 @@
 //   BM_CudaVmm_Unmap        cuMemUnmap of one granule
 //   BM_CudaVmm_Create       cuMemCreate + cuMemRelease (no block cache)
 //   BM_Baseline_CudaMallocFree
+//   BM_DeviceMirror_Publish        device_mirror::update of one record, then a synchronize of the
+//                                  compute stream: a publish until kernels on that stream see it
+//   BM_DeviceMirror_Enqueue        update() alone (the host side of a publish; the stream is
+//                                  synchronized every 64 publishes, outside the timed region)
+//   BM_Baseline_RecordCopy         cudaMemcpyAsync of one record from pinned memory + synchronize
 //
 // Each iteration times only its own call (manual time); the set-up calls around
 // it are not counted. Without a device every benchmark reports an error and the
 // program still exits 0, so the CI smoke run passes on machines without a GPU.
 #include "expage/core/units.hpp"
+#include "expage/cuda/cuda_stream.hpp"
 #include "expage/cuda/cuda_vmm.hpp"
+#include "expage/cuda/device_mirror.hpp"
+#include "expage/cuda/pinned_host_memory.hpp"
 #include "expage/cuda/runtime.hpp"
 
 #include <benchmark/benchmark.h>
@@ -22,6 +30,7 @@
 #include <cuda_runtime_api.h>
 
 #include <chrono>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -144,6 +153,71 @@ void BM_Baseline_CudaMallocFree(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations());
 }
 BENCHMARK(BM_Baseline_CudaMallocFree)->UseManualTime();
+
+constexpr std::size_t mirror_experts = 8 * 32;  // Mixtral-8x7B: 32 layers of 8 experts
+
+expage::version_record some_record(std::size_t i) {
+  expage::version_record r;
+  r.bytes = i + 1;
+  r.number = i + 1;
+  return r;
+}
+
+void BM_DeviceMirror_Publish(benchmark::State& state) {
+  if (skip_without_device(state)) return;
+  expage::cuda::cuda_stream compute;
+  expage::cuda::device_mirror mirror(mirror_experts, compute.native());
+  std::size_t i = 0;
+  for (auto _ : state) {
+    const auto t0 = clock_type::now();
+    mirror.update(i % mirror_experts, some_record(i));
+    compute.synchronize();
+    state.SetIterationTime(seconds_since(t0));
+    ++i;
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+BENCHMARK(BM_DeviceMirror_Publish)->UseManualTime();
+
+void BM_DeviceMirror_Enqueue(benchmark::State& state) {
+  if (skip_without_device(state)) return;
+  expage::cuda::cuda_stream compute;
+  expage::cuda::device_mirror mirror(mirror_experts, compute.native());
+  std::size_t i = 0;
+  for (auto _ : state) {
+    const auto t0 = clock_type::now();
+    mirror.update(i % mirror_experts, some_record(i));
+    state.SetIterationTime(seconds_since(t0));
+    if (++i % 64 == 0) compute.synchronize();
+  }
+  compute.synchronize();
+  state.SetItemsProcessed(state.iterations());
+}
+BENCHMARK(BM_DeviceMirror_Enqueue)->UseManualTime();
+
+void BM_Baseline_RecordCopy(benchmark::State& state) {
+  if (skip_without_device(state)) return;
+  expage::cuda::cuda_stream compute;
+  expage::cuda::pinned_host_memory pinned({.block_size = 4096, .portable = false, .write_combined = false});
+  std::byte* host = pinned.allocate(1);
+  void* device = nullptr;
+  EXPAGE_CUDA_CHECK(cudaMalloc(&device, sizeof(expage::version_record) * mirror_experts));
+  std::size_t i = 0;
+  for (auto _ : state) {
+    const auto t0 = clock_type::now();
+    const expage::version_record r = some_record(i);
+    std::memcpy(host, &r, sizeof r);
+    EXPAGE_CUDA_CHECK(cudaMemcpyAsync(static_cast<expage::version_record*>(device) + i % mirror_experts, host, sizeof r,
+                                      cudaMemcpyHostToDevice, compute.native()));
+    compute.synchronize();
+    state.SetIterationTime(seconds_since(t0));
+    ++i;
+  }
+  (void)cudaFree(device);
+  pinned.deallocate(host, 1);
+  state.SetItemsProcessed(state.iterations());
+}
+BENCHMARK(BM_Baseline_RecordCopy)->UseManualTime();
 
 }  // namespace
 

@@ -21,6 +21,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <random>
 #include <vector>
 
@@ -132,6 +133,7 @@ TEST(CudaExpertRuntime, TwoTiersAndTheDeviceMirrorsFollowTheHostViews) {
                                        .lo = expert_source<cuda::cuda_stream>::from(lo_store)},
       {.capacity = 2, .lo_capacity = 6, .record_mirror = &records, .map_mirror = &maps}, &prefetch);
   std::mt19937_64 rng(5);
+  std::vector<expert_id> hot;  // the hi targets, oldest first
   for (int step = 0; step < 60; ++step) {
     const auto layer = static_cast<std::uint32_t>(rng() % g.layers());
     const std::uint32_t a = static_cast<std::uint32_t>(rng() % 8);
@@ -150,17 +152,31 @@ TEST(CudaExpertRuntime, TwoTiersAndTheDeviceMirrorsFollowTheHostViews) {
     }
     lease.release();
     compute.synchronize();
-    // Every fifth step promotes the expert just served (from lo, mostly): its hi version loads on
-    // the prefetch stream, and the record switches once that load and the lease's kernel are done.
-    const bool promoted = step % 5 == 0;
+    // Every fifth step promotes the expert just served (from lo, mostly), as a hot-set controller
+    // would: the whole target set, the member beyond the hi tier's two versions demoted first (a
+    // remembered hi target is never another promotion's victim). The demotion's lo version loads
+    // on the prefetch stream and its record switches, which frees the hi version the promotion
+    // then loads into; each record switches once its load and the lease's kernel are done.
+    const expert_id served{layer, a};
+    const bool promoted = step % 5 == 0 && std::find(hot.begin(), hot.end(), served) == hot.end();
     if (promoted) {
-      const residency_target t[] = {{{layer, a}, residency_state::resident_hi}};
-      rt.set_targets(t);
+      std::vector<residency_target> targets;
+      if (hot.size() == 2) {
+        targets.push_back({hot.front(), residency_state::resident_lo});
+        hot.erase(hot.begin());
+      }
+      hot.push_back(served);
+      for (const expert_id& h : hot) targets.push_back({h, residency_state::resident_hi});
+      rt.set_targets(targets);
     }
-    prefetch.synchronize();
-    rt.poll();
+    for (int round = 0; round < 2; ++round) {  // the demotion's switch, then the promotion's
+      prefetch.synchronize();
+      rt.poll();
+    }
     compute.synchronize();
-    if (promoted) EXPECT_EQ(rt.active_tier({layer, a}), version_tier::hi) << step;
+    if (promoted) {
+      EXPECT_EQ(rt.active_tier(served), version_tier::hi) << step;
+    }
     for (std::size_t tier = 0; tier < 2; ++tier) {
       std::vector<std::int32_t> device(g.expert_count());
       ASSERT_EQ(cudaMemcpy(device.data(), maps.map(static_cast<version_tier>(tier)), device.size() * 4,

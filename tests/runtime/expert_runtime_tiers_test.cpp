@@ -11,6 +11,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <future>
 #include <random>
 #include <sstream>
@@ -241,6 +242,47 @@ TEST(ExpertRuntimeTiers, MissesLoadTheLoTierAndHitsServeTheActiveVersion) {
   EXPECT_EQ(s.tiers[0].total.misses, 0U);
   EXPECT_EQ(s.tiers[0].resident, 0U);
   EXPECT_EQ(w.mismatches.load(), 0U);
+}
+
+// A hot set rotating through a hi tier of two versions, as a hot-set controller drives it: each
+// call lists the whole set with the member that leaves it demoted first. A remembered hi target
+// is never another promotion's victim, so the newcomer's hi version waits for the leaver's switch
+// to lo to free its slot, and every promotion ends switched (CudaExpertRuntime's tiers test on a
+// device runs the same rotation).
+TEST(ExpertRuntimeTiers, AHotSetRotatingThroughASmallHiTierSwitchesEveryPromotion) {
+  tiered_world w(2, 6);
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 2, .lo_capacity = 6},
+             &prefetch);
+  std::mt19937_64 rng(5);
+  std::vector<expert_id> hot;
+  std::uint64_t promotions = 0;
+  for (int step = 0; step < 60; ++step) {
+    const auto layer = static_cast<std::uint32_t>(rng() % w.geometry.layers());
+    const auto e = static_cast<std::uint32_t>(rng() % w.geometry.experts_per_layer());
+    const std::uint32_t routed[] = {e};
+    rt.acquire(layer, routed).release();
+    w.compute.synchronize();
+    const expert_id served{layer, e};
+    if (step % 5 != 0 || std::find(hot.begin(), hot.end(), served) != hot.end()) continue;
+    std::vector<target> targets;
+    if (hot.size() == 2) {
+      targets.push_back({hot.front(), residency_state::resident_lo});
+      hot.erase(hot.begin());
+    }
+    hot.push_back(served);
+    for (const expert_id& h : hot) targets.push_back({h, residency_state::resident_hi});
+    rt.set_targets(targets);
+    ++promotions;
+    for (int round = 0; round < 2; ++round) {  // the leaver's switch, then the newcomer's
+      prefetch.synchronize();
+      rt.poll();
+    }
+    EXPECT_EQ(rt.active_tier(served), version_tier::hi) << step;
+    EXPECT_EQ(w.check_tiers(rt), "") << step;
+  }
+  EXPECT_GT(promotions, 5U);
+  EXPECT_EQ(rt.statistics().transitions_queued, 0U);
 }
 
 // DynaExq §3.4: the promotion loads on the prefetch stream while the lo version keeps serving

@@ -339,6 +339,12 @@ def vmm_section(v):
         out.append(f"  map + set access (batched) + unmap: {total * 1e6:.2f} us against kvcached's {theirs:.1f} us: "
                    f"cheaper: {verdict(total * 1e6 < theirs)}"
                    + (f"; {ratio(total, malloc):.2f}x cudaMalloc + cudaFree" if malloc else ""))
+    publish, enqueue, copy = (v.seconds(n) for n in ("BM_DeviceMirror_Publish", "BM_DeviceMirror_Enqueue",
+                                                      "BM_Baseline_RecordCopy"))
+    if any(x is not None for x in (publish, enqueue, copy)):
+        out.append(f"  device mirror: publish until visible {fmt(publish, 1e-6)} us (update + synchronize), "
+                   f"enqueue alone {fmt(enqueue, 1e-6)} us; one record's cudaMemcpyAsync + synchronize "
+                   f"{fmt(copy, 1e-6)} us")
     return out
 
 
