@@ -45,7 +45,23 @@ std::string oracle_prefetcher::name() const {
   return recall_ == 1.0 ? fmt::format("oracle(d={})", distance_) : fmt::format("oracle:{}(d={})", recall_, distance_);
 }
 
-void oracle_prefetcher::reset() { rng_.seed(seed_); }
+void oracle_prefetcher::reset() {
+  rng_.seed(seed_);
+  target_layers_.clear();
+  target_experts_.clear();
+}
+
+bool oracle_prefetcher::forecast(std::uint32_t layer, std::span<float> probability) const {
+  const auto it = std::find(target_layers_.begin(), target_layers_.end(), layer);
+  if (it == target_layers_.end()) return false;
+  const auto& proposed = target_experts_[static_cast<std::size_t>(it - target_layers_.begin())];
+  const std::size_t experts = probability.size();
+  const std::size_t n = proposed.size();
+  const double other = n < experts ? (1.0 - recall_) * static_cast<double>(n) / static_cast<double>(experts - n) : 0.0;
+  std::ranges::fill(probability, static_cast<float>(other));
+  for (const expert_index e : proposed) probability[e] = static_cast<float>(recall_);
+  return true;
+}
 
 void oracle_prefetcher::propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) {
   const std::uint32_t experts = stream.experts_per_layer();
@@ -54,18 +70,36 @@ void oracle_prefetcher::propose(const access_stream& stream, std::size_t g, std:
   const auto coin = [this] { return static_cast<double>(rng_() >> 11) * 0x1.0p-53; };
   const auto pick = [this, experts] { return static_cast<expert_index>(rng_() % experts); };
   const auto confidence = static_cast<float>(recall_);  // calibrated: a proposal is right with probability recall
+  target_layers_.clear();
+  for (auto& t : target_experts_) t.clear();
   for (std::size_t h = g + 1; h <= g + distance_ && h < stream.groups(); ++h) {
     const std::uint32_t layer = stream.layer(h);
     const auto routed = stream.experts(h);
+    // The forecast covers the later layers of this pass (a split layer's parts as one).
+    const bool same_pass = !stream.starts_pass(h) && layer > stream.layer(g);
+    std::vector<expert_index>* named = nullptr;
+    if (same_pass) {
+      const auto it = std::find(target_layers_.begin(), target_layers_.end(), layer);
+      const auto i = static_cast<std::size_t>(it - target_layers_.begin());
+      if (it == target_layers_.end()) {
+        target_layers_.push_back(layer);
+        if (target_experts_.size() < target_layers_.size()) target_experts_.emplace_back();
+      }
+      named = &target_experts_[i];
+    }
     for (const expert_index e : routed) routed_[e] = 1;
     for (const expert_index e : routed) {
+      expert_index x = e;
       if (recall_ >= 1.0 || coin() < recall_) {
         out.push_back({.layer = layer, .expert = e, .use_group = h, .probability = confidence});
       } else if (routed.size() < experts) {  // a false positive: an expert of the layer that is not routed there
-        expert_index x = pick();
+        x = pick();
         while (routed_[x] != 0) x = pick();
         out.push_back({.layer = layer, .expert = x, .use_group = h, .probability = confidence});
+      } else {
+        continue;
       }
+      if (named != nullptr) named->push_back(x);
     }
     for (const expert_index e : routed) routed_[e] = 0;
   }
@@ -87,7 +121,19 @@ std::string predictive_prefetcher::name() const {
   return fmt::format("{}:{}(d={})", predictor_->name(), options_.threshold, options_.distance);
 }
 
-void predictive_prefetcher::reset() { predictor_->reset(); }
+void predictive_prefetcher::reset() {
+  predictor_->reset();
+  target_layers_.clear();
+}
+
+bool predictive_prefetcher::forecast(std::uint32_t layer, std::span<float> probability) const {
+  const auto it = std::find(target_layers_.begin(), target_layers_.end(), layer);
+  if (it == target_layers_.end()) return false;
+  const auto i = static_cast<std::size_t>(it - target_layers_.begin());
+  std::copy_n(probability_.begin() + static_cast<std::ptrdiff_t>(i * probability.size()), probability.size(),
+              probability.begin());
+  return true;
+}
 
 void predictive_prefetcher::propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) {
   const std::uint32_t experts = stream.experts_per_layer();
@@ -95,16 +141,19 @@ void predictive_prefetcher::propose(const access_stream& stream, std::size_t g, 
   if (stream.starts_pass(g)) predictor_->begin_pass();
   const std::uint32_t layer = stream.layer(g);
   predictor_->observe(layer, stream.experts(g));
-  probability_.resize(experts);
+  probability_.resize(std::size_t{experts} * options_.distance);
+  target_layers_.clear();
   // The later groups of this pass within `distance` layers: their layers, never their routing.
   for (std::size_t h = g + 1; h < stream.groups() && !stream.starts_pass(h); ++h) {
     const std::uint32_t target = stream.layer(h);
     if (target <= layer) continue;  // another part of a split layer-step
     if (target > layer + options_.distance) break;
     if (h > g + 1 && stream.layer(h - 1) == target) continue;  // predicted once per layer
-    predictor_->predict(target, probability_);
-    most_probable(probability_, options_.threshold, per_layer, ranked_);
-    for (const auto& [p, e] : ranked_) out.push_back({.layer = target, .expert = e, .use_group = h, .probability = p});
+    const std::span<float> p(probability_.data() + target_layers_.size() * experts, experts);
+    target_layers_.push_back(target);
+    predictor_->predict(target, p);
+    most_probable(p, options_.threshold, per_layer, ranked_);
+    for (const auto& [q, e] : ranked_) out.push_back({.layer = target, .expert = e, .use_group = h, .probability = q});
   }
 }
 
@@ -189,6 +238,8 @@ class engine {
     prefetch_evicted_at_.assign(keys, victim_note{});
     slots_.resize(keys);
     for (const double t : cost.transfer_seconds) links_.push_back({.transfer = t});
+    forecasting_ = options.forecast_eviction && options.prefetch != nullptr;
+    if (forecasting_) forecast_.assign(keys, -1.0F);
     set_outstanding_cap();
     result_.layers.resize(layers_);
     nominal_layer_ = cost.nominal_layer_seconds(stream.top_k() == 0 ? 1 : stream.top_k());
@@ -235,6 +286,7 @@ class engine {
         cancel_stale(g);
       }
       const std::uint32_t layer = stream_.layer(g);
+      if (forecasting_) expire_forecasts(g, layer);
       const auto experts = stream_.experts(g);
       const auto next_use = stream_.next_use(g);
       const auto probability = stream_.probability(g);
@@ -292,7 +344,7 @@ class engine {
             note_refault(f, g);
             std::uint32_t victim = 0;
             const bool evicts = free_[s] == 0;
-            if (evicts) victim = policy.victim(pin_view{pins_[s].data()}, ctx);
+            if (evicts) victim = choose_victim(s, ctx);
             policy.on_insert(k, ctx);
             if (evicts) {
               evict(s, victim);
@@ -328,6 +380,7 @@ class engine {
       if (pf != nullptr) {
         proposals.clear();
         pf->propose(stream_, g, proposals);
+        if (forecasting_) read_forecasts(*pf, g, layer);
         for (const prefetch_request& r : proposals) admit(r, g, now);
       }
       for (const expert_index e : experts) clear_pin(s, key_of(layer, e), group_pin);
@@ -401,6 +454,54 @@ class engine {
     return drained;
   }
 
+  // Forecasts of a layer hold until it runs; a new pass drops those its last layers left.
+  void expire_forecasts(std::size_t g, std::uint32_t layer) {
+    const bool pass = stream_.starts_pass(g);
+    std::erase_if(forecast_layers_, [&](std::uint32_t l) {
+      if (!pass && l != layer) return false;
+      std::fill_n(forecast_.begin() + static_cast<std::ptrdiff_t>(flat(l, 0)), experts_, -1.0F);
+      return true;
+    });
+  }
+
+  // The prefetcher's forecasts for the later layers of this pass, as far as it makes them.
+  void read_forecasts(const prefetcher& pf, std::size_t g, std::uint32_t layer) {
+    std::uint32_t last = layer;
+    for (std::size_t h = g + 1; h < stream_.groups() && !stream_.starts_pass(h); ++h) {
+      const std::uint32_t target = stream_.layer(h);
+      if (target <= last) continue;  // a split layer's other part
+      last = target;
+      const std::span<float> row(forecast_.data() + flat(target, 0), experts_);
+      if (!pf.forecast(target, row)) {
+        std::ranges::fill(row, -1.0F);
+        break;
+      }
+      if (std::ranges::find(forecast_layers_, target) == forecast_layers_.end()) forecast_layers_.push_back(target);
+    }
+  }
+
+  // The forecasts of scope s's keys (negative: none).
+  [[nodiscard]] std::span<const float> scope_forecast(std::uint32_t s) const noexcept {
+    return global_ ? std::span<const float>(forecast_)
+                   : std::span<const float>(forecast_).subspan(flat(s, 0), experts_);
+  }
+
+  static constexpr bool ranks_forecasts =
+      requires(const Policy& p, pin_view pins, const access_context& ctx, std::span<const float> f, std::uint32_t key) {
+    { p.victim(pins, ctx, f) } -> std::same_as<std::uint32_t>;
+    { p.next_use(key, ctx.layer, 0.5) } -> std::same_as<double>;
+    { p.next_use(key, ctx.layer) } -> std::same_as<double>;
+  };
+
+  // The policy's victim in scope s for the access @p ctx, ranked by the forecasts where it can.
+  [[nodiscard]] std::uint32_t choose_victim(std::uint32_t s, const access_context& ctx) {
+    const pin_view pins{pins_[s].data()};
+    if constexpr (ranks_forecasts) {
+      if (forecasting_) return policies_[s].victim(pins, ctx, scope_forecast(s));
+    }
+    return policies_[s].victim(pins, ctx);
+  }
+
   // Drops every queued (unstarted) prefetch, giving its slot back.
   void cancel_queued() {
     cancel_if([](const queued_prefetch&) { return true; });
@@ -471,6 +572,9 @@ class engine {
       const bool other = best->busy_until > now && best->busy != transfer_class::demand;
       best->behind = other ? best->busy_until - now : 0.0;
       best->behind_class = best->busy;
+      if (best->busy == transfer_class::prefetch) {
+        result_.longest_wait_behind_prefetch = std::max(result_.longest_wait_behind_prefetch, best->behind);
+      }
     }
     best->busy_until = best_done;
     best->busy = transfer_class::demand;
@@ -599,15 +703,33 @@ class engine {
     std::uint32_t victim = 0;
     const bool evicts = free_[s] == 0;
     if (evicts) {
-      victim = policy.victim(pin_view{pins_[s].data()}, ctx);
+      // Distances are seen from the layer being executed, not from the newcomer's.
+      access_context now_ctx = ctx;
+      now_ctx.layer = stream_.layer(g);
+      victim = choose_victim(s, now_ctx);
       // Victim-value check: never evict an expert predicted to be needed sooner than this one.
-      const std::uint64_t victim_use = predicted_use_[flat_of_key(s, victim)];
-      if (victim_use != never && victim_use >= g && victim_use <= r.use_group) {
+      const std::size_t fv = flat_of_key(s, victim);
+      const std::uint64_t victim_use = predicted_use_[fv];
+      bool sooner = victim_use != never && victim_use >= g && victim_use <= r.use_group;
+      if constexpr (ranks_forecasts) {
+        if (forecasting_ && !sooner) {
+          const double victim_next = forecast_[fv] >= 0.0F
+                                         ? policy.next_use(victim, now_ctx.layer, static_cast<double>(forecast_[fv]))
+                                         : policy.next_use(victim, now_ctx.layer);
+          sooner = victim_next <= policy.next_use(k, now_ctx.layer, static_cast<double>(r.probability));
+        }
+      }
+      if (sooner) {
         ++result_.prefetches_refused;
         return;
       }
     }
-    policy.on_insert(k, ctx);
+    // A guess is not a use: a policy that counts uses (next_turn) is told of a prefetch apart.
+    if constexpr (requires { policy.on_prefetch(k, ctx); }) {
+      policy.on_prefetch(k, ctx);
+    } else {
+      policy.on_insert(k, ctx);
+    }
     if (evicts) {
       evict(s, victim);
       prefetch_evicted_at_[flat_of_key(s, victim)] = victim_note{.group = g, .demand_evictions = demand_evictions_};
@@ -731,6 +853,9 @@ class engine {
   std::vector<shadow_point>* record_ = nullptr;  // set on a shadow run
   std::uint64_t prefetch_evictions_ = 0;
   std::uint64_t prefetch_refaults_ = 0;
+  bool forecasting_ = false;                    // prefetch-aware eviction (sim_options::forecast_eviction)
+  std::vector<float> forecast_;                 // per flat expert: the forecast of its next turn, or −1
+  std::vector<std::uint32_t> forecast_layers_;  // layers with forecasts in forecast_
   double nominal_layer_ = 0.0;
   sim_result result_;
 };

@@ -37,6 +37,7 @@
 #include <limits>
 #include <optional>
 #include <random>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -77,6 +78,15 @@ class prefetcher {
   virtual void reset() = 0;
   /// Appends to @p out the experts to prefetch after group @p g, most wanted first.
   virtual void propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) = 0;
+  /// Optional: after propose() for a group, writes into @p probability (experts_per_layer
+  /// entries) the probability that each expert of @p layer, a later layer of the same pass, is
+  /// routed there; returns false when it forecasts nothing for that layer (the default). The
+  /// simulator's prefetch-aware eviction reads it (sim_options::forecast_eviction).
+  [[nodiscard]] virtual bool forecast(std::uint32_t layer, std::span<float> probability) const {
+    static_cast<void>(layer);
+    static_cast<void>(probability);
+    return false;
+  }
 };
 
 /// @brief The (noisy) oracle: the experts of the next `distance` groups, each kept with
@@ -92,6 +102,9 @@ class oracle_prefetcher final : public prefetcher {
   [[nodiscard]] std::string name() const override;
   void reset() override;
   void propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) override;
+  /// Its proposals for @p layer at probability `recall`, the other experts sharing the routed
+  /// ones it missed: (1 − recall) · n / (E − n) each, for n proposed of E.
+  [[nodiscard]] bool forecast(std::uint32_t layer, std::span<float> probability) const override;
 
  private:
   std::uint32_t distance_;
@@ -99,6 +112,9 @@ class oracle_prefetcher final : public prefetcher {
   std::uint64_t seed_;
   std::mt19937_64 rng_;
   std::vector<std::uint8_t> routed_;  // scratch: experts routed in the target group
+  // The last propose()'s targets: their layers and proposed experts.
+  std::vector<std::uint32_t> target_layers_;
+  std::vector<std::vector<expert_index>> target_experts_;
 };
 
 /// @brief Parameters of a predictive_prefetcher.
@@ -121,11 +137,14 @@ class predictive_prefetcher final : public prefetcher {
   [[nodiscard]] std::string name() const override;
   void reset() override;
   void propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) override;
+  /// The predictor's probabilities for @p layer when it is one of the last propose()'s targets.
+  [[nodiscard]] bool forecast(std::uint32_t layer, std::span<float> probability) const override;
 
  private:
   std::unique_ptr<expert_predictor> predictor_;
   predictive_prefetch_options options_;
-  std::vector<float> probability_;
+  std::vector<float> probability_;  // [target][expert] of the last propose()
+  std::vector<std::uint32_t> target_layers_;
   std::vector<std::pair<float, expert_index>> ranked_;
 };
 
@@ -175,6 +194,14 @@ struct sim_options {
   /// the default, makes "never hurts" mean "never worse than plain LRU demand paging", so an
   /// eviction policy better than LRU (next_turn) earns credit the prefetcher may spend.
   policy_kind guard_baseline = policy_kind::lru;
+  /// Prefetch-aware eviction: while the prefetcher forecasts the layers ahead
+  /// (prefetcher::forecast()), a policy that can rank by a forecast (next_turn_policy) ranks each
+  /// forecast expert by its predicted next use given the forecast (next_turn_policy::next_use),
+  /// for demand and prefetch evictions alike, so experts predicted for the layers about to run
+  /// are kept and those predicted unused there go first; and the victim-value check also refuses
+  /// a prefetch whose victim's predicted next use is no later than the newcomer's. Off: the
+  /// policy ranks by its own history and the check looks only at prefetched experts.
+  bool forecast_eviction = true;
   /// Most prefetches queued or in flight at once; 0: capacity − the stream's largest group (the
   /// most that still leaves a whole group room to load on demand: a prefetch never takes the slot
   /// a demand load needs).
@@ -234,6 +261,10 @@ struct sim_result {
   std::uint64_t prefetches_cancelled = 0;      ///< Dropped from the queue unstarted (stale).
   std::uint64_t prefetches_refused = 0;        ///< Proposals refused (no slot, cap, or a more valuable victim).
   std::uint64_t prefetch_victim_refaults = 0;  ///< Demand misses on experts a prefetch evicted less than a pass before.
+  /// The longest a demand load waited for its link behind prefetch work, seconds: at most the
+  /// rest of one transfer (a prefetch starts only in idle link time and is never preempted; a
+  /// queued one never goes ahead of a demand load).
+  double longest_wait_behind_prefetch = 0.0;
 
   std::uint64_t demand_bytes = 0;                         ///< Bytes moved by demand loads.
   std::uint64_t prefetch_bytes = 0;                       ///< Bytes moved by prefetches (started ones).
