@@ -140,7 +140,35 @@ void predictive_prefetcher::propose(const access_stream& stream, std::size_t g, 
   const std::uint32_t per_layer = options_.per_layer != 0 ? options_.per_layer : stream.top_k();
   if (stream.starts_pass(g)) predictor_->begin_pass();
   const std::uint32_t layer = stream.layer(g);
-  predictor_->observe(layer, stream.experts(g));
+  const routing_trace* const trace = options_.trace;
+  if (trace != nullptr && trace->fields().any()) {
+    const auto [first, last] = stream.trace_events(g);
+    if (last > trace->size()) {
+      throw invalid_argument(fmt::format(
+          "predictive_prefetcher: group {} reads trace events [{}, {}) of a trace of {}: not the stream's trace", g,
+          first, last, trace->size()));
+    }
+    layer_routing routing{.experts = stream.experts(g)};
+    if (last - first == 1) {
+      routing.probabilities = (*trace)[first].probabilities;
+      routing.sketch = (*trace)[first].sketch;
+    } else {  // a lockstep step: the mean of its events' vectors
+      const auto mean = [&](std::vector<float>& sum, auto field) {
+        sum.assign(field((*trace)[first]).size(), 0.0F);
+        for (std::size_t i = first; i < last; ++i) {
+          const auto v = field((*trace)[i]);
+          for (std::size_t j = 0; j < sum.size(); ++j) sum[j] += v[j];
+        }
+        for (float& x : sum) x /= static_cast<float>(last - first);
+        return std::span<const float>(sum);
+      };
+      routing.probabilities = mean(mean_probabilities_, [](const routing_event& e) { return e.probabilities; });
+      routing.sketch = mean(mean_sketch_, [](const routing_event& e) { return e.sketch; });
+    }
+    predictor_->observe_routing(layer, routing);
+  } else {
+    predictor_->observe(layer, stream.experts(g));
+  }
   probability_.resize(std::size_t{experts} * options_.distance);
   target_layers_.clear();
   // The later groups of this pass within `distance` layers: their layers, never their routing.

@@ -11,6 +11,8 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <span>
+#include <vector>
 
 namespace expage {
 namespace {
@@ -374,6 +376,169 @@ TEST(PagerSim, NoisyOracleIsDeterministicPerSeed) {
   EXPECT_DOUBLE_EQ(again.stall_total(), ra.stall_total());
   EXPECT_THROW(oracle_prefetcher(0, 1.0), invalid_argument);
   EXPECT_THROW(oracle_prefetcher(2, 1.5), invalid_argument);
+}
+
+// Admission never delays a demand load: on random traces, for every policy, prefetcher and
+// ratio, with forecast eviction on and off, no demand load waits for its link behind prefetch
+// work longer than the rest of one transfer (a prefetch starts only in idle link time, a queued
+// one never goes ahead of a demand load, one in flight is not preempted), and every demand load
+// finds a slot (the outstanding cap; the engine asserts it).
+TEST(PagerSim, AdmissionNeverDelaysADemandLoad) {
+  const auto g = small();
+  for (std::uint64_t seed = 1; seed <= 3; ++seed) {
+    synthetic_options so;
+    so.seed = seed;
+    so.sequences = 3;
+    so.decode_steps = 32;
+    so.cross_layer = 0.6;
+    const routing_trace trace = generate_synthetic(g, so);
+    for (const std::uint32_t capacity : {8U, 30U}) {
+      const access_stream stream(trace, capacity);
+      for (const double r : {0.5, 3.0}) {
+        oracle_prefetcher oracle(2, 0.7, seed);
+        predictive_prefetcher coactivation(std::make_unique<coactivation_predictor>(6, 16, 2),
+                                           {.distance = 2, .threshold = 0.0F});
+        random_prefetcher guess(g.experts_per_layer());
+        for (prefetcher* pf : std::initializer_list<prefetcher*>{&oracle, &coactivation, &guess}) {
+          for (const policy_kind p : {policy_kind::lru, policy_kind::next_turn, policy_kind::belady}) {
+            for (const bool forecast : {true, false}) {
+              SCOPED_TRACE(fmt::format("seed {} cap {} r {} {} {} forecast {}", seed, capacity, r, pf->name(),
+                                       to_string(p), forecast));
+              const sim_options o{.capacity = capacity,
+                                  .hardware = no_setup(),
+                                  .transfer_compute_ratio = r,
+                                  .prefetch = pf,
+                                  .admission = prefetch_admission::all,
+                                  .forecast_eviction = forecast};
+              const sim_result res = simulate(stream, g, p, o);
+              EXPECT_GT(res.prefetches_issued, 0U);
+              EXPECT_LE(res.longest_wait_behind_prefetch, res.transfer_seconds * (1.0 + 1e-9));
+              EXPECT_LE(res.budget_peak_bytes, std::uint64_t{capacity} * res.expert_bytes);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// What forecast eviction reads: the predictive prefetcher's forecast is its predictor's
+// prediction for the layers it proposed for, and nothing beyond; the noisy oracle's gives its
+// proposals `recall` and shares the rest of the layer's routed experts among the others.
+TEST(PagerSim, PrefetchersForecastWhatTheyPredicted) {
+  const auto g = small();
+  synthetic_options so;
+  so.seed = 9;
+  so.sequences = 1;
+  so.decode_steps = 6;
+  so.cross_layer = 0.6;
+  const routing_trace trace = generate_synthetic(g, so);
+  const access_stream stream(trace, 16);
+  predictive_prefetcher pf(std::make_unique<coactivation_predictor>(6, 16, 2), {.distance = 2, .threshold = 0.0F});
+  coactivation_predictor mirror(6, 16, 2);
+  oracle_prefetcher oracle(2, 0.75, 3);
+  pf.reset();
+  oracle.reset();
+  std::vector<prefetch_request> out;
+  std::vector<float> got(16), want(16);
+  for (std::size_t grp = 0; grp < stream.groups(); ++grp) {
+    if (stream.starts_pass(grp)) mirror.begin_pass();
+    mirror.observe(stream.layer(grp), stream.experts(grp));
+    out.clear();
+    pf.propose(stream, grp, out);
+    const std::uint32_t layer = stream.layer(grp);
+    for (std::uint32_t target = 0; target < 6; ++target) {
+      const bool ahead = target > layer && target <= layer + 2;
+      ASSERT_EQ(pf.forecast(target, got), ahead) << "group " << grp << " layer " << target;
+      if (!ahead) continue;
+      mirror.predict(target, want);
+      for (std::size_t e = 0; e < 16; ++e) EXPECT_FLOAT_EQ(got[e], want[e]);
+    }
+    out.clear();
+    oracle.propose(stream, grp, out);
+    for (std::uint32_t target = layer + 1; target <= layer + 2 && target < 6; ++target) {
+      ASSERT_TRUE(oracle.forecast(target, got));
+      std::size_t named = 0;
+      for (const prefetch_request& r : out) named += r.layer == target ? 1U : 0U;
+      double sum = 0.0;
+      for (const float x : got) sum += static_cast<double>(x);
+      EXPECT_NEAR(sum, static_cast<double>(named), 1e-5) << "the forecast's mass is the layer's routed experts";
+      for (const prefetch_request& r : out) {
+        if (r.layer == target) {
+          EXPECT_FLOAT_EQ(got[r.expert], 0.75F);
+        }
+      }
+    }
+    EXPECT_FALSE(oracle.forecast(layer, got));
+  }
+}
+
+// A predictor that records what it is told.
+class recording_predictor final : public expert_predictor {
+ public:
+  [[nodiscard]] std::string name() const override { return "recording"; }
+  void reset() override { seen.clear(); }
+  void begin_pass() override {}
+  void observe(std::uint32_t layer, std::span<const expert_index> experts) override {
+    observe_routing(layer, {.experts = experts});
+  }
+  void observe_routing(std::uint32_t layer, const layer_routing& routing) override {
+    seen.push_back({layer,
+                    {routing.probabilities.begin(), routing.probabilities.end()},
+                    {routing.sketch.begin(), routing.sketch.end()}});
+  }
+  void predict(std::uint32_t, std::span<float> probability) const override {
+    std::fill(probability.begin(), probability.end(), 0.0F);
+  }
+  struct call {
+    std::uint32_t layer;
+    std::vector<float> probabilities, sketch;
+  };
+  std::vector<call> seen;
+};
+
+// With the stream's trace, the predictive prefetcher passes each step's router probabilities
+// and sketch to the predictor (the mean of a lockstep step's); without it, the experts only.
+TEST(PagerSim, PredictorsSeeTheTracesOptionalFields) {
+  const auto g = small();
+  for (const std::uint32_t batch : {1U, 2U}) {
+    synthetic_options so;
+    so.seed = 4;
+    so.sequences = 2;
+    so.decode_steps = 3;
+    so.batch_size = batch;
+    so.cross_layer = 0.5;
+    so.probabilities = true;
+    so.sketch_dims = 4;
+    const routing_trace trace = generate_synthetic(g, so);
+    const access_stream stream(trace, 32);
+    auto owned = std::make_unique<recording_predictor>();
+    recording_predictor* const rec = owned.get();
+    predictive_prefetcher pf(std::move(owned), {.distance = 1, .trace = &trace});
+    std::vector<prefetch_request> out;
+    pf.reset();
+    for (std::size_t grp = 0; grp < stream.groups(); ++grp) pf.propose(stream, grp, out);
+    ASSERT_EQ(rec->seen.size(), stream.groups());
+    for (std::size_t grp = 0; grp < stream.groups(); ++grp) {
+      const auto [first, last] = stream.trace_events(grp);
+      ASSERT_EQ(last - first, batch);
+      const auto& c = rec->seen[grp];
+      EXPECT_EQ(c.layer, trace[first].layer);
+      ASSERT_EQ(c.probabilities.size(), 16U);
+      ASSERT_EQ(c.sketch.size(), 4U);
+      for (std::size_t i = 0; i < 4; ++i) {
+        float mean = 0.0F;
+        for (std::size_t ev = first; ev < last; ++ev) mean += trace[ev].sketch[i];
+        EXPECT_FLOAT_EQ(c.sketch[i], mean / static_cast<float>(batch));
+      }
+    }
+    const routing_trace other =
+        generate_synthetic(g, {.seed = 4, .sequences = 1, .decode_steps = 1, .probabilities = true});
+    predictive_prefetcher wrong(std::make_unique<recording_predictor>(), {.distance = 1, .trace = &other});
+    wrong.reset();
+    EXPECT_THROW(for (std::size_t grp = 0; grp < stream.groups(); ++grp) wrong.propose(stream, grp, out),
+                 invalid_argument);
+  }
 }
 
 TEST(PagerSim, RefusesBadParameters) {

@@ -58,6 +58,11 @@ input (one of):
     --steps N             decode tokens per sequence (default 128)
     --seed N              generator seed (default 1)
     --locality P          probability a token keeps each previous expert, [0, 1] (default 0.3)
+    --cross-layer P       cross-layer co-activation: a token takes its latent type's expert at each
+                          layer with this probability, [0, 1] (default 0)
+    --probabilities       record full router probability vectors (fMoE's maps use them)
+    --sketch-dims N       record hidden-state sketches of N floats carrying the token's type, for
+                          fMoE's semantic search, [0, 4096] (default 0)
   --batch N             sequences decoded in lockstep (default 1, or what a binary trace records)
   --only-sequences LIST simulate only these sequence ids (e.g. one problem of a recorded trace)
   --realign             re-register the rows of layers that lost rows first (realign_trace,
@@ -86,6 +91,8 @@ model, hardware and cache:
   --max-overhead X      cost-benefit's byte guard: bytes moved stay within (1 + X) x those of LRU
                         demand loading, tracked online by a shadow cache, [0, inf] (default 0.05)
   --prefetch-seed N     seed of the noisy oracle (default 1)
+  --no-forecast-eviction  rank victims by the policy's own history only, not by the prefetcher's
+                        forecast of the layers ahead (the ablation of prefetch-aware eviction)
   --no-bounds           skip the oracle columns (3 extra simulations per layout x capacity x ratio)
 
 output:
@@ -134,6 +141,7 @@ struct config {
   expage::prefetch_admission admission = expage::prefetch_admission::cost_benefit;
   double max_overhead = 0.05;
   std::uint64_t prefetch_seed = 1;
+  bool forecast_eviction = true;
   bool bounds = true;
   std::optional<std::string> json, svg;
   unsigned threads = 0;
@@ -166,6 +174,12 @@ config parse(int argc, char** argv, const std::string& help) {
       c.synth.seed = parse_number<std::uint64_t>(flag, value(), 0, ~std::uint64_t{0});
     } else if (flag == "--locality") {
       c.synth.locality = parse_real(flag, value(), 0.0, 1.0);
+    } else if (flag == "--cross-layer") {
+      c.synth.cross_layer = parse_real(flag, value(), 0.0, 1.0);
+    } else if (flag == "--probabilities") {
+      c.synth.probabilities = true;
+    } else if (flag == "--sketch-dims") {
+      c.synth.sketch_dims = parse_number<std::uint32_t>(flag, value(), 0, expage::max_sketch_dims);
     } else if (flag == "--batch") {
       c.batch = parse_number<std::uint32_t>(flag, value(), 1, 4096);
     } else if (flag == "--only-sequences") {
@@ -258,6 +272,8 @@ config parse(int argc, char** argv, const std::string& help) {
       c.max_overhead = v == "inf" ? std::numeric_limits<double>::infinity() : parse_real(flag, v, 0.0, 1e9);
     } else if (flag == "--prefetch-seed") {
       c.prefetch_seed = parse_number<std::uint64_t>(flag, value(), 0, ~std::uint64_t{0});
+    } else if (flag == "--no-forecast-eviction") {
+      c.forecast_eviction = false;
     } else if (flag == "--no-bounds") {
       c.bounds = false;
     } else if (flag == "--json") {
@@ -555,7 +571,8 @@ int main(int argc, char** argv) {
           } else if (!pc.predictor.empty()) {
             oracle = std::make_unique<expage::predictive_prefetcher>(
                 expage::make_predictor(pc.predictor, g.layers(), g.experts_per_layer(), g.top_k()),
-                expage::predictive_prefetch_options{.distance = c.distance, .threshold = pc.threshold});
+                expage::predictive_prefetch_options{
+                    .distance = c.distance, .threshold = pc.threshold, .trace = &trace});
           }
           results[k] = expage::simulate(stream_for(j.slots), g, j.policy,
                                         {.layout = j.layout,
@@ -566,7 +583,8 @@ int main(int argc, char** argv) {
                                          .dense_bytes_per_layer = c.dense_bytes,
                                          .prefetch = oracle.get(),
                                          .admission = c.admission,
-                                         .max_prefetch_overhead = c.max_overhead});
+                                         .max_prefetch_overhead = c.max_overhead,
+                                         .forecast_eviction = c.forecast_eviction});
           bar.step(fmt::format("{} {} {}", expage::to_string(j.policy), expage::to_string(j.layout), j.slots));
         } catch (...) {
           const std::lock_guard lock(failure_mutex);

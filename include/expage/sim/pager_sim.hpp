@@ -122,6 +122,10 @@ struct predictive_prefetch_options {
   std::uint32_t distance = 1;   ///< Layers ahead of the current one to prefetch for, [1, 64].
   float threshold = 0.5F;       ///< Admit only experts predicted with at least this probability, [0, 1].
   std::uint32_t per_layer = 0;  ///< At most this many per target layer; 0: the geometry's top-k.
+  /// The trace the stream was built from, when it carries router probabilities or sketches
+  /// (trace_fields): the predictor then sees them (expert_predictor::observe_routing()), for a
+  /// lockstep batch the mean of the step's vectors. Null: the experts only. Not owned.
+  const routing_trace* trace = nullptr;
 };
 
 /// @brief A prefetcher driven by an expert_predictor: after each group it tells the predictor
@@ -145,6 +149,7 @@ class predictive_prefetcher final : public prefetcher {
   predictive_prefetch_options options_;
   std::vector<float> probability_;  // [target][expert] of the last propose()
   std::vector<std::uint32_t> target_layers_;
+  std::vector<float> mean_probabilities_, mean_sketch_;  // a lockstep step's fields
   std::vector<std::pair<float, expert_index>> ranked_;
 };
 
