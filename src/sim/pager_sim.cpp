@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 
 namespace expage {
 
@@ -282,6 +283,7 @@ class engine {
     if (pf != nullptr && options_.admission == prefetch_admission::cost_benefit && guarded) {
       sim_options demand_only = options_;
       demand_only.prefetch = nullptr;
+      demand_only.initial_residency.clear();
       shadow_.reserve(stream_.groups());
       visit_policy(options_.guard_baseline, [&](auto tag) {
         engine<typename decltype(tag)::type> shadow(stream_, geometry_, demand_only, cost_);
@@ -289,6 +291,7 @@ class engine {
         static_cast<void>(shadow.run());
       });
     }
+    preload();
     std::vector<prefetch_request> proposals;
     double pass_stall = 0.0;
     std::vector<double> pass_stalls;
@@ -429,6 +432,36 @@ class engine {
     const std::uint32_t room = capacity_ - stream_.largest_group();
     outstanding_cap_ =
         options_.max_outstanding_prefetches != 0 ? std::min(options_.max_outstanding_prefetches, room) : room;
+  }
+
+  // The hot-expert table's experts, resident before the first layer: per scope the hottest that
+  // fit, inserted coldest first so that the hottest is the most recent.
+  void preload() {
+    std::vector<std::uint32_t> taken(policies_.size(), 0);
+    std::vector<std::size_t> chosen;
+    for (const std::uint64_t f : options_.initial_residency) {
+      const auto layer = static_cast<std::uint32_t>(f / experts_);
+      const std::uint32_t s = scope_of(layer);
+      if (state_[f] != residency::absent || taken[s] == capacity_) continue;
+      state_[f] = residency::resident;  // marks it taken; the policy hears of it below
+      ++taken[s];
+      chosen.push_back(static_cast<std::size_t>(f));
+    }
+    for (auto it = chosen.rbegin(); it != chosen.rend(); ++it) {
+      const std::size_t f = *it;
+      const auto layer = static_cast<std::uint32_t>(f / experts_);
+      const auto e = static_cast<expert_index>(f % experts_);
+      const std::uint32_t s = scope_of(layer);
+      const access_context ctx{.time = 0, .layer = layer, .expert = e};
+      if constexpr (requires(Policy & p) { p.on_prefetch(0U, ctx); }) {
+        policies_[s].on_prefetch(key_of(layer, e), ctx);  // no use counted: nothing was routed yet
+      } else {
+        policies_[s].on_insert(key_of(layer, e), ctx);
+      }
+      --free_[s];
+      reserve(s, f);
+      result_.preload_bytes += cost_.expert_bytes;
+    }
   }
 
   // A drained barrier at `now` before group g (the first of a pass): every transfer lands, queued
@@ -955,6 +988,12 @@ void check_options(const access_stream& stream, const moe_geometry& geometry, po
   if (options.guard_baseline == policy_kind::belady) {
     throw invalid_argument("simulate: guard_baseline belady is not an online policy (it reads the future)");
   }
+  for (std::size_t i = 0; i < options.initial_residency.size(); ++i) {
+    if (options.initial_residency[i] >= geometry.expert_count()) {
+      throw invalid_argument(fmt::format("simulate: initial_residency[{}] = {} out of range [0, {})", i,
+                                         options.initial_residency[i], geometry.expert_count()));
+    }
+  }
   if (!(options.max_prefetch_overhead >= 0.0)) {  // NaN fails too
     throw invalid_argument(
         fmt::format("simulate: max_prefetch_overhead {} out of range [0, inf]", options.max_prefetch_overhead));
@@ -1041,8 +1080,21 @@ void hindsight_static(const access_stream& stream, const moe_geometry& geometry,
 
 }  // namespace
 
+std::vector<std::uint64_t> hot_expert_table(const routing_trace& profile) {
+  const std::size_t experts = profile.experts_per_layer();
+  std::vector<std::uint64_t> tokens(std::size_t{profile.layers()} * experts, 0);
+  for (const routing_event& e : profile) {
+    for (const std::uint32_t x : e.experts) ++tokens[std::size_t{e.layer} * experts + x];
+  }
+  std::vector<std::uint64_t> table(tokens.size());
+  std::iota(table.begin(), table.end(), std::uint64_t{0});
+  std::ranges::stable_sort(table, [&](std::uint64_t a, std::uint64_t b) { return tokens[a] > tokens[b]; });
+  return table;
+}
+
 sim_bounds simulate_bounds(const access_stream& stream, const moe_geometry& geometry, const sim_options& options) {
   sim_options o = options;
+  o.initial_residency.clear();  // the bounds are for a cache that starts empty
   o.prefetch = nullptr;
   o.max_outstanding_prefetches = 0;
   o.capacity_schedule.clear();  // the bounds are for the fixed capacity

@@ -541,6 +541,53 @@ TEST(PagerSim, PredictorsSeeTheTracesOptionalFields) {
   }
 }
 
+// PreScope's hot-expert table ranks by tokens routed (brute force), and initial residency
+// fills each scope with its hottest experts before the first layer: with room for every expert
+// nothing is loaded on demand; with less, the preload is the scope's slots, reported apart from
+// the bytes moved, and the budget holds.
+TEST(PagerSim, HotExpertTablePreloadsTheHottest) {
+  const auto g = small();
+  synthetic_options so;
+  so.seed = 2;
+  so.sequences = 2;
+  so.decode_steps = 24;
+  const routing_trace trace = generate_synthetic(g, so);
+  const std::vector<std::uint64_t> table = hot_expert_table(trace);
+  ASSERT_EQ(table.size(), g.expert_count());
+  std::vector<std::uint64_t> tokens(g.expert_count(), 0);
+  for (const routing_event& e : trace) {
+    for (const std::uint32_t x : e.experts) ++tokens[std::size_t{e.layer} * 16 + x];
+  }
+  for (std::size_t i = 1; i < table.size(); ++i) {
+    EXPECT_TRUE(tokens[table[i - 1]] > tokens[table[i]] ||
+                (tokens[table[i - 1]] == tokens[table[i]] && table[i - 1] < table[i]));
+  }
+  const access_stream stream(trace, 2);  // batch 1, top-2: every capacity from 2 up
+  for (const cache_layout layout : {cache_layout::global, cache_layout::per_layer}) {
+    const bool global = layout == cache_layout::global;
+    const std::uint32_t all = global ? 96U : 16U;
+    sim_options o{.layout = layout, .capacity = all, .hardware = no_setup(), .transfer_compute_ratio = 1.0};
+    o.initial_residency = table;
+    const sim_result full = simulate(stream, g, policy_kind::lru, o);
+    EXPECT_EQ(full.demand_misses, 0U);
+    EXPECT_EQ(full.preload_bytes, 96U * full.expert_bytes);
+    EXPECT_EQ(full.bytes_moved(), 0U);
+    for (const policy_kind p : {policy_kind::lru, policy_kind::next_turn}) {
+      o.capacity = global ? 40U : 6U;
+      const sim_result hot = simulate(stream, g, p, o);
+      EXPECT_EQ(hot.preload_bytes, (global ? 40U : 36U) * hot.expert_bytes);
+      EXPECT_LE(hot.budget_peak_bytes, (global ? 40U : 36U) * hot.expert_bytes);
+      o.initial_residency.clear();
+      const sim_result cold = simulate(stream, g, p, o);
+      EXPECT_LT(hot.demand_misses, cold.demand_misses) << "the hottest experts were there from the start";
+      o.initial_residency = table;
+    }
+  }
+  sim_options bad{.capacity = 8, .hardware = no_setup()};
+  bad.initial_residency = {96};
+  EXPECT_THROW((void)simulate(stream, g, policy_kind::lru, bad), invalid_argument);
+}
+
 TEST(PagerSim, RefusesBadParameters) {
   const auto g = tiny();
   const routing_trace t = two_tokens(g);

@@ -91,6 +91,10 @@ model, hardware and cache:
   --max-overhead X      cost-benefit's byte guard: bytes moved stay within (1 + X) x those of LRU
                         demand loading, tracked online by a shadow cache, [0, inf] (default 0.05)
   --prefetch-seed N     seed of the noisy oracle (default 1)
+  --hot-table LIST      PreScope's hot-expert table: rank experts by the tokens routed to them in
+                        these sequences of the trace (an offline profile, e.g. another request)
+                        and make the hottest resident before the first layer (their bytes are
+                        reported as preload_bytes, not in moved)
   --no-forecast-eviction  rank victims by the policy's own history only, not by the prefetcher's
                         forecast of the layers ahead (the ablation of prefetch-aware eviction)
   --no-bounds           skip the oracle columns (3 extra simulations per layout x capacity x ratio)
@@ -142,6 +146,7 @@ struct config {
   double max_overhead = 0.05;
   std::uint64_t prefetch_seed = 1;
   bool forecast_eviction = true;
+  std::optional<std::set<std::uint32_t>> hot_table;
   bool bounds = true;
   std::optional<std::string> json, svg;
   unsigned threads = 0;
@@ -272,6 +277,8 @@ config parse(int argc, char** argv, const std::string& help) {
       c.max_overhead = v == "inf" ? std::numeric_limits<double>::infinity() : parse_real(flag, v, 0.0, 1e9);
     } else if (flag == "--prefetch-seed") {
       c.prefetch_seed = parse_number<std::uint64_t>(flag, value(), 0, ~std::uint64_t{0});
+    } else if (flag == "--hot-table") {
+      c.hot_table = expage_tools::parse_id_set(flag, value());
     } else if (flag == "--no-forecast-eviction") {
       c.forecast_eviction = false;
     } else if (flag == "--no-bounds") {
@@ -335,14 +342,14 @@ std::string result_json(const expage::sim_result& r, const cell& c, bool bounds)
   return fmt::format(
       R"({{"layout":"{}","slots":{},"policy":"{}","prefetch":"{}","ratio":{},"transfer_s":{},"layer_s":{},)"
       R"("tokens":{},"accesses":{},"hits":{},"demand_misses":{},"miss_ratio":{},"evictions":{},)"
-      R"("bytes_moved":{},"demand_bytes":{},"prefetch_bytes":{},"stall_per_token_s":{},"stall_p50_s":{},"stall_p99_s":{},)"
+      R"("bytes_moved":{},"demand_bytes":{},"prefetch_bytes":{},"preload_bytes":{},"stall_per_token_s":{},"stall_p50_s":{},"stall_p99_s":{},)"
       R"("time_per_token_s":{},"stall_by_cause_per_token_s":{{{}}},"prefetches_issued":{},"prefetches_used":{},)"
       R"("prefetches_late":{},"prefetches_wasted":{},"prefetches_promoted":{},"prefetches_cancelled":{},)"
       R"("prefetches_refused":{},"prefetch_victim_refaults":{},"prefetch_precision":{},"prefetch_coverage":{},)"
       R"("prefetch_timeliness":{},"prefetch_bytes_per_useful_byte":{},"budget_peak_bytes":{},"layers":[{}]{}}})",
       expage::to_string(r.layout), r.capacity, expage::to_string(r.policy), r.prefetcher, json_number(r.ratio),
       json_number(r.transfer_seconds), json_number(r.layer_seconds), r.tokens, r.accesses, r.hits, r.demand_misses,
-      json_number(r.miss_ratio()), r.evictions, r.bytes_moved(), r.demand_bytes, r.prefetch_bytes,
+      json_number(r.miss_ratio()), r.evictions, r.bytes_moved(), r.demand_bytes, r.prefetch_bytes, r.preload_bytes,
       json_number(r.stall_seconds_per_token()), json_number(r.per_pass.p50), json_number(r.per_pass.p99),
       json_number(r.seconds_per_token()), causes, r.prefetches_issued, r.prefetches_used, r.prefetches_late,
       r.prefetches_wasted, r.prefetches_promoted, r.prefetches_cancelled, r.prefetches_refused,
@@ -505,6 +512,12 @@ int main(int argc, char** argv) {
       fmt::print("realigned: {} short layer(s), {} row(s) moved\n", r.layers.size(), r.rows_moved());
       trace = r.trace;
     }
+    std::vector<std::uint64_t> hot;
+    if (c.hot_table) {
+      const expage::routing_trace profile = expage_tools::only_sequences(trace, *c.hot_table);
+      if (profile.empty()) throw usage_error{"--hot-table: none of these sequences is in the trace"};
+      hot = expage::hot_expert_table(profile);
+    }
     if (c.only_sequences) trace = expage_tools::only_sequences(trace, *c.only_sequences);
     if (c.shuffle_seed) trace = expage::shuffle_tokens(trace, *c.shuffle_seed);
     const std::string source = c.trace ? *c.trace : fmt::format("synthetic (seed {})", c.synth.seed);
@@ -584,7 +597,8 @@ int main(int argc, char** argv) {
                                          .prefetch = oracle.get(),
                                          .admission = c.admission,
                                          .max_prefetch_overhead = c.max_overhead,
-                                         .forecast_eviction = c.forecast_eviction});
+                                         .forecast_eviction = c.forecast_eviction,
+                                         .initial_residency = hot});
           bar.step(fmt::format("{} {} {}", expage::to_string(j.policy), expage::to_string(j.layout), j.slots));
         } catch (...) {
           const std::lock_guard lock(failure_mutex);

@@ -207,6 +207,12 @@ struct sim_options {
   /// a prefetch whose victim's predicted next use is no later than the newcomer's. Off: the
   /// policy ranks by its own history and the check looks only at prefetched experts.
   bool forecast_eviction = true;
+  /// PreScope's hot-expert table (hot_expert_table()): flat expert indices (layer · E + expert),
+  /// hottest first, made resident before the first layer, as many as each scope has slots, the
+  /// hottest most recently inserted. Loaded before decoding starts: no stall, and their bytes are
+  /// reported apart (sim_result::preload_bytes), not in bytes_moved(). The guards' shadow runs
+  /// without it (the baseline is plain demand loading). Each index below layers × experts.
+  std::vector<std::uint64_t> initial_residency{};
   /// Most prefetches queued or in flight at once; 0: capacity − the stream's largest group (the
   /// most that still leaves a whole group room to load on demand: a prefetch never takes the slot
   /// a demand load needs).
@@ -271,6 +277,7 @@ struct sim_result {
   /// queued one never goes ahead of a demand load).
   double longest_wait_behind_prefetch = 0.0;
 
+  std::uint64_t preload_bytes = 0;                        ///< Bytes of sim_options::initial_residency, before decoding.
   std::uint64_t demand_bytes = 0;                         ///< Bytes moved by demand loads.
   std::uint64_t prefetch_bytes = 0;                       ///< Bytes moved by prefetches (started ones).
   std::array<double, stall_cause_count> stall_seconds{};  ///< Total stall by cause.
@@ -347,6 +354,13 @@ struct sim_bounds {
   double hindsight_static_stall_per_token = 0;
   std::uint64_t hindsight_static_misses = 0;  ///< Its demand loads.
 };
+
+/// PreScope's hot-expert table (PreScope §4, "hot-expert table"; control-layer notes E6): every
+/// expert of @p profile's geometry as a flat index (layer · E + expert), ranked by the tokens
+/// routed to it in @p profile (an offline profile, e.g. other requests of the same workload),
+/// ties to the smaller index. At initialisation an engine loads the first ones into the memory
+/// left for experts (sim_options::initial_residency).
+[[nodiscard]] std::vector<std::uint64_t> hot_expert_table(const routing_trace& profile);
 
 /// Computes the bounds for @p options (its prefetcher is ignored).
 [[nodiscard]] sim_bounds simulate_bounds(const access_stream& stream, const moe_geometry& geometry,
