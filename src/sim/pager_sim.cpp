@@ -827,10 +827,9 @@ class engine {
   [[nodiscard]] bool within_guards(std::size_t g) const noexcept {
     if (shadow_.empty()) return true;  // both guards off: no shadow was run
     const shadow_point& base = shadow_[g];
-    const double allowed = options_.max_prefetch_overhead;
-    if (!std::isinf(allowed)) {
-      const double moved = static_cast<double>(result_.demand_misses + started_prefetches_ + outstanding_);
-      if (moved > (1.0 + allowed) * static_cast<double>(base.misses) + 1.0) return false;
+    const double moved = static_cast<double>(result_.demand_misses + started_prefetches_ + outstanding_);
+    if (!within_prefetch_overhead(moved, static_cast<double>(base.misses), options_.max_prefetch_overhead)) {
+      return false;
     }
     return !options_.stall_guard || stall_so_far_ <= base.stall;
   }

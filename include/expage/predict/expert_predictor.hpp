@@ -10,6 +10,7 @@
 
 #include "expage/core/expert_id.hpp"
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -228,6 +229,15 @@ class fmoe_map_predictor final : public expert_predictor {
 /// requests for one layer.
 void most_probable(std::span<const float> probability, float threshold, std::size_t most,
                    std::vector<std::pair<float, expert_index>>& out);
+
+/// The byte guard of prefetching (docs/prefetch.md), the one rule the simulator's admission and
+/// the runtime's prefetcher share: true while @p moved transfers (demand loads and prefetches so
+/// far, the simulator also counting those queued or in flight) stay within (1 + @p share) × the
+/// @p baseline's (a key-only shadow of LRU demand loading over the same routing) plus one
+/// transfer. @p share = +∞ turns it off.
+[[nodiscard]] inline bool within_prefetch_overhead(double moved, double baseline, double share) noexcept {
+  return std::isinf(share) || moved <= (1.0 + share) * baseline + 1.0;
+}
 
 /// A predictor by name: "frequency", "previous", "coactivation", "fmoe".
 /// @throws expage::invalid_argument for another name, listing the accepted ones.
