@@ -116,6 +116,11 @@ predictive_prefetcher::predictive_prefetcher(std::unique_ptr<expert_predictor> p
   if (!(options.threshold >= 0.0F && options.threshold <= 1.0F)) {
     throw invalid_argument(fmt::format("predictive_prefetcher: threshold {} out of range [0, 1]", options.threshold));
   }
+  if (options.forecast_distance != 0 &&
+      (options.forecast_distance < options.distance || options.forecast_distance > 64)) {
+    throw invalid_argument(fmt::format("predictive_prefetcher: forecast_distance {} out of range [{}, 64] (or 0)",
+                                       options.forecast_distance, options.distance));
+  }
 }
 
 std::string predictive_prefetcher::name() const {
@@ -170,17 +175,19 @@ void predictive_prefetcher::propose(const access_stream& stream, std::size_t g, 
   } else {
     predictor_->observe(layer, stream.experts(g));
   }
-  probability_.resize(std::size_t{experts} * options_.distance);
+  const std::uint32_t horizon = std::max(options_.distance, options_.forecast_distance);
+  probability_.resize(std::size_t{experts} * horizon);
   target_layers_.clear();
-  // The later groups of this pass within `distance` layers: their layers, never their routing.
+  // The later groups of this pass within `horizon` layers: their layers, never their routing.
   for (std::size_t h = g + 1; h < stream.groups() && !stream.starts_pass(h); ++h) {
     const std::uint32_t target = stream.layer(h);
     if (target <= layer) continue;  // another part of a split layer-step
-    if (target > layer + options_.distance) break;
+    if (target > layer + horizon) break;
     if (h > g + 1 && stream.layer(h - 1) == target) continue;  // predicted once per layer
     const std::span<float> p(probability_.data() + target_layers_.size() * experts, experts);
     target_layers_.push_back(target);
     predictor_->predict(target, p);
+    if (target > layer + options_.distance) continue;  // forecast only
     most_probable(p, options_.threshold, per_layer, ranked_);
     for (const auto& [q, e] : ranked_) out.push_back({.layer = target, .expert = e, .use_group = h, .probability = q});
   }

@@ -471,6 +471,22 @@ TEST(PagerSim, PrefetchersForecastWhatTheyPredicted) {
     }
     EXPECT_FALSE(oracle.forecast(layer, got));
   }
+  // A longer forecast than the prefetch distance: forecasts reach 3 layers, proposals 1.
+  predictive_prefetcher far(std::make_unique<coactivation_predictor>(6, 16, 2),
+                            {.distance = 1, .threshold = 0.0F, .forecast_distance = 3});
+  far.reset();
+  for (std::size_t grp = 0; grp < stream.groups(); ++grp) {
+    out.clear();
+    far.propose(stream, grp, out);
+    const std::uint32_t layer = stream.layer(grp);
+    for (const prefetch_request& r : out) EXPECT_EQ(r.layer, layer + 1);
+    for (std::uint32_t target = 0; target < 6; ++target) {
+      EXPECT_EQ(far.forecast(target, got), target > layer && target <= layer + 3);
+    }
+  }
+  EXPECT_THROW(predictive_prefetcher(std::make_unique<coactivation_predictor>(6, 16, 2),
+                                     {.distance = 2, .forecast_distance = 1}),
+               invalid_argument);
 }
 
 // A predictor that records what it is told.

@@ -86,6 +86,8 @@ model, hardware and cache:
                         store, trajectory search): an online predictor, prefetching
                         experts predicted with probability >= T (default 0.5) (default none)
   --distance D          prefetch distance in layer groups (default 2)
+  --forecast-distance F layers ahead an online predictor forecasts for prefetch-aware eviction,
+                        [D, 64] (default D)
   --admission A         cost-benefit (PreScope Eq. 6-7: issue a prefetch only when the expected time
                         saved exceeds the expected delay) or all (ungated) (default cost-benefit)
   --max-overhead X      cost-benefit's byte guard: bytes moved stay within (1 + X) x those of LRU
@@ -142,6 +144,7 @@ struct config {
   std::vector<expage::cache_layout> layouts = {expage::cache_layout::global};
   std::vector<prefetch_choice> prefetch = {{"none", std::nullopt}};
   std::uint32_t distance = 2;
+  std::uint32_t forecast_distance = 0;
   expage::prefetch_admission admission = expage::prefetch_admission::cost_benefit;
   double max_overhead = 0.05;
   std::uint64_t prefetch_seed = 1;
@@ -263,6 +266,8 @@ config parse(int argc, char** argv, const std::string& help) {
       }
     } else if (flag == "--distance") {
       c.distance = parse_number<std::uint32_t>(flag, value(), 1, 64);
+    } else if (flag == "--forecast-distance") {
+      c.forecast_distance = parse_number<std::uint32_t>(flag, value(), 1, 64);
     } else if (flag == "--admission") {
       const std::string_view v = value();
       if (v == "all") {
@@ -298,6 +303,9 @@ config parse(int argc, char** argv, const std::string& help) {
     }
   }
   if (c.trace.has_value() == c.synthetic) throw usage_error{"give exactly one of --trace FILE and --synthetic"};
+  if (c.forecast_distance != 0 && c.forecast_distance < c.distance) {
+    throw usage_error{fmt::format("--forecast-distance {} below --distance {}", c.forecast_distance, c.distance)};
+  }
   return c;
 }
 
@@ -584,8 +592,10 @@ int main(int argc, char** argv) {
           } else if (!pc.predictor.empty()) {
             oracle = std::make_unique<expage::predictive_prefetcher>(
                 expage::make_predictor(pc.predictor, g.layers(), g.experts_per_layer(), g.top_k()),
-                expage::predictive_prefetch_options{
-                    .distance = c.distance, .threshold = pc.threshold, .trace = &trace});
+                expage::predictive_prefetch_options{.distance = c.distance,
+                                                    .threshold = pc.threshold,
+                                                    .forecast_distance = c.forecast_distance,
+                                                    .trace = &trace});
           }
           results[k] = expage::simulate(stream_for(j.slots), g, j.policy,
                                         {.layout = j.layout,

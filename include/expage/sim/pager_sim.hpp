@@ -122,6 +122,10 @@ struct predictive_prefetch_options {
   std::uint32_t distance = 1;   ///< Layers ahead of the current one to prefetch for, [1, 64].
   float threshold = 0.5F;       ///< Admit only experts predicted with at least this probability, [0, 1].
   std::uint32_t per_layer = 0;  ///< At most this many per target layer; 0: the geometry's top-k.
+  /// Layers ahead it forecasts for prefetch-aware eviction (prefetcher::forecast()); 0: `distance`.
+  /// A forecast of the next layer alone is used up before that layer's demand loads, so it ranks
+  /// prefetch victims only; a longer one also ranks demand victims. [0, 64], at least `distance`.
+  std::uint32_t forecast_distance = 0;
   /// The trace the stream was built from, when it carries router probabilities or sketches
   /// (trace_fields): the predictor then sees them (expert_predictor::observe_routing()), for a
   /// lockstep batch the mean of the step's vectors. Null: the experts only. Not owned.
