@@ -97,6 +97,8 @@ model, hardware and cache:
                         these sequences of the trace (an offline profile, e.g. another request)
                         and make the hottest resident before the first layer (their bytes are
                         reported as preload_bytes, not in moved)
+  --no-trace-fields     predictors see the routed experts only, not the trace's router probabilities
+                        and sketches (the ablation of fMoE's full maps and semantic search)
   --no-forecast-eviction  rank victims by the policy's own history only, not by the prefetcher's
                         forecast of the layers ahead (the ablation of prefetch-aware eviction)
   --no-bounds           skip the oracle columns (3 extra simulations per layout x capacity x ratio)
@@ -149,6 +151,7 @@ struct config {
   double max_overhead = 0.05;
   std::uint64_t prefetch_seed = 1;
   bool forecast_eviction = true;
+  bool trace_fields = true;
   std::optional<std::set<std::uint32_t>> hot_table;
   bool bounds = true;
   std::optional<std::string> json, svg;
@@ -284,6 +287,8 @@ config parse(int argc, char** argv, const std::string& help) {
       c.prefetch_seed = parse_number<std::uint64_t>(flag, value(), 0, ~std::uint64_t{0});
     } else if (flag == "--hot-table") {
       c.hot_table = expage_tools::parse_id_set(flag, value());
+    } else if (flag == "--no-trace-fields") {
+      c.trace_fields = false;
     } else if (flag == "--no-forecast-eviction") {
       c.forecast_eviction = false;
     } else if (flag == "--no-bounds") {
@@ -595,7 +600,7 @@ int main(int argc, char** argv) {
                 expage::predictive_prefetch_options{.distance = c.distance,
                                                     .threshold = pc.threshold,
                                                     .forecast_distance = c.forecast_distance,
-                                                    .trace = &trace});
+                                                    .trace = c.trace_fields ? &trace : nullptr});
           }
           results[k] = expage::simulate(stream_for(j.slots), g, j.policy,
                                         {.layout = j.layout,
