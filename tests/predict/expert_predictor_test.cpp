@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <random>
+#include <span>
 #include <tuple>
 #include <vector>
 
@@ -54,6 +55,24 @@ struct reference_coactivation {
     return weights == 0.0 ? -1.0F : static_cast<float>(score / weights);
   }
 };
+
+// fMoE's Eq. 6–8 by sorting: the chosen map's row, by descending p, until its mass reaches
+// δ = clip(1 − score, 0, 1) and at least top-k are in; each gets score · p / max p, the rest 0.
+std::vector<float> delta_set(std::span<const float> row, double score, std::uint32_t top_k) {
+  std::vector<std::pair<float, expert_index>> ranked;
+  for (expert_index e = 0; e < row.size(); ++e) ranked.emplace_back(row[e], e);
+  std::stable_sort(ranked.begin(), ranked.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
+  std::vector<float> out(row.size(), 0.0F);
+  const double delta = std::clamp(1.0 - score, 0.0, 1.0);
+  double mass = 0;
+  for (std::uint32_t i = 0; i < row.size(); ++i) {
+    if ((i >= top_k && mass >= delta) || ranked[i].first <= 0.0F) break;
+    mass += static_cast<double>(ranked[i].first);
+    out[ranked[i].second] =
+        static_cast<float>(score * static_cast<double>(ranked[i].first) / static_cast<double>(ranked[0].first));
+  }
+  return out;
+}
 
 // The slow, obviously correct expert-map store: every finished pass's map kept (when full, the
 // stored map with the highest whole-map cosine to the new one is replaced); trajectory search
@@ -124,21 +143,7 @@ struct reference_fmoe {
         best = y;
       }
     }
-    score = std::max(score, 0.0);
-    std::vector<std::pair<float, expert_index>> ranked;
-    for (expert_index e = 0; e < experts; ++e) ranked.emplace_back(maps[best][target * experts + e], e);
-    std::stable_sort(ranked.begin(), ranked.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
-    std::fill(out.begin(), out.end(), 0.0F);
-    const double delta = std::clamp(1.0 - score, 0.0, 1.0);
-    double mass = 0;
-    for (std::uint32_t i = 0; i < experts; ++i) {
-      if (i >= top_k && mass >= delta) break;
-      if (ranked[i].first <= 0.0F && i >= top_k) break;
-      mass += static_cast<double>(ranked[i].first);
-      out[ranked[i].second] =
-          static_cast<float>(score * static_cast<double>(ranked[i].first) / static_cast<double>(ranked[0].first));
-    }
-    return out;
+    return delta_set(std::span(maps[best]).subspan(target * experts, experts), std::max(score, 0.0), top_k);
   }
 };
 
@@ -274,21 +279,7 @@ struct reference_fmoe_fields {
         best = y;
       }
     }
-    score = std::max(score, 0.0);
-    std::vector<std::pair<float, expert_index>> ranked;
-    for (expert_index e = 0; e < experts; ++e) ranked.emplace_back(maps[best].rows[target * experts + e], e);
-    std::stable_sort(ranked.begin(), ranked.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
-    std::fill(out.begin(), out.end(), 0.0F);
-    const double delta = std::clamp(1.0 - score, 0.0, 1.0);
-    double mass = 0;
-    for (std::uint32_t i = 0; i < experts; ++i) {
-      if (i >= top_k && mass >= delta) break;
-      if (ranked[i].first <= 0.0F) break;
-      mass += static_cast<double>(ranked[i].first);
-      out[ranked[i].second] =
-          static_cast<float>(score * static_cast<double>(ranked[i].first) / static_cast<double>(ranked[0].first));
-    }
-    return out;
+    return delta_set(std::span(maps[best].rows).subspan(target * experts, experts), std::max(score, 0.0), top_k);
   }
 };
 

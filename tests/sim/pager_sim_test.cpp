@@ -392,12 +392,8 @@ TEST(PagerSim, NoisyOracleIsDeterministicPerSeed) {
 TEST(PagerSim, AdmissionNeverDelaysADemandLoad) {
   const auto g = small();
   for (std::uint64_t seed = 1; seed <= 3; ++seed) {
-    synthetic_options so;
-    so.seed = seed;
-    so.sequences = 3;
-    so.decode_steps = 32;
-    so.cross_layer = 0.6;
-    const routing_trace trace = generate_synthetic(g, so);
+    const routing_trace trace =
+        generate_synthetic(g, {.seed = seed, .sequences = 3, .decode_steps = 32, .cross_layer = 0.6});
     for (const std::uint32_t capacity : {8U, 30U}) {
       const access_stream stream(trace, capacity);
       for (const double r : {0.5, 3.0}) {
@@ -433,12 +429,7 @@ TEST(PagerSim, AdmissionNeverDelaysADemandLoad) {
 // proposals `recall` and shares the rest of the layer's routed experts among the others.
 TEST(PagerSim, PrefetchersForecastWhatTheyPredicted) {
   const auto g = small();
-  synthetic_options so;
-  so.seed = 9;
-  so.sequences = 1;
-  so.decode_steps = 6;
-  so.cross_layer = 0.6;
-  const routing_trace trace = generate_synthetic(g, so);
+  const routing_trace trace = generate_synthetic(g, {.seed = 9, .sequences = 1, .decode_steps = 6, .cross_layer = 0.6});
   const access_stream stream(trace, 16);
   predictive_prefetcher pf(std::make_unique<coactivation_predictor>(6, 16, 2), {.distance = 2, .threshold = 0.0F});
   coactivation_predictor mirror(6, 16, 2);
@@ -524,15 +515,13 @@ class recording_predictor final : public expert_predictor {
 TEST(PagerSim, PredictorsSeeTheTracesOptionalFields) {
   const auto g = small();
   for (const std::uint32_t batch : {1U, 2U}) {
-    synthetic_options so;
-    so.seed = 4;
-    so.sequences = 2;
-    so.decode_steps = 3;
-    so.batch_size = batch;
-    so.cross_layer = 0.5;
-    so.probabilities = true;
-    so.sketch_dims = 4;
-    const routing_trace trace = generate_synthetic(g, so);
+    const routing_trace trace = generate_synthetic(g, {.seed = 4,
+                                                       .sequences = 2,
+                                                       .decode_steps = 3,
+                                                       .batch_size = batch,
+                                                       .cross_layer = 0.5,
+                                                       .probabilities = true,
+                                                       .sketch_dims = 4});
     const access_stream stream(trace, 32);
     auto owned = std::make_unique<recording_predictor>();
     recording_predictor* const rec = owned.get();
@@ -569,11 +558,7 @@ TEST(PagerSim, PredictorsSeeTheTracesOptionalFields) {
 // the bytes moved, and the budget holds.
 TEST(PagerSim, HotExpertTablePreloadsTheHottest) {
   const auto g = small();
-  synthetic_options so;
-  so.seed = 2;
-  so.sequences = 2;
-  so.decode_steps = 24;
-  const routing_trace trace = generate_synthetic(g, so);
+  const routing_trace trace = generate_synthetic(g, {.seed = 2, .sequences = 2, .decode_steps = 24});
   const std::vector<std::uint64_t> table = hot_expert_table(trace);
   ASSERT_EQ(table.size(), g.expert_count());
   std::vector<std::uint64_t> tokens(g.expert_count(), 0);
