@@ -128,7 +128,8 @@ struct predictive_prefetch_options {
   std::uint32_t forecast_distance = 0;
   /// The trace the stream was built from, when it carries router probabilities or sketches
   /// (trace_fields): the predictor then sees them (expert_predictor::observe_routing()), for a
-  /// lockstep batch the mean of the step's vectors. Null: the experts only. Not owned.
+  /// lockstep batch the mean of the step's vectors. Null: the experts only. Not owned; propose()
+  /// throws expage::invalid_argument when a group's events lie beyond it (another trace).
   const routing_trace* trace = nullptr;
 };
 
