@@ -527,9 +527,10 @@ int main(int argc, char** argv) {
     }
     std::vector<std::uint64_t> hot;
     if (c.hot_table) {
-      const expage::routing_trace profile = expage_tools::only_sequences(trace, *c.hot_table);
-      if (profile.empty()) throw usage_error{"--hot-table: none of these sequences is in the trace"};
-      hot = expage::hot_expert_table(profile);
+      const bool any = std::any_of(trace.begin(), trace.end(),
+                                   [&](const expage::routing_event& e) { return c.hot_table->contains(e.sequence); });
+      if (!any) throw usage_error{"--hot-table: none of these sequences is in the trace"};
+      hot = expage::hot_expert_table(expage_tools::only_sequences(trace, *c.hot_table));
     }
     if (c.only_sequences) trace = expage_tools::only_sequences(trace, *c.only_sequences);
     if (c.shuffle_seed) trace = expage::shuffle_tokens(trace, *c.shuffle_seed);
