@@ -73,11 +73,13 @@ void oracle_prefetcher::propose(const access_stream& stream, std::size_t g, std:
   const auto confidence = static_cast<float>(recall_);  // calibrated: a proposal is right with probability recall
   target_layers_.clear();
   for (auto& t : target_experts_) t.clear();
+  bool crossed = false;  // a later pass started
   for (std::size_t h = g + 1; h <= g + distance_ && h < stream.groups(); ++h) {
     const std::uint32_t layer = stream.layer(h);
     const auto routed = stream.experts(h);
     // The forecast covers the later layers of this pass (a split layer's parts as one).
-    const bool same_pass = !stream.starts_pass(h) && layer > stream.layer(g);
+    crossed = crossed || stream.starts_pass(h);
+    const bool same_pass = !crossed && layer > stream.layer(g);
     std::vector<expert_index>* named = nullptr;
     if (same_pass) {
       const auto it = std::find(target_layers_.begin(), target_layers_.end(), layer);
