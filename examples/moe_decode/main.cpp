@@ -572,9 +572,9 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   expage::host_stream copy("copy"), compute("compute"), prefetch("prefetch");
   using runtime_type = expage::expert_runtime<expage::host_vmm, expage::host_stream, Policy>;
   expage::expert_runtime_options runtime_options{
-      .views = {.stable_tensors = o.view == "stable" || o.view == "records",
-                .slots = o.view == "slots",
-                .records = o.view == "records"},
+      // Each view alone: a records-only runtime keeps its versions in slot mappings that live as
+      // long as the slot (no stable page to map per load; on a host that saves its page faults).
+      .views = {.stable_tensors = o.view == "stable", .slots = o.view == "slots", .records = o.view == "records"},
       .trace_events = o.trace_out.empty() || quiet ? 0 : std::size_t{1} << 20};
   run_result r;
   // Two tiers: hi_share of the bytes for bf16 versions, the rest for lo ones (at least top-k of them).

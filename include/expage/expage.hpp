@@ -59,6 +59,7 @@
 #include "expage/runtime/event_trace.hpp"
 #include "expage/runtime/expert_map_hook.hpp"
 #include "expage/runtime/expert_runtime.hpp"
+#include "expage/runtime/four_pool_driver.hpp"
 #include "expage/sim/hardware_profile.hpp"
 #include "expage/sim/pager_sim.hpp"
 #include "expage/stream/async_stream.hpp"

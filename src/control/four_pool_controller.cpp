@@ -328,11 +328,7 @@ void four_pool_controller::new_burst() noexcept {
 }
 
 double four_pool_controller::kv_cost(std::uint64_t blocks) const {
-  const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(blocks, kv_.max_capacity()));
-  // The open sessions' blocks a pool of `blocks` cannot hold: each is recomputed on its return.
-  const auto held = std::lower_bound(kv_open_depths_.begin(), kv_open_depths_.end(), blocks);
-  const auto open = static_cast<double>(kv_open_depths_.end() - held);
-  return model_.kv_miss_seconds * std::max(kv_.predicted_misses(n), open);
+  return model_.kv_miss_seconds * kv_predicted_misses(kv_, blocks, kv_open_depths_);
 }
 
 double four_pool_controller::expert_cost(std::uint32_t hi, std::uint32_t lo) const {

@@ -167,9 +167,18 @@ memory_split live_split(const split_model& model, std::uint64_t peak_kv_blocks, 
   return make_split(model, cap, 0.0);  // Eq. 10: B_KV = B − c·S_E
 }
 
+double kv_predicted_misses(const decayed_reuse_histogram& kv, std::uint64_t blocks,
+                           std::span<const std::uint64_t> open_depths) noexcept {
+  const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(blocks, kv.max_capacity()));
+  // The open sessions' blocks a pool of `blocks` cannot hold: each is recomputed on its return.
+  const auto held = std::lower_bound(open_depths.begin(), open_depths.end(), blocks);
+  return std::max(kv.predicted_misses(n), static_cast<double>(open_depths.end() - held));
+}
+
 online_split_decision online_split_step(const split_model& model, const online_split_config& config,
                                         const decayed_reuse_histogram& experts, const decayed_reuse_histogram& kv,
-                                        std::uint32_t current_cap, int previous_move) {
+                                        std::uint32_t current_cap, int previous_move,
+                                        std::span<const std::uint64_t> kv_open_depths) {
   check_model(model, "online_split_step");
   check_config(config);
   check_cap(model, current_cap, "online_split_step");
@@ -179,8 +188,8 @@ online_split_decision online_split_step(const split_model& model, const online_s
   }
   // Predicted cost: Eq. 4 over the decayed warm-reuse curves (App. B decisions 1–2).
   const auto cost = [&](std::uint32_t c) {
-    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(kv.max_capacity(), kv_blocks(model, c)));
-    return model.expert_miss_seconds * experts.predicted_misses(c) + model.kv_miss_seconds * kv.predicted_misses(n);
+    return model.expert_miss_seconds * experts.predicted_misses(c) +
+           model.kv_miss_seconds * kv_predicted_misses(kv, kv_blocks(model, c), kv_open_depths);
   };
   const std::uint32_t top = max_expert_cap(model);
   online_split_decision out;
@@ -233,7 +242,14 @@ split_controller::split_controller(const split_model& model, const online_split_
 }
 
 online_split_decision split_controller::step() const {
-  return online_split_step(model_, config_, experts_, kv_, current_.expert_cap, last_move_);
+  return online_split_step(model_, config_, experts_, kv_, current_.expert_cap, last_move_, kv_open_depths_);
+}
+
+void split_controller::set_kv_open_depths(std::vector<std::uint64_t> depths) {
+  if (!std::is_sorted(depths.begin(), depths.end())) {
+    throw invalid_argument("split_controller::set_kv_open_depths: depths not sorted ascending");
+  }
+  kv_open_depths_ = std::move(depths);
 }
 
 void split_controller::commit(const online_split_decision& decision, bool applied) noexcept {

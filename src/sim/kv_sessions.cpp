@@ -1,11 +1,13 @@
 #include "expage/sim/kv_sessions.hpp"
 
+#include "expage/cache/eviction_policy.hpp"
 #include "expage/core/error.hpp"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 #include <random>
 
@@ -302,6 +304,20 @@ kv_pool_result simulate_kv_pool(const kv_block_stream& stream, std::uint64_t cap
     r.step_recomputes.push_back(recomputes);
   }
   return r;
+}
+
+std::vector<std::uint64_t> open_block_depths(const kv_block_stream& kv, std::span<const std::uint64_t> last_read,
+                                             std::uint64_t step) {
+  std::vector<std::pair<std::uint64_t, std::uint32_t>> seen;  // (last read, block), most recent first
+  for (std::uint32_t b = 0; b < last_read.size(); ++b) {
+    if (last_read[b] != never) seen.emplace_back(last_read[b], b);
+  }
+  std::sort(seen.begin(), seen.end(), std::greater<>());
+  std::vector<std::uint64_t> depths;
+  for (std::size_t i = 0; i < seen.size(); ++i) {
+    if (kv.closes_at(seen[i].second) > step) depths.push_back(i);
+  }
+  return depths;
 }
 
 }  // namespace expage

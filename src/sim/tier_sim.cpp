@@ -712,22 +712,6 @@ std::string split_name(const four_pool_split& s) {
                     : fmt::format("static:hi-only {}", s.hi_slots);
 }
 
-// The LRU stack depths, ascending, of the cached blocks whose session is open after step @p step:
-// a block's depth is the number of blocks read since it was last read.
-std::vector<std::uint64_t> open_depths(const kv_block_stream& kv, std::span<const std::uint64_t> last_read,
-                                       std::uint64_t step) {
-  std::vector<std::pair<std::uint64_t, std::uint32_t>> seen;  // (last read, block), most recent first
-  for (std::uint32_t b = 0; b < last_read.size(); ++b) {
-    if (last_read[b] != never) seen.emplace_back(last_read[b], b);
-  }
-  std::sort(seen.begin(), seen.end(), std::greater<>());
-  std::vector<std::uint64_t> depths;
-  for (std::size_t i = 0; i < seen.size(); ++i) {
-    if (kv.closes_at(seen[i].second) > step) depths.push_back(i);
-  }
-  return depths;
-}
-
 // One run: the controller (frozen for a static split) drives the engine pass by pass.
 tier_run run(const tier_workload& w, const four_pool_model& m, four_pool_controller& controller,
              const four_pool_options* options, std::string name) {
@@ -757,7 +741,7 @@ tier_run run(const tier_workload& w, const four_pool_model& m, four_pool_control
     const std::uint64_t b = pass / burst;
     if (pass % burst == 0) {
       if (pass != 0 && online) {
-        if (options->kv_open_sessions) controller.set_kv_open_depths(open_depths(kv, last_read, pass - 1));
+        if (options->kv_open_sessions) controller.set_kv_open_depths(open_block_depths(kv, last_read, pass - 1));
         const four_pool_decision d = controller.step();
         tier_burst& previous = out.bursts[b - 1];
         previous.target = d.target;

@@ -240,6 +240,42 @@ TEST(OnlineSplitStep, AReversalNeedsTheLargerGate) {
   EXPECT_THROW((void)online_split_step(m, {.gate = 0.05, .reversal_gate = 0.04}, eh, kh, 4), invalid_argument);
 }
 
+// The open sessions' blocks: a pool of n blocks is predicted to recompute at least the open
+// blocks deeper than n (against a brute force over every n), and they move the split toward KV
+// before the histogram has seen their reuse.
+TEST(OnlineSplitStep, OpenSessionBlocksRaiseTheKvValue) {
+  decayed_reuse_histogram kh({.max_capacity = 20, .bin_width = 1, .decay = 1.0});
+  for (int i = 0; i < 5; ++i) kh.record(2);
+  for (int i = 0; i < 3; ++i) kh.record(12);
+  const std::vector<std::uint64_t> depths{0, 1, 4, 9, 15, 15, 30};
+  for (std::uint64_t n = 0; n <= 40; ++n) {
+    std::uint64_t deeper = 0;
+    for (const std::uint64_t d : depths) deeper += d >= n ? 1 : 0;
+    const double want = std::max(kh.predicted_misses(std::min<std::uint64_t>(n, 20)), static_cast<double>(deeper));
+    EXPECT_DOUBLE_EQ(kv_predicted_misses(kh, n, depths), want) << n;
+  }
+  EXPECT_DOUBLE_EQ(kv_predicted_misses(kh, 3, {}), kh.predicted_misses(3));
+  // Experts want every slot (a miss at every cap below 8), KV's histogram is empty: without the
+  // signal the cap stays at the top; 12 open blocks at depths 0..11 make KV worth more.
+  decayed_reuse_histogram eh({.max_capacity = 8, .bin_width = 1, .decay = 1.0});
+  for (int i = 0; i < 4; ++i) eh.record(6);
+  decayed_reuse_histogram empty({.max_capacity = 30, .bin_width = 1, .decay = 1.0});
+  const auto m = model(90, 3);  // caps 0..8, 3 bytes a block: cap 8 leaves 3 blocks
+  std::vector<std::uint64_t> open(12);
+  for (std::uint64_t i = 0; i < open.size(); ++i) open[i] = i;
+  const auto blind = online_split_step(m, {.gate = 0.0}, eh, empty, 8);
+  const auto told = online_split_step(m, {.gate = 0.0}, eh, empty, 8, 0, open);
+  EXPECT_FALSE(blind.moved);
+  EXPECT_TRUE(told.moved);
+  EXPECT_LT(told.target_cap, 8U);
+  split_controller c(m, {.gate = 0.0}, {.max_capacity = 8, .bin_width = 1, .decay = 1.0},
+                     {.max_capacity = 30, .bin_width = 1, .decay = 1.0}, 8);
+  for (int i = 0; i < 4; ++i) c.experts().record(6);
+  c.set_kv_open_depths(open);
+  EXPECT_EQ(c.step().target_cap, told.target_cap);
+  EXPECT_THROW(c.set_kv_open_depths({3, 1}), invalid_argument);
+}
+
 // Every decision stays at or above the least cap a step can run with.
 TEST(SplitModel, MinExpertCapBoundsEveryDecision) {
   split_model m = model(200, 10);

@@ -6,6 +6,8 @@
 #include "common/runtime_fixture.hpp"
 
 #include "expage/cache/lru_policy.hpp"
+#include "expage/control/four_pool_controller.hpp"
+#include "expage/runtime/four_pool_driver.hpp"
 
 #include <gtest/gtest.h>
 
@@ -310,6 +312,12 @@ TEST(ExpertRuntimeTiers, NeverSwitchesUnderALeaseOrAPendingKernel) {
   }
   kernel.done->store(true);
   w.copy.synchronize();  // a real kernel is ordered after the lo version's load; this fake one is not
+  {
+    auto window = rt.table().open_window();  // engine code reading the record through a handle
+    ASSERT_NE(rt.table().pin(window, {2, 1}), nullptr);
+    rt.poll();
+    EXPECT_EQ(rt.active_tier({2, 1}), version_tier::lo) << "a window pins the expert";
+  }
   rt.poll();
   EXPECT_EQ(rt.active_tier({2, 1}), version_tier::hi);
   EXPECT_EQ(w.check_tiers(rt), "");
@@ -384,6 +392,73 @@ TEST(ExpertRuntimeTiers, DemandTierHiLoadsHiAndStillServesResidentLoVersions) {
   w.compute.synchronize();
   EXPECT_EQ(w.mismatches.load(), 0U);
   EXPECT_EQ(w.check_tiers(rt), "");
+}
+
+// The demand tier can change (a split without a lo tier pages hi versions); with targets_load_hi a
+// hi target's miss loads hi at once when the hi tier has room, as the four-pool rule says.
+TEST(ExpertRuntimeTiers, DemandTierChangesAndHiTargetsLoadHi) {
+  tiered_world w(4, 4);
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
+             {.capacity = 1, .lo_capacity = 4, .targets_load_hi = true, .max_prefetch_in_flight = 1}, &prefetch);
+  const std::size_t hi = rt.expert_bytes(version_tier::hi);
+  const std::size_t lo = rt.expert_bytes(version_tier::lo);
+  try {
+    rt.set_demand_tier(version_tier::hi);
+    ADD_FAILURE() << "a demand tier below top-k accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("holds 1 versions, below one layer's routed experts (2)"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(rt.demand_tier(), version_tier::lo);
+  (void)rt.resize_tiers(2 * hi, 4 * lo);
+  // The background stream is busy (a prefetch held behind a gate, the one load in flight allowed),
+  // so the targets' promotions wait in the queue and their first use is a demand miss.
+  std::promise<void> gate;
+  auto opened = gate.get_future().share();
+  prefetch.enqueue([opened] { opened.wait(); });
+  const std::uint32_t one[] = {7};
+  rt.prefetch(0, one);
+  const target members[] = {{.expert = {2, 0}, .state = residency_state::resident_hi},
+                            {.expert = {2, 1}, .state = residency_state::resident_hi},
+                            {.expert = {2, 2}, .state = residency_state::resident_hi}};
+  rt.set_targets(members);
+  EXPECT_EQ(rt.statistics().transitions_queued, 3U);
+  const std::uint32_t first[] = {0, 1};
+  auto lease = rt.acquire(2, first);
+  EXPECT_EQ(lease.tiers()[0], version_tier::hi) << "a hi target's miss loads hi (a free hi slot)";
+  EXPECT_EQ(lease.tiers()[1], version_tier::hi);
+  w.check_lease_on_compute(rt, lease);
+  lease.release();
+  const std::uint32_t third[] = {2};
+  lease = rt.acquire(2, third);
+  EXPECT_EQ(lease.tiers()[0], version_tier::lo) << "the hi tier holds only targets: the miss loads lo";
+  w.check_lease_on_compute(rt, lease);
+  lease.release();
+  auto s = rt.statistics();
+  EXPECT_EQ(s.tiers[0].total.misses, 2U);
+  EXPECT_EQ(s.tiers[1].total.misses, 1U);
+  gate.set_value();
+  w.compute.synchronize();
+  prefetch.synchronize();
+  rt.poll();
+  // A split without a lo tier: demand hi, lo emptied, in one call.
+  rt.set_targets({});
+  (void)rt.resize_tiers(4 * hi, 0, version_tier::hi);
+  EXPECT_EQ(rt.demand_tier(), version_tier::hi);
+  EXPECT_EQ(rt.capacity(version_tier::lo), 0U);
+  const std::uint32_t routed[] = {6, 7};
+  lease = rt.acquire(3, routed);
+  EXPECT_EQ(lease.tiers()[0], version_tier::hi);
+  EXPECT_EQ(lease.tiers()[1], version_tier::hi);
+  w.check_lease_on_compute(rt, lease);
+  lease.release();
+  w.compute.synchronize();
+  prefetch.synchronize();
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_EQ(w.check_tiers(rt), "");
+  EXPECT_THROW((void)rt.resize_tiers(4 * hi, 0, version_tier::lo), invalid_argument) << "lo demand without lo slots";
+  EXPECT_EQ(rt.demand_tier(), version_tier::hi);
 }
 
 // resize_tiers shrinks the losing tier first; the account is never over-committed.
@@ -604,6 +679,99 @@ TEST(ExpertRuntimeTiers, ADoubleFaultEvictsTheVictimAndItsRecord) {
   EXPECT_EQ(w.check_tiers(rt), "");
 }
 
+// The four-pool controller drives the runtime and a KV pool through four_pool_driver: after every
+// burst the runtime's tiers, its demand tier and the experts' account are the controller's split,
+// the budget B holds with the KV pool beside them, and a refused KV resize leaves the previous
+// split in force everywhere (WiSP D3); kernels always read complete versions.
+TEST(ExpertRuntimeTiers, FourPoolDriverAppliesTheControllersSplits) {
+  tiered_world w;
+  const std::size_t hi = w.page_rounded(precision::bf16);
+  const std::size_t lo = w.page_rounded(precision::int4);
+  const std::uint64_t block = 4096;
+  const std::uint64_t floor = 16 * block;
+  const std::uint64_t total = 8 * hi + 8 * lo + 2 * floor;
+  budget_tracker budget(total);
+  budget_account& experts = budget.add_account("experts", 2 * lo);
+  budget_account& kv = budget.add_account("kv", 0);
+  std::optional<reservation> kv_used;  // the KV pool's blocks: it keeps its whole size in use
+  std::uint64_t kv_calls = 0;          // the first move's KV resize is refused (call 1 is the driver's construction)
+  const auto resize_kv = [&](std::uint64_t bytes) {
+    if (++kv_calls == 2) return false;
+    kv_used.reset();
+    (void)kv.set_capacity(bytes);
+    kv_used = kv.reserve(bytes);
+    return true;
+  };
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, experts, w.vmm, w.copy, w.compute, w.sources(),
+             {.capacity = 0, .lo_capacity = 2, .targets_load_hi = true}, &prefetch);
+  const four_pool_model model{.budget_bytes = total,
+                              .layers = 4,
+                              .experts_per_layer = 8,
+                              .hi_expert_bytes = hi,
+                              .lo_expert_bytes = lo,
+                              .block_bytes = block,
+                              .kv_floor_bytes = floor,
+                              .hi_miss_seconds = 1e-3,
+                              .lo_miss_seconds = 0.6e-3,
+                              .kv_miss_seconds = 2e-3,
+                              .lo_activation_seconds = 4e-4,
+                              .min_group = 2,
+                              .members_load_hi = true};
+  four_pool_controller controller(model, {}, make_four_pool_split(model, 0, 2));
+  four_pool_driver<runtime> driver(rt, controller, experts, resize_kv);
+  EXPECT_EQ(rt.capacity(version_tier::lo), 8U);
+  const auto check_split = [&](const char* when) {
+    const four_pool_split& s = controller.current();
+    EXPECT_EQ(rt.capacity(version_tier::hi), s.hi_slots * 4) << when;
+    EXPECT_EQ(rt.capacity(version_tier::lo), s.lo_slots * 4) << when;
+    EXPECT_EQ(rt.demand_tier(), s.tiered() ? version_tier::lo : version_tier::hi) << when;
+    EXPECT_EQ(experts.capacity(), hi_pool_bytes(model, s) + lo_pool_bytes(model, s)) << when;
+    EXPECT_EQ(kv.capacity(), s.kv_bytes) << when;
+    EXPECT_LE(budget.root().used(), total) << when;
+  };
+  check_split("at construction");
+  std::mt19937_64 rng(41);
+  std::uint64_t refused_bursts = 0;
+  for (int burst = 0; burst < 24; ++burst) {
+    const bool skewed = burst < 12;  // a phase shift: hot experts, then uniform routing with KV pressure
+    for (int token = 0; token < 8; ++token) {
+      for (std::uint32_t layer = 0; layer < 4; ++layer) {
+        std::vector<std::uint32_t> routed = skewed
+                                                ? std::vector<std::uint32_t>{static_cast<std::uint32_t>(rng() % 2),
+                                                                             static_cast<std::uint32_t>(2 + rng() % 2)}
+                                                : w.random_group(rng, 2);
+        auto lease = rt.acquire(layer, routed);
+        driver.on_routed(layer, routed);
+        w.check_lease_on_compute(rt, lease);
+        lease.release();
+      }
+      if (token % 2 == 1) driver.end_interval();
+    }
+    // KV reuse: little in the first phase, long-distance rereads in the second.
+    for (int i = 0; i < 64; ++i) controller.kv().record(skewed ? rng() % 4 : 8 + rng() % 40);
+    w.compute.synchronize();
+    prefetch.synchronize();
+    const four_pool_split before = controller.current();
+    const auto [decision, applied] = driver.at_barrier();
+    if (!applied) {
+      ++refused_bursts;
+      EXPECT_EQ(controller.current(), before) << "a refused resize leaves the previous split";
+    }
+    check_split(fmt::format("after burst {}", burst).c_str());
+  }
+  w.compute.synchronize();
+  prefetch.synchronize();
+  rt.poll();
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_GT(w.checked.load(), 500U);
+  EXPECT_GT(controller.statistics().moves, 0U) << "the controller moved the split at least once";
+  EXPECT_EQ(driver.refused(), refused_bursts);
+  EXPECT_EQ(refused_bursts, 1U) << "the first move was refused";
+  EXPECT_EQ(controller.statistics().failed_resizes, refused_bursts);
+  EXPECT_GT(rt.statistics().total.switches + rt.statistics().tiers[0].total.misses, 0U) << "hi versions served";
+}
+
 // Random leases, targets, prefetches and resizes: after every step every view of every version
 // agrees, and kernels read complete versions of the precision their lease was served at; a held
 // lease's records never change.
@@ -613,7 +781,12 @@ TEST(ExpertRuntimeTiers, ViewsAgreeOnRandomWorkloads) {
   shadow_map maps(w.geometry.expert_count());
   shadow_records mirror(w.geometry.expert_count());
   runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
-             {.capacity = 3, .max_prefetch_in_flight = 3, .record_mirror = &mirror, .map_mirror = &maps}, &prefetch);
+             {.capacity = 3,
+              .targets_load_hi = true,
+              .max_prefetch_in_flight = 3,
+              .record_mirror = &mirror,
+              .map_mirror = &maps},
+             &prefetch);
   std::mt19937_64 rng(17);
   const std::size_t hi = rt.expert_bytes(version_tier::hi);
   std::optional<runtime::lease> held;
@@ -655,8 +828,12 @@ TEST(ExpertRuntimeTiers, ViewsAgreeOnRandomWorkloads) {
     } else if (op == 7) {
       rt.prefetch(layer, w.random_group(rng, 2), static_cast<float>(rng() % 3));
     } else if (op == 8) {
-      const std::size_t h = rng() % 4;  // 0..3 hi; the rest of the account to lo
-      (void)rt.resize_tiers(h * hi, w.tiers_account.capacity() - h * hi);
+      const std::size_t h = rng() % 4;  // 0..3 hi; the rest of the account to lo, or a split without lo
+      if (h >= 2 && rng() % 3 == 0) {
+        (void)rt.resize_tiers(h * hi, 0, version_tier::hi);
+      } else {
+        (void)rt.resize_tiers(h * hi, w.tiers_account.capacity() - h * hi, version_tier::lo);
+      }
     } else {
       rt.poll();
     }

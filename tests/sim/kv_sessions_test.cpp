@@ -1,5 +1,6 @@
 #include "expage/sim/kv_sessions.hpp"
 
+#include "expage/cache/eviction_policy.hpp"
 #include "expage/cache/reuse_distance.hpp"
 #include "expage/core/error.hpp"
 
@@ -254,6 +255,32 @@ TEST(KvSessions, BadInputIsNamedWithItsRange) {
     ADD_FAILURE();
   } catch (const invalid_argument& e) {
     EXPECT_THAT(e.what(), HasSubstr("schedule[1].step 5 out of range [6, 500)"));
+  }
+}
+
+// open_block_depths() against a list-based LRU: after every step, the depth of each cached block
+// whose session is open is its position in the recency order.
+TEST(KvSessions, OpenBlockDepthsEqualAListBasedLru) {
+  const auto kv = generate_kv_sessions(two_phases(7));
+  std::vector<std::uint64_t> last_read(kv.key_count(), never);
+  std::uint64_t reads = 0;
+  std::list<std::uint32_t> recency;  // most recent first
+  std::unordered_map<std::uint32_t, std::list<std::uint32_t>::iterator> where;
+  for (std::uint64_t step = 0; step < kv.steps(); ++step) {
+    for (const std::uint32_t b : kv.blocks(step)) {
+      last_read[b] = reads++;
+      if (const auto it = where.find(b); it != where.end()) recency.erase(it->second);
+      recency.push_front(b);
+      where[b] = recency.begin();
+    }
+    if (step % 37 != 0) continue;
+    std::vector<std::uint64_t> want;
+    std::uint64_t depth = 0;
+    for (const std::uint32_t b : recency) {
+      if (kv.closes_at(b) > step) want.push_back(depth);
+      ++depth;
+    }
+    ASSERT_EQ(open_block_depths(kv, last_read, step), want) << "step " << step;
   }
 }
 

@@ -2,9 +2,12 @@
 # The main demo: builds expage (release) and runs examples/moe_decode, a MoE decode loop whose
 # expert weights live in an expert_runtime under a budget of 25% of their bytes:
 #   1. OLMoE-1B-7B at 1/8 scale, routed by the model's own router on its hidden states;
-#   2. Mixtral-8x7B at 1/16 scale, replaying the real HumanEval routing trace when
+#   2. the same model with mixed-precision residency: half the budget for bf16 versions, the rest
+#      for int4 ones, DynaExq's hot-set controller promoting and demoting in the background;
+#   3. Mixtral-8x7B at 1/16 scale, replaying the real HumanEval routing trace when
 #      ../shared/traces is present (the first 64 tokens; --tokens 0 replays all of it).
-# Every layer's output is checked bit-exact against all-resident weights; the run prints tokens/s,
+# Every layer's output is checked bit-exact against all-resident weights (in the precision each
+# expert was served at); the run prints tokens/s,
 # the hit rate, bytes moved, compute against waiting, and writes a Chrome trace (open it in
 # https://ui.perfetto.dev or chrome://tracing) to build/release/moe_decode-*.json.
 set -euo pipefail
@@ -19,6 +22,11 @@ echo
 echo "=== OLMoE-1B-7B (1/8 scale), 32 tokens routed by the model, 25% budget ==="
 "$decode" --geometry olmoe-1b-7b --scale 8 --tokens 32 --budget 25% \
   --trace-out build/release/moe_decode-olmoe.json "$@"
+
+echo
+echo "=== the same, two tiers: bf16 hot set + int4 for the rest, under the same budget ==="
+"$decode" --geometry olmoe-1b-7b --scale 8 --tokens 32 --budget 25% --lo-precision int4 --hi-share 50% \
+  --trace-out build/release/moe_decode-olmoe-tiers.json "$@"
 
 real=../shared/traces/mixtral8x7b-vllm-humaneval/humaneval_2_routing.jsonl
 if [[ -f "$real" ]]; then

@@ -65,7 +65,8 @@ struct four_pool_model {
   /// g ≥ 1: the most experts one layer-step routes; a pool that loads on demand needs ≥ g slots.
   std::uint32_t min_group = 1;
   /// The serve rule's choice for a hi-set member missing both versions: load hi (true), or the lo
-  /// tier like any miss (false: `expert_runtime`'s fixed demand tier lo). decide_serve().
+  /// tier like any miss (false). decide_serve(); `expert_runtime_options::targets_load_hi` is the
+  /// runtime's side of it.
   bool members_load_hi = true;
   four_pool_space space{};  ///< Which splits are admissible.
 };
@@ -136,8 +137,8 @@ struct expert_residency {
 /// hi if resident; else the resident lo version (no stall, quality price); else wait for a
 /// version in flight; else load on demand: hi when there is no lo tier, or for a hi-set member
 /// (its promotion has not landed: "load hi by a rule") when @p members_load_hi, lo otherwise.
-/// `expert_runtime` as built loads its fixed demand tier (lo by default) for every miss, which is
-/// this rule with @p members_load_hi false.
+/// `expert_runtime` follows it: it serves a resident version of either tier, loads its demand tier
+/// (hi for a split without a lo tier), and with `targets_load_hi` loads hi for a hi target.
 [[nodiscard]] constexpr serve_action decide_serve(const expert_residency& s, bool lo_tier,
                                                   bool members_load_hi = true) noexcept {
   if (s.hi_ready) return serve_action::serve_hi;

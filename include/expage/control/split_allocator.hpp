@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 namespace expage {
@@ -117,6 +118,16 @@ struct online_split_config {
   double reversal_gate = 0.10;
 };
 
+/// @brief The KV misses a pool of @p blocks is predicted to take: the decayed histogram's warm
+/// misses (WiSP App. B), or, when more, the cached blocks of sessions still open that the pool
+/// cannot hold (@p open_depths, their LRU stack depths ascending, 0 = most recently read): each is
+/// recomputed when its session returns. The histogram sees a session's far reuse only after it
+/// happened (and was recomputed); the open blocks are known as soon as the context is written, by
+/// an engine that knows which conversations are open [not in WiSP; docs/control.md].
+/// @param kv the KV stream's histogram; @p blocks beyond its max_capacity read its value there.
+[[nodiscard]] double kv_predicted_misses(const decayed_reuse_histogram& kv, std::uint64_t blocks,
+                                         std::span<const std::uint64_t> open_depths) noexcept;
+
 /// @brief What online_split_step() decided.
 struct online_split_decision {
   memory_split split;            ///< The split to apply now (the current one when nothing moves).
@@ -148,10 +159,13 @@ struct online_split_decision {
 ///        other way needs a gain above config.reversal_gate instead of config.gate.
 /// @throws expage::invalid_argument for a bad model or config, a histogram of the wrong size, a budget
 ///         below the floor, or a current cap out of [min_expert_cap, E] or below the floor.
+/// @param kv_open_depths the LRU stack depths, ascending, of the cached KV blocks whose session is
+///        still open (kv_predicted_misses(); empty: unknown, WiSP's controller as written).
 [[nodiscard]] online_split_decision online_split_step(const split_model& model, const online_split_config& config,
                                                       const decayed_reuse_histogram& experts,
                                                       const decayed_reuse_histogram& kv, std::uint32_t current_cap,
-                                                      int previous_move = 0);
+                                                      int previous_move = 0,
+                                                      std::span<const std::uint64_t> kv_open_depths = {});
 
 /// @brief The online controller's state between bursts: its two histograms and the split in force,
 /// with WiSP's fail-safe (D3): a resize that fails leaves the previous split in force.
@@ -183,6 +197,10 @@ class split_controller {
   [[nodiscard]] decayed_reuse_histogram& experts() noexcept { return experts_; }
   /// The KV stream's histogram.
   [[nodiscard]] decayed_reuse_histogram& kv() noexcept { return kv_; }
+  /// The LRU stack depths (0 = most recently read) of the cached KV blocks whose session is still
+  /// open (kv_predicted_misses()); kept until the next call; empty: unknown.
+  /// @throws expage::invalid_argument when @p depths is not sorted ascending.
+  void set_kv_open_depths(std::vector<std::uint64_t> depths);
   /// Decides the burst's move (pure: nothing changes until commit()).
   [[nodiscard]] online_split_decision step() const;
   /// Records the outcome of applying @p decision: on success its split is in force; on failure the
@@ -201,6 +219,7 @@ class split_controller {
   decayed_reuse_histogram experts_;
   decayed_reuse_histogram kv_;
   memory_split current_;
+  std::vector<std::uint64_t> kv_open_depths_;  // ascending
   std::uint64_t failed_ = 0;
   int last_move_ = 0;
 };

@@ -97,7 +97,13 @@ struct expert_runtime_options {
   std::uint32_t lo_capacity = 0;
   /// Two sources: the tier a demand miss and a prefetch load (lo: an absent expert is served at low
   /// precision at once, and promoted in the background when the controller asks, as in DynaExq).
+  /// set_demand_tier() and resize_tiers() change it.
   version_tier demand_tier = version_tier::lo;
+  /// Two sources, demand tier lo: a demand miss of an expert whose target is resident_hi (a hi-set
+  /// member whose promotion has not landed) loads its hi version instead, when the hi tier has a
+  /// free slot or a version that is not itself a hi target (four_pool_controller's rule for
+  /// members, `decide_serve(..., members_load_hi = true)`); otherwise it loads lo as any miss.
+  bool targets_load_hi = false;
   /// Background loads (prefetches and transitions) in flight at once, ≥ 1.
   std::uint32_t max_prefetch_in_flight = 2;
   /// Events the Chrome trace keeps; 0: no trace.
@@ -245,7 +251,8 @@ struct resident_expert {
 ///   kernel (or takes the engine's completion), and until that completes the
 ///   versions cannot be evicted or switched: an eviction waits for the victim's
 ///   last completion (WAR fence on one event) and never touches a pinned version
-///   (vLLM PR #37190); a switch is only made once the old version's kernels are done.
+///   (vLLM PR #37190); a switch is only made once the old version's kernels are done,
+///   and not while an open window of the handle table pins the expert.
 ///   lease::tiers() says which tier served each expert.
 /// - **Choice of victims** by the tier's eviction policy, over one global key space
 ///   of `layers × experts` keys; versions pinned by a lease, still loading, or
@@ -579,7 +586,8 @@ class expert_runtime {
   }
 
   /// Sets the bytes of each tier: ⌊hi_bytes / expert_bytes(hi)⌋ hi versions and ⌊lo_bytes /
-  /// expert_bytes(lo)⌋ lo versions (@p lo_bytes is ignored with one tier). Every shrinking tier
+  /// expert_bytes(lo)⌋ lo versions (@p lo_bytes is ignored with one tier), and with @p demand the
+  /// demand tier (a split without a lo tier: demand hi and lo_bytes 0). Every shrinking tier
   /// evicts first (waiting for its victims' last kernels) and returns its blocks to the system,
   /// and only then are capacities raised: the footprint never exceeds the larger of the old and
   /// the new total (WiSP §3.4: shrink the losing pool before growing the other).
@@ -587,12 +595,16 @@ class expert_runtime {
   /// versions, a tier more than the experts, or both together more than the account's capacity
   /// (nothing changes).
   /// @throws whatever a victim's completion throws (versions evicted so far stay evicted).
-  std::array<runtime_resize, version_tier_count> resize_tiers(std::size_t hi_bytes, std::size_t lo_bytes) {
+  std::array<runtime_resize, version_tier_count> resize_tiers(std::size_t hi_bytes, std::size_t lo_bytes,
+                                                              std::optional<version_tier> demand = std::nullopt) {
     std::array<std::uint32_t, version_tier_count> wanted{};
     const std::array<std::size_t, version_tier_count> bytes{hi_bytes, lo_bytes};
+    if (demand) (void)demand_checked(*demand);
+    const std::lock_guard lock(mutex_);  // the demand tier is read under it
+    const std::size_t new_demand = demand ? static_cast<std::size_t>(*demand) : demand_tier_;
     for (std::size_t t = 0; t < tier_count_; ++t) {
       const std::uint64_t n = bytes[t] / expert_bytes(static_cast<version_tier>(t));
-      const std::uint32_t least = t == demand_tier_ ? geometry_.top_k() : 0;
+      const std::uint32_t least = t == new_demand ? geometry_.top_k() : 0;
       if (n < least || n > expert_count_) {
         throw invalid_argument(
             fmt::format("expert_runtime::resize: {} bytes hold {} {} of {} bytes, out of range [{}, {}]{}", bytes[t], n,
@@ -604,7 +616,6 @@ class expert_runtime {
       wanted[t] = static_cast<std::uint32_t>(n);
     }
     check_total(wanted, "resize");
-    const std::lock_guard lock(mutex_);
     drain_releases();
     for (std::size_t t = 0; t < tier_count_; ++t) {
       while (resident_count(t) > wanted[t]) {
@@ -616,6 +627,7 @@ class expert_runtime {
       }
     }
     pool_.trim();
+    demand_tier_ = new_demand;
     std::array<runtime_resize, version_tier_count> out{};
     for (std::size_t t = 0; t < tier_count_; ++t) {
       tier(t).capacity = wanted[t];  // the target: surplus versions still pinned go when their leases are released
@@ -629,6 +641,20 @@ class expert_runtime {
                      "resize", host_track_);
     }
     return out;
+  }
+  /// Makes @p which the tier demand misses and prefetches load from now on (a split without a lo
+  /// tier pages hi versions on demand).
+  /// @throws expage::invalid_argument for a tier the runtime lacks, or one with fewer than top_k
+  /// slots (nothing changes).
+  void set_demand_tier(version_tier which) {
+    const std::size_t t = demand_checked(which);
+    const std::lock_guard lock(mutex_);
+    if (tier(t).capacity < geometry_.top_k()) {
+      throw invalid_argument(fmt::format(
+          "expert_runtime::set_demand_tier: the {} tier holds {} versions, below one layer's routed experts ({})",
+          to_string(which), tier(t).capacity, geometry_.top_k()));
+    }
+    demand_tier_ = t;
   }
   /// @}
 
@@ -736,7 +762,10 @@ class expert_runtime {
     return checked_tier(which, "format").source.format;
   }
   /// The tier demand misses and prefetches load.
-  [[nodiscard]] version_tier demand_tier() const noexcept { return static_cast<version_tier>(demand_tier_); }
+  [[nodiscard]] version_tier demand_tier() const {
+    const std::lock_guard lock(mutex_);
+    return static_cast<version_tier>(demand_tier_);
+  }
   /// Bytes one resident version of tier @p which holds: both pages, rounded up to the granularity.
   /// @throws expage::invalid_argument for a tier the runtime lacks.
   [[nodiscard]] std::size_t expert_bytes(version_tier which = version_tier::hi) const {
@@ -873,7 +902,8 @@ class expert_runtime {
   // One miss of a group, planned before anything changes.
   struct planned_load {
     std::uint32_t expert = 0;             // flat index
-    std::optional<std::uint32_t> victim;  // flat index whose version (blocks and slot) in the demand tier it takes
+    std::size_t tier = 0;                 // the tier it loads (the demand tier, or hi for a hi target)
+    std::optional<std::uint32_t> victim;  // flat index whose version (blocks and slot) in that tier it takes
     lease_type fresh;                     // blocks from the pool when there is no victim
     std::int32_t slot = -1;
     std::optional<transition> activation;  // the records view's transition of the expert
@@ -948,6 +978,10 @@ class expert_runtime {
   static constexpr std::size_t index(expert_tensor t) noexcept { return static_cast<std::size_t>(t); }
   [[nodiscard]] tier_state& tier(std::size_t t) noexcept { return *tiers_[t]; }
   [[nodiscard]] const tier_state& tier(std::size_t t) const noexcept { return *tiers_[t]; }
+  [[nodiscard]] std::size_t demand_checked(version_tier which) const {
+    (void)checked_tier(which, "set_demand_tier");
+    return static_cast<std::size_t>(which);
+  }
   [[nodiscard]] const tier_state& checked_tier(version_tier which, const char* what) const {
     const auto t = static_cast<std::size_t>(which);
     if (t >= tier_count_) {
@@ -1264,7 +1298,7 @@ class expert_runtime {
 
   // A resident version of tier t that may be evicted: not pinned by a lease, not loading (unless
   // @p include_loading: the caller then waits for the load in fence()), not in @p excluded, not
-  // whose expert a handle-table window pins (when evicting it would make the expert absent);
+  // whose expert a handle-table window pins (when it is the active version);
   // with @p ready_only also with its last kernel done (never waits); with @p protect_targets
   // not a version at its expert's target tier. Polls loading versions first so finished loads
   // become evictable.
@@ -1291,8 +1325,9 @@ class expert_runtime {
     while (candidates > 0) {
       const std::uint32_t v = T.policy.victim(pin_view{blocked_.data()}, access_context{.time = clock_});
       EXPAGE_ASSERT(T.versions[v].slot >= 0 && blocked_[v] == 0, "expert_runtime: the policy chose a blocked victim");
-      const bool to_absent = active_[v] == t && sibling(t, v) == nullptr;
-      const bool window_pinned = to_absent && options_.views.records && table_.pinned(geometry_.expert_at(v));
+      // Evicting an active version changes the expert's record (to nothing, or to its other
+      // version): not while an open window of the handle table pins the expert.
+      const bool window_pinned = active_[v] == t && options_.views.records && table_.pinned(geometry_.expert_at(v));
       const any_completion* last = last_use(T.versions[v]);
       const bool busy = ready_only && last != nullptr && !last->ready();
       if (!window_pinned && !busy) return v;
@@ -1450,77 +1485,93 @@ class expert_runtime {
   [[gnu::noinline]] void serve_misses(std::uint32_t layer, lease_record& record) {
     const std::span<const std::uint32_t> group = record.flat;
     const std::size_t d = demand_tier_;
-    tier_state& D = tier(d);
-    std::uint32_t need = 0;  // the group's experts that need a demand-tier slot
+    std::uint32_t need = 0;  // the group's experts that need a demand-tier slot (a miss may go hi instead)
     for (const std::uint32_t f : group)
       if (active_[f] == no_tier || active_[f] == d) ++need;
-    if (need > D.capacity) {
+    if (need > tier(d).capacity) {
       const std::string where =
           tier_count_ == 1 ? std::string() : fmt::format(" in the {} tier", to_string(static_cast<version_tier>(d)));
       throw invalid_argument(fmt::format(
           "expert_runtime::acquire: {} experts routed at layer {} but at most {} can be resident{} (split the tokens "
           "with group_tokens)",
-          need, layer, D.capacity, where));
+          need, layer, tier(d).capacity, where));
     }
     refresh_loading();
     if (!background_.empty()) {
       for (const std::uint32_t f : group) try_switch(f);  // a complete background version serves from now on
     }
     std::vector<planned_load> plan;
-    std::uint32_t free_budgeted = 0;  // fresh slots this group takes
+    std::array<std::uint32_t, version_tier_count> free_budgeted{};  // fresh slots this group takes, per tier
+    // Room for one miss in tier t: fresh blocks, or a victim fenced (false when neither).
+    const auto find_room = [&](planned_load& p, std::size_t t, bool required) {
+      if (resident_count(t) + free_budgeted[t] < tier(t).capacity) {
+        if (lease_type fresh = try_fresh_blocks(t)) {
+          p.fresh = std::move(fresh);
+          ++free_budgeted[t];
+          return true;
+        }
+      }
+      std::vector<std::uint32_t> excluded(group.begin(), group.end());
+      for (const planned_load& q : plan) {
+        if (q.victim && q.tier == t) excluded.push_back(*q.victim);
+      }
+      // An optional room (hi for a hi target) never waits for a kernel and never takes another target's version.
+      std::optional<std::uint32_t> v = choose_victim(t, excluded, /*ready_only=*/!required, false, !required);
+      if (!v && required) v = choose_victim(t, excluded, /*ready_only=*/false, /*include_loading=*/true);
+      if (!v) return false;
+      fence(t, *v, &stats(t, layer));
+      p.victim = v;
+      return true;
+    };
     for (const std::uint32_t f : group) {
       if (active_[f] != no_tier) continue;
       planned_load p;
       p.expert = f;
-      if (resident_count(d) + free_budgeted < D.capacity) {
-        lease_type fresh = try_fresh_blocks(d);
-        if (fresh) {
-          p.fresh = std::move(fresh);
-          ++free_budgeted;
-        }
+      p.tier = d;
+      // The four-pool rule (decide_serve with members_load_hi): a hi-set member's miss loads hi
+      // when the hi tier has room without evicting another member; otherwise the demand tier.
+      bool placed = false;
+      if (options_.targets_load_hi && tier_count_ == 2 && d != 0 && target_[f] == 0 && tier(0).capacity > 0) {
+        placed = find_room(p, 0, /*required=*/false);
+        if (placed) p.tier = 0;
       }
-      if (!p.fresh) {
-        std::vector<std::uint32_t> excluded(group.begin(), group.end());
-        for (const planned_load& q : plan) {
-          if (q.victim) excluded.push_back(*q.victim);
-        }
-        std::optional<std::uint32_t> v = choose_victim(d, excluded, /*ready_only=*/false);
-        if (!v) v = choose_victim(d, excluded, /*ready_only=*/false, /*include_loading=*/true);
-        if (!v) {
-          throw out_of_budget(fmt::format("expert_runtime::acquire: no room for {} at layer {}: {} of {} resident "
-                                          "{} versions are pinned or loading "
-                                          "and the account {} has {} bytes free (a version needs {})",
-                                          geometry_.expert_at(f), layer, resident_count(d) - evictable_count(d),
-                                          resident_count(d), to_string(static_cast<version_tier>(d)), account_->name(),
-                                          account_->available(), version_bytes(d)),
-                              version_bytes(d), account_->available());
-        }
-        fence(d, *v, &stats(d, layer));
-        p.victim = v;
+      if (!placed && !find_room(p, d, /*required=*/true)) {
+        throw out_of_budget(fmt::format("expert_runtime::acquire: no room for {} at layer {}: {} of {} resident "
+                                        "{} versions are pinned or loading "
+                                        "and the account {} has {} bytes free (a version needs {})",
+                                        geometry_.expert_at(f), layer, resident_count(d) - evictable_count(d),
+                                        resident_count(d), to_string(static_cast<version_tier>(d)), account_->name(),
+                                        account_->available(), version_bytes(d)),
+                            version_bytes(d), account_->available());
       }
-      if (p.victim) p.eviction = begin_eviction(d, *p.victim);
-      p.activation = begin_version(d, f);
+      if (p.victim) p.eviction = begin_eviction(p.tier, *p.victim);
+      p.activation = begin_version(p.tier, f);
       plan.push_back(std::move(p));
     }
-    // Slots: a victim's slot is taken over with its blocks; fresh blocks take a free slot.
-    std::size_t next_free = D.free_slots.size();
+    // Slots: a victim's slot is taken over with its blocks; fresh blocks take a free slot of their tier.
+    std::array<std::size_t, version_tier_count> next_free{};
+    for (std::size_t t = 0; t < tier_count_; ++t) next_free[t] = tier(t).free_slots.size();
     for (planned_load& p : plan) {
-      p.slot = p.victim ? D.versions[*p.victim].slot : static_cast<std::int32_t>(D.free_slots[--next_free]);
+      tier_state& T = tier(p.tier);
+      p.slot = p.victim ? T.versions[*p.victim].slot : static_cast<std::int32_t>(T.free_slots[--next_free[p.tier]]);
     }
-    std::uint64_t bytes = 0;
+    std::array<std::uint64_t, version_tier_count> bytes{};
     std::shared_ptr<event_type> loaded;
     try {
       for (planned_load& p : plan) {
-        const std::span<const block> blocks = p.victim ? D.versions[*p.victim].blocks.blocks() : p.fresh.blocks();
-        map_version(d, p.expert, p.slot, blocks, p.victim.has_value(), !p.victim.has_value());
+        tier_state& T = tier(p.tier);
+        const std::span<const block> blocks = p.victim ? T.versions[*p.victim].blocks.blocks() : p.fresh.blocks();
+        map_version(p.tier, p.expert, p.slot, blocks, p.victim.has_value(), !p.victim.has_value());
         p.stable_mapped = true;
         p.slot_mapped = !p.victim.has_value();
         p.filling = true;
-        bytes += fill(d, p.expert, p.slot, *copy_);
+        bytes[p.tier] += fill(p.tier, p.expert, p.slot, *copy_);
       }
       if (!plan.empty()) loaded = record_event(*copy_);  // the loads' event: before anything is published
       for (planned_load& p : plan) {
-        if (p.activation) p.activation->prepare(record_of(d, p.expert, p.slot), version_storage(std::monostate{}));
+        if (p.activation) {
+          p.activation->prepare(record_of(p.tier, p.expert, p.slot), version_storage(std::monostate{}));
+        }
       }
       // The records view last: a mirror hook that throws leaves the transitions to abort.
       for (planned_load& p : plan) {
@@ -1534,24 +1585,25 @@ class expert_runtime {
       throw;
     }
     // Commit: nothing below throws.
-    runtime_layer_statistics& s = stats(d, layer);
     for (planned_load& p : plan) {
+      tier_state& T = tier(p.tier);
       lease_type blocks;
       if (p.victim) {
-        blocks = hand_over(d, *p.victim);
+        blocks = hand_over(p.tier, *p.victim);
       } else {
         blocks = std::move(p.fresh);
-        D.free_slots.erase(std::find(D.free_slots.begin(), D.free_slots.end(), static_cast<std::uint32_t>(p.slot)));
+        T.free_slots.erase(std::find(T.free_slots.begin(), T.free_slots.end(), static_cast<std::uint32_t>(p.slot)));
       }
-      version& v = D.versions[p.expert];
+      version& v = T.versions[p.expert];
       v.slot = p.slot;
       v.blocks = std::move(blocks);
       v.loaded = loaded;
       v.loading = true;
       v.kind = load_kind::demand;
-      loading_.push_back(key(d, p.expert));  // capacity experts × tiers reserved: never reallocates
-      set_map(d, p.expert, p.slot);
-      active_[p.expert] = static_cast<std::uint8_t>(d);
+      loading_.push_back(key(p.tier, p.expert));  // capacity experts × tiers reserved: never reallocates
+      set_map(p.tier, p.expert, p.slot);
+      active_[p.expert] = static_cast<std::uint8_t>(p.tier);
+      ++stats(p.tier, layer).misses;
     }
     for (std::size_t i = 0; i < group.size(); ++i) {
       const std::uint32_t f = group[i];
@@ -1569,11 +1621,14 @@ class expert_runtime {
       if (tier_count_ != 1) record.tiers[i] = static_cast<version_tier>(t);
       if (t != 0) ++st.lo_served;
     }
-    s.misses += plan.size();
-    s.bytes_loaded += bytes;
+    for (std::size_t t = 0; t < tier_count_; ++t) {
+      stats(t, layer).bytes_loaded += bytes[t];
+      if (bytes[t] != 0) note_peak(t);
+    }
     ++stats(0, layer).acquires;
-    note_peak(d);
-    if (tracing() && !plan.empty()) trace_load(*copy_, copy_track_, layer, plan.size(), bytes, "load");
+    if (tracing() && !plan.empty()) {
+      trace_load(*copy_, copy_track_, layer, plan.size(), bytes[0] + bytes[1], "load");
+    }
     wait_for_loads(layer, group);
   }
 
@@ -1668,11 +1723,10 @@ class expert_runtime {
     if (std::any_of(plan.begin(), plan.end(), [](const planned_load& p) { return p.filling; })) {
       quietly_synchronize(*record_event_quietly(*copy_));
     }
-    const std::size_t d = demand_tier_;
     for (auto it = plan.rbegin(); it != plan.rend(); ++it) {
       planned_load& p = *it;
-      unmap_failed(d, p.expert, p.slot, p.stable_mapped, p.slot_mapped);
-      if (p.victim && p.filling) restore(d, *p.victim, *copy_, p.eviction);
+      unmap_failed(p.tier, p.expert, p.slot, p.stable_mapped, p.slot_mapped);
+      if (p.victim && p.filling) restore(p.tier, *p.victim, *copy_, p.eviction);
     }
     plan.clear();  // aborts the transitions, returns fresh blocks and their budget
   }
@@ -1944,6 +1998,7 @@ class expert_runtime {
     // Its own load must be done too (a lease released with an engine's completion says nothing of it).
     if (now.loading && now.loaded && !now.loaded->query()) return false;
     if (const any_completion* last = last_use(now); last != nullptr && !last->ready()) return false;
+    if (options_.views.records && table_.pinned(geometry_.expert_at(f))) return false;  // a window reads it
     try {
       if (std::optional<transition> tr = begin_eviction(a, f)) tr->publish();  // the switch to `next`
     } catch (...) {
@@ -2006,9 +2061,9 @@ class expert_runtime {
         if (t >= tier_count_ || tier(t).versions[f].slot < 0) continue;
         const version& v = tier(t).versions[f];
         const any_completion* last = last_use(v);
-        const bool to_absent = active_[f] == t && sibling(t, f) == nullptr;
+        const bool changes_record = active_[f] == t;
         if (tier(t).pins[f] > 0 || v.poisoned || v.loading || (last != nullptr && !last->ready()) ||
-            (to_absent && options_.views.records && table_.pinned(geometry_.expert_at(f)))) {
+            (changes_record && options_.views.records && table_.pinned(geometry_.expert_at(f)))) {
           return false;
         }
         evict(t, f);

@@ -113,6 +113,17 @@ class kv_block_stream {
 /// The preset names.
 [[nodiscard]] std::span<const std::string_view> kv_session_preset_names() noexcept;
 
+/// @brief The LRU stack depths, ascending, of the cached blocks of @p kv whose session is still
+/// open after step @p step (kv_block_stream::closes_at()): what a session-aware engine tells a
+/// split controller (kv_predicted_misses(), split_controller::set_kv_open_depths(),
+/// four_pool_controller::set_kv_open_depths()). A block's depth is the number of blocks read since
+/// it was last read. O(K log K) for K blocks read so far.
+/// @param last_read per block, the position of its last read in the order of all block reads
+///        (`never`: not read yet).
+[[nodiscard]] std::vector<std::uint64_t> open_block_depths(const kv_block_stream& kv,
+                                                           std::span<const std::uint64_t> last_read,
+                                                           std::uint64_t step);
+
 /// Generates the block references of @p options' phases.
 /// @throws expage::invalid_argument naming the first field out of range (phase index, field,
 ///         value, range), or when the stream would exceed max_references or 2^32 − 1 blocks.

@@ -149,6 +149,10 @@ struct online_split_options {
   /// Fault injection: called with the burst index before each move; true refuses the resize
   /// (the previous split stays in force, WiSP D3). Empty: every resize succeeds.
   std::function<bool(std::uint64_t)> refuse_resize{};
+  /// Tell the controller, at each barrier, the LRU depths of the cached KV blocks whose session
+  /// is still open (split_controller::set_kv_open_depths(), kv_predicted_misses()): what a
+  /// session-aware engine knows [not in WiSP]. False: WiSP's controller as written.
+  bool kv_open_sessions = true;
 };
 
 /// The online MV-WSA controller (split_controller) driven by the workload: each burst's warm

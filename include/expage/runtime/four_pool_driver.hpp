@@ -1,0 +1,181 @@
+/// @file
+/// @brief four_pool_driver: a four_pool_controller's decisions applied to a two-tier
+/// expert_runtime and to the engine's KV pool, in the order that keeps one budget safe.
+#pragma once
+
+#include "expage/control/four_pool_controller.hpp"
+#include "expage/core/error.hpp"
+#include "expage/memory/budget_tracker.hpp"
+#include "expage/runtime/expert_map_hook.hpp"
+
+#include <fmt/format.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <utility>
+
+namespace expage {
+
+/// @brief Wires a four_pool_controller to an expert_runtime with two tiers (issue 12: "wire the
+/// four-pool controller to the runtime's targets, prefetch and resize entry points").
+///
+/// The controller is a pure decision object; the driver owns none of its state and calls, at
+/// each of its three time scales, the runtime entry point that carries the decision out:
+///
+/// | controller | runtime / engine |
+/// |---|---|
+/// | per layer: record() the routing | on_routed(), after each acquire() |
+/// | per interval: end_interval()'s hi set | `set_targets()` (demotions, promotions, members) |
+/// | per burst: step()'s split and resize steps | `set_targets()` of the dropped hi members, then `resize_tiers()` with
+/// the demand tier of the split (lo with a lo tier, hi without), the experts' budget account and the KV pool's resize,
+/// shrinks first; commit() |
+///
+/// Budget safety: the runtime's versions are charged to the engine's `experts` account and the KV
+/// pool to its own, both children of one budget B. The hi and lo steps of a decision are applied
+/// as one `resize_tiers()` (which evicts before it raises a capacity), placed at the first expert
+/// step when the experts' bytes shrink and at the last when they grow, so with the controller's
+/// order (every shrinking pool first) usage never exceeds B. The experts account's capacity is
+/// raised before a growing resize and lowered after a shrinking one.
+///
+/// Fail-safe (WiSP D3): when a step fails (the KV callback refuses, or the runtime cannot shrink
+/// because leases still pin versions above the new capacity), the steps already applied are undone
+/// (the previous capacities, demand tier, account capacity and KV size are restored) and the
+/// decision is committed as not applied: the previous split stays in force.
+///
+/// The runtime should be built with `expert_runtime_options::targets_load_hi` equal to the model's
+/// `members_load_hi` (the serve rule of hi-set members), and the model's sizes from the runtime
+/// (hi_expert_bytes = `expert_bytes(hi)`, lo_expert_bytes = `expert_bytes(lo)`, the geometry's
+/// layers and experts): the constructor checks the sizes. The controller's slots are per layer
+/// (H·N hi versions); the runtime's tiers are global LRU caches of that many versions.
+///
+/// @code
+/// expage::budget_tracker budget(B);
+/// auto& experts = budget.add_account("experts", hi_bytes + lo_bytes);
+/// auto& kv = budget.add_account("kv", kv_bytes);
+/// expert_runtime rt(g, experts, vmm, copy, compute, sources, {.targets_load_hi = true}, &prefetch);
+/// four_pool_controller c(model, {}, initial);
+/// four_pool_driver driver(rt, c, experts, [&](std::uint64_t bytes) { return kv_pool.resize(bytes); });
+/// // per layer:    auto lease = rt.acquire(l, routed); driver.on_routed(l, routed); ...
+/// // per interval: driver.end_interval();
+/// // per burst, at a drained barrier (record the KV reuse distances into c.kv() first):
+/// const auto decision = driver.at_barrier();
+/// @endcode
+/// @tparam Runtime an expert_runtime instantiation.
+/// @threadsafety single-owner (the runtime it drives is thread-safe; the controller is not).
+template <class Runtime>
+class four_pool_driver {
+ public:
+  /// Resizes the engine's KV pool (and its account) to the bytes given; false when it cannot.
+  using kv_resize = std::function<bool(std::uint64_t bytes)>;
+
+  /// Drives @p runtime from @p controller, charging the experts to @p experts and resizing the KV
+  /// pool through @p resize_kv; applies the controller's current split now.
+  /// @throws expage::invalid_argument when the runtime has one tier, the model's sizes are not the
+  /// runtime's (naming both), resize_kv is empty, or the current split cannot be applied.
+  four_pool_driver(Runtime& runtime, four_pool_controller& controller, budget_account& experts, kv_resize resize_kv)
+      : runtime_(&runtime), controller_(&controller), experts_(&experts), resize_kv_(std::move(resize_kv)) {
+    const four_pool_model& m = controller.model();
+    const moe_geometry& g = runtime.geometry();
+    if (runtime.tier_count() != 2) {
+      throw invalid_argument("four_pool_driver: the runtime has one tier; build it from a tiered_source");
+    }
+    if (!resize_kv_) throw invalid_argument("four_pool_driver: no KV resize callback");
+    if (m.layers != g.layers() || m.experts_per_layer != g.experts_per_layer() ||
+        m.hi_expert_bytes != runtime.expert_bytes(version_tier::hi) ||
+        m.lo_expert_bytes != runtime.expert_bytes(version_tier::lo)) {
+      throw invalid_argument(fmt::format(
+          "four_pool_driver: the model's {} layers × {} experts of {} (hi) and {} (lo) bytes are not the runtime's {} "
+          "× {} of {} and {}",
+          m.layers, m.experts_per_layer, m.hi_expert_bytes, m.lo_expert_bytes, g.layers(), g.experts_per_layer(),
+          runtime.expert_bytes(version_tier::hi), runtime.expert_bytes(version_tier::lo)));
+    }
+    const four_pool_split& s = controller.current();
+    if (!apply_experts(hi_pool_bytes(m, s), lo_pool_bytes(m, s), s.tiered()) || !resize_kv_(s.kv_bytes)) {
+      throw invalid_argument(fmt::format(
+          "four_pool_driver: the controller's split ({} hi, {} lo slots per layer, {} KV bytes) could not be applied",
+          s.hi_slots, s.lo_slots, s.kv_bytes));
+    }
+  }
+
+  /// Per layer: tells the controller the routing of one layer-step (after acquire()).
+  /// @throws expage::invalid_argument naming a layer or expert out of range.
+  void on_routed(std::uint32_t layer, std::span<const expert_index> experts) { controller_->record(layer, experts); }
+
+  /// Per interval: the hi set's targets to the runtime (demotions first).
+  void end_interval() { runtime_->set_targets(controller_->end_interval()); }
+
+  /// Per burst, at a drained barrier: decides the split, applies it (or nothing), commits the
+  /// outcome and starts the next burst. Returns the decision and whether it was applied.
+  std::pair<four_pool_decision, bool> at_barrier() {
+    four_pool_decision d = controller_->step();
+    bool applied = true;
+    if (d.moved) {
+      applied = apply(d);
+      controller_->commit(d, applied);
+    }
+    controller_->new_burst();
+    return {std::move(d), applied};
+  }
+
+  /// Bursts whose decision could not be applied (the previous split stayed).
+  [[nodiscard]] std::uint64_t refused() const noexcept { return refused_; }
+
+ private:
+  // The steps of @p d in order; undone on failure.
+  bool apply(const four_pool_decision& d) {
+    const four_pool_model& m = controller_->model();
+    const four_pool_split& from = controller_->current();
+    const std::uint64_t old_hi = hi_pool_bytes(m, from), old_lo = lo_pool_bytes(m, from);
+    const std::uint64_t new_hi = hi_pool_bytes(m, d.split), new_lo = lo_pool_bytes(m, d.split);
+    const bool growing = new_hi + new_lo > old_hi + old_lo;
+    // Where the experts' one resize goes: the first expert step when they shrink, the last when they grow.
+    std::optional<std::size_t> at;
+    for (std::size_t i = 0; i < d.steps.size(); ++i) {
+      if (d.steps[i].pool == tier_pool::kv) continue;
+      if (!at || growing) at = i;
+    }
+    runtime_->set_targets(d.to_targets());
+    bool kv_done = false;
+    bool ok = true;
+    for (std::size_t i = 0; i < d.steps.size() && ok; ++i) {
+      if (d.steps[i].pool == tier_pool::kv) {
+        ok = resize_kv_(d.steps[i].bytes);
+        kv_done = ok;
+      } else if (at && i == *at) {
+        ok = apply_experts(new_hi, new_lo, d.split.tiered());
+      }
+    }
+    if (!ok) {  // D3: the previous split stays in force
+      if (kv_done) (void)resize_kv_(from.kv_bytes);
+      if (at) (void)apply_experts(old_hi, old_lo, from.tiered());
+      ++refused_;
+    }
+    return ok;
+  }
+
+  // The runtime's tiers (and the experts account) to @p hi and @p lo bytes, the demand tier lo
+  // with a lo tier, hi without. False when the runtime refuses or leases hold versions above it.
+  bool apply_experts(std::uint64_t hi, std::uint64_t lo, bool tiered) {
+    const std::uint64_t total = hi + lo;
+    try {
+      if (total > experts_->capacity()) (void)experts_->set_capacity(total);
+      const auto r = runtime_->resize_tiers(hi, lo, tiered ? version_tier::lo : version_tier::hi);
+      if (!r[0].complete() || !r[1].complete()) return false;
+      if (total < experts_->capacity()) return experts_->set_capacity(total).complete();
+      return true;
+    } catch (const invalid_argument&) {
+      return false;
+    }
+  }
+
+  Runtime* runtime_;
+  four_pool_controller* controller_;
+  budget_account* experts_;
+  kv_resize resize_kv_;
+  std::uint64_t refused_ = 0;
+};
+
+}  // namespace expage
