@@ -110,6 +110,30 @@ BENCHMARK(BM_Simulate_LruCoactivation<true>)
     ->Name("BM_Simulate_LruCoactivation_Guarded")
     ->Unit(benchmark::kMillisecond);
 
+// Prefetch-aware eviction's cost: next-turn eviction with co-activation prefetch at r = 1, the
+// victims ranked with the prefetcher's forecast (next_turn_policy::next_use) or without; next-turn
+// demand loading beside them is the baseline.
+template <int Mode>  // 0: demand only, 1: prefetch without forecast ranking, 2: with it
+void BM_Simulate_NextTurn(benchmark::State& state) {
+  const auto& s = stream();
+  expage::predictive_prefetcher pf(expage::make_predictor("coactivation", 32, 8, 2),
+                                   {.distance = 1, .threshold = 0.0F});
+  expage::sim_options o{.capacity = slots, .transfer_compute_ratio = 1.0};
+  if (Mode > 0) o.prefetch = &pf;
+  o.forecast_eviction = Mode == 2;
+  for (auto _ : state) {
+    const auto r = expage::simulate(s, mixtral(), expage::policy_kind::next_turn, o);
+    benchmark::DoNotOptimize(r.demand_misses);
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(s.events()));
+  state.SetLabel("routing events");
+}
+BENCHMARK(BM_Simulate_NextTurn<0>)->Name("BM_Simulate_NextTurn_Demand")->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Simulate_NextTurn<1>)->Name("BM_Simulate_NextTurn_Coactivation")->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Simulate_NextTurn<2>)
+    ->Name("BM_Simulate_NextTurn_CoactivationForecastEviction")
+    ->Unit(benchmark::kMillisecond);
+
 // One forward pass of a predictor on Mixtral's shape: observe each layer, predict the next. The
 // per-layer frequency table is the baseline; co-activation and fMoE's map store (1K maps, full
 // after the first thousand passes) beside it. Items: layers.
@@ -136,6 +160,42 @@ void BM_Predictor_Pass(benchmark::State& state, const char* name) {
 BENCHMARK_CAPTURE(BM_Predictor_Pass, frequency, "frequency");
 BENCHMARK_CAPTURE(BM_Predictor_Pass, coactivation, "coactivation");
 BENCHMARK_CAPTURE(BM_Predictor_Pass, fmoe, "fmoe");
+
+// fMoE's store with the optional fields: full router probability vectors as rows and 64-float
+// sketches for semantic search (the first 3 layers of each pass), beside the sparse store above.
+void BM_Predictor_FmoeWithFields(benchmark::State& state) {
+  static const auto fields = [] {
+    expage::synthetic_options o;
+    o.seed = 2;
+    o.sequences = 16;
+    o.decode_steps = 256;
+    o.cross_layer = 0.65;
+    o.probabilities = true;
+    o.sketch_dims = 64;
+    return expage::generate_synthetic(mixtral(), o);
+  }();
+  expage::fmoe_map_predictor p(32, 8, 2);
+  std::vector<float> probability(8);
+  std::size_t i = 0;
+  std::uint32_t previous = 32;
+  const auto step = [&] {
+    const expage::routing_event e = fields[i];
+    if (e.layer <= previous) p.begin_pass();
+    previous = e.layer;
+    p.observe_routing(e.layer, {.experts = e.experts, .probabilities = e.probabilities, .sketch = e.sketch});
+    i = (i + 1) % fields.size();
+    return e.layer;
+  };
+  for (std::size_t warm = 0; warm < 2048 * 32; ++warm) static_cast<void>(step());  // fill the map store
+  for (auto _ : state) {
+    const std::uint32_t layer = step();
+    if (layer + 1 < 32) p.predict(layer + 1, probability);
+    benchmark::DoNotOptimize(probability.data());
+  }
+  state.SetItemsProcessed(state.iterations());
+  state.SetLabel("layers");
+}
+BENCHMARK(BM_Predictor_FmoeWithFields);
 
 // The KV side of the split: the tool-calls session mix over the stream's passes (one step each).
 const expage::kv_block_stream& kv_stream() {

@@ -403,8 +403,11 @@ access_stream::access_stream(const routing_trace& trace, std::uint32_t group_lim
   std::vector<routing_event> step;  // the events of one layer-step (views into the trace)
   step_scratch scratch;
   bool first_of_pass = false;
+  std::size_t step_first = 0;  // the trace index of the step's first event
   const auto emit = [&](std::span<const expert_index> experts, std::span<const float> p) {
     layer_.push_back(step.front().layer);
+    first_event_.push_back(step_first);
+    step_events_.push_back(static_cast<std::uint32_t>(step.size()));
     starts_pass_.push_back(first_of_pass ? 1 : 0);
     first_of_pass = false;
     experts_.insert(experts_.end(), experts.begin(), experts.end());
@@ -427,6 +430,7 @@ access_stream::access_stream(const routing_trace& trace, std::uint32_t group_lim
       tokens.new_pass();
     }
     previous = k;
+    if (step.empty()) step_first = i;
     step.push_back(trace[i]);
     tokens.add(step.back().sequence, step.back().step);
   }

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace expage {
 namespace {
@@ -146,11 +147,19 @@ void coactivation_predictor::predict(std::uint32_t layer, std::span<float> proba
 }
 
 fmoe_map_predictor::fmoe_map_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k,
-                                       std::uint32_t capacity)
-    : layers_(layers), experts_(experts_per_layer), top_k_(top_k), capacity_(capacity) {
+                                       std::uint32_t capacity, std::uint32_t semantic_layers)
+    : layers_(layers),
+      experts_(experts_per_layer),
+      top_k_(top_k),
+      capacity_(capacity),
+      semantic_layers_(semantic_layers) {
   check_shape("fmoe_map_predictor", layers, experts_per_layer, top_k);
   if (capacity == 0 || capacity > 65536) {
     throw invalid_argument(fmt::format("fmoe_map_predictor: capacity {} out of range [1, 65536]", capacity));
+  }
+  if (semantic_layers > layers) {
+    throw invalid_argument(
+        fmt::format("fmoe_map_predictor: semantic_layers {} out of range [0, {}]", semantic_layers, layers));
   }
   reset();
 }
@@ -161,46 +170,78 @@ void fmoe_map_predictor::reset() {
   count_ = 0;
   current_.assign(std::size_t{layers_} * experts_, 0.0F);
   seen_.assign(layers_, 0);
-  observed_ = false;
+  observed_ = 0;
   dot_.clear();
   norm_old_.clear();
   norm_new_ = 0.0;
   best_ = 0;
   score_ = 0.0;
+  semantic_ = false;
+  sketch_dims_ = 0;
+  semantic_store_.clear();
+  semantic_norm_.clear();
+  semantic_now_.clear();
+  semantic_now_norm_ = 0.0;
+}
+
+double fmoe_map_predictor::semantic_similarity(std::size_t y) const noexcept {
+  if (semantic_now_norm_ == 0.0 || semantic_norm_[y] == 0.0) return 0.0;
+  const float* old = semantic_store_.data() + y * sketch_dims_;
+  double d = 0.0;
+  for (std::size_t i = 0; i < sketch_dims_; ++i)
+    d += static_cast<double>(semantic_now_[i]) * static_cast<double>(old[i]);
+  return d / std::sqrt(semantic_now_norm_ * semantic_norm_[y]);
 }
 
 void fmoe_map_predictor::finish_pass() {
-  if (!observed_) return;
+  if (observed_ == 0) return;
   std::size_t slot = count_;
   if (count_ == capacity_) {
-    // Replace the stored map most redundant with this one: the highest whole-map cosine. The rows
+    // Replace the stored map most redundant with this one: fMoE's RDY, the whole-map cosine
+    // weighted (L − d)/L and the semantic one d/L when this pass has a semantic vector. The rows
     // this pass did not observe are zero, so observe()'s running dot products are whole-map ones.
-    double most = -1.0;
+    const bool with_semantic = semantic_now_norm_ != 0.0;
+    const double w = with_semantic ? static_cast<double>(semantic_layers_) / static_cast<double>(layers_) : 0.0;
+    double most = -std::numeric_limits<double>::infinity();
     for (std::size_t y = 0; y < count_; ++y) {
       const double r = norm_map_[y] == 0.0 || norm_new_ == 0.0 ? 0.0 : dot_[y] / std::sqrt(norm_map_[y] * norm_new_);
-      if (r > most) {
-        most = r;
+      const double rdy = with_semantic ? w * semantic_similarity(y) + (1.0 - w) * r : r;
+      if (rdy > most) {
+        most = rdy;
         slot = y;
       }
     }
   } else {
     store_.resize(store_.size() + current_.size());
     norm_map_.push_back(0.0);
+    semantic_store_.resize(semantic_store_.size() + sketch_dims_);
+    semantic_norm_.push_back(0.0);
     ++count_;
   }
   std::ranges::copy(current_, store_.begin() + static_cast<std::ptrdiff_t>(slot * current_.size()));
   norm_map_[slot] = norm_new_;
+  if (sketch_dims_ != 0) {
+    const auto at = semantic_store_.begin() + static_cast<std::ptrdiff_t>(slot * sketch_dims_);
+    if (semantic_now_norm_ != 0.0) {
+      std::ranges::copy(semantic_now_, at);
+    } else {
+      std::fill_n(at, sketch_dims_, 0.0F);
+    }
+    semantic_norm_[slot] = semantic_now_norm_;
+  }
 }
 
 void fmoe_map_predictor::begin_pass() {
   finish_pass();
   std::ranges::fill(current_, 0.0F);
   std::ranges::fill(seen_, std::uint8_t{0});
-  observed_ = false;
+  observed_ = 0;
   dot_.assign(count_, 0.0);
   norm_old_.assign(count_, 0.0);
   norm_new_ = 0.0;
   score_ = 0.0;
+  semantic_ = false;
+  semantic_now_norm_ = 0.0;
 }
 
 void fmoe_map_predictor::add_row(std::uint32_t layer, double sign) {
@@ -219,36 +260,77 @@ void fmoe_map_predictor::add_row(std::uint32_t layer, double sign) {
 }
 
 void fmoe_map_predictor::observe(std::uint32_t layer, std::span<const expert_index> experts) {
-  if (layer >= layers_ || experts.empty()) return;
+  observe_routing(layer, {.experts = experts});
+}
+
+void fmoe_map_predictor::observe_routing(std::uint32_t layer, const layer_routing& routing) {
+  if (!routing.probabilities.empty() && routing.probabilities.size() != experts_) {
+    throw invalid_argument(fmt::format("fmoe_map_predictor: a probability vector of {} values, expected {}",
+                                       routing.probabilities.size(), experts_));
+  }
+  if (!routing.sketch.empty() && sketch_dims_ != 0 && routing.sketch.size() != sketch_dims_) {
+    throw invalid_argument(fmt::format("fmoe_map_predictor: a sketch of {} values, expected {} (the first one's)",
+                                       routing.sketch.size(), sketch_dims_));
+  }
+  if (layer >= layers_ || (routing.experts.empty() && routing.probabilities.empty())) return;
   if (dot_.size() != count_) {  // the first pass after reset(): no begin_pass() yet
     dot_.assign(count_, 0.0);
     norm_old_.assign(count_, 0.0);
   }
-  // A sparse router vector: 1/k on the routed experts (the trace has no full probabilities). A
-  // layer observed again in the same pass (a split group) takes the union, its old terms removed.
+  // The pass's semantic vector: the sketch of its first observed layer (fMoE embeds the
+  // iteration's input once). The first sketch after reset() fixes the length.
+  if (observed_ == 0 && !routing.sketch.empty()) {
+    if (sketch_dims_ == 0) {
+      sketch_dims_ = routing.sketch.size();
+      semantic_store_.assign(count_ * sketch_dims_, 0.0F);
+    }
+    semantic_now_.assign(routing.sketch.begin(), routing.sketch.end());
+    semantic_now_norm_ = 0.0;
+    for (const float v : semantic_now_) semantic_now_norm_ += static_cast<double>(v) * static_cast<double>(v);
+  }
   const std::span<float> now(current_.data() + std::size_t{layer} * experts_, experts_);
-  std::size_t routed = 0;
-  if (seen_[layer] != 0) {
-    add_row(layer, -1.0);
-    for (float& p : now) p = p > 0.0F ? 1.0F : 0.0F;
+  if (seen_[layer] != 0) add_row(layer, -1.0);  // observed again in this pass: its old terms go
+  if (!routing.probabilities.empty()) {
+    std::ranges::copy(routing.probabilities, now.begin());
   } else {
-    std::ranges::fill(now, 0.0F);
+    // A sparse router vector: 1/k on the routed experts (the trace has no full probabilities).
+    // A layer observed again in the same pass (a split group) takes the union.
+    std::size_t routed = 0;
+    if (seen_[layer] != 0) {
+      for (float& p : now) p = p > 0.0F ? 1.0F : 0.0F;
+    } else {
+      std::ranges::fill(now, 0.0F);
+    }
+    for (const expert_index e : routing.experts) {
+      if (e < experts_) now[e] = 1.0F;
+    }
+    for (const float p : now) routed += p > 0.0F ? 1U : 0U;
+    for (float& p : now) p = p > 0.0F ? 1.0F / static_cast<float>(routed) : 0.0F;
   }
-  for (const expert_index e : experts) {
-    if (e < experts_) now[e] = 1.0F;
-  }
-  for (const float p : now) routed += p > 0.0F ? 1U : 0U;
-  for (float& p : now) p = p > 0.0F ? 1.0F / static_cast<float>(routed) : 0.0F;
+  if (seen_[layer] == 0) ++observed_;
   seen_[layer] = 1;
-  observed_ = true;
   // Trajectory search (Eq. 5), incrementally: add this layer's terms to every stored map's sums.
   add_row(layer, 1.0);
   double best = -1.0;
-  for (std::size_t y = 0; y < count_; ++y) {
-    const double c = norm_old_[y] == 0.0 || norm_new_ == 0.0 ? 0.0 : dot_[y] / std::sqrt(norm_old_[y] * norm_new_);
-    if (c > best) {  // ties: the lower slot
-      best = c;
-      best_ = y;
+  semantic_ = false;
+  if (observed_ <= semantic_layers_ && semantic_now_norm_ != 0.0) {
+    // Semantic search (Eq. 4) while the trajectory is shorter than d layers.
+    for (std::size_t y = 0; y < count_; ++y) {
+      const double c = semantic_similarity(y);
+      if (semantic_norm_[y] != 0.0 && c > best) {  // ties: the lower slot
+        best = c;
+        best_ = y;
+        semantic_ = true;
+      }
+    }
+  }
+  if (!semantic_) {
+    for (std::size_t y = 0; y < count_; ++y) {
+      const double c = norm_old_[y] == 0.0 || norm_new_ == 0.0 ? 0.0 : dot_[y] / std::sqrt(norm_old_[y] * norm_new_);
+      if (c > best) {  // ties: the lower slot
+        best = c;
+        best_ = y;
+      }
     }
   }
   score_ = std::max(best, 0.0);
@@ -256,7 +338,7 @@ void fmoe_map_predictor::observe(std::uint32_t layer, std::span<const expert_ind
 
 void fmoe_map_predictor::predict(std::uint32_t layer, std::span<float> probability) const {
   EXPAGE_ASSERT(probability.size() == experts_, "fmoe_map_predictor: probability span of the wrong size");
-  if (count_ == 0 || !observed_ || layer >= layers_) {
+  if (count_ == 0 || observed_ == 0 || layer >= layers_) {
     std::ranges::fill(probability, static_cast<float>(top_k_) / static_cast<float>(experts_));
     return;
   }

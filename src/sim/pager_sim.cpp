@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 
 namespace expage {
 
@@ -45,7 +46,23 @@ std::string oracle_prefetcher::name() const {
   return recall_ == 1.0 ? fmt::format("oracle(d={})", distance_) : fmt::format("oracle:{}(d={})", recall_, distance_);
 }
 
-void oracle_prefetcher::reset() { rng_.seed(seed_); }
+void oracle_prefetcher::reset() {
+  rng_.seed(seed_);
+  target_layers_.clear();
+  target_experts_.clear();
+}
+
+bool oracle_prefetcher::forecast(std::uint32_t layer, std::span<float> probability) const {
+  const auto it = std::find(target_layers_.begin(), target_layers_.end(), layer);
+  if (it == target_layers_.end()) return false;
+  const auto& proposed = target_experts_[static_cast<std::size_t>(it - target_layers_.begin())];
+  const std::size_t experts = probability.size();
+  const std::size_t n = proposed.size();
+  const double other = n < experts ? (1.0 - recall_) * static_cast<double>(n) / static_cast<double>(experts - n) : 0.0;
+  std::ranges::fill(probability, static_cast<float>(other));
+  for (const expert_index e : proposed) probability[e] = static_cast<float>(recall_);
+  return true;
+}
 
 void oracle_prefetcher::propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) {
   const std::uint32_t experts = stream.experts_per_layer();
@@ -54,18 +71,38 @@ void oracle_prefetcher::propose(const access_stream& stream, std::size_t g, std:
   const auto coin = [this] { return static_cast<double>(rng_() >> 11) * 0x1.0p-53; };
   const auto pick = [this, experts] { return static_cast<expert_index>(rng_() % experts); };
   const auto confidence = static_cast<float>(recall_);  // calibrated: a proposal is right with probability recall
+  target_layers_.clear();
+  for (auto& t : target_experts_) t.clear();
+  bool crossed = false;  // a later pass started
   for (std::size_t h = g + 1; h <= g + distance_ && h < stream.groups(); ++h) {
     const std::uint32_t layer = stream.layer(h);
     const auto routed = stream.experts(h);
+    // The forecast covers the later layers of this pass (a split layer's parts as one).
+    crossed = crossed || stream.starts_pass(h);
+    const bool same_pass = !crossed && layer > stream.layer(g);
+    std::vector<expert_index>* named = nullptr;
+    if (same_pass) {
+      const auto it = std::find(target_layers_.begin(), target_layers_.end(), layer);
+      const auto i = static_cast<std::size_t>(it - target_layers_.begin());
+      if (it == target_layers_.end()) {
+        target_layers_.push_back(layer);
+        if (target_experts_.size() < target_layers_.size()) target_experts_.emplace_back();
+      }
+      named = &target_experts_[i];
+    }
     for (const expert_index e : routed) routed_[e] = 1;
     for (const expert_index e : routed) {
+      expert_index x = e;
       if (recall_ >= 1.0 || coin() < recall_) {
         out.push_back({.layer = layer, .expert = e, .use_group = h, .probability = confidence});
       } else if (routed.size() < experts) {  // a false positive: an expert of the layer that is not routed there
-        expert_index x = pick();
+        x = pick();
         while (routed_[x] != 0) x = pick();
         out.push_back({.layer = layer, .expert = x, .use_group = h, .probability = confidence});
+      } else {
+        continue;
       }
+      if (named != nullptr) named->push_back(x);
     }
     for (const expert_index e : routed) routed_[e] = 0;
   }
@@ -81,30 +118,80 @@ predictive_prefetcher::predictive_prefetcher(std::unique_ptr<expert_predictor> p
   if (!(options.threshold >= 0.0F && options.threshold <= 1.0F)) {
     throw invalid_argument(fmt::format("predictive_prefetcher: threshold {} out of range [0, 1]", options.threshold));
   }
+  if (options.forecast_distance != 0 &&
+      (options.forecast_distance < options.distance || options.forecast_distance > 64)) {
+    throw invalid_argument(fmt::format("predictive_prefetcher: forecast_distance {} out of range [{}, 64] (or 0)",
+                                       options.forecast_distance, options.distance));
+  }
 }
 
 std::string predictive_prefetcher::name() const {
   return fmt::format("{}:{}(d={})", predictor_->name(), options_.threshold, options_.distance);
 }
 
-void predictive_prefetcher::reset() { predictor_->reset(); }
+void predictive_prefetcher::reset() {
+  predictor_->reset();
+  target_layers_.clear();
+}
+
+bool predictive_prefetcher::forecast(std::uint32_t layer, std::span<float> probability) const {
+  const auto it = std::find(target_layers_.begin(), target_layers_.end(), layer);
+  if (it == target_layers_.end()) return false;
+  const auto i = static_cast<std::size_t>(it - target_layers_.begin());
+  std::copy_n(probability_.begin() + static_cast<std::ptrdiff_t>(i * probability.size()), probability.size(),
+              probability.begin());
+  return true;
+}
 
 void predictive_prefetcher::propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) {
   const std::uint32_t experts = stream.experts_per_layer();
   const std::uint32_t per_layer = options_.per_layer != 0 ? options_.per_layer : stream.top_k();
   if (stream.starts_pass(g)) predictor_->begin_pass();
   const std::uint32_t layer = stream.layer(g);
-  predictor_->observe(layer, stream.experts(g));
-  probability_.resize(experts);
-  // The later groups of this pass within `distance` layers: their layers, never their routing.
+  const routing_trace* const trace = options_.trace;
+  if (trace != nullptr && trace->fields().any()) {
+    const auto [first, last] = stream.trace_events(g);
+    if (last > trace->size()) {
+      throw invalid_argument(fmt::format(
+          "predictive_prefetcher: group {} reads trace events [{}, {}) of a trace of {}: not the stream's trace", g,
+          first, last, trace->size()));
+    }
+    layer_routing routing{.experts = stream.experts(g)};
+    if (last - first == 1) {
+      routing.probabilities = (*trace)[first].probabilities;
+      routing.sketch = (*trace)[first].sketch;
+    } else {  // a lockstep step: the mean of its events' vectors
+      const auto mean = [&](std::vector<float>& sum, auto field) {
+        sum.assign(field((*trace)[first]).size(), 0.0F);
+        for (std::size_t i = first; i < last; ++i) {
+          const auto v = field((*trace)[i]);
+          for (std::size_t j = 0; j < sum.size(); ++j) sum[j] += v[j];
+        }
+        for (float& x : sum) x /= static_cast<float>(last - first);
+        return std::span<const float>(sum);
+      };
+      routing.probabilities = mean(mean_probabilities_, [](const routing_event& e) { return e.probabilities; });
+      routing.sketch = mean(mean_sketch_, [](const routing_event& e) { return e.sketch; });
+    }
+    predictor_->observe_routing(layer, routing);
+  } else {
+    predictor_->observe(layer, stream.experts(g));
+  }
+  const std::uint32_t horizon = std::max(options_.distance, options_.forecast_distance);
+  probability_.resize(std::size_t{experts} * horizon);
+  target_layers_.clear();
+  // The later groups of this pass within `horizon` layers: their layers, never their routing.
   for (std::size_t h = g + 1; h < stream.groups() && !stream.starts_pass(h); ++h) {
     const std::uint32_t target = stream.layer(h);
     if (target <= layer) continue;  // another part of a split layer-step
-    if (target > layer + options_.distance) break;
+    if (target > layer + horizon) break;
     if (h > g + 1 && stream.layer(h - 1) == target) continue;  // predicted once per layer
-    predictor_->predict(target, probability_);
-    most_probable(probability_, options_.threshold, per_layer, ranked_);
-    for (const auto& [p, e] : ranked_) out.push_back({.layer = target, .expert = e, .use_group = h, .probability = p});
+    const std::span<float> p(probability_.data() + target_layers_.size() * experts, experts);
+    target_layers_.push_back(target);
+    predictor_->predict(target, p);
+    if (target > layer + options_.distance) continue;  // forecast only
+    most_probable(p, options_.threshold, per_layer, ranked_);
+    for (const auto& [q, e] : ranked_) out.push_back({.layer = target, .expert = e, .use_group = h, .probability = q});
   }
 }
 
@@ -189,6 +276,8 @@ class engine {
     prefetch_evicted_at_.assign(keys, victim_note{});
     slots_.resize(keys);
     for (const double t : cost.transfer_seconds) links_.push_back({.transfer = t});
+    forecasting_ = options.forecast_eviction && options.prefetch != nullptr;
+    if (forecasting_) forecast_.assign(keys, -1.0F);
     set_outstanding_cap();
     result_.layers.resize(layers_);
     nominal_layer_ = cost.nominal_layer_seconds(stream.top_k() == 0 ? 1 : stream.top_k());
@@ -203,6 +292,7 @@ class engine {
     if (pf != nullptr && options_.admission == prefetch_admission::cost_benefit && guarded) {
       sim_options demand_only = options_;
       demand_only.prefetch = nullptr;
+      demand_only.initial_residency.clear();
       shadow_.reserve(stream_.groups());
       visit_policy(options_.guard_baseline, [&](auto tag) {
         engine<typename decltype(tag)::type> shadow(stream_, geometry_, demand_only, cost_);
@@ -210,6 +300,7 @@ class engine {
         static_cast<void>(shadow.run());
       });
     }
+    preload();
     std::vector<prefetch_request> proposals;
     double pass_stall = 0.0;
     std::vector<double> pass_stalls;
@@ -235,6 +326,7 @@ class engine {
         cancel_stale(g);
       }
       const std::uint32_t layer = stream_.layer(g);
+      if (forecasting_) expire_forecasts(g, layer);
       const auto experts = stream_.experts(g);
       const auto next_use = stream_.next_use(g);
       const auto probability = stream_.probability(g);
@@ -292,7 +384,7 @@ class engine {
             note_refault(f, g);
             std::uint32_t victim = 0;
             const bool evicts = free_[s] == 0;
-            if (evicts) victim = policy.victim(pin_view{pins_[s].data()}, ctx);
+            if (evicts) victim = choose_victim(s, ctx);
             policy.on_insert(k, ctx);
             if (evicts) {
               evict(s, victim);
@@ -328,6 +420,7 @@ class engine {
       if (pf != nullptr) {
         proposals.clear();
         pf->propose(stream_, g, proposals);
+        if (forecasting_) read_forecasts(*pf, g, layer);
         for (const prefetch_request& r : proposals) admit(r, g, now);
       }
       for (const expert_index e : experts) clear_pin(s, key_of(layer, e), group_pin);
@@ -348,6 +441,36 @@ class engine {
     const std::uint32_t room = capacity_ - stream_.largest_group();
     outstanding_cap_ =
         options_.max_outstanding_prefetches != 0 ? std::min(options_.max_outstanding_prefetches, room) : room;
+  }
+
+  // The hot-expert table's experts, resident before the first layer: per scope the hottest that
+  // fit, inserted coldest first so that the hottest is the most recent.
+  void preload() {
+    std::vector<std::uint32_t> taken(policies_.size(), 0);
+    std::vector<std::size_t> chosen;
+    for (const std::uint64_t f : options_.initial_residency) {
+      const auto layer = static_cast<std::uint32_t>(f / experts_);
+      const std::uint32_t s = scope_of(layer);
+      if (state_[f] != residency::absent || taken[s] == capacity_) continue;
+      state_[f] = residency::resident;  // marks it taken; the policy hears of it below
+      ++taken[s];
+      chosen.push_back(static_cast<std::size_t>(f));
+    }
+    for (auto it = chosen.rbegin(); it != chosen.rend(); ++it) {
+      const std::size_t f = *it;
+      const auto layer = static_cast<std::uint32_t>(f / experts_);
+      const auto e = static_cast<expert_index>(f % experts_);
+      const std::uint32_t s = scope_of(layer);
+      const access_context ctx{.time = 0, .layer = layer, .expert = e};
+      if constexpr (requires(Policy & p) { p.on_prefetch(0U, ctx); }) {
+        policies_[s].on_prefetch(key_of(layer, e), ctx);  // no use counted: nothing was routed yet
+      } else {
+        policies_[s].on_insert(key_of(layer, e), ctx);
+      }
+      --free_[s];
+      reserve(s, f);
+      result_.preload_bytes += cost_.expert_bytes;
+    }
   }
 
   // A drained barrier at `now` before group g (the first of a pass): every transfer lands, queued
@@ -399,6 +522,54 @@ class engine {
     set_outstanding_cap();
     ++result_.resizes;
     return drained;
+  }
+
+  // Forecasts of a layer hold until it runs; a new pass drops those its last layers left.
+  void expire_forecasts(std::size_t g, std::uint32_t layer) {
+    const bool pass = stream_.starts_pass(g);
+    std::erase_if(forecast_layers_, [&](std::uint32_t l) {
+      if (!pass && l != layer) return false;
+      std::fill_n(forecast_.begin() + static_cast<std::ptrdiff_t>(flat(l, 0)), experts_, -1.0F);
+      return true;
+    });
+  }
+
+  // The prefetcher's forecasts for the later layers of this pass, as far as it makes them.
+  void read_forecasts(const prefetcher& pf, std::size_t g, std::uint32_t layer) {
+    std::uint32_t last = layer;
+    for (std::size_t h = g + 1; h < stream_.groups() && !stream_.starts_pass(h); ++h) {
+      const std::uint32_t target = stream_.layer(h);
+      if (target <= last) continue;  // a split layer's other part
+      last = target;
+      const std::span<float> row(forecast_.data() + flat(target, 0), experts_);
+      if (!pf.forecast(target, row)) {
+        std::ranges::fill(row, -1.0F);
+        break;
+      }
+      if (std::ranges::find(forecast_layers_, target) == forecast_layers_.end()) forecast_layers_.push_back(target);
+    }
+  }
+
+  // The forecasts of scope s's keys (negative: none).
+  [[nodiscard]] std::span<const float> scope_forecast(std::uint32_t s) const noexcept {
+    return global_ ? std::span<const float>(forecast_)
+                   : std::span<const float>(forecast_).subspan(flat(s, 0), experts_);
+  }
+
+  static constexpr bool ranks_forecasts =
+      requires(const Policy& p, pin_view pins, const access_context& ctx, std::span<const float> f, std::uint32_t key) {
+    { p.victim(pins, ctx, f) } -> std::same_as<std::uint32_t>;
+    { p.next_use(key, ctx.layer, 0.5) } -> std::same_as<double>;
+    { p.next_use(key, ctx.layer) } -> std::same_as<double>;
+  };
+
+  // The policy's victim in scope s for the access @p ctx, ranked by the forecasts where it can.
+  [[nodiscard]] std::uint32_t choose_victim(std::uint32_t s, const access_context& ctx) {
+    const pin_view pins{pins_[s].data()};
+    if constexpr (ranks_forecasts) {
+      if (forecasting_) return policies_[s].victim(pins, ctx, scope_forecast(s));
+    }
+    return policies_[s].victim(pins, ctx);
   }
 
   // Drops every queued (unstarted) prefetch, giving its slot back.
@@ -471,6 +642,9 @@ class engine {
       const bool other = best->busy_until > now && best->busy != transfer_class::demand;
       best->behind = other ? best->busy_until - now : 0.0;
       best->behind_class = best->busy;
+      if (best->busy == transfer_class::prefetch) {
+        result_.longest_wait_behind_prefetch = std::max(result_.longest_wait_behind_prefetch, best->behind);
+      }
     }
     best->busy_until = best_done;
     best->busy = transfer_class::demand;
@@ -599,15 +773,33 @@ class engine {
     std::uint32_t victim = 0;
     const bool evicts = free_[s] == 0;
     if (evicts) {
-      victim = policy.victim(pin_view{pins_[s].data()}, ctx);
+      // Distances are seen from the layer being executed, not from the newcomer's.
+      access_context now_ctx = ctx;
+      now_ctx.layer = stream_.layer(g);
+      victim = choose_victim(s, now_ctx);
       // Victim-value check: never evict an expert predicted to be needed sooner than this one.
-      const std::uint64_t victim_use = predicted_use_[flat_of_key(s, victim)];
-      if (victim_use != never && victim_use >= g && victim_use <= r.use_group) {
+      const std::size_t fv = flat_of_key(s, victim);
+      const std::uint64_t victim_use = predicted_use_[fv];
+      bool sooner = victim_use != never && victim_use >= g && victim_use <= r.use_group;
+      if constexpr (ranks_forecasts) {
+        if (forecasting_ && !sooner) {
+          const double victim_next = forecast_[fv] >= 0.0F
+                                         ? policy.next_use(victim, now_ctx.layer, static_cast<double>(forecast_[fv]))
+                                         : policy.next_use(victim, now_ctx.layer);
+          sooner = victim_next <= policy.next_use(k, now_ctx.layer, static_cast<double>(r.probability));
+        }
+      }
+      if (sooner) {
         ++result_.prefetches_refused;
         return;
       }
     }
-    policy.on_insert(k, ctx);
+    // A guess is not a use: a policy that counts uses (next_turn) is told of a prefetch apart.
+    if constexpr (requires { policy.on_prefetch(k, ctx); }) {
+      policy.on_prefetch(k, ctx);
+    } else {
+      policy.on_insert(k, ctx);
+    }
     if (evicts) {
       evict(s, victim);
       prefetch_evicted_at_[flat_of_key(s, victim)] = victim_note{.group = g, .demand_evictions = demand_evictions_};
@@ -644,10 +836,9 @@ class engine {
   [[nodiscard]] bool within_guards(std::size_t g) const noexcept {
     if (shadow_.empty()) return true;  // both guards off: no shadow was run
     const shadow_point& base = shadow_[g];
-    const double allowed = options_.max_prefetch_overhead;
-    if (!std::isinf(allowed)) {
-      const double moved = static_cast<double>(result_.demand_misses + started_prefetches_ + outstanding_);
-      if (moved > (1.0 + allowed) * static_cast<double>(base.misses) + 1.0) return false;
+    const double moved = static_cast<double>(result_.demand_misses + started_prefetches_ + outstanding_);
+    if (!within_prefetch_overhead(moved, static_cast<double>(base.misses), options_.max_prefetch_overhead)) {
+      return false;
     }
     return !options_.stall_guard || stall_so_far_ <= base.stall;
   }
@@ -731,6 +922,9 @@ class engine {
   std::vector<shadow_point>* record_ = nullptr;  // set on a shadow run
   std::uint64_t prefetch_evictions_ = 0;
   std::uint64_t prefetch_refaults_ = 0;
+  bool forecasting_ = false;                    // prefetch-aware eviction (sim_options::forecast_eviction)
+  std::vector<float> forecast_;                 // per flat expert: the forecast of its next turn, or −1
+  std::vector<std::uint32_t> forecast_layers_;  // layers with forecasts in forecast_
   double nominal_layer_ = 0.0;
   sim_result result_;
 };
@@ -801,6 +995,12 @@ void check_options(const access_stream& stream, const moe_geometry& geometry, po
   }
   if (options.guard_baseline == policy_kind::belady) {
     throw invalid_argument("simulate: guard_baseline belady is not an online policy (it reads the future)");
+  }
+  for (std::size_t i = 0; i < options.initial_residency.size(); ++i) {
+    if (options.initial_residency[i] >= geometry.expert_count()) {
+      throw invalid_argument(fmt::format("simulate: initial_residency[{}] = {} out of range [0, {})", i,
+                                         options.initial_residency[i], geometry.expert_count()));
+    }
   }
   if (!(options.max_prefetch_overhead >= 0.0)) {  // NaN fails too
     throw invalid_argument(
@@ -888,8 +1088,21 @@ void hindsight_static(const access_stream& stream, const moe_geometry& geometry,
 
 }  // namespace
 
+std::vector<std::uint64_t> hot_expert_table(const routing_trace& profile) {
+  const std::size_t experts = profile.experts_per_layer();
+  std::vector<std::uint64_t> tokens(std::size_t{profile.layers()} * experts, 0);
+  for (const routing_event& e : profile) {
+    for (const std::uint32_t x : e.experts) ++tokens[std::size_t{e.layer} * experts + x];
+  }
+  std::vector<std::uint64_t> table(tokens.size());
+  std::iota(table.begin(), table.end(), std::uint64_t{0});
+  std::ranges::stable_sort(table, [&](std::uint64_t a, std::uint64_t b) { return tokens[a] > tokens[b]; });
+  return table;
+}
+
 sim_bounds simulate_bounds(const access_stream& stream, const moe_geometry& geometry, const sim_options& options) {
   sim_options o = options;
+  o.initial_residency.clear();  // the bounds are for a cache that starts empty
   o.prefetch = nullptr;
   o.max_outstanding_prefetches = 0;
   o.capacity_schedule.clear();  // the bounds are for the fixed capacity

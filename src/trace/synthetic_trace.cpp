@@ -116,6 +116,7 @@ routing_trace generate_synthetic(const moe_geometry& geometry, const synthetic_o
   check_option("shift_every", options.shift_every, 1, 4294967295.0);
   check_option("decode_steps", options.decode_steps, options.prefill_tokens > 0 ? 0 : 1, 1U << 24);
   check_option("prefill_tokens", options.prefill_tokens, 0, 1U << 24);
+  check_option("sketch_dims", options.sketch_dims, 0, max_sketch_dims);
   const std::uint64_t steps = std::uint64_t{options.prefill_tokens} + options.decode_steps;
   if (steps > 0xFFFF'FFFFULL) {
     throw invalid_argument(
@@ -166,8 +167,16 @@ routing_trace generate_synthetic(const moe_geometry& geometry, const synthetic_o
   }
   std::vector<std::uint32_t> token_type(options.batch_size, 0);  // per slot, the current token's
 
+  // Sketches: a random vector per latent type, and noise, from their own stream.
+  const std::size_t dims = options.sketch_dims;
+  sampler sketch_rng(options.seed ^ 0x5e7c'4e5d'0b1e'c7edULL);
+  std::vector<float> type_vector(std::size_t{types} * dims);
+  for (float& v : type_vector) v = static_cast<float>(2.0 * sketch_rng.uniform() - 1.0);
+  std::vector<float> sketch(dims);
+
   routing_trace trace(geometry);
   trace.set_batch_size(options.batch_size);
+  trace.declare_fields({.probabilities = options.probabilities, .sketch_dims = options.sketch_dims});
   const std::size_t events = static_cast<std::size_t>(options.sequences) * steps * layers;
   trace.reserve(events, options.probabilities);
 
@@ -233,13 +242,20 @@ routing_trace generate_synthetic(const moe_geometry& geometry, const synthetic_o
       probabilities.resize(experts);
       for (std::uint32_t x = 0; x < experts; ++x) probabilities[x] = scores[x] / total;
     }
+    const bool typed = !preferred.empty() && phase == routing_phase::decode;
+    for (std::size_t i = 0; i < dims; ++i) {
+      const double noise = sketch_rng.uniform() - 0.5;
+      const double type = typed ? static_cast<double>(type_vector[std::size_t{token_type[slot]} * dims + i]) : 0.0;
+      sketch[i] = static_cast<float>(type + noise);
+    }
     trace.append({.sequence = sequence,
                   .step = step,
                   .layer = layer,
                   .phase = phase,
                   .experts = top,
                   .weights = weights,
-                  .probabilities = probabilities});
+                  .probabilities = probabilities,
+                  .sketch = sketch});
   };
 
   // Execution order (routing_trace): per lockstep group, pass 0 routes every prompt token of

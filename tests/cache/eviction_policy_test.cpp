@@ -268,6 +268,71 @@ TEST(NextTurnPolicy, CountsAnExpertOncePerTurn) {
   }
 }
 
+// Prefetch-aware ranking against brute force: with a forecast for some keys, the victim is the
+// unpinned resident with the largest next_use (δ + (1 − p)·L/r where forecast, δ + L·(1/r − 1)
+// elsewhere), ties to the older access, then the smaller key; next_use(k, l, rate(k)) is
+// next_use(k, l); a prefetch (on_prefetch) makes a key resident without changing any rate.
+TEST(NextTurnPolicy, RanksForecastsByPredictedNextUse) {
+  const key_space s{.layers = 4, .experts_per_layer = 4, .global = true};
+  std::mt19937_64 rng(31);
+  next_turn_policy p(s);
+  std::vector<std::uint8_t> resident(s.size(), 0);
+  std::vector<std::uint64_t> last(s.size(), 0);
+  for (std::uint64_t t = 0; t < 200; ++t) {
+    const std::uint32_t layer = static_cast<std::uint32_t>(t % s.layers);
+    for (int i = 0; i < 2; ++i) {
+      const std::uint32_t k = s.key_of(layer, static_cast<expert_index>(rng() % 4));
+      if (resident[k] != 0) {
+        p.on_hit(k, {.time = t, .layer = layer});
+      } else {
+        p.on_insert(k, {.time = t, .layer = layer});
+        resident[k] = 1;
+      }
+      last[k] = t;
+    }
+    if (t % 7 == 3) {  // a prefetch of a random absent key: resident, no rate changes
+      const auto k = static_cast<std::uint32_t>(rng() % s.size());
+      if (resident[k] == 0) {
+        std::vector<double> before(s.size());
+        for (std::uint32_t x = 0; x < s.size(); ++x) before[x] = p.rate(x);
+        p.on_prefetch(k, {.time = t, .layer = layer});
+        resident[k] = 1;
+        for (std::uint32_t x = 0; x < s.size(); ++x) EXPECT_EQ(p.rate(x), before[x]);
+      }
+    }
+    std::vector<float> forecast(s.size(), -1.0F);
+    std::vector<std::uint8_t> pins(s.size(), 0);
+    for (std::uint32_t k = 0; k < s.size(); ++k) {
+      if (rng() % 3 == 0) forecast[k] = static_cast<float>(rng() % 11) / 10.0F;
+      if (rng() % 5 == 0) pins[k] = 1;
+      EXPECT_NEAR(p.next_use(k, layer, p.rate(k)), p.next_use(k, layer), 1e-9 * (1.0 + p.next_use(k, layer)));
+    }
+    bool any = false;
+    std::uint32_t want = 0;
+    double best = 0.0;
+    for (std::uint32_t k = 0; k < s.size(); ++k) {
+      if (resident[k] == 0 || pins[k] != 0) continue;
+      const double delta = static_cast<double>((s.layer_of(k) + s.layers - layer - 1) % s.layers + 1);
+      const double next = forecast[k] >= 0.0F ? delta + (1.0 - static_cast<double>(forecast[k])) * 4.0 / p.rate(k)
+                                              : delta + 4.0 * (1.0 / p.rate(k) - 1.0);
+      if (!any || next > best || (next == best && (last[k] < last[want] || (last[k] == last[want] && k < want)))) {
+        any = true;
+        want = k;
+        best = next;
+      }
+    }
+    if (!any) continue;
+    const access_context ctx{.time = t + 1, .layer = layer};
+    EXPECT_EQ(p.victim({pins.data()}, ctx, forecast), want) << "time " << t;
+    const std::vector<float> none(s.size(), -1.0F);
+    EXPECT_EQ(p.victim({pins.data()}, ctx, none), p.victim({pins.data()}, ctx)) << "no forecast: the plain ranking";
+    if (t % 5 == 0) {  // keep the cache small: evict the victim
+      p.on_evict(want);
+      resident[want] = 0;
+    }
+  }
+}
+
 // Ages beyond the power table (1024 turns) take std::pow: same formula.
 TEST(NextTurnPolicy, SelectionRateMatchesItsFormulaAtLongAges) {
   const key_space s{.layers = 1, .experts_per_layer = 2};

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <random>
+#include <span>
 #include <tuple>
 #include <vector>
 
@@ -54,6 +55,24 @@ struct reference_coactivation {
     return weights == 0.0 ? -1.0F : static_cast<float>(score / weights);
   }
 };
+
+// fMoE's Eq. 6–8 by sorting: the chosen map's row, by descending p, until its mass reaches
+// δ = clip(1 − score, 0, 1) and at least top-k are in; each gets score · p / max p, the rest 0.
+std::vector<float> delta_set(std::span<const float> row, double score, std::uint32_t top_k) {
+  std::vector<std::pair<float, expert_index>> ranked;
+  for (expert_index e = 0; e < row.size(); ++e) ranked.emplace_back(row[e], e);
+  std::stable_sort(ranked.begin(), ranked.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
+  std::vector<float> out(row.size(), 0.0F);
+  const double delta = std::clamp(1.0 - score, 0.0, 1.0);
+  double mass = 0;
+  for (std::uint32_t i = 0; i < row.size(); ++i) {
+    if ((i >= top_k && mass >= delta) || ranked[i].first <= 0.0F) break;
+    mass += static_cast<double>(ranked[i].first);
+    out[ranked[i].second] =
+        static_cast<float>(score * static_cast<double>(ranked[i].first) / static_cast<double>(ranked[0].first));
+  }
+  return out;
+}
 
 // The slow, obviously correct expert-map store: every finished pass's map kept (when full, the
 // stored map with the highest whole-map cosine to the new one is replaced); trajectory search
@@ -124,21 +143,7 @@ struct reference_fmoe {
         best = y;
       }
     }
-    score = std::max(score, 0.0);
-    std::vector<std::pair<float, expert_index>> ranked;
-    for (expert_index e = 0; e < experts; ++e) ranked.emplace_back(maps[best][target * experts + e], e);
-    std::stable_sort(ranked.begin(), ranked.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
-    std::fill(out.begin(), out.end(), 0.0F);
-    const double delta = std::clamp(1.0 - score, 0.0, 1.0);
-    double mass = 0;
-    for (std::uint32_t i = 0; i < experts; ++i) {
-      if (i >= top_k && mass >= delta) break;
-      if (ranked[i].first <= 0.0F && i >= top_k) break;
-      mass += static_cast<double>(ranked[i].first);
-      out[ranked[i].second] =
-          static_cast<float>(score * static_cast<double>(ranked[i].first) / static_cast<double>(ranked[0].first));
-    }
-    return out;
+    return delta_set(std::span(maps[best]).subspan(target * experts, experts), std::max(score, 0.0), top_k);
   }
 };
 
@@ -218,6 +223,153 @@ TEST(FmoeMapPredictor, FindsARepeatedTrajectory) {
   EXPECT_FLOAT_EQ(got[6], 1.0F);
   EXPECT_EQ(std::count(got.begin(), got.end(), 0.0F), 6);
   EXPECT_EQ(make_predictor("fmoe", 4, 8, 2)->name(), "fmoe");
+}
+
+// The same store with the optional fields, from scratch: rows are the router's probability
+// vectors, a pass's semantic vector is its first layer's sketch; semantic search (cosine of those)
+// while at most d layers are observed, trajectory search after; a full store replaces the map of
+// highest RDY = (d/L)·semantic + ((L − d)/L)·map similarity.
+struct reference_fmoe_fields {
+  std::uint32_t layers, experts, top_k, capacity, d;
+  struct map {
+    std::vector<float> rows;      // [layer * experts + expert]
+    std::vector<float> semantic;  // the first layer's sketch
+  };
+  std::vector<map> maps;
+
+  static double cosine(const std::vector<float>& x, const std::vector<float>& y, std::size_t n) {
+    double dot = 0, a = 0, b = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      dot += static_cast<double>(x[i]) * static_cast<double>(y[i]);
+      a += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+      b += static_cast<double>(y[i]) * static_cast<double>(y[i]);
+    }
+    return a == 0 || b == 0 ? 0.0 : dot / std::sqrt(a * b);
+  }
+  void finish(const map& m) {
+    if (maps.size() < capacity) {
+      maps.push_back(m);
+      return;
+    }
+    const double w = static_cast<double>(d) / static_cast<double>(layers);
+    std::size_t worst = 0;
+    double most = -1e300;
+    for (std::size_t y = 0; y < maps.size(); ++y) {
+      const double r = w * cosine(m.semantic, maps[y].semantic, m.semantic.size()) +
+                       (1 - w) * cosine(m.rows, maps[y].rows, m.rows.size());
+      if (r > most) {
+        most = r;
+        worst = y;
+      }
+    }
+    maps[worst] = m;
+  }
+  // `now` holds the observed layers' rows (the rest zero), `observed` how many.
+  std::vector<float> predict(const map& now, std::uint32_t observed, std::uint32_t target) const {
+    std::vector<float> out(experts, static_cast<float>(top_k) / static_cast<float>(experts));
+    if (maps.empty() || observed == 0) return out;
+    std::size_t best = 0;
+    double score = -1.0;
+    const bool semantic = observed <= d;
+    for (std::size_t y = 0; y < maps.size(); ++y) {
+      const double c = semantic ? cosine(now.semantic, maps[y].semantic, now.semantic.size())
+                                : cosine(now.rows, maps[y].rows, std::size_t{observed} * experts);
+      if (c > score) {
+        score = c;
+        best = y;
+      }
+    }
+    return delta_set(std::span(maps[best].rows).subspan(target * experts, experts), std::max(score, 0.0), top_k);
+  }
+};
+
+// Router probability vectors and sketches (observe_routing()) against the from-scratch store:
+// semantic search for the first d layers of a pass, trajectory search over full vectors after,
+// RDY replacement when full.
+TEST(FmoeMapPredictor, EqualsTheReferenceWithProbabilitiesAndSketches) {
+  constexpr std::uint32_t layers = 6, experts = 5, top_k = 2, dims = 3;
+  std::mt19937_64 rng(23);
+  const auto uniform = [&] { return static_cast<float>(static_cast<double>(rng() >> 11) * 0x1.0p-53); };
+  for (const std::uint32_t capacity : {4U, 60U}) {
+    for (const std::uint32_t d : {0U, 2U}) {
+      fmoe_map_predictor p(layers, experts, top_k, capacity, d);
+      reference_fmoe_fields ref{layers, experts, top_k, capacity, d, {}};
+      std::vector<float> got(experts);
+      reference_fmoe_fields::map previous;
+      for (int pass = 0; pass < 50; ++pass) {
+        p.begin_pass();
+        if (!previous.rows.empty()) ref.finish(previous);
+        reference_fmoe_fields::map now{std::vector<float>(std::size_t{layers} * experts, 0.0F), {}};
+        const auto topic = static_cast<std::uint32_t>(rng() % 3);  // a few recurring kinds of pass
+        for (std::uint32_t l = 0; l < layers; ++l) {
+          if (l > 0) {
+            p.predict(l, got);
+            const auto want = ref.predict(now, l, l);
+            for (expert_index j = 0; j < experts; ++j) {
+              EXPECT_NEAR(got[j], want[j], 1e-5)
+                  << "capacity " << capacity << " d " << d << " pass " << pass << " layer " << l << " expert " << j;
+            }
+            EXPECT_EQ(p.semantic(), l <= d && p.stored() > 0);
+          }
+          std::vector<float> prob(experts);
+          float sum = 0.0F;
+          for (expert_index e = 0; e < experts; ++e) {
+            prob[e] = uniform() + (e == (topic + l) % experts ? 3.0F : 0.0F);
+            sum += prob[e];
+          }
+          for (float& x : prob) x /= sum;
+          std::vector<float> sketch(dims);
+          for (std::uint32_t i = 0; i < dims; ++i) sketch[i] = (i == topic ? 1.0F : 0.0F) + 0.3F * uniform();
+          const std::vector<expert_index> routed{static_cast<expert_index>((topic + l) % experts)};
+          p.observe_routing(l, {.experts = routed, .probabilities = prob, .sketch = sketch});
+          std::copy(prob.begin(), prob.end(), now.rows.begin() + l * experts);
+          if (l == 0) now.semantic = sketch;
+        }
+        previous = now;
+      }
+      EXPECT_EQ(p.stored(), std::min<std::size_t>(capacity, 49));
+    }
+  }
+  fmoe_map_predictor p(layers, experts, top_k);
+  const std::vector<float> short_vector(experts - 1, 0.25F), sketch(dims, 1.0F), other_sketch(dims + 1, 1.0F);
+  EXPECT_THROW(p.observe_routing(0, {.probabilities = short_vector}), invalid_argument);
+  const expert_index routed[] = {1};
+  p.observe_routing(0, {.experts = routed, .sketch = sketch});
+  EXPECT_THROW(p.observe_routing(1, {.experts = routed, .sketch = other_sketch}), invalid_argument);
+  EXPECT_THROW(fmoe_map_predictor(4, 8, 2, 16, 5), invalid_argument);
+}
+
+// What semantic search is for: the first layer routes alike for every kind of pass, so a
+// trajectory of one layer cannot tell the stored maps apart; the sketch can.
+TEST(FmoeMapPredictor, SemanticSearchTellsPassesApartWhereTheTrajectoryCannot) {
+  constexpr std::uint32_t layers = 4, experts = 8, topics = 4;
+  const auto route = [](std::uint32_t topic, std::uint32_t l) {
+    return l == 0 ? std::vector<expert_index>{0, 1}
+                  : std::vector<expert_index>{static_cast<expert_index>((2 * topic + l) % experts),
+                                              static_cast<expert_index>((2 * topic + l + 1) % experts)};
+  };
+  const auto hits = [&](bool with_sketch) {
+    fmoe_map_predictor p(layers, experts, 2);
+    std::vector<float> prob(experts);
+    int right = 0;
+    for (std::uint32_t pass = 0; pass < 40; ++pass) {
+      const std::uint32_t topic = (pass * 7 + pass / 5) % topics;
+      std::vector<float> sketch(topics, 0.0F);
+      sketch[topic] = 1.0F;
+      p.begin_pass();
+      p.observe_routing(0, {.experts = route(topic, 0),
+                            .sketch = with_sketch ? std::span<const float>(sketch) : std::span<const float>()});
+      p.predict(1, prob);
+      if (pass >= topics * 2) {  // every topic stored
+        const auto want = route(topic, 1);
+        right += prob[want[0]] > 0.5F && prob[want[1]] > 0.5F ? 1 : 0;
+      }
+      for (std::uint32_t l = 1; l < layers; ++l) p.observe(l, route(topic, l));
+    }
+    return right;
+  };
+  EXPECT_EQ(hits(true), 32) << "the sketch finds a pass of the same kind every time";
+  EXPECT_LT(hits(false), 16) << "one layer of trajectory ties, and ties go to the first stored map";
 }
 
 TEST(CoactivationPredictor, EqualsTheCountingReferenceOnRandomPasses) {

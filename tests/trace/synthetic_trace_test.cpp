@@ -332,6 +332,43 @@ TEST(SyntheticTrace, CrossLayerCorrelatesLayersAtEveryDistance) {
             generate_synthetic(g, {.seed = 3, .sequences = 2}));
 }
 
+// Sketches carry the token's latent type: a token's layers have similar sketches, tokens of
+// different types do not; the routing is the trace's without them.
+TEST(SyntheticTrace, SketchesCarryTheTokensType) {
+  const moe_geometry g = moe_geometry::mixtral_8x7b();
+  const synthetic_options o{.seed = 8, .sequences = 2, .decode_steps = 40, .cross_layer = 0.65};
+  synthetic_options with = o;
+  with.sketch_dims = 16;
+  const routing_trace plain = generate_synthetic(g, o);
+  const routing_trace sketched = generate_synthetic(g, with);
+  ASSERT_EQ(sketched.fields().sketch_dims, 16U);
+  ASSERT_EQ(plain.size(), sketched.size());
+  for (std::size_t i = 0; i < plain.size(); ++i) {
+    ASSERT_TRUE(std::ranges::equal(plain[i].experts, sketched[i].experts));
+    ASSERT_TRUE(std::ranges::equal(plain[i].weights, sketched[i].weights));
+  }
+  const auto cosine = [](std::span<const float> x, std::span<const float> y) {
+    double d = 0, a = 0, b = 0;
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      d += static_cast<double>(x[i]) * static_cast<double>(y[i]);
+      a += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+      b += static_cast<double>(y[i]) * static_cast<double>(y[i]);
+    }
+    return d / std::sqrt(a * b);
+  };
+  double same = 0.0, across = 0.0;
+  std::size_t n_same = 0, n_across = 0;
+  const std::uint32_t layers = g.layers();
+  for (std::size_t i = 0; i + layers < sketched.size(); i += layers) {    // a token's layer 0 ...
+    same += cosine(sketched[i].sketch, sketched[i + layers - 1].sketch);  // ... and its last layer
+    ++n_same;
+    across += cosine(sketched[i].sketch, sketched[i + layers].sketch);  // the next token's layer 0
+    ++n_across;
+  }
+  EXPECT_GT(same / static_cast<double>(n_same), 0.7);  // about 0.8: type variance 1/3, noise 1/12
+  EXPECT_LT(across / static_cast<double>(n_across), 0.5);
+}
+
 TEST(SyntheticTrace, RejectsOptionsOutOfRange) {
   const moe_geometry g = moe_geometry::mixtral_8x7b();
   const auto expect_error = [&](const synthetic_options& o, const char* text) {
@@ -343,6 +380,7 @@ TEST(SyntheticTrace, RejectsOptionsOutOfRange) {
     }
   };
   expect_error({.locality = 1.5}, "locality = 1.5 out of range [0, 1]");
+  expect_error({.sketch_dims = 4097}, "sketch_dims = 4097 out of range [0, 4096]");
   expect_error({.cross_layer = -0.1}, "cross_layer = -0.1 out of range [0, 1]");
   expect_error({.zipf_exponent = -1.0}, "zipf_exponent = -1 out of range [0, 8]");
   expect_error({.sequences = 0}, "sequences = 0 out of range");

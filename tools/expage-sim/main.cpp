@@ -58,6 +58,11 @@ input (one of):
     --steps N             decode tokens per sequence (default 128)
     --seed N              generator seed (default 1)
     --locality P          probability a token keeps each previous expert, [0, 1] (default 0.3)
+    --cross-layer P       cross-layer co-activation: a token takes its latent type's expert at each
+                          layer with this probability, [0, 1] (default 0)
+    --probabilities       record full router probability vectors (fMoE's maps use them)
+    --sketch-dims N       record hidden-state sketches of N floats carrying the token's type, for
+                          fMoE's semantic search, [0, 4096] (default 0)
   --batch N             sequences decoded in lockstep (default 1, or what a binary trace records)
   --only-sequences LIST simulate only these sequence ids (e.g. one problem of a recorded trace)
   --realign             re-register the rows of layers that lost rows first (realign_trace,
@@ -81,11 +86,21 @@ model, hardware and cache:
                         store, trajectory search): an online predictor, prefetching
                         experts predicted with probability >= T (default 0.5) (default none)
   --distance D          prefetch distance in layer groups (default 2)
+  --forecast-distance F layers ahead an online predictor forecasts for prefetch-aware eviction,
+                        [D, 64] (default D)
   --admission A         cost-benefit (PreScope Eq. 6-7: issue a prefetch only when the expected time
                         saved exceeds the expected delay) or all (ungated) (default cost-benefit)
   --max-overhead X      cost-benefit's byte guard: bytes moved stay within (1 + X) x those of LRU
                         demand loading, tracked online by a shadow cache, [0, inf] (default 0.05)
   --prefetch-seed N     seed of the noisy oracle (default 1)
+  --hot-table LIST      PreScope's hot-expert table: rank experts by the tokens routed to them in
+                        these sequences of the trace (an offline profile, e.g. another request)
+                        and make the hottest resident before the first layer (their bytes are
+                        reported as preload_bytes, not in moved)
+  --no-trace-fields     predictors see the routed experts only, not the trace's router probabilities
+                        and sketches (the ablation of fMoE's full maps and semantic search)
+  --no-forecast-eviction  rank victims by the policy's own history only, not by the prefetcher's
+                        forecast of the layers ahead (the ablation of prefetch-aware eviction)
   --no-bounds           skip the oracle columns (3 extra simulations per layout x capacity x ratio)
 
 output:
@@ -131,9 +146,13 @@ struct config {
   std::vector<expage::cache_layout> layouts = {expage::cache_layout::global};
   std::vector<prefetch_choice> prefetch = {{"none", std::nullopt}};
   std::uint32_t distance = 2;
+  std::uint32_t forecast_distance = 0;
   expage::prefetch_admission admission = expage::prefetch_admission::cost_benefit;
   double max_overhead = 0.05;
   std::uint64_t prefetch_seed = 1;
+  bool forecast_eviction = true;
+  bool trace_fields = true;
+  std::optional<std::set<std::uint32_t>> hot_table;
   bool bounds = true;
   std::optional<std::string> json, svg;
   unsigned threads = 0;
@@ -166,6 +185,12 @@ config parse(int argc, char** argv, const std::string& help) {
       c.synth.seed = parse_number<std::uint64_t>(flag, value(), 0, ~std::uint64_t{0});
     } else if (flag == "--locality") {
       c.synth.locality = parse_real(flag, value(), 0.0, 1.0);
+    } else if (flag == "--cross-layer") {
+      c.synth.cross_layer = parse_real(flag, value(), 0.0, 1.0);
+    } else if (flag == "--probabilities") {
+      c.synth.probabilities = true;
+    } else if (flag == "--sketch-dims") {
+      c.synth.sketch_dims = parse_number<std::uint32_t>(flag, value(), 0, expage::max_sketch_dims);
     } else if (flag == "--batch") {
       c.batch = parse_number<std::uint32_t>(flag, value(), 1, 4096);
     } else if (flag == "--only-sequences") {
@@ -244,6 +269,8 @@ config parse(int argc, char** argv, const std::string& help) {
       }
     } else if (flag == "--distance") {
       c.distance = parse_number<std::uint32_t>(flag, value(), 1, 64);
+    } else if (flag == "--forecast-distance") {
+      c.forecast_distance = parse_number<std::uint32_t>(flag, value(), 1, 64);
     } else if (flag == "--admission") {
       const std::string_view v = value();
       if (v == "all") {
@@ -258,6 +285,12 @@ config parse(int argc, char** argv, const std::string& help) {
       c.max_overhead = v == "inf" ? std::numeric_limits<double>::infinity() : parse_real(flag, v, 0.0, 1e9);
     } else if (flag == "--prefetch-seed") {
       c.prefetch_seed = parse_number<std::uint64_t>(flag, value(), 0, ~std::uint64_t{0});
+    } else if (flag == "--hot-table") {
+      c.hot_table = expage_tools::parse_id_set(flag, value());
+    } else if (flag == "--no-trace-fields") {
+      c.trace_fields = false;
+    } else if (flag == "--no-forecast-eviction") {
+      c.forecast_eviction = false;
     } else if (flag == "--no-bounds") {
       c.bounds = false;
     } else if (flag == "--json") {
@@ -275,6 +308,9 @@ config parse(int argc, char** argv, const std::string& help) {
     }
   }
   if (c.trace.has_value() == c.synthetic) throw usage_error{"give exactly one of --trace FILE and --synthetic"};
+  if (c.forecast_distance != 0 && c.forecast_distance < c.distance) {
+    throw usage_error{fmt::format("--forecast-distance {} below --distance {}", c.forecast_distance, c.distance)};
+  }
   return c;
 }
 
@@ -319,14 +355,14 @@ std::string result_json(const expage::sim_result& r, const cell& c, bool bounds)
   return fmt::format(
       R"({{"layout":"{}","slots":{},"policy":"{}","prefetch":"{}","ratio":{},"transfer_s":{},"layer_s":{},)"
       R"("tokens":{},"accesses":{},"hits":{},"demand_misses":{},"miss_ratio":{},"evictions":{},)"
-      R"("bytes_moved":{},"demand_bytes":{},"prefetch_bytes":{},"stall_per_token_s":{},"stall_p50_s":{},"stall_p99_s":{},)"
+      R"("bytes_moved":{},"demand_bytes":{},"prefetch_bytes":{},"preload_bytes":{},"stall_per_token_s":{},"stall_p50_s":{},"stall_p99_s":{},)"
       R"("time_per_token_s":{},"stall_by_cause_per_token_s":{{{}}},"prefetches_issued":{},"prefetches_used":{},)"
       R"("prefetches_late":{},"prefetches_wasted":{},"prefetches_promoted":{},"prefetches_cancelled":{},)"
       R"("prefetches_refused":{},"prefetch_victim_refaults":{},"prefetch_precision":{},"prefetch_coverage":{},)"
       R"("prefetch_timeliness":{},"prefetch_bytes_per_useful_byte":{},"budget_peak_bytes":{},"layers":[{}]{}}})",
       expage::to_string(r.layout), r.capacity, expage::to_string(r.policy), r.prefetcher, json_number(r.ratio),
       json_number(r.transfer_seconds), json_number(r.layer_seconds), r.tokens, r.accesses, r.hits, r.demand_misses,
-      json_number(r.miss_ratio()), r.evictions, r.bytes_moved(), r.demand_bytes, r.prefetch_bytes,
+      json_number(r.miss_ratio()), r.evictions, r.bytes_moved(), r.demand_bytes, r.prefetch_bytes, r.preload_bytes,
       json_number(r.stall_seconds_per_token()), json_number(r.per_pass.p50), json_number(r.per_pass.p99),
       json_number(r.seconds_per_token()), causes, r.prefetches_issued, r.prefetches_used, r.prefetches_late,
       r.prefetches_wasted, r.prefetches_promoted, r.prefetches_cancelled, r.prefetches_refused,
@@ -489,6 +525,13 @@ int main(int argc, char** argv) {
       fmt::print("realigned: {} short layer(s), {} row(s) moved\n", r.layers.size(), r.rows_moved());
       trace = r.trace;
     }
+    std::vector<std::uint64_t> hot;
+    if (c.hot_table) {
+      const bool any = std::any_of(trace.begin(), trace.end(),
+                                   [&](const expage::routing_event& e) { return c.hot_table->contains(e.sequence); });
+      if (!any) throw usage_error{"--hot-table: none of these sequences is in the trace"};
+      hot = expage::hot_expert_table(expage_tools::only_sequences(trace, *c.hot_table));
+    }
     if (c.only_sequences) trace = expage_tools::only_sequences(trace, *c.only_sequences);
     if (c.shuffle_seed) trace = expage::shuffle_tokens(trace, *c.shuffle_seed);
     const std::string source = c.trace ? *c.trace : fmt::format("synthetic (seed {})", c.synth.seed);
@@ -555,7 +598,10 @@ int main(int argc, char** argv) {
           } else if (!pc.predictor.empty()) {
             oracle = std::make_unique<expage::predictive_prefetcher>(
                 expage::make_predictor(pc.predictor, g.layers(), g.experts_per_layer(), g.top_k()),
-                expage::predictive_prefetch_options{.distance = c.distance, .threshold = pc.threshold});
+                expage::predictive_prefetch_options{.distance = c.distance,
+                                                    .threshold = pc.threshold,
+                                                    .forecast_distance = c.forecast_distance,
+                                                    .trace = c.trace_fields ? &trace : nullptr});
           }
           results[k] = expage::simulate(stream_for(j.slots), g, j.policy,
                                         {.layout = j.layout,
@@ -566,7 +612,9 @@ int main(int argc, char** argv) {
                                          .dense_bytes_per_layer = c.dense_bytes,
                                          .prefetch = oracle.get(),
                                          .admission = c.admission,
-                                         .max_prefetch_overhead = c.max_overhead});
+                                         .max_prefetch_overhead = c.max_overhead,
+                                         .forecast_eviction = c.forecast_eviction,
+                                         .initial_residency = hot});
           bar.step(fmt::format("{} {} {}", expage::to_string(j.policy), expage::to_string(j.layout), j.slots));
         } catch (...) {
           const std::lock_guard lock(failure_mutex);

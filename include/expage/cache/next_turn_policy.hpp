@@ -126,17 +126,44 @@ class next_turn_policy {
   }
   /// Counts the access.
   void on_hit(std::uint32_t key, const access_context& ctx) noexcept { touch(key, ctx); }
+  /// @p key became resident ahead of use (a prefetch): it joins the residents without counting
+  /// as a use, so guesses do not raise the rates they are judged by; its first real use
+  /// (on_hit()) counts.
+  void on_prefetch(std::uint32_t key, const access_context& /*ctx*/) { resident_.insert(key); }
   /// @p key left the cache; its history is kept.
   void on_evict(std::uint32_t key) noexcept { resident_.erase(key); }
   /// The unpinned key whose predicted next use is farthest.
   [[nodiscard]] std::uint32_t victim(pin_view pins, const access_context& ctx) const noexcept {
-    const auto layers = static_cast<double>(space_.layers);
+    return detail::scan_for_victim(resident_, pins, last_, [&](std::uint32_t k) { return next_use(k, ctx.layer); });
+  }
+  /// The same with a forecast: @p this_turn holds, per key of the scope, the probability that
+  /// the key is used at its layer's next turn as an online predictor sees it (from the current
+  /// token's earlier layers), or a negative value where there is none. A forecast key is ranked
+  /// by next_use(key, layer, forecast), so an expert predicted for a layer about to run is kept
+  /// and one predicted unused there goes before others of its rate ("prefetch-aware eviction",
+  /// docs/prefetch.md).
+  [[nodiscard]] std::uint32_t victim(pin_view pins, const access_context& ctx,
+                                     std::span<const float> this_turn) const noexcept {
     return detail::scan_for_victim(resident_, pins, last_, [&](std::uint32_t k) {
-      const std::uint32_t l = space_.layer_of(k);
-      const double until_turn =
-          space_.global ? static_cast<double>((l + space_.layers - ctx.layer - 1) % space_.layers + 1) : 0.0;
-      return until_turn + layers * (1.0 / rate(k) - 1.0);
+      return this_turn[k] >= 0.0F ? next_use(k, ctx.layer, static_cast<double>(this_turn[k])) : next_use(k, ctx.layer);
     });
+  }
+  /// The predicted distance to the next use of @p key, in layer-steps, seen from layer
+  /// @p now_layer (the layer being executed): next(l, j) = δ(l) + L · (1/r − 1) above.
+  [[nodiscard]] double next_use(std::uint32_t key, std::uint32_t now_layer) const noexcept {
+    return until_turn(key, now_layer) + static_cast<double>(space_.layers) * (1.0 / rate(key) - 1.0);
+  }
+  /// The same when the key's use at its layer's next turn has probability @p this_turn (a
+  /// forecast) and the turns after it follow r: used there with probability p, else a turn
+  /// later and then geometric with mean 1/r,
+  ///
+  ///     next(l, j | p) = δ(l) + (1 − p) · L / r(l, j),
+  ///
+  /// which is next(l, j) when p = r. The one owner of the estimate: victim() ranks by it and the
+  /// simulator's victim-value check compares a victim's with a prefetched expert's.
+  [[nodiscard]] double next_use(std::uint32_t key, std::uint32_t now_layer, double this_turn) const noexcept {
+    return until_turn(key, now_layer) +
+           (1.0 - std::clamp(this_turn, 0.0, 1.0)) * static_cast<double>(space_.layers) / rate(key);
   }
 
   /// The predicted probability that @p key is used at its layer's next turn:
@@ -175,6 +202,11 @@ class next_turn_policy {
   };
 
   [[nodiscard]] static std::size_t scopes(const key_space& space) noexcept { return space.global ? space.layers : 1; }
+  // δ(l): layer-steps until the next turn of key's layer seen from now_layer (0 in a per-layer scope).
+  [[nodiscard]] double until_turn(std::uint32_t key, std::uint32_t now_layer) const noexcept {
+    const std::uint32_t l = space_.layer_of(key);
+    return space_.global ? static_cast<double>((l + space_.layers - now_layer - 1) % space_.layers + 1) : 0.0;
+  }
   [[nodiscard]] std::size_t scope_of(std::uint32_t key) const noexcept {
     return space_.global ? space_.layer_of(key) : 0;
   }

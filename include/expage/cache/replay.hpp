@@ -12,6 +12,7 @@
 #include <optional>
 #include <span>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace expage {
@@ -96,6 +97,11 @@ class access_stream {
   [[nodiscard]] std::span<const float> probability(std::size_t g) const noexcept {
     return std::span(probability_).subspan(offset_[g], offset_[g + 1] - offset_[g]);
   }
+  /// The trace events [first, last) of group @p g's layer-step (every part of a split step has
+  /// them all): where a predictor finds the step's router probabilities and sketches.
+  [[nodiscard]] std::pair<std::size_t, std::size_t> trace_events(std::size_t g) const noexcept {
+    return {first_event_[g], first_event_[g] + step_events_[g]};
+  }
   [[nodiscard]] std::uint64_t accesses() const noexcept { return experts_.size(); }  ///< Expert requests in all.
   [[nodiscard]] std::uint64_t tokens() const noexcept { return tokens_; }       ///< Distinct (sequence, step) pairs.
   [[nodiscard]] std::uint64_t events() const noexcept { return events_; }       ///< Routing events replayed.
@@ -118,6 +124,8 @@ class access_stream {
   std::vector<expert_index> experts_;
   std::vector<std::uint64_t> next_use_;
   std::vector<float> probability_;
+  std::vector<std::size_t> first_event_;    // per group: the trace index of its step's first event
+  std::vector<std::uint32_t> step_events_;  // per group: its step's events
   std::uint64_t tokens_ = 0;
   std::uint64_t passes_ = 0;
   std::uint64_t events_ = 0;

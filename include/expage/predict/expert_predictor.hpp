@@ -10,6 +10,7 @@
 
 #include "expage/core/expert_id.hpp"
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -19,7 +20,26 @@
 
 namespace expage {
 
+/// @brief One layer's routing as a predictor sees it: the routed experts and, where the trace or
+/// the engine has them, the router's full probability vector and a hidden-state sketch
+/// (docs/traces.md, "Optional fields").
+struct layer_routing {
+  std::span<const expert_index> experts{};  ///< The routed experts (for a lockstep batch, the union).
+  std::span<const float> probabilities{};   ///< The router's probability over the layer's experts, or empty.
+  std::span<const float> sketch{};          ///< A hidden-state sketch (fixed length per run), or empty.
+};
+
 /// @brief What every predictor implements.
+///
+/// @code
+/// expage::coactivation_predictor p(32, 8, 2);
+/// std::vector<float> probability(8);
+/// p.begin_pass();
+/// const expage::expert_index routed[] = {6, 5};
+/// p.observe(0, routed);
+/// p.predict(1, probability);  // P(expert e is routed at layer 1 in this pass)
+/// @endcode
+/// @threadsafety single-owner.
 class expert_predictor {
  public:
   virtual ~expert_predictor() = default;
@@ -32,6 +52,10 @@ class expert_predictor {
   /// Layer @p layer of the current pass routed @p experts (for a lockstep batch, the union).
   /// Layers of one pass are observed in increasing order.
   virtual void observe(std::uint32_t layer, std::span<const expert_index> experts) = 0;
+  /// The same with the optional fields: a predictor that uses router probabilities or sketches
+  /// (fmoe_map_predictor) overrides it; the others see the experts only (the default).
+  /// @throws expage::invalid_argument where the predictor uses a field and its length is wrong.
+  virtual void observe_routing(std::uint32_t layer, const layer_routing& routing) { observe(layer, routing.experts); }
   /// Writes into @p probability (experts_per_layer entries) the probability that each expert of
   /// @p layer (a layer after the last observed one) is routed in the current pass.
   virtual void predict(std::uint32_t layer, std::span<float> probability) const = 0;
@@ -112,7 +136,8 @@ class coactivation_predictor final : public expert_predictor {
   std::vector<std::vector<expert_index>> routed_;
 };
 
-/// @brief fMoE's expert-map store with trajectory search (fMoE §4, Eq. 5–8; control-layer notes E5).
+/// @brief fMoE's expert-map store with semantic and trajectory search (fMoE §4, Eq. 4–8;
+/// control-layer notes E5).
 ///
 /// An *expert map* is one forward pass's router probability vectors, one per layer. The store
 /// keeps up to `capacity` maps of past passes. After the current pass has observed layers
@@ -121,30 +146,50 @@ class coactivation_predictor final : public expert_predictor {
 /// map's row P_ℓ'. The threshold δ = clip(1 − score, 0, 1) sets how many experts (Eq. 6–8): the
 /// smallest set, by descending p, whose mass reaches δ, and at least top-k of them, so a map that
 /// matches less well prefetches more. Those experts get probability score · p_j / max p (the best
-/// one the similarity itself), the others 0. When the store is full a finished pass replaces the
-/// stored map most redundant with it (highest whole-map similarity; fMoE's RDY without its
-/// semantic term).
+/// one the similarity itself), the others 0.
 ///
-/// Routing traces without router probabilities (the Mixtral trace records only the top-2) give
-/// each routed expert 1/k (a sparse map, as the notes prescribe). fMoE's semantic search (Eq. 4,
-/// layers before d) needs per-token embeddings and is not implemented: before any layer is
-/// observed, and with an empty store, the prediction is uniform k/E. A layer observed twice in a
-/// pass (a split group) counts as the union of its experts. Per observed layer the search costs
-/// O(capacity · E) (running dot products); a finished pass O(capacity), its redundancy check
-/// reusing those sums.
+/// **Semantic search** (Eq. 4): with hidden-state sketches (observe_routing()), a pass's
+/// semantic vector is the sketch of its first observed layer, stored with its map. While the
+/// current pass has observed at most `semantic_layers` layers (fMoE's prefetch distance d, where
+/// a trajectory is too short to tell maps apart) and has a sketch, the map is the one whose
+/// semantic vector is most similar (cosine), and that similarity is the score. When the store is
+/// full a finished pass replaces the stored map most redundant with it: the highest
+/// RDY = (d/L) · semantic similarity + ((L − d)/L) · whole-map similarity (fMoE's dedup; the
+/// map term alone without sketches).
+///
+/// Rows are the router's probability vectors where observe_routing() passes them; otherwise
+/// (the Mixtral trace records only the top-2) each routed expert gets 1/k (a sparse map, as the
+/// notes prescribe). Before any layer is observed, and with an empty store, the prediction is
+/// uniform k/E. A layer observed twice in a pass (a split group) counts as the union of its
+/// experts (with probabilities: the latest vector). Per observed layer the search costs
+/// O(capacity · E) (running dot products), semantic search O(capacity · sketch) once per pass; a
+/// finished pass O(capacity), its redundancy check reusing those sums.
+///
+/// @code
+/// expage::fmoe_map_predictor p(32, 8, 2);
+/// p.begin_pass();
+/// p.observe_routing(0, {.experts = routed, .probabilities = router_softmax, .sketch = hidden_sketch});
+/// p.predict(1, probability);
+/// @endcode
+/// @threadsafety single-owner.
 class fmoe_map_predictor final : public expert_predictor {
  public:
-  /// @throws expage::invalid_argument for 0 layers/experts, top-k out of [1, experts], or a
-  ///         capacity out of [1, 65536].
+  /// @throws expage::invalid_argument for 0 layers/experts, top-k out of [1, experts], a
+  ///         capacity out of [1, 65536] or semantic_layers out of [0, layers].
   fmoe_map_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k,
-                     std::uint32_t capacity = 1024);
+                     std::uint32_t capacity = 1024, std::uint32_t semantic_layers = 3);
   [[nodiscard]] std::string name() const override { return "fmoe"; }
   void reset() override;
   void begin_pass() override;
   void observe(std::uint32_t layer, std::span<const expert_index> experts) override;
+  /// @throws expage::invalid_argument for a probability vector that is not experts_per_layer
+  ///         long, or a sketch whose length differs from the first one seen since reset().
+  void observe_routing(std::uint32_t layer, const layer_routing& routing) override;
   void predict(std::uint32_t layer, std::span<float> probability) const override;
   /// Maps stored now.
   [[nodiscard]] std::size_t stored() const noexcept { return count_; }
+  /// True when the last observed layer's map was chosen by semantic search.
+  [[nodiscard]] bool semantic() const noexcept { return semantic_; }
 
  private:
   [[nodiscard]] std::span<const float> row(std::size_t map, std::uint32_t layer) const noexcept {
@@ -153,19 +198,29 @@ class fmoe_map_predictor final : public expert_predictor {
   void finish_pass();
   // Adds (sign +1) or removes (−1) the current pass's row of @p layer in the running sums.
   void add_row(std::uint32_t layer, double sign);
+  // cos(the current pass's semantic vector, stored map y's); 0 where either has none.
+  [[nodiscard]] double semantic_similarity(std::size_t y) const noexcept;
 
-  std::uint32_t layers_, experts_, top_k_, capacity_;
+  std::uint32_t layers_, experts_, top_k_, capacity_, semantic_layers_;
   std::vector<float> store_;      // [map][layer][expert]
   std::vector<double> norm_map_;  // per stored map: |map|² over all its rows
   std::size_t count_ = 0;
   std::vector<float> current_;      // [layer][expert] of this pass (zero rows not observed)
   std::vector<std::uint8_t> seen_;  // per layer: observed in this pass
-  bool observed_ = false;           // a layer of this pass was observed
+  std::uint32_t observed_ = 0;      // distinct layers of this pass observed
   std::vector<double> dot_;         // per stored map: Σ over observed layers of P_new · P_old
   std::vector<double> norm_old_;    // per stored map: Σ over observed layers of |P_old|²
   double norm_new_ = 0.0;           // Σ over observed layers of |P_new|²
-  std::size_t best_ = 0;            // the trajectory-search winner after the last observed layer
-  double score_ = 0.0;              // its cosine similarity
+  std::size_t best_ = 0;            // the search winner after the last observed layer
+  double score_ = 0.0;              // its similarity
+  bool semantic_ = false;           // the winner came from semantic search
+  // Semantic vectors: the sketch length (0 until one is seen), per stored map its vector and
+  // |v|² (0: none), and the current pass's.
+  std::size_t sketch_dims_ = 0;
+  std::vector<float> semantic_store_;  // [map][sketch_dims_]
+  std::vector<double> semantic_norm_;
+  std::vector<float> semantic_now_;
+  double semantic_now_norm_ = 0.0;
   mutable std::vector<std::pair<float, expert_index>> ranked_;  // predict()'s scratch (no allocation per call)
 };
 
@@ -174,6 +229,15 @@ class fmoe_map_predictor final : public expert_predictor {
 /// requests for one layer.
 void most_probable(std::span<const float> probability, float threshold, std::size_t most,
                    std::vector<std::pair<float, expert_index>>& out);
+
+/// The byte guard of prefetching (docs/prefetch.md), the one rule the simulator's admission and
+/// the runtime's prefetcher share: true while @p moved transfers (demand loads and prefetches so
+/// far, the simulator also counting those queued or in flight) stay within (1 + @p share) × the
+/// @p baseline's (a key-only shadow of LRU demand loading over the same routing) plus one
+/// transfer. @p share = +∞ turns it off.
+[[nodiscard]] inline bool within_prefetch_overhead(double moved, double baseline, double share) noexcept {
+  return std::isinf(share) || moved <= (1.0 + share) * baseline + 1.0;
+}
 
 /// A predictor by name: "frequency", "previous", "coactivation", "fmoe".
 /// @throws expage::invalid_argument for another name, listing the accepted ones.

@@ -12,24 +12,43 @@
 /// What keeps it from hurting in the runtime:
 /// - **stale requests are dropped:** each call first cancels the requests not yet issued (they
 ///   were for this layer or were re-predicted now);
-/// - **a byte guard** (runtime_prefetch_options::max_overhead): while the bytes of prefetches
-///   evicted unused exceed the given share of the bytes the layers needed (demand loads plus used
-///   prefetches), plus one expert, it requests nothing, and resumes when demand traffic has grown
-///   enough. This is the runtime's form of the simulator's byte guard (sim/pager_sim.hpp), which
-///   can also see a shadow of demand loading; the runtime counts its waste directly.
+/// - **a byte guard with a shadow cache** (runtime_prefetch_options::max_overhead): beside the
+///   runtime it keeps a key-only LRU cache of the runtime's capacity (its demand tier's), fed the
+///   routing on_routed() sees, which counts what plain LRU demand loading would have loaded.
+///   While the runtime's loads (demand loads + prefetches issued) exceed (1 + share) × the
+///   shadow's plus one expert, it requests nothing, and resumes once demand loading would have
+///   loaded as much. Unlike counting wasted prefetches, this also charges the demand misses on
+///   experts a prefetch evicted (the refaults), as the simulator's guard does
+///   (within_prefetch_overhead(), sim/pager_sim.hpp). After a resize the shadow starts again at
+///   the new capacity, empty (its misses so far kept).
 ///
 /// Threading: one thread (the engine's, which calls acquire()) calls on_routed(); the runtime it
 /// drives may be used by other threads meanwhile (prefetch(), resize() and statistics() lock).
+/// The shadow is the prefetcher's own.
+///
+/// @code
+/// expage::runtime_prefetcher prefetcher(runtime, expage::make_predictor("coactivation", 32, 8, 2));
+/// for (std::uint32_t layer = 0; layer < 32; ++layer) {
+///   auto lease = runtime.acquire(layer, routed[layer]);
+///   prefetcher.on_routed(layer, routed[layer]);
+///   launch(layer, lease);
+/// }
+/// @endcode
+/// @threadsafety single-owner (on_routed() from the engine's thread).
 #pragma once
 
+#include "expage/cache/lru_policy.hpp"
+#include "expage/cache/slot_cache.hpp"
 #include "expage/core/error.hpp"
 #include "expage/predict/expert_predictor.hpp"
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <utility>
 #include <vector>
@@ -41,18 +60,20 @@ struct runtime_prefetch_options {
   std::uint32_t distance = 1;   ///< Layers ahead of the routed one to request for, [1, 64].
   float threshold = 0.0F;       ///< Request only experts predicted with at least this probability, [0, 1].
   std::uint32_t per_layer = 0;  ///< At most this many per target layer; 0: the geometry's top-k.
-  /// The byte guard: request nothing while prefetch bytes wasted exceed this share of the bytes
-  /// the layers needed (demand loads + used prefetches), plus one expert. +∞ turns it off. [0, +∞].
+  /// The byte guard: request nothing while the runtime's loads (demand loads + prefetches)
+  /// exceed (1 + this) × those of a key-only LRU shadow cache of the same capacity, plus one
+  /// expert. +∞ turns it off (and the shadow with it). [0, +∞].
   double max_overhead = 0.05;
 };
 
 /// @brief What a runtime_prefetcher did.
 struct runtime_prefetch_statistics {
-  std::uint64_t passes = 0;     ///< Forward passes seen (a layer not after the previous one starts one).
-  std::uint64_t layers = 0;     ///< on_routed() calls.
-  std::uint64_t requested = 0;  ///< Experts requested through prefetch() (the runtime ignores resident ones).
-  std::uint64_t paused = 0;     ///< on_routed() calls that requested nothing because of the byte guard.
-  std::uint64_t cancelled = 0;  ///< Stale requests cancelled before the runtime issued them.
+  std::uint64_t passes = 0;         ///< Forward passes seen (a layer not after the previous one starts one).
+  std::uint64_t layers = 0;         ///< on_routed() calls.
+  std::uint64_t requested = 0;      ///< Experts requested through prefetch() (the runtime ignores resident ones).
+  std::uint64_t paused = 0;         ///< on_routed() calls that requested nothing because of the byte guard.
+  std::uint64_t cancelled = 0;      ///< Stale requests cancelled before the runtime issued them.
+  std::uint64_t shadow_misses = 0;  ///< What the guard's LRU shadow loaded on demand (0 with the guard off).
 };
 
 /// @brief Drives @p Runtime's prefetch() from an expert_predictor. @p Runtime is an
@@ -92,6 +113,14 @@ class runtime_prefetcher {
   /// should be the only source of prefetch requests on its runtime.
   /// @throws expage::invalid_argument for a layer or expert out of range (nothing is requested).
   void on_routed(std::uint32_t layer, std::span<const std::uint32_t> experts) {
+    on_routed(layer, layer_routing{.experts = experts});
+  }
+  /// The same with the router's probabilities and a hidden-state sketch where the engine has them
+  /// (the predictor sees them through expert_predictor::observe_routing(); fMoE's maps use them).
+  /// @throws expage::invalid_argument for a layer or expert out of range (nothing is requested),
+  ///         or what the predictor refuses.
+  void on_routed(std::uint32_t layer, const layer_routing& routing) {
+    const std::span<const std::uint32_t> experts = routing.experts;
     const auto& g = runtime_.geometry();
     if (layer >= g.layers()) {
       throw invalid_argument(fmt::format("runtime_prefetcher: layer {} out of range [0, {})", layer, g.layers()));
@@ -102,13 +131,13 @@ class runtime_prefetcher {
             fmt::format("runtime_prefetcher: expert {} out of range [0, {})", e, g.experts_per_layer()));
       }
     }
-    if (stats_.layers == 0 || layer <= last_layer_) {
-      predictor_->begin_pass();
-      ++stats_.passes;
-    }
+    const bool new_pass = stats_.layers == 0 || layer <= last_layer_;
+    if (new_pass) predictor_->begin_pass();
+    predictor_->observe_routing(layer, routing);
+    if (new_pass) ++stats_.passes;
     last_layer_ = layer;
     ++stats_.layers;
-    predictor_->observe(layer, experts);
+    if (!std::isinf(options_.max_overhead)) shadow_access(layer, experts);
     stats_.cancelled += runtime_.cancel_prefetches();
     if (layer + 1 >= g.layers()) return;  // the pass ends here
     if (!within_overhead()) {
@@ -137,11 +166,25 @@ class runtime_prefetcher {
  private:
   [[nodiscard]] bool within_overhead() const {
     if (std::isinf(options_.max_overhead)) return true;
-    // In experts (every expert moves the same bytes): wasted ≤ share × (demand loads + used) + 1.
+    // In experts (demand loads and prefetches load the demand tier's versions, all one size).
     const auto t = runtime_.totals();
-    const auto wasted = static_cast<double>(t.prefetch_wasted);
-    const auto needed = static_cast<double>(t.misses + t.prefetch_used);
-    return wasted <= options_.max_overhead * needed + 1.0;
+    return within_prefetch_overhead(static_cast<double>(t.misses + t.prefetches),
+                                    static_cast<double>(stats_.shadow_misses), options_.max_overhead);
+  }
+
+  // The guard's shadow: plain LRU demand loading of the routing, at the runtime's capacity now.
+  void shadow_access(std::uint32_t layer, std::span<const std::uint32_t> experts) {
+    const std::uint32_t capacity = runtime_.capacity(runtime_.demand_tier());
+    if (!shadow_ || shadow_->options().capacity != capacity) {
+      if (shadow_) shadow_base_ += shadow_->statistics().misses;
+      shadow_.emplace(runtime_.geometry(), slot_cache_options{.layout = cache_layout::global, .capacity = capacity});
+    }
+    // A group larger than the shadow (the runtime could not acquire it either) in parts.
+    for (std::size_t i = 0; i < experts.size(); i += capacity) {
+      static_cast<void>(
+          shadow_->access(layer, experts.subspan(i, std::min<std::size_t>(capacity, experts.size() - i))));
+    }
+    stats_.shadow_misses = shadow_base_ + shadow_->statistics().misses;
   }
 
   Runtime& runtime_;
@@ -153,6 +196,8 @@ class runtime_prefetcher {
   std::vector<float> probability_;
   std::vector<std::pair<float, expert_index>> ranked_;
   std::vector<std::uint32_t> request_;
+  std::optional<slot_cache<lru_policy>> shadow_;
+  std::uint64_t shadow_base_ = 0;  // misses of the shadows before the last resize
 };
 
 }  // namespace expage

@@ -37,6 +37,7 @@
 #include <limits>
 #include <optional>
 #include <random>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -77,6 +78,15 @@ class prefetcher {
   virtual void reset() = 0;
   /// Appends to @p out the experts to prefetch after group @p g, most wanted first.
   virtual void propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) = 0;
+  /// Optional: after propose() for a group, writes into @p probability (experts_per_layer
+  /// entries) the probability that each expert of @p layer, a later layer of the same pass, is
+  /// routed there; returns false when it forecasts nothing for that layer (the default). The
+  /// simulator's prefetch-aware eviction reads it (sim_options::forecast_eviction).
+  [[nodiscard]] virtual bool forecast(std::uint32_t layer, std::span<float> probability) const {
+    static_cast<void>(layer);
+    static_cast<void>(probability);
+    return false;
+  }
 };
 
 /// @brief The (noisy) oracle: the experts of the next `distance` groups, each kept with
@@ -92,6 +102,9 @@ class oracle_prefetcher final : public prefetcher {
   [[nodiscard]] std::string name() const override;
   void reset() override;
   void propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) override;
+  /// Its proposals for @p layer at probability `recall`, the other experts sharing the routed
+  /// ones it missed: (1 − recall) · n / (E − n) each, for n proposed of E.
+  [[nodiscard]] bool forecast(std::uint32_t layer, std::span<float> probability) const override;
 
  private:
   std::uint32_t distance_;
@@ -99,6 +112,9 @@ class oracle_prefetcher final : public prefetcher {
   std::uint64_t seed_;
   std::mt19937_64 rng_;
   std::vector<std::uint8_t> routed_;  // scratch: experts routed in the target group
+  // The last propose()'s targets: their layers and proposed experts.
+  std::vector<std::uint32_t> target_layers_;
+  std::vector<std::vector<expert_index>> target_experts_;
 };
 
 /// @brief Parameters of a predictive_prefetcher.
@@ -106,6 +122,15 @@ struct predictive_prefetch_options {
   std::uint32_t distance = 1;   ///< Layers ahead of the current one to prefetch for, [1, 64].
   float threshold = 0.5F;       ///< Admit only experts predicted with at least this probability, [0, 1].
   std::uint32_t per_layer = 0;  ///< At most this many per target layer; 0: the geometry's top-k.
+  /// Layers ahead it forecasts for prefetch-aware eviction (prefetcher::forecast()); 0: `distance`.
+  /// A forecast of the next layer alone is used up before that layer's demand loads, so it ranks
+  /// prefetch victims only; a longer one also ranks demand victims. [0, 64], at least `distance`.
+  std::uint32_t forecast_distance = 0;
+  /// The trace the stream was built from, when it carries router probabilities or sketches
+  /// (trace_fields): the predictor then sees them (expert_predictor::observe_routing()), for a
+  /// lockstep batch the mean of the step's vectors. Null: the experts only. Not owned; propose()
+  /// throws expage::invalid_argument when a group's events lie beyond it (another trace).
+  const routing_trace* trace = nullptr;
 };
 
 /// @brief A prefetcher driven by an expert_predictor: after each group it tells the predictor
@@ -121,11 +146,15 @@ class predictive_prefetcher final : public prefetcher {
   [[nodiscard]] std::string name() const override;
   void reset() override;
   void propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) override;
+  /// The predictor's probabilities for @p layer when it is one of the last propose()'s targets.
+  [[nodiscard]] bool forecast(std::uint32_t layer, std::span<float> probability) const override;
 
  private:
   std::unique_ptr<expert_predictor> predictor_;
   predictive_prefetch_options options_;
-  std::vector<float> probability_;
+  std::vector<float> probability_;  // [target][expert] of the last propose()
+  std::vector<std::uint32_t> target_layers_;
+  std::vector<float> mean_probabilities_, mean_sketch_;  // a lockstep step's fields
   std::vector<std::pair<float, expert_index>> ranked_;
 };
 
@@ -175,6 +204,20 @@ struct sim_options {
   /// the default, makes "never hurts" mean "never worse than plain LRU demand paging", so an
   /// eviction policy better than LRU (next_turn) earns credit the prefetcher may spend.
   policy_kind guard_baseline = policy_kind::lru;
+  /// Prefetch-aware eviction: while the prefetcher forecasts the layers ahead
+  /// (prefetcher::forecast()), a policy that can rank by a forecast (next_turn_policy) ranks each
+  /// forecast expert by its predicted next use given the forecast (next_turn_policy::next_use),
+  /// for demand and prefetch evictions alike, so experts predicted for the layers about to run
+  /// are kept and those predicted unused there go first; and the victim-value check also refuses
+  /// a prefetch whose victim's predicted next use is no later than the newcomer's. Off: the
+  /// policy ranks by its own history and the check looks only at prefetched experts.
+  bool forecast_eviction = true;
+  /// PreScope's hot-expert table (hot_expert_table()): flat expert indices (layer · E + expert),
+  /// hottest first, made resident before the first layer, as many as each scope has slots, the
+  /// hottest most recently inserted. Loaded before decoding starts: no stall, and their bytes are
+  /// reported apart (sim_result::preload_bytes), not in bytes_moved(). The guards' shadow runs
+  /// without it (the baseline is plain demand loading). Each index below layers × experts.
+  std::vector<std::uint64_t> initial_residency{};
   /// Most prefetches queued or in flight at once; 0: capacity − the stream's largest group (the
   /// most that still leaves a whole group room to load on demand: a prefetch never takes the slot
   /// a demand load needs).
@@ -234,7 +277,12 @@ struct sim_result {
   std::uint64_t prefetches_cancelled = 0;      ///< Dropped from the queue unstarted (stale).
   std::uint64_t prefetches_refused = 0;        ///< Proposals refused (no slot, cap, or a more valuable victim).
   std::uint64_t prefetch_victim_refaults = 0;  ///< Demand misses on experts a prefetch evicted less than a pass before.
+  /// The longest a demand load waited for its link behind prefetch work, seconds: at most the
+  /// rest of one transfer (a prefetch starts only in idle link time and is never preempted; a
+  /// queued one never goes ahead of a demand load).
+  double longest_wait_behind_prefetch = 0.0;
 
+  std::uint64_t preload_bytes = 0;                        ///< Bytes of sim_options::initial_residency, before decoding.
   std::uint64_t demand_bytes = 0;                         ///< Bytes moved by demand loads.
   std::uint64_t prefetch_bytes = 0;                       ///< Bytes moved by prefetches (started ones).
   std::array<double, stall_cause_count> stall_seconds{};  ///< Total stall by cause.
@@ -311,6 +359,13 @@ struct sim_bounds {
   double hindsight_static_stall_per_token = 0;
   std::uint64_t hindsight_static_misses = 0;  ///< Its demand loads.
 };
+
+/// PreScope's hot-expert table (PreScope §4, "hot-expert table"; control-layer notes E6): every
+/// expert of @p profile's geometry as a flat index (layer · E + expert), ranked by the tokens
+/// routed to it in @p profile (an offline profile, e.g. other requests of the same workload),
+/// ties to the smaller index. At initialisation an engine loads the first ones into the memory
+/// left for experts (sim_options::initial_residency).
+[[nodiscard]] std::vector<std::uint64_t> hot_expert_table(const routing_trace& profile);
 
 /// Computes the bounds for @p options (its prefetcher is ignored).
 [[nodiscard]] sim_bounds simulate_bounds(const access_stream& stream, const moe_geometry& geometry,

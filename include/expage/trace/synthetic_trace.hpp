@@ -60,6 +60,12 @@ struct synthetic_options {
   std::uint32_t shift_every = 1;
   /// Also record each token's full router probability vector.
   bool probabilities = false;
+  /// Also record a hidden-state sketch of this many floats per (token, layer), [0, 4096]: the
+  /// token's latent type (`cross_layer`) as a fixed random vector in [−1, 1]^n plus uniform noise
+  /// of half that amplitude per layer, so that tokens of one type have similar sketches (what
+  /// fMoE's semantic search looks for). Prefill tokens and traces without cross_layer have no
+  /// type: their sketches are noise. Drawn from a stream of their own, so the routing does not change.
+  std::uint32_t sketch_dims = 0;
 };
 
 /// @brief Generates a routing trace for @p geometry: deterministic for a given seed on every
