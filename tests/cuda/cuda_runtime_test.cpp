@@ -160,7 +160,9 @@ TEST(CudaExpertRuntime, TwoTiersAndTheDeviceMirrorsFollowTheHostViews) {
     prefetch.synchronize();
     rt.poll();
     compute.synchronize();
-    if (promoted) EXPECT_EQ(rt.active_tier({layer, a}), version_tier::hi) << step;
+    if (promoted) {
+      EXPECT_EQ(rt.active_tier({layer, a}), version_tier::hi) << step;
+    }
     for (std::size_t tier = 0; tier < 2; ++tier) {
       std::vector<std::int32_t> device(g.expert_count());
       ASSERT_EQ(cudaMemcpy(device.data(), maps.map(static_cast<version_tier>(tier)), device.size() * 4,
