@@ -9,6 +9,16 @@
 // output is checked against the same FFN over all-resident weights: bit-exact for bf16, within
 // the documented int4 error (relative RMS ≤ 0.3, docs/kernels.md) for --precision int4.
 //
+// On a GPU (--backend cuda, in a build with CUDA): the same loop with
+// expert_runtime<cuda::cuda_vmm, cuda::cuda_stream, Policy>, the experts' stored bytes in pinned host
+// memory (tensor_storage) copied raw into the pages on the copy stream (bf16, or the group_quant
+// packing of int4/int8, which the kernel dequantizes as it reads), the records view mirrored on the
+// device (cuda::device_mirror, updated on the compute stream) and the FFN run by
+// cuda::expert_ffn_async() on the compute stream. Routing stays on the host. Every layer is checked
+// against the host FFN over all-resident weights in the precision each expert was served at,
+// within the device FFN's documented bound (not bit for bit: the kernel sums in another order).
+// Without a device it says so and exits with status 2, as for unusable options.
+//
 // Weights come from seeds: held in host memory when they fit (--host-limit), otherwise generated
 // by the loader itself (the full-size model needs no full-size memory); or from a safetensors
 // file (--weights FILE, written by --write-weights FILE).
@@ -26,9 +36,21 @@
 //   moe_decode --quick                           a short run (the CI test)
 //   moe_decode --lo-precision int4 --hi-share 50%  two tiers, the hot set in bf16
 //   moe_decode --trace-out trace.json --json stats.json
+//   moe_decode --backend cuda --geometry mixtral-8x7b --scale 16 --tokens 16   on a GPU
 #include <expage/expage.hpp>
 #include <expage/runtime/expert_runtime.hpp>
 #include <expage/runtime/runtime_prefetcher.hpp>
+
+#if EXPAGE_MOE_DECODE_CUDA
+#include <expage/cuda/cuda_stream.hpp>
+#include <expage/cuda/cuda_vmm.hpp>
+#include <expage/cuda/device_mirror.hpp>
+#include <expage/cuda/expert_ffn.hpp>
+#include <expage/cuda/pinned_host_memory.hpp>
+#include <expage/cuda/runtime.hpp>
+
+#include <cuda_runtime_api.h>
+#endif
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -42,7 +64,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -78,6 +102,7 @@ struct options {
   std::string weights;
   std::string write_weights;
   std::string view = "records";
+  std::string backend = "host";
   precision format = precision::bf16;
   std::optional<precision> lo_format;  // two tiers: --lo-precision
   double hi_share = 0.5;               // of the budget, for the hi tier
@@ -137,6 +162,10 @@ options parse(int argc, char** argv) {
       if (o.view != "records" && o.view != "stable" && o.view != "slots") {
         usage(fmt::format("--view '{}' is not records, stable or slots", o.view));
       }
+    } else if (a == "--backend") {
+      o.backend = value();
+      if (o.backend != "host" && o.backend != "cuda")
+        usage(fmt::format("--backend '{}' is not host or cuda", o.backend));
     } else if (a == "--precision") {
       const std::string_view v = value();
       if (v != "bf16" && v != "int4") usage(fmt::format("--precision '{}' is not bf16 or int4", v));
@@ -175,7 +204,8 @@ options parse(int argc, char** argv) {
       o.scale = 16;
     } else if (a == "--help" || a == "-h") {
       std::puts(
-          "moe_decode [--geometry NAME] [--scale N] [--tokens N] [--budget P%] [--trace FILE [--problem ID]]\n"
+          "moe_decode [--backend host|cuda] [--geometry NAME] [--scale N] [--tokens N] [--budget P%]\n"
+          "           [--trace FILE [--problem ID]]\n"
           "           [--precision bf16|int4] [--view records|stable|slots] [--policy lru|lfu|next-turn]\n"
           "           [--lo-precision int4|int8 [--hi-share P%] [--hi-per-layer N] [--interval TOKENS]]\n"
           "           [--prefetch none|coactivation|frequency|previous|fmoe]\n"
@@ -189,6 +219,7 @@ options parse(int argc, char** argv) {
   if (o.lo_format && o.format != precision::bf16) {
     usage(fmt::format("--lo-precision needs --precision bf16 for the hi tier, not {}", o.format));
   }
+  if (o.physics && o.backend != "host") usage("--physics measures the host backend only (memcpy bandwidth)");
   return o;
 }
 
@@ -465,6 +496,7 @@ class weight_store {
     }
   }
   [[nodiscard]] bool in_memory() const { return !tensors_.empty(); }
+  [[nodiscard]] precision format() const { return format_; }
 
   // The tensor's stored bytes: from memory, the file, or the generator.
   [[nodiscard]] std::vector<std::byte> read(expert_id id, expert_tensor t) const {
@@ -530,10 +562,28 @@ double relative_rms(std::span<const float> a, std::span<const float> ref) {
   return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
 }
 
+// max |a − ref| / max |ref|: the error relative to the output's scale (the measure the FFN kernels'
+// tests bound, tests/common/expert_ffn_case.hpp); NaN counts as infinitely far.
+double max_relative_error(std::span<const float> a, std::span<const float> ref) {
+  double worst = 0, scale = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (std::isnan(a[i])) return std::numeric_limits<double>::infinity();
+    worst = std::max(worst, std::abs(static_cast<double>(a[i]) - static_cast<double>(ref[i])));
+    scale = std::max(scale, std::abs(static_cast<double>(ref[i])));
+  }
+  return scale == 0 ? worst : worst / scale;
+}
+
+// How far the device FFN may be from the host FFN over the same stored weights, as
+// max_relative_error(): ExpertFfnKernel holds the device within 1e-5 of the fp64 reference and
+// ExpertFfn holds the host within 2e-6 (tests/common/expert_ffn_case.hpp), so within their sum.
+constexpr double device_tolerance = 1.2e-5;
+
 struct run_result {
   std::uint64_t tokens = 0;
   double wall_s = 0;
   double compute_s = 0;  // FFN time on the compute stream
+  double wait_s = 0;     // the compute stream's wait on loads
   double check_s = 0;
   std::uint64_t mismatching_layers = 0;
   double worst_error = 0;
@@ -544,24 +594,287 @@ struct run_result {
   expage::runtime_statistics stats;
 };
 
-template <class Policy>
-run_result decode(const options& o, const expage::moe_geometry& g, const weight_store& store,
-                  const weight_store* lo_store, double budget, std::span<const step_routing> replay, bool quiet) {
+// What one layer step's FFN reads and writes (host spans; the host vectors stay untouched until
+// the backend's wait() returns).
+struct ffn_step {
+  std::uint32_t layer = 0;
+  std::uint32_t tokens = 0;
+  std::span<const float> x;
+  std::span<const std::uint32_t> offsets, order;
+  std::span<const float> weights;
+  std::span<const expage::version_record> records;  // empty: the backend reads the runtime's own records
+  std::span<float> out;
+};
+
+// --- the backends: memory, streams and the FFN; the decode loop is the same for both ------------
+
+// The host: host_vmm, host streams (executor threads), the loader reading weight_store, and the
+// reference expert_ffn() run on the compute stream, bit-exact against the same FFN on the host.
+class host_backend {
+ public:
+  using vmm_type = expage::host_vmm;
+  using stream_type = expage::host_stream;
+  static constexpr bool bit_exact = true;
+
+  host_backend(const options& o, const expage::moe_geometry& g, const weight_store& store, const weight_store* lo_store,
+               std::uint32_t /*max_tokens*/)
+      : store_(store), lo_store_(lo_store), vmm_({.granularity = granularity_for(o, g, lo_store != nullptr)}) {}
+
+  [[nodiscard]] std::size_t granularity() const { return vmm_.granularity(); }
+  [[nodiscard]] vmm_type& vmm() { return vmm_; }
+  [[nodiscard]] stream_type& copy() { return copy_; }
+  [[nodiscard]] stream_type& compute() { return compute_; }
+  [[nodiscard]] stream_type& prefetch() { return prefetch_; }
+  [[nodiscard]] expage::expert_source<stream_type> source(expage::version_tier tier) const {
+    return tier == expage::version_tier::lo ? lo_store_->source() : store_.source();
+  }
+  [[nodiscard]] expage::mirror_hook* record_mirror() { return nullptr; }
+  // The runtime measures the compute stream's wait itself (load_wait_ns): it runs host work.
+  void before_acquire() {}
+  void after_acquire() {}
+
+  void launch(const ffn_step& s, const expage::expert_ffn_shape& shape, std::uint32_t top_k) {
+    compute_.enqueue([this, s, shape, top_k] {
+      const auto c0 = clock_type::now();
+      expage::expert_ffn(s.x, top_k, s.offsets, s.order, s.weights, s.records, shape, s.out);
+      compute_ns_ += static_cast<std::uint64_t>((clock_type::now() - c0).count());
+    });
+  }
+  // After the lease's release: the event the check waits for.
+  void record_done() { compute_.record(done_); }
+  void wait(const ffn_step& /*s*/) { done_.synchronize(); }
+
+  [[nodiscard]] double compute_seconds() const { return static_cast<double>(compute_ns_.load()) * 1e-9; }
+  [[nodiscard]] double wait_seconds(const expage::runtime_statistics& stats) const {
+    return static_cast<double>(stats.total.load_wait_ns) * 1e-9;
+  }
+
+ private:
   // Granules small enough that rounding a page up wastes little, large enough to keep mappings few
   // (the largest of 2 MiB, 64 KiB and 4 KiB that rounds no tensor of any tier up by more than 1/16).
-  std::vector<precision> formats{o.format};
-  if (lo_store != nullptr) formats.push_back(*o.lo_format);
-  const auto wastes_little = [&](std::size_t granule) {
-    for (const precision f : formats) {
+  static std::size_t granularity_for(const options& o, const expage::moe_geometry& g, bool two_tiers) {
+    std::vector<precision> formats{o.format};
+    if (two_tiers) formats.push_back(*o.lo_format);
+    const auto wastes_little = [&](std::size_t granule) {
+      for (const precision f : formats) {
+        for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+          const std::uint64_t bytes = g.tensor_bytes(t, f);
+          if ((bytes + granule - 1) / granule * granule - bytes > bytes / 16) return false;
+        }
+      }
+      return true;
+    };
+    return wastes_little(2_MiB) ? 2_MiB : wastes_little(64_KiB) ? 64_KiB : 4_KiB;
+  }
+
+  const weight_store& store_;
+  const weight_store* lo_store_;
+  std::atomic<std::uint64_t> compute_ns_{0};  // written on the compute stream, read after it drained
+  expage::host_event done_;
+  vmm_type vmm_;
+  // Last, so they are destroyed (drained) first: their work reads the members above.
+  stream_type copy_{"copy"}, compute_{"compute"}, prefetch_{"prefetch"};
+};
+
+#if EXPAGE_MOE_DECODE_CUDA
+// Memory from cudaMalloc (device) or cudaMallocHost (pinned), freed at scope exit.
+template <class T, bool Pinned>
+class cuda_array {
+ public:
+  explicit cuda_array(std::size_t n) {
+    void* p = nullptr;
+    const std::size_t bytes = std::max<std::size_t>(1, n) * sizeof(T);
+    if constexpr (Pinned) {
+      EXPAGE_CUDA_CHECK(cudaMallocHost(&p, bytes));
+    } else {
+      EXPAGE_CUDA_CHECK(cudaMalloc(&p, bytes));
+    }
+    p_ = static_cast<T*>(p);
+    size_ = n;
+  }
+  cuda_array(const cuda_array&) = delete;
+  cuda_array& operator=(const cuda_array&) = delete;
+  ~cuda_array() {
+    if constexpr (Pinned) {
+      (void)cudaFreeHost(p_);
+    } else {
+      (void)cudaFree(p_);
+    }
+  }
+  [[nodiscard]] T* data() const noexcept { return p_; }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+
+ private:
+  T* p_ = nullptr;
+  std::size_t size_ = 0;
+};
+template <class T>
+using device_array = cuda_array<T, false>;
+template <class T>
+using pinned_array = cuda_array<T, true>;
+
+// A cudaEvent_t with timing (cuda_event has none: it only orders work).
+class timing_event {
+ public:
+  timing_event() { EXPAGE_CUDA_CHECK(cudaEventCreate(&event_)); }
+  timing_event(const timing_event&) = delete;
+  timing_event& operator=(const timing_event&) = delete;
+  ~timing_event() { (void)cudaEventDestroy(event_); }
+  void record(cudaStream_t s) { EXPAGE_CUDA_CHECK(cudaEventRecord(event_, s)); }
+  // Seconds from @p start to this event, both completed.
+  [[nodiscard]] double since(const timing_event& start) const {
+    float ms = 0;
+    EXPAGE_CUDA_CHECK(cudaEventElapsedTime(&ms, start.event_, event_));
+    return static_cast<double>(ms) * 1e-3;
+  }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+// The GPU: cuda_vmm pages, CUDA streams, every expert's stored bytes in pinned host memory copied
+// raw into its pages on the copy stream (the int4/int8 packing stays packed: the FFN kernel
+// dequantizes as it reads, so no decode or dequant kernel is needed on the way in), the records
+// view mirrored on the device, and cuda::expert_ffn_async() on the compute stream.
+class cuda_backend {
+ public:
+  using vmm_type = expage::cuda::cuda_vmm;
+  using stream_type = expage::cuda::cuda_stream;
+  static constexpr bool bit_exact = false;
+
+  cuda_backend(const options& o, const expage::moe_geometry& g, const weight_store& store, const weight_store* lo_store,
+               std::uint32_t max_tokens)
+      : g_(g),
+        hi_(stage(g, store, pinned_)),
+        lo_(lo_store == nullptr ? nullptr : stage(g, *lo_store, pinned_)),
+        mirror_(o.view == "records" ? std::make_unique<expage::cuda::device_mirror>(g.expert_count(), compute_.native())
+                                    : nullptr),
+        shape_(expage::expert_ffn_shape::of(g)),
+        workspace_bytes_(expage::cuda::expert_ffn_workspace_bytes(max_tokens, g.top_k(), shape_)),
+        workspace_(workspace_bytes_),
+        h_x_(std::size_t{max_tokens} * g.hidden_size()),
+        h_out_(h_x_.size()),
+        h_offsets_(g.experts_per_layer() + 1),
+        h_order_(std::size_t{max_tokens} * g.top_k()),
+        h_weights_(h_order_.size()),
+        h_records_(g.experts_per_layer()),
+        d_x_(h_x_.size()),
+        d_out_(h_x_.size()),
+        d_offsets_(h_offsets_.size()),
+        d_order_(h_order_.size()),
+        d_weights_(h_order_.size()),
+        d_records_(h_records_.size()) {}
+
+  [[nodiscard]] std::size_t granularity() const { return vmm_.granularity(); }
+  [[nodiscard]] vmm_type& vmm() { return vmm_; }
+  [[nodiscard]] stream_type& copy() { return copy_; }
+  [[nodiscard]] stream_type& compute() { return compute_; }
+  [[nodiscard]] stream_type& prefetch() { return prefetch_; }
+  [[nodiscard]] expage::expert_source<stream_type> source(expage::version_tier tier) const {
+    return expage::expert_source<stream_type>::from(tier == expage::version_tier::lo ? *lo_ : *hi_);
+  }
+  [[nodiscard]] expage::mirror_hook* record_mirror() { return mirror_.get(); }
+  // The compute stream's wait on loads happens on the device: timed between two events around
+  // acquire() (nothing else is queued between them but the mirror's record copies).
+  void before_acquire() { wait_start_.record(compute_.native()); }
+  void after_acquire() { wait_end_.record(compute_.native()); }
+
+  void launch(const ffn_step& s, const expage::expert_ffn_shape& shape, std::uint32_t top_k) {
+    const cudaStream_t stream = compute_.native();
+    const auto upload = [&](auto* device, auto* pinned, const auto& host) {
+      std::ranges::copy(host, pinned);
+      EXPAGE_CUDA_CHECK(cudaMemcpyAsync(device, pinned, host.size_bytes(), cudaMemcpyHostToDevice, stream));
+    };
+    upload(d_x_.data(), h_x_.data(), s.x);
+    upload(d_offsets_.data(), h_offsets_.data(), s.offsets);
+    upload(d_order_.data(), h_order_.data(), s.order);
+    upload(d_weights_.data(), h_weights_.data(), s.weights);
+    // The records view: the device mirror of the layer's records, updated on this stream by every
+    // publish. The other views: records built on the host from their device addresses.
+    const expage::version_record* records = nullptr;
+    if (s.records.empty()) {
+      records = mirror_->records() + g_.flat_index({s.layer, 0});
+    } else {
+      upload(d_records_.data(), h_records_.data(), s.records);
+      records = d_records_.data();
+    }
+    kernel_start_.record(stream);
+    expage::cuda::expert_ffn_async({.x = d_x_.data(),
+                                    .out = d_out_.data(),
+                                    .offsets = d_offsets_.data(),
+                                    .order = d_order_.data(),
+                                    .topk_weights = d_weights_.data(),
+                                    .records = records,
+                                    .tokens = s.tokens,
+                                    .top_k = top_k,
+                                    .experts = g_.experts_per_layer(),
+                                    .shape = shape},
+                                   workspace_.data(), workspace_bytes_, stream);
+    kernel_end_.record(stream);
+    EXPAGE_CUDA_CHECK(
+        cudaMemcpyAsync(h_out_.data(), d_out_.data(), s.out.size_bytes(), cudaMemcpyDeviceToHost, stream));
+  }
+  void record_done() { compute_.record(done_); }
+  void wait(const ffn_step& s) {
+    done_.synchronize();
+    compute_s_ += kernel_end_.since(kernel_start_);
+    wait_s_ += wait_end_.since(wait_start_);
+    std::copy_n(h_out_.data(), s.out.size(), s.out.begin());
+  }
+
+  [[nodiscard]] double compute_seconds() const { return compute_s_; }
+  [[nodiscard]] double wait_seconds(const expage::runtime_statistics& /*stats*/) const { return wait_s_; }
+
+ private:
+  // Every expert's stored form (weight_store::read) in one pinned tensor_storage, so loads are DMA.
+  static std::unique_ptr<expage::tensor_storage<stream_type>> stage(const expage::moe_geometry& g,
+                                                                    const weight_store& store,
+                                                                    expage::cuda::pinned_host_memory& pinned) {
+    auto storage = std::make_unique<expage::tensor_storage<stream_type>>(g, store.format(), pinned);
+    for (std::uint64_t f = 0; f < g.expert_count(); ++f) {
       for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
-        const std::uint64_t bytes = g.tensor_bytes(t, f);
-        if ((bytes + granule - 1) / granule * granule - bytes > bytes / 16) return false;
+        const std::vector<std::byte> w = store.read(g.expert_at(f), t);
+        const std::span<std::byte> slot = storage->slot(g.expert_at(f), t);
+        if (w.size() != storage->tensor_bytes(t)) {
+          throw std::logic_error(fmt::format("{} {}: {} stored bytes, the geometry says {}", g.expert_at(f),
+                                             to_string(t), w.size(), storage->tensor_bytes(t)));
+        }
+        std::ranges::copy(w, slot.begin());
       }
     }
-    return true;
-  };
-  const std::size_t granularity = wastes_little(2_MiB) ? 2_MiB : wastes_little(64_KiB) ? 64_KiB : 4_KiB;
-  expage::host_vmm vmm({.granularity = granularity});
+    return storage;
+  }
+
+  expage::moe_geometry g_;
+  expage::cuda::pinned_host_memory pinned_;
+  vmm_type vmm_;
+  stream_type copy_, compute_, prefetch_;
+  std::unique_ptr<expage::tensor_storage<stream_type>> hi_, lo_;
+  std::unique_ptr<expage::cuda::device_mirror> mirror_;  // the records view only
+  expage::expert_ffn_shape shape_;
+  std::size_t workspace_bytes_;
+  device_array<std::byte> workspace_;
+  pinned_array<float> h_x_, h_out_;
+  pinned_array<std::uint32_t> h_offsets_, h_order_;
+  pinned_array<float> h_weights_;
+  pinned_array<expage::version_record> h_records_;
+  device_array<float> d_x_, d_out_;
+  device_array<std::uint32_t> d_offsets_, d_order_;
+  device_array<float> d_weights_;
+  device_array<expage::version_record> d_records_;
+  expage::cuda::cuda_event done_;
+  timing_event wait_start_, wait_end_, kernel_start_, kernel_end_;
+  double compute_s_ = 0, wait_s_ = 0;
+};
+#endif
+
+template <class Backend, class Policy>
+run_result decode(const options& o, const expage::moe_geometry& g, const weight_store& store,
+                  const weight_store* lo_store, double budget, std::span<const step_routing> replay, bool quiet) {
+  std::uint32_t max_tokens = 1;
+  for (const step_routing& s : replay) max_tokens = std::max(max_tokens, static_cast<std::uint32_t>(s.tokens.size()));
+  Backend backend(o, g, store, lo_store, max_tokens);
+  const std::size_t granularity = backend.granularity();
   const auto page_of = [&](precision f) {
     return (g.tensor_bytes(expert_tensor::gate_up, f) + granularity - 1) / granularity * granularity +
            (g.tensor_bytes(expert_tensor::down, f) + granularity - 1) / granularity * granularity;
@@ -569,13 +882,17 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   const std::uint64_t page = page_of(o.format);
   const std::uint64_t capacity = experts_for(budget, g);
   expage::budget_tracker tracker(capacity * page, "experts");
-  expage::host_stream copy("copy"), compute("compute"), prefetch("prefetch");
-  using runtime_type = expage::expert_runtime<expage::host_vmm, expage::host_stream, Policy>;
+  auto& copy = backend.copy();
+  auto& compute = backend.compute();
+  auto& prefetch = backend.prefetch();
+  using stream_type = typename Backend::stream_type;
+  using runtime_type = expage::expert_runtime<typename Backend::vmm_type, stream_type, Policy>;
   expage::expert_runtime_options runtime_options{
       // Each view alone: a records-only runtime keeps its versions in slot mappings that live as
       // long as the slot (no stable page to map per load; on a host that saves its page faults).
       .views = {.stable_tensors = o.view == "stable", .slots = o.view == "slots", .records = o.view == "records"},
-      .trace_events = o.trace_out.empty() || quiet ? 0 : std::size_t{1} << 20};
+      .trace_events = o.trace_out.empty() || quiet ? 0 : std::size_t{1} << 20,
+      .record_mirror = backend.record_mirror()};
   run_result r;
   // Two tiers: hi_share of the bytes for bf16 versions, the rest for lo ones (at least top-k of them).
   std::optional<runtime_type> tiered;
@@ -591,12 +908,13 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
     runtime_options.capacity = static_cast<std::uint32_t>(r.hi_capacity);
     runtime_options.lo_capacity = static_cast<std::uint32_t>(r.lo_capacity);
     runtime_options.demand_tier = expage::version_tier::lo;
-    tiered.emplace(g, tracker.root(), vmm, copy, compute,
-                   expage::tiered_source<expage::host_stream>{.hi = store.source(), .lo = lo_store->source()},
+    tiered.emplace(g, tracker.root(), backend.vmm(), copy, compute,
+                   expage::tiered_source<stream_type>{.hi = backend.source(expage::version_tier::hi),
+                                                      .lo = backend.source(expage::version_tier::lo)},
                    runtime_options, &prefetch);
   } else {
-    single.emplace(g, tracker.root(), vmm, copy, compute, store.source(), runtime_options,
-                   o.prefetch == "none" ? nullptr : &prefetch);
+    single.emplace(g, tracker.root(), backend.vmm(), copy, compute, backend.source(expage::version_tier::hi),
+                   runtime_options, o.prefetch == "none" ? nullptr : &prefetch);
   }
   runtime_type& rt = tiered ? *tiered : *single;
   // DynaExq's hot set (§3.5): EMA hotness per expert, each layer's top-n with hysteresis; the
@@ -658,7 +976,6 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   std::vector<float> ref_bf16;
   std::uint64_t passes = 0;
   std::vector<std::uint32_t> token_experts(K);
-  std::atomic<std::uint64_t> compute_ns{0};
   const auto t0 = clock_type::now();
   const std::uint32_t tokens_asked = o.tokens == 0 ? 32 : o.tokens;
   const std::uint64_t steps = replay.empty() ? std::uint64_t{tokens_asked} * g.layers() : replay.size();
@@ -695,7 +1012,9 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
     for (std::uint32_t e = 0; e < E; ++e) {
       if (offsets[e + 1] > offsets[e]) routed.push_back(e);
     }
+    backend.before_acquire();
     auto lease = rt.acquire(layer, routed);
+    backend.after_acquire();
     if (prefetcher) prefetcher->on_routed(layer, routed);
     for (std::size_t i = 0; i < routed.size(); ++i) served[routed[i]] = rt.format(lease.tiers()[i]);
     if (hot) {
@@ -705,8 +1024,10 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
       }
     }
     // The FFN reads the weights through the chosen view; the lease's experts' entries are fixed.
+    // (On a device the records view is the runtime's own mirror there: nothing to copy.)
+    const bool own_records = Backend::bit_exact || o.view != "records";
     if (o.view == "records") {
-      std::ranges::copy(rt.records(layer), records.begin());
+      if (own_records) std::ranges::copy(rt.records(layer), records.begin());
     } else {
       for (std::size_t i = 0; i < routed.size(); ++i) {  // each expert in the tier that serves it
         const std::uint32_t e = routed[i];
@@ -725,20 +1046,25 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
       }
     }
     out.assign(n * H, 0.0F);
-    compute.enqueue([&, n] {
-      const auto c0 = clock_type::now();
-      expage::expert_ffn(x, K, offsets, order, weights, records, shape, out);
-      compute_ns += static_cast<std::uint64_t>((clock_type::now() - c0).count());
-    });
+    const ffn_step step{.layer = layer,
+                        .tokens = n,
+                        .x = x,
+                        .offsets = offsets,
+                        .order = order,
+                        .weights = weights,
+                        .records = own_records ? std::span<const expage::version_record>(records)
+                                               : std::span<const expage::version_record>(),
+                        .out = out};
+    backend.launch(step, shape, K);
     lease.release();  // after the FFN, in compute-stream order
-    expage::host_event done;
-    compute.record(done);
+    backend.record_done();
     if (o.check) {
       // One tier: against bf16 weights (bit-exact for bf16, relative RMS ≤ 0.3 for int4). Two
       // tiers: bit-exact against the weights each expert was served in, and the distance to bf16.
+      // On a device: against the weights each expert was served in, within device_tolerance.
       const auto c0 = clock_type::now();
       for (const std::uint32_t e : routed)
-        reference[e] = reference_record({layer, e}, hot ? served[e] : precision::bf16);
+        reference[e] = reference_record({layer, e}, hot || !Backend::bit_exact ? served[e] : precision::bf16);
       ref.assign(n * H, 0.0F);
       expage::expert_ffn(x, K, offsets, order, weights, reference, shape, ref);
       if (hot) {
@@ -746,12 +1072,18 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
         ref_bf16.assign(n * H, 0.0F);
         expage::expert_ffn(x, K, offsets, order, weights, bf16_reference, shape, ref_bf16);
       }
-      done.synchronize();
-      const bool exact = hot || o.format == precision::bf16;
-      const double err = relative_rms(out, ref);
-      r.worst_error = std::max(r.worst_error, err);
-      if (exact ? std::memcmp(out.data(), ref.data(), out.size() * sizeof(float)) != 0 : err > 0.3) {
-        ++r.mismatching_layers;
+      backend.wait(step);
+      if constexpr (Backend::bit_exact) {
+        const bool exact = hot || o.format == precision::bf16;
+        const double err = relative_rms(out, ref);
+        r.worst_error = std::max(r.worst_error, err);
+        if (exact ? std::memcmp(out.data(), ref.data(), out.size() * sizeof(float)) != 0 : err > 0.3) {
+          ++r.mismatching_layers;
+        }
+      } else {
+        const double err = max_relative_error(out, ref);
+        r.worst_error = std::max(r.worst_error, err);
+        if (!(err <= device_tolerance)) ++r.mismatching_layers;
       }
       if (hot) {
         const double to_bf16 = relative_rms(out, ref_bf16);
@@ -760,7 +1092,7 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
       }
       r.check_s += std::chrono::duration<double>(clock_type::now() - c0).count();
     } else {
-      done.synchronize();
+      backend.wait(step);
     }
     // Residual update and a norm, so the states stay in range over many layers.
     for (std::uint32_t i = 0; i < n; ++i) {
@@ -787,8 +1119,9 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   prefetch.synchronize();
   rt.poll();
   r.wall_s = std::chrono::duration<double>(clock_type::now() - t0).count();
-  r.compute_s = static_cast<double>(compute_ns.load()) * 1e-9;
+  r.compute_s = backend.compute_seconds();
   r.stats = rt.statistics();
+  r.wait_s = backend.wait_seconds(r.stats);
   if (!quiet && !o.trace_out.empty()) {
     const std::filesystem::path tmp = o.trace_out + ".tmp";
     std::ofstream f(tmp);
@@ -838,7 +1171,20 @@ int run(const options& o) {
     }
     replay = load_trace(o, expage::moe_geometry::preset(o.geometry));
   }
-  const weight_store store(g, o.format, o);
+  // On a device every expert's stored bytes are staged in pinned host memory (cuda_backend), read
+  // from the generator or the file once: the store itself then keeps nothing in memory.
+  const bool on_device = o.backend == "cuda";
+  options store_options = o;
+  if (on_device) {
+    const std::uint64_t pinned =
+        g.total_expert_bytes(o.format) + (o.lo_format ? g.total_expert_bytes(*o.lo_format) : 0);
+    if (pinned > o.host_limit) {
+      usage(fmt::format("--backend cuda holds every expert in pinned host memory: {} over --host-limit {}",
+                        expage::byte_size{pinned}, expage::byte_size{o.host_limit}));
+    }
+    store_options.host_limit = 0;
+  }
+  const weight_store store(g, o.format, store_options);
   fmt::print(
       "moe_decode: {} ({} layers × {} experts, top-{}, {} per expert in {}), budget {:.0f}% ({} experts), {}, "
       "view {}, policy {}, weights {}\n",
@@ -848,11 +1194,24 @@ int run(const options& o) {
                      : fmt::format("{} layer steps replayed from {}", replay.size(), o.trace),
       o.view, o.policy,
       !o.weights.empty()  ? o.weights
+      : on_device         ? "generated, in pinned host memory"
       : store.in_memory() ? "generated, in host memory"
                           : "generated by the loader");
   std::optional<weight_store> lo_store;
-  if (o.lo_format) lo_store.emplace(g, *o.lo_format, o);
-  const run_result r = decode<Policy>(o, g, store, lo_store ? &*lo_store : nullptr, o.budget, replay, false);
+  if (o.lo_format) lo_store.emplace(g, *o.lo_format, store_options);
+  const auto run_decode = [&](const options& with, const weight_store* lo, double budget, bool quiet) {
+#if EXPAGE_MOE_DECODE_CUDA
+    if (with.backend == "cuda") return decode<cuda_backend, Policy>(with, g, store, lo, budget, replay, quiet);
+#endif
+    return decode<host_backend, Policy>(with, g, store, lo, budget, replay, quiet);
+  };
+#if EXPAGE_MOE_DECODE_CUDA
+  if (on_device) {
+    fmt::print("  backend cuda: {}; pages on cuda_vmm, loads copied raw from pinned memory, FFN on the device\n",
+               expage::cuda::device_status());
+  }
+#endif
+  const run_result r = run_decode(o, lo_store ? &*lo_store : nullptr, o.budget, false);
   const auto& t = r.stats.total;
   fmt::print("  tokens {}  in {:.2f} s  ({:.1f} tokens/s)\n", r.tokens, r.wall_s,
              static_cast<double>(r.tokens) / r.wall_s);
@@ -873,8 +1232,17 @@ int run(const options& o) {
                r.stats.prefetch_cancelled);
   }
   fmt::print("  bytes moved {}  compute {:.3f} s  waiting on loads {:.3f} s  checking {:.3f} s\n",
-             expage::byte_size{t.bytes_loaded}, r.compute_s, static_cast<double>(t.load_wait_ns) * 1e-9, r.check_s);
-  if (o.check && o.lo_format) {
+             expage::byte_size{t.bytes_loaded}, r.compute_s, r.wait_s, r.check_s);
+  if (o.check && on_device) {
+    fmt::print(
+        "  check against all-resident weights in the served precision (host FFN): {} of {} layer steps differ (max "
+        "error ≤ {:.1e} of the output's scale required, the device FFN's bound), worst {:.2e}\n",
+        r.mismatching_layers, t.acquires, device_tolerance, r.worst_error);
+    if (o.lo_format) {
+      fmt::print("  against all-bf16: relative RMS mean {:.2e}, worst {:.2e}\n",
+                 r.sum_bf16_error / static_cast<double>(std::max<std::uint64_t>(1, t.acquires)), r.worst_bf16_error);
+    }
+  } else if (o.check && o.lo_format) {
     fmt::print(
         "  check against all-resident weights in the served precision: {} of {} layer steps differ (bit-exact "
         "required); against all-bf16: relative RMS mean {:.2e}, worst {:.2e}\n",
@@ -890,7 +1258,7 @@ int run(const options& o) {
     options all = o;
     all.check = false;
     all.lo_format.reset();  // the physics: one tier, all resident
-    const run_result resident = decode<Policy>(all, g, store, nullptr, 1.0, replay, true);
+    const run_result resident = run_decode(all, nullptr, 1.0, true);
     std::vector<std::byte> a(64_MiB, std::byte{1}), b(64_MiB);
     const auto m0 = clock_type::now();
     for (int i = 0; i < 8; ++i) std::memcpy(b.data(), a.data(), a.size());
@@ -898,7 +1266,7 @@ int run(const options& o) {
         8.0 * static_cast<double>(a.size()) / std::chrono::duration<double>(clock_type::now() - m0).count();
     options timed = o;
     timed.check = false;
-    const run_result paged = decode<Policy>(timed, g, store, lo_store ? &*lo_store : nullptr, o.budget, replay, true);
+    const run_result paged = run_decode(timed, lo_store ? &*lo_store : nullptr, o.budget, true);
     const double physics = resident.wall_s + static_cast<double>(paged.stats.total.bytes_loaded) / bw;
     fmt::print("  physics: all-resident {:.3f} s + {} / {:.1f} GB/s = {:.3f} s; paged {:.3f} s: {:.3f}× the physics\n",
                resident.wall_s, expage::byte_size{paged.stats.total.bytes_loaded}, bw * 1e-9, physics, paged.wall_s,
@@ -919,6 +1287,20 @@ int run(const options& o) {
 int main(int argc, char** argv) {
   try {
     const options o = parse(argc, argv);
+    if (o.backend == "cuda") {
+#if EXPAGE_MOE_DECODE_CUDA
+      if (!expage::cuda::device_available()) {
+        fmt::print(stderr, "moe_decode: no CUDA device: {} (--backend cuda needs one)\n",
+                   expage::cuda::device_status());
+        return 2;
+      }
+#else
+      fmt::print(stderr,
+                 "moe_decode: --backend cuda: built without CUDA (EXPAGE_ENABLE_CUDA=OFF or no nvcc found); "
+                 "use --backend host\n");
+      return 2;
+#endif
+    }
     if (o.policy == "lfu") return run<expage::lfu_policy>(o);
     if (o.policy == "next-turn") return run<expage::next_turn_policy>(o);
     return run<expage::lru_policy>(o);

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU kit (tools/dev/gpu_kit.sh, gpu_run.sh, gpu_summary.py) end to end on a machine without
 # a device, as ctest runs it (dev.gpu_kit):
-#   1. run.sh over fake test and benchmark binaries that pass, fail, crash, hang, skip, or write
-#      truncated JSON: every outcome gets its status and the exit status is the documented one;
-#   2. with BUILD_DIR holding the CUDA build: the real kit packs, and its tests and benchmarks run
-#      with no device (exit 4, "no device"), and with a GPU listed but invisible to the binaries
-#      (exit 3: "GPU present but tests skipped" is a failure).
+#   1. run.sh over fake test, benchmark and moe_decode binaries that pass, fail, crash, hang, skip,
+#      or write truncated JSON: every outcome gets its status and the exit status is the documented one;
+#   2. with BUILD_DIR holding the CUDA build: the real kit packs, and its tests, benchmarks and decode
+#      runs run with no device (exit 4, "no device"), and with a GPU listed but invisible to the
+#      binaries (exit 3: "GPU present but tests skipped" is a failure).
 # nvidia-smi is replaced by stubs on PATH, and CUDA_VISIBLE_DEVICES=-1 hides any real device, so
 # the test gives the same answers on a machine with a GPU.
 #
@@ -117,7 +117,28 @@ for a in "$@"; do [[ "$a" == --benchmark_out=* ]] && out=${a#--benchmark_out=}; 
 echo '{"context": {}, "benchmarks": [{"run_name": "BM_CudaVmm_Map/manual_time", "run_type": "iteration",
   "real_time": 16.0, "time_unit": "us", "time_per_granule": 1e-6}]}' >"$out"
 EOF
-chmod +x "$fake"/expage_* "$fake/run.sh"
+# moe_decode: FAKE_DECODE=pass (every run passes), nodevice (exit 2, "no CUDA device"), or by
+# default a run per outcome: the stable view differs, the slots view crashes, the prefetcher hangs.
+cat >"$fake/moe_decode" <<'EOF2'
+#!/usr/bin/env bash
+if [[ "${FAKE_DECODE:-}" == nodevice ]]; then
+  echo "moe_decode: no CUDA device: no device: cudaErrorNoDevice (no CUDA-capable device is detected)" >&2
+  exit 2
+fi
+differ=0
+if [[ "${FAKE_DECODE:-}" != pass ]]; then
+  case "$*" in
+    *"--view stable"*) differ=2 ;;
+    *"--view slots"*) kill -SEGV $$ ;;
+    *--prefetch*) exec sleep 30 ;;
+  esac
+fi
+echo "  tokens 32  in 0.04 s  (800.0 tokens/s)"
+echo "  tier bf16: hits 300  misses 212  hit rate 58.6%  evictions 0"
+echo "  check against all-resident weights in the served precision (host FFN): $differ of 512 layer steps differ (max error ≤ 1.2e-05 of the output's scale required, the device FFN's bound), worst 3.10e-07"
+((differ == 0)) || exit 1
+EOF2
+chmod +x "$fake"/expage_* "$fake/moe_decode" "$fake/run.sh"
 
 fast=(EXPAGE_KIT_TEST_TIMEOUT=2 EXPAGE_KIT_BENCH_TIMEOUT=2)
 expect_status 1 "${with_gpu[@]}" "${fast[@]}" OUT="$work/fake-tests" "$fake/run.sh" tests
@@ -155,6 +176,25 @@ expect_in "$work/fake-bench/summary.txt" "expage_kernels_bench.json: truncated J
 expect_in "$work/fake-bench/summary.txt" "2 complete result(s) kept"
 expect_in "$work/fake-bench/summary.txt" ">= 0.8x copy: met"
 expect_in "$work/fake-bench/summary.txt" "map (cuMemMap)"
+# Decode runs: one per outcome (exit 1); no device seen on a GPU machine (exit 3); all passing (exit
+# 0, and 4 without a GPU unless moe_decode ran on one).
+expect_status 1 "${with_gpu[@]}" EXPAGE_KIT_DECODE_TIMEOUT=2 OUT="$work/fake-decode" "$fake/run.sh" decode
+for row in "olmoe	PASSED" "mixtral	PASSED" "stable	FAILED" "slots	CRASHED" "prefetch	TIMEOUT"; do
+  expect_in "$work/fake-decode/decode.tsv" "$row"
+done
+expect_in "$work/fake-decode/decode.tsv" "800.0 tokens/s hit rate 58.6% 0 of 512 layer steps differ"
+expect_in "$work/fake-decode/decode.tsv" "exit 1: "
+expect_in "$work/fake-decode/summary.txt" "verdict: FAILED (3 of 7 runs)"
+expect_in "$work/last.log" "decode part: FAILED"
+expect_status 3 "${with_gpu[@]}" FAKE_DECODE=nodevice OUT="$work/fake-decode-nodevice" "$fake/run.sh" decode
+expect_in "$work/last.log" "moe_decode found no CUDA device in 7 runs"
+expect_status 0 "${with_gpu[@]}" FAKE_DECODE=pass OUT="$work/fake-decode-pass" "$fake/run.sh" decode
+expect_in "$work/last.log" "decode part: pass"
+expect_status 4 "${without_gpu[@]}" FAKE_DECODE=nodevice OUT="$work/fake-decode-nogpu" "$fake/run.sh" decode
+expect_in "$work/fake-decode-nogpu/summary.txt" "moe_decode did not run on a GPU (not a pass)"
+expect_status 0 "${without_gpu[@]}" FAKE_DECODE=pass OUT="$work/fake-decode-smi" "$fake/run.sh" decode
+expect_in "$work/last.log" "moe_decode ran on one"
+
 # Bad usage and an incomplete kit: exit 2.
 expect_status 2 "$fake/run.sh"
 expect_status 2 "$fake/run.sh" everything
@@ -167,7 +207,7 @@ if [[ -n "$build" ]]; then
   kit=$work/kit
   expect_status 0 "$src/tools/dev/gpu_kit.sh" "$build" "$kit"
   for f in run.sh gpu_summary.py kit.txt expage_cuda_tests expage_kernels_cuda_tests expage_kernels_bench \
-    expage_cuda_copy_bench expage_cuda_vmm_bench; do
+    expage_cuda_copy_bench expage_cuda_vmm_bench moe_decode; do
     [[ -e "$kit/$f" ]] || fail "the kit lacks $f"
   done
   expect_status 4 "${without_gpu[@]}" OUT="$work/out-tests" "$kit/run.sh" tests
@@ -188,6 +228,14 @@ if [[ -n "$build" ]]; then
   # A GPU listed, none visible to the binaries (a driver/runtime mismatch): exit 3.
   expect_status 3 "${with_gpu[@]}" OUT="$work/out-mismatch" "$kit/run.sh" tests
   expect_in "$work/last.log" "a GPU is present but"
+
+  # moe_decode --backend cuda with no device: every run says so (exit 4), or exit 3 with a GPU listed.
+  expect_status 4 "${without_gpu[@]}" OUT="$work/out-decode" "$kit/run.sh" decode
+  expect_in "$work/out-decode/summary.txt" "moe_decode did not run on a GPU (not a pass)"
+  [[ $(grep -c '	SKIPPED	.*no CUDA device' "$work/out-decode/decode.tsv") -eq 7 ]] ||
+    fail "expected the 7 decode runs to skip with 'no CUDA device': $(cat "$work/out-decode/decode.tsv")"
+  expect_status 3 "${with_gpu[@]}" OUT="$work/out-decode-mismatch" "$kit/run.sh" decode
+  expect_in "$work/last.log" "moe_decode found no CUDA device"
 fi
 
 if ((failures > 0)); then

@@ -259,6 +259,40 @@ class SummaryTest(unittest.TestCase):
         self.assertEqual(rc, 0, out)
         self.assertIn("verdict: pass", out)
 
+    # --- decode (examples/moe_decode --backend cuda) -----------------------------------------------
+
+    def write_decode(self, rows):
+        self.write("decode.tsv", "run\tstatus\tseconds\tdetail\n" + "".join("\t".join(r) + "\n" for r in rows))
+
+    def test_decode_runs_passing_on_a_gpu_pass(self):
+        self.write("gpu.txt", H200)
+        self.write_decode([("olmoe", "PASSED", "9", "812.4 tokens/s hit rate 61.2% 0 of 512 layer steps differ"),
+                           ("mixtral", "PASSED", "7", "433.0 tokens/s hit rate 40.1% 0 of 512 layer steps differ")])
+        rc, out = self.run_summary()
+        self.assertEqual(rc, 0, out)
+        self.assertIn("== decode", out)
+        self.assertIn("PASSED   olmoe", out)
+        self.assertIn("812.4 tokens/s", out)
+        self.assertIn("verdict: pass", out)
+
+    def test_a_decode_run_that_differs_or_crashed_fails(self):
+        self.write("gpu.txt", H100)
+        self.write_decode([("olmoe", "FAILED", "9", "exit 1: 3 of 512 layer steps differ"),
+                           ("mixtral", "CRASHED", "1", "signal 11"), ("garbled",)])
+        rc, out = self.run_summary()
+        self.assertEqual(rc, 0, out)  # the verdict is run.sh's exit status; the summary explains it
+        self.assertIn("FAILED   olmoe", out)
+        self.assertIn("verdict: FAILED (3 of 3 runs)", out)
+
+    def test_decode_without_a_device(self):
+        self.write("gpu.txt", NO_GPU)
+        self.write_decode([("olmoe", "SKIPPED", "0", "moe_decode: no CUDA device: cudaErrorNoDevice")])
+        rc, out = self.run_summary()
+        self.assertIn("verdict: no device: moe_decode did not run on a GPU (not a pass)", out)
+        self.write("gpu.txt", H100)
+        rc, out = self.run_summary()
+        self.assertIn("verdict: FAILED: a GPU is present but moe_decode found no CUDA device", out)
+
     # --- usage --------------------------------------------------------------------------------
 
     def test_an_empty_folder_has_nothing_to_summarize(self):

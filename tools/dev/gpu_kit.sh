@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Packs everything that needs a GPU into one folder (default .gpu-kit/, ignored by git) for the
 # device machine, which has the CUDA driver but none of expage's build dependencies and no
-# network: the GPU test suites and benchmarks of a release build (CUDA runtime linked
-# statically), the shared libraries they need beyond glibc and libstdc++, run.sh
+# network: the GPU test suites, benchmarks and examples/moe_decode of a release build (CUDA
+# runtime linked statically), the shared libraries they need beyond glibc and libstdc++, run.sh
 # (tools/dev/gpu_run.sh) and gpu_summary.py.
 #
 #   cmake --preset release-cuda && cmake --build --preset release-cuda -j2   # here
 #   tools/dev/gpu_kit.sh build/release-cuda                                   # here
 #   device run, carry [".gpu-kit"]:  .gpu-kit/run.sh tests                   # one call each
 #   device run, carry [".gpu-kit"]:  .gpu-kit/run.sh bench                   # (or kernels, transfers)
+#   device run, carry [".gpu-kit"]:  .gpu-kit/run.sh decode                  # moe_decode --backend cuda
 #
 # Usage: gpu_kit.sh [BUILD_DIR (build/release)] [KIT_DIR (.gpu-kit)]
 # The device tool sends the checkout its session started in: pack into that checkout's root
@@ -20,19 +21,23 @@ cd "$(dirname "$0")/../.."
 build=${1:-build/release}
 kit=${2:-.gpu-kit}
 binaries=(tests/expage_cuda_tests tests/expage_kernels_cuda_tests
-  bench/expage_cuda_vmm_bench bench/expage_kernels_bench bench/expage_cuda_copy_bench)
+  bench/expage_cuda_vmm_bench bench/expage_kernels_bench bench/expage_cuda_copy_bench examples/moe_decode)
 
 for b in "${binaries[@]}"; do
   [[ -x "$build/$b" ]] || {
-    echo "gpu_kit.sh: $build/$b is missing: build a preset with CUDA first (release-cuda)" >&2
+    echo "gpu_kit.sh: $build/$b is missing: build a preset with CUDA (release-cuda), examples included, first" >&2
     exit 2
   }
 done
 rm -rf "$kit"
 mkdir -p "$kit/lib"
-for b in "${binaries[@]}"; do cp "$build/$b" "$kit/"; done
+packed=()
+for b in "${binaries[@]}"; do
+  cp "$build/$b" "$kit/"
+  packed+=("$kit/${b##*/}")
+done
 # Every shared library outside the C and C++ runtimes (fmt, Google Benchmark).
-ldd "$kit"/expage_* | awk '/=> \// {print $3}' | sort -u |
+ldd "${packed[@]}" | awk '/=> \// {print $3}' | sort -u |
   grep -v -E '/(libc|libm|libstdc\+\+|libgcc_s|libpthread|libdl|librt|ld-linux[^/]*)\.so' |
   xargs -r -I{} cp -L {} "$kit/lib/"
 cp tools/dev/gpu_run.sh "$kit/run.sh"

@@ -8,6 +8,10 @@
 #   run.sh kernels     bench/kernels_bench: decode, dequant, routing,   (2-3 min; timeout 480 s)
 #                      FFN beside the device-to-device copy
 #   run.sh transfers   bench/cuda_copy_bench and bench/cuda_vmm_bench   (about 1 min; timeouts 300+120 s)
+#   run.sh decode      examples/moe_decode --backend cuda: OLMoE/8 (32  (about 1 min; timeout 150 s per run,
+#                      tokens), Mixtral/16 (16), two tiers, int4, the   budget 480 s)
+#                      slot and stable views, a prefetcher; every layer
+#                      checked against the host FFN
 #
 # Two calls (tests, then bench) are the cheapest; kernels + transfers split bench when its
 # timeouts are too short. (Durations are estimates until the kit has run on a GPU.)
@@ -21,12 +25,14 @@
 #   tests.tsv     binary, test, status (PASSED FAILED CRASHED TIMEOUT SKIPPED NOT_RUN), seconds, detail
 #   tests.log     every test's output, in order
 #   <bench>.json  each benchmark's Google Benchmark JSON;  benches.log: their console output
+#   decode.tsv    run, status (as tests.tsv), seconds, detail (tokens/s, hit rate, the check);
+#   decode.log    every run's report;  decode_trace.json: the first run's Chrome trace
 #   summary.txt   tools/dev/gpu_summary.py over all of the above (also printed last)
 #
 # Exit status (docs/performance.md, "Running the GPU kit"):
 #   0  on a GPU: every test passed / every benchmark ran and its JSON is complete
-#   1  a test failed, crashed, timed out or was not run; or a benchmark crashed, timed out or left
-#      unreadable JSON
+#   1  a test or decode run failed, crashed, timed out or was not run; or a benchmark crashed, timed
+#      out or left unreadable JSON
 #   2  usage error, or the kit is incomplete
 #   3  a GPU is present but tests skipped as if there were none (driver/runtime mismatch?)
 #   4  no GPU here: nothing ran on a device, so this is not a pass of anything
@@ -34,7 +40,8 @@
 # Tuning (environment): EXPAGE_KIT_BUDGET (s, the tests part: 480), EXPAGE_KIT_TEST_TIMEOUT (s per
 # test: 120), EXPAGE_KIT_FILTER (extended regex over "binary:Suite.Test": run only those),
 # EXPAGE_KIT_MIN_TIME (s, --benchmark_min_time: 0.2), EXPAGE_KIT_REPETITIONS (3),
-# EXPAGE_KIT_BENCH_TIMEOUT (s per benchmark binary; default per binary, above).
+# EXPAGE_KIT_BENCH_TIMEOUT (s per benchmark binary; default per binary, above),
+# EXPAGE_KIT_DECODE_TIMEOUT (s per decode run: 150).
 set -uo pipefail
 kit=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-$kit/out}
@@ -45,7 +52,7 @@ usage() {
   sed -n '2,/^set -uo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//' >&2
   exit 2
 }
-case "$part" in tests | kernels | transfers | bench) ;; *) usage ;; esac
+case "$part" in tests | kernels | transfers | bench | decode) ;; *) usage ;; esac
 mkdir -p "$out"
 
 start=$SECONDS
@@ -204,8 +211,87 @@ run_bench() {
   fi
 }
 
+# --- decode ------------------------------------------------------------------------------------
+# examples/moe_decode on the device: each run a decode loop on cuda_vmm whose every layer is checked
+# against the host FFN (exit 1 when one differs beyond the device FFN's bound); without a device it
+# says "no CUDA device" and exits 2.
+run_decode() {
+  require moe_decode
+  local budget=${EXPAGE_KIT_BUDGET:-480} per_run=${EXPAGE_KIT_DECODE_TIMEOUT:-150}
+  local tsv="$out/decode.tsv" log="$out/decode.log" one
+  one=$(mktemp)
+  printf 'run\tstatus\tseconds\tdetail\n' >"$tsv"
+  : >"$log"
+  rm -f "$out/decode_trace.json"
+  local runs=(
+    "olmoe|--geometry olmoe-1b-7b --scale 8 --tokens 32 --trace-out $out/decode_trace.json"
+    "mixtral|--geometry mixtral-8x7b --scale 16 --tokens 16"
+    "tiers|--geometry olmoe-1b-7b --scale 8 --tokens 16 --lo-precision int4"
+    "int4|--geometry mixtral-8x7b --scale 16 --tokens 8 --precision int4"
+    "slots|--quick --view slots"
+    "stable|--quick --view stable"
+    "prefetch|--quick --tokens 8 --prefetch coactivation"
+  )
+  local passed=0 failed=0 skipped=0 not_run=0
+  for r in "${runs[@]}"; do
+    local name=${r%%|*} args=${r#*|}
+    if ((SECONDS - start >= budget)); then
+      printf '%s\t%s\t%s\t%s\n' "$name" NOT_RUN 0 "time budget of ${budget}s spent" >>"$tsv"
+      not_run=$((not_run + 1))
+      continue
+    fi
+    local t0=$SECONDS rc state detail limit=$((budget + 60 - (SECONDS - start)))
+    ((limit > per_run)) && limit=$per_run
+    # shellcheck disable=SC2086 # the arguments are words
+    timeout -k 10 "$limit" "$kit/moe_decode" --backend cuda $args >"$one" 2>&1
+    rc=$?
+    # tokens/s, hit rate and the check's verdict, from the report.
+    detail=$(grep -o -E '\([0-9.]+ tokens/s\)|hit rate [0-9.]+%|[0-9]+ of [0-9]+ layer steps differ|worst [0-9.e+-]+$' \
+      "$one" | tr '\n' ' ' | tr -d '()' | cut -c1-200)
+    if ((rc == 124 || rc == 137)); then
+      state=TIMEOUT detail="killed after ${limit}s"
+    elif ((rc > 128)); then
+      state=CRASHED detail="signal $((rc - 128))"
+    elif ((rc == 2)) && grep -q 'no CUDA device' "$one"; then
+      state=SKIPPED detail=$(grep -m1 'no CUDA device' "$one" | cut -c1-200)
+    elif ((rc == 0)) && grep -q -E '^  check .*: 0 of [0-9]+ layer steps differ' "$one"; then
+      state=PASSED
+    elif ((rc == 0)); then
+      state=FAILED detail="exit 0 without a check line: $detail"
+    else
+      state=FAILED detail="exit $rc: ${detail:-$(grep -m1 'moe_decode: ' "$one" | cut -c1-200)}"
+    fi
+    case "$state" in
+      PASSED) passed=$((passed + 1)) ;;
+      SKIPPED) skipped=$((skipped + 1)) ;;
+      *) failed=$((failed + 1)) ;;
+    esac
+    printf '%s\t%s\t%s\t%s\n' "$name" "$state" "$((SECONDS - t0))" "${detail//$'\t'/ }" >>"$tsv"
+    {
+      echo "=== $name: moe_decode --backend cuda $args: $state (rc $rc, $((SECONDS - t0)) s)"
+      tail -n 100 "$one"
+    } >>"$log"
+    [[ "$state" == PASSED || "$state" == SKIPPED ]] || echo "gpu_run: decode $name: $state $detail"
+  done
+  rm -f "$one"
+  if ((gpus == 0 && passed > 0)); then
+    echo "gpu_run: nvidia-smi lists no GPU, but moe_decode ran on one"
+    echo "gpus: 1 (nvidia-smi listed none; moe_decode ran on one)" >>"$out/gpu.txt"
+    gpus=1
+  fi
+  echo "gpu_run: decode: $passed passed, $failed failed/crashed/timed out, $not_run not run (budget)," \
+    "$skipped skipped for want of a device"
+  ((failed + not_run > 0)) && raise 1
+  if ((gpus > 0 && skipped > 0)); then
+    echo "gpu_run: FAILURE: a GPU is present but moe_decode found no CUDA device in $skipped runs" \
+      "(driver too old for the runtime? CUDA_VISIBLE_DEVICES?); see decode.log"
+    raise 3
+  fi
+}
+
 case "$part" in
   tests) run_tests ;;
+  decode) run_decode ;;
   kernels) run_bench expage_kernels_bench 480 ;;
   transfers)
     run_bench expage_cuda_copy_bench 300
@@ -232,7 +318,7 @@ fi
 ((gpus == 0)) && raise 4
 case "$status" in
   0) verdict="pass" ;;
-  1) verdict="FAILED (a test or benchmark failed, crashed, timed out or was not run)" ;;
+  1) verdict="FAILED (a test, decode run or benchmark failed, crashed, timed out or was not run)" ;;
   3) verdict="FAILED (GPU present, tests skipped as if there were none)" ;;
   4) verdict="no device: nothing ran on a GPU (not a pass)" ;;
 esac

@@ -2,7 +2,7 @@
 """Summarizes a GPU kit run (tools/dev/gpu_run.sh): the tests' verdict, and every GPU benchmark
 beside the baseline measured in the same run, judged against issue 13's goals.
 
-Usage: gpu_summary.py OUT_DIR   (the folder run.sh wrote: gpu.txt, tests.tsv, <bench>.json)
+Usage: gpu_summary.py OUT_DIR   (the folder run.sh wrote: gpu.txt, tests.tsv, decode.tsv, <bench>.json)
 
 Goals, each a ratio within one run on one device (docs/performance.md, "Running the GPU kit"):
   decode   bytes moved (compressed in + bf16 out) >= 0.8x the device-to-device copy's (read + write);
@@ -175,6 +175,23 @@ def read_tests(folder):
     return rows
 
 
+def read_decode(folder):
+    """Rows of decode.tsv (run, status, seconds, detail) as dicts, or None when it is absent;
+    malformed rows are kept as FAILED."""
+    path = folder / "decode.tsv"
+    if not path.exists():
+        return None
+    rows = []
+    for line in path.read_text(errors="replace").splitlines()[1:]:
+        cols = line.split("\t")
+        if len(cols) < 2:
+            rows.append({"run": line[:80], "status": "FAILED", "seconds": "", "detail": "malformed decode.tsv row"})
+            continue
+        rows.append({"run": cols[0], "status": cols[1], "seconds": cols[2] if len(cols) > 2 else "",
+                     "detail": cols[3] if len(cols) > 3 else ""})
+    return rows
+
+
 # --- formatting ----------------------------------------------------------------------------------
 
 
@@ -219,6 +236,26 @@ def tests_section(rows, gpu_present):
         out.append("  verdict: no device: the GPU tests did not run (not a pass)")
     elif not rows:
         out.append("  verdict: FAILED: no test ran")
+    else:
+        out.append("  verdict: pass")
+    return out
+
+
+def decode_section(rows, gpu_present):
+    out = ["== decode (decode.tsv; examples/moe_decode --backend cuda, every layer checked against the host FFN)"]
+    for r in rows:
+        seconds = f"{r['seconds']} s" if r["seconds"] else ""
+        out.append(f"  {r['status']:<8} {r['run']:<10} {seconds:>6}  {r['detail']}".rstrip())
+    skipped = [r for r in rows if r["status"] == "SKIPPED"]
+    bad = [r for r in rows if r["status"] not in ("PASSED", "SKIPPED")]
+    if bad:
+        out.append(f"  verdict: FAILED ({len(bad)} of {len(rows)} runs)")
+    elif gpu_present and skipped:
+        out.append(f"  verdict: FAILED: a GPU is present but moe_decode found no CUDA device ({skipped[0]['detail']})")
+    elif not gpu_present:
+        out.append("  verdict: no device: moe_decode did not run on a GPU (not a pass)")
+    elif not rows:
+        out.append("  verdict: FAILED: no run")
     else:
         out.append("  verdict: pass")
     return out
@@ -366,6 +403,9 @@ def main(argv):
     rows = read_tests(folder)
     if rows is not None:
         out += tests_section(rows, gpu_present)
+    decode_rows = read_decode(folder)
+    if decode_rows is not None:
+        out += decode_section(decode_rows, gpu_present)
 
     results, problems = {}, []
     for bench in BENCHES:
@@ -392,8 +432,8 @@ def main(argv):
         out += copy_section(ran["expage_cuda_copy_bench"])
     if "expage_cuda_vmm_bench" in ran:
         out += vmm_section(ran["expage_cuda_vmm_bench"])
-    if rows is None and not results:
-        out.append("gpu_summary.py: nothing to summarize (no tests.tsv, no benchmark JSON)")
+    if rows is None and decode_rows is None and not results:
+        out.append("gpu_summary.py: nothing to summarize (no tests.tsv, no decode.tsv, no benchmark JSON)")
     print("\n".join(out))
     return status
 
