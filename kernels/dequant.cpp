@@ -34,13 +34,13 @@ void dequantize_groups_async(const group_quant_layout& layout, const std::byte* 
                                   .group_size = layout.group_size(),
                                   .bits = layout.bits(),
                                   .to_bf16 = out_format == precision::bf16};
-  const unsigned per_word = 32 / args.bits;
-  // The word kernel needs every 32-bit word of codes inside one group of one row, aligned
-  // code words and 16-byte aligned output (its vector stores).
-  const bool word_aligned = layout.shape().cols % per_word == 0 && layout.group_size() % per_word == 0 &&
-                            reinterpret_cast<std::uintptr_t>(device_packed) % 4 == 0 &&
+  // The unit kernel needs every unit of 8 values inside one group of one row, codes aligned to
+  // a unit's load (8 · bits bits: `bits` bytes) and 16-byte aligned output (its stores).
+  const bool unit_aligned = layout.shape().cols % detail::unit_values == 0 &&
+                            layout.group_size() % detail::unit_values == 0 &&
+                            reinterpret_cast<std::uintptr_t>(device_packed) % args.bits == 0 &&
                             reinterpret_cast<std::uintptr_t>(device_out) % 16 == 0;
-  check(detail::launch_dequant(args, word_aligned, stream), "dequant kernel launch");
+  check(detail::launch_dequant(args, unit_aligned, stream), "dequant kernel launch");
 }
 
 }  // namespace expage::cuda

@@ -2,6 +2,9 @@
 
 #include "expage/format/group_quant_element.hpp"
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <algorithm>
 #include <cstdint>
 
@@ -9,29 +12,62 @@ namespace expage::cuda {
 namespace {
 
 constexpr unsigned threads_per_block = 256;
+using detail::unit_values;
 
 using detail::dequant_args;
 
-// Expands one 32-bit word of codes (32 / Bits values of one group) to bf16 or fp16 at @p out
-// with vector stores: 8, 16 or 32 bytes.
+// The unit path's conversions without the shared element code's integer emulation, with its bits.
+__device__ inline bool finite(float f) { return (__float_as_uint(f) & 0x7FFFFFFFU) < 0x7F800000U; }
+// fp16 → float by one cvt (exact); infinity and NaN by the shared code (their bits are part of the
+// format's contract, the hardware's canonical NaN is not).
+__device__ inline float fast_fp16_to_float(std::uint16_t h) {
+  return ((h >> 10U) & 0x1FU) == 0x1FU ? fp16_to_float(h) : __half2float(__ushort_as_half(h));
+}
+// The code q < 2^8 as a float, exactly: the float 2^23 + q, less 2^23 (an integer op and an add at
+// full rate, where an int-to-float cvt runs at a quarter of it).
+__device__ inline float code_to_float(unsigned q) { return __uint_as_float(0x4B000000U | q) - 8388608.0F; }
+
+// Expands one unit of codes, 8 values of one group (the low 8 · Bits bits of @p codes), to bf16 or
+// fp16 at @p out with one 16-byte store. With a finite scale and zero every value is finite
+// (|q·s + z| ≤ 255 · 65504 + 65504), and bf16 output converts two values per instruction
+// (cvt.rn.bf16x2.f32: round to nearest even, float_to_bf16's bits); otherwise the shared code.
 template <unsigned Bits>
-__device__ void expand_word(std::uint32_t codes, float scale, float zero, bool to_bf16, std::uint16_t* out) {
-  constexpr unsigned per_word = 32 / Bits;
-  std::uint32_t packed[per_word / 2];
+__device__ void expand_unit(std::uint64_t codes, float scale, float zero, bool to_bf16, std::uint16_t* out) {
+  constexpr auto mask = static_cast<unsigned>((1U << Bits) - 1U);
+  // 32-bit shifts: k is a constant of the unrolled loops, so each code is one shift and one mask.
+  const auto low = static_cast<std::uint32_t>(codes);
+  const auto high = static_cast<std::uint32_t>(codes >> 32U);
+  const auto code = [&](unsigned k) { return (k * Bits < 32 ? low >> (k * Bits) : high >> (k * Bits - 32)) & mask; };
+  std::uint32_t packed[unit_values / 2];
+  if (to_bf16 && finite(scale) && finite(zero)) {
 #pragma unroll
-  for (unsigned k = 0; k < per_word; k += 2) {
-    const unsigned lo = dequantize_to_16((codes >> (k * Bits)) & ((1U << Bits) - 1U), scale, zero, to_bf16);
-    const unsigned hi = dequantize_to_16((codes >> ((k + 1) * Bits)) & ((1U << Bits) - 1U), scale, zero, to_bf16);
-    packed[k / 2] = lo | (hi << 16U);
-  }
-  if constexpr (per_word == 4) {
-    *reinterpret_cast<uint2*>(out) = make_uint2(packed[0], packed[1]);
+    for (unsigned k = 0; k < unit_values; k += 2) {
+      const float v0 = code_to_float(code(k)) * scale + zero;  // dequantize_value()
+      const float v1 = code_to_float(code(k + 1)) * scale + zero;
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(v0, v1);  // .x = v0: the low half
+      packed[k / 2] = static_cast<std::uint32_t>(__bfloat16_as_ushort(pair.x)) |
+                      (static_cast<std::uint32_t>(__bfloat16_as_ushort(pair.y)) << 16U);
+    }
   } else {
 #pragma unroll
-    for (unsigned v = 0; v < per_word / 8; ++v) {
-      reinterpret_cast<uint4*>(out)[v] =
-          make_uint4(packed[4 * v], packed[4 * v + 1], packed[4 * v + 2], packed[4 * v + 3]);
+    for (unsigned k = 0; k < unit_values; k += 2) {
+      packed[k / 2] = dequantize_to_16(code(k), scale, zero, to_bf16) |
+                      (static_cast<std::uint32_t>(dequantize_to_16(code(k + 1), scale, zero, to_bf16)) << 16U);
     }
+  }
+  *reinterpret_cast<uint4*>(out) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
+// The unit's codes: 8 · Bits bits, one aligned load of 8, 4 or 2 bytes.
+template <unsigned Bits>
+__device__ std::uint64_t load_unit(const std::uint8_t* codes, std::uint64_t unit) {
+  if constexpr (Bits == 8) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(codes) + unit);
+    return v.x | (std::uint64_t{v.y} << 32U);
+  } else if constexpr (Bits == 4) {
+    return __ldg(reinterpret_cast<const std::uint32_t*>(codes) + unit);
+  } else {
+    return __ldg(reinterpret_cast<const std::uint16_t*>(codes) + unit);
   }
 }
 
@@ -57,17 +93,17 @@ struct fast_divisor {
   }
 };
 
-// The divisions of the word path, precomputed per launch (32-bit path only).
-struct word_divisors {
+// The divisions of the unit path, precomputed per launch (32-bit path only).
+struct unit_divisors {
   fast_divisor cols;
   fast_divisor group_size;
 };
 
-// The scale and zero of the group holding element @p i (a word's first). With fewer than 2^31
+// The scale and zero of the group holding element @p i (a unit's first). With fewer than 2^31
 // elements, the row and group divisions are multiply-shifts; they would otherwise be what bounds
-// this kernel (a 64-bit division is emulated in tens of instructions, one per 4–16 values).
+// this kernel (a 64-bit division is emulated in tens of instructions, two per 8 values).
 template <bool Fast>
-__device__ void group_of(const dequant_args& a, const word_divisors& dv, std::uint64_t i, float& scale, float& zero) {
+__device__ void group_of(const dequant_args& a, const unit_divisors& dv, std::uint64_t i, float& scale, float& zero) {
   std::uint64_t group;
   if constexpr (Fast) {
     const auto n = static_cast<std::uint32_t>(i);
@@ -77,35 +113,54 @@ __device__ void group_of(const dequant_args& a, const word_divisors& dv, std::ui
     const std::uint64_t row = i / a.cols;
     group = row * a.groups_per_row + (i - row * a.cols) / a.group_size;
   }
-  scale = fp16_to_float(load_le16(a.scales + 2 * group));
-  zero = fp16_to_float(load_le16(a.zeros + 2 * group));
+  scale = fast_fp16_to_float(load_le16(a.scales + 2 * group));
+  zero = fast_fp16_to_float(load_le16(a.zeros + 2 * group));
 }
 
-// Word path: every 32-bit word of codes lies in one group of one row, so a thread loads one word
-// (a warp: 128 coalesced bytes), one scale and one zero, and stores 8–32 bytes with vector stores
-// (a warp: 256–1,024 contiguous bytes).
+// Unit path: every unit of 8 values lies in one group of one row, so a thread expands whole
+// units, each with one scale and one zero, loading 8 · Bits bits and storing 16 bytes: a warp's
+// loads are 64–256 coalesced bytes and its stores 512 contiguous bytes, whatever the width (a
+// thread per 32-bit word stored 8–32 bytes per lane: int2's 32-byte lanes halved the coalescing).
+// A block takes tiles of units_per_thread · threads_per_block units; thread t loads units t,
+// t + threads_per_block, … of its tile at once: one unit in flight per thread left the kernel
+// waiting on HBM latency, not bandwidth (H200: 0.36–0.52× the copy).
+// (Eight for int2, whose units load 2 bytes, was slower on an H200: 65 against 58 µs.)
+constexpr unsigned units_per_thread = 4;
+
 template <unsigned Bits, bool Fast>
 __global__ void __launch_bounds__(threads_per_block)
-    dequant_words_kernel(const dequant_args a, const word_divisors dv) {
-  constexpr unsigned per_word = 32 / Bits;
-  const std::uint64_t words = a.elements / per_word;
-  const std::uint64_t stride = std::uint64_t{gridDim.x} * blockDim.x;
-  for (std::uint64_t w = std::uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; w < words; w += stride) {
-    float scale, zero;
-    group_of<Fast>(a, dv, w * per_word, scale, zero);
-    expand_word<Bits>(__ldg(reinterpret_cast<const std::uint32_t*>(a.codes) + w), scale, zero, a.to_bf16,
-                      a.out + w * per_word);
+    dequant_units_kernel(const dequant_args a, const unit_divisors dv) {
+  constexpr std::uint64_t tile = std::uint64_t{units_per_thread} * threads_per_block;
+  const std::uint64_t units = a.elements / unit_values;
+  for (std::uint64_t first = blockIdx.x * tile; first < units; first += gridDim.x * tile) {
+    std::uint64_t codes[units_per_thread];
+#pragma unroll
+    for (unsigned k = 0; k < units_per_thread; ++k) {
+      const std::uint64_t u = first + k * threads_per_block + threadIdx.x;
+      codes[k] = u < units ? load_unit<Bits>(a.codes, u) : 0U;
+    }
+#pragma unroll
+    for (unsigned k = 0; k < units_per_thread; ++k) {
+      const std::uint64_t u = first + k * threads_per_block + threadIdx.x;
+      if (u >= units) break;
+      float scale, zero;
+      group_of<Fast>(a, dv, u * unit_values, scale, zero);
+      expand_unit<Bits>(codes[k], scale, zero, a.to_bf16, a.out + u * unit_values);
+    }
   }
 }
 
+unsigned grid_for(std::uint64_t items);
+
 template <unsigned Bits>
-void launch_words(const dequant_args& a, unsigned grid, cudaStream_t stream) {
+void launch_units(const dequant_args& a, cudaStream_t stream) {
+  const unsigned grid = grid_for((a.elements / unit_values + units_per_thread - 1) / units_per_thread);
   if (a.elements < (std::uint64_t{1} << 31)) {
-    const word_divisors dv{.cols = fast_divisor::of(static_cast<std::uint32_t>(a.cols)),
+    const unit_divisors dv{.cols = fast_divisor::of(static_cast<std::uint32_t>(a.cols)),
                            .group_size = fast_divisor::of(a.group_size)};
-    dequant_words_kernel<Bits, true><<<grid, threads_per_block, 0, stream>>>(a, dv);
+    dequant_units_kernel<Bits, true><<<grid, threads_per_block, 0, stream>>>(a, dv);
   } else {
-    dequant_words_kernel<Bits, false><<<grid, threads_per_block, 0, stream>>>(a, word_divisors{});
+    dequant_units_kernel<Bits, false><<<grid, threads_per_block, 0, stream>>>(a, unit_divisors{});
   }
 }
 
@@ -128,13 +183,12 @@ unsigned grid_for(std::uint64_t items) {
 
 }  // namespace
 
-cudaError_t detail::launch_dequant(const dequant_args& args, bool word_aligned, cudaStream_t stream) {
-  if (word_aligned) {
-    const unsigned grid = grid_for(args.elements / (32 / args.bits));
+cudaError_t detail::launch_dequant(const dequant_args& args, bool unit_aligned, cudaStream_t stream) {
+  if (unit_aligned) {
     switch (args.bits) {
-      case 8: launch_words<8>(args, grid, stream); break;
-      case 4: launch_words<4>(args, grid, stream); break;
-      default: launch_words<2>(args, grid, stream); break;
+      case 8: launch_units<8>(args, stream); break;
+      case 4: launch_units<4>(args, stream); break;
+      default: launch_units<2>(args, stream); break;
     }
   } else {
     dequant_values_kernel<<<grid_for(args.elements), threads_per_block, 0, stream>>>(args);

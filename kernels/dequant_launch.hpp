@@ -8,6 +8,9 @@
 
 namespace expage::cuda::detail {
 
+// Values a thread of the unit path expands per load and 16-byte store.
+inline constexpr unsigned unit_values = 8;
+
 struct dequant_args {
   const std::uint8_t* codes;
   const std::uint8_t* scales;
@@ -21,8 +24,8 @@ struct dequant_args {
   bool to_bf16;
 };
 
-// Launches the word kernel when @p word_aligned (see dequant.hpp), else the per-value kernel;
+// Launches the unit kernel when @p unit_aligned (see dequant.hpp), else the per-value kernel;
 // returns cudaGetLastError() after the launch.
-cudaError_t launch_dequant(const dequant_args& args, bool word_aligned, cudaStream_t stream);
+cudaError_t launch_dequant(const dequant_args& args, bool unit_aligned, cudaStream_t stream);
 
 }  // namespace expage::cuda::detail

@@ -110,6 +110,7 @@ TEST(CudaDecode, ShortTwoTierDecodeOnCudaVmmMatchesTheHostReference) {
   std::vector<version_record> reference(E);
   std::uint64_t steps = 0;
   std::uint64_t lo_served = 0;
+  std::vector<expert_id> hot;  // the hi targets, oldest first
   for (std::uint32_t token = 0; token < 6; ++token) {
     for (std::uint32_t layer = 0; layer < g.layers(); ++layer) {
       for (float& v : x) v = normal(rng);
@@ -149,15 +150,27 @@ TEST(CudaDecode, ShortTwoTierDecodeOnCudaVmmMatchesTheHostReference) {
       const std::vector<double> want(ref.begin(), ref.end());
       EXPECT_LT(relative_error(out, want), device_vs_host) << "token " << token << " layer " << layer;
       ++steps;
-      // Every other step promotes the step's first expert (served from lo, mostly): its bf16
-      // version loads on the prefetch stream and the device record switches once it is done.
-      if (steps % 2 == 0) {
-        const residency_target target[] = {{{layer, routed[0]}, residency_state::resident_hi}};
-        rt.set_targets(target);
-        prefetch.synchronize();
-        rt.poll();
+      // Every other step promotes the step's first expert (served from lo, mostly), as a hot-set
+      // controller would: the whole hi set, its oldest member demoted first once the hi tier's
+      // two versions are taken (a remembered hi target is never another promotion's victim). Its
+      // bf16 version loads on the prefetch stream, into the slot the demoted member's switch to
+      // lo frees, and the device record switches once it is done.
+      const expert_id first{layer, routed[0]};
+      if (steps % 2 == 0 && std::find(hot.begin(), hot.end(), first) == hot.end()) {
+        std::vector<residency_target> targets;
+        if (hot.size() == 2) {
+          targets.push_back({hot.front(), residency_state::resident_lo});
+          hot.erase(hot.begin());
+        }
+        hot.push_back(first);
+        for (const expert_id& h : hot) targets.push_back({h, residency_state::resident_hi});
+        rt.set_targets(targets);
+        for (int round = 0; round < 2; ++round) {  // the demotion's switch, then the promotion's
+          prefetch.synchronize();
+          rt.poll();
+        }
         compute.synchronize();
-        EXPECT_EQ(rt.active_tier({layer, routed[0]}), version_tier::hi) << steps;
+        EXPECT_EQ(rt.active_tier(first), version_tier::hi) << steps;
       }
     }
   }

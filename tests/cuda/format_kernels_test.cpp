@@ -81,8 +81,8 @@ TEST(DequantKernel, MatchesTheHostReferenceForEveryWidthOutputAndShape) {
     tensor_shape shape;
     std::uint32_t group;
   };
-  // Word-path shapes (cols and group multiples of 16: row and group by multiply-shift division)
-  // and value-path shapes (odd sizes).
+  // Unit-path shapes (cols and group multiples of 8; 1000 columns divide by a multiply-shift that
+  // is not a power of two) and value-path shapes (odd sizes, 129 columns).
   const shape_case shapes[] = {{{.rows = 256, .cols = 4096}, 128},
                                {{.rows = 64, .cols = 2048}, 32},
                                {{.rows = 33, .cols = 1000}, 64},

@@ -2,10 +2,12 @@
 /// @brief CUDA dequantization of group-wise int8/int4/int2 weights to bf16 or fp16 (target expage::kernels).
 ///
 /// Produces the same bits as the host reference expage::dequantize_groups(): both run the
-/// element code of expage/format/group_quant_element.hpp. When every 32-bit word of codes lies in
-/// one group of one row (cols and group_size multiples of 32/bits), the codes are 4-byte aligned
-/// and the output is 16-byte aligned, a thread expands one word (4, 8 or 16 values) with one scale/zero load and vector
-/// stores; otherwise a thread per value handles any shape.
+/// element code of expage/format/group_quant_element.hpp (bf16 conversions by the hardware where
+/// its bits are the same: every finite value). When every unit of 8 values lies in one group of
+/// one row (cols and group_size multiples of 8), the codes are aligned to a unit's load (8, 4 or 2
+/// bytes for int8, int4, int2) and the output is 16-byte aligned, a thread expands units of 8
+/// values with one scale/zero load and one 16-byte store each, four units in flight; otherwise a
+/// thread per value handles any shape (docs/kernels.md).
 #pragma once
 
 #include "expage/core/precision.hpp"
