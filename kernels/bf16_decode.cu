@@ -35,10 +35,35 @@ struct decode_args {
 // One warp per chunk, one lane per lane stream. The code tables come as a kernel parameter
 // (334 bytes) and every block expands them into a 4096-entry table in shared memory (8 KiB), so a
 // code costs one shared load whatever its length.
+//
+// Pairs: a second table (16 KiB) built from the first holds, for each 12-bit window, its first
+// code and, when the window also holds the whole next code, that one too: `sym0 | sym1 << 8 |
+// len0 << 16 | (len0 + len1) << 20 | two << 25`. Exponent codes average under 3 bits, so one
+// lookup usually yields two values, halving the serial chain of lookups and shifts each lane runs.
+constexpr unsigned pair_len0_shift = 16;
+constexpr unsigned pair_total_shift = 20;
+constexpr unsigned pair_two_bit = 1U << 25U;
+
 __global__ void __launch_bounds__(threads_per_block)
     decode_kernel(const __grid_constant__ detail::canonical_code code, const decode_args a) {
   __shared__ std::uint16_t lut[bf16_lut_entries];
+  __shared__ std::uint32_t pairs[bf16_lut_entries];
   for (unsigned v = threadIdx.x; v < bf16_lut_entries; v += blockDim.x) lut[v] = detail::canonical_lookup(code, v);
+  __syncthreads();
+  for (unsigned v = threadIdx.x; v < bf16_lut_entries; v += blockDim.x) {
+    const unsigned first = lut[v];
+    const unsigned len0 = first >> 8U;
+    std::uint32_t entry = (first & 0xFFU) | (len0 << pair_len0_shift) | (len0 << pair_total_shift);
+    if (first != 0) {
+      const unsigned second = lut[(v << len0) & (bf16_lut_entries - 1U)];
+      const unsigned len1 = second >> 8U;
+      if (second != 0 && len0 + len1 <= bf16_max_code_length) {
+        entry = (first & 0xFFU) | ((second & 0xFFU) << 8U) | (len0 << pair_len0_shift) |
+                ((len0 + len1) << pair_total_shift) | pair_two_bit;
+      }
+    }
+    pairs[v] = entry;
+  }
   __syncthreads();
 
   const unsigned lane = threadIdx.x % bf16_lanes;
@@ -79,6 +104,21 @@ __global__ void __launch_bounds__(threads_per_block)
       bits -= len;
       return entry & 0xFFU;
     };
+    // The next two exponents, low byte first: one lookup when the window holds both codes.
+    const auto decode_two = [&] {
+      if (bits < bf16_max_code_length) refill();
+      const std::uint32_t entry = pairs[buf >> (64U - bf16_max_code_length)];
+      if ((entry & pair_two_bit) != 0) {
+        const unsigned len = (entry >> pair_total_shift) & 0x1FU;
+        buf <<= len;
+        bits -= len;
+        return entry & 0xFFFFU;
+      }
+      const unsigned len0 = (entry >> pair_len0_shift) & 0xFU;
+      buf <<= len0;
+      bits -= len0;
+      return (entry & 0xFFU) | (decode_one() << 8U);
+    };
     const auto join = [](unsigned sm, unsigned exponent) {
       return ((sm & 0x80U) << 8U) | (exponent << 7U) | (sm & 0x7FU);
     };
@@ -88,10 +128,12 @@ __global__ void __launch_bounds__(threads_per_block)
       if (first + bf16_values_per_step <= m) {
         // Four values: one 4-byte load of sign+mantissa, one 8-byte store (warp: 128 B in, 256 B out).
         const unsigned sm = __ldg(reinterpret_cast<const unsigned*>(a.sign_mantissa + e));
-        const unsigned v0 = join(sm & 0xFFU, decode_one());
-        const unsigned v1 = join((sm >> 8U) & 0xFFU, decode_one());
-        const unsigned v2 = join((sm >> 16U) & 0xFFU, decode_one());
-        const unsigned v3 = join(sm >> 24U, decode_one());
+        const unsigned e01 = decode_two();
+        const unsigned e23 = decode_two();
+        const unsigned v0 = join(sm & 0xFFU, e01 & 0xFFU);
+        const unsigned v1 = join((sm >> 8U) & 0xFFU, e01 >> 8U);
+        const unsigned v2 = join((sm >> 16U) & 0xFFU, e23 & 0xFFU);
+        const unsigned v3 = join(sm >> 24U, e23 >> 8U);
         *reinterpret_cast<uint2*>(a.out + e) = make_uint2(v0 | (v1 << 16U), v2 | (v3 << 16U));
       } else {
         for (std::uint64_t k = e; k < base + m; ++k) {
