@@ -12,7 +12,8 @@
 //   BM_Runtime_AcquireRelease_AllHit_Tiered  vs  BM_Runtime_AcquireRelease_AllHit
 //       two tiers (bf16 hi, int4 lo), half of every layer's experts active in each: what serving
 //       each expert from its active tier (lease::tiers()) adds to the one-tier hit path.
-//   BM_Runtime_Miss/<model>               vs  BM_Baseline_CopyIntoMappedPages/<model>
+//   BM_Runtime_Miss/<model>/<views>       vs  BM_Baseline_CopyIntoMappedPages/<model>
+//                                             and BM_Baseline_StreamCopyIntoMappedPages/<model>
 //       one expert loaded per lease at its real size (Mixtral-8x7B 336 MiB, Qwen3-30B-A3B
 //       9 MiB, bf16), evicting another: map, fill on the copy stream, fences, unmap; goal
 //       ≤ 1.05× a memcpy of the same bytes into pages mapped once. Second argument: 0 with every
@@ -172,25 +173,37 @@ expage::moe_geometry model(std::int64_t which) {
   return which == 0 ? expage::moe_geometry::mixtral_8x7b() : expage::moe_geometry::qwen3_30b_a3b();
 }
 
+// One expert's bytes of 2 MiB host_vmm blocks mapped once, the baselines' destination.
+struct mapped_pages {
+  expage::host_vmm vmm{{.granularity = 2_MiB}};
+  std::size_t mapped;
+  std::byte* base;
+  std::vector<expage::host_vmm::physical_block> blocks;
+
+  explicit mapped_pages(std::size_t bytes) : mapped((bytes + 2_MiB - 1) / 2_MiB * 2_MiB), base(vmm.reserve(mapped)) {
+    for (std::size_t off = 0; off < mapped; off += 2_MiB) {
+      blocks.push_back(vmm.create());
+      vmm.map(blocks.back(), base + off);
+    }
+  }
+  mapped_pages(const mapped_pages&) = delete;
+  mapped_pages& operator=(const mapped_pages&) = delete;
+  ~mapped_pages() {
+    vmm.unmap(base, mapped);
+    for (const auto b : blocks) vmm.release(b);
+    vmm.free(base);
+  }
+};
+
 void BM_Baseline_CopyIntoMappedPages(benchmark::State& state) {
   const auto g = model(state.range(0));
-  expage::host_vmm vmm({.granularity = 2_MiB});
   const std::size_t bytes = g.expert_bytes(expage::precision::bf16);
-  const std::size_t mapped = (bytes + 2_MiB - 1) / 2_MiB * 2_MiB;
-  std::byte* base = vmm.reserve(mapped);
-  std::vector<expage::host_vmm::physical_block> blocks;
-  for (std::size_t off = 0; off < mapped; off += 2_MiB) {
-    blocks.push_back(vmm.create());
-    vmm.map(blocks.back(), base + off);
-  }
+  mapped_pages pages(bytes);
   std::vector<std::byte> source(bytes, std::byte{1});
   for (auto _ : state) {
-    std::memcpy(base, source.data(), bytes);
+    std::memcpy(pages.base, source.data(), bytes);
     benchmark::ClobberMemory();
   }
-  vmm.unmap(base, mapped);
-  for (const auto b : blocks) vmm.release(b);
-  vmm.free(base);
   state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
   state.SetLabel(g.name());
 }
@@ -201,26 +214,16 @@ BENCHMARK(BM_Baseline_CopyIntoMappedPages)->Arg(0)->Arg(1)->Unit(benchmark::kMil
 // thread), to tell the runtime's own cost from the cost of copying on another thread.
 void BM_Baseline_StreamCopyIntoMappedPages(benchmark::State& state) {
   const auto g = model(state.range(0));
-  expage::host_vmm vmm({.granularity = 2_MiB});
   const std::size_t bytes = g.expert_bytes(expage::precision::bf16);
   const std::size_t gate_up = g.tensor_bytes(expage::expert_tensor::gate_up, expage::precision::bf16);
-  const std::size_t mapped = (bytes + 2_MiB - 1) / 2_MiB * 2_MiB;
-  std::byte* base = vmm.reserve(mapped);
-  std::vector<expage::host_vmm::physical_block> blocks;
-  for (std::size_t off = 0; off < mapped; off += 2_MiB) {
-    blocks.push_back(vmm.create());
-    vmm.map(blocks.back(), base + off);
-  }
+  mapped_pages pages(bytes);
   std::vector<std::byte> source(bytes, std::byte{1});
   expage::host_stream copy("copy");
   for (auto _ : state) {
-    copy.copy(base, source.data(), gate_up);
-    copy.copy(base + gate_up, source.data() + gate_up, bytes - gate_up);
+    copy.copy(pages.base, source.data(), gate_up);
+    copy.copy(pages.base + gate_up, source.data() + gate_up, bytes - gate_up);
     copy.synchronize();
   }
-  vmm.unmap(base, mapped);
-  for (const auto b : blocks) vmm.release(b);
-  vmm.free(base);
   state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
   state.SetLabel(g.name());
 }

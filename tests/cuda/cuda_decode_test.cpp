@@ -5,6 +5,7 @@
 // host expert_ffn() over all-resident weights in the precision each expert was served at, within
 // the device FFN's bound. The CUDA instantiation compiles in CI; the test skips without a device.
 #include "common/expert_ffn_case.hpp"
+#include "common/hot_set.hpp"
 #include "cuda/device_buffer.hpp"
 #include "cuda/device_pattern.hpp"
 
@@ -151,19 +152,13 @@ TEST(CudaDecode, ShortTwoTierDecodeOnCudaVmmMatchesTheHostReference) {
       EXPECT_LT(relative_error(out, want), device_vs_host) << "token " << token << " layer " << layer;
       ++steps;
       // Every other step promotes the step's first expert (served from lo, mostly), as a hot-set
-      // controller would: the whole hi set, its oldest member demoted first once the hi tier's
-      // two versions are taken (a remembered hi target is never another promotion's victim). Its
-      // bf16 version loads on the prefetch stream, into the slot the demoted member's switch to
-      // lo frees, and the device record switches once it is done.
+      // controller would (rotate_hot_set()). Its bf16 version loads on the prefetch stream, into
+      // the slot the demoted member's switch to lo frees, and the device record switches once it
+      // is done.
       const expert_id first{layer, routed[0]};
-      if (steps % 2 == 0 && std::find(hot.begin(), hot.end(), first) == hot.end()) {
-        std::vector<residency_target> targets;
-        if (hot.size() == 2) {
-          targets.push_back({hot.front(), residency_state::resident_lo});
-          hot.erase(hot.begin());
-        }
-        hot.push_back(first);
-        for (const expert_id& h : hot) targets.push_back({h, residency_state::resident_hi});
+      const std::vector<residency_target> targets =
+          steps % 2 == 0 ? rotate_hot_set(hot, first, 2) : std::vector<residency_target>{};
+      if (!targets.empty()) {
         rt.set_targets(targets);
         for (int round = 0; round < 2; ++round) {  // the demotion's switch, then the promotion's
           prefetch.synchronize();

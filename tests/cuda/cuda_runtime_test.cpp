@@ -2,6 +2,7 @@
 // and compute streams, sources in pinned host memory. Every routed expert is checked on the
 // device through the stable view, the slot view and its version record. The CUDA instantiation
 // compiles in CI; the test skips without a device.
+#include "common/hot_set.hpp"
 #include "cuda/device_pattern.hpp"
 
 #include "expage/cache/lru_policy.hpp"
@@ -153,22 +154,14 @@ TEST(CudaExpertRuntime, TwoTiersAndTheDeviceMirrorsFollowTheHostViews) {
     lease.release();
     compute.synchronize();
     // Every fifth step promotes the expert just served (from lo, mostly), as a hot-set controller
-    // would: the whole target set, the member beyond the hi tier's two versions demoted first (a
-    // remembered hi target is never another promotion's victim). The demotion's lo version loads
-    // on the prefetch stream and its record switches, which frees the hi version the promotion
-    // then loads into; each record switches once its load and the lease's kernel are done.
+    // would (rotate_hot_set()). The demotion's lo version loads on the prefetch stream and its
+    // record switches, which frees the hi version the promotion then loads into; each record
+    // switches once its load and the lease's kernel are done.
     const expert_id served{layer, a};
-    const bool promoted = step % 5 == 0 && std::find(hot.begin(), hot.end(), served) == hot.end();
-    if (promoted) {
-      std::vector<residency_target> targets;
-      if (hot.size() == 2) {
-        targets.push_back({hot.front(), residency_state::resident_lo});
-        hot.erase(hot.begin());
-      }
-      hot.push_back(served);
-      for (const expert_id& h : hot) targets.push_back({h, residency_state::resident_hi});
-      rt.set_targets(targets);
-    }
+    const std::vector<residency_target> targets =
+        step % 5 == 0 ? rotate_hot_set(hot, served, 2) : std::vector<residency_target>{};
+    const bool promoted = !targets.empty();
+    if (promoted) rt.set_targets(targets);
     for (int round = 0; round < 2; ++round) {  // the demotion's switch, then the promotion's
       prefetch.synchronize();
       rt.poll();

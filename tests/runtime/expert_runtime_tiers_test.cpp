@@ -3,6 +3,7 @@
 // under a lease or a pending kernel, targets that supersede each other, resize_tiers, fault
 // injection in background loads, bad input, and a compute thread against a control thread.
 #include "common/failing_vmm.hpp"
+#include "common/hot_set.hpp"
 #include "common/runtime_fixture.hpp"
 
 #include "expage/cache/lru_policy.hpp"
@@ -264,14 +265,9 @@ TEST(ExpertRuntimeTiers, AHotSetRotatingThroughASmallHiTierSwitchesEveryPromotio
     rt.acquire(layer, routed).release();
     w.compute.synchronize();
     const expert_id served{layer, e};
-    if (step % 5 != 0 || std::find(hot.begin(), hot.end(), served) != hot.end()) continue;
-    std::vector<target> targets;
-    if (hot.size() == 2) {
-      targets.push_back({hot.front(), residency_state::resident_lo});
-      hot.erase(hot.begin());
-    }
-    hot.push_back(served);
-    for (const expert_id& h : hot) targets.push_back({h, residency_state::resident_hi});
+    if (step % 5 != 0) continue;
+    const std::vector<target> targets = rotate_hot_set(hot, served, 2);
+    if (targets.empty()) continue;
     rt.set_targets(targets);
     ++promotions;
     for (int round = 0; round < 2; ++round) {  // the leaver's switch, then the newcomer's
