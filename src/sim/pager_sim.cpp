@@ -150,7 +150,11 @@ void predictive_prefetcher::propose(const access_stream& stream, std::size_t g, 
   const std::uint32_t layer = stream.layer(g);
   const routing_trace* const trace = options_.trace;
   if (trace != nullptr && trace->fields().any()) {
-    const auto [first, last] = stream.trace_events(g);
+    // Plain variables, not a structured binding: the lambda below captures them (C++20 allows it,
+    // clang before 16 does not).
+    const std::pair<std::size_t, std::size_t> events = stream.trace_events(g);
+    const std::size_t first = events.first;
+    const std::size_t last = events.second;
     if (last > trace->size()) {
       throw invalid_argument(fmt::format(
           "predictive_prefetcher: group {} reads trace events [{}, {}) of a trace of {}: not the stream's trace", g,
