@@ -7,6 +7,7 @@
 
 #include "expage/core/error.hpp"
 #include "expage/core/moe_geometry.hpp"
+#include "expage/detail/sanitizers.hpp"
 #include "expage/trace/routing_trace.hpp"
 #include "expage/trace/synthetic_trace.hpp"
 
@@ -38,17 +39,7 @@ using expage::routing_trace;
 using ::testing::HasSubstr;
 namespace fs = std::filesystem;
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool sanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr bool sanitized = true;
-#else
-constexpr bool sanitized = false;
-#endif
-#else
-constexpr bool sanitized = false;
-#endif
+constexpr bool sanitized = EXPAGE_SANITIZED != 0;
 
 const moe_geometry& mixtral() {
   static const moe_geometry g = moe_geometry::mixtral_8x7b();

@@ -1,0 +1,15 @@
+/// @file
+/// @brief EXPAGE_SANITIZED: 1 in a build with AddressSanitizer or ThreadSanitizer (GCC or Clang), else 0.
+#pragma once
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define EXPAGE_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define EXPAGE_SANITIZED 1
+#else
+#define EXPAGE_SANITIZED 0
+#endif
+#else
+#define EXPAGE_SANITIZED 0
+#endif
