@@ -220,7 +220,7 @@ split_run run_online_split(const split_workload& w, const online_split_options& 
   }
   split_controller controller(m, options.controller,
                               {.max_capacity = m.experts_per_layer, .bin_width = 1, .decay = options.decay},
-                              kv_histogram_config(m.budget_bytes / m.block_bytes, options.kv_bins, options.decay),
+                              kv_histogram_config(m.budget_bytes / m.block_bytes, options.kv_bins, options.kv_decay),
                               static_cast<std::uint32_t>(initial));
   // The reuse distances, measured over the whole history (what shadow LRU stacks beside both
   // pools would see online), binned per burst.

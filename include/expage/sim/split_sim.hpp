@@ -129,7 +129,11 @@ struct split_run {
 /// docs/control.md (bursts of 16 passes) and frozen before problem 1 was measured: a long memory
 /// (γ = 0.9, about ten bursts) because KV reuse is rare and bursty (a session's return rereads its
 /// whole context at once), a 5% gate, a 30% reversal gate, and no rate limit (a move goes to the
-/// target at once: a move that pays is large, and a rate limit only delays it).
+/// target at once: a move that pays is large, and a rate limit only delays it). The KV histogram
+/// forgets faster (γ_KV = 0.85) when the open sessions' depths are known: they carry the far
+/// mode of the sessions still running, so the histogram's memory of sessions that have ended only
+/// delays the return after a phase shift (chosen on problem 0 as the least γ_KV whose stationary
+/// figures equal γ_KV = γ's; docs/control.md).
 struct online_split_options {
   /// The step's knobs (grid, gates, rate limit, dead zone).
   online_split_config controller{.grid_step = 1,
@@ -137,7 +141,8 @@ struct online_split_options {
                                  .rate_limit = std::numeric_limits<std::uint32_t>::max(),
                                  .dead_zone = 1,
                                  .reversal_gate = 0.30};
-  double decay = 0.9;  ///< γ of both histograms, per burst, (0, 1].
+  double decay = 0.9;      ///< γ of the expert histogram, per burst, (0, 1].
+  double kv_decay = 0.85;  ///< γ of the KV histogram, per burst, (0, 1].
   /// Bins of the KV histogram over the budget's blocks; 0 (the default): one per block, exact
   /// (up to 2^22 blocks; beyond, 2^22 bins).
   /// Coarse bins blur the cliff at the step's working set, where the near mode of the KV reuse
