@@ -12,7 +12,9 @@
 //   BM_Runtime_AcquireRelease_AllHit_Tiered  vs  BM_Runtime_AcquireRelease_AllHit
 //       two tiers (bf16 hi, int4 lo), half of every layer's experts active in each: what serving
 //       each expert from its active tier (lease::tiers()) adds to the one-tier hit path.
-//   BM_Runtime_Miss/<model>/<views>       vs  BM_Baseline_CopyIntoMappedPages/<model>
+//   BM_Runtime_Miss/<model>/<views>       vs  BM_Baseline_CopyIntoMappedPages/<model>,
+//                                             BM_Baseline_CopyIntoRotatingPages/<model>,
+//                                             BM_Baseline_StreamsFenceIntoRotatingPages/<model>
 //                                             and BM_Baseline_StreamCopyIntoMappedPages/<model>
 //       one expert loaded per lease at its real size (Mixtral-8x7B 336 MiB, Qwen3-30B-A3B
 //       9 MiB, bf16), evicting another: map, fill on the copy stream, fences, unmap; goal
@@ -31,6 +33,7 @@
 
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace {
@@ -209,6 +212,27 @@ void BM_Baseline_CopyIntoMappedPages(benchmark::State& state) {
 }
 BENCHMARK(BM_Baseline_CopyIntoMappedPages)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
+// The same copy into as many destinations as BM_Runtime_Miss has slots (top-k experts' pages),
+// in turn: the runtime's copy always lands in the least recently used slot, which at Qwen3's
+// 9 MiB is no longer in the last-level cache, while BM_Baseline_CopyIntoMappedPages rewrites one
+// cache-warm destination. The copy itself, with the runtime's destination pattern.
+void BM_Baseline_CopyIntoRotatingPages(benchmark::State& state) {
+  const auto g = model(state.range(0));
+  const std::size_t bytes = g.expert_bytes(expage::precision::bf16);
+  const std::size_t stride = (bytes + 2_MiB - 1) / 2_MiB * 2_MiB;
+  mapped_pages pages(stride * g.top_k());
+  std::vector<std::byte> source(bytes, std::byte{1});
+  std::size_t slot = 0;
+  for (auto _ : state) {
+    std::memcpy(pages.base + slot * stride, source.data(), bytes);
+    slot = (slot + 1) % g.top_k();
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
+  state.SetLabel(g.name() + ", " + std::to_string(g.top_k()) + " destinations");
+}
+BENCHMARK(BM_Baseline_CopyIntoRotatingPages)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+
 // The same copy as two memcpy calls (gate_up, down) on a host_stream's thread, waited for with
 // synchronize(): the runtime's miss without the runtime (its loads run on the copy stream's
 // thread), to tell the runtime's own cost from the cost of copying on another thread.
@@ -228,6 +252,35 @@ void BM_Baseline_StreamCopyIntoMappedPages(benchmark::State& state) {
   state.SetLabel(g.name());
 }
 BENCHMARK(BM_Baseline_StreamCopyIntoMappedPages)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// The runtime's miss without the runtime, fences included: the two copies on a copy stream into
+// the rotating destinations, an event recorded after them, the compute stream waiting on it, and
+// the caller synchronizing the compute stream. What is left between this and BM_Runtime_Miss is
+// the runtime's own work; what lies between this and BM_Baseline_CopyIntoRotatingPages is the
+// host streams' (two thread hand-offs on the machine's cores).
+void BM_Baseline_StreamsFenceIntoRotatingPages(benchmark::State& state) {
+  const auto g = model(state.range(0));
+  const std::size_t bytes = g.expert_bytes(expage::precision::bf16);
+  const std::size_t gate_up = g.tensor_bytes(expage::expert_tensor::gate_up, expage::precision::bf16);
+  const std::size_t stride = (bytes + 2_MiB - 1) / 2_MiB * 2_MiB;
+  mapped_pages pages(stride * g.top_k());
+  std::vector<std::byte> source(gate_up, std::byte{1});  // zero_source()'s: one tensor's bytes, read by both
+  expage::host_stream copy("copy"), compute("compute");
+  expage::host_event loaded;
+  std::size_t slot = 0;
+  for (auto _ : state) {
+    std::byte* const page = pages.base + slot * stride;
+    copy.copy(page, source.data(), gate_up);
+    copy.copy(page + gate_up, source.data(), bytes - gate_up);
+    copy.record(loaded);
+    compute.wait(loaded);
+    compute.synchronize();
+    slot = (slot + 1) % g.top_k();
+  }
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
+  state.SetLabel(g.name() + ", " + std::to_string(g.top_k()) + " destinations");
+}
+BENCHMARK(BM_Baseline_StreamsFenceIntoRotatingPages)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 void BM_Runtime_Miss(benchmark::State& state) {
   const auto g = model(state.range(0));
