@@ -50,6 +50,19 @@ void decayed_reuse_histogram::new_burst() noexcept {
   total_ = total;  // re-summed, so total_mass() never drifts from the bins
 }
 
+void decayed_reuse_histogram::scale(double keep) {
+  if (!(keep >= 0.0 && keep <= 1.0)) {
+    throw invalid_argument(fmt::format("decayed_reuse_histogram::scale: keep {} out of range [0, 1]", keep));
+  }
+  double total = 0.0;
+  for (double& h : bins_) {
+    h *= keep;
+    if (h < std::numeric_limits<double>::min()) h = 0.0;
+    total += h;
+  }
+  total_ = total;
+}
+
 void decayed_reuse_histogram::check_capacity(std::size_t capacity) const {
   if (capacity > capacity_) {
     throw invalid_argument(

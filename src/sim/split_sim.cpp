@@ -266,6 +266,7 @@ split_run run_online_split(const split_workload& w, const online_split_options& 
   }
   split_run run = evaluate(w, m, range, caps, "online");
   run.failed_resizes = failed;
+  run.mix_changes = controller.changes();
   for (std::size_t b = 0; b < decisions.size(); ++b) {
     run.bursts[b].target_cap = decisions[b].target_cap;
     run.bursts[b].predicted_cost = decisions[b].current_cost;

@@ -71,6 +71,28 @@ TEST(DecayedReuseHistogram, WideBinsAreExactAtBinEdgesAndLinearInside) {
   EXPECT_NEAR(h.predicted_misses(10), at7 + (at14 - at7) * 3.0 / 7.0, 1e-9);
 }
 
+// scale() multiplies every bin, the prediction with it, and refuses a share outside [0, 1].
+TEST(DecayedReuseHistogram, ScaleForgetsAShareOfEveryBin) {
+  decayed_reuse_histogram h({.max_capacity = 10, .bin_width = 2, .decay = 0.5});
+  for (const std::size_t d : {0U, 3U, 3U, 7U, 12U}) h.record(d);
+  std::vector<double> before;
+  for (std::size_t c = 0; c <= 10; ++c) before.push_back(h.predicted_misses(c));
+  h.scale(0.25);
+  for (std::size_t c = 0; c <= 10; ++c) EXPECT_NEAR(h.predicted_misses(c), 0.25 * before[c], 1e-12) << c;
+  EXPECT_NEAR(h.total_mass(), 0.25 * 5, 1e-12);
+  h.scale(0.0);
+  EXPECT_EQ(h.total_mass(), 0.0);
+  EXPECT_EQ(h.predicted_misses(0), 0.0);
+  try {
+    h.scale(1.5);
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("keep 1.5 out of range [0, 1]"));
+  }
+  EXPECT_THROW(h.scale(std::nan("")), invalid_argument);
+  EXPECT_THROW(h.scale(-0.1), invalid_argument);
+}
+
 TEST(DecayedReuseHistogram, BinsDistancesAndSendsFarOnesToTheTail) {
   decayed_reuse_histogram h({.max_capacity = 10, .bin_width = 4, .decay = 1.0});
   EXPECT_EQ(h.bin_count(), 3U);  // [0, 4), [4, 8), [8, 10)

@@ -309,6 +309,54 @@ TEST(SplitController, AFailedResizeLeavesThePreviousSplit) {
   EXPECT_EQ(c.current().expert_cap, 3U);
 }
 
+// The change detector: an open footprint that wanders within the ratio around its decayed
+// average, or rises, changes nothing; one that falls past it empties the KV histogram to
+// change_keep of its mass, counts a change and clears the last move, and for ⌈1/(1 − γ)⌉ bursts
+// the moves set no direction, so the moves that answer the new mix need only the plain gate.
+TEST(SplitController, AMixChangeRestartsTheKvHistory) {
+  const online_split_config cfg{.gate = 0.05, .reversal_gate = 0.30, .change_ratio = 3.0, .change_keep = 0.25};
+  split_controller c(model(120, 9), cfg, {.max_capacity = 8, .bin_width = 1, .decay = 0.9},
+                     {.max_capacity = 30, .bin_width = 1, .decay = 0.9}, 4);
+  const auto depths = [](std::uint64_t n) {
+    std::vector<std::uint64_t> d(n);
+    for (std::uint64_t i = 0; i < n; ++i) d[i] = i;
+    return d;
+  };
+  for (int i = 0; i < 40; ++i) c.kv().record(20);
+  for (const std::uint64_t n : {300U, 200U, 400U, 150U, 350U}) {  // stationary: within 3× of the average
+    c.new_burst();
+    c.set_kv_open_depths(depths(n));
+  }
+  EXPECT_EQ(c.changes(), 0U);
+  const double mass = c.kv().total_mass();
+  c.commit({.split = {.expert_cap = 5, .expert_bytes = 50, .kv_bytes = 70}, .moved = true}, true);  // a move up: the next down is a reversal
+  ASSERT_EQ(c.last_move(), 1);
+  c.set_kv_open_depths(depths(20));  // the conversations that held 300 blocks have ended
+  EXPECT_EQ(c.changes(), 1U);
+  EXPECT_EQ(c.last_move(), 0);
+  EXPECT_NEAR(c.kv().total_mass(), 0.25 * mass, 1e-9);
+  c.set_kv_open_depths(depths(25));  // the average restarted at 20
+  c.set_kv_open_depths(depths(900));  // a rise: new sessions make nothing stale
+  EXPECT_EQ(c.changes(), 1U);
+  // γ = 0.9: ten bursts during which a move leaves the direction unset.
+  const memory_split at4{.expert_cap = 4, .expert_bytes = 40, .kv_bytes = 80};
+  const memory_split at5{.expert_cap = 5, .expert_bytes = 50, .kv_bytes = 70};
+  for (int burst = 0; burst < 9; ++burst) {
+    c.new_burst();
+    c.commit({.split = burst % 2 == 0 ? at4 : at5, .moved = true}, true);
+    EXPECT_EQ(c.last_move(), 0) << burst;
+  }
+  c.new_burst();
+  c.commit({.split = at5, .moved = true}, true);  // from 4 (the ninth burst's)
+  EXPECT_EQ(c.last_move(), 1);
+  // Off (the default): nothing is watched.
+  split_controller off(model(120, 9), {}, {.max_capacity = 8, .bin_width = 1, .decay = 0.9},
+                       {.max_capacity = 30, .bin_width = 1, .decay = 0.9}, 4);
+  off.set_kv_open_depths(depths(300));
+  off.set_kv_open_depths(depths(1));
+  EXPECT_EQ(off.changes(), 0U);
+}
+
 TEST(OnlineSplitStep, RejectsBadInputNamingTheValueAndItsRange) {
   decayed_reuse_histogram eh({.max_capacity = 8, .bin_width = 1, .decay = 1.0});
   decayed_reuse_histogram kh({.max_capacity = 20, .bin_width = 1, .decay = 1.0});
@@ -325,6 +373,9 @@ TEST(OnlineSplitStep, RejectsBadInputNamingTheValueAndItsRange) {
   expect_throw(model(200, 10), {.rate_limit = 0}, 0, "rate_limit 0 out of range");
   expect_throw(model(200, 10), {.grid_step = 0}, 0, "grid_step 0 out of range");
   expect_throw(model(200, 10), {.dead_zone = 0}, 0, "dead_zone 0 out of range");
+  expect_throw(model(200, 10), {.change_ratio = 1.0}, 0, "change_ratio 1 out of range 0 or (1, inf)");
+  expect_throw(model(200, 10), {.change_ratio = -2.0}, 0, "change_ratio -2 out of range");
+  expect_throw(model(200, 10), {.change_keep = 1.5}, 0, "change_keep 1.5 out of range [0, 1]");
   expect_throw(model(50, 30), {}, 3, "current_cap 3 out of range [0, 2]");
   expect_throw(model(5, 30), {}, 0, "budget_bytes 5 below the KV admission floor kv_floor_bytes 30");
   decayed_reuse_histogram wrong({.max_capacity = 4, .bin_width = 1, .decay = 1.0});

@@ -246,6 +246,23 @@ TEST(SplitSim, OnlineFollowsAPhaseShift) {
   EXPECT_LE(online.budget_peak_bytes, f.workload.budget_bytes);
 }
 
+// Per phase of @p kv (in burst order), the bursts from the phase's first burst to the first burst
+// from which @p run's cap stays at the cap it holds at the phase's end: how long the controller
+// takes to settle after a shift.
+std::vector<std::uint64_t> bursts_to_settle(const split_run& run, const kv_block_stream& kv, std::uint64_t passes) {
+  std::vector<std::uint64_t> out;
+  const auto phase_of = [&](std::size_t b) { return kv.phase(std::min<std::uint64_t>(b * passes, kv.steps() - 1)); };
+  std::size_t start = 0;
+  for (std::size_t b = 1; b <= run.bursts.size(); ++b) {
+    if (b < run.bursts.size() && phase_of(b) == phase_of(start)) continue;
+    std::size_t settled = b - 1;  // the phase is [start, b)
+    while (settled > start && run.bursts[settled - 1].expert_cap == run.bursts[b - 1].expert_cap) --settled;
+    out.push_back(settled - start);
+    start = b;
+  }
+  return out;
+}
+
 // The MV-WSA acceptance figures of issue 12 (docs/control.md): the online controller against the
 // exhaustive grid, both run by the simulator, on stationary session mixes and on a phase shift
 // (tool calls → long context → tool calls), at seven budgets. The expert stream is one problem of
@@ -268,6 +285,8 @@ TEST(SplitSim, MvWsaAcceptanceOnMixtralHumanEval) {
     std::vector<double> stationary;
     std::vector<double> competing;  // where the grid's best split is not "experts take everything"
     std::vector<double> shift_gains;
+    std::vector<double> into_long;  // bursts from the shift to the phase's final cap
+    std::vector<double> back;
     for (int mix = 0; mix < 3; ++mix) {
       kv_session_options ko;
       ko.seed = 5;
@@ -292,20 +311,28 @@ TEST(SplitSim, MvWsaAcceptanceOnMixtralHumanEval) {
         const double ratio = online.cost() / best->cost();
         std::printf(
             "problem %u %-12s floor+%.2f slots: grid best %-9s %7.3f ms/token, online %7.3f (%+6.1f%%, %llu moves, "
-            "%llu reversals, final cap from burst %llu of %zu), live rule %7.3f (%+6.1f%%)\n",
+            "%llu reversals, %llu mix changes, final cap from burst %llu of %zu), live rule %7.3f (%+6.1f%%)\n",
             p,
             mix == 0   ? "tool-calls"
             : mix == 1 ? "long-context"
                        : "phase-shift",
             extra, best->controller.c_str(), best->cost_per_token() * 1e3, online.cost_per_token() * 1e3,
             100 * (ratio - 1), static_cast<unsigned long long>(online.moves),
-            static_cast<unsigned long long>(online.reversals), static_cast<unsigned long long>(online.converged_burst),
+            static_cast<unsigned long long>(online.reversals), static_cast<unsigned long long>(online.mix_changes),
+            static_cast<unsigned long long>(online.converged_burst),
             online.bursts.size(), live.cost_per_token() * 1e3, 100 * (live.cost() / best->cost() - 1));
         EXPECT_LE(online.budget_peak_bytes, w.budget_bytes);
         EXPECT_GE(online.min_kv_bytes, w.kv_floor_bytes);
         if (mix == 2) {
           shift_gains.push_back(1.0 - ratio);
           EXPECT_LT(online.cost(), best->cost()) << "the phase shift at floor+" << extra;
+          const auto settle = bursts_to_settle(online, kv, w.burst_passes);
+          ASSERT_EQ(settle.size(), 3U);
+          std::printf("  after each shift, bursts to the phase's final cap: %llu (into long-context), %llu (back)\n",
+                      static_cast<unsigned long long>(settle[1]), static_cast<unsigned long long>(settle[2]));
+          into_long.push_back(static_cast<double>(settle[1]));
+          back.push_back(static_cast<double>(settle[2]));
+          EXPECT_LE(settle[2], 3U) << "the return to tool calls at floor+" << extra;
         } else {
           EXPECT_EQ(online.reversals, 0U) << "stationary input at floor+" << extra;
           stationary.push_back(ratio - 1);
@@ -320,6 +347,8 @@ TEST(SplitSim, MvWsaAcceptanceOnMixtralHumanEval) {
         p, 100 * quantile(stationary, 0.5), 100 * quantile(stationary, 0.9), competing.size(),
         100 * quantile(competing, 0.5), 100 * quantile(competing, 0.9), 100 * quantile(shift_gains, 0.5),
         100 * quantile(shift_gains, 0.0));
+    std::printf("problem %u: bursts from a shift to the phase's final cap: into long-context %.0f-%.0f, back %.0f-%.0f\n",
+                p, quantile(into_long, 0.0), quantile(into_long, 1.0), quantile(back, 0.0), quantile(back, 1.0));
     EXPECT_LE(quantile(stationary, 0.5), 0.02) << "problem " << p;
     EXPECT_LE(quantile(stationary, 0.9), 0.05) << "problem " << p;
   }

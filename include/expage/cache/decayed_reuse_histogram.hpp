@@ -93,6 +93,10 @@ class decayed_reuse_histogram {
     ++warm_records_;
   }
 
+  /// Multiplies every count by @p keep, in [0, 1]: forgets a share of the history at once (after
+  /// a change point: 0 starts over). O(bins).
+  /// @throws expage::invalid_argument when @p keep is not in [0, 1].
+  void scale(double keep);
   /// new_burst(), then record() every distance of @p distances.
   template <std::ranges::input_range Distances>
   requires std::unsigned_integral<std::ranges::range_value_t<Distances>>

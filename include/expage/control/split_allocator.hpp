@@ -116,6 +116,18 @@ struct online_split_config {
   /// of the current predicted cost, [gate, 1). Under stationary input the estimates still jitter
   /// from burst to burst; a reversal must beat that noise, so an A→B→A cycle needs a real shift.
   double reversal_gate = 0.10;
+  /// Change detector on the session mix [not in WiSP]: split_controller watches the open
+  /// sessions' KV footprint (the number of depths given to set_kv_open_depths(): cached blocks of
+  /// conversations still open). When it falls below avg / r, its decayed average (decayed with
+  /// the KV histogram's γ) over r, most sessions whose reuses the KV histogram remembers have
+  /// ended: the histogram keeps only change_keep of its history, the average restarts at the new
+  /// footprint, and for the next ⌈1/(1 − γ)⌉ bursts (the histogram's memory, while the new mix's
+  /// reuses arrive) moves set no direction for the reversal gate to defend: they answer a new
+  /// workload, not noise, and may have to be corrected. A rise never triggers: new sessions make
+  /// no remembered reuse stale, and the open depths already count them. 0: off (WiSP as
+  /// written); else r > 1.
+  double change_ratio = 0.0;
+  double change_keep = 0.0;  ///< Share of the KV histogram kept at a detected change, [0, 1].
 };
 
 /// @brief The KV misses a pool of @p blocks is predicted to take: the decayed histogram's warm
@@ -194,13 +206,16 @@ class split_controller {
   void new_burst() noexcept {
     experts_.new_burst();
     kv_.new_burst();
+    if (tentative_ > 0) --tentative_;
   }
   /// The expert stream's histogram (record distances into it).
   [[nodiscard]] decayed_reuse_histogram& experts() noexcept { return experts_; }
   /// The KV stream's histogram.
   [[nodiscard]] decayed_reuse_histogram& kv() noexcept { return kv_; }
   /// The LRU stack depths (0 = most recently read) of the cached KV blocks whose session is still
-  /// open (kv_predicted_misses()); kept until the next call; empty: unknown.
+  /// open (kv_predicted_misses()); kept until the next call; empty: unknown. Call once per burst,
+  /// after the burst's reuses are recorded: their number drives the change detector
+  /// (online_split_config::change_ratio).
   /// @throws expage::invalid_argument when @p depths is not sorted ascending.
   void set_kv_open_depths(std::vector<std::uint64_t> depths);
   /// Decides the burst's move (pure: nothing changes until commit()).
@@ -212,8 +227,10 @@ class split_controller {
   [[nodiscard]] const memory_split& current() const noexcept { return current_; }
   /// Resizes that failed.
   [[nodiscard]] std::uint64_t failed_resizes() const noexcept { return failed_; }
-  /// The direction of the last applied move: −1, +1, or 0 before any.
+  /// The direction of the last applied move: −1, +1, or 0 before any (or since a detected change).
   [[nodiscard]] int last_move() const noexcept { return last_move_; }
+  /// Changes of the session mix detected (online_split_config::change_ratio).
+  [[nodiscard]] std::uint64_t changes() const noexcept { return changes_; }
 
  private:
   split_model model_;
@@ -224,6 +241,9 @@ class split_controller {
   std::vector<std::uint64_t> kv_open_depths_;  // ascending
   std::uint64_t failed_ = 0;
   int last_move_ = 0;
+  double footprint_ = -1.0;  // decayed average of the open sessions' cached blocks; < 0: none yet
+  std::uint64_t changes_ = 0;
+  std::uint32_t tentative_ = 0;  // bursts left after a change during which moves set no direction
 };
 
 }  // namespace expage

@@ -94,6 +94,7 @@ struct split_run {
   std::uint64_t moves = 0;              ///< Barriers at which the split changed.
   std::uint64_t reversals = 0;          ///< Moves opposite to the previous move (A→B→A counts one).
   std::uint64_t failed_resizes = 0;     ///< Moves refused (the previous split stayed, WiSP D3).
+  std::uint64_t mix_changes = 0;        ///< Session-mix changes the online controller detected.
   std::uint64_t budget_peak_bytes = 0;  ///< High-water mark of expert + KV bytes, transients included.
   std::uint64_t min_kv_bytes = 0;       ///< The least KV pool in force (≥ the floor).
   std::uint64_t converged_burst = 0;    ///< The first burst from which the cap never changes.
@@ -133,14 +134,19 @@ struct split_run {
 /// forgets faster (γ_KV = 0.85) when the open sessions' depths are known: they carry the far
 /// mode of the sessions still running, so the histogram's memory of sessions that have ended only
 /// delays the return after a phase shift (chosen on problem 0 as the least γ_KV whose stationary
-/// figures equal γ_KV = γ's; docs/control.md).
+/// figures equal γ_KV = γ's; docs/control.md). The change detector (change_ratio 3, change_keep 0:
+/// the KV histogram starts over when the open sessions' footprint moves by 3×) returns the
+/// controller within one burst of a shift; every ratio from 1.5 to 8 gives the same figures on
+/// problem 0. The detector needs kv_open_sessions (it watches the depths that option passes).
 struct online_split_options {
   /// The step's knobs (grid, gates, rate limit, dead zone).
   online_split_config controller{.grid_step = 1,
                                  .gate = 0.05,
                                  .rate_limit = std::numeric_limits<std::uint32_t>::max(),
                                  .dead_zone = 1,
-                                 .reversal_gate = 0.30};
+                                 .reversal_gate = 0.30,
+                                 .change_ratio = 3.0,
+                                 .change_keep = 0.0};
   double decay = 0.9;      ///< γ of the expert histogram, per burst, (0, 1].
   double kv_decay = 0.85;  ///< γ of the KV histogram, per burst, (0, 1].
   /// Bins of the KV histogram over the budget's blocks; 0 (the default): one per block, exact
