@@ -47,6 +47,13 @@ void check_config(const four_pool_config& c) {
   if (!(c.gate >= 0.0 && c.gate < 1.0)) {
     throw invalid_argument(fmt::format("four_pool_controller: gate {} out of range [0, 1)", c.gate));
   }
+  if (!(c.change_ratio == 0.0 || c.change_ratio > 1.0)) {
+    throw invalid_argument(
+        fmt::format("four_pool_controller: change_ratio {} out of range 0 or (1, inf)", c.change_ratio));
+  }
+  if (!(c.change_keep >= 0.0 && c.change_keep <= 1.0)) {
+    throw invalid_argument(fmt::format("four_pool_controller: change_keep {} out of range [0, 1]", c.change_keep));
+  }
   if (!(c.reversal_gate >= c.gate && c.reversal_gate < 1.0)) {
     throw invalid_argument(
         fmt::format("four_pool_controller: reversal_gate {} out of range [gate = {}, 1)", c.reversal_gate, c.gate));
@@ -228,7 +235,8 @@ four_pool_controller::four_pool_controller(const four_pool_model& model, const f
       current_(initial),
       hot_(hot_config(model_, config_)),
       rank_({.max_capacity = model_.experts_per_layer, .bin_width = 1, .decay = config_.decay}),
-      kv_(kv_histogram_config(model_.budget_bytes / model_.block_bytes, config_.kv_bins, config_.decay)) {
+      kv_(kv_histogram_config(model_.budget_bytes / model_.block_bytes, config_.kv_bins, config_.decay)),
+      mix_(config_.frozen ? 0.0 : config_.change_ratio, config_.decay) {
   if (!admissible(model_, initial)) {
     throw invalid_argument(
         fmt::format("four_pool_controller: the initial split (hi_slots {}, lo_slots {}, kv_bytes {}) is not admissible",
@@ -317,10 +325,16 @@ void four_pool_controller::set_kv_open_depths(std::vector<std::uint64_t> depths)
     throw invalid_argument("four_pool_controller::set_kv_open_depths: depths not sorted ascending");
   }
   kv_open_depths_ = std::move(depths);
+  if (mix_.observe(kv_open_depths_.size())) {  // the sessions the KV histogram remembers have ended
+    kv_.scale(config_.change_keep);
+    last_move_ = 0;
+    stats_.mix_changes = mix_.changes();
+  }
 }
 
 void four_pool_controller::new_burst() noexcept {
   ++stats_.bursts;
+  mix_.new_burst();
   if (config_.frozen) return;
   rank_.new_burst();
   for (auto& h : filtered_) h.new_burst();
@@ -463,7 +477,7 @@ void four_pool_controller::commit(const four_pool_decision& decision, bool appli
                     decision.split.hi_slots, decision.split.lo_slots, decision.split.kv_bytes));
   }
   const int dir = direction(current_, decision.split);
-  if (dir != 0) {
+  if (dir != 0 && !mix_.tentative()) {  // a tentative move answers a new mix: it sets no direction
     if (last_move_ != 0 && dir != last_move_) ++stats_.reversals;
     last_move_ = dir;
   }

@@ -56,7 +56,8 @@ void check_config(const online_split_config& c) {
   if (c.rate_limit == 0) throw invalid_argument("online_split_step: rate_limit 0 out of range [1, 2^32)");
   if (c.dead_zone == 0) throw invalid_argument("online_split_step: dead_zone 0 out of range [1, 2^32)");
   if (!(c.change_ratio == 0.0 || c.change_ratio > 1.0)) {
-    throw invalid_argument(fmt::format("online_split_step: change_ratio {} out of range 0 or (1, inf)", c.change_ratio));
+    throw invalid_argument(
+        fmt::format("online_split_step: change_ratio {} out of range 0 or (1, inf)", c.change_ratio));
   }
   if (!(c.change_keep >= 0.0 && c.change_keep <= 1.0)) {
     throw invalid_argument(fmt::format("online_split_step: change_keep {} out of range [0, 1]", c.change_keep));
@@ -236,7 +237,7 @@ online_split_decision online_split_step(const split_model& model, const online_s
 split_controller::split_controller(const split_model& model, const online_split_config& config,
                                    decayed_reuse_histogram::config experts, decayed_reuse_histogram::config kv,
                                    std::uint32_t initial_cap)
-    : model_(model), config_(config), experts_(experts), kv_(kv) {
+    : model_(model), config_(config), experts_(experts), kv_(kv), mix_(config.change_ratio, kv.decay) {
   check_model(model_, "split_controller");
   check_config(config_);
   check_cap(model_, initial_cap, "split_controller");
@@ -256,30 +257,15 @@ void split_controller::set_kv_open_depths(std::vector<std::uint64_t> depths) {
     throw invalid_argument("split_controller::set_kv_open_depths: depths not sorted ascending");
   }
   kv_open_depths_ = std::move(depths);
-  if (config_.change_ratio == 0.0) return;
-  // The change detector (online_split_config::change_ratio): the open footprint against its
-  // decayed average; an empty average (no open block yet) never triggers.
-  const double now = static_cast<double>(kv_open_depths_.size());
-  if (footprint_ < 0.0) {
-    footprint_ = now;
-    return;
-  }
-  const double r = config_.change_ratio;
-  if (footprint_ >= 1.0 && now * r < footprint_) {
+  if (mix_.observe(kv_open_depths_.size())) {  // the sessions the KV histogram remembers have ended
     kv_.scale(config_.change_keep);
     last_move_ = 0;
-    // ⌈1/(1 − γ)⌉, the histogram's memory in bursts (the 1e-9 absorbs 1 − 0.9's rounding).
-    tentative_ = static_cast<std::uint32_t>(std::ceil(1.0 / std::max(1.0 - kv_.decay(), 1e-3) - 1e-9));
-    footprint_ = now;
-    ++changes_;
-    return;
   }
-  footprint_ = kv_.decay() * footprint_ + (1.0 - kv_.decay()) * now;
 }
 
 void split_controller::commit(const online_split_decision& decision, bool applied) noexcept {
   if (applied) {
-    if (decision.split.expert_cap != current_.expert_cap && tentative_ == 0)
+    if (decision.split.expert_cap != current_.expert_cap && !mix_.tentative())
       last_move_ = decision.split.expert_cap > current_.expert_cap ? 1 : -1;
     current_ = decision.split;
   } else {

@@ -121,6 +121,18 @@ TEST(FourPoolSplits, BadModelsAndSplitsAreNamed) {
                invalid_argument);
   EXPECT_THROW(four_pool_controller(m, {}, four_pool_split{.hi_slots = 2, .lo_slots = 0, .kv_bytes = 1}),
                invalid_argument);  // KV is not the remainder
+  try {
+    four_pool_controller(m, {.change_ratio = 0.5}, make_four_pool_split(m, 2, 0));
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("change_ratio 0.5 out of range 0 or (1, inf)"));
+  }
+  try {
+    four_pool_controller(m, {.change_keep = -0.5}, make_four_pool_split(m, 2, 0));
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("change_keep -0.5 out of range [0, 1]"));
+  }
 }
 
 TEST(FourPoolController, TheServeRuleOfIssue12) {
@@ -403,6 +415,32 @@ TEST(FourPoolController, OpenSessionBlocksRaiseTheKvValue) {
                    m.kv_miss_seconds * static_cast<double>(80 - std::min<std::uint64_t>(blocks, 80)));
   EXPECT_LT(c.predicted_cost(big_kv), c.predicted_cost(small_kv));
   EXPECT_THROW(c.set_kv_open_depths({3, 1}), invalid_argument);
+}
+
+// The session-mix detector in the four-pool controller: the open footprint falling by more than
+// the ratio empties the KV histogram (change_keep 0) and is counted; a rise is not a change.
+TEST(FourPoolController, AMixChangeRestartsTheKvHistory) {
+  const four_pool_model m = small_model(800, 14);
+  four_pool_controller c(m, {.change_ratio = 3.0}, make_four_pool_split(m, 6, 0));
+  const auto depths = [](std::uint64_t n) {
+    std::vector<std::uint64_t> d(n);
+    for (std::uint64_t i = 0; i < n; ++i) d[i] = i;
+    return d;
+  };
+  for (int i = 0; i < 30; ++i) c.kv().record(40);
+  c.new_burst();
+  c.set_kv_open_depths(depths(90));
+  c.set_kv_open_depths(depths(200));  // a rise
+  EXPECT_EQ(c.statistics().mix_changes, 0U);
+  EXPECT_GT(c.kv().total_mass(), 0.0);
+  c.new_burst();
+  c.set_kv_open_depths(depths(10));  // below a third of the average
+  EXPECT_EQ(c.statistics().mix_changes, 1U);
+  EXPECT_EQ(c.kv().total_mass(), 0.0);
+  four_pool_controller off(m, {.change_ratio = 0.0}, make_four_pool_split(m, 6, 0));
+  off.set_kv_open_depths(depths(200));
+  off.set_kv_open_depths(depths(1));
+  EXPECT_EQ(off.statistics().mix_changes, 0U);
 }
 
 }  // namespace

@@ -329,13 +329,14 @@ TEST(SplitController, AMixChangeRestartsTheKvHistory) {
   }
   EXPECT_EQ(c.changes(), 0U);
   const double mass = c.kv().total_mass();
-  c.commit({.split = {.expert_cap = 5, .expert_bytes = 50, .kv_bytes = 70}, .moved = true}, true);  // a move up: the next down is a reversal
+  c.commit({.split = {.expert_cap = 5, .expert_bytes = 50, .kv_bytes = 70}, .moved = true},
+           true);  // a move up: the next down is a reversal
   ASSERT_EQ(c.last_move(), 1);
   c.set_kv_open_depths(depths(20));  // the conversations that held 300 blocks have ended
   EXPECT_EQ(c.changes(), 1U);
   EXPECT_EQ(c.last_move(), 0);
   EXPECT_NEAR(c.kv().total_mass(), 0.25 * mass, 1e-9);
-  c.set_kv_open_depths(depths(25));  // the average restarted at 20
+  c.set_kv_open_depths(depths(25));   // the average restarted at 20
   c.set_kv_open_depths(depths(900));  // a rise: new sessions make nothing stale
   EXPECT_EQ(c.changes(), 1U);
   // γ = 0.9: ten bursts during which a move leaves the direction unset.

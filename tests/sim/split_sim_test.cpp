@@ -319,8 +319,8 @@ TEST(SplitSim, MvWsaAcceptanceOnMixtralHumanEval) {
             extra, best->controller.c_str(), best->cost_per_token() * 1e3, online.cost_per_token() * 1e3,
             100 * (ratio - 1), static_cast<unsigned long long>(online.moves),
             static_cast<unsigned long long>(online.reversals), static_cast<unsigned long long>(online.mix_changes),
-            static_cast<unsigned long long>(online.converged_burst),
-            online.bursts.size(), live.cost_per_token() * 1e3, 100 * (live.cost() / best->cost() - 1));
+            static_cast<unsigned long long>(online.converged_burst), online.bursts.size(), live.cost_per_token() * 1e3,
+            100 * (live.cost() / best->cost() - 1));
         EXPECT_LE(online.budget_peak_bytes, w.budget_bytes);
         EXPECT_GE(online.min_kv_bytes, w.kv_floor_bytes);
         if (mix == 2) {
@@ -347,8 +347,9 @@ TEST(SplitSim, MvWsaAcceptanceOnMixtralHumanEval) {
         p, 100 * quantile(stationary, 0.5), 100 * quantile(stationary, 0.9), competing.size(),
         100 * quantile(competing, 0.5), 100 * quantile(competing, 0.9), 100 * quantile(shift_gains, 0.5),
         100 * quantile(shift_gains, 0.0));
-    std::printf("problem %u: bursts from a shift to the phase's final cap: into long-context %.0f-%.0f, back %.0f-%.0f\n",
-                p, quantile(into_long, 0.0), quantile(into_long, 1.0), quantile(back, 0.0), quantile(back, 1.0));
+    std::printf(
+        "problem %u: bursts from a shift to the phase's final cap: into long-context %.0f-%.0f, back %.0f-%.0f\n", p,
+        quantile(into_long, 0.0), quantile(into_long, 1.0), quantile(back, 0.0), quantile(back, 1.0));
     EXPECT_LE(quantile(stationary, 0.5), 0.02) << "problem " << p;
     EXPECT_LE(quantile(stationary, 0.9), 0.05) << "problem " << p;
   }

@@ -11,6 +11,7 @@
 
 #include "expage/cache/decayed_reuse_histogram.hpp"
 #include "expage/cache/miss_ratio_curve.hpp"
+#include "expage/control/session_mix_detector.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -116,16 +117,11 @@ struct online_split_config {
   /// of the current predicted cost, [gate, 1). Under stationary input the estimates still jitter
   /// from burst to burst; a reversal must beat that noise, so an A→B→A cycle needs a real shift.
   double reversal_gate = 0.10;
-  /// Change detector on the session mix [not in WiSP]: split_controller watches the open
-  /// sessions' KV footprint (the number of depths given to set_kv_open_depths(): cached blocks of
-  /// conversations still open). When it falls below avg / r, its decayed average (decayed with
-  /// the KV histogram's γ) over r, most sessions whose reuses the KV histogram remembers have
-  /// ended: the histogram keeps only change_keep of its history, the average restarts at the new
-  /// footprint, and for the next ⌈1/(1 − γ)⌉ bursts (the histogram's memory, while the new mix's
-  /// reuses arrive) moves set no direction for the reversal gate to defend: they answer a new
-  /// workload, not noise, and may have to be corrected. A rise never triggers: new sessions make
-  /// no remembered reuse stale, and the open depths already count them. 0: off (WiSP as
-  /// written); else r > 1.
+  /// The session-mix change detector's ratio r [not in WiSP]: split_controller feeds the open
+  /// sessions' KV footprint (the number of depths given to set_kv_open_depths()) to a
+  /// session_mix_detector(r, the KV histogram's γ); when it falls below its decayed average over
+  /// r, the KV histogram keeps only change_keep of its history and for ⌈1/(1 − γ)⌉ bursts moves
+  /// set no direction for the reversal gate to defend. 0: off (WiSP as written); else r > 1.
   double change_ratio = 0.0;
   double change_keep = 0.0;  ///< Share of the KV histogram kept at a detected change, [0, 1].
 };
@@ -206,7 +202,7 @@ class split_controller {
   void new_burst() noexcept {
     experts_.new_burst();
     kv_.new_burst();
-    if (tentative_ > 0) --tentative_;
+    mix_.new_burst();
   }
   /// The expert stream's histogram (record distances into it).
   [[nodiscard]] decayed_reuse_histogram& experts() noexcept { return experts_; }
@@ -230,7 +226,7 @@ class split_controller {
   /// The direction of the last applied move: −1, +1, or 0 before any (or since a detected change).
   [[nodiscard]] int last_move() const noexcept { return last_move_; }
   /// Changes of the session mix detected (online_split_config::change_ratio).
-  [[nodiscard]] std::uint64_t changes() const noexcept { return changes_; }
+  [[nodiscard]] std::uint64_t changes() const noexcept { return mix_.changes(); }
 
  private:
   split_model model_;
@@ -241,9 +237,7 @@ class split_controller {
   std::vector<std::uint64_t> kv_open_depths_;  // ascending
   std::uint64_t failed_ = 0;
   int last_move_ = 0;
-  double footprint_ = -1.0;  // decayed average of the open sessions' cached blocks; < 0: none yet
-  std::uint64_t changes_ = 0;
-  std::uint32_t tentative_ = 0;  // bursts left after a change during which moves set no direction
+  session_mix_detector mix_;
 };
 
 }  // namespace expage
