@@ -819,6 +819,7 @@ tier_run run(const tier_workload& w, const four_pool_model& m, four_pool_control
   out.moves = s.moves;
   out.reversals = s.reversals;
   out.failed_resizes = s.failed_resizes;
+  out.mix_changes = s.mix_changes;
   return out;
 }
 

@@ -284,11 +284,11 @@ std::string split_run_json(const expage::split_run& r, const expage::split_model
   const std::uint32_t last = r.bursts.empty() ? 0 : r.bursts.back().expert_cap;
   return fmt::format(
       R"({{"controller":"{}","final_cap":{},"expert_bytes":{},"kv_bytes":{},"expert_stall_per_token_s":{},)"
-      R"("kv_recompute_per_token_s":{},"cost_per_token_s":{},"moves":{},"reversals":{},"budget_peak_bytes":{},)"
-      R"("caps_per_burst":[{}]}})",
+      R"("kv_recompute_per_token_s":{},"cost_per_token_s":{},"moves":{},"reversals":{},"mix_changes":{},)"
+      R"("budget_peak_bytes":{},"caps_per_burst":[{}]}})",
       r.controller, last, std::uint64_t{last} * m.slot_bytes, m.budget_bytes - std::uint64_t{last} * m.slot_bytes,
       json_number(r.expert_stall_per_token()), json_number(r.kv_recompute_per_token()), json_number(r.cost_per_token()),
-      r.moves, r.reversals, r.budget_peak_bytes, fmt::join(caps, ","));
+      r.moves, r.reversals, r.mix_changes, r.budget_peak_bytes, fmt::join(caps, ","));
 }
 
 std::string splits_json(const std::vector<split_report>& splits, std::string_view mix) {
@@ -348,13 +348,15 @@ std::string tier_run_json(const expage::tier_run& r, const expage::four_pool_mod
   return fmt::format(
       R"({{"controller":"{}","hi_slots":{},"lo_slots":{},"hi_bytes":{},"lo_bytes":{},"kv_bytes":{},)"
       R"("stall_per_token_s":{},"kv_recompute_per_token_s":{},"quality_per_token_s":{},"cost_per_token_s":{},)"
-      R"("time_per_token_s":{},"hi_coverage":{},"moves":{},"reversals":{},"budget_peak_bytes":{},"min_kv_bytes":{},)"
+      R"("time_per_token_s":{},"hi_coverage":{},"moves":{},"reversals":{},"mix_changes":{},"budget_peak_bytes":{},)"
+      R"("min_kv_bytes":{},)"
       R"("invariant_violations":{},"hi_sets":[{}]{}}})",
       r.controller, s.hi_slots, s.lo_slots, expage::hi_pool_bytes(m, s), expage::lo_pool_bytes(m, s), s.kv_bytes,
       json_number(r.expert_stall_per_token()), json_number(r.kv_recompute_per_token()),
       json_number(r.quality_seconds() / tokens), json_number(r.cost_per_token()), json_number(r.time_per_token()),
-      json_number(r.hi_coverage()), r.moves, r.reversals, r.budget_peak_bytes, r.min_kv_bytes, r.invariant_violations,
-      fmt::join(sets, ","), with_bursts ? fmt::format(R"(,"splits_per_burst":[{}])", fmt::join(bursts, ",")) : "");
+      json_number(r.hi_coverage()), r.moves, r.reversals, r.mix_changes, r.budget_peak_bytes, r.min_kv_bytes,
+      r.invariant_violations, fmt::join(sets, ","),
+      with_bursts ? fmt::format(R"(,"splits_per_burst":[{}])", fmt::join(bursts, ",")) : "");
 }
 
 std::string tiers_json(const tier_report& t) {

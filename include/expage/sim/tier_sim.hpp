@@ -120,6 +120,7 @@ struct tier_run {
   std::uint64_t moves = 0;              ///< Barriers at which the split changed.
   std::uint64_t reversals = 0;          ///< Moves against the previous one (four_pool_controller's direction).
   std::uint64_t failed_resizes = 0;     ///< Moves refused (the previous split stayed, WiSP D3).
+  std::uint64_t mix_changes = 0;        ///< Session-mix changes the controller detected.
   std::uint64_t budget_peak_bytes = 0;  ///< High-water mark of hi + lo + KV bytes, transients included.
   std::uint64_t min_kv_bytes = 0;       ///< The least KV pool in force.
   /// Checks that failed (a pool over its slots, a pinned or in-flight version evicted, the budget
