@@ -135,9 +135,10 @@ struct split_run {
 /// mode of the sessions still running, so the histogram's memory of sessions that have ended only
 /// delays the return after a phase shift (chosen on problem 0 as the least γ_KV whose stationary
 /// figures equal γ_KV = γ's; docs/control.md). The change detector (change_ratio 3, change_keep 0:
-/// the KV histogram starts over when the open sessions' footprint moves by 3×) returns the
-/// controller within one burst of a shift; every ratio from 1.5 to 8 gives the same figures on
-/// problem 0. The detector needs kv_open_sessions (it watches the depths that option passes).
+/// the KV histogram starts over when the open sessions' footprint falls below a third of its
+/// average) returns the controller to the tool-call split at the first barrier after a
+/// long-context phase; every ratio from 1.5 to 8 gives the same figures on problem 0. The
+/// detector needs kv_open_sessions (it watches the depths that option passes).
 struct online_split_options {
   /// The step's knobs (grid, gates, rate limit, dead zone).
   online_split_config controller{.grid_step = 1,
