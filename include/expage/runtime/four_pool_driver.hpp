@@ -60,7 +60,9 @@ namespace expage {
 /// four_pool_driver driver(rt, c, experts, [&](std::uint64_t bytes) { return kv_pool.resize(bytes); });
 /// // per layer:    auto lease = rt.acquire(l, routed); driver.on_routed(l, routed); ...
 /// // per interval: driver.end_interval();
-/// // per burst, at a drained barrier (record the KV reuse distances into c.kv() first):
+/// // per burst, at a drained barrier: record the KV reuse distances into c.kv(), give the
+/// // open sessions' cached blocks to c.set_kv_open_depths() (what drives its session-mix
+/// // change detector, four_pool_config::change_ratio), then
 /// const auto decision = driver.at_barrier();
 /// @endcode
 /// @tparam Runtime an expert_runtime instantiation.
