@@ -216,16 +216,29 @@ BENCHMARK(BM_Baseline_CopyIntoMappedPages)->Arg(0)->Arg(1)->Unit(benchmark::kMil
 // in turn: the runtime's copy always lands in the least recently used slot, which at Qwen3's
 // 9 MiB is no longer in the last-level cache, while BM_Baseline_CopyIntoMappedPages rewrites one
 // cache-warm destination. The copy itself, with the runtime's destination pattern.
+// One destination of whole 2 MiB granules per slot of BM_Runtime_Miss (top-k), handed out in turn.
+struct rotating_pages {
+  std::size_t stride;
+  std::size_t slots;
+  mapped_pages pages;
+  std::size_t slot = 0;
+
+  rotating_pages(std::size_t bytes, std::size_t slots_)
+      : stride((bytes + 2_MiB - 1) / 2_MiB * 2_MiB), slots(slots_), pages(stride * slots_) {}
+  std::byte* next() noexcept {
+    std::byte* const page = pages.base + slot * stride;
+    slot = (slot + 1) % slots;
+    return page;
+  }
+};
+
 void BM_Baseline_CopyIntoRotatingPages(benchmark::State& state) {
   const auto g = model(state.range(0));
   const std::size_t bytes = g.expert_bytes(expage::precision::bf16);
-  const std::size_t stride = (bytes + 2_MiB - 1) / 2_MiB * 2_MiB;
-  mapped_pages pages(stride * g.top_k());
+  rotating_pages pages(bytes, g.top_k());
   std::vector<std::byte> source(bytes, std::byte{1});
-  std::size_t slot = 0;
   for (auto _ : state) {
-    std::memcpy(pages.base + slot * stride, source.data(), bytes);
-    slot = (slot + 1) % g.top_k();
+    std::memcpy(pages.next(), source.data(), bytes);
     benchmark::ClobberMemory();
   }
   state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
@@ -262,20 +275,17 @@ void BM_Baseline_StreamsFenceIntoRotatingPages(benchmark::State& state) {
   const auto g = model(state.range(0));
   const std::size_t bytes = g.expert_bytes(expage::precision::bf16);
   const std::size_t gate_up = g.tensor_bytes(expage::expert_tensor::gate_up, expage::precision::bf16);
-  const std::size_t stride = (bytes + 2_MiB - 1) / 2_MiB * 2_MiB;
-  mapped_pages pages(stride * g.top_k());
+  rotating_pages pages(bytes, g.top_k());
   std::vector<std::byte> source(gate_up, std::byte{1});  // zero_source()'s: one tensor's bytes, read by both
   expage::host_stream copy("copy"), compute("compute");
   expage::host_event loaded;
-  std::size_t slot = 0;
   for (auto _ : state) {
-    std::byte* const page = pages.base + slot * stride;
+    std::byte* const page = pages.next();
     copy.copy(page, source.data(), gate_up);
     copy.copy(page + gate_up, source.data(), bytes - gate_up);
     copy.record(loaded);
     compute.wait(loaded);
     compute.synchronize();
-    slot = (slot + 1) % g.top_k();
   }
   state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
   state.SetLabel(g.name() + ", " + std::to_string(g.top_k()) + " destinations");

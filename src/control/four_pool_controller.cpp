@@ -47,13 +47,7 @@ void check_config(const four_pool_config& c) {
   if (!(c.gate >= 0.0 && c.gate < 1.0)) {
     throw invalid_argument(fmt::format("four_pool_controller: gate {} out of range [0, 1)", c.gate));
   }
-  if (!(c.change_ratio == 0.0 || c.change_ratio > 1.0)) {
-    throw invalid_argument(
-        fmt::format("four_pool_controller: change_ratio {} out of range 0 or (1, inf)", c.change_ratio));
-  }
-  if (!(c.change_keep >= 0.0 && c.change_keep <= 1.0)) {
-    throw invalid_argument(fmt::format("four_pool_controller: change_keep {} out of range [0, 1]", c.change_keep));
-  }
+  session_mix_detector::check(c.change_ratio, c.change_keep, "four_pool_controller");
   if (!(c.reversal_gate >= c.gate && c.reversal_gate < 1.0)) {
     throw invalid_argument(
         fmt::format("four_pool_controller: reversal_gate {} out of range [gate = {}, 1)", c.reversal_gate, c.gate));

@@ -55,13 +55,7 @@ void check_config(const online_split_config& c) {
   }
   if (c.rate_limit == 0) throw invalid_argument("online_split_step: rate_limit 0 out of range [1, 2^32)");
   if (c.dead_zone == 0) throw invalid_argument("online_split_step: dead_zone 0 out of range [1, 2^32)");
-  if (!(c.change_ratio == 0.0 || c.change_ratio > 1.0)) {
-    throw invalid_argument(
-        fmt::format("online_split_step: change_ratio {} out of range 0 or (1, inf)", c.change_ratio));
-  }
-  if (!(c.change_keep >= 0.0 && c.change_keep <= 1.0)) {
-    throw invalid_argument(fmt::format("online_split_step: change_keep {} out of range [0, 1]", c.change_keep));
-  }
+  session_mix_detector::check(c.change_ratio, c.change_keep, "online_split_step");
   if (!(c.reversal_gate >= c.gate && c.reversal_gate < 1.0)) {
     throw invalid_argument(
         fmt::format("online_split_step: reversal_gate {} out of range [gate = {}, 1)", c.reversal_gate, c.gate));

@@ -65,7 +65,7 @@ TEST(SessionMixDetector, OffNeverFiresAndBadValuesAreNamed) {
     session_mix_detector(1.0, 0.9);
     ADD_FAILURE();
   } catch (const invalid_argument& e) {
-    EXPECT_THAT(e.what(), HasSubstr("ratio 1 out of range 0 or (1, inf)"));
+    EXPECT_THAT(e.what(), HasSubstr("session_mix_detector: change_ratio 1 out of range 0 or (1, inf)"));
   }
   EXPECT_THROW(session_mix_detector(-3.0, 0.9), invalid_argument);
   EXPECT_THROW(session_mix_detector(std::nan(""), 0.9), invalid_argument);

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <string_view>
 
 namespace expage {
 
@@ -38,12 +39,22 @@ namespace expage {
 /// @threadsafety single-owner.
 class session_mix_detector {
  public:
+  /// The ranges of a controller's detector settings, named as @p who's change_ratio and
+  /// change_keep (the one check every owner of these fields calls).
+  /// @throws expage::invalid_argument for a ratio in (−∞, 0) ∪ (0, 1] or a kept share outside [0, 1].
+  static void check(double ratio, double keep, std::string_view who) {
+    if (!(ratio == 0.0 || ratio > 1.0)) {
+      throw invalid_argument(fmt::format("{}: change_ratio {} out of range 0 or (1, inf)", who, ratio));
+    }
+    if (!(keep >= 0.0 && keep <= 1.0)) {
+      throw invalid_argument(fmt::format("{}: change_keep {} out of range [0, 1]", who, keep));
+    }
+  }
+
   /// A detector at ratio @p ratio (0: off, else > 1) whose average decays by @p decay per burst.
   /// @throws expage::invalid_argument for a ratio in (−∞, 0) ∪ (0, 1] or a decay outside (0, 1].
   session_mix_detector(double ratio, double decay) : ratio_(ratio), decay_(decay) {
-    if (!(ratio == 0.0 || ratio > 1.0)) {
-      throw invalid_argument(fmt::format("session_mix_detector: ratio {} out of range 0 or (1, inf)", ratio));
-    }
+    check(ratio, 0.0, "session_mix_detector");
     if (!(decay > 0.0 && decay <= 1.0)) {
       throw invalid_argument(fmt::format("session_mix_detector: decay {} out of range (0, 1]", decay));
     }
