@@ -11,6 +11,8 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <span>
+#include <type_traits>
 
 namespace expage {
 
@@ -304,6 +306,7 @@ class engine {
         static_cast<void>(shadow.run());
       });
     }
+    start_duel();
     preload();
     std::vector<prefetch_request> proposals;
     double pass_stall = 0.0;
@@ -318,6 +321,7 @@ class engine {
         pass_stall = 0.0;
         ++pass;
       }
+      if (duelling_) duel_step(g, stream_.starts_pass(g));
       if (next_resize != options_.capacity_schedule.end() && next_resize->pass == pass && stream_.starts_pass(g)) {
         const double drained = resize(next_resize->capacity, g, now);
         ++next_resize;
@@ -361,11 +365,13 @@ class engine {
           case residency::resident:
             ++ls.hits;
             policy.on_hit(k, ctx);
+            if (duelling_) duel_lru_[s].on_hit(k, ctx);
             note_use(f, false);
             break;
           case residency::in_flight:
             ++ls.hits;
             policy.on_hit(k, ctx);
+            if (duelling_) duel_lru_[s].on_hit(k, ctx);
             note_use(f, true);
             if (ready_at_[f] > ready) {
               ready = ready_at_[f];
@@ -380,6 +386,7 @@ class engine {
             predicted_use_[f] = never;
             dequeue(f);
             policy.on_hit(k, ctx);
+            if (duelling_) duel_lru_[s].on_hit(k, ctx);
             wait_for(demand_load(f, now));
             break;
           }
@@ -390,6 +397,7 @@ class engine {
             const bool evicts = free_[s] == 0;
             if (evicts) victim = choose_victim(s, ctx);
             policy.on_insert(k, ctx);
+            if (duelling_) duel_lru_[s].on_insert(k, ctx);
             if (evicts) {
               evict(s, victim);
               ++demand_evictions_;
@@ -471,6 +479,7 @@ class engine {
       } else {
         policies_[s].on_insert(key_of(layer, e), ctx);
       }
+      if (duelling_) duel_lru_[s].on_insert(key_of(layer, e), ctx);
       --free_[s];
       reserve(s, f);
       result_.preload_bytes += cost_.expert_bytes;
@@ -570,10 +579,80 @@ class engine {
   // The policy's victim in scope s for the access @p ctx, ranked by the forecasts where it can.
   [[nodiscard]] std::uint32_t choose_victim(std::uint32_t s, const access_context& ctx) {
     const pin_view pins{pins_[s].data()};
+    if (duel_lru_leads_) return duel_lru_victim(s, ctx);
     if constexpr (ranks_forecasts) {
       if (forecasting_) return policies_[s].victim(pins, ctx, scope_forecast(s));
     }
     return policies_[s].victim(pins, ctx);
+  }
+
+  // The eviction duel (sim_options::eviction_duel_passes), a guard of cost_benefit admission:
+  // demand-only runs of this policy and of LRU, made beforehand and read only up to the current
+  // group (what two key-only shadow caches beside the real one know online), and an LRU order of
+  // the real cache kept beside the policy, which ranks the victims while LRU leads.
+  void start_duel() {
+    if constexpr (!std::is_same_v<Policy, lru_policy>) {
+      if (options_.eviction_duel_passes == 0 || options_.prefetch == nullptr ||
+          options_.admission != prefetch_admission::cost_benefit) {
+        return;
+      }
+      sim_options demand_only = options_;
+      demand_only.prefetch = nullptr;
+      demand_only.initial_residency.clear();
+      const auto record = [&]<class P>(std::vector<shadow_point>& into) {
+        into.reserve(stream_.groups());
+        engine<P> shadow(stream_, geometry_, demand_only, cost_);
+        shadow.record_ = &into;
+        static_cast<void>(shadow.run());
+      };
+      record.template operator()<Policy>(duel_self_);
+      record.template operator()<lru_policy>(duel_lru_shadow_);
+      const key_space whole{.layers = layers_, .experts_per_layer = experts_, .global = global_};
+      for (std::uint32_t sc = 0; sc < policies_.size(); ++sc) {
+        key_space space = whole;
+        space.layer = sc;
+        duel_lru_.emplace_back(space);
+      }
+      duelling_ = true;
+    }
+  }
+  // Before group g: LRU leads from the moment its shadow missed fewer than this policy's by more
+  // than the margin over the window (the last eviction_duel_passes passes and this one so far), and
+  // while it missed no more than the policy's plus the margin.
+  void duel_step(std::size_t g, bool starts_pass) {
+    if (starts_pass) duel_pass_starts_.push_back(g);
+    if (g == 0) return;
+    const std::size_t passes = duel_pass_starts_.size();
+    const std::size_t first =
+        duel_pass_starts_[passes - std::min<std::size_t>(passes, options_.eviction_duel_passes + 1)];
+    const auto misses = [&](const std::vector<shadow_point>& v) {
+      return static_cast<double>(v[g - 1].misses - (first == 0 ? 0 : v[first - 1].misses));
+    };
+    const double self = misses(duel_self_);
+    const double lru = misses(duel_lru_shadow_);
+    const double margin = options_.eviction_duel_margin;
+    const bool leads = duel_lru_leads_ ? lru <= self + margin : lru + margin < self;
+    if (leads != duel_lru_leads_) ++result_.duel_switches;
+    duel_lru_leads_ = leads;
+    if (leads) ++result_.duel_lru_groups;
+  }
+  // LRU's victim, sparing the experts the forecast gives at least eviction_duel_protect of being
+  // routed at their next turn while an unpinned expert is left unspared.
+  [[nodiscard]] std::uint32_t duel_lru_victim(std::uint32_t s, const access_context& ctx) {
+    const std::vector<std::uint8_t>& pins = pins_[s];
+    if (!forecasting_) return duel_lru_[s].victim(pin_view{pins.data()}, ctx);
+    duel_mask_.assign(pins.begin(), pins.end());
+    const std::span<const float> f = scope_forecast(s);
+    std::uint32_t spared = 0;
+    for (std::uint32_t k = 0; k < duel_mask_.size(); ++k) {
+      if (duel_mask_[k] == 0 && state_[flat_of_key(s, k)] != residency::absent &&
+          static_cast<double>(f[k]) >= options_.eviction_duel_protect) {
+        duel_mask_[k] = 1;
+        ++spared;
+      }
+    }
+    const bool one_left = capacity_ - free_[s] > nonevictable_[s] + spared;
+    return duel_lru_[s].victim(pin_view{one_left ? duel_mask_.data() : pins.data()}, ctx);
   }
 
   // Drops every queued (unstarted) prefetch, giving its slot back.
@@ -618,6 +697,7 @@ class engine {
     state_[fv] = residency::absent;
     slots_[fv] = reservation{};
     policies_[s].on_evict(victim);
+    if (duelling_) duel_lru_[s].on_evict(victim);
     ++result_.evictions;
   }
 
@@ -751,6 +831,7 @@ class engine {
       predicted_use_[f] = never;
       slots_[f] = reservation{};
       policies_[s].on_evict(key_of(layer, e));
+      if (duelling_) duel_lru_[s].on_evict(key_of(layer, e));
       ++free_[s];
       ++result_.prefetches_cancelled;
     }
@@ -804,6 +885,7 @@ class engine {
     } else {
       policy.on_insert(k, ctx);
     }
+    if (duelling_) duel_lru_[s].on_insert(k, ctx);
     if (evicts) {
       evict(s, victim);
       prefetch_evicted_at_[flat_of_key(s, victim)] = victim_note{.group = g, .demand_evictions = demand_evictions_};
@@ -924,6 +1006,12 @@ class engine {
   double stall_so_far_ = 0.0;
   std::vector<shadow_point> shadow_;
   std::vector<shadow_point>* record_ = nullptr;  // set on a shadow run
+  bool duelling_ = false;
+  bool duel_lru_leads_ = false;
+  std::vector<lru_policy> duel_lru_;                       // the real cache in LRU order
+  std::vector<std::uint8_t> duel_mask_;                    // pins and spared experts of one victim choice
+  std::vector<shadow_point> duel_self_, duel_lru_shadow_;  // the demand-only runs, after each group
+  std::vector<std::size_t> duel_pass_starts_;              // the first group of each pass so far
   std::uint64_t prefetch_evictions_ = 0;
   std::uint64_t prefetch_refaults_ = 0;
   bool forecasting_ = false;                    // prefetch-aware eviction (sim_options::forecast_eviction)
@@ -1009,6 +1097,14 @@ void check_options(const access_stream& stream, const moe_geometry& geometry, po
   if (!(options.max_prefetch_overhead >= 0.0)) {  // NaN fails too
     throw invalid_argument(
         fmt::format("simulate: max_prefetch_overhead {} out of range [0, inf]", options.max_prefetch_overhead));
+  }
+  if (!(options.eviction_duel_margin >= 0.0) || std::isinf(options.eviction_duel_margin)) {
+    throw invalid_argument(
+        fmt::format("simulate: eviction_duel_margin {} out of range [0, inf)", options.eviction_duel_margin));
+  }
+  if (!(options.eviction_duel_protect >= 0.0)) {
+    throw invalid_argument(
+        fmt::format("simulate: eviction_duel_protect {} out of range [0, inf]", options.eviction_duel_protect));
   }
 }
 

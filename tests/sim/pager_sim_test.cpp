@@ -1,6 +1,9 @@
 #include "expage/sim/pager_sim.hpp"
 
+#include "expage/cache/lru_policy.hpp"
+#include "expage/cache/next_turn_policy.hpp"
 #include "expage/cache/replay.hpp"
+#include "expage/cache/slot_cache.hpp"
 #include "expage/core/error.hpp"
 #include "expage/trace/synthetic_trace.hpp"
 #include "expage/trace/trace_io.hpp"
@@ -330,6 +333,108 @@ TEST(PagerSim, GuardsSilenceAUselessPrefetcher) {
   }
 }
 
+// A prefetcher that never proposes anything: runs with it differ from demand loading only by what
+// the admission rule's guards do besides admitting (the eviction duel).
+class silent_prefetcher final : public prefetcher {
+ public:
+  [[nodiscard]] std::string name() const override { return "silent"; }
+  void reset() override {}
+  void propose(const access_stream&, std::size_t, std::vector<prefetch_request>&) override {}
+};
+
+// The eviction duel against a slow reference: the sides it took, group by group, are those the
+// rule gives over the cumulative demand misses of slot_cache<next_turn_policy> and
+// slot_cache<lru_policy> on the same stream (the simulator's demand-only runs, by
+// EqualsReplayWithFreeComputeForEveryPolicy), counted by hand over windows of passes.
+TEST(PagerSim, EvictionDuelSidesEqualAReferenceOverSlotCaches) {
+  const auto g = small();
+  std::uint64_t taken = 0, changed = 0;  // the cases must exercise both sides and both directions
+  for (const std::uint64_t seed : {1U, 2U}) {
+    for (const double locality : {0.3, 0.9}) {
+      const routing_trace trace =
+          generate_synthetic(g, {.seed = seed, .sequences = 3, .decode_steps = 48, .locality = locality});
+      for (const std::uint32_t capacity : {8U, 24U}) {
+        for (const std::uint32_t passes : {1U, 4U}) {
+          for (const double margin : {0.0, 2.0}) {
+            SCOPED_TRACE(fmt::format("seed {} locality {} capacity {} passes {} margin {}", seed, locality, capacity,
+                                     passes, margin));
+            const access_stream s(trace, capacity);
+            std::vector<std::uint64_t> nt(s.groups()), lru(s.groups());  // cumulative misses after each group
+            slot_cache<next_turn_policy> a(g, {.layout = cache_layout::global, .capacity = capacity});
+            slot_cache<lru_policy> b(g, {.layout = cache_layout::global, .capacity = capacity});
+            for (std::size_t i = 0; i < s.groups(); ++i) {
+              const access_hints h{.time = i, .next_use = s.next_use(i), .probability = s.probability(i)};
+              nt[i] = (i == 0 ? 0 : nt[i - 1]) + a.access(s.layer(i), s.experts(i), h).misses;
+              lru[i] = (i == 0 ? 0 : lru[i - 1]) + b.access(s.layer(i), s.experts(i), h).misses;
+            }
+            std::vector<std::size_t> starts;
+            bool leads = false;
+            std::uint64_t lru_groups = 0, switches = 0;
+            for (std::size_t i = 0; i < s.groups(); ++i) {
+              if (s.starts_pass(i)) starts.push_back(i);
+              if (i == 0) continue;
+              const std::size_t first = starts[starts.size() - std::min<std::size_t>(starts.size(), passes + 1)];
+              const auto window = [&](const std::vector<std::uint64_t>& v) {
+                return static_cast<double>(v[i - 1] - (first == 0 ? 0 : v[first - 1]));
+              };
+              const bool now = leads ? window(lru) <= window(nt) + margin : window(lru) + margin < window(nt);
+              switches += now != leads ? 1 : 0;
+              leads = now;
+              lru_groups += leads ? 1 : 0;
+            }
+            silent_prefetcher silent;
+            const sim_options o{.capacity = capacity,
+                                .hardware = no_setup(),
+                                .transfer_compute_ratio = 1.0,
+                                .prefetch = &silent,
+                                .eviction_duel_passes = passes,
+                                .eviction_duel_margin = margin};
+            const sim_result r = simulate(s, g, policy_kind::next_turn, o);
+            EXPECT_EQ(r.duel_lru_groups, lru_groups);
+            EXPECT_EQ(r.duel_switches, switches);
+            taken += lru_groups;
+            changed += switches > 1 ? 1 : 0;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(taken, 0U);
+  EXPECT_GT(changed, 0U);
+}
+
+// Where next_turn trails LRU (strong temporal locality: a token keeps its previous experts with
+// probability 0.9), the duel hands eviction to LRU's order and the run misses about as often as
+// LRU; where next_turn leads, the duel leaves it alone. Off, or with the ungated admission rule,
+// next_turn runs as it is.
+TEST(PagerSim, EvictionDuelKeepsTheEvictionOrderFromTrailingLru) {
+  const auto g = moe_geometry::mixtral_8x7b();
+  for (const double locality : {0.9, 0.0}) {
+    SCOPED_TRACE(fmt::format("locality {}", locality));
+    const routing_trace trace =
+        generate_synthetic(g, {.seed = 1, .sequences = 4, .decode_steps = 64, .locality = locality});
+    const access_stream s(trace, g.top_k());
+    sim_options o{.capacity = 96, .transfer_compute_ratio = 1.0};
+    const sim_result lru = simulate(s, g, policy_kind::lru, o);
+    const sim_result alone = simulate(s, g, policy_kind::next_turn, o);
+    silent_prefetcher silent;
+    o.prefetch = &silent;
+    EXPECT_EQ(simulate(s, g, policy_kind::next_turn, o).demand_misses, alone.demand_misses) << "duel off by default";
+    o.eviction_duel_passes = 16;
+    const sim_result duel = simulate(s, g, policy_kind::next_turn, o);
+    if (locality == 0.9) {
+      ASSERT_GT(alone.demand_misses, lru.demand_misses * 105 / 100) << "the case needs next_turn behind LRU";
+      EXPECT_LE(static_cast<double>(duel.demand_misses), 1.02 * static_cast<double>(lru.demand_misses));
+      EXPECT_GT(duel.duel_lru_groups, s.groups() / 2);
+    } else {
+      ASSERT_LT(alone.demand_misses, lru.demand_misses * 95 / 100) << "the case needs next_turn ahead of LRU";
+      EXPECT_LE(duel.demand_misses, alone.demand_misses);
+    }
+    o.admission = prefetch_admission::all;
+    EXPECT_EQ(simulate(s, g, policy_kind::next_turn, o).duel_lru_groups, 0U) << "a guard of cost_benefit only";
+  }
+}
+
 // Hindsight-static top-n against brute force: over every static set of n experts (n = capacity −
 // the largest group), the fewest misses equal the bound's, and its stall is those misses' loads.
 TEST(PagerSim, HindsightStaticEqualsTheBestStaticSetByBruteForce) {
@@ -616,6 +721,7 @@ TEST(PagerSim, PrefetchAcceptanceOnRealTraces) {
                                  {.distance = 1, .threshold = 0.0F});
         o.prefetch = &pf;
         o.max_prefetch_overhead = 0.03;
+        o.eviction_duel_passes = 16;
         const sim_result co = simulate(stream, g, policy_kind::next_turn, o);
         const double stall = co.stall_total() / lru.stall_total();
         const double bytes = static_cast<double>(co.bytes_moved()) / static_cast<double>(lru.bytes_moved());
@@ -624,18 +730,22 @@ TEST(PagerSim, PrefetchAcceptanceOnRealTraces) {
         EXPECT_LE(stall, 1.0) << which << " " << capacity << " r " << r;
         EXPECT_LE(bytes, 1.05) << which << " " << capacity << " r " << r;
         if (r == 1.0 && capacity > 64 && std::string_view(which) == "mixtral") {
-          EXPECT_LE(stall, 0.90) << capacity;  // 64 slots: 4.5% less, the goal of 10% missed
+          EXPECT_LE(stall, 0.90) << capacity;  // 64 slots: 3.1% less, the goal of 10% missed
         }
       }
     }
   };
   const auto g = moe_geometry::mixtral_8x7b();
   const routing_trace all = read_trace(*mixtral_file, g);
-  routing_trace problem(g);
+  routing_trace problem(g), tuning(g);
   for (const routing_event& e : all) {
     if (e.sequence == 1) problem.append(e);
+    if (e.sequence == 0) tuning.append(e);
   }
   check_never_hurts(problem, g, hardware_profile::preset("pcie4"), {64, 128, 192}, {1.0, 2.7, 10.0, 47.0}, "mixtral");
+  // The tuning problem holds the bound too since the eviction duel (next_turn alone stalls 100.2%
+  // of LRU at 64 slots there, and prefetch moved 1.059x the bytes at r = 1).
+  check_never_hurts(tuning, g, hardware_profile::preset("pcie4"), {64, 128, 192}, {1.0, 2.7, 10.0, 47.0}, "tuning");
   // The noisy oracle at 128 slots, distance 2, the 10% byte allowance.
   const access_stream stream(problem, g.top_k());
   for (const double r : {1.0, 2.7, 10.0, 47.0}) {
@@ -645,6 +755,7 @@ TEST(PagerSim, PrefetchAcceptanceOnRealTraces) {
       oracle_prefetcher oracle(2, recall);
       o.prefetch = &oracle;
       o.max_prefetch_overhead = 0.10;
+      o.eviction_duel_passes = 16;
       const sim_result res = simulate(stream, g, policy_kind::next_turn, o);
       const double stall = res.stall_total() / lru.stall_total();
       const double bytes = static_cast<double>(res.bytes_moved()) / static_cast<double>(lru.bytes_moved());
@@ -692,6 +803,10 @@ TEST(PagerSim, RefusesBadParameters) {
   expect_refusal({.capacity = 4, .transfer_compute_ratio = -2.0}, "ratio -2 out of range");
   expect_refusal({.capacity = 4, .max_prefetch_overhead = -0.5}, "max_prefetch_overhead -0.5 out of range [0, inf]");
   expect_refusal({.capacity = 4, .max_prefetch_overhead = std::nan("")}, "max_prefetch_overhead nan out of range");
+  expect_refusal({.capacity = 4, .eviction_duel_margin = -1.0}, "eviction_duel_margin -1 out of range [0, inf)");
+  expect_refusal({.capacity = 4, .eviction_duel_margin = std::numeric_limits<double>::infinity()},
+                 "eviction_duel_margin inf out of range [0, inf)");
+  expect_refusal({.capacity = 4, .eviction_duel_protect = std::nan("")}, "eviction_duel_protect nan out of range");
   expect_refusal({.capacity = 4, .guard_baseline = policy_kind::belady},
                  "guard_baseline belady is not an online policy");
   hardware_profile bad = hardware_profile::preset("pcie4");

@@ -92,6 +92,12 @@ model, hardware and cache:
                         saved exceeds the expected delay) or all (ungated) (default cost-benefit)
   --max-overhead X      cost-benefit's byte guard: bytes moved stay within (1 + X) x those of LRU
                         demand loading, tracked online by a shadow cache, [0, inf] (default 0.05)
+  --duel-passes N       cost-benefit's eviction duel: while demand-only LRU has missed fewer experts
+                        than the policy over the last N passes (by more than --duel-margin), the
+                        real cache evicts in LRU order, sparing experts forecast at least
+                        --duel-protect likely for their next turn; 0: off (default 0)
+  --duel-margin M       misses LRU must lead or trail by to change sides, [0, 1e9] (default 2)
+  --duel-protect P      forecast probability that spares an expert from LRU's choice (default 0.5)
   --prefetch-seed N     seed of the noisy oracle (default 1)
   --hot-table LIST      PreScope's hot-expert table: rank experts by the tokens routed to them in
                         these sequences of the trace (an offline profile, e.g. another request)
@@ -149,6 +155,9 @@ struct config {
   std::uint32_t forecast_distance = 0;
   expage::prefetch_admission admission = expage::prefetch_admission::cost_benefit;
   double max_overhead = 0.05;
+  std::uint32_t duel_passes = 0;
+  double duel_margin = 2.0;
+  double duel_protect = 0.5;
   std::uint64_t prefetch_seed = 1;
   bool forecast_eviction = true;
   bool trace_fields = true;
@@ -283,6 +292,12 @@ config parse(int argc, char** argv, const std::string& help) {
     } else if (flag == "--max-overhead") {
       const std::string_view v = value();
       c.max_overhead = v == "inf" ? std::numeric_limits<double>::infinity() : parse_real(flag, v, 0.0, 1e9);
+    } else if (flag == "--duel-passes") {
+      c.duel_passes = parse_number<std::uint32_t>(flag, value(), 0, 1U << 30);
+    } else if (flag == "--duel-margin") {
+      c.duel_margin = parse_real(flag, value(), 0.0, 1e9);
+    } else if (flag == "--duel-protect") {
+      c.duel_protect = parse_real(flag, value(), 0.0, 1e9);
     } else if (flag == "--prefetch-seed") {
       c.prefetch_seed = parse_number<std::uint64_t>(flag, value(), 0, ~std::uint64_t{0});
     } else if (flag == "--hot-table") {
@@ -358,7 +373,8 @@ std::string result_json(const expage::sim_result& r, const cell& c, bool bounds)
       R"("bytes_moved":{},"demand_bytes":{},"prefetch_bytes":{},"preload_bytes":{},"stall_per_token_s":{},"stall_p50_s":{},"stall_p99_s":{},)"
       R"("time_per_token_s":{},"stall_by_cause_per_token_s":{{{}}},"prefetches_issued":{},"prefetches_used":{},)"
       R"("prefetches_late":{},"prefetches_wasted":{},"prefetches_promoted":{},"prefetches_cancelled":{},)"
-      R"("prefetches_refused":{},"prefetch_victim_refaults":{},"prefetch_precision":{},"prefetch_coverage":{},)"
+      R"("prefetches_refused":{},"prefetch_victim_refaults":{},"duel_lru_groups":{},"duel_switches":{},)"
+      R"("prefetch_precision":{},"prefetch_coverage":{},)"
       R"("prefetch_timeliness":{},"prefetch_bytes_per_useful_byte":{},"budget_peak_bytes":{},"layers":[{}]{}}})",
       expage::to_string(r.layout), r.capacity, expage::to_string(r.policy), r.prefetcher, json_number(r.ratio),
       json_number(r.transfer_seconds), json_number(r.layer_seconds), r.tokens, r.accesses, r.hits, r.demand_misses,
@@ -366,9 +382,9 @@ std::string result_json(const expage::sim_result& r, const cell& c, bool bounds)
       json_number(r.stall_seconds_per_token()), json_number(r.per_pass.p50), json_number(r.per_pass.p99),
       json_number(r.seconds_per_token()), causes, r.prefetches_issued, r.prefetches_used, r.prefetches_late,
       r.prefetches_wasted, r.prefetches_promoted, r.prefetches_cancelled, r.prefetches_refused,
-      r.prefetch_victim_refaults, json_number(r.prefetch_precision()), json_number(r.prefetch_coverage()),
-      json_number(r.prefetch_timeliness()), json_number(r.prefetch_bytes_per_useful_byte()), r.budget_peak_bytes,
-      fmt::join(layers, ","), oracle);
+      r.prefetch_victim_refaults, r.duel_lru_groups, r.duel_switches, json_number(r.prefetch_precision()),
+      json_number(r.prefetch_coverage()), json_number(r.prefetch_timeliness()),
+      json_number(r.prefetch_bytes_per_useful_byte()), r.budget_peak_bytes, fmt::join(layers, ","), oracle);
 }
 
 // Stall per token (ms) against expert memory (GiB): one panel per (layout, ratio); every series
@@ -613,6 +629,9 @@ int main(int argc, char** argv) {
                                          .prefetch = oracle.get(),
                                          .admission = c.admission,
                                          .max_prefetch_overhead = c.max_overhead,
+                                         .eviction_duel_passes = c.duel_passes,
+                                         .eviction_duel_margin = c.duel_margin,
+                                         .eviction_duel_protect = c.duel_protect,
                                          .forecast_eviction = c.forecast_eviction,
                                          .initial_residency = hot});
           bar.step(fmt::format("{} {} {}", expage::to_string(j.policy), expage::to_string(j.layout), j.slots));

@@ -204,6 +204,23 @@ struct sim_options {
   /// the default, makes "never hurts" mean "never worse than plain LRU demand paging", so an
   /// eviction policy better than LRU (next_turn) earns credit the prefetcher may spend.
   policy_kind guard_baseline = policy_kind::lru;
+  /// The eviction duel, a guard of cost_benefit admission for an eviction policy other than LRU:
+  /// beside the real cache, demand-only shadows of the policy and of LRU count their misses; while
+  /// LRU's shadow leads over the window (the last this-many forward passes and the current one so
+  /// far; 0 turns the duel off), the real cache's victims are ranked in LRU order instead of by the
+  /// policy, sparing the experts the prefetcher forecasts (forecast_eviction) at least
+  /// `eviction_duel_protect` of being routed at their next turn. A policy that predicts well most
+  /// of the time (next_turn) can still trail LRU over a stretch of the traffic; the stall and byte
+  /// guards judge the prefetches, this one the eviction order they run on, so that "never worse
+  /// than LRU demand loading" holds for both. Set dueling after DIP (Qureshi et al., ISCA 2007),
+  /// with whole shadow caches instead of sampled sets.
+  std::uint32_t eviction_duel_passes = 0;
+  /// LRU takes over when its shadow missed more than this many fewer expert loads than the
+  /// policy's over the window, and hands back when it misses more than this many more. [0, +∞).
+  double eviction_duel_margin = 2.0;
+  /// While LRU ranks, experts forecast at least this likely to be routed at their next turn are
+  /// kept (while another unpinned expert is left). [0, +∞]; above 1 spares none.
+  double eviction_duel_protect = 0.5;
   /// Prefetch-aware eviction: while the prefetcher forecasts the layers ahead
   /// (prefetcher::forecast()), a policy that can rank by a forecast (next_turn_policy) ranks each
   /// forecast expert by its predicted next use given the forecast (next_turn_policy::next_use),
@@ -277,6 +294,8 @@ struct sim_result {
   std::uint64_t prefetches_cancelled = 0;      ///< Dropped from the queue unstarted (stale).
   std::uint64_t prefetches_refused = 0;        ///< Proposals refused (no slot, cap, or a more valuable victim).
   std::uint64_t prefetch_victim_refaults = 0;  ///< Demand misses on experts a prefetch evicted less than a pass before.
+  std::uint64_t duel_lru_groups = 0;           ///< Groups in which the eviction duel ranked victims in LRU order.
+  std::uint64_t duel_switches = 0;             ///< Times the eviction duel changed sides.
   /// The longest a demand load waited for its link behind prefetch work, seconds: at most the
   /// rest of one transfer (a prefetch starts only in idle link time and is never preempted; a
   /// queued one never goes ahead of a demand load).
