@@ -307,12 +307,10 @@ void BM_Runtime_Miss(benchmark::State& state) {
   const expage::runtime_views views =
       state.range(1) == 0 ? expage::runtime_views{} : expage::runtime_views{.stable_tensors = false, .slots = false};
   runtime rt(g, budget.root(), vmm, copy, compute, source, {.views = views});
-  const std::uint32_t fill[] = {0};
   for (std::uint32_t e = 0; e < g.top_k(); ++e) {  // every slot full: each acquire below evicts
     const std::uint32_t one[] = {e};
     rt.acquire(1, one).release();
   }
-  (void)fill;
   std::uint32_t e = 0;
   for (auto _ : state) {
     const std::uint32_t one[] = {e};
