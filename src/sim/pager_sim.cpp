@@ -4,6 +4,7 @@
 #include "expage/core/error.hpp"
 #include "expage/detail/assert.hpp"
 #include "expage/memory/budget_tracker.hpp"
+#include "expage/predict/eviction_duel.hpp"
 
 #include <fmt/format.h>
 
@@ -11,6 +12,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <span>
 #include <type_traits>
 
@@ -613,28 +615,24 @@ class engine {
         space.layer = sc;
         duel_lru_.emplace_back(space);
       }
+      duel_.emplace(options_.eviction_duel_passes, options_.eviction_duel_margin);
       duelling_ = true;
     }
   }
-  // Before group g: LRU leads from the moment its shadow missed fewer than this policy's by more
-  // than the margin over the window (the last eviction_duel_passes passes and this one so far), and
-  // while it missed no more than the policy's plus the margin.
+  // Before group g: the duel hears the shadows' misses of group g − 1 and decides (its window:
+  // the last eviction_duel_passes passes and this one so far).
   void duel_step(std::size_t g, bool starts_pass) {
-    if (starts_pass) duel_pass_starts_.push_back(g);
-    if (g == 0) return;
-    const std::size_t passes = duel_pass_starts_.size();
-    const std::size_t first =
-        duel_pass_starts_[passes - std::min<std::size_t>(passes, options_.eviction_duel_passes + 1)];
-    const auto misses = [&](const std::vector<shadow_point>& v) {
-      return static_cast<double>(v[g - 1].misses - (first == 0 ? 0 : v[first - 1].misses));
-    };
-    const double self = misses(duel_self_);
-    const double lru = misses(duel_lru_shadow_);
-    const double margin = options_.eviction_duel_margin;
-    const bool leads = duel_lru_leads_ ? lru <= self + margin : lru + margin < self;
-    if (leads != duel_lru_leads_) ++result_.duel_switches;
-    duel_lru_leads_ = leads;
-    if (leads) ++result_.duel_lru_groups;
+    if (g != 0) {
+      const auto misses = [&](const std::vector<shadow_point>& v) {
+        return v[g - 1].misses - (g == 1 ? 0 : v[g - 2].misses);
+      };
+      duel_->add(misses(duel_self_), misses(duel_lru_shadow_));
+    }
+    if (starts_pass) duel_->begin_pass();
+    const bool was = duel_->lru_leads();
+    duel_lru_leads_ = duel_->decide();
+    if (duel_lru_leads_ != was) ++result_.duel_switches;
+    if (duel_lru_leads_) ++result_.duel_lru_groups;
   }
   // LRU's victim, sparing the experts the forecast gives at least eviction_duel_protect of being
   // routed at their next turn while an unpinned expert is left unspared.
@@ -1011,7 +1009,7 @@ class engine {
   std::vector<lru_policy> duel_lru_;                       // the real cache in LRU order
   std::vector<std::uint8_t> duel_mask_;                    // pins and spared experts of one victim choice
   std::vector<shadow_point> duel_self_, duel_lru_shadow_;  // the demand-only runs, after each group
-  std::vector<std::size_t> duel_pass_starts_;              // the first group of each pass so far
+  std::optional<eviction_duel> duel_;                      // the rule, fed the shadows group by group
   std::uint64_t prefetch_evictions_ = 0;
   std::uint64_t prefetch_refaults_ = 0;
   bool forecasting_ = false;                    // prefetch-aware eviction (sim_options::forecast_eviction)
@@ -1097,6 +1095,10 @@ void check_options(const access_stream& stream, const moe_geometry& geometry, po
   if (!(options.max_prefetch_overhead >= 0.0)) {  // NaN fails too
     throw invalid_argument(
         fmt::format("simulate: max_prefetch_overhead {} out of range [0, inf]", options.max_prefetch_overhead));
+  }
+  if (options.eviction_duel_passes > eviction_duel::max_passes) {
+    throw invalid_argument(fmt::format("simulate: eviction_duel_passes {} out of range [0, {}]",
+                                       options.eviction_duel_passes, eviction_duel::max_passes));
   }
   if (!(options.eviction_duel_margin >= 0.0) || std::isinf(options.eviction_duel_margin)) {
     throw invalid_argument(

@@ -10,6 +10,7 @@
 #include <expage/core/geometry_io.hpp>
 #include <expage/core/moe_geometry.hpp>
 #include <expage/core/units.hpp>
+#include <expage/predict/eviction_duel.hpp>
 #include <expage/sim/hardware_profile.hpp>
 #include <expage/sim/pager_sim.hpp>
 #include <expage/trace/realign.hpp>
@@ -293,7 +294,7 @@ config parse(int argc, char** argv, const std::string& help) {
       const std::string_view v = value();
       c.max_overhead = v == "inf" ? std::numeric_limits<double>::infinity() : parse_real(flag, v, 0.0, 1e9);
     } else if (flag == "--duel-passes") {
-      c.duel_passes = parse_number<std::uint32_t>(flag, value(), 0, 1U << 30);
+      c.duel_passes = parse_number<std::uint32_t>(flag, value(), 0, expage::eviction_duel::max_passes);
     } else if (flag == "--duel-margin") {
       c.duel_margin = parse_real(flag, value(), 0.0, 1e9);
     } else if (flag == "--duel-protect") {

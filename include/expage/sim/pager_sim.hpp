@@ -213,7 +213,8 @@ struct sim_options {
   /// of the time (next_turn) can still trail LRU over a stretch of the traffic; the stall and byte
   /// guards judge the prefetches, this one the eviction order they run on, so that "never worse
   /// than LRU demand loading" holds for both. Set dueling after DIP (Qureshi et al., ISCA 2007),
-  /// with whole shadow caches instead of sampled sets.
+  /// with whole shadow caches instead of sampled sets. The rule is eviction_duel's
+  /// (predict/eviction_duel.hpp). [0, eviction_duel::max_passes].
   std::uint32_t eviction_duel_passes = 0;
   /// LRU takes over when its shadow missed more than this many fewer expert loads than the
   /// policy's over the window, and hands back when it misses more than this many more. [0, +∞).

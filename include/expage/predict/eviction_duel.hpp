@@ -1,0 +1,85 @@
+/// @file
+/// @brief eviction_duel: which of two eviction orders has missed less lately, with hysteresis
+/// (docs/prefetch.md, "Admission", guard 6).
+#pragma once
+
+#include "expage/core/error.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace expage {
+
+/// @brief The eviction duel's rule: fed the demand misses of two key-only shadow caches over the
+/// same routing, one ranked by the cache's policy and one by LRU, it says whether LRU leads.
+///
+/// The window is the last `passes` complete forward passes and the current one so far. LRU takes
+/// the lead once its shadow missed more than `margin` fewer experts than the policy's over the
+/// window. It keeps the lead while it missed no more than the policy's plus `margin`. A prefetcher
+/// whose cache evicts in LRU order while LRU leads (the simulator's
+/// sim_options::eviction_duel_passes) never runs on an eviction order that has been losing to
+/// plain LRU for a window. Set dueling after DIP (Qureshi et al., ISCA 2007), with whole shadow
+/// caches instead of sampled sets.
+///
+/// @code
+/// expage::eviction_duel duel(16, 2.0);
+/// for each layer group:
+///   if (starts_pass) duel.begin_pass();
+///   duel.add(policy_shadow_misses_of_the_group, lru_shadow_misses_of_the_group);
+///   const bool lru = duel.decide();  // before the next group's evictions
+/// @endcode
+/// @threadsafety single-owner.
+class eviction_duel {
+ public:
+  /// @throws expage::invalid_argument for 0 passes or a margin outside [0, +∞) (NaN included).
+  eviction_duel(std::uint32_t passes, double margin) : window_(std::size_t{passes} + 1), margin_(margin) {
+    if (passes == 0 || passes > max_passes) {
+      throw invalid_argument(fmt::format("eviction_duel: passes {} out of range [1, {}]", passes, max_passes));
+    }
+    if (!(margin >= 0.0) || std::isinf(margin)) {
+      throw invalid_argument(fmt::format("eviction_duel: margin {} out of range [0, inf)", margin));
+    }
+  }
+
+  static constexpr std::uint32_t max_passes = 1U << 20;  ///< The longest window.
+
+  /// A forward pass starts: the oldest pass leaves the window.
+  void begin_pass() noexcept {
+    current_ = (current_ + 1) % window_.size();
+    difference_ -= window_[current_];
+    window_[current_] = 0;
+  }
+  /// The two shadows' demand misses since the last call.
+  void add(std::uint64_t policy_misses, std::uint64_t lru_misses) noexcept {
+    const auto d = static_cast<std::int64_t>(policy_misses) - static_cast<std::int64_t>(lru_misses);
+    window_[current_] += d;
+    difference_ += d;
+  }
+  /// Re-decides from the window and returns whether LRU leads now.
+  bool decide() noexcept {
+    const auto d = static_cast<double>(difference_);  // policy's misses − LRU's over the window
+    const bool leads = lru_leads_ ? d >= -margin_ : d > margin_;
+    if (leads != lru_leads_) ++switches_;
+    lru_leads_ = leads;
+    return leads;
+  }
+
+  [[nodiscard]] bool lru_leads() const noexcept { return lru_leads_; }         ///< The side decide() last took.
+  [[nodiscard]] std::uint64_t switches() const noexcept { return switches_; }  ///< Changes of side so far.
+  /// The policy's shadow's misses less LRU's over the window (positive: LRU missed fewer).
+  [[nodiscard]] std::int64_t difference() const noexcept { return difference_; }
+
+ private:
+  std::vector<std::int64_t> window_;  // per pass of the window: the policy's misses − LRU's
+  std::size_t current_ = 0;           // the current pass's slot
+  std::int64_t difference_ = 0;       // Σ window_
+  double margin_;
+  bool lru_leads_ = false;
+  std::uint64_t switches_ = 0;
+};
+
+}  // namespace expage
