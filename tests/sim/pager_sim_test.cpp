@@ -353,15 +353,16 @@ TEST(PagerSim, EvictionDuelSidesEqualAReferenceOverSlotCaches) {
     for (const double locality : {0.3, 0.9}) {
       const routing_trace trace =
           generate_synthetic(g, {.seed = seed, .sequences = 3, .decode_steps = 48, .locality = locality});
-      for (const std::uint32_t capacity : {8U, 24U}) {
+      for (const auto& [layout, capacity] : {std::pair{cache_layout::global, 8U}, std::pair{cache_layout::global, 24U},
+                                             std::pair{cache_layout::per_layer, 3U}}) {
         for (const std::uint32_t passes : {1U, 4U}) {
           for (const double margin : {0.0, 2.0}) {
-            SCOPED_TRACE(fmt::format("seed {} locality {} capacity {} passes {} margin {}", seed, locality, capacity,
-                                     passes, margin));
+            SCOPED_TRACE(fmt::format("seed {} locality {} {} capacity {} passes {} margin {}", seed, locality,
+                                     to_string(layout), capacity, passes, margin));
             const access_stream s(trace, capacity);
             std::vector<std::uint64_t> nt(s.groups()), lru(s.groups());  // cumulative misses after each group
-            slot_cache<next_turn_policy> a(g, {.layout = cache_layout::global, .capacity = capacity});
-            slot_cache<lru_policy> b(g, {.layout = cache_layout::global, .capacity = capacity});
+            slot_cache<next_turn_policy> a(g, {.layout = layout, .capacity = capacity});
+            slot_cache<lru_policy> b(g, {.layout = layout, .capacity = capacity});
             for (std::size_t i = 0; i < s.groups(); ++i) {
               const access_hints h{.time = i, .next_use = s.next_use(i), .probability = s.probability(i)};
               nt[i] = (i == 0 ? 0 : nt[i - 1]) + a.access(s.layer(i), s.experts(i), h).misses;
@@ -383,7 +384,8 @@ TEST(PagerSim, EvictionDuelSidesEqualAReferenceOverSlotCaches) {
               lru_groups += leads ? 1 : 0;
             }
             silent_prefetcher silent;
-            const sim_options o{.capacity = capacity,
+            const sim_options o{.layout = layout,
+                                .capacity = capacity,
                                 .hardware = no_setup(),
                                 .transfer_compute_ratio = 1.0,
                                 .prefetch = &silent,
