@@ -38,7 +38,6 @@
 //   moe_decode --trace-out trace.json --json stats.json
 //   moe_decode --backend cuda --geometry mixtral-8x7b --scale 16 --tokens 16   on a GPU
 #include <expage/expage.hpp>
-#include <expage/predict/eviction_duel.hpp>
 #include <expage/runtime/expert_runtime.hpp>
 #include <expage/runtime/runtime_prefetcher.hpp>
 
@@ -111,7 +110,6 @@ struct options {
   std::uint32_t interval = 2;          // tokens per hot-set interval
   std::string policy = "lru";
   std::string prefetch = "none";
-  std::uint32_t duel_passes = 0;  // the prefetcher's eviction duel (0: off)
   std::uint64_t host_limit = 4_GiB;
   bool check = true;
   bool physics = false;
@@ -195,8 +193,6 @@ options parse(int argc, char** argv) {
           o.prefetch != "previous" && o.prefetch != "fmoe") {
         usage(fmt::format("--prefetch '{}' is not none, coactivation, frequency, previous or fmoe", o.prefetch));
       }
-    } else if (a == "--duel-passes") {
-      o.duel_passes = static_cast<std::uint32_t>(parse_uint(a, value(), 0, expage::eviction_duel::max_passes));
     } else if (a == "--host-limit") {
       o.host_limit = parse_uint(a, value(), 0, 1ULL << 50);
     } else if (a == "--no-check") {
@@ -212,7 +208,7 @@ options parse(int argc, char** argv) {
           "           [--trace FILE [--problem ID]]\n"
           "           [--precision bf16|int4] [--view records|stable|slots] [--policy lru|lfu|next-turn]\n"
           "           [--lo-precision int4|int8 [--hi-share P%] [--hi-per-layer N] [--interval TOKENS]]\n"
-          "           [--prefetch none|coactivation|frequency|previous|fmoe [--duel-passes N]]\n"
+          "           [--prefetch none|coactivation|frequency|previous|fmoe]\n"
           "           [--weights FILE] [--write-weights FILE] [--trace-out FILE] [--json FILE]\n"
           "           [--host-limit BYTES] [--no-check] [--physics] [--quick]");
       std::exit(0);
@@ -224,8 +220,6 @@ options parse(int argc, char** argv) {
     usage(fmt::format("--lo-precision needs --precision bf16 for the hi tier, not {}", o.format));
   }
   if (o.physics && o.backend != "host") usage("--physics measures the host backend only (memcpy bandwidth)");
-  if (o.duel_passes != 0 && o.prefetch == "none")
-    usage("--duel-passes needs --prefetch (the duel guards its evictions)");
   return o;
 }
 
@@ -598,7 +592,6 @@ struct run_result {
   std::uint64_t hi_capacity = 0, lo_capacity = 0;
   std::uint32_t hi_per_layer = 0;
   expage::runtime_statistics stats;
-  expage::runtime_prefetch_statistics prefetcher;  // --prefetch
 };
 
 // What one layer step's FFN reads and writes (host spans; the host vectors stay untouched until
@@ -899,7 +892,6 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
       // long as the slot (no stable page to map per load; on a host that saves its page faults).
       .views = {.stable_tensors = o.view == "stable", .slots = o.view == "slots", .records = o.view == "records"},
       .trace_events = o.trace_out.empty() || quiet ? 0 : std::size_t{1} << 20,
-      .lru_order = o.duel_passes != 0,
       .record_mirror = backend.record_mirror()};
   run_result r;
   // Two tiers: hi_share of the bytes for bf16 versions, the rest for lo ones (at least top-k of them).
@@ -942,8 +934,7 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   // the next layer's likely experts on the prefetch stream (docs/prefetch.md).
   std::optional<expage::runtime_prefetcher<runtime_type>> prefetcher;
   if (o.prefetch != "none") {
-    prefetcher.emplace(rt, expage::make_predictor(o.prefetch, g.layers(), g.experts_per_layer(), g.top_k()),
-                       expage::runtime_prefetch_options{.duel_passes = o.duel_passes});
+    prefetcher.emplace(rt, expage::make_predictor(o.prefetch, g.layers(), g.experts_per_layer(), g.top_k()));
   }
 
   const std::uint64_t H = g.hidden_size();
@@ -1130,7 +1121,6 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   r.wall_s = std::chrono::duration<double>(clock_type::now() - t0).count();
   r.compute_s = backend.compute_seconds();
   r.stats = rt.statistics();
-  if (prefetcher) r.prefetcher = prefetcher->statistics();
   r.wait_s = backend.wait_seconds(r.stats);
   if (!quiet && !o.trace_out.empty()) {
     const std::filesystem::path tmp = o.trace_out + ".tmp";
@@ -1240,10 +1230,6 @@ int run(const options& o) {
                t.prefetches, expage::byte_size{t.prefetch_bytes}, t.prefetch_used,
                expage::byte_size{t.prefetch_used_bytes}, t.prefetch_wasted, expage::byte_size{t.prefetch_wasted_bytes},
                r.stats.prefetch_cancelled);
-    if (o.duel_passes != 0) {
-      fmt::print("  eviction duel over {} passes: LRU order after {} of {} layers, {} changes of side\n", o.duel_passes,
-                 r.prefetcher.duel_lru_layers, r.prefetcher.layers, r.prefetcher.duel_switches);
-    }
   }
   fmt::print("  bytes moved {}  compute {:.3f} s  waiting on loads {:.3f} s  checking {:.3f} s\n",
              expage::byte_size{t.bytes_loaded}, r.compute_s, r.wait_s, r.check_s);

@@ -5,9 +5,6 @@
 #include "common/runtime_fixture.hpp"
 
 #include "expage/cache/lru_policy.hpp"
-#include "expage/cache/next_turn_policy.hpp"
-#include "expage/cache/slot_cache.hpp"
-#include "expage/predict/eviction_duel.hpp"
 #include "expage/runtime/runtime_prefetcher.hpp"
 
 #include <gtest/gtest.h>
@@ -24,17 +21,6 @@ namespace expage::testing {
 namespace {
 
 using runtime = expert_runtime<host_vmm, host_stream, lru_policy>;
-using next_turn_runtime = expert_runtime<host_vmm, host_stream, next_turn_policy>;
-
-// A predictor that names nothing: a prefetcher with it requests nothing, so only its guards act.
-class silent_predictor final : public expert_predictor {
- public:
-  [[nodiscard]] std::string name() const override { return "silent"; }
-  void reset() override {}
-  void begin_pass() override {}
-  void observe(std::uint32_t, std::span<const expert_index>) override {}
-  void predict(std::uint32_t, std::span<float> probability) const override { std::ranges::fill(probability, 0.0F); }
-};
 
 // A predictor that is always confidently wrong: it names the experts the chain never routes.
 class wrong_predictor final : public expert_predictor {
@@ -205,8 +191,6 @@ TEST(RuntimePrefetcher, RefusesBadInput) {
   EXPECT_THROW(runtime_prefetcher(rt, make(), {.threshold = 1.5F}), invalid_argument);
   EXPECT_THROW(runtime_prefetcher(rt, make(), {.per_layer = 9}), invalid_argument);
   EXPECT_THROW(runtime_prefetcher(rt, make(), {.max_overhead = -1.0}), invalid_argument);
-  EXPECT_THROW(runtime_prefetcher(rt, make(), {.duel_passes = eviction_duel::max_passes + 1}), invalid_argument);
-  EXPECT_THROW(runtime_prefetcher(rt, make(), {.duel_margin = -1.0}), invalid_argument);
   runtime_prefetcher pf(rt, make());
   const std::uint32_t bad_expert[] = {8};
   try {
@@ -226,16 +210,12 @@ TEST(RuntimePrefetcher, RefusesBadInput) {
 }
 
 // The engine thread acquires, tells the prefetcher and releases; a control thread resizes and
-// reads statistics meanwhile (TSan). With next_turn eviction the eviction duel also switches the
-// runtime's victim order from the engine thread.
-template <class Runtime>
-void compute_against_control(runtime_prefetch_options options) {
+// reads statistics meanwhile (TSan).
+TEST(RuntimePrefetcher, ComputeThreadAgainstControlThread) {
   runtime_world w;
   host_stream prefetch("prefetch");
-  Runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(),
-             {.max_prefetch_in_flight = 2, .lru_order = options.duel_passes != 0}, &prefetch);
-  runtime_prefetcher pf(rt, make_predictor("coactivation", w.geometry.layers(), w.geometry.experts_per_layer(), 2),
-                        options);
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.max_prefetch_in_flight = 2}, &prefetch);
+  runtime_prefetcher pf(rt, make_predictor("coactivation", w.geometry.layers(), w.geometry.experts_per_layer(), 2));
   std::atomic<bool> done{false};
   std::thread control([&] {
     std::mt19937_64 rng(3);
@@ -272,87 +252,6 @@ void compute_against_control(runtime_prefetch_options options) {
   EXPECT_EQ(w.mismatches.load(), 0U);
   EXPECT_GT(served, 400);
   EXPECT_LE(w.account.used(), w.account.capacity());
-  EXPECT_EQ(w.check_views(rt), "");
-}
-
-TEST(RuntimePrefetcher, ComputeThreadAgainstControlThread) { compute_against_control<runtime>({}); }
-
-TEST(RuntimePrefetcher, ComputeThreadAgainstControlThreadWithTheEvictionDuel) {
-  compute_against_control<next_turn_runtime>({.duel_passes = 1, .duel_margin = 0.0});
-}
-
-// set_lru_victims(true) makes the runtime's victims LRU's: a next_turn runtime with it on misses
-// exactly where a slot_cache<lru_policy> of the same capacity does, on random routing; without
-// lru_order it is refused and nothing changes.
-TEST(RuntimePrefetcher, LruVictimsNeedALruOrder) {
-  runtime_world w;
-  next_turn_runtime plain(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());
-  EXPECT_THROW(plain.set_lru_victims(true), invalid_argument);
-  EXPECT_FALSE(plain.lru_victims());
-  EXPECT_THROW(runtime_prefetcher(plain, std::make_unique<silent_predictor>(), {.duel_passes = 4}), invalid_argument);
-}
-
-TEST(RuntimePrefetcher, LruVictimsEqualAnLruSlotCache) {
-  runtime_world w;
-  next_turn_runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.lru_order = true});
-  rt.set_lru_victims(true);
-  slot_cache<lru_policy> lru(w.geometry, {.layout = cache_layout::global, .capacity = rt.capacity()});
-  std::mt19937_64 rng(23);
-  std::uint64_t want = 0;
-  for (int pass = 0; pass < 40; ++pass) {
-    for (std::uint32_t layer = 0; layer < w.geometry.layers(); ++layer) {
-      const std::vector<std::uint32_t> routed = w.random_group(rng, 2);
-      auto lease = rt.acquire(layer, routed);
-      w.check_on_compute(rt, layer, routed);
-      lease.release();
-      w.compute.synchronize();
-      want += lru.access(layer, routed).misses;
-      ASSERT_EQ(rt.totals().misses, want) << "pass " << pass << " layer " << layer;
-    }
-  }
-  EXPECT_EQ(w.mismatches.load(), 0U);
-  EXPECT_EQ(w.check_views(rt), "");
-}
-
-// The duel in the runtime: after every layer, the runtime's victim order is the side the rule
-// gives over the two shadows' misses, recomputed here with two slot_caches and an eviction_duel;
-// the routing alternates between stretches that repeat half of the layers' experts and stretches
-// of fresh ones, at a capacity of one pass (8 experts), so both sides take the lead.
-TEST(RuntimePrefetcher, TheEvictionDuelSetsTheRuntimesVictimOrder) {
-  runtime_world w;
-  budget_tracker budget(8 * w.expert_data_bytes());
-  next_turn_runtime rt(w.geometry, budget.root(), w.vmm, w.copy, w.compute, w.source(), {.lru_order = true});
-  ASSERT_EQ(rt.capacity(), 8U);
-  runtime_prefetcher pf(rt, std::make_unique<silent_predictor>(), {.duel_passes = 2, .duel_margin = 0.0});
-  slot_cache<next_turn_policy> own(w.geometry, {.layout = cache_layout::global, .capacity = rt.capacity()});
-  slot_cache<lru_policy> lru(w.geometry, {.layout = cache_layout::global, .capacity = rt.capacity()});
-  eviction_duel duel(2, 0.0);
-  std::mt19937_64 rng(5);
-  std::vector<std::vector<std::uint32_t>> previous(w.geometry.layers(), std::vector<std::uint32_t>{0, 1});
-  std::uint64_t lru_layers = 0;
-  for (int pass = 0; pass < 80; ++pass) {
-    duel.begin_pass();
-    const bool repeat = (pass / 10) % 2 == 0;  // stretches of repeated routing, then of fresh routing
-    for (std::uint32_t layer = 0; layer < w.geometry.layers(); ++layer) {
-      const std::vector<std::uint32_t> routed = repeat && rng() % 2 == 0 ? previous[layer] : w.random_group(rng, 2);
-      previous[layer] = routed;
-      auto lease = rt.acquire(layer, routed);
-      pf.on_routed(layer, routed);
-      w.check_on_compute(rt, layer, routed);
-      lease.release();
-      duel.add(own.access(layer, routed).misses, lru.access(layer, routed).misses);
-      const bool leads = duel.decide();
-      lru_layers += leads ? 1 : 0;
-      ASSERT_EQ(rt.lru_victims(), leads) << "pass " << pass << " layer " << layer;
-    }
-  }
-  w.compute.synchronize();
-  EXPECT_EQ(pf.statistics().duel_switches, duel.switches());
-  EXPECT_EQ(pf.statistics().duel_lru_layers, lru_layers);
-  EXPECT_EQ(pf.statistics().shadow_misses, lru.statistics().misses);
-  EXPECT_EQ(pf.statistics().policy_shadow_misses, own.statistics().misses);
-  EXPECT_GT(duel.switches(), 1U) << "both sides must lead at times";
-  EXPECT_EQ(w.mismatches.load(), 0U);
   EXPECT_EQ(w.check_views(rt), "");
 }
 

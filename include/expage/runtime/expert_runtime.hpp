@@ -32,7 +32,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
-#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -109,10 +108,6 @@ struct expert_runtime_options {
   std::uint32_t max_prefetch_in_flight = 2;
   /// Events the Chrome trace keeps; 0: no trace.
   std::size_t trace_events = 0;
-  /// Keep each version's last use beside the policy, so that set_lru_victims() can take the
-  /// victims in least-recently-used order instead of the policy's (the eviction duel:
-  /// runtime_prefetch_options::duel_passes, docs/prefetch.md). One store per hit when on.
-  bool lru_order = false;
   /// Told of every record the runtime publishes (view c), e.g. a `cuda::device_mirror` on the
   /// compute stream; not owned, may be null. A failing update fails that publish (strong guarantee).
   mirror_hook* record_mirror = nullptr;
@@ -307,8 +302,6 @@ class expert_runtime {
  public:
   /// The streams' event type.
   using event_type = typename Stream::event_type;
-  /// The eviction policy's type.
-  using policy_type = Policy;
   /// The backend's physical block.
   using block = typename Vmm::physical_block;
 
@@ -796,29 +789,6 @@ class expert_runtime {
   [[nodiscard]] const moe_geometry& geometry() const noexcept { return geometry_; }
   /// The views kept.
   [[nodiscard]] const runtime_views& views() const noexcept { return options_.views; }
-
-  /// Takes every tier's victims in least-recently-used order (@p on) or the policy's (the
-  /// default). Pins, loads in flight, kernels not complete and handle-table windows protect a
-  /// version as always; only the order among the evictable changes. The eviction duel's switch
-  /// (runtime_prefetcher with duel_passes).
-  /// @throws expage::invalid_argument when @p on and the runtime was built without
-  ///         expert_runtime_options::lru_order (nothing changes).
-  void set_lru_victims(bool on) {
-    if (on && !options_.lru_order) {
-      throw invalid_argument(
-          "expert_runtime::set_lru_victims: the runtime keeps no LRU order (build it with "
-          "expert_runtime_options::lru_order)");
-    }
-    const std::lock_guard lock(mutex_);
-    lru_victims_ = on;
-  }
-  /// Whether the victims are taken in LRU order now.
-  [[nodiscard]] bool lru_victims() const {
-    const std::lock_guard lock(mutex_);
-    return lru_victims_;
-  }
-  /// Whether the runtime keeps the LRU order set_lru_victims() needs.
-  [[nodiscard]] bool keeps_lru_order() const noexcept { return options_.lru_order; }
   /// A snapshot of the counters.
   [[nodiscard]] runtime_statistics statistics() const {
     const std::lock_guard lock(mutex_);
@@ -918,8 +888,7 @@ class expert_runtime {
     std::vector<std::uint32_t> pins;  // per flat index: leases holding this version
     std::vector<std::int32_t> map;    // per flat index: slot of the active version when in this tier, or -1 (view b)
     std::vector<std::uint32_t> free_slots;
-    std::uint64_t peak = 0;              // most versions resident at once
-    std::vector<std::uint64_t> touched;  // per flat index: the last use's serial (expert_runtime_options::lru_order)
+    std::uint64_t peak = 0;  // most versions resident at once
   };
   struct queued_prefetch {
     std::uint32_t expert;
@@ -987,11 +956,6 @@ class expert_runtime {
         .layers = geometry.layers(), .experts_per_layer = geometry.experts_per_layer(), .global = true, .layer = 0};
     tiers_[0].emplace(std::move(hi), keys, expert_count_);
     if (lo) tiers_[1].emplace(std::move(*lo), keys, expert_count_);
-    if (options_.lru_order) {
-      for (auto& T : tiers_) {
-        if (T) T->touched.assign(expert_count_, 0);
-      }
-    }
     for (std::size_t t = 0; t < tier_count_; ++t) {
       tier_state& T = tier(t);
       for (std::size_t w = 0; w < expert_tensor_count; ++w) {
@@ -1359,8 +1323,7 @@ class expert_runtime {
       blocked_[f] = 1;
     }
     while (candidates > 0) {
-      const std::uint32_t v =
-          lru_victims_ ? least_recent(T) : T.policy.victim(pin_view{blocked_.data()}, access_context{.time = clock_});
+      const std::uint32_t v = T.policy.victim(pin_view{blocked_.data()}, access_context{.time = clock_});
       EXPAGE_ASSERT(T.versions[v].slot >= 0 && blocked_[v] == 0, "expert_runtime: the policy chose a blocked victim");
       // Evicting an active version changes the expert's record (to nothing, or to its other
       // version): not while an open window of the handle table pins the expert.
@@ -1372,18 +1335,6 @@ class expert_runtime {
       --candidates;
     }
     return std::nullopt;
-  }
-  // The unblocked version of T used least recently (set_lru_victims(); blocked_ has one unblocked).
-  [[nodiscard]] std::uint32_t least_recent(const tier_state& T) const noexcept {
-    std::uint32_t best = 0;
-    std::uint64_t oldest = std::numeric_limits<std::uint64_t>::max();
-    for (std::uint32_t f = 0; f < expert_count_; ++f) {
-      if (blocked_[f] == 0 && T.touched[f] < oldest) {
-        oldest = T.touched[f];
-        best = f;
-      }
-    }
-    return best;
   }
   // Resident versions of tier t no lease pins and no load holds (for messages).
   [[nodiscard]] std::uint32_t evictable_count(std::size_t t) const noexcept {
@@ -1684,7 +1635,6 @@ class expert_runtime {
   // A hit on expert f's version in tier @p T: re-rank it; a prefetched version's first use counts as used.
   void hit(tier_state& T, std::uint32_t f, std::uint32_t layer, runtime_layer_statistics& s) noexcept {
     T.policy.on_hit(f, access_context{.time = clock_, .layer = layer, .expert = f % geometry_.experts_per_layer()});
-    if (!T.touched.empty()) T.touched[f] = ++touches_;
     if (unused_prefetches_ == 0) return;  // the common case: the version's cache line is not touched
     version& v = T.versions[f];
     if (v.prefetched) {
@@ -1698,7 +1648,6 @@ class expert_runtime {
   // A node-based policy may throw bad_alloc on insert; the runtime's state is committed by then,
   // so the version stays resident but unranked until its next hit re-ranks it (counted nowhere).
   void policy_on_insert(std::size_t t, std::uint32_t f, const access_context& ctx) noexcept {
-    if (!tier(t).touched.empty()) tier(t).touched[f] = ++touches_;
     try {
       tier(t).policy.on_insert(f, ctx);
     } catch (...) {
@@ -2277,8 +2226,6 @@ class expert_runtime {
   std::uint64_t failed_acquires_ = 0;
   std::uint64_t peak_bytes_ = 0;
   std::uint64_t clock_ = 0;
-  std::uint64_t touches_ = 0;                          // serial of the last use (tier_state::touched)
-  bool lru_victims_ = false;                           // set_lru_victims()
   std::uint32_t unused_prefetches_ = 0;                // versions with version::prefetched set
   std::vector<runtime_layer_statistics> layer_stats_;  // per (tier, layer): tier · layers + layer
   // Compute-stream stall per layer, written by the compute stream's thread (relaxed: statistics).

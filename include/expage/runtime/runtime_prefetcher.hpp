@@ -21,12 +21,6 @@
 ///   experts a prefetch evicted (the refaults), as the simulator's guard does
 ///   (within_prefetch_overhead(), sim/pager_sim.hpp). After a resize the shadow starts again at
 ///   the new capacity, empty (its misses so far kept).
-/// - **the eviction duel** (runtime_prefetch_options::duel_passes, the simulator's guard 6): a
-///   second key-only shadow ranked by the runtime's own policy beside the LRU one; while LRU's has
-///   missed more than `duel_margin` fewer experts over the last `duel_passes` passes
-///   (eviction_duel), the runtime takes its victims in LRU order (expert_runtime::set_lru_victims(),
-///   which needs expert_runtime_options::lru_order). A policy that predicts well on most traffic
-///   (next_turn) still trails LRU over stretches of it; prefetches then run on LRU's order.
 ///
 /// Threading: one thread (the engine's, which calls acquire()) calls on_routed(); the runtime it
 /// drives may be used by other threads meanwhile (prefetch(), resize() and statistics() lock).
@@ -46,7 +40,6 @@
 #include "expage/cache/lru_policy.hpp"
 #include "expage/cache/slot_cache.hpp"
 #include "expage/core/error.hpp"
-#include "expage/predict/eviction_duel.hpp"
 #include "expage/predict/expert_predictor.hpp"
 
 #include <fmt/format.h>
@@ -69,13 +62,8 @@ struct runtime_prefetch_options {
   std::uint32_t per_layer = 0;  ///< At most this many per target layer; 0: the geometry's top-k.
   /// The byte guard: request nothing while the runtime's loads (demand loads + prefetches)
   /// exceed (1 + this) × those of a key-only LRU shadow cache of the same capacity, plus one
-  /// expert. +∞ turns it off (and the shadow with it, unless the duel needs it). [0, +∞].
+  /// expert. +∞ turns it off (and the shadow with it). [0, +∞].
   double max_overhead = 0.05;
-  /// The eviction duel's window in forward passes; 0 turns it off. The runtime must keep an LRU
-  /// order (expert_runtime_options::lru_order). [0, eviction_duel::max_passes].
-  std::uint32_t duel_passes = 0;
-  /// Misses by which LRU's shadow must lead (or trail) to change sides. [0, +∞).
-  double duel_margin = 2.0;
 };
 
 /// @brief What a runtime_prefetcher did.
@@ -85,16 +73,11 @@ struct runtime_prefetch_statistics {
   std::uint64_t requested = 0;      ///< Experts requested through prefetch() (the runtime ignores resident ones).
   std::uint64_t paused = 0;         ///< on_routed() calls that requested nothing because of the byte guard.
   std::uint64_t cancelled = 0;      ///< Stale requests cancelled before the runtime issued them.
-  std::uint64_t shadow_misses = 0;  ///< What the LRU shadow loaded on demand (0 with the guard and the duel off).
-  std::uint64_t policy_shadow_misses =
-      0;                              ///< What the duel's shadow of the runtime's policy loaded (0 without the duel).
-  std::uint64_t duel_lru_layers = 0;  ///< on_routed() calls after which the runtime evicted in LRU order.
-  std::uint64_t duel_switches = 0;    ///< Times the duel changed sides.
+  std::uint64_t shadow_misses = 0;  ///< What the guard's LRU shadow loaded on demand (0 with the guard off).
 };
 
 /// @brief Drives @p Runtime's prefetch() from an expert_predictor. @p Runtime is an
-/// expert_runtime (anything with its geometry(), prefetch(), cancel_prefetches(), totals(),
-/// capacity(), demand_tier(), policy_type, keeps_lru_order() and set_lru_victims()).
+/// expert_runtime (anything with its geometry(), prefetch(), cancel_prefetches() and totals()).
 template <class Runtime>
 class runtime_prefetcher {
  public:
@@ -121,22 +104,6 @@ class runtime_prefetcher {
     }
     per_layer_ = options.per_layer != 0 ? options.per_layer : g.top_k();
     probability_.resize(g.experts_per_layer());
-    if (options.duel_passes > eviction_duel::max_passes) {
-      throw invalid_argument(fmt::format("runtime_prefetcher: duel_passes {} out of range [0, {}]", options.duel_passes,
-                                         eviction_duel::max_passes));
-    }
-    if (!(options.duel_margin >= 0.0) || std::isinf(options.duel_margin)) {
-      throw invalid_argument(
-          fmt::format("runtime_prefetcher: duel_margin {} out of range [0, inf)", options.duel_margin));
-    }
-    if (options.duel_passes != 0) {
-      if (!runtime_.keeps_lru_order()) {
-        throw invalid_argument(
-            "runtime_prefetcher: duel_passes needs a runtime that keeps an LRU order "
-            "(expert_runtime_options::lru_order)");
-      }
-      duel_.emplace(options.duel_passes, options.duel_margin);
-    }
   }
 
   /// Layer @p layer of the current forward pass was routed to @p experts (call after its
@@ -170,23 +137,7 @@ class runtime_prefetcher {
     if (new_pass) ++stats_.passes;
     last_layer_ = layer;
     ++stats_.layers;
-    if (!std::isinf(options_.max_overhead) || duel_) {
-      const std::uint64_t lru = shadow_access(shadow_, shadow_base_, layer, experts);
-      stats_.shadow_misses = shadow_base_ + shadow_->statistics().misses;
-      if (duel_) {
-        const std::uint64_t own = shadow_access(policy_shadow_, policy_shadow_base_, layer, experts);
-        stats_.policy_shadow_misses = policy_shadow_base_ + policy_shadow_->statistics().misses;
-        if (new_pass) duel_->begin_pass();
-        duel_->add(own, lru);
-        const bool leads = duel_->decide();
-        if (leads != runtime_lru_) {
-          runtime_.set_lru_victims(leads);  // the next acquire's evictions
-          runtime_lru_ = leads;
-          ++stats_.duel_switches;
-        }
-        if (leads) ++stats_.duel_lru_layers;
-      }
-    }
+    if (!std::isinf(options_.max_overhead)) shadow_access(layer, experts);
     stats_.cancelled += runtime_.cancel_prefetches();
     if (layer + 1 >= g.layers()) return;  // the pass ends here
     if (!within_overhead()) {
@@ -221,22 +172,19 @@ class runtime_prefetcher {
                                     static_cast<double>(stats_.shadow_misses), options_.max_overhead);
   }
 
-  // A shadow: demand loading of the routing with its policy, at the runtime's capacity now (a
-  // resize starts it again, empty, its misses so far kept in @p base). Returns this call's misses.
-  template <class Policy>
-  std::uint64_t shadow_access(std::optional<slot_cache<Policy>>& shadow, std::uint64_t& base, std::uint32_t layer,
-                              std::span<const std::uint32_t> experts) {
+  // The guard's shadow: plain LRU demand loading of the routing, at the runtime's capacity now.
+  void shadow_access(std::uint32_t layer, std::span<const std::uint32_t> experts) {
     const std::uint32_t capacity = runtime_.capacity(runtime_.demand_tier());
-    if (!shadow || shadow->options().capacity != capacity) {
-      if (shadow) base += shadow->statistics().misses;
-      shadow.emplace(runtime_.geometry(), slot_cache_options{.layout = cache_layout::global, .capacity = capacity});
+    if (!shadow_ || shadow_->options().capacity != capacity) {
+      if (shadow_) shadow_base_ += shadow_->statistics().misses;
+      shadow_.emplace(runtime_.geometry(), slot_cache_options{.layout = cache_layout::global, .capacity = capacity});
     }
     // A group larger than the shadow (the runtime could not acquire it either) in parts.
-    std::uint64_t misses = 0;
     for (std::size_t i = 0; i < experts.size(); i += capacity) {
-      misses += shadow->access(layer, experts.subspan(i, std::min<std::size_t>(capacity, experts.size() - i))).misses;
+      static_cast<void>(
+          shadow_->access(layer, experts.subspan(i, std::min<std::size_t>(capacity, experts.size() - i))));
     }
-    return misses;
+    stats_.shadow_misses = shadow_base_ + shadow_->statistics().misses;
   }
 
   Runtime& runtime_;
@@ -250,10 +198,6 @@ class runtime_prefetcher {
   std::vector<std::uint32_t> request_;
   std::optional<slot_cache<lru_policy>> shadow_;
   std::uint64_t shadow_base_ = 0;  // misses of the shadows before the last resize
-  std::optional<slot_cache<typename Runtime::policy_type>> policy_shadow_;  // the duel's
-  std::uint64_t policy_shadow_base_ = 0;
-  std::optional<eviction_duel> duel_;
-  bool runtime_lru_ = false;  // what this prefetcher last told the runtime
 };
 
 }  // namespace expage
