@@ -608,7 +608,12 @@ class engine {
         static_cast<void>(shadow.run());
       };
       record.template operator()<Policy>(duel_self_);
-      record.template operator()<lru_policy>(duel_lru_shadow_);
+      if (shadow_.empty() || options_.guard_baseline != policy_kind::lru) {
+        record.template operator()<lru_policy>(duel_lru_shadow_);
+        duel_lru_runs_ = &duel_lru_shadow_;
+      } else {
+        duel_lru_runs_ = &shadow_;  // the guards' shadow is the same LRU demand-only run
+      }
       const key_space whole{.layers = layers_, .experts_per_layer = experts_, .global = global_};
       for (std::uint32_t sc = 0; sc < policies_.size(); ++sc) {
         key_space space = whole;
@@ -626,7 +631,7 @@ class engine {
       const auto misses = [&](const std::vector<shadow_point>& v) {
         return v[g - 1].misses - (g == 1 ? 0 : v[g - 2].misses);
       };
-      duel_->add(misses(duel_self_), misses(duel_lru_shadow_));
+      duel_->add(misses(duel_self_), misses(*duel_lru_runs_));
     }
     if (starts_pass) duel_->begin_pass();
     const bool was = duel_->lru_leads();
@@ -1009,6 +1014,7 @@ class engine {
   std::vector<lru_policy> duel_lru_;                       // the real cache in LRU order
   std::vector<std::uint8_t> duel_mask_;                    // pins and spared experts of one victim choice
   std::vector<shadow_point> duel_self_, duel_lru_shadow_;  // the demand-only runs, after each group
+  const std::vector<shadow_point>* duel_lru_runs_ = nullptr;  // duel_lru_shadow_, or shadow_ when it is LRU's
   std::optional<eviction_duel> duel_;                      // the rule, fed the shadows group by group
   std::uint64_t prefetch_evictions_ = 0;
   std::uint64_t prefetch_refaults_ = 0;

@@ -389,6 +389,11 @@ TEST(PagerSim, EvictionDuelSidesEqualAReferenceOverSlotCaches) {
                                 .hardware = no_setup(),
                                 .transfer_compute_ratio = 1.0,
                                 .prefetch = &silent,
+                                // With the guards off the duel runs its own LRU shadow; with them on
+                                // it shares theirs.
+                                .max_prefetch_overhead =
+                                    margin == 0.0 ? 0.05 : std::numeric_limits<double>::infinity(),
+                                .stall_guard = margin == 0.0,
                                 .eviction_duel_passes = passes,
                                 .eviction_duel_margin = margin};
             const sim_result r = simulate(s, g, policy_kind::next_turn, o);
