@@ -1102,14 +1102,7 @@ void check_options(const access_stream& stream, const moe_geometry& geometry, po
     throw invalid_argument(
         fmt::format("simulate: max_prefetch_overhead {} out of range [0, inf]", options.max_prefetch_overhead));
   }
-  if (options.eviction_duel_passes > eviction_duel::max_passes) {
-    throw invalid_argument(fmt::format("simulate: eviction_duel_passes {} out of range [0, {}]",
-                                       options.eviction_duel_passes, eviction_duel::max_passes));
-  }
-  if (!(options.eviction_duel_margin >= 0.0) || std::isinf(options.eviction_duel_margin)) {
-    throw invalid_argument(
-        fmt::format("simulate: eviction_duel_margin {} out of range [0, inf)", options.eviction_duel_margin));
-  }
+  eviction_duel::check(options.eviction_duel_passes, options.eviction_duel_margin, "simulate", "eviction_duel_");
   if (!(options.eviction_duel_protect >= 0.0)) {
     throw invalid_argument(
         fmt::format("simulate: eviction_duel_protect {} out of range [0, inf]", options.eviction_duel_protect));

@@ -87,6 +87,19 @@ TEST(EvictionDuel, RefusesBadParameters) {
   refused(eviction_duel::max_passes + 1, 2.0, "passes 1048577 out of range [1, 1048576]");
   refused(4, -1.0, "margin -1 out of range [0, inf)");
   refused(4, std::nan(""), "margin nan out of range [0, inf)");
+
+  // The static check the settings' owners call: 0 passes is theirs to mean "off".
+  EXPECT_NO_THROW(eviction_duel::check(0, 2.0, "owner", "duel_"));
+  const auto check_refused = [](std::uint32_t passes, double margin, const char* says) {
+    try {
+      eviction_duel::check(passes, margin, "owner", "duel_");
+      ADD_FAILURE() << "accepted: " << says;
+    } catch (const invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr(says));
+    }
+  };
+  check_refused(eviction_duel::max_passes + 1, 2.0, "owner: duel_passes 1048577 out of range [0, 1048576]");
+  check_refused(4, -0.5, "owner: duel_margin -0.5 out of range [0, inf)");
 }
 
 }  // namespace

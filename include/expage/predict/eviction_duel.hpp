@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 namespace expage {
@@ -35,13 +36,26 @@ namespace expage {
 /// @threadsafety single-owner.
 class eviction_duel {
  public:
-  /// @throws expage::invalid_argument for 0 passes or a margin outside [0, +∞) (NaN included).
-  eviction_duel(std::uint32_t passes, double margin) : window_(std::size_t{passes} + 1), margin_(margin) {
-    if (passes == 0 || passes > max_passes) {
+  /// @throws expage::invalid_argument for 0 passes, more than max_passes, or a margin outside
+  /// [0, +∞) (NaN included).
+  eviction_duel(std::uint32_t passes, double margin) : margin_(margin) {
+    if (passes == 0 || passes > max_passes) {  // a duel object is on: 0 is not one of its values
       throw invalid_argument(fmt::format("eviction_duel: passes {} out of range [1, {}]", passes, max_passes));
     }
+    check(passes, margin, "eviction_duel", "");
+    window_.assign(std::size_t{passes} + 1, 0);
+  }
+
+  /// The ranges of a duel's settings, named as @p who's fields @p prefix + "passes" and
+  /// @p prefix + "margin": passes in [0, max_passes] (0 lets an owner turn the duel off) and a
+  /// margin in [0, +∞). The one check every owner of these settings calls.
+  /// @throws expage::invalid_argument naming the value and its range.
+  static void check(std::uint32_t passes, double margin, std::string_view who, std::string_view prefix) {
+    if (passes > max_passes) {
+      throw invalid_argument(fmt::format("{}: {}passes {} out of range [0, {}]", who, prefix, passes, max_passes));
+    }
     if (!(margin >= 0.0) || std::isinf(margin)) {
-      throw invalid_argument(fmt::format("eviction_duel: margin {} out of range [0, inf)", margin));
+      throw invalid_argument(fmt::format("{}: {}margin {} out of range [0, inf)", who, prefix, margin));
     }
   }
 
