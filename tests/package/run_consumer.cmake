@@ -3,6 +3,7 @@
 #   MODE=build_tree       find_package(expage) from the build tree's export
 #   MODE=fetch_content    FetchContent with SOURCE_DIR pointing at the checkout
 #   MODE=add_subdirectory add_subdirectory(<checkout>)
+# BUILD_TYPE is the consumer's CMAKE_BUILD_TYPE.
 
 function(run)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
@@ -27,7 +28,7 @@ elseif(MODE STREQUAL "build_tree")
 endif()
 
 run(${CMAKE_COMMAND} -S "${CONSUMER_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}"
-    -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" ${args})
+    -DCMAKE_BUILD_TYPE=${BUILD_TYPE} "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" ${args})
 run(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
 run("${WORK_DIR}/build/consumer")
 if(NOT last_output MATCHES "expage consumer ok")

@@ -3,7 +3,9 @@
 #   1. release build (CUDA targets when nvcc is present): unit tests, GPU tests
 #      (skipped without a device), examples, tools, a smoke run of every
 #      benchmark, the package tests, the Doxygen build (warnings are errors);
-#   2. the host library and its tests under AddressSanitizer + UBSan;
+#   2. the host library and its tests under AddressSanitizer + UBSan (at -O0: under UBSan, -O1
+#      doubles the compile time of the gtest-heavy sources, and the stage's build is most of it:
+#      -O0 builds and tests in about 520 s on 2 cores where -O1 took about 640 s);
 #   3. the host library and its tests under ThreadSanitizer;
 #   4. the libFuzzer targets of the trace readers, 15 s each (when clang++ and
 #      its libFuzzer runtime are installed; skipped with a message otherwise).
