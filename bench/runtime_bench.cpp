@@ -20,12 +20,19 @@
 //       9 MiB, bf16), evicting another: map, fill on the copy stream, fences, unmap; goal
 //       ≤ 1.05× a memcpy of the same bytes into pages mapped once. Second argument: 0 with every
 //       view (the stable page is mapped per miss), 1 with the records view alone (slot mappings).
+//   BM_Runtime_Miss_CopyEngine/<model>    vs  BM_Baseline_CopyEngineIntoRotatingPages/<model>
+//                                             and the memcpy baselines above
+//       the same miss, records view alone, with the loader an engine on the host would use: a
+//       host_copy_engine (one worker, 2 MiB chunks, non-temporal stores) in the copy stream's
+//       order. Against the same engine's copy without the runtime it says what the runtime adds
+//       to the copy it is given; against the memcpy baselines, what the miss path costs.
 #include "expage/cache/lru_policy.hpp"
 #include "expage/cache/slot_cache.hpp"
 #include "expage/core/units.hpp"
 #include "expage/predict/expert_predictor.hpp"
 #include "expage/runtime/expert_runtime.hpp"
 #include "expage/runtime/runtime_prefetcher.hpp"
+#include "expage/stream/host_copy_engine.hpp"
 #include "expage/stream/host_stream.hpp"
 #include "expage/vmm/host_vmm.hpp"
 
@@ -292,20 +299,17 @@ void BM_Baseline_StreamsFenceIntoRotatingPages(benchmark::State& state) {
 }
 BENCHMARK(BM_Baseline_StreamsFenceIntoRotatingPages)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
-void BM_Runtime_Miss(benchmark::State& state) {
-  const auto g = model(state.range(0));
+// One demand miss per iteration, each evicting another expert: a runtime over top-k slots of
+// @p g's experts (every slot full first), leases of one expert of layer 0 in turn, each waited for
+// through the compute stream's fence. Both miss benchmarks run this with their loader.
+void run_misses(benchmark::State& state, const expage::moe_geometry& g, expage::host_stream& copy,
+                const expage::expert_source<expage::host_stream>& source, expage::runtime_views views) {
   expage::host_vmm vmm({.granularity = 2_MiB});
-  expage::host_stream copy("copy"), compute("compute");
+  expage::host_stream compute("compute");
   const std::size_t per_expert =
       (g.tensor_bytes(expage::expert_tensor::gate_up, expage::precision::bf16) + 2_MiB - 1) / 2_MiB * 2_MiB +
       (g.tensor_bytes(expage::expert_tensor::down, expage::precision::bf16) + 2_MiB - 1) / 2_MiB * 2_MiB;
   expage::budget_tracker budget(g.top_k() * per_expert);
-  std::vector<std::byte> bytes;
-  auto source = zero_source(g, bytes);
-  // Argument 1: 0 keeps every view (a miss maps the victim's blocks at a new stable page); 1 keeps
-  // the records alone, in slot mappings that live as long as the slot (no mapping per miss).
-  const expage::runtime_views views =
-      state.range(1) == 0 ? expage::runtime_views{} : expage::runtime_views{.stable_tensors = false, .slots = false};
   runtime rt(g, budget.root(), vmm, copy, compute, source, {.views = views});
   for (std::uint32_t e = 0; e < g.top_k(); ++e) {  // every slot full: each acquire below evicts
     const std::uint32_t one[] = {e};
@@ -320,6 +324,16 @@ void BM_Runtime_Miss(benchmark::State& state) {
     compute.synchronize();  // the load is complete once the compute stream has passed its fence
   }
   state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(g.expert_bytes(expage::precision::bf16)));
+}
+
+void BM_Runtime_Miss(benchmark::State& state) {
+  const auto g = model(state.range(0));
+  expage::host_stream copy("copy");
+  std::vector<std::byte> bytes;
+  // Argument 1: 0 keeps every view (a miss maps the victim's blocks at a new stable page); 1 keeps
+  // the records alone, in slot mappings that live as long as the slot (no mapping per miss).
+  run_misses(state, g, copy, zero_source(g, bytes),
+             state.range(1) == 0 ? expage::runtime_views{} : expage::runtime_views{.stable_tensors = false, .slots = false});
   state.SetLabel(g.name() + (state.range(1) == 0 ? ", every view" : ", records alone"));
 }
 BENCHMARK(BM_Runtime_Miss)
@@ -329,6 +343,48 @@ BENCHMARK(BM_Runtime_Miss)
     ->Args({1, 1})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
+
+// The copy engine both copy-engine benchmarks use: one worker (a second one does not add bandwidth
+// on a 2-vCPU machine, docs/performance.md "Copy engine"), 2 MiB chunks, non-temporal stores.
+expage::host_copy_engine_options copy_engine_options() { return {.threads = 1, .chunk_bytes = 2_MiB}; }
+
+// BM_Baseline_CopyIntoRotatingPages with the host copy engine: the two tensors as one batch,
+// waited for on the caller's thread.
+void BM_Baseline_CopyEngineIntoRotatingPages(benchmark::State& state) {
+  const auto g = model(state.range(0));
+  const std::size_t bytes = g.expert_bytes(expage::precision::bf16);
+  const std::size_t gate_up = g.tensor_bytes(expage::expert_tensor::gate_up, expage::precision::bf16);
+  rotating_pages pages(bytes, g.top_k());
+  std::vector<std::byte> source(gate_up, std::byte{1});  // zero_source()'s: one tensor's bytes, read by both
+  expage::host_copy_engine engine(copy_engine_options());
+  for (auto _ : state) {
+    std::byte* const page = pages.next();
+    const expage::copy_region regions[] = {{page, source.data(), gate_up},
+                                           {page + gate_up, source.data(), bytes - gate_up}};
+    engine.copy_async(regions).synchronize();
+  }
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
+  state.SetLabel(g.name() + ", " + std::to_string(g.top_k()) + " destinations");
+}
+BENCHMARK(BM_Baseline_CopyEngineIntoRotatingPages)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_Runtime_Miss_CopyEngine(benchmark::State& state) {
+  const auto g = model(state.range(0));
+  expage::host_stream copy("copy");  // outlives the engine, whose destructor waits for the copies enqueued on it
+  expage::host_copy_engine engine(copy_engine_options());
+  std::vector<std::byte> bytes(g.tensor_bytes(expage::expert_tensor::gate_up, expage::precision::bf16), std::byte{1});
+  const expage::expert_source<expage::host_stream> source{
+      .format = expage::precision::bf16,
+      .load = [&g, &bytes, &engine](expage::expert_id, expage::expert_tensor t, std::span<std::byte> page,
+                                    expage::host_stream& s) {
+        const std::size_t n = g.tensor_bytes(t, expage::precision::bf16);
+        engine.copy(page.data(), bytes.data(), n, s);  // in the copy stream's order
+        return n;
+      }};
+  run_misses(state, g, copy, source, expage::runtime_views{.stable_tensors = false, .slots = false});
+  state.SetLabel(g.name() + ", records alone");
+}
+BENCHMARK(BM_Runtime_Miss_CopyEngine)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 
