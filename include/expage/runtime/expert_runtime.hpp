@@ -1818,9 +1818,11 @@ class expert_runtime {
       r.flat.reserve(experts.size());
       if (tier_count_ != 1) r.tiers.reserve(experts.size());
     }
-    r.experts.resize(experts.size());
-    r.flat.resize(experts.size());
-    if (tier_count_ != 1) r.tiers.resize(experts.size());
+    if (r.flat.size() != experts.size()) {  // a record is mostly reused for a group of the same size
+      r.experts.resize(experts.size());
+      r.flat.resize(experts.size());
+      if (tier_count_ != 1) r.tiers.resize(experts.size());
+    }
     const std::uint32_t first = flat(layer, 0);
     for (std::size_t i = 0; i < experts.size(); ++i) {
       r.experts[i] = experts[i];
