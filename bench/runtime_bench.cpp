@@ -253,6 +253,28 @@ void BM_Baseline_CopyIntoRotatingPages(benchmark::State& state) {
 }
 BENCHMARK(BM_Baseline_CopyIntoRotatingPages)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
+// What the baselines of the runtime's two-copy miss share: the model's expert (its bytes, and the
+// gate_up tensor's that come first), top-k rotating destinations, and zero_source()'s bytes (one
+// tensor's, read by both copies).
+struct two_copy_case {
+  expage::moe_geometry g;
+  std::size_t bytes;
+  std::size_t gate_up;
+  rotating_pages pages;
+  std::vector<std::byte> source;
+
+  explicit two_copy_case(std::int64_t which)
+      : g(model(which)),
+        bytes(g.expert_bytes(expage::precision::bf16)),
+        gate_up(g.tensor_bytes(expage::expert_tensor::gate_up, expage::precision::bf16)),
+        pages(bytes, g.top_k()),
+        source(gate_up, std::byte{1}) {}
+  void finish(benchmark::State& state) const {
+    state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
+    state.SetLabel(g.name() + ", " + std::to_string(g.top_k()) + " destinations");
+  }
+};
+
 // The same copy as two memcpy calls (gate_up, down) on a host_stream's thread, waited for with
 // synchronize(): the runtime's miss without the runtime (its loads run on the copy stream's
 // thread), to tell the runtime's own cost from the cost of copying on another thread.
@@ -279,23 +301,18 @@ BENCHMARK(BM_Baseline_StreamCopyIntoMappedPages)->Arg(0)->Arg(1)->Unit(benchmark
 // the runtime's own work; what lies between this and BM_Baseline_CopyIntoRotatingPages is the
 // host streams' (two thread hand-offs on the machine's cores).
 void BM_Baseline_StreamsFenceIntoRotatingPages(benchmark::State& state) {
-  const auto g = model(state.range(0));
-  const std::size_t bytes = g.expert_bytes(expage::precision::bf16);
-  const std::size_t gate_up = g.tensor_bytes(expage::expert_tensor::gate_up, expage::precision::bf16);
-  rotating_pages pages(bytes, g.top_k());
-  std::vector<std::byte> source(gate_up, std::byte{1});  // zero_source()'s: one tensor's bytes, read by both
+  two_copy_case c(state.range(0));
   expage::host_stream copy("copy"), compute("compute");
   expage::host_event loaded;
   for (auto _ : state) {
-    std::byte* const page = pages.next();
-    copy.copy(page, source.data(), gate_up);
-    copy.copy(page + gate_up, source.data(), bytes - gate_up);
+    std::byte* const page = c.pages.next();
+    copy.copy(page, c.source.data(), c.gate_up);
+    copy.copy(page + c.gate_up, c.source.data(), c.bytes - c.gate_up);
     copy.record(loaded);
     compute.wait(loaded);
     compute.synchronize();
   }
-  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
-  state.SetLabel(g.name() + ", " + std::to_string(g.top_k()) + " destinations");
+  c.finish(state);
 }
 BENCHMARK(BM_Baseline_StreamsFenceIntoRotatingPages)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
@@ -351,20 +368,15 @@ expage::host_copy_engine_options copy_engine_options() { return {.threads = 1, .
 // BM_Baseline_CopyIntoRotatingPages with the host copy engine: the two tensors as one batch,
 // waited for on the caller's thread.
 void BM_Baseline_CopyEngineIntoRotatingPages(benchmark::State& state) {
-  const auto g = model(state.range(0));
-  const std::size_t bytes = g.expert_bytes(expage::precision::bf16);
-  const std::size_t gate_up = g.tensor_bytes(expage::expert_tensor::gate_up, expage::precision::bf16);
-  rotating_pages pages(bytes, g.top_k());
-  std::vector<std::byte> source(gate_up, std::byte{1});  // zero_source()'s: one tensor's bytes, read by both
+  two_copy_case c(state.range(0));
   expage::host_copy_engine engine(copy_engine_options());
   for (auto _ : state) {
-    std::byte* const page = pages.next();
-    const expage::copy_region regions[] = {{page, source.data(), gate_up},
-                                           {page + gate_up, source.data(), bytes - gate_up}};
+    std::byte* const page = c.pages.next();
+    const expage::copy_region regions[] = {{page, c.source.data(), c.gate_up},
+                                           {page + c.gate_up, c.source.data(), c.bytes - c.gate_up}};
     engine.copy_async(regions).synchronize();
   }
-  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
-  state.SetLabel(g.name() + ", " + std::to_string(g.top_k()) + " destinations");
+  c.finish(state);
 }
 BENCHMARK(BM_Baseline_CopyEngineIntoRotatingPages)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
