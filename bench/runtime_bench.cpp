@@ -66,13 +66,20 @@ std::vector<std::array<std::uint32_t, 2>> top2_groups() {
   return groups;
 }
 
-expage::expert_source<expage::host_stream> zero_source(const expage::moe_geometry& g, std::vector<std::byte>& bytes) {
+// A bf16 source whose every tensor is a copy of @p bytes (one gate_up tensor's, filled here),
+// enqueued on the copy stream, or through @p engine in the stream's order when one is given.
+expage::expert_source<expage::host_stream> zero_source(const expage::moe_geometry& g, std::vector<std::byte>& bytes,
+                                                       expage::host_copy_engine* engine = nullptr) {
   bytes.assign(g.tensor_bytes(expage::expert_tensor::gate_up, expage::precision::bf16), std::byte{1});
   return {.format = expage::precision::bf16,
-          .load = [&g, &bytes](expage::expert_id, expage::expert_tensor t, std::span<std::byte> page,
-                               expage::host_stream& s) {
+          .load = [&g, &bytes, engine](expage::expert_id, expage::expert_tensor t, std::span<std::byte> page,
+                                       expage::host_stream& s) {
             const std::size_t n = g.tensor_bytes(t, expage::precision::bf16);
-            s.copy(page.data(), bytes.data(), n);
+            if (engine != nullptr) {
+              engine->copy(page.data(), bytes.data(), n, s);
+            } else {
+              s.copy(page.data(), bytes.data(), n);
+            }
             return n;
           }};
 }
@@ -349,8 +356,9 @@ void BM_Runtime_Miss(benchmark::State& state) {
   std::vector<std::byte> bytes;
   // Argument 1: 0 keeps every view (a miss maps the victim's blocks at a new stable page); 1 keeps
   // the records alone, in slot mappings that live as long as the slot (no mapping per miss).
-  run_misses(state, g, copy, zero_source(g, bytes),
-             state.range(1) == 0 ? expage::runtime_views{} : expage::runtime_views{.stable_tensors = false, .slots = false});
+  run_misses(
+      state, g, copy, zero_source(g, bytes),
+      state.range(1) == 0 ? expage::runtime_views{} : expage::runtime_views{.stable_tensors = false, .slots = false});
   state.SetLabel(g.name() + (state.range(1) == 0 ? ", every view" : ", records alone"));
 }
 BENCHMARK(BM_Runtime_Miss)
@@ -384,16 +392,9 @@ void BM_Runtime_Miss_CopyEngine(benchmark::State& state) {
   const auto g = model(state.range(0));
   expage::host_stream copy("copy");  // outlives the engine, whose destructor waits for the copies enqueued on it
   expage::host_copy_engine engine(copy_engine_options());
-  std::vector<std::byte> bytes(g.tensor_bytes(expage::expert_tensor::gate_up, expage::precision::bf16), std::byte{1});
-  const expage::expert_source<expage::host_stream> source{
-      .format = expage::precision::bf16,
-      .load = [&g, &bytes, &engine](expage::expert_id, expage::expert_tensor t, std::span<std::byte> page,
-                                    expage::host_stream& s) {
-        const std::size_t n = g.tensor_bytes(t, expage::precision::bf16);
-        engine.copy(page.data(), bytes.data(), n, s);  // in the copy stream's order
-        return n;
-      }};
-  run_misses(state, g, copy, source, expage::runtime_views{.stable_tensors = false, .slots = false});
+  std::vector<std::byte> bytes;
+  run_misses(state, g, copy, zero_source(g, bytes, &engine),
+             expage::runtime_views{.stable_tensors = false, .slots = false});
   state.SetLabel(g.name() + ", records alone");
 }
 BENCHMARK(BM_Runtime_Miss_CopyEngine)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();

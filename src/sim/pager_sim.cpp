@@ -1011,11 +1011,11 @@ class engine {
   std::vector<shadow_point>* record_ = nullptr;  // set on a shadow run
   bool duelling_ = false;
   bool duel_lru_leads_ = false;
-  std::vector<lru_policy> duel_lru_;                       // the real cache in LRU order
-  std::vector<std::uint8_t> duel_mask_;                    // pins and spared experts of one victim choice
-  std::vector<shadow_point> duel_self_, duel_lru_shadow_;  // the demand-only runs, after each group
+  std::vector<lru_policy> duel_lru_;                          // the real cache in LRU order
+  std::vector<std::uint8_t> duel_mask_;                       // pins and spared experts of one victim choice
+  std::vector<shadow_point> duel_self_, duel_lru_shadow_;     // the demand-only runs, after each group
   const std::vector<shadow_point>* duel_lru_runs_ = nullptr;  // duel_lru_shadow_, or shadow_ when it is LRU's
-  std::optional<eviction_duel> duel_;                      // the rule, fed the shadows group by group
+  std::optional<eviction_duel> duel_;                         // the rule, fed the shadows group by group
   std::uint64_t prefetch_evictions_ = 0;
   std::uint64_t prefetch_refaults_ = 0;
   bool forecasting_ = false;                    // prefetch-aware eviction (sim_options::forecast_eviction)

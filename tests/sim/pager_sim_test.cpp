@@ -391,8 +391,7 @@ TEST(PagerSim, EvictionDuelSidesEqualAReferenceOverSlotCaches) {
                                 .prefetch = &silent,
                                 // With the guards off the duel runs its own LRU shadow; with them on
                                 // it shares theirs.
-                                .max_prefetch_overhead =
-                                    margin == 0.0 ? 0.05 : std::numeric_limits<double>::infinity(),
+                                .max_prefetch_overhead = margin == 0.0 ? 0.05 : std::numeric_limits<double>::infinity(),
                                 .stall_guard = margin == 0.0,
                                 .eviction_duel_passes = passes,
                                 .eviction_duel_margin = margin};
