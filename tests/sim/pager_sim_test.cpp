@@ -5,6 +5,7 @@
 #include "expage/cache/replay.hpp"
 #include "expage/cache/slot_cache.hpp"
 #include "expage/core/error.hpp"
+#include "expage/detail/sanitizers.hpp"
 #include "expage/trace/synthetic_trace.hpp"
 #include "expage/trace/trace_io.hpp"
 
@@ -709,7 +710,7 @@ TEST(PagerSim, HotExpertTablePreloadsTheHottest) {
 // Issue 14's acceptance on the real traces, with the parameters frozen on problem 0
 // (docs/prefetch.md): problem 1 of the Mixtral HumanEval trace, and the FLAME-MoE stream.
 TEST(PagerSim, PrefetchAcceptanceOnRealTraces) {
-#if defined(EXPAGE_SANITIZED)
+#if EXPAGE_SANITIZED
   GTEST_SKIP() << "a measurement: run in the release build";
 #endif
   const auto dir = testing::traces_dir();

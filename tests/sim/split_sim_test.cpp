@@ -3,6 +3,7 @@
 #include "common/split_workloads.hpp"
 #include "common/traces.hpp"
 #include "expage/core/error.hpp"
+#include "expage/detail/sanitizers.hpp"
 #include "expage/trace/synthetic_trace.hpp"
 #include "expage/trace/trace_io.hpp"
 
@@ -271,7 +272,7 @@ std::vector<std::uint64_t> bursts_to_settle(const split_run& run, const kv_block
 // miss costing about as much as recomputing one 16-token KV block). Parameters tuned on problem 0,
 // reported on problem 1 with them frozen (online_split_options' defaults).
 TEST(SplitSim, MvWsaAcceptanceOnMixtralHumanEval) {
-#if defined(EXPAGE_SANITIZED)
+#if EXPAGE_SANITIZED
   GTEST_SKIP() << "a measurement: run in the release build";
 #endif
   const auto file = testing::mixtral_humaneval_trace();

@@ -546,7 +546,7 @@ double cost_after(const tier_run& r, std::size_t warmup, double lambda) {
 // its sessions' earlier contexts never read, so the KV working set only reaches its size then).
 // Parameters tuned on problem 0 (four_pool_config's defaults), reported on problem 1.
 TEST(TierSim, FourPoolAcceptanceOnMixtralHumanEval) {
-#if defined(EXPAGE_SANITIZED)
+#if EXPAGE_SANITIZED
   GTEST_SKIP() << "a measurement: run in the release build";
 #endif
   const auto file = testing::mixtral_humaneval_trace();
