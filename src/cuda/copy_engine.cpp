@@ -81,8 +81,10 @@ copy_engine::copy_engine(copy_engine_options opts) : options_(validated(opts)) {
   stream_used_.assign(options_.streams, false);
   if (options_.staging_threads > 1) {
     const std::size_t part = (options_.chunk_bytes + options_.staging_threads - 1) / options_.staging_threads;
+    // The thread that calls copy() fills parts too (host_copy_engine::copy helps), so
+    // staging_threads - 1 workers make staging_threads threads per slot.
     stager_ = std::make_unique<host_copy_engine>(
-        host_copy_engine_options{.threads = options_.staging_threads, .chunk_bytes = part, .copier = {}});
+        host_copy_engine_options{.threads = options_.staging_threads - 1, .chunk_bytes = part, .copier = {}});
   }
 }
 

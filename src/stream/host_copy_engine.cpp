@@ -18,13 +18,16 @@ namespace expage {
 
 namespace detail {
 
+// One chunk of a submission.
+struct copy_chunk {
+  std::byte* dst;
+  const std::byte* src;
+  std::size_t bytes;
+};
+
 // One submission: its chunks, taken in order by the workers, and its completion state.
 struct copy_job {
-  struct chunk {
-    std::byte* dst;
-    const std::byte* src;
-    std::size_t bytes;
-  };
+  using chunk = copy_chunk;
   std::vector<chunk> chunks;  // immutable once queued
   bool streaming = false;     // copy with non-temporal stores (a large submission)
   std::size_t next = 0;       // next chunk to take; guarded by the engine's mutex
@@ -217,7 +220,19 @@ copy_completion host_copy_engine::copy_async(std::span<const copy_region> region
 }
 
 void host_copy_engine::copy(void* dst, const void* src, std::size_t bytes) {
-  copy_async(dst, src, bytes).synchronize();
+  const copy_region region{dst, src, bytes};
+  copy(std::span(&region, 1));
+}
+
+void host_copy_engine::copy(std::span<const copy_region> regions) {
+  validate(regions);
+  submit_and_help(regions);
+}
+
+void host_copy_engine::submit_and_help(std::span<const copy_region> regions) {
+  const copy_completion done = submit(regions);
+  help(*done.job_);
+  done.synchronize();
 }
 
 void host_copy_engine::copy(void* dst, const void* src, std::size_t bytes, host_stream& stream) {
@@ -247,9 +262,10 @@ void host_copy_engine::copy(std::span<const copy_region> regions, host_stream& s
   std::vector<copy_region> owned(regions.begin(), regions.end());
   auto guard = std::make_shared<stream_task_guard>(this);
   // The stream's thread submits the copy only when it reaches this task (after
-  // the earlier work) and blocks until every chunk is done (before the later
-  // work); a chunk's error becomes the stream's sticky error.
-  stream.enqueue([this, guard = std::move(guard), owned = std::move(owned)] { submit(owned).synchronize(); });
+  // the earlier work), copies chunks of it beside the workers, and returns once
+  // every chunk is done (before the later work); a chunk's error becomes the
+  // stream's sticky error.
+  stream.enqueue([this, guard = std::move(guard), owned = std::move(owned)] { submit_and_help(owned); });
 }
 
 void host_copy_engine::run_worker() {
@@ -260,42 +276,61 @@ void host_copy_engine::run_worker() {
     std::shared_ptr<detail::copy_job> job = queue_.front();
     const detail::copy_job::chunk c = job->chunks[job->next++];
     if (job->next == job->chunks.size()) queue_.pop_front();
-    lock.unlock();
-
-    bool copied = false;
-    bool failed = false;
-    if (!job->failed.load(std::memory_order_relaxed)) {  // relaxed: see copy_job::failed
-      try {
-        if (copier_) {
-          copier_(c.dst, c.src, c.bytes);
-        } else if (job->streaming) {
-          streaming_copy(c.dst, c.src, c.bytes);
-        } else {
-          std::memcpy(c.dst, c.src, c.bytes);
-        }
-        copied = true;
-      } catch (...) {
-        failed = true;
-        const std::lock_guard error_lock(job->error_mutex);
-        if (!job->error) job->error = std::current_exception();
-        job->failed.store(true, std::memory_order_relaxed);
-      }
-    }
-
-    lock.lock();
-    if (copied) {
-      ++stats_.chunks;
-      stats_.bytes += c.bytes;
-    } else if (failed) {
-      ++stats_.failed_chunks;
-    } else {
-      ++stats_.skipped_chunks;
-    }
-    // Acq_rel: releases this chunk's bytes (and the counters above) to the
-    // waiter's acquire load; see copy_job::remaining. The worker still holds
-    // `job`, so the atomic outlives the notify.
-    if (job->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) job->remaining.notify_all();
+    run_chunk(lock, *job, c, false);
   }
+}
+
+// The waiting thread takes the chunks of its own submission that no worker has
+// taken yet, wherever the submission stands in the queue: a job is queued
+// exactly while it has chunks left to take (submit() and run_worker() keep that).
+void host_copy_engine::help(detail::copy_job& job) {
+  std::unique_lock lock(mutex_);
+  while (job.next < job.chunks.size()) {
+    const detail::copy_job::chunk c = job.chunks[job.next++];
+    if (job.next == job.chunks.size()) {
+      queue_.erase(std::find_if(queue_.begin(), queue_.end(), [&](const auto& q) { return q.get() == &job; }));
+    }
+    run_chunk(lock, job, c, true);
+  }
+}
+
+void host_copy_engine::run_chunk(std::unique_lock<std::mutex>& lock, detail::copy_job& job,
+                                 const detail::copy_job::chunk& c, bool helping) {
+  lock.unlock();
+  bool copied = false;
+  bool failed = false;
+  if (!job.failed.load(std::memory_order_relaxed)) {  // relaxed: see copy_job::failed
+    try {
+      if (copier_) {
+        copier_(c.dst, c.src, c.bytes);
+      } else if (job.streaming) {
+        streaming_copy(c.dst, c.src, c.bytes);
+      } else {
+        std::memcpy(c.dst, c.src, c.bytes);
+      }
+      copied = true;
+    } catch (...) {
+      failed = true;
+      const std::lock_guard error_lock(job.error_mutex);
+      if (!job.error) job.error = std::current_exception();
+      job.failed.store(true, std::memory_order_relaxed);
+    }
+  }
+
+  lock.lock();
+  if (copied) {
+    ++stats_.chunks;
+    stats_.bytes += c.bytes;
+    if (helping) ++stats_.helped_chunks;
+  } else if (failed) {
+    ++stats_.failed_chunks;
+  } else {
+    ++stats_.skipped_chunks;
+  }
+  // Acq_rel: releases this chunk's bytes (and the counters above) to the
+  // waiter's acquire load; see copy_job::remaining. The caller still holds
+  // the job, so the atomic outlives the notify.
+  if (job.remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) job.remaining.notify_all();
 }
 
 host_copy_engine_statistics host_copy_engine::statistics() const {

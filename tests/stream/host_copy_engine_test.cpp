@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -314,6 +315,86 @@ TEST(HostCopyEngine, ChunkErrorBecomesTheStreamsStickyError) {
   EXPECT_THROW(stream.synchronize(), injected_copy_error);
   EXPECT_EQ(skipped.dst[0], poison);
   EXPECT_EQ(stream.statistics().skipped, 2u);
+}
+
+// Holds the engine's only worker inside the chunk of a one-chunk submission until release(),
+// so that whatever else completes meanwhile was copied by the thread that waited for it.
+struct held_worker {
+  std::promise<void> entered;
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  buffers held{1_KiB, 30};
+  host_copy_engine engine{
+      {.threads = 1, .chunk_bytes = 1_KiB, .copier = [this](std::byte* dst, const std::byte* src, std::size_t bytes) {
+         if (dst == held.dst.data()) {
+           entered.set_value();
+           opened.wait();
+         }
+         std::memcpy(dst, src, bytes);
+       }}};
+  copy_completion pending = engine.copy_async(held.dst.data(), held.src.data(), held.bytes);
+  held_worker() { entered.get_future().wait(); }
+  held_worker(const held_worker&) = delete;
+  held_worker& operator=(const held_worker&) = delete;
+  ~held_worker() { release(); }
+  void release() {
+    if (!released_) gate.set_value();
+    released_ = true;
+  }
+
+ private:
+  bool released_ = false;
+};
+
+// Waits for @p done at most a minute (a fail-safe, not a synchronization: it returns at once when
+// the copy does not depend on the held worker), then lets the worker go either way.
+bool completes_without_the_worker(std::future<void>& done, held_worker& h) {
+  const bool ready = done.wait_for(std::chrono::minutes(1)) == std::future_status::ready;
+  h.release();
+  done.get();
+  return ready;
+}
+
+TEST(HostCopyEngine, BlockingCopyIsCopiedByItsCallerWhileTheWorkersAreBusy) {
+  held_worker h;
+  buffers b(8_KiB, 31);
+  std::future<void> done = std::async(std::launch::async, [&] { h.engine.copy(b.dst.data(), b.src.data(), b.bytes); });
+  EXPECT_TRUE(completes_without_the_worker(done, h));
+  EXPECT_TRUE(b.copied());
+  h.pending.synchronize();
+  EXPECT_TRUE(h.held.copied());
+  const host_copy_engine_statistics s = h.engine.statistics();
+  EXPECT_EQ(s.chunks, 9u);
+  EXPECT_EQ(s.helped_chunks, 8u);
+}
+
+TEST(HostCopyEngine, StreamCopyIsCopiedByTheStreamsThreadWhileTheWorkersAreBusy) {
+  held_worker h;
+  host_stream stream;
+  buffers b(6_KiB + 5, 32);
+  buffers batch(3_KiB, 33);
+  const copy_region regions[] = {{batch.dst.data(), batch.src.data(), 1_KiB},
+                                 {batch.dst.data() + 1_KiB, batch.src.data() + 1_KiB, 2_KiB}};
+  h.engine.copy(b.dst.data(), b.src.data(), b.bytes, stream);
+  h.engine.copy(regions, stream);
+  std::future<void> done = std::async(std::launch::async, [&] { stream.synchronize(); });
+  EXPECT_TRUE(completes_without_the_worker(done, h));
+  EXPECT_TRUE(b.copied());
+  EXPECT_TRUE(batch.copied());
+  h.pending.synchronize();
+  EXPECT_EQ(h.engine.statistics().helped_chunks, 10u);  // 7 + 3 chunks, none by the held worker
+}
+
+TEST(HostCopyEngine, HelpedChunkErrorReachesTheCaller) {
+  host_copy_engine engine({.threads = 1, .chunk_bytes = 1_KiB, .copier = failing_copier(1)});
+  buffers b(4_KiB, 34);
+  EXPECT_THROW(engine.copy(b.dst.data(), b.src.data(), b.bytes), injected_copy_error);
+  const host_copy_engine_statistics s = engine.statistics();
+  EXPECT_EQ(s.failed_chunks, 1u);
+  EXPECT_EQ(s.chunks + s.failed_chunks + s.skipped_chunks, 4u);
+  buffers next(2_KiB, 35);  // the engine goes on
+  engine.copy(next.dst.data(), next.src.data(), next.bytes);
+  EXPECT_TRUE(next.copied());
 }
 
 TEST(HostCopyEngine, DestructionDrainsQueuedChunks) {

@@ -24,8 +24,9 @@ struct copy_engine_options {
   std::size_t staging_slots = 4;  ///< K: pinned staging buffers of chunk_bytes, in [2, 256].
   std::size_t chunk_bytes = std::size_t{4}
                             << 20;  ///< Bytes per chunk and per slot: a multiple of 4096 in [64 KiB, 256 MiB].
-  std::size_t staging_threads =
-      1;  ///< Host threads filling one slot, in [1, 64]; above 1 a host_copy_engine splits it.
+  /// Host threads filling one slot, in [1, 64]: the calling thread and, above 1, the
+  /// staging_threads - 1 workers of an internal host_copy_engine that splits the slot with it.
+  std::size_t staging_threads = 1;
 };
 
 /// @brief Counters of a copy_engine.

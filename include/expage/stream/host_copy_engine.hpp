@@ -29,6 +29,7 @@ struct copy_region {
 
 namespace detail {
 struct copy_job;
+struct copy_chunk;
 }  // namespace detail
 
 /// @brief The completion of one host_copy_engine submission (a copy or a batch).
@@ -75,6 +76,7 @@ struct host_copy_engine_statistics {
   std::uint64_t submissions = 0;     ///< copy_async() calls, blocking and stream-ordered ones included.
   std::uint64_t stream_copies = 0;   ///< Copies enqueued on a host_stream.
   std::uint64_t chunks = 0;          ///< Chunks copied.
+  std::uint64_t helped_chunks = 0;   ///< Of those, chunks the waiting thread (copy() or a stream's) copied.
   std::uint64_t bytes = 0;           ///< Bytes those chunks moved.
   std::uint64_t failed_chunks = 0;   ///< Chunks whose copier threw.
   std::uint64_t skipped_chunks = 0;  ///< Chunks not copied because an earlier chunk of their submission failed.
@@ -83,7 +85,8 @@ struct host_copy_engine_statistics {
 /// @brief Construction parameters of a host_copy_engine.
 struct host_copy_engine_options {
   /// The function that copies one chunk (`dst`, `src`, `bytes`); empty: std::memcpy. Runs on a
-  /// worker thread; an exception it throws fails its submission. Hook for a transform (a decode,
+  /// worker thread, or on the thread that waits for the submission (copy(), or a stream's thread);
+  /// an exception it throws fails its submission. Hook for a transform (a decode,
   /// non-temporal stores) or a test double.
   using chunk_copier = std::function<void(std::byte* dst, const std::byte* src, std::size_t bytes)>;
 
@@ -103,13 +106,19 @@ struct host_copy_engine_options {
 /// Each submission, one copy or a batch (the tensors of a layer), is split into
 /// chunks of at most chunk_bytes, appended to one FIFO queue and copied by
 /// threads() workers in parallel; a copy_completion reports when the last chunk
-/// is done. Submissions start in FIFO order; their chunks run concurrently.
+/// is done. Workers take submissions in FIFO order; their chunks run concurrently.
 /// Nothing busy-waits: workers sleep on a condition variable, waiters on the
 /// completion's atomic counter.
 ///
+/// The waiting thread helps. A thread that would block until its own submission
+/// is done (in copy(), or a stream's thread in stream order) copies that
+/// submission's untaken chunks itself, beside the workers, before it waits: its
+/// copy starts without waiting for a worker to wake up or for earlier submissions
+/// to drain, and one more core copies. copy_async() does not help: its caller goes on.
+///
 /// Stream order. copy(..., host_stream&) enqueues on the stream one task that,
-/// when the stream's thread reaches it, submits the copy and blocks that thread
-/// until the completion is ready, then rethrows a chunk's error. So the copy
+/// when the stream's thread reaches it, submits the copy, helps, and blocks that
+/// thread until the completion is ready, then rethrows a chunk's error. So the copy
 /// starts only after the work enqueued on the stream before it (its source may
 /// be written by an earlier callback, its destination read by an earlier one),
 /// and work enqueued after it, including an event record, runs only once every
@@ -154,9 +163,13 @@ class host_copy_engine {
   /// @throws expage::invalid_argument as above, naming the region's index.
   [[nodiscard]] copy_completion copy_async(std::span<const copy_region> regions);
 
-  /// Copies and waits: copy_async(@p dst, @p src, @p bytes).synchronize().
+  /// Copies and waits, as copy_async(@p dst, @p src, @p bytes).synchronize(), except that the
+  /// calling thread copies chunks of this submission beside the workers instead of idling.
   /// @throws expage::invalid_argument as copy_async(), or what a chunk copier threw.
   void copy(void* dst, const void* src, std::size_t bytes);
+  /// Copies a batch and waits, the calling thread copying beside the workers (see above).
+  /// @throws expage::invalid_argument as copy_async(), or what a chunk copier threw.
+  void copy(std::span<const copy_region> regions);
   /// Enqueues the copy on @p stream, in stream order (see the class comment). The pointers must stay
   /// valid until the stream has run it.
   /// @throws expage::invalid_argument as copy_async(), at once, on the calling thread.
@@ -172,7 +185,10 @@ class host_copy_engine {
  private:
   static void validate(std::span<const copy_region> regions);
   [[nodiscard]] copy_completion submit(std::span<const copy_region> regions);
+  void submit_and_help(std::span<const copy_region> regions);
   void run_worker();
+  void help(detail::copy_job& job);
+  void run_chunk(std::unique_lock<std::mutex>& lock, detail::copy_job& job, const detail::copy_chunk& c, bool helping);
 
   std::size_t chunk_bytes_;
   std::size_t streaming_threshold_;
