@@ -14,18 +14,25 @@
 //       each expert from its active tier (lease::tiers()) adds to the one-tier hit path.
 //   BM_Runtime_Miss/<model>/<views>       vs  BM_Baseline_CopyIntoMappedPages/<model>,
 //                                             BM_Baseline_CopyIntoRotatingPages/<model>,
-//                                             BM_Baseline_StreamsFenceIntoRotatingPages/<model>
+//                                             BM_Baseline_StreamsFenceIntoRotatingPages/<model>/0
 //                                             and BM_Baseline_StreamCopyIntoMappedPages/<model>
 //       one expert loaded per lease at its real size (Mixtral-8x7B 336 MiB, Qwen3-30B-A3B
 //       9 MiB, bf16), evicting another: map, fill on the copy stream, fences, unmap; goal
 //       ≤ 1.05× a memcpy of the same bytes into pages mapped once. Second argument: 0 with every
 //       view (the stable page is mapped per miss), 1 with the records view alone (slot mappings).
-//   BM_Runtime_Miss_CopyEngine/<model>    vs  BM_Baseline_CopyEngineIntoRotatingPages/<model>
+//   BM_Runtime_Miss_CopyEngine/<model>    vs  BM_Baseline_CopyEngineIntoRotatingPages/<model>,
+//                                             BM_Baseline_StreamsFenceIntoRotatingPages/<model>/1
 //                                             and the memcpy baselines above
 //       the same miss, records view alone, with the loader an engine on the host would use: a
-//       host_copy_engine (one worker, 2 MiB chunks, non-temporal stores) in the copy stream's
-//       order. Against the same engine's copy without the runtime it says what the runtime adds
-//       to the copy it is given; against the memcpy baselines, what the miss path costs.
+//       host_copy_engine (one worker and the copy stream's thread, 2 MiB chunks, non-temporal
+//       stores) in the copy stream's order. Against the same engine's copy without the runtime
+//       it says what the runtime and its streams add to the copy they are given; against the
+//       same copy through the same streams and fence, what the runtime alone adds;
+//       BM_Baseline_StreamsFenceIntoRotatingPages/<model>/2 is those hand-offs with no copy.
+//       Against the memcpy baselines, what the miss path costs.
+//   BM_Baseline_WakeRoundTrip
+//       two wake-ups of a sleeping thread (atomic wait/notify): the unit of the host streams'
+//       fixed cost per miss.
 #include "expage/cache/lru_policy.hpp"
 #include "expage/cache/slot_cache.hpp"
 #include "expage/core/units.hpp"
@@ -38,9 +45,14 @@
 
 #include <benchmark/benchmark.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -260,6 +272,10 @@ void BM_Baseline_CopyIntoRotatingPages(benchmark::State& state) {
 }
 BENCHMARK(BM_Baseline_CopyIntoRotatingPages)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
+// The copy engine the copy-engine benchmarks use: one worker, which with the waiting thread that
+// helps it makes two copying threads, one per vCPU here; 2 MiB chunks, non-temporal stores.
+expage::host_copy_engine_options copy_engine_options() { return {.threads = 1, .chunk_bytes = 2_MiB}; }
+
 // What the baselines of the runtime's two-copy miss share: the model's expert (its bytes, and the
 // gate_up tensor's that come first), top-k rotating destinations, and zero_source()'s bytes (one
 // tensor's, read by both copies).
@@ -304,24 +320,69 @@ BENCHMARK(BM_Baseline_StreamCopyIntoMappedPages)->Arg(0)->Arg(1)->Unit(benchmark
 
 // The runtime's miss without the runtime, fences included: the two copies on a copy stream into
 // the rotating destinations, an event recorded after them, the compute stream waiting on it, and
-// the caller synchronizing the compute stream. What is left between this and BM_Runtime_Miss is
-// the runtime's own work; what lies between this and BM_Baseline_CopyIntoRotatingPages is the
-// host streams' (two thread hand-offs on the machine's cores).
+// the caller synchronizing the compute stream. What is left between this and the runtime's miss
+// with the same loader is the runtime's own work; what lies between this and the copy alone is
+// the host streams' (thread hand-offs between the machine's cores). Second argument, the loader:
+// 0 host_stream::copy (as BM_Runtime_Miss), 1 the copy engine in stream order (as
+// BM_Runtime_Miss_CopyEngine), 2 none: the hand-offs and fence alone, with no byte copied.
 void BM_Baseline_StreamsFenceIntoRotatingPages(benchmark::State& state) {
   two_copy_case c(state.range(0));
-  expage::host_stream copy("copy"), compute("compute");
+  expage::host_stream copy("copy"), compute("compute");  // outlive the engine (see BM_Runtime_Miss_CopyEngine)
+  expage::host_copy_engine engine(copy_engine_options());
   expage::host_event loaded;
+  const std::int64_t loader = state.range(1);
   for (auto _ : state) {
     std::byte* const page = c.pages.next();
-    copy.copy(page, c.source.data(), c.gate_up);
-    copy.copy(page + c.gate_up, c.source.data(), c.bytes - c.gate_up);
+    if (loader == 0) {
+      copy.copy(page, c.source.data(), c.gate_up);
+      copy.copy(page + c.gate_up, c.source.data(), c.bytes - c.gate_up);
+    } else if (loader == 1) {
+      engine.copy(page, c.source.data(), c.gate_up, copy);
+      engine.copy(page + c.gate_up, c.source.data(), c.bytes - c.gate_up, copy);
+    }
     copy.record(loaded);
     compute.wait(loaded);
     compute.synchronize();
   }
   c.finish(state);
+  if (loader == 2) state.SetBytesProcessed(0);
+  state.SetLabel(c.g.name() + (loader == 0 ? ", host_stream::copy" : loader == 1 ? ", copy engine" : ", no copy"));
 }
-BENCHMARK(BM_Baseline_StreamsFenceIntoRotatingPages)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Baseline_StreamsFenceIntoRotatingPages)
+    ->ArgsProduct({{0, 1}, {0, 1, 2}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+// What one hand-off between host threads costs when the woken thread sleeps: a round trip (two
+// wake-ups) through std::atomic wait/notify with a partner thread that has gone to sleep, the
+// caller busy meanwhile (untimed) so that its own core stays awake, as a caller enqueuing work
+// is. The unit of the streams' fixed cost per miss; run it pinned to one core (taskset -c 0) to
+// see what the same round trip costs without crossing cores.
+void BM_Baseline_WakeRoundTrip(benchmark::State& state) {
+  std::atomic<std::uint64_t> turn{0};  // odd: the partner's turn; even: the caller's
+  std::thread partner([&] {
+    for (std::uint64_t seen = 0;;) {
+      while ((seen = turn.load(std::memory_order_acquire)) % 2 == 0) turn.wait(seen, std::memory_order_acquire);
+      if (seen == std::numeric_limits<std::uint64_t>::max()) return;
+      turn.fetch_add(1, std::memory_order_acq_rel);
+      turn.notify_one();
+    }
+  });
+  for (auto _ : state) {
+    state.PauseTiming();
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+    while (std::chrono::steady_clock::now() < until) {  // the partner goes to sleep meanwhile
+    }
+    state.ResumeTiming();
+    std::uint64_t mine = turn.fetch_add(1, std::memory_order_acq_rel) + 1;
+    turn.notify_one();
+    while (turn.load(std::memory_order_acquire) == mine) turn.wait(mine, std::memory_order_acquire);
+  }
+  turn.store(std::numeric_limits<std::uint64_t>::max(), std::memory_order_release);
+  turn.notify_one();
+  partner.join();
+}
+BENCHMARK(BM_Baseline_WakeRoundTrip)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 // One demand miss per iteration, each evicting another expert: a runtime over top-k slots of
 // @p g's experts (every slot full first), leases of one expert of layer 0 in turn, each waited for
@@ -369,12 +430,8 @@ BENCHMARK(BM_Runtime_Miss)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
-// The copy engine both copy-engine benchmarks use: one worker (a second one does not add bandwidth
-// on a 2-vCPU machine, docs/performance.md "Copy engine"), 2 MiB chunks, non-temporal stores.
-expage::host_copy_engine_options copy_engine_options() { return {.threads = 1, .chunk_bytes = 2_MiB}; }
-
 // BM_Baseline_CopyIntoRotatingPages with the host copy engine: the two tensors as one batch,
-// waited for on the caller's thread.
+// copied by the worker and the caller's thread.
 void BM_Baseline_CopyEngineIntoRotatingPages(benchmark::State& state) {
   two_copy_case c(state.range(0));
   expage::host_copy_engine engine(copy_engine_options());
@@ -382,7 +439,7 @@ void BM_Baseline_CopyEngineIntoRotatingPages(benchmark::State& state) {
     std::byte* const page = c.pages.next();
     const expage::copy_region regions[] = {{page, c.source.data(), c.gate_up},
                                            {page + c.gate_up, c.source.data(), c.bytes - c.gate_up}};
-    engine.copy_async(regions).synchronize();
+    engine.copy(regions);  // the caller copies beside the worker, as the copy stream's thread does below
   }
   c.finish(state);
 }
