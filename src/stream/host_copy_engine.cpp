@@ -176,7 +176,7 @@ void host_copy_engine::validate(std::span<const copy_region> regions) {
   }
 }
 
-copy_completion host_copy_engine::submit(std::span<const copy_region> regions) {
+copy_completion host_copy_engine::submit(std::span<const copy_region> regions, bool helped) {
   // Everything that may throw happens before the job is shared with the workers.
   auto job = std::make_shared<detail::copy_job>();
   std::size_t count = 0;
@@ -201,9 +201,12 @@ copy_completion host_copy_engine::submit(std::span<const copy_region> regions) {
     if (count > 0) queue_.push_back(job);  // strong guarantee: nothing queued if this throws
     ++stats_.submissions;
   }
-  if (count == 1) {
+  // A caller that helps takes a chunk itself at once: the workers are woken for the others
+  // only (a one-chunk copy it waits for wakes none).
+  const std::size_t for_workers = helped && count > 0 ? count - 1 : count;
+  if (for_workers == 1) {
     work_cv_.notify_one();
-  } else if (count > 1) {
+  } else if (for_workers > 1) {
     work_cv_.notify_all();
   }
   return copy_completion(std::move(job));
@@ -216,7 +219,7 @@ copy_completion host_copy_engine::copy_async(void* dst, const void* src, std::si
 
 copy_completion host_copy_engine::copy_async(std::span<const copy_region> regions) {
   validate(regions);
-  return submit(regions);
+  return submit(regions, /*helped=*/false);
 }
 
 void host_copy_engine::copy(void* dst, const void* src, std::size_t bytes) {
@@ -230,7 +233,7 @@ void host_copy_engine::copy(std::span<const copy_region> regions) {
 }
 
 void host_copy_engine::submit_and_help(std::span<const copy_region> regions) {
-  const copy_completion done = submit(regions);
+  const copy_completion done = submit(regions, /*helped=*/true);
   help(*done.job_);
   done.synchronize();
 }

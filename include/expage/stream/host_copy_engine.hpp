@@ -184,7 +184,7 @@ class host_copy_engine {
 
  private:
   static void validate(std::span<const copy_region> regions);
-  [[nodiscard]] copy_completion submit(std::span<const copy_region> regions);
+  [[nodiscard]] copy_completion submit(std::span<const copy_region> regions, bool helped);
   void submit_and_help(std::span<const copy_region> regions);
   void run_worker();
   void help(detail::copy_job& job);
