@@ -21,7 +21,9 @@
 //
 // Weights come from seeds: held in host memory when they fit (--host-limit), otherwise generated
 // by the loader itself (the full-size model needs no full-size memory); or from a safetensors
-// file (--weights FILE, written by --write-weights FILE).
+// file (--weights FILE, written by --write-weights FILE). Held weights are copied into the pages
+// by a host_copy_engine in the copy stream's order (--copy-threads workers, 1 by default, beside
+// the copy stream's own thread; 0: host_stream::copy on that thread alone).
 //
 // Mixed precision (--lo-precision int4): the runtime holds two tiers under the one budget
 // (--hi-share of it for bf16 versions, the rest for int4 ones). A miss loads the int4 version and
@@ -113,6 +115,7 @@ struct options {
   std::uint64_t host_limit = 4_GiB;
   bool check = true;
   bool physics = false;
+  std::uint32_t copy_threads = 1;  // host: the copy engine's workers beside the copy stream's thread; 0: no engine
   std::uint32_t problem = std::numeric_limits<std::uint32_t>::max();
 };
 
@@ -193,6 +196,8 @@ options parse(int argc, char** argv) {
           o.prefetch != "previous" && o.prefetch != "fmoe") {
         usage(fmt::format("--prefetch '{}' is not none, coactivation, frequency, previous or fmoe", o.prefetch));
       }
+    } else if (a == "--copy-threads") {
+      o.copy_threads = static_cast<std::uint32_t>(parse_uint(a, value(), 0, 64));
     } else if (a == "--host-limit") {
       o.host_limit = parse_uint(a, value(), 0, 1ULL << 50);
     } else if (a == "--no-check") {
@@ -210,7 +215,7 @@ options parse(int argc, char** argv) {
           "           [--lo-precision int4|int8 [--hi-share P%] [--hi-per-layer N] [--interval TOKENS]]\n"
           "           [--prefetch none|coactivation|frequency|previous|fmoe]\n"
           "           [--weights FILE] [--write-weights FILE] [--trace-out FILE] [--json FILE]\n"
-          "           [--host-limit BYTES] [--no-check] [--physics] [--quick]");
+          "           [--host-limit BYTES] [--copy-threads N] [--no-check] [--physics] [--quick]");
       std::exit(0);
     } else {
       usage(fmt::format("unknown option '{}' (see --help)", a));
@@ -220,6 +225,7 @@ options parse(int argc, char** argv) {
     usage(fmt::format("--lo-precision needs --precision bf16 for the hi tier, not {}", o.format));
   }
   if (o.physics && o.backend != "host") usage("--physics measures the host backend only (memcpy bandwidth)");
+  if (o.copy_threads != 1 && o.backend != "host") usage("--copy-threads sets the host backend's loader only");
   return o;
 }
 
@@ -512,12 +518,18 @@ class weight_store {
     return expage::quantize_groups(f, expage::group_quant_layout(format_, g_.shape(t), g_.group_size()));
   }
 
-  [[nodiscard]] expage::expert_source<expage::host_stream> source() const {
+  // A loader that copies stored bytes through @p engine in the stream's order (the host's
+  // fastest raw copy, docs/runtime.md), or with host_stream::copy when it is null.
+  [[nodiscard]] expage::expert_source<expage::host_stream> source(expage::host_copy_engine* engine = nullptr) const {
     return {.format = format_,
-            .load = [this](expert_id id, expert_tensor t, std::span<std::byte> page, expage::host_stream& s) {
+            .load = [this, engine](expert_id id, expert_tensor t, std::span<std::byte> page, expage::host_stream& s) {
               if (in_memory()) {
                 const auto& w = tensors_[g_.flat_index(id) * 2 + static_cast<std::size_t>(t)];
-                s.copy(page.data(), w.data(), w.size());  // a real copy, as a DMA would do
+                if (engine != nullptr) {
+                  engine->copy(page.data(), w.data(), w.size(), s);  // a real copy, as a DMA would do
+                } else {
+                  s.copy(page.data(), w.data(), w.size());
+                }
                 return w.size();
               }
               const std::size_t bytes = static_cast<std::size_t>(g_.tensor_bytes(t, format_));
@@ -608,7 +620,8 @@ struct ffn_step {
 
 // --- the backends: memory, streams and the FFN; the decode loop is the same for both ------------
 
-// The host: host_vmm, host streams (executor threads), the loader reading weight_store, and the
+// The host: host_vmm, host streams (executor threads), the loader reading weight_store (through
+// a host_copy_engine of --copy-threads workers, which the copy stream's thread helps), and the
 // reference expert_ffn() run on the compute stream, bit-exact against the same FFN on the host.
 class host_backend {
  public:
@@ -618,7 +631,12 @@ class host_backend {
 
   host_backend(const options& o, const expage::moe_geometry& g, const weight_store& store, const weight_store* lo_store,
                std::uint32_t /*max_tokens*/)
-      : store_(store), lo_store_(lo_store), vmm_({.granularity = granularity_for(o, g, lo_store != nullptr)}) {}
+      : store_(store),
+        lo_store_(lo_store),
+        engine_(o.copy_threads == 0 ? nullptr
+                                    : std::make_unique<expage::host_copy_engine>(expage::host_copy_engine_options{
+                                          .threads = o.copy_threads, .chunk_bytes = 2_MiB})),
+        vmm_({.granularity = granularity_for(o, g, lo_store != nullptr)}) {}
 
   [[nodiscard]] std::size_t granularity() const { return vmm_.granularity(); }
   [[nodiscard]] vmm_type& vmm() { return vmm_; }
@@ -626,7 +644,7 @@ class host_backend {
   [[nodiscard]] stream_type& compute() { return compute_; }
   [[nodiscard]] stream_type& prefetch() { return prefetch_; }
   [[nodiscard]] expage::expert_source<stream_type> source(expage::version_tier tier) const {
-    return tier == expage::version_tier::lo ? lo_store_->source() : store_.source();
+    return tier == expage::version_tier::lo ? lo_store_->source(engine_.get()) : store_.source(engine_.get());
   }
   [[nodiscard]] expage::mirror_hook* record_mirror() { return nullptr; }
   // The runtime measures the compute stream's wait itself (load_wait_ns): it runs host work.
@@ -669,7 +687,8 @@ class host_backend {
 
   const weight_store& store_;
   const weight_store* lo_store_;
-  std::atomic<std::uint64_t> compute_ns_{0};  // written on the compute stream, read after it drained
+  std::unique_ptr<expage::host_copy_engine> engine_;  // null: --copy-threads 0
+  std::atomic<std::uint64_t> compute_ns_{0};          // written on the compute stream, read after it drained
   expage::host_event done_;
   vmm_type vmm_;
   // Last, so they are destroyed (drained) first: their work reads the members above.
