@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <future>
 #include <random>
 #include <sstream>
@@ -347,6 +348,54 @@ TEST(ExpertRuntime, EveryFailureLeavesEverythingAsBefore) {
       vmm.heal();
     }
   }
+}
+
+// A loader whose enqueued work fails on the stream for expert 5 of layer 0 (a decode callback
+// that finds corrupt stored bytes): load() itself returns normally.
+expert_source<host_stream> failing_on_the_stream(runtime_world& w) {
+  expert_source<host_stream> source = w.source();
+  auto inner = source.load;
+  source.load = [&w, inner](expert_id id, expert_tensor t, std::span<std::byte> page, host_stream& s) {
+    if (w.geometry.flat_index(id) != 5) return inner(id, t, page, s);
+    s.enqueue([] { throw format_error("injected: corrupt stored bytes"); });
+    return page.size();
+  };
+  return source;
+}
+
+TEST(ExpertRuntime, ADemandLoadFailingOnItsStreamStopsTheComputeStreamBeforeTheKernel) {
+  runtime_world w;
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, failing_on_the_stream(w));
+  const std::uint32_t fine[] = {1};
+  auto first = rt.acquire(0, fine);
+  std::atomic<int> kernels{0};
+  w.compute.enqueue([&] { ++kernels; });
+  first.release();
+  w.compute.synchronize();
+  const std::uint32_t routed[] = {5};  // acquire() returns: the failure happens on the copy stream
+  auto lease = rt.acquire(0, routed);
+  w.compute.enqueue([&] { ++kernels; });  // the layer's kernel: never runs on the unwritten page
+  lease.release();
+  EXPECT_THROW(w.compute.synchronize(), format_error);
+  EXPECT_EQ(kernels.load(), 1);
+  EXPECT_THROW(w.copy.synchronize(), format_error);
+}
+
+TEST(ExpertRuntime, APrefetchFailingOnItsStreamStopsTheComputeStreamBeforeItIsUsed) {
+  runtime_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, failing_on_the_stream(w), {}, &prefetch);
+  const std::uint32_t ahead[] = {5};
+  rt.prefetch(0, ahead);
+  host_event loaded;
+  prefetch.record(loaded);  // records still run on a stream in error
+  loaded.synchronize();
+  std::atomic<int> kernels{0};
+  auto lease = rt.acquire(0, ahead);  // the prefetched version, its load complete: no fence
+  w.compute.enqueue([&] { ++kernels; });
+  lease.release();
+  EXPECT_THROW(w.compute.synchronize(), format_error);
+  EXPECT_EQ(kernels.load(), 0);
 }
 
 TEST(ExpertRuntime, PrefetchLoadsOnItsOwnStreamAndNeverDelaysADemandLoad) {

@@ -1349,12 +1349,43 @@ class expert_runtime {
   // Marks resident the loading versions whose load event has completed (queries, never waits).
   void refresh_loading() {
     if (loading_.empty()) return;
+    const std::size_t before = loading_.size();
     std::erase_if(loading_, [&](std::uint32_t k) {
       version& v = tier(k / expert_count_).versions[k % expert_count_];
       if (v.loaded && !v.loaded->query()) return false;
       v.loading = false;
       return true;
     });
+    if (loading_.size() != before) stop_compute_on_load_error();
+  }
+
+  // Fail-stop for a load that fails on its stream after acquire() returned (a copy engine's
+  // chunk, a decode callback). A host stream keeps such an error sticky but still records its
+  // events, so the compute stream's fence opens on a page that was not written. Rethrows the
+  // first load stream's error, if any (copy, then prefetch); streams without check() have none
+  // to report here (a CUDA context's error reaches every later call by itself).
+  void rethrow_load_stream_error() const {
+    if constexpr (requires(const Stream& st) { st.check(); }) {
+      copy_->check();
+      if (prefetch_ != nullptr) prefetch_->check();
+    }
+  }
+  // Under the lock, once a load is seen complete: when a load stream has failed, enqueues its error
+  // on the compute stream, which then skips every later kernel (its own sticky error), as a CUDA
+  // context would. Once: the error stays on the compute stream.
+  void stop_compute_on_load_error() noexcept {
+    if constexpr (requires(Stream & st) { st.enqueue(std::function<void()>{}); }) {
+      if (load_error_seen_) return;
+      try {
+        rethrow_load_stream_error();
+      } catch (...) {
+        load_error_seen_ = true;
+        try {
+          compute_->enqueue([e = std::current_exception()] { std::rethrow_exception(e); });
+        } catch (...) {  // a compute stream that takes nothing runs no kernel either
+        }
+      }
+    }
   }
 
   // WAR fence: waits (on the host) for the last kernel of expert v's tier-t version; when
@@ -1682,6 +1713,9 @@ class expert_runtime {
         });
         for (const event_type* ev : waited) compute_->wait(*ev);
         compute_->enqueue([start, trace_start, layer, this] {
+          // After the fences, in stream order: a load that failed on its stream stops the compute
+          // stream here, before the layer's kernel (see stop_compute_on_load_error()).
+          rethrow_load_stream_error();
           const auto ns =
               std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - *start).count();
           stall_ns_[layer].fetch_add(static_cast<std::uint64_t>(ns), std::memory_order_relaxed);
@@ -2209,6 +2243,7 @@ class expert_runtime {
   std::vector<std::uint8_t> queued_;       // per flat index: in the prefetch queue
   std::vector<std::uint8_t> blocked_;      // choose_victim()'s pin_view scratch, per flat index
   std::vector<std::uint32_t> loading_;     // key(tier, expert) of versions whose load event may be pending
+  bool load_error_seen_ = false;           // a load stream's error was passed to the compute stream
   std::vector<std::uint32_t> background_;  // experts with a version in each tier (the inactive one to switch to)
   static constexpr std::size_t completion_ring = 256;
   std::vector<any_completion> completions_ = std::vector<any_completion>(completion_ring);  // by ticket
