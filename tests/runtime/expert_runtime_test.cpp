@@ -4,11 +4,13 @@
 #include "common/failing_vmm.hpp"
 #include "common/runtime_fixture.hpp"
 
+#include "expage/cache/duel_policy.hpp"
 #include "expage/cache/lru_policy.hpp"
 #include "expage/cache/slot_cache.hpp"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <future>
 #include <random>
@@ -76,6 +78,36 @@ TEST(ExpertRuntime, LeaseLoadsMissesServesHitsAndShowsTheBytesInEveryView) {
   w.compute.synchronize();
   EXPECT_EQ(w.mismatches.load(), 0U);
   EXPECT_EQ(w.checked.load(), 4U);
+}
+
+// With a duel_policy, rank_by_lru() hands the next victims to LRU order and back: capacity 4,
+// layer 0 loads 0 and 1, then 2 and 3; a hit on 0 makes 1 LRU's victim where FIFO's is 0.
+TEST(ExpertRuntime, RankByLruSwitchesTheVictimsOfADuelPolicy) {
+  using duel_runtime = expert_runtime<host_vmm, host_stream, duel_policy<fifo_policy>>;
+  for (const bool lru : {false, true}) {
+    runtime_world w;
+    duel_runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.trace_events = 64});
+    ASSERT_EQ(rt.capacity(), 4U);
+    const auto serve = [&](std::vector<std::uint32_t> group) {
+      auto lease = rt.acquire(0, group);
+      w.check_on_compute(rt, 0, group);
+      lease.release();
+      w.compute.synchronize();
+    };
+    serve({0, 1});
+    serve({2, 3});
+    serve({0, 2});
+    rt.rank_by_lru(lru);
+    EXPECT_EQ(rt.ranks_by_lru(), lru);
+    serve({4, 2});
+    EXPECT_EQ(rt.resident({0, 0}), lru) << "FIFO evicts 0, the first in; LRU evicts 1";
+    EXPECT_EQ(rt.resident({0, 1}), !lru);
+    EXPECT_EQ(w.check_views(rt), "");
+    EXPECT_EQ(w.mismatches.load(), 0U);
+    const auto events = rt.trace().events();
+    const auto switched = std::ranges::count_if(events, [](const trace_event& e) { return e.name == "evict by LRU"; });
+    EXPECT_EQ(switched, lru ? 1 : 0) << "a switch is an instant of the Chrome trace";
+  }
 }
 
 // The three views against a slow reference: slot_cache<lru_policy> (global, same capacity)

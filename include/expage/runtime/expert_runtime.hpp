@@ -4,6 +4,7 @@
 /// hi/lo versions switched without blocking, and resize, with the fences that make eviction safe.
 #pragma once
 
+#include "expage/cache/duel_policy.hpp"
 #include "expage/cache/eviction_policy.hpp"
 #include "expage/core/error.hpp"
 #include "expage/core/moe_geometry.hpp"
@@ -300,6 +301,8 @@ class expert_runtime {
   struct lease_record;  // a lease's state shared with the runtime (private, defined below)
 
  public:
+  /// The eviction policy of every tier.
+  using policy_type = Policy;
   /// The streams' event type.
   using event_type = typename Stream::event_type;
   /// The backend's physical block.
@@ -517,6 +520,21 @@ class expert_runtime {
     prefetch_cancelled_ += n;
     settle();
     return n;
+  }
+
+  /// Ranks the next victims of every tier by LRU (true) or by the policy (false), for a runtime
+  /// whose policy is a duel_policy (both orders are always kept, so either takes over at once).
+  /// runtime_prefetcher calls it from its eviction duel; an engine may call it from its own.
+  void rank_by_lru(bool lru) noexcept requires lru_switchable_policy<Policy> {
+    const std::lock_guard lock(mutex_);
+    if (tier(0).policy.ranks_by_lru() == lru) return;
+    for (std::size_t t = 0; t < tier_count_; ++t) tier(t).policy.rank_by_lru(lru);
+    if (tracing()) trace_.instant(lru ? "evict by LRU" : "evict by policy", "evict", host_track_);
+  }
+  /// True while LRU ranks the victims (rank_by_lru()).
+  [[nodiscard]] bool ranks_by_lru() const noexcept requires lru_switchable_policy<Policy> {
+    const std::lock_guard lock(mutex_);
+    return tier(0).policy.ranks_by_lru();
   }
 
   /// Replaces the pending transitions with @p targets, in priority order (DynaExq §3.4; the
@@ -1678,9 +1696,18 @@ class expert_runtime {
 
   // A node-based policy may throw bad_alloc on insert; the runtime's state is committed by then,
   // so the version stays resident but unranked until its next hit re-ranks it (counted nowhere).
-  void policy_on_insert(std::size_t t, std::uint32_t f, const access_context& ctx) noexcept {
+  // A prefetched version goes to the policy's on_prefetch() where it has one (no use counted:
+  // guesses do not raise the rates they are judged by, as in the simulator).
+  void policy_on_insert(std::size_t t, std::uint32_t f, const access_context& ctx, bool prefetched = false) noexcept {
     try {
-      tier(t).policy.on_insert(f, ctx);
+      Policy& p = tier(t).policy;
+      if constexpr (requires { p.on_prefetch(f, ctx); }) {
+        if (prefetched) {
+          p.on_prefetch(f, ctx);
+          return;
+        }
+      }
+      p.on_insert(f, ctx);
     } catch (...) {
       EXPAGE_ASSERT(false, "expert_runtime: the eviction policy failed to rank a new expert");
     }
@@ -2197,7 +2224,8 @@ class expert_runtime {
       background_.push_back(f);  // capacity expert_count_: never reallocates
     }
     const expert_id id = geometry_.expert_at(f);
-    policy_on_insert(t, f, access_context{.time = clock_, .layer = id.layer, .expert = id.expert});
+    policy_on_insert(t, f, access_context{.time = clock_, .layer = id.layer, .expert = id.expert},
+                     kind == load_kind::prefetch);
     runtime_layer_statistics& s = stats(t, id.layer);
     const char* category = "prefetch";
     if (kind == load_kind::prefetch) {
