@@ -112,6 +112,7 @@ struct options {
   std::uint32_t interval = 2;          // tokens per hot-set interval
   std::string policy = "lru";
   std::string prefetch = "none";
+  std::uint32_t duel_passes = 16;  // with --prefetch and a policy other than lru: the eviction duel's window
   std::uint64_t host_limit = 4_GiB;
   bool check = true;
   bool physics = false;
@@ -196,6 +197,8 @@ options parse(int argc, char** argv) {
           o.prefetch != "previous" && o.prefetch != "fmoe") {
         usage(fmt::format("--prefetch '{}' is not none, coactivation, frequency, previous or fmoe", o.prefetch));
       }
+    } else if (a == "--duel-passes") {
+      o.duel_passes = static_cast<std::uint32_t>(parse_uint(a, value(), 0, expage::eviction_duel::max_passes));
     } else if (a == "--copy-threads") {
       o.copy_threads = static_cast<std::uint32_t>(parse_uint(a, value(), 0, 64));
     } else if (a == "--host-limit") {
@@ -213,7 +216,7 @@ options parse(int argc, char** argv) {
           "           [--trace FILE [--problem ID]]\n"
           "           [--precision bf16|int4] [--view records|stable|slots] [--policy lru|lfu|next-turn]\n"
           "           [--lo-precision int4|int8 [--hi-share P%] [--hi-per-layer N] [--interval TOKENS]]\n"
-          "           [--prefetch none|coactivation|frequency|previous|fmoe]\n"
+          "           [--prefetch none|coactivation|frequency|previous|fmoe [--duel-passes N]]\n"
           "           [--weights FILE] [--write-weights FILE] [--trace-out FILE] [--json FILE]\n"
           "           [--host-limit BYTES] [--copy-threads N] [--no-check] [--physics] [--quick]");
       std::exit(0);
@@ -591,6 +594,11 @@ double max_relative_error(std::span<const float> a, std::span<const float> ref) 
 // ExpertFfn holds the host within 2e-6 (tests/common/expert_ffn_case.hpp), so within their sum.
 constexpr double device_tolerance = 1.2e-5;
 
+// Every byte the runtime copied into pages: demand loads, prefetches, promotions and demotions.
+std::uint64_t bytes_moved(const expage::runtime_layer_statistics& t) {
+  return t.bytes_loaded + t.prefetch_bytes + t.promotion_bytes + t.demotion_bytes;
+}
+
 struct run_result {
   std::uint64_t tokens = 0;
   double wall_s = 0;
@@ -604,6 +612,7 @@ struct run_result {
   std::uint64_t hi_capacity = 0, lo_capacity = 0;
   std::uint32_t hi_per_layer = 0;
   expage::runtime_statistics stats;
+  expage::runtime_prefetch_statistics prefetcher;
 };
 
 // What one layer step's FFN reads and writes (host spans; the host vectors stay untouched until
@@ -953,7 +962,8 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   // the next layer's likely experts on the prefetch stream (docs/prefetch.md).
   std::optional<expage::runtime_prefetcher<runtime_type>> prefetcher;
   if (o.prefetch != "none") {
-    prefetcher.emplace(rt, expage::make_predictor(o.prefetch, g.layers(), g.experts_per_layer(), g.top_k()));
+    prefetcher.emplace(rt, expage::make_predictor(o.prefetch, g.layers(), g.experts_per_layer(), g.top_k()),
+                       expage::runtime_prefetch_options{.duel_passes = o.duel_passes});
   }
 
   const std::uint64_t H = g.hidden_size();
@@ -1140,6 +1150,7 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   r.wall_s = std::chrono::duration<double>(clock_type::now() - t0).count();
   r.compute_s = backend.compute_seconds();
   r.stats = rt.statistics();
+  if (prefetcher) r.prefetcher = prefetcher->statistics();
   r.wait_s = backend.wait_seconds(r.stats);
   if (!quiet && !o.trace_out.empty()) {
     const std::filesystem::path tmp = o.trace_out + ".tmp";
@@ -1249,9 +1260,16 @@ int run(const options& o) {
                t.prefetches, expage::byte_size{t.prefetch_bytes}, t.prefetch_used,
                expage::byte_size{t.prefetch_used_bytes}, t.prefetch_wasted, expage::byte_size{t.prefetch_wasted_bytes},
                r.stats.prefetch_cancelled);
+    if (o.policy != "lru" && o.duel_passes != 0) {
+      fmt::print("  eviction duel over {} passes: LRU ranked the victims after {} of {} layer steps ({} switches)\n",
+                 o.duel_passes, r.prefetcher.lru_layers, r.prefetcher.layers, r.prefetcher.duel_switches);
+    }
   }
-  fmt::print("  bytes moved {}  compute {:.3f} s  waiting on loads {:.3f} s  checking {:.3f} s\n",
-             expage::byte_size{t.bytes_loaded}, r.compute_s, r.wait_s, r.check_s);
+  fmt::print(
+      "  bytes moved {} (demand {}, prefetch {}, transitions {})  compute {:.3f} s  waiting on loads {:.3f} s  "
+      "checking {:.3f} s\n",
+      expage::byte_size{bytes_moved(t)}, expage::byte_size{t.bytes_loaded}, expage::byte_size{t.prefetch_bytes},
+      expage::byte_size{t.promotion_bytes + t.demotion_bytes}, r.compute_s, r.wait_s, r.check_s);
   if (o.check && on_device) {
     fmt::print(
         "  check against all-resident weights in the served precision (host FFN): {} of {} layer steps differ (max "
@@ -1286,10 +1304,10 @@ int run(const options& o) {
     options timed = o;
     timed.check = false;
     const run_result paged = run_decode(timed, lo_store ? &*lo_store : nullptr, o.budget, true);
-    const double physics = resident.wall_s + static_cast<double>(paged.stats.total.bytes_loaded) / bw;
+    const std::uint64_t moved = bytes_moved(paged.stats.total);
+    const double physics = resident.wall_s + static_cast<double>(moved) / bw;
     fmt::print("  physics: all-resident {:.3f} s + {} / {:.1f} GB/s = {:.3f} s; paged {:.3f} s: {:.3f}× the physics\n",
-               resident.wall_s, expage::byte_size{paged.stats.total.bytes_loaded}, bw * 1e-9, physics, paged.wall_s,
-               paged.wall_s / physics);
+               resident.wall_s, expage::byte_size{moved}, bw * 1e-9, physics, paged.wall_s, paged.wall_s / physics);
   }
   if (!o.json.empty()) {
     std::ofstream f(o.json);
@@ -1320,8 +1338,10 @@ int main(int argc, char** argv) {
       return 2;
 #endif
     }
-    if (o.policy == "lfu") return run<expage::lfu_policy>(o);
-    if (o.policy == "next-turn") return run<expage::next_turn_policy>(o);
+    // A predicting policy runs inside a duel_policy: with --prefetch, the prefetcher's eviction
+    // duel hands its victims to LRU order while LRU demand loading has been missing less.
+    if (o.policy == "lfu") return run<expage::duel_policy<expage::lfu_policy>>(o);
+    if (o.policy == "next-turn") return run<expage::duel_policy<expage::next_turn_policy>>(o);
     return run<expage::lru_policy>(o);
   } catch (const usage_error& e) {
     fmt::print(stderr, "moe_decode: {}\n", e.what());

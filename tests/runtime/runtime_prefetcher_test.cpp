@@ -1,9 +1,10 @@
 // runtime_prefetcher over expert_runtime on host_vmm + host_stream: a learnable chain is
 // prefetched and used with every view still exact, stale requests are cancelled, the byte guard
-// silences a useless predictor, bad input is refused, and a compute thread drives it while a
-// control thread resizes (TSan).
+// silences a useless predictor, the eviction duel hands a losing policy's victims to LRU, bad
+// input is refused, and a compute thread drives it while a control thread resizes (TSan).
 #include "common/runtime_fixture.hpp"
 
+#include "expage/cache/duel_policy.hpp"
 #include "expage/cache/lru_policy.hpp"
 #include "expage/runtime/runtime_prefetcher.hpp"
 
@@ -34,6 +35,16 @@ class wrong_predictor final : public expert_predictor {
     probability[6] = 1.0F;
     probability[7] = 1.0F;
   }
+};
+
+// A predictor that names nothing likely: with a threshold above 0 nothing is prefetched.
+class silent_predictor final : public expert_predictor {
+ public:
+  [[nodiscard]] std::string name() const override { return "silent"; }
+  void reset() override {}
+  void begin_pass() override {}
+  void observe(std::uint32_t, std::span<const expert_index>) override {}
+  void predict(std::uint32_t, std::span<float> probability) const override { std::ranges::fill(probability, 0.0F); }
 };
 
 // Pass t routes experts {t mod 3, t mod 3 + 3} at every layer: co-activation learns that layer
@@ -181,6 +192,87 @@ TEST(RuntimePrefetcher, TheShadowIsLruDemandLoading) {
   EXPECT_EQ(w.mismatches.load(), 0U);
 }
 
+// Every layer routes its expert 0 and one other at random: FIFO evicts the hot experts as they
+// reach the queue's end, LRU keeps them. The duel's shadows are FIFO and LRU demand loading of
+// the routing (checked against slot_caches replaying it); once LRU leads by more than the margin
+// the runtime evicts in LRU order, and misses fewer experts than the same runtime without the duel.
+TEST(RuntimePrefetcher, TheDuelHandsEvictionToLruWhileItLeads) {
+  using duel_runtime = expert_runtime<host_vmm, host_stream, duel_policy<fifo_policy>>;
+  constexpr std::uint32_t capacity = 10;
+  const auto run = [](std::uint32_t duel_passes) {
+    runtime_world w;
+    budget_tracker budget(capacity * w.expert_bytes());
+    host_stream prefetch("prefetch");
+    duel_runtime rt(w.geometry, budget.root(), w.vmm, w.copy, w.compute, w.source(), {.capacity = capacity}, &prefetch);
+    runtime_prefetcher pf(rt, std::make_unique<silent_predictor>(),
+                          {.threshold = 0.5F,
+                           .max_overhead = std::numeric_limits<double>::infinity(),
+                           .duel_passes = duel_passes,
+                           .duel_margin = 2.0});
+    const slot_cache_options o{.layout = cache_layout::global, .capacity = capacity};
+    slot_cache<fifo_policy> fifo(w.geometry, o);
+    slot_cache<lru_policy> lru(w.geometry, o);
+    std::mt19937_64 rng(23);
+    std::uint64_t first_lru_layer = 0;
+    for (int pass = 0; pass < 60; ++pass) {
+      for (std::uint32_t layer = 0; layer < w.geometry.layers(); ++layer) {
+        const std::vector<std::uint32_t> routed{0, 1 + static_cast<std::uint32_t>(rng() % 7)};
+        auto lease = rt.acquire(layer, routed);
+        pf.on_routed(layer, routed);
+        w.check_on_compute(rt, layer, routed);
+        lease.release();
+        static_cast<void>(fifo.access(layer, routed));
+        static_cast<void>(lru.access(layer, routed));
+        const auto& s = pf.statistics();
+        if (duel_passes != 0) {
+          EXPECT_EQ(s.policy_shadow_misses, fifo.statistics().misses) << "pass " << pass << " layer " << layer;
+          EXPECT_EQ(s.shadow_misses, lru.statistics().misses) << "pass " << pass << " layer " << layer;
+          EXPECT_EQ(rt.ranks_by_lru(), s.lru_layers != 0 && s.duel_switches % 2 == 1);
+          if (first_lru_layer == 0 && rt.ranks_by_lru()) first_lru_layer = s.layers;
+        }
+      }
+    }
+    w.compute.synchronize();
+    EXPECT_EQ(w.mismatches.load(), 0U);
+    EXPECT_EQ(w.check_views(rt), "");
+    if (duel_passes != 0) {
+      EXPECT_GT(fifo.statistics().misses, lru.statistics().misses + 20) << "the routing tells FIFO from LRU";
+      EXPECT_EQ(pf.statistics().duel_switches, 1U) << "LRU keeps the lead it took";
+      EXPECT_GT(first_lru_layer, 0U);
+      EXPECT_LT(first_lru_layer, 40U) << "within a few passes";
+    } else {
+      EXPECT_EQ(pf.statistics().duel_switches, 0U);
+      EXPECT_EQ(pf.statistics().policy_shadow_misses, 0U);
+      EXPECT_FALSE(rt.ranks_by_lru());
+    }
+    return rt.statistics().total.misses;
+  };
+  const std::uint64_t duelled = run(4);
+  const std::uint64_t fifo_alone = run(0);
+  EXPECT_LT(duelled + 20, fifo_alone) << "LRU order, once it leads, misses fewer experts";
+}
+
+// A runtime whose policy is not a duel_policy has no duel (and no policy shadow).
+TEST(RuntimePrefetcher, NoDuelForAPolicyThatCannotSwitch) {
+  runtime_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {}, &prefetch);
+  runtime_prefetcher pf(rt, std::make_unique<silent_predictor>(),
+                        {.threshold = 0.5F, .max_overhead = std::numeric_limits<double>::infinity()});
+  std::mt19937_64 rng(2);
+  for (int pass = 0; pass < 10; ++pass) {
+    for (std::uint32_t layer = 0; layer < w.geometry.layers(); ++layer) {
+      const std::vector<std::uint32_t> routed = w.random_group(rng, 2);
+      auto lease = rt.acquire(layer, routed);
+      pf.on_routed(layer, routed);
+      lease.release();
+    }
+  }
+  EXPECT_EQ(pf.statistics().policy_shadow_misses, 0U);
+  EXPECT_EQ(pf.statistics().shadow_misses, 0U) << "neither the guard nor a duel needs the LRU shadow";
+  EXPECT_EQ(pf.statistics().duel_switches, 0U);
+}
+
 TEST(RuntimePrefetcher, RefusesBadInput) {
   runtime_world w;
   host_stream prefetch("prefetch");
@@ -191,6 +283,13 @@ TEST(RuntimePrefetcher, RefusesBadInput) {
   EXPECT_THROW(runtime_prefetcher(rt, make(), {.threshold = 1.5F}), invalid_argument);
   EXPECT_THROW(runtime_prefetcher(rt, make(), {.per_layer = 9}), invalid_argument);
   EXPECT_THROW(runtime_prefetcher(rt, make(), {.max_overhead = -1.0}), invalid_argument);
+  EXPECT_THROW(runtime_prefetcher(rt, make(), {.duel_passes = eviction_duel::max_passes + 1}), invalid_argument);
+  try {
+    runtime_prefetcher(rt, make(), {.duel_margin = -1.0});
+    FAIL() << "a margin of -1 accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("duel_margin -1 out of range [0, inf)"), std::string::npos) << e.what();
+  }
   runtime_prefetcher pf(rt, make());
   const std::uint32_t bad_expert[] = {8};
   try {
@@ -209,28 +308,45 @@ TEST(RuntimePrefetcher, RefusesBadInput) {
   EXPECT_THROW(orphan.on_routed(0, ok), invalid_argument);
 }
 
-// The engine thread acquires, tells the prefetcher and releases; a control thread resizes and
-// reads statistics meanwhile (TSan).
-TEST(RuntimePrefetcher, ComputeThreadAgainstControlThread) {
+// The engine thread acquires, tells the prefetcher and releases; a control thread resizes (to
+// between half the capacity and all of it) and reads statistics meanwhile (TSan). With a
+// duel_policy (FIFO inside, routing with a hot expert per layer that FIFO keeps evicting) the
+// duel switches the eviction order from the engine's thread too.
+template <class Runtime>
+void compute_thread_against_control_thread(std::uint32_t capacity) {
+  constexpr bool duel = lru_switchable_policy<typename Runtime::policy_type>;
   runtime_world w;
+  budget_tracker budget(capacity * w.expert_bytes());
   host_stream prefetch("prefetch");
-  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.max_prefetch_in_flight = 2}, &prefetch);
-  runtime_prefetcher pf(rt, make_predictor("coactivation", w.geometry.layers(), w.geometry.experts_per_layer(), 2));
+  Runtime rt(w.geometry, budget.root(), w.vmm, w.copy, w.compute, w.source(), {.max_prefetch_in_flight = 2}, &prefetch);
+  runtime_prefetcher pf(rt, make_predictor("coactivation", w.geometry.layers(), w.geometry.experts_per_layer(), 2),
+                        {.duel_passes = 1, .duel_margin = 0.0});
   std::atomic<bool> done{false};
+  std::atomic<int> served{0};
   std::thread control([&] {
     std::mt19937_64 rng(3);
     int round = 0;
+    int paced = 0;
     while (!done.load()) {
-      if (++round % 8 == 0) (void)rt.resize((2 + rng() % 3) * rt.expert_bytes());
+      ++round;
+      // With the duel, a resize every 16 passes of the engine's progress: every resize starts the
+      // shadows again, empty, and a resize every few microseconds would leave the duel nothing to
+      // compare. Without it, as often as the loop runs.
+      const bool due = duel ? served.load() / 64 != paced : round % 8 == 0;
+      if (due) {
+        paced = served.load() / 64;
+        (void)rt.resize((capacity / 2 + rng() % (capacity / 2 + 1)) * rt.expert_bytes());
+      }
       (void)rt.statistics();
+      if constexpr (duel) (void)rt.ranks_by_lru();
       if (round % 64 == 0) std::this_thread::yield();
     }
   });
   std::mt19937_64 rng(9);
-  int served = 0;
   for (int pass = 0; pass < 150; ++pass) {
-    const std::vector<std::uint32_t> routed = rng() % 4 == 0 ? w.random_group(rng, 2) : chain(pass);
+    std::vector<std::uint32_t> routed = rng() % 4 == 0 ? w.random_group(rng, 2) : chain(pass);
     for (std::uint32_t layer = 0; layer < w.geometry.layers(); ++layer) {
+      if (duel) routed = {0, 1 + static_cast<std::uint32_t>(rng() % 7)};
       try {
         auto lease = rt.acquire(layer, routed);
         pf.on_routed(layer, routed);
@@ -250,9 +366,18 @@ TEST(RuntimePrefetcher, ComputeThreadAgainstControlThread) {
   w.compute.synchronize();
   prefetch.synchronize();
   EXPECT_EQ(w.mismatches.load(), 0U);
-  EXPECT_GT(served, 400);
-  EXPECT_LE(w.account.used(), w.account.capacity());
+  EXPECT_GT(served.load(), 400);
+  EXPECT_LE(budget.root().used(), budget.root().capacity());
   EXPECT_EQ(w.check_views(rt), "");
+  if constexpr (duel) {
+    EXPECT_GT(pf.statistics().duel_switches, 0U) << "the duel switched under the control thread";
+  }
+}
+
+TEST(RuntimePrefetcher, ComputeThreadAgainstControlThread) { compute_thread_against_control_thread<runtime>(4); }
+
+TEST(RuntimePrefetcher, ComputeThreadAgainstControlThreadWithTheDuel) {
+  compute_thread_against_control_thread<expert_runtime<host_vmm, host_stream, duel_policy<fifo_policy>>>(10);
 }
 
 }  // namespace

@@ -22,9 +22,19 @@
 ///   (within_prefetch_overhead(), sim/pager_sim.hpp). After a resize the shadow starts again at
 ///   the new capacity, empty (its misses so far kept).
 ///
+/// - **an eviction duel** (runtime_prefetch_options::duel_passes), for a runtime whose policy is
+///   a duel_policy (next_turn_policy wrapped, say): beside the LRU shadow it keeps a key-only
+///   shadow of the runtime's own policy, both demand-only over the same routing, and feeds their
+///   misses to an eviction_duel. While LRU's shadow has missed more than `duel_margin` fewer
+///   experts over the last `duel_passes` passes and the current one, the runtime evicts in LRU
+///   order (expert_runtime::rank_by_lru()), and back once it no longer leads. A predicting
+///   policy that trails LRU for a stretch of traffic (next-turn early in a problem) then costs
+///   no more than LRU there, prefetches and their refaults included (the simulator's
+///   sim_options::eviction_duel_passes, the same rule). Other policies: no duel.
+///
 /// Threading: one thread (the engine's, which calls acquire()) calls on_routed(); the runtime it
 /// drives may be used by other threads meanwhile (prefetch(), resize() and statistics() lock).
-/// The shadow is the prefetcher's own.
+/// The shadows are the prefetcher's own.
 ///
 /// @code
 /// expage::runtime_prefetcher prefetcher(runtime, expage::make_predictor("coactivation", 32, 8, 2));
@@ -37,9 +47,11 @@
 /// @threadsafety single-owner (on_routed() from the engine's thread).
 #pragma once
 
+#include "expage/cache/duel_policy.hpp"
 #include "expage/cache/lru_policy.hpp"
 #include "expage/cache/slot_cache.hpp"
 #include "expage/core/error.hpp"
+#include "expage/predict/eviction_duel.hpp"
 #include "expage/predict/expert_predictor.hpp"
 
 #include <fmt/format.h>
@@ -55,6 +67,18 @@
 
 namespace expage {
 
+namespace detail {
+// The policy a runtime_prefetcher's duel shadows: a duel_policy's inner one (LRU elsewhere, unused).
+template <class P>
+struct duel_inner {
+  using type = lru_policy;
+};
+template <lru_switchable_policy P>
+struct duel_inner<P> {
+  using type = typename P::inner_policy;
+};
+}  // namespace detail
+
 /// @brief Parameters of a runtime_prefetcher.
 struct runtime_prefetch_options {
   std::uint32_t distance = 1;   ///< Layers ahead of the routed one to request for, [1, 64].
@@ -64,6 +88,12 @@ struct runtime_prefetch_options {
   /// exceed (1 + this) × those of a key-only LRU shadow cache of the same capacity, plus one
   /// expert. +∞ turns it off (and the shadow with it). [0, +∞].
   double max_overhead = 0.05;
+  /// The eviction duel's window in forward passes, for a runtime whose policy is a duel_policy
+  /// (ignored for other policies); 0 turns it off. [0, eviction_duel::max_passes].
+  std::uint32_t duel_passes = 16;
+  /// The misses LRU's shadow must lead by to take the eviction order, and may trail by while it
+  /// keeps it (eviction_duel's margin). [0, +∞).
+  double duel_margin = 2.0;
 };
 
 /// @brief What a runtime_prefetcher did.
@@ -73,11 +103,15 @@ struct runtime_prefetch_statistics {
   std::uint64_t requested = 0;      ///< Experts requested through prefetch() (the runtime ignores resident ones).
   std::uint64_t paused = 0;         ///< on_routed() calls that requested nothing because of the byte guard.
   std::uint64_t cancelled = 0;      ///< Stale requests cancelled before the runtime issued them.
-  std::uint64_t shadow_misses = 0;  ///< What the guard's LRU shadow loaded on demand (0 with the guard off).
+  std::uint64_t shadow_misses = 0;  ///< What the LRU shadow loaded on demand (0 with neither guard nor duel).
+  std::uint64_t policy_shadow_misses = 0;  ///< What the duel's shadow of the runtime's policy loaded (0: no duel).
+  std::uint64_t duel_switches = 0;         ///< Changes of the runtime's eviction order by the duel.
+  std::uint64_t lru_layers = 0;            ///< on_routed() calls after which LRU ranked the victims.
 };
 
 /// @brief Drives @p Runtime's prefetch() from an expert_predictor. @p Runtime is an
-/// expert_runtime (anything with its geometry(), prefetch(), cancel_prefetches() and totals()).
+/// expert_runtime (anything with its policy_type, geometry(), capacity(), demand_tier(),
+/// prefetch(), cancel_prefetches(), totals(), and rank_by_lru() for a duel_policy).
 template <class Runtime>
 class runtime_prefetcher {
  public:
@@ -104,6 +138,10 @@ class runtime_prefetcher {
     }
     per_layer_ = options.per_layer != 0 ? options.per_layer : g.top_k();
     probability_.resize(g.experts_per_layer());
+    eviction_duel::check(options.duel_passes, options.duel_margin, "runtime_prefetcher", "duel_");
+    if constexpr (duels) {
+      if (options.duel_passes != 0) duel_.emplace(options.duel_passes, options.duel_margin);
+    }
   }
 
   /// Layer @p layer of the current forward pass was routed to @p experts (call after its
@@ -137,7 +175,11 @@ class runtime_prefetcher {
     if (new_pass) ++stats_.passes;
     last_layer_ = layer;
     ++stats_.layers;
-    if (!std::isinf(options_.max_overhead)) shadow_access(layer, experts);
+    const std::uint64_t lru_misses = guarded() || duel_ ? lru_shadow_.access(runtime_, layer, experts) : 0;
+    stats_.shadow_misses = lru_shadow_.misses;
+    if constexpr (duels) {
+      if (duel_) duel_step(layer, experts, new_pass, lru_misses);
+    }
     stats_.cancelled += runtime_.cancel_prefetches();
     if (layer + 1 >= g.layers()) return;  // the pass ends here
     if (!within_overhead()) {
@@ -164,27 +206,59 @@ class runtime_prefetcher {
   [[nodiscard]] const expert_predictor& predictor() const noexcept { return *predictor_; }
 
  private:
+  // Whether the runtime's policy can be handed to LRU order (a duel_policy).
+  static constexpr bool duels = lru_switchable_policy<typename Runtime::policy_type>;
+
+  [[nodiscard]] bool guarded() const noexcept { return !std::isinf(options_.max_overhead); }
+
   [[nodiscard]] bool within_overhead() const {
-    if (std::isinf(options_.max_overhead)) return true;
+    if (!guarded()) return true;
     // In experts (demand loads and prefetches load the demand tier's versions, all one size).
     const auto t = runtime_.totals();
     return within_prefetch_overhead(static_cast<double>(t.misses + t.prefetches),
                                     static_cast<double>(stats_.shadow_misses), options_.max_overhead);
   }
 
-  // The guard's shadow: plain LRU demand loading of the routing, at the runtime's capacity now.
-  void shadow_access(std::uint32_t layer, std::span<const std::uint32_t> experts) {
-    const std::uint32_t capacity = runtime_.capacity(runtime_.demand_tier());
-    if (!shadow_ || shadow_->options().capacity != capacity) {
-      if (shadow_) shadow_base_ += shadow_->statistics().misses;
-      shadow_.emplace(runtime_.geometry(), slot_cache_options{.layout = cache_layout::global, .capacity = capacity});
+  // A key-only cache of @p P, demand loading of the routing on_routed() sees at the runtime's
+  // demand capacity now: after a resize it starts again at the new capacity, empty, its misses
+  // so far kept.
+  template <eviction_policy P>
+  struct shadow_cache {
+    std::optional<slot_cache<P>> cache;
+    std::uint64_t base = 0;    // misses of the caches before the last resize
+    std::uint64_t misses = 0;  // over every capacity
+    // Returns the misses of this group.
+    std::uint64_t access(const Runtime& runtime, std::uint32_t layer, std::span<const std::uint32_t> experts) {
+      const std::uint32_t capacity = runtime.capacity(runtime.demand_tier());
+      if (!cache || cache->options().capacity != capacity) {
+        if (cache) base += cache->statistics().misses;
+        cache.emplace(runtime.geometry(), slot_cache_options{.layout = cache_layout::global, .capacity = capacity});
+      }
+      // A group larger than the shadow (the runtime could not acquire it either) in parts.
+      for (std::size_t i = 0; i < experts.size(); i += capacity) {
+        static_cast<void>(
+            cache->access(layer, experts.subspan(i, std::min<std::size_t>(capacity, experts.size() - i))));
+      }
+      const std::uint64_t before = misses;
+      misses = base + cache->statistics().misses;
+      return misses - before;
     }
-    // A group larger than the shadow (the runtime could not acquire it either) in parts.
-    for (std::size_t i = 0; i < experts.size(); i += capacity) {
-      static_cast<void>(
-          shadow_->access(layer, experts.subspan(i, std::min<std::size_t>(capacity, experts.size() - i))));
+  };
+
+  // The duel hears this group's misses of both shadows (after a new pass's start) and hands the
+  // runtime's victims to the side that leads (eviction_duel; the simulator's duel_step()).
+  void duel_step(std::uint32_t layer, std::span<const std::uint32_t> experts, bool new_pass, std::uint64_t lru_misses) {
+    const std::uint64_t policy_misses = policy_shadow_.access(runtime_, layer, experts);
+    stats_.policy_shadow_misses = policy_shadow_.misses;
+    if (new_pass) duel_->begin_pass();
+    duel_->add(policy_misses, lru_misses);
+    const bool was = duel_->lru_leads();
+    const bool lru = duel_->decide();
+    if (lru != was) {
+      runtime_.rank_by_lru(lru);
+      ++stats_.duel_switches;
     }
-    stats_.shadow_misses = shadow_base_ + shadow_->statistics().misses;
+    if (lru) ++stats_.lru_layers;
   }
 
   Runtime& runtime_;
@@ -196,8 +270,9 @@ class runtime_prefetcher {
   std::vector<float> probability_;
   std::vector<std::pair<float, expert_index>> ranked_;
   std::vector<std::uint32_t> request_;
-  std::optional<slot_cache<lru_policy>> shadow_;
-  std::uint64_t shadow_base_ = 0;  // misses of the shadows before the last resize
+  shadow_cache<lru_policy> lru_shadow_;  // the byte guard's and the duel's
+  shadow_cache<typename detail::duel_inner<typename Runtime::policy_type>::type> policy_shadow_;  // the duel's
+  std::optional<eviction_duel> duel_;
 };
 
 }  // namespace expage
