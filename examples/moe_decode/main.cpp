@@ -117,6 +117,7 @@ struct options {
   bool check = true;
   bool physics = false;
   std::uint32_t copy_threads = 1;  // host: the copy engine's workers beside the copy stream's thread; 0: no engine
+  bool copy_threads_given = false;  // --copy-threads was on the command line (refused with --backend cuda)
   std::uint32_t problem = std::numeric_limits<std::uint32_t>::max();
 };
 
@@ -201,6 +202,7 @@ options parse(int argc, char** argv) {
       o.duel_passes = static_cast<std::uint32_t>(parse_uint(a, value(), 0, expage::eviction_duel::max_passes));
     } else if (a == "--copy-threads") {
       o.copy_threads = static_cast<std::uint32_t>(parse_uint(a, value(), 0, 64));
+      o.copy_threads_given = true;
     } else if (a == "--host-limit") {
       o.host_limit = parse_uint(a, value(), 0, 1ULL << 50);
     } else if (a == "--no-check") {
@@ -228,7 +230,7 @@ options parse(int argc, char** argv) {
     usage(fmt::format("--lo-precision needs --precision bf16 for the hi tier, not {}", o.format));
   }
   if (o.physics && o.backend != "host") usage("--physics measures the host backend only (memcpy bandwidth)");
-  if (o.copy_threads != 1 && o.backend != "host") usage("--copy-threads sets the host backend's loader only");
+  if (o.copy_threads_given && o.backend != "host") usage("--copy-threads sets the host backend's loader only");
   return o;
 }
 
