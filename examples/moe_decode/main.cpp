@@ -116,7 +116,7 @@ struct options {
   std::uint64_t host_limit = 4_GiB;
   bool check = true;
   bool physics = false;
-  std::uint32_t copy_threads = 1;  // host: the copy engine's workers beside the copy stream's thread; 0: no engine
+  std::uint32_t copy_threads = 1;   // host: the copy engine's workers beside the copy stream's thread; 0: no engine
   bool copy_threads_given = false;  // --copy-threads was on the command line (refused with --backend cuda)
   std::uint32_t problem = std::numeric_limits<std::uint32_t>::max();
 };
@@ -1311,11 +1311,27 @@ int run(const options& o) {
     fmt::print("  physics: all-resident {:.3f} s + {} / {:.1f} GB/s = {:.3f} s; paged {:.3f} s: {:.3f}× the physics\n",
                resident.wall_s, expage::byte_size{moved}, bw * 1e-9, physics, paged.wall_s, paged.wall_s / physics);
   }
-  if (!o.json.empty()) {
-    std::ofstream f(o.json);
-    r.stats.write_json(f);
-    f << '\n';
-    if (!f) throw std::runtime_error(fmt::format("cannot write {}: {}", o.json, std::strerror(errno)));
+  if (!o.json.empty()) {  // {"runtime": ..., "prefetcher": ... or null}, written whole or not at all
+    const std::filesystem::path tmp = o.json + ".tmp";
+    {
+      std::ofstream f(tmp);
+      f << "{\"runtime\":";
+      r.stats.write_json(f);
+      f << ",\"prefetcher\":";
+      if (o.prefetch != "none") {
+        r.prefetcher.write_json(f);
+      } else {
+        f << "null";
+      }
+      f << "}\n";
+      f.close();
+      if (!f) {
+        std::error_code ignored;
+        std::filesystem::remove(tmp, ignored);
+        throw std::runtime_error(fmt::format("cannot write {}: {}", o.json, std::strerror(errno)));
+      }
+    }
+    std::filesystem::rename(tmp, o.json);
   }
   if (!o.trace_out.empty()) fmt::print("  Chrome trace: {}\n", o.trace_out);
   return o.check && r.mismatching_layers != 0 ? 1 : 0;

@@ -100,6 +100,7 @@ TEST(ExpertRuntime, RankByLruSwitchesTheVictimsOfADuelPolicy) {
     rt.rank_by_lru(lru);
     EXPECT_EQ(rt.ranks_by_lru(), lru);
     serve({4, 2});
+    EXPECT_EQ(rt.statistics().ranks_by_lru, lru);
     EXPECT_EQ(rt.resident({0, 0}), lru) << "FIFO evicts 0, the first in; LRU evicts 1";
     EXPECT_EQ(rt.resident({0, 1}), !lru);
     EXPECT_EQ(w.check_views(rt), "");
@@ -554,6 +555,7 @@ TEST(ExpertRuntime, WritesStatisticsAndAChromeTrace) {
   rt.statistics().write_json(stats);
   EXPECT_NE(stats.str().find("\"misses\":8"), std::string::npos) << stats.str();
   EXPECT_NE(stats.str().find("\"layers\":["), std::string::npos);
+  EXPECT_NE(stats.str().find("\"ranks_by_lru\":false"), std::string::npos) << "LRU itself: no switch";
   const auto set = rt.resident_set();
   EXPECT_EQ(set.size(), 4U);
 }

@@ -8,6 +8,7 @@
 #include "expage/cache/lru_policy.hpp"
 #include "expage/runtime/runtime_prefetcher.hpp"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include <limits>
 #include <list>
 #include <random>
+#include <sstream>
 #include <thread>
 
 namespace expage::testing {
@@ -238,6 +240,12 @@ TEST(RuntimePrefetcher, TheDuelHandsEvictionToLruWhileItLeads) {
     if (duel_passes != 0) {
       EXPECT_GT(fifo.statistics().misses, lru.statistics().misses + 20) << "the routing tells FIFO from LRU";
       EXPECT_EQ(pf.statistics().duel_switches, 1U) << "LRU keeps the lead it took";
+      std::ostringstream json;
+      pf.statistics().write_json(json);
+      EXPECT_NE(json.str().find("\"duel_switches\":1,"), std::string::npos) << json.str();
+      EXPECT_NE(json.str().find(fmt::format("\"policy_shadow_misses\":{},", fifo.statistics().misses)),
+                std::string::npos)
+          << json.str();
       EXPECT_GT(first_lru_layer, 0U);
       EXPECT_LT(first_lru_layer, 40U) << "within a few passes";
     } else {

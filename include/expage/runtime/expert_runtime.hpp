@@ -178,6 +178,7 @@ struct runtime_statistics {
   std::uint64_t failed_acquires = 0;             ///< acquire() calls that threw (nothing changed).
   std::uint32_t poisoned = 0;       ///< Versions whose last kernel's completion failed: kept resident, never evicted.
   std::uint64_t trace_dropped = 0;  ///< Trace events dropped because the trace was full.
+  bool ranks_by_lru = false;        ///< True while LRU ranks the victims (a duel_policy, rank_by_lru()).
 
   /// The hit ratio of demand accesses, hits / (hits + misses); 0 without accesses.
   [[nodiscard]] double hit_ratio() const noexcept {
@@ -858,6 +859,7 @@ class expert_runtime {
     s.transitions_failed = transitions_failed_;
     s.failed_acquires = failed_acquires_;
     s.trace_dropped = trace_.dropped();
+    if constexpr (lru_switchable_policy<Policy>) s.ranks_by_lru = tier(0).policy.ranks_by_lru();
     return s;
   }
   /// The Chrome trace (empty unless options.trace_events > 0).

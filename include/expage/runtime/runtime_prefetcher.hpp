@@ -61,6 +61,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <ostream>
 #include <span>
 #include <utility>
 #include <vector>
@@ -107,6 +108,14 @@ struct runtime_prefetch_statistics {
   std::uint64_t policy_shadow_misses = 0;  ///< What the duel's shadow of the runtime's policy loaded (0: no duel).
   std::uint64_t duel_switches = 0;         ///< Changes of the runtime's eviction order by the duel.
   std::uint64_t lru_layers = 0;            ///< on_routed() calls after which LRU ranked the victims.
+
+  /// Writes every counter as one JSON object.
+  void write_json(std::ostream& out) const {
+    out << fmt::format(R"({{"passes":{},"layers":{},"requested":{},"paused":{},"cancelled":{},"shadow_misses":{},)"
+                       R"("policy_shadow_misses":{},"duel_switches":{},"lru_layers":{}}})",
+                       passes, layers, requested, paused, cancelled, shadow_misses, policy_shadow_misses, duel_switches,
+                       lru_layers);
+  }
 };
 
 /// @brief Drives @p Runtime's prefetch() from an expert_predictor. @p Runtime is an
