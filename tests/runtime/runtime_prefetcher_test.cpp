@@ -25,29 +25,28 @@ namespace {
 
 using runtime = expert_runtime<host_vmm, host_stream, lru_policy>;
 
-// A predictor that is always confidently wrong: it names the experts the chain never routes.
-class wrong_predictor final : public expert_predictor {
+// A predictor that always names the same experts with certainty, whatever it observed.
+class fixed_predictor final : public expert_predictor {
  public:
-  [[nodiscard]] std::string name() const override { return "wrong"; }
+  explicit fixed_predictor(std::vector<std::uint32_t> named) : named_(std::move(named)) {}
+  [[nodiscard]] std::string name() const override { return "fixed"; }
   void reset() override {}
   void begin_pass() override {}
   void observe(std::uint32_t, std::span<const expert_index>) override {}
   void predict(std::uint32_t, std::span<float> probability) const override {
     std::ranges::fill(probability, 0.0F);
-    probability[6] = 1.0F;
-    probability[7] = 1.0F;
+    for (const std::uint32_t e : named_) probability[e] = 1.0F;
   }
-};
 
-// A predictor that names nothing likely: with a threshold above 0 nothing is prefetched.
-class silent_predictor final : public expert_predictor {
- public:
-  [[nodiscard]] std::string name() const override { return "silent"; }
-  void reset() override {}
-  void begin_pass() override {}
-  void observe(std::uint32_t, std::span<const expert_index>) override {}
-  void predict(std::uint32_t, std::span<float> probability) const override { std::ranges::fill(probability, 0.0F); }
+ private:
+  std::vector<std::uint32_t> named_;
 };
+// Always confidently wrong: it names the experts the chain never routes.
+std::unique_ptr<expert_predictor> wrong_predictor() { return std::make_unique<fixed_predictor>(std::vector{6U, 7U}); }
+// Names nothing: nothing is prefetched (with a threshold above 0).
+std::unique_ptr<expert_predictor> silent_predictor() {
+  return std::make_unique<fixed_predictor>(std::vector<std::uint32_t>{});
+}
 
 // Pass t routes experts {t mod 3, t mod 3 + 3} at every layer: co-activation learns that layer
 // l + 1 routes what layer l routed.
@@ -100,8 +99,7 @@ TEST(RuntimePrefetcher, CancelsStaleRequests) {
   runtime_world w;
   host_stream prefetch("prefetch");
   runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.max_prefetch_in_flight = 1}, &prefetch);
-  runtime_prefetcher pf(rt, std::make_unique<wrong_predictor>(),
-                        {.max_overhead = std::numeric_limits<double>::infinity()});
+  runtime_prefetcher pf(rt, wrong_predictor(), {.max_overhead = std::numeric_limits<double>::infinity()});
   // Hold the prefetch stream: the first request is in flight, the second waits in the queue.
   std::promise<void> gate;
   auto opened = gate.get_future().share();
@@ -131,7 +129,7 @@ TEST(RuntimePrefetcher, TheByteGuardSilencesAUselessPredictor) {
     runtime_world w;
     host_stream prefetch("prefetch");
     runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.max_prefetch_in_flight = 2}, &prefetch);
-    runtime_prefetcher pf(rt, std::make_unique<wrong_predictor>(), {.max_overhead = share});
+    runtime_prefetcher pf(rt, wrong_predictor(), {.max_overhead = share});
     for (int pass = 0; pass < 20; ++pass) {
       run_pass(w, rt, pf, pass);
       prefetch.synchronize();  // let every issued prefetch land, so it can be evicted unused
@@ -206,7 +204,7 @@ TEST(RuntimePrefetcher, TheDuelHandsEvictionToLruWhileItLeads) {
     budget_tracker budget(capacity * w.expert_bytes());
     host_stream prefetch("prefetch");
     duel_runtime rt(w.geometry, budget.root(), w.vmm, w.copy, w.compute, w.source(), {.capacity = capacity}, &prefetch);
-    runtime_prefetcher pf(rt, std::make_unique<silent_predictor>(),
+    runtime_prefetcher pf(rt, silent_predictor(),
                           {.threshold = 0.5F,
                            .max_overhead = std::numeric_limits<double>::infinity(),
                            .duel_passes = duel_passes,
@@ -265,7 +263,7 @@ TEST(RuntimePrefetcher, NoDuelForAPolicyThatCannotSwitch) {
   runtime_world w;
   host_stream prefetch("prefetch");
   runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {}, &prefetch);
-  runtime_prefetcher pf(rt, std::make_unique<silent_predictor>(),
+  runtime_prefetcher pf(rt, silent_predictor(),
                         {.threshold = 0.5F, .max_overhead = std::numeric_limits<double>::infinity()});
   std::mt19937_64 rng(2);
   for (int pass = 0; pass < 10; ++pass) {
@@ -285,7 +283,7 @@ TEST(RuntimePrefetcher, RefusesBadInput) {
   runtime_world w;
   host_stream prefetch("prefetch");
   runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {}, &prefetch);
-  const auto make = [&] { return std::make_unique<wrong_predictor>(); };
+  const auto make = [&] { return wrong_predictor(); };
   EXPECT_THROW(runtime_prefetcher(rt, nullptr), invalid_argument);
   EXPECT_THROW(runtime_prefetcher(rt, make(), {.distance = 0}), invalid_argument);
   EXPECT_THROW(runtime_prefetcher(rt, make(), {.threshold = 1.5F}), invalid_argument);
