@@ -113,6 +113,7 @@ struct options {
   std::string policy = "lru";
   std::string prefetch = "none";
   std::uint32_t duel_passes = 16;  // with --prefetch and a policy other than lru: the eviction duel's window
+  bool duel_passes_given = false;  // --duel-passes was on the command line (refused where no duel runs)
   std::uint64_t host_limit = 4_GiB;
   bool check = true;
   bool physics = false;
@@ -200,6 +201,7 @@ options parse(int argc, char** argv) {
       }
     } else if (a == "--duel-passes") {
       o.duel_passes = static_cast<std::uint32_t>(parse_uint(a, value(), 0, expage::eviction_duel::max_passes));
+      o.duel_passes_given = true;
     } else if (a == "--copy-threads") {
       o.copy_threads = static_cast<std::uint32_t>(parse_uint(a, value(), 0, 64));
       o.copy_threads_given = true;
@@ -231,6 +233,9 @@ options parse(int argc, char** argv) {
   }
   if (o.physics && o.backend != "host") usage("--physics measures the host backend only (memcpy bandwidth)");
   if (o.copy_threads_given && o.backend != "host") usage("--copy-threads sets the host backend's loader only");
+  if (o.duel_passes_given && (o.prefetch == "none" || o.policy == "lru")) {
+    usage("--duel-passes needs --prefetch and a --policy other than lru (the duel hands that policy's victims to LRU)");
+  }
   return o;
 }
 

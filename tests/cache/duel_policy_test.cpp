@@ -193,6 +193,40 @@ TEST(DuelPolicy, AFailedInnerInsertLeavesTheLruOrderAsItWas) {
   pins[6] = 0;
   pins[2] = 0;
   EXPECT_EQ(duel.victim(pin_view{pins.data()}, {}), 2U) << "6 and 7 were never ranked";
+  // The runtime keeps such a version resident: a hit ranks it (newest), an eviction of one never
+  // ranked leaves the order intact.
+  duel.on_hit(7, {.time = 10, .expert = 7});
+  duel.on_evict(6);
+  pins.assign(8, 0);
+  EXPECT_EQ(duel.victim(pin_view{pins.data()}, {}), 0U);
+  pins[0] = pins[1] = pins[2] = 1;
+  EXPECT_EQ(duel.victim(pin_view{pins.data()}, {}), 7U);
+  duel.on_evict(0);
+  duel.on_evict(1);
+  duel.on_evict(2);
+  pins.assign(8, 0);
+  EXPECT_EQ(duel.victim(pin_view{pins.data()}, {}), 7U) << "the list is whole: 7 is its last key";
+}
+
+// With a forecast, the inner policy's forecast ranking is used while it ranks; LRU ignores it.
+TEST(DuelPolicy, ForwardsTheForecastVictimOfItsPolicy) {
+  constexpr key_space one{.layers = 1, .experts_per_layer = 8};
+  duel_policy<next_turn_policy> duel(one);
+  next_turn_policy inner(one);
+  std::uint64_t t = 0;
+  for (const std::uint32_t k : {0U, 1U, 2U, 3U}) {
+    const access_context ctx{.time = ++t, .layer = 0, .expert = k};
+    duel.on_insert(k, ctx);
+    inner.on_insert(k, ctx);
+  }
+  const std::vector<std::uint8_t> none(8, 0);
+  const std::vector<float> forecast{1.0F, 1.0F, 1.0F, 0.0F, -1.0F, -1.0F, -1.0F, -1.0F};  // 3: not used next
+  const access_context ctx{.time = ++t, .layer = 0, .expert = 5};
+  const std::uint32_t by_forecast = inner.victim(pin_view{none.data()}, ctx, forecast);
+  ASSERT_NE(by_forecast, inner.victim(pin_view{none.data()}, ctx)) << "the forecast changes the victim";
+  EXPECT_EQ(duel.victim(pin_view{none.data()}, ctx, forecast), by_forecast);
+  duel.rank_by_lru(true);
+  EXPECT_EQ(duel.victim(pin_view{none.data()}, ctx, forecast), 0U);
 }
 
 }  // namespace

@@ -481,6 +481,44 @@ TEST(ExpertRuntime, PrefetchedExpertsEvictedUnusedCountAsWasted) {
   EXPECT_EQ(w.check_views(rt), "");
 }
 
+// An LRU that counts how it hears of each new resident version.
+struct counting_policy : lru_policy {
+  using lru_policy::lru_policy;
+  static inline int inserts = 0;
+  static inline int prefetches = 0;
+  void on_insert(std::uint32_t key, const access_context& ctx) noexcept {
+    ++inserts;
+    lru_policy::on_insert(key, ctx);
+  }
+  void on_prefetch(std::uint32_t key, const access_context& ctx) noexcept {
+    ++prefetches;
+    lru_policy::on_insert(key, ctx);
+  }
+};
+
+// A prefetched version reaches the policy's on_prefetch() (a guess is not a use), a demand load
+// its on_insert(); a later lease on the prefetched expert is a hit.
+TEST(ExpertRuntime, APrefetchedVersionReachesThePolicysOnPrefetch) {
+  runtime_world w;
+  host_stream prefetch("prefetch");
+  expert_runtime<host_vmm, host_stream, counting_policy> rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(),
+                                                            {}, &prefetch);
+  counting_policy::inserts = counting_policy::prefetches = 0;
+  const std::uint32_t routed[] = {0, 1};
+  rt.acquire(0, routed).release();
+  const std::uint32_t ahead[] = {2};
+  rt.prefetch(1, ahead);
+  prefetch.synchronize();
+  rt.poll();
+  EXPECT_EQ(counting_policy::inserts, 2);
+  EXPECT_EQ(counting_policy::prefetches, 1);
+  rt.acquire(1, ahead).release();
+  EXPECT_EQ(counting_policy::inserts, 2) << "the prefetched expert is a hit";
+  EXPECT_EQ(rt.statistics().total.prefetch_used, 1U);
+  w.compute.synchronize();
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
 TEST(ExpertRuntime, ResizeShrinksBeforeItGrowsAndReturnsTheBudget) {
   runtime_world w;
   runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());

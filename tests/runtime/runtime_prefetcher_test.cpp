@@ -204,11 +204,13 @@ TEST(RuntimePrefetcher, TheDuelHandsEvictionToLruWhileItLeads) {
     budget_tracker budget(capacity * w.expert_bytes());
     host_stream prefetch("prefetch");
     duel_runtime rt(w.geometry, budget.root(), w.vmm, w.copy, w.compute, w.source(), {.capacity = capacity}, &prefetch);
+    if (duel_passes != 0) rt.rank_by_lru(true);  // the engine's own choice, before the duel takes over
     runtime_prefetcher pf(rt, silent_predictor(),
                           {.threshold = 0.5F,
                            .max_overhead = std::numeric_limits<double>::infinity(),
                            .duel_passes = duel_passes,
                            .duel_margin = 2.0});
+    EXPECT_FALSE(rt.ranks_by_lru()) << "the duel starts on the policy's side, and the runtime with it";
     const slot_cache_options o{.layout = cache_layout::global, .capacity = capacity};
     slot_cache<fifo_policy> fifo(w.geometry, o);
     slot_cache<lru_policy> lru(w.geometry, o);
@@ -317,7 +319,9 @@ TEST(RuntimePrefetcher, RefusesBadInput) {
 // The engine thread acquires, tells the prefetcher and releases; a control thread resizes (to
 // between half the capacity and all of it) and reads statistics meanwhile (TSan). With a
 // duel_policy (FIFO inside, routing with a hot expert per layer that FIFO keeps evicting) the
-// duel switches the eviction order from the engine's thread too.
+// duel switches the runtime's eviction order from the engine's thread while the control thread
+// reads it; its first switch comes within the 16 passes before the first resize (the routing's
+// seed decides it), later ones between resizes.
 template <class Runtime>
 void compute_thread_against_control_thread(std::uint32_t capacity) {
   constexpr bool duel = lru_switchable_policy<typename Runtime::policy_type>;
@@ -376,7 +380,7 @@ void compute_thread_against_control_thread(std::uint32_t capacity) {
   EXPECT_LE(budget.root().used(), budget.root().capacity());
   EXPECT_EQ(w.check_views(rt), "");
   if constexpr (duel) {
-    EXPECT_GT(pf.statistics().duel_switches, 0U) << "the duel switched under the control thread";
+    EXPECT_GT(pf.statistics().duel_switches, 0U) << "the duel switched the runtime's order";
   }
 }
 

@@ -5,9 +5,11 @@
 
 #include "expage/cache/detail/key_list.hpp"
 #include "expage/cache/eviction_policy.hpp"
+#include "expage/cache/lru_policy.hpp"
 
 #include <concepts>
 #include <cstdint>
+#include <span>
 #include <utility>
 
 namespace expage {
@@ -47,7 +49,9 @@ class duel_policy {
   /// @p inner (a policy of @p space, configured by the caller) beside an LRU order of @p space.
   duel_policy(const key_space& space, Policy inner) : inner_(std::move(inner)), lru_(space.size()) {}
 
-  /// @p key became resident after a miss.
+  /// @p key became resident after a miss. When @p Policy throws, the key enters neither order
+  /// (strong guarantee); a later on_hit() ranks it in both, as the runtime expects of a version
+  /// it keeps resident unranked.
   void on_insert(std::uint32_t key, const access_context& ctx) {
     inner_.on_insert(key, ctx);  // first: it may throw (a node-based policy), and then nothing changed
     lru_.push_front(key);
@@ -61,20 +65,34 @@ class duel_policy {
     }
     lru_.push_front(key);
   }
-  /// @p key was used while resident.
-  void on_hit(std::uint32_t key, const access_context& ctx) {
+  /// @p key was used while resident (the most recent in the LRU order, entering it when a failed
+  /// insert had left it out).
+  void on_hit(std::uint32_t key, const access_context& ctx) noexcept(noexcept(inner_.on_hit(key, ctx))) {
     inner_.on_hit(key, ctx);
-    lru_.move_to_front(key);
+    if (lru_.contains(key)) {
+      lru_.move_to_front(key);
+    } else {
+      lru_.push_front(key);
+    }
   }
   /// @p key left the cache.
   void on_evict(std::uint32_t key) noexcept {
     inner_.on_evict(key);
-    lru_.unlink(key);
+    if (lru_.contains(key)) lru_.unlink(key);
   }
   /// The least recently used unpinned key while LRU ranks, @p Policy's victim otherwise.
-  [[nodiscard]] std::uint32_t victim(pin_view pins, const access_context& ctx) const {
+  [[nodiscard]] std::uint32_t victim(pin_view pins, const access_context& ctx) const
+      noexcept(noexcept(inner_.victim(pins, ctx))) {
     return by_lru_ ? lru_.oldest_unpinned(pins) : inner_.victim(pins, ctx);
   }
+  /// The same with a forecast (prefetch-aware eviction, next_turn_policy), where @p Policy ranks
+  /// by one; LRU ignores it.
+  [[nodiscard]] std::uint32_t victim(pin_view pins, const access_context& ctx,
+                                     std::span<const float> forecast) const requires
+      requires(const Policy& p, pin_view v, const access_context& c, std::span<const float> f) {
+    { p.victim(v, c, f) } -> std::same_as<std::uint32_t>;
+  }
+  { return by_lru_ ? lru_.oldest_unpinned(pins) : inner_.victim(pins, ctx, forecast); }
 
   /// Ranks the next victims by LRU (true) or by @p Policy (false).
   void rank_by_lru(bool lru) noexcept { by_lru_ = lru; }
@@ -89,6 +107,8 @@ class duel_policy {
   bool by_lru_ = false;
 };
 
+static_assert(eviction_policy<duel_policy<fifo_policy>>);
+
 /// An eviction policy whose victims an owner can hand to LRU order and back (duel_policy).
 template <class P>
 concept lru_switchable_policy = eviction_policy<P> && requires(P& p, const P& cp) {
@@ -96,5 +116,6 @@ concept lru_switchable_policy = eviction_policy<P> && requires(P& p, const P& cp
   p.rank_by_lru(true);
   { cp.ranks_by_lru() } -> std::same_as<bool>;
 };
+static_assert(lru_switchable_policy<duel_policy<lru_policy>>);
 
 }  // namespace expage

@@ -30,7 +30,9 @@
 ///   order (expert_runtime::rank_by_lru()), and back once it no longer leads. A predicting
 ///   policy that trails LRU for a stretch of traffic (next-turn early in a problem) then costs
 ///   no more than LRU there, prefetches and their refaults included (the simulator's
-///   sim_options::eviction_duel_passes, the same rule). Other policies: no duel.
+///   sim_options::eviction_duel_passes, the same rule). The duel owns the switch: its prefetcher
+///   sets the policy's side at construction, and leaves the order as it is when destroyed.
+///   Other policies: no duel.
 ///
 /// Threading: one thread (the engine's, which calls acquire()) calls on_routed(); the runtime it
 /// drives may be used by other threads meanwhile (prefetch(), resize() and statistics() lock).
@@ -149,7 +151,10 @@ class runtime_prefetcher {
     probability_.resize(g.experts_per_layer());
     eviction_duel::check(options.duel_passes, options.duel_margin, "runtime_prefetcher", "duel_");
     if constexpr (duels) {
-      if (options.duel_passes != 0) duel_.emplace(options.duel_passes, options.duel_margin);
+      if (options.duel_passes != 0) {
+        duel_.emplace(options.duel_passes, options.duel_margin);
+        runtime_.rank_by_lru(false);  // the duel starts on the policy's side, and so does the runtime
+      }
     }
   }
 
@@ -184,10 +189,23 @@ class runtime_prefetcher {
     if (new_pass) ++stats_.passes;
     last_layer_ = layer;
     ++stats_.layers;
-    const std::uint64_t lru_misses = guarded() || duel_ ? lru_shadow_.access(runtime_, layer, experts) : 0;
-    stats_.shadow_misses = lru_shadow_.misses;
-    if constexpr (duels) {
-      if (duel_) duel_step(layer, experts, new_pass, lru_misses);
+    if (guarded() || duel_) {
+      // Both shadows at the one capacity read here (a resize from another thread between two
+      // reads would restart them a group apart); the policy's first, so that a failure leaves
+      // the two in step.
+      const std::uint32_t capacity = runtime_.capacity(runtime_.demand_tier());
+      std::uint64_t policy_misses = 0;
+      if constexpr (duels) {
+        if (duel_) {
+          policy_misses = policy_shadow_.access(runtime_.geometry(), capacity, layer, experts);
+          stats_.policy_shadow_misses = policy_shadow_.misses;
+        }
+      }
+      const std::uint64_t lru_misses = lru_shadow_.access(runtime_.geometry(), capacity, layer, experts);
+      stats_.shadow_misses = lru_shadow_.misses;
+      if constexpr (duels) {
+        if (duel_) duel_step(new_pass, layer + 1 == g.layers(), policy_misses, lru_misses);
+      }
     }
     stats_.cancelled += runtime_.cancel_prefetches();
     if (layer + 1 >= g.layers()) return;  // the pass ends here
@@ -237,11 +255,11 @@ class runtime_prefetcher {
     std::uint64_t base = 0;    // misses of the caches before the last resize
     std::uint64_t misses = 0;  // over every capacity
     // Returns the misses of this group.
-    std::uint64_t access(const Runtime& runtime, std::uint32_t layer, std::span<const std::uint32_t> experts) {
-      const std::uint32_t capacity = runtime.capacity(runtime.demand_tier());
+    std::uint64_t access(const moe_geometry& geometry, std::uint32_t capacity, std::uint32_t layer,
+                         std::span<const std::uint32_t> experts) {
       if (!cache || cache->options().capacity != capacity) {
         if (cache) base += cache->statistics().misses;
-        cache.emplace(runtime.geometry(), slot_cache_options{.layout = cache_layout::global, .capacity = capacity});
+        cache.emplace(geometry, slot_cache_options{.layout = cache_layout::global, .capacity = capacity});
       }
       // A group larger than the shadow (the runtime could not acquire it either) in parts.
       for (std::size_t i = 0; i < experts.size(); i += capacity) {
@@ -254,13 +272,18 @@ class runtime_prefetcher {
     }
   };
 
-  // The duel hears this group's misses of both shadows (after a new pass's start) and hands the
-  // runtime's victims to the side that leads (eviction_duel; the simulator's duel_step()).
-  void duel_step(std::uint32_t layer, std::span<const std::uint32_t> experts, bool new_pass, std::uint64_t lru_misses) {
-    const std::uint64_t policy_misses = policy_shadow_.access(runtime_, layer, experts);
-    stats_.policy_shadow_misses = policy_shadow_.misses;
-    if (new_pass) duel_->begin_pass();
+  // The duel hears this group's misses of both shadows and hands the runtime's victims to the
+  // side that leads (eviction_duel; the simulator's duel_step()). As in the simulator, a pass's
+  // first evictions are ranked after the window has dropped its oldest pass: that happens when
+  // the previous pass ends (its last layer), or at the start of a pass that did not end so.
+  void duel_step(bool new_pass, bool pass_ends, std::uint64_t policy_misses, std::uint64_t lru_misses) {
+    if (new_pass && !pass_begun_) duel_->begin_pass();
+    pass_begun_ = false;
     duel_->add(policy_misses, lru_misses);
+    if (pass_ends) {
+      duel_->begin_pass();
+      pass_begun_ = true;
+    }
     const bool was = duel_->lru_leads();
     const bool lru = duel_->decide();
     if (lru != was) {
@@ -282,6 +305,7 @@ class runtime_prefetcher {
   shadow_cache<lru_policy> lru_shadow_;  // the byte guard's and the duel's
   shadow_cache<typename detail::duel_inner<typename Runtime::policy_type>::type> policy_shadow_;  // the duel's
   std::optional<eviction_duel> duel_;
+  bool pass_begun_ = false;  // the duel's window already started the next pass (the last one ended)
 };
 
 }  // namespace expage

@@ -49,6 +49,8 @@ class key_list {
     prev_[head] = k;
     head_ = k;
   }
+  /// True when @p k is in this list.
+  [[nodiscard]] bool contains(std::uint32_t k) const noexcept { return head_ == k || prev_[k] != none; }
   [[nodiscard]] std::uint32_t size() const noexcept { return size_; }
   [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
   /// The oldest key; none when the list is empty.
