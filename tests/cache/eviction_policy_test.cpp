@@ -2,6 +2,7 @@
 // through slot_cache, in both layouts (a contract suite over the policies).
 #include "expage/cache/arc_policy.hpp"
 #include "expage/cache/belady_policy.hpp"
+#include "expage/cache/duel_policy.hpp"
 #include "expage/cache/fmoe_priority_policy.hpp"
 #include "expage/cache/layer_decay_policy.hpp"
 #include "expage/cache/lfru_policy.hpp"
@@ -113,12 +114,18 @@ struct kind_of<lfru_policy> {
   static constexpr policy_kind value = policy_kind::lfru;
 };
 
+// duel_policy, not switched, ranks as its policy: the contract holds it to its policy's reference.
+template <>
+struct kind_of<duel_policy<next_turn_policy>> {
+  static constexpr policy_kind value = policy_kind::next_turn;
+};
+
 template <class Policy>
 class EvictionPolicyContract : public ::testing::Test {};
 
-using policies =
-    ::testing::Types<lru_policy, fifo_policy, lfu_policy, fmoe_priority_policy, layer_decay_policy, next_turn_policy,
-                     belady_policy, arc_policy, s3fifo_policy, sieve_policy, lfru_policy>;
+using policies = ::testing::Types<lru_policy, fifo_policy, lfu_policy, fmoe_priority_policy, layer_decay_policy,
+                                  next_turn_policy, belady_policy, arc_policy, s3fifo_policy, sieve_policy, lfru_policy,
+                                  duel_policy<next_turn_policy>>;
 TYPED_TEST_SUITE(EvictionPolicyContract, policies);
 
 // Replays @p stream through slot_cache<Policy> and checks the expert_map after every group.
