@@ -50,8 +50,8 @@ class duel_policy {
   duel_policy(const key_space& space, Policy inner) : inner_(std::move(inner)), lru_(space.size()) {}
 
   /// @p key became resident after a miss. When @p Policy throws, the key enters neither order
-  /// (strong guarantee); a later on_hit() ranks it in both, as the runtime expects of a version
-  /// it keeps resident unranked.
+  /// (strong guarantee); a later on_hit() enters it in the LRU order (and tells @p Policy of the
+  /// hit), as the runtime expects of a version it keeps resident unranked.
   void on_insert(std::uint32_t key, const access_context& ctx) {
     inner_.on_insert(key, ctx);  // first: it may throw (a node-based policy), and then nothing changed
     lru_.push_front(key);
