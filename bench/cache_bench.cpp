@@ -2,6 +2,7 @@
 //
 //   BM_SlotCache_HitPath             vs  BM_Baseline_ListLru_HitPath   (goal ≥ 50 M accesses/s/core)
 //   BM_SlotCache_Mixed               vs  BM_Baseline_ListLru_Mixed     (hits and misses, Qwen3-30B layer)
+//   BM_SlotCache_Mixed_DuelNextTurn  vs  BM_SlotCache_Mixed_NextTurn   (duel_policy's LRU order beside next-turn)
 //   BM_Replay_Synthetic/<policy>, BM_Replay_RealTrace/<policy>         (routing events/s)
 //   BM_Replay_BinaryStreaming[Sequential]  vs  BM_Replay_BinaryStreamingVersion1  vs
 //   BM_Replay_BinaryInMemory  vs  BM_Baseline_SlotCache_Requests  vs  BM_Baseline_ListLru_Requests
@@ -11,7 +12,9 @@
 //                               before it had its own cache, and a hash map + list LRU, what a
 //                               general-purpose simulator such as libCacheSim runs per request)
 //   BM_Replay_SweepOnePass     vs  BM_Replay_SweepPerCapacity    (16 sequential LRU capacities)
+#include "expage/cache/duel_policy.hpp"
 #include "expage/cache/lru_policy.hpp"
+#include "expage/cache/next_turn_policy.hpp"
 #include "expage/cache/replay.hpp"
 #include "expage/cache/slot_cache.hpp"
 #include "expage/trace/synthetic_trace.hpp"
@@ -113,9 +116,10 @@ std::vector<std::vector<std::uint32_t>> mixed_groups() {
   return groups;
 }
 
+template <class Policy>
 void BM_SlotCache_Mixed(benchmark::State& state) {
   const auto geometry = expage::moe_geometry::qwen3_30b_a3b();
-  expage::slot_cache<expage::lru_policy> cache(geometry, {.layout = expage::cache_layout::per_layer, .capacity = 32});
+  expage::slot_cache<Policy> cache(geometry, {.layout = expage::cache_layout::per_layer, .capacity = 32});
   const auto groups = mixed_groups();
   std::size_t i = 0;
   std::uint64_t misses = 0;
@@ -126,7 +130,10 @@ void BM_SlotCache_Mixed(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * 8);
   state.counters["miss_ratio"] = static_cast<double>(misses) / static_cast<double>(state.iterations() * 8);
 }
-BENCHMARK(BM_SlotCache_Mixed);
+BENCHMARK(BM_SlotCache_Mixed<expage::lru_policy>)->Name("BM_SlotCache_Mixed");
+// What duel_policy's LRU order beside the policy costs per access (no switch: next-turn ranks).
+BENCHMARK(BM_SlotCache_Mixed<expage::next_turn_policy>)->Name("BM_SlotCache_Mixed_NextTurn");
+BENCHMARK(BM_SlotCache_Mixed<expage::duel_policy<expage::next_turn_policy>>)->Name("BM_SlotCache_Mixed_DuelNextTurn");
 
 void BM_Baseline_ListLru_Mixed(benchmark::State& state) {
   list_lru lru(32);

@@ -9,6 +9,9 @@
 //       the same, with a runtime_prefetcher (co-activation) told each layer's routing: what
 //       prediction, the stale-request cancel and the byte guard add per layer (every expert is
 //       resident, so no load is issued).
+//   BM_Runtime_AcquireRelease_AllHit_PrefetcherDuel  vs  BM_Runtime_AcquireRelease_AllHit_Prefetcher
+//       the same with next-turn inside a duel_policy: what the duel (a second key-only shadow,
+//       next-turn's, and the duel's step) adds per layer.
 //   BM_Runtime_AcquireRelease_AllHit_Tiered  vs  BM_Runtime_AcquireRelease_AllHit
 //       two tiers (bf16 hi, int4 lo), half of every layer's experts active in each: what serving
 //       each expert from its active tier (lease::tiers()) adds to the one-tier hit path.
@@ -33,7 +36,9 @@
 //   BM_Baseline_WakeRoundTrip
 //       two wake-ups of a sleeping thread (atomic wait/notify): the unit of the host streams'
 //       fixed cost per miss.
+#include "expage/cache/duel_policy.hpp"
 #include "expage/cache/lru_policy.hpp"
+#include "expage/cache/next_turn_policy.hpp"
 #include "expage/cache/slot_cache.hpp"
 #include "expage/core/units.hpp"
 #include "expage/predict/expert_predictor.hpp"
@@ -59,6 +64,9 @@ namespace {
 
 using namespace expage::literals;
 using runtime = expage::expert_runtime<expage::host_vmm, expage::host_stream, expage::lru_policy>;
+// The same with next-turn inside a duel_policy: the prefetcher then runs the eviction duel.
+using duel_runtime =
+    expage::expert_runtime<expage::host_vmm, expage::host_stream, expage::duel_policy<expage::next_turn_policy>>;
 
 // Mixtral's routing shape with experts scaled to 1/64 width: the hit path never touches expert bytes.
 expage::moe_geometry mixtral_routing() {
@@ -112,21 +120,21 @@ void BM_Baseline_SlotCache_AllHit(benchmark::State& state) {
 }
 BENCHMARK(BM_Baseline_SlotCache_AllHit);
 
-template <bool RecordEvent, bool Prefetcher = false>
+template <bool RecordEvent, bool Prefetcher = false, class Runtime = runtime>
 void BM_Runtime_AcquireRelease_AllHit(benchmark::State& state) {
   const auto g = mixtral_routing();
   expage::host_vmm vmm({.granularity = 4_KiB});
   expage::host_stream copy("copy"), compute("compute"), prefetch("prefetch");
   std::vector<std::byte> bytes;
   auto source = zero_source(g, bytes);
-  runtime rt(
+  Runtime rt(
       g,
       [&]() -> expage::budget_account& {
         static expage::budget_tracker budget(1_GiB);
         return budget.root();
       }(),
       vmm, copy, compute, source, {.capacity = 256}, Prefetcher ? &prefetch : nullptr);
-  expage::runtime_prefetcher<runtime> pf(rt, expage::make_predictor("coactivation", g.layers(), 8, 2));
+  expage::runtime_prefetcher<Runtime> pf(rt, expage::make_predictor("coactivation", g.layers(), 8, 2));
   const std::uint32_t all[] = {0, 1, 2, 3, 4, 5, 6, 7};
   for (std::uint32_t l = 0; l < g.layers(); ++l) rt.acquire(l, all).release();
   compute.synchronize();
@@ -154,6 +162,8 @@ void BM_Runtime_AcquireRelease_AllHit(benchmark::State& state) {
 BENCHMARK(BM_Runtime_AcquireRelease_AllHit<false>)->Name("BM_Runtime_AcquireRelease_AllHit");
 BENCHMARK(BM_Runtime_AcquireRelease_AllHit<true>)->Name("BM_Runtime_AcquireRelease_AllHit_RecordEvent");
 BENCHMARK(BM_Runtime_AcquireRelease_AllHit<false, true>)->Name("BM_Runtime_AcquireRelease_AllHit_Prefetcher");
+BENCHMARK(BM_Runtime_AcquireRelease_AllHit<false, true, duel_runtime>)
+    ->Name("BM_Runtime_AcquireRelease_AllHit_PrefetcherDuel");
 
 void BM_Runtime_AcquireRelease_AllHit_Tiered(benchmark::State& state) {
   const auto g = mixtral_routing();

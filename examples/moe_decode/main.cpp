@@ -239,6 +239,24 @@ options parse(int argc, char** argv) {
   return o;
 }
 
+// Writes @p path whole or not at all: @p fill writes a temporary file, renamed into place once it
+// is complete; on any failure the temporary file is removed and the error names @p path.
+template <class Fill>
+void write_whole(const std::filesystem::path& path, std::ios::openmode mode, Fill&& fill) {
+  const std::filesystem::path tmp = path.string() + ".tmp";
+  try {
+    std::ofstream out(tmp, mode | std::ios::trunc);
+    fill(out);
+    out.close();
+    if (!out) throw std::runtime_error(fmt::format("cannot write {}: {}", path.string(), std::strerror(errno)));
+  } catch (...) {
+    std::error_code ignored;
+    std::filesystem::remove(tmp, ignored);
+    throw;
+  }
+  std::filesystem::rename(tmp, path);
+}
+
 // --- the model ------------------------------------------------------------------------------
 
 expage::moe_geometry scaled(const expage::moe_geometry& g, std::uint32_t scale) {
@@ -305,21 +323,18 @@ void write_safetensors(const std::filesystem::path& path, const expage::moe_geom
   }
   header += R"(,"__metadata__":{"format":"pt","model":")" + g.name() + "\"}}";
   while (header.size() % 8 != 0) header += ' ';
-  const std::filesystem::path tmp = path.string() + ".tmp";
-  std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-  const std::uint64_t n = header.size();
-  out.write(reinterpret_cast<const char*>(&n), 8);
-  out.write(header.data(), static_cast<std::streamsize>(header.size()));
-  for (std::uint64_t f = 0; f < g.expert_count(); ++f) {
-    for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
-      std::vector<std::uint16_t> w(g.shape(t).elements());
-      generate_bf16(g, g.expert_at(f), t, w);
-      out.write(reinterpret_cast<const char*>(w.data()), static_cast<std::streamsize>(w.size() * 2));
+  write_whole(path, std::ios::binary, [&](std::ofstream& out) {
+    const std::uint64_t n = header.size();
+    out.write(reinterpret_cast<const char*>(&n), 8);
+    out.write(header.data(), static_cast<std::streamsize>(header.size()));
+    for (std::uint64_t f = 0; f < g.expert_count(); ++f) {
+      for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+        std::vector<std::uint16_t> w(g.shape(t).elements());
+        generate_bf16(g, g.expert_at(f), t, w);
+        out.write(reinterpret_cast<const char*>(w.data()), static_cast<std::streamsize>(w.size() * 2));
+      }
     }
-  }
-  out.close();
-  if (!out) throw std::runtime_error(fmt::format("cannot write {}: {}", tmp.string(), std::strerror(errno)));
-  std::filesystem::rename(tmp, path);
+  });
 }
 
 // A read-only mapping of a safetensors file and the byte range of every tensor named in its header.
@@ -1160,12 +1175,7 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   if (prefetcher) r.prefetcher = prefetcher->statistics();
   r.wait_s = backend.wait_seconds(r.stats);
   if (!quiet && !o.trace_out.empty()) {
-    const std::filesystem::path tmp = o.trace_out + ".tmp";
-    std::ofstream f(tmp);
-    rt.trace().write_json(f);
-    f.close();
-    if (!f) throw std::runtime_error(fmt::format("cannot write {}: {}", o.trace_out, std::strerror(errno)));
-    std::filesystem::rename(tmp, o.trace_out);
+    write_whole(o.trace_out, std::ios::out, [&](std::ofstream& f) { rt.trace().write_json(f); });
   }
   return r;
 }
@@ -1317,9 +1327,7 @@ int run(const options& o) {
                resident.wall_s, expage::byte_size{moved}, bw * 1e-9, physics, paged.wall_s, paged.wall_s / physics);
   }
   if (!o.json.empty()) {  // {"runtime": ..., "prefetcher": ... or null}, written whole or not at all
-    const std::filesystem::path tmp = o.json + ".tmp";
-    {
-      std::ofstream f(tmp);
+    write_whole(o.json, std::ios::out, [&](std::ofstream& f) {
       f << "{\"runtime\":";
       r.stats.write_json(f);
       f << ",\"prefetcher\":";
@@ -1329,14 +1337,7 @@ int run(const options& o) {
         f << "null";
       }
       f << "}\n";
-      f.close();
-      if (!f) {
-        std::error_code ignored;
-        std::filesystem::remove(tmp, ignored);
-        throw std::runtime_error(fmt::format("cannot write {}: {}", o.json, std::strerror(errno)));
-      }
-    }
-    std::filesystem::rename(tmp, o.json);
+    });
   }
   if (!o.trace_out.empty()) fmt::print("  Chrome trace: {}\n", o.trace_out);
   return o.check && r.mismatching_layers != 0 ? 1 : 0;
