@@ -51,6 +51,7 @@ class detail::kv_session_generator {
     out.keys_ = next_id_;
     const std::uint64_t steps = out.offset_.size() - 1;
     for (auto& c : close_) c = c == open_ ? steps : c;  // still open at the end
+    out.open_ = std::move(opened_);
     out.close_ = std::move(close_);
     return out;
   }
@@ -69,6 +70,7 @@ class detail::kv_session_generator {
       throw invalid_argument(fmt::format("generate_kv_sessions: more than {} blocks; raise block_tokens",
                                          std::numeric_limits<std::uint32_t>::max() - 1));
     }
+    opened_.push_back(step_);
     close_.push_back(open_);
     return next_id_++;
   }
@@ -88,6 +90,7 @@ class detail::kv_session_generator {
   }
 
   void phase(const kv_phase& p, std::uint32_t index, kv_block_stream& out) {
+    step_ = out.offset_.size() - 1;  // the context of the sessions under way opens at the phase's first step
     std::vector<std::uint32_t> shared(p.shared_prefix_tokens / options_.block_tokens);
     for (auto& b : shared) b = new_block();
     std::vector<session> slots(p.concurrency);
@@ -172,8 +175,9 @@ class detail::kv_session_generator {
   const kv_session_options& options_;
   std::mt19937_64 rng_;
   std::uint32_t next_id_ = 0;
-  std::uint64_t step_ = 0;            // the stream's step being generated
-  std::vector<std::uint64_t> close_;  // per block: the step its session closed at (open_ while open)
+  std::uint64_t step_ = 0;             // the stream's step being generated
+  std::vector<std::uint64_t> opened_;  // per block: the step it opened at (kv_block_stream::opens_at())
+  std::vector<std::uint64_t> close_;   // per block: the step its session closed at (open_ while open)
 };
 
 namespace {
@@ -316,6 +320,12 @@ std::vector<std::uint64_t> open_block_depths(const kv_block_stream& kv, std::spa
   std::vector<std::uint64_t> depths;
   for (std::size_t i = 0; i < seen.size(); ++i) {
     if (kv.closes_at(seen[i].second) > step) depths.push_back(i);
+  }
+  // The open blocks never read yet go below the deepest open cached one (see the header).
+  std::uint64_t next = depths.empty() ? 0 : depths.back() + 1;
+  for (std::uint32_t b = 0; b < kv.key_count(); ++b) {
+    const bool unseen = b >= last_read.size() || last_read[b] == never;
+    if (unseen && kv.opens_at(b) <= step && kv.closes_at(b) > step) depths.push_back(next++);
   }
   return depths;
 }

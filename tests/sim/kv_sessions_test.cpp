@@ -258,8 +258,37 @@ TEST(KvSessions, BadInputIsNamedWithItsRange) {
   }
 }
 
+// A block opens at the step that first reads it, except the context of a session under way when its
+// phase began, which opens at the phase's first step and is first read later (when the session
+// returns from its tool); no step reads a block before it opens or after it closes.
+TEST(KvSessions, ABlockIsReadOnlyWhileItsConversationIsOpen) {
+  const auto kv = generate_kv_sessions(two_phases(7));
+  std::vector<std::uint64_t> first(kv.key_count(), never);
+  std::vector<std::uint64_t> last(kv.key_count(), never);
+  for (std::uint64_t step = 0; step < kv.steps(); ++step) {
+    for (const std::uint32_t b : kv.blocks(step)) {
+      if (first[b] == never) first[b] = step;
+      last[b] = step;
+    }
+  }
+  std::size_t under_way = 0;  // blocks opened before their first read
+  for (std::uint32_t b = 0; b < kv.key_count(); ++b) {
+    ASSERT_LE(kv.opens_at(b), kv.closes_at(b)) << "block " << b;
+    if (first[b] == never) continue;  // a session under way whose phase ended before it returned
+    ASSERT_LE(kv.opens_at(b), first[b]) << "block " << b;
+    ASSERT_LE(last[b], kv.closes_at(b)) << "block " << b;
+    if (kv.opens_at(b) == first[b]) continue;
+    ++under_way;
+    const std::uint32_t phase = kv.phase(kv.opens_at(b));
+    EXPECT_TRUE(kv.opens_at(b) == 0 || kv.phase(kv.opens_at(b) - 1) != phase)
+        << "block " << b << " opens before its first read at step " << kv.opens_at(b) << ", not a phase's first step";
+  }
+  EXPECT_GT(under_way, 0U) << "the phases should start with sessions under way";
+}
+
 // open_block_depths() against a list-based LRU: after every step, the depth of each cached block
-// whose session is open is its position in the recency order.
+// whose session is open is its position in the recency order; the open blocks never read follow
+// the deepest open cached one.
 TEST(KvSessions, OpenBlockDepthsEqualAListBasedLru) {
   const auto kv = generate_kv_sessions(two_phases(7));
   std::vector<std::uint64_t> last_read(kv.key_count(), never);
@@ -279,6 +308,15 @@ TEST(KvSessions, OpenBlockDepthsEqualAListBasedLru) {
     for (const std::uint32_t b : recency) {
       if (kv.closes_at(b) > step) want.push_back(depth);
       ++depth;
+    }
+    const std::size_t cached = want.size();
+    for (std::uint32_t b = 0; b < kv.key_count(); ++b) {
+      if (!where.contains(b) && kv.opens_at(b) <= step && kv.closes_at(b) > step) {
+        want.push_back(want.empty() ? 0 : want.back() + 1);
+      }
+    }
+    if (step == 0) {
+      EXPECT_GT(want.size(), cached) << "sessions under way at the start are open, not yet read";
     }
     ASSERT_EQ(open_block_depths(kv, last_read, step), want) << "step " << step;
   }

@@ -127,14 +127,15 @@ struct online_split_config {
 };
 
 /// @brief The KV misses a pool of @p blocks is predicted to take: the decayed histogram's warm
-/// misses (WiSP App. B), or, when more, the cached blocks of sessions still open that the pool
+/// misses (WiSP App. B), or, when more, the blocks of sessions still open that the pool
 /// cannot hold (@p open_depths, their LRU stack depths ascending, 0 = most recently read): each is
 /// recomputed when its session returns. The histogram sees a session's far reuse only after it
 /// happened (and was recomputed); the open blocks are known as soon as the context is written, by
 /// an engine that knows which conversations are open [not in WiSP; docs/control.md].
 /// @param kv the KV stream's histogram.
 /// @param blocks the pool's size in blocks; beyond the histogram's max_capacity it reads the value there.
-/// @param open_depths the LRU stack depths of the open sessions' cached blocks, ascending.
+/// @param open_depths the LRU stack depths of the open sessions' blocks, ascending (those not
+///        cached yet below the deepest cached one: open_block_depths()).
 [[nodiscard]] double kv_predicted_misses(const decayed_reuse_histogram& kv, std::uint64_t blocks,
                                          std::span<const std::uint64_t> open_depths) noexcept;
 
@@ -169,7 +170,7 @@ struct online_split_decision {
 ///        other way needs a gain above config.reversal_gate instead of config.gate.
 /// @throws expage::invalid_argument for a bad model or config, a histogram of the wrong size, a budget
 ///         below the floor, or a current cap out of [min_expert_cap, E] or below the floor.
-/// @param kv_open_depths the LRU stack depths, ascending, of the cached KV blocks whose session is
+/// @param kv_open_depths the LRU stack depths, ascending, of the KV blocks whose session is
 ///        still open (kv_predicted_misses(); empty: unknown, WiSP's controller as written).
 [[nodiscard]] online_split_decision online_split_step(const split_model& model, const online_split_config& config,
                                                       const decayed_reuse_histogram& experts,
@@ -208,8 +209,8 @@ class split_controller {
   [[nodiscard]] decayed_reuse_histogram& experts() noexcept { return experts_; }
   /// The KV stream's histogram.
   [[nodiscard]] decayed_reuse_histogram& kv() noexcept { return kv_; }
-  /// The LRU stack depths (0 = most recently read) of the cached KV blocks whose session is still
-  /// open (kv_predicted_misses()); kept until the next call; empty: unknown. Call once per burst,
+  /// The LRU stack depths (0 = most recently read) of the KV blocks whose session is still
+  /// open (kv_predicted_misses(), open_block_depths()); kept until the next call; empty: unknown. Call once per burst,
   /// after the burst's reuses are recorded: their number drives the change detector
   /// (online_split_config::change_ratio).
   /// @throws expage::invalid_argument when @p depths is not sorted ascending.

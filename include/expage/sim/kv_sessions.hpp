@@ -90,12 +90,19 @@ class kv_block_stream {
   /// blocks belong to conversations still open, idle ones waiting on a tool included).
   /// @pre block < key_count().
   [[nodiscard]] std::uint64_t closes_at(std::uint32_t block) const noexcept { return close_[block]; }
+  /// The first step at which block @p block belongs to a conversation: the step whose prefill or
+  /// decode writes it, or, for the context of a session already under way when its phase began
+  /// (a phase starts in its steady state), the phase's first step. Such a block exists before the
+  /// pool has seen it: an engine knows the length of every open conversation, cached or not.
+  /// @pre block < key_count().
+  [[nodiscard]] std::uint64_t opens_at(std::uint32_t block) const noexcept { return open_[block]; }
 
  private:
   friend class detail::kv_session_generator;
   std::vector<std::uint64_t> offset_;
   std::vector<std::uint32_t> blocks_;
   std::vector<std::uint32_t> phase_;
+  std::vector<std::uint64_t> open_;
   std::vector<std::uint64_t> close_;
   std::uint32_t keys_ = 0;
   std::uint32_t block_tokens_ = 16;
@@ -113,11 +120,15 @@ class kv_block_stream {
 /// The preset names.
 [[nodiscard]] std::span<const std::string_view> kv_session_preset_names() noexcept;
 
-/// @brief The LRU stack depths, ascending, of the cached blocks of @p kv whose session is still
-/// open after step @p step (kv_block_stream::closes_at()): what a session-aware engine tells a
-/// split controller (kv_predicted_misses(), split_controller::set_kv_open_depths(),
-/// four_pool_controller::set_kv_open_depths()). A block's depth is the number of blocks read since
-/// it was last read. O(K log K) for K blocks read so far.
+/// @brief The LRU stack depths, ascending, of the blocks of @p kv whose session is still open
+/// after step @p step (kv_block_stream::opens_at() ≤ step < kv_block_stream::closes_at()): what a
+/// session-aware engine tells a split controller (kv_predicted_misses(),
+/// split_controller::set_kv_open_depths(), four_pool_controller::set_kv_open_depths()). A cached
+/// block's depth is the number of blocks read since it was last read. An open block the pool has
+/// never seen (the context of a session under way when its phase began) is placed below the
+/// deepest open cached one, as if read just before it: the open conversations need the pool to
+/// hold them too, and closed blocks, which nothing reads again, go first. O(K log K) for K blocks
+/// read so far, plus O(B) for the B blocks of the stream.
 /// @param kv the block stream (its sessions and their closing steps).
 /// @param step the step after which a session counts as open.
 /// @param last_read per block, the position of its last read in the order of all block reads

@@ -161,9 +161,9 @@ struct online_split_options {
   /// Fault injection: called with the burst index before each move; true refuses the resize
   /// (the previous split stays in force, WiSP D3). Empty: every resize succeeds.
   std::function<bool(std::uint64_t)> refuse_resize{};
-  /// Tell the controller, at each barrier, the LRU depths of the cached KV blocks whose session
-  /// is still open (split_controller::set_kv_open_depths(), kv_predicted_misses()): what a
-  /// session-aware engine knows [not in WiSP]. False: WiSP's controller as written.
+  /// Tell the controller, at each barrier, the LRU depths of the KV blocks whose session is still
+  /// open (open_block_depths(), split_controller::set_kv_open_depths(), kv_predicted_misses()):
+  /// what a session-aware engine knows [not in WiSP]. False: WiSP's controller as written.
   bool kv_open_sessions = true;
 };
 

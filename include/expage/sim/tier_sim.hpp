@@ -173,8 +173,8 @@ struct four_pool_options {
   /// The split before the first burst; unset: the admissible split with the most expert bytes,
   /// hi-only first (WiSP's live rule starts from every byte above the floor to the experts).
   std::optional<four_pool_split> initial{};
-  /// Tell the controller, at each barrier, the LRU depths of the cached blocks of sessions still
-  /// open (kv_block_stream::closes_at(), four_pool_controller::set_kv_open_depths()): what a
+  /// Tell the controller, at each barrier, the LRU depths of the blocks of sessions still
+  /// open (open_block_depths(), four_pool_controller::set_kv_open_depths()): what a
   /// session-aware engine knows (an agent framework's open conversations, SGLang's sessions).
   /// False: the decayed histograms only (WiSP's signal).
   bool kv_open_sessions = true;
