@@ -53,6 +53,15 @@ class detail::kv_session_generator {
     for (auto& c : close_) c = c == open_ ? steps : c;  // still open at the end
     out.open_ = std::move(opened_);
     out.close_ = std::move(close_);
+    // closing(s): the blocks bucketed by closing step (a counting sort; still-open blocks close at
+    // steps(), past the last bucket).
+    out.closing_offset_.assign(steps + 2, 0);
+    for (const std::uint64_t c : out.close_) ++out.closing_offset_[c + 1];
+    for (std::uint64_t s = 0; s <= steps; ++s) out.closing_offset_[s + 1] += out.closing_offset_[s];
+    out.closing_.resize(out.close_.size());
+    std::vector<std::uint64_t> at(out.closing_offset_.begin(), out.closing_offset_.end() - 1);
+    for (std::uint32_t b = 0; b < out.close_.size(); ++b) out.closing_[at[out.close_[b]]++] = b;
+    out.closing_offset_.resize(steps + 1);
     return out;
   }
 
@@ -238,7 +247,7 @@ kv_block_stream generate_kv_sessions(const kv_session_options& options) {
 }
 
 kv_pool_result simulate_kv_pool(const kv_block_stream& stream, std::uint64_t capacity_blocks,
-                                std::span<const kv_capacity_change> schedule) {
+                                std::span<const kv_capacity_change> schedule, bool release_closed) {
   if (capacity_blocks == 0) throw invalid_argument("simulate_kv_pool: capacity_blocks 0 out of range [1, 2^64)");
   for (std::size_t i = 0; i < schedule.size(); ++i) {
     const std::uint64_t least = i == 0 ? 0 : schedule[i - 1].step + 1;
@@ -306,20 +315,32 @@ kv_pool_result simulate_kv_pool(const kv_block_stream& stream, std::uint64_t cap
     }
     r.recomputes += recomputes;
     r.step_recomputes.push_back(recomputes);
+    if (release_closed) {
+      for (const std::uint32_t k : stream.closing(s)) {
+        if (state[k] != cached) continue;
+        unlink(k);
+        state[k] = evicted;
+        --size;
+        ++r.released;
+      }
+    }
   }
   return r;
 }
 
 std::vector<std::uint64_t> open_block_depths(const kv_block_stream& kv, std::span<const std::uint64_t> last_read,
-                                             std::uint64_t step) {
+                                             std::uint64_t step, bool closed_released) {
   std::vector<std::pair<std::uint64_t, std::uint32_t>> seen;  // (last read, block), most recent first
   for (std::uint32_t b = 0; b < last_read.size(); ++b) {
     if (last_read[b] != never) seen.emplace_back(last_read[b], b);
   }
   std::sort(seen.begin(), seen.end(), std::greater<>());
   std::vector<std::uint64_t> depths;
-  for (std::size_t i = 0; i < seen.size(); ++i) {
-    if (kv.closes_at(seen[i].second) > step) depths.push_back(i);
+  std::uint64_t depth = 0;
+  for (const auto& [read, block] : seen) {
+    const bool open = kv.closes_at(block) > step;
+    if (open) depths.push_back(depth);
+    if (open || !closed_released) ++depth;
   }
   // The open blocks never read yet go below the deepest open cached one (see the header).
   std::uint64_t next = depths.empty() ? 0 : depths.back() + 1;

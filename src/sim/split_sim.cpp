@@ -167,7 +167,7 @@ split_run evaluate(const split_workload& w, const split_model& m, cap_range rang
   run.budget_peak_bytes = budget.root().statistics().peak;
 
   const sim_result experts = simulate(*w.experts, w.geometry, w.policy, o);
-  const kv_pool_result kv = simulate_kv_pool(*w.kv, kv_blocks(m, cap_of(0)), kv_schedule);
+  const kv_pool_result kv = simulate_kv_pool(*w.kv, kv_blocks(m, cap_of(0)), kv_schedule, w.kv_release_closed);
   run.bursts.resize(bursts);
   std::uint64_t counted = 0;
   for (std::uint64_t b = 0; b < bursts; ++b) {
@@ -247,6 +247,9 @@ split_run run_online_split(const split_workload& w, const online_split_options& 
         controller.kv().record(kv_distances.access(block));
         if (!last_read.empty()) last_read[block] = reads++;
       }
+      if (w.kv_release_closed) {
+        for (const std::uint32_t block : w.kv->closing(pass)) kv_distances.forget(block);
+      }
       do {
         const std::uint32_t layer = w.experts->layer(g);
         for (const expert_index e : w.experts->experts(g)) {
@@ -256,7 +259,9 @@ split_run run_online_split(const split_workload& w, const online_split_options& 
       } while (g < w.experts->groups() && !w.experts->starts_pass(g));
     }
     if (b + 1 == bursts) break;
-    if (options.kv_open_sessions) controller.set_kv_open_depths(open_block_depths(*w.kv, last_read, end - 1));
+    if (options.kv_open_sessions) {
+      controller.set_kv_open_depths(open_block_depths(*w.kv, last_read, end - 1, w.kv_release_closed));
+    }
     const online_split_decision d = controller.step();
     decisions.push_back(d);
     if (!d.moved) continue;

@@ -741,7 +741,9 @@ tier_run run(const tier_workload& w, const four_pool_model& m, four_pool_control
     const std::uint64_t b = pass / burst;
     if (pass % burst == 0) {
       if (pass != 0 && online) {
-        if (options->kv_open_sessions) controller.set_kv_open_depths(open_block_depths(kv, last_read, pass - 1));
+        if (options->kv_open_sessions) {
+          controller.set_kv_open_depths(open_block_depths(kv, last_read, pass - 1, w.base.kv_release_closed));
+        }
         const four_pool_decision d = controller.step();
         tier_burst& previous = out.bursts[b - 1];
         previous.target = d.target;
@@ -769,6 +771,9 @@ tier_run run(const tier_workload& w, const four_pool_model& m, four_pool_control
         controller.kv().record(kv_distances.access(block));
         if (!last_read.empty()) last_read[block] = reads++;
       }
+      if (w.base.kv_release_closed) {
+        for (const std::uint32_t block : kv.closing(pass)) kv_distances.forget(block);
+      }
     }
   }
   engine.finish();
@@ -784,7 +789,8 @@ tier_run run(const tier_workload& w, const four_pool_model& m, four_pool_control
     }
     if (!(out.bursts[b].split == out.bursts[b - 1].split)) out.converged_burst = b;
   }
-  const kv_pool_result pool = simulate_kv_pool(kv, kv_pool_blocks(m, out.bursts[0].split), schedule);
+  const kv_pool_result pool =
+      simulate_kv_pool(kv, kv_pool_blocks(m, out.bursts[0].split), schedule, w.base.kv_release_closed);
   const auto stalls = engine.pass_stalls();
   const auto compute = engine.pass_compute();
   const auto activations = engine.pass_activations();

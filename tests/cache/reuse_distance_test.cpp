@@ -7,8 +7,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -82,6 +84,42 @@ INSTANTIATE_TEST_SUITE_P(KeyCountsSkewsWindows, ReuseDistanceProperty,
                          ::testing::Combine(::testing::Values(std::size_t{1}, std::size_t{2}, std::size_t{7},
                                                               std::size_t{64}, std::size_t{256}, std::size_t{1000}),
                                             ::testing::Values(0.0, 0.9, 1.4), ::testing::Values(0, 1, 2)));
+
+// forget() takes a key out of the stack: the keys behind it come one nearer, its next access is
+// cold, and compactions (forced by the smallest window) keep both.
+TEST(ReuseDistanceTracker, ForgetTakesTheKeyOutOfTheStackAcrossCompactions) {
+  for (const std::size_t window : {std::size_t{0}, std::size_t{65}}) {
+    const std::size_t keys = 64;
+    reuse_distance_tracker rd(keys, window);
+    test::naive_stack_distance naive;
+    std::mt19937_64 rng(29);
+    std::size_t forgotten = 0;
+    for (std::size_t t = 0; t < 20'000; ++t) {
+      const std::size_t key = std::min(rng() % keys, rng() % keys);
+      if (rng() % 5 == 0) {
+        rd.forget(key);
+        naive.forget(key);
+        ++forgotten;
+      } else {
+        ASSERT_EQ(rd.access(key), naive.access(key)) << "access " << t << " key " << key << " window " << window;
+      }
+      ASSERT_EQ(rd.distinct_keys(), naive.size()) << "step " << t;
+    }
+    EXPECT_GT(forgotten, 0U);
+    if (window != 0) {
+      EXPECT_GT(rd.compactions(), 0U);
+    }
+  }
+  reuse_distance_tracker rd(4);
+  rd.forget(2);  // never accessed: nothing to forget
+  EXPECT_EQ(rd.distinct_keys(), 0U);
+  EXPECT_EQ(rd.access(0), cold);
+  EXPECT_EQ(rd.access(1), cold);
+  EXPECT_EQ(rd.access(2), cold);
+  rd.forget(1);
+  EXPECT_EQ(rd.distance(0), 1U) << "1 is gone from between them";
+  EXPECT_EQ(rd.access(1), cold);
+}
 
 TEST(ReuseDistanceTracker, CompactsWhenTheWindowFillsAndKeepsTheOrder) {
   reuse_distance_tracker rd(3, 4);  // the smallest window for 3 keys

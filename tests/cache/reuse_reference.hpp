@@ -32,6 +32,9 @@ class naive_stack_distance {
     std::rotate(stack_.begin(), it, it + 1);  // move to front
     return distance;
   }
+  /// Takes @p key out of the stack (its next access is cold).
+  void forget(std::size_t key) { std::erase(stack_, key); }
+  [[nodiscard]] std::size_t size() const { return stack_.size(); }
 
  private:
   std::vector<std::size_t> stack_;

@@ -131,9 +131,11 @@ TEST(KvSessions, CrossTurnReuseIsTheFarMode) {
   EXPECT_EQ(tight.hits + tight.cold + tight.recomputes, tight.references);
 }
 
-// Obviously correct LRU over a std::list, with the same resize rule.
+// Obviously correct LRU over a std::list, with the same resize rule; with release_closed a block
+// leaves the list at the end of the step its conversation closes at.
 std::vector<std::uint64_t> reference_pool(const kv_block_stream& kv, std::uint64_t capacity,
-                                          const std::vector<kv_capacity_change>& schedule) {
+                                          const std::vector<kv_capacity_change>& schedule,
+                                          bool release_closed = false) {
   std::list<std::uint32_t> lru;  // front = most recent
   std::unordered_map<std::uint32_t, std::list<std::uint32_t>::iterator> where;
   std::unordered_set<std::uint32_t> seen;
@@ -163,6 +165,15 @@ std::vector<std::uint64_t> reference_pool(const kv_block_stream& kv, std::uint64
       where[b] = lru.begin();
     }
     out.push_back(recomputes);
+    if (!release_closed) continue;
+    for (auto it = lru.begin(); it != lru.end();) {
+      if (kv.closes_at(*it) == s) {
+        where.erase(*it);
+        it = lru.erase(it);
+      } else {
+        ++it;
+      }
+    }
   }
   return out;
 }
@@ -181,6 +192,51 @@ TEST(KvSessions, PoolEqualsAReferenceLruUnderRandomResizes) {
     EXPECT_EQ(r.step_recomputes, reference_pool(kv, capacity, schedule));
     EXPECT_EQ(r.hits + r.cold + r.recomputes, r.references);
   }
+}
+
+// A pool that drops closed conversations' blocks equals the list-based reference doing the same,
+// and never recomputes more in a step than plain LRU at the same sizes: the blocks it drops are
+// never read again, so at every instant it holds every open block plain LRU holds.
+TEST(KvSessions, ReleasingClosedBlocksEqualsTheReferenceAndNeverRecomputesMore) {
+  const auto kv = generate_kv_sessions(two_phases(5));
+  std::mt19937_64 rng(13);
+  std::uint64_t fewer = 0;  // trials where dropping helped
+  for (int trial = 0; trial < 12; ++trial) {
+    const std::uint64_t capacity = 1 + rng() % (kv.peak_step_blocks() * 3);
+    std::vector<kv_capacity_change> schedule;
+    for (std::uint64_t s = 1 + rng() % 40; s < kv.steps(); s += 1 + rng() % 60) {
+      schedule.push_back({.step = s, .blocks = 1 + rng() % (kv.peak_step_blocks() * 3)});
+    }
+    SCOPED_TRACE(fmt::format("trial {}: capacity {}, {} resizes", trial, capacity, schedule.size()));
+    const auto released = simulate_kv_pool(kv, capacity, schedule, true);
+    EXPECT_EQ(released.step_recomputes, reference_pool(kv, capacity, schedule, true));
+    EXPECT_EQ(released.hits + released.cold + released.recomputes, released.references);
+    EXPECT_GT(released.released, 0U);
+    const auto lru = simulate_kv_pool(kv, capacity, schedule);
+    EXPECT_EQ(lru.released, 0U);
+    for (std::uint64_t s = 0; s < kv.steps(); ++s) {
+      ASSERT_LE(released.step_recomputes[s], lru.step_recomputes[s]) << "step " << s;
+    }
+    fewer += released.recomputes < lru.recomputes ? 1 : 0;
+  }
+  EXPECT_GT(fewer, 0U) << "some trial should keep an open block only because a closed one left";
+}
+
+// closing(s) lists exactly the blocks whose conversation closes at step s, ascending.
+TEST(KvSessions, ClosingListsTheBlocksOfEachStep) {
+  const auto kv = generate_kv_sessions(two_phases(7));
+  std::vector<std::vector<std::uint32_t>> want(kv.steps());
+  for (std::uint32_t b = 0; b < kv.key_count(); ++b) {
+    if (kv.closes_at(b) < kv.steps()) want[kv.closes_at(b)].push_back(b);
+  }
+  std::size_t listed = 0;
+  for (std::uint64_t s = 0; s < kv.steps(); ++s) {
+    const auto got = kv.closing(s);
+    ASSERT_TRUE(std::equal(got.begin(), got.end(), want[s].begin(), want[s].end())) << "step " << s;
+    listed += got.size();
+  }
+  EXPECT_GT(listed, 0U);
+  EXPECT_EQ(kv.closing(kv.steps() - 1).size(), want.back().size()) << "the last phase closes its blocks";
 }
 
 // At a fixed capacity the pool's recomputes are the warm reads whose LRU stack distance is at
@@ -288,19 +344,33 @@ TEST(KvSessions, ABlockIsReadOnlyWhileItsConversationIsOpen) {
 
 // open_block_depths() against a list-based LRU: after every step, the depth of each cached block
 // whose session is open is its position in the recency order; the open blocks never read follow
-// the deepest open cached one.
-TEST(KvSessions, OpenBlockDepthsEqualAListBasedLru) {
+// the deepest open cached one. With closed_released the list drops a conversation's blocks when it
+// closes, as the releasing pool does.
+class OpenBlockDepths : public ::testing::TestWithParam<bool> {};
+
+TEST_P(OpenBlockDepths, EqualAListBasedLru) {
+  const bool released = GetParam();
   const auto kv = generate_kv_sessions(two_phases(7));
   std::vector<std::uint64_t> last_read(kv.key_count(), never);
   std::uint64_t reads = 0;
   std::list<std::uint32_t> recency;  // most recent first
   std::unordered_map<std::uint32_t, std::list<std::uint32_t>::iterator> where;
+  std::unordered_set<std::uint32_t> read;
   for (std::uint64_t step = 0; step < kv.steps(); ++step) {
     for (const std::uint32_t b : kv.blocks(step)) {
       last_read[b] = reads++;
+      read.insert(b);
       if (const auto it = where.find(b); it != where.end()) recency.erase(it->second);
       recency.push_front(b);
       where[b] = recency.begin();
+    }
+    if (released) {
+      for (const std::uint32_t b : kv.closing(step)) {
+        if (const auto it = where.find(b); it != where.end()) {
+          recency.erase(it->second);
+          where.erase(it);
+        }
+      }
     }
     if (step % 37 != 0) continue;
     std::vector<std::uint64_t> want;
@@ -311,16 +381,19 @@ TEST(KvSessions, OpenBlockDepthsEqualAListBasedLru) {
     }
     const std::size_t cached = want.size();
     for (std::uint32_t b = 0; b < kv.key_count(); ++b) {
-      if (!where.contains(b) && kv.opens_at(b) <= step && kv.closes_at(b) > step) {
+      if (!read.contains(b) && kv.opens_at(b) <= step && kv.closes_at(b) > step) {
         want.push_back(want.empty() ? 0 : want.back() + 1);
       }
     }
     if (step == 0) {
       EXPECT_GT(want.size(), cached) << "sessions under way at the start are open, not yet read";
     }
-    ASSERT_EQ(open_block_depths(kv, last_read, step), want) << "step " << step;
+    ASSERT_EQ(open_block_depths(kv, last_read, step, released), want) << "step " << step;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(ClosedBlocks, OpenBlockDepths, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "Released" : "Kept"; });
 
 }  // namespace
 }  // namespace expage

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <list>
 #include <random>
 
@@ -270,17 +271,13 @@ std::vector<std::uint64_t> bursts_to_settle(const split_run& run, const kv_block
 // the Mixtral HumanEval trace repeated to about 3,000 tokens (a problem is 83 or 255 tokens, too
 // short for sessions whose tools take 160 steps); hardware c2c (bf16 experts over 450 GB/s, a
 // miss costing about as much as recomputing one 16-token KV block). Parameters tuned on problem 0,
-// reported on problem 1 with them frozen (online_split_options' defaults).
-TEST(SplitSim, MvWsaAcceptanceOnMixtralHumanEval) {
-#if EXPAGE_SANITIZED
-  GTEST_SKIP() << "a measurement: run in the release build";
-#endif
-  const auto file = testing::mixtral_humaneval_trace();
-  if (!file) GTEST_SKIP() << "../shared/traces is absent (set EXPAGE_TRACES_DIR)";
+// reported on problem 1 with them frozen (online_split_options' defaults). @p release_closed runs
+// every split with a KV pool that drops closed conversations' blocks (split_workload::
+// kv_release_closed); the controller was not tuned for it.
+void mv_wsa_acceptance(const routing_trace& all, std::initializer_list<std::uint32_t> problems, bool release_closed) {
   const auto g = moe_geometry::mixtral_8x7b();
-  const routing_trace all = read_trace(*file, g);
   const std::uint64_t slot = std::uint64_t{g.layers()} * g.expert_bytes(precision::bf16);
-  for (const std::uint32_t p : {0U, 1U}) {
+  for (const std::uint32_t p : problems) {
     const access_stream experts(tiled(all, p, p == 0 ? 36 : 12), g.top_k());
     const std::uint64_t n = experts.passes();
     std::vector<double> stationary;
@@ -288,6 +285,7 @@ TEST(SplitSim, MvWsaAcceptanceOnMixtralHumanEval) {
     std::vector<double> shift_gains;
     std::vector<double> into_long;  // bursts from the shift to the phase's final cap
     std::vector<double> back;
+    std::uint64_t stationary_reversals = 0;
     for (int mix = 0; mix < 3; ++mix) {
       kv_session_options ko;
       ko.seed = 5;
@@ -296,6 +294,7 @@ TEST(SplitSim, MvWsaAcceptanceOnMixtralHumanEval) {
       split_workload w;
       w.experts = &experts;
       w.kv = &kv;
+      w.kv_release_closed = release_closed;
       w.geometry = g;
       w.expert_options.layout = cache_layout::per_layer;
       w.expert_options.hardware = hardware_profile::preset("c2c");
@@ -335,7 +334,13 @@ TEST(SplitSim, MvWsaAcceptanceOnMixtralHumanEval) {
           back.push_back(static_cast<double>(settle[2]));
           EXPECT_LE(settle[2], 3U) << "the return to tool calls at floor+" << extra;
         } else {
-          EXPECT_EQ(online.reversals, 0U) << "stationary input at floor+" << extra;
+          // Measured, not required, with the releasing pool: there the open footprint of tool
+          // calls dips below the floor pool as conversations close, and the controller, tuned on
+          // LRU, answers a gain that passes the 30% reversal gate (docs/control.md).
+          if (!release_closed) {
+            EXPECT_EQ(online.reversals, 0U) << "stationary input at floor+" << extra;
+          }
+          stationary_reversals += online.reversals;
           stationary.push_back(ratio - 1);
           if (best != std::prev(grid.end()) || grid.back().kv_recompute_seconds > 0) competing.push_back(ratio - 1);
         }
@@ -349,11 +354,34 @@ TEST(SplitSim, MvWsaAcceptanceOnMixtralHumanEval) {
         100 * quantile(competing, 0.5), 100 * quantile(competing, 0.9), 100 * quantile(shift_gains, 0.5),
         100 * quantile(shift_gains, 0.0));
     std::printf(
-        "problem %u: bursts from a shift to the phase's final cap: into long-context %.0f-%.0f, back %.0f-%.0f\n", p,
-        quantile(into_long, 0.0), quantile(into_long, 1.0), quantile(back, 0.0), quantile(back, 1.0));
+        "problem %u: bursts from a shift to the phase's final cap: into long-context %.0f-%.0f, back %.0f-%.0f; "
+        "reversals under stationary input %llu (KV pool: %s)\n",
+        p, quantile(into_long, 0.0), quantile(into_long, 1.0), quantile(back, 0.0), quantile(back, 1.0),
+        static_cast<unsigned long long>(stationary_reversals), release_closed ? "drops closed conversations" : "LRU");
     EXPECT_LE(quantile(stationary, 0.5), 0.02) << "problem " << p;
     EXPECT_LE(quantile(stationary, 0.9), 0.05) << "problem " << p;
   }
+}
+
+TEST(SplitSim, MvWsaAcceptanceOnMixtralHumanEval) {
+#if EXPAGE_SANITIZED
+  GTEST_SKIP() << "a measurement: run in the release build";
+#endif
+  const auto file = testing::mixtral_humaneval_trace();
+  if (!file) GTEST_SKIP() << "../shared/traces is absent (set EXPAGE_TRACES_DIR)";
+  mv_wsa_acceptance(read_trace(*file, moe_geometry::mixtral_8x7b()), {0, 1}, false);
+}
+
+// The same on problem 1 with a KV pool that drops a conversation's blocks when it closes: the
+// dead blocks no longer sink the idle sessions' ones, so the long-context working set stops
+// growing after the first barrier (docs/control.md).
+TEST(SplitSim, MvWsaWithAReleasingKvPoolOnMixtralHumanEval) {
+#if EXPAGE_SANITIZED
+  GTEST_SKIP() << "a measurement: run in the release build";
+#endif
+  const auto file = testing::mixtral_humaneval_trace();
+  if (!file) GTEST_SKIP() << "../shared/traces is absent (set EXPAGE_TRACES_DIR)";
+  mv_wsa_acceptance(read_trace(*file, moe_geometry::mixtral_8x7b()), {1}, true);
 }
 
 TEST(SplitSim, BadWorkloadsAreNamed) {

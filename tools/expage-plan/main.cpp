@@ -69,6 +69,8 @@ KV recompute (the MV-WSA split, WiSP 3.3-3.5; docs/control.md):
                         per-layer expert cap with the KV pool taking the rest (expert stall + KV
                         recompute, both simulated), the online controller and the live rule.
                         Needs --kv-bytes-per-token; the KV floor defaults to the largest step's blocks
+  --release-closed      the KV pool drops a conversation's blocks when it closes (a session-aware
+                        engine), instead of keeping them until LRU evicts them (vLLM's prefix cache)
   --burst N             passes between the controller's drained barriers (default 16)
   --block-tokens N      tokens per KV block (default 16)
 
@@ -110,6 +112,7 @@ struct config {
   std::uint32_t points = 8;
   double tolerance = 0.05;
   std::optional<std::string> sessions;
+  bool release_closed = false;
   std::uint64_t burst = 16;
   std::uint32_t block_tokens = 16;
   std::optional<std::string> json, svg;
@@ -199,6 +202,8 @@ config parse(int argc, char** argv, const std::string& help) {
         throw usage_error{fmt::format("--sessions '{}' is not one of {}", v, fmt::join(names, ", "))};
       }
       c.sessions = std::string(v);
+    } else if (flag == "--release-closed") {
+      c.release_closed = true;
     } else if (flag == "--burst") {
       c.burst = parse_number<std::uint64_t>(flag, value(), 1, 1U << 20);
     } else if (flag == "--block-tokens") {
@@ -249,6 +254,7 @@ config parse(int argc, char** argv, const std::string& help) {
   if (c.sessions && c.kv_per_token && *c.kv_per_token == 0) {
     throw usage_error{"--kv-bytes-per-token 0 out of range [1, 2^64) with --sessions"};
   }
+  if (c.release_closed && !c.sessions) throw usage_error{"--release-closed needs --sessions MIX"};
   const bool tier_flags = c.quality_seconds || c.min_hi_coverage || c.tiers_svg;
   if (tier_flags && !c.tiers) throw usage_error{"--quality-seconds, --min-hi-coverage and --tiers-svg need --tiers"};
   if (c.tiers) {
@@ -291,16 +297,17 @@ std::string split_run_json(const expage::split_run& r, const expage::split_model
       r.moves, r.reversals, r.mix_changes, r.budget_peak_bytes, fmt::join(caps, ","));
 }
 
-std::string splits_json(const std::vector<split_report>& splits, std::string_view mix) {
+std::string splits_json(const std::vector<split_report>& splits, std::string_view mix, bool release_closed) {
   std::vector<std::string> rows;
   for (const auto& s : splits) {
     std::vector<std::string> grid;
     for (const auto& r : s.grid) grid.push_back(split_run_json(r, s.model));
-    rows.push_back(fmt::format(
-        R"({{"precision":"{}","sessions":"{}","slot_bytes":{},"block_bytes":{},"kv_floor_bytes":{},"grid":[{}],)"
-        R"("best":{},"online":{},"live":{}}})",
-        expage::to_string(s.format), mix, s.model.slot_bytes, s.model.block_bytes, s.model.kv_floor_bytes,
-        fmt::join(grid, ","), s.best, split_run_json(s.online, s.model), split_run_json(s.live, s.model)));
+    rows.push_back(
+        fmt::format(R"({{"precision":"{}","sessions":"{}","release_closed":{},"slot_bytes":{},"block_bytes":{},)"
+                    R"("kv_floor_bytes":{},"grid":[{}],"best":{},"online":{},"live":{}}})",
+                    expage::to_string(s.format), mix, release_closed, s.model.slot_bytes, s.model.block_bytes,
+                    s.model.kv_floor_bytes, fmt::join(grid, ","), s.best, split_run_json(s.online, s.model),
+                    split_run_json(s.live, s.model)));
   }
   return fmt::format("[{}]", fmt::join(rows, ","));
 }
@@ -684,8 +691,9 @@ int main(int argc, char** argv) {
       const std::uint64_t floor = c.kv_floor || c.concurrency ? o.kv_floor_bytes : kv.peak_step_blocks() * block_bytes;
       fmt::print(
           "\nwith KV recompute modelled: session mix {}, {} KV block reads, {} bytes per block, KV floor {}, "
-          "bursts of {} passes; per-layer expert slots, {} eviction\n",
-          *c.sessions, kv.references(), block_bytes, expage::byte_size{floor}, c.burst, expage::to_string(o.policy));
+          "bursts of {} passes; per-layer expert slots, {} eviction; KV pool {}\n",
+          *c.sessions, kv.references(), block_bytes, expage::byte_size{floor}, c.burst, expage::to_string(o.policy),
+          c.release_closed ? "drops closed conversations" : "LRU (prefix cache)");
       fmt::print("{:<9} {:>9} {:>12} {:>12} {:>11} {:>11} {:>11}\n", "precision", "cap/layer", "experts", "KV",
                  "stall/tok", "recomp/tok", "cost/tok");
       for (const auto p : o.precisions) {
@@ -701,6 +709,7 @@ int main(int argc, char** argv) {
         w.kv_floor_bytes = floor;
         w.kv_bytes_per_token = *c.kv_per_token;
         w.burst_passes = c.burst;
+        w.kv_release_closed = c.release_closed;
         split_report rep;
         rep.format = p;
         try {
@@ -744,6 +753,7 @@ int main(int argc, char** argv) {
         w.base.kv_floor_bytes = floor;
         w.base.kv_bytes_per_token = *c.kv_per_token;
         w.base.burst_passes = c.burst;
+        w.base.kv_release_closed = c.release_closed;
         w.lo_format = t.lo;
         w.lo_activation_seconds = c.quality_seconds.value_or(0.0);
         w.min_hi_coverage = c.min_hi_coverage.value_or(0.0);
@@ -803,8 +813,9 @@ int main(int argc, char** argv) {
     }
     if (c.json) {
       expage_tools::write_atomically(
-          *c.json, plan_json(plan, o, g, hardware.name, c.sessions ? splits_json(splits, *c.sessions) : "",
-                             tiers ? tiers_json(*tiers) : ""));
+          *c.json,
+          plan_json(plan, o, g, hardware.name, c.sessions ? splits_json(splits, *c.sessions, c.release_closed) : "",
+                    tiers ? tiers_json(*tiers) : ""));
     }
     if (c.tiers_svg && tiers) {
       expage_tools::write_atomically(

@@ -134,12 +134,24 @@ class reuse_distance_tracker {
   [[nodiscard]] std::size_t window() const noexcept { return window_; }
   /// Accesses recorded since construction or reset().
   [[nodiscard]] std::uint64_t accesses() const noexcept { return accesses_; }
-  /// Distinct keys seen, which is also the number of `cold` results so far.
+  /// Distinct keys seen and not forgotten (without forget(), the number of `cold` results so far).
   [[nodiscard]] std::size_t distinct_keys() const noexcept { return live_; }
   /// Compactions performed since construction or reset().
   [[nodiscard]] std::uint64_t compactions() const noexcept { return compactions_; }
   /// True when @p key has been accessed (false for keys out of range).
   [[nodiscard]] bool seen(std::size_t key) const noexcept { return key < last_.size() && last_[key] != 0; }
+
+  /// Forgets @p key's last access, as if it had never been accessed: the keys behind it come one
+  /// position nearer, and its next access (if any) is `cold`. For a cache that drops a key no
+  /// access will ask for again (a KV block of a closed conversation). O(log window).
+  /// @pre @p key < key_count() (asserted in debug builds).
+  void forget(std::size_t key) noexcept {
+    EXPAGE_ASSERT(key < last_.size(), "reuse_distance_tracker: key out of range");
+    if (last_[key] == 0) return;
+    remove(last_[key]);
+    last_[key] = 0;
+    --live_;
+  }
 
   /// Forgets every access; keeps the allocation. O(key_count).
   void reset() noexcept;

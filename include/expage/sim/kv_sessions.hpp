@@ -96,6 +96,11 @@ class kv_block_stream {
   /// pool has seen it: an engine knows the length of every open conversation, cached or not.
   /// @pre block < key_count().
   [[nodiscard]] std::uint64_t opens_at(std::uint32_t block) const noexcept { return open_[block]; }
+  /// The blocks whose conversation closes at the end of step @p s (closes_at() == s), ascending.
+  /// @pre s < steps().
+  [[nodiscard]] std::span<const std::uint32_t> closing(std::uint64_t s) const noexcept {
+    return std::span(closing_).subspan(closing_offset_[s], closing_offset_[s + 1] - closing_offset_[s]);
+  }
 
  private:
   friend class detail::kv_session_generator;
@@ -104,6 +109,8 @@ class kv_block_stream {
   std::vector<std::uint32_t> phase_;
   std::vector<std::uint64_t> open_;
   std::vector<std::uint64_t> close_;
+  std::vector<std::uint64_t> closing_offset_;  // closing(s) is closing_[closing_offset_[s], closing_offset_[s + 1])
+  std::vector<std::uint32_t> closing_;
   std::uint32_t keys_ = 0;
   std::uint32_t block_tokens_ = 16;
   std::uint64_t peak_ = 0;
@@ -133,9 +140,11 @@ class kv_block_stream {
 /// @param step the step after which a session counts as open.
 /// @param last_read per block, the position of its last read in the order of all block reads
 ///        (`never`: not read yet).
+/// @param closed_released the pool drops closed conversations' blocks (simulate_kv_pool()'s
+///        release_closed): a depth then counts the open blocks read since only.
 [[nodiscard]] std::vector<std::uint64_t> open_block_depths(const kv_block_stream& kv,
-                                                           std::span<const std::uint64_t> last_read,
-                                                           std::uint64_t step);
+                                                           std::span<const std::uint64_t> last_read, std::uint64_t step,
+                                                           bool closed_released = false);
 
 /// Generates the block references of @p options' phases.
 /// @throws expage::invalid_argument naming the first field out of range (phase index, field,
@@ -155,6 +164,7 @@ struct kv_pool_result {
   std::uint64_t cold = 0;                      ///< First reads: the KV is written then, by the step itself (no cost).
   std::uint64_t recomputes = 0;                ///< Reads of a block evicted earlier: its tokens are prefilled again.
   std::uint64_t evictions = 0;                 ///< Blocks evicted (by a read or by a shrink).
+  std::uint64_t released = 0;                  ///< Blocks dropped as their conversation closed (release_closed).
   std::vector<std::uint64_t> step_recomputes;  ///< Recomputes of every step, in order.
 };
 
@@ -162,9 +172,12 @@ struct kv_pool_result {
 /// a block stays cached until evicted; a step's reads pin nothing, so a step that reads more
 /// blocks than the pool holds thrashes, the cliff below WiSP's admission floor).
 /// @p schedule resizes the pool before the given steps (increasing); a shrink evicts the least
-/// recently used blocks.
+/// recently used blocks. With @p release_closed the pool drops a conversation's blocks when it
+/// closes (kv_block_stream::closing()), as a session-aware engine can: nothing reads them again,
+/// and under plain LRU they sit above the idle sessions' blocks until they sink out.
 /// @throws expage::invalid_argument for a capacity of 0 or a schedule out of order or range.
 [[nodiscard]] kv_pool_result simulate_kv_pool(const kv_block_stream& stream, std::uint64_t capacity_blocks,
-                                              std::span<const kv_capacity_change> schedule = {});
+                                              std::span<const kv_capacity_change> schedule = {},
+                                              bool release_closed = false);
 
 }  // namespace expage

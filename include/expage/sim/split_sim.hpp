@@ -52,6 +52,10 @@ struct split_workload {
   /// when nothing has been reused yet (a session's first return comes a think time after the
   /// start). Applied alike to every run, the grid's included. < the workload's bursts.
   std::uint64_t warmup_bursts = 0;
+  /// The KV pool drops a conversation's blocks when it closes (simulate_kv_pool()'s
+  /// release_closed), every run's alike, and the controllers' KV reuse distances and open depths
+  /// no longer count them. False: vLLM's prefix cache, which keeps them until LRU evicts them.
+  bool kv_release_closed = false;
 };
 
 /// @brief The split_model (WiSP Eq. 1, 4, 6 [R]) of a workload: S_E, S_b, the floor and the
