@@ -12,6 +12,7 @@
 #include <random>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 namespace expage {
 namespace {
@@ -178,15 +179,22 @@ std::vector<std::uint64_t> reference_pool(const kv_block_stream& kv, std::uint64
   return out;
 }
 
+// A random starting size and resize schedule, sizes up to three times the largest step.
+std::pair<std::uint64_t, std::vector<kv_capacity_change>> random_sizes(const kv_block_stream& kv,
+                                                                       std::mt19937_64& rng) {
+  const std::uint64_t capacity = 1 + rng() % (kv.peak_step_blocks() * 3);
+  std::vector<kv_capacity_change> schedule;
+  for (std::uint64_t s = 1 + rng() % 40; s < kv.steps(); s += 1 + rng() % 60) {
+    schedule.push_back({.step = s, .blocks = 1 + rng() % (kv.peak_step_blocks() * 3)});
+  }
+  return {capacity, schedule};
+}
+
 TEST(KvSessions, PoolEqualsAReferenceLruUnderRandomResizes) {
   const auto kv = generate_kv_sessions(two_phases());
   std::mt19937_64 rng(11);
   for (int trial = 0; trial < 12; ++trial) {
-    const std::uint64_t capacity = 1 + rng() % (kv.peak_step_blocks() * 3);
-    std::vector<kv_capacity_change> schedule;
-    for (std::uint64_t s = 1 + rng() % 40; s < kv.steps(); s += 1 + rng() % 60) {
-      schedule.push_back({.step = s, .blocks = 1 + rng() % (kv.peak_step_blocks() * 3)});
-    }
+    const auto [capacity, schedule] = random_sizes(kv, rng);
     SCOPED_TRACE(fmt::format("trial {}: capacity {}, {} resizes", trial, capacity, schedule.size()));
     const auto r = simulate_kv_pool(kv, capacity, schedule);
     EXPECT_EQ(r.step_recomputes, reference_pool(kv, capacity, schedule));
@@ -202,11 +210,7 @@ TEST(KvSessions, ReleasingClosedBlocksEqualsTheReferenceAndNeverRecomputesMore) 
   std::mt19937_64 rng(13);
   std::uint64_t fewer = 0;  // trials where dropping helped
   for (int trial = 0; trial < 12; ++trial) {
-    const std::uint64_t capacity = 1 + rng() % (kv.peak_step_blocks() * 3);
-    std::vector<kv_capacity_change> schedule;
-    for (std::uint64_t s = 1 + rng() % 40; s < kv.steps(); s += 1 + rng() % 60) {
-      schedule.push_back({.step = s, .blocks = 1 + rng() % (kv.peak_step_blocks() * 3)});
-    }
+    const auto [capacity, schedule] = random_sizes(kv, rng);
     SCOPED_TRACE(fmt::format("trial {}: capacity {}, {} resizes", trial, capacity, schedule.size()));
     const auto released = simulate_kv_pool(kv, capacity, schedule, true);
     EXPECT_EQ(released.step_recomputes, reference_pool(kv, capacity, schedule, true));
