@@ -2,6 +2,7 @@
 
 #include "expage/cache/eviction_policy.hpp"
 #include "expage/core/error.hpp"
+#include "expage/detail/assert.hpp"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -329,7 +330,7 @@ kv_pool_result simulate_kv_pool(const kv_block_stream& stream, std::uint64_t cap
 }
 
 std::vector<std::uint64_t> open_block_depths(const kv_block_stream& kv, std::span<const std::uint64_t> last_read,
-                                             std::uint64_t step, bool closed_released) {
+                                             std::uint64_t step, bool release_closed) {
   std::vector<std::pair<std::uint64_t, std::uint32_t>> seen;  // (last read, block), most recent first
   for (std::uint32_t b = 0; b < last_read.size(); ++b) {
     if (last_read[b] != never) seen.emplace_back(last_read[b], b);
@@ -338,17 +339,38 @@ std::vector<std::uint64_t> open_block_depths(const kv_block_stream& kv, std::spa
   std::vector<std::uint64_t> depths;
   std::uint64_t depth = 0;
   for (const auto& [read, block] : seen) {
-    const bool open = kv.closes_at(block) > step;
+    const bool open = kv.open_after(block, step);
     if (open) depths.push_back(depth);
-    if (open || !closed_released) ++depth;
+    if (open || !release_closed) ++depth;  // a released block has left the stack
   }
-  // The open blocks never read yet go below the deepest open cached one (see the header).
+  // The open blocks never read go below the deepest open one read (see the header).
   std::uint64_t next = depths.empty() ? 0 : depths.back() + 1;
   for (std::uint32_t b = 0; b < kv.key_count(); ++b) {
-    const bool unseen = b >= last_read.size() || last_read[b] == never;
-    if (unseen && kv.opens_at(b) <= step && kv.closes_at(b) > step) depths.push_back(next++);
+    const bool unread = b >= last_read.size() || last_read[b] == never;
+    if (unread && kv.open_after(b, step)) depths.push_back(next++);
   }
   return depths;
+}
+
+kv_reuse_observer::kv_reuse_observer(const kv_block_stream& kv, bool release_closed, bool open_depths)
+    : kv_(&kv),
+      release_closed_(release_closed),
+      distances_(std::max<std::uint32_t>(kv.key_count(), 1)),
+      last_read_(open_depths ? kv.key_count() : 0, never) {}
+
+void kv_reuse_observer::observe(std::uint64_t s, decayed_reuse_histogram& reuses) {
+  for (const std::uint32_t block : kv_->blocks(s)) {
+    reuses.record(distances_.access_unchecked(block));
+    if (!last_read_.empty()) last_read_[block] = reads_++;
+  }
+  if (release_closed_) {
+    for (const std::uint32_t block : kv_->closing(s)) distances_.forget(block);
+  }
+}
+
+std::vector<std::uint64_t> kv_reuse_observer::open_depths(std::uint64_t s) const {
+  EXPAGE_ASSERT(!last_read_.empty() || kv_->key_count() == 0, "kv_reuse_observer: built without open_depths");
+  return open_block_depths(*kv_, last_read_, s, release_closed_);
 }
 
 }  // namespace expage

@@ -228,9 +228,7 @@ split_run run_online_split(const split_workload& w, const online_split_options& 
   std::vector<reuse_distance_tracker> expert_distances;
   expert_distances.reserve(w.geometry.layers());
   for (std::uint32_t l = 0; l < w.geometry.layers(); ++l) expert_distances.emplace_back(m.experts_per_layer);
-  reuse_distance_tracker kv_distances(std::max<std::uint32_t>(w.kv->key_count(), 1));
-  std::vector<std::uint64_t> last_read(options.kv_open_sessions ? w.kv->key_count() : 0, never);
-  std::uint64_t reads = 0;  // KV block reads so far: the order last_read ranks by
+  kv_reuse_observer kv_reuses(*w.kv, w.kv_release_closed, options.kv_open_sessions);
   const std::uint64_t bursts = burst_count(w);
   std::vector<std::uint32_t> caps;
   caps.reserve(bursts);
@@ -243,13 +241,7 @@ split_run run_online_split(const split_workload& w, const online_split_options& 
     controller.new_burst();
     const std::uint64_t end = std::min<std::uint64_t>((b + 1) * w.burst_passes, w.experts->passes());
     for (std::uint64_t pass = b * w.burst_passes; pass < end; ++pass) {
-      for (const std::uint32_t block : w.kv->blocks(pass)) {
-        controller.kv().record(kv_distances.access(block));
-        if (!last_read.empty()) last_read[block] = reads++;
-      }
-      if (w.kv_release_closed) {
-        for (const std::uint32_t block : w.kv->closing(pass)) kv_distances.forget(block);
-      }
+      kv_reuses.observe(pass, controller.kv());
       do {
         const std::uint32_t layer = w.experts->layer(g);
         for (const expert_index e : w.experts->experts(g)) {
@@ -259,9 +251,7 @@ split_run run_online_split(const split_workload& w, const online_split_options& 
       } while (g < w.experts->groups() && !w.experts->starts_pass(g));
     }
     if (b + 1 == bursts) break;
-    if (options.kv_open_sessions) {
-      controller.set_kv_open_depths(open_block_depths(*w.kv, last_read, end - 1, w.kv_release_closed));
-    }
+    if (options.kv_open_sessions) controller.set_kv_open_depths(kv_reuses.open_depths(end - 1));
     const online_split_decision d = controller.step();
     decisions.push_back(d);
     if (!d.moved) continue;

@@ -1,6 +1,5 @@
 #include "expage/sim/tier_sim.hpp"
 
-#include "expage/cache/reuse_distance.hpp"
 #include "expage/core/error.hpp"
 #include "expage/memory/budget_tracker.hpp"
 
@@ -10,6 +9,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <utility>
 
 namespace expage {
@@ -726,9 +726,8 @@ tier_run run(const tier_workload& w, const four_pool_model& m, four_pool_control
   const kv_block_stream& kv = *w.base.kv;
   const bool online = fault != nullptr;
   tier_engine engine(w, m, hi, lo, controller.current());
-  reuse_distance_tracker kv_distances(online ? std::max<std::uint32_t>(kv.key_count(), 1) : 1);
-  std::vector<std::uint64_t> last_read(online && options->kv_open_sessions ? kv.key_count() : 0, never);
-  std::uint64_t reads = 0;  // KV block reads so far: the order last_read ranks by
+  std::optional<kv_reuse_observer> kv_reuses;
+  if (online) kv_reuses.emplace(kv, w.base.kv_release_closed, options->kv_open_sessions);
   const std::uint64_t bursts = burst_count(w);
   const std::uint64_t burst = w.base.burst_passes;
   tier_run out;
@@ -741,9 +740,7 @@ tier_run run(const tier_workload& w, const four_pool_model& m, four_pool_control
     const std::uint64_t b = pass / burst;
     if (pass % burst == 0) {
       if (pass != 0 && online) {
-        if (options->kv_open_sessions) {
-          controller.set_kv_open_depths(open_block_depths(kv, last_read, pass - 1, w.base.kv_release_closed));
-        }
+        if (options->kv_open_sessions) controller.set_kv_open_depths(kv_reuses->open_depths(pass - 1));
         const four_pool_decision d = controller.step();
         tier_burst& previous = out.bursts[b - 1];
         previous.target = d.target;
@@ -766,15 +763,7 @@ tier_run run(const tier_workload& w, const four_pool_model& m, four_pool_control
       controller.record(stream.layer(g), stream.experts(g));
       ++g;
     } while (g < stream.groups() && !stream.starts_pass(g));
-    if (online) {
-      for (const std::uint32_t block : kv.blocks(pass)) {
-        controller.kv().record(kv_distances.access(block));
-        if (!last_read.empty()) last_read[block] = reads++;
-      }
-      if (w.base.kv_release_closed) {
-        for (const std::uint32_t block : kv.closing(pass)) kv_distances.forget(block);
-      }
-    }
+    if (online) kv_reuses->observe(pass, controller.kv());
   }
   engine.finish();
   out.hi_sets.reserve(m.layers);

@@ -366,19 +366,25 @@ std::string tier_run_json(const expage::tier_run& r, const expage::four_pool_mod
       with_bursts ? fmt::format(R"(,"splits_per_burst":[{}])", fmt::join(bursts, ",")) : "");
 }
 
-std::string tiers_json(const tier_report& t) {
+// How the KV pool evicts, for the report headers.
+std::string_view kv_pool_name(bool release_closed) {
+  return release_closed ? "drops closed conversations" : "LRU (prefix cache)";
+}
+
+std::string tiers_json(const tier_report& t, bool release_closed) {
   std::vector<std::string> grid;
   for (const auto& r : t.grid) grid.push_back(tier_run_json(r, t.model, false));
   std::vector<std::string> two;
   for (const auto& r : t.two_pool) two.push_back(tier_run_json(r, t.model, true));
   return fmt::format(
       R"({{"hi_precision":"{}","lo_precision":"{}","quality_seconds":{},"min_hi_coverage":{},"interval_passes":{},)"
-      R"("hi_slot_bytes":{},"lo_slot_bytes":{},"kv_floor_bytes":{},"grid":[{}],"oracle":{},"four_pool":{},)"
-      R"("two_pool":[{}]}})",
+      R"("release_closed":{},"hi_slot_bytes":{},"lo_slot_bytes":{},"kv_floor_bytes":{},"grid":[{}],"oracle":{},)"
+      R"("four_pool":{},"two_pool":[{}]}})",
       expage::to_string(t.hi), expage::to_string(t.lo), json_number(t.model.lo_activation_seconds),
-      json_number(t.model.min_hi_coverage), t.interval, std::uint64_t{t.model.layers} * t.model.hi_expert_bytes,
-      std::uint64_t{t.model.layers} * t.model.lo_expert_bytes, t.model.kv_floor_bytes, fmt::join(grid, ","), t.oracle,
-      tier_run_json(t.online, t.model, true), fmt::join(two, ","));
+      json_number(t.model.min_hi_coverage), t.interval, release_closed,
+      std::uint64_t{t.model.layers} * t.model.hi_expert_bytes, std::uint64_t{t.model.layers} * t.model.lo_expert_bytes,
+      t.model.kv_floor_bytes, fmt::join(grid, ","), t.oracle, tier_run_json(t.online, t.model, true),
+      fmt::join(two, ","));
 }
 
 // Two panels. Top: cost per token (ms) against expert memory (GiB) for every static split of the
@@ -693,7 +699,7 @@ int main(int argc, char** argv) {
           "\nwith KV recompute modelled: session mix {}, {} KV block reads, {} bytes per block, KV floor {}, "
           "bursts of {} passes; per-layer expert slots, {} eviction; KV pool {}\n",
           *c.sessions, kv.references(), block_bytes, expage::byte_size{floor}, c.burst, expage::to_string(o.policy),
-          c.release_closed ? "drops closed conversations" : "LRU (prefix cache)");
+          kv_pool_name(c.release_closed));
       fmt::print("{:<9} {:>9} {:>12} {:>12} {:>11} {:>11} {:>11}\n", "precision", "cap/layer", "experts", "KV",
                  "stall/tok", "recomp/tok", "cost/tok");
       for (const auto p : o.precisions) {
@@ -770,10 +776,10 @@ int main(int argc, char** argv) {
         t.two_pool = expage::run_two_pool_baselines(w, t.grid[t.oracle].bursts.front().split.kv_bytes);
         fmt::print(
             "\nfour pools: hi {} and lo {} experts and the KV cache under the budget; quality {} s per activation "
-            "served "
-            "at lo{}; hot-set interval {} passes; cost = stall + recompute + quality\n",
+            "served at lo{}; hot-set interval {} passes; KV pool {}; cost = stall + recompute + quality\n",
             expage::to_string(t.hi), expage::to_string(t.lo), t.model.lo_activation_seconds,
-            w.min_hi_coverage > 0 ? fmt::format(", hi coverage at least {}", w.min_hi_coverage) : "", c.interval);
+            w.min_hi_coverage > 0 ? fmt::format(", hi coverage at least {}", w.min_hi_coverage) : "", c.interval,
+            kv_pool_name(c.release_closed));
         fmt::print("{:<22} {:>11} {:>11} {:>11} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6}\n", "split (hi+lo per layer)",
                    "hi", "lo", "KV", "stall/tok", "recomp/tok", "qual/tok", "cost/tok", "time/tok", "cover");
         const auto row = [&](const expage::tier_run& run, std::string_view name, std::string_view note) {
@@ -815,7 +821,7 @@ int main(int argc, char** argv) {
       expage_tools::write_atomically(
           *c.json,
           plan_json(plan, o, g, hardware.name, c.sessions ? splits_json(splits, *c.sessions, c.release_closed) : "",
-                    tiers ? tiers_json(*tiers) : ""));
+                    tiers ? tiers_json(*tiers, c.release_closed) : ""));
     }
     if (c.tiers_svg && tiers) {
       expage_tools::write_atomically(

@@ -58,7 +58,8 @@ namespace detail {
 /// rd.access(1);  // 0: an LRU cache of capacity ≥ 1 hits
 /// rd.access(0);  // 1: key 1 was accessed in between; capacity ≥ 2 hits
 /// @endcode
-/// @threadsafety thread-compatible: const members concurrently, access() by one thread at a time.
+/// @threadsafety thread-compatible: const members concurrently, access(), forget() and reset() by
+/// one thread at a time.
 class reuse_distance_tracker {
  public:
   /// The distance of a first access (compulsory miss): larger than every real distance.
@@ -138,7 +139,7 @@ class reuse_distance_tracker {
   [[nodiscard]] std::size_t distinct_keys() const noexcept { return live_; }
   /// Compactions performed since construction or reset().
   [[nodiscard]] std::uint64_t compactions() const noexcept { return compactions_; }
-  /// True when @p key has been accessed (false for keys out of range).
+  /// True when @p key has been accessed and not forgotten since (false for keys out of range).
   [[nodiscard]] bool seen(std::size_t key) const noexcept { return key < last_.size() && last_[key] != 0; }
 
   /// Forgets @p key's last access, as if it had never been accessed: the keys behind it come one
@@ -187,7 +188,7 @@ class reuse_distance_tracker {
   std::vector<std::uint32_t> tree_;  // Fenwick counts, size window_ + 1; valid below next_
   std::size_t window_ = 0;
   std::size_t next_ = 1;  // the next timestamp, in [1, window_ + 1]
-  std::size_t live_ = 0;  // marks in the tree = distinct keys seen
+  std::size_t live_ = 0;  // marks in the tree = distinct keys seen and not forgotten
   std::uint64_t accesses_ = 0;
   std::uint64_t compactions_ = 0;
 };

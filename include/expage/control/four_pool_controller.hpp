@@ -304,8 +304,8 @@ class four_pool_controller {
   /// The KV block stream's histogram: record each warm KV block reuse distance into it.
   [[nodiscard]] decayed_reuse_histogram& kv() noexcept { return kv_; }
   /// @brief The LRU stack depths (0 = most recently read) of the KV blocks that belong to
-  /// sessions still open, idle ones waiting on a tool included (empty: unknown); an open block not
-  /// cached yet counts below the deepest cached one (open_block_depths()).
+  /// sessions still open, idle ones waiting on a tool included (empty: unknown); an open block
+  /// never read counts below the deepest open one read (open_block_depths()).
   ///
   /// A session-aware engine knows them (which conversations are open, and each block's last read);
   /// each such block deeper than a pool of n blocks will be recomputed when its session returns, so

@@ -134,8 +134,8 @@ struct online_split_config {
 /// an engine that knows which conversations are open [not in WiSP; docs/control.md].
 /// @param kv the KV stream's histogram.
 /// @param blocks the pool's size in blocks; beyond the histogram's max_capacity it reads the value there.
-/// @param open_depths the LRU stack depths of the open sessions' blocks, ascending (those not
-///        cached yet below the deepest cached one: open_block_depths()).
+/// @param open_depths the LRU stack depths of the open sessions' blocks, ascending (those never
+///        read below the deepest open one read: open_block_depths()).
 [[nodiscard]] double kv_predicted_misses(const decayed_reuse_histogram& kv, std::uint64_t blocks,
                                          std::span<const std::uint64_t> open_depths) noexcept;
 

@@ -27,6 +27,9 @@
 /// @endcode
 #pragma once
 
+#include "expage/cache/decayed_reuse_histogram.hpp"
+#include "expage/cache/reuse_distance.hpp"
+
 #include <cstdint>
 #include <span>
 #include <string>
@@ -91,11 +94,17 @@ class kv_block_stream {
   /// @pre block < key_count().
   [[nodiscard]] std::uint64_t closes_at(std::uint32_t block) const noexcept { return close_[block]; }
   /// The first step at which block @p block belongs to a conversation: the step whose prefill or
-  /// decode writes it, or, for the context of a session already under way when its phase began
-  /// (a phase starts in its steady state), the phase's first step. Such a block exists before the
-  /// pool has seen it: an engine knows the length of every open conversation, cached or not.
+  /// decode writes it, or the phase's first step for a phase's shared prefix and for the context
+  /// of a session already under way when its phase began (a phase starts in its steady state).
+  /// Such a block exists before the pool has seen it: an engine knows the length of every open
+  /// conversation, cached or not.
   /// @pre block < key_count().
   [[nodiscard]] std::uint64_t opens_at(std::uint32_t block) const noexcept { return open_[block]; }
+  /// True when block @p block's conversation is open after step @p step: opens_at() ≤ step <
+  /// closes_at(). @pre block < key_count().
+  [[nodiscard]] bool open_after(std::uint32_t block, std::uint64_t step) const noexcept {
+    return open_[block] <= step && step < close_[block];
+  }
   /// The blocks whose conversation closes at the end of step @p s (closes_at() == s), ascending.
   /// @pre s < steps().
   [[nodiscard]] std::span<const std::uint32_t> closing(std::uint64_t s) const noexcept {
@@ -128,23 +137,52 @@ class kv_block_stream {
 [[nodiscard]] std::span<const std::string_view> kv_session_preset_names() noexcept;
 
 /// @brief The LRU stack depths, ascending, of the blocks of @p kv whose session is still open
-/// after step @p step (kv_block_stream::opens_at() ≤ step < kv_block_stream::closes_at()): what a
-/// session-aware engine tells a split controller (kv_predicted_misses(),
-/// split_controller::set_kv_open_depths(), four_pool_controller::set_kv_open_depths()). A cached
-/// block's depth is the number of blocks read since it was last read. An open block the pool has
-/// never seen (the context of a session under way when its phase began) is placed below the
-/// deepest open cached one, as if read just before it: the open conversations need the pool to
-/// hold them too, and closed blocks, which nothing reads again, go first. O(K log K) for K blocks
-/// read so far, plus O(B) for the B blocks of the stream.
+/// after step @p step (kv_block_stream::open_after()): what a session-aware engine tells a split
+/// controller (kv_predicted_misses(), split_controller::set_kv_open_depths(),
+/// four_pool_controller::set_kv_open_depths()). A block's depth is the number of blocks read since
+/// it was last read. An open block never read (the context of a session under way when its phase
+/// began) is placed below the deepest open block read so far, as if read just before it: the open
+/// conversations need the pool to hold them too, and closed blocks, which nothing reads again, go
+/// first. O(K log K) for K blocks read so far, plus O(B) for the B blocks of the stream.
+/// kv_reuse_observer keeps @p last_read and calls it.
 /// @param kv the block stream (its sessions and their closing steps).
 /// @param step the step after which a session counts as open.
 /// @param last_read per block, the position of its last read in the order of all block reads
 ///        (`never`: not read yet).
-/// @param closed_released the pool drops closed conversations' blocks (simulate_kv_pool()'s
-///        release_closed): a depth then counts the open blocks read since only.
+/// @param release_closed the pool drops closed conversations' blocks (simulate_kv_pool()'s
+///        release_closed): a depth then counts only the open blocks read since.
 [[nodiscard]] std::vector<std::uint64_t> open_block_depths(const kv_block_stream& kv,
                                                            std::span<const std::uint64_t> last_read, std::uint64_t step,
-                                                           bool closed_released = false);
+                                                           bool release_closed = false);
+
+/// @brief What a session-aware engine's shadow of its KV pool sees, step by step: each read's LRU
+/// reuse distance over the whole history (the input of the split and four-pool controllers' KV
+/// histograms) and, at a barrier, the open sessions' depths (open_block_depths()). With
+/// @p release_closed it follows a pool that drops closed conversations (simulate_kv_pool()'s
+/// release_closed): their blocks leave its stack at the end of the step they close at
+/// (reuse_distance_tracker::forget()).
+/// @threadsafety thread-compatible.
+class kv_reuse_observer {
+ public:
+  /// @param kv the block stream; it must outlive the observer.
+  /// @param release_closed follow a pool that drops closed conversations' blocks.
+  /// @param open_depths keep each block's last read, for open_depths().
+  kv_reuse_observer(const kv_block_stream& kv, bool release_closed, bool open_depths);
+  /// Records the reads of step @p s, in order, into @p reuses (a first read's distance is
+  /// reuse_distance_tracker::cold), then drops the blocks closing at @p s when releasing.
+  /// @pre steps are observed in order, each once; s < kv.steps().
+  void observe(std::uint64_t s, decayed_reuse_histogram& reuses);
+  /// open_block_depths() after step @p s, the last step observed.
+  /// @pre constructed with open_depths.
+  [[nodiscard]] std::vector<std::uint64_t> open_depths(std::uint64_t s) const;
+
+ private:
+  const kv_block_stream* kv_;
+  bool release_closed_;
+  reuse_distance_tracker distances_;
+  std::vector<std::uint64_t> last_read_;  // per block, the position of its last read; empty without open_depths
+  std::uint64_t reads_ = 0;               // block reads so far: the order last_read_ ranks by
+};
 
 /// Generates the block references of @p options' phases.
 /// @throws expage::invalid_argument naming the first field out of range (phase index, field,
