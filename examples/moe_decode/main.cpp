@@ -65,7 +65,6 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <map>
 #include <memory>
@@ -239,24 +238,6 @@ options parse(int argc, char** argv) {
   return o;
 }
 
-// Writes @p path whole or not at all: @p fill writes a temporary file, renamed into place once it
-// is complete; on any failure the temporary file is removed and the error names @p path.
-template <class Fill>
-void write_whole(const std::filesystem::path& path, std::ios::openmode mode, Fill&& fill) {
-  const std::filesystem::path tmp = path.string() + ".tmp";
-  try {
-    std::ofstream out(tmp, mode | std::ios::trunc);
-    fill(out);
-    out.close();
-    if (!out) throw std::runtime_error(fmt::format("cannot write {}: {}", path.string(), std::strerror(errno)));
-  } catch (...) {
-    std::error_code ignored;
-    std::filesystem::remove(tmp, ignored);
-    throw;
-  }
-  std::filesystem::rename(tmp, path);
-}
-
 // --- the model ------------------------------------------------------------------------------
 
 expage::moe_geometry scaled(const expage::moe_geometry& g, std::uint32_t scale) {
@@ -323,7 +304,7 @@ void write_safetensors(const std::filesystem::path& path, const expage::moe_geom
   }
   header += R"(,"__metadata__":{"format":"pt","model":")" + g.name() + "\"}}";
   while (header.size() % 8 != 0) header += ' ';
-  write_whole(path, std::ios::binary, [&](std::ofstream& out) {
+  expage::write_file_atomically(path, [&](std::ostream& out) {
     const std::uint64_t n = header.size();
     out.write(reinterpret_cast<const char*>(&n), 8);
     out.write(header.data(), static_cast<std::streamsize>(header.size()));
@@ -1175,7 +1156,7 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   if (prefetcher) r.prefetcher = prefetcher->statistics();
   r.wait_s = backend.wait_seconds(r.stats);
   if (!quiet && !o.trace_out.empty()) {
-    write_whole(o.trace_out, std::ios::out, [&](std::ofstream& f) { rt.trace().write_json(f); });
+    expage::write_file_atomically(o.trace_out, [&](std::ostream& f) { rt.trace().write_json(f); });
   }
   return r;
 }
@@ -1327,7 +1308,7 @@ int run(const options& o) {
                resident.wall_s, expage::byte_size{moved}, bw * 1e-9, physics, paged.wall_s, paged.wall_s / physics);
   }
   if (!o.json.empty()) {  // {"runtime": ..., "prefetcher": ... or null}, written whole or not at all
-    write_whole(o.json, std::ios::out, [&](std::ofstream& f) {
+    expage::write_file_atomically(o.json, [&](std::ostream& f) {
       f << "{\"runtime\":";
       r.stats.write_json(f);
       f << ",\"prefetcher\":";

@@ -32,6 +32,7 @@
 #include "expage/control/split_allocator.hpp"
 #include "expage/core/error.hpp"
 #include "expage/core/expert_id.hpp"
+#include "expage/core/file_output.hpp"
 #include "expage/core/geometry_io.hpp"
 #include "expage/core/moe_geometry.hpp"
 #include "expage/core/pattern.hpp"

@@ -1,5 +1,6 @@
 #include "expage/trace/trace_io.hpp"
 
+#include "expage/core/file_output.hpp"
 #include "expage/format/crc32.hpp"
 #include "record_check.hpp"
 #include "trace_input.hpp"
@@ -974,7 +975,7 @@ routing_trace read_binary(const std::filesystem::path& path, const moe_geometry&
 
 void write_binary(const std::filesystem::path& path, const routing_trace& trace, const binary_write_options& options) {
   const std::string bytes = encode_binary(trace, options);
-  detail::write_file_atomically(
+  write_file_atomically(
       path, [&](std::ostream& out) { out.write(bytes.data(), static_cast<std::streamsize>(bytes.size())); });
 }
 

@@ -1,5 +1,6 @@
 #include "expage/trace/trace_io.hpp"
 
+#include "expage/core/file_output.hpp"
 #include "trace_input.hpp"
 
 #include <fmt/format.h>
@@ -346,7 +347,7 @@ void write_csv(std::ostream& out, const routing_trace& trace, std::string_view g
 
 void write_csv(const std::filesystem::path& path, const routing_trace& trace, std::string_view geometry_name) {
   check_csv_can_hold(trace);  // before a temporary file exists
-  detail::write_file_atomically(path, [&](std::ostream& out) { write_csv(out, trace, geometry_name); });
+  write_file_atomically(path, [&](std::ostream& out) { write_csv(out, trace, geometry_name); });
 }
 
 }  // namespace expage

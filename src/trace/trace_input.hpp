@@ -162,8 +162,4 @@ void check_metadata(const trace_metadata& meta, const moe_geometry& geometry, co
 [[nodiscard]] std::uint32_t effective_batch_size(const trace_read_options& options,
                                                  const std::optional<trace_metadata>& meta) noexcept;
 
-// Writes @p path atomically: into a temporary file beside it, flushed and closed, then renamed
-// over @p path; nothing is left half-written. @throws invalid_argument with strerror.
-void write_file_atomically(const std::filesystem::path& path, const std::function<void(std::ostream&)>& write);
-
 }  // namespace expage::detail

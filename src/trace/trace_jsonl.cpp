@@ -1,5 +1,6 @@
 #include "expage/trace/trace_io.hpp"
 
+#include "expage/core/file_output.hpp"
 #include "trace_input.hpp"
 
 #include <fmt/format.h>
@@ -462,7 +463,7 @@ void write_jsonl(std::ostream& out, const routing_trace& trace, std::string_view
 }
 
 void write_jsonl(const std::filesystem::path& path, const routing_trace& trace, std::string_view geometry_name) {
-  detail::write_file_atomically(path, [&](std::ostream& out) { write_jsonl(out, trace, geometry_name); });
+  write_file_atomically(path, [&](std::ostream& out) { write_jsonl(out, trace, geometry_name); });
 }
 
 }  // namespace expage

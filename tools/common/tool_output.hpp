@@ -3,6 +3,9 @@
 // when standard output was completely written (`> /dev/full` fails). Errors carry strerror.
 #pragma once
 
+#include <expage/core/error.hpp>
+#include <expage/core/file_output.hpp>
+
 #include <fmt/format.h>
 
 #include <unistd.h>
@@ -11,7 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
+#include <ostream>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -46,31 +49,14 @@ inline void check_output_path(std::string_view flag, const std::filesystem::path
   }
 }
 
-/// Writes @p text to @p path through a temporary file in the same directory and a rename.
+/// Writes @p text to @p path whole or not at all (expage::write_file_atomically()).
 /// @throws output_error with the system's reason.
 inline void write_atomically(const std::filesystem::path& path, std::string_view text) {
-  std::error_code ec;
-  const bool special = std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec);
-  std::filesystem::path temporary = path;
-  if (!special) temporary += fmt::format(".tmp{}", ::getpid());  // special files are written in place
-  std::FILE* f = std::fopen(temporary.c_str(), "wb");
-  if (f == nullptr) {
-    const int err = errno;
-    throw output_error(fmt::format("{}: cannot open for writing: {}", path.string(), std::strerror(err)));
-  }
-  const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size() && std::fflush(f) == 0;
-  const int write_err = errno;
-  const bool closed = std::fclose(f) == 0;
-  const int close_err = errno;
-  if (!written || !closed) {
-    if (!special) std::remove(temporary.c_str());
-    throw output_error(
-        fmt::format("{}: cannot write: {}", path.string(), std::strerror(!written ? write_err : close_err)));
-  }
-  if (!special && std::rename(temporary.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    std::remove(temporary.c_str());
-    throw output_error(fmt::format("{}: cannot rename into place: {}", path.string(), std::strerror(err)));
+  try {
+    expage::write_file_atomically(
+        path, [&](std::ostream& out) { out.write(text.data(), static_cast<std::streamsize>(text.size())); });
+  } catch (const expage::invalid_argument& e) {
+    throw output_error(e.what());
   }
 }
 

@@ -1,0 +1,61 @@
+#include "expage/core/file_output.hpp"
+
+#include "expage/core/error.hpp"
+
+#include <fmt/format.h>
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <system_error>
+
+namespace expage {
+
+void write_file_atomically(const std::filesystem::path& path, const std::function<void(std::ostream&)>& write) {
+  std::error_code exists_error;
+  // /dev/null, a FIFO, a terminal: no temporary file can replace it, so it is written in place.
+  const bool special =
+      std::filesystem::exists(path, exists_error) && !std::filesystem::is_regular_file(path, exists_error);
+  std::filesystem::path temporary = path;
+  if (!special) temporary += fmt::format(".tmp{}", ::getpid());
+  {
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    if (!out) {
+      const int err = errno;
+      throw invalid_argument(fmt::format("{}: cannot open for writing: {}", path.string(), std::strerror(err)));
+    }
+    try {
+      write(out);
+      out.flush();
+    } catch (...) {
+      std::error_code ignored;
+      if (!special) std::filesystem::remove(temporary, ignored);
+      throw;
+    }
+    if (!out) {
+      const int err = errno;
+      std::error_code ignored;
+      if (!special) std::filesystem::remove(temporary, ignored);
+      throw invalid_argument(fmt::format("{}: write failed: {}", path.string(), std::strerror(err)));
+    }
+    out.close();
+    if (!out) {
+      const int err = errno;
+      std::error_code ignored;
+      if (!special) std::filesystem::remove(temporary, ignored);
+      throw invalid_argument(fmt::format("{}: close failed: {}", path.string(), std::strerror(err)));
+    }
+  }
+  if (!special && std::rename(temporary.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    std::error_code ignored;
+    std::filesystem::remove(temporary, ignored);
+    throw invalid_argument(
+        fmt::format("{}: cannot rename the temporary file into place: {}", path.string(), std::strerror(err)));
+  }
+}
+
+}  // namespace expage

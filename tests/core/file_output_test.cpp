@@ -1,0 +1,83 @@
+#include "expage/core/file_output.hpp"
+
+#include "expage/core/error.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace expage {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string contents(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// A fresh directory per test, removed after it.
+class WriteFileAtomically : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("expage_file_output_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + "_" +
+            std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  // The names in the directory: a temporary file left behind would show here.
+  [[nodiscard]] std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    for (const auto& e : fs::directory_iterator(dir_)) out.push_back(e.path().filename().string());
+    return out;
+  }
+  fs::path dir_;
+};
+
+TEST_F(WriteFileAtomically, WritesAndReplacesWhole) {
+  const fs::path p = dir_ / "out.json";
+  write_file_atomically(p, [](std::ostream& out) { out << "first"; });
+  EXPECT_EQ(contents(p), "first");
+  write_file_atomically(p, [](std::ostream& out) { out << "second, longer"; });
+  EXPECT_EQ(contents(p), "second, longer");
+  EXPECT_EQ(names(), std::vector<std::string>{"out.json"});
+}
+
+TEST_F(WriteFileAtomically, AThrowingWriterLeavesTheOldFileAndNoTemporary) {
+  const fs::path p = dir_ / "out.json";
+  write_file_atomically(p, [](std::ostream& out) { out << "old"; });
+  EXPECT_THROW(write_file_atomically(p,
+                                     [](std::ostream& out) {
+                                       out << "half";
+                                       throw std::runtime_error("the writer failed");
+                                     }),
+               std::runtime_error);
+  EXPECT_EQ(contents(p), "old");
+  EXPECT_EQ(names(), std::vector<std::string>{"out.json"});
+}
+
+TEST_F(WriteFileAtomically, AnUnwritableDirectoryIsNamedWithTheReason) {
+  const fs::path p = dir_ / "missing" / "out.json";
+  try {
+    write_file_atomically(p, [](std::ostream& out) { out << "x"; });
+    ADD_FAILURE() << "no error";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr(p.string() + ": cannot open for writing"));
+  }
+  EXPECT_FALSE(fs::exists(p));
+}
+
+}  // namespace
+}  // namespace expage
