@@ -3,14 +3,21 @@
 // the experts, and the Mixtral measurement's helpers.
 #pragma once
 
+#include "common/traces.hpp"
 #include "expage/cache/replay.hpp"
 #include "expage/core/moe_geometry.hpp"
+#include "expage/detail/sanitizers.hpp"
+#include "expage/sim/hardware_profile.hpp"
 #include "expage/sim/kv_sessions.hpp"
 #include "expage/sim/split_sim.hpp"
 #include "expage/trace/routing_trace.hpp"
 #include "expage/trace/synthetic_trace.hpp"
+#include "expage/trace/trace_io.hpp"
+
+#include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <utility>
@@ -118,6 +125,46 @@ inline routing_trace tiled(const routing_trace& t, std::uint32_t sequence, std::
 
 /// Mixtral-8x7B's KV bytes per token: 32 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes.
 inline constexpr std::uint64_t mixtral_kv_bytes_per_token = 32 * 8 * 128 * 2 * 2;
+
+/// Runs @p measure on the whole Mixtral HumanEval trace, or skips the calling test (GTEST_SKIP from
+/// here marks it skipped; call it as the test's last statement): under a sanitizer the measurements
+/// take minutes, and the trace may be absent.
+template <class Measure>
+void on_mixtral_humaneval(Measure&& measure) {
+#if EXPAGE_SANITIZED
+  GTEST_SKIP() << "a measurement: run in the release build";
+#endif
+  const auto file = mixtral_humaneval_trace();
+  if (!file) GTEST_SKIP() << "../shared/traces is absent (set EXPAGE_TRACES_DIR)";
+  measure(read_trace(*file, moe_geometry::mixtral_8x7b()));
+}
+
+/// Session mix @p mix of the presets (kv_session_preset_names()) over @p steps, seed 5: the KV side
+/// of the Mixtral measurements.
+inline kv_block_stream mixtral_session_mix(std::size_t mix, std::uint64_t steps) {
+  kv_session_options o;
+  o.seed = 5;
+  o.phases = kv_session_preset(kv_session_preset_names()[mix], steps);
+  return generate_kv_sessions(o);
+}
+
+/// The Mixtral measurements' workload (docs/control.md) without its budget: @p experts beside
+/// @p kv, per-layer expert slots over the c2c link, bursts of 16 passes, the KV floor the largest
+/// step's blocks. Both streams must outlive it.
+inline split_workload mixtral_split_workload(const access_stream& experts, const kv_block_stream& kv,
+                                             bool release_closed) {
+  split_workload w;
+  w.experts = &experts;
+  w.kv = &kv;
+  w.kv_release_closed = release_closed;
+  w.geometry = moe_geometry::mixtral_8x7b();
+  w.expert_options.layout = cache_layout::per_layer;
+  w.expert_options.hardware = hardware_profile::preset("c2c");
+  w.kv_bytes_per_token = mixtral_kv_bytes_per_token;
+  w.burst_passes = 16;
+  w.kv_floor_bytes = kv.peak_step_blocks() * kv.block_tokens() * mixtral_kv_bytes_per_token;
+  return w;
+}
 
 /// The @p q quantile of @p v, nearest rank. @pre v not empty.
 inline double quantile(std::vector<double> v, double q) {

@@ -21,7 +21,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-using testing::mixtral_kv_bytes_per_token;
 using testing::quantile;
 using testing::tiled;
 
@@ -287,20 +286,8 @@ void mv_wsa_acceptance(const routing_trace& all, std::initializer_list<std::uint
     std::vector<double> back;
     std::uint64_t stationary_reversals = 0;
     for (int mix = 0; mix < 3; ++mix) {
-      kv_session_options ko;
-      ko.seed = 5;
-      ko.phases = kv_session_preset(kv_session_preset_names()[static_cast<std::size_t>(mix)], n);
-      const kv_block_stream kv = generate_kv_sessions(ko);
-      split_workload w;
-      w.experts = &experts;
-      w.kv = &kv;
-      w.kv_release_closed = release_closed;
-      w.geometry = g;
-      w.expert_options.layout = cache_layout::per_layer;
-      w.expert_options.hardware = hardware_profile::preset("c2c");
-      w.kv_bytes_per_token = mixtral_kv_bytes_per_token;
-      w.burst_passes = 16;
-      w.kv_floor_bytes = kv.peak_step_blocks() * 16 * mixtral_kv_bytes_per_token;  // the largest step's blocks
+      const kv_block_stream kv = testing::mixtral_session_mix(static_cast<std::size_t>(mix), n);
+      split_workload w = testing::mixtral_split_workload(experts, kv, release_closed);
       for (const double extra : {4.25, 4.5, 5.0, 5.75, 6.0, 6.5, 7.25}) {  // budget = floor + extra expert slots
         w.budget_bytes = w.kv_floor_bytes + static_cast<std::uint64_t>(extra * static_cast<double>(slot));
         const auto grid = split_grid(w);
@@ -370,24 +357,14 @@ void mv_wsa_acceptance(const routing_trace& all, std::initializer_list<std::uint
 }
 
 TEST(SplitSim, MvWsaAcceptanceOnMixtralHumanEval) {
-#if EXPAGE_SANITIZED
-  GTEST_SKIP() << "a measurement: run in the release build";
-#endif
-  const auto file = testing::mixtral_humaneval_trace();
-  if (!file) GTEST_SKIP() << "../shared/traces is absent (set EXPAGE_TRACES_DIR)";
-  mv_wsa_acceptance(read_trace(*file, moe_geometry::mixtral_8x7b()), {0, 1}, false);
+  testing::on_mixtral_humaneval([](const routing_trace& all) { mv_wsa_acceptance(all, {0, 1}, false); });
 }
 
 // The same on problem 1 with a KV pool that drops a conversation's blocks when it closes: the
 // dead blocks no longer sink the idle sessions' ones, so the long-context working set stops
 // growing after the first barrier (docs/control.md).
 TEST(SplitSim, MvWsaWithAReleasingKvPoolOnMixtralHumanEval) {
-#if EXPAGE_SANITIZED
-  GTEST_SKIP() << "a measurement: run in the release build";
-#endif
-  const auto file = testing::mixtral_humaneval_trace();
-  if (!file) GTEST_SKIP() << "../shared/traces is absent (set EXPAGE_TRACES_DIR)";
-  mv_wsa_acceptance(read_trace(*file, moe_geometry::mixtral_8x7b()), {1}, true);
+  testing::on_mixtral_humaneval([](const routing_trace& all) { mv_wsa_acceptance(all, {1}, true); });
 }
 
 TEST(SplitSim, BadWorkloadsAreNamed) {

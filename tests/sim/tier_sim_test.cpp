@@ -27,7 +27,6 @@ std::string describe(const four_pool_split& s) {
   return s.tiered() ? fmt::format("{}+{}", s.hi_slots, s.lo_slots) : fmt::format("hi{}", s.hi_slots);
 }
 
-using testing::mixtral_kv_bytes_per_token;
 using testing::quantile;
 using testing::tiled;
 
@@ -563,20 +562,9 @@ void four_pool_acceptance(const routing_trace& all, std::initializer_list<std::u
     std::array<std::array<std::vector<double>, 2>, kappas.size()> stationary;
     std::array<std::array<std::vector<double>, 2>, kappas.size()> shift;
     for (int mix = 0; mix < 3; ++mix) {
-      kv_session_options ko;
-      ko.seed = 5;
-      ko.phases = kv_session_preset(kv_session_preset_names()[static_cast<std::size_t>(mix)], n);
-      const kv_block_stream kv = generate_kv_sessions(ko);
+      const kv_block_stream kv = testing::mixtral_session_mix(static_cast<std::size_t>(mix), n);
       tier_workload w;
-      w.base.experts = &experts;
-      w.base.kv = &kv;
-      w.base.geometry = g;
-      w.base.expert_options.layout = cache_layout::per_layer;
-      w.base.expert_options.hardware = hardware_profile::preset("c2c");
-      w.base.kv_bytes_per_token = mixtral_kv_bytes_per_token;
-      w.base.burst_passes = 16;
-      w.base.kv_floor_bytes = kv.peak_step_blocks() * 16 * mixtral_kv_bytes_per_token;
-      w.base.kv_release_closed = release_closed;
+      w.base = testing::mixtral_split_workload(experts, kv, release_closed);
       const char* name = mix == 0 ? "tool-calls" : mix == 1 ? "long-context" : "phase-shift";
       for (const double extra : {3.0, 4.5, 6.0}) {
         w.base.budget_bytes = w.base.kv_floor_bytes + static_cast<std::uint64_t>(extra * static_cast<double>(slot));
@@ -651,23 +639,13 @@ void four_pool_acceptance(const routing_trace& all, std::initializer_list<std::u
 }
 
 TEST(TierSim, FourPoolAcceptanceOnMixtralHumanEval) {
-#if EXPAGE_SANITIZED
-  GTEST_SKIP() << "a measurement: run in the release build";
-#endif
-  const auto file = testing::mixtral_humaneval_trace();
-  if (!file) GTEST_SKIP() << "../shared/traces is absent (set EXPAGE_TRACES_DIR)";
-  four_pool_acceptance(read_trace(*file, moe_geometry::mixtral_8x7b()), {0, 1}, false);
+  testing::on_mixtral_humaneval([](const routing_trace& all) { four_pool_acceptance(all, {0, 1}, false); });
 }
 
 // The same on problem 1 with a KV pool that drops a conversation's blocks when it closes
 // (docs/control.md): the steady state then has no working-set growth left to follow.
 TEST(TierSim, FourPoolWithAReleasingKvPoolOnMixtralHumanEval) {
-#if EXPAGE_SANITIZED
-  GTEST_SKIP() << "a measurement: run in the release build";
-#endif
-  const auto file = testing::mixtral_humaneval_trace();
-  if (!file) GTEST_SKIP() << "../shared/traces is absent (set EXPAGE_TRACES_DIR)";
-  four_pool_acceptance(read_trace(*file, moe_geometry::mixtral_8x7b()), {1}, true);
+  testing::on_mixtral_humaneval([](const routing_trace& all) { four_pool_acceptance(all, {1}, true); });
 }
 
 }  // namespace
