@@ -15,10 +15,6 @@ namespace expage {
 
 namespace {
 
-std::uint64_t burst_count(const split_workload& w) {
-  return (w.experts->passes() + w.burst_passes - 1) / w.burst_passes;
-}
-
 // The caps a model admits, [min_expert_cap, max_expert_cap]; refuses a budget with none.
 struct cap_range {
   std::uint32_t least = 0;
@@ -76,7 +72,7 @@ void check_split_workload(const split_workload& w) {
   }
   if (w.kv_bytes_per_token == 0) throw invalid_argument("split workload: kv_bytes_per_token 0 out of range [1, 2^64)");
   if (w.burst_passes == 0) throw invalid_argument("split workload: burst_passes 0 out of range [1, 2^64)");
-  const std::uint64_t bursts = burst_count(w);
+  const std::uint64_t bursts = workload_bursts(w);
   if (w.warmup_bursts >= bursts) {
     throw invalid_argument(fmt::format("split workload: warmup_bursts {} out of range [0, {}) (the workload's bursts)",
                                        w.warmup_bursts, bursts));
@@ -119,7 +115,7 @@ split_run evaluate(const split_workload& w, const split_model& m, cap_range rang
                                          range.least, range.top));
     }
   }
-  const std::uint64_t bursts = burst_count(w);
+  const std::uint64_t bursts = workload_bursts(w);
   const auto cap_of = [&](std::uint64_t b) { return caps[std::min<std::uint64_t>(b, caps.size() - 1)]; };
 
   // The barrier sequence, with both pools under one budget_tracker: the losing pool shrinks
@@ -193,6 +189,76 @@ split_run evaluate(const split_workload& w, const split_model& m, cap_range rang
 
 }  // namespace
 
+std::uint64_t workload_bursts(const split_workload& w) noexcept {
+  return (w.experts->passes() + w.burst_passes - 1) / w.burst_passes;
+}
+
+std::vector<std::uint64_t> phase_first_bursts(const split_workload& w) {
+  check_split_workload(w);
+  std::vector<std::uint64_t> first{0};
+  const std::uint64_t bursts = workload_bursts(w);
+  for (std::uint64_t b = 1; b < bursts; ++b) {
+    if (w.kv->phase(b * w.burst_passes) != w.kv->phase((b - 1) * w.burst_passes)) first.push_back(b);
+  }
+  return first;
+}
+
+phase_oracle hindsight_phase_oracle(std::span<const std::vector<double>> costs,
+                                    std::span<const std::uint64_t> first_bursts, std::uint64_t charged_from,
+                                    const std::function<bool(std::size_t, std::size_t)>& eligible) {
+  if (costs.empty()) throw invalid_argument("hindsight_phase_oracle: no runs (allowed: at least 1)");
+  const std::size_t bursts = costs.front().size();
+  if (bursts == 0) throw invalid_argument("hindsight_phase_oracle: runs of 0 bursts (allowed: at least 1)");
+  for (std::size_t r = 1; r < costs.size(); ++r) {
+    if (costs[r].size() != bursts) {
+      throw invalid_argument(
+          fmt::format("hindsight_phase_oracle: run {} has {} bursts, run 0 has {}", r, costs[r].size(), bursts));
+    }
+  }
+  if (first_bursts.empty() || first_bursts.front() != 0) {
+    throw invalid_argument("hindsight_phase_oracle: first_bursts must start at burst 0");
+  }
+  for (std::size_t p = 1; p < first_bursts.size(); ++p) {
+    if (first_bursts[p] <= first_bursts[p - 1] || first_bursts[p] >= bursts) {
+      throw invalid_argument(fmt::format("hindsight_phase_oracle: first_bursts[{}] = {} out of range ({}, {})", p,
+                                         first_bursts[p], first_bursts[p - 1], bursts));
+    }
+  }
+  phase_oracle out;
+  for (std::size_t p = 0; p < first_bursts.size(); ++p) {
+    const std::uint64_t from = std::max<std::uint64_t>(first_bursts[p], charged_from);
+    const std::uint64_t to = p + 1 < first_bursts.size() ? first_bursts[p + 1] : bursts;
+    bool any = false;
+    for (std::size_t r = 0; r < costs.size() && !any; ++r) any = !eligible || eligible(r, p);
+    std::size_t best = costs.size();
+    double best_cost = 0.0;
+    for (std::size_t r = 0; r < costs.size(); ++r) {
+      if (any && eligible && !eligible(r, p)) continue;
+      double c = 0.0;
+      for (std::uint64_t b = from; b < to; ++b) c += costs[r][b];
+      if (best == costs.size() || c < best_cost) {
+        best = r;
+        best_cost = c;
+      }
+    }
+    out.best.push_back(best);
+    out.phase_cost.push_back(best_cost);
+    out.cost += best_cost;
+  }
+  return out;
+}
+
+phase_oracle split_phase_oracle(const split_workload& w, std::span<const split_run> runs) {
+  std::vector<std::vector<double>> costs;
+  costs.reserve(runs.size());
+  for (const split_run& r : runs) {
+    auto& row = costs.emplace_back();
+    row.reserve(r.bursts.size());
+    for (const split_burst& b : r.bursts) row.push_back(b.cost());
+  }
+  return hindsight_phase_oracle(costs, phase_first_bursts(w), w.warmup_bursts);
+}
+
 split_run evaluate_split_schedule(const split_workload& w, std::span<const std::uint32_t> caps,
                                   std::string controller) {
   const split_model m = make_split_model(w);
@@ -229,7 +295,7 @@ split_run run_online_split(const split_workload& w, const online_split_options& 
   expert_distances.reserve(w.geometry.layers());
   for (std::uint32_t l = 0; l < w.geometry.layers(); ++l) expert_distances.emplace_back(m.experts_per_layer);
   kv_reuse_observer kv_reuses(*w.kv, w.kv_release_closed, options.kv_open_sessions);
-  const std::uint64_t bursts = burst_count(w);
+  const std::uint64_t bursts = workload_bursts(w);
   std::vector<std::uint32_t> caps;
   caps.reserve(bursts);
   std::uint64_t failed = 0;
@@ -273,7 +339,7 @@ split_run run_online_split(const split_workload& w, const online_split_options& 
 split_run run_live_split(const split_workload& w, double headroom, std::uint32_t cap_dead_zone) {
   const split_model m = make_split_model(w);
   const cap_range range = admissible_range(m);
-  const std::uint64_t bursts = burst_count(w);
+  const std::uint64_t bursts = workload_bursts(w);
   std::vector<std::uint32_t> caps{range.top};
   for (std::uint64_t b = 0; b + 1 < bursts; ++b) {
     std::uint64_t peak = 0;

@@ -703,10 +703,6 @@ class tier_engine {
   std::uint64_t min_kv_ = 0;
 };
 
-std::uint64_t burst_count(const tier_workload& w) {
-  return (w.base.experts->passes() + w.base.burst_passes - 1) / w.base.burst_passes;
-}
-
 std::string split_name(const four_pool_split& s) {
   return s.tiered() ? fmt::format("static:{}+{}", s.hi_slots, s.lo_slots)
                     : fmt::format("static:hi-only {}", s.hi_slots);
@@ -728,7 +724,7 @@ tier_run run(const tier_workload& w, const four_pool_model& m, four_pool_control
   tier_engine engine(w, m, hi, lo, controller.current());
   std::optional<kv_reuse_observer> kv_reuses;
   if (online) kv_reuses.emplace(kv, w.base.kv_release_closed, options->kv_open_sessions);
-  const std::uint64_t bursts = burst_count(w);
+  const std::uint64_t bursts = workload_bursts(w.base);
   const std::uint64_t burst = w.base.burst_passes;
   tier_run out;
   out.controller = std::move(name);
@@ -863,6 +859,39 @@ std::size_t tier_oracle(const std::vector<tier_run>& grid, double min_hi_coverag
     if ((x_ok && !b_ok) || (x_ok == b_ok && x.cost() < b.cost())) best = i;
   }
   return best;
+}
+
+phase_oracle tier_phase_oracle(const tier_workload& w, std::span<const tier_run> runs) {
+  const std::vector<std::uint64_t> first = phase_first_bursts(w.base);
+  std::vector<std::vector<double>> costs;
+  costs.reserve(runs.size());
+  // Per run and phase, the hi coverage over the phase's charged bursts (1 with no activations).
+  std::vector<std::vector<double>> coverage(runs.size(), std::vector<double>(first.size(), 1.0));
+  for (std::size_t r = 0; r < runs.size(); ++r) {
+    auto& row = costs.emplace_back();
+    row.reserve(runs[r].bursts.size());
+    for (const tier_burst& b : runs[r].bursts) row.push_back(b.cost(w.lo_activation_seconds));
+    for (std::size_t p = 0; p < first.size(); ++p) {
+      const std::uint64_t to = p + 1 < first.size() ? first[p + 1] : runs[r].bursts.size();
+      std::uint64_t all = 0;
+      std::uint64_t lo = 0;
+      for (std::uint64_t b = std::max(first[p], w.base.warmup_bursts);
+           b < std::min<std::uint64_t>(to, runs[r].bursts.size()); ++b) {
+        all += runs[r].bursts[b].activations;
+        lo += runs[r].bursts[b].lo_activations;
+      }
+      if (all > 0) coverage[r][p] = 1.0 - static_cast<double>(lo) / static_cast<double>(all);
+    }
+  }
+  // As tier_oracle(): the runs meeting q_min, else the most covering.
+  std::vector<double> most(first.size(), 0.0);
+  for (std::size_t p = 0; p < first.size(); ++p) {
+    for (std::size_t r = 0; r < runs.size(); ++r) most[p] = std::max(most[p], coverage[r][p]);
+  }
+  const double q_min = w.min_hi_coverage;
+  return hindsight_phase_oracle(costs, first, w.base.warmup_bursts, [&](std::size_t r, std::size_t p) {
+    return most[p] >= q_min ? coverage[r][p] >= q_min : coverage[r][p] == most[p];
+  });
 }
 
 tier_run run_four_pool(const tier_workload& w, const four_pool_options& options) {

@@ -12,7 +12,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 #include <initializer_list>
+#include <limits>
 #include <list>
 #include <random>
 
@@ -247,21 +249,149 @@ TEST(SplitSim, OnlineFollowsAPhaseShift) {
   EXPECT_LE(online.budget_peak_bytes, f.workload.budget_bytes);
 }
 
-// Per phase of @p kv (in burst order), the bursts from the phase's first burst to the first burst
-// from which @p run's cap stays at the cap it holds at the phase's end: how long the controller
-// takes to settle after a shift.
-std::vector<std::uint64_t> bursts_to_settle(const split_run& run, const kv_block_stream& kv, std::uint64_t passes) {
+// Per phase of @p w (phase_first_bursts()), the bursts from the phase's first burst to the first
+// burst from which @p run's cap stays at the cap it holds at the phase's end: how long the
+// controller takes to settle after a shift.
+std::vector<std::uint64_t> bursts_to_settle(const split_run& run, const split_workload& w) {
+  const std::vector<std::uint64_t> first = phase_first_bursts(w);
   std::vector<std::uint64_t> out;
-  const auto phase_of = [&](std::size_t b) { return kv.phase(std::min<std::uint64_t>(b * passes, kv.steps() - 1)); };
-  std::size_t start = 0;
-  for (std::size_t b = 1; b <= run.bursts.size(); ++b) {
-    if (b < run.bursts.size() && phase_of(b) == phase_of(start)) continue;
-    std::size_t settled = b - 1;  // the phase is [start, b)
-    while (settled > start && run.bursts[settled - 1].expert_cap == run.bursts[b - 1].expert_cap) --settled;
+  for (std::size_t p = 0; p < first.size(); ++p) {
+    const std::size_t start = first[p];
+    const std::size_t end = p + 1 < first.size() ? first[p + 1] : run.bursts.size();  // the phase is [start, end)
+    std::size_t settled = end - 1;
+    while (settled > start && run.bursts[settled - 1].expert_cap == run.bursts[end - 1].expert_cap) --settled;
     out.push_back(settled - start);
-    start = b;
   }
   return out;
+}
+
+// ---- the per-phase hindsight oracle ------------------------------------------------------------
+
+// Every assignment of a run to each phase, tried: the least total (bursts from charged_from on)
+// among the assignments whose runs are eligible (a phase with none eligible takes any).
+double brute_force_phase_oracle(const std::vector<std::vector<double>>& costs, const std::vector<std::uint64_t>& first,
+                                std::uint64_t charged_from,
+                                const std::function<bool(std::size_t, std::size_t)>& eligible) {
+  const std::size_t runs = costs.size();
+  const std::size_t phases = first.size();
+  std::vector<std::size_t> pick(phases, 0);
+  double best = std::numeric_limits<double>::infinity();
+  while (true) {
+    bool ok = true;
+    double total = 0.0;
+    for (std::size_t p = 0; p < phases; ++p) {
+      bool any = false;
+      for (std::size_t r = 0; r < runs; ++r) any = any || !eligible || eligible(r, p);
+      if (any && eligible && !eligible(pick[p], p)) ok = false;
+      const std::size_t end = p + 1 < phases ? first[p + 1] : costs.front().size();
+      for (std::size_t b = first[p]; b < end; ++b) {
+        if (b >= charged_from) total += costs[pick[p]][b];
+      }
+    }
+    if (ok) best = std::min(best, total);
+    std::size_t p = 0;
+    while (p < phases && ++pick[p] == runs) pick[p++] = 0;
+    if (p == phases) break;
+  }
+  return best;
+}
+
+TEST(PhaseOracle, EqualsEveryAssignmentTriedOnRandomCosts) {
+  std::mt19937_64 rng(41);
+  for (int trial = 0; trial < 300; ++trial) {
+    const std::size_t runs = 1 + rng() % 4;
+    const std::size_t bursts = 1 + rng() % 12;
+    std::vector<std::vector<double>> costs(runs, std::vector<double>(bursts));
+    for (auto& row : costs) {
+      for (double& c : row) c = static_cast<double>(rng() % 1000) / 100.0;
+    }
+    std::vector<std::uint64_t> first{0};
+    for (std::uint64_t b = 1; b < bursts; ++b) {
+      if (rng() % 3 == 0) first.push_back(b);
+    }
+    const std::uint64_t charged_from = rng() % (bursts + 1);
+    const std::uint64_t mask = rng();  // bit (r · 4 + p) % 64: run r eligible in phase p
+    const std::function<bool(std::size_t, std::size_t)> eligible =
+        trial % 2 == 0 ? std::function<bool(std::size_t, std::size_t)>{}
+                       : [mask](std::size_t r, std::size_t p) { return ((mask >> ((r * 4 + p) % 64)) & 1U) != 0; };
+    SCOPED_TRACE(trial);
+    const phase_oracle o = hindsight_phase_oracle(costs, first, charged_from, eligible);
+    EXPECT_NEAR(o.cost, brute_force_phase_oracle(costs, first, charged_from, eligible), 1e-9);
+    ASSERT_EQ(o.best.size(), first.size());
+    ASSERT_EQ(o.phase_cost.size(), first.size());
+    double sum = 0.0;
+    for (std::size_t p = 0; p < first.size(); ++p) {
+      const std::size_t end = p + 1 < first.size() ? first[p + 1] : bursts;
+      double c = 0.0;
+      for (std::size_t b = std::max<std::uint64_t>(first[p], charged_from); b < end; ++b) c += costs[o.best[p]][b];
+      EXPECT_NEAR(o.phase_cost[p], c, 1e-9) << "phase " << p;
+      sum += o.phase_cost[p];
+    }
+    EXPECT_NEAR(o.cost, sum, 1e-9);
+  }
+}
+
+TEST(PhaseOracle, BadInputIsNamed) {
+  const std::vector<std::vector<double>> two{{1.0, 2.0, 3.0}, {3.0, 2.0, 1.0}};
+  const std::vector<std::uint64_t> zero{0};
+  EXPECT_THROW(static_cast<void>(hindsight_phase_oracle({}, zero)), invalid_argument);
+  const std::vector<std::vector<double>> uneven{{1.0, 2.0}, {1.0}};
+  try {
+    static_cast<void>(hindsight_phase_oracle(uneven, zero));
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("run 1 has 1 bursts, run 0 has 2"));
+  }
+  const std::vector<std::vector<double>> empty_rows{{}};
+  EXPECT_THROW(static_cast<void>(hindsight_phase_oracle(empty_rows, zero)), invalid_argument);
+  const std::vector<std::uint64_t> not_from_zero{1};
+  EXPECT_THROW(static_cast<void>(hindsight_phase_oracle(two, not_from_zero)), invalid_argument);
+  const std::vector<std::uint64_t> none{};
+  EXPECT_THROW(static_cast<void>(hindsight_phase_oracle(two, none)), invalid_argument);
+  const std::vector<std::uint64_t> beyond{0, 3};
+  try {
+    static_cast<void>(hindsight_phase_oracle(two, beyond));
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("first_bursts[1] = 3 out of range (0, 3)"));
+  }
+  const std::vector<std::uint64_t> repeated{0, 1, 1};
+  EXPECT_THROW(static_cast<void>(hindsight_phase_oracle(two, repeated)), invalid_argument);
+  // Two phases: each takes the run cheaper there.
+  const std::vector<std::uint64_t> halves{0, 2};
+  const phase_oracle o = hindsight_phase_oracle(two, halves);
+  EXPECT_EQ(o.best, (std::vector<std::size_t>{0, 1}));
+  EXPECT_DOUBLE_EQ(o.cost, 1.0 + 2.0 + 1.0);
+}
+
+// The phases of a session workload start at the first burst whose first pass lies in them; on a
+// stationary workload the per-phase oracle is the grid's (WiSP's per-workflow oracle), and on a
+// shift it is never above it.
+TEST(PhaseOracle, OfSplitRunsIsTheGridsOnOnePhaseAndNeverAboveItOnAShift) {
+  fixture one({tool_calls(320)}, 12);
+  EXPECT_EQ(phase_first_bursts(one.workload), (std::vector<std::uint64_t>{0}));
+  const auto grid = split_grid(one.workload);
+  const auto best =
+      std::min_element(grid.begin(), grid.end(), [](const auto& x, const auto& y) { return x.cost() < y.cost(); });
+  const phase_oracle o = split_phase_oracle(one.workload, grid);
+  EXPECT_NEAR(o.cost, best->cost(), 1e-9 * best->cost());
+  EXPECT_EQ(o.best.front(), static_cast<std::size_t>(best - grid.begin()));
+
+  fixture shift({tool_calls(600), long_context(600), tool_calls(600)}, 14);
+  shift.workload.warmup_bursts = 4;
+  const std::vector<std::uint64_t> first = phase_first_bursts(shift.workload);
+  // 600 passes: bursts of 16 passes starting at 608 and 1200 are the first in phases 1 and 2.
+  EXPECT_EQ(first, (std::vector<std::uint64_t>{0, 38, 75}));
+  for (std::size_t p = 0; p < first.size(); ++p) {
+    EXPECT_EQ(shift.kv.phase(first[p] * shift.workload.burst_passes), p);
+    if (first[p] > 0) {
+      EXPECT_NE(shift.kv.phase((first[p] - 1) * shift.workload.burst_passes), p);
+    }
+  }
+  const auto shifted = split_grid(shift.workload);
+  const phase_oracle s = split_phase_oracle(shift.workload, shifted);
+  for (const split_run& r : shifted) EXPECT_LE(s.cost, r.cost() + 1e-9 * r.cost()) << r.controller;
+  EXPECT_NE(s.best[0], s.best[1]) << "the long-context phase takes a different split";
 }
 
 // The MV-WSA acceptance figures of issue 12 (docs/control.md): the online controller against the
@@ -282,7 +412,8 @@ void mv_wsa_acceptance(const routing_trace& all, std::initializer_list<std::uint
     std::vector<double> stationary;
     std::vector<double> competing;  // where the grid's best split is not "experts take everything"
     std::vector<double> shift_gains;
-    std::vector<double> into_long;  // bursts from the shift to the phase's final cap
+    std::vector<double> phase_gains;  // the per-phase hindsight oracle below the best static split
+    std::vector<double> into_long;    // bursts from the shift to the phase's final cap
     std::vector<double> back;
     std::uint64_t stationary_reversals = 0;
     for (int mix = 0; mix < 3; ++mix) {
@@ -312,8 +443,11 @@ void mv_wsa_acceptance(const routing_trace& all, std::initializer_list<std::uint
         EXPECT_GE(online.min_kv_bytes, w.kv_floor_bytes);
         if (mix == 2) {
           shift_gains.push_back(1.0 - ratio);
+          const double bound = 1.0 - split_phase_oracle(w, grid).cost / best->cost();
+          phase_gains.push_back(bound);
+          std::printf("  the per-phase hindsight oracle: %.1f%% below the best static split\n", 100 * bound);
           EXPECT_LT(online.cost(), best->cost()) << "the phase shift at floor+" << extra;
-          const auto settle = bursts_to_settle(online, kv, w.burst_passes);
+          const auto settle = bursts_to_settle(online, w);
           ASSERT_EQ(settle.size(), 3U);
           std::printf("  after each shift, bursts to the phase's final cap: %llu (into long-context), %llu (back)\n",
                       static_cast<unsigned long long>(settle[1]), static_cast<unsigned long long>(settle[2]));
@@ -339,10 +473,10 @@ void mv_wsa_acceptance(const routing_trace& all, std::initializer_list<std::uint
     std::printf(
         "problem %u: stationary, online over the grid oracle: median %+.2f%%, p90 %+.2f%% (where KV competes, "
         "%zu cases: median %+.2f%%, p90 %+.2f%%); phase shift, online over the best static split: median "
-        "%.1f%% better, least %.1f%%\n",
+        "%.1f%% better, least %.1f%% (the per-phase hindsight oracle: median %.1f%%, least %.1f%%)\n",
         p, 100 * quantile(stationary, 0.5), 100 * quantile(stationary, 0.9), competing.size(),
         100 * quantile(competing, 0.5), 100 * quantile(competing, 0.9), 100 * quantile(shift_gains, 0.5),
-        100 * quantile(shift_gains, 0.0));
+        100 * quantile(shift_gains, 0.0), 100 * quantile(phase_gains, 0.5), 100 * quantile(phase_gains, 0.0));
     std::printf(
         "problem %u: bursts from a shift to the phase's final cap: into long-context %.0f-%.0f, back %.0f-%.0f; "
         "reversals under stationary input %llu (KV pool: %s)\n",

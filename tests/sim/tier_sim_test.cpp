@@ -379,6 +379,10 @@ TEST(TierSim, TheGridIsExhaustiveAndKvTakesTheRest) {
   }
   ASSERT_EQ(grid.size(), admissible_pairs);
   EXPECT_DOUBLE_EQ(grid[tier_oracle(grid)].cost(), least);
+  // One phase: the per-phase oracle is the grid's, with or without a coverage constraint.
+  const phase_oracle one = tier_phase_oracle(f.workload, grid);
+  EXPECT_NEAR(one.cost, least, 1e-9 * least);
+  EXPECT_EQ(one.best, std::vector<std::size_t>{tier_oracle(grid)});
   std::uint64_t previous = ~std::uint64_t{0};
   for (std::uint64_t blocks = 1; blocks < 400; blocks += 7) {
     const std::uint64_t recomputes = simulate_kv_pool(f.kv, blocks).recomputes;
@@ -388,6 +392,11 @@ TEST(TierSim, TheGridIsExhaustiveAndKvTakesTheRest) {
   // With a coverage constraint the oracle is the cheapest split that meets it.
   const std::size_t covered = tier_oracle(grid, 0.5);
   EXPECT_GE(grid[covered].hi_coverage(), 0.5);
+  tier_workload constrained = f.workload;
+  constrained.min_hi_coverage = 0.5;
+  EXPECT_EQ(tier_phase_oracle(constrained, grid).best, std::vector<std::size_t>{covered});
+  constrained.min_hi_coverage = 1.0;  // met by the hi-only splits alone
+  EXPECT_EQ(tier_phase_oracle(constrained, grid).best, std::vector<std::size_t>{tier_oracle(grid, 1.0)});
   for (const auto& r : grid) {
     if (r.hi_coverage() >= 0.5) {
       EXPECT_LE(grid[covered].cost(), r.cost());
@@ -475,6 +484,11 @@ TEST(TierSim, OnlineFollowsAPhaseShift) {
   }
   EXPECT_GT(kv_long / static_cast<double>(n_long), kv_tools / static_cast<double>(n_tools));
   EXPECT_LT(online.cost(), grid[tier_oracle(grid)].cost());
+  // Holding each phase's best split is worth at least the best static split.
+  const phase_oracle phases = tier_phase_oracle(f.workload, grid);
+  ASSERT_EQ(phases.best.size(), 3U);
+  EXPECT_LE(phases.cost, grid[tier_oracle(grid)].cost());
+  EXPECT_NE(phases.best[0], phases.best[1]) << "the long-context phase takes another split";
   const std::uint64_t share = grid[tier_oracle(grid)].bursts.front().split.kv_bytes;
   const auto two = run_two_pool_baselines(f.workload, share);
   ASSERT_EQ(two.size(), 3U);
@@ -529,10 +543,7 @@ TEST(TierSim, BadWorkloadsAreNamed) {
 // cost() of @p r over its bursts from @p warmup on, with the quality price @p lambda.
 double cost_after(const tier_run& r, std::size_t warmup, double lambda) {
   double c = 0.0;
-  for (std::size_t b = warmup; b < r.bursts.size(); ++b) {
-    const tier_burst& x = r.bursts[b];
-    c += x.expert_stall_seconds + x.kv_recompute_seconds + lambda * static_cast<double>(x.lo_activations);
-  }
+  for (std::size_t b = warmup; b < r.bursts.size(); ++b) c += r.bursts[b].cost(lambda);
   return c;
 }
 
@@ -561,6 +572,7 @@ void four_pool_acceptance(const routing_trace& all, std::initializer_list<std::u
     // 1 − four-pool / best two-pool (the phase shift).
     std::array<std::array<std::vector<double>, 2>, kappas.size()> stationary;
     std::array<std::array<std::vector<double>, 2>, kappas.size()> shift;
+    std::array<std::array<std::vector<double>, 2>, kappas.size()> phase_bound;  // the same for the per-phase oracle
     for (int mix = 0; mix < 3; ++mix) {
       const kv_block_stream kv = testing::mixtral_session_mix(static_cast<std::size_t>(mix), n);
       tier_workload w;
@@ -610,6 +622,13 @@ void four_pool_acceptance(const routing_trace& all, std::initializer_list<std::u
             auto& below = shift[k][warmup == 0 ? 0 : 1];
             below.push_back(1 - cost(online) / cost(two[b2]));
             line += fmt::format(" -> {:.1f}% below {}", 100 * below.back(), two[b2].controller);
+            // The per-phase hindsight oracle over the same grid: what holding the best split of
+            // each phase (switched for free at the shifts) would gain over the same two-pool run.
+            tier_workload charged = w;
+            charged.base.warmup_bursts = warmup;
+            auto& bound = phase_bound[k][warmup == 0 ? 0 : 1];
+            bound.push_back(1 - tier_phase_oracle(charged, grid).cost / cost(two[b2]));
+            line += fmt::format(" (per-phase oracle {:.1f}% below)", 100 * bound.back());
           }
           fmt::print("{}\n    path:{} ({} moves, {} reversals)\n", line, path, online.moves, online.reversals);
           if (release_closed && mix != 2) {
@@ -622,11 +641,13 @@ void four_pool_acceptance(const routing_trace& all, std::initializer_list<std::u
       fmt::print(
           "problem {}, λ = t_hi/{:.0f}: stationary, four-pool over the grid: median {:+.1f}%, worst {:+.1f}% (steady "
           "state: median {:+.1f}%, worst {:+.1f}%); phase shift, below the best two-pool: least {:.1f}%, median "
-          "{:.1f}% (steady state: least {:.1f}%, median {:.1f}%)\n",
+          "{:.1f}% (steady state: least {:.1f}%, median {:.1f}%); the per-phase hindsight oracle below the same: "
+          "least {:.1f}%, median {:.1f}% (steady state: least {:.1f}%)\n",
           p, 1 / kappas[k], 100 * quantile(stationary[k][0], 0.5), 100 * quantile(stationary[k][0], 1.0),
           100 * quantile(stationary[k][1], 0.5), 100 * quantile(stationary[k][1], 1.0),
           100 * quantile(shift[k][0], 0.0), 100 * quantile(shift[k][0], 0.5), 100 * quantile(shift[k][1], 0.0),
-          100 * quantile(shift[k][1], 0.5));
+          100 * quantile(shift[k][1], 0.5), 100 * quantile(phase_bound[k][0], 0.0),
+          100 * quantile(phase_bound[k][0], 0.5), 100 * quantile(phase_bound[k][1], 0.0));
       // Loose regression bounds (the figures themselves are printed and in docs/control.md).
       EXPECT_LE(quantile(stationary[k][1], 0.5), 0.05) << "problem " << p;
       EXPECT_GT(quantile(shift[k][0], 0.5), 0.0) << "problem " << p;

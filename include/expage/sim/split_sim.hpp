@@ -80,6 +80,8 @@ struct split_burst {
   std::uint64_t kv_blocks = 0;        ///< KV blocks in force.
   double expert_stall_seconds = 0.0;  ///< Stall waiting for experts (a barrier's drain included).
   double kv_recompute_seconds = 0.0;  ///< Prefill recompute of evicted KV blocks.
+  /// The burst's cost: expert stall + KV recompute, seconds (split_run::cost() sums it).
+  [[nodiscard]] double cost() const noexcept { return expert_stall_seconds + kv_recompute_seconds; }
   /// Online runs: what the controller decided at this burst's end (for the next burst): the
   /// grid's minimiser, and the predicted cost (Eq. 4 over the decayed histograms, seconds over
   /// their window) of the cap in force and of that target. 0 for other runs and the last burst.
@@ -127,6 +129,50 @@ struct split_run {
 /// least cost() is the oracle (the best static split with hindsight, WiSP's per-workflow oracle
 /// on a stationary workload and its global oracle on a phase shift).
 [[nodiscard]] std::vector<split_run> split_grid(const split_workload& workload);
+
+/// The bursts of a workload: ⌈passes / burst_passes⌉, the last one shorter when burst_passes does
+/// not divide the passes. @pre the workload passes check_split_workload().
+[[nodiscard]] std::uint64_t workload_bursts(const split_workload& workload) noexcept;
+
+/// The first burst of each phase of the workload's KV stream (kv_block_stream::phase()), ascending
+/// from 0: a burst belongs to the phase of its first pass, so a phase that starts no burst (one
+/// shorter than a burst) has none.
+/// @throws expage::invalid_argument as check_split_workload().
+[[nodiscard]] std::vector<std::uint64_t> phase_first_bursts(const split_workload& workload);
+
+/// @brief What hindsight_phase_oracle() found.
+struct phase_oracle {
+  double cost = 0.0;               ///< Σ over the phases of the cheapest eligible run's cost there.
+  std::vector<std::size_t> best;   ///< Per phase, the index of that run (ties: the lowest index).
+  std::vector<double> phase_cost;  ///< Per phase, its cost.
+};
+
+/// @brief The per-phase hindsight oracle: WiSP's per-workflow oracle (the best static split of a
+/// stationary workload) applied to each phase of a shift. Each phase runs the run cheapest over
+/// that phase's bursts, as if the split changed for free at the phase's first barrier with its
+/// pools already warm for the new phase. It is the reference for how much switching splits at
+/// the shifts can buy: a controller that holds one split per phase gains at most about this much
+/// over the best static split (a transition's warm-up costs it more; changing within a phase could
+/// gain more, and an online controller cannot know the best split in advance).
+/// @param burst_costs one row per run: its cost in each burst (split_burst::cost(),
+///        tier_burst::cost()), rows of equal length, at least one row.
+/// @param first_bursts the phases' first bursts (phase_first_bursts()): ascending from 0, each
+///        below the rows' length.
+/// @param charged_from bursts before it are not charged (the workload's warmup_bursts).
+/// @param eligible which runs a phase may choose (run, phase); empty: every run. A phase where
+///        none is eligible may choose any.
+/// @throws expage::invalid_argument for no rows, rows of unequal or zero length, or first_bursts
+///         not ascending from 0 below the rows' length (naming the value).
+[[nodiscard]] phase_oracle hindsight_phase_oracle(std::span<const std::vector<double>> burst_costs,
+                                                  std::span<const std::uint64_t> first_bursts,
+                                                  std::uint64_t charged_from = 0,
+                                                  const std::function<bool(std::size_t, std::size_t)>& eligible = {});
+
+/// The per-phase hindsight oracle of split runs of @p workload (split_grid()): burst costs
+/// split_burst::cost(), phases phase_first_bursts(), charged from its warmup_bursts.
+/// @throws expage::invalid_argument as hindsight_phase_oracle() (a run of another workload has
+///         bursts of another count).
+[[nodiscard]] phase_oracle split_phase_oracle(const split_workload& workload, std::span<const split_run> runs);
 
 /// @brief The online controller's parameters (its knobs and its histograms').
 ///

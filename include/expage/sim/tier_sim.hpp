@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -93,6 +94,11 @@ struct tier_burst {
   four_pool_split target;              ///< Online runs: the controller's target at this burst's end.
   double predicted_cost = 0.0;         ///< Online runs: the predicted cost of the split in force.
   double predicted_target_cost = 0.0;  ///< Online runs: of the target.
+  /// The burst's cost at a quality price λ_q: expert stall + KV recompute + λ_q × lo activations,
+  /// seconds (tier_run::cost() sums it at the workload's λ_q).
+  [[nodiscard]] double cost(double lo_activation_seconds) const noexcept {
+    return expert_stall_seconds + kv_recompute_seconds + lo_activation_seconds * static_cast<double>(lo_activations);
+  }
 };
 
 /// @brief A tier run measured by the simulator.
@@ -194,6 +200,14 @@ struct four_pool_options {
 /// The index of the oracle in @p grid: the least cost() with hi_coverage() ≥ @p min_hi_coverage
 /// (the most covering run when none meets it). @pre grid not empty.
 [[nodiscard]] std::size_t tier_oracle(const std::vector<tier_run>& grid, double min_hi_coverage = 0.0) noexcept;
+
+/// The per-phase hindsight oracle (hindsight_phase_oracle()) of tier runs of @p workload
+/// (tier_grid(), or a restricted space's grid for a two-pool oracle): burst costs
+/// tier_burst::cost() at the workload's λ_q, phases phase_first_bursts(), charged from its
+/// warmup_bursts. As tier_oracle(), a phase chooses among the runs whose hi coverage over the
+/// phase's charged bursts meets the workload's q_min, the most covering ones when none does.
+/// @throws expage::invalid_argument as hindsight_phase_oracle().
+[[nodiscard]] phase_oracle tier_phase_oracle(const tier_workload& workload, std::span<const tier_run> runs);
 
 /// The four-pool controller driven by the workload online: it sees each group's routing after
 /// the group is served and each step's KV block reuse distances (a shadow LRU stack), ends a hot
