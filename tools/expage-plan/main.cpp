@@ -282,7 +282,18 @@ struct split_report {
   std::size_t best = 0;
   expage::split_run online;
   expage::split_run live;
+  expage::phase_oracle phases;  // the per-phase hindsight oracle over the grid
 };
+
+// A per-phase oracle's cost per token, over the tokens its (equally charged) grid runs charge.
+double phase_cost_per_token(const expage::phase_oracle& o, std::uint64_t tokens) {
+  return tokens == 0 ? 0.0 : o.cost / static_cast<double>(tokens);
+}
+
+std::string phase_oracle_json(const expage::phase_oracle& o, std::uint64_t tokens) {
+  return fmt::format(R"({{"cost_per_token_s":{},"best":[{}]}})", json_number(phase_cost_per_token(o, tokens)),
+                     fmt::join(o.best, ","));
+}
 
 std::string split_run_json(const expage::split_run& r, const expage::split_model& m) {
   std::vector<std::string> caps;
@@ -302,12 +313,12 @@ std::string splits_json(const std::vector<split_report>& splits, std::string_vie
   for (const auto& s : splits) {
     std::vector<std::string> grid;
     for (const auto& r : s.grid) grid.push_back(split_run_json(r, s.model));
-    rows.push_back(
-        fmt::format(R"({{"precision":"{}","sessions":"{}","release_closed":{},"slot_bytes":{},"block_bytes":{},)"
-                    R"("kv_floor_bytes":{},"grid":[{}],"best":{},"online":{},"live":{}}})",
-                    expage::to_string(s.format), mix, release_closed, s.model.slot_bytes, s.model.block_bytes,
-                    s.model.kv_floor_bytes, fmt::join(grid, ","), s.best, split_run_json(s.online, s.model),
-                    split_run_json(s.live, s.model)));
+    rows.push_back(fmt::format(
+        R"({{"precision":"{}","sessions":"{}","release_closed":{},"slot_bytes":{},"block_bytes":{},)"
+        R"("kv_floor_bytes":{},"grid":[{}],"best":{},"phase_oracle":{},"online":{},"live":{}}})",
+        expage::to_string(s.format), mix, release_closed, s.model.slot_bytes, s.model.block_bytes,
+        s.model.kv_floor_bytes, fmt::join(grid, ","), s.best, phase_oracle_json(s.phases, s.grid.front().tokens),
+        split_run_json(s.online, s.model), split_run_json(s.live, s.model)));
   }
   return fmt::format("[{}]", fmt::join(rows, ","));
 }
@@ -331,6 +342,7 @@ struct tier_report {
   std::uint64_t interval = 2;
   std::vector<expage::tier_run> grid;
   std::size_t oracle = 0;
+  expage::phase_oracle phases;  // the per-phase hindsight oracle over the grid
   expage::tier_run online;
   std::vector<expage::tier_run> two_pool;
 };
@@ -379,12 +391,12 @@ std::string tiers_json(const tier_report& t, bool release_closed) {
   return fmt::format(
       R"({{"hi_precision":"{}","lo_precision":"{}","quality_seconds":{},"min_hi_coverage":{},"interval_passes":{},)"
       R"("release_closed":{},"hi_slot_bytes":{},"lo_slot_bytes":{},"kv_floor_bytes":{},"grid":[{}],"oracle":{},)"
-      R"("four_pool":{},"two_pool":[{}]}})",
+      R"("phase_oracle":{},"four_pool":{},"two_pool":[{}]}})",
       expage::to_string(t.hi), expage::to_string(t.lo), json_number(t.model.lo_activation_seconds),
       json_number(t.model.min_hi_coverage), t.interval, release_closed,
       std::uint64_t{t.model.layers} * t.model.hi_expert_bytes, std::uint64_t{t.model.layers} * t.model.lo_expert_bytes,
-      t.model.kv_floor_bytes, fmt::join(grid, ","), t.oracle, tier_run_json(t.online, t.model, true),
-      fmt::join(two, ","));
+      t.model.kv_floor_bytes, fmt::join(grid, ","), t.oracle, phase_oracle_json(t.phases, t.grid.front().tokens),
+      tier_run_json(t.online, t.model, true), fmt::join(two, ","));
 }
 
 // Two panels. Top: cost per token (ms) against expert memory (GiB) for every static split of the
@@ -726,6 +738,7 @@ int main(int argc, char** argv) {
         }
         rep.online = expage::run_online_split(w, {});
         rep.live = expage::run_live_split(w, 0.1);
+        rep.phases = expage::split_phase_oracle(w, rep.grid);
         for (std::size_t i = 0; i < rep.grid.size(); ++i) {
           if (rep.grid[i].cost() < rep.grid[rep.best].cost()) rep.best = i;
         }
@@ -742,6 +755,15 @@ int main(int argc, char** argv) {
           row(rep.grid[i], i == rep.best ? "  <- best static split" : "");
         row(rep.online, fmt::format("  online MV-WSA ({} moves; final cap shown)", rep.online.moves));
         row(rep.live, fmt::format("  live rule, headroom 10% ({} moves)", rep.live.moves));
+        if (rep.phases.best.size() > 1) {
+          std::vector<std::uint32_t> caps;
+          for (const std::size_t i : rep.phases.best) caps.push_back(rep.grid[i].bursts.front().expert_cap);
+          fmt::print(
+              "{:<9} per-phase hindsight oracle (each phase's best static cap, switched for free): {:.3f} ms per "
+              "token, caps {}\n",
+              expage::to_string(p), phase_cost_per_token(rep.phases, rep.grid.front().tokens) * 1e3,
+              fmt::join(caps, ", "));
+        }
         splits.push_back(std::move(rep));
       }
       if (c.tiers) {
@@ -772,6 +794,7 @@ int main(int argc, char** argv) {
               fmt::format("--tiers {}:{}: {}", expage::to_string(t.hi), expage::to_string(t.lo), e.what())};
         }
         t.oracle = expage::tier_oracle(t.grid, w.min_hi_coverage);
+        t.phases = expage::tier_phase_oracle(w, t.grid);
         t.online = expage::run_four_pool(w);
         t.two_pool = expage::run_two_pool_baselines(w, t.grid[t.oracle].bursts.front().split.kv_bytes);
         fmt::print(
@@ -802,6 +825,14 @@ int main(int argc, char** argv) {
         for (const auto& two : t.two_pool) {
           row(two, fmt::format("{} ->{}", two.controller, tier_split_name(two.bursts.back().split)),
               "  two-pool controller");
+        }
+        if (t.phases.best.size() > 1) {
+          std::vector<std::string> names;
+          for (const std::size_t i : t.phases.best) names.push_back(tier_split_name(t.grid[i].bursts.front().split));
+          fmt::print(
+              "per-phase hindsight oracle (each phase's best static split, switched for free): {:.3f} ms per token of "
+              "cost, splits {}\n",
+              phase_cost_per_token(t.phases, t.grid.front().tokens) * 1e3, fmt::join(names, ", "));
         }
         const auto& best = t.grid[t.oracle];
         const auto& s = best.bursts.front().split;
