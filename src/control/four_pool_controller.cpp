@@ -44,6 +44,9 @@ void check_config(const four_pool_config& c) {
   if (!(c.decay > 0.0 && c.decay <= 1.0)) {
     throw invalid_argument(fmt::format("four_pool_controller: decay {} out of range (0, 1]", c.decay));
   }
+  if (!(c.kv_decay > 0.0 && c.kv_decay <= 1.0)) {
+    throw invalid_argument(fmt::format("four_pool_controller: kv_decay {} out of range (0, 1]", c.kv_decay));
+  }
   if (!(c.gate >= 0.0 && c.gate < 1.0)) {
     throw invalid_argument(fmt::format("four_pool_controller: gate {} out of range [0, 1)", c.gate));
   }
@@ -229,8 +232,8 @@ four_pool_controller::four_pool_controller(const four_pool_model& model, const f
       current_(initial),
       hot_(hot_config(model_, config_)),
       rank_({.max_capacity = model_.experts_per_layer, .bin_width = 1, .decay = config_.decay}),
-      kv_(kv_histogram_config(model_.budget_bytes / model_.block_bytes, config_.kv_bins, config_.decay)),
-      mix_(config_.frozen ? 0.0 : config_.change_ratio, config_.decay) {
+      kv_(kv_histogram_config(model_.budget_bytes / model_.block_bytes, config_.kv_bins, config_.kv_decay)),
+      mix_(config_.frozen ? 0.0 : config_.change_ratio, config_.kv_decay) {
   if (!admissible(model_, initial)) {
     throw invalid_argument(
         fmt::format("four_pool_controller: the initial split (hi_slots {}, lo_slots {}, kv_bytes {}) is not admissible",

@@ -117,6 +117,12 @@ TEST(FourPoolSplits, BadModelsAndSplitsAreNamed) {
     EXPECT_THAT(e.what(), HasSubstr("hi_slots 5 and lo_slots 2"));
   }
   EXPECT_THROW(four_pool_controller(m, {.decay = 0.0}, make_four_pool_split(m, 2, 0)), invalid_argument);
+  try {
+    four_pool_controller(m, {.kv_decay = 1.5}, make_four_pool_split(m, 2, 0));
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("kv_decay 1.5 out of range (0, 1]"));
+  }
   EXPECT_THROW(four_pool_controller(m, {.gate = 0.5, .reversal_gate = 0.2}, make_four_pool_split(m, 2, 0)),
                invalid_argument);
   EXPECT_THROW(four_pool_controller(m, {}, four_pool_split{.hi_slots = 2, .lo_slots = 0, .kv_bytes = 1}),
@@ -415,6 +421,18 @@ TEST(FourPoolController, OpenSessionBlocksRaiseTheKvValue) {
                    m.kv_miss_seconds * static_cast<double>(80 - std::min<std::uint64_t>(blocks, 80)));
   EXPECT_LT(c.predicted_cost(big_kv), c.predicted_cost(small_kv));
   EXPECT_THROW(c.set_kv_open_depths({3, 1}), invalid_argument);
+}
+
+// The KV histogram forgets at kv_decay, the expert histograms at decay: each burst scales the
+// KV counts by γ_KV and the expert ones by γ.
+TEST(FourPoolController, TheKvHistogramHasItsOwnMemory) {
+  const four_pool_model m = small_model(800, 14);
+  four_pool_controller c(m, {.decay = 0.5, .kv_decay = 0.9}, make_four_pool_split(m, 6, 0));
+  for (int i = 0; i < 10; ++i) c.kv().record(40);
+  c.new_burst();
+  c.new_burst();
+  EXPECT_NEAR(c.kv().total_mass(), 10 * 0.9 * 0.9, 1e-12);
+  EXPECT_DOUBLE_EQ(c.kv().decay(), 0.9);
 }
 
 // The session-mix detector in the four-pool controller: the open footprint falling by more than

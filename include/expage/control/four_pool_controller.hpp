@@ -187,7 +187,13 @@ struct four_pool_config {
   /// The hi set's hysteresis (decay, margin, rank slack, promotions per layer per interval); its
   /// dimensions, hi_per_layer and hi_bytes are set by the controller from the model and split.
   hot_set_config hot{};
-  double decay = 0.8;           ///< γ of every histogram, per burst, (0, 1].
+  double decay = 0.8;  ///< γ of the expert histograms (the hi set's rank, the lo pool's), per burst, (0, 1].
+  /// γ_KV of the KV histogram and of the change detector's average, per burst, (0, 1]: the split
+  /// controller's (online_split_options::kv_decay). With γ_KV = γ = 0.8 the KV histogram forgot
+  /// the idle long-context sessions' far reuses within a quiet stretch of a few bursts, and the
+  /// controller moved their KV to the experts just before they returned (two reversals on
+  /// problem 0's long-context at floor + 3 slots; docs/control.md).
+  double kv_decay = 0.85;
   double gate = 0.05;           ///< Move only when the predicted gain exceeds this share of the current cost, [0, 1).
   double reversal_gate = 0.30;  ///< The gate of a move against the previous one, [gate, 1).
   /// Most slots per layer each expert pool moves per burst, ≥ 1 (a mode change goes at once).
@@ -207,7 +213,7 @@ struct four_pool_config {
   /// The session-mix change detector's ratio (session_mix_detector, as online_split_config's):
   /// when the open sessions' KV footprint given to set_kv_open_depths() falls below its decayed
   /// average over it, the KV histogram keeps change_keep of its history and moves are tentative
-  /// (set no direction) for ⌈1/(1 − γ)⌉ bursts. 0: off; else > 1. With 3 (the split
+  /// (set no direction) for ⌈1/(1 − γ_KV)⌉ bursts. 0: off; else > 1. With 3 (the split
   /// controller's), problem 0's phase shifts cost 3–5 points less against the best static split
   /// and its stationary figures are unchanged (docs/control.md).
   double change_ratio = 3.0;
@@ -240,8 +246,8 @@ struct four_pool_statistics {
 ///     hi-only:  T = t_hi·M̂_0(H)                          + τ_r·b·M̂_KV(n)
 ///     tiered:   T = t_lo·M̂_H(L) + λ_q·Â(H)               + τ_r·b·M̂_KV(n)
 ///
-/// with n = ⌊(B − H·N·s_hi − L·N·s_lo)/S_b⌋ and, from decayed histograms (decay γ per burst, warm
-/// reuses only, WiSP App. B decisions 1–2):
+/// with n = ⌊(B − H·N·s_hi − L·N·s_lo)/S_b⌋ and, from decayed histograms (decay γ per burst for
+/// the expert ones, γ_KV for the KV one; warm reuses only, WiSP App. B decisions 1–2):
 /// - Â(H): activations whose expert ranks at or below H in its layer by the hot set's hotness S
 ///   when routed, i.e. those a top-H hi set serves at lo (the rank is the "distance" of a
 ///   decayed_reuse_histogram, so Â(H) = its predicted misses at H);
