@@ -188,11 +188,14 @@ struct four_pool_config {
   /// dimensions, hi_per_layer and hi_bytes are set by the controller from the model and split.
   hot_set_config hot{};
   double decay = 0.8;  ///< γ of the expert histograms (the hi set's rank, the lo pool's), per burst, (0, 1].
-  /// γ_KV of the KV histogram and of the change detector's average, per burst, (0, 1]: the split
-  /// controller's (online_split_options::kv_decay). With γ_KV = γ = 0.8 the KV histogram forgot
-  /// the idle long-context sessions' far reuses within a quiet stretch of a few bursts, and the
-  /// controller moved their KV to the experts just before they returned (two reversals on
-  /// problem 0's long-context at floor + 3 slots; docs/control.md).
+  /// γ_KV of the KV histogram and of the change detector's average, per burst, (0, 1]. With
+  /// γ_KV = γ = 0.8 the KV histogram forgot the idle long-context sessions' far reuses within a
+  /// quiet stretch of a few bursts, and the controller moved their KV to the experts just before
+  /// they returned (two reversals on problem 0's long-context at floor + 3 slots; every γ_KV from
+  /// 0.85 to 0.95 gives the same figures there). Not the split controller's 0.9: the decayed sums
+  /// of histograms with different γ cover windows of different lengths (1/(1 − γ) bursts), so the
+  /// further γ_KV is from γ the more the KV sum weighs against the expert ones; at 0.9 a
+  /// synthetic stationary input reverses once (docs/control.md).
   double kv_decay = 0.85;
   double gate = 0.05;           ///< Move only when the predicted gain exceeds this share of the current cost, [0, 1).
   double reversal_gate = 0.30;  ///< The gate of a move against the previous one, [gate, 1).

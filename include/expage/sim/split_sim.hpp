@@ -181,14 +181,14 @@ struct phase_oracle {
 /// (γ = 0.9, about ten bursts) because KV reuse is rare and bursty (a session's return rereads its
 /// whole context at once), a 5% gate, a 30% reversal gate, and no rate limit (a move goes to the
 /// target at once: a move that pays is large, and a rate limit only delays it). The KV histogram
-/// forgets faster (γ_KV = 0.85) when the open sessions' depths are known: they carry the far
-/// mode of the sessions still running, so the histogram's memory of sessions that have ended only
-/// delays the return after a phase shift (chosen on problem 0 as the least γ_KV whose stationary
-/// figures equal γ_KV = γ's; docs/control.md). The change detector (change_ratio 3, change_keep 0:
-/// the KV histogram starts over when the open sessions' footprint falls below a third of its
-/// average) returns the controller to the tool-call split at the first barrier after a
-/// long-context phase; every ratio from 1.5 to 8 gives the same figures on problem 0. The
-/// detector needs kv_open_sessions (it watches the depths that option passes).
+/// has the same memory (γ_KV = 0.9): with the change detector below a shorter one no longer
+/// speeds the return after a phase shift, and with a pool that drops closed conversations 0.85
+/// (the value before the detector) let one recompute burst move the split, then reverse it; equal
+/// γ also predicts both sides over windows of one length (docs/control.md). The change detector (change_ratio 3,
+/// change_keep 0: the KV histogram starts over when the open sessions' footprint falls below a third of its average)
+/// returns the controller to the tool-call split at the first barrier after a long-context phase; every ratio from 1.5
+/// to 8 gives the same figures on problem 0. The detector needs kv_open_sessions (it watches the depths that option
+/// passes).
 struct online_split_options {
   /// The step's knobs (grid, gates, rate limit, dead zone).
   online_split_config controller{.grid_step = 1,
@@ -198,8 +198,8 @@ struct online_split_options {
                                  .reversal_gate = 0.30,
                                  .change_ratio = 3.0,
                                  .change_keep = 0.0};
-  double decay = 0.9;      ///< γ of the expert histogram, per burst, (0, 1].
-  double kv_decay = 0.85;  ///< γ of the KV histogram, per burst, (0, 1].
+  double decay = 0.9;     ///< γ of the expert histogram, per burst, (0, 1].
+  double kv_decay = 0.9;  ///< γ_KV of the KV histogram, per burst, (0, 1].
   /// Bins of the KV histogram over the budget's blocks; 0 (the default): one per block, exact
   /// (up to 2^22 blocks; beyond, 2^22 bins).
   /// Coarse bins blur the cliff at the step's working set, where the near mode of the KV reuse
