@@ -9,6 +9,7 @@
 #include <expage/trace/synthetic_trace.hpp>
 
 #include <benchmark/benchmark.h>
+#include <fmt/format.h>
 
 #include <limits>
 #include <vector>
@@ -273,6 +274,21 @@ void BM_Split_Online(benchmark::State& state) {
   state.SetLabel("routing events");
 }
 BENCHMARK(BM_Split_Online)->Unit(benchmark::kMillisecond);
+
+// The per-phase hindsight oracle over the grid already run (what expage-plan adds beside the
+// grid): per phase, the cheapest run's burst costs summed. Against BM_Split_Static, the cost of
+// one grid point.
+void BM_Split_PhaseOracle(benchmark::State& state) {
+  const auto w = split_workload();
+  const auto grid = expage::split_grid(w);
+  for (auto _ : state) {
+    const auto o = expage::split_phase_oracle(w, grid);
+    benchmark::DoNotOptimize(o.cost);
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(grid.size() * grid.front().bursts.size()));
+  state.SetLabel(fmt::format("{} grid runs x {} bursts", grid.size(), grid.front().bursts.size()));
+}
+BENCHMARK(BM_Split_PhaseOracle)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 
