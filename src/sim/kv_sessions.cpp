@@ -355,22 +355,36 @@ std::vector<std::uint64_t> open_block_depths(const kv_block_stream& kv, std::spa
 kv_reuse_observer::kv_reuse_observer(const kv_block_stream& kv, bool release_closed, bool open_depths)
     : kv_(&kv),
       release_closed_(release_closed),
-      distances_(std::max<std::uint32_t>(kv.key_count(), 1)),
-      last_read_(open_depths ? kv.key_count() : 0, never) {}
+      open_depths_(open_depths),
+      distances_(std::max<std::uint32_t>(kv.key_count(), 1)) {}
 
 void kv_reuse_observer::observe(std::uint64_t s, decayed_reuse_histogram& reuses) {
-  for (const std::uint32_t block : kv_->blocks(s)) {
-    reuses.record(distances_.access_unchecked(block));
-    if (!last_read_.empty()) last_read_[block] = reads_++;
-  }
+  for (const std::uint32_t block : kv_->blocks(s)) reuses.record(distances_.access_unchecked(block));
   if (release_closed_) {
     for (const std::uint32_t block : kv_->closing(s)) distances_.forget(block);
   }
 }
 
 std::vector<std::uint64_t> kv_reuse_observer::open_depths(std::uint64_t s) const {
-  EXPAGE_ASSERT(!last_read_.empty() || kv_->key_count() == 0, "kv_reuse_observer: built without open_depths");
-  return open_block_depths(*kv_, last_read_, s, release_closed_);
+  EXPAGE_ASSERT(open_depths_, "kv_reuse_observer: built without open_depths");
+  // The stack holds every block read (releasing: less those dropped at the end of the step their
+  // conversation closed at, i.e. the blocks read and not open after s), so a block's stack
+  // distance is the depth open_block_depths() counts for it.
+  std::vector<std::uint64_t> depths;
+  std::uint64_t unread = 0;  // open blocks never read
+  for (std::uint32_t b = 0; b < kv_->key_count(); ++b) {
+    if (!kv_->open_after(b, s)) continue;
+    if (distances_.seen(b)) {
+      depths.push_back(distances_.distance(b));
+    } else {
+      ++unread;
+    }
+  }
+  std::sort(depths.begin(), depths.end());
+  // As open_block_depths(): the open blocks never read go below the deepest open one read.
+  std::uint64_t next = depths.empty() ? 0 : depths.back() + 1;
+  for (std::uint64_t i = 0; i < unread; ++i) depths.push_back(next++);
+  return depths;
 }
 
 }  // namespace expage

@@ -144,7 +144,8 @@ class kv_block_stream {
 /// began) is placed below the deepest open block read so far, as if read just before it: the open
 /// conversations need the pool to hold them too, and closed blocks, which nothing reads again, go
 /// first. O(K log K) for K blocks read so far, plus O(B) for the B blocks of the stream.
-/// kv_reuse_observer keeps @p last_read and calls it.
+/// kv_reuse_observer gives the same depths from its stack-distance tracker, without the sort of
+/// every block read (this function is their reference).
 /// @param kv the block stream (its sessions and their closing steps).
 /// @param step the step after which a session counts as open.
 /// @param last_read per block, the position of its last read in the order of all block reads
@@ -157,7 +158,8 @@ class kv_block_stream {
 
 /// @brief What a session-aware engine's shadow of its KV pool sees, step by step: each read's LRU
 /// reuse distance over the whole history (the input of the split and four-pool controllers' KV
-/// histograms) and, at a barrier, the open sessions' depths (open_block_depths()). With
+/// histograms) and, at a barrier, the open sessions' depths (open_block_depths()'s, read from the
+/// same stack: O(B + O log K) for the B blocks of the stream and the O open ones read). With
 /// @p release_closed it follows a pool that drops closed conversations (simulate_kv_pool()'s
 /// release_closed): their blocks leave its stack at the end of the step they close at
 /// (reuse_distance_tracker::forget()).
@@ -166,7 +168,7 @@ class kv_reuse_observer {
  public:
   /// @param kv the block stream; it must outlive the observer.
   /// @param release_closed follow a pool that drops closed conversations' blocks.
-  /// @param open_depths keep each block's last read, for open_depths().
+  /// @param open_depths open_depths() will be called (checked in debug builds).
   kv_reuse_observer(const kv_block_stream& kv, bool release_closed, bool open_depths);
   /// Records the reads of step @p s, in order, into @p reuses (a first read's distance is
   /// reuse_distance_tracker::cold), then drops the blocks closing at @p s when releasing.
@@ -179,9 +181,8 @@ class kv_reuse_observer {
  private:
   const kv_block_stream* kv_;
   bool release_closed_;
-  reuse_distance_tracker distances_;
-  std::vector<std::uint64_t> last_read_;  // per block, the position of its last read; empty without open_depths
-  std::uint64_t reads_ = 0;               // block reads so far: the order last_read_ ranks by
+  [[maybe_unused]] bool open_depths_;  // read by a debug-build check only
+  reuse_distance_tracker distances_;   // the LRU stack of the blocks read (and, releasing, not dropped)
 };
 
 /// Generates the block references of @p options' phases.
