@@ -136,30 +136,38 @@ BENCHMARK(BM_Simulate_NextTurn<2>)
     ->Unit(benchmark::kMillisecond);
 
 // One forward pass of a predictor on Mixtral's shape: observe each layer, predict the next. The
-// per-layer frequency table is the baseline; co-activation and fMoE's map store (1K maps, full
-// after the first thousand passes) beside it. Items: layers.
-void BM_Predictor_Pass(benchmark::State& state, const char* name) {
+// per-layer frequency table is the baseline; co-activation (log-odds pooling, the default, and
+// WiSP's mean) and fMoE's map store (1K maps, full after the first thousand passes) beside it.
+// Items: layers.
+void predictor_pass(benchmark::State& state, expage::expert_predictor& p) {
   const auto& s = stream();
-  auto p = expage::make_predictor(name, 32, 8, 2);
   std::vector<float> probability(8);
   std::size_t g = 0;
   for (std::size_t warm = 0; warm < 2048 * 32; ++warm, g = (g + 1) % s.groups()) {  // fill the map store
-    if (s.starts_pass(g)) p->begin_pass();
-    p->observe(s.layer(g), s.experts(g));
+    if (s.starts_pass(g)) p.begin_pass();
+    p.observe(s.layer(g), s.experts(g));
   }
   for (auto _ : state) {
-    if (s.starts_pass(g)) p->begin_pass();
+    if (s.starts_pass(g)) p.begin_pass();
     const std::uint32_t layer = s.layer(g);
-    p->observe(layer, s.experts(g));
-    if (layer + 1 < 32) p->predict(layer + 1, probability);
+    p.observe(layer, s.experts(g));
+    if (layer + 1 < 32) p.predict(layer + 1, probability);
     benchmark::DoNotOptimize(probability.data());
     g = (g + 1) % s.groups();
   }
   state.SetItemsProcessed(state.iterations());
   state.SetLabel("layers");
 }
+void BM_Predictor_Pass(benchmark::State& state, const char* name) {
+  predictor_pass(state, *expage::make_predictor(name, 32, 8, 2));
+}
+void BM_Predictor_CoactivationMean(benchmark::State& state) {
+  expage::coactivation_predictor p(32, 8, 2, 4, 0.5, expage::coactivation_pooling::mean);
+  predictor_pass(state, p);
+}
 BENCHMARK_CAPTURE(BM_Predictor_Pass, frequency, "frequency");
 BENCHMARK_CAPTURE(BM_Predictor_Pass, coactivation, "coactivation");
+BENCHMARK(BM_Predictor_CoactivationMean);
 BENCHMARK_CAPTURE(BM_Predictor_Pass, fmoe, "fmoe");
 
 // fMoE's store with the optional fields: full router probability vectors as rows and 64-float

@@ -66,11 +66,13 @@ void previous_pass_predictor::predict(std::uint32_t layer, std::span<float> prob
 }
 
 coactivation_predictor::coactivation_predictor(std::uint32_t layers, std::uint32_t experts_per_layer,
-                                               std::uint32_t top_k, std::uint32_t window, double decay)
+                                               std::uint32_t top_k, std::uint32_t window, double decay,
+                                               coactivation_pooling pooling)
     : layers_(layers),
       experts_(experts_per_layer),
       window_(window),
       decay_(decay),
+      pooling_(pooling),
       prior_((check_shape("coactivation_predictor", layers, experts_per_layer, top_k), layers), experts_per_layer,
              top_k) {
   if (window == 0 || window > 64) {
@@ -119,6 +121,10 @@ void coactivation_predictor::observe(std::uint32_t layer, std::span<const expert
 }
 
 void coactivation_predictor::predict(std::uint32_t layer, std::span<float> probability) const {
+  if (pooling_ == coactivation_pooling::log_odds) {
+    predict_log_odds(layer, probability);
+    return;
+  }
   std::vector<double> score(experts_, 0.0);
   double weights = 0.0;
   double w = 1.0;
@@ -144,6 +150,41 @@ void coactivation_predictor::predict(std::uint32_t layer, std::span<float> proba
     return;
   }
   for (std::uint32_t j = 0; j < experts_; ++j) probability[j] = static_cast<float>(score[j] / weights);
+}
+
+void coactivation_predictor::predict_log_odds(std::uint32_t layer, std::span<float> probability) const {
+  // Probabilities are kept inside [ε, 1 − ε] so that a frequency of 0 or 1 has finite log-odds.
+  // The sum of log-odds is kept as a product of odds (no logarithm per term; a power only where
+  // the weight is not 1), held inside [1e-200, 1e200] so that no window can overflow it.
+  const auto clamp = [](double p) { return std::clamp(p, 1e-3, 1.0 - 1e-3); };
+  const auto odds_of = [](double p) { return p / (1.0 - p); };
+  prior_.predict(layer, probability);
+  base_.resize(experts_);
+  odds_.resize(experts_);
+  conditional_.resize(experts_);
+  for (std::uint32_t j = 0; j < experts_; ++j) {
+    base_[j] = clamp(probability[j]);
+    odds_[j] = odds_of(base_[j]);
+  }
+  double w = 1.0;
+  for (std::uint32_t d = 1; d <= window_ && d <= layer; ++d, w *= decay_) {
+    const std::uint32_t from = layer - d;
+    if (seen_[from] == 0 || routed_[from].empty()) continue;
+    std::fill(conditional_.begin(), conditional_.end(), 0.0);
+    for (const expert_index i : routed_[from]) {
+      // As in the mean: the passes before this one in which i fired at `from`.
+      const double n = static_cast<double>(fired_[std::size_t{from} * experts_ + i] - 1);
+      for (std::uint32_t j = 0; j < experts_; ++j) {
+        conditional_[j] += (static_cast<double>(pair_[cell(from, d, i, j)]) + base_[j]) / (n + 1.0);
+      }
+    }
+    const double size = static_cast<double>(routed_[from].size());
+    for (std::uint32_t j = 0; j < experts_; ++j) {
+      const double lift = odds_of(clamp(conditional_[j] / size)) / odds_of(base_[j]);
+      odds_[j] = std::clamp(odds_[j] * (w == 1.0 ? lift : std::pow(lift, w)), 1e-200, 1e200);
+    }
+  }
+  for (std::uint32_t j = 0; j < experts_; ++j) probability[j] = static_cast<float>(odds_[j] / (1.0 + odds_[j]));
 }
 
 fmoe_map_predictor::fmoe_map_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k,

@@ -22,8 +22,22 @@ struct reference_coactivation {
   std::uint32_t experts, window;
   double decay;
   std::vector<std::vector<std::vector<expert_index>>> passes;  // [pass][layer] -> routed
+  coactivation_pooling pooling = coactivation_pooling::mean;
+  std::uint32_t top_k = 2;
+
+  // In how many stored passes @p pred holds (and how many passes reached @p layer).
+  template <class Pred>
+  std::uint64_t count(Pred pred) const {
+    std::uint64_t n = 0;
+    for (const auto& p : passes) n += pred(p) ? 1U : 0U;
+    return n;
+  }
+  static bool fired(const std::vector<std::vector<expert_index>>& p, std::uint32_t layer, expert_index e) {
+    return layer < p.size() && std::find(p[layer].begin(), p[layer].end(), e) != p[layer].end();
+  }
 
   float predict(const std::vector<std::vector<expert_index>>& current, std::uint32_t target, expert_index j) const {
+    if (pooling == coactivation_pooling::log_odds) return predict_log_odds(current, target, j);
     double score = 0.0, weights = 0.0, w = 1.0;
     for (std::uint32_t d = 1; d <= window && d <= target; ++d, w *= decay) {
       const std::uint32_t from = target - d;
@@ -32,18 +46,8 @@ struct reference_coactivation {
       double sum = 0.0;
       for (const expert_index i : current[from]) {
         // N: earlier passes in which i fired at `from`; C: those in which j also fired at target.
-        std::uint64_t n = 0, c = 0;
-        const auto count = [&](const std::vector<std::vector<expert_index>>& p, bool with_target) {
-          if (from >= p.size()) return;
-          const auto& f = p[from];
-          if (std::find(f.begin(), f.end(), i) == f.end()) return;
-          ++n;
-          if (with_target && target < p.size()) {
-            const auto& t = p[target];
-            if (std::find(t.begin(), t.end(), j) != t.end()) ++c;
-          }
-        };
-        for (const auto& p : passes) count(p, true);
+        const std::uint64_t n = count([&](const auto& p) { return fired(p, from, i); });
+        const std::uint64_t c = count([&](const auto& p) { return fired(p, from, i) && fired(p, target, j); });
         if (n == 0) continue;
         any = true;
         sum += static_cast<double>(c) / static_cast<double>(n);
@@ -53,6 +57,32 @@ struct reference_coactivation {
       weights += w;
     }
     return weights == 0.0 ? -1.0F : static_cast<float>(score / weights);
+  }
+
+  // The header's formula term by term: logit f + Σ w (logit c̃ − logit f), probabilities clamped
+  // to [1e-3, 1 − 1e-3], c̃ = mean_i (C + f) / (N + 1).
+  float predict_log_odds(const std::vector<std::vector<expert_index>>& current, std::uint32_t target,
+                         expert_index j) const {
+    const auto clamp = [](double p) { return std::clamp(p, 1e-3, 1.0 - 1e-3); };
+    const auto logit = [](double p) { return std::log(p / (1.0 - p)); };
+    const std::uint64_t reached = count([&](const auto& p) { return target < p.size(); });
+    const double f =
+        clamp(reached == 0 ? static_cast<double>(top_k) / static_cast<double>(experts)
+                           : static_cast<double>(count([&](const auto& p) { return fired(p, target, j); })) /
+                                 static_cast<double>(reached));
+    double log_odds = logit(f), w = 1.0;
+    for (std::uint32_t d = 1; d <= window && d <= target; ++d, w *= decay) {
+      const std::uint32_t from = target - d;
+      if (from >= current.size() || current[from].empty()) continue;
+      double c = 0.0;
+      for (const expert_index i : current[from]) {
+        const std::uint64_t n = count([&](const auto& p) { return fired(p, from, i); });
+        const std::uint64_t both = count([&](const auto& p) { return fired(p, from, i) && fired(p, target, j); });
+        c += (static_cast<double>(both) + f) / (static_cast<double>(n) + 1.0);
+      }
+      log_odds += w * (logit(clamp(c / static_cast<double>(current[from].size()))) - logit(f));
+    }
+    return static_cast<float>(1.0 / (1.0 + std::exp(-log_odds)));
   }
 };
 
@@ -375,57 +405,96 @@ TEST(FmoeMapPredictor, SemanticSearchTellsPassesApartWhereTheTrajectoryCannot) {
 TEST(CoactivationPredictor, EqualsTheCountingReferenceOnRandomPasses) {
   constexpr std::uint32_t layers = 6, experts = 5, top_k = 2;
   std::mt19937_64 rng(7);
-  for (const std::uint32_t window : {1U, 3U}) {
-    coactivation_predictor p(layers, experts, top_k, window, 0.5);
-    reference_coactivation ref{experts, window, 0.5, {}};
-    std::vector<float> got(experts);
-    for (int pass = 0; pass < 30; ++pass) {
-      p.begin_pass();
-      std::vector<std::vector<expert_index>> current;
-      for (std::uint32_t l = 0; l < layers; ++l) {
-        // Correlated routing: expert (previous + 1) mod E is likely.
-        std::vector<expert_index> r;
-        const expert_index a = l == 0 ? static_cast<expert_index>(rng() % experts)
-                                      : static_cast<expert_index>((current[l - 1][0] + 1 + rng() % 2) % experts);
-        expert_index b = static_cast<expert_index>(rng() % experts);
-        while (b == a) b = static_cast<expert_index>(rng() % experts);
-        r = {a, b};
-        // Before observing layer l, predictions for l match the reference.
-        if (l > 0) {
-          p.predict(l, got);
-          for (expert_index j = 0; j < experts; ++j) {
-            const float want = ref.predict(current, l, j);
-            if (want >= 0.0F) {
-              EXPECT_NEAR(got[j], want, 1e-6) << "pass " << pass << " layer " << l << " expert " << j;
+  for (const auto pooling : {coactivation_pooling::mean, coactivation_pooling::log_odds})
+    for (const std::uint32_t window : {1U, 3U}) {
+      coactivation_predictor p(layers, experts, top_k, window, 0.5, pooling);
+      reference_coactivation ref{experts, window, 0.5, {}, pooling, top_k};
+      std::vector<float> got(experts);
+      for (int pass = 0; pass < 30; ++pass) {
+        p.begin_pass();
+        std::vector<std::vector<expert_index>> current;
+        for (std::uint32_t l = 0; l < layers; ++l) {
+          // Correlated routing: expert (previous + 1) mod E is likely.
+          std::vector<expert_index> r;
+          const expert_index a = l == 0 ? static_cast<expert_index>(rng() % experts)
+                                        : static_cast<expert_index>((current[l - 1][0] + 1 + rng() % 2) % experts);
+          expert_index b = static_cast<expert_index>(rng() % experts);
+          while (b == a) b = static_cast<expert_index>(rng() % experts);
+          r = {a, b};
+          // Before observing layer l, predictions for l match the reference.
+          if (l > 0) {
+            p.predict(l, got);
+            for (expert_index j = 0; j < experts; ++j) {
+              const float want = ref.predict(current, l, j);
+              if (want >= 0.0F) {
+                EXPECT_NEAR(got[j], want, 1e-6)
+                    << "pass " << pass << " layer " << l << " expert " << j << " pooling " << static_cast<int>(pooling);
+              }
             }
           }
+          p.observe(l, r);
+          current.push_back(r);
         }
-        p.observe(l, r);
-        current.push_back(r);
+        ref.passes.push_back(current);
       }
-      ref.passes.push_back(current);
     }
-  }
 }
 
 TEST(CoactivationPredictor, LearnsADeterministicChain) {
   // Layer l routes {e, e+1} at layer 0 and shifts by one per layer: after one pass the chain is known.
-  coactivation_predictor p(4, 8, 2);
-  for (int pass = 0; pass < 3; ++pass) {
+  for (const auto pooling : {coactivation_pooling::mean, coactivation_pooling::log_odds}) {
+    coactivation_predictor p(4, 8, 2, 4, 0.5, pooling);
+    for (int pass = 0; pass < 3; ++pass) {
+      p.begin_pass();
+      for (std::uint32_t l = 0; l < 4; ++l) {
+        const expert_index r[] = {static_cast<expert_index>(l), static_cast<expert_index>(l + 1)};
+        p.observe(l, r);
+      }
+    }
     p.begin_pass();
-    for (std::uint32_t l = 0; l < 4; ++l) {
-      const expert_index r[] = {static_cast<expert_index>(l), static_cast<expert_index>(l + 1)};
-      p.observe(l, r);
+    const expert_index first[] = {0, 1};
+    p.observe(0, first);
+    std::vector<float> prob(8);
+    p.predict(1, prob);
+    // Log-odds keeps probabilities inside [1e-3, 1 − 1e-3].
+    EXPECT_NEAR(prob[1], 1.0F, 2e-3);
+    EXPECT_NEAR(prob[2], 1.0F, 2e-3);
+    EXPECT_NEAR(prob[5], 0.0F, 2e-3);
+  }
+}
+
+TEST(CoactivationPredictor, LogOddsAddsTheLayersEvidenceWhereTheMeanDilutesIt) {
+  // Expert 3 at layer 2 is routed in half the passes overall, but in every pass where layer 0
+  // routed 0 and in every pass where layer 1 routed 4: two earlier layers that each say "3". The
+  // mean stays at the layers' conditional; log-odds, above it.
+  constexpr std::uint32_t layers = 3, experts = 8;
+  for (const auto pooling : {coactivation_pooling::mean, coactivation_pooling::log_odds}) {
+    coactivation_predictor p(layers, experts, 2, 2, 1.0, pooling);
+    for (int pass = 0; pass < 40; ++pass) {
+      const bool yes = pass % 2 == 0;
+      p.begin_pass();
+      const expert_index l0[] = {static_cast<expert_index>(yes ? 0 : 1), 7};
+      const expert_index l1[] = {static_cast<expert_index>(yes ? 4 : 5), 6};
+      const expert_index l2[] = {static_cast<expert_index>(yes ? 3 : 2), 7};
+      p.observe(0, l0);
+      p.observe(1, l1);
+      p.observe(2, l2);
+    }
+    p.begin_pass();
+    const expert_index l0[] = {0, 7};
+    const expert_index l1[] = {4, 6};
+    p.observe(0, l0);
+    p.observe(1, l1);
+    std::vector<float> prob(experts);
+    p.predict(2, prob);
+    if (pooling == coactivation_pooling::mean) {
+      // Each layer's conditional: (1 + 1/2) / 2 = 0.75 (expert 7 or 6 says nothing).
+      EXPECT_NEAR(prob[3], 0.75F, 0.02F);
+    } else {
+      EXPECT_GT(prob[3], 0.85F) << "two layers of lift 3:1 on a base rate of 1/2";
+      EXPECT_LT(prob[2], 0.15F);
     }
   }
-  p.begin_pass();
-  const expert_index first[] = {0, 1};
-  p.observe(0, first);
-  std::vector<float> prob(8);
-  p.predict(1, prob);
-  EXPECT_FLOAT_EQ(prob[1], 1.0F);
-  EXPECT_FLOAT_EQ(prob[2], 1.0F);
-  EXPECT_FLOAT_EQ(prob[5], 0.0F);
 }
 
 TEST(Predictors, BaselinesAndFactory) {
@@ -450,6 +519,7 @@ TEST(Predictors, BaselinesAndFactory) {
   EXPECT_THROW((void)make_predictor("magic", 2, 4, 2), invalid_argument);
   EXPECT_THROW(coactivation_predictor(2, 4, 2, 0), invalid_argument);
   EXPECT_THROW(coactivation_predictor(2, 4, 2, 2, 1.5), invalid_argument);
+  EXPECT_THROW(coactivation_predictor(2, 4, 2, 2, 0.0), invalid_argument);
   EXPECT_THROW(frequency_predictor(2, 4, 5), invalid_argument);
 }
 

@@ -737,7 +737,7 @@ TEST(PagerSim, PrefetchAcceptanceOnRealTraces) {
         EXPECT_LE(stall, 1.0) << which << " " << capacity << " r " << r;
         EXPECT_LE(bytes, 1.05) << which << " " << capacity << " r " << r;
         if (r == 1.0 && capacity > 64 && std::string_view(which) == "mixtral") {
-          EXPECT_LE(stall, 0.90) << capacity;  // 64 slots: 3.1% less, the goal of 10% missed
+          EXPECT_LE(stall, 0.90) << capacity;  // 64 slots: 3.9% less, the goal of 10% missed
         }
       }
     }

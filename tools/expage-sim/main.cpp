@@ -86,6 +86,10 @@ model, hardware and cache:
                         coactivation[:T], frequency[:T], previous[:T], fmoe[:T] (fMoE's expert-map
                         store, trajectory search): an online predictor, prefetching
                         experts predicted with probability >= T (default 0.5) (default none)
+  --pooling P           how co-activation pools the earlier layers: mean (WiSP App. C) or log-odds
+                        (each layer's lift added to the frequency's log-odds) (default log-odds)
+  --coactivation-window N  earlier layers co-activation conditions on, [1, 64] (default 4)
+  --coactivation-decay X   weight of each layer further back, (0, 1] (default 1)
   --distance D          prefetch distance in layer groups (default 2)
   --forecast-distance F layers ahead an online predictor forecasts for prefetch-aware eviction,
                         [D, 64] (default D)
@@ -158,6 +162,9 @@ struct config {
   double max_overhead = 0.05;
   std::uint32_t duel_passes = 0;
   double duel_margin = 2.0;
+  expage::coactivation_pooling pooling = expage::coactivation_predictor::default_pooling;
+  std::uint32_t coactivation_window = expage::coactivation_predictor::default_window;
+  double coactivation_decay = expage::coactivation_predictor::default_decay;
   double duel_protect = 0.5;
   std::uint64_t prefetch_seed = 1;
   bool forecast_eviction = true;
@@ -277,6 +284,20 @@ config parse(int argc, char** argv, const std::string& help) {
           c.prefetch.push_back(std::move(choice));
         }
       }
+    } else if (flag == "--pooling") {
+      const std::string_view v = value();
+      if (v == "mean") {
+        c.pooling = expage::coactivation_pooling::mean;
+      } else if (v == "log-odds") {
+        c.pooling = expage::coactivation_pooling::log_odds;
+      } else {
+        throw usage_error{fmt::format("--pooling '{}' is not one of mean, log-odds", v)};
+      }
+    } else if (flag == "--coactivation-window") {
+      c.coactivation_window = parse_number<std::uint32_t>(flag, value(), 1, 64);
+    } else if (flag == "--coactivation-decay") {
+      c.coactivation_decay = parse_real(flag, value(), 0.0, 1.0);
+      if (c.coactivation_decay == 0.0) throw usage_error{"--coactivation-decay 0 out of range (0, 1]"};
     } else if (flag == "--distance") {
       c.distance = parse_number<std::uint32_t>(flag, value(), 1, 64);
     } else if (flag == "--forecast-distance") {
@@ -614,7 +635,11 @@ int main(int argc, char** argv) {
             oracle = std::make_unique<expage::oracle_prefetcher>(c.distance, *pc.recall, c.prefetch_seed);
           } else if (!pc.predictor.empty()) {
             oracle = std::make_unique<expage::predictive_prefetcher>(
-                expage::make_predictor(pc.predictor, g.layers(), g.experts_per_layer(), g.top_k()),
+                pc.predictor == "coactivation"
+                    ? std::make_unique<expage::coactivation_predictor>(g.layers(), g.experts_per_layer(), g.top_k(),
+                                                                       c.coactivation_window, c.coactivation_decay,
+                                                                       c.pooling)
+                    : expage::make_predictor(pc.predictor, g.layers(), g.experts_per_layer(), g.top_k()),
                 expage::predictive_prefetch_options{.distance = c.distance,
                                                     .threshold = pc.threshold,
                                                     .forecast_distance = c.forecast_distance,
