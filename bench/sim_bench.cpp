@@ -159,15 +159,16 @@ void predictor_pass(benchmark::State& state, expage::expert_predictor& p) {
   state.SetLabel("layers");
 }
 void BM_Predictor_Pass(benchmark::State& state, const char* name) {
+  if (std::string_view(name) == "coactivation_mean") {
+    expage::coactivation_predictor mean(32, 8, 2, 4, 0.5, expage::coactivation_pooling::mean);
+    predictor_pass(state, mean);
+    return;
+  }
   predictor_pass(state, *expage::make_predictor(name, 32, 8, 2));
-}
-void BM_Predictor_CoactivationMean(benchmark::State& state) {
-  expage::coactivation_predictor p(32, 8, 2, 4, 0.5, expage::coactivation_pooling::mean);
-  predictor_pass(state, p);
 }
 BENCHMARK_CAPTURE(BM_Predictor_Pass, frequency, "frequency");
 BENCHMARK_CAPTURE(BM_Predictor_Pass, coactivation, "coactivation");
-BENCHMARK(BM_Predictor_CoactivationMean);
+BENCHMARK_CAPTURE(BM_Predictor_Pass, coactivation_mean, "coactivation_mean");
 BENCHMARK_CAPTURE(BM_Predictor_Pass, fmoe, "fmoe");
 
 // fMoE's store with the optional fields: full router probability vectors as rows and 64-float

@@ -32,11 +32,21 @@ frequency_predictor::frequency_predictor(std::uint32_t layers, std::uint32_t exp
 void frequency_predictor::reset() {
   count_.assign(std::size_t{layers_} * experts_, 0);
   passes_.assign(layers_, 0);
+  counted_.assign(experts_, 0);
+  last_layer_ = no_layer;
 }
 
 void frequency_predictor::observe(std::uint32_t layer, std::span<const expert_index> experts) {
-  ++passes_[layer];
-  for (const expert_index e : experts) ++count_[std::size_t{layer} * experts_ + e];
+  if (layer != last_layer_) {  // else a split group: more experts of the same layer in this pass
+    ++passes_[layer];
+    last_layer_ = layer;
+    std::fill(counted_.begin(), counted_.end(), 0);
+  }
+  for (const expert_index e : experts) {
+    if (counted_[e] != 0) continue;
+    counted_[e] = 1;
+    ++count_[std::size_t{layer} * experts_ + e];
+  }
 }
 
 void frequency_predictor::predict(std::uint32_t layer, std::span<float> probability) const {
@@ -54,10 +64,16 @@ previous_pass_predictor::previous_pass_predictor(std::uint32_t layers, std::uint
   reset();
 }
 
-void previous_pass_predictor::reset() { last_.assign(std::size_t{layers_} * experts_, 0); }
+void previous_pass_predictor::reset() {
+  last_.assign(std::size_t{layers_} * experts_, 0);
+  last_layer_ = no_layer;
+}
 
 void previous_pass_predictor::observe(std::uint32_t layer, std::span<const expert_index> experts) {
-  std::fill_n(last_.begin() + static_cast<std::ptrdiff_t>(std::size_t{layer} * experts_), experts_, 0);
+  if (layer != last_layer_) {  // else a split group: more experts of the same layer in this pass
+    std::fill_n(last_.begin() + static_cast<std::ptrdiff_t>(std::size_t{layer} * experts_), experts_, 0);
+    last_layer_ = layer;
+  }
   for (const expert_index e : experts) last_[std::size_t{layer} * experts_ + e] = 1;
 }
 
@@ -93,29 +109,32 @@ void coactivation_predictor::reset() {
 }
 
 void coactivation_predictor::begin_pass() {
+  prior_.begin_pass();
   std::fill(seen_.begin(), seen_.end(), 0);
   for (auto& r : routed_) r.clear();
 }
 
 void coactivation_predictor::observe(std::uint32_t layer, std::span<const expert_index> experts) {
   prior_.observe(layer, experts);
-  if (seen_[layer] != 0) {  // a split group: more experts of the same layer in this pass
-    for (const expert_index e : experts) {
-      if (std::find(routed_[layer].begin(), routed_[layer].end(), e) == routed_[layer].end()) {
-        routed_[layer].push_back(e);
-      }
-    }
-  } else {
+  if (seen_[layer] == 0) {
     seen_[layer] = 1;
-    routed_[layer].assign(experts.begin(), experts.end());
+    routed_[layer].clear();
   }
-  for (const expert_index e : experts) ++fired_[std::size_t{layer} * experts_ + e];
+  // Only experts new to the layer in this pass count (a split group observes a layer again).
+  fresh_.clear();
+  for (const expert_index e : experts) {
+    if (std::find(routed_[layer].begin(), routed_[layer].end(), e) == routed_[layer].end()) {
+      routed_[layer].push_back(e);
+      fresh_.push_back(e);
+    }
+  }
+  for (const expert_index e : fresh_) ++fired_[std::size_t{layer} * experts_ + e];
   // Pairs with the earlier layers of this pass within the window.
   for (std::uint32_t d = 1; d <= window_ && d <= layer; ++d) {
     const std::uint32_t from = layer - d;
     if (seen_[from] == 0) continue;
     for (const expert_index i : routed_[from]) {
-      for (const expert_index j : experts) ++pair_[cell(from, d, i, j)];
+      for (const expert_index j : fresh_) ++pair_[cell(from, d, i, j)];
     }
   }
 }
@@ -161,10 +180,12 @@ void coactivation_predictor::predict_log_odds(std::uint32_t layer, std::span<flo
   prior_.predict(layer, probability);
   base_.resize(experts_);
   odds_.resize(experts_);
+  inverse_base_odds_.resize(experts_);
   conditional_.resize(experts_);
   for (std::uint32_t j = 0; j < experts_; ++j) {
     base_[j] = clamp(probability[j]);
     odds_[j] = odds_of(base_[j]);
+    inverse_base_odds_[j] = 1.0 / odds_[j];
   }
   double w = 1.0;
   for (std::uint32_t d = 1; d <= window_ && d <= layer; ++d, w *= decay_) {
@@ -174,13 +195,14 @@ void coactivation_predictor::predict_log_odds(std::uint32_t layer, std::span<flo
     for (const expert_index i : routed_[from]) {
       // As in the mean: the passes before this one in which i fired at `from`.
       const double n = static_cast<double>(fired_[std::size_t{from} * experts_ + i] - 1);
+      const double share = 1.0 / ((n + 1.0) * static_cast<double>(routed_[from].size()));
+      const std::uint32_t* pairs = &pair_[cell(from, d, i, 0)];
       for (std::uint32_t j = 0; j < experts_; ++j) {
-        conditional_[j] += (static_cast<double>(pair_[cell(from, d, i, j)]) + base_[j]) / (n + 1.0);
+        conditional_[j] += (static_cast<double>(pairs[j]) + base_[j]) * share;
       }
     }
-    const double size = static_cast<double>(routed_[from].size());
     for (std::uint32_t j = 0; j < experts_; ++j) {
-      const double lift = odds_of(clamp(conditional_[j] / size)) / odds_of(base_[j]);
+      const double lift = odds_of(clamp(conditional_[j])) * inverse_base_odds_[j];
       odds_[j] = std::clamp(odds_[j] * (w == 1.0 ? lift : std::pow(lift, w)), 1e-200, 1e200);
     }
   }

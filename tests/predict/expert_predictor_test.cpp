@@ -405,7 +405,7 @@ TEST(FmoeMapPredictor, SemanticSearchTellsPassesApartWhereTheTrajectoryCannot) {
 TEST(CoactivationPredictor, EqualsTheCountingReferenceOnRandomPasses) {
   constexpr std::uint32_t layers = 6, experts = 5, top_k = 2;
   std::mt19937_64 rng(7);
-  for (const auto pooling : {coactivation_pooling::mean, coactivation_pooling::log_odds})
+  for (const auto pooling : {coactivation_pooling::mean, coactivation_pooling::log_odds}) {
     for (const std::uint32_t window : {1U, 3U}) {
       coactivation_predictor p(layers, experts, top_k, window, 0.5, pooling);
       reference_coactivation ref{experts, window, 0.5, {}, pooling, top_k};
@@ -438,6 +438,7 @@ TEST(CoactivationPredictor, EqualsTheCountingReferenceOnRandomPasses) {
         ref.passes.push_back(current);
       }
     }
+  }
 }
 
 TEST(CoactivationPredictor, LearnsADeterministicChain) {
@@ -456,7 +457,8 @@ TEST(CoactivationPredictor, LearnsADeterministicChain) {
     p.observe(0, first);
     std::vector<float> prob(8);
     p.predict(1, prob);
-    // Log-odds keeps probabilities inside [1e-3, 1 − 1e-3].
+    // Log-odds clamps the frequency and the conditionals into [1e-3, 1 − 1e-3], so it ends within
+    // about that of 0 or 1.
     EXPECT_NEAR(prob[1], 1.0F, 2e-3);
     EXPECT_NEAR(prob[2], 1.0F, 2e-3);
     EXPECT_NEAR(prob[5], 0.0F, 2e-3);
@@ -493,6 +495,47 @@ TEST(CoactivationPredictor, LogOddsAddsTheLayersEvidenceWhereTheMeanDilutesIt) {
     } else {
       EXPECT_GT(prob[3], 0.85F) << "two layers of lift 3:1 on a base rate of 1/2";
       EXPECT_LT(prob[2], 0.15F);
+    }
+  }
+}
+
+// A lockstep batch's layer can come as a split group: the same layer observed again with more
+// experts. Every predictor must see the union, as if the layer had come whole.
+TEST(Predictors, ASplitGroupCountsAsTheUnionOfItsParts) {
+  static constexpr std::uint32_t layers = 5, experts = 6, top_k = 3;
+  const auto make = [](std::string_view name) -> std::unique_ptr<expert_predictor> {
+    if (name == "coactivation-mean") {
+      return std::make_unique<coactivation_predictor>(layers, experts, top_k, 3, 0.5, coactivation_pooling::mean);
+    }
+    return make_predictor(name, layers, experts, top_k);
+  };
+  for (const std::string_view name : {"frequency", "previous", "coactivation", "coactivation-mean", "fmoe"}) {
+    auto whole = make(name), split = make(name);
+    std::mt19937_64 rng(11);
+    std::vector<float> want(experts), got(experts);
+    for (int pass = 0; pass < 40; ++pass) {
+      whole->begin_pass();
+      split->begin_pass();
+      for (std::uint32_t l = 0; l < layers; ++l) {
+        if (l > 0) {
+          whole->predict(l, want);
+          split->predict(l, got);
+          for (expert_index e = 0; e < experts; ++e) {
+            ASSERT_EQ(got[e], want[e]) << name << " pass " << pass << " layer " << l << " expert " << e;
+          }
+        }
+        // top-k distinct experts, correlated with the layer; the parts overlap in one of them.
+        std::vector<expert_index> routed;
+        while (routed.size() < top_k) {
+          const auto e = static_cast<expert_index>((l + rng() % 4) % experts);
+          if (std::find(routed.begin(), routed.end(), e) == routed.end()) routed.push_back(e);
+        }
+        whole->observe(l, routed);
+        const std::vector<expert_index> first(routed.begin(), routed.begin() + 2);
+        const std::vector<expert_index> second(routed.begin() + 1, routed.end());
+        split->observe(l, first);
+        split->observe(l, second);
+      }
     }
   }
 }

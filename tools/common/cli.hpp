@@ -65,12 +65,13 @@ T parse_number(std::string_view flag, std::string_view text, T lo, T hi) {
   return value;
 }
 
-/// A real in [lo, hi]. @throws usage_error naming the flag, the text and the range.
-inline double parse_real(std::string_view flag, std::string_view text, double lo, double hi) {
+/// A real in [lo, hi], or in (lo, hi] with @p open_low. @throws usage_error naming the flag, the
+/// text and the range.
+inline double parse_real(std::string_view flag, std::string_view text, double lo, double hi, bool open_low = false) {
   double v = 0.0;
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec != std::errc() || end != text.data() + text.size() || !(v >= lo && v <= hi)) {
-    throw usage_error{fmt::format("{} '{}' is not a number in [{}, {}]", flag, text, lo, hi)};
+  if (ec != std::errc() || end != text.data() + text.size() || !((open_low ? v > lo : v >= lo) && v <= hi)) {
+    throw usage_error{fmt::format("{} '{}' is not a number in {}{}, {}]", flag, text, open_low ? "(" : "[", lo, hi)};
   }
   return v;
 }

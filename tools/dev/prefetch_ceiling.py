@@ -14,7 +14,8 @@ byte budget: issue 1.05x the demand loads and 5% is all that may be wasted).
 Scores compared, all computed online from the problem's own earlier tokens:
 
 - "mean": WiSP's co-activation as coactivation_pooling::mean computes it (the
-  conditionals of the last four layers, averaged);
+  conditionals of the last four layers, averaged with weight 0.5^(d-1), the
+  previous default);
 - "log-odds": coactivation_pooling::log_odds with decay 1 (the lifts over the
   per-layer frequency added in log-odds), expage's default;
 - "logistic, held-out": a logistic regression over the four conditionals, the
@@ -71,8 +72,13 @@ def load(path):
     return problems
 
 
+def clamp(p):
+    """coactivation_predictor's clamp of every probability it takes the log-odds of."""
+    return min(max(p, 1e-3), 1.0 - 1e-3)
+
+
 def logit(p):
-    p = min(max(p, 1e-3), 1.0 - 1e-3)
+    p = clamp(p)
     return math.log(p / (1.0 - p))
 
 
@@ -92,7 +98,8 @@ def candidates(tokens):
                 for j in range(EXPERTS):
                     if j in prev:
                         continue
-                    conditional, mean_sum, mean_w, log_odds = [], 0.0, 0.0, logit(freq[j])
+                    base = clamp(freq[j])
+                    conditional, mean_sum, mean_w, log_odds = [], 0.0, 0.0, logit(base)
                     for d in range(1, WINDOW + 1):
                         if l - d < 0:
                             conditional.append(freq[j])
@@ -102,10 +109,10 @@ def candidates(tokens):
                         known = [c / n for c, n in seen if n > 0]
                         conditional.append(np.mean(known) if known else freq[j])
                         if known:
-                            mean_sum += np.mean(known)
-                            mean_w += 1.0
-                        shrunk = np.mean([(c + freq[j]) / (n + 1.0) for c, n in seen])
-                        log_odds += logit(shrunk) - logit(freq[j])
+                            mean_sum += 0.5 ** (d - 1) * np.mean(known)
+                            mean_w += 0.5 ** (d - 1)
+                        shrunk = np.mean([(c + base) / (n + 1.0) for c, n in seen])
+                        log_odds += logit(shrunk) - logit(base)
                     trans = np.mean([transition[l, i, j] / max(count[l, i], 1.0) for i in prev])
                     features = conditional + [freq[j], trans, min(prev_weights),
                                               float(j in tokens[t - 2][l][0]), float(j in tokens[t - 1][l - 1][0]),

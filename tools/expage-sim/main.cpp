@@ -162,10 +162,10 @@ struct config {
   double max_overhead = 0.05;
   std::uint32_t duel_passes = 0;
   double duel_margin = 2.0;
+  double duel_protect = 0.5;
   expage::coactivation_pooling pooling = expage::coactivation_predictor::default_pooling;
   std::uint32_t coactivation_window = expage::coactivation_predictor::default_window;
   double coactivation_decay = expage::coactivation_predictor::default_decay;
-  double duel_protect = 0.5;
   std::uint64_t prefetch_seed = 1;
   bool forecast_eviction = true;
   bool trace_fields = true;
@@ -296,8 +296,7 @@ config parse(int argc, char** argv, const std::string& help) {
     } else if (flag == "--coactivation-window") {
       c.coactivation_window = parse_number<std::uint32_t>(flag, value(), 1, 64);
     } else if (flag == "--coactivation-decay") {
-      c.coactivation_decay = parse_real(flag, value(), 0.0, 1.0);
-      if (c.coactivation_decay == 0.0) throw usage_error{"--coactivation-decay 0 out of range (0, 1]"};
+      c.coactivation_decay = parse_real(flag, value(), 0.0, 1.0, /*open_low=*/true);
     } else if (flag == "--distance") {
       c.distance = parse_number<std::uint32_t>(flag, value(), 1, 64);
     } else if (flag == "--forecast-distance") {
@@ -705,9 +704,11 @@ int main(int argc, char** argv) {
 
     if (c.json) {
       std::string json = fmt::format(
-          R"({{"tool":"expage-sim","source":"{}","geometry":"{}","hardware":"{}","events":{},"batch":{},"precision":"{}","results":[)",
+          R"({{"tool":"expage-sim","source":"{}","geometry":"{}","hardware":"{}","events":{},"batch":{},"precision":"{}",)"
+          R"("coactivation":{{"pooling":"{}","window":{},"decay":{}}},"results":[)",
           c.trace ? "trace" : "synthetic", g.name(), hardware.name, trace.size(), trace.batch_size(),
-          expage::to_string(c.format));
+          expage::to_string(c.format), c.pooling == expage::coactivation_pooling::mean ? "mean" : "log-odds",
+          c.coactivation_window, c.coactivation_decay);
       for (std::size_t i = 0; i < results.size(); ++i) {
         if (i != 0) json += ',';
         json += result_json(results[i], cells[jobs[i].cell], c.bounds);

@@ -50,7 +50,8 @@ class expert_predictor {
   /// A new forward pass starts (a new token at batch 1).
   virtual void begin_pass() = 0;
   /// Layer @p layer of the current pass routed @p experts (for a lockstep batch, the union).
-  /// Layers of one pass are observed in increasing order.
+  /// Layers of one pass are observed in increasing order. A layer observed again right after
+  /// itself in the same pass (a split group) counts once, as the union of its experts.
   virtual void observe(std::uint32_t layer, std::span<const expert_index> experts) = 0;
   /// The same with the optional fields: a predictor that uses router probabilities or sketches
   /// (fmoe_map_predictor) overrides it; the others see the experts only (the default).
@@ -70,14 +71,17 @@ class frequency_predictor final : public expert_predictor {
   frequency_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k);
   [[nodiscard]] std::string name() const override { return "frequency"; }
   void reset() override;
-  void begin_pass() override {}
+  void begin_pass() override { last_layer_ = no_layer; }
   void observe(std::uint32_t layer, std::span<const expert_index> experts) override;
   void predict(std::uint32_t layer, std::span<float> probability) const override;
 
  private:
+  static constexpr std::uint32_t no_layer = ~std::uint32_t{0};
   std::uint32_t layers_, experts_, top_k_;
-  std::vector<std::uint64_t> count_;   // [layer][expert]
-  std::vector<std::uint64_t> passes_;  // per layer: passes observed
+  std::vector<std::uint64_t> count_;     // [layer][expert]
+  std::vector<std::uint64_t> passes_;    // per layer: passes observed
+  std::uint32_t last_layer_ = no_layer;  // the layer observed last in this pass
+  std::vector<std::uint8_t> counted_;    // per expert: counted for last_layer_ in this pass
 };
 
 /// @brief Previous pass, same layer: the experts the layer routed last time have probability 1,
@@ -89,13 +93,15 @@ class previous_pass_predictor final : public expert_predictor {
   previous_pass_predictor(std::uint32_t layers, std::uint32_t experts_per_layer);
   [[nodiscard]] std::string name() const override { return "previous"; }
   void reset() override;
-  void begin_pass() override {}
+  void begin_pass() override { last_layer_ = no_layer; }
   void observe(std::uint32_t layer, std::span<const expert_index> experts) override;
   void predict(std::uint32_t layer, std::span<float> probability) const override;
 
  private:
+  static constexpr std::uint32_t no_layer = ~std::uint32_t{0};
   std::uint32_t layers_, experts_;
-  std::vector<std::uint8_t> last_;  // [layer][expert]
+  std::vector<std::uint8_t> last_;       // [layer][expert]
+  std::uint32_t last_layer_ = no_layer;  // the layer observed last in this pass
 };
 
 /// @brief How coactivation_predictor combines the evidence of several earlier layers.
@@ -121,8 +127,8 @@ enum class coactivation_pooling {
 /// pseudo-pass per i ((C + f) / (N + 1)), so an expert never seen at ℓ adds no lift. The mean
 /// dilutes each layer's evidence by the number of layers and leaves every expert near its base
 /// rate; log-odds adds it up. On the Mixtral trace, for the most probable expert not resident at
-/// 64 slots, log-odds covers 10.5% of the misses at 5% wasted transfers against the mean's 7.4%
-/// (docs/prefetch.md, "Pooling the layers"). With mean pooling, pairs never seen fall back to
+/// 64 slots, log-odds covers 11.0% of the misses at 5% wasted transfers against the mean's 7.2%
+/// (problem 1; docs/prefetch.md, "Pooling the layers"). With mean pooling, pairs never seen fall back to
 /// per-layer frequency. The defaults (log-odds, window 4, decay 1) are tuned on problem 0 of the
 /// Mixtral trace; the mean's, WiSP's form, was decay 0.5. The table holds layers × window ×
 /// experts² counters (Mixtral, window 4: 8,192 entries).
@@ -159,9 +165,10 @@ class coactivation_predictor final : public expert_predictor {
   // The current pass: which layers were observed and their experts.
   std::vector<std::uint8_t> seen_;
   std::vector<std::vector<expert_index>> routed_;
+  std::vector<expert_index> fresh_;  // observe()'s scratch: experts new to their layer in this pass
   // predict_log_odds()'s scratch (no allocation per call): per expert the clamped frequency, the
-  // running odds and one layer's conditional.
-  mutable std::vector<double> base_, odds_, conditional_;
+  // running odds, 1 / the frequency's odds and one layer's conditional.
+  mutable std::vector<double> base_, odds_, inverse_base_odds_, conditional_;
 };
 
 /// @brief fMoE's expert-map store with semantic and trajectory search (fMoE §4, Eq. 4–8;
