@@ -183,7 +183,7 @@ void coactivation_predictor::predict_log_odds(std::uint32_t layer, std::span<flo
   inverse_base_odds_.resize(experts_);
   conditional_.resize(experts_);
   for (std::uint32_t j = 0; j < experts_; ++j) {
-    base_[j] = clamp(probability[j]);
+    base_[j] = clamp(static_cast<double>(probability[j]));
     odds_[j] = odds_of(base_[j]);
     inverse_base_odds_[j] = 1.0 / odds_[j];
   }
