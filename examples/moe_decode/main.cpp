@@ -111,6 +111,7 @@ struct options {
   std::uint32_t interval = 2;          // tokens per hot-set interval
   std::string policy = "lru";
   std::string prefetch = "none";
+  std::optional<expage::coactivation_pooling> pooling;  // --pooling, for --prefetch coactivation
   std::uint32_t duel_passes = 16;  // with --prefetch and a policy other than lru: the eviction duel's window
   bool duel_passes_given = false;  // --duel-passes was on the command line (refused where no duel runs)
   std::uint64_t host_limit = 4_GiB;
@@ -198,6 +199,15 @@ options parse(int argc, char** argv) {
           o.prefetch != "previous" && o.prefetch != "fmoe") {
         usage(fmt::format("--prefetch '{}' is not none, coactivation, frequency, previous or fmoe", o.prefetch));
       }
+    } else if (a == "--pooling") {
+      const std::string_view v = value();
+      if (v == "mean") {
+        o.pooling = expage::coactivation_pooling::mean;
+      } else if (v == "log-odds") {
+        o.pooling = expage::coactivation_pooling::log_odds;
+      } else {
+        usage(fmt::format("--pooling '{}' is not mean or log-odds", v));
+      }
     } else if (a == "--duel-passes") {
       o.duel_passes = static_cast<std::uint32_t>(parse_uint(a, value(), 0, expage::eviction_duel::max_passes));
       o.duel_passes_given = true;
@@ -219,7 +229,9 @@ options parse(int argc, char** argv) {
           "           [--trace FILE [--problem ID]]\n"
           "           [--precision bf16|int4] [--view records|stable|slots] [--policy lru|lfu|next-turn]\n"
           "           [--lo-precision int4|int8 [--hi-share P%] [--hi-per-layer N] [--interval TOKENS]]\n"
-          "           [--prefetch none|coactivation|frequency|previous|fmoe [--duel-passes N]]\n"
+          "           [--prefetch none|coactivation|frequency|previous|fmoe [--duel-passes N]\n"
+          "            [--pooling log-odds|mean]]  (co-activation's pooling: log-odds, the default, or WiSP's\n"
+          "            mean with its decay of 0.5, the default before log-odds)\n"
           "           [--weights FILE] [--write-weights FILE] [--trace-out FILE] [--json FILE]\n"
           "           [--host-limit BYTES] [--copy-threads N] [--no-check] [--physics] [--quick]");
       std::exit(0);
@@ -232,6 +244,7 @@ options parse(int argc, char** argv) {
   }
   if (o.physics && o.backend != "host") usage("--physics measures the host backend only (memcpy bandwidth)");
   if (o.copy_threads_given && o.backend != "host") usage("--copy-threads sets the host backend's loader only");
+  if (o.pooling && o.prefetch != "coactivation") usage("--pooling needs --prefetch coactivation");
   if (o.duel_passes_given && (o.prefetch == "none" || o.policy == "lru")) {
     usage("--duel-passes needs --prefetch and a --policy other than lru (the duel hands that policy's victims to LRU)");
   }
@@ -965,8 +978,13 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   // the next layer's likely experts on the prefetch stream (docs/prefetch.md).
   std::optional<expage::runtime_prefetcher<runtime_type>> prefetcher;
   if (o.prefetch != "none") {
-    prefetcher.emplace(rt, expage::make_predictor(o.prefetch, g.layers(), g.experts_per_layer(), g.top_k()),
-                       expage::runtime_prefetch_options{.duel_passes = o.duel_passes});
+    // WiSP's mean is run with the decay it was tuned with (docs/prefetch.md, "Pooling the layers").
+    auto predictor = o.pooling == expage::coactivation_pooling::mean
+                         ? std::make_unique<expage::coactivation_predictor>(
+                               g.layers(), g.experts_per_layer(), g.top_k(),
+                               expage::coactivation_predictor::default_window, 0.5, expage::coactivation_pooling::mean)
+                         : expage::make_predictor(o.prefetch, g.layers(), g.experts_per_layer(), g.top_k());
+    prefetcher.emplace(rt, std::move(predictor), expage::runtime_prefetch_options{.duel_passes = o.duel_passes});
   }
 
   const std::uint64_t H = g.hidden_size();
@@ -1254,10 +1272,10 @@ int run(const options& o) {
         expage::byte_size{t.demotion_bytes}, t.switches, r.stats.transitions_cancelled);
   }
   if (o.prefetch != "none") {
-    fmt::print("  prefetch ({}): {} issued ({}), used {} ({}), wasted {} ({}), cancelled {}\n", o.prefetch,
-               t.prefetches, expage::byte_size{t.prefetch_bytes}, t.prefetch_used,
-               expage::byte_size{t.prefetch_used_bytes}, t.prefetch_wasted, expage::byte_size{t.prefetch_wasted_bytes},
-               r.stats.prefetch_cancelled);
+    fmt::print("  prefetch ({}{}): {} issued ({}), used {} ({}), wasted {} ({}), cancelled {}\n", o.prefetch,
+               o.pooling == expage::coactivation_pooling::mean ? ", mean pooling" : "", t.prefetches,
+               expage::byte_size{t.prefetch_bytes}, t.prefetch_used, expage::byte_size{t.prefetch_used_bytes},
+               t.prefetch_wasted, expage::byte_size{t.prefetch_wasted_bytes}, r.stats.prefetch_cancelled);
     if (o.policy != "lru" && o.duel_passes != 0) {
       fmt::print("  eviction duel over {} passes: LRU ranked the victims after {} of {} layer steps ({} switches)\n",
                  o.duel_passes, r.prefetcher.lru_layers, r.prefetcher.layers, r.prefetcher.duel_switches);
