@@ -160,7 +160,8 @@ void predictor_pass(benchmark::State& state, expage::expert_predictor& p) {
 }
 void BM_Predictor_Pass(benchmark::State& state, const char* name) {
   if (std::string_view(name) == "coactivation_mean") {
-    expage::coactivation_predictor mean(32, 8, 2, 4, 0.5, expage::coactivation_pooling::mean);
+    expage::coactivation_predictor mean(32, 8, 2, expage::coactivation_predictor::default_window,
+                                        expage::coactivation_predictor::mean_decay, expage::coactivation_pooling::mean);
     predictor_pass(state, mean);
     return;
   }

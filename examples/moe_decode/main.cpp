@@ -200,13 +200,10 @@ options parse(int argc, char** argv) {
         usage(fmt::format("--prefetch '{}' is not none, coactivation, frequency, previous or fmoe", o.prefetch));
       }
     } else if (a == "--pooling") {
-      const std::string_view v = value();
-      if (v == "mean") {
-        o.pooling = expage::coactivation_pooling::mean;
-      } else if (v == "log-odds") {
-        o.pooling = expage::coactivation_pooling::log_odds;
-      } else {
-        usage(fmt::format("--pooling '{}' is not mean or log-odds", v));
+      try {
+        o.pooling = expage::parse_coactivation_pooling(value());
+      } catch (const expage::invalid_argument& e) {
+        usage(fmt::format("--pooling: {}", e.what()));
       }
     } else if (a == "--duel-passes") {
       o.duel_passes = static_cast<std::uint32_t>(parse_uint(a, value(), 0, expage::eviction_duel::max_passes));
@@ -979,11 +976,12 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   std::optional<expage::runtime_prefetcher<runtime_type>> prefetcher;
   if (o.prefetch != "none") {
     // WiSP's mean is run with the decay it was tuned with (docs/prefetch.md, "Pooling the layers").
-    auto predictor = o.pooling == expage::coactivation_pooling::mean
-                         ? std::make_unique<expage::coactivation_predictor>(
-                               g.layers(), g.experts_per_layer(), g.top_k(),
-                               expage::coactivation_predictor::default_window, 0.5, expage::coactivation_pooling::mean)
-                         : expage::make_predictor(o.prefetch, g.layers(), g.experts_per_layer(), g.top_k());
+    auto predictor =
+        o.pooling == expage::coactivation_pooling::mean
+            ? std::make_unique<expage::coactivation_predictor>(
+                  g.layers(), g.experts_per_layer(), g.top_k(), expage::coactivation_predictor::default_window,
+                  expage::coactivation_predictor::mean_decay, expage::coactivation_pooling::mean)
+            : expage::make_predictor(o.prefetch, g.layers(), g.experts_per_layer(), g.top_k());
     prefetcher.emplace(rt, std::move(predictor), expage::runtime_prefetch_options{.duel_passes = o.duel_passes});
   }
 

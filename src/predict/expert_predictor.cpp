@@ -81,6 +81,17 @@ void previous_pass_predictor::predict(std::uint32_t layer, std::span<float> prob
   for (std::uint32_t e = 0; e < experts_; ++e) probability[e] = last_[std::size_t{layer} * experts_ + e];
 }
 
+std::string_view to_string(coactivation_pooling pooling) noexcept {
+  return pooling == coactivation_pooling::mean ? "mean" : "log-odds";
+}
+
+coactivation_pooling parse_coactivation_pooling(std::string_view name) {
+  for (const auto pooling : {coactivation_pooling::mean, coactivation_pooling::log_odds}) {
+    if (to_string(pooling) == name) return pooling;
+  }
+  throw invalid_argument(fmt::format("unknown pooling '{}': expected one of mean, log-odds", name));
+}
+
 coactivation_predictor::coactivation_predictor(std::uint32_t layers, std::uint32_t experts_per_layer,
                                                std::uint32_t top_k, std::uint32_t window, double decay,
                                                coactivation_pooling pooling)

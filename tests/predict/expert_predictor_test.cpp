@@ -563,6 +563,10 @@ TEST(Predictors, BaselinesAndFactory) {
   EXPECT_THROW(coactivation_predictor(2, 4, 2, 0), invalid_argument);
   EXPECT_THROW(coactivation_predictor(2, 4, 2, 2, 1.5), invalid_argument);
   EXPECT_THROW(coactivation_predictor(2, 4, 2, 2, 0.0), invalid_argument);
+  for (const auto pooling : {coactivation_pooling::mean, coactivation_pooling::log_odds}) {
+    EXPECT_EQ(parse_coactivation_pooling(to_string(pooling)), pooling);
+  }
+  EXPECT_THROW((void)parse_coactivation_pooling("median"), invalid_argument);
   EXPECT_THROW(frequency_predictor(2, 4, 5), invalid_argument);
 }
 

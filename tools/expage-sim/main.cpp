@@ -285,13 +285,10 @@ config parse(int argc, char** argv, const std::string& help) {
         }
       }
     } else if (flag == "--pooling") {
-      const std::string_view v = value();
-      if (v == "mean") {
-        c.pooling = expage::coactivation_pooling::mean;
-      } else if (v == "log-odds") {
-        c.pooling = expage::coactivation_pooling::log_odds;
-      } else {
-        throw usage_error{fmt::format("--pooling '{}' is not one of mean, log-odds", v)};
+      try {
+        c.pooling = expage::parse_coactivation_pooling(value());
+      } catch (const expage::invalid_argument& e) {
+        throw usage_error{fmt::format("--pooling: {}", e.what())};
       }
     } else if (flag == "--coactivation-window") {
       c.coactivation_window = parse_number<std::uint32_t>(flag, value(), 1, 64);
@@ -707,8 +704,7 @@ int main(int argc, char** argv) {
           R"({{"tool":"expage-sim","source":"{}","geometry":"{}","hardware":"{}","events":{},"batch":{},"precision":"{}",)"
           R"("coactivation":{{"pooling":"{}","window":{},"decay":{}}},"results":[)",
           c.trace ? "trace" : "synthetic", g.name(), hardware.name, trace.size(), trace.batch_size(),
-          expage::to_string(c.format), c.pooling == expage::coactivation_pooling::mean ? "mean" : "log-odds",
-          c.coactivation_window, c.coactivation_decay);
+          expage::to_string(c.format), expage::to_string(c.pooling), c.coactivation_window, c.coactivation_decay);
       for (std::size_t i = 0; i < results.size(); ++i) {
         if (i != 0) json += ',';
         json += result_json(results[i], cells[jobs[i].cell], c.bounds);

@@ -15,6 +15,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -113,6 +114,12 @@ enum class coactivation_pooling {
   log_odds,
 };
 
+/// The command-line name: "mean", "log-odds".
+[[nodiscard]] std::string_view to_string(coactivation_pooling pooling) noexcept;
+/// Parses a name produced by to_string(coactivation_pooling).
+/// @throws expage::invalid_argument naming @p name and listing the accepted names.
+[[nodiscard]] coactivation_pooling parse_coactivation_pooling(std::string_view name);
+
 /// @brief Co-activation (WiSP App. C): an online table C[ℓ, i; ℓ', j] of the passes in which
 /// expert i fired at layer ℓ and j at a later layer ℓ', with N[ℓ, i] the passes in which i fired
 /// at ℓ. For target layer ℓ', with R_ℓ the experts routed at each earlier observed layer ℓ of the
@@ -140,6 +147,8 @@ class coactivation_predictor final : public expert_predictor {
   static constexpr double default_decay = 1.0;
   /// The default pooling: log-odds (the mean's figures are in docs/prefetch.md).
   static constexpr coactivation_pooling default_pooling = coactivation_pooling::log_odds;
+  /// The decay the mean was tuned with (the default before log-odds), for comparisons with it.
+  static constexpr double mean_decay = 0.5;
 
   /// @throws expage::invalid_argument for 0 layers/experts, a window out of [1, 64], or a decay
   ///         out of (0, 1].
