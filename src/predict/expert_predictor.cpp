@@ -155,7 +155,8 @@ void coactivation_predictor::predict(std::uint32_t layer, std::span<float> proba
     predict_log_odds(layer, probability);
     return;
   }
-  std::vector<double> score(experts_, 0.0);
+  std::vector<double>& score = conditional_;  // the scratch the log-odds path also uses
+  score.assign(experts_, 0.0);
   double weights = 0.0;
   double w = 1.0;
   for (std::uint32_t d = 1; d <= window_ && d <= layer; ++d, w *= decay_) {

@@ -178,8 +178,9 @@ class coactivation_predictor final : public expert_predictor {
   std::vector<std::uint8_t> seen_;
   std::vector<std::vector<expert_index>> routed_;
   std::vector<expert_index> fresh_;  // observe()'s scratch: experts new to their layer in this pass
-  // predict_log_odds()'s scratch (no allocation per call): per expert the clamped frequency, the
-  // running odds, 1 / the frequency's odds and one layer's conditional.
+  // predict()'s scratch (no allocation per call): per expert the clamped frequency, the running
+  // odds, 1 / the frequency's odds and one layer's conditional (log-odds); the mean's scores in
+  // conditional_.
   mutable std::vector<double> base_, odds_, inverse_base_odds_, conditional_;
 };
 
