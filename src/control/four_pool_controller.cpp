@@ -9,6 +9,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <optional>
 
 namespace expage {
 
@@ -83,12 +84,6 @@ std::uint32_t slot_distance(const four_pool_split& a, const four_pool_split& b) 
   if (a.tiered() != b.tiered()) return std::numeric_limits<std::uint32_t>::max();  // a mode change
   const auto d = [](std::uint32_t x, std::uint32_t y) { return x > y ? x - y : y - x; };
   return std::max(d(a.hi_slots, b.hi_slots), d(a.lo_slots, b.lo_slots));
-}
-
-// Moves x toward y by at most r.
-std::uint32_t toward(std::uint32_t x, std::uint32_t y, std::uint32_t r) noexcept {
-  if (y > x) return y - x > r ? x + r : y;
-  return x - y > r ? x - r : y;
 }
 
 }  // namespace
@@ -427,12 +422,23 @@ four_pool_decision four_pool_controller::step() const {
   if (!forced && !(gain > 0.0 && gain > gate * d.current_cost)) return d;
   if (!forced && slot_distance(current_, d.target) < config_.dead_zone) return d;
   four_pool_split next = d.target;
-  if (current_.tiered() == d.target.tiered()) {
-    four_pool_split limited{.hi_slots = toward(current_.hi_slots, d.target.hi_slots, config_.rate_limit),
-                            .lo_slots = toward(current_.lo_slots, d.target.lo_slots, config_.rate_limit),
-                            .kv_bytes = 0};
-    limited.kv_bytes = model_.budget_bytes - hi_pool_bytes(model_, limited) - lo_pool_bytes(model_, limited);
-    if (admissible(model_, limited)) next = limited;
+  if (current_.tiered() == d.target.tiered() && slot_distance(current_, d.target) > config_.rate_limit) {
+    // The step: the cheapest admissible split within rate_limit slots per pool that moves the KV
+    // pool (or, with it unchanged, the hi pool) the target's way for less than the current cost;
+    // none, no move. (Moving each pool toward the target alone can change the KV pool the other
+    // way, or leave the space.)
+    const auto within = [&](const four_pool_split& s) {
+      return s.tiered() == current_.tiered() && !(s == current_) && slot_distance(current_, s) <= config_.rate_limit &&
+             direction(current_, s) == dir && (!any_feasible || feasible(predicted_hi_coverage(s)));
+    };
+    std::optional<std::pair<double, four_pool_split>> step;
+    for (const four_pool_split& s : candidates_) {
+      if (!within(s)) continue;
+      const double cost = predicted_cost(s);
+      if (cost < d.current_cost && (!step || cost < step->first)) step.emplace(cost, s);
+    }
+    if (!step) return d;
+    next = step->second;
   }
   d.split = next;
   d.moved = !(next == current_);

@@ -281,7 +281,7 @@ void fmoe_map_predictor::finish_pass() {
     for (std::size_t y = 0; y < count_; ++y) {
       const double r = norm_map_[y] == 0.0 || norm_new_ == 0.0 ? 0.0 : dot_[y] / std::sqrt(norm_map_[y] * norm_new_);
       const double rdy = with_semantic ? w * semantic_similarity(y) + (1.0 - w) * r : r;
-      if (rdy > most) {
+      if (rdy > most || slot == count_) {  // the first map at least, whatever a similarity is
         most = rdy;
         slot = y;
       }
@@ -347,6 +347,17 @@ void fmoe_map_predictor::observe_routing(std::uint32_t layer, const layer_routin
     throw invalid_argument(fmt::format("fmoe_map_predictor: a sketch of {} values, expected {} (the first one's)",
                                        routing.sketch.size(), sketch_dims_));
   }
+  // A NaN or an infinity would make every similarity NaN (and no stored map the most redundant).
+  const auto check_finite = [](std::span<const float> v, const char* what) {
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      if (!std::isfinite(v[i])) {
+        throw invalid_argument(
+            fmt::format("fmoe_map_predictor: {} value {} is {}, expected a finite number", what, i, v[i]));
+      }
+    }
+  };
+  check_finite(routing.probabilities, "probability");
+  check_finite(routing.sketch, "sketch");
   if (layer >= layers_ || (routing.experts.empty() && routing.probabilities.empty())) return;
   if (dot_.size() != count_) {  // the first pass after reset(): no begin_pass() yet
     dot_.assign(count_, 0.0);

@@ -358,6 +358,44 @@ TEST(FourPoolController, GateRateLimitAndCoverageConstraint) {
   EXPECT_GE(c.predicted_hi_coverage(d.split), 0.6);
 }
 
+// Under a rate limit every step stays within it, moves the KV pool (or, with it unchanged, the hi
+// pool) the target's way, and lowers the predicted cost: moving each pool toward the target alone
+// could grow the KV pool on a move that shrinks it, or leave the admissible space and jump.
+TEST(FourPoolController, ARateLimitedStepGoesTheTargetsWayAndStaysWithinTheLimit) {
+  std::mt19937_64 rng(31);
+  const auto way = [](const four_pool_split& from, const four_pool_split& to) {
+    if (to.kv_bytes != from.kv_bytes) return to.kv_bytes > from.kv_bytes ? 1 : -1;
+    if (to.hi_slots != from.hi_slots) return to.hi_slots > from.hi_slots ? 1 : -1;
+    return 0;
+  };
+  int limited = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const four_pool_model m = small_model(400 + rng() % 400, 14 + rng() % 60);
+    const auto all = admissible_splits(m);
+    const auto limit = static_cast<std::uint32_t>(1 + rng() % 2);
+    four_pool_controller c(m, {.gate = 0.0, .reversal_gate = 0.0, .rate_limit = limit, .settle_bursts = 0},
+                           all[rng() % all.size()]);
+    for (int burst = 0; burst < 4; ++burst) {
+      feed_burst(c, rng, 1 + static_cast<std::uint32_t>(rng() % 5), 5 + rng() % 60);
+      const four_pool_decision d = c.step();
+      if (!d.moved || d.split.tiered() != c.current().tiered()) {
+        if (d.moved) c.commit(d, true);
+        continue;
+      }
+      const auto dist = [](std::uint32_t x, std::uint32_t y) { return x > y ? x - y : y - x; };
+      const std::uint32_t slots =
+          std::max(dist(d.split.hi_slots, c.current().hi_slots), dist(d.split.lo_slots, c.current().lo_slots));
+      EXPECT_LE(slots, limit) << "trial " << trial;
+      EXPECT_TRUE(admissible(m, d.split));
+      EXPECT_EQ(way(c.current(), d.split), way(c.current(), d.target)) << "trial " << trial;
+      EXPECT_LT(c.predicted_cost(d.split), d.current_cost) << "trial " << trial;
+      if (!(d.split == d.target)) ++limited;
+      c.commit(d, true);
+    }
+  }
+  EXPECT_GT(limited, 20) << "the limit shaped some steps";
+}
+
 // A refused resize keeps the previous split (WiSP D3); an applied one resizes the hi set, whose
 // dropped members are the ones the decision named, coldest first.
 TEST(FourPoolController, CommitResizesTheHiSetOrKeepsThePreviousSplit) {

@@ -2,11 +2,13 @@
 
 #include "expage/core/error.hpp"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <random>
 #include <span>
@@ -15,6 +17,8 @@
 
 namespace expage {
 namespace {
+
+using ::testing::HasSubstr;
 
 // The slow, obviously correct co-activation model: keep every pass, and compute the conditional
 // frequencies from scratch by counting.
@@ -367,6 +371,28 @@ TEST(FmoeMapPredictor, EqualsTheReferenceWithProbabilitiesAndSketches) {
   p.observe_routing(0, {.experts = routed, .sketch = sketch});
   EXPECT_THROW(p.observe_routing(1, {.experts = routed, .sketch = other_sketch}), invalid_argument);
   EXPECT_THROW(fmoe_map_predictor(4, 8, 2, 16, 5), invalid_argument);
+  // A NaN (or an infinity) would make every similarity NaN: refused, naming it, nothing observed.
+  // Before, a full store then replaced no map and wrote one past its end.
+  fmoe_map_predictor full(layers, experts, top_k, 2);
+  std::vector<float> probability(experts, 1.0F / static_cast<float>(experts));
+  for (int pass = 0; pass < 3; ++pass) {
+    full.begin_pass();
+    full.observe_routing(0, {.experts = routed, .probabilities = probability});
+  }
+  ASSERT_EQ(full.stored(), 2U);
+  probability[3] = std::numeric_limits<float>::quiet_NaN();
+  full.begin_pass();
+  try {
+    full.observe_routing(0, {.experts = routed, .probabilities = probability});
+    FAIL() << "a NaN probability accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("probability value 3 is nan, expected a finite number"));
+  }
+  std::vector<float> infinite(dims, 1.0F);
+  infinite[0] = std::numeric_limits<float>::infinity();
+  EXPECT_THROW(full.observe_routing(0, {.experts = routed, .sketch = infinite}), invalid_argument);
+  full.begin_pass();
+  EXPECT_EQ(full.stored(), 2U);
 }
 
 // What semantic search is for: the first layer routes alike for every kind of pass, so a

@@ -308,12 +308,68 @@ TEST(RuntimePrefetcher, RefusesBadInput) {
   }
   const std::uint32_t ok[] = {0};
   EXPECT_THROW(pf.on_routed(4, ok), invalid_argument);
+  const std::uint32_t twice[] = {3, 3};
+  try {
+    pf.on_routed(0, twice);
+    FAIL() << "expert 3 twice accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("layer 0 routed an expert twice"), std::string::npos) << e.what();
+  }
   EXPECT_EQ(pf.statistics().layers, 0U) << "a refused call changes nothing";
+  EXPECT_EQ(pf.statistics().shadow_misses, 0U);
   EXPECT_EQ(rt.statistics().total.prefetches, 0U);
   // A runtime without a prefetch stream refuses at the first request.
   runtime none(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());
   runtime_prefetcher orphan(none, make());
   EXPECT_THROW(orphan.on_routed(0, ok), invalid_argument);
+}
+
+// A group split to fit (the same layer twice in a row, group_tokens()) is one layer-step of one
+// pass: the predictor sees the union (its frequency counts the layer once) and no pass starts.
+TEST(RuntimePrefetcher, ASplitGroupStaysInItsPass) {
+  runtime_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {}, &prefetch);
+  runtime_prefetcher pf(rt, make_predictor("frequency", w.geometry.layers(), w.geometry.experts_per_layer(), 2),
+                        {.distance = 1, .threshold = 0.5F});
+  const std::uint32_t first[] = {1};
+  const std::uint32_t second[] = {2};
+  for (std::uint32_t layer = 0; layer < w.geometry.layers(); ++layer) {
+    pf.on_routed(layer, first);
+    pf.on_routed(layer, second);
+  }
+  EXPECT_EQ(pf.statistics().passes, 1U);
+  EXPECT_EQ(pf.statistics().layers, 2U * w.geometry.layers());
+  std::vector<float> p(w.geometry.experts_per_layer());
+  pf.predictor().predict(1, p);
+  EXPECT_FLOAT_EQ(p[1], 1.0F) << "one pass, in which layer 1 routed expert 1";
+  EXPECT_FLOAT_EQ(p[2], 1.0F);
+  pf.on_routed(0, first);  // a layer before the previous one: the next pass
+  EXPECT_EQ(pf.statistics().passes, 2U);
+}
+
+// A prefetcher that joins a runtime which has already loaded counts the runtime's loads from then
+// on, as its shadow's misses are: the byte guard does not start closed.
+TEST(RuntimePrefetcher, TheByteGuardCountsFromItsStart) {
+  runtime_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {}, &prefetch);
+  for (int pass = 0; pass < 12; ++pass) {  // demand loading alone: misses the guard must not count
+    for (std::uint32_t layer = 0; layer < w.geometry.layers(); ++layer) {
+      const std::vector<std::uint32_t> routed{static_cast<std::uint32_t>(pass % 8),
+                                              static_cast<std::uint32_t>((pass + 3) % 8)};
+      auto lease = rt.acquire(layer, routed);
+      lease.release();
+    }
+  }
+  w.compute.synchronize();
+  ASSERT_GT(rt.totals().misses, 20U);
+  runtime_prefetcher pf(rt, std::make_unique<fixed_predictor>(std::vector{4U}), {.distance = 1, .max_overhead = 0.5});
+  run_pass(w, rt, pf, 0);
+  EXPECT_EQ(pf.statistics().paused, 0U) << "the loads before it began are not its overhead";
+  EXPECT_GT(pf.statistics().requested, 0U);
+  w.compute.synchronize();
+  prefetch.synchronize();
 }
 
 // The engine thread acquires, tells the prefetcher and releases; a control thread resizes (to

@@ -265,7 +265,9 @@ struct four_pool_statistics {
 /// curves that bimodal reuse gives, and takes the minimiser subject to the KV floor (Eq. 6) and the
 /// coverage constraint. It moves toward it only when the gain exceeds gate·T(current) (reversal_gate
 /// against the previous direction, the direction being that of the KV pool, else of the hi pool),
-/// when the target is at least dead_zone slots away, and by at most rate_limit slots per pool. The
+/// when the target is at least dead_zone slots away, and by at most rate_limit slots per pool (a
+/// target further away: the cheapest admissible split within the limit that moves the target's way
+/// and costs less than the current one, or no move; a change of mode goes at once). The
 /// resize steps shrink every losing pool before any pool grows (WiSP §3.5, three pools), and a
 /// resize the runtime refuses leaves the previous split in force (D3, commit(decision, false)).
 ///

@@ -56,7 +56,8 @@ class expert_predictor {
   virtual void observe(std::uint32_t layer, std::span<const expert_index> experts) = 0;
   /// The same with the optional fields: a predictor that uses router probabilities or sketches
   /// (fmoe_map_predictor) overrides it; the others see the experts only (the default).
-  /// @throws expage::invalid_argument where the predictor uses a field and its length is wrong.
+  /// @throws expage::invalid_argument where the predictor uses a field and its length is wrong
+  ///         or a value is not finite.
   virtual void observe_routing(std::uint32_t layer, const layer_routing& routing) { observe(layer, routing.experts); }
   /// Writes into @p probability (experts_per_layer entries) the probability that each expert of
   /// @p layer (a layer after the last observed one) is routed in the current pass.

@@ -804,6 +804,14 @@ class expert_runtime {
     const std::lock_guard lock(mutex_);
     return T.capacity;
   }
+  /// The demand tier's capacity(), read with the tier under one lock (a resize_tiers() that
+  /// switches the demand tier cannot fall between the two reads).
+  [[nodiscard]] std::uint32_t demand_capacity() const {
+    const std::lock_guard lock(mutex_);
+    return tier(demand_tier_).capacity;
+  }
+  /// True when the runtime was given a prefetch stream (prefetch() and set_targets() need one).
+  [[nodiscard]] bool has_prefetch_stream() const noexcept { return prefetch_ != nullptr; }
   /// The model.
   [[nodiscard]] const moe_geometry& geometry() const noexcept { return geometry_; }
   /// The views kept.

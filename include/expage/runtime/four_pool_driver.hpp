@@ -5,6 +5,7 @@
 
 #include "expage/control/four_pool_controller.hpp"
 #include "expage/core/error.hpp"
+#include "expage/core/moe_geometry.hpp"
 #include "expage/memory/budget_tracker.hpp"
 #include "expage/runtime/expert_map_hook.hpp"
 
@@ -12,9 +13,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <optional>
 #include <span>
+#include <stdexcept>
 #include <utility>
 
 namespace expage {
@@ -41,9 +44,12 @@ namespace expage {
 /// raised before a growing resize and lowered after a shrinking one.
 ///
 /// Fail-safe (WiSP D3): when a step fails (the KV callback refuses, or the runtime cannot shrink
-/// because leases still pin versions above the new capacity), the steps already applied are undone
-/// (the previous capacities, demand tier, account capacity and KV size are restored) and the
-/// decision is committed as not applied: the previous split stays in force.
+/// because leases still pin versions above the new capacity) or throws, the steps already applied
+/// are undone in the reverse order (the previous capacities, demand tier, account capacity and KV
+/// size are restored; each state on the way back is one the forward order passed through, so B
+/// holds), and the decision is committed as not applied: the previous split stays in force. The
+/// hi members a refused move dropped are asked for again by the next end_interval(), which lists
+/// every member. The KV callback must leave the pool as it was when it returns false or throws.
 ///
 /// The runtime should be built with `expert_runtime_options::targets_load_hi` equal to the model's
 /// `members_load_hi` (the serve rule of hi-set members), and the model's sizes from the runtime
@@ -60,6 +66,7 @@ namespace expage {
 /// four_pool_driver driver(rt, c, experts, [&](std::uint64_t bytes) { return kv_pool.resize(bytes); });
 /// // per layer:    auto lease = rt.acquire(l, routed); driver.on_routed(l, routed); ...
 /// // per interval: driver.end_interval();
+/// // (the driver starts the controller's first burst; it starts each next one at a barrier)
 /// // per burst, at a drained barrier: record the KV reuse distances into c.kv(), give the
 /// // open sessions' cached blocks to c.set_kv_open_depths() (what drives its session-mix
 /// // change detector, four_pool_config::change_ratio), then
@@ -74,15 +81,20 @@ class four_pool_driver {
   using kv_resize = std::function<bool(std::uint64_t bytes)>;
 
   /// Drives @p runtime from @p controller, charging the experts to @p experts and resizing the KV
-  /// pool through @p resize_kv; applies the controller's current split now.
-  /// @throws expage::invalid_argument when the runtime has one tier, the model's sizes are not the
-  /// runtime's (naming both), resize_kv is empty, or the current split cannot be applied.
+  /// pool through @p resize_kv; applies the controller's current split now and starts the
+  /// controller's first burst.
+  /// @throws expage::invalid_argument when the runtime has one tier or no prefetch stream (the hi
+  /// set's targets need one), the model's sizes are not the runtime's (naming both), resize_kv is
+  /// empty, or the current split cannot be applied.
   four_pool_driver(Runtime& runtime, four_pool_controller& controller, budget_account& experts, kv_resize resize_kv)
       : runtime_(&runtime), controller_(&controller), experts_(&experts), resize_kv_(std::move(resize_kv)) {
     const four_pool_model& m = controller.model();
     const moe_geometry& g = runtime.geometry();
     if (runtime.tier_count() != 2) {
       throw invalid_argument("four_pool_driver: the runtime has one tier; build it from a tiered_source");
+    }
+    if (!runtime.has_prefetch_stream()) {
+      throw invalid_argument("four_pool_driver: the runtime has no prefetch stream (the hi set's targets load on it)");
     }
     if (!resize_kv_) throw invalid_argument("four_pool_driver: no KV resize callback");
     if (m.layers != g.layers() || m.experts_per_layer != g.experts_per_layer() ||
@@ -100,6 +112,7 @@ class four_pool_driver {
           "four_pool_driver: the controller's split ({} hi, {} lo slots per layer, {} KV bytes) could not be applied",
           s.hi_slots, s.lo_slots, s.kv_bytes));
     }
+    controller.new_burst();  // the first burst: its barrier's step() sees one burst, as every later one
   }
 
   /// Per layer: tells the controller the routing of one layer-step (after acquire()).
@@ -111,14 +124,28 @@ class four_pool_driver {
 
   /// Per burst, at a drained barrier: decides the split, applies it (or nothing), commits the
   /// outcome and starts the next burst. Returns the decision and whether it was applied.
+  /// @throws what a step throws (a KV callback's, a runtime's), after the steps applied are undone
+  /// and the decision is committed as not applied (the next burst started);
+  /// std::runtime_error when a step failed and undoing the steps applied failed too: the runtime,
+  /// its account or the KV pool may then hold part of the new split, and the controller the old.
   std::pair<four_pool_decision, bool> at_barrier() {
     four_pool_decision d = controller_->step();
     bool applied = true;
+    std::exception_ptr error;
+    bool restored = true;
     if (d.moved) {
-      applied = apply(d);
+      applied = apply(d, error, restored);
       controller_->commit(d, applied);
     }
     controller_->new_burst();
+    if (!restored) {
+      throw std::runtime_error(fmt::format(
+          "four_pool_driver: the split ({} hi, {} lo slots per layer, {} KV bytes) failed and could not be undone: "
+          "the runtime and the KV pool may hold part of it; the controller keeps ({} hi, {} lo, {} KV bytes)",
+          d.split.hi_slots, d.split.lo_slots, d.split.kv_bytes, controller_->current().hi_slots,
+          controller_->current().lo_slots, controller_->current().kv_bytes));
+    }
+    if (error) std::rethrow_exception(error);
     return {std::move(d), applied};
   }
 
@@ -126,8 +153,10 @@ class four_pool_driver {
   [[nodiscard]] std::uint64_t refused() const noexcept { return refused_; }
 
  private:
-  // The steps of @p d in order; undone on failure.
-  bool apply(const four_pool_decision& d) {
+  // The steps of @p d in order. On a failure or an exception (kept in @p error) the steps applied
+  // are undone in the reverse order (@p restored false when an undo fails); returns whether all
+  // were applied.
+  bool apply(const four_pool_decision& d, std::exception_ptr& error, bool& restored) {
     const four_pool_model& m = controller_->model();
     const four_pool_split& from = controller_->current();
     const std::uint64_t old_hi = hi_pool_bytes(m, from), old_lo = lo_pool_bytes(m, from);
@@ -139,23 +168,45 @@ class four_pool_driver {
       if (d.steps[i].pool == tier_pool::kv) continue;
       if (!at || growing) at = i;
     }
-    runtime_->set_targets(d.to_targets());
-    bool kv_done = false;
+    // What to undo, in the order applied: the KV pool once its resize succeeded (a refused one
+    // changed nothing), the experts before theirs is tried (it can fail half done).
+    bool undo_kv = false;
+    bool undo_experts = false;
+    bool kv_first = false;  // the KV step came before the experts' one
     bool ok = true;
-    for (std::size_t i = 0; i < d.steps.size() && ok; ++i) {
-      if (d.steps[i].pool == tier_pool::kv) {
-        ok = resize_kv_(d.steps[i].bytes);
-        kv_done = ok;
-      } else if (at && i == *at) {
-        ok = apply_experts(new_hi, new_lo, d.split.tiered());
+    try {
+      if (!d.hi_evictions.empty()) runtime_->set_targets(d.to_targets());
+      for (std::size_t i = 0; i < d.steps.size() && ok; ++i) {
+        if (d.steps[i].pool == tier_pool::kv) {
+          ok = resize_kv_(d.steps[i].bytes);
+          undo_kv = ok;
+          kv_first = !undo_experts;
+        } else if (at && i == *at) {
+          undo_experts = true;
+          ok = apply_experts(new_hi, new_lo, d.split.tiered());
+        }
       }
+    } catch (...) {
+      error = std::current_exception();
+      ok = false;
     }
-    if (!ok) {  // D3: the previous split stays in force
-      if (kv_done) (void)resize_kv_(from.kv_bytes);
-      if (at) (void)apply_experts(old_hi, old_lo, from.tiered());
-      ++refused_;
+    if (ok) return true;
+    // D3: the previous split stays in force, the last step applied undone first.
+    const auto undo = [&](bool kv) {
+      try {
+        return kv ? resize_kv_(from.kv_bytes) : apply_experts(old_hi, old_lo, from.tiered());
+      } catch (...) {
+        return false;
+      }
+    };
+    if (undo_kv && undo_experts) {
+      restored = undo(!kv_first) && restored;
+      restored = undo(kv_first) && restored;
+    } else if (undo_kv || undo_experts) {
+      restored = undo(undo_kv);
     }
-    return ok;
+    ++refused_;
+    return false;
   }
 
   // The runtime's tiers (and the experts account) to @p hi and @p lo bytes, the demand tier lo

@@ -101,7 +101,7 @@ struct runtime_prefetch_options {
 
 /// @brief What a runtime_prefetcher did.
 struct runtime_prefetch_statistics {
-  std::uint64_t passes = 0;         ///< Forward passes seen (a layer not after the previous one starts one).
+  std::uint64_t passes = 0;         ///< Forward passes seen (a layer before the previous one starts one).
   std::uint64_t layers = 0;         ///< on_routed() calls.
   std::uint64_t requested = 0;      ///< Experts requested through prefetch() (the runtime ignores resident ones).
   std::uint64_t paused = 0;         ///< on_routed() calls that requested nothing because of the byte guard.
@@ -121,8 +121,8 @@ struct runtime_prefetch_statistics {
 };
 
 /// @brief Drives @p Runtime's prefetch() from an expert_predictor. @p Runtime is an
-/// expert_runtime (anything with its policy_type, geometry(), capacity(), demand_tier(),
-/// prefetch(), cancel_prefetches(), totals(), and rank_by_lru() for a duel_policy).
+/// expert_runtime (anything with its policy_type, geometry(), demand_capacity(), prefetch(),
+/// cancel_prefetches(), totals(), and rank_by_lru() for a duel_policy).
 template <class Runtime>
 class runtime_prefetcher {
  public:
@@ -149,6 +149,9 @@ class runtime_prefetcher {
     }
     per_layer_ = options.per_layer != 0 ? options.per_layer : g.top_k();
     probability_.resize(g.experts_per_layer());
+    routed_.assign(g.experts_per_layer(), 0);
+    const auto t = runtime_.totals();
+    loads_before_ = t.misses + t.prefetches;
     eviction_duel::check(options.duel_passes, options.duel_margin, "runtime_prefetcher", "duel_");
     if constexpr (duels) {
       if (options.duel_passes != 0) {
@@ -159,18 +162,19 @@ class runtime_prefetcher {
   }
 
   /// Layer @p layer of the current forward pass was routed to @p experts (call after its
-  /// acquire(); layers of a pass in increasing order, a layer not after the previous one starts
-  /// a new pass). Cancels the stale requests, then requests the next layers' likely experts.
-  /// expert_runtime::cancel_prefetches() drops every queued request, so one runtime_prefetcher
-  /// should be the only source of prefetch requests on its runtime.
-  /// @throws expage::invalid_argument for a layer or expert out of range (nothing is requested).
+  /// acquire(); layers of a pass in increasing order, a layer before the previous one starts a
+  /// new pass, the same layer again is another part of a group split to fit, in the same pass). Cancels the stale
+  /// requests, then requests the next layers' likely experts. expert_runtime::cancel_prefetches() drops every queued
+  /// request, so one runtime_prefetcher should be the only source of prefetch requests on its runtime.
+  /// @throws expage::invalid_argument for a layer or expert out of range or an expert given twice
+  ///         (nothing changes).
   void on_routed(std::uint32_t layer, std::span<const std::uint32_t> experts) {
     on_routed(layer, layer_routing{.experts = experts});
   }
   /// The same with the router's probabilities and a hidden-state sketch where the engine has them
   /// (the predictor sees them through expert_predictor::observe_routing(); fMoE's maps use them).
-  /// @throws expage::invalid_argument for a layer or expert out of range (nothing is requested),
-  ///         or what the predictor refuses.
+  /// @throws expage::invalid_argument for a layer or expert out of range or an expert given twice
+  ///         (nothing changes), or what the predictor refuses.
   void on_routed(std::uint32_t layer, const layer_routing& routing) {
     const std::span<const std::uint32_t> experts = routing.experts;
     const auto& g = runtime_.geometry();
@@ -183,7 +187,16 @@ class runtime_prefetcher {
             fmt::format("runtime_prefetcher: expert {} out of range [0, {})", e, g.experts_per_layer()));
       }
     }
-    const bool new_pass = stats_.layers == 0 || layer <= last_layer_;
+    // A duplicate is refused before anything changes (acquire() refuses it as well).
+    bool duplicate = false;
+    for (const std::uint32_t e : experts) duplicate = std::exchange(routed_[e], std::uint8_t{1}) != 0 || duplicate;
+    for (const std::uint32_t e : experts) routed_[e] = 0;
+    if (duplicate) {
+      throw invalid_argument(fmt::format("runtime_prefetcher: layer {} routed an expert twice in one group", layer));
+    }
+    // A layer before the previous one starts a new pass; the same layer again is the next part of
+    // a group split to fit (group_tokens()), the same pass (one-layer models aside).
+    const bool new_pass = stats_.layers == 0 || layer < last_layer_ || (layer == last_layer_ && g.layers() == 1);
     if (new_pass) predictor_->begin_pass();
     predictor_->observe_routing(layer, routing);
     if (new_pass) ++stats_.passes;
@@ -193,7 +206,7 @@ class runtime_prefetcher {
       // Both shadows at the one capacity read here (a resize from another thread between two
       // reads would restart them a group apart); the policy's first, so that a failure leaves
       // the two in step.
-      const std::uint32_t capacity = runtime_.capacity(runtime_.demand_tier());
+      const std::uint32_t capacity = runtime_.demand_capacity();
       std::uint64_t policy_misses = 0;
       if constexpr (duels) {
         if (duel_) {
@@ -242,7 +255,8 @@ class runtime_prefetcher {
     if (!guarded()) return true;
     // In experts (demand loads and prefetches load the demand tier's versions, all one size).
     const auto t = runtime_.totals();
-    return within_prefetch_overhead(static_cast<double>(t.misses + t.prefetches),
+    // The runtime's loads since this prefetcher began, as the shadow's misses are.
+    return within_prefetch_overhead(static_cast<double>(t.misses + t.prefetches - loads_before_),
                                     static_cast<double>(stats_.shadow_misses), options_.max_overhead);
   }
 
@@ -300,6 +314,8 @@ class runtime_prefetcher {
   std::uint32_t last_layer_ = 0;
   runtime_prefetch_statistics stats_;
   std::vector<float> probability_;
+  std::vector<std::uint8_t> routed_;  // on_routed()'s duplicate check, all 0 between calls
+  std::uint64_t loads_before_ = 0;    // the runtime's loads (misses + prefetches) when this began
   std::vector<std::pair<float, expert_index>> ranked_;
   std::vector<std::uint32_t> request_;
   shadow_cache<lru_policy> lru_shadow_;  // the byte guard's and the duel's
