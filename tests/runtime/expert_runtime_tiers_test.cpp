@@ -719,9 +719,10 @@ TEST(ExpertRuntimeTiers, ADoubleFaultEvictsTheVictimAndItsRecord) {
 
 // The four-pool controller drives the runtime and a KV pool through four_pool_driver: after every
 // burst the runtime's tiers, its demand tier and the experts' account are the controller's split,
-// the budget B holds with the KV pool beside them, and a refused KV resize leaves the previous
-// split in force everywhere (WiSP D3); kernels always read complete versions.
-TEST(ExpertRuntimeTiers, FourPoolDriverAppliesTheControllersSplits) {
+// the budget B holds with the KV pool beside them, and a KV resize that is refused (or, with
+// @p kv_throws, throws) leaves the previous split in force everywhere (WiSP D3; the exception
+// reaches the caller after the undo); kernels always read complete versions.
+void drive_four_pool(bool kv_throws) {
   tiered_world w;
   const std::size_t hi = w.page_rounded(precision::bf16);
   const std::size_t lo = w.page_rounded(precision::int4);
@@ -732,98 +733,12 @@ TEST(ExpertRuntimeTiers, FourPoolDriverAppliesTheControllersSplits) {
   budget_account& experts = budget.add_account("experts", 2 * lo);
   budget_account& kv = budget.add_account("kv", 0);
   std::optional<reservation> kv_used;  // the KV pool's blocks: it keeps its whole size in use
-  std::uint64_t kv_calls = 0;          // the first move's KV resize is refused (call 1 is the driver's construction)
+  std::uint64_t kv_calls = 0;          // the first move's KV resize fails (call 1 is the driver's construction)
   const auto resize_kv = [&](std::uint64_t bytes) {
-    if (++kv_calls == 2) return false;
-    kv_used.reset();
-    (void)kv.set_capacity(bytes);
-    kv_used = kv.reserve(bytes);
-    return true;
-  };
-  host_stream prefetch("prefetch");
-  runtime rt(w.geometry, experts, w.vmm, w.copy, w.compute, w.sources(),
-             {.capacity = 0, .lo_capacity = 2, .targets_load_hi = true}, &prefetch);
-  const four_pool_model model{.budget_bytes = total,
-                              .layers = 4,
-                              .experts_per_layer = 8,
-                              .hi_expert_bytes = hi,
-                              .lo_expert_bytes = lo,
-                              .block_bytes = block,
-                              .kv_floor_bytes = floor,
-                              .hi_miss_seconds = 1e-3,
-                              .lo_miss_seconds = 0.6e-3,
-                              .kv_miss_seconds = 2e-3,
-                              .lo_activation_seconds = 4e-4,
-                              .min_group = 2,
-                              .members_load_hi = true};
-  four_pool_controller controller(model, {}, make_four_pool_split(model, 0, 2));
-  four_pool_driver<runtime> driver(rt, controller, experts, resize_kv);
-  EXPECT_EQ(rt.capacity(version_tier::lo), 8U);
-  const auto check_split = [&](const char* when) {
-    const four_pool_split& s = controller.current();
-    EXPECT_EQ(rt.capacity(version_tier::hi), s.hi_slots * 4) << when;
-    EXPECT_EQ(rt.capacity(version_tier::lo), s.lo_slots * 4) << when;
-    EXPECT_EQ(rt.demand_tier(), s.tiered() ? version_tier::lo : version_tier::hi) << when;
-    EXPECT_EQ(experts.capacity(), hi_pool_bytes(model, s) + lo_pool_bytes(model, s)) << when;
-    EXPECT_EQ(kv.capacity(), s.kv_bytes) << when;
-    EXPECT_LE(budget.root().used(), total) << when;
-  };
-  check_split("at construction");
-  std::mt19937_64 rng(41);
-  std::uint64_t refused_bursts = 0;
-  for (int burst = 0; burst < 24; ++burst) {
-    const bool skewed = burst < 12;  // a phase shift: hot experts, then uniform routing with KV pressure
-    for (int token = 0; token < 8; ++token) {
-      for (std::uint32_t layer = 0; layer < 4; ++layer) {
-        std::vector<std::uint32_t> routed = skewed
-                                                ? std::vector<std::uint32_t>{static_cast<std::uint32_t>(rng() % 2),
-                                                                             static_cast<std::uint32_t>(2 + rng() % 2)}
-                                                : w.random_group(rng, 2);
-        auto lease = rt.acquire(layer, routed);
-        driver.on_routed(layer, routed);
-        w.check_lease_on_compute(rt, lease);
-        lease.release();
-      }
-      if (token % 2 == 1) driver.end_interval();
+    if (++kv_calls == 2) {
+      if (kv_throws) throw out_of_budget("the engine's KV pool", bytes, 0);
+      return false;
     }
-    // KV reuse: little in the first phase, long-distance rereads in the second.
-    for (int i = 0; i < 64; ++i) controller.kv().record(skewed ? rng() % 4 : 8 + rng() % 40);
-    w.compute.synchronize();
-    prefetch.synchronize();
-    const four_pool_split before = controller.current();
-    const auto [decision, applied] = driver.at_barrier();
-    if (!applied) {
-      ++refused_bursts;
-      EXPECT_EQ(controller.current(), before) << "a refused resize leaves the previous split";
-    }
-    check_split(fmt::format("after burst {}", burst).c_str());
-  }
-  w.compute.synchronize();
-  prefetch.synchronize();
-  rt.poll();
-  EXPECT_EQ(w.mismatches.load(), 0U);
-  EXPECT_GT(w.checked.load(), 500U);
-  EXPECT_GT(controller.statistics().moves, 0U) << "the controller moved the split at least once";
-  EXPECT_EQ(driver.refused(), refused_bursts);
-  EXPECT_EQ(refused_bursts, 1U) << "the first move was refused";
-  EXPECT_EQ(controller.statistics().failed_resizes, refused_bursts);
-  EXPECT_GT(rt.statistics().total.switches + rt.statistics().tiers[0].total.misses, 0U) << "hi versions served";
-}
-
-TEST(ExpertRuntimeTiers, FourPoolDriverUndoesAMoveWhoseStepThrows) {
-  tiered_world w;
-  const std::size_t hi = w.page_rounded(precision::bf16);
-  const std::size_t lo = w.page_rounded(precision::int4);
-  const std::uint64_t block = 4096;
-  const std::uint64_t floor = 16 * block;
-  const std::uint64_t total = 8 * hi + 8 * lo + 2 * floor;
-  budget_tracker budget(total);
-  budget_account& experts = budget.add_account("experts", 2 * lo);
-  budget_account& kv = budget.add_account("kv", 0);
-  std::optional<reservation> kv_used;  // the KV pool's blocks: it keeps its whole size in use
-  std::uint64_t kv_calls = 0;          // the first move's KV resize is refused (call 1 is the driver's construction)
-  const auto resize_kv = [&](std::uint64_t bytes) {
-    if (++kv_calls == 2) throw out_of_budget("the engine's KV pool", bytes, 0);
     kv_used.reset();
     (void)kv.set_capacity(bytes);
     kv_used = kv.reserve(bytes);
@@ -881,12 +796,18 @@ TEST(ExpertRuntimeTiers, FourPoolDriverUndoesAMoveWhoseStepThrows) {
     prefetch.synchronize();
     const four_pool_split before = controller.current();
     const std::uint64_t bursts_before = controller.statistics().bursts;
+    bool applied = true;
     try {
-      static_cast<void>(driver.at_barrier());
+      applied = driver.at_barrier().second;
+      EXPECT_FALSE(kv_throws && !applied) << "a throwing step reaches the caller";
     } catch (const out_of_budget&) {
+      EXPECT_TRUE(kv_throws);
+      applied = false;
+    }
+    EXPECT_EQ(controller.statistics().bursts, bursts_before + 1) << "the next burst started";
+    if (!applied) {
       ++refused_bursts;
-      EXPECT_EQ(controller.current(), before) << "a step that throws leaves the previous split";
-      EXPECT_EQ(controller.statistics().bursts, bursts_before + 1) << "and the next burst started";
+      EXPECT_EQ(controller.current(), before) << "a failed resize leaves the previous split";
     }
     check_split(fmt::format("after burst {}", burst).c_str());
   }
@@ -897,10 +818,14 @@ TEST(ExpertRuntimeTiers, FourPoolDriverUndoesAMoveWhoseStepThrows) {
   EXPECT_GT(w.checked.load(), 500U);
   EXPECT_GT(controller.statistics().moves, 0U) << "the controller moved the split at least once";
   EXPECT_EQ(driver.refused(), refused_bursts);
-  EXPECT_EQ(refused_bursts, 1U) << "the first move threw";
+  EXPECT_EQ(refused_bursts, 1U) << "the first move failed";
   EXPECT_EQ(controller.statistics().failed_resizes, refused_bursts);
   EXPECT_GT(rt.statistics().total.switches + rt.statistics().tiers[0].total.misses, 0U) << "hi versions served";
 }
+
+TEST(ExpertRuntimeTiers, FourPoolDriverAppliesTheControllersSplits) { drive_four_pool(false); }
+
+TEST(ExpertRuntimeTiers, FourPoolDriverUndoesAMoveWhoseStepThrows) { drive_four_pool(true); }
 
 // Random leases, targets, prefetches and resizes: after every step every view of every version
 // agrees, and kernels read complete versions of the precision their lease was served at; a held
