@@ -337,6 +337,43 @@ TEST_F(table_fixture, MirrorHookSeesEveryPublishAndCanVetoIt) {
   EXPECT_EQ(hook.updates.size(), 2U);
 }
 
+// A table destroyed while a closed window still waits on its kernels' completion: the completion
+// is waited for before any version it pinned is freed, and the pins are dropped while the slots
+// live. (The slots used to go first: the versions were freed under the running kernels and the
+// window's pins dropped into freed memory.)
+TEST(HandleTable, DestructionWaitsForClosedWindowsBeforeFreeingVersions) {
+  budget_tracker budget{1_MiB};
+  budget_account& account = budget.add_account("experts", 256_KiB);
+  testing::small_pool pool{testing::heap_memory(256), account, {.name = "experts", .max_blocks = 512}};
+  struct kernels {
+    std::shared_ptr<std::atomic<bool>> done;
+    std::shared_ptr<std::atomic<std::size_t>> used;  // the account's bytes when the wait began
+    const budget_account* account;
+    [[nodiscard]] bool ready() const { return done->load(); }
+    void wait() {
+      used->store(account->used());
+      done->store(true);
+    }
+  };
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  auto used_at_wait = std::make_shared<std::atomic<std::size_t>>(0);
+  const expert_id id{.layer = 1, .expert = 3};
+  std::size_t used = 0;
+  {
+    handle_table table{testing::tiny_geometry()};
+    testing::publish_pooled(table, pool, id, rs::promoting, 7);
+    used = account.used();
+    ASSERT_GT(used, 0U);
+    auto w = table.open_window();
+    static_cast<void>(table.pin(w, id));
+    w.attach(kernels{done, used_at_wait, &account});
+    w.close();
+  }
+  EXPECT_TRUE(done->load()) << "the destructor waited for the window's kernels";
+  EXPECT_EQ(used_at_wait->load(), used) << "with the version they read still allocated";
+  EXPECT_EQ(account.used(), 0U);
+}
+
 TEST(HandleTable, RejectsBadOptions) {
   EXPECT_THROW(handle_table(testing::tiny_geometry(), {.max_windows = 0}), invalid_argument);
 }

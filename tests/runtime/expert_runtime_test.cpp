@@ -210,6 +210,34 @@ TEST(ExpertRuntime, AReadyCompletionDoesNotHideAnEarlierPendingOne) {
   EXPECT_EQ(w.check_views(rt), "");
 }
 
+// Two leases of the same experts released out of acquire order, both pending and drained by one
+// call (in acquire order): the eviction waits for both kernels, not only for the lease drained last.
+TEST(ExpertRuntime, LeasesDrainedTogetherAreAllWaitedFor) {
+  runtime_world w;
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 2});
+  const std::uint32_t routed[] = {0, 1};
+  struct pending_kernel {
+    std::shared_ptr<std::atomic<int>> waited;
+    [[nodiscard]] bool ready() const { return waited->load() > 0; }
+    void wait() { waited->fetch_add(1); }
+  };
+  auto waited_first = std::make_shared<std::atomic<int>>(0);
+  auto waited_second = std::make_shared<std::atomic<int>>(0);
+  auto first = rt.acquire(0, routed);
+  auto second = rt.acquire(0, routed);
+  second.release(pending_kernel{waited_second});  // its kernel was enqueued first
+  first.release(pending_kernel{waited_first});    // this one later: it completes last
+  w.compute.synchronize();
+  auto next = rt.acquire(1, routed);  // evicts both experts of layer 0
+  EXPECT_EQ(waited_first->load(), 1) << "the kernel of the lease drained first still read them";
+  EXPECT_EQ(waited_second->load(), 1);
+  w.check_on_compute(rt, 1, routed);
+  next.release();
+  w.compute.synchronize();
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
 // Leases released on another thread than the one that acquired them (the release takes no lock
 // unless prefetches or a shrink wait for it): the pins are drained by the next call, and a
 // shrink held up by a lease completes when that lease is released on the other thread.

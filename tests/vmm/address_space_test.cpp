@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 
 namespace expage {
@@ -161,6 +162,8 @@ TEST(VmmBlockPool, ChargesLeasesAndReusesBlocks) {
   EXPECT_THROW((void)pool.acquire(0), invalid_argument);
   EXPECT_THROW((void)pool.acquire(13), invalid_argument);
   EXPECT_THROW(vmm_block_pool(vm, acct, {.max_blocks = 0}), invalid_argument);
+  // A lease's charge, blocks × granularity, must fit a size_t.
+  EXPECT_THROW(vmm_block_pool(vm, acct, {.max_blocks = std::numeric_limits<std::size_t>::max() / 2}), invalid_argument);
 }
 
 TEST(VmmBlockPool, ReachesItsLimitCleanly) {

@@ -339,6 +339,31 @@ TEST(LayerPipeline, ACompressedStorageIsDecodedIntoThePagesByItsLoader) {
   EXPECT_EQ(bad.load(), 0u);
 }
 
+// Slots smaller than the decoded tensor (a compressed store): until set_stored_bytes() a tensor's
+// stored bytes are its whole slot, never past it (they were the decoded size, reading into the
+// next slot and, for the last expert, past the store); sizes beyond 2^50 are refused.
+TEST(TensorStorage, StoredBytesNeverRunPastTheSlot) {
+  const moe_geometry g = small(2);
+  host_memory host({.block_size = 64_KiB, .alignment = 64_KiB});
+  const std::size_t gu = g.tensor_bytes(expert_tensor::gate_up, precision::bf16);
+  tensor_storage<host_stream> storage(g, precision::bf16, host, {.slot_bytes = {1024, 512}, .loader = {}});
+  ASSERT_LT(1024U, gu);
+  const expert_id last = g.expert_at(g.expert_count() - 1);
+  for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+    EXPECT_EQ(storage.stored(last, t).size(), storage.slot_bytes(t));
+    EXPECT_LE(storage.stored(last, t).data() + storage.stored(last, t).size(),
+              storage.slot(g.expert_at(0), expert_tensor::gate_up).data() + storage.bytes());
+  }
+  EXPECT_EQ(storage.slot_bytes(expert_tensor::gate_up), 1024U);
+  try {
+    tensor_storage<host_stream> huge(g, precision::bf16, host,
+                                     {.slot_bytes = {~std::size_t{0} - 1, 1 << 21}, .loader = {}});
+    FAIL() << "a slot of 2^64 - 2 bytes accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("slot_bytes[0] = 18446744073709551614 out of range [0, 2^50]"));
+  }
+}
+
 // Fault injection: whatever step of a materialization fails, the layer's pages
 // are unmapped, their blocks are back in the pools and the budget is unchanged.
 class LayerPipelineFaults : public ::testing::TestWithParam<int> {};
@@ -424,6 +449,57 @@ TEST(LayerPipelineFaults, ABudgetRefusalLeavesTheLayerUnmapped) {
   EXPECT_THROW(r.pipe.materialize(1), out_of_budget);
   for (std::uint32_t e = 0; e < 4; ++e) EXPECT_EQ(r.pipe.state({1, e}, expert_tensor::gate_up), page_state::unmapped);
   EXPECT_EQ(r.budget.root().used(), before);
+}
+
+// A stream with CUDA's sticky errors: once a copy on it fails, every later call on it fails.
+struct sticky_stream {
+  struct event_type {
+    [[nodiscard]] bool query() const { return true; }
+    void synchronize() const {}
+  };
+  void copy(void* dst, const void* src, std::size_t n) {
+    if (fail_next_copy) failed = true;
+    if (failed) throw std::runtime_error("sticky_stream: copy failed");
+    std::memcpy(dst, src, n);
+  }
+  void record(event_type&) const {
+    if (failed) throw std::runtime_error("sticky_stream: record after a failed copy");
+  }
+  void wait(const event_type&) const {
+    if (failed) throw std::runtime_error("sticky_stream: wait after a failed copy");
+  }
+  bool fail_next_copy = false;
+  bool failed = false;
+};
+
+// A failed copy whose stream then refuses the fence too (a CUDA stream's sticky error): the page
+// is unmapped all the same and its blocks and bytes go back; once the stream works again the
+// layer loads. (The fence's failure used to skip the unmap: the page stayed "loading" and its
+// mapped block went back to the pool.)
+TEST(LayerPipelineFaults, AStreamThatFailsTheFenceToo) {
+  const moe_geometry g = small(4);
+  host_vmm vm({.granularity = 64_KiB});
+  budget_tracker budget(1_GiB);
+  host_memory host({.block_size = 64_KiB, .alignment = 64_KiB});
+  tensor_storage<sticky_stream> storage(g, precision::bf16, host);
+  sticky_stream compute, load_gate_up, load_down;
+  {
+    layer_pipeline<host_vmm, sticky_stream> pipe(vm, g, precision::bf16, budget.root(), storage, compute, load_gate_up,
+                                                 load_down, {.window = 2});
+    load_gate_up.fail_next_copy = true;
+    EXPECT_THROW(pipe.materialize(0), std::runtime_error);
+    for (std::uint32_t e = 0; e < 4; ++e) {
+      EXPECT_EQ(pipe.state({0, e}, expert_tensor::gate_up), page_state::unmapped) << "expert " << e;
+      EXPECT_EQ(pipe.state({0, e}, expert_tensor::down), page_state::unmapped) << "expert " << e;
+    }
+    EXPECT_EQ(budget.root().used(), 0U);
+    EXPECT_EQ(pipe.pool(expert_tensor::gate_up).leased(), 0U);
+    EXPECT_FALSE(vm.block_at(pipe.address({0, 0}, expert_tensor::gate_up)).has_value());
+    load_gate_up = sticky_stream{};  // the device recovers
+    pipe.materialize(0);
+    EXPECT_NE(pipe.state({0, 0}, expert_tensor::gate_up), page_state::unmapped) << "loaded again";
+  }
+  EXPECT_EQ(vm.blocks(), 0U) << "no block leaked";
 }
 
 }  // namespace

@@ -63,14 +63,19 @@ class tensor_storage {
   template <physical_memory Memory>
   tensor_storage(const moe_geometry& geometry, precision format, Memory& memory, options opts = {})
       : geometry_(geometry), format_(format), location_(memory.location()), loader_(std::move(opts.loader)) {
+    constexpr std::uint64_t limit = std::uint64_t{1} << 50;  // bytes of the whole store
     for (std::size_t t = 0; t < expert_tensor_count; ++t) {
       const std::uint64_t tensor = geometry.tensor_bytes(static_cast<expert_tensor>(t), format);
       tensor_bytes_[t] = static_cast<std::size_t>(tensor);
-      slot_bytes_[t] = align_up(opts.slot_bytes[t] == 0 ? tensor_bytes_[t] : opts.slot_bytes[t]);
+      const std::size_t asked = opts.slot_bytes[t] == 0 ? tensor_bytes_[t] : opts.slot_bytes[t];
+      if (asked > limit) {
+        throw invalid_argument(fmt::format("tensor_storage: slot_bytes[{}] = {} out of range [0, 2^50]", t, asked));
+      }
+      slot_bytes_[t] = align_up(asked);
     }
-    const std::uint64_t per_expert = std::uint64_t{slot_bytes_[0]} + slot_bytes_[1];
+    const std::uint64_t per_expert = std::uint64_t{slot_bytes_[0]} + slot_bytes_[1];  // ≤ 2^51: no overflow
     const std::uint64_t experts = geometry.expert_count();
-    if (per_expert != 0 && experts > (std::uint64_t{1} << 50) / per_expert) {
+    if (per_expert != 0 && experts > limit / per_expert) {
       throw invalid_argument(
           fmt::format("tensor_storage: {} experts × {} bytes overflows the 2^50-byte limit", experts, per_expert));
     }
@@ -80,7 +85,12 @@ class tensor_storage {
     memory_ = std::unique_ptr<std::byte, std::function<void(std::byte*)>>(
         base, [&memory, blocks](std::byte* p) { memory.deallocate(p, blocks); });
     stored_.assign(static_cast<std::size_t>(experts) * expert_tensor_count, 0);
-    for (std::size_t i = 0; i < stored_.size(); ++i) stored_[i] = tensor_bytes_[i % expert_tensor_count];
+    // Until set_stored_bytes(): the decoded size, or the whole slot when the slot is smaller
+    // (compressed slots): never past the slot.
+    for (std::size_t i = 0; i < stored_.size(); ++i) {
+      const std::size_t t = i % expert_tensor_count;
+      stored_[i] = std::min(tensor_bytes_[t], slot_bytes_[t]);
+    }
     capacity_ = static_cast<std::size_t>(total);
   }
 

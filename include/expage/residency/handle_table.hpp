@@ -337,9 +337,11 @@ class handle_table {
 
   moe_geometry geometry_;
   mirror_hook* hook_;
-  epoch_domain domain_;
   std::unique_ptr<detail::handle_slot[]> slots_;
   std::unique_ptr<version_record[]> mirror_;
+  // After the slots: destroyed first, it waits for the closed windows' completions (the device may
+  // still read what they pinned) and drops their pins while the slots and their versions live.
+  epoch_domain domain_;
   mutable std::mutex mutex_;  // guards the slots' cold members, the counters below and mirror_ writes
   std::uint64_t serial_ = 0;
   std::uint64_t begun_ = 0;

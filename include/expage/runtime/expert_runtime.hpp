@@ -901,6 +901,10 @@ class expert_runtime {
     lease_type blocks;                   // the physical blocks and their budget
     std::shared_ptr<event_type> loaded;  // the load's event
     std::uint64_t last_use = 0;          // ticket of the last lease that read it (0: none)
+    // The oldest ticket since it was last known complete: the completions of [first_use,
+    // last_use] are all waited for (leases released together are drained in acquire order, not
+    // in the order their kernels complete).
+    std::uint64_t first_use = 0;
   };
   // Everything one tier holds: its source, pages, ranges, capacity, policy and versions.
   struct tier_state {
@@ -1356,7 +1360,7 @@ class expert_runtime {
       // Evicting an active version changes the expert's record (to nothing, or to its other
       // version): not while an open window of the handle table pins the expert.
       const bool window_pinned = active_[v] == t && options_.views.records && table_.pinned(geometry_.expert_at(v));
-      const any_completion* last = last_use(T.versions[v]);
+      const use_span last = last_use(T.versions[v]);
       const bool busy = ready_only && last != nullptr && !last->ready();
       if (!window_pinned && !busy) return v;
       blocked_[v] = 1;
@@ -1424,7 +1428,7 @@ class expert_runtime {
     if (active_[f] == t) {
       if (version* s = sibling(t, f); s != nullptr && s->loading && s->loaded) s->loaded->synchronize();
     }
-    any_completion* const last = last_use(e);
+    const use_span last = last_use(e);
     if (last == nullptr || last->ready()) return;
     const auto t0 = std::chrono::steady_clock::now();
     const double trace_t0 = tracing() ? trace_.now_us() : 0.0;
@@ -1844,7 +1848,7 @@ class expert_runtime {
   }
   void quietly_wait(version& v) noexcept {
     if (v.loaded) quietly_synchronize(*v.loaded);
-    if (any_completion* const last = last_use(v)) {
+    if (const use_span last = last_use(v)) {
       try {
         last->wait();
       } catch (...) {
@@ -1974,7 +1978,12 @@ class expert_runtime {
       const std::uint32_t f = r.flat[i];
       EXPAGE_ASSERT(T.pins[f] > 0, "expert_runtime: a lease released an expert it did not pin");
       --T.pins[f];
-      if (ticket != 0) T.versions[f].last_use = ticket;
+      if (ticket != 0) {
+        version& v = T.versions[f];
+        // Earlier uses still pending stay in the span: a later ticket is not a later kernel.
+        if (const use_span earlier = last_use(v); !earlier || earlier.ready()) v.first_use = ticket;
+        v.last_use = ticket;
+      }
     }
   }
   // Under the lock, at the end of every call that may leave work for a release (queued
@@ -2033,10 +2042,39 @@ class expert_runtime {
     return pins;
   }
 
-  // The completion of the last lease that read @p v, or nullptr when it is known complete.
-  [[nodiscard]] any_completion* last_use(const version& v) noexcept {
-    if (v.last_use == 0 || tickets_ - v.last_use >= completion_ring) return nullptr;
-    return &completions_[v.last_use % completion_ring];
+  // The completions of the leases that read a version since it was last known complete: the
+  // ring's tickets [first, last] (those of other versions' leases among them are waited for too,
+  // which is safe). Empty (false) when they are known complete. Pointer-like at its call sites.
+  class use_span {
+   public:
+    use_span() noexcept = default;
+    use_span(any_completion* ring, std::uint64_t first, std::uint64_t last) noexcept
+        : ring_(ring), first_(first), last_(last) {}
+    explicit operator bool() const noexcept { return ring_ != nullptr; }
+    friend bool operator==(const use_span& s, std::nullptr_t) noexcept { return s.ring_ == nullptr; }
+    [[nodiscard]] const use_span* operator->() const noexcept { return this; }
+    // True when every completion of the span is ready.
+    [[nodiscard]] bool ready() const noexcept {
+      for (std::uint64_t t = first_; t <= last_; ++t) {
+        if (!ring_[t % completion_ring].ready()) return false;
+      }
+      return true;
+    }
+    // Waits for every completion of the span, newest first; throws the first failure.
+    void wait() const {
+      for (std::uint64_t t = last_ + 1; t-- > first_;) ring_[t % completion_ring].wait();
+    }
+
+   private:
+    any_completion* ring_ = nullptr;  // completion_ring places
+    std::uint64_t first_ = 0;
+    std::uint64_t last_ = 0;
+  };
+  [[nodiscard]] use_span last_use(const version& v) noexcept {
+    if (v.last_use == 0 || tickets_ - v.last_use >= completion_ring) return {};
+    // Tickets completion_ring back were waited for before their places were reused.
+    const std::uint64_t oldest_kept = tickets_ >= completion_ring ? tickets_ - (completion_ring - 1) : 1;
+    return {completions_.data(), std::max(v.first_use, oldest_kept), v.last_use};
   }
 
   // After a resize that pinned versions held up: evict unpinned surplus whose kernels are done.
@@ -2070,7 +2108,7 @@ class expert_runtime {
     if (tier(a).pins[f] > 0 || now.poisoned) return false;
     // Its own load must be done too (a lease released with an engine's completion says nothing of it).
     if (now.loading && now.loaded && !now.loaded->query()) return false;
-    if (const any_completion* last = last_use(now); last != nullptr && !last->ready()) return false;
+    if (const use_span last = last_use(now); last && !last.ready()) return false;
     if (options_.views.records && table_.pinned(geometry_.expert_at(f))) return false;  // a window reads it
     try {
       if (std::optional<transition> tr = begin_eviction(a, f)) tr->publish();  // the switch to `next`
@@ -2133,7 +2171,7 @@ class expert_runtime {
       for (const std::size_t t : {std::size_t{other_or_none(a)}, std::size_t{a}}) {
         if (t >= tier_count_ || tier(t).versions[f].slot < 0) continue;
         const version& v = tier(t).versions[f];
-        const any_completion* last = last_use(v);
+        const use_span last = last_use(v);
         const bool changes_record = active_[f] == t;
         if (tier(t).pins[f] > 0 || v.poisoned || v.loading || (last != nullptr && !last->ready()) ||
             (changes_record && options_.views.records && table_.pinned(geometry_.expert_at(f)))) {

@@ -348,9 +348,15 @@ class layer_pipeline {
       storage_->load(id, static_cast<expert_tensor>(t), {space.address(id), space.page_bytes()}, *load_[t]);
     } catch (...) {
       // The loader may have enqueued part of its work: wait for it (by event) before unmapping.
-      event_type fence;
-      load_[t]->record(fence);
-      quietly_synchronize(fence);
+      // The stream that failed the copy may refuse the fence as well (a CUDA stream's sticky
+      // error): then nothing is left to wait for, and the page is unmapped all the same, before
+      // its blocks go back to the pool with the lease.
+      try {
+        event_type fence;
+        load_[t]->record(fence);
+        quietly_synchronize(fence);
+      } catch (...) {
+      }
       space.cancel_load(id);
       throw;
     }

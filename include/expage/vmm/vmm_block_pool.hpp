@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include <cstddef>
+#include <limits>
 #include <mutex>
 #include <span>
 #include <string>
@@ -101,12 +102,19 @@ class vmm_block_pool {
   };
 
   /// A pool of @p vmm's blocks charging @p account.
-  /// @throws expage::invalid_argument for max_blocks 0 or initial_blocks above it.
+  /// @throws expage::invalid_argument for max_blocks 0 or with a byte size that overflows, or
+  /// initial_blocks above it.
   /// @throws whatever the backend's create() throws for the initial blocks (nothing is kept).
   vmm_block_pool(Vmm& vmm, budget_account& account, options opts) : vmm_(&vmm), account_(&account), options_(opts) {
     if (opts.max_blocks == 0 || opts.initial_blocks > opts.max_blocks) {
       throw invalid_argument(fmt::format("vmm_block_pool: max_blocks {} must be ≥ 1 and initial_blocks {} in [0, {}]",
                                          opts.max_blocks, opts.initial_blocks, opts.max_blocks));
+    }
+    // n · granularity, the charge of a lease of n ≤ max_blocks blocks, must not overflow.
+    const std::size_t most = std::numeric_limits<std::size_t>::max() / vmm.granularity();
+    if (opts.max_blocks > most) {
+      throw invalid_argument(fmt::format("vmm_block_pool: max_blocks {} out of range [1, {}] (blocks of {} bytes)",
+                                         opts.max_blocks, most, vmm.granularity()));
     }
     free_.reserve(opts.max_blocks);
     try {
