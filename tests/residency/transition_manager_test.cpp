@@ -253,6 +253,23 @@ TEST(TransitionManager, CapsTheBytesIssuedPerStep) {
   EXPECT_GE(r.manager.statistics().deferred_step_cap, 5u);
 }
 
+// A cap of one and a half versions: a second transition would take the step past it, so it waits
+// for the next step (whole transitions within the cap; it used to issue two, 2× the block).
+TEST(TransitionManager, TheCapHoldsForWholeTransitions) {
+  const std::uint64_t block = round_up(small().expert_bytes(precision::bf16));
+  rig r(16, {.max_bytes_per_step = 3 * block / 2}, hi_blocks());
+  std::vector<target> four;
+  for (std::uint32_t e = 0; e < 4; ++e) four.push_back({{3, e}, residency_state::resident_hi});
+  r.manager.set_targets(four);
+  for (int step = 1; step <= 4; ++step) {
+    const bool drained = r.manager.wait_idle();
+    EXPECT_EQ(r.manager.statistics().completed, static_cast<std::uint64_t>(step)) << "step " << step;
+    EXPECT_EQ(drained, step == 4);
+    r.manager.step();
+  }
+  EXPECT_GE(r.manager.statistics().deferred_step_cap, 3u);
+}
+
 TEST(TransitionManager, ANewerTargetSetCancelsQueuedTransitions) {
   rig r(16, {.max_in_flight = 1}, hi_blocks());
   // Hold the migration stream so the first copy cannot complete.
@@ -354,6 +371,25 @@ TEST_P(TransitionManagerCopyFaults, AFailingCopyKeepsThePreviousVersion) {
 }
 
 INSTANTIATE_TEST_SUITE_P(EachCopy, TransitionManagerCopyFaults, ::testing::Values(1, 2));
+
+// The migration stream has a sticky error (an unrelated task on it threw): it skips later copies
+// but completes their records. The manager must not publish the versions those copies never
+// filled: the transition fails and the expert keeps its lo version. (It used to publish.)
+TEST(TransitionManagerFaults, AStreamsStickyErrorFailsItsTransitions) {
+  rig r(8, {}, hi_blocks());
+  r.target_all(residency_state::resident_lo);
+  ASSERT_TRUE(r.manager.wait_idle());
+  (void)r.table.collect();
+  const std::size_t hi_before = r.hi_account.used();
+  r.migration.enqueue([] { throw std::runtime_error("a task on the migration stream failed"); });
+  r.manager.set_targets(std::vector<target>{{{2, 2}, residency_state::resident_hi}});
+  EXPECT_TRUE(r.manager.wait_idle());
+  EXPECT_EQ(r.manager.statistics().failed, 1u);
+  EXPECT_EQ(r.table.state({2, 2}), residency_state::resident_lo);
+  EXPECT_EQ(r.mismatches(*r.table.resolve({2, 2})), 0u);
+  (void)r.table.collect();
+  EXPECT_EQ(r.hi_account.used(), hi_before);
+}
 
 TEST(TransitionManager, ReadersNeverSeeAnIncompleteVersionWhileTheManagerSwitches) {
   // Readers resolve inside windows and check whole versions while random

@@ -62,8 +62,10 @@ struct version_class {
 
 /// @brief Construction parameters of a transition_manager.
 struct transition_manager_options {
-  std::uint64_t max_bytes_per_step = 0;  ///< Bytes issued between two step() calls; 0: no cap (llama.cpp #27861).
-  std::size_t max_in_flight = 4;         ///< Copies in flight at once (staging slots), ≥ 1.
+  /// Bytes issued between two step() calls, in whole transitions (the first of a step always goes,
+  /// so a cap below one version moves one per step); 0: no cap (llama.cpp #27861).
+  std::uint64_t max_bytes_per_step = 0;
+  std::size_t max_in_flight = 4;  ///< Copies in flight at once (staging slots), ≥ 1.
 };
 
 /// @brief Counters of a transition_manager.
@@ -108,7 +110,7 @@ struct transition_manager_statistics {
 ///   and, while memory is tight, queued evictions are issued before updates,
 ///   since they free what updates need.
 /// - **Backpressure.** At most `max_in_flight` copies are in flight, at most
-///   `max_bytes_per_step` bytes are issued between two step() calls (the
+///   `max_bytes_per_step` bytes (or one transition) are issued between two step() calls (the
 ///   engine calls step() once per forward step), and with a staging pool every
 ///   copy holds one of its blocks until its version is published, bounding the
 ///   interference with the forward pass's own transfers.
@@ -390,11 +392,14 @@ class transition_manager {
       bool published = false;
       const expert_id id = f.guard.expert();
       try {
-        if (wait && i == 0) {
+        const bool waits = wait && i == 0;
+        if (waits || f.done->query()) {
+          if (waits) f.done->synchronize();
+          // A stream with a sticky error (host_stream) skips later copies but completes its
+          // records: its flights hold no version. (A CUDA event reports the error itself.)
+          if constexpr (requires(const Stream& s) { s.check(); }) migration_->check();
           f.guard.publish();
           published = true;
-        } else {
-          published = f.guard.publish_if_ready();
         }
       } catch (...) {
         try {
@@ -458,6 +463,17 @@ class transition_manager {
         const auto request = next_request();
         if (!request) break;
         const auto [id, to] = *request;
+        // The cap holds for whole transitions: one that would take the step past it waits for
+        // the next step (the first of a step always goes, so a cap below one version still moves
+        // one per step).
+        if (options_.max_bytes_per_step != 0 && to != residency_state::absent && bytes_this_step_ != 0 &&
+            bytes_this_step_ + classes_[to == residency_state::resident_hi ? 0 : 1].pool->block_size() >
+                options_.max_bytes_per_step) {
+          updates_.push_front(id);
+          if (!capped_this_step_) ++stats_.deferred_step_cap;
+          capped_this_step_ = true;
+          break;
+        }
         lock.unlock();
         std::optional<flight> issued;
         const attempt a = to == residency_state::absent ? issue_eviction(id) : issue_update(id, to, issued);
