@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <span>
@@ -303,12 +304,14 @@ realign_result realign_trace(const routing_trace& trace, const realign_options& 
       }
       // The missing decode steps as runs, from the ascending steps of the rows.
       std::uint64_t expected = s.prefill;
-      const auto note = [&](std::uint64_t upto) {  // steps [expected, upto) are missing
-        if (upto > expected) {
+      const auto note = [&](std::uint64_t upto) {            // steps [expected, upto) are missing
+        for (std::uint64_t from = expected; upto > from;) {  // a count is 32 bits (as gaps())
+          const std::uint64_t n = std::min<std::uint64_t>(upto - from, std::numeric_limits<std::uint32_t>::max());
           report.gaps.push_back({.sequence = s.sequence,
                                  .layer = layer,
-                                 .first_step = static_cast<std::uint32_t>(expected),
-                                 .count = static_cast<std::uint32_t>(upto - expected)});
+                                 .first_step = static_cast<std::uint32_t>(from),
+                                 .count = static_cast<std::uint32_t>(n)});
+          from += n;
         }
       };
       for (std::size_t r = 0; r < rows.size(); ++r) {

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <tuple>
 
@@ -219,11 +220,15 @@ std::vector<trace_gap> routing_trace::gaps() const {
     for (std::uint32_t layer = 0; layer < layers_; ++layer) {
       std::uint64_t expected = 0;                  // next step this layer should have
       const auto note = [&](std::uint64_t upto) {  // steps [expected, upto) are missing
-        if (upto > expected) {
+        // A run of 2^32 steps (a layer with none at all up to step 2^32 - 1) is two gaps: a
+        // count is 32 bits.
+        for (std::uint64_t from = expected; upto > from;) {
+          const std::uint64_t n = std::min<std::uint64_t>(upto - from, std::numeric_limits<std::uint32_t>::max());
           result.push_back({.sequence = s,
                             .layer = layer,
-                            .first_step = static_cast<std::uint32_t>(expected),
-                            .count = static_cast<std::uint32_t>(upto - expected)});
+                            .first_step = static_cast<std::uint32_t>(from),
+                            .count = static_cast<std::uint32_t>(n)});
+          from += n;
         }
       };
       while (j < end && layer_[order[j]] == layer) {

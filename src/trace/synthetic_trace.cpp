@@ -105,7 +105,7 @@ void check_option(std::string_view field, double value, double lo, double hi) {
 
 }  // namespace
 
-routing_trace generate_synthetic(const moe_geometry& geometry, const synthetic_options& options) {
+void check_synthetic_options(const moe_geometry& geometry, const synthetic_options& options) {
   const double exponent = options.zipf_exponent.value_or(default_zipf_exponent(geometry));
   check_option("zipf_exponent", exponent, 0.0, 8.0);
   check_option("locality", options.locality, 0.0, 1.0);
@@ -122,6 +122,12 @@ routing_trace generate_synthetic(const moe_geometry& geometry, const synthetic_o
     throw invalid_argument(
         fmt::format("synthetic_options: prefill_tokens + decode_steps = {} out of range [1, {}]", steps, 0xFFFF'FFFFU));
   }
+}
+
+routing_trace generate_synthetic(const moe_geometry& geometry, const synthetic_options& options) {
+  check_synthetic_options(geometry, options);
+  const double exponent = options.zipf_exponent.value_or(default_zipf_exponent(geometry));
+  const std::uint64_t steps = std::uint64_t{options.prefill_tokens} + options.decode_steps;
 
   const std::uint32_t layers = geometry.layers();
   const std::uint32_t experts = geometry.experts_per_layer();

@@ -499,8 +499,14 @@ struct binary_stream {
     const std::size_t b = buffer;
     buffer = (buffer + 1) % checksum_worker::depth;
     worker->acquire(b);
-    buffers[b].resize(n);
-    const std::size_t got = in->read_fully(reinterpret_cast<char*>(buffers[b].data()), n);
+    std::size_t got = 0;
+    try {
+      buffers[b].resize(n);
+      got = in->read_fully(reinterpret_cast<char*>(buffers[b].data()), n);
+    } catch (...) {
+      worker->submit(b, {});  // hand the buffer back: finish() and the destructor wait for every one
+      throw;
+    }
     worker->submit(b, std::span<const std::byte>(buffers[b].data(), got));
     if (got != n) {
       fail(at(in->offset()), "payload",

@@ -150,7 +150,9 @@ trace_metadata parse_csv_metadata(std::string_view line, const source_position& 
                                                          : nullptr;
     if (target == nullptr) fail(at, printable(key), "unknown metadata field");
     *target = parse_uint(value, at, key);
-    if (*target == 0 || *target > 65536) fail(at, key, fmt::format("{} out of range [1, 65536]", *target));
+    if (*target == 0 || *target > detail::max_text_metadata_value) {
+      fail(at, key, fmt::format("{} out of range [1, {}]", *target, detail::max_text_metadata_value));
+    }
   }
   for (const auto& [name, v] : {std::pair<std::string_view, std::uint32_t>{"layers", meta.layers},
                                 {"experts_per_layer", meta.experts_per_layer},
@@ -325,6 +327,7 @@ void check_csv_can_hold(const routing_trace& trace) {
 void write_csv(std::ostream& out, const routing_trace& trace, std::string_view geometry_name) {
   check_csv_can_hold(trace);
   const trace_metadata meta = metadata_of(trace, geometry_name);
+  detail::check_text_metadata(meta, "csv");
   std::string geometry;
   for (const char c : meta.geometry) {
     if (c != ' ' && static_cast<unsigned char>(c) >= 0x20) geometry += c;

@@ -378,4 +378,16 @@ std::uint32_t effective_batch_size(const trace_read_options& options,
   return meta && meta->batch_size != 0 ? meta->batch_size : 1;
 }
 
+void check_text_metadata(const trace_metadata& meta, std::string_view format) {
+  for (const auto& [name, v] : {std::pair<std::string_view, std::uint32_t>{"layers", meta.layers},
+                                {"experts_per_layer", meta.experts_per_layer},
+                                {"top_k", meta.top_k},
+                                {"batch_size", meta.batch_size}}) {
+    if (v > max_text_metadata_value) {
+      throw invalid_argument(fmt::format("write_{}: {} {} out of the format's range [1, {}]: write a binary trace",
+                                         format, name, v, max_text_metadata_value));
+    }
+  }
+}
+
 }  // namespace expage::detail

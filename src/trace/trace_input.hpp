@@ -20,6 +20,12 @@
 
 namespace expage::detail {
 
+// The text formats' (JSONL, CSV) range of every metadata number, batch_size included: readers
+// refuse what is outside it, writers refuse to write a trace they could not read back.
+inline constexpr std::uint32_t max_text_metadata_value = 65536;
+// @throws expage::invalid_argument when @p meta has a number a text reader refuses, naming it.
+void check_text_metadata(const trace_metadata& meta, std::string_view format);
+
 // How a reader names a position: "name:17" for lines, "name: byte 4096" for binary offsets.
 struct source_position {
   std::string_view source;

@@ -100,7 +100,9 @@ class json_line {
                        : key == "top_k"             ? "top_k"
                                                     : "batch_size");
         const std::uint32_t v = parse_uint(number_token(key), at_, key);
-        if (v == 0 || v > 65536) fail(at_, key, fmt::format("{} out of range [1, 65536]", v));
+        if (v == 0 || v > detail::max_text_metadata_value) {
+          fail(at_, key, fmt::format("{} out of range [1, {}]", v, detail::max_text_metadata_value));
+        }
         (key == "layers"              ? meta.layers
          : key == "experts_per_layer" ? meta.experts_per_layer
          : key == "top_k"             ? meta.top_k
@@ -433,6 +435,7 @@ routing_trace read_jsonl(const std::filesystem::path& path, const moe_geometry& 
 
 void write_jsonl(std::ostream& out, const routing_trace& trace, std::string_view geometry_name) {
   const trace_metadata meta = metadata_of(trace, geometry_name);
+  detail::check_text_metadata(meta, "jsonl");
   // Version 1, as before, unless the trace has optional fields to declare.
   std::string line = fmt::format(R"({{"expage_trace": {}, )", meta.fields ? 2 : 1);
   if (!meta.geometry.empty()) {

@@ -202,6 +202,14 @@ TEST(RoutingTrace, GapsListMissingStepsPerSequenceAndLayer) {
                                            {.sequence = 4, .layer = 1, .first_step = 0, .count = 1},
                                            {.sequence = 4, .layer = 2, .first_step = 0, .count = 1}};
   EXPECT_EQ(t.gaps(), expected);
+  // The last step there is: layer 1 lacks all 2^32 steps, two gaps (a count is 32 bits; it wrapped to 0).
+  routing_trace last(2, 8, 2);
+  add(last, 0, std::numeric_limits<std::uint32_t>::max(), 0);
+  const std::uint32_t most = std::numeric_limits<std::uint32_t>::max();
+  const std::vector<trace_gap> all = {{.sequence = 0, .layer = 0, .first_step = 0, .count = most},
+                                      {.sequence = 0, .layer = 1, .first_step = 0, .count = most},
+                                      {.sequence = 0, .layer = 1, .first_step = most, .count = 1}};
+  EXPECT_EQ(last.gaps(), all);
 }
 
 TEST(RoutingTrace, EqualityComparesEveryField) {

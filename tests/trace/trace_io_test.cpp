@@ -114,6 +114,22 @@ TEST_F(TraceFiles, TextRoundTripsAreIdentical) {
   }
 }
 
+// A batch the text readers refuse (above 65536; binary traces carry up to 2^32 - 1) is not
+// written as text, and no file is left (conversions used to write files they could not read).
+TEST_F(TraceFiles, TextWritersRefuseWhatTheirReadersWould) {
+  routing_trace t = small_synthetic();
+  t.set_batch_size(100000);
+  for (const char* name : {"big.jsonl", "big.csv"}) {
+    EXPECT_THAT([&] { expage::write_trace(dir_ / name, t); },
+                ::testing::ThrowsMessage<expage::invalid_argument>(
+                    HasSubstr("batch_size 100000 out of the format's range [1, 65536]")))
+        << name;
+    EXPECT_FALSE(fs::exists(dir_ / name)) << name;
+  }
+  expage::write_trace(dir_ / "big.bin", t);
+  EXPECT_EQ(expage::read_trace(dir_ / "big.bin", mixtral()).batch_size(), 100000U);
+}
+
 TEST(TraceIo, FormatFollowsTheExtension) {
   EXPECT_EQ(expage::format_of("a/b.jsonl"), expage::trace_format::jsonl);
   EXPECT_EQ(expage::format_of("b.csv"), expage::trace_format::csv);

@@ -117,7 +117,8 @@ void print_info(const std::filesystem::path& path, const expage::routing_trace& 
   if (t.fields().sketch_dims > 0) {
     fmt::print("  {} events carry a hidden-state sketch of {} values\n", t.size(), t.fields().sketch_dims);
   }
-  if (expage::format_of(path) == expage::trace_format::binary) {
+  // The header again, from the file (a FIFO was read once, whole: its version is not shown).
+  if (expage::format_of(path) == expage::trace_format::binary && std::filesystem::is_regular_file(path)) {
     const expage::binary_trace_reader header(path, geometry);
     if (header.block_records() > 0) {
       fmt::print("  binary format version {}: blocks of {} records, each checked by its CRC-32C\n", header.version(),
@@ -300,6 +301,17 @@ int run(int argc, char** argv) {
                       expage::max_trace_events)};
     }
     if (events == 0) throw cli_error{"--prefill and --decode-steps are both 0: the trace would have no events"};
+    try {
+      expage::check_synthetic_options(*geometry, synth);
+    } catch (const expage::invalid_argument& e) {
+      throw cli_error{e.what()};  // a command-line mistake: status 2, before anything is generated
+    }
+    if ((synth.probabilities || synth.sketch_dims != 0) && output_version == expage::binary_trace_version &&
+        expage::format_of(files[0]) == expage::trace_format::binary) {
+      throw cli_error{fmt::format("--binary-version {} cannot carry --probabilities or --sketch-dims: use {} or {}",
+                                  output_version, expage::binary_trace_version_with_fields,
+                                  expage::binary_trace_version_blocked)};
+    }
     expage_tools::check_output_path("synth", files[0]);
     const expage::routing_trace t = expage::generate_synthetic(*geometry, synth);
     write_output(files[0], t, geometry->name(), output_version);

@@ -87,4 +87,9 @@ struct synthetic_options {
 /// @throws expage::invalid_argument naming the option out of range and its allowed range.
 [[nodiscard]] routing_trace generate_synthetic(const moe_geometry& geometry, const synthetic_options& options);
 
+/// What generate_synthetic() checks before it generates anything (for a caller that must refuse
+/// bad options first, as a tool does before it writes a file).
+/// @throws expage::invalid_argument naming the option out of range and its allowed range.
+void check_synthetic_options(const moe_geometry& geometry, const synthetic_options& options);
+
 }  // namespace expage
