@@ -238,6 +238,35 @@ TEST(ExpertRuntime, LeasesDrainedTogetherAreAllWaitedFor) {
   EXPECT_EQ(w.check_views(rt), "");
 }
 
+// An acquire that fences a victim for its first miss and then finds no room for its second
+// changes no statistic but failed_acquires (the fence's wait was counted before the throw).
+TEST(ExpertRuntime, AFailedAcquireCountsNoFence) {
+  runtime_world w;
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 3});
+  struct pending_kernel {
+    std::shared_ptr<std::atomic<bool>> done = std::make_shared<std::atomic<bool>>(false);
+    [[nodiscard]] bool ready() const { return done->load(); }
+    void wait() { done->store(true); }
+  };
+  const std::uint32_t two[] = {2};
+  rt.acquire(0, two).release(pending_kernel{});  // L0.E2's kernel still runs
+  const std::uint32_t held_experts[] = {0, 1};
+  auto held = rt.acquire(0, held_experts);
+  w.copy.synchronize();
+  w.compute.synchronize();
+  const runtime_statistics before = rt.statistics();
+  const std::uint32_t group[] = {3, 4};  // the first takes E2's slot (a fence), the second finds none
+  EXPECT_THROW(static_cast<void>(rt.acquire(2, group)), out_of_budget);
+  const runtime_statistics after = rt.statistics();
+  EXPECT_EQ(after.total.fence_waits, before.total.fence_waits);
+  EXPECT_EQ(after.total.fence_wait_ns, before.total.fence_wait_ns);
+  EXPECT_EQ(after.total.misses, before.total.misses);
+  EXPECT_EQ(after.failed_acquires, before.failed_acquires + 1);
+  held.release();
+  w.compute.synchronize();
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
 // Leases released on another thread than the one that acquired them (the release takes no lock
 // unless prefetches or a shrink wait for it): the pins are drained by the next call, and a
 // shrink held up by a lease completes when that lease is released on the other thread.

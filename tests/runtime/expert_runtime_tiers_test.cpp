@@ -717,6 +717,53 @@ TEST(ExpertRuntimeTiers, ADoubleFaultEvictsTheVictimAndItsRecord) {
   EXPECT_EQ(w.check_tiers(rt), "");
 }
 
+// One acquire must not take both versions of an expert as victims: here a hi-target miss evicts
+// X's hi version (a switch to X's finished lo version) and a lo miss would then take that lo
+// version too, leaving X absent with a record of its unmapped lo page (it did).
+TEST(ExpertRuntimeTiers, OneAcquireNeverEvictsBothVersionsOfAnExpert) {
+  tiered_world w(1, 2);
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
+             {.capacity = 1, .lo_capacity = 2, .targets_load_hi = true, .max_prefetch_in_flight = 1}, &prefetch);
+  const expert_id x{0, 0};
+  const expert_id m1{1, 0};
+  const residency_target hi_x[] = {{.expert = x, .state = residency_state::resident_hi}};
+  rt.set_targets(hi_x);
+  prefetch.synchronize();
+  rt.poll();
+  ASSERT_EQ(rt.active_tier(x), version_tier::hi);
+  const std::uint32_t only_x[] = {0};
+  manual_kernel kernel;
+  rt.acquire(0, only_x).release(kernel);  // X's hi version still read
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  prefetch.enqueue([opened] { opened.wait(); });
+  const residency_target next[] = {{.expert = x, .state = residency_state::resident_lo},
+                                   {.expert = m1, .state = residency_state::resident_hi}};
+  rt.set_targets(next);  // X's demotion behind the gate, M1's promotion queued
+  const std::uint32_t y[] = {1};
+  rt.acquire(0, y).release();  // Y's lo version, used after X's
+  gate.set_value();
+  prefetch.synchronize();
+  w.copy.synchronize();
+  w.compute.synchronize();
+  *kernel.done = true;  // X's hi kernel done; nothing has switched X since
+  ASSERT_EQ(w.check_tiers(rt), "");
+  const std::uint32_t group[] = {0, 1};  // M1 (a hi target) and L1.E1
+  auto lease = rt.acquire(1, group);
+  w.check_lease_on_compute(rt, lease);
+  lease.release();
+  w.compute.synchronize();
+  EXPECT_EQ(w.check_tiers(rt), "");
+  auto again = rt.acquire(0, only_x);  // X is served again
+  w.check_lease_on_compute(rt, again);
+  again.release();
+  w.compute.synchronize();
+  prefetch.synchronize();
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
 // The four-pool controller drives the runtime and a KV pool through four_pool_driver: after every
 // burst the runtime's tiers, its demand tier and the experts' account are the controller's split,
 // the budget B holds with the KV pool beside them, and a KV resize that is refused (or, with

@@ -1565,6 +1565,9 @@ class expert_runtime {
     }
     std::vector<planned_load> plan;
     std::array<std::uint32_t, version_tier_count> free_budgeted{};  // fresh slots this group takes, per tier
+    // The fences' waits, counted once the acquire succeeds (a failed one changes no statistic but
+    // failed_acquires).
+    std::array<runtime_layer_statistics, version_tier_count> fenced{};
     // Room for one miss in tier t: fresh blocks, or a victim fenced (false when neither).
     const auto find_room = [&](planned_load& p, std::size_t t, bool required) {
       if (resident_count(t) + free_budgeted[t] < tier(t).capacity) {
@@ -1574,15 +1577,17 @@ class expert_runtime {
           return true;
         }
       }
+      // Nor an expert one of this group's loads already evicts, in either tier: evicting its
+      // hi version may switch it to its lo one, which must then stay.
       std::vector<std::uint32_t> excluded(group.begin(), group.end());
       for (const planned_load& q : plan) {
-        if (q.victim && q.tier == t) excluded.push_back(*q.victim);
+        if (q.victim) excluded.push_back(*q.victim);
       }
       // An optional room (hi for a hi target) never waits for a kernel and never takes another target's version.
       std::optional<std::uint32_t> v = choose_victim(t, excluded, /*ready_only=*/!required, false, !required);
       if (!v && required) v = choose_victim(t, excluded, /*ready_only=*/false, /*include_loading=*/true);
       if (!v) return false;
-      fence(t, *v, &stats(t, layer));
+      fence(t, *v, &fenced[t]);
       p.victim = v;
       return true;
     };
@@ -1648,6 +1653,10 @@ class expert_runtime {
       throw;
     }
     // Commit: nothing below throws.
+    for (std::size_t t = 0; t < tier_count_; ++t) {
+      stats(t, layer).fence_waits += fenced[t].fence_waits;
+      stats(t, layer).fence_wait_ns += fenced[t].fence_wait_ns;
+    }
     for (planned_load& p : plan) {
       tier_state& T = tier(p.tier);
       lease_type blocks;
