@@ -12,6 +12,7 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <span>
 #include <tuple>
 #include <utility>
@@ -83,6 +84,21 @@ struct cooccurrence {
   cooccurrence(std::size_t references, std::uint32_t experts_per_layer)
       : cell(references * experts_per_layer * experts_per_layer, 0), row(references * experts_per_layer, 0) {}
 };
+
+// The co-occurrence tables are dense, layers · E² cells (a pool and a placement's two): refused
+// beyond 2^28 cells (1 GiB each), before anything is allocated, rather than sized by a metadata
+// line (a 4-line trace declaring 16,384 experts would ask for gigabytes).
+constexpr std::uint64_t max_table_cells = std::uint64_t{1} << 28;
+void check_table_size(const routing_trace& trace) {
+  const std::uint64_t e = trace.experts_per_layer();
+  const std::uint64_t cells = std::uint64_t{trace.layers()} * e * e;
+  if (cells > max_table_cells) {
+    throw invalid_argument(
+        fmt::format("realign_trace: {} layers x {}^2 experts = {} co-occurrence cells out of range [0, 2^28] (the "
+                    "tables are dense)",
+                    trace.layers(), e, cells));
+  }
+}
 
 // log(offset + m) for counts m, tabulated: the score's terms take integer counts only.
 class log_table {
@@ -269,10 +285,14 @@ realign_result realign_trace(const routing_trace& trace, const realign_options& 
   const std::vector<sequence_rows> sequences = group_by_sequence(trace);
   std::vector<std::uint32_t> new_step(trace.size());
   for (std::size_t i = 0; i < trace.size(); ++i) new_step[i] = trace[i].step;
-  std::map<std::uint32_t, cooccurrence> pools;  // by short layer, built on first use
   realign_result result{.trace = routing_trace(trace.layers(), trace.experts_per_layer(), trace.top_k()), .layers = {}};
-  for (const sequence_rows& s : sequences) {
-    for (std::uint32_t layer = 0; layer < trace.layers(); ++layer) {
+  // Layer by layer, so that one short layer's pooled counts are alive at a time; the report is
+  // put back in sequence order at the end.
+  std::vector<std::size_t> report_sequence;  // per report: its sequence's index in `sequences`
+  for (std::uint32_t layer = 0; layer < trace.layers(); ++layer) {
+    std::optional<cooccurrence> pooled;  // this short layer's, built on first use
+    for (std::size_t si = 0; si < sequences.size(); ++si) {
+      const sequence_rows& s = sequences[si];
       const std::vector<std::size_t>& rows = s.decode[layer];
       if (rows.size() >= s.decode_steps) continue;
       std::vector<std::uint32_t> references;
@@ -292,11 +312,11 @@ realign_result realign_trace(const routing_trace& trace, const realign_options& 
       std::vector<std::uint32_t> steps(rows.size());  // absolute, after realignment
       for (std::size_t r = 0; r < rows.size(); ++r) steps[r] = trace[rows[r]].step;
       if (!references.empty()) {
+        check_table_size(trace);
         const cooccurrence* pool = nullptr;
         if (options.pool_sequences) {
-          auto it = pools.find(layer);
-          if (it == pools.end()) it = pools.emplace(layer, pooled_counts(trace, sequences, layer)).first;
-          pool = &it->second;
+          if (!pooled) pooled.emplace(pooled_counts(trace, sequences, layer));
+          pool = &*pooled;
         }
         const std::vector<std::uint32_t> position =
             place_rows(trace, s, layer, references, pool, options.smoothing, options.max_insertions, report.insertions);
@@ -322,7 +342,18 @@ realign_result realign_trace(const routing_trace& trace, const realign_options& 
       }
       note(s.prefill + s.decode_steps);
       result.layers.push_back(std::move(report));
+      report_sequence.push_back(si);
     }
+  }
+  {  // sequence order, layers ascending within a sequence (as before the layer-major loop)
+    std::vector<std::size_t> order(result.layers.size());
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t a, std::size_t b) { return report_sequence[a] < report_sequence[b]; });
+    std::vector<realigned_layer> sorted;
+    sorted.reserve(order.size());
+    for (const std::size_t i : order) sorted.push_back(std::move(result.layers[i]));
+    result.layers = std::move(sorted);
   }
   result.trace.set_batch_size(trace.batch_size());
   result.trace.declare_fields(trace.fields());

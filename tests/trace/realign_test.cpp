@@ -307,6 +307,28 @@ TEST(Realign, ReportsHugeGapsAsRunsWithoutAllocatingPerStep) {
   EXPECT_EQ(r.trace, t);
 }
 
+// The co-occurrence tables are dense (layers x E^2 cells): a geometry whose tables would pass
+// 2^28 cells is refused, naming the product, before anything is allocated (a 4-line trace
+// declaring 16,384 experts asked for gigabytes). A trace with no short layer needs no table.
+TEST(Realign, RefusesTablesBeyondTheirBoundBeforeAllocating) {
+  routing_trace t(2, 16384, 1);
+  const float w[] = {1.0F};
+  for (std::uint32_t step = 0; step < 3; ++step) {
+    for (std::uint32_t layer = 0; layer < 2; ++layer) {
+      const std::uint32_t x[] = {step};
+      t.append({.sequence = 0, .step = step, .layer = layer, .experts = x, .weights = w});
+    }
+  }
+  EXPECT_EQ(realign_trace(t).trace, t) << "complete: nothing to realign, no table";
+  routing_trace short_layer(2, 16384, 1);
+  for (const routing_event e : t) {
+    if (!(e.layer == 1 && e.step == 1)) short_layer.append(e);
+  }
+  EXPECT_THAT([&] { static_cast<void>(realign_trace(short_layer)); },
+              ::testing::ThrowsMessage<expage::invalid_argument>(
+                  HasSubstr("2 layers x 16384^2 experts = 536870912 co-occurrence cells out of range [0, 2^28]")));
+}
+
 TEST(Realign, NeverMovesPrefillRows) {
   const routing_trace t =
       generate_synthetic(moe_geometry::mixtral_8x7b(),
