@@ -298,7 +298,9 @@ TEST(ExpertRuntimeTiers, PromotionRunsInTheBackgroundAndSwitchesWhenComplete) {
   EXPECT_EQ(rt.statistics().total.promotions, 1U);
   for (int i = 0; i < 3; ++i) {
     auto lease = rt.acquire(0, routed);
-    EXPECT_EQ(lease.tiers()[0], version_tier::lo) << "served by the lo version while hi loads";
+    ASSERT_EQ(lease.tiers().size(), 1U);
+    const version_tier served = lease.tiers().front();
+    EXPECT_EQ(served, version_tier::lo) << "served by the lo version while hi loads";
     w.check_lease_on_compute(rt, lease);
     lease.release();
     w.compute.synchronize();  // returns: the compute stream never waits for the gated promotion

@@ -1625,6 +1625,8 @@ class expert_runtime {
     }
     std::array<std::uint64_t, version_tier_count> bytes{};
     std::shared_ptr<event_type> loaded;
+    std::vector<std::pair<std::size_t, std::uint32_t>> evictions_published;  // (tier, victim)
+    std::vector<std::uint32_t> activations_published;
     try {
       for (planned_load& p : plan) {
         tier_state& T = tier(p.tier);
@@ -1641,15 +1643,21 @@ class expert_runtime {
           p.activation->prepare(record_of(p.tier, p.expert, p.slot), version_storage(std::monostate{}));
         }
       }
-      // The records view last: a mirror hook that throws leaves the transitions to abort.
+      // The records view last: a mirror hook that throws leaves the transitions to abort, and
+      // the records already published to be taken back (unpublish()).
       for (planned_load& p : plan) {
-        if (p.eviction) p.eviction->publish();
+        if (!p.eviction) continue;
+        p.eviction->publish();
+        evictions_published.emplace_back(p.tier, *p.victim);
       }
       for (planned_load& p : plan) {
-        if (p.activation) p.activation->publish();
+        if (!p.activation) continue;
+        p.activation->publish();
+        activations_published.push_back(p.expert);
       }
     } catch (...) {
       undo(plan);
+      unpublish(activations_published, evictions_published);
       throw;
     }
     // Commit: nothing below throws.
@@ -1813,6 +1821,33 @@ class expert_runtime {
       if (p.victim && p.filling) restore(p.tier, *p.victim, *copy_, p.eviction);
     }
     plan.clear();  // aborts the transitions, returns fresh blocks and their budget
+  }
+  // After undo() of a group whose records were published in part (a record mirror that failed
+  // part-way): the records go back to what the runtime holds. The activated experts' pages are
+  // unmapped again, so their records go to nothing; the victims' bytes are back in their slots,
+  // so their records come back. A hook that fails again leaves the activated record as it is
+  // (basic guarantee) and evicts the victim in the runtime too, so that the two agree.
+  void unpublish(std::span<const std::uint32_t> activated,
+                 std::span<const std::pair<std::size_t, std::uint32_t>> evicted) noexcept {
+    for (auto it = activated.rbegin(); it != activated.rend(); ++it) {
+      try {
+        table_.begin(geometry_.expert_at(*it), residency_state::evicting).publish();
+      } catch (...) {
+      }
+    }
+    for (auto it = evicted.rbegin(); it != evicted.rend(); ++it) {
+      const auto [t, v] = *it;
+      version& victim = tier(t).versions[v];
+      if (victim.slot < 0) continue;  // restore() failed and evicted it
+      try {
+        if (std::optional<transition> tr = begin_version(t, v)) {
+          tr->prepare(record_of(t, v, victim.slot), version_storage(std::monostate{}));
+          tr->publish();
+        }
+      } catch (...) {
+        retire(t, v, /*eviction=*/true);
+      }
+    }
   }
   // Reloads expert f's tier-t bytes into its own pages (a failed load wrote into them) and waits.
   // @p eviction: the records view's transition begun for evicting it (none when the version is
@@ -2250,16 +2285,24 @@ class expert_runtime {
     map_version(t, f, slot, blocks, victim.has_value(), !victim.has_value());
     std::uint64_t bytes = 0;
     std::shared_ptr<event_type> loaded;
+    bool evicted = false;  // the victim's eviction published (then taken back on a failure)
     try {
       bytes = fill(t, f, slot, *prefetch_);
       loaded = record_event(*prefetch_);
       if (next) next->prepare(record_of(t, f, slot), version_storage(std::monostate{}));
-      if (eviction) eviction->publish();
+      if (eviction) {
+        eviction->publish();
+        evicted = true;
+      }
       if (next) next->publish();
     } catch (...) {
       quietly_synchronize(*record_event_quietly(*prefetch_));
       unmap_failed(t, f, slot, /*stable_mapped=*/true, /*slot_mapped=*/!victim);
       if (victim) restore(t, *victim, *prefetch_, eviction);
+      if (evicted) {
+        const std::pair<std::size_t, std::uint32_t> taken{t, *victim};
+        unpublish({}, std::span(&taken, 1));
+      }
       throw;
     }
     if (victim) {
