@@ -178,17 +178,20 @@ TEST(ExpertRuntime, NeverEvictsAnExpertWhoseKernelIsPendingOrWhoseLeaseIsHeld) {
   EXPECT_EQ(w.check_views(rt), "");
 }
 
+// A kernel still running: ready once its completion has been waited for (wait() returns at
+// once), counting the waits.
+struct pending_kernel {
+  std::shared_ptr<std::atomic<int>> waited;
+  [[nodiscard]] bool ready() const { return waited->load() > 0; }
+  void wait() { waited->fetch_add(1); }
+};
+
 // A completion already ready at release is not kept, so it must not hide an earlier lease's
 // pending completion of the same expert: the eviction still waits for that one.
 TEST(ExpertRuntime, AReadyCompletionDoesNotHideAnEarlierPendingOne) {
   runtime_world w;
   runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 2});
   const std::uint32_t routed[] = {0, 1};
-  struct pending_kernel {
-    std::shared_ptr<std::atomic<int>> waited;
-    [[nodiscard]] bool ready() const { return waited->load() > 0; }
-    void wait() { waited->fetch_add(1); }
-  };
   auto waited = std::make_shared<std::atomic<int>>(0);
   auto first = rt.acquire(0, routed);
   auto second = rt.acquire(0, routed);
@@ -216,11 +219,6 @@ TEST(ExpertRuntime, LeasesDrainedTogetherAreAllWaitedFor) {
   runtime_world w;
   runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 2});
   const std::uint32_t routed[] = {0, 1};
-  struct pending_kernel {
-    std::shared_ptr<std::atomic<int>> waited;
-    [[nodiscard]] bool ready() const { return waited->load() > 0; }
-    void wait() { waited->fetch_add(1); }
-  };
   auto waited_first = std::make_shared<std::atomic<int>>(0);
   auto waited_second = std::make_shared<std::atomic<int>>(0);
   auto first = rt.acquire(0, routed);
@@ -243,13 +241,8 @@ TEST(ExpertRuntime, LeasesDrainedTogetherAreAllWaitedFor) {
 TEST(ExpertRuntime, AFailedAcquireCountsNoFence) {
   runtime_world w;
   runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 3});
-  struct pending_kernel {
-    std::shared_ptr<std::atomic<bool>> done = std::make_shared<std::atomic<bool>>(false);
-    [[nodiscard]] bool ready() const { return done->load(); }
-    void wait() { done->store(true); }
-  };
   const std::uint32_t two[] = {2};
-  rt.acquire(0, two).release(pending_kernel{});  // L0.E2's kernel still runs
+  rt.acquire(0, two).release(pending_kernel{std::make_shared<std::atomic<int>>(0)});  // L0.E2's kernel still runs
   const std::uint32_t held_experts[] = {0, 1};
   auto held = rt.acquire(0, held_experts);
   w.copy.synchronize();
