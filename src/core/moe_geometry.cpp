@@ -95,8 +95,8 @@ moe_geometry::moe_geometry(config cfg) : config_(std::move(cfg)) {
   }
   const std::string_view n = config_.name;
   constexpr std::uint64_t max_dim = std::uint64_t{1} << 20;
-  check_range<std::uint32_t>(n, "layers", config_.layers, 1, 1U << 16);
-  check_range<std::uint32_t>(n, "experts_per_layer", config_.experts_per_layer, 1, 1U << 16);
+  check_range<std::uint32_t>(n, "layers", config_.layers, 1, max_layers);
+  check_range<std::uint32_t>(n, "experts_per_layer", config_.experts_per_layer, 1, max_experts_per_layer);
   check_range<std::uint32_t>(n, "top_k", config_.top_k, 1, config_.experts_per_layer);
   check_range<std::uint32_t>(n, "shared_experts", config_.shared_experts, 0, 64);
   check_range<std::uint64_t>(n, "hidden_size", config_.hidden_size, 1, max_dim);

@@ -4,11 +4,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace expage::detail {
 
 std::string_view to_string(record_field f) noexcept {
   switch (f) {
+    case record_field::step: return "step";
     case record_field::layer: return "layer";
     case record_field::phase: return "phase";
     case record_field::experts: return "experts";
@@ -69,6 +71,12 @@ std::optional<record_problem> check_record(const routing_event& e, std::uint32_t
   if (e.phase != routing_phase::decode && e.phase != routing_phase::prefill) {
     return record_problem{record_field::phase,
                           fmt::format("phase {} out of range [0, 1]", static_cast<unsigned>(e.phase))};
+  }
+  if (e.phase == routing_phase::prefill && e.step == std::numeric_limits<std::uint32_t>::max()) {
+    return record_problem{record_field::step,
+                          fmt::format("{} out of range [0, {}] for a prefill record (the prefill's length, step + 1, "
+                                      "is 32 bits)",
+                                      e.step, std::numeric_limits<std::uint32_t>::max() - 1)};
   }
   if (e.experts.size() != top_k) {
     return record_problem{record_field::experts,

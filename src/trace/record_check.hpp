@@ -12,7 +12,7 @@
 namespace expage::detail {
 
 /// The field a record_problem is about (readers map it to the name the input used).
-enum class record_field : std::uint8_t { layer, phase, experts, weights, probabilities, sketch };
+enum class record_field : std::uint8_t { step, layer, phase, experts, weights, probabilities, sketch };
 
 /// What is wrong with a record, e.g. {experts, "expert 9 out of range [0, 8) in layer 3"}.
 struct record_problem {

@@ -118,8 +118,8 @@ prefill_table routing_trace::prefill_lengths() const {
   prefill_table table;
   for (std::size_t i = 0; i < size(); ++i) {
     if (phase_[i] == routing_phase::prefill) {
-      // step ≤ UINT32_MAX − 1 in any valid ordering, but saturate rather than wrap.
-      const std::uint32_t len = step_[i] == UINT32_MAX ? UINT32_MAX : step_[i] + 1;
+      // check_record() keeps a prefill step below UINT32_MAX: the length fits.
+      const std::uint32_t len = step_[i] + 1;
       table.entries_.emplace_back(sequence_[i], len);
     }
   }

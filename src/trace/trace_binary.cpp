@@ -170,6 +170,19 @@ binary_header parse_header(std::span<const std::byte> bytes, std::string_view so
   h.meta.layers = load_le<std::uint32_t>(bytes, 16);
   h.meta.experts_per_layer = load_le<std::uint32_t>(bytes, 20);
   h.meta.top_k = load_le<std::uint32_t>(bytes, 24);
+  // A geometry's ranges (moe_geometry), named here with the byte offset: a header that could not
+  // describe a model is refused before a geometry is made of it.
+  if (h.meta.layers == 0 || h.meta.layers > moe_geometry::max_layers) {
+    fail(at(16), "layers", fmt::format("{} out of range [1, {}]", h.meta.layers, moe_geometry::max_layers));
+  }
+  if (h.meta.experts_per_layer == 0 || h.meta.experts_per_layer > moe_geometry::max_experts_per_layer) {
+    fail(at(20), "experts_per_layer",
+         fmt::format("{} out of range [1, {}]", h.meta.experts_per_layer, moe_geometry::max_experts_per_layer));
+  }
+  if (h.meta.top_k == 0 || h.meta.top_k > h.meta.experts_per_layer) {
+    fail(at(24), "top_k",
+         fmt::format("{} out of range [1, {}] (experts_per_layer)", h.meta.top_k, h.meta.experts_per_layer));
+  }
   h.batch_size = load_le<std::uint32_t>(bytes, 28);
   h.meta.batch_size = h.batch_size;
   if (h.batch_size == 0) fail(at(28), "batch_size", "0 out of range [1, 4294967295]");

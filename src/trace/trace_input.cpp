@@ -288,7 +288,10 @@ void trace_builder::append(const staged_record& r, std::uint64_t where) {
   // As routing_trace::append: without a declaration the first record decides.
   const trace_fields fields = trace_.empty() && !fields_declared_ ? fields_of(e) : trace_.fields();
   if (const auto problem = check_record(e, trace_.layers(), trace_.experts_per_layer(), trace_.top_k(), fields)) {
-    fail(here, problem->field == record_field::weights ? r.weights_name : to_string(problem->field), problem->message);
+    const std::string_view field = problem->field == record_field::weights ? r.weights_name
+                                   : problem->field == record_field::step  ? r.step_name
+                                                                           : to_string(problem->field);
+    fail(here, field, problem->message);
   }
   trace_.append(e);
   positions_.push_back(where);

@@ -205,6 +205,11 @@ TEST(TraceIo, BadJsonlNamesFileLineAndField) {
       {"layer out of range",
        R"({"sequence": 0, "step": 0, "layer": 32, "experts": [1, 2], "weights": [0.6, 0.4]})",
        {"field 'layer'", "layer 32 out of range [0, 32)"}},
+      {"prefill at the last step (its length would not fit)",
+       "\n"
+       R"({"problem_id": 0, "token_idx": 4294967295, "layer": 0, "phase": "prefill", "experts": [1, 2], )"
+       R"("gating_probs": [0.6, 0.4]})",
+       {"bad.jsonl:2:", "field 'token_idx'", "4294967295 out of range [0, 4294967294] for a prefill record"}},
       {"wrong top-k",
        R"({"sequence": 0, "step": 0, "layer": 0, "experts": [1, 2, 3], "weights": [0.6, 0.3, 0.1]})",
        {"bad.jsonl:1:", "field 'experts'", "3 experts where the geometry's top_k is 2"}},
@@ -326,6 +331,15 @@ TEST(TraceIo, BadBinaryNamesByteOffsetAndField) {  // version 1
   phase[64 + 12] = 7;
   reseal_binary(phase);
   expect_error(phase, mixtral(), {"byte 76:", "field 'phase'"}, "phase");
+  // A header that could not describe a model, refused with its offset (not later, by the geometry).
+  std::string no_layers = good;
+  std::fill_n(no_layers.begin() + 16, 4, '\0');
+  reseal_binary(no_layers);
+  expect_error(no_layers, mixtral(), {"byte 16:", "field 'layers'", "0 out of range [1, 65536]"}, "layers");
+  std::string top_k = good;
+  top_k[24] = 9;
+  reseal_binary(top_k);
+  expect_error(top_k, mixtral(), {"byte 24:", "field 'top_k'", "9 out of range [1, 8]"}, "top_k");
 }
 
 // Version 3: 72-byte header, blocks of block_records records each followed by a CRC-32C. A record's

@@ -59,10 +59,15 @@ struct tensor_shape {
 /// @threadsafety thread-compatible (immutable after construction).
 class moe_geometry {
  public:
+  /// The most MoE layers a geometry has (config::layers' range is [1, max_layers]).
+  static constexpr std::uint32_t max_layers = 1U << 16;
+  /// The most routed experts per layer (config::experts_per_layer's range is [1, max_experts_per_layer]).
+  static constexpr std::uint32_t max_experts_per_layer = 1U << 16;
+
   /// @brief What a geometry is built from: the fields of a model's config.json.
   struct config {
     std::string name;                            ///< Model name, e.g. "mixtral-8x7b"; non-empty.
-    std::uint32_t layers = 0;                    ///< MoE layers (dense layers excluded), ≥ 1.
+    std::uint32_t layers = 0;                    ///< MoE layers (dense layers excluded), in [1, 65536].
     std::uint32_t experts_per_layer = 0;         ///< Routed experts per MoE layer, in [1, 65536].
     std::uint32_t top_k = 0;                     ///< Routed experts per token, in [1, experts_per_layer].
     std::uint32_t shared_experts = 0;            ///< Always-active experts per layer, in [0, 64].

@@ -608,8 +608,11 @@ class expert_runtime {
   /// expert_bytes(lo)⌋ lo versions (@p lo_bytes is ignored with one tier), and with @p demand the
   /// demand tier (a split without a lo tier: demand hi and lo_bytes 0). Every shrinking tier
   /// evicts first (waiting for its victims' last kernels) and returns its blocks to the system,
-  /// and only then are capacities raised: the footprint never exceeds the larger of the old and
-  /// the new total (WiSP §3.4: shrink the losing pool before growing the other).
+  /// and only then are capacities raised (WiSP §3.4: shrink the losing pool before growing the
+  /// other): the footprint stays within the larger of the old and the new total, except that
+  /// versions a lease still pins above a lowered capacity stay until released (runtime_resize::
+  /// held) while the other tier may already grow; the account's capacity bounds both at every
+  /// instant, so nothing is over-committed.
   /// @throws expage::invalid_argument when the demand tier would hold fewer than top_k
   /// versions, a tier more than the experts, or both together more than the account's capacity
   /// (nothing changes).
