@@ -380,6 +380,36 @@ TEST(ExpertRuntime, AFailedKernelCompletionPoisonsItsExpertsAndChangesNothing) {
   EXPECT_EQ(w.check_views(rt), "");
 }
 
+// The same failure found only when its place in the completion ring is reused, 256 releases later
+// (the experts kept being read meanwhile): its experts are poisoned, not forgotten, so the next
+// acquire that needs room takes another victim. (The failure was swallowed and the experts evicted.)
+TEST(ExpertRuntime, AFailureFoundWhenTheRingWrapsStillPoisons) {
+  runtime_world w;
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 3});
+  struct faulted_kernel {
+    [[nodiscard]] bool ready() const { return false; }
+    void wait() { throw std::runtime_error("injected: the kernel's stream faulted"); }
+  };
+  const std::uint32_t first[] = {0, 1};
+  rt.acquire(0, first).release(faulted_kernel{});
+  for (int i = 0; i < 300; ++i) {  // later leases of the same experts wrap the ring
+    rt.acquire(0, first).release(pending_kernel{std::make_shared<std::atomic<int>>(0)});
+  }
+  const std::uint32_t third[] = {2};
+  rt.acquire(0, third).release();
+  w.compute.synchronize();
+  EXPECT_EQ(rt.statistics().poisoned, 2U) << "found when its ring place was reused";
+  const std::uint32_t next[] = {5};
+  auto lease = rt.acquire(1, next);  // L0.E2 goes, the poisoned ones stay
+  EXPECT_TRUE(rt.resident({0, 0}) && rt.resident({0, 1}));
+  EXPECT_FALSE(rt.resident({0, 2}));
+  w.check_on_compute(rt, 1, next);
+  lease.release();
+  w.compute.synchronize();
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
 TEST(ExpertRuntime, RefusesBadInputAndChangesNothing) {
   runtime_world w;
   runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());

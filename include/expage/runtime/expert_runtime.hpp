@@ -2014,7 +2014,10 @@ class expert_runtime {
       if (!place.ready()) {
         try {
           place.wait();
-        } catch (...) {  // a failed context: nothing can still read through it
+        } catch (...) {
+          // As a failed fence: whether that kernel still reads its versions is unknown, so every
+          // version whose uses span the ticket is poisoned (never evicted), not forgotten.
+          poison_users(ticket - completion_ring);
         }
       }
       place = std::move(r.done);
@@ -2030,6 +2033,15 @@ class expert_runtime {
         // Earlier uses still pending stay in the span: a later ticket is not a later kernel.
         if (const use_span earlier = last_use(v); !earlier || earlier.ready()) v.first_use = ticket;
         v.last_use = ticket;
+      }
+    }
+  }
+  // Poisons the versions whose uses since they were last known complete include ring ticket
+  // @p ticket (its completion failed). O(tiers · experts), on a failure only.
+  void poison_users(std::uint64_t ticket) noexcept {
+    for (std::size_t t = 0; t < tier_count_; ++t) {
+      for (version& v : tier(t).versions) {
+        if (v.slot >= 0 && v.last_use != 0 && v.first_use <= ticket && ticket <= v.last_use) v.poisoned = true;
       }
     }
   }
