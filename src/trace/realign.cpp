@@ -10,7 +10,6 @@
 #include <cmath>
 #include <cstddef>
 #include <limits>
-#include <map>
 #include <numeric>
 #include <optional>
 #include <span>

@@ -302,10 +302,15 @@ class transition_manager {
     return r;
   }
 
+  // The class whose versions a transition to `to` (resident_hi or resident_lo) loads.
+  [[nodiscard]] const version_class<Stream, Memory>& class_for(residency_state to) const noexcept {
+    return classes_[to == residency_state::resident_hi ? 0 : 1];
+  }
+
   // Issues one update (promotion, demotion or first load) of `id` to `to`; the caller holds no lock.
   enum class attempt : std::uint8_t { issued, done, deferred_budget, deferred_pool, deferred_staging, busy, failed };
   attempt issue_update(expert_id id, residency_state to, std::optional<flight>& out) {
-    const version_class<Stream, Memory>& c = classes_[to == residency_state::resident_hi ? 0 : 1];
+    const version_class<Stream, Memory>& c = class_for(to);
     const residency_state now = table_->state(id);
     if (now == to) return attempt::done;
     if (is_transitional(now)) return attempt::busy;
@@ -467,8 +472,7 @@ class transition_manager {
         // the next step (the first of a step always goes, so a cap below one version still moves
         // one per step).
         if (options_.max_bytes_per_step != 0 && to != residency_state::absent && bytes_this_step_ != 0 &&
-            bytes_this_step_ + classes_[to == residency_state::resident_hi ? 0 : 1].pool->block_size() >
-                options_.max_bytes_per_step) {
+            bytes_this_step_ + class_for(to).pool->block_size() > options_.max_bytes_per_step) {
           updates_.push_front(id);
           if (!capped_this_step_) ++stats_.deferred_step_cap;
           capped_this_step_ = true;
