@@ -1,5 +1,6 @@
 #include "expage/stream/host_stream.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -7,15 +8,19 @@ namespace expage {
 
 host_event::host_event() : state_(std::make_shared<state>()) {}
 
+bool host_event::state::complete(std::uint64_t g) const {
+  return !std::binary_search(pending.begin(), pending.end(), g);
+}
+
 bool host_event::query() const {
   const std::lock_guard lock(state_->mutex);
-  return state_->completed >= state_->recorded;
+  return state_->complete(state_->recorded);
 }
 
 void host_event::synchronize() const {
   std::unique_lock lock(state_->mutex);
   const std::uint64_t target = state_->recorded;
-  state_->completed_cv.wait(lock, [&] { return state_->completed >= target; });
+  state_->completed_cv.wait(lock, [&] { return state_->complete(target); });
 }
 
 std::uint64_t host_event::records() const {
@@ -39,8 +44,8 @@ host_stream::~host_stream() {
 void host_stream::submit(task t, std::uint64_t host_stream_statistics::*counter) {
   {
     const std::lock_guard lock(mutex_);
+    queue_.push_back(std::move(t));  // the only step that can throw: nothing counted yet
     if (counter != nullptr) ++(stats_.*counter);
-    queue_.push_back(std::move(t));
     ++submitted_;
   }
   work_cv_.notify_one();
@@ -59,17 +64,35 @@ void host_stream::record(host_event& event) {
     // The generation is taken now, on the submitting thread: a query() or a
     // wait() issued after this call refers to this record (CUDA semantics).
     const std::lock_guard lock(s->mutex);
+    s->pending.push_back(s->recorded + 1);  // generations only grow: pending stays ascending
     generation = ++s->recorded;
   }
-  submit({[s = std::move(s), generation] {
-            {
-              const std::lock_guard lock(s->mutex);
-              if (s->completed < generation) s->completed = generation;
-            }
-            s->completed_cv.notify_all();
-          },
-          false},
-         &host_stream_statistics::records);
+  const auto complete = [](host_event::state& st, std::uint64_t g) {
+    const auto at = std::lower_bound(st.pending.begin(), st.pending.end(), g);
+    if (at != st.pending.end() && *at == g) st.pending.erase(at);
+  };
+  try {
+    submit({[s, generation, complete] {
+              {
+                const std::lock_guard lock(s->mutex);
+                complete(*s, generation);
+              }
+              s->completed_cv.notify_all();
+            },
+            false},
+           &host_stream_statistics::records);
+  } catch (...) {
+    // Not submitted (out of memory): a generation nothing will complete must not stay pending,
+    // or every later synchronize() would hang. The event is as before unless another thread
+    // recorded it since; then this generation counts as complete.
+    {
+      const std::lock_guard lock(s->mutex);
+      complete(*s, generation);
+      if (s->recorded == generation) --s->recorded;
+    }
+    s->completed_cv.notify_all();
+    throw;
+  }
 }
 
 void host_stream::wait(const host_event& event) {
@@ -86,7 +109,7 @@ void host_stream::wait(const host_event& event) {
   }
   submit({[s = std::move(s), generation] {
             std::unique_lock lock(s->mutex);
-            s->completed_cv.wait(lock, [&] { return s->completed >= generation; });
+            s->completed_cv.wait(lock, [&] { return s->complete(generation); });
           },
           false},
          &host_stream_statistics::event_waits);

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace expage {
@@ -118,6 +119,36 @@ TEST(HostStream, AWaitRefersToTheLatestRecordBeforeIt) {
   EXPECT_FALSE(e.query());
   gate.set_value();
   e.synchronize();
+}
+
+// An event recorded on stream a, awaited by stream c, then recorded again on stream b: b's
+// record completing first must not release c's wait, which refers to a's record (cudaEventRecord
+// semantics). The old event kept only the highest completed generation, so it did.
+TEST(HostStream, ALaterRecordElsewhereDoesNotReleaseAnEarlierWait) {
+  host_stream a("a"), b("b"), c("c");
+  ordered_log log;
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  host_event e, c_done;
+  a.enqueue([&, opened] {
+    opened.wait();
+    log.add("a");
+  });
+  a.record(e);  // generation 1, held by the gate
+  c.wait(e);    // refers to generation 1
+  c.enqueue([&] { log.add("c"); });
+  c.record(c_done);
+  b.record(e);      // generation 2, on an idle stream
+  e.synchronize();  // the latest record (b's) has completed
+  EXPECT_EQ(e.records(), 2u);
+  // c must still be held by a's record. A wrong event releases c now; the loop only gives it the
+  // time to show (nothing here waits on the correct behaviour, so the test cannot hang).
+  for (int i = 0; i < 20000 && !c_done.query(); ++i) std::this_thread::yield();
+  EXPECT_FALSE(c_done.query()) << "c's wait was released by b's later record";
+  log.add("host");
+  gate.set_value();
+  c_done.synchronize();
+  EXPECT_EQ(log.entries(), (std::vector<std::string>{"host", "a", "c"}));
 }
 
 TEST(HostStream, ErrorsAreStickyAndRecordsStillComplete) {

@@ -15,6 +15,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace expage {
 
@@ -25,7 +26,8 @@ class host_stream;
 /// Same semantics as a cudaEvent_t: host_stream::record() captures the work
 /// submitted so far, and query(), synchronize() and host_stream::wait() refer
 /// to the latest record made before they were called (later records do not
-/// delay them). An event never recorded is complete. Copies of a host_event
+/// delay them, and a later record on another stream completing first does not
+/// complete them). An event never recorded is complete. Copies of a host_event
 /// share one state, like copies of a cudaEvent_t handle; destroying the last
 /// copy while a record is pending is safe.
 ///
@@ -55,8 +57,11 @@ class host_event {
   struct state {
     mutable std::mutex mutex;
     std::condition_variable completed_cv;
-    std::uint64_t recorded = 0;   // records issued (generation of the latest)
-    std::uint64_t completed = 0;  // highest generation whose work has completed
+    std::uint64_t recorded = 0;          // records issued (generation of the latest)
+    std::vector<std::uint64_t> pending;  // generations recorded whose work has not completed, ascending
+    // Generation g's work has completed. Records on different streams complete in any order, so
+    // a later generation's completion says nothing about an earlier one's. Under mutex.
+    [[nodiscard]] bool complete(std::uint64_t g) const;
   };
   std::shared_ptr<state> state_;
 };
