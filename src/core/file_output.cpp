@@ -7,9 +7,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <string>
 #include <system_error>
 
 namespace expage {
@@ -20,7 +22,14 @@ void write_file_atomically(const std::filesystem::path& path, const std::functio
   const bool special =
       std::filesystem::exists(path, exists_error) && !std::filesystem::is_regular_file(path, exists_error);
   std::filesystem::path temporary = path;
-  if (!special) temporary += fmt::format(".tmp{}", ::getpid());
+  if (!special) {
+    // <name>.tmp<pid> beside the file; a name too long for the suffix is cut, so that any name the
+    // file system takes can be written.
+    const std::string suffix = fmt::format(".tmp{}", ::getpid());
+    std::string name = path.filename().string();
+    if (name.size() + suffix.size() > NAME_MAX) name.resize(NAME_MAX > suffix.size() ? NAME_MAX - suffix.size() : 0);
+    temporary = path.parent_path() / (name + suffix);
+  }
   {
     std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
     if (!out) {

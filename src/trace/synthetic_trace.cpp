@@ -1,6 +1,7 @@
 #include "expage/trace/synthetic_trace.hpp"
 
 #include "expage/core/error.hpp"
+#include "expage/trace/trace_io.hpp"
 
 #include <fmt/format.h>
 
@@ -121,6 +122,23 @@ void check_synthetic_options(const moe_geometry& geometry, const synthetic_optio
   if (steps > 0xFFFF'FFFFULL) {
     throw invalid_argument(
         fmt::format("synthetic_options: prefill_tokens + decode_steps = {} out of range [1, {}]", steps, 0xFFFF'FFFFU));
+  }
+  // The sizes, before anything is allocated (each factor is below 2^32, so the products fit).
+  const std::uint64_t events = std::uint64_t{options.sequences} * steps * geometry.layers();
+  if (events > max_trace_events) {
+    throw invalid_argument(
+        fmt::format("synthetic_options: sequences {} × (prefill_tokens {} + decode_steps {}) × {} layers = {} events "
+                    "out of range [1, {}] (max_trace_events)",
+                    options.sequences, options.prefill_tokens, options.decode_steps, geometry.layers(), events,
+                    max_trace_events));
+  }
+  const std::uint64_t per_event =
+      (options.probabilities ? std::uint64_t{geometry.experts_per_layer()} : 0) + options.sketch_dims;
+  if (per_event > 0 && events > max_synthetic_field_floats / per_event) {
+    throw invalid_argument(fmt::format(
+        "synthetic_options: {} events × {} floats of probabilities and sketch = {} floats out of range [0, {}] "
+        "(max_synthetic_field_floats)",
+        events, per_event, events * per_event, max_synthetic_field_floats));
   }
 }
 

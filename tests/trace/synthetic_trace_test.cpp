@@ -387,6 +387,12 @@ TEST(SyntheticTrace, RejectsOptionsOutOfRange) {
   expect_error({.batch_size = 0}, "batch_size = 0 out of range");
   expect_error({.workloads = 9}, "workloads = 9 out of range [1, 8]");
   expect_error({.decode_steps = 0}, "decode_steps = 0 out of range [1,");
+  // The sizes, before anything is allocated: 2^20 × 2^10 × 32 layers = 2^35 events; 2^24 events
+  // with 4,096-float sketches = 2^36 floats.
+  expect_error({.sequences = 1U << 20, .decode_steps = 1U << 10},
+               "= 34359738368 events out of range [1, 268435456] (max_trace_events)");
+  expect_error({.sequences = 1U << 10, .decode_steps = 1U << 9, .sketch_dims = 4096},
+               "floats out of range [0, 1073741824] (max_synthetic_field_floats)");
 }
 
 }  // namespace

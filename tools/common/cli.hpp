@@ -9,6 +9,7 @@
 #include <expage/core/moe_geometry.hpp>
 #include <expage/sim/hardware_profile.hpp>
 #include <expage/trace/routing_trace.hpp>
+#include <expage/trace/synthetic_trace.hpp>
 #include <expage/trace/trace_io.hpp>
 
 #include <fmt/format.h>
@@ -18,6 +19,7 @@
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -32,6 +34,20 @@ namespace expage_tools {
 struct usage_error {
   std::string message;
 };
+
+/// Drops the repeats of @p v, keeping first occurrences in order, compared by @p key: a list
+/// flag that names a value twice ("--policy all,lru") runs it once.
+template <class T, class Key = std::identity>
+void drop_repeats(std::vector<T>& v, Key key = {}) {
+  std::vector<T> out;
+  out.reserve(v.size());
+  for (T& x : v) {
+    if (std::none_of(out.begin(), out.end(), [&](const T& y) { return std::invoke(key, y) == std::invoke(key, x); })) {
+      out.push_back(std::move(x));
+    }
+  }
+  v = std::move(out);
+}
 
 /// Splits a comma-separated list; "a,", ",a" and "a,,b" yield an empty element (rejected by the callers).
 inline std::vector<std::string> split(std::string_view list) {
@@ -181,6 +197,49 @@ inline expage::moe_geometry geometry_of(const expage::trace_metadata& m) {
                                .top_k = m.top_k,
                                .hidden_size = 1,
                                .intermediate_size = 1});
+}
+
+/// True for geometry_of()'s shape-only geometry: no hidden or FFN size, so bytes and times are
+/// per unit (miss counts stay exact).
+inline bool shape_only(const expage::moe_geometry& g) { return g.hidden_size() == 1 && g.intermediate_size() == 1; }
+
+/// For a tool whose figures are bytes and times (expage-sim, expage-plan): refuses the shape-only
+/// geometry of a trace whose metadata names no known model (a binary trace never names one).
+/// @throws usage_error asking for --geometry.
+inline void require_sized_geometry(const expage::moe_geometry& g) {
+  if (!shape_only(g)) return;
+  throw usage_error{fmt::format(
+      "the trace's metadata names no model this tool knows ('{}': {} layers x {} experts, top-{}), so its bytes and "
+      "times would be per unit: give --geometry (a preset or a geometry JSON file)",
+      g.name(), g.layers(), g.experts_per_layer(), g.top_k())};
+}
+
+/// Reads the trace at @p path for @p g. A trace without metadata (@p has_metadata false) that
+/// leaves half the geometry unused is refused unless @p trust (expage::check_trace_geometry():
+/// the Mixtral trace run as Phi-3.5-MoE).
+/// @throws expage::format_error (exit status 1) naming the file; the reader's errors.
+inline expage::routing_trace read_checked_trace(const std::string& path, const expage::moe_geometry& g,
+                                               bool has_metadata, bool trust,
+                                               const expage::trace_read_options& options = {}) {
+  expage::routing_trace t = expage::read_trace(path, g, options);
+  if (!has_metadata && !trust) {
+    try {
+      expage::check_trace_geometry(t, g);
+    } catch (const expage::invalid_argument& e) {
+      throw expage::format_error(fmt::format("{}: {}", path, e.what()));
+    }
+  }
+  return t;
+}
+
+/// Checks synthetic options, their sizes included, before anything is generated
+/// (expage::check_synthetic_options()). @throws usage_error (exit status 2) with its message.
+inline void check_synthetic(const expage::moe_geometry& g, const expage::synthetic_options& o) {
+  try {
+    expage::check_synthetic_options(g, o);
+  } catch (const expage::invalid_argument& e) {
+    throw usage_error{e.what()};
+  }
 }
 
 /// A comma-separated set of ids (--only-sequences 0,3). @throws usage_error naming @p flag.

@@ -5,16 +5,19 @@
 
 #include <expage/core/error.hpp>
 #include <expage/core/file_output.hpp>
+#include <expage/runtime/event_trace.hpp>
 
 #include <fmt/format.h>
 
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <ostream>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -41,12 +44,41 @@ inline void check_output_path(std::string_view flag, const std::filesystem::path
     }
     return;
   }
+  if (const std::string name = path.filename().string(); name.size() > NAME_MAX) {
+    throw output_error(fmt::format("{} {}: the file name's {} bytes are more than the system's {} (NAME_MAX)", flag,
+                                   path.string(), name.size(), NAME_MAX));
+  }
   const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
   if (::access(dir.c_str(), W_OK | X_OK) != 0) {
     const int err = errno;
     throw output_error(
         fmt::format("{} {}: cannot write in '{}': {}", flag, path.string(), dir.string(), std::strerror(err)));
   }
+}
+
+/// @p text as a JSON string literal, quotes included (expage::write_json_string()'s escapes): for
+/// every string a user can choose (a geometry's or a hardware profile's name) in a JSON output.
+inline std::string json_string(std::string_view text) {
+  std::ostringstream out;
+  expage::write_json_string(out, text);
+  return std::move(out).str();
+}
+
+/// @p text escaped for SVG (XML) character data and attribute values: & < > " '.
+inline std::string xml_text(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (const char c : text) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      case '\'': out += "&apos;"; break;
+      default: out += c;
+    }
+  }
+  return out;
 }
 
 /// Writes @p text to @p path whole or not at all (expage::write_file_atomically()).

@@ -8,9 +8,9 @@
 
 #include <fmt/format.h>
 
+#include "cli.hpp"
 #include "tool_output.hpp"
 
-#include <charconv>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -25,32 +25,12 @@ every precision expage knows, the whole model's routed experts, and with
 --budget how many experts fit in that much memory.
 
   --model G       one of: {}, or a geometry JSON file (docs/traces.md)
-  --budget SIZE   a size such as 24GiB, 512MiB, 80GB (GB = 10^9) or a byte count
+  --budget SIZE   a size such as 24GiB, 1.5GiB, 512MiB, 80GB (GB = 10^9) or a byte count, up to 2^53
   --help          this text
 
-exit status: 0 success (all output written), 1 unreadable geometry file or unwritable output,
-2 bad command line.
+exit status: 0 success (all output written), 1 unwritable output, 2 bad command line (an
+unreadable or malformed geometry file included, as in the other tools).
 )";
-
-std::optional<std::size_t> parse_size(std::string_view text) {
-  std::size_t value = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || end == text.data()) return std::nullopt;
-  const std::string_view unit(end, static_cast<std::size_t>(text.data() + text.size() - end));
-  struct suffix {
-    std::string_view name;
-    std::size_t scale;
-  };
-  for (const suffix s : {suffix{"", 1}, suffix{"B", 1}, suffix{"KiB", expage::KiB}, suffix{"MiB", expage::MiB},
-                         suffix{"GiB", expage::GiB}, suffix{"TiB", expage::TiB}, suffix{"KB", 1000},
-                         suffix{"MB", 1000'000}, suffix{"GB", 1000'000'000}, suffix{"TB", 1000'000'000'000}}) {
-    if (unit == s.name) {
-      if (value > expage::max_bytes / s.scale) return std::nullopt;
-      return value * s.scale;
-    }
-  }
-  return std::nullopt;
-}
 
 }  // namespace
 
@@ -71,15 +51,15 @@ int main(int argc, char** argv) {
       } catch (const expage::invalid_argument& e) {
         fmt::print(stderr, "expage-geometry: --model: {}\n", e.what());
         return 2;
-      } catch (const expage::format_error& e) {
+      } catch (const expage::format_error& e) {  // a bad geometry file: a bad command line, as in the other tools
         fmt::print(stderr, "expage-geometry: --model: {}\n", e.what());
-        return 1;
+        return 2;
       }
     } else if (arg == "--budget" && has_value) {
-      budget = parse_size(argv[++i]);
-      if (!budget) {
-        fmt::print(stderr, "expage-geometry: --budget '{}' is not a size (e.g. 24GiB, 512MiB, 80GB, 1048576)\n",
-                   argv[i]);
+      try {
+        budget = expage_tools::parse_bytes("--budget", argv[++i], 0);
+      } catch (const expage_tools::usage_error& e) {
+        fmt::print(stderr, "expage-geometry: {}\n", e.message);
         return 2;
       }
     } else {

@@ -45,6 +45,8 @@ input (one of):
   --trace FILE          a routing trace: .jsonl, .csv or .bin (expage binary), by extension
   --synthetic           a seeded synthetic trace (--sequences N, --steps N, --seed N)
   --only-sequences LIST plan for these sequence ids only (e.g. one problem of a recorded trace)
+  --trust-geometry      accept a trace without metadata that leaves half the geometry unused
+                        (refused by default: the Mixtral trace run as Phi-3.5-MoE)
 
 memory:
   --budget SIZE         pageable bytes for experts and KV together, e.g. 40GiB (required)
@@ -98,6 +100,7 @@ line (a budget that leaves the experts no room above the KV floor included).
 struct config {
   std::optional<std::string> trace;
   bool synthetic = false;
+  bool trust_geometry = false;  // --trust-geometry
   expage::synthetic_options synth{};
   std::optional<std::set<std::uint32_t>> only;
   std::optional<std::uint64_t> budget;
@@ -135,7 +138,7 @@ config parse(int argc, char** argv, const std::string& help) {
     };
     if (flag == "--help" || flag == "-h") {
       std::fputs(help.c_str(), stdout);
-      std::exit(0);
+      std::exit(expage_tools::finish_stdout("expage-plan") ? 0 : 1);
     } else if (flag == "--trace") {
       c.trace = std::string(value());
     } else if (flag == "--synthetic") {
@@ -146,6 +149,8 @@ config parse(int argc, char** argv, const std::string& help) {
       c.synth.decode_steps = parse_number<std::uint32_t>(flag, value(), 1, 1U << 16);
     } else if (flag == "--seed") {
       c.synth.seed = parse_number<std::uint64_t>(flag, value(), 0, ~std::uint64_t{0});
+    } else if (flag == "--trust-geometry") {
+      c.trust_geometry = true;
     } else if (flag == "--only-sequences") {
       c.only = expage_tools::parse_id_set(flag, value());
     } else if (flag == "--budget") {
@@ -268,6 +273,7 @@ config parse(int argc, char** argv, const std::string& help) {
           "--min-hi-coverage Q"};
     }
   }
+  expage_tools::drop_repeats(c.precisions);
   return c;
 }
 
@@ -330,7 +336,7 @@ std::string svg_header(double width, double height, double left, const std::stri
       "\n"
       R"(<text x="{}" y="22" font-size="14">{}</text>)"
       "\n",
-      width, height, left, title);
+      width, height, left, expage_tools::xml_text(title));
 }
 
 // The four-pool analysis: the (hi, lo, KV) grid, the online controller and the two-pool ones,
@@ -528,10 +534,10 @@ std::string plan_json(const expage::plan_result& plan, const expage::plan_option
         json_number(a.result.seconds_per_token()), json_number(a.belady_stall_per_token)));
   }
   return fmt::format(
-      R"({{"tool":"expage-plan","geometry":"{}","hardware":"{}","policy":"{}","budget_bytes":{},"kv_floor_bytes":{},)"
+      R"({{"tool":"expage-plan","geometry":{},"hardware":{},"policy":"{}","budget_bytes":{},"kv_floor_bytes":{},)"
       R"("tolerance":{},"options":[{}],"best":{},"recommended":{},"splits":{},"tiers":{}}})"
       "\n",
-      g.name(), hardware, expage::to_string(o.policy), o.budget_bytes, o.kv_floor_bytes, json_number(o.tolerance),
+      expage_tools::json_string(g.name()), expage_tools::json_string(hardware), expage::to_string(o.policy), o.budget_bytes, o.kv_floor_bytes, json_number(o.tolerance),
       fmt::join(rows, ","), plan.best, plan.recommended, splits.empty() ? "[]" : splits,
       tiers.empty() ? "null" : tiers);
 }
@@ -626,6 +632,8 @@ int main(int argc, char** argv) {
     const expage_tools::model_inputs inputs = expage_tools::load_model_inputs(c.hardware, c.geometry, c.trace);
     const expage::hardware_profile& hardware = inputs.hardware;
     const expage::moe_geometry& g = inputs.geometry;
+    expage_tools::require_sized_geometry(g);
+    if (c.synthetic) expage_tools::check_synthetic(g, c.synth);
     expage::plan_options o;
     o.budget_bytes = *c.budget;
     try {
@@ -661,7 +669,9 @@ int main(int argc, char** argv) {
       throw usage_error{fmt::format("the KV floor of {} is not below the budget of {}: no room for experts",
                                     expage::byte_size{o.kv_floor_bytes}, expage::byte_size{o.budget_bytes})};
     }
-    expage::routing_trace trace = c.trace ? expage::read_trace(*c.trace, g) : expage::generate_synthetic(g, c.synth);
+    expage::routing_trace trace =
+        c.trace ? expage_tools::read_checked_trace(*c.trace, g, inputs.metadata.has_value(), c.trust_geometry)
+                : expage::generate_synthetic(g, c.synth);
     if (c.only) trace = expage_tools::only_sequences(trace, *c.only);
     const expage::plan_result plan = [&] {
       try {

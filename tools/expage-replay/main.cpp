@@ -234,6 +234,7 @@ config parse(int argc, char** argv, const std::string& help) {
     const auto all = expage::all_policy_kinds();
     c.policies.assign(all.begin(), all.end());
   }
+  expage_tools::drop_repeats(c.policies);
   return c;
 }
 
@@ -277,7 +278,7 @@ std::string svg_chart(const std::vector<curve>& curves, const expage::moe_geomet
       "\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
       R"svg(<text x="{}" y="26" font-size="15" font-weight="bold">{}</text>)svg"
       "\n",
-      width, height, left, title);
+      width, height, left, expage_tools::xml_text(title));
   for (std::size_t p = 0; p < panels.size(); ++p) {
     const int y0 = top + static_cast<int>(p) * (panel_h + gap);
     double xmax = 0.0, ymax = 0.0;
@@ -354,15 +355,9 @@ int main(int argc, char** argv) {
         c.trace ? expage::read_trace_metadata(*c.trace) : std::optional<expage::trace_metadata>{};
     expage::moe_geometry g = expage_tools::geometry_argument(c.geometry, meta);
     if (c.synthetic) {
-      const std::uint64_t events = std::uint64_t{c.synth.sequences} *
-                                   (std::uint64_t{c.synth.decode_steps} + c.synth.prefill_tokens) * g.layers();
-      if (events > expage::max_trace_events) {
-        throw usage_error{
-            fmt::format("--sequences {} x (--steps {} + --prefill {}) x {} layers = {} events out of range [1, {}] "
-                        "(max_trace_events)",
-                        c.synth.sequences, c.synth.decode_steps, c.synth.prefill_tokens, g.layers(), events,
-                        expage::max_trace_events)};
-      }
+      expage::synthetic_options o = c.synth;
+      o.batch_size = c.batch.value_or(1);
+      expage_tools::check_synthetic(g, o);  // the event count included, before anything is generated
     }
 
     // Capacities are checked before the trace is read or generated.
@@ -380,11 +375,14 @@ int main(int argc, char** argv) {
       }
       const auto keys = static_cast<std::uint32_t>(all_keys);
       for (const auto& text : c.capacities) {
-        jobs.push_back(
-            {layout, resolve_capacity(text, keys, c.mode == expage::replay_mode::sequential ? 1 : g.top_k()), text});
+        const std::uint32_t slots =
+            resolve_capacity(text, keys, c.mode == expage::replay_mode::sequential ? 1 : g.top_k());
+        const bool repeat =
+            std::any_of(jobs.begin(), jobs.end(), [&](const job& j) { return j.layout == layout && j.slots == slots; });
+        if (!repeat) jobs.push_back({layout, slots, text});  // "50%,128" may name one capacity twice
       }
     }
-    if (g.hidden_size() == 1 && g.intermediate_size() == 1) {
+    if (expage_tools::shape_only(g)) {
       fmt::print(stderr,
                  "expage-replay: note: geometry '{}' gives no hidden_size/intermediate_size: miss counts are exact, "
                  "bytes moved and stall are per unit, not real\n",
@@ -464,15 +462,8 @@ int main(int argc, char** argv) {
     if (done.empty() && !all.empty()) {
       expage::routing_trace trace = [&] {
         if (c.trace) {
-          expage::routing_trace t = expage::read_trace(*c.trace, g, {.batch_size = c.batch.value_or(0)});
-          if (!meta && !c.trust_geometry) {
-            try {
-              expage::check_trace_geometry(t, g);
-            } catch (const expage::invalid_argument& e) {
-              throw expage::format_error(fmt::format("{}: {}", *c.trace, e.what()));
-            }
-          }
-          return t;
+          return expage_tools::read_checked_trace(*c.trace, g, meta.has_value(), c.trust_geometry,
+                                                  {.batch_size = c.batch.value_or(0)});
         }
         expage::synthetic_options o = c.synth;
         o.batch_size = c.batch.value_or(1);
@@ -558,8 +549,8 @@ int main(int argc, char** argv) {
     }
     if (c.json) {
       std::string json = fmt::format(
-          R"({{"source":"{}","geometry":"{}","events":{},"batch":{},"precision":"{}","mode":"{}","results":[)",
-          c.trace ? "trace" : "synthetic", g.name(), events, batch, expage::to_string(c.format),
+          R"({{"source":"{}","geometry":{},"events":{},"batch":{},"precision":"{}","mode":"{}","results":[)",
+          c.trace ? "trace" : "synthetic", expage_tools::json_string(g.name()), events, batch, expage::to_string(c.format),
           expage::to_string(c.mode));
       for (std::size_t i = 0; i < results.size(); ++i) {
         const auto& r = results[i];

@@ -66,6 +66,8 @@ input (one of):
                           fMoE's semantic search, [0, 4096] (default 0)
   --batch N             sequences decoded in lockstep (default 1, or what a binary trace records)
   --only-sequences LIST simulate only these sequence ids (e.g. one problem of a recorded trace)
+  --trust-geometry      accept a trace without metadata that leaves half the geometry unused
+                        (refused by default: the Mixtral trace run as Phi-3.5-MoE)
   --realign             re-register the rows of layers that lost rows first (realign_trace,
                         docs/traces.md), so that cross-layer predictors see aligned tokens
   --shuffle-tokens SEED the shuffled-order control: each sequence's decode tokens in a random order
@@ -136,6 +138,7 @@ struct prefetch_choice {
 struct config {
   std::optional<std::string> trace;
   bool synthetic = false;
+  bool trust_geometry = false;  // --trust-geometry
   expage::synthetic_options synth = [] {
     expage::synthetic_options o;
     o.seed = 1;
@@ -210,6 +213,8 @@ config parse(int argc, char** argv, const std::string& help) {
       c.synth.sketch_dims = parse_number<std::uint32_t>(flag, value(), 0, expage::max_sketch_dims);
     } else if (flag == "--batch") {
       c.batch = parse_number<std::uint32_t>(flag, value(), 1, 4096);
+    } else if (flag == "--trust-geometry") {
+      c.trust_geometry = true;
     } else if (flag == "--only-sequences") {
       c.only_sequences = expage_tools::parse_id_set(flag, value());
     } else if (flag == "--realign") {
@@ -344,6 +349,9 @@ config parse(int argc, char** argv, const std::string& help) {
   if (c.forecast_distance != 0 && c.forecast_distance < c.distance) {
     throw usage_error{fmt::format("--forecast-distance {} below --distance {}", c.forecast_distance, c.distance)};
   }
+  expage_tools::drop_repeats(c.policies);
+  expage_tools::drop_repeats(c.ratios);
+  expage_tools::drop_repeats(c.prefetch, &prefetch_choice::label);
   return c;
 }
 
@@ -426,7 +434,7 @@ std::string svg_chart(const std::vector<expage::sim_result>& results, const std:
       "\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
       R"svg(<text x="{}" y="26" font-size="15" font-weight="bold">{}</text>)svg"
       "\n",
-      width, height, left, title);
+      width, height, left, expage_tools::xml_text(title));
   for (std::size_t p = 0; p < panels.size(); ++p) {
     const int y0 = top + static_cast<int>(p) * (panel_h + gap);
     struct series {
@@ -527,6 +535,10 @@ int main(int argc, char** argv) {
     const expage_tools::model_inputs inputs = expage_tools::load_model_inputs(c.hardware, c.geometry, c.trace);
     const expage::hardware_profile& hardware = inputs.hardware;
     const expage::moe_geometry& g = inputs.geometry;
+    expage_tools::require_sized_geometry(g);
+    expage::synthetic_options synth = c.synth;
+    synth.batch_size = c.batch.value_or(1);
+    if (c.synthetic) expage_tools::check_synthetic(g, synth);
     // Ratios and capacities are checked before the trace is read.
     for (const auto& r : c.ratios) {
       try {
@@ -541,14 +553,20 @@ int main(int argc, char** argv) {
       if (keys > UINT32_MAX) throw usage_error{fmt::format("--layout global: {} experts out of range", keys)};
       for (const auto& text : c.capacities) {
         const std::uint32_t slots = expage_tools::resolve_capacity(text, static_cast<std::uint32_t>(keys), g.top_k());
-        for (const auto& r : c.ratios) cells.push_back({layout, slots, r, {}});
+        for (const auto& r : c.ratios) {
+          const bool repeat = std::any_of(cells.begin(), cells.end(), [&](const cell& x) {
+            return x.layout == layout && x.slots == slots && x.ratio == r;
+          });
+          if (!repeat) cells.push_back({layout, slots, r, {}});  // "50%,128" may name one capacity twice
+        }
       }
     }
     expage::routing_trace trace = [&] {
-      if (c.trace) return expage::read_trace(*c.trace, g, {.batch_size = c.batch.value_or(0)});
-      expage::synthetic_options o = c.synth;
-      o.batch_size = c.batch.value_or(1);
-      return expage::generate_synthetic(g, o);
+      if (c.trace) {
+        return expage_tools::read_checked_trace(*c.trace, g, inputs.metadata.has_value(), c.trust_geometry,
+                                                {.batch_size = c.batch.value_or(0)});
+      }
+      return expage::generate_synthetic(g, synth);
     }();
     if (c.batch && trace.batch_size() != *c.batch) {
       trace.set_batch_size(*c.batch);
@@ -701,9 +719,10 @@ int main(int argc, char** argv) {
 
     if (c.json) {
       std::string json = fmt::format(
-          R"({{"tool":"expage-sim","source":"{}","geometry":"{}","hardware":"{}","events":{},"batch":{},"precision":"{}",)"
+          R"({{"tool":"expage-sim","source":"{}","geometry":{},"hardware":{},"events":{},"batch":{},"precision":"{}",)"
           R"("coactivation":{{"pooling":"{}","window":{},"decay":{}}},"results":[)",
-          c.trace ? "trace" : "synthetic", g.name(), hardware.name, trace.size(), trace.batch_size(),
+          c.trace ? "trace" : "synthetic", expage_tools::json_string(g.name()), expage_tools::json_string(hardware.name),
+          trace.size(), trace.batch_size(),
           expage::to_string(c.format), expage::to_string(c.pooling), c.coactivation_window, c.coactivation_decay);
       for (std::size_t i = 0; i < results.size(); ++i) {
         if (i != 0) json += ',';

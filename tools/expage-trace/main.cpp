@@ -290,21 +290,10 @@ int run(int argc, char** argv) {
   if (command == "synth") {
     if (!geometry) throw cli_error{fmt::format("synth needs --geometry (one of: {}, or a JSON file)", names)};
     synth.batch_size = batch.value_or(1);
-    // Bound the event count before anything is allocated.
-    const std::uint64_t events = std::uint64_t{synth.sequences} *
-                                 (std::uint64_t{synth.prefill_tokens} + synth.decode_steps) * geometry->layers();
-    if (events > expage::max_trace_events) {
-      throw cli_error{
-          fmt::format("--sequences {} x (--prefill {} + --decode-steps {}) x {} layers = {} events out of "
-                      "range [1, {}] (max_trace_events)",
-                      synth.sequences, synth.prefill_tokens, synth.decode_steps, geometry->layers(), events,
-                      expage::max_trace_events)};
-    }
-    if (events == 0) throw cli_error{"--prefill and --decode-steps are both 0: the trace would have no events"};
     try {
       expage::check_synthetic_options(*geometry, synth);
     } catch (const expage::invalid_argument& e) {
-      throw cli_error{e.what()};  // a command-line mistake: status 2, before anything is generated
+      throw cli_error{e.what()};  // a command-line mistake (its sizes included): status 2, before anything is generated
     }
     if ((synth.probabilities || synth.sketch_dims != 0) && output_version == expage::binary_trace_version &&
         expage::format_of(files[0]) == expage::trace_format::binary) {

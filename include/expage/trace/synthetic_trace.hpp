@@ -87,9 +87,16 @@ struct synthetic_options {
 /// @throws expage::invalid_argument naming the option out of range and its allowed range.
 [[nodiscard]] routing_trace generate_synthetic(const moe_geometry& geometry, const synthetic_options& options);
 
-/// What generate_synthetic() checks before it generates anything (for a caller that must refuse
-/// bad options first, as a tool does before it writes a file).
-/// @throws expage::invalid_argument naming the option out of range and its allowed range.
+/// Most floats of optional fields (router probabilities and sketches) a synthetic trace may
+/// hold: 4 GiB.
+inline constexpr std::uint64_t max_synthetic_field_floats = std::uint64_t{1} << 30;
+
+/// What generate_synthetic() checks before it generates anything, the sizes included: at most
+/// max_trace_events events (sequences × (prefill_tokens + decode_steps) × layers) and
+/// max_synthetic_field_floats floats of optional fields (for a caller that must refuse
+/// (for a caller that must refuse bad options first, as a tool does before it writes a file).
+/// @throws expage::invalid_argument naming the option (or the product) out of range and its
+/// allowed range.
 void check_synthetic_options(const moe_geometry& geometry, const synthetic_options& options);
 
 }  // namespace expage
