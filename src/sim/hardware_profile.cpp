@@ -22,10 +22,12 @@ struct field_range {
   double lo, hi;
   bool open_low;
 };
-constexpr field_range hbm_range{0.0, 1e6, true};           // GB/s
+// Rates start at 1e-6 (1 KB/s, 1 MFLOP/s), not just above 0: a denormal rate made every time
+// infinite.
+constexpr field_range hbm_range{1e-6, 1e6, false};         // GB/s
 constexpr field_range calibration_range{0.0, 1e3, false};  // × roofline
-constexpr field_range tflops_range{0.0, 1e6, true};
-constexpr field_range link_range{0.0, 1e6, true};       // GB/s
+constexpr field_range tflops_range{1e-6, 1e6, false};
+constexpr field_range link_range{1e-6, 1e6, false};     // GB/s
 constexpr field_range setup_us_range{0.0, 1e6, false};  // µs
 constexpr std::size_t max_links = 16;
 
@@ -173,17 +175,26 @@ cost_model make_cost_model(const moe_geometry& geometry, const hardware_profile&
           "transfer/compute ratio {}: the layer compute time is 0 (compute_calibration {}), so no ratio can be set",
           *ratio, hardware.compute_calibration));
     }
-    // The fastest link moves an expert in ratio × layer; the others keep their bandwidth ratio to it.
-    const auto fastest = std::max_element(links.begin(), links.end(), [](const auto& a, const auto& b) {
-      return a.gbytes_per_second < b.gbytes_per_second;
-    });
-    const double target = *ratio * layer - fastest->setup_seconds;
-    if (!(target > 0.0)) {
-      throw invalid_argument(fmt::format(
-          "transfer/compute ratio {} out of range: {} x {:.3g} s per layer does not exceed the link's setup {:.3g} s",
-          *ratio, *ratio, layer, fastest->setup_seconds));
+    // The fastest link (least setup + bytes / bandwidth, once rescaled) moves an expert in
+    // ratio × layer; the others keep their bandwidth ratio to it. Link i alone reaches that time at
+    // the scale B / (bw_i (ratio × layer − setup_i)); the least such scale is where the fastest
+    // does (every other link is still at or above the time there, its time falling with scale).
+    const double want = *ratio * layer;
+    double scale = std::numeric_limits<double>::infinity();
+    double least_setup = std::numeric_limits<double>::infinity();
+    for (const auto& l : links) {
+      least_setup = std::min(least_setup, l.setup_seconds);
+      if (want > l.setup_seconds) {
+        scale = std::min(scale, static_cast<double>(m.expert_bytes) / (want - l.setup_seconds) / 1e9 /
+                                    l.gbytes_per_second);
+      }
     }
-    const double scale = static_cast<double>(m.expert_bytes) / target / 1e9 / fastest->gbytes_per_second;
+    if (!std::isfinite(scale)) {
+      throw invalid_argument(fmt::format(
+          "transfer/compute ratio {} out of range: {} x {:.3g} s per layer does not exceed the links' least setup "
+          "{:.3g} s",
+          *ratio, *ratio, layer, least_setup));
+    }
     for (auto& l : links) l.gbytes_per_second *= scale;
   }
   for (const auto& l : links) {

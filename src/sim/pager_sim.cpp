@@ -327,13 +327,16 @@ class engine {
       if (next_resize != options_.capacity_schedule.end() && next_resize->pass == pass && stream_.starts_pass(g)) {
         const double drained = resize(next_resize->capacity, g, now);
         ++next_resize;
+        result_.layers[stream_.layer(g)].stall_seconds += drained - now;  // the layer the barrier holds up
         pass_stall += drained - now;
         stall_so_far_ += drained - now;
         now = drained;
       }
       if (pf != nullptr) {
-        advance_links(now);
+        // Stale first: a prefetch whose group began before g must not start in the idle link time
+        // since (its group's routing was known then; it would only delay later loads).
         cancel_stale(g);
+        advance_links(now);
       }
       const std::uint32_t layer = stream_.layer(g);
       if (forecasting_) expire_forecasts(g, layer);

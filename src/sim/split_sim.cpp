@@ -89,10 +89,16 @@ split_model make_split_model(const split_workload& w) {
   m.experts_per_layer = w.geometry.experts_per_layer();
   m.slot_bytes = std::uint64_t{w.geometry.layers()} * cost.expert_bytes;  // S_E = N·s_e
   m.block_bytes = std::uint64_t{w.kv->block_tokens()} * w.kv_bytes_per_token;
-  m.kv_floor_bytes = w.kv_floor_bytes;
+  // The KV pool keeps at least one block (a pool of none cannot be replayed): a floor below one
+  // block counts as one.
+  if (m.block_bytes > w.budget_bytes) {
+    throw invalid_argument(fmt::format("split workload: budget_bytes {} below one KV block of {} bytes", w.budget_bytes,
+                                       m.block_bytes));
+  }
+  m.kv_floor_bytes = std::max(w.kv_floor_bytes, m.block_bytes);
   m.expert_miss_seconds = *std::min_element(cost.transfer_seconds.begin(), cost.transfer_seconds.end());
   m.kv_miss_seconds = cost.recompute_seconds_per_token * static_cast<double>(w.kv->block_tokens());
-  m.min_expert_cap = std::max<std::uint32_t>(w.experts->largest_group(), 1);
+  m.min_expert_cap = std::max<std::uint32_t>(w.experts->group_limit(), 1);  // what simulate() accepts
   return m;
 }
 

@@ -81,6 +81,7 @@ struct link_state {
   double lo = 0.0;  // seconds per lo transfer
   double busy_until = 0.0;
   link_use busy = link_use::idle;
+  double behind = 0.0;  // background work ahead of the current group's demand loads (set as it starts)
 };
 
 struct queued_job {
@@ -212,6 +213,11 @@ class tier_engine {
   // Serves group @p g at the current time.
   void serve(std::size_t g) {
     advance(now_);
+    // What each link still owes background transfers: every demand load of this group on it waits
+    // that long, not only the first (which turns the link's use to demand).
+    for (auto& l : links_) {
+      l.behind = l.busy == link_use::background && l.busy_until > now_ ? l.busy_until - now_ : 0.0;
+    }
     const std::uint32_t layer = stream_.layer(g);
     const auto experts = stream_.experts(g);
     for (const expert_index x : experts) pinned_[flat(layer, x)] = 1;
@@ -421,7 +427,7 @@ class tier_engine {
         best = &l;
       }
     }
-    if (best->busy == link_use::background && best->busy_until > now_) behind = best->busy_until - now_;
+    behind = best->behind;
     const double t = p == tier_pool::hi ? best->hi : best->lo;
     bytes_ += bytes_of(p);
     if (draw_failure()) {
@@ -475,6 +481,7 @@ class tier_engine {
   // Lets the links catch up to `until`: in time order, background transfers land and queued ones
   // start in idle link time before `until`, FIFO among those whose pool has room.
   void advance(double until) {
+    double clock = 0.0;  // the time of the last event processed: nothing starts before it
     for (;;) {
       // The earliest landing.
       auto landing = std::min_element(flights_.begin(), flights_.end(),
@@ -496,17 +503,21 @@ class tier_engine {
         }
         if (r == readiness::start) {
           pick = i;
-          start = std::max(link->busy_until, queue_[i].issued_at);
+          // Its room may have come from a landing just processed: on another, idle link it
+          // starts then, not before.
+          start = std::max({link->busy_until, queue_[i].issued_at, clock});
           break;
         }
         ++i;
       }
       const double land_at = landing != flights_.end() ? landing->done : std::numeric_limits<double>::infinity();
       if (land_at <= until && land_at <= start) {
+        clock = std::max(clock, land_at);
         land(static_cast<std::size_t>(landing - flights_.begin()));
         continue;
       }
       if (pick < queue_.size() && start < until) {
+        clock = start;
         begin(pick, *link, start);
         continue;
       }

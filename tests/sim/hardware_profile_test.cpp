@@ -5,6 +5,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cmath>
 
 namespace expage {
@@ -54,9 +56,10 @@ TEST(HardwareProfile, RefusesBadFilesNamingTheValue) {
     const char* says;
   } cases[] = {
       {R"({"name":"x","hbm_gbytes_per_second":0,"dense_tflops":1,"links":[{"gbytes_per_second":1}]})",
-       "hbm_gbytes_per_second': 0 out of range (0"},
+       "hbm_gbytes_per_second': 0 out of range [1e-06"},
       {R"({"name":"x","hbm_gbytes_per_second":10,"dense_tflops":1,"links":[{"gbytes_per_second":-25}]})",
-       "gbytes_per_second': -25 out of range (0"},
+       "gbytes_per_second': -25 out of range [1e-06"},
+      {R"({"name": "x", "links": [{"gbytes_per_second": 1e-320}]})", "out of range [1e-06"},
       {R"({"name":"x","hbm_gbytes_per_second":10,"dense_tflops":1,"links":[]})", "0 links out of range [1, 16]"},
       {R"({"name":"x","hbm_gbytes_per_second":10,"dense_tflops":1})", "field 'links' missing"},
       {R"({"name":"x","hbm_gbytes_per_second":10,"dense_tflops":1,"links":[{"gbytes_per_second":1}],"bw":3})",
@@ -91,7 +94,7 @@ TEST(HardwareProfile, ValidateNamesTheFieldAndRange) {
         try {
           p.validate();
         } catch (const invalid_argument& e) {
-          EXPECT_THAT(e.what(), HasSubstr("gbytes_per_second 0 out of range (0, 1000000]"));
+          EXPECT_THAT(e.what(), HasSubstr("gbytes_per_second 0 out of range [1e-06, 1000000]"));
           throw;
         }
       },
@@ -125,8 +128,21 @@ TEST(CostModel, RatioRescalesTheLinksExactly) {
   }
   EXPECT_THROW((void)make_cost_model(g, two, precision::bf16, std::nullopt, 0.0), invalid_argument);
   EXPECT_THROW((void)make_cost_model(g, two, precision::bf16, std::nullopt, -1.0), invalid_argument);
-  EXPECT_THROW((void)make_cost_model(g, two, precision::bf16, std::nullopt, 1e-9), invalid_argument)
+  EXPECT_THROW((void)make_cost_model(g, hardware_profile::preset("pcie4"), precision::bf16, std::nullopt, 1e-9),
+               invalid_argument)
       << "a transfer shorter than the link's setup";
+  EXPECT_NO_THROW((void)make_cost_model(g, two, precision::bf16, std::nullopt, 1e-9))
+      << "the link without setup reaches any time";
+  // The fastest link is the one with the least time per transfer, not the most bandwidth: a
+  // slightly wider link with a 2 ms setup is slower at these sizes (it was the one rescaled).
+  hardware_profile setup = hardware_profile::preset("pcie4");
+  setup.links = {{"a", 25.0, 0.0}, {"b", 26.0, 2e-3}};
+  for (const double r : {5.0, 10.0, 47.0}) {
+    const auto m = make_cost_model(g, setup, precision::bf16, std::nullopt, r);
+    EXPECT_NEAR(m.transfer_compute_ratio(g.top_k()), r, 1e-9 * r);
+    EXPECT_NEAR(std::min(m.transfer_seconds[0], m.transfer_seconds[1]), r * m.nominal_layer_seconds(g.top_k()),
+                1e-9 * m.transfer_seconds[0]);
+  }
   hardware_profile free_compute = two;
   free_compute.compute_calibration = 0.0;
   EXPECT_THROW((void)make_cost_model(g, free_compute, precision::bf16, std::nullopt, 2.0), invalid_argument);

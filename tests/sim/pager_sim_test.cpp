@@ -230,6 +230,7 @@ TEST(PagerSim, PerfectPrefetchHidesTransfersBehindLongCompute) {
 // the bounds are below what every run achieves.
 TEST(PagerSim, InvariantsOnRandomTraces) {
   const auto g = small();
+  double resize_stall = 0.0;  // some barrier waited (the test covers that case)
   for (std::uint64_t seed = 1; seed <= 4; ++seed) {
     synthetic_options so;
     so.seed = seed;
@@ -242,6 +243,9 @@ TEST(PagerSim, InvariantsOnRandomTraces) {
         const access_stream stream(trace, capacity);
         sim_options o{.capacity = capacity, .hardware = no_setup(), .transfer_compute_ratio = r};
         const sim_bounds bounds = simulate_bounds(stream, g, o);
+        // Drained barriers (at the same capacity) wait for the prefetches in flight: resize stall,
+        // which the layer it holds up counts too.
+        o.capacity_schedule = {{.pass = 5, .capacity = capacity}, {.pass = 17, .capacity = capacity}};
         for (const double recall : {1.0, 0.6}) {
           oracle_prefetcher oracle(2, recall, seed);
           for (const bool prefetch : {false, true}) {
@@ -258,6 +262,7 @@ TEST(PagerSim, InvariantsOnRandomTraces) {
               double by_layer = 0.0;
               for (const auto& l : res.layers) by_layer += l.stall_seconds;
               EXPECT_NEAR(by_cause, by_layer, 1e-9 * (1.0 + by_layer));
+              if (prefetch) resize_stall += res.stall_seconds[static_cast<std::size_t>(stall_cause::resize)];
               EXPECT_LE(res.budget_peak_bytes, std::uint64_t{capacity} * res.expert_bytes);
               EXPECT_EQ(res.hits + res.demand_misses, res.accesses);
               EXPECT_EQ(res.prefetch_bytes + res.demand_bytes, res.bytes_moved());
@@ -275,6 +280,40 @@ TEST(PagerSim, InvariantsOnRandomTraces) {
       }
     }
   }
+  EXPECT_GT(resize_stall, 0.0);
+}
+
+// A prefetch whose group began before it could start is cancelled, not started in the idle link
+// time after its group (it would only delay later loads). Two wrong guesses for group 1, read
+// 1 s, move 3 s: the first starts at t = 6 (the link's idle time during group 0's compute), the
+// second would have started at t = 15 during group 1's compute, ahead of group 2's demand loads.
+TEST(PagerSim, APrefetchWhoseGroupBeganIsCancelled) {
+  struct two_wrong final : prefetcher {
+    [[nodiscard]] std::string name() const override { return "two-wrong"; }
+    void reset() override {}
+    void propose(const access_stream&, std::size_t g, std::vector<prefetch_request>& out) override {
+      if (g != 0) return;
+      out.push_back({.layer = 1, .expert = 0, .use_group = 1, .probability = 1.0F});
+      out.push_back({.layer = 1, .expert = 1, .use_group = 1, .probability = 1.0F});
+    }
+  };
+  const auto g = tiny();
+  routing_trace t(g);
+  add(t, 0, 0, 0, 1);
+  add(t, 0, 1, 2, 3);
+  add(t, 1, 0, 2, 3);
+  add(t, 1, 1, 2, 3);
+  const access_stream s(t, 8);
+  two_wrong pf;
+  sim_options o{.capacity = 8, .hardware = seconds_profile(1.0, 3.0), .dense_bytes_per_layer = 0};
+  o.prefetch = &pf;
+  o.admission = prefetch_admission::all;
+  const sim_result r = simulate(s, g, policy_kind::lru, o);
+  EXPECT_EQ(r.prefetches_issued, 2U);
+  EXPECT_EQ(r.prefetches_cancelled, 1U);
+  EXPECT_EQ(r.prefetch_bytes, r.expert_bytes) << "only the first moved";
+  ASSERT_EQ(r.pass_stalls.size(), 2U);
+  EXPECT_DOUBLE_EQ(r.pass_stalls[1], 6.0) << "group 2 loads at once (16 to 22), group 3 hits";
 }
 
 // A prefetcher that proposes random experts of the next layer: every proposal is a guess.

@@ -592,6 +592,11 @@ int main(int argc, char** argv) {
     if (c.shuffle_seed) {
       fmt::print("shuffled-order control: decode tokens permuted within each sequence (seed {})\n", *c.shuffle_seed);
     }
+    if (c.hot_table && c.bounds) {
+      fmt::print(
+          "note: the oracle and bound columns start from an empty cache; the rows start from the hot table's "
+          "experts, so a row may stall less than its 'bound'\n");
+    }
 
     // One access stream per distinct capacity when groups must be split; else one for all.
     std::uint32_t smallest = UINT32_MAX;

@@ -96,10 +96,11 @@ struct cost_model {
 [[nodiscard]] std::uint64_t estimate_dense_bytes_per_layer(const moe_geometry& geometry, precision p) noexcept;
 
 /// Builds the cost model. With @p ratio set, every link's bandwidth is rescaled (setup kept) so
-/// that the fastest link moves an expert in exactly ratio × the nominal layer time: the knob that
-/// sweeps the regime directly (`expage-sim --r`).
+/// that the fastest link (the least setup + bytes / bandwidth after the rescale) moves an expert
+/// in exactly ratio × the nominal layer time: the knob that sweeps the regime directly
+/// (`expage-sim --r`).
 /// @throws expage::invalid_argument for an invalid profile, a ratio ≤ 0, a ratio given while the
-///         compute time is 0, or a ratio whose transfer time would not exceed the link's setup.
+///         compute time is 0, or a ratio whose transfer time would not exceed every link's setup.
 [[nodiscard]] cost_model make_cost_model(const moe_geometry& geometry, const hardware_profile& hardware,
                                          precision format, std::optional<std::uint64_t> dense_bytes = std::nullopt,
                                          std::optional<double> ratio = std::nullopt);

@@ -387,7 +387,8 @@ struct sim_bounds {
 /// left for experts (sim_options::initial_residency).
 [[nodiscard]] std::vector<std::uint64_t> hot_expert_table(const routing_trace& profile);
 
-/// Computes the bounds for @p options (its prefetcher is ignored).
+/// Computes the bounds for @p options from an empty cache (its prefetcher and its
+/// initial_residency are ignored: a run that starts from a preload is not bounded by them).
 [[nodiscard]] sim_bounds simulate_bounds(const access_stream& stream, const moe_geometry& geometry,
                                          const sim_options& options);
 
