@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <optional>
+#include <utility>
 
 namespace expage {
 
@@ -81,6 +83,12 @@ std::vector<expert_index> hot_set_controller::hot_set(std::uint32_t layer) const
 }
 
 hot_set_plan hot_set_controller::end_interval(budget_account* budget) {
+  if (budget != nullptr && (config_.hi_bytes == 0 || config_.hi_bytes > max_bytes)) {
+    // Before anything changes: a 0-byte admission would be refused forever (no promotion, silently).
+    throw invalid_argument(fmt::format(
+        "hot_set_controller::end_interval: hi_bytes {} out of range [1, {}] (a budget charges it per promotion)",
+        config_.hi_bytes, max_bytes));
+  }
   // EMA at the interval's end, then reset the counters (DynaExq §3.5, "Hotness Estimation").
   const double a = config_.decay;
   auto count = count_.begin();
@@ -217,16 +225,24 @@ hot_set_evaluation evaluate_hot_set(const routing_trace& trace, const hot_set_co
   if (timed && !(clock.seconds > 0.0 && std::isfinite(clock.seconds))) {
     throw invalid_argument(fmt::format("evaluate_hot_set: clock.seconds {} out of range (0, inf)", clock.seconds));
   }
+  if (!trace.is_execution_ordered()) {
+    throw invalid_argument("evaluate_hot_set: the trace is not in execution order (call restore_execution_order())");
+  }
   hot_set_controller c(config);
   hot_set_evaluation out;
   std::uint64_t passes = 0;
   double elapsed = 0.0;
   double next_boundary = clock.seconds;
-  bool first = true;
-  std::uint32_t prev_layer = 0;
-  std::uint32_t prev_sequence = 0;
-  for (const routing_event& e : trace) {
-    const bool new_pass = !first && (e.layer < prev_layer || (e.layer == prev_layer && e.sequence <= prev_sequence));
+  // A forward pass is the trace's own (routing_trace::execution_key_of(): a prefill is one pass,
+  // not one per prompt token).
+  const auto prefill = trace.prefill_lengths();
+  std::optional<std::pair<std::uint64_t, std::uint64_t>> prev_pass;
+  for (std::size_t i = 0; i < trace.size(); ++i) {
+    const routing_event e = trace[i];
+    const execution_key key = trace.execution_key_of(i, prefill);
+    const std::pair<std::uint64_t, std::uint64_t> pass{key.batch, key.pass};
+    const bool new_pass = prev_pass && pass != *prev_pass;
+    prev_pass = pass;
     if (new_pass) {
       ++passes;
       if (timed) {
@@ -239,9 +255,6 @@ hot_set_evaluation evaluate_hot_set(const routing_trace& trace, const hot_set_co
         (void)c.end_interval(budget);
       }
     }
-    first = false;
-    prev_layer = e.layer;
-    prev_sequence = e.sequence;
     for (const std::uint32_t x : e.experts) {
       ++out.activations;
       if (c.is_hot({.layer = e.layer, .expert = x})) ++out.hi_hits;

@@ -61,7 +61,9 @@ std::uint64_t proportional_gpu_units(std::uint32_t layers, std::uint32_t units_p
   }
   const auto x = bandwidth_shares(bandwidths);
   const auto total = std::uint64_t{layers} * units_per_layer;
-  return std::min(total, static_cast<std::uint64_t>(std::llround(x[0] * static_cast<double>(total))));
+  // Rounded in double: x0 · total may exceed what llround's long long holds (up to 2^64).
+  const double fast = std::floor(x[0] * static_cast<double>(total) + 0.5);
+  return fast >= static_cast<double>(total) ? total : static_cast<std::uint64_t>(fast);
 }
 
 tensor_placement place_tensors(const placement_problem& p) {
@@ -82,16 +84,17 @@ tensor_placement place_tensors(const placement_problem& p) {
   const std::uint64_t streamed = total - p.gpu_units;  // H
 
   // g(h) for h = 0..U streamed units in one layer (times unit_bytes: seconds), with its split.
-  std::vector<double> g(u_layer + 1);
-  std::vector<std::uint32_t> split(std::size_t{u_layer + 1} * k_count, 0);
-  for (std::uint32_t h = 0; h <= u_layer; ++h) {
+  std::vector<double> g(std::size_t{u_layer} + 1);
+  std::vector<std::uint32_t> split((std::size_t{u_layer} + 1) * k_count, 0);
+  for (std::uint64_t h64 = 0; h64 <= u_layer; ++h64) {  // 64-bit: u_layer may be 2^32 − 1
+    const auto h = static_cast<std::uint32_t>(h64);
     const std::span<std::uint32_t> n(split.data() + std::size_t{h} * k_count, k_count);
     const double streaming = k_count > 1 ? stream_split(h, bw, n) : 0.0;
     n[0] = u_layer - h;
     g[h] = std::max((u_layer - h) / bw[0], streaming);
   }
   bool convex = true;
-  for (std::uint32_t h = 1; h + 1 <= u_layer; ++h) {
+  for (std::size_t h = 1; h + 1 <= u_layer; ++h) {
     if (g[h + 1] - g[h] < g[h] - g[h - 1] - 1e-12 * std::max(1.0, g[h])) convex = false;
   }
 
@@ -99,9 +102,11 @@ tensor_placement place_tensors(const placement_problem& p) {
   if (convex) {
     // Even spread, remainder by error diffusion: Σ g(h_i) of a convex g is least when the h_i differ
     // by at most one.
-    for (std::uint32_t i = 0; i < n_layers; ++i) {
-      per_layer[i] = static_cast<std::uint32_t>((streamed * (i + 1)) / n_layers - (streamed * i) / n_layers);
-    }
+    // ⌊H·(i+1)/N⌋ − ⌊H·i/N⌋ without forming H·(i+1), which can exceed 2^64: with H = qN + r,
+    // ⌊H·i/N⌋ = q·i + ⌊r·i/N⌋ (r·i < N·N < 2^64).
+    const std::uint64_t q = streamed / n_layers, r = streamed % n_layers;
+    const auto share = [&](std::uint64_t i) { return q * i + r * i / n_layers; };
+    for (std::uint32_t i = 0; i < n_layers; ++i) per_layer[i] = static_cast<std::uint32_t>(share(i + 1) - share(i));
   } else {
     // Exact: best[j] = least Σ g over the layers so far with j units streamed.
     const auto cap = static_cast<std::size_t>(streamed);
@@ -172,14 +177,20 @@ std::vector<std::uint32_t> place_by_demand(std::uint32_t layers, std::uint32_t e
     const std::span<const double> p = demand.subspan(std::size_t{i} * experts_per_layer, experts_per_layer);
     std::iota(order.begin(), order.end(), 0U);
     std::stable_sort(order.begin(), order.end(), [&](std::uint32_t a, std::uint32_t b) { return p[a] > p[b]; });
-    const double total = std::accumulate(p.begin(), p.end(), 0.0);
+    // Demand at any common scale: each layer's is divided by its largest, so that the sum cannot
+    // overflow to infinity (the shares are ratios, unchanged by the division).
+    const double top = p[order[0]];
+    double total = 0.0;
+    if (top > 0.0) {
+      for (const double d : p) total += d / top;
+    }
     const bool uniform = total == 0.0;  // no demand seen: place by raw bytes
     const double whole = uniform ? static_cast<double>(experts_per_layer) : total;
     std::size_t slot = 0;
     double boundary = x[backend_order[0]] * whole;
     double before = 0.0;
     for (const std::uint32_t e : order) {
-      const double w = uniform ? 1.0 : p[e];
+      const double w = uniform ? 1.0 : p[e] / top;
       // Past the cumulative target of this backend: the expert's midpoint decides its side.
       while (slot + 1 < backend_order.size() && before + 0.5 * w > boundary) {
         ++slot;
@@ -200,8 +211,18 @@ std::vector<std::uint32_t> place_hottest_first(const tensor_placement& counts, s
     throw invalid_argument(fmt::format("place_hottest_first: placement of {} layers x {} backends for {} bandwidths",
                                        counts.layers, counts.backends, bandwidths.size()));
   }
-  std::uint32_t per_layer = 0;
-  for (std::uint32_t k = 0; k < counts.backends; ++k) per_layer += counts.at(0, k);
+  // Sums in 64 bits: a count table whose layer total wraps 32 bits must be refused, not indexed.
+  const auto layer_units = [&](std::uint32_t i) {
+    std::uint64_t sum = 0;
+    for (std::uint32_t k = 0; k < counts.backends; ++k) sum += counts.at(i, k);
+    return sum;
+  };
+  const std::uint64_t per_layer64 = layer_units(0);
+  if (per_layer64 > std::numeric_limits<std::uint32_t>::max()) {
+    throw invalid_argument(fmt::format("place_hottest_first: layer 0 holds {} units, out of range [1, 2^32)",
+                                       per_layer64));
+  }
+  const auto per_layer = static_cast<std::uint32_t>(per_layer64);
   if (per_layer == 0 || demand.size() != std::size_t{counts.layers} * per_layer) {
     throw invalid_argument(fmt::format("place_hottest_first: {} demands for {} layers x {} experts", demand.size(),
                                        counts.layers, per_layer));
@@ -218,8 +239,7 @@ std::vector<std::uint32_t> place_hottest_first(const tensor_placement& counts, s
   std::vector<std::uint32_t> out(demand.size(), 0);
   std::vector<std::uint32_t> order(per_layer);
   for (std::uint32_t i = 0; i < counts.layers; ++i) {
-    std::uint32_t sum = 0;
-    for (std::uint32_t k = 0; k < counts.backends; ++k) sum += counts.at(i, k);
+    const std::uint64_t sum = layer_units(i);
     if (sum != per_layer) {
       throw invalid_argument(
           fmt::format("place_hottest_first: layer {} holds {} units, layer 0 holds {}", i, sum, per_layer));
@@ -240,9 +260,18 @@ double demanded_load_time(std::uint32_t layers, std::uint32_t experts_per_layer,
                           double expert_bytes) {
   check_bandwidths(bandwidths, "demanded_load_time");
   const std::size_t n = std::size_t{layers} * experts_per_layer;
-  if (demand.size() != n || assignment.size() != n) {
-    throw invalid_argument(fmt::format("demanded_load_time: {} demands and {} assignments for {} experts",
-                                       demand.size(), assignment.size(), n));
+  if (layers == 0 || experts_per_layer == 0 || demand.size() != n || assignment.size() != n) {
+    throw invalid_argument(fmt::format(
+        "demanded_load_time: {} demands and {} assignments for {} layers x {} experts (need both >= 1)",
+        demand.size(), assignment.size(), layers, experts_per_layer));
+  }
+  if (!(expert_bytes >= 0.0 && std::isfinite(expert_bytes))) {
+    throw invalid_argument(fmt::format("demanded_load_time: expert_bytes {} out of range [0, inf)", expert_bytes));
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!(demand[i] >= 0.0 && std::isfinite(demand[i]))) {
+      throw invalid_argument(fmt::format("demanded_load_time: demand {} at {} out of range [0, inf)", demand[i], i));
+    }
   }
   std::vector<double> bytes(bandwidths.size());
   double time = 0.0;

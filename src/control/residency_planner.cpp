@@ -23,6 +23,13 @@ residency_planner_config checked(residency_planner_config c) {
     throw invalid_argument(fmt::format("residency_planner: bandwidth {} out of range (0, inf) bytes/s", c.bandwidth));
   }
   if (c.expert_bytes == 0) throw invalid_argument("residency_planner: expert_bytes 0 out of range [1, 2^64)");
+  // Every byte count the planner forms (N·E·expert_bytes at most) must fit 64 bits.
+  const std::uint64_t most = std::numeric_limits<std::uint64_t>::max() / (std::uint64_t{c.layers} * c.experts_per_layer);
+  if (c.expert_bytes > most) {
+    throw invalid_argument(fmt::format(
+        "residency_planner: expert_bytes {} out of range [1, {}] ({} layers x {} experts of it must fit 2^64)",
+        c.expert_bytes, most, c.layers, c.experts_per_layer));
+  }
   if (!(c.theta > 0.0 && c.theta <= 1.0)) {
     throw invalid_argument(fmt::format("residency_planner: theta {} out of range (0, 1]", c.theta));
   }

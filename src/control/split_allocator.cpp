@@ -110,7 +110,7 @@ double split_cost(const split_model& model, const miss_ratio_curve& experts, con
     throw invalid_argument(fmt::format("split_cost: expert curve of {} keys, not experts_per_layer {}",
                                        experts.key_count(), model.experts_per_layer));
   }
-  if (expert_cap > model.experts_per_layer || std::uint64_t{expert_cap} * model.slot_bytes > model.budget_bytes) {
+  if (expert_cap > model.experts_per_layer || expert_cap > model.budget_bytes / model.slot_bytes) {  // no overflow
     throw invalid_argument(
         fmt::format("split_cost: expert_cap {} out of range [0, {}]", expert_cap,
                     std::min<std::uint64_t>(model.experts_per_layer, model.budget_bytes / model.slot_bytes)));

@@ -325,6 +325,30 @@ TEST(EvaluateHotSet, RejectsMismatchedTracesAndBadClocks) {
   EXPECT_THROW((void)evaluate_hot_set(t, cfg, {.passes = 0}), invalid_argument);
   EXPECT_THROW((void)evaluate_hot_set(t, cfg, {.seconds_per_pass = 1.0, .seconds = 0.0}), invalid_argument);
   EXPECT_EQ(evaluate_hot_set(t, cfg, {}).activations, 0U);
+  // A budget with hi_bytes 0 would refuse every promotion, silently: refused before any change.
+  budget_tracker budget(1 << 20);
+  budget_account& hi = budget.add_account("hi", 1 << 20);
+  hot_set_controller c(cfg);
+  EXPECT_THROW((void)c.end_interval(&hi), invalid_argument);
+  EXPECT_EQ(c.statistics().intervals, 0U);
+}
+
+// A prefill is one forward pass (not one per prompt token), and a trace out of execution order is
+// refused: 1 sequence, 8 prompt tokens then 4 decode steps over 2 layers is 5 passes, 2 intervals
+// of 2 passes.
+TEST(EvaluateHotSet, CountsPassesAsTheTraceDoes) {
+  const auto g = moe_geometry(moe_geometry::config{
+      .name = "two", .layers = 2, .experts_per_layer = 8, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
+  const routing_trace t = generate_synthetic(g, {.seed = 3, .sequences = 1, .decode_steps = 4, .prefill_tokens = 8});
+  hot_set_config cfg{.layers = 2, .experts_per_layer = 8, .hi_per_layer = 2};
+  EXPECT_EQ(evaluate_hot_set(t, cfg, {.passes = 2}).intervals, 2U);
+  routing_trace layer_major(g);
+  for (std::uint32_t layer = 0; layer < 2; ++layer) {
+    for (const routing_event e : t) {
+      if (e.layer == layer) layer_major.append(e);
+    }
+  }
+  EXPECT_THROW((void)evaluate_hot_set(layer_major, cfg, {.passes = 2}), invalid_argument);
 }
 
 // Tuned on problem 0 only (a sweep over n_hi ∈ {2, 4}, α ∈ {0.5, 0.7, 0.8, 0.9}, T ∈ {1, 2, 4, 8} passes,

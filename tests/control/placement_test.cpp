@@ -332,6 +332,30 @@ TEST(PlaceByDemand, RejectsBadInput) {
   EXPECT_THROW((void)place_by_demand(1, 2, ok, zero_bw), invalid_argument);
   const std::vector<std::uint32_t> bad{0, 2};
   EXPECT_THROW((void)demanded_load_time(1, 2, ok, bad, bw, 1.0), invalid_argument);
+  // demanded_load_time checks its values as place_by_demand does (a NaN backend was dropped).
+  const std::vector<std::uint32_t> both{0, 1};
+  const std::vector<double> nan_demand{1.0, std::nan("")};
+  EXPECT_THROW((void)demanded_load_time(1, 2, nan_demand, both, bw, 1.0), invalid_argument);
+  EXPECT_THROW((void)demanded_load_time(1, 2, d, both, bw, 1.0), invalid_argument);
+  EXPECT_THROW((void)demanded_load_time(1, 2, ok, both, bw, -1.0), invalid_argument);
+  EXPECT_THROW((void)demanded_load_time(0, 2, {}, {}, bw, 1.0), invalid_argument);
+}
+
+// Demand at any common scale gives the same placement (the sum overflowed to infinity).
+TEST(PlaceByDemand, AnyCommonScale) {
+  const std::vector<double> bw{3.0, 1.0};
+  const std::vector<double> d{8, 7, 6, 5, 4, 3, 2, 1};
+  std::vector<double> huge(d);
+  for (double& x : huge) x *= 2e307;  // finite each, their sum is not
+  EXPECT_EQ(place_by_demand(1, 8, huge, bw), place_by_demand(1, 8, d, bw));
+}
+
+// A count table whose layer total wraps 32 bits is refused, not indexed past its end.
+TEST(PlaceHottestFirst, RefusesCountsThatWrap) {
+  const std::vector<double> bw{2.0, 1.0};
+  const tensor_placement counts{.layers = 1, .backends = 2, .units = {0xFFFFFFFFU, 2U}};
+  const std::vector<double> demand{1.0};
+  EXPECT_THROW((void)place_hottest_first(counts, demand, bw), invalid_argument);
 }
 
 }  // namespace
