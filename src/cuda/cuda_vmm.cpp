@@ -92,17 +92,19 @@ cuda_vmm::~cuda_vmm() {
   const driver_api* drv = driver();
   if (drv == nullptr) return;                             // unreachable: construction resolved it
   const scoped_device on(options_.device, std::nothrow);  // the destroying thread may have no context
+  // Every mapping first (a block mapped at several addresses, map_alias(), has one handle), then
+  // every block's handle once, mapped or not.
   for (const auto& [base, r] : table_.reservations()) {
     for (const auto& [granule, slot] : r.mapped) {
       drv->mem_unmap(static_cast<CUdeviceptr>(base + granule * granularity_), granularity_);
-      // Released here rather than collected: a push_back could throw in a destructor.
-      drv->mem_release(static_cast<CUmemGenericAllocationHandle>(table_.at(slot).payload));
     }
     drv->mem_address_free(static_cast<CUdeviceptr>(base), r.bytes);
   }
   for (std::size_t slot = 0; slot < table_.slot_count(); ++slot) {
     const detail::vmm_table::slot_record& s = table_.at(static_cast<std::uint32_t>(slot));
-    if (s.state == block_state::created) drv->mem_release(static_cast<CUmemGenericAllocationHandle>(s.payload));
+    if (s.state == block_state::created || s.state == block_state::mapped) {
+      drv->mem_release(static_cast<CUmemGenericAllocationHandle>(s.payload));
+    }
   }
   release_handles(cache_);
 }

@@ -6,16 +6,19 @@
 
 #include <fmt/format.h>
 
+#include <limits>
+
 namespace expage::cuda {
 
 device_expert_map::device_expert_map(std::size_t experts, std::size_t tiers, cudaStream_t compute,
                                      std::size_t staging_slots)
     : experts_(experts), tiers_(tiers), compute_(compute) {
-  if (experts == 0 || tiers == 0 || tiers > version_tier_count || staging_slots == 0) {
+  const std::size_t max_experts = std::numeric_limits<std::size_t>::max() / (version_tier_count * sizeof(std::int32_t));
+  if (experts == 0 || experts > max_experts || tiers == 0 || tiers > version_tier_count || staging_slots == 0) {
     throw invalid_argument(
-        fmt::format("cuda::device_expert_map: {} experts, {} tiers and {} staging slots out of range ([1, 2^64), [1, "
+        fmt::format("cuda::device_expert_map: {} experts, {} tiers and {} staging slots out of range ([1, {}], [1, "
                     "{}], [1, 2^64))",
-                    experts, tiers, staging_slots, version_tier_count));
+                    experts, tiers, staging_slots, max_experts, version_tier_count));
   }
   void* device = nullptr;
   check(cudaMalloc(&device, experts * tiers * sizeof(std::int32_t)), "cudaMalloc (device_expert_map)");

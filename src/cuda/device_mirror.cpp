@@ -6,13 +6,17 @@
 
 #include <fmt/format.h>
 
+#include <limits>
+
 namespace expage::cuda {
 
 device_mirror::device_mirror(std::size_t experts, cudaStream_t compute, std::size_t staging_slots)
     : experts_(experts), compute_(compute) {
-  if (experts == 0 || staging_slots == 0) {
-    throw invalid_argument(
-        fmt::format("cuda::device_mirror: {} experts and {} staging slots must both be ≥ 1", experts, staging_slots));
+  const std::size_t max_experts = std::numeric_limits<std::size_t>::max() / sizeof(version_record);
+  if (experts == 0 || experts > max_experts || staging_slots == 0) {
+    throw invalid_argument(fmt::format(
+        "cuda::device_mirror: {} experts and {} staging slots out of range ([1, {}], [1, 2^64))", experts,
+        staging_slots, max_experts));
   }
   void* device = nullptr;
   check(cudaMalloc(&device, experts * sizeof(version_record)), "cudaMalloc (device_mirror)");
