@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <random>
 #include <string_view>
@@ -68,9 +69,7 @@ void load(const pool_t::span& span, const std::vector<std::byte>& checkpoint, st
   }
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   bool quick = false;
   bool json = false;
   for (int i = 1; i < argc; ++i) {
@@ -101,12 +100,15 @@ int main(int argc, char** argv) {
   const std::size_t hi_charge = charged(hi_bytes, hi_mem.block_size());
   const std::size_t lo_charge = charged(lo_bytes, lo_mem.block_size());
 
-  // The device budget: KV cache, expert versions, staging.
-  expage::budget_tracker budget(1_GiB);
+  // The device budget: KV cache and expert versions, the experts' share sized for the slice (every
+  // expert at int4 plus the bf16 top-n of each layer).
+  const std::size_t hi_capacity = std::size_t{layers} * hi_per_layer * hi_charge;
+  const std::size_t lo_capacity = std::size_t{layers} * model.experts_per_layer() * lo_charge;
+  expage::budget_tracker budget(512_MiB + hi_capacity + lo_capacity);
   auto& kv = budget.add_account("kv", 512_MiB);
-  auto& experts = budget.add_account("experts", 640_MiB);
-  auto& hi = budget.add_account("experts_hi", layers * hi_per_layer * hi_charge, experts);
-  auto& lo = budget.add_account("experts_lo", layers * model.experts_per_layer() * lo_charge, experts);
+  auto& experts = budget.add_account("experts", hi_capacity + lo_capacity);
+  auto& hi = budget.add_account("experts_hi", hi_capacity, experts);
+  auto& lo = budget.add_account("experts_lo", lo_capacity, experts);
 
   pool_t hi_pool(hi_mem, hi, {.name = "hi", .max_blocks = 1024, .growth_blocks = 16});
   pool_t lo_pool(lo_mem, lo, {.name = "lo", .max_blocks = 8192, .growth_blocks = 256});
@@ -195,4 +197,15 @@ int main(int argc, char** argv) {
   lo_versions.clear();
   kv_reservation.release();
   return budget.root().used() == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "budget_pools: {}\n", e.what());
+    return 1;
+  }
 }

@@ -1491,7 +1491,7 @@ class expert_runtime {
     if (v.prefetched) {
       --unused_prefetches_;
       ++s.prefetch_wasted;
-      s.prefetch_wasted_bytes += version_bytes(t);
+      s.prefetch_wasted_bytes += geometry_.expert_bytes(T.source.format);  // the bytes its load moved
     }
     if (active_[f] == t) set_map(t, f, -1);
     T.policy.on_evict(f);
@@ -1723,7 +1723,7 @@ class expert_runtime {
     if (v.prefetched) {
       --unused_prefetches_;
       ++s.prefetch_used;
-      s.prefetch_used_bytes += T.page_bytes[0] + T.page_bytes[1];
+      s.prefetch_used_bytes += geometry_.expert_bytes(T.source.format);  // the bytes its load moved
       v.prefetched = false;
     }
   }
