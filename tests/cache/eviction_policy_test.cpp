@@ -121,12 +121,27 @@ struct kind_of<duel_policy<next_turn_policy>> {
   static constexpr policy_kind value = policy_kind::next_turn;
 };
 
+// ARC, S3-FIFO and SIEVE move their state when they choose a victim (a non-const victim()).
+template <>
+struct kind_of<duel_policy<arc_policy>> {
+  static constexpr policy_kind value = policy_kind::arc;
+};
+template <>
+struct kind_of<duel_policy<s3fifo_policy>> {
+  static constexpr policy_kind value = policy_kind::s3fifo;
+};
+template <>
+struct kind_of<duel_policy<sieve_policy>> {
+  static constexpr policy_kind value = policy_kind::sieve;
+};
+
 template <class Policy>
 class EvictionPolicyContract : public ::testing::Test {};
 
 using policies = ::testing::Types<lru_policy, fifo_policy, lfu_policy, fmoe_priority_policy, layer_decay_policy,
                                   next_turn_policy, belady_policy, arc_policy, s3fifo_policy, sieve_policy, lfru_policy,
-                                  duel_policy<next_turn_policy>>;
+                                  duel_policy<next_turn_policy>, duel_policy<arc_policy>, duel_policy<s3fifo_policy>,
+                                  duel_policy<sieve_policy>>;
 TYPED_TEST_SUITE(EvictionPolicyContract, policies);
 
 // Replays @p stream through slot_cache<Policy> and checks the expert_map after every group.

@@ -29,8 +29,8 @@ class belady_policy {
   explicit belady_policy(const key_space& space) : next_(space.size(), never) {}
   /// Records @p key's next use.
   void on_insert(std::uint32_t key, const access_context& ctx) {
+    resident_.emplace(ctx.next_use, key);  // first: it may throw bad_alloc, and then nothing changed
     next_[key] = ctx.next_use;
-    resident_.emplace(ctx.next_use, key);
   }
   /// Updates @p key's next use.
   void on_hit(std::uint32_t key, const access_context& ctx) noexcept {

@@ -80,16 +80,16 @@ class duel_policy {
     inner_.on_evict(key);
     if (lru_.contains(key)) lru_.unlink(key);
   }
-  /// The least recently used unpinned key while LRU ranks, @p Policy's victim otherwise.
-  [[nodiscard]] std::uint32_t victim(pin_view pins, const access_context& ctx) const
-      noexcept(noexcept(inner_.victim(pins, ctx))) {
+  /// The least recently used unpinned key while LRU ranks, @p Policy's victim otherwise. Not
+  /// const: ARC, S3-FIFO and SIEVE move their state when they choose a victim.
+  [[nodiscard]] std::uint32_t victim(pin_view pins, const access_context& ctx) noexcept(
+      noexcept(std::declval<Policy&>().victim(pins, ctx))) {
     return by_lru_ ? lru_.oldest_unpinned(pins) : inner_.victim(pins, ctx);
   }
   /// The same with a forecast (prefetch-aware eviction, next_turn_policy), where @p Policy ranks
   /// by one; LRU ignores it.
-  [[nodiscard]] std::uint32_t victim(pin_view pins, const access_context& ctx,
-                                     std::span<const float> forecast) const requires
-      requires(const Policy& p, pin_view v, const access_context& c, std::span<const float> f) {
+  [[nodiscard]] std::uint32_t victim(pin_view pins, const access_context& ctx, std::span<const float> forecast) requires
+      requires(Policy& p, pin_view v, const access_context& c, std::span<const float> f) {
     { p.victim(v, c, f) } -> std::same_as<std::uint32_t>;
   }
   { return by_lru_ ? lru_.oldest_unpinned(pins) : inner_.victim(pins, ctx, forecast); }

@@ -39,10 +39,20 @@ class fmoe_priority_policy {
         last_(space.size(), 0) {}
   /// Counts the access, records p, ranks @p key.
   void on_insert(std::uint32_t key, const access_context& ctx) {
+    const auto count = count_[key];
+    const auto probability = probability_[key];
+    const auto last = last_[key];
     ++count_[key];
     probability_[key] = ctx.probability > 0.0F ? std::min(1.0, static_cast<double>(ctx.probability)) : prior_;
     last_[key] = ctx.time;
-    resident_.insert(rank_of(key));
+    try {
+      resident_.insert(rank_of(key));
+    } catch (...) {  // bad_alloc: the access is not recorded (strong guarantee)
+      count_[key] = count;
+      probability_[key] = probability;
+      last_[key] = last;
+      throw;
+    }
   }
   /// Counts the access, records p, re-ranks @p key.
   void on_hit(std::uint32_t key, const access_context& ctx) noexcept {

@@ -84,8 +84,18 @@ class lfru_policy {
   }
   /// Counts the access and ranks @p key.
   void on_insert(std::uint32_t key, const access_context& ctx) {
+    const double value = value_[key];
+    const std::uint64_t epoch = epoch_[key];
+    const std::uint64_t last = last_[key];
     count(key, ctx.time);
-    resident_.insert(rank_of(key));
+    try {
+      resident_.insert(rank_of(key));
+    } catch (...) {  // bad_alloc: the access is not counted (strong guarantee)
+      value_[key] = value;
+      epoch_[key] = epoch;
+      last_[key] = last;
+      throw;
+    }
   }
   /// Counts the access and re-ranks @p key.
   void on_hit(std::uint32_t key, const access_context& ctx) noexcept {

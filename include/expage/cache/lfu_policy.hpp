@@ -28,9 +28,17 @@ class lfu_policy {
   explicit lfu_policy(const key_space& space) : count_(space.size(), 0), last_(space.size(), 0) {}
   /// Counts the access and ranks @p key.
   void on_insert(std::uint32_t key, const access_context& ctx) {
+    const auto count = count_[key];
+    const auto last = last_[key];
     ++count_[key];
     last_[key] = ctx.time;
-    resident_.insert(rank_of(key));
+    try {
+      resident_.insert(rank_of(key));
+    } catch (...) {  // bad_alloc: the access is not counted (strong guarantee)
+      count_[key] = count;
+      last_[key] = last;
+      throw;
+    }
   }
   /// Counts the access and re-ranks @p key.
   void on_hit(std::uint32_t key, const access_context& ctx) noexcept {
