@@ -193,12 +193,13 @@ int run(bool quick) {
   fmt::print("{:>6} {:>8} {:>9} {:>9} {:>9} {:>10} {:>8} {:>9}\n", "window", "bf16 hit", "bf16 now", "promote",
              "demote", "moved", "queued", "deferred");
   window_report r;
-  std::uint64_t total_bad = 0, total_hi = 0, total_reads = 0;
+  std::uint64_t total_bad = 0, total_hi = 0, total_reads = 0, total_absent = 0;
   auto last = manager.statistics();
   int w = 0;
   std::vector<std::uint64_t> promoted_before(1, 0);
   while (reports.pop(r)) {
     total_bad += r.bad_words;
+    total_absent += r.absent;  // every expert is resident at lo at least: a handle resolving to nothing is a bug
     total_hi += r.hi_reads;
     total_reads += r.hi_reads + r.lo_reads;
     std::vector<manager_type::target> plan;
@@ -249,12 +250,12 @@ int run(bool quick) {
   const auto s = manager.statistics();
   fmt::print("\ntransitions: {} completed, {} cancelled by newer plans, {} waits for budget, {} failed; {} moved\n",
              s.completed, s.cancelled, s.deferred_budget, s.failed, expage::byte_size{s.bytes_moved});
-  fmt::print("reads: {} expert reads through handles, {:.1f}% served by bf16, {} mismatching words\n", total_reads,
-             total_reads == 0 ? 0.0 : 100.0 * static_cast<double>(total_hi) / static_cast<double>(total_reads),
-             total_bad);
+  fmt::print("reads: {} expert reads through handles, {:.1f}% served by bf16, {} mismatching words, {} absent\n",
+             total_reads, total_reads == 0 ? 0.0 : 100.0 * static_cast<double>(total_hi) / static_cast<double>(total_reads),
+             total_bad, total_absent);
   fmt::print("budget: experts_hi {} of {}, experts_lo {} of {}\n", expage::byte_size{hi.used()},
              expage::byte_size{hi.capacity()}, expage::byte_size{lo.used()}, expage::byte_size{lo.capacity()});
-  return total_bad == 0 && s.failed == 0 ? 0 : 1;
+  return total_bad == 0 && total_absent == 0 && total_reads > 0 && s.failed == 0 ? 0 : 1;
 }
 
 }  // namespace

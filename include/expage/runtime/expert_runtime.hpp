@@ -1008,6 +1008,7 @@ class expert_runtime {
     copy_track_ = trace_.add_track("copy stream");
     prefetch_track_ = trace_.add_track("prefetch stream");
     compute_track_ = trace_.add_track("compute stream");
+    track_end_us_.assign(std::size_t{compute_track_} + 1, 0.0);
   }
 
   static constexpr std::size_t index(expert_tensor t) noexcept { return static_cast<std::size_t>(t); }
@@ -1798,12 +1799,17 @@ class expert_runtime {
   void trace_load(Stream& stream, std::uint32_t track, std::uint32_t layer, std::size_t experts, std::uint64_t bytes,
                   const char* category) {
     if constexpr (requires(Stream & st) { st.enqueue(std::function<void()>{}); }) {
-      // The span ends when the stream has run every copy enqueued so far (in-order stream).
+      // The span ends when the stream has run every copy enqueued so far (in-order stream), and
+      // starts when it was issued or, if later, when the stream's previous span ended: spans of
+      // one track never overlap (track_end_us_[track] is touched by that stream's thread only).
       const double issued = trace_.now_us();
       try {
         stream.enqueue([this, issued, track, layer, experts, bytes, category] {
-          trace_.span(fmt::format("{} L{} ×{}", category, layer, experts), category, track, issued,
-                      trace_.now_us() - issued, bytes);
+          const double start = std::max(issued, track_end_us_[track]);
+          const double end = std::max(start, trace_.now_us());
+          track_end_us_[track] = end;
+          trace_.span(fmt::format("{} L{} ×{}", category, layer, experts), category, track, start, end - start,
+                      bytes);
         });
       } catch (...) {  // tracing is best effort
       }
@@ -2415,6 +2421,7 @@ class expert_runtime {
   std::uint32_t copy_track_ = 0;
   std::uint32_t prefetch_track_ = 0;
   std::uint32_t compute_track_ = 0;
+  std::vector<double> track_end_us_;  // per track, the end of its last stream span (trace_load())
 };
 
 }  // namespace expage
