@@ -251,7 +251,8 @@ int run(bool quick) {
   fmt::print("\ntransitions: {} completed, {} cancelled by newer plans, {} waits for budget, {} failed; {} moved\n",
              s.completed, s.cancelled, s.deferred_budget, s.failed, expage::byte_size{s.bytes_moved});
   fmt::print("reads: {} expert reads through handles, {:.1f}% served by bf16, {} mismatching words, {} absent\n",
-             total_reads, total_reads == 0 ? 0.0 : 100.0 * static_cast<double>(total_hi) / static_cast<double>(total_reads),
+             total_reads,
+             total_reads == 0 ? 0.0 : 100.0 * static_cast<double>(total_hi) / static_cast<double>(total_reads),
              total_bad, total_absent);
   fmt::print("budget: experts_hi {} of {}, experts_lo {} of {}\n", expage::byte_size{hi.used()},
              expage::byte_size{hi.capacity()}, expage::byte_size{lo.used()}, expage::byte_size{lo.capacity()});

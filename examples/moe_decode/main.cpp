@@ -1033,9 +1033,9 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   const auto reference_record = [&](expert_id id, precision f) {
     auto& w = reference_weights[{g.flat_index(id), f}];
     if (w[0].empty()) {
-      const weight_store& from = f == store.format()             ? store
+      const weight_store& from = f == store.format()                              ? store
                                  : lo_store != nullptr && f == lo_store->format() ? *lo_store
-                                                                      : *bf16_source;
+                                                                                  : *bf16_source;
       for (std::size_t t = 0; t < 2; ++t) w[t] = from.read(id, static_cast<expert_tensor>(t));
     }
     return expage::packed_version_record(f, w[0].data(), w[1].data(), shape);
@@ -1287,9 +1287,10 @@ int run(const options& o) {
                100 * r.stats.hit_ratio(), t.evictions);
     for (const expage::runtime_tier_statistics& tier : r.stats.tiers) {
       const auto& s = tier.total;
-      fmt::print("  tier {}: hits {}  misses {}  hit rate {:.1f}%  evictions {}\n", tier.format, s.hits, s.misses,
-                 s.hits + s.misses == 0 ? 0.0 : 100.0 * static_cast<double>(s.hits) / static_cast<double>(s.hits + s.misses),
-                 s.evictions);
+      fmt::print(
+          "  tier {}: hits {}  misses {}  hit rate {:.1f}%  evictions {}\n", tier.format, s.hits, s.misses,
+          s.hits + s.misses == 0 ? 0.0 : 100.0 * static_cast<double>(s.hits) / static_cast<double>(s.hits + s.misses),
+          s.evictions);
     }
   } else {
     fmt::print("  tier {}: hits {}  misses {}  hit rate {:.1f}%  evictions {}\n", r.stats.tier, t.hits, t.misses,

@@ -173,7 +173,7 @@ int run(const settings& s) {
         });
       });
       peak_physical = std::max(peak_physical, vm.physical_bytes());  // before and after the next
-      pipe.materialize((i + ahead) % n);                               // layer's blocks are created
+      pipe.materialize((i + ahead) % n);                             // layer's blocks are created
       peak_physical = std::max(peak_physical, vm.physical_bytes());
     }
     const auto& after = pipe.statistics();
@@ -203,8 +203,8 @@ int run(const settings& s) {
              100.0 * static_cast<double>(st.peak_bytes_mapped) / static_cast<double>(model_bytes),
              expage::byte_size{model_bytes}, st.pinned_experts);
   fmt::print(
-      "physical: peak {} of blocks created (sampled at each layer); budget peak {}; stream-wide waits {}\n", expage::byte_size{peak_physical},
-      expage::byte_size{experts.statistics().peak},
+      "physical: peak {} of blocks created (sampled at each layer); budget peak {}; stream-wide waits {}\n",
+      expage::byte_size{peak_physical}, expage::byte_size{experts.statistics().peak},
       compute.statistics().stream_syncs + load_gate_up.statistics().stream_syncs + load_down.statistics().stream_syncs);
   return moved == 0 && mismatches.load() == 0 ? 0 : 1;
 }

@@ -219,8 +219,8 @@ std::vector<std::uint32_t> place_hottest_first(const tensor_placement& counts, s
   };
   const std::uint64_t per_layer64 = layer_units(0);
   if (per_layer64 > std::numeric_limits<std::uint32_t>::max()) {
-    throw invalid_argument(fmt::format("place_hottest_first: layer 0 holds {} units, out of range [1, 2^32)",
-                                       per_layer64));
+    throw invalid_argument(
+        fmt::format("place_hottest_first: layer 0 holds {} units, out of range [1, 2^32)", per_layer64));
   }
   const auto per_layer = static_cast<std::uint32_t>(per_layer64);
   if (per_layer == 0 || demand.size() != std::size_t{counts.layers} * per_layer) {
@@ -261,9 +261,9 @@ double demanded_load_time(std::uint32_t layers, std::uint32_t experts_per_layer,
   check_bandwidths(bandwidths, "demanded_load_time");
   const std::size_t n = std::size_t{layers} * experts_per_layer;
   if (layers == 0 || experts_per_layer == 0 || demand.size() != n || assignment.size() != n) {
-    throw invalid_argument(fmt::format(
-        "demanded_load_time: {} demands and {} assignments for {} layers x {} experts (need both >= 1)",
-        demand.size(), assignment.size(), layers, experts_per_layer));
+    throw invalid_argument(
+        fmt::format("demanded_load_time: {} demands and {} assignments for {} layers x {} experts (need both >= 1)",
+                    demand.size(), assignment.size(), layers, experts_per_layer));
   }
   if (!(expert_bytes >= 0.0 && std::isfinite(expert_bytes))) {
     throw invalid_argument(fmt::format("demanded_load_time: expert_bytes {} out of range [0, inf)", expert_bytes));

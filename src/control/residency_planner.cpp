@@ -24,7 +24,8 @@ residency_planner_config checked(residency_planner_config c) {
   }
   if (c.expert_bytes == 0) throw invalid_argument("residency_planner: expert_bytes 0 out of range [1, 2^64)");
   // Every byte count the planner forms (N·E·expert_bytes at most) must fit 64 bits.
-  const std::uint64_t most = std::numeric_limits<std::uint64_t>::max() / (std::uint64_t{c.layers} * c.experts_per_layer);
+  const std::uint64_t most =
+      std::numeric_limits<std::uint64_t>::max() / (std::uint64_t{c.layers} * c.experts_per_layer);
   if (c.expert_bytes > most) {
     throw invalid_argument(fmt::format(
         "residency_planner: expert_bytes {} out of range [1, {}] ({} layers x {} experts of it must fit 2^64)",

@@ -14,9 +14,9 @@ device_mirror::device_mirror(std::size_t experts, cudaStream_t compute, std::siz
     : experts_(experts), compute_(compute) {
   const std::size_t max_experts = std::numeric_limits<std::size_t>::max() / sizeof(version_record);
   if (experts == 0 || experts > max_experts || staging_slots == 0) {
-    throw invalid_argument(fmt::format(
-        "cuda::device_mirror: {} experts and {} staging slots out of range ([1, {}], [1, 2^64))", experts,
-        staging_slots, max_experts));
+    throw invalid_argument(
+        fmt::format("cuda::device_mirror: {} experts and {} staging slots out of range ([1, {}], [1, 2^64))", experts,
+                    staging_slots, max_experts));
   }
   void* device = nullptr;
   check(cudaMalloc(&device, experts * sizeof(version_record)), "cudaMalloc (device_mirror)");

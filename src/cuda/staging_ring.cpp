@@ -15,8 +15,8 @@ namespace expage::cuda::detail {
 staging_ring::staging_ring(std::size_t slots, std::size_t slot_bytes, const char* owner)
     : slot_bytes_(slot_bytes), owner_(owner) {
   if (slots == 0 || slot_bytes == 0 || slots > std::numeric_limits<std::size_t>::max() / slot_bytes) {
-    throw invalid_argument(fmt::format("{}: {} staging slots of {} bytes: both must be ≥ 1 and their product below 2^64",
-                                       owner, slots, slot_bytes));
+    throw invalid_argument(fmt::format(
+        "{}: {} staging slots of {} bytes: both must be ≥ 1 and their product below 2^64", owner, slots, slot_bytes));
   }
   try {
     void* staging = nullptr;

@@ -185,8 +185,8 @@ cost_model make_cost_model(const moe_geometry& geometry, const hardware_profile&
     for (const auto& l : links) {
       least_setup = std::min(least_setup, l.setup_seconds);
       if (want > l.setup_seconds) {
-        scale = std::min(scale, static_cast<double>(m.expert_bytes) / (want - l.setup_seconds) / 1e9 /
-                                    l.gbytes_per_second);
+        scale =
+            std::min(scale, static_cast<double>(m.expert_bytes) / (want - l.setup_seconds) / 1e9 / l.gbytes_per_second);
       }
     }
     if (!std::isfinite(scale)) {

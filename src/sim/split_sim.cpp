@@ -92,8 +92,8 @@ split_model make_split_model(const split_workload& w) {
   // The KV pool keeps at least one block (a pool of none cannot be replayed): a floor below one
   // block counts as one.
   if (m.block_bytes > w.budget_bytes) {
-    throw invalid_argument(fmt::format("split workload: budget_bytes {} below one KV block of {} bytes", w.budget_bytes,
-                                       m.block_bytes));
+    throw invalid_argument(
+        fmt::format("split workload: budget_bytes {} below one KV block of {} bytes", w.budget_bytes, m.block_bytes));
   }
   m.kv_floor_bytes = std::max(w.kv_floor_bytes, m.block_bytes);
   m.expert_miss_seconds = *std::min_element(cost.transfer_seconds.begin(), cost.transfer_seconds.end());

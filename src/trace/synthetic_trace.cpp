@@ -126,11 +126,10 @@ void check_synthetic_options(const moe_geometry& geometry, const synthetic_optio
   // The sizes, before anything is allocated (each factor is below 2^32, so the products fit).
   const std::uint64_t events = std::uint64_t{options.sequences} * steps * geometry.layers();
   if (events > max_trace_events) {
-    throw invalid_argument(
-        fmt::format("synthetic_options: sequences {} × (prefill_tokens {} + decode_steps {}) × {} layers = {} events "
-                    "out of range [1, {}] (max_trace_events)",
-                    options.sequences, options.prefill_tokens, options.decode_steps, geometry.layers(), events,
-                    max_trace_events));
+    throw invalid_argument(fmt::format(
+        "synthetic_options: sequences {} × (prefill_tokens {} + decode_steps {}) × {} layers = {} events "
+        "out of range [1, {}] (max_trace_events)",
+        options.sequences, options.prefill_tokens, options.decode_steps, geometry.layers(), events, max_trace_events));
   }
   const std::uint64_t per_event =
       (options.probabilities ? std::uint64_t{geometry.experts_per_layer()} : 0) + options.sketch_dims;

@@ -138,10 +138,10 @@ struct kind_of<duel_policy<sieve_policy>> {
 template <class Policy>
 class EvictionPolicyContract : public ::testing::Test {};
 
-using policies = ::testing::Types<lru_policy, fifo_policy, lfu_policy, fmoe_priority_policy, layer_decay_policy,
-                                  next_turn_policy, belady_policy, arc_policy, s3fifo_policy, sieve_policy, lfru_policy,
-                                  duel_policy<next_turn_policy>, duel_policy<arc_policy>, duel_policy<s3fifo_policy>,
-                                  duel_policy<sieve_policy>>;
+using policies =
+    ::testing::Types<lru_policy, fifo_policy, lfu_policy, fmoe_priority_policy, layer_decay_policy, next_turn_policy,
+                     belady_policy, arc_policy, s3fifo_policy, sieve_policy, lfru_policy, duel_policy<next_turn_policy>,
+                     duel_policy<arc_policy>, duel_policy<s3fifo_policy>, duel_policy<sieve_policy>>;
 TYPED_TEST_SUITE(EvictionPolicyContract, policies);
 
 // Replays @p stream through slot_cache<Policy> and checks the expert_map after every group.

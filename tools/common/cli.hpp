@@ -219,8 +219,8 @@ inline void require_sized_geometry(const expage::moe_geometry& g) {
 /// the Mixtral trace run as Phi-3.5-MoE).
 /// @throws expage::format_error (exit status 1) naming the file; the reader's errors.
 inline expage::routing_trace read_checked_trace(const std::string& path, const expage::moe_geometry& g,
-                                               bool has_metadata, bool trust,
-                                               const expage::trace_read_options& options = {}) {
+                                                bool has_metadata, bool trust,
+                                                const expage::trace_read_options& options = {}) {
   expage::routing_trace t = expage::read_trace(path, g, options);
   if (!has_metadata && !trust) {
     try {

@@ -537,9 +537,9 @@ std::string plan_json(const expage::plan_result& plan, const expage::plan_option
       R"({{"tool":"expage-plan","geometry":{},"hardware":{},"policy":"{}","budget_bytes":{},"kv_floor_bytes":{},)"
       R"("tolerance":{},"options":[{}],"best":{},"recommended":{},"splits":{},"tiers":{}}})"
       "\n",
-      expage_tools::json_string(g.name()), expage_tools::json_string(hardware), expage::to_string(o.policy), o.budget_bytes, o.kv_floor_bytes, json_number(o.tolerance),
-      fmt::join(rows, ","), plan.best, plan.recommended, splits.empty() ? "[]" : splits,
-      tiers.empty() ? "null" : tiers);
+      expage_tools::json_string(g.name()), expage_tools::json_string(hardware), expage::to_string(o.policy),
+      o.budget_bytes, o.kv_floor_bytes, json_number(o.tolerance), fmt::join(rows, ","), plan.best, plan.recommended,
+      splits.empty() ? "[]" : splits, tiers.empty() ? "null" : tiers);
 }
 
 // Time per token (ms) against expert memory (GiB): one series per precision (colour and dash),

@@ -550,8 +550,8 @@ int main(int argc, char** argv) {
     if (c.json) {
       std::string json = fmt::format(
           R"({{"source":"{}","geometry":{},"events":{},"batch":{},"precision":"{}","mode":"{}","results":[)",
-          c.trace ? "trace" : "synthetic", expage_tools::json_string(g.name()), events, batch, expage::to_string(c.format),
-          expage::to_string(c.mode));
+          c.trace ? "trace" : "synthetic", expage_tools::json_string(g.name()), events, batch,
+          expage::to_string(c.format), expage::to_string(c.mode));
       for (std::size_t i = 0; i < results.size(); ++i) {
         const auto& r = results[i];
         std::vector<std::string> layers;

@@ -726,9 +726,9 @@ int main(int argc, char** argv) {
       std::string json = fmt::format(
           R"({{"tool":"expage-sim","source":"{}","geometry":{},"hardware":{},"events":{},"batch":{},"precision":"{}",)"
           R"("coactivation":{{"pooling":"{}","window":{},"decay":{}}},"results":[)",
-          c.trace ? "trace" : "synthetic", expage_tools::json_string(g.name()), expage_tools::json_string(hardware.name),
-          trace.size(), trace.batch_size(),
-          expage::to_string(c.format), expage::to_string(c.pooling), c.coactivation_window, c.coactivation_decay);
+          c.trace ? "trace" : "synthetic", expage_tools::json_string(g.name()),
+          expage_tools::json_string(hardware.name), trace.size(), trace.batch_size(), expage::to_string(c.format),
+          expage::to_string(c.pooling), c.coactivation_window, c.coactivation_decay);
       for (std::size_t i = 0; i < results.size(); ++i) {
         if (i != 0) json += ',';
         json += result_json(results[i], cells[jobs[i].cell], c.bounds);

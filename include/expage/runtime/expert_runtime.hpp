@@ -1808,8 +1808,7 @@ class expert_runtime {
           const double start = std::max(issued, track_end_us_[track]);
           const double end = std::max(start, trace_.now_us());
           track_end_us_[track] = end;
-          trace_.span(fmt::format("{} L{} ×{}", category, layer, experts), category, track, start, end - start,
-                      bytes);
+          trace_.span(fmt::format("{} L{} ×{}", category, layer, experts), category, track, start, end - start, bytes);
         });
       } catch (...) {  // tracing is best effort
       }
