@@ -105,6 +105,8 @@ TEST(TierSim, ALoOnlySplitIsThePagerAtTheLoPrecision) {
 // run the same way. Returns stall, lo activations, promotions and demotions.
 struct reference_result {
   double stall = 0.0;
+  double behind = 0.0;  // stall of demand loads queued behind a background transfer
+  double late = 0.0;    // stall waiting for a background transfer of the expert itself
   std::uint64_t lo = 0;
   std::uint64_t promotions = 0;
   std::uint64_t demotions = 0;
@@ -279,9 +281,19 @@ reference_result reference_tiered(const tier_workload& w, const four_pool_model&
       }
     }
     advance(now);
+    // One link: whatever it still owes past now is background work (the layer before waited for
+    // its demand loads), and every demand load of this group queues behind it.
+    const double background = std::max(0.0, link - now);
     const std::uint32_t layer = s.layer(g);
     for (const expert_index k : s.experts(g)) pinned[layer * e + k] = true;
     double ready = now;
+    bool critical_late = false;  // the load the layer waits for last is a background transfer's
+    const auto wait = [&](double at, bool late) {
+      if (at > ready) {
+        ready = at;
+        critical_late = late;
+      }
+    };
     std::uint32_t n_hi = 0;
     std::uint32_t n_lo = 0;
     for (const expert_index k : s.experts(g)) {
@@ -297,24 +309,29 @@ reference_result reference_tiered(const tier_workload& w, const four_pool_model&
         const flight t = *std::find_if(flights.begin(), flights.end(), [&](const flight& q) { return q.f == f; });
         ++(t.to_hi ? n_hi : n_lo);
         if (!t.discarded) {
-          ready = std::max(ready, t.done);
+          wait(t.done, true);
         } else {
           land_until(t.done);
           if (!room(f, t.to_hi)) ADD_FAILURE() << "the reference found no slot";
-          ready = std::max(ready, load(f, t.to_hi, t.done));
+          wait(load(f, t.to_hi, t.done), true);
         }
       } else if (y.member && w.members_load_hi && room(f, true)) {
         queue.remove_if([&](const job& q) { return q.f == f; });
-        ready = std::max(ready, load(f, true, now));
+        wait(load(f, true, now), false);
         ++n_hi;
       } else {
         if (!room(f, false)) ADD_FAILURE() << "the reference found no lo slot";
-        ready = std::max(ready, load(f, false, now));
+        wait(load(f, false, now), false);
         ++n_lo;
       }
     }
     for (const expert_index k : s.experts(g)) pinned[layer * e + k] = false;
     out.stall += ready - now;
+    if (critical_late) {
+      out.late += ready - now;
+    } else {
+      out.behind += std::min(ready - now, background);
+    }
     out.lo += n_lo;
     now = ready + (hi.dense_seconds + n_hi * hi.seconds_per_expert_read + n_lo * lo.seconds_per_expert_read);
     hot.record(layer, s.experts(g));
@@ -340,6 +357,9 @@ TEST(TierSim, TieredSplitsEqualASlowReference) {
       const tier_run r = evaluate_tier_split(f.workload, s);
       const reference_result ref = reference_tiered(f.workload, m, s);
       EXPECT_NEAR(r.expert_stall_seconds, ref.stall, 1e-9);
+      EXPECT_NEAR(r.stall_seconds[static_cast<std::size_t>(stall_cause::queued_behind_prefetch)], ref.behind, 1e-9)
+          << "every demand load of a group waits behind the link's background work";
+      EXPECT_NEAR(r.stall_seconds[static_cast<std::size_t>(stall_cause::late_prefetch)], ref.late, 1e-9);
       EXPECT_EQ(r.lo_activations, ref.lo);
       EXPECT_EQ(r.promotions, ref.promotions);
       EXPECT_EQ(r.demotions, ref.demotions);
