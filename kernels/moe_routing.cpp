@@ -40,6 +40,10 @@ void launch_router(const void* logits, bool bf16, router_shape shape, router_gat
     throw invalid_argument(fmt::format("{}: top_k {} out of range [1, {}]", what, shape.top_k, shape.experts));
   }
   check_pairs(what, shape.pairs());
+  if (!is_valid(gating)) {
+    throw invalid_argument(fmt::format("{}: gating {} out of range [0, 1] (softmax, softmax_renormalized)", what,
+                                       static_cast<unsigned>(gating)));
+  }
   require(expert_counts != nullptr, what, "expert_counts must be a non-null device pointer");
   require(shape.tokens == 0 || (logits != nullptr && topk_ids != nullptr && topk_weights != nullptr), what,
           "logits, topk_ids and topk_weights must be non-null device pointers");

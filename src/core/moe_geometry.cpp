@@ -106,6 +106,7 @@ moe_geometry::moe_geometry(config cfg) : config_(std::move(cfg)) {
   if (config_.shared_experts > 0 && config_.shared_intermediate_size == 0) {
     config_.shared_intermediate_size = config_.intermediate_size;
   }
+
   // With every dimension ≤ 2^20 one tensor has ≤ 2^41 weights, so no single
   // tensor size overflows; the whole model (≤ 2^32 experts) still can. Bound
   // the largest expert over every precision, not just bf16: with a small
@@ -114,7 +115,7 @@ moe_geometry::moe_geometry(config cfg) : config_(std::move(cfg)) {
   // computes unchecked.
   std::uint64_t largest = 0;
   for (const precision p : all_precisions) {
-    largest = std::max({largest, expert_bytes(p), shared_expert_bytes(p)});
+    largest = std::max({largest, expert_bytes(p), shared_bytes_per_layer(p)});  // ≤ 64 × 2^43: no overflow
   }
   if (largest > max_bytes / expert_count()) {
     throw invalid_argument(

@@ -121,10 +121,11 @@ class json_reader {
   }
 
   json_value value(std::size_t depth) {
-    if (depth > max_depth) fail(fmt::format("nesting deeper than {} levels", max_depth));
     json_value v;
     v.column = pos_ + 1;
     const char c = peek();
+    // depth counts the objects and arrays around this value from 0: at most max_depth of them nest.
+    if ((c == '{' || c == '[') && depth >= max_depth) fail(fmt::format("nesting deeper than {} levels", max_depth));
     if (c == '{') {
       v.type = json_value::kind::object;
       ++pos_;

@@ -295,11 +295,19 @@ bf16_container_info inspect_layout(std::span<const std::byte> container) {
       bad(fmt::format("chunk {}: bit offsets [{}, {}) do not span its lanes' {} bits", c, begin, end, sum));
     }
   }
-  if (chunks > 0) {
-    if (const auto last = get_le<std::uint64_t>(container, layout.chunk_offsets_at + 8 * chunks);
-        last != info.exponent_bits) {
-      bad(fmt::format("last chunk ends at bit {}, the exponent stream holds {}", last, info.exponent_bits));
-    }
+  // The last offset is E, also with no chunk (its one entry).
+  if (const auto last = get_le<std::uint64_t>(container, layout.chunk_offsets_at + 8 * chunks);
+      last != info.exponent_bits) {
+    bad(fmt::format("last chunk ends at bit {}, the exponent stream holds {}", last, info.exponent_bits));
+  }
+  // The stream's padding after bit E is zero (u32 words, each read from its most significant bit).
+  for (std::uint64_t bit = info.exponent_bits; bit < std::uint64_t{layout.exponent_bytes} * 8;) {
+    const std::uint64_t word_index = bit / 32;
+    const auto word = get_le<std::uint32_t>(container, layout.exponents_at + 4 * word_index);
+    const auto used = static_cast<unsigned>(bit % 32);  // the word's leading bits that hold codes
+    const std::uint32_t padding = used == 0 ? word : word & ((std::uint32_t{1} << (32 - used)) - 1);
+    if (padding != 0) bad(fmt::format("exponent stream: padding word {} is {:#x}, must be zero", word_index, padding));
+    bit = (word_index + 1) * 32;
   }
   info.container_bytes = size;
   info.chunk_offsets_at = layout.chunk_offsets_at;

@@ -19,8 +19,6 @@ namespace expage {
 
 namespace {
 
-constexpr std::uint64_t max_dimension = std::uint64_t{1} << 20U;
-
 detail::ffn_tensor tensor_of(const version_record& r, expert_tensor t, tensor_shape shape, std::uint32_t group_size) {
   return {.data = reinterpret_cast<const std::uint8_t*>(r.tensor(t)),
           .scales = reinterpret_cast<const std::uint8_t*>(r.scale(t)),
@@ -54,47 +52,6 @@ float dot(const float* a, const float* b, std::uint64_t n) noexcept {
 }
 
 }  // namespace
-
-void expert_ffn_shape::validate() const {
-  if (hidden < 1 || hidden > max_dimension) {
-    throw invalid_argument(fmt::format("expert_ffn: hidden {} out of range [1, {}]", hidden, max_dimension));
-  }
-  if (intermediate < 1 || intermediate > max_dimension) {
-    throw invalid_argument(
-        fmt::format("expert_ffn: intermediate {} out of range [1, {}]", intermediate, max_dimension));
-  }
-  if (group_size < 1 || group_size > max_dimension) {
-    throw invalid_argument(fmt::format("expert_ffn: group_size {} out of range [1, {}]", group_size, max_dimension));
-  }
-}
-
-version_record packed_version_record(precision format, std::byte* gate_up, std::byte* down,
-                                     const expert_ffn_shape& shape) {
-  shape.validate();
-  version_record r;
-  r.format = format;
-  const tensor_shape shapes[] = {{.rows = 2 * shape.intermediate, .cols = shape.hidden},
-                                 {.rows = shape.hidden, .cols = shape.intermediate}};
-  std::byte* const at[] = {gate_up, down};
-  for (std::size_t t = 0; t < expert_tensor_count; ++t) {
-    r.data[t] = at[t];
-    if (format == precision::bf16 || format == precision::fp16) {
-      r.bytes += shapes[t].elements() * 2;
-      continue;
-    }
-    if (format == precision::fp8) {  // one e4m3 byte per weight, then one fp16 scale per group
-      const std::uint64_t groups = shapes[t].rows * ((shapes[t].cols + shape.group_size - 1) / shape.group_size);
-      r.scales[t] = at[t] + shapes[t].elements();
-      r.bytes += shapes[t].elements() + groups * metadata_bytes_per_group(format);
-      continue;
-    }
-    const group_quant_layout layout(format, shapes[t], shape.group_size);
-    r.scales[t] = at[t] + layout.scales_at();
-    r.zeros[t] = at[t] + layout.zeros_at();
-    r.bytes += layout.total_bytes();
-  }
-  return r;
-}
 
 void expert_ffn(std::span<const float> x, std::uint32_t top_k, std::span<const std::uint32_t> offsets,
                 std::span<const std::uint32_t> order, std::span<const float> topk_weights,
@@ -130,9 +87,13 @@ void expert_ffn(std::span<const float> x, std::uint32_t top_k, std::span<const s
     }
   }
 
-  std::fill(out.begin(), out.end(), 0.0F);
+  // Every allocation before the first write to @p out: a bad_alloc leaves it as it was.
   std::vector<float> row(std::max(h_dim, i_dim));
+  std::size_t most = 0;  // the most pairs one expert serves
+  for (std::size_t e = 0; e < records.size(); ++e) most = std::max<std::size_t>(most, offsets[e + 1] - offsets[e]);
   std::vector<float> gate_up;
+  gate_up.reserve(most * 2 * i_dim);
+  std::fill(out.begin(), out.end(), 0.0F);
   for (std::size_t e = 0; e < records.size(); ++e) {
     const std::uint32_t first = offsets[e];
     const std::size_t n = offsets[e + 1] - first;

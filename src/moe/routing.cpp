@@ -38,13 +38,17 @@ void select_top_k(std::span<const Logit> logits, router_shape shape, router_gati
                   std::span<std::int32_t> topk_ids, std::span<float> topk_weights,
                   std::span<std::uint32_t> expert_counts, Widen widen) {
   check_router_shape(shape);
+  if (!is_valid(gating)) {
+    throw invalid_argument(fmt::format("router_top_k: gating {} out of range [0, 1] (softmax, softmax_renormalized)",
+                                       static_cast<unsigned>(gating)));
+  }
   check_size("router_top_k", "logits", logits.size(), std::uint64_t{shape.tokens} * shape.experts);
   check_size("router_top_k", "topk_ids", topk_ids.size(), shape.pairs());
   check_size("router_top_k", "topk_weights", topk_weights.size(), shape.pairs());
   check_size("router_top_k", "expert_counts", expert_counts.size(), shape.experts);
-  std::fill(expert_counts.begin(), expert_counts.end(), 0U);
-  std::vector<float> keys(shape.experts);
+  std::vector<float> keys(shape.experts);  // allocated before the first write to the outputs
   std::vector<std::uint32_t> ids(shape.experts);
+  std::fill(expert_counts.begin(), expert_counts.end(), 0U);
   for (std::size_t t = 0; t < shape.tokens; ++t) {
     for (std::uint32_t e = 0; e < shape.experts; ++e)
       keys[e] = detail::router_key(widen(logits[t * shape.experts + e]));

@@ -302,6 +302,7 @@ TEST(MoeGeometrySizes, SharedExpertBytes) {
   const auto deepseek = moe_geometry::deepseek_v2_lite();
   EXPECT_EQ(deepseek.shared_expert_bytes(precision::bf16), std::uint64_t{3} * 2048 * 1408 * 2);
   EXPECT_EQ(deepseek.shared_expert_bytes(precision::int4), std::uint64_t{4595712});
+  EXPECT_EQ(deepseek.shared_bytes_per_layer(precision::bf16), std::uint64_t{2} * 3 * 2048 * 1408 * 2) << "two of them";
   // Qwen3-Next: one shared expert of width 512.
   const auto next = moe_geometry::qwen3_next_80b_a3b();
   EXPECT_EQ(next.shared_expert_bytes(precision::bf16), std::uint64_t{3} * 2048 * 512 * 2);

@@ -223,6 +223,17 @@ TEST(Bf16Codec, StructuralErrorsNameTheField) {
   reseal(shifted);  // lane 0 one bit longer, lane 1 one bit shorter: sums agree, codes do not
   EXPECT_THAT(error_of(shifted), HasSubstr("chunk 0 lane 0: codes take"));
   EXPECT_THAT(corrupt(info.chunk_offsets_at + 8, std::byte{0xFF}), HasSubstr("chunk 0: bit offsets"));
+  // The exponent stream's padding after bit E must be zero (its last byte is padding here).
+  ASSERT_LT(info.exponent_bits, std::uint64_t{info.exponent_bytes} * 8 - 8);
+  const std::size_t pad_byte = info.exponents_at + info.exponent_bytes - 4;  // the last word's lowest byte
+  EXPECT_THAT(corrupt(pad_byte, std::byte{1}), HasSubstr("exponent stream: padding word"));
+  // An empty container's one chunk offset is E = 0 too.
+  const std::vector<std::byte> empty = encode_bf16({});
+  const bf16_container_info none = inspect_bf16(empty);
+  std::vector<std::byte> bad_empty = empty;
+  bad_empty[none.chunk_offsets_at] = std::byte{5};
+  reseal(bad_empty);
+  EXPECT_THAT(error_of(bad_empty), HasSubstr("last chunk ends at bit 5"));
 }
 
 }  // namespace

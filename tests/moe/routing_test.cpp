@@ -144,6 +144,12 @@ TEST(RouterTopK, RejectsShapesAndSizesOutOfRange) {
   EXPECT_THROW(call({.tokens = 2, .experts = 0, .top_k = 1}), expage::invalid_argument);
   EXPECT_THROW(call({.tokens = 3, .experts = 4, .top_k = 2}), expage::invalid_argument);
   EXPECT_THROW(call({.tokens = 1, .experts = 4, .top_k = 2}), expage::invalid_argument);
+  // A gating value outside the enumerators (the host renormalized it, the device did not).
+  counts.assign(4, 7U);
+  EXPECT_THROW(expage::router_top_k(logits, {.tokens = 2, .experts = 4, .top_k = 2}, static_cast<router_gating>(2), ids,
+                                    weights, counts),
+               expage::invalid_argument);
+  EXPECT_EQ(counts, std::vector<std::uint32_t>(4, 7U)) << "nothing written";
 }
 
 TEST(RemapExperts, MapsThroughTheExpertMapAndReportsWhatIsMissing) {

@@ -73,6 +73,8 @@ TEST(HardwareProfile, RefusesBadFilesNamingTheValue) {
        "setup_us': -1 out of range [0"},
       {R"({"name":"x","hbm_gbytes_per_second":"fast"})", "expected a number"},
       {R"({"name":"x"} x)", "after the document"},
+      // Nine levels (the object and eight arrays): one more than the reader's eight (nine were read).
+      {R"({"links":[[[[[[[[]]]]]]]]})", "nesting deeper than 8 levels"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.text);
@@ -102,6 +104,14 @@ TEST(HardwareProfile, ValidateNamesTheFieldAndRange) {
   p = hardware_profile::preset("pcie4");
   p.compute_calibration = std::nan("");
   EXPECT_THROW(p.validate(), invalid_argument);
+}
+
+// A layer's dense bytes count every shared expert (DeepSeek-V2-Lite has two; one was counted).
+TEST(CostModel, DenseBytesCountEverySharedExpert) {
+  const auto g = moe_geometry::deepseek_v2_lite();
+  const std::uint64_t attention = 4ULL * 2048 * 2048 * 2;
+  EXPECT_EQ(estimate_dense_bytes_per_layer(g, precision::bf16),
+            attention + 2 * g.shared_expert_bytes(precision::bf16));
 }
 
 TEST(CostModel, RooflineAndTransferTimesFollowTheGeometry) {

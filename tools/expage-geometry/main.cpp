@@ -89,7 +89,7 @@ int main(int argc, char** argv) {
                                           static_cast<double>(m.expert_count())));
       }
       fmt::print("  {:<6} {:>12} {:>12} {:>14}{}\n", expage::to_string(p), expage::byte_size{one},
-                 expage::byte_size{m.total_expert_bytes(p)}, expage::byte_size{m.shared_expert_bytes(p)}, fit);
+                 expage::byte_size{m.total_expert_bytes(p)}, expage::byte_size{m.shared_bytes_per_layer(p)}, fit);
     }
     fmt::print("\n");
   }

@@ -106,7 +106,7 @@ struct hot_set_statistics {
 /// for (const auto& e : step_events) c.record(e.layer, e.experts);
 /// if (step % 2 == 1) {
 ///   auto plan = c.end_interval(&hi);
-///   manager.set_targets(to_requests(plan));   // demotions first, then promotions
+///   manager.set_targets(expage::to_transition_targets<decltype(manager)::target>(plan));  // demotions first
 /// }
 /// @endcode
 /// @threadsafety single-owner.

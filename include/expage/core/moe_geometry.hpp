@@ -140,6 +140,10 @@ class moe_geometry {
 
   /// Bytes of one shared expert (both tensors) in precision @p p; 0 without shared experts.
   [[nodiscard]] std::uint64_t shared_expert_bytes(precision p) const noexcept;
+  /// Bytes of every shared expert of one layer (shared_experts() × shared_expert_bytes()) in @p p.
+  [[nodiscard]] std::uint64_t shared_bytes_per_layer(precision p) const noexcept {
+    return std::uint64_t{config_.shared_experts} * shared_expert_bytes(p);
+  }
 
   /// Bytes of every routed expert of the model in precision @p p.
   [[nodiscard]] std::uint64_t total_expert_bytes(precision p) const noexcept {

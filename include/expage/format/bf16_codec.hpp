@@ -74,7 +74,10 @@ struct bf16_container_info {
 /// @throws expage::format_error naming the first bad field, its value and the allowed range.
 [[nodiscard]] bf16_container_info inspect_bf16(std::span<const std::byte> container);
 
-/// Decodes @p container into @p out, which must hold exactly element_count values.
+/// Decodes @p container into @p out, which must hold exactly element_count values. A lane's
+/// length is checked as the lane is decoded, so when a format_error is thrown @p out may hold the
+/// lanes decoded before it (basic guarantee: a loader decoding into a page publishes nothing then;
+/// call inspect_bf16() first, or the vector overload, where a failure must leave @p out as it was).
 /// @throws expage::format_error for a bad container (see inspect_bf16()) or a lane whose codes
 /// do not end exactly at its recorded length.
 /// @throws expage::invalid_argument when @p out has the wrong size.

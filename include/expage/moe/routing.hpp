@@ -30,9 +30,16 @@ enum class router_gating : std::uint8_t {
   softmax_renormalized,
 };
 
-/// The lowercase name of @p g: "softmax" or "softmax_renormalized".
+/// True when @p g is one of the enumerators (the router functions refuse any other value, which
+/// the host and the device would otherwise read differently).
+[[nodiscard]] constexpr bool is_valid(router_gating g) noexcept {
+  return g == router_gating::softmax || g == router_gating::softmax_renormalized;
+}
+
+/// The lowercase name of @p g: "softmax", "softmax_renormalized", or "invalid".
 [[nodiscard]] constexpr std::string_view to_string(router_gating g) noexcept {
-  return g == router_gating::softmax ? "softmax" : "softmax_renormalized";
+  return g == router_gating::softmax ? "softmax" : g == router_gating::softmax_renormalized ? "softmax_renormalized"
+                                                                                            : "invalid";
 }
 
 /// @brief The sizes of one router call: logits are [tokens × experts], selections [tokens × top_k].

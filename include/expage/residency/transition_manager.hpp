@@ -9,9 +9,9 @@
 #include "expage/memory/block_pool.hpp"
 #include "expage/memory/budget_tracker.hpp"
 #include "expage/memory/tensor_storage.hpp"
-#include "expage/moe/expert_ffn.hpp"
 #include "expage/residency/completion.hpp"
 #include "expage/residency/handle_table.hpp"
+#include "expage/residency/version_layout.hpp"
 #include "expage/stream/async_stream.hpp"
 
 #include <fmt/format.h>

@@ -80,6 +80,34 @@ template <lru_switchable_policy P>
 struct duel_inner<P> {
   using type = typename P::inner_policy;
 };
+template <class P>
+using duel_inner_t = typename duel_inner<P>::type;
+
+// A key-only cache of @p P, demand loading of the routing on_routed() sees at the runtime's
+// demand capacity now: after a resize it starts again at the new capacity, empty, its misses
+// so far kept. Outside runtime_prefetcher: as its member template it crashed clang 14.
+template <eviction_policy P>
+struct shadow_cache {
+  std::optional<slot_cache<P>> cache;
+  std::uint64_t base = 0;    // misses of the caches before the last resize
+  std::uint64_t misses = 0;  // over every capacity
+  // Returns the misses of this group.
+  std::uint64_t access(const moe_geometry& geometry, std::uint32_t capacity, std::uint32_t layer,
+                       std::span<const std::uint32_t> experts) {
+    if (!cache || cache->options().capacity != capacity) {
+      if (cache) base += cache->statistics().misses;
+      cache.emplace(geometry, slot_cache_options{.layout = cache_layout::global, .capacity = capacity});
+    }
+    // A group larger than the shadow (the runtime could not acquire it either) in parts.
+    for (std::size_t i = 0; i < experts.size(); i += capacity) {
+      static_cast<void>(
+          cache->access(layer, experts.subspan(i, std::min<std::size_t>(capacity, experts.size() - i))));
+    }
+    const std::uint64_t before = misses;
+    misses = base + cache->statistics().misses;
+    return misses - before;
+  }
+};
 }  // namespace detail
 
 /// @brief Parameters of a runtime_prefetcher.
@@ -260,32 +288,6 @@ class runtime_prefetcher {
                                     static_cast<double>(stats_.shadow_misses), options_.max_overhead);
   }
 
-  // A key-only cache of @p P, demand loading of the routing on_routed() sees at the runtime's
-  // demand capacity now: after a resize it starts again at the new capacity, empty, its misses
-  // so far kept.
-  template <eviction_policy P>
-  struct shadow_cache {
-    std::optional<slot_cache<P>> cache;
-    std::uint64_t base = 0;    // misses of the caches before the last resize
-    std::uint64_t misses = 0;  // over every capacity
-    // Returns the misses of this group.
-    std::uint64_t access(const moe_geometry& geometry, std::uint32_t capacity, std::uint32_t layer,
-                         std::span<const std::uint32_t> experts) {
-      if (!cache || cache->options().capacity != capacity) {
-        if (cache) base += cache->statistics().misses;
-        cache.emplace(geometry, slot_cache_options{.layout = cache_layout::global, .capacity = capacity});
-      }
-      // A group larger than the shadow (the runtime could not acquire it either) in parts.
-      for (std::size_t i = 0; i < experts.size(); i += capacity) {
-        static_cast<void>(
-            cache->access(layer, experts.subspan(i, std::min<std::size_t>(capacity, experts.size() - i))));
-      }
-      const std::uint64_t before = misses;
-      misses = base + cache->statistics().misses;
-      return misses - before;
-    }
-  };
-
   // The duel hears this group's misses of both shadows and hands the runtime's victims to the
   // side that leads (eviction_duel; the simulator's duel_step()). As in the simulator, a pass's
   // first evictions are ranked after the window has dropped its oldest pass: that happens when
@@ -318,8 +320,8 @@ class runtime_prefetcher {
   std::uint64_t loads_before_ = 0;    // the runtime's loads (misses + prefetches) when this began
   std::vector<std::pair<float, expert_index>> ranked_;
   std::vector<std::uint32_t> request_;
-  shadow_cache<lru_policy> lru_shadow_;  // the byte guard's and the duel's
-  shadow_cache<typename detail::duel_inner<typename Runtime::policy_type>::type> policy_shadow_;  // the duel's
+  detail::shadow_cache<lru_policy> lru_shadow_;  // the byte guard's and the duel's
+  detail::shadow_cache<detail::duel_inner_t<typename Runtime::policy_type>> policy_shadow_;  // the duel's
   std::optional<eviction_duel> duel_;
   bool pass_begun_ = false;  // the duel's window already started the next pass (the last one ended)
 };
