@@ -36,7 +36,9 @@ expage::moe_geometry geometry(std::uint32_t experts) {
                                                            .experts_per_layer = experts,
                                                            .top_k = 2,
                                                            .hidden_size = 32,
-                                                           .intermediate_size = 48});
+                                                           // gate_up 4 KiB, down 2 KiB: one granule
+                                                           // per tensor page, as the baseline maps
+                                                           .intermediate_size = 32});
 }
 
 void BM_LayerPipeline_Step(benchmark::State& state) {

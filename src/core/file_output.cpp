@@ -16,7 +16,13 @@
 
 namespace expage {
 
-void write_file_atomically(const std::filesystem::path& path, const std::function<void(std::ostream&)>& write) {
+void write_file_atomically(const std::filesystem::path& requested,
+                           const std::function<void(std::ostream&)>& write) {
+  // A symbolic link is followed: its target is replaced, the link stays (as a plain write does).
+  std::error_code link_error;
+  const std::filesystem::path path = std::filesystem::is_symlink(requested, link_error)
+                                         ? std::filesystem::weakly_canonical(requested, link_error)
+                                         : requested;
   std::error_code exists_error;
   // /dev/null, a FIFO, a terminal: no temporary file can replace it, so it is written in place.
   const bool special =
@@ -56,6 +62,14 @@ void write_file_atomically(const std::filesystem::path& path, const std::functio
       std::error_code ignored;
       if (!special) std::filesystem::remove(temporary, ignored);
       throw invalid_argument(fmt::format("{}: close failed: {}", path.string(), std::strerror(err)));
+    }
+  }
+  if (!special) {  // a file replaced keeps its permissions (the temporary has the umask's)
+    std::error_code status_error;
+    const auto status = std::filesystem::status(path, status_error);
+    if (!status_error && std::filesystem::is_regular_file(status)) {
+      std::error_code ignored;
+      std::filesystem::permissions(temporary, status.permissions(), ignored);
     }
   }
   if (!special && std::rename(temporary.c_str(), path.c_str()) != 0) {

@@ -7,6 +7,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -53,6 +54,23 @@ TEST_F(WriteFileAtomically, WritesAndReplacesWhole) {
   write_file_atomically(p, [](std::ostream& out) { out << "second, longer"; });
   EXPECT_EQ(contents(p), "second, longer");
   EXPECT_EQ(names(), std::vector<std::string>{"out.json"});
+}
+
+// A symbolic link is followed (its target replaced, the link kept), and a replaced file keeps its
+// permissions, as a plain write would leave them.
+TEST_F(WriteFileAtomically, FollowsALinkAndKeepsTheFilesPermissions) {
+  const fs::path target = dir_ / "real.json";
+  const fs::path link = dir_ / "link.json";
+  write_file_atomically(target, [](std::ostream& out) { out << "old"; });
+  fs::permissions(target, fs::perms::owner_read | fs::perms::owner_write);
+  fs::create_symlink(target, link);
+  write_file_atomically(link, [](std::ostream& out) { out << "new"; });
+  EXPECT_TRUE(fs::is_symlink(link));
+  EXPECT_EQ(contents(target), "new");
+  EXPECT_EQ(fs::status(target).permissions(), fs::perms::owner_read | fs::perms::owner_write);
+  std::vector<std::string> got = names();
+  std::sort(got.begin(), got.end());
+  EXPECT_EQ(got, (std::vector<std::string>{"link.json", "real.json"}));
 }
 
 TEST_F(WriteFileAtomically, AThrowingWriterLeavesTheOldFileAndNoTemporary) {
