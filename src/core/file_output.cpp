@@ -16,8 +16,7 @@
 
 namespace expage {
 
-void write_file_atomically(const std::filesystem::path& requested,
-                           const std::function<void(std::ostream&)>& write) {
+void write_file_atomically(const std::filesystem::path& requested, const std::function<void(std::ostream&)>& write) {
   // A symbolic link is followed: its target is replaced, the link stays (as a plain write does).
   std::error_code link_error;
   const std::filesystem::path path = std::filesystem::is_symlink(requested, link_error)

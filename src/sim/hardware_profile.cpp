@@ -146,7 +146,8 @@ hardware_profile hardware_from_argument(std::string_view name_or_path) {
 std::uint64_t estimate_dense_bytes_per_layer(const moe_geometry& geometry, precision p) noexcept {
   const std::uint64_t h = geometry.hidden_size();
   if (h > (std::uint64_t{1} << 26)) return std::numeric_limits<std::uint64_t>::max();  // 4·h² would not fit
-  return geometry.bytes_of({.rows = 4 * h, .cols = h}, p) + geometry.shared_bytes_per_layer(p);  // every shared expert
+  // Attention, then every shared expert of the layer.
+  return geometry.bytes_of({.rows = 4 * h, .cols = h}, p) + geometry.shared_bytes_per_layer(p);
 }
 
 double cost_model::transfer_compute_ratio(std::uint32_t top_k) const noexcept {

@@ -110,8 +110,7 @@ TEST(HardwareProfile, ValidateNamesTheFieldAndRange) {
 TEST(CostModel, DenseBytesCountEverySharedExpert) {
   const auto g = moe_geometry::deepseek_v2_lite();
   const std::uint64_t attention = 4ULL * 2048 * 2048 * 2;
-  EXPECT_EQ(estimate_dense_bytes_per_layer(g, precision::bf16),
-            attention + 2 * g.shared_expert_bytes(precision::bf16));
+  EXPECT_EQ(estimate_dense_bytes_per_layer(g, precision::bf16), attention + 2 * g.shared_expert_bytes(precision::bf16));
 }
 
 TEST(CostModel, RooflineAndTransferTimesFollowTheGeometry) {

@@ -38,8 +38,9 @@ enum class router_gating : std::uint8_t {
 
 /// The lowercase name of @p g: "softmax", "softmax_renormalized", or "invalid".
 [[nodiscard]] constexpr std::string_view to_string(router_gating g) noexcept {
-  return g == router_gating::softmax ? "softmax" : g == router_gating::softmax_renormalized ? "softmax_renormalized"
-                                                                                            : "invalid";
+  return g == router_gating::softmax                ? "softmax"
+         : g == router_gating::softmax_renormalized ? "softmax_renormalized"
+                                                    : "invalid";
 }
 
 /// @brief The sizes of one router call: logits are [tokens × experts], selections [tokens × top_k].

@@ -100,8 +100,7 @@ struct shadow_cache {
     }
     // A group larger than the shadow (the runtime could not acquire it either) in parts.
     for (std::size_t i = 0; i < experts.size(); i += capacity) {
-      static_cast<void>(
-          cache->access(layer, experts.subspan(i, std::min<std::size_t>(capacity, experts.size() - i))));
+      static_cast<void>(cache->access(layer, experts.subspan(i, std::min<std::size_t>(capacity, experts.size() - i))));
     }
     const std::uint64_t before = misses;
     misses = base + cache->statistics().misses;
