@@ -235,7 +235,9 @@ options parse(int argc, char** argv) {
           "            [--pooling log-odds|mean]]  (co-activation's pooling: log-odds, the default, or WiSP's\n"
           "            mean with its decay of 0.5, the default before log-odds)\n"
           "           [--weights FILE] [--write-weights FILE] [--trace-out FILE] [--json FILE]\n"
-          "           [--host-limit BYTES] [--copy-threads N] [--no-check] [--physics] [--quick]");
+          "           [--host-limit BYTES] [--copy-threads N] [--no-check] [--physics] [--quick]\n"
+          "--tokens N: tokens routed by the model, or with --trace the first N forward passes (a batched\n"
+          "trace's pass decodes one token of each of its sequences)");
       std::exit(0);
     } else {
       usage(fmt::format("unknown option '{}' (see --help)", a));
@@ -245,10 +247,15 @@ options parse(int argc, char** argv) {
   if (o.problem != std::numeric_limits<std::uint32_t>::max() && o.trace.empty()) {
     usage("--problem selects a sequence of a --trace");
   }
+  std::uint32_t experts_per_layer = 0;
   try {
-    (void)expage::moe_geometry::preset(o.geometry);
+    experts_per_layer = expage::moe_geometry::preset(o.geometry).experts_per_layer();
   } catch (const expage::invalid_argument& e) {
     usage(fmt::format("--geometry: {}", e.what()));
+  }
+  if (o.hi_per_layer > experts_per_layer) {  // it was clamped silently
+    usage(fmt::format("--hi-per-layer {} out of range [1, {}] (the experts of a layer of {})", o.hi_per_layer,
+                      experts_per_layer, o.geometry));
   }
   if (o.lo_format && o.format != precision::bf16) {
     usage(fmt::format("--lo-precision needs --precision bf16 for the hi tier, not {}", o.format));
