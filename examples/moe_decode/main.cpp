@@ -34,10 +34,17 @@
 // layer is then checked bit-exact against all-resident weights in the precision each expert was
 // served at, and its distance to the all-bf16 output is reported.
 //
+// Four pools (--lo-precision int4 --four-pool): hi and lo versions and a KV cache under one
+// budget; the four-pool controller (control/four_pool_controller.hpp) decides the split at a
+// drained barrier every --burst passes and the hi sets every --interval passes, four_pool_driver
+// applies them to the runtime and to a KV block pool fed by a session preset (four_pool_side
+// below; docs/control.md, "The runtime's side").
+//
 //   moe_decode                                   OLMoE-1B-7B at 1/8 scale, 25% budget, 32 tokens
 //   moe_decode --geometry mixtral-8x7b --scale 16 --trace ../shared/traces/.../humaneval_2_routing.jsonl
 //   moe_decode --quick                           a short run (the CI test)
 //   moe_decode --lo-precision int4 --hi-share 50%  two tiers, the hot set in bf16
+//   moe_decode --lo-precision int4 --four-pool   hi, lo and KV split online under one budget
 //   moe_decode --trace-out trace.json --json stats.json
 //   moe_decode --backend cuda --geometry mixtral-8x7b --scale 16 --tokens 16   on a GPU
 #include <expage/expage.hpp>
@@ -121,6 +128,13 @@ struct options {
   std::uint32_t copy_threads = 1;   // host: the copy engine's workers beside the copy stream's thread; 0: no engine
   bool copy_threads_given = false;  // --copy-threads was on the command line (refused with --backend cuda)
   std::uint32_t problem = std::numeric_limits<std::uint32_t>::max();
+  // --four-pool: hi, lo and KV under one budget, split by the four-pool controller.
+  bool four_pool = false;
+  std::string kv_sessions = "phase-shift";  // the KV workload's session preset
+  std::uint32_t burst = 8;                  // passes between drained barriers
+  std::string hardware = "pcie4";           // the costs the controller decides with
+  std::uint64_t kv_per_token = 0;           // 0: a quarter of the budget for the busiest step's KV
+  std::string_view four_pool_option;        // the last option given that only --four-pool reads
 };
 
 [[noreturn]] void usage(const std::string& why) { throw usage_error(why); }
@@ -136,7 +150,8 @@ std::uint64_t parse_uint(std::string_view flag, std::string_view v, std::uint64_
 
 options parse(int argc, char** argv) {
   options o;
-  std::string_view tier_option;  // the last of --hi-share, --hi-per-layer, --interval given
+  std::string_view tier_option;    // the last of --hi-share, --hi-per-layer, --interval given
+  std::string_view sizing_option;  // the last of --hi-share, --hi-per-layer given
   for (int i = 1; i < argc; ++i) {
     const std::string_view a = argv[i];
     const auto value = [&]() -> std::string_view {
@@ -183,12 +198,12 @@ options parse(int argc, char** argv) {
       if (v != "int4" && v != "int8") usage(fmt::format("--lo-precision '{}' is not int4 or int8", v));
       o.lo_format = v == "int4" ? precision::int4 : precision::int8;
     } else if (a == "--hi-share") {
-      tier_option = a;
+      tier_option = sizing_option = a;
       std::string v(value());
       if (v.empty() || v.back() != '%') usage(fmt::format("--hi-share '{}' must be a percentage, e.g. 50%", v));
       o.hi_share = static_cast<double>(parse_uint(a, std::string_view(v).substr(0, v.size() - 1), 0, 100)) / 100.0;
     } else if (a == "--hi-per-layer") {
-      tier_option = a;
+      tier_option = sizing_option = a;
       o.hi_per_layer = static_cast<std::uint32_t>(parse_uint(a, value(), 1, 1U << 20));
     } else if (a == "--interval") {
       tier_option = a;
@@ -218,6 +233,28 @@ options parse(int argc, char** argv) {
       o.copy_threads_given = true;
     } else if (a == "--host-limit") {
       o.host_limit = parse_uint(a, value(), 0, 1ULL << 50);
+    } else if (a == "--four-pool") {
+      o.four_pool = true;
+    } else if (a == "--kv-sessions") {
+      o.four_pool_option = a;
+      o.kv_sessions = value();
+      const auto names = expage::kv_session_preset_names();
+      if (std::ranges::find(names, std::string_view(o.kv_sessions)) == names.end()) {
+        usage(fmt::format("--kv-sessions '{}' is not one of {}", o.kv_sessions, fmt::join(names, ", ")));
+      }
+    } else if (a == "--burst") {
+      o.four_pool_option = a;
+      o.burst = static_cast<std::uint32_t>(parse_uint(a, value(), 1, 1U << 20));
+    } else if (a == "--hardware") {
+      o.four_pool_option = a;
+      o.hardware = value();
+      const auto names = expage::hardware_profile::preset_names();
+      if (std::ranges::find(names, std::string_view(o.hardware)) == names.end()) {
+        usage(fmt::format("--hardware '{}' is not one of {}", o.hardware, fmt::join(names, ", ")));
+      }
+    } else if (a == "--kv-per-token") {
+      o.four_pool_option = a;
+      o.kv_per_token = parse_uint(a, value(), 1, 1ULL << 40);
     } else if (a == "--no-check") {
       o.check = false;
     } else if (a == "--physics") {
@@ -231,19 +268,31 @@ options parse(int argc, char** argv) {
           "           [--trace FILE [--problem ID]]\n"
           "           [--precision bf16|int4] [--view records|stable|slots] [--policy lru|lfu|next-turn]\n"
           "           [--lo-precision int4|int8 [--hi-share P%] [--hi-per-layer N] [--interval TOKENS]]\n"
+          "           [--lo-precision int4|int8 --four-pool [--kv-sessions NAME] [--burst PASSES]\n"
+          "            [--hardware pcie4|pcie5|c2c] [--kv-per-token BYTES] [--interval TOKENS]]\n"
           "           [--prefetch none|coactivation|frequency|previous|fmoe [--duel-passes N]\n"
           "            [--pooling log-odds|mean]]  (co-activation's pooling: log-odds, the default, or WiSP's\n"
           "            mean with its decay of 0.5, the default before log-odds)\n"
           "           [--weights FILE] [--write-weights FILE] [--trace-out FILE] [--json FILE]\n"
           "           [--host-limit BYTES] [--copy-threads N] [--no-check] [--physics] [--quick]\n"
           "--tokens N: tokens routed by the model, or with --trace the first N forward passes (a batched\n"
-          "trace's pass decodes one token of each of its sequences)");
+          "trace's pass decodes one token of each of its sequences)\n"
+          "--four-pool: --budget is B for hi and lo versions and the KV cache together; the four-pool\n"
+          "controller splits it every --burst passes (default 8) for the modelled --hardware (default\n"
+          "pcie4) and a KV workload of the --kv-sessions preset (phase-shift, tool-calls, long-context;\n"
+          "default phase-shift), a token's KV taking --kv-per-token bytes (default: the busiest pass's KV\n"
+          "is a quarter of B)");
       std::exit(0);
     } else {
       usage(fmt::format("unknown option '{}' (see --help)", a));
     }
   }
   if (!tier_option.empty() && !o.lo_format) usage(fmt::format("{} needs --lo-precision (two tiers)", tier_option));
+  if (o.four_pool && !o.lo_format) usage("--four-pool needs --lo-precision (two tiers)");
+  if (o.four_pool && !sizing_option.empty()) {
+    usage(fmt::format("{} conflicts with --four-pool (the four-pool controller sizes the tiers)", sizing_option));
+  }
+  if (!o.four_pool && !o.four_pool_option.empty()) usage(fmt::format("{} needs --four-pool", o.four_pool_option));
   if (o.problem != std::numeric_limits<std::uint32_t>::max() && o.trace.empty()) {
     usage("--problem selects a sequence of a --trace");
   }
@@ -635,6 +684,26 @@ std::uint64_t bytes_moved(const expage::runtime_layer_statistics& t) {
   return t.bytes_loaded + t.prefetch_bytes + t.promotion_bytes + t.demotion_bytes;
 }
 
+// One barrier's decision, for the report.
+struct four_pool_burst {
+  std::uint64_t passes = 0;  // passes decoded before the barrier
+  expage::four_pool_split from, split;
+  bool applied = true;
+  double current_cost = 0, target_cost = 0;  // the controller's prediction over its window, seconds
+};
+
+struct four_pool_report {
+  expage::four_pool_model model;
+  expage::four_pool_split initial;
+  std::vector<four_pool_burst> moves;  // the bursts whose decision moved the split
+  std::uint64_t bursts = 0;
+  expage::four_pool_statistics stats;
+  expage::kv_pool_result kv;
+  std::uint64_t kv_per_token = 0, kv_blocks_final = 0;
+  std::uint64_t budget_peak = 0;
+  std::string sessions, hardware;
+};
+
 struct run_result {
   std::uint64_t tokens = 0;
   double wall_s = 0;
@@ -649,6 +718,7 @@ struct run_result {
   std::uint32_t hi_per_layer = 0;
   expage::runtime_statistics stats;
   expage::runtime_prefetch_statistics prefetcher;
+  std::optional<four_pool_report> four_pool;
 };
 
 // What one layer step's FFN reads and writes (host spans; the host vectors stay untouched until
@@ -932,6 +1002,167 @@ class cuda_backend {
 };
 #endif
 
+// --- four pools: hi and lo expert versions and the KV cache under one budget (--four-pool) ------
+
+// The engine's side of the four-pool controller (control/four_pool_controller.hpp, issue 12): one
+// budget B over the runtime's hi and lo tiers and a KV pool, the controller deciding the split at
+// drained barriers every --burst passes and the hi set every --interval passes, four_pool_driver
+// applying both to the runtime (runtime/four_pool_driver.hpp). The KV side is the served workload
+// of a session preset (sim/kv_sessions.hpp): pass s of the decode is step s of the KV stream,
+// whose blocks are read into a kv_block_pool (LRU) whose bytes are reserved under B as an engine's
+// preallocated pool is; a read of an evicted block is a recompute, priced by the controller's
+// model but not run. The decisions are made for the modelled hardware (--hardware), whatever the
+// backend the mechanism runs on.
+template <class Runtime>
+class four_pool_side {
+ public:
+  four_pool_side(const options& o, const expage::moe_geometry& g, Runtime& rt, expage::budget_tracker& budget,
+                 expage::budget_account& experts, std::uint32_t group, std::uint64_t passes)
+      : rt_(&rt), budget_(&budget), kv_account_(&budget.add_account("kv", 0)), burst_(o.burst), interval_(o.interval) {
+    expage::kv_session_options sessions;
+    sessions.phases = expage::kv_session_preset(o.kv_sessions, std::max<std::uint64_t>(passes, 3));
+    kv_ = expage::generate_kv_sessions(sessions);
+    const std::uint64_t b = budget.root().capacity();
+    // By default a token's KV is sized so that the busiest step's blocks (the admission floor,
+    // WiSP Eq. 6) take a quarter of the budget: KV and experts then compete for the rest.
+    report_.kv_per_token = o.kv_per_token != 0
+                               ? o.kv_per_token
+                               : std::max<std::uint64_t>(1, b / (4 * kv_.peak_step_blocks() * kv_.block_tokens()));
+    const std::uint64_t block_bytes = std::uint64_t{kv_.block_tokens()} * report_.kv_per_token;
+    const expage::hardware_profile hw = expage::hardware_profile::preset(o.hardware);
+    const expage::cost_model hi = expage::make_cost_model(g, hw, o.format);
+    const expage::cost_model lo = expage::make_cost_model(g, hw, *o.lo_format);
+    expage::four_pool_model& m = report_.model;
+    m.budget_bytes = b;
+    m.layers = g.layers();
+    m.experts_per_layer = g.experts_per_layer();
+    m.hi_expert_bytes = rt.expert_bytes(expage::version_tier::hi);  // page-rounded, what the tiers hold
+    m.lo_expert_bytes = rt.expert_bytes(expage::version_tier::lo);
+    m.block_bytes = block_bytes;
+    m.kv_floor_bytes = std::max<std::uint64_t>(1, kv_.peak_step_blocks()) * block_bytes;
+    m.hi_miss_seconds = *std::ranges::min_element(hi.transfer_seconds);
+    m.lo_miss_seconds = *std::ranges::min_element(lo.transfer_seconds);
+    m.kv_miss_seconds = hi.recompute_seconds_per_token * kv_.block_tokens();
+    m.lo_activation_seconds = m.hi_miss_seconds / 4;  // λ_q = t_hi/4, as docs/control.md's four-pool runs
+    m.min_group = group;
+    m.members_load_hi = true;  // the runtime's targets_load_hi
+    // The first split: what a static configuration would set, the KV half of the budget and the
+    // experts' half shared by bytes between the tiers (the admissible split nearest to it).
+    const auto candidates = expage::admissible_splits(m);
+    const auto distance = [&](const expage::four_pool_split& s) {
+      const auto d = [](std::uint64_t x, std::uint64_t y) { return x > y ? x - y : y - x; };
+      return d(expage::hi_pool_bytes(m, s), b / 4) + d(expage::lo_pool_bytes(m, s), b / 4);
+    };
+    report_.initial = *std::ranges::min_element(candidates, {}, distance);
+    report_.sessions = o.kv_sessions;
+    report_.hardware = o.hardware;
+    controller_.emplace(m, expage::four_pool_config{}, report_.initial);
+    pool_.emplace(kv_.key_count(), 1);
+    observer_.emplace(kv_, /*release_closed=*/false, /*open_depths=*/true);
+    driver_.emplace(rt, *controller_, experts, [this](std::uint64_t bytes) { return resize_kv(bytes); });
+    check_split("at the start");
+    track_ = rt.trace().add_track("four-pool controller");
+  }
+
+  // After acquire(): the layer-step's routed experts.
+  void on_routed(std::uint32_t layer, std::span<const std::uint32_t> routed) { driver_->on_routed(layer, routed); }
+
+  // After the last layer of pass @p s: its KV reads; the hi set every --interval passes; a
+  // barrier every --burst passes, after @p drain has waited for every stream.
+  template <class Drain>
+  void end_pass(std::uint64_t s, Drain&& drain) {
+    for (const std::uint32_t block : kv_.blocks(s)) (void)pool_->read(block);
+    observer_->observe(s, controller_->kv());
+    if ((s + 1) % interval_ == 0) driver_->end_interval();
+    if ((s + 1) % burst_ != 0) return;
+    expage::event_trace& trace = rt_->trace();
+    const double t0 = trace.now_us();
+    drain();
+    controller_->set_kv_open_depths(observer_->open_depths(s));
+    const expage::four_pool_split from = controller_->current();
+    const auto [d, applied] = driver_->at_barrier();
+    ++report_.bursts;
+    // The barrier (drain, decision, resizes) as a span of the controller's track in the Chrome trace.
+    trace.span(!d.moved  ? "barrier"
+               : applied ? fmt::format("barrier: split {} hi + {} lo per layer, KV {}", d.split.hi_slots,
+                                       d.split.lo_slots, expage::byte_size{d.split.kv_bytes})
+                         : "barrier: move refused",
+               "four-pool", track_, t0, trace.now_us() - t0);
+    if (d.moved) {
+      report_.moves.push_back({.passes = s + 1,
+                               .from = from,
+                               .split = d.split,
+                               .applied = applied,
+                               .current_cost = d.current_cost,
+                               .target_cost = d.target_cost});
+    }
+    check_split(fmt::format("after the barrier at pass {}", s + 1));
+  }
+
+  four_pool_side(const four_pool_side&) = delete;  // the driver's KV callback holds `this`
+  four_pool_side& operator=(const four_pool_side&) = delete;
+
+  [[nodiscard]] four_pool_report report() const {
+    four_pool_report r = report_;
+    r.stats = controller_->statistics();
+    r.kv = pool_->totals();
+    r.kv_blocks_final = pool_->capacity();
+    r.budget_peak = budget_->root().statistics().peak;
+    return r;
+  }
+
+ private:
+  // The KV pool to @p bytes (whole blocks), its reservation with it; false (nothing changed) when
+  // the budget refuses the growth.
+  bool resize_kv(std::uint64_t bytes) {
+    const std::uint64_t blocks = bytes / report_.model.block_bytes;
+    if (blocks == 0) return false;
+    const std::size_t held = kv_held_.bytes();
+    if (bytes > held) {
+      if (bytes > kv_account_->capacity()) (void)kv_account_->set_capacity(bytes);
+      const bool grown =
+          kv_held_ ? kv_held_.try_grow(bytes - held) : static_cast<bool>(kv_held_ = kv_account_->try_reserve(bytes));
+      if (!grown) {
+        (void)kv_account_->set_capacity(held);
+        return false;
+      }
+    } else if (bytes < held) {
+      kv_held_.shrink(bytes);
+      (void)kv_account_->set_capacity(bytes);
+    }
+    pool_->resize(blocks);
+    return true;
+  }
+
+  // The runtime's tiers, the KV pool and the budget are the controller's split: a broken promise
+  // is a bug, not a figure.
+  void check_split(const std::string& when) const {
+    const expage::four_pool_split& s = controller_->current();
+    const expage::four_pool_model& m = report_.model;
+    const std::uint64_t hi = rt_->capacity(expage::version_tier::hi), lo = rt_->capacity(expage::version_tier::lo);
+    if (hi != std::uint64_t{s.hi_slots} * m.layers || lo != std::uint64_t{s.lo_slots} * m.layers ||
+        pool_->capacity() != s.kv_bytes / m.block_bytes || budget_->root().used() > m.budget_bytes) {
+      throw std::logic_error(fmt::format(
+          "four-pool {}: the split is {} hi + {} lo slots per layer and {} KV bytes, the runtime holds {} hi and {} "
+          "lo versions, the KV pool {} blocks, the budget {} of {} bytes used",
+          when, s.hi_slots, s.lo_slots, s.kv_bytes, hi, lo, pool_->capacity(), budget_->root().used(), m.budget_bytes));
+    }
+  }
+
+  Runtime* rt_;
+  expage::budget_tracker* budget_;
+  expage::budget_account* kv_account_;
+  std::uint64_t burst_, interval_;
+  std::uint32_t track_ = 0;  // the controller's track in the runtime's Chrome trace
+  expage::kv_block_stream kv_;
+  four_pool_report report_;
+  std::optional<expage::four_pool_controller> controller_;
+  std::optional<expage::kv_block_pool> pool_;
+  std::optional<expage::kv_reuse_observer> observer_;
+  expage::reservation kv_held_;  // the KV pool's bytes (before the driver, which resizes it)
+  std::optional<expage::four_pool_driver<Runtime>> driver_;
+};
+
 template <class Backend, class Policy>
 run_result decode(const options& o, const expage::moe_geometry& g, const weight_store& store,
                   const weight_store* lo_store, double budget, std::span<const step_routing> replay, bool quiet) {
@@ -945,7 +1176,19 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   };
   const std::uint64_t page = page_of(o.format);
   const std::uint64_t capacity = experts_for(budget, g);
-  expage::budget_tracker tracker(capacity * page, "experts");
+  // With --four-pool the budget is B for both expert tiers and the KV pool, each an account of it.
+  const bool four_pool = o.four_pool && lo_store != nullptr;
+  expage::budget_tracker tracker(capacity * page, four_pool ? "device" : "experts");
+  // The most experts one layer step routes: a demand tier must hold them.
+  std::uint32_t group = g.top_k();
+  std::uint64_t passes_total = replay.empty() ? (o.tokens == 0 ? 32 : o.tokens) : 0;
+  for (const step_routing& s : replay) {
+    std::vector<std::int32_t> ids = s.ids;
+    std::ranges::sort(ids);
+    group = std::max(
+        group, static_cast<std::uint32_t>(std::ranges::distance(ids.begin(), std::unique(ids.begin(), ids.end()))));
+    if (s.layer + 1 == g.layers()) ++passes_total;
+  }
   auto& copy = backend.copy();
   auto& compute = backend.compute();
   auto& prefetch = backend.prefetch();
@@ -961,7 +1204,19 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   // Two tiers: hi_share of the bytes for bf16 versions, the rest for lo ones (at least top-k of them).
   std::optional<runtime_type> tiered;
   std::optional<runtime_type> single;
-  if (lo_store != nullptr) {
+  expage::budget_account* experts_account = nullptr;  // --four-pool: the tiers' account under B
+  if (four_pool) {
+    // The driver gives the tiers the controller's first split; until then, one group of lo versions.
+    experts_account = &tracker.add_account("experts", group * page_of(*o.lo_format));
+    runtime_options.capacity = 0;
+    runtime_options.lo_capacity = group;
+    runtime_options.demand_tier = expage::version_tier::lo;
+    runtime_options.targets_load_hi = true;  // the controller's serve rule (four_pool_model::members_load_hi)
+    tiered.emplace(g, *experts_account, backend.vmm(), copy, compute,
+                   expage::tiered_source<stream_type>{.hi = backend.source(expage::version_tier::hi),
+                                                      .lo = backend.source(expage::version_tier::lo)},
+                   runtime_options, &prefetch);
+  } else if (lo_store != nullptr) {
     const std::uint64_t total = capacity * page;
     const std::uint64_t lo_page = page_of(*o.lo_format);
     std::uint64_t hi = std::min<std::uint64_t>(
@@ -984,7 +1239,17 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   // DynaExq's hot set (§3.5): EMA hotness per expert, each layer's top-n with hysteresis; the
   // runtime promotes and demotes in the background (its hi tier holds the sets).
   std::optional<expage::hot_set_controller> hot;
-  if (tiered) {
+  std::optional<four_pool_side<runtime_type>> pools;
+  if (four_pool) {
+    try {
+      pools.emplace(o, g, rt, tracker, *experts_account, group, passes_total);
+    } catch (const expage::invalid_argument& e) {
+      usage(fmt::format(
+          "--four-pool: {} (the budget is --budget of the experts' bytes at --precision; the KV floor is the busiest "
+          "pass's blocks at --kv-per-token)",
+          e.what()));
+    }
+  } else if (tiered) {
     r.hi_per_layer = o.hi_per_layer != 0
                          ? o.hi_per_layer
                          : static_cast<std::uint32_t>(std::max<std::uint64_t>(1, r.hi_capacity / g.layers()));
@@ -1098,6 +1363,7 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
     auto lease = rt.acquire(layer, routed);
     backend.after_acquire();
     if (prefetcher) prefetcher->on_routed(layer, routed);
+    if (pools) pools->on_routed(layer, routed);
     for (std::size_t i = 0; i < routed.size(); ++i) served[routed[i]] = rt.format(lease.tiers()[i]);
     if (hot) {
       for (std::uint32_t i = 0; i < n; ++i) {
@@ -1184,11 +1450,19 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
     }
     if (layer + 1 == g.layers()) {
       r.tokens += n;
+      ++passes;
       // Every `interval` passes the hot sets move (demotions first) and the runtime follows.
-      if (hot && ++passes % o.interval == 0) {
+      if (hot && passes % o.interval == 0) {
         const expage::hot_set_plan plan = hot->end_interval();
         const auto targets = expage::to_transition_targets<expage::residency_target>(plan);
         rt.set_targets(targets);
+      }
+      // Four pools: the pass's KV reads, the hi sets, and every --burst passes a drained barrier.
+      if (pools) {
+        pools->end_pass(passes - 1, [&] {
+          compute.synchronize();
+          prefetch.synchronize();
+        });
       }
     }
   }
@@ -1199,6 +1473,7 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   r.compute_s = backend.compute_seconds();
   r.stats = rt.statistics();
   if (prefetcher) r.prefetcher = prefetcher->statistics();
+  if (pools) r.four_pool = pools->report();
   r.wait_s = backend.wait_seconds(r.stats);
   if (!quiet && !o.trace_out.empty()) {
     expage::write_file_atomically(o.trace_out, [&](std::ostream& f) { rt.trace().write_json(f); });
@@ -1225,6 +1500,62 @@ std::vector<step_routing> load_trace(const options& o, const expage::moe_geometr
     }
   }
   return steps;
+}
+
+// The four-pool run: the splits the controller chose, the KV pool's reads and the budget.
+void print_four_pool(const four_pool_report& f, const expage::runtime_statistics& stats, const options& o) {
+  const expage::four_pool_model& m = f.model;
+  const auto split = [&](const expage::four_pool_split& s) {
+    return fmt::format("{} hi + {} lo per layer, KV {}", s.hi_slots, s.lo_slots, expage::byte_size{s.kv_bytes});
+  };
+  fmt::print(
+      "  four pools under one budget of {}: hi {} ({}), lo {} ({}), KV of the {} sessions ({} per token, blocks "
+      "of {}, floor {}); costs of {}: hi miss {:.2f} µs, lo miss {:.2f} µs, KV block recompute {:.2f} µs, a lo "
+      "activation {:.2f} µs\n",
+      expage::byte_size{m.budget_bytes}, o.format, expage::byte_size{m.hi_expert_bytes}, *o.lo_format,
+      expage::byte_size{m.lo_expert_bytes}, f.sessions, expage::byte_size{f.kv_per_token},
+      expage::byte_size{m.block_bytes}, expage::byte_size{m.kv_floor_bytes}, f.hardware, 1e6 * m.hi_miss_seconds,
+      1e6 * m.lo_miss_seconds, 1e6 * m.kv_miss_seconds, 1e6 * m.lo_activation_seconds);
+  fmt::print("    start: {}\n", split(f.initial));
+  for (const four_pool_burst& b : f.moves) {
+    fmt::print("    after pass {}: {} (predicted {:.1f} µs → {:.1f} µs over the window){}\n", b.passes, split(b.split),
+               1e6 * b.current_cost, 1e6 * b.target_cost, b.applied ? "" : ", refused: the previous split stays");
+  }
+  const auto& t = stats.total;
+  fmt::print(
+      "  four-pool: {} bursts, {} moves ({} reversals, {} refused, {} session-mix changes); budget peak {} of {}; "
+      "served hi {:.1f}% (lo {}), promotions {}, demotions {}, switches {}\n",
+      f.bursts, f.stats.moves, f.stats.reversals, f.stats.failed_resizes, f.stats.mix_changes,
+      expage::byte_size{f.budget_peak}, expage::byte_size{m.budget_bytes}, 100 * stats.hi_coverage(), t.lo_served,
+      t.promotions, t.demotions, t.switches);
+  fmt::print(
+      "  KV pool: {} block reads, {} hits, {} cold, {} recomputes ({:.3f} s modelled), {} evictions; {} blocks at the "
+      "end\n",
+      f.kv.references, f.kv.hits, f.kv.cold, f.kv.recomputes, static_cast<double>(f.kv.recomputes) * m.kv_miss_seconds,
+      f.kv.evictions, f.kv_blocks_final);
+}
+
+void write_four_pool_json(std::ostream& f, const four_pool_report& r) {
+  const auto split = [](const expage::four_pool_split& s) {
+    return fmt::format(R"({{"hi_slots":{},"lo_slots":{},"kv_bytes":{}}})", s.hi_slots, s.lo_slots, s.kv_bytes);
+  };
+  const expage::four_pool_model& m = r.model;
+  f << fmt::format(
+      R"({{"budget_bytes":{},"budget_peak_bytes":{},"hi_expert_bytes":{},"lo_expert_bytes":{},"block_bytes":{},)"
+      R"("kv_floor_bytes":{},"hi_miss_s":{},"lo_miss_s":{},"kv_miss_s":{},"lo_activation_s":{},"initial":{},)",
+      m.budget_bytes, r.budget_peak, m.hi_expert_bytes, m.lo_expert_bytes, m.block_bytes, m.kv_floor_bytes,
+      m.hi_miss_seconds, m.lo_miss_seconds, m.kv_miss_seconds, m.lo_activation_seconds, split(r.initial));
+  f << "\"moves\":[";
+  for (std::size_t i = 0; i < r.moves.size(); ++i) {
+    const four_pool_burst& b = r.moves[i];
+    f << (i == 0 ? "" : ",")
+      << fmt::format(R"({{"passes":{},"from":{},"to":{},"applied":{},"predicted_s":{},"target_predicted_s":{}}})",
+                     b.passes, split(b.from), split(b.split), b.applied, b.current_cost, b.target_cost);
+  }
+  f << fmt::format(R"(],"bursts":{},"moves_applied":{},"reversals":{},"refused":{},"mix_changes":{},)"
+                   R"("kv":{{"reads":{},"hits":{},"cold":{},"recomputes":{},"evictions":{},"blocks_final":{}}}}})",
+                   r.bursts, r.stats.moves, r.stats.reversals, r.stats.failed_resizes, r.stats.mix_changes,
+                   r.kv.references, r.kv.hits, r.kv.cold, r.kv.recomputes, r.kv.evictions, r.kv_blocks_final);
 }
 
 template <class Policy>
@@ -1303,7 +1634,9 @@ int run(const options& o) {
     fmt::print("  tier {}: hits {}  misses {}  hit rate {:.1f}%  evictions {}\n", r.stats.tier, t.hits, t.misses,
                100 * r.stats.hit_ratio(), t.evictions);
   }
-  if (o.lo_format) {
+  if (r.four_pool) {
+    print_four_pool(*r.four_pool, r.stats, o);
+  } else if (o.lo_format) {
     fmt::print(
         "  tiers: {} hi ({}) + {} lo ({}) versions; hot set {} per layer every {} tokens; served hi {:.1f}% "
         "(lo {}), promotions {} ({}), demotions {} ({}), switches {}, transitions cancelled {}\n",
@@ -1377,6 +1710,12 @@ int run(const options& o) {
       f << ",\"prefetcher\":";
       if (o.prefetch != "none") {
         r.prefetcher.write_json(f);
+      } else {
+        f << "null";
+      }
+      f << ",\"four_pool\":";
+      if (r.four_pool) {
+        write_four_pool_json(f, *r.four_pool);
       } else {
         f << "null";
       }

@@ -247,6 +247,69 @@ kv_block_stream generate_kv_sessions(const kv_session_options& options) {
   return detail::kv_session_generator(options).run();
 }
 
+kv_block_pool::kv_block_pool(std::uint32_t keys, std::uint64_t capacity_blocks)
+    : sentinel_(keys),
+      prev_(std::size_t{keys} + 1, keys),
+      next_(std::size_t{keys} + 1, keys),
+      state_(keys, unseen),
+      capacity_(capacity_blocks) {
+  if (capacity_blocks == 0) throw invalid_argument("kv_block_pool: capacity_blocks 0 out of range [1, 2^64)");
+}
+
+void kv_block_pool::unlink(std::uint32_t k) noexcept {
+  next_[prev_[k]] = next_[k];
+  prev_[next_[k]] = prev_[k];
+}
+
+void kv_block_pool::push_front(std::uint32_t k) noexcept {
+  prev_[k] = sentinel_;
+  next_[k] = next_[sentinel_];
+  prev_[next_[sentinel_]] = k;
+  next_[sentinel_] = k;
+}
+
+void kv_block_pool::evict_lru() noexcept {
+  const std::uint32_t victim = prev_[sentinel_];
+  unlink(victim);
+  state_[victim] = evicted;
+  --size_;
+  ++totals_.evictions;
+}
+
+kv_read kv_block_pool::read(std::uint32_t block) {
+  EXPAGE_ASSERT(block < sentinel_, "kv_block_pool::read: block out of range");
+  ++totals_.references;
+  if (state_[block] == cached) {
+    ++totals_.hits;
+    unlink(block);
+    push_front(block);
+    return kv_read::hit;
+  }
+  const kv_read r = state_[block] == unseen ? kv_read::cold : kv_read::recompute;
+  ++(r == kv_read::cold ? totals_.cold : totals_.recomputes);
+  if (size_ == capacity_) evict_lru();
+  state_[block] = cached;
+  push_front(block);
+  ++size_;
+  return r;
+}
+
+bool kv_block_pool::release(std::uint32_t block) {
+  EXPAGE_ASSERT(block < sentinel_, "kv_block_pool::release: block out of range");
+  if (state_[block] != cached) return false;
+  unlink(block);
+  state_[block] = evicted;
+  --size_;
+  ++totals_.released;
+  return true;
+}
+
+void kv_block_pool::resize(std::uint64_t capacity_blocks) {
+  if (capacity_blocks == 0) throw invalid_argument("kv_block_pool::resize: capacity_blocks 0 out of range [1, 2^64)");
+  capacity_ = capacity_blocks;
+  while (size_ > capacity_) evict_lru();
+}
+
 kv_pool_result simulate_kv_pool(const kv_block_stream& stream, std::uint64_t capacity_blocks,
                                 std::span<const kv_capacity_change> schedule, bool release_closed) {
   if (capacity_blocks == 0) throw invalid_argument("simulate_kv_pool: capacity_blocks 0 out of range [1, 2^64)");
@@ -260,72 +323,24 @@ kv_pool_result simulate_kv_pool(const kv_block_stream& stream, std::uint64_t cap
       throw invalid_argument(fmt::format("simulate_kv_pool: schedule[{}].blocks 0 out of range [1, 2^64)", i));
     }
   }
-  // An LRU list over block ids: nodes [0, keys) plus a sentinel at index keys (head = MRU).
-  const std::uint32_t keys = stream.key_count();
-  const std::uint32_t sentinel = keys;
-  std::vector<std::uint32_t> prev(std::size_t{keys} + 1, sentinel);
-  std::vector<std::uint32_t> next(std::size_t{keys} + 1, sentinel);
-  enum : std::uint8_t { unseen, cached, evicted };
-  std::vector<std::uint8_t> state(keys, unseen);
-  std::uint64_t size = 0;
-  std::uint64_t capacity = capacity_blocks;
-  const auto unlink = [&](std::uint32_t k) {
-    next[prev[k]] = next[k];
-    prev[next[k]] = prev[k];
-  };
-  const auto push_front = [&](std::uint32_t k) {
-    prev[k] = sentinel;
-    next[k] = next[sentinel];
-    prev[next[sentinel]] = k;
-    next[sentinel] = k;
-  };
-  kv_pool_result r;
-  const auto evict_lru = [&] {
-    const std::uint32_t victim = prev[sentinel];
-    unlink(victim);
-    state[victim] = evicted;
-    --size;
-    ++r.evictions;
-  };
-  r.step_recomputes.reserve(stream.steps());
+  kv_block_pool pool(stream.key_count(), capacity_blocks);
+  std::vector<std::uint64_t> step_recomputes;
+  step_recomputes.reserve(stream.steps());
   auto change = schedule.begin();
   for (std::uint64_t s = 0; s < stream.steps(); ++s) {
     if (change != schedule.end() && change->step == s) {
-      capacity = change->blocks;
-      while (size > capacity) evict_lru();
+      pool.resize(change->blocks);
       ++change;
     }
-    std::uint64_t recomputes = 0;
-    for (const std::uint32_t k : stream.blocks(s)) {
-      ++r.references;
-      if (state[k] == cached) {
-        ++r.hits;
-        unlink(k);
-        push_front(k);
-        continue;
-      }
-      if (state[k] == unseen) {
-        ++r.cold;
-      } else {
-        ++recomputes;
-      }
-      if (size == capacity) evict_lru();
-      state[k] = cached;
-      push_front(k);
-      ++size;
-    }
-    r.recomputes += recomputes;
-    r.step_recomputes.push_back(recomputes);
+    const std::uint64_t before = pool.totals().recomputes;
+    for (const std::uint32_t k : stream.blocks(s)) (void)pool.read(k);
+    step_recomputes.push_back(pool.totals().recomputes - before);
     if (release_closed) {
-      for (const std::uint32_t k : stream.closing(s)) {
-        if (state[k] != cached) continue;
-        unlink(k);
-        state[k] = evicted;
-        --size;
-        ++r.released;
-      }
+      for (const std::uint32_t k : stream.closing(s)) (void)pool.release(k);
     }
   }
+  kv_pool_result r = pool.totals();
+  r.step_recomputes = std::move(step_recomputes);
   return r;
 }
 

@@ -9,6 +9,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <list>
 #include <random>
 #include <unordered_map>
@@ -258,6 +259,73 @@ TEST(KvSessions, StaticPoolMatchesTheExactMissCurve) {
     for (const std::size_t d : distances) expected += d != reuse_distance_tracker::cold && d >= n ? 1 : 0;
     EXPECT_EQ(simulate_kv_pool(kv, n).recomputes, expected) << "capacity " << n;
   }
+}
+
+// kv_block_pool against a slow LRU list on random reads, releases and resizes: the same result
+// of every read and release, the same size, the same totals; a resize to 0 is
+// refused and changes nothing.
+TEST(KvSessions, BlockPoolMatchesASlowLruList) {
+  std::mt19937_64 rng(23);
+  for (int trial = 0; trial < 20; ++trial) {
+    const auto keys = static_cast<std::uint32_t>(1 + rng() % 40);
+    std::uint64_t capacity = 1 + rng() % 12;
+    kv_block_pool pool(keys, capacity);
+    std::list<std::uint32_t> lru;  // front = most recently read
+    std::unordered_set<std::uint32_t> seen;
+    kv_pool_result want;
+    const auto evict_to = [&](std::uint64_t n) {
+      while (lru.size() > n) {
+        lru.pop_back();
+        ++want.evictions;
+      }
+    };
+    for (int op = 0; op < 400; ++op) {
+      const auto block = static_cast<std::uint32_t>(rng() % keys);
+      const auto roll = rng() % 10;
+      if (roll < 7) {
+        const auto it = std::find(lru.begin(), lru.end(), block);
+        const kv_read expected = it != lru.end()        ? kv_read::hit
+                                 : seen.contains(block) ? kv_read::recompute
+                                                        : kv_read::cold;
+        ++want.references;
+        if (it != lru.end()) {
+          ++want.hits;
+          lru.erase(it);
+        } else {
+          ++(expected == kv_read::cold ? want.cold : want.recomputes);
+          evict_to(capacity - 1);
+        }
+        lru.push_front(block);
+        seen.insert(block);
+        ASSERT_EQ(pool.read(block), expected) << "trial " << trial << " op " << op;
+      } else if (roll < 9) {
+        const auto it = std::find(lru.begin(), lru.end(), block);
+        const bool cached = it != lru.end();
+        if (cached) {
+          lru.erase(it);
+          ++want.released;
+        }
+        ASSERT_EQ(pool.release(block), cached) << "trial " << trial << " op " << op;
+      } else {
+        capacity = 1 + rng() % 12;
+        evict_to(capacity);
+        pool.resize(capacity);
+      }
+      ASSERT_EQ(pool.size(), lru.size());
+      ASSERT_EQ(pool.capacity(), capacity);
+    }
+    // (The eviction order is checked by the reads: a wrong victim makes a later read differ.)
+    const kv_pool_result& got = pool.totals();
+    EXPECT_EQ(got.references, want.references);
+    EXPECT_EQ(got.hits, want.hits);
+    EXPECT_EQ(got.cold, want.cold);
+    EXPECT_EQ(got.recomputes, want.recomputes);
+    EXPECT_EQ(got.evictions, want.evictions);
+    EXPECT_EQ(got.released, want.released);
+    EXPECT_THROW(pool.resize(0), invalid_argument);
+    EXPECT_EQ(pool.capacity(), capacity) << "a refused resize changes nothing";
+  }
+  EXPECT_THROW(kv_block_pool(4, 0), invalid_argument);
 }
 
 TEST(KvSessions, PresetsCoverTheirStepsAndUnknownNamesAreListed) {

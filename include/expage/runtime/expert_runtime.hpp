@@ -875,6 +875,9 @@ class expert_runtime {
   }
   /// The Chrome trace (empty unless options.trace_events > 0).
   [[nodiscard]] const event_trace& trace() const noexcept { return trace_; }
+  /// The Chrome trace, for the engine's own tracks and events beside the runtime's (a controller's
+  /// decisions, `examples/moe_decode --four-pool`); event_trace is thread-safe.
+  [[nodiscard]] event_trace& trace() noexcept { return trace_; }
   /// Marks finished loads resident (queries events, never waits), switches experts whose
   /// background version is ready, issues queued prefetches and transitions, and evicts versions
   /// above a lowered capacity whose kernels have completed.

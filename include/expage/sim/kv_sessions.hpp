@@ -207,6 +207,61 @@ struct kv_pool_result {
   std::vector<std::uint64_t> step_recomputes;  ///< Recomputes of every step, in order.
 };
 
+/// @brief What kv_block_pool::read() found.
+enum class kv_read : std::uint8_t {
+  hit,        ///< The block was cached.
+  cold,       ///< Its first read: the step itself writes the KV (no cost).
+  recompute,  ///< It was evicted earlier: its tokens are prefilled again.
+};
+
+/// @brief An engine's KV block pool as a cache of block ids: LRU under a capacity in blocks that may
+/// change at drained barriers (prefix caching: a block stays cached until evicted; a read pins
+/// nothing). simulate_kv_pool() replays a whole stream through one; an engine or an example that
+/// runs step by step (`examples/moe_decode --four-pool`) reads each step's blocks into it and
+/// resizes it where its split controller decides. The bytes are the caller's to charge: the pool
+/// tracks which blocks hold KV, not the KV.
+/// @code
+/// expage::kv_block_pool pool(kv.key_count(), 1200);
+/// for (const std::uint32_t b : kv.blocks(s)) recomputes += pool.read(b) == expage::kv_read::recompute;
+/// pool.resize(900);  // at a barrier: evicts the least recently read blocks
+/// @endcode
+/// @threadsafety thread-compatible.
+class kv_block_pool {
+ public:
+  /// A pool of @p capacity_blocks blocks over block ids [0, @p keys).
+  /// @throws expage::invalid_argument for a capacity of 0.
+  kv_block_pool(std::uint32_t keys, std::uint64_t capacity_blocks);
+  /// Reads block @p block: cached afterwards, the most recently read; evicts the least recently
+  /// read block when the pool was full. @pre block < keys.
+  kv_read read(std::uint32_t block);
+  /// Drops block @p block (its conversation closed); false when it was not cached. @pre block < keys.
+  bool release(std::uint32_t block);
+  /// Sets the capacity, evicting the least recently read blocks down to it.
+  /// @throws expage::invalid_argument for a capacity of 0 (and changes nothing).
+  void resize(std::uint64_t capacity_blocks);
+  /// Blocks cached.
+  [[nodiscard]] std::uint64_t size() const noexcept { return size_; }
+  /// The capacity in blocks.
+  [[nodiscard]] std::uint64_t capacity() const noexcept { return capacity_; }
+  /// Totals since construction (kv_pool_result's, without the per-step series).
+  [[nodiscard]] const kv_pool_result& totals() const noexcept { return totals_; }
+
+ private:
+  enum : std::uint8_t { unseen, cached, evicted };
+  void unlink(std::uint32_t k) noexcept;
+  void push_front(std::uint32_t k) noexcept;
+  void evict_lru() noexcept;
+
+  // An LRU list over block ids: nodes [0, keys) plus a sentinel at index keys (next of the
+  // sentinel = the most recently read).
+  std::uint32_t sentinel_;
+  std::vector<std::uint32_t> prev_, next_;
+  std::vector<std::uint8_t> state_;
+  std::uint64_t size_ = 0;
+  std::uint64_t capacity_;
+  kv_pool_result totals_;
+};
+
 /// @brief Replays @p stream against an LRU pool of @p capacity_blocks blocks (prefix caching:
 /// a block stays cached until evicted; a step's reads pin nothing, so a step that reads more
 /// blocks than the pool holds thrashes, the cliff below WiSP's admission floor).
