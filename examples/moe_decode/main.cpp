@@ -719,6 +719,7 @@ struct run_result {
   expage::runtime_statistics stats;
   expage::runtime_prefetch_statistics prefetcher;
   std::optional<four_pool_report> four_pool;
+  std::optional<expage::hot_set_statistics> hot_set;  // two tiers without --four-pool
 };
 
 // What one layer step's FFN reads and writes (host spans; the host vectors stay untouched until
@@ -1474,6 +1475,7 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   r.stats = rt.statistics();
   if (prefetcher) r.prefetcher = prefetcher->statistics();
   if (pools) r.four_pool = pools->report();
+  if (hot) r.hot_set = hot->statistics();
   r.wait_s = backend.wait_seconds(r.stats);
   if (!quiet && !o.trace_out.empty()) {
     expage::write_file_atomically(o.trace_out, [&](std::ostream& f) { rt.trace().write_json(f); });
@@ -1552,10 +1554,11 @@ void write_four_pool_json(std::ostream& f, const four_pool_report& r) {
       << fmt::format(R"({{"passes":{},"from":{},"to":{},"applied":{},"predicted_s":{},"target_predicted_s":{}}})",
                      b.passes, split(b.from), split(b.split), b.applied, b.current_cost, b.target_cost);
   }
-  f << fmt::format(R"(],"bursts":{},"moves_applied":{},"reversals":{},"refused":{},"mix_changes":{},)"
-                   R"("kv":{{"reads":{},"hits":{},"cold":{},"recomputes":{},"evictions":{},"blocks_final":{}}}}})",
-                   r.bursts, r.stats.moves, r.stats.reversals, r.stats.failed_resizes, r.stats.mix_changes,
-                   r.kv.references, r.kv.hits, r.kv.cold, r.kv.recomputes, r.kv.evictions, r.kv_blocks_final);
+  f << fmt::format(R"(],"barriers":{},"kv":{{"reads":{},"hits":{},"cold":{},"recomputes":{},"evictions":{},)"
+                   R"("blocks_final":{}}},"controller":)",
+                   r.bursts, r.kv.references, r.kv.hits, r.kv.cold, r.kv.recomputes, r.kv.evictions, r.kv_blocks_final);
+  r.stats.write_json(f);
+  f << '}';
 }
 
 template <class Policy>
@@ -1703,13 +1706,20 @@ int run(const options& o) {
         resident_compute, resident.wall_s, resident.wait_s, expage::byte_size{moved}, bw * 1e-9, physics, paged.wall_s,
         paged.wall_s / physics);
   }
-  if (!o.json.empty()) {  // {"runtime": ..., "prefetcher": ... or null}, written whole or not at all
+  // {"runtime": ..., "prefetcher", "hot_set", "four_pool": ... or null}, written whole or not at all
+  if (!o.json.empty()) {
     expage::write_file_atomically(o.json, [&](std::ostream& f) {
       f << "{\"runtime\":";
       r.stats.write_json(f);
       f << ",\"prefetcher\":";
       if (o.prefetch != "none") {
         r.prefetcher.write_json(f);
+      } else {
+        f << "null";
+      }
+      f << ",\"hot_set\":";
+      if (r.hot_set) {
+        r.hot_set->write_json(f);
       } else {
         f << "null";
       }

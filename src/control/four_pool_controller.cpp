@@ -10,8 +10,14 @@
 #include <limits>
 #include <numeric>
 #include <optional>
+#include <ostream>
 
 namespace expage {
+
+void four_pool_statistics::write_json(std::ostream& out) const {
+  out << fmt::format(R"({{"bursts":{},"moves":{},"reversals":{},"failed_resizes":{},"mix_changes":{}}})", bursts, moves,
+                     reversals, failed_resizes, mix_changes);
+}
 
 std::string_view to_string(tier_pool p) noexcept {
   switch (p) {

@@ -9,9 +9,15 @@
 #include <cmath>
 #include <numeric>
 #include <optional>
+#include <ostream>
 #include <utility>
 
 namespace expage {
+
+void hot_set_statistics::write_json(std::ostream& out) const {
+  out << fmt::format(R"({{"intervals":{},"promotions":{},"demotions":{},"deferred":{},"max_promotions_in_layer":{}}})",
+                     intervals, promotions, demotions, deferred, max_promotions_in_layer);
+}
 
 namespace {
 

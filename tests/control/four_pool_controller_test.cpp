@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <list>
 #include <random>
+#include <sstream>
 #include <vector>
 
 namespace expage {
@@ -497,6 +498,14 @@ TEST(FourPoolController, AMixChangeRestartsTheKvHistory) {
   off.set_kv_open_depths(depths(200));
   off.set_kv_open_depths(depths(1));
   EXPECT_EQ(off.statistics().mix_changes, 0U);
+}
+
+// Every counter reaches the JSON object under its own name.
+TEST(FourPoolController, StatisticsAsJson) {
+  const four_pool_statistics s{.bursts = 7, .moves = 3, .reversals = 1, .failed_resizes = 2, .mix_changes = 4};
+  std::ostringstream json;
+  s.write_json(json);
+  EXPECT_EQ(json.str(), R"({"bursts":7,"moves":3,"reversals":1,"failed_resizes":2,"mix_changes":4})");
 }
 
 }  // namespace

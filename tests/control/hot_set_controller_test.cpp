@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <random>
+#include <sstream>
 #include <vector>
 
 namespace expage {
@@ -391,6 +392,15 @@ TEST(EvaluateHotSet, HysteresisAcceptanceOnMixtralHumanEvalProblem1) {
     EXPECT_LE(lost_pp, 0.5) << "problem " << p;
     EXPECT_LE(damped.max_promotions_per_layer_interval, 1U);
   }
+}
+
+// Every counter reaches the JSON object under its own name.
+TEST(HotSetController, StatisticsAsJson) {
+  const hot_set_statistics s{
+      .intervals = 9, .promotions = 5, .demotions = 4, .deferred = 2, .max_promotions_in_layer = 1};
+  std::ostringstream json;
+  s.write_json(json);
+  EXPECT_EQ(json.str(), R"({"intervals":9,"promotions":5,"demotions":4,"deferred":2,"max_promotions_in_layer":1})");
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <iosfwd>
 #include <limits>
 #include <span>
 #include <string_view>
@@ -230,6 +231,9 @@ struct four_pool_statistics {
   std::uint64_t reversals = 0;       ///< Of those, moves against the previous move.
   std::uint64_t failed_resizes = 0;  ///< Decisions committed as not applied (the previous split stayed).
   std::uint64_t mix_changes = 0;     ///< Session-mix changes detected (four_pool_config::change_ratio).
+  /// Writes every counter as one JSON object: `{"bursts":…,"moves":…,"reversals":…,"failed_resizes":…,
+  /// "mix_changes":…}`.
+  void write_json(std::ostream& out) const;
 };
 
 /// @brief The four-pool controller as a pure decision object.

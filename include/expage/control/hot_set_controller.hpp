@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <iosfwd>
 #include <span>
 #include <vector>
 
@@ -75,6 +76,9 @@ struct hot_set_statistics {
   std::uint64_t deferred = 0;    ///< Promotions the budget refused.
   /// Largest number of promotions in one layer in one interval (≤ max_promotions_per_layer).
   std::uint32_t max_promotions_in_layer = 0;
+  /// Writes every counter as one JSON object: `{"intervals":…,"promotions":…,"demotions":…,
+  /// "deferred":…,"max_promotions_in_layer":…}`.
+  void write_json(std::ostream& out) const;
 };
 
 /// @brief DynaExq's online tiering policy (§3.5) as a pure decision object.
