@@ -269,7 +269,7 @@ options parse(int argc, char** argv) {
           "           [--precision bf16|int4] [--view records|stable|slots] [--policy lru|lfu|next-turn]\n"
           "           [--lo-precision int4|int8 [--hi-share P%] [--hi-per-layer N] [--interval TOKENS]]\n"
           "           [--lo-precision int4|int8 --four-pool [--kv-sessions NAME] [--burst PASSES]\n"
-          "            [--hardware pcie4|pcie5|c2c] [--kv-per-token BYTES] [--interval TOKENS]]\n"
+          "            [--hardware pcie4|pcie5|c2c] [--kv-per-token BYTES] [--interval PASSES]]\n"
           "           [--prefetch none|coactivation|frequency|previous|fmoe [--duel-passes N]\n"
           "            [--pooling log-odds|mean]]  (co-activation's pooling: log-odds, the default, or WiSP's\n"
           "            mean with its decay of 0.5, the default before log-odds)\n"
@@ -1019,10 +1019,24 @@ class four_pool_side {
  public:
   four_pool_side(const options& o, const expage::moe_geometry& g, Runtime& rt, expage::budget_tracker& budget,
                  expage::budget_account& experts, std::uint32_t group, std::uint64_t passes)
-      : rt_(&rt), budget_(&budget), kv_account_(&budget.add_account("kv", 0)), burst_(o.burst), interval_(o.interval) {
+      : rt_(&rt),
+        budget_(&budget),
+        experts_(&experts),
+        kv_account_(&budget.add_account("kv", 0)),
+        burst_(o.burst),
+        interval_(o.interval) {
     expage::kv_session_options sessions;
     sessions.phases = expage::kv_session_preset(o.kv_sessions, std::max<std::uint64_t>(passes, 3));
     kv_ = expage::generate_kv_sessions(sessions);
+    if (kv_.peak_step_blocks() == 0) {
+      throw expage::invalid_argument(fmt::format(
+          "the {} sessions read no KV block over {} passes (their first turns start later): decode more --tokens",
+          o.kv_sessions, passes));
+    }
+    if (o.burst > passes) {
+      throw expage::invalid_argument(
+          fmt::format("--burst {} out of range [1, {}] (the run's passes: no barrier would run)", o.burst, passes));
+    }
     const std::uint64_t b = budget.root().capacity();
     // By default a token's KV is sized so that the busiest step's blocks (the admission floor,
     // WiSP Eq. 6) take a quarter of the budget: KV and experts then compete for the rest.
@@ -1049,6 +1063,14 @@ class four_pool_side {
     m.members_load_hi = true;  // the runtime's targets_load_hi
     // The first split: what a static configuration would set, the KV half of the budget and the
     // experts' half shared by bytes between the tiers (the admissible split nearest to it).
+    try {
+      expage::check_four_pool_model(m);
+    } catch (const expage::invalid_argument& e) {
+      throw expage::invalid_argument(
+          fmt::format("{} (B is --budget of the experts' bytes at --precision; the KV floor is the busiest pass's "
+                      "blocks at --kv-per-token)",
+                      e.what()));
+    }
     const auto candidates = expage::admissible_splits(m);
     const auto distance = [&](const expage::four_pool_split& s) {
       const auto d = [](std::uint64_t x, std::uint64_t y) { return x > y ? x - y : y - x; };
@@ -1135,23 +1157,29 @@ class four_pool_side {
     return true;
   }
 
-  // The runtime's tiers, the KV pool and the budget are the controller's split: a broken promise
-  // is a bug, not a figure.
+  // The runtime's tiers and demand tier, the experts' account, the KV pool and its reservation are
+  // the controller's split, and the accounts' capacities fit B: a broken promise is a bug, not a
+  // figure. (Use above B cannot happen: the root account refuses it.)
   void check_split(const std::string& when) const {
     const expage::four_pool_split& s = controller_->current();
     const expage::four_pool_model& m = report_.model;
     const std::uint64_t hi = rt_->capacity(expage::version_tier::hi), lo = rt_->capacity(expage::version_tier::lo);
+    const std::uint64_t experts = expage::hi_pool_bytes(m, s) + expage::lo_pool_bytes(m, s);
+    const expage::version_tier demand = s.tiered() ? expage::version_tier::lo : expage::version_tier::hi;
     if (hi != std::uint64_t{s.hi_slots} * m.layers || lo != std::uint64_t{s.lo_slots} * m.layers ||
-        pool_->capacity() != s.kv_bytes / m.block_bytes || budget_->root().used() > m.budget_bytes) {
+        rt_->demand_tier() != demand || experts_->capacity() != experts || kv_held_.bytes() != s.kv_bytes ||
+        pool_->capacity() != s.kv_bytes / m.block_bytes || experts + s.kv_bytes > m.budget_bytes) {
       throw std::logic_error(fmt::format(
-          "four-pool {}: the split is {} hi + {} lo slots per layer and {} KV bytes, the runtime holds {} hi and {} "
-          "lo versions, the KV pool {} blocks, the budget {} of {} bytes used",
-          when, s.hi_slots, s.lo_slots, s.kv_bytes, hi, lo, pool_->capacity(), budget_->root().used(), m.budget_bytes));
+          "four-pool {}: the split is {} hi + {} lo slots per layer and {} KV bytes; the runtime holds {} hi and {} "
+          "lo versions, the experts' account {} bytes, the KV pool {} blocks and {} bytes, the budget {} bytes",
+          when, s.hi_slots, s.lo_slots, s.kv_bytes, hi, lo, experts_->capacity(), pool_->capacity(), kv_held_.bytes(),
+          m.budget_bytes));
     }
   }
 
   Runtime* rt_;
   expage::budget_tracker* budget_;
+  expage::budget_account* experts_;
   expage::budget_account* kv_account_;
   std::uint64_t burst_, interval_;
   std::uint32_t track_ = 0;  // the controller's track in the runtime's Chrome trace
@@ -1180,15 +1208,21 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   // With --four-pool the budget is B for both expert tiers and the KV pool, each an account of it.
   const bool four_pool = o.four_pool && lo_store != nullptr;
   expage::budget_tracker tracker(capacity * page, four_pool ? "device" : "experts");
+  // Step s ends a forward pass: the last layer's step, or its last piece when a batched trace's
+  // layer had more tokens than experts and load_trace() split it.
+  const auto ends_pass = [&](std::uint64_t s) {
+    if (replay.empty()) return s % g.layers() + 1 == g.layers();
+    return replay[s].layer + 1 == g.layers() && (s + 1 == replay.size() || replay[s + 1].layer != replay[s].layer);
+  };
   // The most experts one layer step routes: a demand tier must hold them.
   std::uint32_t group = g.top_k();
   std::uint64_t passes_total = replay.empty() ? (o.tokens == 0 ? 32 : o.tokens) : 0;
-  for (const step_routing& s : replay) {
-    std::vector<std::int32_t> ids = s.ids;
+  for (std::size_t s = 0; s < replay.size(); ++s) {
+    std::vector<std::int32_t> ids = replay[s].ids;
     std::ranges::sort(ids);
     group = std::max(
         group, static_cast<std::uint32_t>(std::ranges::distance(ids.begin(), std::unique(ids.begin(), ids.end()))));
-    if (s.layer + 1 == g.layers()) ++passes_total;
+    if (ends_pass(s)) ++passes_total;
   }
   auto& copy = backend.copy();
   auto& compute = backend.compute();
@@ -1245,10 +1279,7 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
     try {
       pools.emplace(o, g, rt, tracker, *experts_account, group, passes_total);
     } catch (const expage::invalid_argument& e) {
-      usage(fmt::format(
-          "--four-pool: {} (the budget is --budget of the experts' bytes at --precision; the KV floor is the busiest "
-          "pass's blocks at --kv-per-token)",
-          e.what()));
+      usage(fmt::format("--four-pool: {}", e.what()));
     }
   } else if (tiered) {
     r.hi_per_layer = o.hi_per_layer != 0
@@ -1449,8 +1480,8 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
       const auto inv = static_cast<float>(1.0 / std::sqrt(sq / static_cast<double>(H) + 1e-6));
       for (std::uint64_t h = 0; h < H; ++h) st[h] *= inv;
     }
-    if (layer + 1 == g.layers()) {
-      r.tokens += n;
+    if (layer + 1 == g.layers()) r.tokens += n;
+    if (ends_pass(s)) {
       ++passes;
       // Every `interval` passes the hot sets move (demotions first) and the runtime follows.
       if (hot && passes % o.interval == 0) {
@@ -1491,7 +1522,9 @@ std::vector<step_routing> load_trace(const options& o, const expage::moe_geometr
   for (const expage::routing_event e : trace) {
     if (o.problem != std::numeric_limits<std::uint32_t>::max() && e.sequence != o.problem) continue;
     if (steps.empty() || steps.back().layer != e.layer || steps.back().tokens.size() == g.experts_per_layer()) {
-      if (e.layer == 0 && o.tokens != 0 && ++tokens > o.tokens) break;
+      // A pass starts at layer 0 after another layer (a split layer 0 is one pass, not several).
+      const bool new_pass = e.layer == 0 && (steps.empty() || steps.back().layer != 0);
+      if (new_pass && o.tokens != 0 && ++tokens > o.tokens) break;
       steps.push_back({.layer = e.layer, .tokens = {}, .ids = {}, .weights = {}});
     }
     steps.back().tokens.push_back(
@@ -1531,8 +1564,8 @@ void print_four_pool(const four_pool_report& f, const expage::runtime_statistics
       expage::byte_size{f.budget_peak}, expage::byte_size{m.budget_bytes}, 100 * stats.hi_coverage(), t.lo_served,
       t.promotions, t.demotions, t.switches);
   fmt::print(
-      "  KV pool: {} block reads, {} hits, {} cold, {} recomputes ({:.3f} s modelled), {} evictions; {} blocks at the "
-      "end\n",
+      "  KV pool: {} block reads, {} hits, {} cold, {} recomputes ({:.3f} s modelled), {} evictions; a pool of {} "
+      "blocks at the end\n",
       f.kv.references, f.kv.hits, f.kv.cold, f.kv.recomputes, static_cast<double>(f.kv.recomputes) * m.kv_miss_seconds,
       f.kv.evictions, f.kv_blocks_final);
 }
