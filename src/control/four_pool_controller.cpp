@@ -181,28 +181,40 @@ std::vector<four_pool_split> admissible_splits(const four_pool_model& m, std::ui
   check_four_pool_model(m);
   if (step == 0) throw invalid_argument("admissible_splits: step 0 out of range [1, 2^32)");
   const std::uint32_t e = m.experts_per_layer;
-  // Every step-th value of [first, last], and last.
-  const auto values = [step](std::uint32_t first, std::uint32_t last) {
+  // The split (hi, lo) with KV the rest, when admissible.
+  const auto split_of = [&](std::uint32_t hi, std::uint32_t lo) -> std::optional<four_pool_split> {
+    four_pool_split s{.hi_slots = hi, .lo_slots = lo, .kv_bytes = 0};
+    const std::uint64_t experts = hi_pool_bytes(m, s) + lo_pool_bytes(m, s);
+    if (experts > m.budget_bytes) return std::nullopt;
+    s.kv_bytes = m.budget_bytes - experts;
+    return admissible(m, s) ? std::optional(s) : std::nullopt;
+  };
+  // Of the values in [first, last] for which @p ok holds (a prefix: more slots leave the KV pool
+  // less), every step-th counted from first, and the largest: a coarse grid keeps the split that
+  // gives the experts the most the budget allows.
+  const auto values = [step](std::uint32_t first, std::uint32_t last, const auto& ok) {
     std::vector<std::uint32_t> v;
-    for (std::uint64_t x = first; x <= last; x += step) v.push_back(static_cast<std::uint32_t>(x));
-    if (!v.empty() && v.back() != last) v.push_back(last);
+    std::optional<std::uint32_t> largest;
+    for (std::uint64_t x = first; x <= last; ++x) {
+      const auto y = static_cast<std::uint32_t>(x);
+      if (!ok(y)) continue;
+      if ((x - first) % step == 0) v.push_back(y);
+      largest = y;
+    }
+    if (largest && (v.empty() || v.back() != *largest)) v.push_back(*largest);
     return v;
   };
   std::vector<four_pool_split> out;
-  const auto consider = [&](std::uint32_t hi, std::uint32_t lo) {
-    four_pool_split s{.hi_slots = hi, .lo_slots = lo, .kv_bytes = 0};
-    const std::uint64_t experts = hi_pool_bytes(m, s) + lo_pool_bytes(m, s);
-    if (experts > m.budget_bytes) return;
-    s.kv_bytes = m.budget_bytes - experts;
-    if (admissible(m, s)) out.push_back(s);
-  };
   const std::uint32_t top_hi = std::min(e, m.space.max_hi_slots);
   if (m.space.hi_only && m.min_group <= top_hi) {
-    for (const std::uint32_t hi : values(m.min_group, top_hi)) consider(hi, 0);
+    const auto hi_only = [&](std::uint32_t hi) { return split_of(hi, 0).has_value(); };
+    for (const std::uint32_t hi : values(m.min_group, top_hi, hi_only)) out.push_back(*split_of(hi, 0));
   }
-  if (m.space.tiered) {
-    for (const std::uint32_t hi : values(0, std::min(top_hi, e - m.min_group))) {
-      for (const std::uint32_t lo : values(m.min_group, e - hi)) consider(hi, lo);
+  if (m.space.tiered && m.min_group <= e) {
+    const auto tiered = [&](std::uint32_t hi) { return split_of(hi, m.min_group).has_value(); };
+    for (const std::uint32_t hi : values(0, std::min(top_hi, e - m.min_group), tiered)) {
+      const auto with_lo = [&](std::uint32_t lo) { return split_of(hi, lo).has_value(); };
+      for (const std::uint32_t lo : values(m.min_group, e - hi, with_lo)) out.push_back(*split_of(hi, lo));
     }
   }
   if (out.empty()) {

@@ -79,9 +79,36 @@ TEST(FourPoolSplits, AdmissibleSplitsEqualABruteForce) {
       EXPECT_TRUE(admissible(m, s));
       EXPECT_EQ(hi_pool_bytes(m, s) + lo_pool_bytes(m, s) + s.kv_bytes, m.budget_bytes);  // KV takes the rest
     }
-    // A coarser grid keeps a subset, with the largest values.
+    // A coarser grid keeps a subset, with the largest admissible values: the largest hi-only H, the
+    // largest tiered H, and for each tiered H it keeps, that H's largest L.
     const auto coarse = admissible_splits(m, 3);
+    const auto in_coarse = [&](const four_pool_split& s) {
+      return std::find(coarse.begin(), coarse.end(), s) != coarse.end();
+    };
     for (const auto& s : coarse) EXPECT_NE(std::find(got.begin(), got.end(), s), got.end());
+    const four_pool_split* top_hi_only = nullptr;
+    const four_pool_split* top_tiered = nullptr;
+    for (const auto& s : got) {
+      if (!s.tiered()) top_hi_only = &s;
+      if (s.tiered() && (top_tiered == nullptr || s.hi_slots > top_tiered->hi_slots)) top_tiered = &s;
+    }
+    if (top_hi_only != nullptr) {
+      EXPECT_TRUE(in_coarse(*top_hi_only)) << "hi-only H " << top_hi_only->hi_slots;
+    }
+    if (top_tiered != nullptr) {
+      bool kept = false;
+      for (const auto& s : coarse) kept = kept || (s.tiered() && s.hi_slots == top_tiered->hi_slots);
+      EXPECT_TRUE(kept) << "tiered H " << top_tiered->hi_slots;
+    }
+    for (const auto& c : coarse) {
+      if (!c.tiered()) continue;
+      const four_pool_split* top_lo = nullptr;
+      for (const auto& s : got) {
+        if (s.tiered() && s.hi_slots == c.hi_slots) top_lo = &s;  // L ascending within an H
+      }
+      ASSERT_NE(top_lo, nullptr);
+      EXPECT_TRUE(in_coarse(*top_lo)) << "H " << c.hi_slots << ", L " << top_lo->lo_slots;
+    }
   }
 }
 

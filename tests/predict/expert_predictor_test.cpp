@@ -60,7 +60,17 @@ struct reference_coactivation {
       score += w * sum / static_cast<double>(current[from].size());
       weights += w;
     }
-    return weights == 0.0 ? -1.0F : static_cast<float>(score / weights);
+    return weights == 0.0 ? frequency(target, j) : static_cast<float>(score / weights);
+  }
+
+  // The per-layer frequency over the stored passes (top_k / E before any reached @p target): the
+  // mean's answer when no earlier layer of the window has evidence yet.
+  float frequency(std::uint32_t target, expert_index j) const {
+    const std::uint64_t reached = count([&](const auto& p) { return target < p.size(); });
+    return reached == 0
+               ? static_cast<float>(top_k) / static_cast<float>(experts)
+               : static_cast<float>(static_cast<double>(count([&](const auto& p) { return fired(p, target, j); })) /
+                                    static_cast<double>(reached));
   }
 
   // The header's formula term by term: logit f + Σ w (logit c̃ − logit f), probabilities clamped
@@ -451,11 +461,8 @@ TEST(CoactivationPredictor, EqualsTheCountingReferenceOnRandomPasses) {
           if (l > 0) {
             p.predict(l, got);
             for (expert_index j = 0; j < experts; ++j) {
-              const float want = ref.predict(current, l, j);
-              if (want >= 0.0F) {
-                EXPECT_NEAR(got[j], want, 1e-6)
-                    << "pass " << pass << " layer " << l << " expert " << j << " pooling " << static_cast<int>(pooling);
-              }
+              EXPECT_NEAR(got[j], ref.predict(current, l, j), 1e-6)
+                  << "pass " << pass << " layer " << l << " expert " << j << " pooling " << static_cast<int>(pooling);
             }
           }
           p.observe(l, r);

@@ -212,15 +212,30 @@ TEST(SplitSim, OnlineInvariantsHoldUnderRefusedResizes) {
   EXPECT_LE(clean.budget_peak_bytes, m.budget_bytes);
   EXPECT_GE(clean.min_kv_bytes, m.kv_floor_bytes);
   std::mt19937_64 rng(3);
-  o.refuse_resize = [&](std::uint64_t) { return rng() % 2 == 0; };
+  std::vector<std::uint64_t> refused;  // the bursts before which a move was refused
+  o.refuse_resize = [&](std::uint64_t burst) {
+    const bool refuse = rng() % 2 == 0;
+    if (refuse) refused.push_back(burst);
+    return refuse;
+  };
+  std::uint64_t refusals = 0;
   for (int trial = 0; trial < 4; ++trial) {
+    refused.clear();
     const split_run faulty = run_online_split(f.workload, o);
     EXPECT_LE(faulty.budget_peak_bytes, m.budget_bytes);
     EXPECT_GE(faulty.min_kv_bytes, m.kv_floor_bytes);
     for (const auto& b : faulty.bursts) {
       EXPECT_LE(b.expert_cap * m.slot_bytes + b.kv_blocks * m.block_bytes, m.budget_bytes);
     }
+    EXPECT_EQ(faulty.failed_resizes, refused.size());
+    for (const std::uint64_t b : refused) {  // the split in force before the refused move stays
+      ASSERT_LT(b, faulty.bursts.size());
+      EXPECT_EQ(faulty.bursts[b].expert_cap, faulty.bursts[b - 1].expert_cap) << "trial " << trial << " burst " << b;
+      EXPECT_EQ(faulty.bursts[b].kv_blocks, faulty.bursts[b - 1].kv_blocks) << "trial " << trial << " burst " << b;
+    }
+    refusals += refused.size();
   }
+  EXPECT_GT(refusals, 0U) << "some move was refused";
 }
 
 // The controller follows a phase shift: tool calls leave the KV pool little to do, long contexts

@@ -111,7 +111,9 @@ struct four_pool_split {
 
 /// Every admissible split (KV the remainder, so the exhaustive grid over (hi, lo, KV) bytes at the
 /// total: giving KV less than the rest never lowers an LRU pool's misses): hi-only by H ascending,
-/// then tiered by H, then L. @p step > 1 keeps every step-th H and L (and the largest).
+/// then tiered by H, then L. @p step > 1 keeps every step-th H and, for each, every step-th L,
+/// and the largest admissible H and L (so the coarse grid still holds the splits that give the
+/// experts the most the budget allows).
 /// @throws expage::invalid_argument for a bad model, a step of 0, or a budget that admits no split
 ///         (named with the bytes: the engine must not start there).
 [[nodiscard]] std::vector<four_pool_split> admissible_splits(const four_pool_model& model, std::uint32_t step = 1);
