@@ -690,6 +690,7 @@ class engine {
 
   void reserve(std::uint32_t s, std::size_t f) {
     slots_[f] = accounts_[s]->try_reserve(static_cast<std::size_t>(cost_.expert_bytes));
+    if (!slots_[f]) ++result_.invariant_violations;
     EXPAGE_ASSERT(static_cast<bool>(slots_[f]), "simulate: the slot budget refused a load the slot count allowed");
   }
 

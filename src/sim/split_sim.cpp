@@ -33,16 +33,17 @@ cap_range admissible_range(const split_model& m) {
   return r;
 }
 
-// Shrinks or grows @p r on @p account to @p bytes (a grow after the other pool's shrink always fits).
-void resize_reservation(reservation& r, budget_account& account, std::size_t bytes) {
+// Shrinks or grows @p r on @p account to @p bytes (a grow after the other pool's shrink always
+// fits); false when the budget refused it.
+bool resize_reservation(reservation& r, budget_account& account, std::size_t bytes) {
   if (bytes < r.bytes()) {
     r.shrink(bytes);
-    return;
+    return true;
   }
-  if (bytes == r.bytes()) return;
-  [[maybe_unused]] const bool grown =
-      r ? r.try_grow(bytes - r.bytes()) : static_cast<bool>(r = account.try_reserve(bytes));
+  if (bytes == r.bytes()) return true;
+  const bool grown = r ? r.try_grow(bytes - r.bytes()) : static_cast<bool>(r = account.try_reserve(bytes));
   EXPAGE_ASSERT(grown, "split: the budget refused a grow after the other pool's shrink");
+  return grown;
 }
 
 }  // namespace
@@ -133,8 +134,11 @@ split_run evaluate(const split_workload& w, const split_model& m, cap_range rang
   budget_account& kv_pool = budget.add_account("kv", static_cast<std::size_t>(m.budget_bytes));
   reservation expert_bytes;
   reservation kv_bytes;
-  resize_reservation(expert_bytes, expert_pool, static_cast<std::size_t>(std::uint64_t{cap_of(0)} * m.slot_bytes));
-  resize_reservation(kv_bytes, kv_pool, static_cast<std::size_t>(kv_blocks(m, cap_of(0)) * m.block_bytes));
+  const auto resize = [&](reservation& r, budget_account& account, std::size_t bytes) {
+    if (!resize_reservation(r, account, bytes)) ++run.invariant_violations;
+  };
+  resize(expert_bytes, expert_pool, static_cast<std::size_t>(std::uint64_t{cap_of(0)} * m.slot_bytes));
+  resize(kv_bytes, kv_pool, static_cast<std::size_t>(kv_blocks(m, cap_of(0)) * m.block_bytes));
   sim_options o = w.expert_options;
   o.layout = cache_layout::per_layer;
   o.prefetch = nullptr;
@@ -151,11 +155,11 @@ split_run evaluate(const split_workload& w, const split_model& m, cap_range rang
     const auto expert_target = static_cast<std::size_t>(std::uint64_t{to} * m.slot_bytes);
     const auto kv_target = static_cast<std::size_t>(kv_blocks(m, to) * m.block_bytes);
     if (to > from) {  // experts grow: KV gives its bytes back first
-      resize_reservation(kv_bytes, kv_pool, kv_target);
-      resize_reservation(expert_bytes, expert_pool, expert_target);
+      resize(kv_bytes, kv_pool, kv_target);
+      resize(expert_bytes, expert_pool, expert_target);
     } else {
-      resize_reservation(expert_bytes, expert_pool, expert_target);
-      resize_reservation(kv_bytes, kv_pool, kv_target);
+      resize(expert_bytes, expert_pool, expert_target);
+      resize(kv_bytes, kv_pool, kv_target);
     }
     run.min_kv_bytes = std::min<std::uint64_t>(run.min_kv_bytes, kv_bytes.bytes());
     o.capacity_schedule.push_back({.pass = pass, .capacity = to});

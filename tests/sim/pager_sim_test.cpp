@@ -106,6 +106,7 @@ TEST(PagerSim, EqualsReplayWithFreeComputeForEveryPolicy) {
         EXPECT_DOUBLE_EQ(got.compute_seconds, 0.0);
         EXPECT_LE(got.budget_peak_bytes,
                   std::uint64_t{capacity} * (layout == cache_layout::global ? 1 : 6) * g.expert_bytes(precision::bf16));
+        EXPECT_EQ(got.invariant_violations, 0U);
       }
     }
   }
@@ -264,6 +265,7 @@ TEST(PagerSim, InvariantsOnRandomTraces) {
               EXPECT_NEAR(by_cause, by_layer, 1e-9 * (1.0 + by_layer));
               if (prefetch) resize_stall += res.stall_seconds[static_cast<std::size_t>(stall_cause::resize)];
               EXPECT_LE(res.budget_peak_bytes, std::uint64_t{capacity} * res.expert_bytes);
+              EXPECT_EQ(res.invariant_violations, 0U);
               EXPECT_EQ(res.hits + res.demand_misses, res.accesses);
               EXPECT_EQ(res.prefetch_bytes + res.demand_bytes, res.bytes_moved());
               EXPECT_LE(
@@ -567,6 +569,7 @@ TEST(PagerSim, AdmissionNeverDelaysADemandLoad) {
               EXPECT_GT(res.prefetches_issued, 0U);
               EXPECT_LE(res.longest_wait_behind_prefetch, res.transfer_seconds * (1.0 + 1e-9));
               EXPECT_LE(res.budget_peak_bytes, std::uint64_t{capacity} * res.expert_bytes);
+              EXPECT_EQ(res.invariant_violations, 0U);
             }
           }
         }
@@ -735,6 +738,7 @@ TEST(PagerSim, HotExpertTablePreloadsTheHottest) {
       const sim_result hot = simulate(stream, g, p, o);
       EXPECT_EQ(hot.preload_bytes, (global ? 40U : 36U) * hot.expert_bytes);
       EXPECT_LE(hot.budget_peak_bytes, (global ? 40U : 36U) * hot.expert_bytes);
+      EXPECT_EQ(hot.invariant_violations, 0U);
       o.initial_residency.clear();
       const sim_result cold = simulate(stream, g, p, o);
       EXPECT_LT(hot.demand_misses, cold.demand_misses) << "the hottest experts were there from the start";

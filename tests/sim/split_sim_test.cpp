@@ -109,6 +109,7 @@ TEST(SimulateSchedule, DemandLruEqualsAReferenceUnderRandomResizes) {
     std::uint32_t most = o.capacity;
     for (const auto& c : o.capacity_schedule) most = std::max(most, c.capacity);
     EXPECT_LE(r.budget_peak_bytes, std::uint64_t{g.layers()} * most * r.expert_bytes);
+    EXPECT_EQ(r.invariant_violations, 0U);
   }
 }
 
@@ -141,6 +142,7 @@ TEST(SimulateSchedule, ABarrierDrainsInFlightPrefetches) {
   EXPECT_GT(r.stall_seconds[static_cast<std::size_t>(stall_cause::resize)], 0.0);
   EXPECT_GT(r.resize_evictions, 0U);
   EXPECT_LE(r.budget_peak_bytes, std::uint64_t{g.layers()} * 12 * r.expert_bytes);
+  EXPECT_EQ(r.invariant_violations, 0U);
   EXPECT_EQ(r.prefetches_used + r.prefetches_wasted + r.prefetches_cancelled + r.prefetches_promoted,
             r.prefetches_issued);
 }
@@ -195,6 +197,7 @@ TEST(SplitSim, AStaticSplitCostsWhatTheSimulatorsSay) {
                 static_cast<double>(simulate_kv_pool(f.kv, blocks).recomputes) * m.kv_miss_seconds, 1e-9);
     EXPECT_EQ(run.moves, 0U);
     EXPECT_LE(run.budget_peak_bytes, m.budget_bytes);
+    EXPECT_EQ(run.invariant_violations, 0U);
     EXPECT_GE(run.min_kv_bytes, m.kv_floor_bytes);
   }
 }
@@ -210,6 +213,7 @@ TEST(SplitSim, OnlineInvariantsHoldUnderRefusedResizes) {
   const split_run clean = run_online_split(f.workload, o);
   EXPECT_EQ(clean.reversals, 0U);
   EXPECT_LE(clean.budget_peak_bytes, m.budget_bytes);
+  EXPECT_EQ(clean.invariant_violations, 0U);
   EXPECT_GE(clean.min_kv_bytes, m.kv_floor_bytes);
   std::mt19937_64 rng(3);
   std::vector<std::uint64_t> refused;  // the bursts before which a move was refused
@@ -223,6 +227,7 @@ TEST(SplitSim, OnlineInvariantsHoldUnderRefusedResizes) {
     refused.clear();
     const split_run faulty = run_online_split(f.workload, o);
     EXPECT_LE(faulty.budget_peak_bytes, m.budget_bytes);
+    EXPECT_EQ(faulty.invariant_violations, 0U);
     EXPECT_GE(faulty.min_kv_bytes, m.kv_floor_bytes);
     for (const auto& b : faulty.bursts) {
       EXPECT_LE(b.expert_cap * m.slot_bytes + b.kv_blocks * m.block_bytes, m.budget_bytes);
@@ -262,6 +267,7 @@ TEST(SplitSim, OnlineFollowsAPhaseShift) {
   EXPECT_LT(longer / static_cast<double>(n_long) + 2.0, tools / static_cast<double>(n_tools))
       << "the long-context phase gets the KV pool";
   EXPECT_LE(online.budget_peak_bytes, f.workload.budget_bytes);
+  EXPECT_EQ(online.invariant_violations, 0U);
 }
 
 // Per phase of @p w (phase_first_bursts()), the bursts from the phase's first burst to the first
@@ -455,6 +461,7 @@ void mv_wsa_acceptance(const routing_trace& all, std::initializer_list<std::uint
             static_cast<unsigned long long>(online.converged_burst), online.bursts.size(), live.cost_per_token() * 1e3,
             100 * (live.cost() / best->cost() - 1));
         EXPECT_LE(online.budget_peak_bytes, w.budget_bytes);
+        EXPECT_EQ(online.invariant_violations, 0U);
         EXPECT_GE(online.min_kv_bytes, w.kv_floor_bytes);
         if (mix == 2) {
           shift_gains.push_back(1.0 - ratio);

@@ -308,10 +308,10 @@ std::string split_run_json(const expage::split_run& r, const expage::split_model
   return fmt::format(
       R"({{"controller":"{}","final_cap":{},"expert_bytes":{},"kv_bytes":{},"expert_stall_per_token_s":{},)"
       R"("kv_recompute_per_token_s":{},"cost_per_token_s":{},"moves":{},"reversals":{},"mix_changes":{},)"
-      R"("budget_peak_bytes":{},"caps_per_burst":[{}]}})",
+      R"("budget_peak_bytes":{},"invariant_violations":{},"caps_per_burst":[{}]}})",
       r.controller, last, std::uint64_t{last} * m.slot_bytes, m.budget_bytes - std::uint64_t{last} * m.slot_bytes,
       json_number(r.expert_stall_per_token()), json_number(r.kv_recompute_per_token()), json_number(r.cost_per_token()),
-      r.moves, r.reversals, r.mix_changes, r.budget_peak_bytes, fmt::join(caps, ","));
+      r.moves, r.reversals, r.mix_changes, r.budget_peak_bytes, r.invariant_violations, fmt::join(caps, ","));
 }
 
 std::string splits_json(const std::vector<split_report>& splits, std::string_view mix, bool release_closed) {

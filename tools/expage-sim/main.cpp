@@ -401,7 +401,8 @@ std::string result_json(const expage::sim_result& r, const cell& c, bool bounds)
       R"("prefetches_late":{},"prefetches_wasted":{},"prefetches_promoted":{},"prefetches_cancelled":{},)"
       R"("prefetches_refused":{},"prefetch_victim_refaults":{},"duel_lru_groups":{},"duel_switches":{},)"
       R"("prefetch_precision":{},"prefetch_coverage":{},)"
-      R"("prefetch_timeliness":{},"prefetch_bytes_per_useful_byte":{},"budget_peak_bytes":{},"layers":[{}]{}}})",
+      R"("prefetch_timeliness":{},"prefetch_bytes_per_useful_byte":{},"budget_peak_bytes":{},)"
+      R"("invariant_violations":{},"layers":[{}]{}}})",
       expage::to_string(r.layout), r.capacity, expage::to_string(r.policy), r.prefetcher, json_number(r.ratio),
       json_number(r.transfer_seconds), json_number(r.layer_seconds), r.tokens, r.accesses, r.hits, r.demand_misses,
       json_number(r.miss_ratio()), r.evictions, r.bytes_moved(), r.demand_bytes, r.prefetch_bytes, r.preload_bytes,
@@ -410,7 +411,8 @@ std::string result_json(const expage::sim_result& r, const cell& c, bool bounds)
       r.prefetches_wasted, r.prefetches_promoted, r.prefetches_cancelled, r.prefetches_refused,
       r.prefetch_victim_refaults, r.duel_lru_groups, r.duel_switches, json_number(r.prefetch_precision()),
       json_number(r.prefetch_coverage()), json_number(r.prefetch_timeliness()),
-      json_number(r.prefetch_bytes_per_useful_byte()), r.budget_peak_bytes, fmt::join(layers, ","), oracle);
+      json_number(r.prefetch_bytes_per_useful_byte()), r.budget_peak_bytes, r.invariant_violations,
+      fmt::join(layers, ","), oracle);
 }
 
 // Stall per token (ms) against expert memory (GiB): one panel per (layout, ratio); every series

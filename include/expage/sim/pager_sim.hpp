@@ -309,7 +309,10 @@ struct sim_result {
   double compute_seconds = 0;                             ///< Total compute time.
   double elapsed_seconds = 0;                             ///< Modelled time from the first layer to the last one's end.
   stall_distribution per_pass;                            ///< Stall per forward pass.
-  std::uint64_t budget_peak_bytes = 0;       ///< High-water mark of the slot budget (in-flight loads included).
+  std::uint64_t budget_peak_bytes = 0;  ///< High-water mark of the slot budget (in-flight loads included).
+  /// Loads the slot budget refused though the slot count allowed them: 0 in a correct run (the
+  /// budget refuses past its capacity, so budget_peak_bytes alone cannot show an over-commit).
+  std::uint64_t invariant_violations = 0;
   std::uint64_t resizes = 0;                 ///< Capacity changes applied (sim_options::capacity_schedule).
   std::uint64_t resize_evictions = 0;        ///< Experts a shrink evicted.
   std::vector<double> pass_stalls;           ///< Stall of every forward pass, seconds, in order.

@@ -102,8 +102,11 @@ struct split_run {
   std::uint64_t failed_resizes = 0;     ///< Moves refused (the previous split stayed, WiSP D3).
   std::uint64_t mix_changes = 0;        ///< Session-mix changes the online controller detected.
   std::uint64_t budget_peak_bytes = 0;  ///< High-water mark of expert + KV bytes, transients included.
-  std::uint64_t min_kv_bytes = 0;       ///< The least KV pool in force (≥ the floor).
-  std::uint64_t converged_burst = 0;    ///< The first burst from which the cap never changes.
+  /// Resizes the budget refused though the barrier's order (shrink first) allowed them: 0 in a
+  /// correct run (the budget refuses past its capacity, so budget_peak_bytes alone cannot show one).
+  std::uint64_t invariant_violations = 0;
+  std::uint64_t min_kv_bytes = 0;     ///< The least KV pool in force (≥ the floor).
+  std::uint64_t converged_burst = 0;  ///< The first burst from which the cap never changes.
 
   /// The modelled cost: expert stall + KV recompute, seconds.
   [[nodiscard]] double cost() const noexcept { return expert_stall_seconds + kv_recompute_seconds; }
