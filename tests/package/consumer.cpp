@@ -2,6 +2,7 @@
 #include <expage/expage.hpp>
 #include <expage/version.hpp>
 #if defined(EXPAGE_CONSUMER_CUDA)
+#include <expage/cuda/pattern_kernels.hpp>
 #include <expage/cuda/runtime.hpp>
 #endif
 
@@ -20,6 +21,10 @@ int main() {
              geometry.name(), budget);
 #if defined(EXPAGE_CONSUMER_CUDA)
   fmt::print("cuda: {}\n", expage::cuda::device_status());
+  // A kernel entry point of expage::kernels, linked (not launched: the test runs without a device).
+  void (*volatile fill)(std::uint64_t*, std::size_t, std::uint64_t, std::uint64_t, cudaStream_t) =
+      &expage::cuda::fill_pattern_async;
+  if (fill == nullptr) return 1;
 #endif
   fmt::print("expage consumer ok\n");
   return span.size() == 6 ? 0 : 1;

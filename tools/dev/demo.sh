@@ -5,7 +5,7 @@
 #   2. the same model with mixed-precision residency: half the budget for bf16 versions, the rest
 #      for int4 ones, DynaExq's hot-set controller promoting and demoting in the background;
 #   3. Mixtral-8x7B at 1/16 scale, replaying the real HumanEval routing trace when
-#      ../shared/traces is present (the first 64 tokens; --tokens 0 replays all of it).
+#      ../shared/traces (or $EXPAGE_TRACES_DIR) is present (the first 64 tokens).
 # Every layer's output is checked bit-exact against all-resident weights (in the precision each
 # expert was served at); the run prints tokens/s,
 # the hit rate, bytes moved, compute against waiting, and writes a Chrome trace (open it in
@@ -15,7 +15,7 @@ cd "$(dirname "$0")/../.."
 tools/dev/deps.sh
 [[ -x /usr/local/cuda/bin/nvcc ]] && export PATH="/usr/local/cuda/bin:$PATH"
 cmake --preset release -DEXPAGE_BUILD_DOCS=OFF >/dev/null
-cmake --build --preset release --target moe_decode
+cmake --build --preset release --target moe_decode expage-replay expage-sim expage-plan
 decode=build/release/examples/moe_decode
 
 echo
@@ -28,7 +28,7 @@ echo "=== the same, two tiers: bf16 hot set + int4 for the rest, under the same 
 "$decode" --geometry olmoe-1b-7b --scale 8 --tokens 32 --budget 25% --lo-precision int4 --hi-share 50% \
   --trace-out build/release/moe_decode-olmoe-tiers.json "$@"
 
-real=../shared/traces/mixtral8x7b-vllm-humaneval/humaneval_2_routing.jsonl
+real=${EXPAGE_TRACES_DIR:-../shared/traces}/mixtral8x7b-vllm-humaneval/humaneval_2_routing.jsonl
 if [[ -f "$real" ]]; then
   echo
   echo "=== Mixtral-8x7B (1/16 scale), real routing (vLLM, HumanEval), 25% budget ==="

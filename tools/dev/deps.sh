@@ -6,7 +6,10 @@
 set -euo pipefail
 
 # python3-venv: the libCacheSim comparison (ctest compat.libcachesim) makes a virtual environment.
-packages=(cmake ninja-build g++ libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev doxygen python3-venv)
+# clang, libclang-rt-dev: the fuzz stage (clang++ -fsanitize=fuzzer needs libFuzzer's runtime,
+# which clang only recommends).
+packages=(cmake ninja-build g++ libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev doxygen python3-venv clang
+  libclang-rt-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

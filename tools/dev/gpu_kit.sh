@@ -17,9 +17,11 @@
 # run.sh writes its logs, the benchmarks' JSON and the summary to $OUT; its exit status and the
 # verdicts are explained in docs/performance.md, "Running the GPU kit".
 set -euo pipefail
-cd "$(dirname "$0")/../.."
-build=${1:-build/release}
-kit=${2:-.gpu-kit}
+root=$(cd "$(dirname "$0")/../.." && pwd)
+# Paths given are taken from the caller's directory; the defaults are in the checkout's root.
+build=$(realpath -m "${1:-$root/build/release}")
+kit=$(realpath -m "${2:-$root/.gpu-kit}")
+cd "$root"
 binaries=(tests/expage_cuda_tests tests/expage_kernels_cuda_tests
   bench/expage_cuda_vmm_bench bench/expage_kernels_bench bench/expage_cuda_copy_bench examples/moe_decode)
 
