@@ -4,7 +4,9 @@
 #   1. OLMoE-1B-7B at 1/8 scale, routed by the model's own router on its hidden states;
 #   2. the same model with mixed-precision residency: half the budget for bf16 versions, the rest
 #      for int4 ones, DynaExq's hot-set controller promoting and demoting in the background;
-#   3. Mixtral-8x7B at 1/16 scale, replaying the real HumanEval routing trace when
+#   3. the same model with one budget for bf16, int4 and a KV cache, split online by the
+#      four-pool controller at drained barriers (the KV side a modelled phase-shift session mix);
+#   4. Mixtral-8x7B at 1/16 scale, replaying the real HumanEval routing trace when
 #      ../shared/traces (or $EXPAGE_TRACES_DIR) is present (the first 64 tokens).
 # Every layer's output is checked bit-exact against all-resident weights (in the precision each
 # expert was served at); the run prints tokens/s,
@@ -27,6 +29,11 @@ echo
 echo "=== the same, two tiers: bf16 hot set + int4 for the rest, under the same budget ==="
 "$decode" --geometry olmoe-1b-7b --scale 8 --tokens 32 --budget 25% --lo-precision int4 --hi-share 50% \
   --trace-out build/release/moe_decode-olmoe-tiers.json "$@"
+
+echo
+echo "=== one budget for bf16, int4 and the KV cache, split online by the four-pool controller ==="
+"$decode" --geometry olmoe-1b-7b --scale 8 --tokens 64 --budget 25% --lo-precision int4 --four-pool \
+  --trace-out build/release/moe_decode-olmoe-four-pool.json "$@"
 
 real=${EXPAGE_TRACES_DIR:-../shared/traces}/mixtral8x7b-vllm-humaneval/humaneval_2_routing.jsonl
 if [[ -f "$real" ]]; then
