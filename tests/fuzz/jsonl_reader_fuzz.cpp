@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <sstream>
 #include <string>
@@ -30,20 +31,25 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
            ", \"sketch_dims\": " + std::to_string((selector >> 5U) & 3U) + "}\n" + text;
   }
   const expage::trace_read_options options{.batch_size = 1U + (selector >> 1U) % 4U};
+  std::optional<expage::routing_trace> parsed;
   try {
-    const expage::routing_trace trace = csv ? expage::parse_csv(text, geometry, "fuzz.csv", options)
-                                            : expage::parse_jsonl(text, geometry, "fuzz.jsonl", options);
-    if (!trace.is_execution_ordered() || trace.empty()) __builtin_trap();
-    (void)trace.gaps();
-    std::ostringstream jsonl;
-    expage::write_jsonl(jsonl, trace);
-    if (!(expage::parse_jsonl(jsonl.str(), geometry, "again.jsonl") == trace)) __builtin_trap();
-    const std::string bytes = expage::encode_binary(trace);
-    if (!(expage::parse_binary(std::as_bytes(std::span<const char>(bytes.data(), bytes.size())), geometry,
-                               "again.bin") == trace)) {
-      __builtin_trap();
-    }
+    parsed.emplace(csv ? expage::parse_csv(text, geometry, "fuzz.csv", options)
+                       : expage::parse_jsonl(text, geometry, "fuzz.jsonl", options));
   } catch (const expage::format_error&) {
+    return 0;  // refused: the only other allowed outcome
+  }
+  const expage::routing_trace& trace = *parsed;
+  if (!trace.is_execution_ordered() || trace.empty()) __builtin_trap();
+  (void)trace.gaps();
+  // What parsed must survive the round trips: any exception there (a writer emitting what its
+  // reader refuses) is a bug too, so nothing below is caught.
+  std::ostringstream jsonl;
+  expage::write_jsonl(jsonl, trace);
+  if (!(expage::parse_jsonl(jsonl.str(), geometry, "again.jsonl") == trace)) __builtin_trap();
+  const std::string bytes = expage::encode_binary(trace);
+  if (!(expage::parse_binary(std::as_bytes(std::span<const char>(bytes.data(), bytes.size())), geometry, "again.bin") ==
+        trace)) {
+    __builtin_trap();
   }
   return 0;
 }

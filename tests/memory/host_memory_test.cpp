@@ -9,6 +9,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <vector>
 
@@ -61,6 +62,20 @@ TEST(HostMemory, PopulatedBlocksAreResidentAtOnce) {
   for (const unsigned char r : residency) resident += r & 1U;
   EXPECT_EQ(resident, 0U) << "without populate nothing is faulted in";
   lazy.deallocate(q, 2);
+}
+
+// deallocate() unmaps the blocks (ASan tracks the heap, not mmap: a leaked mapping would not show).
+TEST(HostMemory, DeallocateUnmaps) {
+  const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  host_memory m({.block_size = 1_MiB});
+  std::byte* p = m.allocate(2);
+  p[0] = std::byte{1};
+  p[2_MiB - 1] = std::byte{1};
+  m.deallocate(p, 2);
+  std::vector<unsigned char> residency(2_MiB / page);
+  errno = 0;
+  EXPECT_EQ(::mincore(p, 2_MiB, residency.data()), -1);
+  EXPECT_EQ(errno, ENOMEM);
 }
 
 TEST(HostMemory, ReportsExhaustionAsOutOfMemory) {
