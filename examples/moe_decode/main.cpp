@@ -116,7 +116,7 @@ struct options {
   std::optional<precision> lo_format;  // two tiers: --lo-precision
   double hi_share = 0.5;               // of the budget, for the hi tier
   std::uint32_t hi_per_layer = 0;      // the hot set's size per layer; 0: what the hi tier holds
-  std::uint32_t interval = 2;          // tokens per hot-set interval
+  std::uint32_t interval = 2;          // forward passes per hot-set interval
   std::string policy = "lru";
   std::string prefetch = "none";
   std::optional<expage::coactivation_pooling> pooling;  // --pooling, for --prefetch coactivation
@@ -267,7 +267,7 @@ options parse(int argc, char** argv) {
           "moe_decode [--backend host|cuda] [--geometry NAME] [--scale N] [--tokens N] [--budget P%]\n"
           "           [--trace FILE [--problem ID]]\n"
           "           [--precision bf16|int4] [--view records|stable|slots] [--policy lru|lfu|next-turn]\n"
-          "           [--lo-precision int4|int8 [--hi-share P%] [--hi-per-layer N] [--interval TOKENS]]\n"
+          "           [--lo-precision int4|int8 [--hi-share P%] [--hi-per-layer N] [--interval PASSES]]\n"
           "           [--lo-precision int4|int8 --four-pool [--kv-sessions NAME] [--burst PASSES]\n"
           "            [--hardware pcie4|pcie5|c2c] [--kv-per-token BYTES] [--interval PASSES]]\n"
           "           [--prefetch none|coactivation|frequency|previous|fmoe [--duel-passes N]\n"
@@ -1030,7 +1030,8 @@ class four_pool_side {
     kv_ = expage::generate_kv_sessions(sessions);
     if (kv_.peak_step_blocks() == 0) {
       throw expage::invalid_argument(fmt::format(
-          "the {} sessions read no KV block over {} passes (their first turns start later): decode more --tokens",
+          "the {} sessions read no KV block over {} passes (their first turns start later): decode more passes "
+          "(--tokens, or a longer --trace)",
           o.kv_sessions, passes));
     }
     if (o.burst > passes) {
@@ -1674,7 +1675,7 @@ int run(const options& o) {
     print_four_pool(*r.four_pool, r.stats, o);
   } else if (o.lo_format) {
     fmt::print(
-        "  tiers: {} hi ({}) + {} lo ({}) versions; hot set {} per layer every {} tokens; served hi {:.1f}% "
+        "  tiers: {} hi ({}) + {} lo ({}) versions; hot set {} per layer every {} passes; served hi {:.1f}% "
         "(lo {}), promotions {} ({}), demotions {} ({}), switches {}, transitions cancelled {}\n",
         r.hi_capacity, o.format, r.lo_capacity, *o.lo_format, r.hi_per_layer, o.interval, 100 * r.stats.hi_coverage(),
         t.lo_served, t.promotions, expage::byte_size{t.promotion_bytes}, t.demotions,

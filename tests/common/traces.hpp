@@ -12,7 +12,12 @@ namespace expage::testing {
 inline std::optional<std::filesystem::path> traces_dir() {
   namespace fs = std::filesystem;
   if (const char* env = std::getenv("EXPAGE_TRACES_DIR"); env != nullptr && *env != '\0') {
-    if (fs::is_directory(env)) return fs::path(env);
+    fs::path dir(env);
+#ifdef EXPAGE_SOURCE_DIR
+    // A relative path is taken from the checkout's root, as the CMake tests take it.
+    if (dir.is_relative()) dir = fs::path(EXPAGE_SOURCE_DIR) / dir;
+#endif
+    if (fs::is_directory(dir)) return dir;
   }
 #ifdef EXPAGE_SOURCE_DIR
   for (fs::path dir = EXPAGE_SOURCE_DIR; !dir.empty(); dir = dir.parent_path()) {

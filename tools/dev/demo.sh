@@ -14,6 +14,7 @@
 # https://ui.perfetto.dev or chrome://tracing) to build/release/moe_decode-*.json.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+traces=${EXPAGE_TRACES_DIR:-../shared/traces}  # relative to the checkout, as the tests take it
 tools/dev/deps.sh
 [[ -x /usr/local/cuda/bin/nvcc ]] && export PATH="/usr/local/cuda/bin:$PATH"
 cmake --preset release -DEXPAGE_BUILD_DOCS=OFF >/dev/null
@@ -32,10 +33,11 @@ echo "=== the same, two tiers: bf16 hot set + int4 for the rest, under the same 
 
 echo
 echo "=== one budget for bf16, int4 and the KV cache, split online by the four-pool controller ==="
+# (without the demo's extra arguments: --tokens or --hi-share would not suit this run)
 "$decode" --geometry olmoe-1b-7b --scale 8 --tokens 64 --budget 25% --lo-precision int4 --four-pool \
-  --trace-out build/release/moe_decode-olmoe-four-pool.json "$@"
+  --trace-out build/release/moe_decode-olmoe-four-pool.json
 
-real=${EXPAGE_TRACES_DIR:-../shared/traces}/mixtral8x7b-vllm-humaneval/humaneval_2_routing.jsonl
+real=$traces/mixtral8x7b-vllm-humaneval/humaneval_2_routing.jsonl
 if [[ -f "$real" ]]; then
   echo
   echo "=== Mixtral-8x7B (1/16 scale), real routing (vLLM, HumanEval), 25% budget ==="
