@@ -9,7 +9,7 @@ if [[ $# -lt 2 ]]; then
   echo "usage: expect_output.sh PATTERN -- COMMAND..." >&2
   exit 2
 fi
-pattern=$1
+pattern=${1//$'\n'/\\n}  # a newline given literally (CMake's "\n") becomes PCRE's \n: grep splits patterns at newlines
 shift
 [[ ${1:-} == -- ]] && shift
 out=$(mktemp)
