@@ -13,15 +13,21 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/types.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <future>
 #include <limits>
 #include <memory>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -52,6 +58,16 @@ struct buffers {
                        [](std::byte b) { return b == poison; });
   }
 };
+
+// The scheduler state of thread @p tid of this process ('R' running, 'S' sleeping, ...; '?' once it
+// has exited): lets a test wait, without sleeping, until a thread is blocked in its only wait.
+char thread_state(pid_t tid) {
+  std::ifstream stat("/proc/self/task/" + std::to_string(tid) + "/stat");
+  std::string text;
+  std::getline(stat, text);
+  const std::size_t name_end = text.rfind(')');  // the state follows the command name in parentheses
+  return name_end == std::string::npos || name_end + 2 >= text.size() ? '?' : text[name_end + 2];
+}
 
 TEST(HostCopyEngine, RejectsOptionsOutOfRange) {
   EXPECT_THROW(host_copy_engine({.threads = 0}), invalid_argument);
@@ -397,6 +413,9 @@ TEST(HostCopyEngine, HelpedChunkErrorReachesTheCaller) {
   EXPECT_TRUE(next.copied());
 }
 
+// The single worker is held at the gate with chunks queued behind it. The gate opens only once the
+// destroying thread sleeps: its one wait is the join of the worker, so the destructor has told the
+// workers to stop by then, and the worker must still copy every queued chunk.
 TEST(HostCopyEngine, DestructionDrainsQueuedChunks) {
   gated_copier gate;
   auto engine = std::make_unique<host_copy_engine>(
@@ -408,7 +427,12 @@ TEST(HostCopyEngine, DestructionDrainsQueuedChunks) {
     pending.push_back(engine->copy_async(all.back()->dst.data(), all.back()->src.data(), all.back()->bytes));
   }
   EXPECT_FALSE(pending.back().ready());  // the single worker is held at the gate
-  std::thread destroyer([&] { engine.reset(); });
+  std::atomic<pid_t> tid{0};
+  std::thread destroyer([&] {
+    tid = ::gettid();
+    engine.reset();
+  });
+  while (tid.load() == 0 || thread_state(tid.load()) != 'S') std::this_thread::yield();
   gate.open();
   destroyer.join();
   for (std::size_t i = 0; i < all.size(); ++i) {
@@ -422,15 +446,34 @@ TEST(HostCopyEngine, DestructionWaitsForCopiesStillQueuedOnAStream) {
   std::shared_future<void> released = release.get_future().share();
   host_stream stream;
   buffers b(256_KiB, 12);
+  // Stream work between the release and the copy (milliseconds), then a look at whether the engine
+  // was destroyed: a destructor that did not wait would have returned by then.
+  std::vector<std::byte> busy_src(64_MiB, std::byte{1}), busy_dst(64_MiB);
+  std::atomic<bool> destroyed{false};
+  bool destroyed_before_the_copy = false;
   {
     auto engine = std::make_unique<host_copy_engine>(host_copy_engine_options{.threads = 2, .chunk_bytes = 4_KiB});
     stream.enqueue([released] { released.wait(); });  // holds the stream before the copy
+    stream.enqueue([&] {
+      std::memcpy(busy_dst.data(), busy_src.data(), busy_src.size());
+      destroyed_before_the_copy = destroyed.load();
+    });
     engine->copy(b.dst.data(), b.src.data(), b.bytes, stream);
-    std::thread destroyer([&] { engine.reset(); });  // must wait for the stream to reach the copy
+    // The destroying thread goes to sleep in the destructor's wait for the stream (or, without
+    // that wait, in the join of the idle workers, which ends at once); the stream is let go after.
+    std::atomic<pid_t> tid{0};
+    std::thread destroyer([&] {
+      tid = ::gettid();
+      engine.reset();
+      destroyed = true;
+    });
+    while (!destroyed.load() && (tid.load() == 0 || thread_state(tid.load()) != 'S')) std::this_thread::yield();
+    EXPECT_FALSE(destroyed.load()) << "the destructor returned while a copy was still queued on a stream";
     release.set_value();
     destroyer.join();
   }
   stream.synchronize();
+  EXPECT_FALSE(destroyed_before_the_copy) << "the engine was destroyed before the stream reached its copy";
   EXPECT_TRUE(b.copied());
 }
 
