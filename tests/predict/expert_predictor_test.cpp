@@ -60,17 +60,16 @@ struct reference_coactivation {
       score += w * sum / static_cast<double>(current[from].size());
       weights += w;
     }
-    return weights == 0.0 ? frequency(target, j) : static_cast<float>(score / weights);
+    return static_cast<float>(weights == 0.0 ? frequency(target, j) : score / weights);
   }
 
   // The per-layer frequency over the stored passes (top_k / E before any reached @p target): the
-  // mean's answer when no earlier layer of the window has evidence yet.
-  float frequency(std::uint32_t target, expert_index j) const {
+  // mean's answer when no earlier layer of the window has evidence yet, and log-odds' base rate.
+  double frequency(std::uint32_t target, expert_index j) const {
     const std::uint64_t reached = count([&](const auto& p) { return target < p.size(); });
-    return reached == 0
-               ? static_cast<float>(top_k) / static_cast<float>(experts)
-               : static_cast<float>(static_cast<double>(count([&](const auto& p) { return fired(p, target, j); })) /
-                                    static_cast<double>(reached));
+    return reached == 0 ? static_cast<double>(top_k) / static_cast<double>(experts)
+                        : static_cast<double>(count([&](const auto& p) { return fired(p, target, j); })) /
+                              static_cast<double>(reached);
   }
 
   // The header's formula term by term: logit f + Σ w (logit c̃ − logit f), probabilities clamped
@@ -79,11 +78,7 @@ struct reference_coactivation {
                          expert_index j) const {
     const auto clamp = [](double p) { return std::clamp(p, 1e-3, 1.0 - 1e-3); };
     const auto logit = [](double p) { return std::log(p / (1.0 - p)); };
-    const std::uint64_t reached = count([&](const auto& p) { return target < p.size(); });
-    const double f =
-        clamp(reached == 0 ? static_cast<double>(top_k) / static_cast<double>(experts)
-                           : static_cast<double>(count([&](const auto& p) { return fired(p, target, j); })) /
-                                 static_cast<double>(reached));
+    const double f = clamp(frequency(target, j));
     double log_odds = logit(f), w = 1.0;
     for (std::uint32_t d = 1; d <= window && d <= target; ++d, w *= decay) {
       const std::uint32_t from = target - d;
