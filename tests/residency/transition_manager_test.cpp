@@ -168,6 +168,32 @@ TEST(TransitionManager, AdmissionDefersPromotionsUntilEvictionsFreeTheBudget) {
   EXPECT_EQ(r.hi_account.used(), 3 * r.hi_pool.block_size());
 }
 
+// drain() steps through a per-step cap to the end, and returns (rather than spinning) when what is
+// left waits for budget no step frees: the loop that hung the mixed_precision example in CI.
+TEST(TransitionManager, DrainStepsThroughTheCapAndStopsAtRequestsTheBudgetRefuses) {
+  rig r(3, {.max_bytes_per_step = 1}, hi_blocks());  // one transition per step
+  std::vector<target> five;
+  for (std::uint32_t e = 0; e < 5; ++e) five.push_back({{1, e}, residency_state::resident_hi});
+  r.manager.set_targets(five);
+  EXPECT_EQ(r.manager.drain(), 2u);
+  auto s = r.manager.statistics();
+  EXPECT_EQ(s.completed, 3u);
+  EXPECT_EQ(s.queued, 2u);
+  EXPECT_GE(s.deferred_step_cap, 2u);
+  EXPECT_GT(s.deferred_budget, 0u);
+  // A plan that frees the budget: the two left complete, one per step.
+  r.manager.set_targets(std::vector<target>{{{1, 3}, residency_state::resident_hi},
+                                            {{1, 4}, residency_state::resident_hi},
+                                            {{1, 0}, residency_state::absent},
+                                            {{1, 1}, residency_state::absent}});
+  EXPECT_EQ(r.manager.drain(), 0u);
+  s = r.manager.statistics();
+  EXPECT_EQ(s.completed, 7u);
+  EXPECT_EQ(s.queued, 0u);
+  EXPECT_EQ(r.table.state({1, 4}), residency_state::resident_hi);
+  EXPECT_EQ(r.manager.drain(), 0u) << "nothing queued: returns at once";
+}
+
 TEST(TransitionManager, AFullPoolDefersPromotionsInsteadOfFailingThem) {
   rig r(16, {}, hi_blocks(), 2);  // budget for 16 bf16 experts, but a pool of 2 blocks
   const std::vector<target> three = {{{0, 0}, residency_state::resident_hi},

@@ -127,7 +127,8 @@ struct transition_manager_statistics {
 /// manager.set_targets(plan);        // from the hotness policy, any thread
 /// for (;;) { forward_pass(); manager.step(); }
 /// @endcode
-/// @threadsafety thread-safe: set_targets(), step(), wait_idle() and statistics() may be called from any thread.
+/// @threadsafety thread-safe: set_targets(), step(), wait_idle(), drain() and statistics() may be called from any
+/// thread.
 template <async_stream Stream, physical_memory Memory, physical_memory Staging = Memory>
 class transition_manager {
  public:
@@ -242,6 +243,23 @@ class transition_manager {
     wake_cv_.notify_all();
     idle_cv_.wait(lock, [&] { return idle_generation_ != seen; });
     return updates_.empty() && evictions_.empty();
+  }
+
+  /// Steps until no request is queued, or until a step issues nothing: what is left then waits for
+  /// budget or a pool block that only a newer plan or a closing window frees. Calls step(), so the
+  /// per-step cap paces the drain as it paces the engine. For examples, tests and shutdown: a loop
+  /// `while (!wait_idle()) step();` spins forever on a request the budget keeps refusing.
+  /// @return the requests left queued (0: every one was published).
+  std::size_t drain() {
+    std::optional<transition_manager_statistics> last;
+    for (;;) {
+      const bool idle = wait_idle();
+      const transition_manager_statistics now = statistics();
+      if (idle) return 0;
+      if (last && now.issued == last->issued && now.queued == last->queued) return now.queued;
+      last = now;
+      step();
+    }
   }
 
   /// A snapshot of the counters.
