@@ -1488,7 +1488,7 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
       if (hot && passes % o.interval == 0) {
         const expage::hot_set_plan plan = hot->end_interval();
         const auto targets = expage::to_transition_targets<expage::residency_target>(plan);
-        rt.set_targets(targets);
+        rt.update_targets(targets);  // the plan lists what changed: a promotion still queued stays
       }
       // Four pools: the pass's KV reads, the hi sets, and every --burst passes a drained barrier.
       if (pools) {

@@ -194,6 +194,38 @@ TEST(TransitionManager, DrainStepsThroughTheCapAndStopsAtRequestsTheBudgetRefuse
   EXPECT_EQ(r.manager.drain(), 0u) << "nothing queued: returns at once";
 }
 
+// update_targets() for plans that list only what changed (hot_set_controller's): a promotion
+// waiting for budget survives the next plan, and a listed expert's new target replaces its old one.
+TEST(TransitionManager, UpdateTargetsKeepsWhatItDoesNotListAndSupersedesWhatItDoes) {
+  rig r(2, {}, hi_blocks());
+  r.manager.set_targets(std::vector<target>{{{1, 0}, residency_state::resident_hi},
+                                            {{1, 1}, residency_state::resident_hi},
+                                            {{1, 2}, residency_state::resident_hi}});
+  ASSERT_EQ(r.manager.drain(), 1u) << "{1, 2} waits for budget";
+  r.manager.update_targets(std::vector<target>{{{1, 0}, residency_state::absent}});  // the next plan
+  EXPECT_EQ(r.manager.drain(), 0u);
+  EXPECT_EQ(r.manager.statistics().cancelled, 0u);
+  EXPECT_EQ(r.table.state({1, 0}), residency_state::absent);
+  EXPECT_EQ(r.table.state({1, 2}), residency_state::resident_hi) << "the earlier plan's promotion was kept";
+  r.manager.update_targets(std::vector<target>{{{1, 3}, residency_state::resident_hi}});
+  EXPECT_EQ(r.manager.drain(), 1u) << "{1, 3} waits for budget";
+  r.manager.update_targets(std::vector<target>{{{1, 3}, residency_state::absent}, {{1, 1}, residency_state::absent}});
+  EXPECT_EQ(r.manager.statistics().cancelled, 1u) << "{1, 3}'s queued promotion superseded";
+  EXPECT_EQ(r.manager.drain(), 0u);
+  EXPECT_EQ(r.table.state({1, 1}), residency_state::absent);
+  EXPECT_EQ(r.table.state({1, 3}), residency_state::absent);
+  // set_targets() replaces: the unlisted queued promotions go ({1, 2} holds half the budget).
+  r.manager.set_targets(std::vector<target>{{{2, 0}, residency_state::resident_hi},
+                                            {{2, 1}, residency_state::resident_hi},
+                                            {{2, 2}, residency_state::resident_hi}});
+  ASSERT_EQ(r.manager.drain(), 2u);
+  r.manager.set_targets(std::vector<target>{{{2, 0}, residency_state::absent}});
+  EXPECT_EQ(r.manager.statistics().cancelled, 3u);
+  EXPECT_EQ(r.manager.drain(), 0u);
+  for (std::uint32_t e = 0; e < 3; ++e) EXPECT_EQ(r.table.state({2, e}), residency_state::absent);
+  EXPECT_THROW(r.manager.update_targets(std::vector<target>{{{0, 0}, residency_state::demoting}}), invalid_argument);
+}
+
 TEST(TransitionManager, AFullPoolDefersPromotionsInsteadOfFailingThem) {
   rig r(16, {}, hi_blocks(), 2);  // budget for 16 bf16 experts, but a pool of 2 blocks
   const std::vector<target> three = {{{0, 0}, residency_state::resident_hi},

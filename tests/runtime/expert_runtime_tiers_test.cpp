@@ -415,6 +415,44 @@ TEST(ExpertRuntimeTiers, DemotionsEvictionsAndSupersededTargets) {
   EXPECT_EQ(w.check_tiers(rt), "");
 }
 
+// update_targets() for plans that list only what changed: queued requests it does not list stay,
+// a listed expert's new goal replaces its queued one.
+TEST(ExpertRuntimeTiers, UpdateTargetsKeepsTheQueuedRequestsItDoesNotList) {
+  tiered_world w;  // 2 hi and 4 lo versions
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
+             {.capacity = 2, .max_prefetch_in_flight = 4}, &prefetch);
+  std::promise<void> gate;
+  auto opened = gate.get_future().share();
+  prefetch.enqueue([opened] { opened.wait(); });
+  std::vector<target> five;
+  for (std::uint32_t e = 0; e < 5; ++e) five.push_back({.expert = {1, e}, .state = residency_state::resident_lo});
+  rt.set_targets(five);  // four lo loads in flight behind the gate, one queued
+  ASSERT_EQ(rt.statistics().transitions_queued, 1U);
+  const target more[] = {{.expert = {2, 0}, .state = residency_state::resident_lo}};
+  rt.update_targets(more);
+  EXPECT_EQ(rt.statistics().transitions_queued, 2U);
+  EXPECT_EQ(rt.statistics().transitions_cancelled, 0U);
+  const target drop[] = {{.expert = {1, 4}, .state = residency_state::absent}};
+  rt.update_targets(drop);  // replaces {1, 4}'s queued load; absent already, so done at once
+  EXPECT_EQ(rt.statistics().transitions_cancelled, 1U);
+  EXPECT_EQ(rt.statistics().transitions_queued, 1U) << "{2, 0} still waits for a lo slot";
+  gate.set_value();
+  prefetch.synchronize();
+  rt.poll();
+  EXPECT_FALSE(rt.resident({2, 0})) << "every lo version is a lo target: no victim";
+  const target evict[] = {{.expert = {1, 0}, .state = residency_state::absent}};
+  rt.update_targets(evict);
+  prefetch.synchronize();
+  rt.poll();
+  EXPECT_FALSE(rt.resident({1, 0}));
+  EXPECT_FALSE(rt.resident({1, 4}));
+  EXPECT_TRUE(rt.resident({2, 0})) << "the request an earlier call queued took the freed slot";
+  EXPECT_EQ(rt.active_tier({2, 0}), version_tier::lo);
+  EXPECT_EQ(rt.statistics().transitions_queued, 0U);
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
 TEST(ExpertRuntimeTiers, DemandTierHiLoadsHiAndStillServesResidentLoVersions) {
   tiered_world w(4, 2);
   host_stream prefetch("prefetch");
@@ -425,8 +463,10 @@ TEST(ExpertRuntimeTiers, DemandTierHiLoadsHiAndStillServesResidentLoVersions) {
   prefetch.synchronize();
   const std::uint32_t routed[] = {7, 6};
   auto lease = rt.acquire(3, routed);
-  EXPECT_EQ(lease.tiers()[0], version_tier::lo) << "a hi miss served by the resident lo version";
-  EXPECT_EQ(lease.tiers()[1], version_tier::hi) << "a demand miss loads the demand tier";
+  const std::span<const version_tier> tiers = lease.tiers();
+  ASSERT_EQ(tiers.size(), 2U);
+  EXPECT_EQ(tiers[0], version_tier::lo) << "a hi miss served by the resident lo version";
+  EXPECT_EQ(tiers[1], version_tier::hi) << "a demand miss loads the demand tier";
   w.check_lease_on_compute(rt, lease);
   lease.release();
   w.compute.synchronize();
@@ -578,6 +618,7 @@ TEST(ExpertRuntimeTiers, RefusesBadInputAndChangesNothing) {
   const target transitional[] = {{.expert = {0, 0}, .state = residency_state::promoting}};
   const target unknown[] = {{.expert = {4, 0}, .state = residency_state::resident_hi}};
   expect_error([&] { rt.set_targets(twice); }, "listed twice");
+  expect_error([&] { rt.update_targets(twice); }, "update_targets: L0.E0 listed twice");
   expect_error([&] { rt.set_targets(transitional); }, "state promoting for L0.E0 out of range");
   expect_error([&] { rt.set_targets(unknown); }, "layer 4");
   const std::uint32_t five[] = {0, 1, 2, 3, 4};

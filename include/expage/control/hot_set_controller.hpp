@@ -52,8 +52,11 @@ struct hot_set_plan {
 };
 
 /// @brief The plan as transition targets in priority order, demotions (to resident_lo) before
-/// promotions (to resident_hi), for `transition_manager::set_targets()`:
-/// pass the manager's nested `target` type as @p Target.
+/// promotions (to resident_hi), for `transition_manager::update_targets()` or
+/// `expert_runtime::update_targets()`: pass the manager's nested `target` type (or
+/// `residency_target`) as @p Target. A plan lists only what changed in its interval, so hand it to
+/// update_targets(), which keeps the earlier plans' requests still queued; set_targets() would
+/// cancel them (a promotion waiting for budget dropped while the controller counts its expert hi).
 ///
 /// The controller's budget account is a planning account: the transition manager charges the real
 /// bytes of each hi version on its own pool account, so give the controller a separate account of
@@ -110,7 +113,7 @@ struct hot_set_statistics {
 /// for (const auto& e : step_events) c.record(e.layer, e.experts);
 /// if (step % 2 == 1) {
 ///   auto plan = c.end_interval(&hi);
-///   manager.set_targets(expage::to_transition_targets<decltype(manager)::target>(plan));  // demotions first
+///   manager.update_targets(expage::to_transition_targets<decltype(manager)::target>(plan));  // demotions first
 /// }
 /// @endcode
 /// @threadsafety single-owner.

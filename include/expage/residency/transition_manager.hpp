@@ -27,6 +27,7 @@
 #include <mutex>
 #include <optional>
 #include <span>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -127,8 +128,8 @@ struct transition_manager_statistics {
 /// manager.set_targets(plan);        // from the hotness policy, any thread
 /// for (;;) { forward_pass(); manager.step(); }
 /// @endcode
-/// @threadsafety thread-safe: set_targets(), step(), wait_idle(), drain() and statistics() may be called from any
-/// thread.
+/// @threadsafety thread-safe: set_targets(), update_targets(), step(), wait_idle(), drain() and statistics() may be
+/// called from any thread.
 template <async_stream Stream, physical_memory Memory, physical_memory Staging = Memory>
 class transition_manager {
  public:
@@ -175,51 +176,19 @@ class transition_manager {
   }
 
   /// Replaces the pending change set with @p targets (in priority order). Queued requests not
-  /// in it, or asking another state, are cancelled; transitions already issued complete.
+  /// in it, or asking another state, are cancelled; transitions already issued complete. For a
+  /// planner that states the whole change set each time (the mixed_precision example).
   /// @throws expage::invalid_argument for an unknown expert or a state other than resident_hi,
   /// resident_lo or absent (nothing changes).
-  void set_targets(std::span<const target> targets) {
-    for (const target& t : targets) {
-      (void)table_->geometry().checked_flat_index(t.expert);
-      if (t.state != residency_state::resident_hi && t.state != residency_state::resident_lo &&
-          t.state != residency_state::absent) {
-        throw invalid_argument(
-            fmt::format("transition_manager::set_targets: target {} for {} is not resident_hi, "
-                        "resident_lo or absent",
-                        t.state, t.expert));
-      }
-    }
-    {
-      const std::lock_guard lock(mutex_);
-      std::vector<std::optional<residency_state>> wanted(targets_.size());
-      for (const target& t : targets) wanted[flat(t.expert)] = t.state;
-      const auto keep = [&](std::deque<expert_id>& queue) {
-        std::deque<expert_id> kept;
-        for (const expert_id id : queue) {
-          if (wanted[flat(id)] == targets_[flat(id)]) {
-            kept.push_back(id);
-          } else {
-            ++stats_.cancelled;
-          }
-        }
-        queue = std::move(kept);
-      };
-      keep(updates_);
-      keep(evictions_);
-      for (std::size_t i = 0; i < targets_.size(); ++i) {
-        if (!wanted[i] && targets_[i]) targets_[i].reset();
-      }
-      for (const target& t : targets) {
-        const std::size_t i = flat(t.expert);
-        if (targets_[i] == t.state) continue;  // already queued with this target
-        targets_[i] = t.state;
-        (t.state == residency_state::absent ? evictions_ : updates_).push_back(t.expert);
-        ++stats_.requested;
-      }
-      wake_ = true;
-    }
-    wake_cv_.notify_all();
-  }
+  void set_targets(std::span<const target> targets) { apply(targets, true, "set_targets"); }
+
+  /// Adds @p targets (in priority order, behind the requests still queued) to the pending change
+  /// set: a queued request for a listed expert asking another state is cancelled, every other
+  /// queued request stays. For a planner that hands over only what changed since its last call
+  /// (hot_set_controller's plans): with set_targets() a promotion still waiting for budget at the
+  /// next interval would be cancelled while the controller counts the expert as hi.
+  /// @throws expage::invalid_argument as set_targets() (nothing changes).
+  void update_targets(std::span<const target> targets) { apply(targets, false, "update_targets"); }
 
   /// Starts a new step: the per-step byte allowance is refilled and the worker retries deferred work
   /// (budget freed by windows that have closed since).
@@ -280,6 +249,56 @@ class transition_manager {
     std::uint64_t bytes;
     std::optional<staging_span> staged;  // returned to the staging pool with the flight, after its copy
   };
+
+  // set_targets() (replace: unlisted queued requests are cancelled) and update_targets().
+  void apply(std::span<const target> targets, bool replace, std::string_view caller) {
+    for (const target& t : targets) {
+      (void)table_->geometry().checked_flat_index(t.expert);
+      if (t.state != residency_state::resident_hi && t.state != residency_state::resident_lo &&
+          t.state != residency_state::absent) {
+        throw invalid_argument(
+            fmt::format("transition_manager::{}: target {} for {} is not resident_hi, "
+                        "resident_lo or absent",
+                        caller, t.state, t.expert));
+      }
+    }
+    {
+      const std::lock_guard lock(mutex_);
+      std::vector<std::optional<residency_state>> wanted(targets_.size());
+      std::vector<std::uint8_t> listed(targets_.size(), 0);
+      for (const target& t : targets) {
+        wanted[flat(t.expert)] = t.state;
+        listed[flat(t.expert)] = 1;
+      }
+      // A queued entry stays when its expert keeps its target (or, updating, is not listed).
+      const auto stays = [&](std::size_t i) { return (!replace && listed[i] == 0) || wanted[i] == targets_[i]; };
+      const auto keep = [&](std::deque<expert_id>& queue) {
+        std::deque<expert_id> kept;
+        for (const expert_id id : queue) {
+          if (stays(flat(id))) {
+            kept.push_back(id);
+          } else {
+            ++stats_.cancelled;
+          }
+        }
+        queue = std::move(kept);
+      };
+      keep(updates_);
+      keep(evictions_);
+      for (std::size_t i = 0; i < targets_.size(); ++i) {
+        if (!stays(i) && targets_[i]) targets_[i].reset();
+      }
+      for (const target& t : targets) {
+        const std::size_t i = flat(t.expert);
+        if (targets_[i] == t.state) continue;  // already queued with this target
+        targets_[i] = t.state;
+        (t.state == residency_state::absent ? evictions_ : updates_).push_back(t.expert);
+        ++stats_.requested;
+      }
+      wake_ = true;
+    }
+    wake_cv_.notify_all();
+  }
 
   static version_class<Stream, Memory> validated(const handle_table& table, version_class<Stream, Memory> c) {
     if (c.source == nullptr || c.pool == nullptr) {

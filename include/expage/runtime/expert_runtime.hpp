@@ -553,42 +553,15 @@ class expert_runtime {
   /// @throws expage::invalid_argument (nothing changes) for an unknown expert, an expert listed
   /// twice, a state other than those three, resident_lo without a lo tier, or a runtime
   /// without a prefetch stream.
-  void set_targets(std::span<const target> targets) {
-    if (prefetch_ == nullptr) throw invalid_argument("expert_runtime::set_targets: the runtime has no prefetch stream");
-    std::vector<std::uint8_t> seen(expert_count_, 0);
-    for (const target& t : targets) {
-      geometry_.validate(t.expert);
-      const auto f = static_cast<std::uint32_t>(geometry_.flat_index(t.expert));
-      if (seen[f] != 0) {
-        throw invalid_argument(fmt::format("expert_runtime::set_targets: {} listed twice", t.expert));
-      }
-      seen[f] = 1;
-      const bool ok = t.state == residency_state::resident_hi || t.state == residency_state::absent ||
-                      (t.state == residency_state::resident_lo && tier_count_ == 2);
-      if (!ok) {
-        throw invalid_argument(
-            fmt::format("expert_runtime::set_targets: state {} for {} out of range (resident_hi, {}absent)",
-                        to_string(t.state), t.expert, tier_count_ == 2 ? "resident_lo, " : ""));
-      }
-    }
-    std::vector<queued_transition> queue;
-    queue.reserve(targets.size());
-    for (const target& t : targets) {
-      queue.push_back({static_cast<std::uint32_t>(geometry_.flat_index(t.expert)), goal_of(t.state)});
-    }
-    const std::lock_guard lock(mutex_);
-    for (const queued_transition& q : transition_queue_) {
-      if (seen[q.expert] == 0) {
-        target_[q.expert] = no_goal;
-        ++transitions_cancelled_;
-      }
-    }
-    transition_queue_ = std::move(queue);
-    for (const queued_transition& q : transition_queue_) target_[q.expert] = q.goal;
-    drain_releases();
-    pump_background();
-    settle();
-  }
+  void set_targets(std::span<const target> targets) { apply_targets(targets, true, "set_targets"); }
+
+  /// Adds @p targets (in priority order, behind the requests still queued) to the pending
+  /// transitions: a queued request of a listed expert is replaced, every other one stays. For a
+  /// planner that hands over only what changed since its last call (hot_set_controller's plans,
+  /// as moe_decode does): with set_targets() a promotion still waiting for room at the next
+  /// interval would be cancelled while the controller counts the expert as hi.
+  /// @throws expage::invalid_argument as set_targets() (nothing changes).
+  void update_targets(std::span<const target> targets) { apply_targets(targets, false, "update_targets"); }
 
   /// Sets the bytes the runtime may hold to @p bytes (whole experts: ⌊bytes / expert_bytes()⌋)
   /// in a one-tier runtime (two tiers: resize_tiers()). Shrinking evicts unpinned experts first
@@ -891,6 +864,50 @@ class expert_runtime {
   /// @}
 
  private:
+  // set_targets() (replace: unlisted queued requests are cancelled) and update_targets().
+  void apply_targets(std::span<const target> targets, bool replace, std::string_view caller) {
+    if (prefetch_ == nullptr) {
+      throw invalid_argument(fmt::format("expert_runtime::{}: the runtime has no prefetch stream", caller));
+    }
+    std::vector<std::uint8_t> seen(expert_count_, 0);
+    for (const target& t : targets) {
+      geometry_.validate(t.expert);
+      const auto f = static_cast<std::uint32_t>(geometry_.flat_index(t.expert));
+      if (seen[f] != 0) throw invalid_argument(fmt::format("expert_runtime::{}: {} listed twice", caller, t.expert));
+      seen[f] = static_cast<std::uint8_t>(goal_of(t.state) + 1);  // the goal, + 1
+      const bool ok = t.state == residency_state::resident_hi || t.state == residency_state::absent ||
+                      (t.state == residency_state::resident_lo && tier_count_ == 2);
+      if (!ok) {
+        throw invalid_argument(fmt::format("expert_runtime::{}: state {} for {} out of range (resident_hi, {}absent)",
+                                           caller, to_string(t.state), t.expert,
+                                           tier_count_ == 2 ? "resident_lo, " : ""));
+      }
+    }
+    std::vector<queued_transition> queue;
+    queue.reserve(targets.size());
+    for (const target& t : targets) {
+      queue.push_back({static_cast<std::uint32_t>(geometry_.flat_index(t.expert)), goal_of(t.state)});
+    }
+    const std::lock_guard lock(mutex_);
+    std::vector<queued_transition> kept;  // updating: the queued requests of experts not listed
+    for (const queued_transition& q : transition_queue_) {
+      if (seen[q.expert] != 0) {
+        if (seen[q.expert] != q.goal + 1) ++transitions_cancelled_;  // superseded by another goal
+      } else if (replace) {
+        target_[q.expert] = no_goal;
+        ++transitions_cancelled_;
+      } else {
+        kept.push_back(q);
+      }
+    }
+    kept.insert(kept.end(), queue.begin(), queue.end());
+    transition_queue_ = std::move(kept);
+    for (const queued_transition& q : queue) target_[q.expert] = q.goal;
+    drain_releases();
+    pump_background();
+    settle();
+  }
+
   using lease_type = typename vmm_block_pool<Vmm>::lease;
   static constexpr std::uint8_t no_tier = 0xFF;   // active_: the expert is absent
   static constexpr std::uint8_t no_goal = 0xFF;   // target_: no target
