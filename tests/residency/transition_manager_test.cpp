@@ -1,6 +1,7 @@
 #include "expage/residency/transition_manager.hpp"
 
 #include "common/test_memory.hpp"
+#include "expage/control/hot_set_controller.hpp"
 #include "expage/core/pattern.hpp"
 #include "expage/memory/host_memory.hpp"
 #include "expage/stream/host_stream.hpp"
@@ -224,6 +225,42 @@ TEST(TransitionManager, UpdateTargetsKeepsWhatItDoesNotListAndSupersedesWhatItDo
   EXPECT_EQ(r.manager.drain(), 0u);
   for (std::uint32_t e = 0; e < 3; ++e) EXPECT_EQ(r.table.state({2, e}), residency_state::absent);
   EXPECT_THROW(r.manager.update_targets(std::vector<target>{{{0, 0}, residency_state::demoting}}), invalid_argument);
+}
+
+// A hot_set_controller's plans (what changed, each interval) through update_targets(), with one
+// transition per step so each plan's tail is still queued when the next comes: once drained, the
+// bf16 experts are exactly the controller's members. (With set_targets() the queued promotions
+// of earlier plans are cancelled and the members drift from the table.)
+TEST(TransitionManager, FollowsAHotSetControllersPlansToItsMembers) {
+  rig r(8, {.max_bytes_per_step = 1}, hi_blocks());  // bf16 budget: 2 per layer
+  r.target_all(residency_state::resident_lo);
+  ASSERT_EQ(r.manager.drain(), 0u);
+  hot_set_controller c({.layers = 4,
+                        .experts_per_layer = 8,
+                        .hi_per_layer = 2,
+                        .decay = 0.5,
+                        .margin = 0.0,
+                        .max_promotions_per_layer = 2});
+  std::mt19937 rng(7);
+  for (std::uint32_t interval = 0; interval < 60; ++interval) {
+    for (std::uint32_t token = 0; token < 4; ++token) {
+      for (std::uint32_t layer = 0; layer < 4; ++layer) {
+        // A hot pair that moves every 10 intervals, and one expert drawn at random.
+        const std::uint32_t routed[] = {(interval / 10 + layer) % 8, static_cast<std::uint32_t>(rng() % 8)};
+        c.record(layer, routed[0] == routed[1] ? std::span(routed, 1) : std::span(routed));
+      }
+    }
+    r.manager.update_targets(to_transition_targets<target>(c.end_interval()));
+    r.manager.step();
+    (void)r.manager.wait_idle();
+  }
+  EXPECT_EQ(r.manager.drain(), 0u);
+  for (std::uint64_t flat = 0; flat < r.geometry.expert_count(); ++flat) {
+    const expert_id id = r.geometry.expert_at(flat);
+    EXPECT_EQ(r.table.state(id), c.is_hot(id) ? residency_state::resident_hi : residency_state::resident_lo)
+        << fmt::format("{}", id);
+  }
+  EXPECT_GT(r.manager.statistics().deferred_step_cap, 0u) << "plans overlapped";
 }
 
 TEST(TransitionManager, AFullPoolDefersPromotionsInsteadOfFailingThem) {
