@@ -205,7 +205,13 @@ int run(bool quick) {
     total_absent += r.absent;  // every expert is resident at lo at least: a handle resolving to nothing is a bug
     total_hi += r.hi_reads;
     total_reads += r.hi_reads + r.lo_reads;
+    // The plan is the whole bf16 set: every expert listed, hot ones bf16 and the others int4, so
+    // set_targets() replaces whatever an earlier plan still has queued. (A plan of only the
+    // experts whose observed state differs misses a promotion queued by the previous plan that
+    // lands after the states were read: the expert stays bf16 cold, and the last plan's
+    // promotions wait for that budget forever.) Listing an expert already there costs nothing.
     std::vector<manager_type::target> plan;
+    std::size_t promote = 0, demote = 0;  // against the states observed now, for the table
     for (std::uint32_t l = 0; l < g.layers(); ++l) {
       std::vector<std::uint32_t> order(g.experts_per_layer());
       std::iota(order.begin(), order.end(), 0u);
@@ -214,13 +220,11 @@ int run(bool quick) {
       for (std::uint32_t rank = 0; rank < g.experts_per_layer(); ++rank) {
         const expert_id id{l, order[rank]};
         const bool hot = rank < hi_per_layer && count(order[rank]) > 0;
-        // A promotion in flight counts as bf16: a plan that let it land without demoting it
-        // would leave more bf16 experts than the budget holds, and a later promotion waiting
-        // for that budget forever.
         const residency_state now = table.state(id);
         const bool bf16 = now == residency_state::resident_hi || now == residency_state::promoting;
-        if (hot && !bf16) plan.push_back({id, residency_state::resident_hi});
-        if (!hot && bf16) plan.push_back({id, residency_state::resident_lo});
+        promote += hot && !bf16;
+        demote += !hot && bf16;
+        plan.push_back({id, hot ? residency_state::resident_hi : residency_state::resident_lo});
       }
     }
     // Demotions first: they free the bf16 budget the promotions need.
@@ -234,12 +238,10 @@ int run(bool quick) {
     for (std::uint64_t flat = 0; flat < g.expert_count(); ++flat) {
       resident_hi += table.state(g.expert_at(flat)) == residency_state::resident_hi;
     }
-    fmt::print(
-        "{:>6} {:>7.1f}% {:>9} {:>9} {:>9} {:>10} {:>8} {:>9}\n", ++w,
-        reads == 0 ? 0.0 : 100.0 * static_cast<double>(r.hi_reads) / static_cast<double>(reads), resident_hi,
-        std::count_if(plan.begin(), plan.end(), [](const auto& t) { return t.state == residency_state::resident_hi; }),
-        std::count_if(plan.begin(), plan.end(), [](const auto& t) { return t.state == residency_state::resident_lo; }),
-        expage::byte_size{s.bytes_moved - last.bytes_moved}, s.queued, s.deferred_budget - last.deferred_budget);
+    fmt::print("{:>6} {:>7.1f}% {:>9} {:>9} {:>9} {:>10} {:>8} {:>9}\n", ++w,
+               reads == 0 ? 0.0 : 100.0 * static_cast<double>(r.hi_reads) / static_cast<double>(reads), resident_hi,
+               promote, demote, expage::byte_size{s.bytes_moved - last.bytes_moved}, s.queued,
+               s.deferred_budget - last.deferred_budget);
     last = s;
   }
   reader.join();
