@@ -30,7 +30,7 @@
 // (--hi-share of it for bf16 versions, the rest for int4 ones). A miss loads the int4 version and
 // is served at once; DynaExq's hot_set_controller (EMA hotness, per-layer top-n with hysteresis,
 // control/hot_set_controller.hpp) picks each layer's hi set every --interval tokens and the
-// runtime promotes and demotes in the background (set_targets(), publish-then-switch). Every
+// runtime promotes and demotes in the background (update_targets(), publish-then-switch). Every
 // layer is then checked bit-exact against all-resident weights in the precision each expert was
 // served at, and its distance to the all-bf16 output is reported.
 //
@@ -1275,6 +1275,10 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   // DynaExq's hot set (§3.5): EMA hotness per expert, each layer's top-n with hysteresis; the
   // runtime promotes and demotes in the background (its hi tier holds the sets).
   std::optional<expage::hot_set_controller> hot;
+  // The controller's planning account (DynaExq §3.3 admission): the hi tier's versions, so it never
+  // plans more members than the tier holds (an explicit --hi-per-layer beyond that is deferred,
+  // not queued in the runtime for good).
+  std::optional<expage::budget_tracker> hot_budget;
   std::optional<four_pool_side<runtime_type>> pools;
   if (four_pool) {
     try {
@@ -1287,6 +1291,7 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
                          ? o.hi_per_layer
                          : static_cast<std::uint32_t>(std::max<std::uint64_t>(1, r.hi_capacity / g.layers()));
     r.hi_per_layer = std::min(r.hi_per_layer, g.experts_per_layer());
+    hot_budget.emplace(static_cast<std::size_t>(r.hi_capacity * page), "hot_set_plan");
     hot.emplace(expage::hot_set_config{.layers = g.layers(),
                                        .experts_per_layer = g.experts_per_layer(),
                                        .hi_per_layer = r.hi_per_layer,
@@ -1486,7 +1491,7 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
       ++passes;
       // Every `interval` passes the hot sets move (demotions first) and the runtime follows.
       if (hot && passes % o.interval == 0) {
-        const expage::hot_set_plan plan = hot->end_interval();
+        const expage::hot_set_plan plan = hot->end_interval(&hot_budget->root());
         const auto targets = expage::to_transition_targets<expage::residency_target>(plan);
         rt.update_targets(targets);  // the plan lists what changed: a promotion still queued stays
       }

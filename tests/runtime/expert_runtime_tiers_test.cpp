@@ -453,6 +453,40 @@ TEST(ExpertRuntimeTiers, UpdateTargetsKeepsTheQueuedRequestsItDoesNotList) {
   EXPECT_EQ(w.check_tiers(rt), "");
 }
 
+// update_targets() issues the new plan's demotions before the promotions still queued: a queued
+// promotion must not take as its victim the hi version of an expert just demoted (evicting it
+// outright), but wait until the demotion's lo version is loaded and switched to.
+TEST(ExpertRuntimeTiers, UpdateTargetsIssuesTheNewDemotionsBeforeTheQueuedPromotions) {
+  tiered_world w;  // 2 hi and 4 lo versions
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
+             {.capacity = 2, .max_prefetch_in_flight = 4}, &prefetch);
+  const target two_hi[] = {{.expert = {0, 0}, .state = residency_state::resident_hi},
+                           {.expert = {0, 1}, .state = residency_state::resident_hi}};
+  rt.set_targets(two_hi);
+  prefetch.synchronize();
+  rt.poll();
+  const target third[] = {{.expert = {0, 2}, .state = residency_state::resident_hi}};
+  rt.update_targets(third);
+  ASSERT_EQ(rt.statistics().transitions_queued, 1U) << "the hi tier is full of hi targets";
+  std::promise<void> gate;
+  auto opened = gate.get_future().share();
+  prefetch.enqueue([opened] { opened.wait(); });
+  const target demote[] = {{.expert = {0, 0}, .state = residency_state::resident_lo}};
+  rt.update_targets(demote);
+  EXPECT_EQ(rt.active_tier({0, 0}), version_tier::hi) << "kept until its lo version is loaded";
+  EXPECT_FALSE(rt.resident({0, 2}));
+  gate.set_value();
+  prefetch.synchronize();
+  rt.poll();
+  prefetch.synchronize();
+  rt.poll();
+  EXPECT_EQ(rt.active_tier({0, 0}), version_tier::lo);
+  EXPECT_EQ(rt.active_tier({0, 2}), version_tier::hi);
+  EXPECT_EQ(rt.statistics().transitions_queued, 0U);
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
 TEST(ExpertRuntimeTiers, DemandTierHiLoadsHiAndStillServesResidentLoVersions) {
   tiered_world w(4, 2);
   host_stream prefetch("prefetch");

@@ -288,12 +288,12 @@ struct four_pool_statistics {
 ///     c.record(layer, routed);
 ///   }
 ///   for (auto d : kv_reuse_distances) c.kv().record(d);
-///   if (end_of_interval) rt.set_targets(c.end_interval());
+///   if (end_of_interval) rt.update_targets(c.end_interval());
 ///   if (end_of_burst) {                                 // a drained barrier
 ///     const auto d = c.step();
 ///     bool ok = true;
 ///     if (d.moved) {
-///       rt.set_targets(d.to_targets());
+///       rt.update_targets(d.to_targets());
 ///       ok = apply_in_order(d.steps);                   // resize_tiers() and the KV pool's resize
 ///       c.commit(d, ok);
 ///     }
@@ -335,10 +335,11 @@ class four_pool_controller {
   // ---- per interval ----------------------------------------------------------------------------
 
   /// Ends a hot-set interval (hot_set_controller::end_interval()) and returns the targets for
-  /// `set_targets()`, in priority order: the interval's demotions (resident_lo), its promotions
-  /// (resident_hi), then every other member of the hi set (resident_hi). The runtime replaces its
-  /// pending requests with each list, so a promotion decided earlier and not yet done must be
-  /// listed again; a member already hi is a no-op. None without a lo tier.
+  /// `update_targets()`, in priority order: the interval's demotions (resident_lo), its promotions
+  /// (resident_hi), then every other member of the hi set (resident_hi). Every member is listed,
+  /// so the list also suits `set_targets()` for the hi set (a member already hi is a no-op);
+  /// update_targets() also keeps an earlier interval's demotion that is still queued. None
+  /// without a lo tier.
   [[nodiscard]] std::vector<residency_target> end_interval();
 
   // ---- per burst -------------------------------------------------------------------------------

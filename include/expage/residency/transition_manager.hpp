@@ -71,7 +71,7 @@ struct transition_manager_options {
 
 /// @brief Counters of a transition_manager.
 struct transition_manager_statistics {
-  std::uint64_t requested = 0;          ///< Transitions queued by set_targets().
+  std::uint64_t requested = 0;          ///< Transitions queued by set_targets() or update_targets().
   std::uint64_t issued = 0;             ///< Transitions begun (copies enqueued, or evictions begun).
   std::uint64_t completed = 0;          ///< Transitions published.
   std::uint64_t cancelled = 0;          ///< Queued transitions a newer target set superseded.
@@ -93,9 +93,11 @@ struct transition_manager_statistics {
 /// without ever making the forward pass wait.
 ///
 /// - **Queues.** set_targets() takes the experts whose residency should change,
-///   in priority order. Evictions go to the evict queue, promotions and
-///   demotions to the update queue. A queued request that a newer call
-///   supersedes (another target, or no longer listed) is cancelled.
+///   in priority order, replacing what is queued; update_targets() adds to it
+///   (for plans that list only what changed). Evictions go to the evict queue,
+///   promotions and demotions to the update queue. A queued request that a
+///   newer call supersedes (another target, or with set_targets() no longer
+///   listed) is cancelled.
 /// - **Worker.** One background thread issues the work: for an update it
 ///   reserves the destination bytes on the class's budget account
 ///   (`try_reserve`: admission), acquires a block from the class's pool,
@@ -125,7 +127,9 @@ struct transition_manager_statistics {
 /// expage::transition_manager<expage::host_stream, expage::host_memory> manager(
 ///     table, migration, {.format = bf16, .source = &bf16_store, .pool = &hi_pool},
 ///     {.format = int4, .source = &int4_store, .pool = &lo_pool}, {.max_bytes_per_step = 256_MiB});
-/// manager.set_targets(plan);        // from the hotness policy, any thread
+/// manager.set_targets(plan);        // the whole change set, from the hotness policy, any thread
+/// // or, with a hot_set_controller (its plans list what changed):
+/// // manager.update_targets(expage::to_transition_targets<decltype(manager)::target>(hot.end_interval()));
 /// for (;;) { forward_pass(); manager.step(); }
 /// @endcode
 /// @threadsafety thread-safe: set_targets(), update_targets(), step(), wait_idle(), drain() and statistics() may be
@@ -205,26 +209,22 @@ class transition_manager {
   /// Blocks until the worker has nothing it can do: every queued request issued and published, or
   /// waiting for budget, a window or the next step(). For tests, examples and shutdown.
   /// @return true when no request is queued.
-  bool wait_idle() {
-    std::unique_lock lock(mutex_);
-    const std::uint64_t seen = idle_generation_;
-    wake_ = true;
-    wake_cv_.notify_all();
-    idle_cv_.wait(lock, [&] { return idle_generation_ != seen; });
-    return updates_.empty() && evictions_.empty();
-  }
+  bool wait_idle() { return wait_idle_counts().queued == 0; }
 
   /// Steps until no request is queued, or until a step issues nothing: what is left then waits for
   /// budget or a pool block that only a newer plan or a closing window frees. Calls step(), so the
   /// per-step cap paces the drain as it paces the engine. For examples, tests and shutdown: a loop
   /// `while (!wait_idle()) step();` spins forever on a request the budget keeps refusing.
-  /// @return the requests left queued (0: every one was published).
+  /// A request whose budget a retired version frees only once a closed window's completion fires
+  /// (a CUDA window: the worker does not poll while idle) is counted as left: synchronize the
+  /// compute stream and call drain() again. With other threads calling set_targets() or
+  /// update_targets() meanwhile, the count is a snapshot.
+  /// @return the requests left queued (0: none; each was published, failed (`failed`) or cancelled).
   std::size_t drain() {
-    std::optional<transition_manager_statistics> last;
+    std::optional<idle_counts> last;
     for (;;) {
-      const bool idle = wait_idle();
-      const transition_manager_statistics now = statistics();
-      if (idle) return 0;
+      const idle_counts now = wait_idle_counts();
+      if (now.queued == 0) return 0;
       if (last && now.issued == last->issued && now.queued == last->queued) return now.queued;
       last = now;
       step();
@@ -249,6 +249,20 @@ class transition_manager {
     std::uint64_t bytes;
     std::optional<staging_span> staged;  // returned to the staging pool with the flight, after its copy
   };
+
+  // What wait_idle() and drain() read, under the lock the worker's idle signal is taken under.
+  struct idle_counts {
+    std::size_t queued;
+    std::uint64_t issued;
+  };
+  idle_counts wait_idle_counts() {
+    std::unique_lock lock(mutex_);
+    const std::uint64_t seen = idle_generation_;
+    wake_ = true;
+    wake_cv_.notify_all();
+    idle_cv_.wait(lock, [&] { return idle_generation_ != seen; });
+    return {updates_.size() + evictions_.size(), stats_.issued};
+  }
 
   // set_targets() (replace: unlisted queued requests are cancelled) and update_targets().
   void apply(std::span<const target> targets, bool replace, std::string_view caller) {

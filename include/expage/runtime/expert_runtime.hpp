@@ -172,10 +172,11 @@ struct runtime_statistics {
   std::uint64_t peak_resident_bytes = 0;         ///< Highest resident_bytes.
   std::uint64_t prefetch_queued = 0;             ///< Prefetch requests waiting now.
   std::uint64_t prefetch_cancelled = 0;          ///< Prefetch requests cancelled before they were issued.
-  std::uint64_t transitions_queued = 0;          ///< set_targets() requests waiting now.
-  std::uint64_t transitions_cancelled = 0;       ///< Requests a newer set_targets() superseded before they were done.
-  std::uint64_t transitions_failed = 0;          ///< Background loads of a transition that threw (nothing changed).
-  std::uint64_t failed_acquires = 0;             ///< acquire() calls that threw (nothing changed).
+  std::uint64_t transitions_queued = 0;          ///< set_targets() / update_targets() requests waiting now.
+  std::uint64_t transitions_cancelled =
+      0;                                 ///< Requests a newer call dropped or gave another state before they were done.
+  std::uint64_t transitions_failed = 0;  ///< Background loads of a transition that threw (nothing changed).
+  std::uint64_t failed_acquires = 0;     ///< acquire() calls that threw (nothing changed).
   std::uint32_t poisoned = 0;       ///< Versions whose last kernel's completion failed: kept resident, never evicted.
   std::uint64_t trace_dropped = 0;  ///< Trace events dropped because the trace was full.
   bool ranks_by_lru = false;        ///< True while LRU ranks the victims (a duel_policy, rank_by_lru()).
@@ -539,7 +540,8 @@ class expert_runtime {
   }
 
   /// Replaces the pending transitions with @p targets, in priority order (DynaExq §3.4; the
-  /// shape of transition_manager::set_targets(), so a hot_set_controller drives either):
+  /// shape of transition_manager::set_targets(), so one planner drives either; a planner that
+  /// lists only what changed, such as hot_set_controller, calls update_targets()):
   /// - resident_hi / resident_lo: load the expert's version of that tier on the prefetch stream
   ///   (a free slot with budget, or an unpinned version whose last kernel is done and whose
   ///   expert is not itself targeted at that tier; never waiting), then switch its record to it
@@ -555,11 +557,14 @@ class expert_runtime {
   /// without a prefetch stream.
   void set_targets(std::span<const target> targets) { apply_targets(targets, true, "set_targets"); }
 
-  /// Adds @p targets (in priority order, behind the requests still queued) to the pending
-  /// transitions: a queued request of a listed expert is replaced, every other one stays. For a
-  /// planner that hands over only what changed since its last call (hot_set_controller's plans,
-  /// as moe_decode does): with set_targets() a promotion still waiting for room at the next
-  /// interval would be cancelled while the controller counts the expert as hi.
+  /// Adds @p targets to the pending transitions: a queued request of a listed expert asking
+  /// another state is replaced (`transitions_cancelled`), one asking the same state keeps its
+  /// place, every other one stays. The new demotions and evictions go before the queued requests
+  /// (they free the room promotions need), the new promotions after them, each in the order
+  /// given. For a planner that hands over only what changed since its last call
+  /// (hot_set_controller's plans, four_pool_driver's): with set_targets() a promotion still
+  /// waiting for room at the next interval would be cancelled while the controller counts the
+  /// expert as hi.
   /// @throws expage::invalid_argument as set_targets() (nothing changes).
   void update_targets(std::span<const target> targets) { apply_targets(targets, false, "update_targets"); }
 
@@ -889,10 +894,16 @@ class expert_runtime {
       queue.push_back({static_cast<std::uint32_t>(geometry_.flat_index(t.expert)), goal_of(t.state)});
     }
     const std::lock_guard lock(mutex_);
-    std::vector<queued_transition> kept;  // updating: the queued requests of experts not listed
+    constexpr std::uint8_t keeps_its_place = 0xFF;  // seen[]: updating, listed again with its queued goal
+    std::vector<queued_transition> kept;            // updating: the queued requests that stay
     for (const queued_transition& q : transition_queue_) {
-      if (seen[q.expert] != 0) {
-        if (seen[q.expert] != q.goal + 1) ++transitions_cancelled_;  // superseded by another goal
+      if (seen[q.expert] == q.goal + 1) {
+        if (!replace) {
+          kept.push_back(q);
+          seen[q.expert] = keeps_its_place;
+        }
+      } else if (seen[q.expert] != 0) {
+        ++transitions_cancelled_;  // superseded by another goal
       } else if (replace) {
         target_[q.expert] = no_goal;
         ++transitions_cancelled_;
@@ -900,8 +911,22 @@ class expert_runtime {
         kept.push_back(q);
       }
     }
-    kept.insert(kept.end(), queue.begin(), queue.end());
-    transition_queue_ = std::move(kept);
+    if (replace) {
+      transition_queue_ = queue;
+    } else {
+      // The new demotions and evictions first (they free the room promotions need, and a queued
+      // promotion must not take as its victim the hi version of an expert just demoted), then the
+      // queued requests, then the new promotions.
+      constexpr std::uint8_t hi_goal = 0;  // goal_of(resident_hi)
+      transition_queue_.clear();
+      for (const queued_transition& q : queue) {
+        if (q.goal != hi_goal && seen[q.expert] != keeps_its_place) transition_queue_.push_back(q);
+      }
+      transition_queue_.insert(transition_queue_.end(), kept.begin(), kept.end());
+      for (const queued_transition& q : queue) {
+        if (q.goal == hi_goal && seen[q.expert] != keeps_its_place) transition_queue_.push_back(q);
+      }
+    }
     for (const queued_transition& q : queue) target_[q.expert] = q.goal;
     drain_releases();
     pump_background();

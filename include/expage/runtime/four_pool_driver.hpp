@@ -31,10 +31,10 @@ namespace expage {
 /// | controller | runtime / engine |
 /// |---|---|
 /// | per layer: record() the routing | on_routed(), after each acquire() |
-/// | per interval: end_interval()'s hi set | `set_targets()` (demotions, promotions, members) |
-/// | per burst: step()'s split and resize steps | `set_targets()` of the dropped hi members, then `resize_tiers()` with
-/// the demand tier of the split (lo with a lo tier, hi without), the experts' budget account and the KV pool's resize,
-/// shrinks first; commit() |
+/// | per interval: end_interval()'s hi set | `update_targets()` (demotions, promotions, members) |
+/// | per burst: step()'s split and resize steps | `update_targets()` of the dropped hi members, then `resize_tiers()`
+/// with the demand tier of the split (lo with a lo tier, hi without), the experts' budget account and the KV pool's
+/// resize, shrinks first; commit() |
 ///
 /// Budget safety: the runtime's versions are charged to the engine's `experts` account and the KV
 /// pool to its own, both children of one budget B. The hi and lo steps of a decision are applied
@@ -119,8 +119,10 @@ class four_pool_driver {
   /// @throws expage::invalid_argument naming a layer or expert out of range.
   void on_routed(std::uint32_t layer, std::span<const expert_index> experts) { controller_->record(layer, experts); }
 
-  /// Per interval: the hi set's targets to the runtime (demotions first).
-  void end_interval() { runtime_->set_targets(controller_->end_interval()); }
+  /// Per interval: the hi set's targets to the runtime (demotions first). update_targets(), not
+  /// set_targets(): a demotion of an earlier interval still queued is not listed again, and
+  /// must not be cancelled.
+  void end_interval() { runtime_->update_targets(controller_->end_interval()); }
 
   /// Per burst, at a drained barrier: decides the split, applies it (or nothing), commits the
   /// outcome and starts the next burst. Returns the decision and whether it was applied.
@@ -175,7 +177,7 @@ class four_pool_driver {
     bool kv_first = false;  // the KV step came before the experts' one
     bool ok = true;
     try {
-      if (!d.hi_evictions.empty()) runtime_->set_targets(d.to_targets());
+      if (!d.hi_evictions.empty()) runtime_->update_targets(d.to_targets());
       for (std::size_t i = 0; i < d.steps.size() && ok; ++i) {
         if (d.steps[i].pool == tier_pool::kv) {
           ok = resize_kv_(d.steps[i].bytes);
