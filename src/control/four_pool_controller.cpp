@@ -305,7 +305,7 @@ std::vector<residency_target> four_pool_controller::end_interval() {
   out.reserve(plan.demotions.size() + std::size_t{model_.layers} * hot_.config().hi_per_layer);
   for (const expert_id id : plan.demotions) out.push_back({.expert = id, .state = residency_state::resident_lo});
   for (const expert_id id : plan.promotions) out.push_back({.expert = id, .state = residency_state::resident_hi});
-  // The other members: set_targets() cancels pending requests a list leaves out.
+  // The other members, so the list is the whole hi set (for set_targets() as for update_targets()).
   for (std::uint32_t l = 0; l < model_.layers; ++l) {
     for (const expert_index x : hot_.hot_set(l)) {
       const expert_id id{.layer = l, .expert = x};

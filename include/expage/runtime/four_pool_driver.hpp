@@ -32,9 +32,9 @@ namespace expage {
 /// |---|---|
 /// | per layer: record() the routing | on_routed(), after each acquire() |
 /// | per interval: end_interval()'s hi set | `update_targets()` (demotions, promotions, members) |
-/// | per burst: step()'s split and resize steps | `update_targets()` of the dropped hi members, then `resize_tiers()`
-/// with the demand tier of the split (lo with a lo tier, hi without), the experts' budget account and the KV pool's
-/// resize, shrinks first; commit() |
+/// | per burst: step()'s split and resize steps | `update_targets()` of the dropped hi members (`set_targets()` into a
+/// split without a lo tier), then `resize_tiers()` with the demand tier of the split (lo with a lo tier, hi without),
+/// the experts' budget account and the KV pool's resize, shrinks first; commit() |
 ///
 /// Budget safety: the runtime's versions are charged to the engine's `experts` account and the KV
 /// pool to its own, both children of one budget B. The hi and lo steps of a decision are applied
@@ -177,7 +177,13 @@ class four_pool_driver {
     bool kv_first = false;  // the KV step came before the experts' one
     bool ok = true;
     try {
-      if (!d.hi_evictions.empty()) runtime_->update_targets(d.to_targets());
+      // To a split without a lo tier the hot set empties: nothing queued is wanted any more (a
+      // demotion to lo could never run), so the dropped members' targets replace the queue.
+      if (!d.split.tiered()) {
+        runtime_->set_targets(d.to_targets());
+      } else if (!d.hi_evictions.empty()) {
+        runtime_->update_targets(d.to_targets());
+      }
       for (std::size_t i = 0; i < d.steps.size() && ok; ++i) {
         if (d.steps[i].pool == tier_pool::kv) {
           ok = resize_kv_(d.steps[i].bytes);
