@@ -487,41 +487,6 @@ TEST(ExpertRuntimeTiers, UpdateTargetsIssuesTheNewDemotionsBeforeTheQueuedPromot
   EXPECT_EQ(w.check_tiers(rt), "");
 }
 
-// A demotion that finds no lo room yet keeps its expert's hi version from being a promotion's
-// victim: the expert stays served at hi until its lo version is loaded and switched to.
-TEST(ExpertRuntimeTiers, AWaitingDemotionKeepsItsHiVersionFromAPromotion) {
-  tiered_world w;  // 2 hi and 4 lo versions
-  host_stream prefetch("prefetch");
-  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
-             {.capacity = 2, .max_prefetch_in_flight = 4}, &prefetch);
-  std::vector<target> start;
-  for (std::uint32_t e = 0; e < 4; ++e) start.push_back({.expert = {1, e}, .state = residency_state::resident_lo});
-  start.push_back({.expert = {0, 0}, .state = residency_state::resident_hi});
-  start.push_back({.expert = {0, 1}, .state = residency_state::resident_hi});
-  rt.set_targets(start);  // the lo tier full of lo targets: no victim for a transition
-  prefetch.synchronize();
-  rt.poll();
-  ASSERT_EQ(rt.statistics().transitions_queued, 0U);
-  const target swap[] = {{.expert = {0, 0}, .state = residency_state::resident_lo},
-                         {.expert = {0, 2}, .state = residency_state::resident_hi}};
-  rt.update_targets(swap);
-  prefetch.synchronize();
-  rt.poll();
-  EXPECT_EQ(rt.active_tier({0, 0}), version_tier::hi) << "not evicted outright";
-  EXPECT_FALSE(rt.resident({0, 2}));
-  EXPECT_EQ(rt.statistics().transitions_queued, 2U);
-  const target room[] = {{.expert = {1, 0}, .state = residency_state::absent}};
-  rt.update_targets(room);
-  for (int i = 0; i < 3; ++i) {
-    prefetch.synchronize();
-    rt.poll();
-  }
-  EXPECT_EQ(rt.active_tier({0, 0}), version_tier::lo);
-  EXPECT_EQ(rt.active_tier({0, 2}), version_tier::hi);
-  EXPECT_EQ(rt.statistics().transitions_queued, 0U);
-  EXPECT_EQ(w.check_tiers(rt), "");
-}
-
 TEST(ExpertRuntimeTiers, DemandTierHiLoadsHiAndStillServesResidentLoVersions) {
   tiered_world w(4, 2);
   host_stream prefetch("prefetch");

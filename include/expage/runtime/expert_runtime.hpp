@@ -1391,12 +1391,8 @@ class expert_runtime {
     std::uint32_t candidates = 0;
     for (std::uint32_t f = 0; f < expert_count_; ++f) {
       const version& v = T.versions[f];
-      // Protected for a transition: a version at its expert's target tier, and the active version
-      // of an expert to be moved to the other tier whose version there is not loaded yet (its
-      // demotion waits for room: evicting it would drop the expert instead of switching it).
       bool blocked = v.slot < 0 || T.pins[f] > 0 || v.poisoned || (v.loading && !include_loading) ||
-                     (protect_targets &&
-                      (target_[f] == t || (active_[f] == t && target_[f] < tier_count_ && sibling(t, f) == nullptr)));
+                     (protect_targets && target_[f] == t);
       if (!blocked && active_[f] == t) {  // evicting it switches to a sibling: that must be complete too
         if (const version* s = sibling(t, f); s != nullptr && s->loading && !include_loading) blocked = true;
       }
