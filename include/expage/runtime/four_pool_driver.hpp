@@ -177,13 +177,7 @@ class four_pool_driver {
     bool kv_first = false;  // the KV step came before the experts' one
     bool ok = true;
     try {
-      // To a split without a lo tier the hot set empties: nothing queued is wanted any more (a
-      // demotion to lo could never run), so the dropped members' targets replace the queue.
-      if (!d.split.tiered()) {
-        runtime_->set_targets(d.to_targets());
-      } else if (!d.hi_evictions.empty()) {
-        runtime_->update_targets(d.to_targets());
-      }
+      if (!d.hi_evictions.empty()) runtime_->update_targets(d.to_targets());
       for (std::size_t i = 0; i < d.steps.size() && ok; ++i) {
         if (d.steps[i].pool == tier_pool::kv) {
           ok = resize_kv_(d.steps[i].bytes);
@@ -198,7 +192,13 @@ class four_pool_driver {
       error = std::current_exception();
       ok = false;
     }
-    if (ok) return true;
+    if (ok) {
+      // In a split without a lo tier the hot set is empty: nothing queued is wanted any more (a
+      // demotion to lo could never run), so the dropped members' targets replace the queue. Only
+      // once the split holds: a refused one keeps the queue, whose demotions the controller counts.
+      if (!d.split.tiered()) runtime_->set_targets(d.to_targets());
+      return true;
+    }
     // D3: the previous split stays in force, the last step applied undone first.
     const auto undo = [&](bool kv) {
       try {
