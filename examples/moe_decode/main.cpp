@@ -1274,11 +1274,12 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   runtime_type& rt = tiered ? *tiered : *single;
   // DynaExq's hot set (§3.5): EMA hotness per expert, each layer's top-n with hysteresis; the
   // runtime promotes and demotes in the background (its hi tier holds the sets).
-  std::optional<expage::hot_set_controller> hot;
   // The controller's planning account (DynaExq §3.3 admission): the hi tier's versions, so it never
   // plans more members than the tier holds (an explicit --hi-per-layer beyond that is deferred,
-  // not queued in the runtime for good).
+  // not queued in the runtime for good). Declared first: it outlives the reservations the
+  // controller holds on it.
   std::optional<expage::budget_tracker> hot_budget;
+  std::optional<expage::hot_set_controller> hot;
   std::optional<four_pool_side<runtime_type>> pools;
   if (four_pool) {
     try {
