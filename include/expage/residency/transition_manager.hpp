@@ -279,13 +279,11 @@ class transition_manager {
     {
       const std::lock_guard lock(mutex_);
       std::vector<std::optional<residency_state>> wanted(targets_.size());
-      std::vector<std::uint8_t> listed(targets_.size(), 0);
       for (const target& t : targets) {
         wanted[flat(t.expert)] = t.state;
-        listed[flat(t.expert)] = 1;
       }
       // A queued entry stays when its expert keeps its target (or, updating, is not listed).
-      const auto stays = [&](std::size_t i) { return (!replace && listed[i] == 0) || wanted[i] == targets_[i]; };
+      const auto stays = [&](std::size_t i) { return (!replace && !wanted[i]) || wanted[i] == targets_[i]; };
       const auto keep = [&](std::deque<expert_id>& queue) {
         std::deque<expert_id> kept;
         for (const expert_id id : queue) {
