@@ -21,8 +21,13 @@ moe_geometry parse_geometry(std::string_view text, std::string_view source) {
   cfg.hidden_size = 1;
   cfg.intermediate_size = 1;
   bool has_name = false;
-  constexpr std::uint64_t u32 = 0xFFFFFFFFULL;
-  constexpr std::uint64_t u64 = ~std::uint64_t{0};
+  // Each field's own range (moe_geometry's constants), so a value a 32-bit field cannot hold is
+  // refused naming the range the geometry allows; top_k's bound by experts_per_layer and the
+  // other relations between fields are the constructor's.
+  using geometry = moe_geometry;
+  const auto u32_field = [&](const detail::json_value& v, std::string_view key, std::uint32_t lo, std::uint32_t hi) {
+    return static_cast<std::uint32_t>(reader.integer(v, key, lo, hi));
+  };
   for (const auto& [key, v] : doc.members) {
     if (key == "name") {
       cfg.name = reader.string(v, key);
@@ -30,21 +35,21 @@ moe_geometry parse_geometry(std::string_view text, std::string_view source) {
     } else if (key == "comment") {
       (void)reader.string(v, key);
     } else if (key == "layers") {
-      cfg.layers = static_cast<std::uint32_t>(reader.integer(v, key, u32));
+      cfg.layers = u32_field(v, key, 1, geometry::max_layers);
     } else if (key == "experts_per_layer") {
-      cfg.experts_per_layer = static_cast<std::uint32_t>(reader.integer(v, key, u32));
+      cfg.experts_per_layer = u32_field(v, key, 1, geometry::max_experts_per_layer);
     } else if (key == "top_k") {
-      cfg.top_k = static_cast<std::uint32_t>(reader.integer(v, key, u32));
+      cfg.top_k = u32_field(v, key, 1, geometry::max_experts_per_layer);
     } else if (key == "shared_experts") {
-      cfg.shared_experts = static_cast<std::uint32_t>(reader.integer(v, key, u32));
+      cfg.shared_experts = u32_field(v, key, 0, geometry::max_shared_experts);
     } else if (key == "group_size") {
-      cfg.group_size = static_cast<std::uint32_t>(reader.integer(v, key, u32));
+      cfg.group_size = u32_field(v, key, 1, geometry::max_group_size);
     } else if (key == "hidden_size") {
-      cfg.hidden_size = reader.integer(v, key, u64);
+      cfg.hidden_size = reader.integer(v, key, 1, geometry::max_dimension);
     } else if (key == "intermediate_size") {
-      cfg.intermediate_size = reader.integer(v, key, u64);
+      cfg.intermediate_size = reader.integer(v, key, 1, geometry::max_dimension);
     } else if (key == "shared_intermediate_size") {
-      cfg.shared_intermediate_size = reader.integer(v, key, u64);
+      cfg.shared_intermediate_size = reader.integer(v, key, 0, geometry::max_dimension);
     } else {
       std::string shown;
       for (const char c : std::string_view(key).substr(0, 40)) {

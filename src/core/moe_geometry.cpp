@@ -94,15 +94,14 @@ moe_geometry::moe_geometry(config cfg) : config_(std::move(cfg)) {
     throw invalid_argument("moe_geometry: name is empty");
   }
   const std::string_view n = config_.name;
-  constexpr std::uint64_t max_dim = std::uint64_t{1} << 20;
   check_range<std::uint32_t>(n, "layers", config_.layers, 1, max_layers);
   check_range<std::uint32_t>(n, "experts_per_layer", config_.experts_per_layer, 1, max_experts_per_layer);
   check_range<std::uint32_t>(n, "top_k", config_.top_k, 1, config_.experts_per_layer);
-  check_range<std::uint32_t>(n, "shared_experts", config_.shared_experts, 0, 64);
-  check_range<std::uint64_t>(n, "hidden_size", config_.hidden_size, 1, max_dim);
-  check_range<std::uint64_t>(n, "intermediate_size", config_.intermediate_size, 1, max_dim);
-  check_range<std::uint64_t>(n, "shared_intermediate_size", config_.shared_intermediate_size, 0, max_dim);
-  check_range<std::uint32_t>(n, "group_size", config_.group_size, 1, 1U << 20);
+  check_range<std::uint32_t>(n, "shared_experts", config_.shared_experts, 0, max_shared_experts);
+  check_range<std::uint64_t>(n, "hidden_size", config_.hidden_size, 1, max_dimension);
+  check_range<std::uint64_t>(n, "intermediate_size", config_.intermediate_size, 1, max_dimension);
+  check_range<std::uint64_t>(n, "shared_intermediate_size", config_.shared_intermediate_size, 0, max_dimension);
+  check_range<std::uint32_t>(n, "group_size", config_.group_size, 1, max_group_size);
   if (config_.shared_experts > 0 && config_.shared_intermediate_size == 0) {
     config_.shared_intermediate_size = config_.intermediate_size;
   }

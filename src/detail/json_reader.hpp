@@ -80,13 +80,17 @@ class json_reader {
 
   /// A non-negative integer in [0, @p hi], from a number node without sign, fraction or exponent.
   std::uint64_t integer(const json_value& v, std::string_view key, std::uint64_t hi) const {
+    return integer(v, key, 0, hi);
+  }
+  /// A non-negative integer in [@p lo, @p hi], as integer(v, key, hi).
+  std::uint64_t integer(const json_value& v, std::string_view key, std::uint64_t lo, std::uint64_t hi) const {
     if (v.type != json_value::kind::number || v.text.find_first_not_of("0123456789") != std::string::npos) {
       fail_at(v.column, fmt::format("field '{}': expected a non-negative integer", key));
     }
     std::uint64_t n = 0;
     const auto [end, ec] = std::from_chars(v.text.data(), v.text.data() + v.text.size(), n);
-    if (ec != std::errc() || end != v.text.data() + v.text.size() || n > hi) {
-      fail_at(v.column, fmt::format("field '{}': {} out of range [0, {}]", key, v.text, hi));
+    if (ec != std::errc() || end != v.text.data() + v.text.size() || n < lo || n > hi) {
+      fail_at(v.column, fmt::format("field '{}': {} out of range [{}, {}]", key, v.text, lo, hi));
     }
     return n;
   }

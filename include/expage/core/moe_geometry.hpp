@@ -63,6 +63,13 @@ class moe_geometry {
   static constexpr std::uint32_t max_layers = 1U << 16;
   /// The most routed experts per layer (config::experts_per_layer's range is [1, max_experts_per_layer]).
   static constexpr std::uint32_t max_experts_per_layer = 1U << 16;
+  /// The most shared experts per layer (config::shared_experts' range is [0, max_shared_experts]).
+  static constexpr std::uint32_t max_shared_experts = 64;
+  /// The widest model or FFN dimension (hidden_size and intermediate_size: [1, max_dimension];
+  /// shared_intermediate_size: [0, max_dimension]).
+  static constexpr std::uint64_t max_dimension = std::uint64_t{1} << 20;
+  /// The largest quantization group (config::group_size's range is [1, max_group_size]).
+  static constexpr std::uint32_t max_group_size = 1U << 20;
 
   /// @brief What a geometry is built from: the fields of a model's config.json.
   struct config {
