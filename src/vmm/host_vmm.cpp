@@ -135,8 +135,9 @@ void host_vmm::charge_mappings(std::ptrdiff_t delta, const char* op) {
     if (used + more > b.limit) {
       throw out_of_memory(fmt::format(
           "{}: would take the process's host_vmm mappings to {}, over the limit of {} (vm.max_map_count {} less "
-          "{} mappings held at start and a safety margin of {}); unmap blocks or raise vm.max_map_count",
-          op, used + more, b.limit, b.system_limit, b.baseline, b.margin));
+          "{} mappings held at start and a safety margin of {}); unmap blocks, map fewer and larger ones (a "
+          "granularity above this host_vmm's {} bytes: options::granularity) or raise vm.max_map_count",
+          op, used + more, b.limit, b.system_limit, b.baseline, b.margin, granularity_));
     }
   } while (!b.used.compare_exchange_weak(used, used + more, std::memory_order_relaxed));
   mappings_ += more;

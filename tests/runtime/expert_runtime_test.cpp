@@ -7,12 +7,14 @@
 #include "expage/cache/duel_policy.hpp"
 #include "expage/cache/lru_policy.hpp"
 #include "expage/cache/slot_cache.hpp"
+#include "expage/memory/tensor_storage.hpp"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <atomic>
 #include <future>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -47,6 +49,30 @@ TEST(ExpertRuntime, RefusesBadConstruction) {
   EXPECT_THROW(runtime(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 8}), invalid_argument)
       << "capacity above what the account holds";
   EXPECT_EQ(w.account.used(), 0U);
+}
+
+// A source keeps a reference to its storage: one made from a temporary would dangle.
+template <class Storage>
+concept source_from_accepts = requires(Storage&& s) {
+  expert_source<host_stream>::from(std::forward<Storage>(s));
+};
+static_assert(source_from_accepts<const tensor_storage<host_stream>&>);
+static_assert(!source_from_accepts<tensor_storage<host_stream>>, "from(a temporary) is deleted");
+
+// A runtime destroyed while a lease is held aborts in every build (not only where assertions
+// are on): the lease's kernel may still read its pages, and its release would write into the
+// destroyed runtime.
+TEST(ExpertRuntime, DestroyedWithALeaseHeldAborts) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        runtime_world w;
+        std::optional<runtime::lease> held;  // declared before the runtime: destroyed after it
+        runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());
+        const std::uint32_t one[] = {1};
+        held.emplace(rt.acquire(0, one));
+      },
+      "expert_runtime destroyed while a lease is held");
 }
 
 TEST(ExpertRuntime, LeaseLoadsMissesServesHitsAndShowsTheBytesInEveryView) {

@@ -658,6 +658,14 @@ TEST(ExpertRuntimeTiers, RefusesBadInputAndChangesNothing) {
   const std::uint32_t five[] = {0, 1, 2, 3, 4};
   expect_error([&] { (void)rt.acquire(1, five); },
                "5 experts routed at layer 1 but at most 4 can be resident in the lo tier");
+  // With two tiers a view names its tier: the hi view of an expert served lo would read an
+  // unmapped page, and its expert_map entry −1 would drop the expert from a fused kernel.
+  expect_error([&] { (void)rt.stable_tensor(0, expert_tensor::gate_up); }, "stable_tensor: the runtime has two tiers");
+  expect_error([&] { (void)rt.expert_map(0); }, "expert_map: the runtime has two tiers");
+  expect_error([&] { (void)rt.slot_address(0, expert_tensor::down); }, "slot_address: the runtime has two tiers");
+  expect_error([&] { (void)rt.page_bytes(expert_tensor::down); }, "page_bytes: the runtime has two tiers");
+  EXPECT_GE(rt.expert_map(0, version_tier::lo)[0], 0) << "served lo (the demand tier)";
+  EXPECT_EQ(rt.expert_map(0, version_tier::hi)[0], -1);
   EXPECT_EQ(w.state(rt), before);
 
   // One tier: no lo tier to target or view; no prefetch stream: no targets at all.
@@ -667,6 +675,8 @@ TEST(ExpertRuntimeTiers, RefusesBadInputAndChangesNothing) {
   expect_error([&] { single.set_targets(lo); }, "no prefetch stream");
   expect_error([&] { (void)single.stable_tensor(0, expert_tensor::down, version_tier::lo); }, "tier lo out of range");
   expect_error([&] { (void)single.expert_map(0, version_tier::lo); }, "one tier");
+  EXPECT_EQ(single.expert_map(0).data(), single.expert_map(0, version_tier::hi).data()) << "one tier: hi by default";
+  EXPECT_EQ(single.page_bytes(expert_tensor::down), single.page_bytes(expert_tensor::down, version_tier::hi));
   host_stream p1("p1");
   runtime single_p(one.geometry, one.account, one.vmm, one.copy, one.compute, one.source(), {.capacity = 2}, &p1);
   expect_error([&] { single_p.set_targets(lo); }, "out of range (resident_hi, absent)");

@@ -79,6 +79,8 @@ struct expert_source {
               return storage.tensor_bytes(t);
             }};
   }
+  /// Deleted: the source would keep a reference to a temporary storage.
+  static expert_source from(const tensor_storage<Stream>&&) = delete;
 };
 
 /// @brief The sources of a runtime with two tiers: every expert can be loaded in either precision.
@@ -348,7 +350,7 @@ class expert_runtime {
     }
     /// The tier whose version serves each of experts(), in the same order; empty once released.
     [[nodiscard]] std::span<const version_tier> tiers() const noexcept {
-      if (record_ == nullptr) return {};
+      if (record_ == nullptr || runtime_ == nullptr) return {};  // both or neither (GCC's -Wnull-dereference)
       if (runtime_->tier_count_ == 1)
         return std::span<const version_tier>(runtime_->all_hi_).first(record_->flat.size());
       return record_->tiers;
@@ -426,7 +428,9 @@ class expert_runtime {
   expert_runtime(const expert_runtime&) = delete;
   expert_runtime& operator=(const expert_runtime&) = delete;
   /// Waits for loads in flight and every expert's last completion, unmaps every page and frees the ranges.
-  /// @pre no lease is held (asserted in debug builds).
+  /// @pre no lease is held: checked in every build (a held lease aborts with a message; its
+  /// kernel may still read the pages, and its release would write into a destroyed runtime).
+  /// Declare an engine's leases after its runtime, so they are destroyed first.
   ~expert_runtime() {
     // Work this runtime enqueued on the streams (fills, timing callbacks) refers to it: let it run.
     for (Stream* stream : {copy_, prefetch_, compute_}) {
@@ -439,7 +443,10 @@ class expert_runtime {
       for (std::uint32_t f = 0; f < expert_count_; ++f) {
         version& v = T.versions[f];
         if (v.slot < 0) continue;
-        EXPAGE_ASSERT(T.pins[f] == 0, "expert_runtime destroyed while a lease is held");
+        if (T.pins[f] != 0) {
+          detail::assertion_failed("no lease is held", "expert_runtime destroyed while a lease is held", __FILE__,
+                                   __LINE__);
+        }
         quietly_wait(v);
         unmap_version(t, f);
         v.blocks.release();
@@ -549,7 +556,9 @@ class expert_runtime {
   ///   the old version is then freed. An absent expert's new version is active at once.
   /// - absent: evict the expert's versions once no lease holds it and its last kernel is done.
   /// Requests that find no room stay queued and are retried by later calls (acquire's slow
-  /// path, poll(), releases); queued requests not listed again are cancelled; an expert's
+  /// path, poll(), releases), as do requests for a tier of 0 slots until resize_tiers() gives it
+  /// some (a runtime built from two sources with the default `options.capacity` has no hi slots:
+  /// `transitions_queued` counts what waits); queued requests not listed again are cancelled; an expert's
   /// target is remembered after its request is done (a version at its target tier is not a
   /// victim for another expert's transition).
   /// @throws expage::invalid_argument (nothing changes) for an unknown expert, an expert listed
@@ -661,25 +670,27 @@ class expert_runtime {
   /// @name Views
   /// @{
 
-  /// View (a): tensor @p t of layer @p layer in tier @p tier as one `[E, ...]` array at a stable
-  /// address: expert e's page is at `+ e · page_bytes(t, tier)` and mapped only while e has a
-  /// version in that tier.
-  /// @throws expage::invalid_argument for a layer out of range, a tier the runtime lacks, or when the view is not kept.
+  /// View (a): tensor @p t of layer @p layer in tier @p which as one `[E, ...]` array at a stable
+  /// address: expert e's page is at `+ e · page_bytes(t, which)` and mapped only while e has a
+  /// version in that tier. The tier may be left out with one tier; with two it must be named
+  /// (lease::tiers() says which serves each routed expert).
+  /// @throws expage::invalid_argument for a layer out of range, a tier the runtime lacks, no tier
+  /// named with two tiers, or when the view is not kept.
   [[nodiscard]] std::byte* stable_tensor(std::uint32_t layer, expert_tensor t,
-                                         version_tier which = version_tier::hi) const {
+                                         std::optional<version_tier> which = std::nullopt) const {
     check_layer(layer, "stable_tensor");
-    const tier_state& T = checked_tier(which, "stable_tensor");
+    const tier_state& T = view_tier(which, "stable_tensor");
     if (!options_.views.stable_tensors) {
       throw invalid_argument("expert_runtime::stable_tensor: the stable-tensor view was not asked for");
     }
     return T.stable_base[index(t)] + std::size_t{layer} * geometry_.experts_per_layer() * T.page_bytes[index(t)];
   }
-  /// View (b): slot @p slot of tensor @p t in tier @p tier.
+  /// View (b): slot @p slot of tensor @p t in tier @p which (named with two tiers, as in stable_tensor()).
   /// @throws expage::invalid_argument for a slot out of range [0, experts), a tier the runtime
-  /// lacks, or when the view is not kept.
+  /// lacks, no tier named with two tiers, or when the view is not kept.
   [[nodiscard]] std::byte* slot_address(std::int32_t slot, expert_tensor t,
-                                        version_tier which = version_tier::hi) const {
-    const tier_state& T = checked_tier(which, "slot_address");
+                                        std::optional<version_tier> which = std::nullopt) const {
+    const tier_state& T = view_tier(which, "slot_address");
     if (!options_.views.slots) throw invalid_argument("expert_runtime::slot_address: the slot view was not asked for");
     if (slot < 0 || static_cast<std::uint32_t>(slot) >= expert_count_) {
       throw invalid_argument(
@@ -687,13 +698,15 @@ class expert_runtime {
     }
     return T.slot_base[index(t)] + static_cast<std::size_t>(slot) * T.page_bytes[index(t)];
   }
-  /// View (b): layer @p layer's `expert_map` in tier @p tier (expert → slot of its active
-  /// version when that is in this tier, else −1), host array.
-  /// @throws expage::invalid_argument for a layer out of range or a tier the runtime lacks.
+  /// View (b): layer @p layer's `expert_map` in tier @p which (expert → slot of its active
+  /// version when that is in this tier, else −1; the tier named with two tiers, as in
+  /// stable_tensor(): an expert served lo is −1 in the hi map), host array.
+  /// @throws expage::invalid_argument for a layer out of range, a tier the runtime lacks, or no
+  /// tier named with two tiers.
   [[nodiscard]] std::span<const std::int32_t> expert_map(std::uint32_t layer,
-                                                         version_tier which = version_tier::hi) const {
+                                                         std::optional<version_tier> which = std::nullopt) const {
     check_layer(layer, "expert_map");
-    return std::span<const std::int32_t>(checked_tier(which, "expert_map").map)
+    return std::span<const std::int32_t>(view_tier(which, "expert_map").map)
         .subspan(std::size_t{layer} * geometry_.experts_per_layer(), geometry_.experts_per_layer());
   }
   /// View (c): layer @p layer's version records (the handle table's mirror: every expert's active
@@ -772,10 +785,10 @@ class expert_runtime {
     const tier_state& T = checked_tier(which, "expert_bytes");
     return T.page_bytes[0] + T.page_bytes[1];
   }
-  /// σ_t: bytes of one page of tensor @p t in tier @p which.
-  /// @throws expage::invalid_argument for a tier the runtime lacks.
-  [[nodiscard]] std::size_t page_bytes(expert_tensor t, version_tier which = version_tier::hi) const {
-    return checked_tier(which, "page_bytes").page_bytes[index(t)];
+  /// σ_t: bytes of one page of tensor @p t in tier @p which (named with two tiers, as in stable_tensor()).
+  /// @throws expage::invalid_argument for a tier the runtime lacks, or no tier named with two tiers.
+  [[nodiscard]] std::size_t page_bytes(expert_tensor t, std::optional<version_tier> which = std::nullopt) const {
+    return view_tier(which, "page_bytes").page_bytes[index(t)];
   }
   /// Resident versions allowed in tier @p which (after a resize, the target; versions that leases
   /// held above it are evicted as their kernels complete).
@@ -1062,6 +1075,17 @@ class expert_runtime {
   [[nodiscard]] std::size_t demand_checked(version_tier which) const {
     (void)checked_tier(which, "set_demand_tier");
     return static_cast<std::size_t>(which);
+  }
+  // The tier a view reads: the one named, or with one tier the only one.
+  [[nodiscard]] const tier_state& view_tier(std::optional<version_tier> which, const char* what) const {
+    if (which) return checked_tier(*which, what);
+    if (tier_count_ != 1) {
+      throw invalid_argument(
+          fmt::format("expert_runtime::{}: the runtime has two tiers (hi, lo): name the tier "
+                      "(lease::tiers() says which serves each routed expert)",
+                      what));
+    }
+    return tier(0);
   }
   [[nodiscard]] const tier_state& checked_tier(version_tier which, const char* what) const {
     const auto t = static_cast<std::size_t>(which);
