@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <future>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -364,6 +365,52 @@ TEST(ExpertRuntime, LeasesReleasedOnAnotherThreadAreDrained) {
     std::thread([&] { lease.release(done); }).join();
   }
   EXPECT_EQ(rt.statistics().pinned, 0U);
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
+// A completion whose wait() says when it starts (the waiter then holds the runtime's lock, in a
+// fence), then waits for the flag.
+struct announced_kernel {
+  std::shared_ptr<std::promise<void>> waiting;
+  std::shared_ptr<std::once_flag> once;
+  completion_flag done;
+  [[nodiscard]] bool ready() const { return done.ready(); }
+  void wait() const {
+    std::call_once(*once, [&] { waiting->set_value(); });
+    done.wait();
+  }
+};
+
+// A host engine releases its lease in stream order, as a task on the compute stream. Meanwhile
+// another thread's acquire waits under the runtime's lock, in a fence, for a kernel whose
+// completion comes after that task on the same stream. With background work queued (a prefetch
+// without room) a release used to block on the lock: a deadlock. It now leaves a note the holder
+// drains as it unlocks.
+TEST(ExpertRuntime, AReleaseOnTheComputeStreamNeverWaitsForTheLock) {
+  runtime_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 2}, &prefetch);
+  const std::uint32_t a[] = {0};
+  const std::uint32_t c[] = {2};
+  const std::uint32_t b[] = {1};
+  const std::uint32_t d[] = {3};
+  announced_kernel kernel{std::make_shared<std::promise<void>>(), std::make_shared<std::once_flag>(), {}};
+  auto in_fence = kernel.waiting->get_future().share();
+  rt.acquire(0, a).release(kernel);  // L0.E0's kernel pending
+  auto held = rt.acquire(0, c);      // L0.E2 pinned: no room for anything else
+  w.copy.synchronize();
+  rt.prefetch(0, d);  // queued: every slot pinned or its kernel pending (background work waits)
+  ASSERT_EQ(rt.statistics().prefetch_queued, 1U);
+  w.compute.enqueue([in_fence] { in_fence.wait(); });                 // once the acquire below waits in its fence,
+  w.compute.enqueue([&held] { held.release(); });                     // the engine's release, in stream order,
+  w.compute.enqueue([done = kernel.done]() mutable { done.set(); });  // then L0.E0's kernel ends
+  auto next = rt.acquire(0, b);  // the victim is L0.E0: waits for its kernel under the lock
+  EXPECT_EQ(rt.statistics().total.fence_waits, 1U);
+  EXPECT_EQ(rt.statistics().pinned, 1U) << "only the new lease pins";
+  next.release();
+  w.compute.synchronize();
+  rt.poll();
+  prefetch.synchronize();
   EXPECT_EQ(w.check_views(rt), "");
 }
 

@@ -294,7 +294,8 @@ struct resident_expert {
 ///     geometry, budget.at("experts"), vmm, copy, compute, expage::expert_source<expage::host_stream>::from(storage),
 ///     {.capacity = 64});
 /// auto lease = rt.acquire(layer, routed);                     // compute stream fenced on the misses' loads
-/// launch_fused_moe(compute, rt.stable_tensor(layer, gate_up), rt.expert_map(layer), rt.records(layer));
+/// launch_fused_moe(compute, rt.stable_tensor(layer, expage::expert_tensor::gate_up), rt.expert_map(layer),
+///                  rt.records(layer));
 /// lease.release();                                            // after the kernel, in stream order
 /// @endcode
 /// @threadsafety thread-safe: every member may be called from any thread (one mutex guards
@@ -436,7 +437,7 @@ class expert_runtime {
     for (Stream* stream : {copy_, prefetch_, compute_}) {
       if (stream != nullptr) quietly_synchronize(*record_event_quietly(*stream));
     }
-    const std::lock_guard lock(mutex_);
+    const std::lock_guard lock(mutex_);  // not locked: its unlock could start background work
     drain_releases();
     for (std::size_t t = 0; t < tier_count_; ++t) {
       tier_state& T = tier(t);
@@ -474,7 +475,7 @@ class expert_runtime {
   /// guarantee (see the class comment).
   [[nodiscard]] lease acquire(std::uint32_t layer, std::span<const std::uint32_t> experts) {
     validate_group(layer, experts, "acquire");  // the geometry is immutable: before the lock
-    const std::lock_guard lock(mutex_);
+    const locked lock(*this);
     const double t0 = tracing() ? trace_.now_us() : 0.0;
     const bool drained = drain_releases();
     lease_record& record = take_record(layer, experts);  // may throw bad_alloc: nothing changed
@@ -504,7 +505,7 @@ class expert_runtime {
   /// has no prefetch stream.
   void prefetch(std::uint32_t layer, std::span<const std::uint32_t> experts, float priority = 0.0F) {
     if (prefetch_ == nullptr) throw invalid_argument("expert_runtime::prefetch: the runtime has no prefetch stream");
-    const std::lock_guard lock(mutex_);
+    const locked lock(*this);
     check_layer(layer, "prefetch");
     for (const std::uint32_t e : experts) check_expert(layer, e, "prefetch");
     for (const std::uint32_t e : experts) {
@@ -522,7 +523,7 @@ class expert_runtime {
 
   /// Drops every prefetch request not yet issued; returns how many were dropped.
   std::size_t cancel_prefetches() noexcept {
-    const std::lock_guard lock(mutex_);
+    const locked lock(*this);
     const std::size_t n = prefetch_queue_.size();
     for (const queued_prefetch& q : prefetch_queue_) queued_[q.expert] = 0;
     prefetch_queue_.clear();
@@ -535,14 +536,14 @@ class expert_runtime {
   /// whose policy is a duel_policy (both orders are always kept, so either takes over at once).
   /// runtime_prefetcher calls it from its eviction duel; an engine may call it from its own.
   void rank_by_lru(bool lru) noexcept requires lru_switchable_policy<Policy> {
-    const std::lock_guard lock(mutex_);
+    const locked lock(*this);
     if (tier(0).policy.ranks_by_lru() == lru) return;
     for (std::size_t t = 0; t < tier_count_; ++t) tier(t).policy.rank_by_lru(lru);
     if (tracing()) trace_.instant(lru ? "evict by LRU" : "evict by policy", "evict", host_track_);
   }
   /// True while LRU ranks the victims (rank_by_lru()).
   [[nodiscard]] bool ranks_by_lru() const noexcept requires lru_switchable_policy<Policy> {
-    const std::lock_guard lock(mutex_);
+    const locked lock(*this);
     return tier(0).policy.ranks_by_lru();
   }
 
@@ -609,7 +610,7 @@ class expert_runtime {
     std::array<std::uint32_t, version_tier_count> wanted{};
     const std::array<std::size_t, version_tier_count> bytes{hi_bytes, lo_bytes};
     if (demand) (void)demand_checked(*demand);
-    const std::lock_guard lock(mutex_);  // the demand tier is read under it
+    const locked lock(*this);  // the demand tier is read under it
     const std::size_t new_demand = demand ? static_cast<std::size_t>(*demand) : demand_tier_;
     for (std::size_t t = 0; t < tier_count_; ++t) {
       const std::uint64_t n = bytes[t] / expert_bytes(static_cast<version_tier>(t));
@@ -657,7 +658,7 @@ class expert_runtime {
   /// slots (nothing changes).
   void set_demand_tier(version_tier which) {
     const std::size_t t = demand_checked(which);
-    const std::lock_guard lock(mutex_);
+    const locked lock(*this);
     if (tier(t).capacity < geometry_.top_k()) {
       throw invalid_argument(fmt::format(
           "expert_runtime::set_demand_tier: the {} tier holds {} versions, below one layer's routed experts ({})",
@@ -727,7 +728,7 @@ class expert_runtime {
   /// The counters summed over layers, as statistics().total, without the snapshot's copies and
   /// scans: cheap enough to read once per layer (runtime_prefetcher's guard does).
   [[nodiscard]] runtime_layer_statistics totals() const {
-    const std::lock_guard lock(mutex_);
+    const locked lock(*this);
     runtime_layer_statistics t;
     for (std::uint32_t l = 0; l < geometry_.layers(); ++l) t += layer_snapshot(l);
     return t;
@@ -735,7 +736,7 @@ class expert_runtime {
 
   /// Every version resident (or loading) now, by tier, then in flat-index order.
   [[nodiscard]] std::vector<resident_expert> resident_set() const {
-    const std::lock_guard lock(mutex_);
+    const locked lock(*this);
     std::vector<resident_expert> out;
     for (std::size_t t = 0; t < tier_count_; ++t) {
       const std::vector<std::uint32_t> pins = live_pins(t);
@@ -757,14 +758,14 @@ class expert_runtime {
   /// unknown expert.
   [[nodiscard]] bool resident(expert_id id) const {
     geometry_.validate(id);
-    const std::lock_guard lock(mutex_);
+    const locked lock(*this);
     return active_[geometry_.flat_index(id)] != no_tier;
   }
   /// The tier of expert @p id's active version, or nullopt when it is absent.
   /// @throws expage::invalid_argument for an unknown expert.
   [[nodiscard]] std::optional<version_tier> active_tier(expert_id id) const {
     geometry_.validate(id);
-    const std::lock_guard lock(mutex_);
+    const locked lock(*this);
     const std::uint8_t a = active_[geometry_.flat_index(id)];
     return a == no_tier ? std::nullopt : std::optional<version_tier>(static_cast<version_tier>(a));
   }
@@ -776,7 +777,7 @@ class expert_runtime {
   }
   /// The tier demand misses and prefetches load.
   [[nodiscard]] version_tier demand_tier() const {
-    const std::lock_guard lock(mutex_);
+    const locked lock(*this);
     return static_cast<version_tier>(demand_tier_);
   }
   /// Bytes one resident version of tier @p which holds: both pages, rounded up to the granularity.
@@ -795,13 +796,13 @@ class expert_runtime {
   /// @throws expage::invalid_argument for a tier the runtime lacks.
   [[nodiscard]] std::uint32_t capacity(version_tier which = version_tier::hi) const {
     const tier_state& T = checked_tier(which, "capacity");
-    const std::lock_guard lock(mutex_);
+    const locked lock(*this);
     return T.capacity;
   }
   /// The demand tier's capacity(), read with the tier under one lock (a resize_tiers() that
   /// switches the demand tier cannot fall between the two reads).
   [[nodiscard]] std::uint32_t demand_capacity() const {
-    const std::lock_guard lock(mutex_);
+    const locked lock(*this);
     return tier(demand_tier_).capacity;
   }
   /// True when the runtime was given a prefetch stream (prefetch() and set_targets() need one).
@@ -812,7 +813,7 @@ class expert_runtime {
   [[nodiscard]] const runtime_views& views() const noexcept { return options_.views; }
   /// A snapshot of the counters.
   [[nodiscard]] runtime_statistics statistics() const {
-    const std::lock_guard lock(mutex_);
+    const locked lock(*this);
     runtime_statistics s;
     s.layers.resize(geometry_.layers());
     for (std::size_t l = 0; l < s.layers.size(); ++l) {
@@ -873,7 +874,7 @@ class expert_runtime {
   /// background version is ready, issues queued prefetches and transitions, and evicts versions
   /// above a lowered capacity whose kernels have completed.
   void poll() {
-    const std::lock_guard lock(mutex_);
+    const locked lock(*this);
     drain_releases();
     pump_background();
     shrink_to_capacity();
@@ -906,7 +907,7 @@ class expert_runtime {
     for (const target& t : targets) {
       queue.push_back({static_cast<std::uint32_t>(geometry_.flat_index(t.expert)), goal_of(t.state)});
     }
-    const std::lock_guard lock(mutex_);
+    const locked lock(*this);
     constexpr std::uint8_t keeps_its_place = 0xFF;  // seen[]: updating, listed again with its queued goal
     std::vector<queued_transition> kept;            // updating: the queued requests that stay
     for (const queued_transition& q : transition_queue_) {
@@ -2056,8 +2057,43 @@ class expert_runtime {
     // while a queued prefetch, a transition, a switch or a shrink waits for it).
     r.released.store(true, std::memory_order_seq_cst);
     if (release_work_.load(std::memory_order_seq_cst)) {
-      const std::lock_guard lock(mutex_);
-      settle();
+      // Never block on the lock here: a release may run as a task on the compute stream while
+      // the holder waits under the lock (a fence) for an event recorded behind that very task.
+      // Leave a note instead; whoever holds the lock drains it as it unlocks (unlock()).
+      pending_release_.store(true, std::memory_order_seq_cst);
+      if (mutex_.try_lock()) unlock();  // seq_cst: see unlock()
+    }
+  }
+
+  // The lock of every entry point: unlocks through unlock(), so a release that found the lock
+  // taken is drained before the holder leaves. Const entry points take it too (a note left by a
+  // release is state the runtime owns, whatever the caller's constness: leases exist only for
+  // a runtime that acquire() could be called on).
+  class [[nodiscard]] locked {
+   public:
+    explicit locked(const expert_runtime& rt) noexcept : rt_(const_cast<expert_runtime&>(rt)) { rt_.mutex_.lock(); }
+    locked(const locked&) = delete;
+    locked& operator=(const locked&) = delete;
+    ~locked() { rt_.unlock(); }
+
+   private:
+    expert_runtime& rt_;
+  };
+  // Unlocks, first draining the releases that left a note (release_lease()), and takes the lock
+  // back for a note left while it unlocked unless another thread took it (which drains it then).
+  // The note's store and load and the mutex's unlock and try_lock are all seq_cst (a Dekker
+  // pair, no fences: ThreadSanitizer does not model them): either this thread sees the note
+  // after its unlock, or the releaser's try_lock sees the unlock (or a later holder's lock).
+  void unlock() noexcept {
+    for (;;) {
+      // A load first: the exchange is a locked instruction, and the note is rare.
+      if (pending_release_.load(std::memory_order_seq_cst) &&
+          pending_release_.exchange(false, std::memory_order_seq_cst)) {
+        drain_releases();
+        settle();
+      }
+      mutex_.unlock();
+      if (!pending_release_.load(std::memory_order_seq_cst) || !mutex_.try_lock()) return;
     }
   }
 
@@ -2132,7 +2168,7 @@ class expert_runtime {
       pump_background();
       shrink_to_capacity();
       if (!background_work()) continue;  // publish "no work"
-      // Work remains: any release from now on sees release_work_ set and takes the lock itself.
+      // Work remains: any release from now on sees release_work_ set and is drained at once (release_lease()).
       return;
     }
   }
@@ -2468,9 +2504,11 @@ class expert_runtime {
   std::vector<std::unique_ptr<lease_record>> records_;  // every lease record (addresses stable)
   std::vector<lease_record*> free_records_;             // records no lease holds
   std::vector<lease_record*> held_records_;             // records of leases acquired and not yet drained
-  // True while a release must take the lock (background work waits); written under the lock by
-  // settle(), read by release_lease() without it (seq_cst, see there).
+  // True while a release must be drained at once (background work waits for it); written under
+  // the lock by settle(), read by release_lease() without it (seq_cst, see there).
   std::atomic<bool> release_work_{false};
+  // Set by a release that found background work waiting but the lock taken; drained by unlock().
+  std::atomic<bool> pending_release_{false};
   std::vector<queued_prefetch> prefetch_queue_;
   std::vector<queued_transition> transition_queue_;
   std::uint64_t prefetch_serial_ = 0;

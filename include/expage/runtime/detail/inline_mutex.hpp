@@ -30,15 +30,17 @@ class inline_mutex {
     if (state_.compare_exchange_strong(expected, 1, std::memory_order_acquire, std::memory_order_relaxed)) return;
     lock_contended();
   }
-  /// Takes the mutex if it is free; true when taken.
+  /// Takes the mutex if it is free; true when taken. Sequentially consistent, as unlock(), so a
+  /// caller can order it against its own seq_cst flags (expert_runtime's release notes); on x86
+  /// every read-modify-write costs that anyway.
   [[nodiscard]] bool try_lock() noexcept {
     int expected = 0;
-    return state_.compare_exchange_strong(expected, 1, std::memory_order_acquire, std::memory_order_relaxed);
+    return state_.compare_exchange_strong(expected, 1, std::memory_order_seq_cst, std::memory_order_seq_cst);
   }
   /// Releases the mutex. @pre the caller holds it.
   void unlock() noexcept {
-    // Release: pairs with the acquire in lock()/lock_contended() of the next holder.
-    if (state_.exchange(0, std::memory_order_release) == 2) state_.notify_one();
+    // Seq_cst (see try_lock()); its release half pairs with the acquire in lock() of the next holder.
+    if (state_.exchange(0, std::memory_order_seq_cst) == 2) state_.notify_one();
   }
 
  private:
