@@ -2085,10 +2085,17 @@ class expert_runtime {
   // pair, no fences: ThreadSanitizer does not model them): either this thread sees the note
   // after its unlock, or the releaser's try_lock sees the unlock (or a later holder's lock).
   void unlock() noexcept {
+    // The common case inline: no note before or after the unlock (the loads are plain on x86).
+    if (!pending_release_.load(std::memory_order_seq_cst)) {
+      mutex_.unlock();
+      if (!pending_release_.load(std::memory_order_seq_cst) || !mutex_.try_lock()) return;
+    }
+    unlock_noted();
+  }
+  // unlock() with the lock held and a note seen (perhaps taken by another thread since).
+  [[gnu::noinline]] void unlock_noted() noexcept {
     for (;;) {
-      // A load first: the exchange is a locked instruction, and the note is rare.
-      if (pending_release_.load(std::memory_order_seq_cst) &&
-          pending_release_.exchange(false, std::memory_order_seq_cst)) {
+      if (pending_release_.exchange(false, std::memory_order_seq_cst)) {
         drain_releases();
         settle();
       }
