@@ -654,7 +654,9 @@ TEST(ExpertRuntimeTiers, RefusesBadInputAndChangesNothing) {
   expect_error([&] { rt.set_targets(twice); }, "listed twice");
   expect_error([&] { rt.update_targets(twice); }, "update_targets: L0.E0 listed twice");
   expect_error([&] { rt.set_targets(transitional); }, "state promoting for L0.E0 out of range");
-  expect_error([&] { rt.set_targets(unknown); }, "layer 4");
+  expect_error([&] { rt.set_targets(unknown); }, "set_targets: layer 4 out of range [0, 4)");
+  const target unknown_expert[] = {{.expert = {1, 8}, .state = residency_state::absent}};
+  expect_error([&] { rt.update_targets(unknown_expert); }, "update_targets: expert 8 out of range [0, 8) in layer 1");
   const std::uint32_t five[] = {0, 1, 2, 3, 4};
   expect_error([&] { (void)rt.acquire(1, five); },
                "5 experts routed at layer 1 but at most 4 can be resident in the lo tier");

@@ -884,13 +884,14 @@ class expert_runtime {
 
  private:
   // set_targets() (replace: unlisted queued requests are cancelled) and update_targets().
-  void apply_targets(std::span<const target> targets, bool replace, std::string_view caller) {
+  void apply_targets(std::span<const target> targets, bool replace, const char* caller) {
     if (prefetch_ == nullptr) {
       throw invalid_argument(fmt::format("expert_runtime::{}: the runtime has no prefetch stream", caller));
     }
     std::vector<std::uint8_t> seen(expert_count_, 0);
     for (const target& t : targets) {
-      geometry_.validate(t.expert);
+      check_layer(t.expert.layer, caller);
+      check_expert(t.expert.layer, t.expert.expert, caller);
       const auto f = static_cast<std::uint32_t>(geometry_.flat_index(t.expert));
       if (seen[f] != 0) throw invalid_argument(fmt::format("expert_runtime::{}: {} listed twice", caller, t.expert));
       seen[f] = static_cast<std::uint8_t>(goal_of(t.state) + 1);  // the goal, + 1
