@@ -39,8 +39,9 @@ class staging_ring;  // src/cuda/staging_ring.hpp
 /// expage::cuda::device_mirror records(geometry.expert_count(), compute.native());
 /// expert_runtime rt(geometry, account, vmm, copy, compute, sources,
 ///                   {.capacity = 64, .lo_capacity = 256, .record_mirror = &records, .map_mirror = &maps}, &prefetch);
-/// fused_moe<<<grid, block, 0, compute.native()>>>(rt.stable_tensor(l, gate_up), maps.map(version_tier::hi) + l * E,
-/// ...);
+/// // the hi experts (two tiers: the views name their tier); a second launch reads the lo ones
+/// fused_moe<<<grid, block, 0, compute.native()>>>(rt.stable_tensor(l, expert_tensor::gate_up, version_tier::hi),
+///                                                 maps.map(version_tier::hi) + l * E, ...);
 /// @endcode
 /// @threadsafety update() is called by the runtime under its lock; map() may be read from any thread.
 class device_expert_map final : public expert_map_hook {
