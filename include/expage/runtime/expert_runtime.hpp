@@ -299,8 +299,12 @@ struct resident_expert {
 /// lease.release();                                            // after the kernel, in stream order
 /// @endcode
 /// @threadsafety thread-safe: every member may be called from any thread (one mutex guards
-/// the residency state; leases are single-owner). Views returned as spans are read by
-/// kernels ordered after an acquire, and entries of a lease's experts do not change while it is held.
+/// the residency state; leases are single-owner). A release never blocks on the mutex: while
+/// background work waits for it, it leaves a note that the holder drains as it unlocks, so any
+/// entry point, const queries included, may run that work (a loader, a fence's wait) on the
+/// calling thread. A lease's completion must not need the runtime to become ready. Views
+/// returned as spans are read by kernels ordered after an acquire, and entries of a lease's
+/// experts do not change while it is held.
 template <aliasing_virtual_memory Vmm, async_stream Stream, eviction_policy Policy>
 class expert_runtime {
   struct lease_record;  // a lease's state shared with the runtime (private, defined below)
