@@ -464,7 +464,11 @@ std::unique_ptr<expert_predictor> make_predictor(std::string_view name, std::uin
   if (name == "frequency") return std::make_unique<frequency_predictor>(layers, experts_per_layer, top_k);
   if (name == "previous") return std::make_unique<previous_pass_predictor>(layers, experts_per_layer);
   if (name == "coactivation") return std::make_unique<coactivation_predictor>(layers, experts_per_layer, top_k);
-  if (name == "fmoe") return std::make_unique<fmoe_map_predictor>(layers, experts_per_layer, top_k);
+  if (name == "fmoe") {
+    return std::make_unique<fmoe_map_predictor>(
+        layers, experts_per_layer, top_k, fmoe_map_predictor::default_capacity,
+        std::min(fmoe_map_predictor::default_semantic_layers, layers));  // a model of one or two layers
+  }
   throw invalid_argument(
       fmt::format("unknown predictor '{}': expected one of frequency, previous, coactivation, fmoe", name));
 }

@@ -587,6 +587,15 @@ TEST(Predictors, BaselinesAndFactory) {
   EXPECT_FLOAT_EQ(prob[2], 0.0F);
 
   EXPECT_EQ(make_predictor("coactivation", 2, 4, 2)->name(), "coactivation");
+  // fMoE's default distance d = 3 is cut to the layers a model has (it was refused below 3).
+  for (const std::uint32_t layers : {1U, 2U}) {
+    const auto fmoe = make_predictor("fmoe", layers, 4, 2);
+    fmoe->begin_pass();
+    const expert_index routed[] = {0, 1};
+    fmoe->observe(0, routed);
+    std::vector<float> next(4);
+    if (layers > 1) fmoe->predict(1, next);
+  }
   EXPECT_THROW((void)make_predictor("magic", 2, 4, 2), invalid_argument);
   EXPECT_THROW(coactivation_predictor(2, 4, 2, 0), invalid_argument);
   EXPECT_THROW(coactivation_predictor(2, 4, 2, 2, 1.5), invalid_argument);

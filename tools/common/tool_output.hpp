@@ -16,6 +16,8 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <initializer_list>
+#include <optional>
 #include <ostream>
 #include <sstream>
 #include <stdexcept>
@@ -53,6 +55,36 @@ inline void check_output_path(std::string_view flag, const std::filesystem::path
     const int err = errno;
     throw output_error(
         fmt::format("{} {}: cannot write in '{}': {}", flag, path.string(), dir.string(), std::strerror(err)));
+  }
+}
+
+/// One output file of a tool: its flag and its path (none when the flag was not given).
+struct output_file {
+  std::string_view flag;
+  const std::optional<std::string>& path;
+};
+
+/// check_output_path() for every file given, and no two naming the same regular file (the one
+/// written last would replace the other: `--json F --svg F`). A device named twice (/dev/null)
+/// is fine. @throws output_error naming both flags.
+inline void check_output_paths(std::initializer_list<output_file> files) {
+  const auto same_file = [](const std::string& a, const std::string& b) {
+    std::error_code ec;
+    if (std::filesystem::exists(a, ec) && !std::filesystem::is_regular_file(a, ec)) return false;
+    const std::filesystem::path ca = std::filesystem::weakly_canonical(a, ec);
+    if (ec) return a == b;
+    const std::filesystem::path cb = std::filesystem::weakly_canonical(b, ec);
+    return ec ? a == b : ca == cb;
+  };
+  for (auto f = files.begin(); f != files.end(); ++f) {
+    if (!f->path) continue;
+    check_output_path(f->flag, *f->path);
+    for (auto e = files.begin(); e != f; ++e) {
+      if (e->path && same_file(*e->path, *f->path)) {
+        throw output_error(fmt::format("{} {} and {} {} name the same file: one would replace the other", e->flag,
+                                       *e->path, f->flag, *f->path));
+      }
+    }
   }
 }
 

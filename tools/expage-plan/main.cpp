@@ -626,13 +626,11 @@ int main(int argc, char** argv) {
                                        fmt::join(expage::kv_session_preset_names(), ", "));
   try {
     const config c = parse(argc, argv, help);
-    if (c.json) expage_tools::check_output_path("--json", *c.json);
-    if (c.svg) expage_tools::check_output_path("--svg", *c.svg);
-    if (c.tiers_svg) expage_tools::check_output_path("--tiers-svg", *c.tiers_svg);
+    expage_tools::check_output_paths({{"--json", c.json}, {"--svg", c.svg}, {"--tiers-svg", c.tiers_svg}});
     const expage_tools::model_inputs inputs = expage_tools::load_model_inputs(c.hardware, c.geometry, c.trace);
     const expage::hardware_profile& hardware = inputs.hardware;
     const expage::moe_geometry& g = inputs.geometry;
-    expage_tools::require_sized_geometry(g);
+    expage_tools::require_sized_geometry(g, c.geometry.has_value());
     if (c.synthetic) expage_tools::check_synthetic(g, c.synth);
     expage::plan_options o;
     o.budget_bytes = *c.budget;
@@ -673,6 +671,36 @@ int main(int argc, char** argv) {
         c.trace ? expage_tools::read_checked_trace(*c.trace, g, inputs.metadata.has_value(), c.trust_geometry)
                 : expage::generate_synthetic(g, c.synth);
     if (c.only) trace = expage_tools::only_sequences(trace, *c.only);
+    // With --sessions the session model's KV floor (its peak step, unless --kv-floor or
+    // --concurrency names one) holds for the first table too, and what the session model
+    // refuses is refused before anything is printed.
+    std::optional<expage::access_stream> experts;
+    std::optional<expage::kv_block_stream> kv;
+    std::uint64_t block_bytes = 0;
+    if (c.sessions) {
+      experts.emplace(trace, g.top_k());
+      if (experts->passes() < 3) {
+        throw usage_error{
+            fmt::format("--sessions needs a trace of at least 3 forward passes (this one has {})", experts->passes())};
+      }
+      expage::kv_session_options ko;
+      ko.block_tokens = c.block_tokens;
+      ko.phases = expage::kv_session_preset(*c.sessions, experts->passes());
+      kv.emplace(expage::generate_kv_sessions(ko));
+      std::uint64_t floor = 0;
+      if (__builtin_mul_overflow(std::uint64_t{c.block_tokens}, *c.kv_per_token, &block_bytes) ||
+          __builtin_mul_overflow(kv->peak_step_blocks(), block_bytes, &floor)) {
+        floor = ~std::uint64_t{0};
+      }
+      if (!(c.kv_floor || c.concurrency)) o.kv_floor_bytes = floor;
+      if (o.kv_floor_bytes >= o.budget_bytes) {
+        throw usage_error{fmt::format(
+            "the KV floor of {} (session mix {}: {} blocks of {} tokens x {} bytes at its peak step) is not below the "
+            "budget of {}: no room for experts",
+            expage::byte_size{o.kv_floor_bytes}, *c.sessions, kv->peak_step_blocks(), c.block_tokens, *c.kv_per_token,
+            expage::byte_size{o.budget_bytes})};
+      }
+    }
     const expage::plan_result plan = [&] {
       try {
         return expage::plan_memory(trace, g, o);
@@ -709,25 +737,18 @@ int main(int argc, char** argv) {
     std::vector<split_report> splits;
     std::optional<tier_report> tiers;
     if (c.sessions) {
-      const expage::access_stream experts(trace, g.top_k());
-      expage::kv_session_options ko;
-      ko.block_tokens = c.block_tokens;
-      ko.phases = expage::kv_session_preset(*c.sessions, std::max<std::uint64_t>(experts.passes(), 3));
-      if (experts.passes() < 3) throw usage_error{"--sessions needs a trace of at least 3 forward passes"};
-      const expage::kv_block_stream kv = expage::generate_kv_sessions(ko);
-      const std::uint64_t block_bytes = std::uint64_t{c.block_tokens} * *c.kv_per_token;
-      const std::uint64_t floor = c.kv_floor || c.concurrency ? o.kv_floor_bytes : kv.peak_step_blocks() * block_bytes;
+      const std::uint64_t floor = o.kv_floor_bytes;
       fmt::print(
           "\nwith KV recompute modelled: session mix {}, {} KV block reads, {} bytes per block, KV floor {}, "
           "bursts of {} passes; per-layer expert slots, {} eviction; KV pool {}\n",
-          *c.sessions, kv.references(), block_bytes, expage::byte_size{floor}, c.burst, expage::to_string(o.policy),
+          *c.sessions, kv->references(), block_bytes, expage::byte_size{floor}, c.burst, expage::to_string(o.policy),
           kv_pool_name(c.release_closed));
       fmt::print("{:<9} {:>9} {:>12} {:>12} {:>11} {:>11} {:>11}\n", "precision", "cap/layer", "experts", "KV",
                  "stall/tok", "recomp/tok", "cost/tok");
       for (const auto p : o.precisions) {
         expage::split_workload w;
-        w.experts = &experts;
-        w.kv = &kv;
+        w.experts = &*experts;
+        w.kv = &*kv;
         w.geometry = g;
         w.expert_options.hardware = hardware;
         w.expert_options.format = p;
@@ -782,8 +803,8 @@ int main(int argc, char** argv) {
         t.lo = c.tiers->second;
         t.interval = c.interval;
         expage::tier_workload w;
-        w.base.experts = &experts;
-        w.base.kv = &kv;
+        w.base.experts = &*experts;
+        w.base.kv = &*kv;
         w.base.geometry = g;
         w.base.expert_options.hardware = hardware;
         w.base.expert_options.format = t.hi;

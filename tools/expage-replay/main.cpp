@@ -348,9 +348,7 @@ int main(int argc, char** argv) {
   try {
     const config c = parse(argc, argv, help);
     // Output paths are checked before any work.
-    if (c.csv) expage_tools::check_output_path("--csv", *c.csv);
-    if (c.json) expage_tools::check_output_path("--json", *c.json);
-    if (c.svg) expage_tools::check_output_path("--svg", *c.svg);
+    expage_tools::check_output_paths({{"--csv", c.csv}, {"--json", c.json}, {"--svg", c.svg}});
     const std::optional<expage::trace_metadata> meta =
         c.trace ? expage::read_trace_metadata(*c.trace) : std::optional<expage::trace_metadata>{};
     expage::moe_geometry g = expage_tools::geometry_argument(c.geometry, meta);

@@ -532,12 +532,11 @@ int main(int argc, char** argv) {
                                        fmt::join(expage::hardware_profile::preset_names(), ", "), policy_names);
   try {
     const config c = parse(argc, argv, help);
-    if (c.json) expage_tools::check_output_path("--json", *c.json);
-    if (c.svg) expage_tools::check_output_path("--svg", *c.svg);
+    expage_tools::check_output_paths({{"--json", c.json}, {"--svg", c.svg}});
     const expage_tools::model_inputs inputs = expage_tools::load_model_inputs(c.hardware, c.geometry, c.trace);
     const expage::hardware_profile& hardware = inputs.hardware;
     const expage::moe_geometry& g = inputs.geometry;
-    expage_tools::require_sized_geometry(g);
+    expage_tools::require_sized_geometry(g, c.geometry.has_value());
     expage::synthetic_options synth = c.synth;
     synth.batch_size = c.batch.value_or(1);
     if (c.synthetic) expage_tools::check_synthetic(g, synth);

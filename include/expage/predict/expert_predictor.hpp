@@ -223,10 +223,17 @@ class coactivation_predictor final : public expert_predictor {
 /// @threadsafety single-owner.
 class fmoe_map_predictor final : public expert_predictor {
  public:
+  /// The store's default capacity (fMoE §4: 1K maps).
+  static constexpr std::uint32_t default_capacity = 1024;
+  /// The default semantic_layers (fMoE's prefetch distance d = 3); make_predictor() takes
+  /// min(this, layers) for a model of fewer layers.
+  static constexpr std::uint32_t default_semantic_layers = 3;
+
   /// @throws expage::invalid_argument for 0 layers/experts, top-k out of [1, experts], a
   ///         capacity out of [1, 65536] or semantic_layers out of [0, layers].
   fmoe_map_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k,
-                     std::uint32_t capacity = 1024, std::uint32_t semantic_layers = 3);
+                     std::uint32_t capacity = default_capacity,
+                     std::uint32_t semantic_layers = default_semantic_layers);
   [[nodiscard]] std::string name() const override { return "fmoe"; }
   void reset() override;
   void begin_pass() override;
