@@ -85,6 +85,9 @@ four pools (hi and lo expert tiers plus KV under one budget; docs/control.md):
   --min-hi-coverage Q   or: the least share of activations served at hi, [0, 1]
                         (one of the two is required with --tiers)
   --interval N          passes per hot-set interval (default 2)
+  --grid-step N         the grid's hi and lo slots per layer every N (default: 1 up to 16 experts
+                        per layer, else experts/16 rounded up: a grid of at most ~150 splits, each a
+                        whole simulation of the trace); 1 for every split
   --tiers-svg FILE      cost per token (ms) against expert memory (GiB) for every split, and the
                         online controller's pools (GiB) over the passes
 
@@ -123,6 +126,7 @@ struct config {
   std::optional<double> quality_seconds;
   std::optional<double> min_hi_coverage;
   std::uint64_t interval = 2;
+  std::optional<std::uint32_t> grid_step;
   std::optional<std::string> tiers_svg;
 };
 
@@ -230,6 +234,8 @@ config parse(int argc, char** argv, const std::string& help) {
       c.min_hi_coverage = parse_real(flag, value(), 0.0, 1.0);
     } else if (flag == "--interval") {
       c.interval = parse_number<std::uint64_t>(flag, value(), 1, 1U << 20);
+    } else if (flag == "--grid-step") {
+      c.grid_step = parse_number<std::uint32_t>(flag, value(), 1, expage::moe_geometry::max_experts_per_layer);
     } else if (flag == "--tiers-svg") {
       c.tiers_svg = std::string(value());
     } else if (flag == "--json") {
@@ -260,8 +266,10 @@ config parse(int argc, char** argv, const std::string& help) {
     throw usage_error{"--kv-bytes-per-token 0 out of range [1, 2^64) with --sessions"};
   }
   if (c.release_closed && !c.sessions) throw usage_error{"--release-closed needs --sessions MIX"};
-  const bool tier_flags = c.quality_seconds || c.min_hi_coverage || c.tiers_svg;
-  if (tier_flags && !c.tiers) throw usage_error{"--quality-seconds, --min-hi-coverage and --tiers-svg need --tiers"};
+  const bool tier_flags = c.quality_seconds || c.min_hi_coverage || c.tiers_svg || c.grid_step;
+  if (tier_flags && !c.tiers) {
+    throw usage_error{"--quality-seconds, --min-hi-coverage, --grid-step and --tiers-svg need --tiers"};
+  }
   if (c.tiers) {
     if (!c.sessions) throw usage_error{"--tiers needs --sessions MIX (the KV pool's own misses are what it trades)"};
     if (c.ratio) {
@@ -346,6 +354,7 @@ struct tier_report {
   expage::precision lo = expage::precision::int4;
   expage::four_pool_model model;
   std::uint64_t interval = 2;
+  std::uint32_t grid_step = 1;
   std::vector<expage::tier_run> grid;
   std::size_t oracle = 0;
   expage::phase_oracle phases;  // the per-phase hindsight oracle over the grid
@@ -396,10 +405,11 @@ std::string tiers_json(const tier_report& t, bool release_closed) {
   for (const auto& r : t.two_pool) two.push_back(tier_run_json(r, t.model, true));
   return fmt::format(
       R"({{"hi_precision":"{}","lo_precision":"{}","quality_seconds":{},"min_hi_coverage":{},"interval_passes":{},)"
+      R"("grid_step":{},)"
       R"("release_closed":{},"hi_slot_bytes":{},"lo_slot_bytes":{},"kv_floor_bytes":{},"grid":[{}],"oracle":{},)"
       R"("phase_oracle":{},"four_pool":{},"two_pool":[{}]}})",
       expage::to_string(t.hi), expage::to_string(t.lo), json_number(t.model.lo_activation_seconds),
-      json_number(t.model.min_hi_coverage), t.interval, release_closed,
+      json_number(t.model.min_hi_coverage), t.interval, t.grid_step, release_closed,
       std::uint64_t{t.model.layers} * t.model.hi_expert_bytes, std::uint64_t{t.model.layers} * t.model.lo_expert_bytes,
       t.model.kv_floor_bytes, fmt::join(grid, ","), t.oracle, phase_oracle_json(t.phases, t.grid.front().tokens),
       tier_run_json(t.online, t.model, true), fmt::join(two, ","));
@@ -802,6 +812,14 @@ int main(int argc, char** argv) {
         t.hi = c.tiers->first;
         t.lo = c.tiers->second;
         t.interval = c.interval;
+        // Every split of the grid is a whole simulation: at 128 experts per layer (Qwen3) the
+        // full grid is ~8,000 of them.
+        const std::uint32_t experts_per_layer = g.experts_per_layer();
+        t.grid_step = c.grid_step.value_or(std::max(1U, (experts_per_layer + 15) / 16));
+        if (t.grid_step > experts_per_layer) {
+          throw usage_error{fmt::format("--grid-step {} out of range [1, {}] (the experts per layer of {})",
+                                        t.grid_step, experts_per_layer, g.name())};
+        }
         expage::tier_workload w;
         w.base.experts = &*experts;
         w.base.kv = &*kv;
@@ -819,7 +837,7 @@ int main(int argc, char** argv) {
         w.interval_passes = c.interval;
         try {
           t.model = expage::make_four_pool_model(w);
-          t.grid = expage::tier_grid(w);
+          t.grid = expage::tier_grid(w, {}, t.grid_step);
         } catch (const expage::invalid_argument& e) {
           throw usage_error{
               fmt::format("--tiers {}:{}: {}", expage::to_string(t.hi), expage::to_string(t.lo), e.what())};
@@ -830,10 +848,11 @@ int main(int argc, char** argv) {
         t.two_pool = expage::run_two_pool_baselines(w, t.grid[t.oracle].bursts.front().split.kv_bytes);
         fmt::print(
             "\nfour pools: hi {} and lo {} experts and the KV cache under the budget; quality {} s per activation "
-            "served at lo{}; hot-set interval {} passes; KV pool {}; cost = stall + recompute + quality\n",
+            "served at lo{}; hot-set interval {} passes; grid every {} slots; KV pool {}; cost = stall + recompute + "
+            "quality\n",
             expage::to_string(t.hi), expage::to_string(t.lo), t.model.lo_activation_seconds,
             w.min_hi_coverage > 0 ? fmt::format(", hi coverage at least {}", w.min_hi_coverage) : "", c.interval,
-            kv_pool_name(c.release_closed));
+            t.grid_step, kv_pool_name(c.release_closed));
         fmt::print("{:<22} {:>11} {:>11} {:>11} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6}\n", "split (hi+lo per layer)",
                    "hi", "lo", "KV", "stall/tok", "recomp/tok", "qual/tok", "cost/tok", "time/tok", "cover");
         const auto row = [&](const expage::tier_run& run, std::string_view name, std::string_view note) {
