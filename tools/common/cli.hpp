@@ -114,13 +114,27 @@ inline std::uint64_t parse_bytes(std::string_view flag, std::string_view text, s
       break;
     }
   }
+  const auto refuse = [&] {
+    return usage_error{
+        fmt::format("{} '{}' is not a byte count in [{}, 2^53] (e.g. 24GiB, 512MiB, 40GB)", flag, text, lo)};
+  };
+  constexpr std::uint64_t most = std::uint64_t{1} << 53;
+  if (!number.empty() && number.find_first_not_of("0123456789") == std::string_view::npos) {
+    // A whole number is read exactly (as a double, 2^53 + 1 would round to 2^53 and pass).
+    std::uint64_t n = 0;
+    const auto [end, ec] = std::from_chars(number.data(), number.data() + number.size(), n);
+    if (ec != std::errc() || end != number.data() + number.size()) throw refuse();
+    if (scale == 1.0) {
+      if (n < lo || n > most) throw refuse();
+      return n;
+    }
+  }
   double v = 0.0;
   const auto [end, ec] = std::from_chars(number.data(), number.data() + number.size(), v);
   const double bytes = v * scale;
   if (ec != std::errc() || end != number.data() + number.size() || !(bytes >= static_cast<double>(lo)) ||
-      bytes > 9007199254740992.0) {
-    throw usage_error{
-        fmt::format("{} '{}' is not a byte count in [{}, 2^53] (e.g. 24GiB, 512MiB, 40GB)", flag, text, lo)};
+      bytes > static_cast<double>(most)) {
+    throw refuse();
   }
   return static_cast<std::uint64_t>(bytes);
 }

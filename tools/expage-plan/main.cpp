@@ -83,7 +83,8 @@ four pools (hi and lo expert tiers plus KV under one budget; docs/control.md):
                         the two-pool controllers beside it. Needs --sessions; not with --r
   --quality-seconds S   the quality price of one activation served at lo, seconds, [0, 1]
   --min-hi-coverage Q   or: the least share of activations served at hi, [0, 1]
-                        (one of the two is required with --tiers)
+                        (at least one of the two with --tiers; both: the cheapest split at
+                        that price among those with at least that coverage)
   --interval N          passes per hot-set interval (default 2)
   --grid-step N         the grid's hi and lo slots per layer every N (default: 1 up to 16 experts
                         per layer, else experts/16 rounded up: a grid of at most ~150 splits, each a
@@ -127,6 +128,7 @@ struct config {
   std::optional<double> min_hi_coverage;
   std::uint64_t interval = 2;
   std::optional<std::uint32_t> grid_step;
+  std::vector<std::string_view> given;  // --burst, --block-tokens, --interval: refused where they do nothing
   std::optional<std::string> tiers_svg;
 };
 
@@ -215,8 +217,10 @@ config parse(int argc, char** argv, const std::string& help) {
       c.release_closed = true;
     } else if (flag == "--burst") {
       c.burst = parse_number<std::uint64_t>(flag, value(), 1, 1U << 20);
+      c.given.push_back(flag);
     } else if (flag == "--block-tokens") {
       c.block_tokens = parse_number<std::uint32_t>(flag, value(), 1, 65536);
+      c.given.push_back(flag);
     } else if (flag == "--tiers") {
       const std::string_view v = value();
       const auto colon = v.find(':');
@@ -234,6 +238,7 @@ config parse(int argc, char** argv, const std::string& help) {
       c.min_hi_coverage = parse_real(flag, value(), 0.0, 1.0);
     } else if (flag == "--interval") {
       c.interval = parse_number<std::uint64_t>(flag, value(), 1, 1U << 20);
+      c.given.push_back(flag);
     } else if (flag == "--grid-step") {
       c.grid_step = parse_number<std::uint32_t>(flag, value(), 1, expage::moe_geometry::max_experts_per_layer);
     } else if (flag == "--tiers-svg") {
@@ -266,6 +271,10 @@ config parse(int argc, char** argv, const std::string& help) {
     throw usage_error{"--kv-bytes-per-token 0 out of range [1, 2^64) with --sessions"};
   }
   if (c.release_closed && !c.sessions) throw usage_error{"--release-closed needs --sessions MIX"};
+  for (const std::string_view flag : c.given) {
+    if (flag == "--interval" && !c.tiers) throw usage_error{"--interval needs --tiers (the hot set's intervals)"};
+    if (flag != "--interval" && !c.sessions) throw usage_error{fmt::format("{} needs --sessions MIX", flag)};
+  }
   const bool tier_flags = c.quality_seconds || c.min_hi_coverage || c.tiers_svg || c.grid_step;
   if (tier_flags && !c.tiers) {
     throw usage_error{"--quality-seconds, --min-hi-coverage, --grid-step and --tiers-svg need --tiers"};
