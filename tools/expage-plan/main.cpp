@@ -907,25 +907,26 @@ int main(int argc, char** argv) {
             t.online.cost_per_token() * 1e3, t.oracle);
       }
     }
+    std::vector<expage_tools::output_text> outputs;
     if (c.json) {
-      expage_tools::write_atomically(
-          *c.json,
-          plan_json(plan, o, g, hardware.name, c.sessions ? splits_json(splits, *c.sessions, c.release_closed) : "",
-                    tiers ? tiers_json(*tiers, c.release_closed) : ""));
+      outputs.push_back({*c.json, plan_json(plan, o, g, hardware.name,
+                                            c.sessions ? splits_json(splits, *c.sessions, c.release_closed) : "",
+                                            tiers ? tiers_json(*tiers, c.release_closed) : "")});
     }
     if (c.tiers_svg && tiers) {
-      expage_tools::write_atomically(
-          *c.tiers_svg, tiers_svg(*tiers,
-                                  fmt::format("Four pools: {}, {}, budget {}, hi {} / lo {}, sessions {}", g.name(),
-                                              hardware.name, expage::byte_size{o.budget_bytes},
-                                              expage::to_string(tiers->hi), expage::to_string(tiers->lo), *c.sessions),
-                                  c.burst));
+      outputs.push_back(
+          {*c.tiers_svg, tiers_svg(*tiers,
+                                   fmt::format("Four pools: {}, {}, budget {}, hi {} / lo {}, sessions {}", g.name(),
+                                               hardware.name, expage::byte_size{o.budget_bytes},
+                                               expage::to_string(tiers->hi), expage::to_string(tiers->lo), *c.sessions),
+                                   c.burst)});
     }
     if (c.svg) {
-      expage_tools::write_atomically(
-          *c.svg, plan_svg(plan, fmt::format("Time per token vs expert memory: {}, {}, budget {}", g.name(),
-                                             hardware.name, expage::byte_size{o.budget_bytes})));
+      outputs.push_back(
+          {*c.svg, plan_svg(plan, fmt::format("Time per token vs expert memory: {}, {}, budget {}", g.name(),
+                                              hardware.name, expage::byte_size{o.budget_bytes}))});
     }
+    expage_tools::write_all_atomically(outputs);  // every file or none
     return expage_tools::finish_stdout("expage-plan") ? 0 : 1;
   } catch (const usage_error& e) {
     fmt::print(stderr, "expage-plan: {}\n", e.message);

@@ -335,8 +335,6 @@ std::string svg_chart(const std::vector<curve>& curves, const expage::moe_geomet
   return out;
 }
 
-void write_file(const std::string& path, const std::string& text) { expage_tools::write_atomically(path, text); }
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -533,6 +531,7 @@ int main(int argc, char** argv) {
     fmt::print("\n{} replays in {:.2f} s ({:.1f} M routing events/s)\n", done.size(), seconds,
                static_cast<double>(events) * static_cast<double>(done.size()) / std::max(seconds, 1e-9) / 1e6);
 
+    std::vector<expage_tools::output_text> outputs;
     if (c.csv) {
       std::string csv =
           "layout,slots,policy,accesses,hits,misses,miss_ratio,compulsory,evictions,bytes_moved,"
@@ -543,7 +542,7 @@ int main(int argc, char** argv) {
                         r.options.capacity, expage::to_string(r.policy), r.accesses, r.hits, r.misses, r.miss_ratio(),
                         r.compulsory, r.evictions, r.bytes_moved, r.stall_seconds_per_token(), r.split_groups);
       }
-      write_file(*c.csv, csv);
+      outputs.push_back({*c.csv, std::move(csv)});
     }
     if (c.json) {
       std::string json = fmt::format(
@@ -569,13 +568,14 @@ int main(int argc, char** argv) {
                         expage::to_string(curves[i].policy), expage::to_string(curves[i].layout), fmt::join(pts, ","));
       }
       json += "]}\n";
-      write_file(*c.json, json);
+      outputs.push_back({*c.json, std::move(json)});
     }
     if (c.svg) {
-      write_file(*c.svg, svg_chart(curves, g, c.format,
-                                   fmt::format("Expert loads per token vs. expert memory: {}, {}", g.name(),
-                                               c.trace ? "routing trace" : "synthetic trace")));
+      outputs.push_back({*c.svg, svg_chart(curves, g, c.format,
+                                           fmt::format("Expert loads per token vs. expert memory: {}, {}", g.name(),
+                                                       c.trace ? "routing trace" : "synthetic trace"))});
     }
+    expage_tools::write_all_atomically(outputs);  // every file or none
     return expage_tools::finish_stdout("expage-replay") ? 0 : 1;
   } catch (const usage_error& e) {
     fmt::print(stderr, "expage-replay: {}\n", e.message);

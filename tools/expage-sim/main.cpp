@@ -723,6 +723,7 @@ int main(int argc, char** argv) {
                static_cast<double>(trace.size()) * static_cast<double>(work) * (c.bounds ? 1.0 : 1.0) /
                    std::max(seconds * threads, 1e-9) / 1e6);
 
+    std::vector<expage_tools::output_text> outputs;
     if (c.json) {
       std::string json = fmt::format(
           R"({{"tool":"expage-sim","source":"{}","geometry":{},"hardware":{},"events":{},"batch":{},"precision":"{}",)"
@@ -735,13 +736,14 @@ int main(int argc, char** argv) {
         json += result_json(results[i], cells[jobs[i].cell], c.bounds);
       }
       json += "]}\n";
-      expage_tools::write_atomically(*c.json, json);
+      outputs.push_back({*c.json, std::move(json)});
     }
     if (c.svg) {
-      expage_tools::write_atomically(
-          *c.svg, svg_chart(results, jobs, cells, c.bounds,
-                            fmt::format("Stall per token vs expert memory: {}, {}", g.name(), hardware.name)));
+      outputs.push_back(
+          {*c.svg, svg_chart(results, jobs, cells, c.bounds,
+                             fmt::format("Stall per token vs expert memory: {}, {}", g.name(), hardware.name))});
     }
+    expage_tools::write_all_atomically(outputs);  // every file or none
     return expage_tools::finish_stdout("expage-sim") ? 0 : 1;
   } catch (const usage_error& e) {
     fmt::print(stderr, "expage-sim: {}\n", e.message);
