@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -133,7 +134,7 @@ inline std::uint64_t parse_bytes(std::string_view flag, std::string_view text, s
   const auto [end, ec] = std::from_chars(number.data(), number.data() + number.size(), v);
   const double bytes = v * scale;
   if (ec != std::errc() || end != number.data() + number.size() || !(bytes >= static_cast<double>(lo)) ||
-      bytes > static_cast<double>(most)) {
+      bytes > static_cast<double>(most) || (scale == 1.0 && bytes != std::floor(bytes))) {  // "1.5B", not "8.1GiB"
     throw refuse();
   }
   return static_cast<std::uint64_t>(bytes);

@@ -73,9 +73,13 @@ inline void check_output_paths(std::initializer_list<output_file> files) {
   const auto same_file = [](const std::string& a, const std::string& b) {
     std::error_code ec;
     if (std::filesystem::exists(a, ec) && !std::filesystem::is_regular_file(a, ec)) return false;
-    const std::filesystem::path ca = std::filesystem::weakly_canonical(a, ec);
+    // Absolute first: weakly_canonical() leaves "p.json" relative while "./p.json" is made absolute.
+    const auto canonical = [&ec](const std::string& p) {
+      return std::filesystem::weakly_canonical(std::filesystem::absolute(p, ec), ec);
+    };
+    const std::filesystem::path ca = canonical(a);
     if (ec) return a == b;
-    const std::filesystem::path cb = std::filesystem::weakly_canonical(b, ec);
+    const std::filesystem::path cb = canonical(b);
     return ec ? a == b : ca == cb;
   };
   for (auto f = files.begin(); f != files.end(); ++f) {
@@ -145,7 +149,8 @@ inline void write_all_atomically(const std::vector<output_text>& outputs) {
     for (const auto& [from, to] : staged) std::filesystem::remove(from, ignored);
   };
   try {
-    for (const output_text& o : outputs) {
+    for (std::size_t i = 0; i < outputs.size(); ++i) {
+      const output_text& o = outputs[i];
       std::error_code ec;
       // A symbolic link is followed (its target replaced), as write_file_atomically() does.
       const std::filesystem::path path = std::filesystem::is_symlink(o.path, ec)
@@ -155,7 +160,8 @@ inline void write_all_atomically(const std::vector<output_text>& outputs) {
         write_atomically(path, o.text);  // in place
         continue;
       }
-      const std::string suffix = fmt::format(".staged{}", ::getpid());
+      // Unique per output: two names cut to the same prefix must not share a staged file.
+      const std::string suffix = fmt::format(".staged{}.{}", ::getpid(), i);
       std::string name = path.filename().string();
       if (name.size() + suffix.size() > NAME_MAX) name.resize(NAME_MAX - suffix.size());
       const std::filesystem::path stage = path.parent_path() / (name + suffix);

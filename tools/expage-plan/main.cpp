@@ -691,8 +691,9 @@ int main(int argc, char** argv) {
                 : expage::generate_synthetic(g, c.synth);
     if (c.only) trace = expage_tools::only_sequences(trace, *c.only);
     // With --sessions the session model's KV floor (its peak step, unless --kv-floor or
-    // --concurrency names one) holds for the first table too, and what the session model
-    // refuses is refused before anything is printed.
+    // --concurrency names one) holds for the first table too; a floor the budget cannot hold, a
+    // trace too short, a split model the budget cannot hold and a grid step out of range are
+    // refused before anything is printed.
     std::optional<expage::access_stream> experts;
     std::optional<expage::kv_block_stream> kv;
     std::uint64_t block_bytes = 0;
@@ -719,6 +720,64 @@ int main(int argc, char** argv) {
             expage::byte_size{o.kv_floor_bytes}, *c.sessions, kv->peak_step_blocks(), c.block_tokens, *c.kv_per_token,
             expage::byte_size{o.budget_bytes})};
       }
+    }
+    // The split workload of precision p (--sessions), built once here so that its checks run
+    // before anything is printed.
+    const auto split_workload_of = [&](expage::precision p) {
+      expage::split_workload w;
+      w.experts = &*experts;
+      w.kv = &*kv;
+      w.geometry = g;
+      w.expert_options.hardware = hardware;
+      w.expert_options.format = p;
+      w.expert_options.transfer_compute_ratio = c.ratio;
+      w.policy = o.policy;
+      w.budget_bytes = o.budget_bytes;
+      w.kv_floor_bytes = o.kv_floor_bytes;
+      w.kv_bytes_per_token = *c.kv_per_token;
+      w.burst_passes = c.burst;
+      w.kv_release_closed = c.release_closed;
+      return w;
+    };
+    if (c.sessions) {
+      for (const auto p : o.precisions) {
+        try {
+          (void)expage::admissible_caps(split_workload_of(p));  // the model, and room for a cap
+        } catch (const expage::invalid_argument& e) {
+          throw usage_error{fmt::format("--sessions at {}: {}", expage::to_string(p), e.what())};
+        }
+      }
+    }
+    // The four-pool workload (--tiers), its model checked here too.
+    const auto tier_workload_of = [&] {
+      expage::tier_workload w;
+      w.base.experts = &*experts;
+      w.base.kv = &*kv;
+      w.base.geometry = g;
+      w.base.expert_options.hardware = hardware;
+      w.base.expert_options.format = c.tiers->first;
+      w.base.budget_bytes = o.budget_bytes;
+      w.base.kv_floor_bytes = o.kv_floor_bytes;
+      w.base.kv_bytes_per_token = *c.kv_per_token;
+      w.base.burst_passes = c.burst;
+      w.base.kv_release_closed = c.release_closed;
+      w.lo_format = c.tiers->second;
+      w.lo_activation_seconds = c.quality_seconds.value_or(0.0);
+      w.min_hi_coverage = c.min_hi_coverage.value_or(0.0);
+      w.interval_passes = c.interval;
+      return w;
+    };
+    if (c.tiers) {
+      try {
+        (void)expage::admissible_splits(expage::make_four_pool_model(tier_workload_of()));
+      } catch (const expage::invalid_argument& e) {
+        throw usage_error{fmt::format("--tiers {}:{}: {}", expage::to_string(c.tiers->first),
+                                      expage::to_string(c.tiers->second), e.what())};
+      }
+    }
+    if (c.tiers && c.grid_step && *c.grid_step > g.experts_per_layer()) {
+      throw usage_error{fmt::format("--grid-step {} out of range [1, {}] (the experts per layer of {})", *c.grid_step,
+                                    g.experts_per_layer(), g.name())};
     }
     const expage::plan_result plan = [&] {
       try {
@@ -772,19 +831,7 @@ int main(int argc, char** argv) {
       fmt::print("{:<9} {:>9} {:>12} {:>12} {:>11} {:>11} {:>11}\n", "precision", "cap/layer", "experts", "KV",
                  "stall/tok", "recomp/tok", "cost/tok");
       for (const auto p : o.precisions) {
-        expage::split_workload w;
-        w.experts = &*experts;
-        w.kv = &*kv;
-        w.geometry = g;
-        w.expert_options.hardware = hardware;
-        w.expert_options.format = p;
-        w.expert_options.transfer_compute_ratio = c.ratio;
-        w.policy = o.policy;
-        w.budget_bytes = o.budget_bytes;
-        w.kv_floor_bytes = floor;
-        w.kv_bytes_per_token = *c.kv_per_token;
-        w.burst_passes = c.burst;
-        w.kv_release_closed = c.release_closed;
+        const expage::split_workload w = split_workload_of(p);
         split_report rep;
         rep.format = p;
         try {
@@ -831,26 +878,8 @@ int main(int argc, char** argv) {
         // Every split of the grid is a whole simulation: at 128 experts per layer (Qwen3) the
         // full grid is ~8,000 of them.
         const std::uint32_t experts_per_layer = g.experts_per_layer();
-        t.grid_step = c.grid_step.value_or(std::max(1U, (experts_per_layer + 15) / 16));
-        if (t.grid_step > experts_per_layer) {
-          throw usage_error{fmt::format("--grid-step {} out of range [1, {}] (the experts per layer of {})",
-                                        t.grid_step, experts_per_layer, g.name())};
-        }
-        expage::tier_workload w;
-        w.base.experts = &*experts;
-        w.base.kv = &*kv;
-        w.base.geometry = g;
-        w.base.expert_options.hardware = hardware;
-        w.base.expert_options.format = t.hi;
-        w.base.budget_bytes = o.budget_bytes;
-        w.base.kv_floor_bytes = floor;
-        w.base.kv_bytes_per_token = *c.kv_per_token;
-        w.base.burst_passes = c.burst;
-        w.base.kv_release_closed = c.release_closed;
-        w.lo_format = t.lo;
-        w.lo_activation_seconds = c.quality_seconds.value_or(0.0);
-        w.min_hi_coverage = c.min_hi_coverage.value_or(0.0);
-        w.interval_passes = c.interval;
+        t.grid_step = c.grid_step.value_or(std::max(1U, (experts_per_layer + 15) / 16));  // checked above
+        const expage::tier_workload w = tier_workload_of();
         try {
           t.model = expage::make_four_pool_model(w);
           t.grid = expage::tier_grid(w, {}, t.grid_step);
