@@ -48,6 +48,9 @@ plan_result plan_memory(const routing_trace& trace, const moe_geometry& geometry
     const std::uint64_t per_slot = cost.expert_bytes * scopes;
     const std::uint64_t most = std::min(keys, room / per_slot);
     if (most < least) {
+      plan.no_room.push_back(
+          fmt::format("{}: the budget above the KV floor holds {} slots of {} bytes, a step needs {}", to_string(p),
+                      most, per_slot, least));
       refusals += fmt::format("{}{}: {} slots of {} bytes", refusals.empty() ? "" : "; ", to_string(p), most, per_slot);
       continue;
     }

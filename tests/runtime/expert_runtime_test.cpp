@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <future>
 #include <mutex>
 #include <optional>
@@ -72,6 +73,14 @@ TEST(ExpertRuntime, DestroyedWithALeaseHeldAborts) {
         runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());
         const std::uint32_t one[] = {1};
         held.emplace(rt.acquire(0, one));
+      },
+      "expert_runtime destroyed while a lease is held");
+  EXPECT_DEATH(
+      {
+        runtime_world w;
+        std::optional<runtime::lease> held;
+        runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());
+        held.emplace(rt.acquire(0, std::span<const std::uint32_t>{}));  // a lease of no experts pins nothing
       },
       "expert_runtime destroyed while a lease is held");
 }
@@ -401,9 +410,12 @@ TEST(ExpertRuntime, AReleaseOnTheComputeStreamNeverWaitsForTheLock) {
   w.copy.synchronize();
   rt.prefetch(0, d);  // queued: every slot pinned or its kernel pending (background work waits)
   ASSERT_EQ(rt.statistics().prefetch_queued, 1U);
-  w.compute.enqueue([in_fence] { in_fence.wait(); });                 // once the acquire below waits in its fence,
-  w.compute.enqueue([&held] { held.release(); });                     // the engine's release, in stream order,
-  w.compute.enqueue([done = kernel.done]() mutable { done.set(); });  // then L0.E0's kernel ends
+  // Once the acquire below waits in its fence (a watchdog, not a synchronization: an acquire that
+  // no longer fences fails the fence_waits check below instead of hanging the test), the engine's
+  // release, in stream order, then L0.E0's kernel ends.
+  w.compute.enqueue([in_fence] { (void)in_fence.wait_for(std::chrono::seconds(60)); });
+  w.compute.enqueue([&held] { held.release(); });
+  w.compute.enqueue([done = kernel.done]() mutable { done.set(); });
   auto next = rt.acquire(0, b);  // the victim is L0.E0: waits for its kernel under the lock
   EXPECT_EQ(rt.statistics().total.fence_waits, 1U);
   EXPECT_EQ(rt.statistics().pinned, 1U) << "only the new lease pins";

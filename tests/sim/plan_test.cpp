@@ -86,6 +86,20 @@ TEST(PlanMemory, OptionsFitTheBudgetAndTheKneeIsTheLeastMemoryNearTheBest) {
                    strict.options[strict.best].result.seconds_per_token());
 }
 
+// A precision without room for one step's experts is not dropped without a word: no_room says
+// what the budget holds of it.
+TEST(PlanMemory, NamesThePrecisionsWithoutRoom) {
+  const auto g = small();
+  plan_options o = base();
+  EXPECT_TRUE(plan_memory(traffic(), g, o).no_room.empty());
+  o.budget_bytes = o.kv_floor_bytes + g.expert_bytes(precision::bf16) + g.expert_bytes(precision::bf16) / 2;
+  const plan_result plan = plan_memory(traffic(), g, o);
+  ASSERT_EQ(plan.no_room.size(), 1U);
+  EXPECT_THAT(plan.no_room[0], HasSubstr("bf16: the budget above the KV floor holds 1 slots of"));
+  EXPECT_THAT(plan.no_room[0], HasSubstr("a step needs 2"));
+  for (const plan_option& a : plan.options) EXPECT_EQ(a.format, precision::int4);
+}
+
 TEST(PlanMemory, RefusesBadInputNamingTheValue) {
   const auto g = small();
   const routing_trace t = traffic();

@@ -804,12 +804,8 @@ int main(int argc, char** argv) {
                  : i == plan.best      ? "  <- fastest"
                                        : "");
     }
-    for (const auto p : o.precisions) {  // a precision with no row: say why instead of dropping it
-      if (std::none_of(plan.options.begin(), plan.options.end(), [&](const auto& x) { return x.format == p; })) {
-        fmt::print(
-            "{:<9} no room: one step's {} experts take {} there, more than the budget leaves above the KV floor\n",
-            expage::to_string(p), g.top_k(), expage::byte_size{std::uint64_t{g.top_k()} * g.expert_bytes(p)});
-      }
+    for (const std::string& why : plan.no_room) {  // a precision with no row: say why instead of dropping it
+      fmt::print("no room at {}\n", why);
     }
     const auto& r = plan.options[plan.recommended];
     const auto& b = plan.options[plan.best];
