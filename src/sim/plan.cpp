@@ -3,6 +3,7 @@
 #include "expage/core/error.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -41,17 +42,13 @@ plan_result plan_memory(const routing_trace& trace, const moe_geometry& geometry
   const std::uint64_t room = options.budget_bytes - options.kv_floor_bytes;
   const std::uint32_t least = geometry.top_k();  // a step's experts must fit (larger groups are split)
   plan_result plan;
-  std::string refusals;
   for (const precision p : options.precisions) {
     const cost_model cost =
         make_cost_model(geometry, options.hardware, p, options.dense_bytes_per_layer, options.transfer_compute_ratio);
     const std::uint64_t per_slot = cost.expert_bytes * scopes;
     const std::uint64_t most = std::min(keys, room / per_slot);
     if (most < least) {
-      plan.no_room.push_back(
-          fmt::format("{}: the budget above the KV floor holds {} slots of {} bytes, a step needs {}", to_string(p),
-                      most, per_slot, least));
-      refusals += fmt::format("{}{}: {} slots of {} bytes", refusals.empty() ? "" : "; ", to_string(p), most, per_slot);
+      plan.no_room.push_back(fmt::format("{}: {} slots of {} bytes", to_string(p), most, per_slot));
       continue;
     }
     std::vector<std::uint32_t> capacities;
@@ -83,7 +80,7 @@ plan_result plan_memory(const routing_trace& trace, const moe_geometry& geometry
     throw invalid_argument(fmt::format(
         "plan_memory: the budget of {} bytes leaves {} above the KV floor of {}, less than one step's {} experts at "
         "every precision ({}): raise the budget or lower the KV floor",
-        options.budget_bytes, room, options.kv_floor_bytes, least, refusals));
+        options.budget_bytes, room, options.kv_floor_bytes, least, fmt::join(plan.no_room, "; ")));
   }
   const auto time = [&](std::size_t i) { return plan.options[i].result.seconds_per_token(); };
   for (std::size_t i = 1; i < plan.options.size(); ++i) {

@@ -805,7 +805,7 @@ int main(int argc, char** argv) {
                                        : "");
     }
     for (const std::string& why : plan.no_room) {  // a precision with no row: say why instead of dropping it
-      fmt::print("no room at {}\n", why);
+      fmt::print("no room at {} above the KV floor, below a step's {}\n", why, g.top_k());
     }
     const auto& r = plan.options[plan.recommended];
     const auto& b = plan.options[plan.best];

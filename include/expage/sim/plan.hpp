@@ -59,9 +59,9 @@ struct plan_result {
   std::vector<plan_option> options;  ///< By precision (in the order asked), then capacity ascending.
   std::size_t best = 0;              ///< The least time per token.
   std::size_t recommended = 0;       ///< The knee: least expert memory within the tolerance of the best.
-  /// The precisions asked for that have no room for one step's experts above the KV floor, with
-  /// the slots they would get and the bytes of one slot (a per-layer slot is one per layer), in
-  /// the order asked; empty when every precision has options.
+  /// The precisions asked for that have no room for one step's experts above the KV floor, each
+  /// as "bf16: 1 slots of N bytes" (the slots the room holds; a per-layer slot is one per layer),
+  /// in the order asked; empty when every precision has options.
   std::vector<std::string> no_room;
 };
 
