@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -95,6 +96,85 @@ TEST_F(WriteFileAtomically, AnUnwritableDirectoryIsNamedWithTheReason) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr(p.string() + ": cannot open for writing"));
   }
   EXPECT_FALSE(fs::exists(p));
+}
+
+// Every file or none: a writer that throws after another file was written leaves both old files as
+// they were and no temporary file.
+TEST_F(WriteFileAtomically, ManyFilesAreAllWrittenOrNone) {
+  const fs::path a = dir_ / "a.json";
+  const fs::path b = dir_ / "b.svg";
+  const std::vector<file_output> first{{a, [](std::ostream& out) { out << "a1"; }},
+                                       {b, [](std::ostream& out) { out << "b1"; }}};
+  write_files_atomically(first);
+  EXPECT_EQ(contents(a), "a1");
+  EXPECT_EQ(contents(b), "b1");
+  const std::vector<file_output> failing{{a, [](std::ostream& out) { out << "a2"; }},
+                                         {b, [](std::ostream& out) {
+                                            out << "half";
+                                            throw std::runtime_error("the second writer failed");
+                                          }}};
+  EXPECT_THROW(write_files_atomically(failing), std::runtime_error);
+  EXPECT_EQ(contents(a), "a1");
+  EXPECT_EQ(contents(b), "b1");
+  std::vector<std::string> got = names();
+  std::sort(got.begin(), got.end());
+  EXPECT_EQ(got, (std::vector<std::string>{"a.json", "b.svg"}));
+}
+
+// A device is written in place in the first pass: /dev/full failing leaves the regular file
+// before it unwritten (no file, no temporary), with the system's reason.
+TEST_F(WriteFileAtomically, AFailingDeviceLeavesTheOtherFilesUnwritten) {
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full on this system";
+  const fs::path a = dir_ / "a.json";
+  const std::vector<file_output> files{{a, [](std::ostream& out) { out << "a"; }},
+                                       {"/dev/full", [](std::ostream& out) { out << std::string(1 << 16, 'x'); }}};
+  try {
+    write_files_atomically(files);
+    ADD_FAILURE() << "no error";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("/dev/full: write failed: No space left on device"));
+  }
+  EXPECT_TRUE(names().empty());
+}
+
+// Names cut to fit NAME_MAX with the temporary suffix: two long names sharing a prefix still get
+// temporary files of their own, and both land whole.
+TEST_F(WriteFileAtomically, LongNamesSharingAPrefixDoNotShareATemporary) {
+  const std::string stem(NAME_MAX - 2, 'n');
+  const fs::path a = dir_ / (stem + ".a");
+  const fs::path b = dir_ / (stem + ".b");
+  const std::vector<file_output> files{{a, [](std::ostream& out) { out << "first"; }},
+                                       {b, [](std::ostream& out) { out << "second"; }}};
+  write_files_atomically(files);
+  EXPECT_EQ(contents(a), "first");
+  EXPECT_EQ(contents(b), "second");
+  EXPECT_EQ(names().size(), 2u);
+}
+
+// A dangling link's target is created (the link stays), as a plain write does; a loop of links is
+// refused with the system's reason and leaves nothing behind.
+TEST_F(WriteFileAtomically, CreatesADanglingLinksTargetAndRefusesALoop) {
+  const fs::path link = dir_ / "link.json";
+  fs::create_symlink("target.json", link);  // relative: resolved beside the link
+  write_file_atomically(link, [](std::ostream& out) { out << "new"; });
+  EXPECT_TRUE(fs::is_symlink(link));
+  EXPECT_EQ(contents(dir_ / "target.json"), "new");
+
+  const fs::path a = dir_ / "a";
+  const fs::path b = dir_ / "b";
+  fs::create_symlink(b, a);
+  fs::create_symlink(a, b);
+  try {
+    write_file_atomically(a, [](std::ostream& out) { out << "x"; });
+    ADD_FAILURE() << "no error";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr(a.string() + ": cannot open for writing"));
+  }
+  EXPECT_TRUE(fs::is_symlink(a));
+  EXPECT_TRUE(fs::is_symlink(b));
+  std::vector<std::string> got = names();
+  std::sort(got.begin(), got.end());
+  EXPECT_EQ(got, (std::vector<std::string>{"a", "b", "link.json", "target.json"}));
 }
 
 }  // namespace

@@ -136,53 +136,19 @@ struct output_text {
   std::string text;
 };
 
-/// Writes every file of @p outputs or none of them: each regular file goes first to a staged file
-/// beside it (written whole by expage::write_file_atomically()), and only once all are written
-/// are they renamed into place; a device or FIFO (/dev/null, /dev/full) is written in place in
-/// the first pass, so its failure also leaves every regular file as it was. (A rename failing
-/// part-way, which only a file system error can cause, leaves the files before it replaced.)
+/// Writes every file of @p outputs or none of them (expage::write_files_atomically()).
 /// @throws output_error with the system's reason.
 inline void write_all_atomically(const std::vector<output_text>& outputs) {
-  std::vector<std::pair<std::filesystem::path, std::filesystem::path>> staged;  // (staged, final)
-  const auto discard = [&] {
-    std::error_code ignored;
-    for (const auto& [from, to] : staged) std::filesystem::remove(from, ignored);
-  };
-  try {
-    for (std::size_t i = 0; i < outputs.size(); ++i) {
-      const output_text& o = outputs[i];
-      std::error_code ec;
-      // A symbolic link is followed (its target replaced), as write_file_atomically() does.
-      const std::filesystem::path path = std::filesystem::is_symlink(o.path, ec)
-                                             ? std::filesystem::weakly_canonical(o.path, ec)
-                                             : std::filesystem::path(o.path);
-      if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec)) {
-        write_atomically(path, o.text);  // in place
-        continue;
-      }
-      // Unique per output: two names cut to the same prefix must not share a staged file.
-      const std::string suffix = fmt::format(".staged{}.{}", ::getpid(), i);
-      std::string name = path.filename().string();
-      if (name.size() + suffix.size() > NAME_MAX) name.resize(NAME_MAX - suffix.size());
-      const std::filesystem::path stage = path.parent_path() / (name + suffix);
-      staged.emplace_back(stage, path);
-      write_atomically(stage, o.text);
-      if (const auto status = std::filesystem::status(path, ec); !ec && std::filesystem::is_regular_file(status)) {
-        std::filesystem::permissions(stage, status.permissions(), ec);  // a file replaced keeps its permissions
-      }
-    }
-  } catch (...) {
-    discard();
-    throw;
+  std::vector<expage::file_output> files;
+  files.reserve(outputs.size());
+  for (const output_text& o : outputs) {
+    files.push_back(
+        {o.path, [&o](std::ostream& out) { out.write(o.text.data(), static_cast<std::streamsize>(o.text.size())); }});
   }
-  for (std::size_t i = 0; i < staged.size(); ++i) {
-    if (std::rename(staged[i].first.c_str(), staged[i].second.c_str()) != 0) {
-      const int err = errno;
-      std::error_code ignored;
-      for (std::size_t j = i; j < staged.size(); ++j) std::filesystem::remove(staged[j].first, ignored);
-      throw output_error(fmt::format("{}: cannot rename the staged file into place: {}", staged[i].second.string(),
-                                     std::strerror(err)));
-    }
+  try {
+    expage::write_files_atomically(files);
+  } catch (const expage::invalid_argument& e) {
+    throw output_error(e.what());
   }
 }
 
