@@ -36,6 +36,17 @@ struct usage_error {
   std::string message;
 };
 
+/// The synthetic trace of every tool's `--synthetic` (and of `expage-trace synth`) when no shaping
+/// flag is given: seed 1, 16 sequences of 128 decode tokens, so that `expage-replay`, `expage-sim`
+/// and `expage-plan --synthetic` study one trace, the one `expage-trace synth` writes.
+inline expage::synthetic_options default_synthetic() {
+  expage::synthetic_options o;
+  o.seed = 1;
+  o.sequences = 16;
+  o.decode_steps = 128;
+  return o;
+}
+
 /// Drops the repeats of @p v, keeping first occurrences in order, compared by @p key: a list
 /// flag that names a value twice ("--policy all,lru") runs it once.
 template <class T, class Key = std::identity>

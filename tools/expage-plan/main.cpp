@@ -43,7 +43,8 @@ time per token is within the tolerance of the best; the rest goes to the KV cach
 
 input (one of):
   --trace FILE          a routing trace: .jsonl, .csv or .bin (expage binary), by extension
-  --synthetic           a seeded synthetic trace (--sequences N, --steps N, --seed N)
+  --synthetic           a seeded synthetic trace, the other tools' (--sequences N, default 16;
+                        --steps N, default 128; --seed N, default 1)
   --only-sequences LIST plan for these sequence ids only (e.g. one problem of a recorded trace)
   --trust-geometry      accept a trace without metadata that leaves half the geometry unused
                         (refused by default: the Mixtral trace run as Phi-3.5-MoE)
@@ -104,8 +105,8 @@ line (a budget that leaves the experts no room above the KV floor included).
 struct config {
   std::optional<std::string> trace;
   bool synthetic = false;
-  bool trust_geometry = false;  // --trust-geometry
-  expage::synthetic_options synth{};
+  bool trust_geometry = false;                                          // --trust-geometry
+  expage::synthetic_options synth = expage_tools::default_synthetic();  // the defaults --help documents
   std::optional<std::set<std::uint32_t>> only;
   std::optional<std::uint64_t> budget;
   std::optional<std::uint64_t> kv_floor;

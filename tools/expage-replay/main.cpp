@@ -96,14 +96,8 @@ sequences x (steps + prefill) x layers <= 2^28 events (max_trace_events).
 struct config {
   std::optional<std::string> trace;
   bool synthetic = false;
-  expage::synthetic_options synth = [] {
-    expage::synthetic_options o;  // the defaults --help documents
-    o.seed = 1;
-    o.sequences = 16;
-    o.decode_steps = 128;
-    return o;
-  }();
-  std::optional<std::uint32_t> batch;   // unset: 1, or what a binary trace records
+  expage::synthetic_options synth = expage_tools::default_synthetic();  // the defaults --help documents
+  std::optional<std::uint32_t> batch;                                   // unset: 1, or what a binary trace records
   std::optional<std::string> geometry;  // unset: the trace's metadata, else mixtral-8x7b
   bool trust_geometry = false;
   std::vector<expage::policy_kind> policies;

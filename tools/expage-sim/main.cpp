@@ -138,14 +138,8 @@ struct prefetch_choice {
 struct config {
   std::optional<std::string> trace;
   bool synthetic = false;
-  bool trust_geometry = false;  // --trust-geometry
-  expage::synthetic_options synth = [] {
-    expage::synthetic_options o;
-    o.seed = 1;
-    o.sequences = 16;
-    o.decode_steps = 128;
-    return o;
-  }();
+  bool trust_geometry = false;                                          // --trust-geometry
+  expage::synthetic_options synth = expage_tools::default_synthetic();  // the defaults --help documents
   std::optional<std::uint32_t> batch;
   std::optional<std::set<std::uint32_t>> only_sequences;
   bool realign = false;

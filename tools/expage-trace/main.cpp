@@ -56,8 +56,8 @@ Options:
   --batch-size B       sequences decoded in lockstep, [1, 65536]: for reading traces (default: the
                        trace's own, else 1) and for synth (default 1)
   --seed N             synth: random seed (default 1)
-  --sequences N        synth: number of sequences (default 8)
-  --decode-steps N     synth: decode tokens per sequence (default 64)
+  --sequences N        synth: number of sequences (default 16)
+  --decode-steps N     synth: decode tokens per sequence (default 128)
   --prefill N          synth: prompt tokens per sequence (default 0)
   --zipf S             synth: popularity exponent (default: calibrated for the geometry)
   --locality P         synth: probability of keeping each previous expert (default 0.3)
@@ -209,8 +209,7 @@ int run(int argc, char** argv) {
     throw cli_error{fmt::format("unknown command '{}' (expected info, convert, synth, realign or requests)", command)};
   }
   std::optional<expage::moe_geometry> geometry;
-  expage::synthetic_options synth;
-  synth.seed = 1;
+  expage::synthetic_options synth = expage_tools::default_synthetic();
   std::optional<std::uint32_t> batch;
   bool trust_geometry = false;
   expage::realign_options realign;
