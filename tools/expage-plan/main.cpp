@@ -374,6 +374,23 @@ struct tier_report {
 
 double gib(std::uint64_t bytes) { return static_cast<double>(bytes) / 1073741824.0; }
 
+// The run's one recommendation, the last "recommended:" line and the JSON's "answer": the best
+// static (hi, lo, KV) split of the four-pool grid with --tiers; else, with --sessions, the best
+// static expert/KV split over the session model, across the precisions; else the first table's
+// knee (the least expert memory within the tolerance of the fastest option).
+struct answer {
+  std::string from;        // "options", "splits" or "tiers"
+  std::string json_index;  // where in the JSON's section: {"option":i}, {"split":i,"grid":j}, {"grid":j}
+  std::uint64_t expert_bytes = 0;
+  std::uint64_t kv_bytes = 0;
+  double cost_per_token_s = 0;  // time per token (options), or stall + recompute (+ quality) per token
+};
+
+std::string answer_json(const answer& a) {
+  return fmt::format(R"({{"from":"{}",{},"expert_bytes":{},"kv_bytes":{},"cost_per_token_s":{}}})", a.from,
+                     a.json_index, a.expert_bytes, a.kv_bytes, json_number(a.cost_per_token_s));
+}
+
 std::string tier_split_name(const expage::four_pool_split& s) {
   return s.tiered() ? fmt::format("{}+{}", s.hi_slots, s.lo_slots) : fmt::format("hi-only {}", s.hi_slots);
 }
@@ -383,11 +400,14 @@ std::string tier_run_json(const expage::tier_run& r, const expage::four_pool_mod
   std::vector<std::string> bursts;
   if (with_bursts) {
     for (const auto& b : r.bursts) {
-      bursts.push_back(fmt::format("[{},{},{}]", b.split.hi_slots, b.split.lo_slots, b.split.kv_bytes));
+      bursts.push_back(fmt::format(R"({{"hi_slots":{},"lo_slots":{},"kv_bytes":{}}})", b.split.hi_slots,
+                                   b.split.lo_slots, b.split.kv_bytes));
     }
   }
   std::vector<std::string> sets;
-  for (const auto& layer : r.hi_sets) sets.push_back(fmt::format("[{}]", fmt::join(layer, ",")));
+  for (std::size_t l = 0; l < r.hi_sets.size(); ++l) {
+    sets.push_back(fmt::format(R"({{"layer":{},"experts":[{}]}})", l, fmt::join(r.hi_sets[l], ",")));
+  }
   const double tokens = static_cast<double>(std::max<std::uint64_t>(r.tokens, 1));
   return fmt::format(
       R"({{"controller":"{}","hi_slots":{},"lo_slots":{},"hi_bytes":{},"lo_bytes":{},"kv_bytes":{},)"
@@ -543,7 +563,8 @@ std::string tiers_svg(const tier_report& t, const std::string& title, std::uint6
 }
 
 std::string plan_json(const expage::plan_result& plan, const expage::plan_options& o, const expage::moe_geometry& g,
-                      std::string_view hardware, const std::string& splits, const std::string& tiers) {
+                      std::string_view hardware, const std::string& splits, const std::string& tiers,
+                      const answer& final_answer) {
   std::vector<std::string> rows;
   for (const auto& a : plan.options) {
     rows.push_back(fmt::format(
@@ -555,16 +576,17 @@ std::string plan_json(const expage::plan_result& plan, const expage::plan_option
   }
   return fmt::format(
       R"({{"tool":"expage-plan","geometry":{},"hardware":{},"policy":"{}","budget_bytes":{},"kv_floor_bytes":{},)"
-      R"("tolerance":{},"options":[{}],"best":{},"recommended":{},"splits":{},"tiers":{}}})"
+      R"("tolerance":{},"options":[{}],"best":{},"recommended":{},"splits":{},"tiers":{},"answer":{}}})"
       "\n",
       expage_tools::json_string(g.name()), expage_tools::json_string(hardware), expage::to_string(o.policy),
       o.budget_bytes, o.kv_floor_bytes, json_number(o.tolerance), fmt::join(rows, ","), plan.best, plan.recommended,
-      splits.empty() ? "[]" : splits, tiers.empty() ? "null" : tiers);
+      splits.empty() ? "[]" : splits, tiers.empty() ? "null" : tiers, answer_json(final_answer));
 }
 
 // Time per token (ms) against expert memory (GiB): one series per precision (colour and dash),
 // Belady's time in grey beside each, the recommendation circled.
-std::string plan_svg(const expage::plan_result& plan, const std::string& title) {
+// @p mark names the circled option: "recommended", or "knee" where the recommendation is another table's.
+std::string plan_svg(const expage::plan_result& plan, const std::string& title, std::string_view mark) {
   constexpr double width = 760, height = 420, left = 70, right = 170, top = 40, bottom = 50;
   constexpr const char* colours[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd",
                                      "#ff7f0e", "#8c564b", "#e377c2", "#17becf"};
@@ -629,11 +651,11 @@ std::string plan_svg(const expage::plan_result& plan, const std::string& title) 
   }
   const auto& r = plan.options[plan.recommended];
   out += fmt::format(R"(<circle cx="{:.1f}" cy="{:.1f}" r="7" fill="none" stroke="black" stroke-width="2"/>)"
-                     R"(<text x="{:.1f}" y="{:.1f}">recommended</text>)"
+                     R"(<text x="{:.1f}" y="{:.1f}">{}</text>)"
                      "\n</svg>\n",
                      x_of(static_cast<double>(r.expert_bytes) / 1073741824.0), y_of(r.result.seconds_per_token() * 1e3),
                      x_of(static_cast<double>(r.expert_bytes) / 1073741824.0) + 10,
-                     y_of(r.result.seconds_per_token() * 1e3) - 10);
+                     y_of(r.result.seconds_per_token() * 1e3) - 10, mark);
   return out;
 }
 
@@ -801,7 +823,7 @@ int main(int argc, char** argv) {
                  expage::to_string(a.format), a.slots, expage::byte_size{a.expert_bytes}, expage::byte_size{a.kv_bytes},
                  a.result.miss_ratio(), a.result.stall_seconds_per_token() * 1e3, a.result.seconds_per_token() * 1e3,
                  a.belady_stall_per_token * 1e3,
-                 i == plan.recommended ? "  <- recommended"
+                 i == plan.recommended ? (c.sessions ? "  <- knee" : "  <- recommended")
                  : i == plan.best      ? "  <- fastest"
                                        : "");
     }
@@ -810,12 +832,17 @@ int main(int argc, char** argv) {
     }
     const auto& r = plan.options[plan.recommended];
     const auto& b = plan.options[plan.best];
+    // With --sessions this is not the answer: it leaves the KV cache's recompute out.
     fmt::print(
-        "\nrecommended: {} expert slots at {} ({}), {} to the KV cache; {:.3f} ms per token, within {:.0f}% of the "
-        "fastest option ({} slots at {}, {:.3f} ms). Lower precisions cost quality: weigh them against yours.\n",
+        "\n{}: {} expert slots at {} ({}), {} to the KV cache; {:.3f} ms per token, within {:.0f}% of the "
+        "fastest option ({} slots at {}, {:.3f} ms).{}\n",
+        c.sessions ? "knee without KV recompute (the recommendation, with it, is the last line)" : "recommended",
         r.slots, expage::to_string(r.format), expage::byte_size{r.expert_bytes}, expage::byte_size{r.kv_bytes},
         r.result.seconds_per_token() * 1e3, o.tolerance * 100, b.slots, expage::to_string(b.format),
-        b.result.seconds_per_token() * 1e3);
+        b.result.seconds_per_token() * 1e3,
+        c.sessions ? "" : " Lower precisions cost quality: weigh them against yours.");
+    answer final_answer{"options", fmt::format(R"("option":{})", plan.recommended), r.expert_bytes, r.kv_bytes,
+                        r.result.seconds_per_token()};
     std::vector<split_report> splits;
     std::optional<tier_report> tiers;
     if (c.sessions) {
@@ -866,6 +893,25 @@ int main(int argc, char** argv) {
               fmt::join(caps, ", "));
         }
         splits.push_back(std::move(rep));
+      }
+      if (!c.tiers) {  // the best static split over every precision tabulated
+        std::size_t pick = 0;
+        for (std::size_t i = 1; i < splits.size(); ++i) {
+          if (splits[i].grid[splits[i].best].cost_per_token() < splits[pick].grid[splits[pick].best].cost_per_token())
+            pick = i;
+        }
+        const split_report& sr = splits[pick];
+        const expage::split_run& run = sr.grid[sr.best];
+        const std::uint64_t cap = run.bursts.front().expert_cap;
+        final_answer = {"splits", fmt::format(R"("split":{},"grid":{})", pick, sr.best), cap * sr.model.slot_bytes,
+                        sr.model.budget_bytes - cap * sr.model.slot_bytes, run.cost_per_token()};
+        fmt::print(
+            "\nrecommended: {} expert slots per layer at {} ({}), {} to the KV cache: {:.3f} ms per token of stall "
+            "+ recompute, the best static split over the session model (the online MV-WSA controller: {:.3f} ms)."
+            "{}\n",
+            cap, expage::to_string(sr.format), expage::byte_size{final_answer.expert_bytes},
+            expage::byte_size{final_answer.kv_bytes}, run.cost_per_token() * 1e3, sr.online.cost_per_token() * 1e3,
+            splits.size() > 1 ? " Lower precisions cost quality: weigh them against yours." : "");
       }
       if (c.tiers) {
         tier_report& t = tiers.emplace();
@@ -928,6 +974,9 @@ int main(int argc, char** argv) {
         }
         const auto& best = t.grid[t.oracle];
         const auto& s = best.bursts.front().split;
+        final_answer = {"tiers", fmt::format(R"("grid":{})", t.oracle),
+                        expage::hi_pool_bytes(t.model, s) + expage::lo_pool_bytes(t.model, s), s.kv_bytes,
+                        best.cost_per_token()};
         fmt::print(
             "\nrecommended: {} hi slots and {} lo slots per layer ({} hi, {} lo), {} to the KV cache: {:.3f} ms per "
             "token "
@@ -944,7 +993,7 @@ int main(int argc, char** argv) {
     if (c.json) {
       outputs.push_back({*c.json, plan_json(plan, o, g, hardware.name,
                                             c.sessions ? splits_json(splits, *c.sessions, c.release_closed) : "",
-                                            tiers ? tiers_json(*tiers, c.release_closed) : "")});
+                                            tiers ? tiers_json(*tiers, c.release_closed) : "", final_answer)});
     }
     if (c.tiers_svg && tiers) {
       outputs.push_back(
@@ -955,9 +1004,10 @@ int main(int argc, char** argv) {
                                    c.burst)});
     }
     if (c.svg) {
-      outputs.push_back(
-          {*c.svg, plan_svg(plan, fmt::format("Time per token vs expert memory: {}, {}, budget {}", g.name(),
-                                              hardware.name, expage::byte_size{o.budget_bytes}))});
+      outputs.push_back({*c.svg, plan_svg(plan,
+                                          fmt::format("Time per token vs expert memory: {}, {}, budget {}", g.name(),
+                                                      hardware.name, expage::byte_size{o.budget_bytes}),
+                                          c.sessions ? "knee" : "recommended")});
     }
     expage_tools::write_all_atomically(outputs);  // every file or none
     return expage_tools::finish_stdout("expage-plan") ? 0 : 1;
