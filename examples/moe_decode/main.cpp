@@ -343,7 +343,7 @@ std::uint16_t weight_bf16(std::uint64_t seed, std::uint64_t i, float a) {
 
 // Generates tensor t of expert id in bf16 (the model's "true" weights).
 void generate_bf16(const expage::moe_geometry& g, expert_id id, expert_tensor t, std::span<std::uint16_t> out) {
-  const std::uint64_t seed = g.flat_index(id) * 2 + static_cast<std::uint64_t>(t) + 1;
+  const std::uint64_t seed = g.flat_index(id) * expage::expert_tensor_count + static_cast<std::uint64_t>(t) + 1;
   const float a = 1.0F / std::sqrt(static_cast<float>(g.shape(t).cols));
   for (std::size_t i = 0; i < out.size(); ++i) out[i] = weight_bf16(seed, i, a);
 }
@@ -612,7 +612,7 @@ class weight_store {
     return {.format = format_,
             .load = [this, engine](expert_id id, expert_tensor t, std::span<std::byte> page, expage::host_stream& s) {
               if (in_memory()) {
-                const auto& w = tensors_[g_.flat_index(id) * 2 + static_cast<std::size_t>(t)];
+                const auto& w = tensors_[g_.flat_index(id) * expage::expert_tensor_count + static_cast<std::size_t>(t)];
                 if (engine != nullptr) {
                   engine->copy(page.data(), w.data(), w.size(), s);  // a real copy, as a DMA would do
                 } else {

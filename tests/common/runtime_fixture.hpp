@@ -52,7 +52,7 @@ struct runtime_world {
   [[nodiscard]] std::size_t expert_data_bytes() const { return geometry.expert_bytes(precision::bf16); }
   [[nodiscard]] std::size_t expert_bytes() const { return expert_data_bytes(); }
   [[nodiscard]] const std::vector<std::byte>& weights(expert_id id, expert_tensor t) const {
-    return tensors[geometry.flat_index(id) * 2 + static_cast<std::size_t>(t)];
+    return tensors[geometry.flat_index(id) * expert_tensor_count + static_cast<std::size_t>(t)];
   }
   [[nodiscard]] expert_source<host_stream> source() {
     return {.format = precision::bf16,

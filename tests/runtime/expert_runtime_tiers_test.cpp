@@ -55,7 +55,7 @@ struct tiered_world : runtime_world {
   }
   [[nodiscard]] const std::vector<std::byte>& weights_in(precision p, expert_id id, expert_tensor t) const {
     if (p == precision::bf16) return weights(id, t);
-    return lo_tensors[geometry.flat_index(id) * 2 + static_cast<std::size_t>(t)];
+    return lo_tensors[geometry.flat_index(id) * expert_tensor_count + static_cast<std::size_t>(t)];
   }
   [[nodiscard]] expert_source<host_stream> lo_source() {
     return {.format = precision::int4,
