@@ -79,6 +79,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -720,6 +721,7 @@ struct run_result {
   expage::runtime_prefetch_statistics prefetcher;
   std::optional<four_pool_report> four_pool;
   std::optional<expage::hot_set_statistics> hot_set;  // two tiers without --four-pool
+  std::string chrome_trace;                           // --trace-out's JSON, written with --json's
 };
 
 // What one layer step's FFN reads and writes (host spans; the host vectors stay untouched until
@@ -1516,7 +1518,9 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   if (hot) r.hot_set = hot->statistics();
   r.wait_s = backend.wait_seconds(r.stats);
   if (!quiet && !o.trace_out.empty()) {
-    expage::write_file_atomically(o.trace_out, [&](std::ostream& f) { rt.trace().write_json(f); });
+    std::ostringstream trace;
+    rt.trace().write_json(trace);
+    r.chrome_trace = std::move(trace).str();
   }
   return r;
 }
@@ -1746,32 +1750,38 @@ int run(const options& o) {
         resident_compute, resident.wall_s, resident.wait_s, expage::byte_size{moved}, bw * 1e-9, physics, paged.wall_s,
         paged.wall_s / physics);
   }
-  // {"runtime": ..., "prefetcher", "hot_set", "four_pool": ... or null}, written whole or not at all
-  if (!o.json.empty()) {
-    expage::write_file_atomically(o.json, [&](std::ostream& f) {
-      f << "{\"runtime\":";
-      r.stats.write_json(f);
-      f << ",\"prefetcher\":";
-      if (o.prefetch != "none") {
-        r.prefetcher.write_json(f);
-      } else {
-        f << "null";
-      }
-      f << ",\"hot_set\":";
-      if (r.hot_set) {
-        r.hot_set->write_json(f);
-      } else {
-        f << "null";
-      }
-      f << ",\"four_pool\":";
-      if (r.four_pool) {
-        write_four_pool_json(f, *r.four_pool);
-      } else {
-        f << "null";
-      }
-      f << "}\n";
-    });
+  // The outputs, every file or none: the Chrome trace and {"runtime": ..., "prefetcher", "hot_set",
+  // "four_pool": ... or null}.
+  std::vector<expage::file_output> outputs;
+  if (!o.trace_out.empty()) {
+    outputs.push_back({o.trace_out, [&](std::ostream& f) { f << r.chrome_trace; }});
   }
+  if (!o.json.empty()) {
+    outputs.push_back({o.json, [&](std::ostream& f) {
+                         f << "{\"runtime\":";
+                         r.stats.write_json(f);
+                         f << ",\"prefetcher\":";
+                         if (o.prefetch != "none") {
+                           r.prefetcher.write_json(f);
+                         } else {
+                           f << "null";
+                         }
+                         f << ",\"hot_set\":";
+                         if (r.hot_set) {
+                           r.hot_set->write_json(f);
+                         } else {
+                           f << "null";
+                         }
+                         f << ",\"four_pool\":";
+                         if (r.four_pool) {
+                           write_four_pool_json(f, *r.four_pool);
+                         } else {
+                           f << "null";
+                         }
+                         f << "}\n";
+                       }});
+  }
+  expage::write_files_atomically(outputs);
   if (!o.trace_out.empty()) fmt::print("  Chrome trace: {}\n", o.trace_out);
   return o.check && r.mismatching_layers != 0 ? 1 : 0;
 }
