@@ -364,16 +364,19 @@ TEST(FourPoolController, GateRateLimitAndCoverageConstraint) {
     EXPECT_EQ(d.split, c.current());
   }
   // A rate limit of one slot per pool per burst within one mode.
+  int limited_moves = 0;
   for (int trial = 0; trial < 20; ++trial) {
     four_pool_controller c(m, {.gate = 0.0, .reversal_gate = 0.0, .rate_limit = 1, .settle_bursts = 0},
                            make_four_pool_split(m, 0, 6));
     feed_burst(c, rng, 1 + static_cast<std::uint32_t>(rng() % 3), 10 + rng() % 100);
     const auto d = c.step();
     if (d.moved && d.split.tiered()) {
-      EXPECT_LE(std::max(d.split.hi_slots, 0U), 1U);
+      ++limited_moves;
+      EXPECT_LE(d.split.hi_slots, 1U);
       EXPECT_GE(d.split.lo_slots, 5U);
     }
   }
+  EXPECT_GT(limited_moves, 0) << "no trial moved within the tiered mode: the limit was never checked";
   // With q_min the target meets the coverage constraint.
   four_pool_model q = m;
   q.min_hi_coverage = 0.6;
@@ -440,11 +443,20 @@ TEST(FourPoolController, CommitResizesTheHiSetOrKeepsThePreviousSplit) {
   c.commit(d, false);
   EXPECT_EQ(c.current(), before);
   EXPECT_EQ(c.statistics().failed_resizes, 1U);
+  ASSERT_TRUE(d.split.tiered() && d.split.hi_slots < 4U) << "the KV pool grows out of the hi pool";
+  // The drops are the hot set's own demotions, layer by layer, coldest first.
+  std::vector<expert_id> coldest_first;
+  for (std::uint32_t l = 0; l < m.layers; ++l) {
+    for (const expert_index x : c.hot_set().demotions_for(l, d.split.hi_slots)) coldest_first.push_back({l, x});
+  }
+  ASSERT_FALSE(coldest_first.empty());
+  EXPECT_EQ(d.hi_evictions, coldest_first);
   const auto expected_drops = d.hi_evictions;
   c.commit(d, true);
   EXPECT_EQ(c.current(), d.split);
-  EXPECT_EQ(c.hot_set().config().hi_per_layer, d.split.tiered() ? d.split.hi_slots : 0U);
+  EXPECT_EQ(c.hot_set().config().hi_per_layer, d.split.hi_slots);
   for (const expert_id id : expected_drops) EXPECT_FALSE(c.hot_set().is_hot(id));
+  ASSERT_EQ(d.to_targets().size(), expected_drops.size());
   for (const residency_target& t : d.to_targets()) EXPECT_EQ(t.state, residency_state::absent);
   EXPECT_EQ(c.statistics().moves, 1U);
 }

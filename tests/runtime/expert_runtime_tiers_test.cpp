@@ -242,6 +242,23 @@ TEST(ExpertRuntimeTiers, MissesLoadTheLoTierAndHitsServeTheActiveVersion) {
   EXPECT_EQ(s.tiers[1].total.misses, 2U);
   EXPECT_EQ(s.tiers[0].total.misses, 0U);
   EXPECT_EQ(s.tiers[0].resident, 0U);
+  EXPECT_EQ(s.total.hits, 0U);
+  // The same experts again: hits, each served by its active (lo) version.
+  {
+    auto lease = rt.acquire(1, routed);
+    ASSERT_EQ(lease.tiers().size(), 2U);
+    EXPECT_EQ(lease.tiers()[0], version_tier::lo);
+    EXPECT_EQ(lease.tiers()[1], version_tier::lo);
+    w.check_lease_on_compute(rt, lease);
+    lease.release();
+  }
+  w.compute.synchronize();
+  const auto again = rt.statistics();
+  EXPECT_EQ(again.total.misses, 2U);
+  EXPECT_EQ(again.total.hits, 2U);
+  EXPECT_EQ(again.tiers[1].total.hits, 2U);
+  EXPECT_EQ(again.tiers[0].total.hits, 0U);
+  EXPECT_EQ(again.total.lo_served, 4U);
   EXPECT_EQ(w.mismatches.load(), 0U);
 }
 
