@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -13,6 +14,7 @@
 #include <cstring>
 #include <fstream>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <vector>
 
@@ -21,12 +23,18 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Where a write of `requested` lands, as a plain write's open() would find it: a symbolic link's
-// target, followed link by link (the links stay), whether the target exists or not (a dangling
-// link's target is created, not the link replaced by a file). @throws invalid_argument for a
-// chain of links longer than the system follows (a loop).
-fs::path resolve(const fs::path& requested) {
+// The kernel's per-process links (/dev/stdout → /proc/self/fd/1, /dev/fd/N): what they name is an
+// open file (a pipe, a terminal, a file the shell redirected), not a path to replace.
+bool names_an_open_file(const fs::path& path) {
+  const std::string_view p = path.native();
+  return p.starts_with("/proc/") || p.starts_with("/dev/fd/");
+}
+
+}  // namespace
+
+output_location locate_output(const fs::path& requested) {
   constexpr int max_links = 40;  // Linux's MAXSYMLINKS
+  if (names_an_open_file(requested)) return {requested, true};
   fs::path path = requested;
   std::error_code ec;
   for (int links = 0; fs::is_symlink(path, ec); ++links) {
@@ -34,50 +42,61 @@ fs::path resolve(const fs::path& requested) {
       throw invalid_argument(fmt::format("{}: cannot open for writing: {}", requested.string(), std::strerror(ELOOP)));
     }
     const fs::path target = fs::read_symlink(path, ec);
-    if (ec) break;  // unreadable link: write through the path itself, whose open() reports it
+    if (ec) {
+      throw invalid_argument(
+          fmt::format("{}: cannot read the link {}: {}", requested.string(), path.string(), ec.message()));
+    }
     path = target.is_absolute() ? target : path.parent_path() / target;
+    if (names_an_open_file(path)) return {requested, true};
   }
-  return path;
+  return {path, fs::exists(path, ec) && !fs::is_regular_file(path, ec)};
 }
 
-// /dev/null, a FIFO, a terminal: no temporary file can replace it, so it is written in place.
-bool written_in_place(const fs::path& path) {
-  std::error_code ec;
-  return fs::exists(path, ec) && !fs::is_regular_file(path, ec);
+namespace {
+
+// "path", or "path (a link to target)": how errors name a file.
+std::string display(const fs::path& requested, const fs::path& target) {
+  return requested == target ? requested.string()
+                             : fmt::format("{} (a link to {})", requested.string(), target.string());
 }
 
-// <name>.tmp<pid>.<index> beside `path`; a name too long for the suffix is cut (so that any name the
-// file system takes can be written), and the index keeps two names cut to one prefix apart.
-fs::path temporary_beside(const fs::path& path, std::size_t index) {
-  const std::string suffix = fmt::format(".tmp{}.{}", ::getpid(), index);
-  std::string name = path.filename().string();
-  if (name.size() + suffix.size() > NAME_MAX) name.resize(NAME_MAX > suffix.size() ? NAME_MAX - suffix.size() : 0);
-  return path.parent_path() / (name + suffix);
-}
-
-void remove_quietly(const fs::path& path) {
-  std::error_code ignored;
-  fs::remove(path, ignored);
-}
-
-// Writes `file` through `write`, flushed and closed; errors name `path`, the file the user asked for.
-// Leaves `file` behind on failure: the caller removes it.
-void write_whole(const fs::path& file, const fs::path& path, const std::function<void(std::ostream&)>& write) {
-  std::ofstream out(file, std::ios::binary | std::ios::trunc);
+// Writes `file` through `write`, flushed and closed (appended to, never truncated, when
+// `in_place`: a redirected standard output keeps what was printed before). Errors name `named`.
+// Leaves `file` behind on failure: the caller removes a temporary one.
+void write_whole(const fs::path& file, const std::string& named, const std::function<void(std::ostream&)>& write,
+                 bool in_place) {
+  std::ofstream out(file, std::ios::binary | (in_place ? std::ios::app : std::ios::trunc));
   if (!out) {
     const int err = errno;
-    throw invalid_argument(fmt::format("{}: cannot open for writing: {}", path.string(), std::strerror(err)));
+    throw invalid_argument(fmt::format("{}: cannot open for writing: {}", named, std::strerror(err)));
   }
   write(out);
   out.flush();
   if (!out) {
     const int err = errno;
-    throw invalid_argument(fmt::format("{}: write failed: {}", path.string(), std::strerror(err)));
+    throw invalid_argument(fmt::format("{}: write failed: {}", named, std::strerror(err)));
   }
   out.close();
   if (!out) {
     const int err = errno;
-    throw invalid_argument(fmt::format("{}: close failed: {}", path.string(), std::strerror(err)));
+    throw invalid_argument(fmt::format("{}: close failed: {}", named, std::strerror(err)));
+  }
+}
+
+// Creates the temporary file `path` afresh: never through a link or a file planted under its name
+// (O_EXCL | O_NOFOLLOW; a name left by an earlier run is removed first, which removes a link, not
+// what it points at).
+void create_temporary(const fs::path& path, const std::string& named) {
+  for (int attempt = 0;; ++attempt) {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+    if (fd >= 0) {
+      ::close(fd);
+      return;
+    }
+    const int err = errno;
+    if (err != EEXIST || attempt > 0 || ::unlink(path.c_str()) != 0) {
+      throw invalid_argument(fmt::format("{}: cannot open for writing: {}", named, std::strerror(err)));
+    }
   }
 }
 
@@ -89,36 +108,65 @@ void keep_permissions(const fs::path& path, const fs::path& temporary) {
   if (!ec && fs::is_regular_file(status)) fs::permissions(temporary, status.permissions(), ec);
 }
 
+void remove_quietly(const fs::path& path) {
+  std::error_code ignored;
+  fs::remove(path, ignored);
+}
+
 }  // namespace
 
 void write_files_atomically(std::span<const file_output> files) {
-  struct staged_file {
-    fs::path temporary;
-    fs::path path;
+  struct planned_file {
+    fs::path target;    // where the bytes land
+    std::string named;  // how errors name it
+    bool in_place = false;
+    fs::path temporary;  // a regular file's staged copy
   };
-  std::vector<staged_file> staged;
-  staged.reserve(files.size());
+  std::vector<planned_file> plan;
+  plan.reserve(files.size());
+  for (const file_output& f : files) {
+    const output_location place = locate_output(f.path);
+    plan.push_back(
+        {.target = place.target, .named = display(f.path, place.target), .in_place = place.in_place, .temporary = {}});
+  }
+  const auto discard = [&] {
+    for (const planned_file& p : plan) {
+      if (!p.temporary.empty()) remove_quietly(p.temporary);
+    }
+  };
   try {
+    // Every regular file staged first, so that nothing reaches a device or a pipe unless every
+    // staged file was written; then the files written in place, then the renames.
     for (std::size_t i = 0; i < files.size(); ++i) {
-      const fs::path path = resolve(files[i].path);
-      if (written_in_place(path)) {
-        write_whole(path, path, files[i].write);
-        continue;
-      }
-      staged.push_back({temporary_beside(path, i), path});
-      write_whole(staged.back().temporary, path, files[i].write);
-      keep_permissions(path, staged.back().temporary);
+      planned_file& p = plan[i];
+      if (p.in_place) continue;
+      // <name>.tmp<pid>.<index> beside the target; a name too long for the suffix is cut (any name
+      // the file system takes can be written), and the index keeps two names cut to one prefix apart.
+      const std::string suffix = fmt::format(".tmp{}.{}", ::getpid(), i);
+      std::string name = p.target.filename().string();
+      if (name.size() + suffix.size() > NAME_MAX) name.resize(NAME_MAX > suffix.size() ? NAME_MAX - suffix.size() : 0);
+      const fs::path temporary = p.target.parent_path() / (name + suffix);
+      create_temporary(temporary, p.named);
+      p.temporary = temporary;
+      write_whole(temporary, p.named, files[i].write, /*in_place=*/false);
+      keep_permissions(p.target, temporary);
+    }
+    for (std::size_t i = 0; i < files.size(); ++i) {
+      // Through the path asked for: /dev/stdout reaches this process's standard output.
+      if (plan[i].in_place) write_whole(plan[i].target, plan[i].named, files[i].write, /*in_place=*/true);
     }
   } catch (...) {
-    for (const staged_file& s : staged) remove_quietly(s.temporary);
+    discard();
     throw;
   }
-  for (std::size_t i = 0; i < staged.size(); ++i) {
-    if (std::rename(staged[i].temporary.c_str(), staged[i].path.c_str()) != 0) {
+  for (std::size_t i = 0; i < plan.size(); ++i) {
+    planned_file& p = plan[i];
+    if (p.in_place) continue;
+    if (std::rename(p.temporary.c_str(), p.target.c_str()) != 0) {
       const int err = errno;
-      for (std::size_t j = i; j < staged.size(); ++j) remove_quietly(staged[j].temporary);
-      throw invalid_argument(fmt::format("{}: cannot rename the temporary file into place: {}", staged[i].path.string(),
-                                         std::strerror(err)));
+      discard();  // this one's and the later ones' (the earlier ones are in place: removing fails quietly)
+      throw invalid_argument(
+          fmt::format("{}: cannot rename the temporary file into place: {}", p.named, std::strerror(err)));
     }
   }
 }

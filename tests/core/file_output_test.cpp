@@ -2,13 +2,18 @@
 
 #include "expage/core/error.hpp"
 
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <climits>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -63,12 +68,13 @@ TEST_F(WriteFileAtomically, FollowsALinkAndKeepsTheFilesPermissions) {
   const fs::path target = dir_ / "real.json";
   const fs::path link = dir_ / "link.json";
   write_file_atomically(target, [](std::ostream& out) { out << "old"; });
-  fs::permissions(target, fs::perms::owner_read | fs::perms::owner_write);
+  // 0604: not what a umask leaves a new file with, so a temporary's own mode would show.
+  fs::permissions(target, fs::perms::owner_read | fs::perms::owner_write | fs::perms::others_read);
   fs::create_symlink(target, link);
   write_file_atomically(link, [](std::ostream& out) { out << "new"; });
   EXPECT_TRUE(fs::is_symlink(link));
   EXPECT_EQ(contents(target), "new");
-  EXPECT_EQ(fs::status(target).permissions(), fs::perms::owner_read | fs::perms::owner_write);
+  EXPECT_EQ(fs::status(target).permissions(), fs::perms::owner_read | fs::perms::owner_write | fs::perms::others_read);
   std::vector<std::string> got = names();
   std::sort(got.begin(), got.end());
   EXPECT_EQ(got, (std::vector<std::string>{"link.json", "real.json"}));
@@ -168,13 +174,54 @@ TEST_F(WriteFileAtomically, CreatesADanglingLinksTargetAndRefusesALoop) {
     write_file_atomically(a, [](std::ostream& out) { out << "x"; });
     ADD_FAILURE() << "no error";
   } catch (const invalid_argument& e) {
-    EXPECT_THAT(e.what(), ::testing::HasSubstr(a.string() + ": cannot open for writing"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr(a.string() + ": cannot open for writing: " + std::strerror(ELOOP)));
   }
   EXPECT_TRUE(fs::is_symlink(a));
   EXPECT_TRUE(fs::is_symlink(b));
   std::vector<std::string> got = names();
   std::sort(got.begin(), got.end());
   EXPECT_EQ(got, (std::vector<std::string>{"a", "b", "link.json", "target.json"}));
+}
+
+// An open file (/dev/fd/N, /dev/stdout) is written in place, appended to, once every regular file
+// is staged: a pipe receives the text only when the staged files were all written, and a file the
+// shell redirected keeps what was printed before and stays the same file.
+TEST_F(WriteFileAtomically, AnOpenFileIsWrittenInPlaceAfterEveryFileIsStaged) {
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe2(pipe_fds, O_NONBLOCK), 0);
+  const fs::path through_pipe = fmt::format("/dev/fd/{}", pipe_fds[1]);
+  const auto drain = [&] {
+    std::string got(64, '\0');
+    const ssize_t n = ::read(pipe_fds[0], got.data(), got.size());
+    got.resize(n > 0 ? static_cast<std::size_t>(n) : 0);
+    return got;
+  };
+  const fs::path b = dir_ / "b.json";
+  const std::vector<file_output> failing{{through_pipe, [](std::ostream& out) { out << "to the pipe"; }},
+                                         {b, [](std::ostream&) { throw std::runtime_error("the writer failed"); }}};
+  EXPECT_THROW(write_files_atomically(failing), std::runtime_error);
+  EXPECT_EQ(drain(), "") << "a pipe written before a staged file failed";
+  EXPECT_TRUE(names().empty());
+  const std::vector<file_output> both{{through_pipe, [](std::ostream& out) { out << "to the pipe"; }},
+                                      {b, [](std::ostream& out) { out << "b"; }}};
+  write_files_atomically(both);
+  EXPECT_EQ(drain(), "to the pipe");
+  EXPECT_EQ(contents(b), "b");
+  ::close(pipe_fds[0]);
+  ::close(pipe_fds[1]);
+
+  const fs::path redirected = dir_ / "stdout.txt";
+  write_file_atomically(redirected, [](std::ostream& out) { out << "printed\n"; });
+  const int fd = ::open(redirected.c_str(), O_WRONLY | O_APPEND);
+  ASSERT_GE(fd, 0);
+  struct stat before {};
+  ASSERT_EQ(::stat(redirected.c_str(), &before), 0);
+  write_file_atomically(fmt::format("/dev/fd/{}", fd), [](std::ostream& out) { out << "{}"; });
+  ::close(fd);
+  struct stat after {};
+  ASSERT_EQ(::stat(redirected.c_str(), &after), 0);
+  EXPECT_EQ(after.st_ino, before.st_ino) << "the redirected file was replaced";
+  EXPECT_EQ(contents(redirected), "printed\n{}");
 }
 
 }  // namespace

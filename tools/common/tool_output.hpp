@@ -33,30 +33,44 @@ struct output_error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// Checks before any work that @p path can be created or replaced: its directory exists and is
-/// writable, and it is not a directory. @throws output_error naming @p flag, the path and the reason.
-inline void check_output_path(std::string_view flag, const std::filesystem::path& path) {
+/// Where a write of @p requested lands (expage::locate_output(): a link's target, created if need
+/// be, or the path itself, in place). @throws output_error naming @p flag for a loop of links or
+/// an unreadable link.
+inline expage::output_location locate_output(std::string_view flag, const std::filesystem::path& requested) {
+  try {
+    return expage::locate_output(requested);
+  } catch (const expage::invalid_argument& e) {
+    throw output_error(fmt::format("{} {}", flag, e.what()));
+  }
+}
+
+/// Checks before any work that @p requested can be created or replaced where a write lands (a
+/// link's target): its directory exists and is writable, and it is not a directory.
+/// @throws output_error naming @p flag, the path and the reason.
+inline void check_output_path(std::string_view flag, const std::filesystem::path& requested) {
+  const expage::output_location where = locate_output(flag, requested);
+  const std::filesystem::path& path = where.target;
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {
-    throw output_error(fmt::format("{} {}: is a directory", flag, path.string()));
+    throw output_error(fmt::format("{} {}: is a directory", flag, requested.string()));
   }
-  if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec)) {
-    // /dev/null, a FIFO, a terminal: written in place, so it must be writable itself.
+  if (where.in_place) {
+    // /dev/null, a FIFO, a terminal, /dev/stdout: written in place, so it must be writable itself.
     if (::access(path.c_str(), W_OK) != 0) {
       const int err = errno;
-      throw output_error(fmt::format("{} {}: cannot write: {}", flag, path.string(), std::strerror(err)));
+      throw output_error(fmt::format("{} {}: cannot write: {}", flag, requested.string(), std::strerror(err)));
     }
     return;
   }
   if (const std::string name = path.filename().string(); name.size() > NAME_MAX) {
     throw output_error(fmt::format("{} {}: the file name's {} bytes are more than the system's {} (NAME_MAX)", flag,
-                                   path.string(), name.size(), NAME_MAX));
+                                   requested.string(), name.size(), NAME_MAX));
   }
   const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
   if (::access(dir.c_str(), W_OK | X_OK) != 0) {
     const int err = errno;
     throw output_error(
-        fmt::format("{} {}: cannot write in '{}': {}", flag, path.string(), dir.string(), std::strerror(err)));
+        fmt::format("{} {}: cannot write in '{}': {}", flag, requested.string(), dir.string(), std::strerror(err)));
   }
 }
 
@@ -70,11 +84,13 @@ struct output_file {
 /// written last would replace the other: `--json F --svg F`). A device named twice (/dev/null)
 /// is fine. @throws output_error naming both flags.
 inline void check_output_paths(std::initializer_list<output_file> files) {
-  const auto same_file = [](const std::string& a, const std::string& b) {
+  const auto same_file = [](const expage::output_location& la, const expage::output_location& lb) {
+    if (la.in_place || lb.in_place) return false;  // appended to: both land
+    const std::filesystem::path& a = la.target;
+    const std::filesystem::path& b = lb.target;
     std::error_code ec;
-    if (std::filesystem::exists(a, ec) && !std::filesystem::is_regular_file(a, ec)) return false;
     // Absolute first: weakly_canonical() leaves "p.json" relative while "./p.json" is made absolute.
-    const auto canonical = [&ec](const std::string& p) {
+    const auto canonical = [&ec](const std::filesystem::path& p) {
       return std::filesystem::weakly_canonical(std::filesystem::absolute(p, ec), ec);
     };
     const std::filesystem::path ca = canonical(a);
@@ -86,7 +102,8 @@ inline void check_output_paths(std::initializer_list<output_file> files) {
     if (!f->path) continue;
     check_output_path(f->flag, *f->path);
     for (auto e = files.begin(); e != f; ++e) {
-      if (e->path && same_file(*e->path, *f->path)) {
+      // Compared where the writes land: a dangling link and the file it will create are one file.
+      if (e->path && same_file(locate_output(e->flag, *e->path), locate_output(f->flag, *f->path))) {
         throw output_error(fmt::format("{} {} and {} {} name the same file: one would replace the other", e->flag,
                                        *e->path, f->flag, *f->path));
       }
@@ -136,9 +153,11 @@ struct output_text {
   std::string text;
 };
 
-/// Writes every file of @p outputs or none of them (expage::write_files_atomically()).
+/// Writes every file of @p outputs or none of them (expage::write_files_atomically()), after what
+/// the tool printed so far (flushed first, so that `--json /dev/stdout` follows the table).
 /// @throws output_error with the system's reason.
 inline void write_all_atomically(const std::vector<output_text>& outputs) {
+  std::fflush(stdout);
   std::vector<expage::file_output> files;
   files.reserve(outputs.size());
   for (const output_text& o : outputs) {

@@ -11,22 +11,26 @@ namespace expage {
 
 /// @brief One file of write_files_atomically(): where it goes, and what writes its whole contents.
 struct file_output {
-  std::filesystem::path path;
-  std::function<void(std::ostream&)> write;
+  std::filesystem::path path;                ///< where it goes (a symbolic link is followed)
+  std::function<void(std::ostream&)> write;  ///< writes its whole contents; may throw (nothing is written then)
 };
 
 /// @brief Writes every file of @p files or none of them. Each regular file is written through its
-/// writer into a temporary file beside it (flushed and closed); only once all are written are they
-/// renamed over their paths, so on any failure (or an exception from a writer, rethrown) every
-/// temporary file is removed and every path is as before.
+/// writer into a temporary file beside it (created afresh, never through a link; flushed and
+/// closed); only once all are written are they renamed over their paths, so on any failure (or an
+/// exception from a writer, rethrown) every temporary file is removed and every path is as before.
 ///
-/// A symbolic link is followed: its target is replaced and the link stays, as a plain write does. A
-/// file replaced keeps its permissions (the temporary file has the umask's). A path that exists and
-/// is not a regular file (/dev/null, a FIFO, a terminal) cannot be replaced by a rename and is
-/// written in place, in the first pass, so its failure also leaves every regular file as it was. A
-/// rename failing part-way, which only a file system error causes, leaves the files before it
-/// replaced and removes the rest's temporary files.
-/// @throws expage::invalid_argument naming the path and the system's reason.
+/// A symbolic link is followed link by link, as open() follows it: its target is replaced (created,
+/// for a dangling link) and the link stays. A file replaced keeps its permissions (the temporary
+/// file has the umask's). A path that cannot be replaced by a rename is written in place, appended
+/// to, never truncated: one that exists and is not a regular file (/dev/null, a FIFO, a terminal),
+/// and one whose links reach the process's open files (/dev/stdout, /dev/fd/N, /proc/self/fd/N),
+/// so that `--json /dev/stdout > out.txt` keeps what was printed. Those are written once every
+/// regular file is staged, so a staging failure reaches no device; a device failing leaves every
+/// regular file as it was (the devices written before it keep what they got). A rename failing
+/// part-way, which only a file system error causes, leaves the files before it replaced and
+/// removes the rest's temporary files.
+/// @throws expage::invalid_argument naming the path (and the link's target) and the system's reason.
 /// @code
 /// expage::write_files_atomically({{
 ///     {"stats.json", [&](std::ostream& out) { stats.write_json(out); }},
@@ -34,6 +38,19 @@ struct file_output {
 /// }});
 /// @endcode
 void write_files_atomically(std::span<const file_output> files);
+
+/// @brief Where a write of an output path lands.
+struct output_location {
+  std::filesystem::path target;  ///< the file written: a link's target (which need not exist yet)
+  bool in_place = false;         ///< written in place, appended to: not a regular file, or an open one
+};
+
+/// @brief Where write_files_atomically() writes @p path: its symbolic links followed link by link
+/// (a dangling link's target), or @p path itself, in place, where they reach an open file
+/// (/dev/stdout); in place too when the target exists and is not a regular file. For checking an
+/// output before the work that produces it: its directory, and two outputs naming one file.
+/// @throws expage::invalid_argument for a loop of links or a link that cannot be read.
+[[nodiscard]] output_location locate_output(const std::filesystem::path& path);
 
 /// @brief Writes one file whole or not at all: write_files_atomically() of @p path alone.
 /// @throws expage::invalid_argument naming @p path and the system's reason.
