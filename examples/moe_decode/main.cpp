@@ -294,6 +294,17 @@ options parse(int argc, char** argv) {
     usage(fmt::format("{} conflicts with --four-pool (the four-pool controller sizes the tiers)", sizing_option));
   }
   if (!o.four_pool && !o.four_pool_option.empty()) usage(fmt::format("{} needs --four-pool", o.four_pool_option));
+  if (!o.trace_out.empty() && !o.json.empty()) {  // the JSON written last would replace the trace
+    const expage::output_location a = expage::locate_output(o.trace_out);
+    const expage::output_location b = expage::locate_output(o.json);
+    std::error_code ec;
+    if (!a.in_place && !b.in_place &&
+        std::filesystem::weakly_canonical(std::filesystem::absolute(a.target, ec), ec) ==
+            std::filesystem::weakly_canonical(std::filesystem::absolute(b.target, ec), ec)) {
+      usage(fmt::format("--trace-out {} and --json {} name the same file: one would replace the other", o.trace_out,
+                        o.json));
+    }
+  }
   if (o.problem != std::numeric_limits<std::uint32_t>::max() && o.trace.empty()) {
     usage("--problem selects a sequence of a --trace");
   }
@@ -721,7 +732,7 @@ struct run_result {
   expage::runtime_prefetch_statistics prefetcher;
   std::optional<four_pool_report> four_pool;
   std::optional<expage::hot_set_statistics> hot_set;  // two tiers without --four-pool
-  std::string chrome_trace;                           // --trace-out's JSON, written with --json's
+  std::string chrome_trace;  // --trace-out's JSON (at most trace_events events), written with --json's
 };
 
 // What one layer step's FFN reads and writes (host spans; the host vectors stay untouched until

@@ -38,8 +38,11 @@ constexpr const char* usage = R"(usage: expage-plan (--trace FILE | --synthetic)
 
 Answers "how should I split this GPU's memory for this traffic?": for each precision, simulates
 expert capacities from one step's experts up to what the budget holds above the KV floor
-(stall and time per token, Belady beside each), and recommends the least expert memory whose
-time per token is within the tolerance of the best; the rest goes to the KV cache.
+(stall and time per token, Belady beside each): the knee is the least expert memory whose
+time per token is within the tolerance of the best, the rest to the KV cache. With --sessions
+(the KV cache's recompute modelled) and --tiers (hi and lo versions), the tables that follow
+weigh more, and the last one's best split is the recommendation: one "recommended:" line a run,
+the JSON's "answer".
 
 input (one of):
   --trace FILE          a routing trace: .jsonl, .csv or .bin (expage binary), by extension
@@ -94,7 +97,8 @@ four pools (hi and lo expert tiers plus KV under one budget; docs/control.md):
                         online controller's pools (GiB) over the passes
 
 output:
-  --json FILE           every option and the recommendation, as JSON
+  --json FILE           every option and the recommendation ("answer"; "recommended" is the
+                        first table's knee), as JSON
   --svg FILE            time per token (ms) against expert memory (GiB), one series per precision
   --help                this text
 
