@@ -295,12 +295,7 @@ options parse(int argc, char** argv) {
   }
   if (!o.four_pool && !o.four_pool_option.empty()) usage(fmt::format("{} needs --four-pool", o.four_pool_option));
   if (!o.trace_out.empty() && !o.json.empty()) {  // the JSON written last would replace the trace
-    const expage::output_location a = expage::locate_output(o.trace_out);
-    const expage::output_location b = expage::locate_output(o.json);
-    std::error_code ec;
-    if (!a.in_place && !b.in_place &&
-        std::filesystem::weakly_canonical(std::filesystem::absolute(a.target, ec), ec) ==
-            std::filesystem::weakly_canonical(std::filesystem::absolute(b.target, ec), ec)) {
+    if (expage::same_output_file(expage::locate_output(o.trace_out), expage::locate_output(o.json))) {
       usage(fmt::format("--trace-out {} and --json {} name the same file: one would replace the other", o.trace_out,
                         o.json));
     }

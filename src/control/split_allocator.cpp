@@ -39,15 +39,6 @@ void check_model(const split_model& m, const char* who) {
   }
 }
 
-memory_split make_split(const split_model& m, std::uint32_t cap, double cost) {
-  memory_split s;
-  s.expert_cap = cap;
-  s.expert_bytes = std::uint64_t{cap} * m.slot_bytes;
-  s.kv_bytes = m.budget_bytes - s.expert_bytes;
-  s.predicted_cost = cost;
-  return s;
-}
-
 void check_config(const online_split_config& c) {
   if (c.grid_step == 0) throw invalid_argument("online_split_step: grid_step 0 out of range [1, 2^32)");
   if (!(c.gate >= 0.0 && c.gate < 1.0)) {
@@ -71,6 +62,15 @@ void check_cap(const split_model& m, std::uint32_t cap, const char* who) {
 }
 
 }  // namespace
+
+memory_split make_split(const split_model& m, std::uint32_t cap, double cost) {
+  memory_split s;
+  s.expert_cap = cap;
+  s.expert_bytes = std::uint64_t{cap} * m.slot_bytes;
+  s.kv_bytes = m.budget_bytes - s.expert_bytes;
+  s.predicted_cost = cost;
+  return s;
+}
 
 std::uint32_t max_expert_cap(const split_model& m) noexcept {
   const std::uint64_t by_floor = (m.budget_bytes - m.kv_floor_bytes) / m.slot_bytes;  // Eq. 6

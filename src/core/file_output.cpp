@@ -52,6 +52,17 @@ output_location locate_output(const fs::path& requested) {
   return {path, fs::exists(path, ec) && !fs::is_regular_file(path, ec)};
 }
 
+bool same_output_file(const output_location& a, const output_location& b) {
+  if (a.in_place || b.in_place) return false;
+  // Absolute first: weakly_canonical() leaves "p.json" relative while "./p.json" is made absolute.
+  std::error_code ec;
+  const auto canonical = [&ec](const fs::path& p) { return fs::weakly_canonical(fs::absolute(p, ec), ec); };
+  const fs::path ca = canonical(a.target);
+  if (ec) return a.target == b.target;
+  const fs::path cb = canonical(b.target);
+  return ec ? a.target == b.target : ca == cb;
+}
+
 namespace {
 
 // "path", or "path (a link to target)": how errors name a file.

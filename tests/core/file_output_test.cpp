@@ -224,5 +224,19 @@ TEST_F(WriteFileAtomically, AnOpenFileIsWrittenInPlaceAfterEveryFileIsStaged) {
   EXPECT_EQ(contents(redirected), "printed\n{}");
 }
 
+// Two outputs are one file where their writes land: a relative and an absolute path, a dangling
+// link and its target; outputs written in place both land.
+TEST_F(WriteFileAtomically, SameOutputFileComparesWhereWritesLand) {
+  const fs::path target = dir_ / "t.json";
+  const fs::path link = dir_ / "l.json";
+  fs::create_symlink("t.json", link);
+  EXPECT_TRUE(same_output_file(locate_output(link), locate_output(target)));
+  EXPECT_TRUE(same_output_file(locate_output(dir_ / "." / "t.json"), locate_output(target)));
+  EXPECT_FALSE(same_output_file(locate_output(dir_ / "u.json"), locate_output(target)));
+  EXPECT_FALSE(same_output_file(locate_output("/dev/null"), locate_output("/dev/null")));
+  EXPECT_TRUE(locate_output("/dev/null").in_place);
+  EXPECT_EQ(locate_output(link).target, dir_ / "t.json");
+}
+
 }  // namespace
 }  // namespace expage

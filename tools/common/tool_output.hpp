@@ -46,8 +46,8 @@ inline expage::output_location locate_output(std::string_view flag, const std::f
 
 /// Checks before any work that @p requested can be created or replaced where a write lands (a
 /// link's target): its directory exists and is writable, and it is not a directory.
-/// @throws output_error naming @p flag, the path and the reason.
-inline void check_output_path(std::string_view flag, const std::filesystem::path& requested) {
+/// @return where the write lands. @throws output_error naming @p flag, the path and the reason.
+inline expage::output_location check_output_path(std::string_view flag, const std::filesystem::path& requested) {
   const expage::output_location where = locate_output(flag, requested);
   const std::filesystem::path& path = where.target;
   std::error_code ec;
@@ -60,7 +60,7 @@ inline void check_output_path(std::string_view flag, const std::filesystem::path
       const int err = errno;
       throw output_error(fmt::format("{} {}: cannot write: {}", flag, requested.string(), std::strerror(err)));
     }
-    return;
+    return where;
   }
   if (const std::string name = path.filename().string(); name.size() > NAME_MAX) {
     throw output_error(fmt::format("{} {}: the file name's {} bytes are more than the system's {} (NAME_MAX)", flag,
@@ -72,6 +72,7 @@ inline void check_output_path(std::string_view flag, const std::filesystem::path
     throw output_error(
         fmt::format("{} {}: cannot write in '{}': {}", flag, requested.string(), dir.string(), std::strerror(err)));
   }
+  return where;
 }
 
 /// One output file of a tool: its flag and its path (none when the flag was not given).
@@ -84,28 +85,17 @@ struct output_file {
 /// written last would replace the other: `--json F --svg F`). A device named twice (/dev/null)
 /// is fine. @throws output_error naming both flags.
 inline void check_output_paths(std::initializer_list<output_file> files) {
-  const auto same_file = [](const expage::output_location& la, const expage::output_location& lb) {
-    if (la.in_place || lb.in_place) return false;  // appended to: both land
-    const std::filesystem::path& a = la.target;
-    const std::filesystem::path& b = lb.target;
-    std::error_code ec;
-    // Absolute first: weakly_canonical() leaves "p.json" relative while "./p.json" is made absolute.
-    const auto canonical = [&ec](const std::filesystem::path& p) {
-      return std::filesystem::weakly_canonical(std::filesystem::absolute(p, ec), ec);
-    };
-    const std::filesystem::path ca = canonical(a);
-    if (ec) return a == b;
-    const std::filesystem::path cb = canonical(b);
-    return ec ? a == b : ca == cb;
-  };
-  for (auto f = files.begin(); f != files.end(); ++f) {
-    if (!f->path) continue;
-    check_output_path(f->flag, *f->path);
-    for (auto e = files.begin(); e != f; ++e) {
+  std::vector<std::optional<expage::output_location>> where;  // where each file checked so far lands
+  for (const output_file& f : files) {
+    where.emplace_back();
+    if (!f.path) continue;
+    where.back() = check_output_path(f.flag, *f.path);
+    for (std::size_t j = 0; j + 1 < where.size(); ++j) {
       // Compared where the writes land: a dangling link and the file it will create are one file.
-      if (e->path && same_file(locate_output(e->flag, *e->path), locate_output(f->flag, *f->path))) {
-        throw output_error(fmt::format("{} {} and {} {} name the same file: one would replace the other", e->flag,
-                                       *e->path, f->flag, *f->path));
+      if (where[j] && expage::same_output_file(*where[j], *where.back())) {
+        const output_file& e = files.begin()[j];
+        throw output_error(fmt::format("{} {} and {} {} name the same file: one would replace the other", e.flag,
+                                       *e.path, f.flag, *f.path));
       }
     }
   }

@@ -326,14 +326,14 @@ std::string phase_oracle_json(const expage::phase_oracle& o, std::uint64_t token
 std::string split_run_json(const expage::split_run& r, const expage::split_model& m) {
   std::vector<std::string> caps;
   for (const auto& b : r.bursts) caps.push_back(fmt::format("{}", b.expert_cap));
-  const std::uint32_t last = r.bursts.empty() ? 0 : r.bursts.back().expert_cap;
+  const expage::memory_split last = expage::make_split(m, r.bursts.empty() ? 0 : r.bursts.back().expert_cap);
   return fmt::format(
       R"({{"controller":"{}","final_cap":{},"expert_bytes":{},"kv_bytes":{},"expert_stall_per_token_s":{},)"
       R"("kv_recompute_per_token_s":{},"cost_per_token_s":{},"moves":{},"reversals":{},"mix_changes":{},)"
       R"("budget_peak_bytes":{},"invariant_violations":{},"caps_per_burst":[{}]}})",
-      r.controller, last, std::uint64_t{last} * m.slot_bytes, m.budget_bytes - std::uint64_t{last} * m.slot_bytes,
-      json_number(r.expert_stall_per_token()), json_number(r.kv_recompute_per_token()), json_number(r.cost_per_token()),
-      r.moves, r.reversals, r.mix_changes, r.budget_peak_bytes, r.invariant_violations, fmt::join(caps, ","));
+      r.controller, last.expert_cap, last.expert_bytes, last.kv_bytes, json_number(r.expert_stall_per_token()),
+      json_number(r.kv_recompute_per_token()), json_number(r.cost_per_token()), r.moves, r.reversals, r.mix_changes,
+      r.budget_peak_bytes, r.invariant_violations, fmt::join(caps, ","));
 }
 
 std::string splits_json(const std::vector<split_report>& splits, std::string_view mix, bool release_closed) {
@@ -875,11 +875,10 @@ int main(int argc, char** argv) {
           if (rep.grid[i].cost() < rep.grid[rep.best].cost()) rep.best = i;
         }
         const auto row = [&](const expage::split_run& run, std::string_view note) {
-          const std::uint32_t cap = run.bursts.back().expert_cap;
+          const expage::memory_split split = expage::make_split(rep.model, run.bursts.back().expert_cap);
           fmt::print("{:<9} {:>9} {:>12} {:>12} {:>8.3f} ms {:>8.3f} ms {:>8.3f} ms{}\n", expage::to_string(p),
-                     run.moves == 0 ? fmt::format("{}", cap) : fmt::format("->{}", cap),
-                     expage::byte_size{cap * rep.model.slot_bytes},
-                     expage::byte_size{rep.model.budget_bytes - cap * rep.model.slot_bytes},
+                     run.moves == 0 ? fmt::format("{}", split.expert_cap) : fmt::format("->{}", split.expert_cap),
+                     expage::byte_size{split.expert_bytes}, expage::byte_size{split.kv_bytes},
                      run.expert_stall_per_token() * 1e3, run.kv_recompute_per_token() * 1e3, run.cost_per_token() * 1e3,
                      note);
         };
@@ -906,14 +905,14 @@ int main(int argc, char** argv) {
         }
         const split_report& sr = splits[pick];
         const expage::split_run& run = sr.grid[sr.best];
-        const std::uint64_t cap = run.bursts.front().expert_cap;
-        final_answer = {"splits", fmt::format(R"("split":{},"grid":{})", pick, sr.best), cap * sr.model.slot_bytes,
-                        sr.model.budget_bytes - cap * sr.model.slot_bytes, run.cost_per_token()};
+        const expage::memory_split split = expage::make_split(sr.model, run.bursts.front().expert_cap);
+        final_answer = {"splits", fmt::format(R"("split":{},"grid":{})", pick, sr.best), split.expert_bytes,
+                        split.kv_bytes, run.cost_per_token()};
         fmt::print(
             "\nrecommended: {} expert slots per layer at {} ({}), {} to the KV cache: {:.3f} ms per token of stall "
             "+ recompute, the best static split over the session model (the online MV-WSA controller: {:.3f} ms)."
             "{}\n",
-            cap, expage::to_string(sr.format), expage::byte_size{final_answer.expert_bytes},
+            split.expert_cap, expage::to_string(sr.format), expage::byte_size{final_answer.expert_bytes},
             expage::byte_size{final_answer.kv_bytes}, run.cost_per_token() * 1e3, sr.online.cost_per_token() * 1e3,
             splits.size() > 1 ? " Lower precisions cost quality: weigh them against yours." : "");
       }

@@ -70,6 +70,10 @@ struct memory_split {
   }
 };
 
+/// @brief The split at expert cap @p cap: B_E = c·S_E, B_KV = B − B_E (Eq. 7/Eq. 10), with
+/// @p cost as its predicted cost. @pre c·S_E ≤ B.
+[[nodiscard]] memory_split make_split(const split_model& model, std::uint32_t cap, double cost = 0.0);
+
 /// @brief T(c) of WiSP Eq. 4 [R] with exact curves: β·s_e·M_E(c) + τ_r·b·M_KV(n), n = ⌊(B − c·S_E)/S_b⌋
 /// clamped to the KV curve's key count.
 /// @param model the budget and costs. @param expert_cap c, in [0, E] with c·S_E ≤ B.

@@ -52,6 +52,11 @@ struct output_location {
 /// @throws expage::invalid_argument for a loop of links or a link that cannot be read.
 [[nodiscard]] output_location locate_output(const std::filesystem::path& path);
 
+/// @brief True when two outputs land on one regular file (the one written last would replace the
+/// other): their targets compared as absolute, canonical paths. Outputs written in place
+/// (/dev/null, /dev/stdout) both land, so they never count as one.
+[[nodiscard]] bool same_output_file(const output_location& a, const output_location& b);
+
 /// @brief Writes one file whole or not at all: write_files_atomically() of @p path alone.
 /// @throws expage::invalid_argument naming @p path and the system's reason.
 /// @code
