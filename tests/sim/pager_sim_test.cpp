@@ -750,6 +750,22 @@ TEST(PagerSim, HotExpertTablePreloadsTheHottest) {
   EXPECT_THROW((void)simulate(stream, g, policy_kind::lru, bad), invalid_argument);
 }
 
+// Stall and bytes moved of next-turn with @p prefetcher (the eviction duel over 16 passes, the
+// given byte allowance), as shares of LRU demand loading's @p lru under the same options.
+struct share_of_lru {
+  double stall = 0;
+  double bytes = 0;
+};
+share_of_lru prefetch_against_lru(const access_stream& stream, const moe_geometry& g, sim_options o,
+                                  const sim_result& lru, prefetcher& prefetcher, double overhead) {
+  o.prefetch = &prefetcher;
+  o.max_prefetch_overhead = overhead;
+  o.eviction_duel_passes = 16;
+  const sim_result res = simulate(stream, g, policy_kind::next_turn, o);
+  return {res.stall_total() / lru.stall_total(),
+          static_cast<double>(res.bytes_moved()) / static_cast<double>(lru.bytes_moved())};
+}
+
 // Issue 14's "never hurts" bound for the co-activation prefetcher (with the eviction duel, the
 // parameters frozen on problem 0: docs/prefetch.md) at every capacity and ratio given, and on the
 // Mixtral report problem the 10% gain at r = 1 above 64 slots.
@@ -759,16 +775,11 @@ void check_coactivation_never_hurts(const routing_trace& trace, const moe_geomet
   const access_stream stream(trace, g.top_k());
   for (const std::uint32_t capacity : capacities) {
     for (const double r : ratios) {
-      sim_options o{.capacity = capacity, .hardware = hw, .transfer_compute_ratio = r};
+      const sim_options o{.capacity = capacity, .hardware = hw, .transfer_compute_ratio = r};
       const sim_result lru = simulate(stream, g, policy_kind::lru, o);
       predictive_prefetcher pf(make_predictor("coactivation", g.layers(), g.experts_per_layer(), g.top_k()),
                                {.distance = 1, .threshold = 0.0F});
-      o.prefetch = &pf;
-      o.max_prefetch_overhead = 0.03;
-      o.eviction_duel_passes = 16;
-      const sim_result co = simulate(stream, g, policy_kind::next_turn, o);
-      const double stall = co.stall_total() / lru.stall_total();
-      const double bytes = static_cast<double>(co.bytes_moved()) / static_cast<double>(lru.bytes_moved());
+      const auto [stall, bytes] = prefetch_against_lru(stream, g, o, lru, pf, 0.03);
       std::printf("%s %u slots r %.1f: co-activation %.1f%% stall, %.3fx bytes\n", which, capacity, r, 100 * stall,
                   bytes);
       EXPECT_LE(stall, 1.0) << which << " " << capacity << " r " << r;
@@ -805,16 +816,11 @@ TEST(PagerSim, PrefetchAcceptanceOnRealTraces) {
   // The noisy oracle at 128 slots, distance 2, the issue's 10% byte allowance.
   const access_stream stream(problem, g.top_k());
   for (const double r : {1.0, 2.7, 10.0, 47.0}) {
-    sim_options o{.capacity = 128, .transfer_compute_ratio = r};
+    const sim_options o{.capacity = 128, .transfer_compute_ratio = r};
     const sim_result lru = simulate(stream, g, policy_kind::lru, o);
     for (const double recall : {0.9, 0.8}) {
       oracle_prefetcher oracle(2, recall);
-      o.prefetch = &oracle;
-      o.max_prefetch_overhead = 0.10;
-      o.eviction_duel_passes = 16;
-      const sim_result res = simulate(stream, g, policy_kind::next_turn, o);
-      const double stall = res.stall_total() / lru.stall_total();
-      const double bytes = static_cast<double>(res.bytes_moved()) / static_cast<double>(lru.bytes_moved());
+      const auto [stall, bytes] = prefetch_against_lru(stream, g, o, lru, oracle, 0.10);
       std::printf("mixtral 128 slots r %.1f: oracle %.1f %.1f%% stall, %.3fx bytes\n", r, recall, 100 * stall, bytes);
       EXPECT_LE(stall, 1.0) << "recall " << recall << " r " << r;
       if (recall == 0.9) {
