@@ -31,6 +31,10 @@ using detail::staged_record;
 constexpr std::array<char, 8> binary_magic = {'E', 'X', 'P', 'G', 'T', 'R', 'C', '1'};
 constexpr std::size_t header_size = 64;     // version 1
 constexpr std::size_t header_size_v2 = 72;  // versions 2 and 3: + sketch_dims, record_size
+// Version 4: version 3's fields, then the model name padded with zeros to a multiple of 8 bytes,
+// then the header checksum; name_bytes (at 52, version 3's reserved field) gives its length.
+constexpr std::size_t name_offset = 64;
+constexpr std::size_t max_header_size = header_size_v2 + max_binary_geometry_name;
 constexpr std::uint32_t flag_probabilities = 1;
 constexpr std::uint32_t flag_sketch = 2;  // versions 2 and 3
 constexpr std::size_t record_fixed_bytes = 16;
@@ -97,18 +101,29 @@ std::uint32_t block_checksum(std::uint64_t index, std::span<const std::byte> rec
   return crc32c(records, crc32c(at));
 }
 
-// Versions 2 and 3 have the 72-byte header with the record size; their records carry their
-// optional fields.
+// Versions 2 to 4 have the header with the record size; their records carry their optional
+// fields.
 constexpr bool wide_header(std::uint16_t version) noexcept {
-  return version == binary_trace_version_with_fields || version == binary_trace_version_blocked;
+  return version == binary_trace_version_with_fields || version == binary_trace_version_blocked ||
+         version == binary_trace_version_named;
+}
+// Versions 3 and 4 check their records in blocks, each followed by its CRC-32C.
+constexpr bool blocked(std::uint16_t version) noexcept {
+  return version == binary_trace_version_blocked || version == binary_trace_version_named;
+}
+// The header's size: 64 bytes (version 1), 72 (versions 2 and 3), 72 and the model name of
+// @p name_bytes padded to a multiple of 8 (version 4).
+constexpr std::size_t header_size_of(std::uint16_t version, std::uint64_t name_bytes) noexcept {
+  if (version == binary_trace_version_named) return header_size_v2 + (name_bytes + 7) / 8 * 8;
+  return wide_header(version) ? header_size_v2 : header_size;
 }
 
 struct binary_header {
   std::uint16_t version = 1;
-  std::size_t size = header_size;   // header bytes: 64 (version 1) or 72 (versions 2 and 3)
-  std::uint32_t sketch_dims = 0;    // versions 2 and 3
-  std::uint32_t record_size = 0;    // versions 2 and 3: as declared
-  std::uint32_t block_records = 0;  // version 3: records per checksummed block; 0 before
+  std::size_t size = header_size;   // header bytes (header_size_of())
+  std::uint32_t sketch_dims = 0;    // versions 2 to 4
+  std::uint32_t record_size = 0;    // versions 2 to 4: as declared
+  std::uint32_t block_records = 0;  // versions 3 and 4: records per checksummed block; 0 before
   std::uint32_t flags = 0;
   std::uint32_t batch_size = 0;
   std::uint64_t events = 0;
@@ -117,12 +132,16 @@ struct binary_header {
   trace_metadata meta;
 };
 
-// Reads the header: 64 bytes, and 8 more when they say version 2 or 3. Returns what was read (a
-// short input yields a short span, which parse_header() refuses).
-std::span<const std::byte> read_header_bytes(detail::byte_input& in, std::array<std::byte, header_size_v2>& buffer) {
+// Reads the header: 64 bytes, then the rest its version (and in version 4 its name_bytes, when
+// in range) implies. Returns what was read (a short input yields a short span, which
+// parse_header() refuses).
+std::span<const std::byte> read_header_bytes(detail::byte_input& in, std::array<std::byte, max_header_size>& buffer) {
   std::size_t got = in.read_fully(reinterpret_cast<char*>(buffer.data()), header_size);
-  if (got == header_size && wide_header(load_le<std::uint16_t>(buffer, 8))) {
-    got += in.read_fully(reinterpret_cast<char*>(buffer.data() + header_size), header_size_v2 - header_size);
+  if (got == header_size) {
+    const auto version = load_le<std::uint16_t>(buffer, 8);
+    const std::uint32_t name_bytes = load_le<std::uint32_t>(buffer, 52);
+    const std::size_t size = header_size_of(version, name_bytes <= max_binary_geometry_name ? name_bytes : 0);
+    got += in.read_fully(reinterpret_cast<char*>(buffer.data() + header_size), size - header_size);
   }
   return std::span<const std::byte>(buffer).first(got);
 }
@@ -143,10 +162,18 @@ binary_header parse_header(std::span<const std::byte> bytes, std::string_view so
   if (h.version != binary_trace_version && !wide_header(h.version)) {
     fail(at(8), "version",
          fmt::format("version {} unsupported (this reader reads versions {} to {})", h.version, binary_trace_version,
-                     binary_trace_version_blocked));
+                     binary_trace_version_named));
   }
   const bool v2 = wide_header(h.version);
-  h.size = v2 ? header_size_v2 : header_size;
+  std::uint32_t name_bytes = 0;
+  if (h.version == binary_trace_version_named) {
+    name_bytes = load_le<std::uint32_t>(bytes, 52);
+    if (name_bytes > max_binary_geometry_name) {
+      fail(at(52), "name_bytes",
+           fmt::format("{} out of range [0, {}] (max_binary_geometry_name)", name_bytes, max_binary_geometry_name));
+    }
+  }
+  h.size = header_size_of(h.version, name_bytes);
   if (bytes.size() < h.size) {
     fail(
         at(bytes.size()), "header",
@@ -154,7 +181,9 @@ binary_header parse_header(std::span<const std::byte> bytes, std::string_view so
   }
   const auto declared_header = load_le<std::uint16_t>(bytes, 10);
   if (declared_header != h.size) {
-    fail(at(10), "header_size", fmt::format("{} where version {} has {}", declared_header, h.version, h.size));
+    const std::string name =
+        h.version == binary_trace_version_named ? fmt::format(" with a {}-byte model name", name_bytes) : "";
+    fail(at(10), "header_size", fmt::format("{} where version {}{} has {}", declared_header, h.version, name, h.size));
   }
   const std::size_t sum_at = h.size - 8;  // the header checksum is the header's last 8 bytes
   const std::uint64_t header_sum = load_le<std::uint64_t>(bytes, sum_at);
@@ -188,9 +217,10 @@ binary_header parse_header(std::span<const std::byte> bytes, std::string_view so
   if (h.batch_size == 0) fail(at(28), "batch_size", "0 out of range [1, 4294967295]");
   h.events = load_le<std::uint64_t>(bytes, 32);
   h.vectors = load_le<std::uint64_t>(bytes, 40);
-  if (h.version == binary_trace_version_blocked) {
+  if (blocked(h.version)) {
     h.block_records = load_le<std::uint32_t>(bytes, 48);  // its range depends on the record size: read_layout()
-    if (const auto reserved = load_le<std::uint32_t>(bytes, 52); reserved != 0) {
+    if (const auto reserved = load_le<std::uint32_t>(bytes, 52);
+        h.version == binary_trace_version_blocked && reserved != 0) {
       fail(at(52), "reserved", fmt::format("{} where 0 is required", reserved));
     }
   } else {
@@ -211,6 +241,21 @@ binary_header parse_header(std::span<const std::byte> bytes, std::string_view so
   } else if (h.vectors > 0) {
     h.meta.fields = trace_fields{.probabilities = true, .sketch_dims = 0};
   }
+  // Version 4: the model name, as the text writers write one (no control character), then zeros.
+  for (std::size_t i = 0; i < name_bytes; ++i) {
+    if (const auto c = std::to_integer<unsigned char>(bytes[name_offset + i]); c < 0x20) {
+      fail(at(name_offset + i), "geometry",
+           fmt::format("byte {:#04x} in the model name, where a name has no control character", c));
+    }
+  }
+  for (std::size_t i = name_offset + name_bytes; i + 8 < h.size; ++i) {
+    if (bytes[i] != std::byte{0}) {
+      fail(at(i), "geometry",
+           fmt::format("padding byte {:#04x} after the model name, where 0 is required",
+                       std::to_integer<unsigned>(bytes[i])));
+    }
+  }
+  h.meta.geometry.assign(reinterpret_cast<const char*>(bytes.data() + name_offset), name_bytes);
   return h;
 }
 
@@ -234,7 +279,7 @@ struct binary_layout {
 binary_layout read_layout(detail::byte_input& in, const moe_geometry& geometry) {
   const std::string_view source = in.name();
   const auto at = [&](std::uint64_t offset) { return source_position{source, offset, true}; };
-  std::array<std::byte, header_size_v2> header_bytes{};
+  std::array<std::byte, max_header_size> header_bytes{};
   binary_layout l;
   l.h = parse_header(read_header_bytes(in, header_bytes), source);
   const binary_header& h = l.h;
@@ -246,7 +291,8 @@ binary_layout read_layout(detail::byte_input& in, const moe_geometry& geometry) 
   for (std::size_t i = 0; i < dims.size(); ++i) {
     if (recorded[i] != dims[i].second) {
       fail(at(16 + 4 * i), dims[i].first,
-           fmt::format("{} but the geometry '{}' has {}: refusing a geometry mismatch", recorded[i], geometry.name(),
+           fmt::format("{}{} but the geometry '{}' has {}: refusing a geometry mismatch", recorded[i],
+                       h.meta.geometry.empty() ? std::string() : fmt::format(" ({})", h.meta.geometry), geometry.name(),
                        dims[i].second));
     }
   }
@@ -278,7 +324,7 @@ binary_layout read_layout(detail::byte_input& in, const moe_geometry& geometry) 
          fmt::format("{} where top_k = {}, experts_per_layer = {}, the probability flag and sketch_dims = {} imply {}",
                      h.record_size, l.k, geometry.experts_per_layer(), l.fields.sketch_dims, l.record_bytes));
   }
-  if (h.version == binary_trace_version_blocked) {
+  if (blocked(h.version)) {
     const std::uint64_t most = std::max<std::uint64_t>(1, max_block_bytes / l.record_bytes);
     if (h.block_records == 0 || h.block_records > most) {
       fail(at(48), "block_records",
@@ -287,8 +333,8 @@ binary_layout read_layout(detail::byte_input& in, const moe_geometry& geometry) 
     }
     l.blocks = h.events / h.block_records + (h.events % h.block_records != 0 ? 1 : 0);
   }
-  // Version 1 keeps its vectors in a section after the records; versions 2 and 3 inside each
-  // record; version 3 adds a checksum after each block.
+  // Version 1 keeps its vectors in a section after the records; versions 2 to 4 inside each
+  // record; versions 3 and 4 add a checksum after each block.
   const std::uint64_t section_vectors = v2 ? 0 : h.vectors;
   l.expected_size =
       h.size + h.events * l.record_bytes + section_vectors * l.vector_bytes + l.blocks * block_checksum_bytes;
@@ -485,9 +531,9 @@ struct binary_stream {
       : owned(std::move(input)), in(&i), layout(read_layout(i, geometry)) {
     batch_size = options.batch_size != 0 ? options.batch_size : layout.h.batch_size;
     experts_per_layer = geometry.experts_per_layer();
-    // Version 3's block checksums (CRC-32C) cost less than the hand-over to a thread would.
-    if (layout.h.version != binary_trace_version_blocked &&
-        layout.h.events * layout.record_bytes >= threaded_checksum_bytes && std::thread::hardware_concurrency() > 1) {
+    // Versions 3 and 4: the block checksums (CRC-32C) cost less than the hand-over to a thread would.
+    if (!blocked(layout.h.version) && layout.h.events * layout.record_bytes >= threaded_checksum_bytes &&
+        std::thread::hardware_concurrency() > 1) {
       try {
         worker.emplace(sum);
       } catch (const std::system_error&) {  // no thread to be had: hash on this one
@@ -624,18 +670,18 @@ struct binary_stream {
                        layout.expected_size));
     }
   }
-  // Versions 1 and 2: the payload's FNV-1a (version 3 checked every block as it was read).
+  // Versions 1 and 2: the payload's FNV-1a (versions 3 and 4 check every block as it is read).
   void check_sum() const {
-    if (layout.h.version == binary_trace_version_blocked) return;
+    if (blocked(layout.h.version)) return;
     if (sum != layout.h.payload_sum) {
       fail(at(48), "payload_checksum",
            fmt::format("{:#018x} does not match the payload's {:#018x}", layout.h.payload_sum, sum));
     }
   }
   // After a record error: hash the rest; a checksum mismatch explains the error better (versions
-  // 1 and 2; a version 3 block was checked before its records were decoded).
+  // 1 and 2; a version 3 or 4 block was checked before its records were decoded).
   [[noreturn]] void drain_and_rethrow() {
-    if (layout.h.version == binary_trace_version_blocked) throw;
+    if (blocked(layout.h.version)) throw;
     join_checksum();
     std::array<std::byte, 1 << 16> rest{};
     for (;;) {
@@ -694,9 +740,9 @@ std::span<const routing_event> detail::binary_stream::next() {
     return events;
   }
   const std::uint64_t record_bytes = layout.record_bytes;
-  const bool blocked = layout.h.version == binary_trace_version_blocked;
+  const bool in_blocks = blocked(layout.h.version);
   std::size_t n = 0;
-  if (blocked) {
+  if (in_blocks) {
     // Whole blocks are read (about 64 KiB, at least one) and checked, then delivered in chunks of
     // up to blocked_chunk_events: a chunk's events, about 80 bytes each, stay in the core's
     // first-level cache until the consumer has read them.
@@ -719,7 +765,7 @@ std::span<const routing_event> detail::binary_stream::next() {
     n = static_cast<std::size_t>(
         std::min<std::uint64_t>(std::max<std::size_t>(1, chunk_bytes / record_bytes), remaining));
   }
-  // Versions 2 and 3 deliver the optional fields with the events; version 1 keeps its vectors
+  // Versions 2 to 4 deliver the optional fields with the events; version 1 keeps its vectors
   // after all records (checked in finish(), not delivered).
   const trace_fields delivered_fields = wide_header(layout.h.version) ? layout.fields : trace_fields{};
   const std::size_t p = delivered_fields.probabilities ? experts_per_layer : 0;
@@ -732,7 +778,7 @@ std::span<const routing_event> detail::binary_stream::next() {
   sketch.resize(n * d);
   const bool plain = !delivered_fields.any() && layout.h.vectors == 0;
   try {
-    if (blocked) {
+    if (in_blocks) {
       // Records [delivered, delivered + n) of the blocks in `chunk`, block by block.
       const std::size_t per_block = layout.h.block_records;
       const std::size_t stride = per_block * record_bytes + block_checksum_bytes;
@@ -783,6 +829,7 @@ std::uint32_t binary_trace_reader::batch_size() const noexcept { return state_->
 std::uint64_t binary_trace_reader::events() const noexcept { return state_->layout.h.events; }
 std::uint64_t binary_trace_reader::probability_vectors() const noexcept { return state_->layout.h.vectors; }
 std::uint16_t binary_trace_reader::version() const noexcept { return state_->layout.h.version; }
+const std::string& binary_trace_reader::geometry_name() const noexcept { return state_->layout.h.meta.geometry; }
 std::uint32_t binary_trace_reader::block_records() const noexcept { return state_->layout.h.block_records; }
 trace_fields binary_trace_reader::fields() const noexcept { return state_->layout.fields; }
 
@@ -860,7 +907,7 @@ routing_trace read_binary_from(std::unique_ptr<detail::byte_input> input, const 
 namespace detail {
 
 std::optional<trace_metadata> read_binary_metadata(byte_input& in) {
-  std::array<std::byte, header_size_v2> header_bytes{};
+  std::array<std::byte, max_header_size> header_bytes{};
   return parse_header(read_header_bytes(in, header_bytes), in.name()).meta;
 }
 
@@ -937,19 +984,23 @@ std::string encode_binary_v2(const routing_trace& trace) {
   return out;
 }
 
-// Version 3: version 2's header and records, with block_records where version 2 has its payload
-// checksum, and the records in blocks of about 64 KiB, each followed by its CRC-32C.
-std::string encode_binary_v3(const routing_trace& trace) {
+// Versions 3 and 4: version 2's header and records, with block_records where version 2 has its
+// payload checksum, and the records in blocks of about 64 KiB, each followed by its CRC-32C;
+// version 4 records the model name @p name (its length at 52, the name after the fields).
+std::string encode_binary_blocked(const routing_trace& trace, std::uint16_t version, std::string_view name) {
   const std::size_t record_size = record_size_of(trace);
   const std::size_t per_block = std::max<std::size_t>(1, written_block_bytes / record_size);
   const std::size_t blocks = (trace.size() + per_block - 1) / per_block;
+  const std::size_t size = header_size_of(version, name.size());
   std::string out;
-  out.reserve(header_size_v2 + trace.size() * record_size + blocks * block_checksum_bytes);
-  encode_header_start(out, binary_trace_version_blocked, header_size_v2, trace);
+  out.reserve(size + trace.size() * record_size + blocks * block_checksum_bytes);
+  encode_header_start(out, version, size, trace);
   store_le<std::uint32_t>(out, static_cast<std::uint32_t>(per_block));
-  store_le<std::uint32_t>(out, 0);  // reserved
+  store_le<std::uint32_t>(out, static_cast<std::uint32_t>(name.size()));  // version 3: reserved, 0
   store_le<std::uint32_t>(out, trace.fields().sketch_dims);
   store_le<std::uint32_t>(out, static_cast<std::uint32_t>(record_size));
+  out += name;
+  out.resize(size - 8, '\0');       // the name's padding
   store_le<std::uint64_t>(out, 0);  // header checksum, patched below
   for (std::size_t b = 0; b < blocks; ++b) {
     const std::size_t start = out.size();
@@ -957,7 +1008,7 @@ std::string encode_binary_v3(const routing_trace& trace) {
     for (std::size_t i = b * per_block; i < end; ++i) encode_record(out, trace[i], trace.fields());
     store_le<std::uint32_t>(out, block_checksum(b, as_bytes(std::string_view(out).substr(start))));
   }
-  patch_le<std::uint64_t>(out, 64, fnv1a(as_bytes(std::string_view(out).substr(0, 64))));
+  patch_le<std::uint64_t>(out, size - 8, fnv1a(as_bytes(std::string_view(out).substr(0, size - 8))));
   return out;
 }
 
@@ -969,15 +1020,29 @@ std::string encode_binary(const routing_trace& trace, const binary_write_options
       if (trace.fields().any()) {
         throw invalid_argument(
             "encode_binary: version 1 cannot carry this trace's optional fields (probability vectors or a sketch); "
-            "write version 2 or 3");
+            "write version 2, 3 or 4");
       }
       return encode_binary_v1(trace);
     case binary_trace_version_with_fields: return encode_binary_v2(trace);
-    case binary_trace_version_blocked: return encode_binary_v3(trace);
+    case binary_trace_version_blocked: return encode_binary_blocked(trace, options.version, {});
+    case binary_trace_version_named: {
+      // The name as the text writers write it: control characters dropped.
+      std::string name;
+      for (const char c : options.geometry) {
+        if (static_cast<unsigned char>(c) >= 0x20) name += c;
+      }
+      if (name.size() > max_binary_geometry_name) {
+        throw invalid_argument(
+            fmt::format("encode_binary: a model name of {} bytes out of range [0, {}] "
+                        "(max_binary_geometry_name): '{}...'",
+                        name.size(), max_binary_geometry_name, name.substr(0, 32)));
+      }
+      return encode_binary_blocked(trace, options.version, name);
+    }
     default: break;
   }
   throw invalid_argument(fmt::format("encode_binary: version {} out of range [{}, {}]", options.version,
-                                     binary_trace_version, binary_trace_version_blocked));
+                                     binary_trace_version, binary_trace_version_named));
 }
 
 routing_trace parse_binary(std::span<const std::byte> bytes, const moe_geometry& geometry,

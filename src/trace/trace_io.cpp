@@ -44,7 +44,7 @@ void write_trace(const std::filesystem::path& path, const routing_trace& trace, 
     case trace_format::csv: write_csv(path, trace, geometry_name); return;
     case trace_format::binary: break;
   }
-  write_binary(path, trace);
+  write_binary(path, trace, {.geometry = std::string(geometry_name)});
 }
 
 std::optional<trace_metadata> read_trace_metadata(const std::filesystem::path& path) {

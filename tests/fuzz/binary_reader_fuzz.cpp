@@ -1,7 +1,7 @@
 // libFuzzer target: expage::parse_binary and binary_trace_reader on arbitrary bytes.
 // When the first byte is odd the target reseals the checksums of the rest where its version
-// keeps them (versions 1 and 2: the FNV-1a of the payload and of the header; version 3: the
-// CRC-32C of each block and the FNV-1a of the header; tests/common/binary_trace_bytes.hpp), so
+// keeps them (versions 1 and 2: the FNV-1a of the payload and of the header; versions 3 and 4:
+// the CRC-32C of each block and the FNV-1a of the header; tests/common/binary_trace_bytes.hpp), so
 // the fuzzer reaches the header and record validation instead of stopping at the checksums.
 // Every input must either decode or throw expage::format_error; what decodes must encode back,
 // in every version that can carry it, to a trace that decodes equal, and the streaming reader
@@ -33,12 +33,22 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   if (!trace.is_execution_ordered()) __builtin_trap();
   // What decodes must encode back to a trace that decodes equal, in every version that carries it.
+  std::string name;  // the model name a version 4 input records, carried to version 4 again
+  try {
+    name = expage::binary_trace_reader(bytes, geometry, "fuzz.bin").geometry_name();
+  } catch (const expage::format_error&) {
+    __builtin_trap();  // parse_binary() accepted the header
+  }
   for (const std::uint16_t version : {expage::binary_trace_version, expage::binary_trace_version_with_fields,
-                                      expage::binary_trace_version_blocked}) {
+                                      expage::binary_trace_version_blocked, expage::binary_trace_version_named}) {
     if (version == expage::binary_trace_version && trace.fields().any()) continue;
-    const std::string again = expage::encode_binary(trace, {.version = version});
+    const std::string again = expage::encode_binary(trace, {.version = version, .geometry = name});
     const auto view = std::as_bytes(std::span<const char>(again.data(), again.size()));
     if (!(expage::parse_binary(view, geometry, "again.bin") == trace)) __builtin_trap();
+    if (version == expage::binary_trace_version_named &&
+        expage::binary_trace_reader(view, geometry, "again.bin").geometry_name() != name) {
+      __builtin_trap();
+    }
   }
   // The streaming reader makes a subset of parse_binary's checks (not the ordering ones).
   try {

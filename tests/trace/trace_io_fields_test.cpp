@@ -149,11 +149,12 @@ TEST(TraceFields, JsonlAndBinaryRoundTripWithAndWithoutTheFields) {
     const routing_trace from_text = expage::parse_jsonl(text, mixtral(), "t.jsonl");
     EXPECT_EQ(from_text, t) << f.sketch_dims;
     const std::string bytes = expage::encode_binary(t);
-    EXPECT_EQ(static_cast<int>(bytes[8]), 3) << "version 3 by default, with or without optional fields";
+    EXPECT_EQ(static_cast<int>(bytes[8]), 4) << "version 4 by default, with or without optional fields";
     const routing_trace from_bytes = expage::parse_binary(bytes_of(bytes), mixtral(), "t.bin");
     EXPECT_EQ(from_bytes, t) << f.sketch_dims;
-    // Version 2 carries the fields too; version 1 only a trace without them.
+    // Versions 2 and 3 carry the fields too; version 1 only a trace without them.
     EXPECT_EQ(expage::parse_binary(bytes_of(expage::encode_binary(t, {.version = 2})), mixtral(), "t.bin"), t);
+    EXPECT_EQ(expage::parse_binary(bytes_of(expage::encode_binary(t, {.version = 3})), mixtral(), "t.bin"), t);
     if (f.any()) {
       EXPECT_THAT(message_of([&] { (void)expage::encode_binary(t, {.version = 1}); }),
                   HasSubstr("version 1 cannot carry this trace's optional fields"));
@@ -193,16 +194,34 @@ TEST(TraceFields, VersionOneIsByteIdenticalWithoutTheFields) {
       << std::hex << fnv1a(expage::encode_binary(batched, {.version = 1}));
 }
 
-// Version 3 (written by default since) pinned the same way, so its bytes do not drift: version
-// 2's header with block_records at byte 48, and the 1,024 records of 28 bytes in one block
-// followed by its CRC-32C.
+// Version 3 (the default from 2026-11-20 to 2026-11-28) pinned the same way, so its bytes do not
+// drift: version 2's header with block_records at byte 48, and the 1,024 records of 28 bytes in
+// one block followed by its CRC-32C.
 TEST(TraceFields, VersionThreeIsPinned) {
   const routing_trace batched = trace_with({}, 2);
-  const std::string bytes = expage::encode_binary(batched);
-  ASSERT_EQ(bytes.size(), 72U + batched.size() * 28U + 4U);
+  const std::string bytes = expage::encode_binary(batched, {.version = 3, .geometry = "mixtral-8x7b"});
+  ASSERT_EQ(bytes.size(), 72U + batched.size() * 28U + 4U) << "version 3 has no place for the name";
   EXPECT_EQ(bytes.substr(72, batched.size() * 28), expage::encode_binary(batched, {.version = 1}).substr(64))
       << "the records are version 1's";
   EXPECT_EQ(fnv1a(bytes), 0x948c3b6acee39615ULL) << std::hex << fnv1a(bytes);
+}
+
+// Version 4 (written by default since) pinned too: version 3's bytes with the version, the name's
+// length at byte 52, the name and its padding before the header checksum; the records and their
+// block checksum are version 3's.
+TEST(TraceFields, VersionFourIsPinned) {
+  const routing_trace batched = trace_with({}, 2);
+  const std::string v3 = expage::encode_binary(batched, {.version = 3});
+  const std::string bytes = expage::encode_binary(batched, {.geometry = "mixtral-8x7b"});
+  ASSERT_EQ(bytes.size(), v3.size() + 16U);
+  EXPECT_EQ(bytes.substr(0, 8), v3.substr(0, 8));
+  EXPECT_EQ(bytes.substr(8, 4), std::string("\x04\x00\x58\x00", 4)) << "version 4, an 88-byte header";
+  EXPECT_EQ(bytes.substr(12, 40), v3.substr(12, 40));
+  EXPECT_EQ(bytes.substr(52, 4), std::string("\x0c\x00\x00\x00", 4)) << "a 12-byte name";
+  EXPECT_EQ(bytes.substr(56, 8), v3.substr(56, 8));
+  EXPECT_EQ(bytes.substr(64, 16), std::string("mixtral-8x7b\0\0\0\0", 16));
+  EXPECT_EQ(bytes.substr(88), v3.substr(72)) << "the records and their checksum are version 3's";
+  EXPECT_EQ(fnv1a(bytes), 0xb6a2f185ec13d0c7ULL) << std::hex << fnv1a(bytes);
 }
 
 TEST(TraceFields, VersionOneProbabilityVectorsStillRead) {
@@ -223,8 +242,9 @@ TEST(TraceFields, VersionOneProbabilityVectorsStillRead) {
 TEST(TraceFields, TheStreamingReaderDeliversVersionTwoAndThreeFields) {
   const trace_fields f{.probabilities = true, .sketch_dims = 16};
   const routing_trace t = trace_with(f);
-  for (const std::uint16_t version : {expage::binary_trace_version_with_fields, expage::binary_trace_version_blocked}) {
-    const std::string bytes = expage::encode_binary(t, {.version = version});
+  for (const std::uint16_t version : {expage::binary_trace_version_with_fields, expage::binary_trace_version_blocked,
+                                      expage::binary_trace_version_named}) {
+    const std::string bytes = expage::encode_binary(t, {.version = version, .geometry = "mixtral-8x7b"});
     expage::binary_trace_reader in(bytes_of(bytes), mixtral(), "v2.bin");
     EXPECT_EQ(in.version(), version);
     EXPECT_EQ(in.fields(), f);
@@ -471,7 +491,7 @@ TEST(TraceFields, BinaryReadersNameBadFieldsByByteOffset) {
 
   // Version 3: the same records in blocks of 862 (64 KiB) with a CRC-32C after each; offsets
   // count the checksums before the record.
-  const std::string good3 = expage::encode_binary(t);
+  const std::string good3 = expage::encode_binary(t, {.version = 3});
   ASSERT_EQ(good3.size(), 72 + t.size() * record + 2 * 4);
   std::string p3 = good3;
   const std::size_t record900 = 72 + 900 * record + 4;

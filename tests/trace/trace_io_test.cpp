@@ -82,23 +82,60 @@ TEST_F(TraceFiles, BinaryRoundTripIsIdentical) {
   for (const std::uint32_t batch : {1U, 3U}) {
     const routing_trace t = small_synthetic(batch, batch == 3);
     for (const std::uint16_t version : {expage::binary_trace_version, expage::binary_trace_version_with_fields,
-                                        expage::binary_trace_version_blocked}) {
+                                        expage::binary_trace_version_blocked, expage::binary_trace_version_named}) {
       if (version == expage::binary_trace_version && t.fields().any()) continue;  // version 1 cannot carry them
       const fs::path file = dir_ / "t.bin";
-      expage::write_binary(file, t, {.version = version});
+      expage::write_binary(file, t, {.version = version, .geometry = "mixtral-8x7b"});
       const routing_trace back = expage::read_binary(file, mixtral());
       EXPECT_EQ(back, t) << "batch " << batch << " version " << version;
       EXPECT_EQ(back.batch_size(), batch);
       EXPECT_EQ(expage::read_trace(file, mixtral()), t);
       EXPECT_EQ(expage::binary_trace_reader(file, mixtral()).version(), version);
+      // Only version 4 records the model name; the metadata reader and the stream agree.
+      const std::string name = version == expage::binary_trace_version_named ? "mixtral-8x7b" : "";
+      EXPECT_EQ(expage::binary_trace_reader(file, mixtral()).geometry_name(), name) << "version " << version;
+      EXPECT_EQ(expage::read_trace_metadata(file).value().geometry, name) << "version " << version;
     }
   }
-  // The default is version 3; a version that does not exist is refused before any file is made.
+  // The default is version 4; a version that does not exist is refused before any file is made.
   expage::write_binary(dir_ / "d.bin", small_synthetic());
-  EXPECT_EQ(expage::binary_trace_reader(dir_ / "d.bin", mixtral()).version(), expage::binary_trace_version_blocked);
-  EXPECT_THAT([&] { expage::write_binary(dir_ / "v4.bin", small_synthetic(), {.version = 4}); },
-              ::testing::ThrowsMessage<expage::invalid_argument>(HasSubstr("version 4 out of range [1, 3]")));
-  EXPECT_FALSE(fs::exists(dir_ / "v4.bin"));
+  EXPECT_EQ(expage::binary_trace_reader(dir_ / "d.bin", mixtral()).version(), expage::binary_trace_version_named);
+  EXPECT_EQ(expage::binary_trace_reader(dir_ / "d.bin", mixtral()).geometry_name(), "");
+  EXPECT_THAT([&] { expage::write_binary(dir_ / "v5.bin", small_synthetic(), {.version = 5}); },
+              ::testing::ThrowsMessage<expage::invalid_argument>(HasSubstr("version 5 out of range [1, 4]")));
+  EXPECT_FALSE(fs::exists(dir_ / "v5.bin"));
+}
+
+TEST_F(TraceFiles, BinaryVersionFourRecordsTheModelName) {
+  const routing_trace t = small_synthetic();
+  // write_trace() names the model in a binary file as in a text one; control characters are
+  // dropped as the text writers drop them.
+  expage::write_trace(dir_ / "w.bin", t, "mixtral-8x7b");
+  EXPECT_EQ(expage::read_trace_metadata(dir_ / "w.bin").value().geometry, "mixtral-8x7b");
+  expage::write_binary(dir_ / "c.bin", t, {.geometry = "my\tmodel\n"});
+  EXPECT_EQ(expage::binary_trace_reader(dir_ / "c.bin", mixtral()).geometry_name(), "mymodel");
+  // The name's length sets the header's: 72 bytes and the name padded to a multiple of 8, from
+  // 0 to max_binary_geometry_name bytes; the records follow it.
+  for (const std::size_t n :
+       {std::size_t{0}, std::size_t{1}, std::size_t{8}, std::size_t{9}, expage::max_binary_geometry_name}) {
+    const std::string name(n, 'm');
+    const std::string bytes = expage::encode_binary(t, {.geometry = name});
+    const std::size_t header = 72 + (n + 7) / 8 * 8;
+    EXPECT_EQ(static_cast<unsigned char>(bytes[10]) | (static_cast<unsigned char>(bytes[11]) << 8U), header) << n;
+    EXPECT_EQ(bytes.substr(64, n), name);
+    EXPECT_EQ(bytes.size(), expage::encode_binary(t, {.version = 3}).size() + header - 72) << n;
+    EXPECT_EQ(expage::binary_trace_reader(bytes_of(bytes), mixtral(), "n.bin").geometry_name(), name);
+    EXPECT_EQ(expage::parse_binary(bytes_of(bytes), mixtral(), "n.bin"), t) << n;
+  }
+  // A longer name is refused, naming its length and the range, before any file is made.
+  EXPECT_THAT([&] { expage::write_binary(dir_ / "long.bin", t, {.geometry = std::string(257, 'm')}); },
+              ::testing::ThrowsMessage<expage::invalid_argument>(
+                  HasSubstr("a model name of 257 bytes out of range [0, 256] (max_binary_geometry_name)")));
+  EXPECT_FALSE(fs::exists(dir_ / "long.bin"));
+  // A geometry mismatch names the model the trace was recorded for.
+  EXPECT_THAT([&] { (void)expage::read_binary(dir_ / "w.bin", moe_geometry::preset("phi-3.5-moe")); },
+              ::testing::ThrowsMessage<expage::format_error>(
+                  HasSubstr("field 'experts_per_layer': 8 (mixtral-8x7b) but the geometry 'phi-3.5-moe' has 16")));
 }
 
 TEST_F(TraceFiles, TextRoundTripsAreIdentical) {
@@ -295,9 +332,9 @@ TEST(TraceIo, BadBinaryNamesByteOffsetAndField) {  // version 1
   magic[0] = 'X';
   expect_error(magic, mixtral(), {"byte 0:", "field 'magic'"}, "magic");
   std::string version = good;
-  version[8] = 4;
+  version[8] = 5;
   expect_error(version, mixtral(),
-               {"byte 8:", "field 'version'", "version 4 unsupported (this reader reads versions 1 to 3)"}, "version");
+               {"byte 8:", "field 'version'", "version 5 unsupported (this reader reads versions 1 to 4)"}, "version");
   std::string header_bit = good;
   header_bit[20] = 9;  // experts_per_layer, not resealed
   expect_error(header_bit, mixtral(), {"byte 56:", "field 'header_checksum'"}, "header checksum");
@@ -346,7 +383,7 @@ TEST(TraceIo, BadBinaryNamesByteOffsetAndField) {  // version 1
 // byte offset counts the checksums before it.
 TEST(TraceIo, BadVersionThreeNamesByteOffsetAndField) {
   const routing_trace t = small_synthetic();  // 1,024 records of 28 bytes
-  const std::string good = expage::encode_binary(t);
+  const std::string good = expage::encode_binary(t, {.version = 3});
   ASSERT_EQ(good[8], 3);
   const std::uint32_t per_block = 65536 / 28;  // 2,340: the writer's 64 KiB blocks
   std::string small = good;                    // blocks of 100 records, to have several
@@ -421,6 +458,64 @@ TEST(TraceIo, BadVersionThreeNamesByteOffsetAndField) {
   reseal_binary(duplicate);
   EXPECT_THAT(message(duplicate), HasSubstr("byte 100: field 'step': duplicate record"));
   EXPECT_THAT(message(duplicate), HasSubstr("first at byte 72"));
+}
+
+// Version 4: version 3 with the model name after the fields, padded with zeros to a multiple of
+// 8 bytes, its length at byte 52; the header checksum is the header's last 8 bytes.
+TEST(TraceIo, BadVersionFourNamesByteOffsetAndField) {
+  const routing_trace t = small_synthetic();
+  const std::string good = expage::encode_binary(t, {.geometry = "mixtral-8x7b"});  // a 12-byte name
+  ASSERT_EQ(good[8], 4);
+  ASSERT_EQ(good.size(), 88 + 1024 * 28 + 4);
+  ASSERT_EQ(good.substr(64, 16), std::string("mixtral-8x7b\0\0\0\0", 16));
+  const auto message = [&](const std::string& bytes) {
+    std::string whole = "no exception";
+    try {
+      (void)expage::parse_binary(bytes_of(bytes), mixtral(), "v4.bin");
+    } catch (const expage::format_error& e) {
+      whole = e.what();
+    }
+    return whole;
+  };
+  const auto put = [](std::string& b, std::size_t at, std::uint32_t v) {
+    expage::testing::put_le<std::uint32_t>(std::as_writable_bytes(std::span(b.data(), b.size())), at, v);
+  };
+  std::string long_name = good;
+  put(long_name, 52, 257);
+  EXPECT_THAT(message(long_name),
+              HasSubstr("v4.bin: byte 52: field 'name_bytes': 257 out of range [0, 256] (max_binary_geometry_name)"));
+  std::string longer = good;  // a length in range that moves the header's end
+  put(longer, 52, 20);
+  reseal_binary(longer);
+  EXPECT_THAT(message(longer),
+              HasSubstr("byte 10: field 'header_size': 88 where version 4 with a 20-byte model name has 96"));
+  std::string control = good;
+  control[64 + 7] = '\n';
+  reseal_binary(control);
+  EXPECT_THAT(
+      message(control),
+      HasSubstr("byte 71: field 'geometry': byte 0x0a in the model name, where a name has no control character"));
+  std::string padding = good;
+  padding[64 + 13] = 'x';
+  reseal_binary(padding);
+  EXPECT_THAT(message(padding),
+              HasSubstr("byte 77: field 'geometry': padding byte 0x78 after the model name, where 0 is required"));
+  std::string header = good;
+  header[66] = 'X';  // the name, not resealed
+  EXPECT_THAT(message(header), HasSubstr("byte 80: field 'header_checksum'"));
+  EXPECT_THAT(message(good.substr(0, 80)), HasSubstr("shorter than the 88-byte version 4 header"));
+  // A record's byte offset counts the header with its name: record 3 at 88 + 3 · 28.
+  std::string expert = good;
+  expert[88 + 3 * 28 + 16] = 8;
+  reseal_binary(expert);
+  EXPECT_THAT(message(expert), HasSubstr("v4.bin: byte 172: field 'experts': expert 8 out of range [0, 8)"));
+  std::string block = good;
+  block[88 + 20] = static_cast<char>(block[88 + 20] ^ 0x01);  // a weight of record 0, not resealed
+  EXPECT_THAT(message(block), HasSubstr(fmt::format("byte {}: field 'block_checksum'", 88 + 1024 * 28)));
+  // The name is not checked against the geometry's (a geometry file may name a model otherwise);
+  // the dimensions are.
+  std::string other = expage::encode_binary(t, {.geometry = "not-a-preset"});
+  EXPECT_EQ(expage::parse_binary(bytes_of(other), mixtral(), "o.bin"), t);
 }
 
 // Sequence ids are labels, not indices: the largest one costs no memory.

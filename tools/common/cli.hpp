@@ -230,8 +230,8 @@ inline expage::moe_geometry geometry_of(const expage::trace_metadata& m) {
 inline bool shape_only(const expage::moe_geometry& g) { return g.hidden_size() == 1 && g.intermediate_size() == 1; }
 
 /// For a tool whose figures are bytes and times (expage-sim, expage-plan): refuses a shape-only
-/// geometry, the one of a trace whose metadata names no known model (a binary trace never names
-/// one) or a geometry file without sizes (@p given: --geometry named it).
+/// geometry, the one of a trace whose metadata names no known model (a binary trace before
+/// version 4 names none) or a geometry file without sizes (@p given: --geometry named it).
 /// @throws usage_error asking for --geometry, or for the file's sizes.
 inline void require_sized_geometry(const expage::moe_geometry& g, bool given) {
   if (!shape_only(g)) return;

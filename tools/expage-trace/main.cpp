@@ -65,9 +65,10 @@ Options:
   --shift-every N      synth: sequences per workload phase (default 1)
   --cross-layer P      synth: probability of linking each expert to the previous layer's (default 0)
   --probabilities      synth: record full router probability vectors
-  --binary-version V   binary output of convert, synth and realign: format version 1, 2 or 3
-                       (default 3, checked in blocks; 1 and 2 for expage readers older than
-                       version 3, 1 only for a trace without optional fields; docs/traces.md)
+  --binary-version V   binary output of convert, synth and realign: format version 1 to 4
+                       (default 4, checked in blocks, naming the model; 1 to 3 for expage
+                       readers older than version 4, which store no model name, 1 only for a
+                       trace without optional fields; docs/traces.md)
   --smoothing A        realign: additive smoothing of the co-occurrence model, (0, 1000] (default 0.5)
   --no-pool            realign: score each sequence against its own complete layers only
   --window W           realign: only complete layers within W layers of the short one, [0, 65536]
@@ -96,7 +97,7 @@ T parse_number(std::string_view flag, std::string_view text, T lo, T hi) {
 void write_output(const std::filesystem::path& path, const expage::routing_trace& t, std::string_view geometry_name,
                   std::uint16_t binary_version) {
   if (expage::format_of(path) == expage::trace_format::binary) {
-    expage::write_binary(path, t, {.version = binary_version});
+    expage::write_binary(path, t, {.version = binary_version, .geometry = std::string(geometry_name)});
   } else {
     expage::write_trace(path, t, geometry_name);
   }
@@ -120,11 +121,14 @@ void print_info(const std::filesystem::path& path, const expage::routing_trace& 
   // The header again, from the file (a FIFO was read once, whole: its version is not shown).
   if (expage::format_of(path) == expage::trace_format::binary && std::filesystem::is_regular_file(path)) {
     const expage::binary_trace_reader header(path, geometry);
+    const std::string model = header.version() < expage::binary_trace_version_named ? std::string(", no model name")
+                              : header.geometry_name().empty()                      ? std::string(", model name empty")
+                                                               : ", model " + header.geometry_name();
     if (header.block_records() > 0) {
-      fmt::print("  binary format version {}: blocks of {} records, each checked by its CRC-32C\n", header.version(),
-                 header.block_records());
+      fmt::print("  binary format version {}{}: blocks of {} records, each checked by its CRC-32C\n", header.version(),
+                 model, header.block_records());
     } else {
-      fmt::print("  binary format version {}: one FNV-1a checksum over the payload\n", header.version());
+      fmt::print("  binary format version {}{}: one FNV-1a checksum over the payload\n", header.version(), model);
     }
   }
   const std::vector<expage::trace_gap> gaps = t.gaps();
@@ -267,7 +271,7 @@ int run(int argc, char** argv) {
       synth.probabilities = true;
     } else if (arg == "--binary-version") {
       binary_version =
-          parse_number<std::uint16_t>(arg, value(), expage::binary_trace_version, expage::binary_trace_version_blocked);
+          parse_number<std::uint16_t>(arg, value(), expage::binary_trace_version, expage::binary_trace_version_named);
     } else if (arg.starts_with("--")) {
       throw cli_error{fmt::format("unknown option '{}' (see --help)", arg)};
     } else {
@@ -285,7 +289,7 @@ int run(int argc, char** argv) {
                     "{} {}",
                     command, files.back().string())};
   }
-  const std::uint16_t output_version = binary_version.value_or(expage::binary_trace_version_blocked);
+  const std::uint16_t output_version = binary_version.value_or(expage::binary_trace_version_named);
   if (command == "synth") {
     if (!geometry) throw cli_error{fmt::format("synth needs --geometry (one of: {}, or a JSON file)", names)};
     synth.batch_size = batch.value_or(1);
@@ -296,9 +300,9 @@ int run(int argc, char** argv) {
     }
     if ((synth.probabilities || synth.sketch_dims != 0) && output_version == expage::binary_trace_version &&
         expage::format_of(files[0]) == expage::trace_format::binary) {
-      throw cli_error{fmt::format("--binary-version {} cannot carry --probabilities or --sketch-dims: use {} or {}",
+      throw cli_error{fmt::format("--binary-version {} cannot carry --probabilities or --sketch-dims: use {} to {}",
                                   output_version, expage::binary_trace_version_with_fields,
-                                  expage::binary_trace_version_blocked)};
+                                  expage::binary_trace_version_named)};
     }
     expage_tools::check_output_path("synth", files[0]);
     const expage::routing_trace t = expage::generate_synthetic(*geometry, synth);

@@ -134,12 +134,13 @@ void write_csv(const std::filesystem::path& path, const routing_trace& trace, st
 
 /// @name Binary
 /// A header (magic `EXPGTRC1`, version, dimensions, batch size, counts, an FNV-1a header
-/// checksum) followed by fixed-size little-endian records; layout in docs/traces.md. Version 3,
-/// written by default, keeps version 2's 72-byte header and records (each followed by its
-/// probability vector and sketch) and checks them in blocks of about 64 KiB, each followed by its
-/// CRC-32C. Versions 1 (64-byte header, no optional fields in the records) and 2 carry one FNV-1a
-/// over the whole payload; they are written on request, for readers older than version 3. All
-/// three are read.
+/// checksum) followed by fixed-size little-endian records; layout in docs/traces.md. Version 4,
+/// written by default, is version 3 with the model name in the header (so a tool picks the
+/// geometry from a binary trace as from a text one). Version 3 keeps version 2's 72-byte header
+/// and records (each followed by its probability vector and sketch) and checks them in blocks of
+/// about 64 KiB, each followed by its CRC-32C. Versions 1 (64-byte header, no optional fields in
+/// the records) and 2 carry one FNV-1a over the whole payload. Versions 1 to 3 are written on
+/// request, for older readers; all four are read.
 /// @{
 
 /// The binary format's first version: a 64-byte header and one FNV-1a 64 over the payload.
@@ -147,16 +148,26 @@ inline constexpr std::uint16_t binary_trace_version = 1;
 /// The binary format's version 2: a 72-byte header declaring the optional fields (trace_fields)
 /// and the record size, each record followed by its fields; one FNV-1a 64 over the payload.
 inline constexpr std::uint16_t binary_trace_version_with_fields = 2;
-/// The binary format's version 3, what encode_binary() writes by default: version 2's header and
+/// The binary format's version 3 (the default before version 4): version 2's header and
 /// records, checksummed in blocks (a CRC-32C after each), so a reader checks each block before
 /// it decodes it, at several GB/s.
 inline constexpr std::uint16_t binary_trace_version_blocked = 3;
+/// The binary format's version 4, what encode_binary() writes by default: version 3 with the
+/// model name (trace_metadata::geometry) in the header, so that the tools pick the geometry of a
+/// binary trace from the trace, as they do from a text one.
+inline constexpr std::uint16_t binary_trace_version_named = 4;
+/// Longest model name a version 4 header records, in bytes.
+inline constexpr std::size_t max_binary_geometry_name = 256;
 
 /// @brief How encode_binary() and write_binary() write.
 struct binary_write_options {
-  /// The format version: binary_trace_version_blocked (3, the default), or 2 or 1 for a reader
-  /// older than version 3 (1 only for a trace without optional fields).
-  std::uint16_t version = binary_trace_version_blocked;
+  /// The format version: binary_trace_version_named (4, the default), or 3, 2 or 1 for a reader
+  /// older than version 4 (1 only for a trace without optional fields).
+  std::uint16_t version = binary_trace_version_named;
+  /// The model name a version 4 header records (e.g. "mixtral-8x7b"), at most
+  /// max_binary_geometry_name bytes; control characters are dropped, as the text writers drop
+  /// them. Empty: none. Versions 1 to 3 have no place for it.
+  std::string geometry{};
 };
 
 /// Decodes a binary trace from @p bytes; its dimensions (the header is its geometry metadata)
@@ -173,9 +184,9 @@ struct binary_write_options {
 ///
 /// Validates what read_binary() validates (header, geometry, every record, the checksums,
 /// truncation and trailing data) with memory bounded by one chunk (256 KiB of records, or one
-/// version 3 block, plus their events), independent of the trace's length.
+/// version 3 or 4 block, plus their events), independent of the trace's length.
 ///
-/// Version 3: each block's CRC-32C is checked before any of its records is decoded, so no event
+/// Versions 3 and 4: each block's CRC-32C is checked before any of its records is decoded, so no event
 /// of a corrupt block is ever delivered. Versions 1 and 2: the FNV-1a checksum covers the whole
 /// payload, so it is checked when the last chunk has been delivered: next() returns the empty
 /// end-of-trace chunk only after it matched, and a consumer must discard its results when next()
@@ -183,7 +194,7 @@ struct binary_write_options {
 /// on a helper thread owned by the reader while the records are decoded (4 buffers of 256 KiB in
 /// flight); the thread is joined before the end, on an error and in the destructor.
 ///
-/// Version 2 and 3 events are delivered with their optional fields (probability vectors and
+/// Version 2 to 4 events are delivered with their optional fields (probability vectors and
 /// sketches, which follow each record). Version 1 events are delivered without their probability
 /// vectors (the vectors follow all records in that format); the vectors are still read,
 /// validated, counted against the header and checksummed. The events are in stored order, which
@@ -221,10 +232,12 @@ class binary_trace_reader final : public routing_event_source {
   [[nodiscard]] std::uint32_t batch_size() const noexcept override;         ///< Recorded or overridden.
   [[nodiscard]] std::uint64_t events() const noexcept;                      ///< Records the header declares.
   [[nodiscard]] std::uint64_t probability_vectors() const noexcept;         ///< Vectors the header declares.
-  [[nodiscard]] std::uint16_t version() const noexcept;                     ///< The format version, 1 to 3.
-  /// Records per checksummed block (version 3); 0 in versions 1 and 2.
+  [[nodiscard]] std::uint16_t version() const noexcept;                     ///< The format version, 1 to 4.
+  /// The model name the header records (version 4); empty when it records none.
+  [[nodiscard]] const std::string& geometry_name() const noexcept;
+  /// Records per checksummed block (versions 3 and 4); 0 in versions 1 and 2.
   [[nodiscard]] std::uint32_t block_records() const noexcept;
-  /// The optional fields the header declares (delivered with the events in version 2 only).
+  /// The optional fields the header declares (delivered with the events from version 2 on).
   [[nodiscard]] trace_fields fields() const noexcept;
 
  private:
@@ -232,8 +245,9 @@ class binary_trace_reader final : public routing_event_source {
 };
 
 /// Encodes @p trace in the binary format version @p options.version, events in their stored order.
-/// @throws expage::invalid_argument when the version is not 1, 2 or 3, or is 1 for a trace with
-///         optional fields (trace_fields).
+/// @throws expage::invalid_argument when the version is not 1 to 4, is 1 for a trace with
+///         optional fields (trace_fields), or the model name is longer than
+///         max_binary_geometry_name bytes.
 [[nodiscard]] std::string encode_binary(const routing_trace& trace, const binary_write_options& options = {});
 /// Writes @p trace to the file @p path in the binary format, atomically.
 /// @throws expage::invalid_argument as encode_binary() (before any file is created), or when the
