@@ -444,10 +444,25 @@ TEST(FourPoolController, CommitResizesTheHiSetOrKeepsThePreviousSplit) {
   EXPECT_EQ(c.current(), before);
   EXPECT_EQ(c.statistics().failed_resizes, 1U);
   ASSERT_TRUE(d.split.tiered() && d.split.hi_slots < 4U) << "the KV pool grows out of the hi pool";
-  // The drops are the hot set's own demotions, layer by layer, coldest first.
+  // The drops, layer by layer, coldest first: rebuilt from the hot set's public state by a
+  // selection that takes the coldest remaining member (lowest hotness, ties to the higher
+  // index, DynaExq §3.5's ranking reversed) until hi_slots remain, not by demotions_for().
   std::vector<expert_id> coldest_first;
   for (std::uint32_t l = 0; l < m.layers; ++l) {
-    for (const expert_index x : c.hot_set().demotions_for(l, d.split.hi_slots)) coldest_first.push_back({l, x});
+    std::vector<expert_index> members;
+    for (expert_index x = 0; x < m.experts_per_layer; ++x) {
+      if (c.hot_set().is_hot({l, x})) members.push_back(x);
+    }
+    while (members.size() > d.split.hi_slots) {
+      std::size_t coldest = 0;
+      for (std::size_t i = 1; i < members.size(); ++i) {
+        const double h = c.hot_set().hotness({l, members[i]});
+        const double best = c.hot_set().hotness({l, members[coldest]});
+        if (h < best || (h == best && members[i] > members[coldest])) coldest = i;
+      }
+      coldest_first.push_back({l, members[coldest]});
+      members.erase(members.begin() + static_cast<std::ptrdiff_t>(coldest));
+    }
   }
   ASSERT_FALSE(coldest_first.empty());
   EXPECT_EQ(d.hi_evictions, coldest_first);

@@ -262,6 +262,48 @@ TEST(ExpertRuntimeTiers, MissesLoadTheLoTierAndHitsServeTheActiveVersion) {
   EXPECT_EQ(w.mismatches.load(), 0U);
 }
 
+// Prefetches load into the demand tier (lo here), and their byte counters are the bytes the
+// loads moved, the int4 version's stored bytes, not the pages holding them (the bf16 tensors of
+// runtime_world fill whole pages, so only a lo tier tells the two apart).
+TEST(ExpertRuntimeTiers, PrefetchBytesAreTheLoVersionsStoredBytes) {
+  tiered_world w;
+  const std::size_t lo_bytes = w.geometry.expert_bytes(precision::int4);
+  ASSERT_NE(lo_bytes, w.page_rounded(precision::int4)) << "the check needs a version that is not whole pages";
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 2}, &prefetch);
+  const std::uint32_t ahead[] = {4, 5};
+  rt.prefetch(2, ahead);
+  prefetch.synchronize();
+  rt.poll();
+  EXPECT_EQ(rt.records(2)[4].format, precision::int4);
+  const std::uint32_t used[] = {4};
+  {
+    auto lease = rt.acquire(2, used);
+    EXPECT_EQ(lease.tiers()[0], version_tier::lo);
+    w.check_lease_on_compute(rt, lease);
+    lease.release();
+  }
+  w.compute.synchronize();
+  // Other experts until the unused prefetch is evicted (four lo slots).
+  for (std::uint32_t e = 0; e < 8 && rt.statistics().total.prefetch_wasted == 0; e += 2) {
+    const std::uint32_t routed[] = {e, e + 1};
+    rt.acquire(0, routed).release();
+    w.compute.synchronize();
+    rt.poll();
+  }
+  const auto s = rt.statistics();
+  EXPECT_EQ(s.total.prefetches, 2U);
+  EXPECT_EQ(s.total.prefetch_used, 1U);
+  EXPECT_EQ(s.total.prefetch_wasted, 1U);
+  EXPECT_EQ(s.total.prefetch_bytes, 2 * lo_bytes);
+  EXPECT_EQ(s.total.prefetch_used_bytes, lo_bytes);
+  EXPECT_EQ(s.total.prefetch_wasted_bytes, lo_bytes);
+  EXPECT_EQ(s.tiers[1].total.prefetch_bytes, 2 * lo_bytes) << "counted in the tier that loaded them";
+  EXPECT_EQ(s.tiers[0].total.prefetch_bytes, 0U);
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
 // A hot set rotating through a hi tier of two versions, as a hot-set controller drives it: each
 // call lists the whole set with the member that leaves it demoted first. A remembered hi target
 // is never another promotion's victim, so the newcomer's hi version waits for the leaver's switch
