@@ -315,6 +315,16 @@ TEST(TraceIo, BadCsvNamesFileLineAndField) {
 
 using expage::testing::reseal_binary;
 
+// parse_binary()'s message for @p bytes (named @p source), or "no exception".
+std::string parse_error(const std::string& bytes, std::string_view source) {
+  try {
+    (void)expage::parse_binary(bytes_of(bytes), mixtral(), source);
+  } catch (const expage::format_error& e) {
+    return e.what();
+  }
+  return "no exception";
+}
+
 TEST(TraceIo, BadBinaryNamesByteOffsetAndField) {  // version 1
   const std::string good = expage::encode_binary(small_synthetic(), {.version = 1});
   ASSERT_EQ(good.size(), 64U + (4U * 8U * 32U) * (16U + 12U));
@@ -397,15 +407,7 @@ TEST(TraceIo, BadVersionThreeNamesByteOffsetAndField) {
   ASSERT_EQ(small.size(), 72 + 1024 * 28 + 11 * 4);
   ASSERT_EQ(expage::parse_binary(bytes_of(small), mixtral(), "small.bin"), t) << "any block size is read";
   ASSERT_EQ(good.size(), 72 + 1024 * 28 + 4) << "one block of " << per_block;
-  const auto message = [&](const std::string& bytes) {
-    std::string whole = "no exception";
-    try {
-      (void)expage::parse_binary(bytes_of(bytes), mixtral(), "v3.bin");
-    } catch (const expage::format_error& e) {
-      whole = e.what();
-    }
-    return whole;
-  };
+  const auto message = [](const std::string& bytes) { return parse_error(bytes, "v3.bin"); };
   // Record 250 is the 51st of block 2: 72 + 250 · 28 + 2 checksums before it.
   const std::size_t record250 = 72 + 250 * 28 + 2 * 4;
   std::string expert = small;
@@ -468,15 +470,7 @@ TEST(TraceIo, BadVersionFourNamesByteOffsetAndField) {
   ASSERT_EQ(good[8], 4);
   ASSERT_EQ(good.size(), 88 + 1024 * 28 + 4);
   ASSERT_EQ(good.substr(64, 16), std::string("mixtral-8x7b\0\0\0\0", 16));
-  const auto message = [&](const std::string& bytes) {
-    std::string whole = "no exception";
-    try {
-      (void)expage::parse_binary(bytes_of(bytes), mixtral(), "v4.bin");
-    } catch (const expage::format_error& e) {
-      whole = e.what();
-    }
-    return whole;
-  };
+  const auto message = [](const std::string& bytes) { return parse_error(bytes, "v4.bin"); };
   const auto put = [](std::string& b, std::size_t at, std::uint32_t v) {
     expage::testing::put_le<std::uint32_t>(std::as_writable_bytes(std::span(b.data(), b.size())), at, v);
   };
