@@ -30,13 +30,13 @@ using detail::staged_record;
 
 constexpr std::array<char, 8> binary_magic = {'E', 'X', 'P', 'G', 'T', 'R', 'C', '1'};
 constexpr std::size_t header_size = 64;     // version 1
-constexpr std::size_t header_size_v2 = 72;  // versions 2 and 3: + sketch_dims, record_size
+constexpr std::size_t header_size_v2 = 72;  // versions 2 and 3 (and 4 before its name): + sketch_dims, record_size
 // Version 4: version 3's fields, then the model name padded with zeros to a multiple of 8 bytes,
 // then the header checksum; name_bytes (at 52, version 3's reserved field) gives its length.
 constexpr std::size_t name_offset = 64;
 constexpr std::size_t max_header_size = header_size_v2 + max_binary_geometry_name;
 constexpr std::uint32_t flag_probabilities = 1;
-constexpr std::uint32_t flag_sketch = 2;  // versions 2 and 3
+constexpr std::uint32_t flag_sketch = 2;  // from version 2
 constexpr std::size_t record_fixed_bytes = 16;
 // Version 3: each block of block_records records is followed by its CRC-32C. The reader holds
 // one block, so a header may not ask for more than max_block_bytes of records per block (a
