@@ -314,6 +314,9 @@ int run(int argc, char** argv) {
     expage_tools::check_output_path(command, files[1]);
   }
   const std::optional<expage::trace_metadata> meta = expage::read_trace_metadata(files[0]);
+  // The model name an output records: the input's, else --geometry's; none when neither names
+  // one (not the placeholder name of a geometry made from the input's dimensions).
+  const std::string model = meta && !meta->geometry.empty() ? meta->geometry : geometry ? geometry->name() : "";
   if (!geometry) {
     if (!meta) {
       throw cli_error{fmt::format("{} has no geometry metadata: pass --geometry (one of: {}, or a JSON file)",
@@ -334,14 +337,13 @@ int run(int argc, char** argv) {
     print_info(files[0], t, *geometry);
   } else if (command == "realign") {
     const expage::realign_result r = expage::realign_trace(t, realign);
-    write_output(files[1], r.trace, meta && !meta->geometry.empty() ? meta->geometry : geometry->name(),
-                 output_version);
+    write_output(files[1], r.trace, model, output_version);
     print_realign(files[0], files[1], r);
   } else if (command == "requests") {
     expage_tools::write_atomically(files[1], oracle_general(t));
     fmt::print("{} -> {}: {} requests\n", files[0].string(), files[1].string(), t.size() * t.top_k());
   } else {
-    write_output(files[1], t, meta && !meta->geometry.empty() ? meta->geometry : geometry->name(), output_version);
+    write_output(files[1], t, model, output_version);
     fmt::print("{} -> {}: {} events\n", files[0].string(), files[1].string(), t.size());
   }
   return 0;
