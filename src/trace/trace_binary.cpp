@@ -1026,11 +1026,7 @@ std::string encode_binary(const routing_trace& trace, const binary_write_options
     case binary_trace_version_with_fields: return encode_binary_v2(trace);
     case binary_trace_version_blocked: return encode_binary_blocked(trace, options.version, {});
     case binary_trace_version_named: {
-      // The name as the text writers write it: control characters dropped.
-      std::string name;
-      for (const char c : options.geometry) {
-        if (static_cast<unsigned char>(c) >= 0x20) name += c;
-      }
+      const std::string name = metadata_of(trace, options.geometry).geometry;  // as every format records it
       if (name.size() > max_binary_geometry_name) {
         throw invalid_argument(
             fmt::format("encode_binary: a model name of {} bytes out of range [0, {}] "

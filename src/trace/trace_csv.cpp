@@ -330,7 +330,7 @@ void write_csv(std::ostream& out, const routing_trace& trace, std::string_view g
   detail::check_text_metadata(meta, "csv");
   std::string geometry;
   for (const char c : meta.geometry) {
-    if (c != ' ' && static_cast<unsigned char>(c) >= 0x20) geometry += c;
+    if (c != ' ') geometry += c;  // metadata_of() dropped the control characters
   }
   out << metadata_prefix << 1 << (geometry.empty() ? std::string() : " geometry=" + geometry)
       << fmt::format(" layers={} experts_per_layer={} top_k={} batch_size={}\n", meta.layers, meta.experts_per_layer,

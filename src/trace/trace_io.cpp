@@ -9,6 +9,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <string>
+#include <utility>
 
 namespace expage {
 
@@ -20,7 +22,11 @@ trace_format format_of(const std::filesystem::path& path) noexcept {
 }
 
 trace_metadata metadata_of(const routing_trace& trace, std::string_view geometry_name) {
-  return {.geometry = std::string(geometry_name),
+  std::string name;  // the name as every writer records it: control characters dropped
+  for (const char c : geometry_name) {
+    if (static_cast<unsigned char>(c) >= 0x20) name += c;
+  }
+  return {.geometry = std::move(name),
           .layers = trace.layers(),
           .experts_per_layer = trace.experts_per_layer(),
           .top_k = trace.top_k(),

@@ -442,7 +442,7 @@ void write_jsonl(std::ostream& out, const routing_trace& trace, std::string_view
     std::string escaped;
     for (const char c : meta.geometry) {
       if (c == '"' || c == '\\') escaped += '\\';
-      if (static_cast<unsigned char>(c) >= 0x20) escaped += c;
+      escaped += c;  // metadata_of() dropped the control characters
     }
     line += fmt::format(R"("geometry": "{}", )", escaped);
   }

@@ -114,6 +114,10 @@ TEST_F(TraceFiles, BinaryVersionFourRecordsTheModelName) {
   EXPECT_EQ(expage::read_trace_metadata(dir_ / "w.bin").value().geometry, "mixtral-8x7b");
   expage::write_binary(dir_ / "c.bin", t, {.geometry = "my\tmodel\n"});
   EXPECT_EQ(expage::binary_trace_reader(dir_ / "c.bin", mixtral()).geometry_name(), "mymodel");
+  for (const char* file : {"c.jsonl", "c.csv"}) {  // one rule for every format (metadata_of())
+    expage::write_trace(dir_ / file, t, "my\tmodel\n");
+    EXPECT_EQ(expage::read_trace_metadata(dir_ / file).value().geometry, "mymodel") << file;
+  }
   // The name's length sets the header's: 72 bytes and the name padded to a multiple of 8, from
   // 0 to max_binary_geometry_name bytes; the records follow it.
   for (const std::size_t n :

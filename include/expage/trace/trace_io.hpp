@@ -69,7 +69,8 @@ struct trace_metadata {
   friend bool operator==(const trace_metadata&, const trace_metadata&) = default;
 };
 
-/// The metadata the writers record for @p trace, naming the model @p geometry_name.
+/// The metadata the writers record for @p trace, naming the model @p geometry_name less its
+/// control characters (every format drops them).
 [[nodiscard]] trace_metadata metadata_of(const routing_trace& trace, std::string_view geometry_name = {});
 
 /// @brief The on-disk trace formats.
