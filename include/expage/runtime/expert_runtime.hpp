@@ -492,7 +492,7 @@ class expert_runtime {
     }
     held_records_.push_back(&record);  // capacity reserved by take_record(): never reallocates
     if (drained && release_work_.load(std::memory_order_relaxed)) settle();  // under the lock: relaxed
-    if (tracing()) trace_.span(fmt::format("acquire L{}", layer), "acquire", host_track_, t0, trace_.now_us() - t0);
+    if (tracing()) trace_acquire(layer, t0);
     return lease(this, &record, layer);
   }
   /// @}
@@ -1233,6 +1233,10 @@ class expert_runtime {
       throw invalid_argument(fmt::format("expert_runtime::{}: expert {} out of range [0, {}) in layer {}", what, e,
                                          geometry_.experts_per_layer(), layer));
     }
+  }
+  // acquire()'s span in the Chrome trace, out of line (the hit path stays short).
+  [[gnu::noinline]] void trace_acquire(std::uint32_t layer, double t0) {
+    trace_.span(fmt::format("acquire L{}", layer), "acquire", host_track_, t0, trace_.now_us() - t0);
   }
   // Ranges and repeats (the capacity is checked under the lock).
   void validate_group(std::uint32_t layer, std::span<const std::uint32_t> experts, const char* what) const {
@@ -2008,6 +2012,28 @@ class expert_runtime {
   // A free record for a lease of @p experts at @p layer (allocates only when more leases are held
   // at once than ever before). Strong guarantee.
   lease_record& take_record(std::uint32_t layer, std::span<const std::uint32_t> experts) {
+    const std::size_t k = experts.size();
+    // Mostly a free record whose last group had this size: nothing to allocate or resize.
+    lease_record& r =
+        !free_records_.empty() && free_records_.back()->flat.size() == k ? *free_records_.back() : sized_free_record(k);
+    const std::uint32_t first = flat(layer, 0);
+    std::uint32_t* const ids = r.experts.data();
+    std::uint32_t* const flats = r.flat.data();
+    for (std::size_t i = 0; i < k; ++i) {
+      ids[i] = experts[i];
+      flats[i] = first + experts[i];
+    }
+    r.layer = layer;
+    // Relaxed: the record is free (drained), and the lease reaches the releasing thread through
+    // the engine's own synchronization, which orders this store before the release's.
+    r.released.store(false, std::memory_order_relaxed);
+    free_records_.pop_back();
+    return r;
+  }
+  // take_record() without a free record of size @p k at the back of the free list: makes one
+  // (allocates only when more leases are held at once than ever before, or for a group larger
+  // than any before). Strong guarantee.
+  [[gnu::noinline]] lease_record& sized_free_record(std::size_t k) {
     if (free_records_.empty()) {
       held_records_.reserve(records_.size() + 1);
       free_records_.reserve(records_.size() + 1);
@@ -2015,26 +2041,14 @@ class expert_runtime {
       free_records_.push_back(records_.back().get());
     }
     lease_record& r = *free_records_.back();
-    if (r.flat.capacity() < experts.size()) {  // allocates only for a group larger than any before
-      r.experts.reserve(experts.size());
-      r.flat.reserve(experts.size());
-      if (tier_count_ != 1) r.tiers.reserve(experts.size());
+    if (r.flat.capacity() < k) {
+      r.experts.reserve(k);
+      r.flat.reserve(k);
+      if (tier_count_ != 1) r.tiers.reserve(k);
     }
-    if (r.flat.size() != experts.size()) {  // a record is mostly reused for a group of the same size
-      r.experts.resize(experts.size());
-      r.flat.resize(experts.size());
-      if (tier_count_ != 1) r.tiers.resize(experts.size());
-    }
-    const std::uint32_t first = flat(layer, 0);
-    for (std::size_t i = 0; i < experts.size(); ++i) {
-      r.experts[i] = experts[i];
-      r.flat[i] = first + experts[i];
-    }
-    r.layer = layer;
-    // Relaxed: the record is free (drained), and the lease reaches the releasing thread through
-    // the engine's own synchronization, which orders this store before the release's.
-    r.released.store(false, std::memory_order_relaxed);
-    free_records_.pop_back();
+    r.experts.resize(k);  // within the capacity: no longer throws
+    r.flat.resize(k);
+    if (tier_count_ != 1) r.tiers.resize(k);
     return r;
   }
 
@@ -2089,7 +2103,7 @@ class expert_runtime {
   // The note's store and load and the mutex's unlock and try_lock are all seq_cst (a Dekker
   // pair, no fences: ThreadSanitizer does not model them): either this thread sees the note
   // after its unlock, or the releaser's try_lock sees the unlock (or a later holder's lock).
-  void unlock() noexcept {
+  [[gnu::always_inline]] void unlock() noexcept {
     // The common case inline: no note before or after the unlock (the loads are plain on x86).
     if (!pending_release_.load(std::memory_order_seq_cst)) {
       mutex_.unlock();
@@ -2112,42 +2126,39 @@ class expert_runtime {
   // Under the lock: drains every released lease (its completion into the ring, its versions
   // unpinned). Returns true when it drained one.
   bool drain_releases() noexcept {
-    std::size_t kept = 0;
-    for (lease_record* r : held_records_) {
+    lease_record** const first = held_records_.data();
+    lease_record** const last = first + held_records_.size();
+    lease_record** kept = first;
+    for (lease_record** p = first; p != last; ++p) {
+      lease_record* r = *p;
       // Pairs with the seq_cst store in release_lease(): its completion is visible.
       if (r->released.load(std::memory_order_seq_cst)) {
         retire_lease(*r);
         free_records_.push_back(r);  // capacity records_.size(): never reallocates
       } else {
-        held_records_[kept++] = r;
+        *kept++ = r;
       }
     }
-    const bool drained = kept != held_records_.size();
-    held_records_.resize(kept);
-    return drained;
+    if (kept == last) return false;
+    held_records_.erase(held_records_.begin() + (kept - first), held_records_.end());
+    return true;
   }
   void retire_lease(lease_record& r) noexcept {
-    std::uint64_t ticket = 0;
-    if (r.done.has_value()) {
-      // The ring keeps the last completion_ring completions; the one 256 releases back is
-      // complete in practice, and is waited for before its place is reused.
-      ticket = ++tickets_;
-      any_completion& place = completions_[ticket % completion_ring];
-      if (!place.ready()) {
-        try {
-          place.wait();
-        } catch (...) {
-          // As a failed fence: whether that kernel still reads its versions is unknown, so every
-          // version whose uses span the ticket is poisoned (never evicted), not forgotten.
-          poison_users(ticket - completion_ring);
-        }
+    // The common case: a completion that was ready at release (not kept), so no ticket.
+    const std::uint64_t ticket = r.done.has_value() ? retire_completion(r) : 0;
+    const std::span<const std::uint32_t> flat = r.flat;
+    if (tier_count_ == 1 && ticket == 0) {
+      std::uint32_t* const pins = tier(0).pins.data();
+      for (const std::uint32_t f : flat) {
+        EXPAGE_ASSERT(pins[f] > 0, "expert_runtime: a lease released an expert it did not pin");
+        --pins[f];
       }
-      place = std::move(r.done);
+      return;
     }
     const bool one_tier = tier_count_ == 1;
-    for (std::size_t i = 0; i < r.flat.size(); ++i) {
+    for (std::size_t i = 0; i < flat.size(); ++i) {
       tier_state& T = tier(one_tier ? 0 : static_cast<std::size_t>(r.tiers[i]));
-      const std::uint32_t f = r.flat[i];
+      const std::uint32_t f = flat[i];
       EXPAGE_ASSERT(T.pins[f] > 0, "expert_runtime: a lease released an expert it did not pin");
       --T.pins[f];
       if (ticket != 0) {
@@ -2157,6 +2168,25 @@ class expert_runtime {
         v.last_use = ticket;
       }
     }
+  }
+  // retire_lease() of a lease released with a pending completion: moves it into the ring and
+  // returns its ticket.
+  [[gnu::noinline]] std::uint64_t retire_completion(lease_record& r) noexcept {
+    // The ring keeps the last completion_ring completions; the one 256 releases back is
+    // complete in practice, and is waited for before its place is reused.
+    const std::uint64_t ticket = ++tickets_;
+    any_completion& place = completions_[ticket % completion_ring];
+    if (!place.ready()) {
+      try {
+        place.wait();
+      } catch (...) {
+        // As a failed fence: whether that kernel still reads its versions is unknown, so every
+        // version whose uses span the ticket is poisoned (never evicted), not forgotten.
+        poison_users(ticket - completion_ring);
+      }
+    }
+    place = std::move(r.done);
+    return ticket;
   }
   // Poisons the versions whose uses since they were last known complete include ring ticket
   // @p ticket (its completion failed). O(tiers · experts), on a failure only.
