@@ -345,7 +345,9 @@ class expert_runtime {
       return *this;
     }
     /// Releases a lease still held, recording the compute stream's event (as release()).
-    ~lease() { release_quietly(); }
+    ~lease() {
+      if (runtime_ != nullptr) release_quietly();  // inline: a released lease's destructor costs a test
+    }
 
     [[nodiscard]] std::uint32_t layer() const noexcept { return layer_; }  ///< The layer.
     /// The routed experts, in the order acquire() was given them (indices within the layer); empty
@@ -390,7 +392,7 @@ class expert_runtime {
     friend class expert_runtime;
     lease(expert_runtime* runtime, lease_record* record, std::uint32_t layer) noexcept
         : runtime_(runtime), record_(record), layer_(layer) {}
-    void release_quietly() noexcept {
+    [[gnu::noinline]] void release_quietly() noexcept {
       if (runtime_ == nullptr) return;
       try {
         runtime_->release_lease(*this, runtime_->record_compute());
@@ -443,7 +445,7 @@ class expert_runtime {
     }
     const std::lock_guard lock(mutex_);  // not locked: its unlock could start background work
     drain_releases();
-    if (!held_records_.empty()) {  // a lease not released (even one of no experts: it pins nothing)
+    if (held_records_ != nullptr) {  // a lease not released (even one of no experts: it pins nothing)
       detail::assertion_failed("no lease is held", "expert_runtime destroyed while a lease is held", __FILE__,
                                __LINE__);
     }
@@ -482,15 +484,18 @@ class expert_runtime {
     const locked lock(*this);
     const double t0 = tracing() ? trace_.now_us() : 0.0;
     const bool drained = drain_releases();
-    lease_record& record = take_record(layer, experts);  // may throw bad_alloc: nothing changed
+    lease_record& record = take_record(experts.size());  // may throw bad_alloc: nothing changed
     try {
-      serve(layer, record);
+      serve(layer, experts, record);
     } catch (...) {
       ++failed_acquires_;
-      free_records_.push_back(&record);  // nothing was pinned: nothing to release
+      record.next = free_records_;  // nothing was pinned: nothing to release
+      free_records_ = &record;
       throw;
     }
-    held_records_.push_back(&record);  // capacity reserved by take_record(): never reallocates
+    record.next = nullptr;  // held, after the records held before it
+    *held_tail_ = &record;
+    held_tail_ = &record.next;
     if (drained && release_work_.load(std::memory_order_relaxed)) settle();  // under the lock: relaxed
     if (tracing()) trace_acquire(layer, t0);
     return lease(this, &record, layer);
@@ -1240,13 +1245,15 @@ class expert_runtime {
   }
   // Ranges and repeats (the capacity is checked under the lock).
   void validate_group(std::uint32_t layer, std::span<const std::uint32_t> experts, const char* what) const {
-    bool valid = layer < geometry_.layers();
+    // Bitwise, not short-circuit: a group is small and valid in practice, so no branch per test.
     const std::uint32_t per_layer = geometry_.experts_per_layer();
+    const std::uint32_t* const e = experts.data();
+    bool bad = layer >= geometry_.layers();
     for (std::size_t i = 0; i < experts.size(); ++i) {
-      valid = valid && experts[i] < per_layer;
-      for (std::size_t j = 0; j < i; ++j) valid = valid && experts[j] != experts[i];
+      bad |= e[i] >= per_layer;
+      for (std::size_t j = 0; j < i; ++j) bad |= e[j] == e[i];
     }
-    if (!valid) [[unlikely]]
+    if (bad) [[unlikely]]
       refuse_group(layer, experts, what);
   }
   // Throws the error validate_group() found.
@@ -1595,18 +1602,32 @@ class expert_runtime {
 
   // Demand path of acquire(): plan every miss (fallible, nothing changes), then map and fill
   // (fallible, undone on failure), then commit (noexcept). See the class comment.
-  void serve(std::uint32_t layer, lease_record& record) {
+  // Fills @p record (taken for @p experts' size) with the group first.
+  void serve(std::uint32_t layer, std::span<const std::uint32_t> experts, lease_record& record) {
     ++clock_;
+    // Copy the group into the record and test it in one pass: nothing in flight and every expert
+    // active means a hit path (the compact state says it all; bitwise tests, no branch each).
+    const std::uint32_t first = flat(layer, 0);
+    const std::uint8_t* const active = active_.data();
+    std::uint32_t* const ids = record.experts.data();
+    std::uint32_t* const flats = record.flat.data();
+    bool all_hit = loading_.empty() & background_.empty();
+    for (std::size_t i = 0; i < experts.size(); ++i) {
+      const std::uint32_t f = first + experts[i];
+      ids[i] = experts[i];
+      flats[i] = f;
+      all_hit &= active[f] != no_tier;
+    }
+    record.layer = layer;
     const std::span<const std::uint32_t> group = record.flat;
-    bool all_hit = loading_.empty() && background_.empty();  // nothing in flight: the compact state says it all
-    for (const std::uint32_t f : group) all_hit = all_hit && active_[f] != no_tier;
     if (all_hit) [[likely]] {  // the hit path: rank, pin, count; nothing to load, switch or wait for
       runtime_layer_statistics& s = stats(0, layer);
       if (tier_count_ == 1) {  // every version is a hi one (record.tiers is not kept)
         tier_state& T = tier(0);
+        std::uint32_t* const pins = T.pins.data();
         for (const std::uint32_t f : group) {
           hit(T, f, layer, s);
-          ++T.pins[f];
+          ++pins[f];
         }
         s.hits += group.size();
       } else {
@@ -2002,6 +2023,7 @@ class expert_runtime {
   struct lease_record {
     // Set by release() (seq_cst: with release_work_, see settle()); read by drain_releases().
     std::atomic<bool> released{false};
+    lease_record* next = nullptr;        // the next record of the free list or the held list (under the lock)
     any_completion done;                 // empty when the completion was ready at release
     std::uint32_t layer = 0;             // the lease's layer
     std::vector<std::uint32_t> experts;  // its experts as acquire() was given them (capacity kept across reuses)
@@ -2009,38 +2031,27 @@ class expert_runtime {
     std::vector<version_tier> tiers;     // ... and the tier of the version each was served by (two tiers only)
   };
 
-  // A free record for a lease of @p experts at @p layer (allocates only when more leases are held
-  // at once than ever before). Strong guarantee.
-  lease_record& take_record(std::uint32_t layer, std::span<const std::uint32_t> experts) {
-    const std::size_t k = experts.size();
+  // A free record for a lease of @p k experts, its experts and flat indices sized but not filled
+  // (serve() fills them). Strong guarantee.
+  lease_record& take_record(std::size_t k) {
     // Mostly a free record whose last group had this size: nothing to allocate or resize.
     lease_record& r =
-        !free_records_.empty() && free_records_.back()->flat.size() == k ? *free_records_.back() : sized_free_record(k);
-    const std::uint32_t first = flat(layer, 0);
-    std::uint32_t* const ids = r.experts.data();
-    std::uint32_t* const flats = r.flat.data();
-    for (std::size_t i = 0; i < k; ++i) {
-      ids[i] = experts[i];
-      flats[i] = first + experts[i];
-    }
-    r.layer = layer;
+        free_records_ != nullptr && free_records_->flat.size() == k ? *free_records_ : sized_free_record(k);
     // Relaxed: the record is free (drained), and the lease reaches the releasing thread through
     // the engine's own synchronization, which orders this store before the release's.
     r.released.store(false, std::memory_order_relaxed);
-    free_records_.pop_back();
+    free_records_ = r.next;
     return r;
   }
-  // take_record() without a free record of size @p k at the back of the free list: makes one
+  // take_record() without a free record of size @p k at the head of the free list: makes one
   // (allocates only when more leases are held at once than ever before, or for a group larger
-  // than any before). Strong guarantee.
+  // than any before) and returns that head. Strong guarantee.
   [[gnu::noinline]] lease_record& sized_free_record(std::size_t k) {
-    if (free_records_.empty()) {
-      held_records_.reserve(records_.size() + 1);
-      free_records_.reserve(records_.size() + 1);
+    if (free_records_ == nullptr) {
       records_.push_back(std::make_unique<lease_record>());
-      free_records_.push_back(records_.back().get());
+      free_records_ = records_.back().get();
     }
-    lease_record& r = *free_records_.back();
+    lease_record& r = *free_records_;
     if (r.flat.capacity() < k) {
       r.experts.reserve(k);
       r.flat.reserve(k);
@@ -2126,35 +2137,40 @@ class expert_runtime {
   // Under the lock: drains every released lease (its completion into the ring, its versions
   // unpinned). Returns true when it drained one.
   bool drain_releases() noexcept {
-    lease_record** const first = held_records_.data();
-    lease_record** const last = first + held_records_.size();
-    lease_record** kept = first;
-    for (lease_record** p = first; p != last; ++p) {
-      lease_record* r = *p;
+    bool drained = false;
+    lease_record** link = &held_records_;
+    while (lease_record* const r = *link) {
       // Pairs with the seq_cst store in release_lease(): its completion is visible.
       if (r->released.load(std::memory_order_seq_cst)) {
         retire_lease(*r);
-        free_records_.push_back(r);  // capacity records_.size(): never reallocates
+        *link = r->next;  // out of the held list, onto the free one
+        r->next = free_records_;
+        free_records_ = r;
+        drained = true;
       } else {
-        *kept++ = r;
+        link = &r->next;
       }
     }
-    if (kept == last) return false;
-    held_records_.erase(held_records_.begin() + (kept - first), held_records_.end());
-    return true;
+    held_tail_ = link;  // the held list's last link
+    return drained;
   }
   void retire_lease(lease_record& r) noexcept {
-    // The common case: a completion that was ready at release (not kept), so no ticket.
-    const std::uint64_t ticket = r.done.has_value() ? retire_completion(r) : 0;
-    const std::span<const std::uint32_t> flat = r.flat;
-    if (tier_count_ == 1 && ticket == 0) {
+    // The common case inline: one tier, a completion that was ready at release (not kept).
+    if (tier_count_ == 1 && !r.done.has_value()) [[likely]] {
       std::uint32_t* const pins = tier(0).pins.data();
-      for (const std::uint32_t f : flat) {
+      for (const std::uint32_t f : r.flat) {
         EXPAGE_ASSERT(pins[f] > 0, "expert_runtime: a lease released an expert it did not pin");
         --pins[f];
       }
       return;
     }
+    retire_lease_tiered(r);
+  }
+  // retire_lease() with two tiers or a completion kept: the ring takes it, each version's span
+  // of uses grows.
+  [[gnu::noinline]] void retire_lease_tiered(lease_record& r) noexcept {
+    const std::uint64_t ticket = r.done.has_value() ? retire_completion(r) : 0;
+    const std::span<const std::uint32_t> flat = r.flat;
     const bool one_tier = tier_count_ == 1;
     for (std::size_t i = 0; i < flat.size(); ++i) {
       tier_state& T = tier(one_tier ? 0 : static_cast<std::size_t>(r.tiers[i]));
@@ -2244,7 +2260,7 @@ class expert_runtime {
   // Tier t's pins less the pins of released leases not yet drained (for const queries).
   [[nodiscard]] std::vector<std::uint32_t> live_pins(std::size_t t) const {
     std::vector<std::uint32_t> pins = tier(t).pins;
-    for (const lease_record* r : held_records_) {
+    for (const lease_record* r = held_records_; r != nullptr; r = r->next) {
       if (!r->released.load(std::memory_order_seq_cst)) continue;
       for (std::size_t i = 0; i < r->flat.size(); ++i) {
         if (tier_count_ == 1 || static_cast<std::size_t>(r->tiers[i]) == t) --pins[r->flat[i]];
@@ -2544,8 +2560,10 @@ class expert_runtime {
   std::vector<any_completion> completions_ = std::vector<any_completion>(completion_ring);  // by ticket
   std::uint64_t tickets_ = 0;
   std::vector<std::unique_ptr<lease_record>> records_;  // every lease record (addresses stable)
-  std::vector<lease_record*> free_records_;             // records no lease holds
-  std::vector<lease_record*> held_records_;             // records of leases acquired and not yet drained
+  // Intrusive lists through lease_record::next (pushing never allocates, so never throws):
+  lease_record* free_records_ = nullptr;       // records no lease holds, most recently freed first
+  lease_record* held_records_ = nullptr;       // records of leases acquired and not yet drained, oldest first
+  lease_record** held_tail_ = &held_records_;  // the held list's last link (the runtime does not move)
   // True while a release must be drained at once (background work waits for it); written under
   // the lock by settle(), read by release_lease() without it (seq_cst, see there).
   std::atomic<bool> release_work_{false};
