@@ -9,6 +9,7 @@
 # and BM_Baseline_SlotCache_AllHit at --benchmark_min_time=0.2, keeping both medians. Prints, per
 # binary, the median over rounds of the runtime's time and of the ratio, with the ratio's range.
 set -euo pipefail
+export LC_ALL=C  # sort -n and awk read "23.5", whatever the caller's locale
 if (($# < 2)) || ! [[ $1 =~ ^[1-9][0-9]*$ ]]; then
   echo "usage: $0 ROUNDS BENCH [BENCH...] (ROUNDS a positive integer)" >&2
   exit 2
@@ -22,9 +23,18 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 for ((i = 0; i < rounds; ++i)); do
   for ((j = 1; j <= $#; ++j)); do
-    "${!j}" --benchmark_filter='BM_Runtime_AcquireRelease_AllHit$|BM_Baseline_SlotCache_AllHit$' \
-      --benchmark_enable_random_interleaving=true --benchmark_repetitions=5 --benchmark_min_time=0.2 2>/dev/null |
-      awk '/_median/ { if ($1 ~ /Baseline/) base = $2; else run = $2 } END { print run, base, run / base }' >>"$work/$j"
+    if ! "${!j}" --benchmark_filter='BM_Runtime_AcquireRelease_AllHit$|BM_Baseline_SlotCache_AllHit$' \
+      --benchmark_enable_random_interleaving=true --benchmark_repetitions=5 --benchmark_min_time=0.2 \
+      >"$work/out" 2>&1; then
+      echo "$0: ${!j} failed:" >&2
+      cat "$work/out" >&2
+      exit 1
+    fi
+    if ! awk '/_median/ { if ($1 ~ /Baseline/) base = $2; else run = $2 }
+              END { if (run == "" || base == "") exit 1; print run, base, run / base }' "$work/out" >>"$work/$j"; then
+      echo "$0: ${!j} has no BM_Runtime_AcquireRelease_AllHit or BM_Baseline_SlotCache_AllHit median" >&2
+      exit 1
+    fi
   done
 done
 for ((j = 1; j <= $#; ++j)); do

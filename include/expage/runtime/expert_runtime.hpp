@@ -1611,7 +1611,7 @@ class expert_runtime {
     const std::uint8_t* const active = active_.data();
     std::uint32_t* const ids = record.experts.data();
     std::uint32_t* const flats = record.flat.data();
-    bool all_hit = loading_.empty() & background_.empty();
+    bool all_hit = loading_.empty() && background_.empty();
     for (std::size_t i = 0; i < experts.size(); ++i) {
       const std::uint32_t f = first + experts[i];
       ids[i] = experts[i];
@@ -2043,9 +2043,10 @@ class expert_runtime {
     free_records_ = r.next;
     return r;
   }
-  // take_record() without a free record of size @p k at the head of the free list: makes one
-  // (allocates only when more leases are held at once than ever before, or for a group larger
-  // than any before) and returns that head. Strong guarantee.
+  // take_record() without a free record of size @p k at the head of the free list: sizes that
+  // head, or a new record when none is free, and returns it. Allocates only for a new record
+  // (more leases held at once than ever before) or a head whose capacity is below @p k.
+  // Strong guarantee.
   [[gnu::noinline]] lease_record& sized_free_record(std::size_t k) {
     if (free_records_ == nullptr) {
       records_.push_back(std::make_unique<lease_record>());
