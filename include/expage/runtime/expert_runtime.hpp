@@ -655,9 +655,12 @@ class expert_runtime {
     }
     settle();
     if (tracing()) {
-      trace_.instant(tier_count_ == 1 ? fmt::format("resize to {} experts", wanted[0])
-                                      : fmt::format("resize to {} hi + {} lo", wanted[0], wanted[1]),
-                     "resize", host_track_);
+      try {
+        trace_.instant(tier_count_ == 1 ? fmt::format("resize to {} experts", wanted[0])
+                                        : fmt::format("resize to {} hi + {} lo", wanted[0], wanted[1]),
+                       "resize", host_track_);
+      } catch (...) {  // tracing is best effort: the resize is in force
+      }
     }
     return out;
   }
@@ -1239,9 +1242,13 @@ class expert_runtime {
                                          geometry_.experts_per_layer(), layer));
     }
   }
-  // acquire()'s span in the Chrome trace, out of line (the hit path stays short).
-  [[gnu::noinline]] void trace_acquire(std::uint32_t layer, double t0) {
-    trace_.span(fmt::format("acquire L{}", layer), "acquire", host_track_, t0, trace_.now_us() - t0);
+  // acquire()'s span in the Chrome trace, out of line (the hit path stays short). Never throws:
+  // the lease is committed by then, and an exception would lose it (tracing is best effort).
+  [[gnu::noinline]] void trace_acquire(std::uint32_t layer, double t0) noexcept {
+    try {
+      trace_.span(fmt::format("acquire L{}", layer), "acquire", host_track_, t0, trace_.now_us() - t0);
+    } catch (...) {  // the name could not be formatted: no span
+    }
   }
   // Ranges and repeats (the capacity is checked under the lock).
   void validate_group(std::uint32_t layer, std::span<const std::uint32_t> experts, const char* what) const {
@@ -1594,9 +1601,12 @@ class expert_runtime {
     std::erase(background_, f);  // no longer two versions (or never was)
     v = version{};
     if (tracing()) {
-      trace_.instant(
-          fmt::format("{} {} {}", eviction ? "evict" : "retire", id, to_string(static_cast<version_tier>(t))), "evict",
-          host_track_);
+      try {
+        trace_.instant(
+            fmt::format("{} {} {}", eviction ? "evict" : "retire", id, to_string(static_cast<version_tier>(t))),
+            "evict", host_track_);
+      } catch (...) {  // tracing is best effort (noexcept here)
+      }
     }
   }
 
