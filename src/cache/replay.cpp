@@ -805,8 +805,9 @@ std::optional<std::vector<replay_result>> replay_ordered(routing_event_source& s
     if (!(curves && curve_job(jobs[j]))) runners[j] = make_runner(jobs[j].policy, geometry, jobs[j].options);
   }
   std::vector<std::uint64_t> split(jobs.size(), 0);
+  // Per (layer, expert): requested at least once. Only stored here and counted once at the end
+  // (the compulsory misses), so the loop below carries no dependency through it.
   std::vector<std::uint8_t> seen(static_cast<std::size_t>(geometry.expert_count()), 0);
-  std::uint64_t compulsory = 0;
   token_counter tokens;
   order_check order(source.batch_size());
   const std::uint32_t top_k = geometry.top_k();
@@ -846,9 +847,7 @@ std::optional<std::vector<replay_result>> replay_ordered(routing_event_source& s
       if (e.layer >= layers || e.experts.size() != top_k || e.weights.size() != top_k) bad_event(e, geometry);
       for (const std::uint32_t x : e.experts) {
         if (x >= experts) bad_event(e, geometry);
-        std::uint8_t& s = seen[std::size_t{e.layer} * experts + x];
-        compulsory += s == 0 ? 1 : 0;
-        s = 1;
+        seen[std::size_t{e.layer} * experts + x] = 1;
       }
     }
     if (!carried.empty()) {  // no step ended in this chunk: the open one goes on
@@ -864,6 +863,7 @@ std::optional<std::vector<replay_result>> replay_ordered(routing_event_source& s
     const std::size_t all = carried.size();
     serve({.events = carried.events(), .ends = std::span(&all, 1)});
   }
+  const auto compulsory = static_cast<std::uint64_t>(std::count(seen.begin(), seen.end(), std::uint8_t{1}));
   std::vector<replay_result> results;
   results.reserve(jobs.size());
   for (std::size_t j = 0; j < jobs.size(); ++j) {
