@@ -11,8 +11,12 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <exception>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <ostream>
 #include <semaphore>
@@ -494,11 +498,122 @@ class checksum_worker {
 };
 
 // Payloads from this size on are hashed by a checksum_worker (when there is a second core):
-// below it a thread costs more than it saves.
+// below it a thread costs more than it saves. The same bound decides when a version 3 or 4
+// stream is decoded ahead (decode_ahead).
 constexpr std::uint64_t threaded_checksum_bytes = std::uint64_t{4} << 20;
 
-// Version 3 delivers at most this many events per chunk.
+// One chunk's events and the arrays their spans point into.
+struct decoded_chunk {
+  std::vector<routing_event> events;
+  std::vector<std::uint32_t> experts;
+  std::vector<float> weights;
+  std::vector<float> probabilities;  // versions 2 to 4: delivered with the events
+  std::vector<float> sketch;         // versions 2 to 4: delivered with the events
+};
+
+// Reads, checks and decodes a version 3 or 4 payload on a second thread, up to `depth` chunks
+// ahead of the consumer. Reading the file, the blocks' CRC-32C and decoding the records are about
+// a third of a streamed replay (docs/performance.md) and need nothing from the consumer; each
+// chunk has its own decoded_chunk, so the producer fills the next while the consumer reads one.
+// The producer runs the same code as a synchronous stream, chunk after chunk, in order; an
+// exception it throws (a corrupt block, a bad record) is rethrown by next() in the chunk's place,
+// after every chunk before it, and again by any later call. The chunks are large (a few hundred
+// hand-overs for a 10 M-event trace), so a mutex and two condition variables order them: the
+// producer writes a slot, then counts it under the mutex; the consumer reads it after seeing the
+// count under the same mutex, and frees it the same way.
+class decode_ahead {
+ public:
+  static constexpr std::size_t depth = 4;  // chunks in flight, the consumer's one included
+  // Fills chunk slot @p slot (< depth) and returns its events; empty at the end.
+  using producer = std::function<std::span<const routing_event>(std::size_t slot)>;
+
+  // @throws std::system_error when no thread can be started.
+  explicit decode_ahead(producer produce) : produce_(std::move(produce)), thread_([this] { run(); }) {}
+  decode_ahead(const decode_ahead&) = delete;
+  decode_ahead& operator=(const decode_ahead&) = delete;
+  ~decode_ahead() {
+    {
+      const std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    freed_cv_.notify_one();
+    thread_.join();
+  }
+
+  // The next chunk, in the producer's order; the previous one's slot may be refilled from here on.
+  // @throws what the producer threw for this chunk (and for every call after it).
+  std::span<const routing_event> next() {
+    if (error_) std::rethrow_exception(error_);
+    if (ended_) return {};
+    {
+      std::unique_lock lock(mutex_);
+      if (holding_) {
+        ++freed_;
+        holding_ = false;
+        freed_cv_.notify_one();
+      }
+      made_cv_.wait(lock, [&] { return made_ > taken_; });
+    }
+    const std::size_t k = taken_++ % depth;
+    if (errors_[k]) {
+      error_ = errors_[k];
+      std::rethrow_exception(error_);
+    }
+    ended_ = chunks_[k].empty();
+    holding_ = !ended_;
+    return chunks_[k];
+  }
+
+ private:
+  void run() {
+    for (std::size_t k = 0;; k = (k + 1) % depth) {
+      {
+        std::unique_lock lock(mutex_);
+        freed_cv_.wait(lock, [&] { return stop_ || made_ - freed_ < depth; });
+        if (stop_) return;
+      }
+      bool end = false;
+      try {
+        chunks_[k] = produce_(k);
+        end = chunks_[k].empty();
+      } catch (...) {
+        errors_[k] = std::current_exception();
+        end = true;
+      }
+      {
+        const std::lock_guard lock(mutex_);
+        ++made_;
+      }
+      made_cv_.notify_one();
+      if (end) return;
+    }
+  }
+
+  producer produce_;
+  std::array<std::span<const routing_event>, depth> chunks_{};  // written by the producer only
+  std::array<std::exception_ptr, depth> errors_{};              // written by the producer only
+  std::mutex mutex_;
+  std::condition_variable made_cv_;   // made_ rose
+  std::condition_variable freed_cv_;  // freed_ rose, or stop_
+  std::size_t made_ = 0;              // chunks produced (under mutex_)
+  std::size_t freed_ = 0;             // chunks the consumer is done with (under mutex_)
+  bool stop_ = false;                 // under mutex_
+  // The consumer's own.
+  std::size_t taken_ = 0;
+  bool holding_ = false;  // the consumer holds the chunk it was last given
+  bool ended_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;  // last: started once everything it reads exists
+};
+
+// Versions 3 and 4 read about this many bytes of blocks at a time and deliver at most this many
+// events per chunk when decoding on the caller's thread (they stay in its first-level cache until
+// read), and these when decoding ahead (a few hundred hand-overs for 10 M events; the events cross
+// to the other core's caches either way): 0.5 MiB of blocks and 4 × 0.8 MB of chunks in flight.
+constexpr std::size_t blocked_read_bytes = std::size_t{1} << 16;
 constexpr std::size_t blocked_chunk_events = 512;
+constexpr std::size_t ahead_read_bytes = std::size_t{1} << 19;
+constexpr std::size_t ahead_chunk_events = 8192;
 
 // The streaming reader's state: the input, the header, the running checksum and one chunk.
 namespace detail {
@@ -519,21 +634,25 @@ struct binary_stream {
   std::array<std::vector<std::byte>, checksum_worker::depth> buffers;
   std::optional<checksum_worker> worker;  // hashes the records while they are decoded (large traces)
   std::size_t buffer = 0;                 // the buffer the next chunk goes to
-  std::vector<std::uint32_t> experts;
-  std::vector<float> weights;
-  std::vector<float> probabilities;  // versions 2 and 3: delivered with the events
-  std::vector<float> sketch;         // versions 2 and 3: delivered with the events
-  std::vector<routing_event> events;
+  // The chunks' arrays: one per chunk decode_ahead may hold in flight; slots[0] otherwise.
+  std::array<decoded_chunk, decode_ahead::depth> slots;
+  decoded_chunk* cur = slots.data();                // the chunk being decoded
+  std::size_t chunk_events = blocked_chunk_events;  // versions 3 and 4: most events per chunk
+  std::size_t read_bytes = blocked_read_bytes;      // versions 3 and 4: bytes of blocks per read
+  std::exception_ptr failed;                        // what next() threw, thrown again
   staged_record r;
 
   binary_stream(std::unique_ptr<detail::byte_input> input, detail::byte_input& i, const moe_geometry& geometry,
                 const trace_read_options& options)
       : owned(std::move(input)), in(&i), layout(read_layout(i, geometry)) {
     batch_size = options.batch_size != 0 ? options.batch_size : layout.h.batch_size;
+    layers = geometry.layers();
     experts_per_layer = geometry.experts_per_layer();
-    // Versions 3 and 4: the block checksums (CRC-32C) cost less than the hand-over to a thread would.
-    if (!blocked(layout.h.version) && layout.h.events * layout.record_bytes >= threaded_checksum_bytes &&
-        std::thread::hardware_concurrency() > 1) {
+    top_k = geometry.top_k();
+    // Versions 3 and 4 are decoded ahead instead (from the first next()), checksums included.
+    may_read_ahead = options.read_ahead && layout.h.events * layout.record_bytes >= threaded_checksum_bytes &&
+                     std::thread::hardware_concurrency() > 1;
+    if (!blocked(layout.h.version) && may_read_ahead) {
       try {
         worker.emplace(sum);
       } catch (const std::system_error&) {  // no thread to be had: hash on this one
@@ -614,10 +733,10 @@ struct binary_stream {
       if (plain) {
         const std::span<const std::byte> rest = bytes.subspan(i * record_bytes);
         const std::size_t j = first + i;
-        i += top_k == 2 ? decode_plain<2>(rest, count - i, 2, layers, experts_per_layer, &events[j], &experts[j * 2],
-                                          &weights[j * 2])
-                        : decode_plain<0>(rest, count - i, top_k, layers, experts_per_layer, &events[j],
-                                          &experts[j * top_k], &weights[j * top_k]);
+        i += top_k == 2 ? decode_plain<2>(rest, count - i, 2, layers, experts_per_layer, &cur->events[j],
+                                          &cur->experts[j * 2], &cur->weights[j * 2])
+                        : decode_plain<0>(rest, count - i, top_k, layers, experts_per_layer, &cur->events[j],
+                                          &cur->experts[j * top_k], &cur->weights[j * top_k]);
         if (i == count) break;
       }
       decode_checked(bytes, i * record_bytes, first + i);
@@ -638,22 +757,23 @@ struct binary_stream {
       fail(at(offset + 13), "has_probabilities",
            fmt::format("more events carry probabilities than the {} the header declares", layout.h.vectors));
     }
-    std::copy(r.experts.begin(), r.experts.end(), experts.begin() + static_cast<std::ptrdiff_t>(index * top_k));
-    std::copy(r.weights.begin(), r.weights.end(), weights.begin() + static_cast<std::ptrdiff_t>(index * top_k));
-    const std::span<float> vector = std::span(probabilities).subspan(index * p, p);
-    const std::span<float> sketch_values = std::span(sketch).subspan(index * d, d);
+    decoded_chunk& c = *cur;
+    std::copy(r.experts.begin(), r.experts.end(), c.experts.begin() + static_cast<std::ptrdiff_t>(index * top_k));
+    std::copy(r.weights.begin(), r.weights.end(), c.weights.begin() + static_cast<std::ptrdiff_t>(index * top_k));
+    const std::span<float> vector = std::span(c.probabilities).subspan(index * p, p);
+    const std::span<float> sketch_values = std::span(c.sketch).subspan(index * d, d);
     const std::size_t fixed = record_fixed_bytes + 6 * top_k;
     decode_floats(bytes, o + fixed, vector);
     decode_floats(bytes, o + fixed + 4 * p, sketch_values);
-    events[index] = {.sequence = *r.sequence,
-                     .step = *r.step,
-                     .layer = *r.layer,
-                     .phase = r.phase,
-                     .experts = std::span<const std::uint32_t>(experts).subspan(index * top_k, top_k),
-                     .weights = std::span<const float>(weights).subspan(index * top_k, top_k),
-                     .probabilities = vector,
-                     .sketch = sketch_values};
-    if (const auto problem = detail::check_record(events[index], layers, experts_per_layer, top_k, f)) {
+    c.events[index] = {.sequence = *r.sequence,
+                       .step = *r.step,
+                       .layer = *r.layer,
+                       .phase = r.phase,
+                       .experts = std::span<const std::uint32_t>(c.experts).subspan(index * top_k, top_k),
+                       .weights = std::span<const float>(c.weights).subspan(index * top_k, top_k),
+                       .probabilities = vector,
+                       .sketch = sketch_values};
+    if (const auto problem = detail::check_record(c.events[index], layers, experts_per_layer, top_k, f)) {
       fail(at(offset), detail::to_string(problem->field), problem->message);
     }
   }
@@ -723,12 +843,58 @@ struct binary_stream {
 
   std::uint32_t layers = 0;
   std::uint32_t top_k = 0;
+  bool may_read_ahead = false;  // a large trace, a second core, trace_read_options::read_ahead
 
-  std::span<const routing_event> next();
+  // The next chunk: decode_ahead's, or produced here. After an exception, every call throws it
+  // again (the stream cannot resume past a bad block or record).
+  std::span<const routing_event> next() {
+    if (failed) std::rethrow_exception(failed);
+    try {
+      if (ahead) return ahead->next();
+      if (may_read_ahead && delivered == 0 && !finished) {
+        may_read_ahead = false;
+        if (start_reading_ahead()) return ahead->next();
+      }
+      return produce(0);
+    } catch (...) {
+      failed = std::current_exception();
+      throw;
+    }
+  }
+  // Decodes the next chunk into slots[@p slot]; empty at the end, after finish().
+  std::span<const routing_event> produce(std::size_t slot);
+
+  // Versions 3 and 4 (when may_read_ahead): starts decode_ahead, which from here on is the only
+  // caller of produce() (and so of everything above). False when it does not apply or no thread
+  // can be started.
+  bool start_reading_ahead() {
+    if (!blocked(layout.h.version)) return false;
+    const auto restore = [this] {
+      chunk_events = blocked_chunk_events;
+      read_bytes = blocked_read_bytes;
+    };
+    chunk_events = ahead_chunk_events;
+    read_bytes = ahead_read_bytes;
+    try {
+      ahead.emplace([this](std::size_t slot) { return produce(slot); });
+    } catch (const std::system_error&) {  // no thread to be had: decode on this one
+      restore();
+      return false;
+    } catch (...) {
+      restore();
+      throw;
+    }
+    return true;
+  }
+
+  // Last: joined (destroyed) before anything its thread uses.
+  std::optional<decode_ahead> ahead;
 };
 }  // namespace detail
 
-std::span<const routing_event> detail::binary_stream::next() {
+std::span<const routing_event> detail::binary_stream::produce(std::size_t slot) {
+  cur = &slots[slot];
+  std::vector<routing_event>& events = cur->events;
   if (finished) {
     events.clear();
     return events;
@@ -743,12 +909,12 @@ std::span<const routing_event> detail::binary_stream::next() {
   const bool in_blocks = blocked(layout.h.version);
   std::size_t n = 0;
   if (in_blocks) {
-    // Whole blocks are read (about 64 KiB, at least one) and checked, then delivered in chunks of
-    // up to blocked_chunk_events: a chunk's events, about 80 bytes each, stay in the core's
-    // first-level cache until the consumer has read them.
+    // Whole blocks are read (about read_bytes, at least one) and checked, then delivered in chunks
+    // of up to chunk_events (blocked_chunk_events on this thread: a chunk's events, about 80 bytes
+    // each, stay in the core's first-level cache until the consumer has read them).
     if (buffered == 0) {
       const std::size_t per_block = layout.h.block_records;
-      const std::size_t want = std::max<std::size_t>(1, (std::size_t{1} << 16) / record_bytes / per_block) * per_block;
+      const std::size_t want = std::max<std::size_t>(1, read_bytes / record_bytes / per_block) * per_block;
       buffered = static_cast<std::size_t>(std::min<std::uint64_t>(want, remaining));
       buffer_first = delivered;
       try {
@@ -758,7 +924,7 @@ std::span<const routing_event> detail::binary_stream::next() {
         throw;
       }
     }
-    n = std::min(buffered, blocked_chunk_events);
+    n = std::min(buffered, chunk_events);
   } else {
     // 64 KiB chunks; 256 KiB when hashed on the helper thread (fewer hand-overs).
     const std::size_t chunk_bytes = std::size_t{1} << (worker ? 18 : 16);
@@ -772,10 +938,10 @@ std::span<const routing_event> detail::binary_stream::next() {
   const std::size_t d = delivered_fields.sketch_dims;
   // Sized once per chunk and never reallocated below: the events' spans point into them.
   events.resize(n);
-  experts.resize(n * top_k);
-  weights.resize(n * top_k);
-  probabilities.resize(n * p);
-  sketch.resize(n * d);
+  cur->experts.resize(n * top_k);
+  cur->weights.resize(n * top_k);
+  cur->probabilities.resize(n * p);
+  cur->sketch.resize(n * d);
   const bool plain = !delivered_fields.any() && layout.h.vectors == 0;
   try {
     if (in_blocks) {
@@ -805,8 +971,6 @@ binary_trace_reader::binary_trace_reader(const std::filesystem::path& path, cons
   auto input = std::make_unique<detail::byte_input>(path);
   detail::byte_input& i = *input;
   state_ = std::make_unique<detail::binary_stream>(std::move(input), i, geometry, options);
-  state_->layers = geometry.layers();
-  state_->top_k = geometry.top_k();
 }
 
 binary_trace_reader::binary_trace_reader(std::span<const std::byte> bytes, const moe_geometry& geometry,
@@ -815,8 +979,6 @@ binary_trace_reader::binary_trace_reader(std::span<const std::byte> bytes, const
       std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()), source_name);
   detail::byte_input& i = *input;
   state_ = std::make_unique<detail::binary_stream>(std::move(input), i, geometry, options);
-  state_->layers = geometry.layers();
-  state_->top_k = geometry.top_k();
 }
 
 binary_trace_reader::~binary_trace_reader() = default;
@@ -842,8 +1004,6 @@ routing_trace read_binary_from(std::unique_ptr<detail::byte_input> input, const 
                                const trace_read_options& options) {
   detail::byte_input& in = *input;
   detail::binary_stream st(std::move(input), in, geometry, options);
-  st.layers = geometry.layers();
-  st.top_k = geometry.top_k();
   const binary_header& h = st.layout.h;
   const std::string_view source = in.name();
   detail::trace_builder builder(geometry, source, true);

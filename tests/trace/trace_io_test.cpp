@@ -594,6 +594,93 @@ TEST(BinaryTraceReader, LargeTracesHashOnAHelperThreadWithTheSameVerdicts) {  //
   for (int i = 0; i < 10; ++i) (void)abandoned.next();
 }
 
+// Versions 3 and 4 from 4 MiB of records on: a second thread reads, checks and decodes the next
+// chunks while the caller reads one (trace_read_options::read_ahead, on a machine with two cores).
+// The same events in the same order as on one thread, and the same verdicts: a corrupt block, a
+// bad record, a corrupt last checksum, each thrown again by every later call; abandoned half-way,
+// the thread is stopped and joined (ASan, TSan).
+TEST(BinaryTraceReader, LargeTracesDecodeAheadWithTheSameEventsAndVerdicts) {  // versions 3 and 4
+  const auto g = expage::moe_geometry::mixtral_8x7b();
+  // Reads @p bytes to the end or the first error: the events checked against @p t as they come,
+  // the error's message ("" at the end) and the events delivered before it.
+  struct outcome {
+    std::string error;
+    std::uint64_t delivered = 0;
+  };
+  const auto read = [&](const std::string& bytes, const routing_trace& t, bool ahead) {
+    outcome o;
+    expage::binary_trace_reader in(bytes_of(bytes), g, "big.bin", {.read_ahead = ahead});
+    try {
+      for (auto chunk = in.next(); !chunk.empty(); chunk = in.next()) {
+        for (const routing_event& e : chunk) {
+          const routing_event want = t[o.delivered++];
+          EXPECT_TRUE(e.sequence == want.sequence && e.step == want.step && e.layer == want.layer &&
+                      e.phase == want.phase && std::ranges::equal(e.experts, want.experts) &&
+                      std::ranges::equal(e.weights, want.weights) &&
+                      std::ranges::equal(e.probabilities, want.probabilities))
+              << "event " << o.delivered - 1;
+        }
+      }
+      EXPECT_TRUE(in.next().empty()) << "the end stays the end";
+    } catch (const expage::format_error& e) {
+      o.error = e.what();
+      EXPECT_THAT([&] { (void)in.next(); }, ::testing::ThrowsMessage<expage::format_error>(o.error)) << "thrown again";
+    }
+    return o;
+  };
+  for (const bool vectors : {false, true}) {
+    const routing_trace t =
+        expage::generate_synthetic(g, {.seed = 5, .sequences = 16, .decode_steps = 320, .probabilities = vectors});
+    for (const std::uint16_t version : {std::uint16_t{3}, std::uint16_t{4}}) {
+      SCOPED_TRACE(fmt::format("version {}, probabilities {}", version, vectors));
+      const std::string good = expage::encode_binary(t, {.version = version, .geometry = "mixtral-8x7b"});
+      // Record i of a block of per_block records: after the header and i / per_block checksums.
+      const std::size_t record_bytes = 28 + (vectors ? 8 * 4 : 0);
+      const std::size_t per_block =
+          expage::testing::get_le<std::uint32_t>(std::as_bytes(std::span(good.data(), good.size())), 48);
+      const std::size_t blocks = (t.size() + per_block - 1) / per_block;
+      const std::size_t header = good.size() - t.size() * record_bytes - blocks * 4;
+      ASSERT_GE(t.size() * record_bytes, std::size_t{4} << 20) << "large enough to decode ahead";
+      ASSERT_GT(blocks, 20U);
+      const auto record_at = [&](std::size_t i) { return header + i * record_bytes + i / per_block * 4; };
+      const outcome whole = read(good, t, true);
+      EXPECT_EQ(whole.error, "");
+      EXPECT_EQ(whole.delivered, t.size());
+      EXPECT_EQ(read(good, t, false).delivered, t.size());
+      EXPECT_TRUE(expage::parse_binary(bytes_of(good), g, "big.bin") == t) << "read whole, decoded ahead";
+      // A weight's bit flipped in block 13 (not resealed): the block's checksum refuses it, and no
+      // event of it is delivered.
+      const std::size_t first = 13 * per_block;
+      std::string corrupt = good;
+      corrupt[record_at(first + 7) + 20] = static_cast<char>(corrupt[record_at(first + 7) + 20] ^ 0x01);
+      // An expert out of range in the middle (resealed); the last block's checksum itself.
+      const std::size_t bad = t.size() / 2 + 3;
+      std::string expert = good;
+      expert[record_at(bad) + 16] = 8;
+      expage::testing::reseal_binary(expert);
+      std::string last = good;
+      last.back() = static_cast<char>(last.back() ^ 0x10);
+      for (const auto& [bytes, wanted, most] :
+           {std::tuple{corrupt, std::string("field 'block_checksum'"), first},
+            std::tuple{expert, fmt::format("byte {}: field 'experts'", record_at(bad)), bad},
+            std::tuple{last, std::string("field 'block_checksum'"), (blocks - 1) * per_block}}) {
+        const outcome ahead = read(bytes, t, true);
+        const outcome here = read(bytes, t, false);
+        EXPECT_THAT(ahead.error, HasSubstr(wanted));
+        EXPECT_EQ(ahead.error, here.error);
+        EXPECT_LE(ahead.delivered, most);
+        EXPECT_LE(here.delivered, most);
+        EXPECT_EQ(parse_error(bytes, "big.bin"), ahead.error) << "read whole";
+      }
+      // Abandoned after one chunk, with the helper ahead or waiting for a free slot.
+      for (int chunks = 0; chunks < 3; ++chunks) {
+        expage::binary_trace_reader abandoned(bytes_of(good), g, "big.bin");
+        for (int i = 0; i < chunks; ++i) (void)abandoned.next();
+      }
+    }
+  }
+}
+
 TEST(TraceIo, HugeSequenceIdsCostNothing) {
   const routing_trace t = expage::parse_jsonl(
       R"({"sequence":4294967295,"step":1,"layer":0,"experts":[0,1],"weights":[1,1]})"

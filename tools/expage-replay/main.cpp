@@ -77,6 +77,9 @@ model and cache:
   --in-memory           read the whole trace before replaying (the default streams an expage
                         binary trace in execution order, in bounded memory, unless a policy
                         needs the future: belady)
+  --no-read-ahead       read an expage binary trace on one thread (default: a second thread reads,
+                        checks and decodes ahead when the trace is large and a second core exists;
+                        turn it off when the other cores are busy)
 
 output:
   --per-layer           also print each layer's miss ratio
@@ -107,6 +110,7 @@ struct config {
   double link_gbps = 25.0;
   expage::replay_mode mode = expage::replay_mode::grouped;
   bool in_memory = false;
+  bool read_ahead = true;
   bool per_layer = false;
   std::optional<std::string> csv, json, svg;
   std::uint32_t curve_points = 24;
@@ -197,6 +201,8 @@ config parse(int argc, char** argv, const std::string& help) {
       c.mode = expage::replay_mode::sequential;
     } else if (flag == "--in-memory") {
       c.in_memory = true;
+    } else if (flag == "--no-read-ahead") {
+      c.read_ahead = false;
     } else if (flag == "--per-layer") {
       c.per_layer = true;
     } else if (flag == "--csv") {
@@ -434,7 +440,7 @@ int main(int argc, char** argv) {
     if (c.trace && !c.in_memory && !needs_future && expage::format_of(*c.trace) == expage::trace_format::binary &&
         std::filesystem::is_regular_file(*c.trace, regular_error)) {
       // One pass over the file for every replay, in bounded memory.
-      expage::binary_trace_reader in(*c.trace, g, {.batch_size = c.batch.value_or(0)});
+      expage::binary_trace_reader in(*c.trace, g, {.batch_size = c.batch.value_or(0), .read_ahead = c.read_ahead});
       if (auto r = expage::replay_ordered(in, g, all)) {
         done = std::move(*r);
         events = in.events();
@@ -453,7 +459,7 @@ int main(int argc, char** argv) {
       expage::routing_trace trace = [&] {
         if (c.trace) {
           return expage_tools::read_checked_trace(*c.trace, g, meta.has_value(), c.trust_geometry,
-                                                  {.batch_size = c.batch.value_or(0)});
+                                                  {.batch_size = c.batch.value_or(0), .read_ahead = c.read_ahead});
         }
         expage::synthetic_options o = c.synth;
         o.batch_size = c.batch.value_or(1);

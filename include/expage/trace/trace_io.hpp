@@ -49,6 +49,12 @@ struct trace_read_options {
   /// Sequences decoded in lockstep (see routing_trace). 0: the trace's own (its metadata or
   /// binary header), else 1.
   std::uint32_t batch_size = 0;
+  /// Binary traces of 4 MiB of records or more, on a machine with a second core: a second thread
+  /// reads ahead of the caller. Versions 3 and 4: it reads, checks and decodes the next chunks
+  /// while the caller consumes one; versions 1 and 2: it hashes the payload. The events, their
+  /// order and every error are the same either way. False: everything on the caller's thread,
+  /// for a machine whose other cores are busy (two threads then share what one would have had).
+  bool read_ahead = true;
 };
 
 /// @brief The geometry a trace records about itself (docs/traces.md, "Geometry metadata").
@@ -184,16 +190,20 @@ struct binary_write_options {
 /// @brief A binary trace read as a stream: one chunk of records at a time, never the whole trace.
 ///
 /// Validates what read_binary() validates (header, geometry, every record, the checksums,
-/// truncation and trailing data) with memory bounded by one chunk (256 KiB of records, or one
-/// version 3 or 4 block, plus their events), independent of the trace's length.
+/// truncation and trailing data) with memory bounded by a few chunks (256 KiB of records, or
+/// 64 KiB of version 3 or 4 blocks, plus their events; about 4 MiB more when reading ahead),
+/// independent of the trace's length.
 ///
 /// Versions 3 and 4: each block's CRC-32C is checked before any of its records is decoded, so no event
 /// of a corrupt block is ever delivered. Versions 1 and 2: the FNV-1a checksum covers the whole
 /// payload, so it is checked when the last chunk has been delivered: next() returns the empty
 /// end-of-trace chunk only after it matched, and a consumer must discard its results when next()
-/// throws. From 4 MiB of records on, on a machine with a second core, that serial checksum runs
-/// on a helper thread owned by the reader while the records are decoded (4 buffers of 256 KiB in
-/// flight); the thread is joined before the end, on an error and in the destructor.
+/// throws. From 4 MiB of records on, on a machine with a second core, a helper thread owned by the
+/// reader works ahead of the caller (trace_read_options::read_ahead): in versions 3 and 4 it
+/// reads, checks and decodes the next chunks (up to 4 of 8,192 events in flight); in versions 1
+/// and 2 it computes the serial checksum while the records are decoded (4 buffers of 256 KiB in
+/// flight). The thread ends at the end of the trace or at an error, and is joined by then
+/// (versions 1 and 2) or by the destructor.
 ///
 /// Version 2 to 4 events are delivered with their optional fields (probability vectors and
 /// sketches, which follow each record). Version 1 events are delivered without their probability
@@ -225,7 +235,10 @@ class binary_trace_reader final : public routing_event_source {
   ~binary_trace_reader() override;
 
   /// The next chunk of records; empty at the end, once the checksum and the length were verified.
-  /// @throws expage::format_error naming the byte offset and the field of the first bad record.
+  /// The chunk's events stay valid until the next call (trace_read_options::read_ahead decodes
+  /// the following chunks meanwhile, into other memory).
+  /// @throws expage::format_error naming the byte offset and the field of the first bad record
+  ///         or block; every later call throws it again.
   [[nodiscard]] std::span<const routing_event> next() override;
   [[nodiscard]] std::uint32_t layers() const noexcept override;             ///< From the header.
   [[nodiscard]] std::uint32_t experts_per_layer() const noexcept override;  ///< From the header.
