@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Whole-process replay, expage against libCacheSim, on one request stream, in one run (issue 12,
 # item 2). Generates the synthetic Mixtral trace (640 sequences x 512 decode steps: 10,485,760
-# routing events, 20,971,520 expert requests) in expage's binary format (version 3, the default;
+# routing events, 20,971,520 expert requests) in expage's binary format (version 4, the default;
 # and a version 1 copy), writes the same stream as libCacheSim's oracleGeneral binary
 # (expage-trace requests), and times with /usr/bin/time (wall seconds, CPU seconds = user +
 # system, peak RSS) the median of REPEATS runs, interleaved (one run of each in turn, so a change
 # of load on a shared machine hits every row alike), of:
 #   expage-replay (streaming, default)   LRU, 128 global slots, grouped and --sequential
+#   expage-replay --no-read-ahead        grouped, the trace read and decoded on the replay's thread
 #   expage-replay on format version 1    --sequential, the same trace with one FNV-1a checksum
 #   expage-replay --in-memory            the pre-streaming path, for reference
 #   libcachesim (PyPI, C core)           LRU(128).process_trace(TraceReader(oracleGeneral)), whole
@@ -23,7 +24,7 @@ python="$2"
 work="${3:-/tmp/expage-vs-libcachesim}"
 repeats="${4:-3}"
 mkdir -p "$work"
-trace="$work/mixtral-640x512.v3.bin"
+trace="$work/mixtral-640x512.v4.bin"
 trace_v1="$work/mixtral-640x512.v1.bin"
 requests="$work/mixtral-640x512.oracleGeneral"
 [[ -f "$trace" ]] || "$build/tools/expage-trace" synth --geometry mixtral-8x7b --sequences 640 --decode-steps 512 "$trace"
@@ -73,12 +74,14 @@ measure_rows() {
 }
 
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), load $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "trace: $(stat -c %s "$trace") bytes (expage binary version 3), $(stat -c %s "$trace_v1") bytes (version 1), $(stat -c %s "$requests") bytes (oracleGeneral)"
+echo "trace: $(stat -c %s "$trace") bytes (expage binary version 4), $(stat -c %s "$trace_v1") bytes (version 1), $(stat -c %s "$requests") bytes (oracleGeneral)"
 printf '%-46s %10s %10s %13s %12s\n' "run (median of $repeats by wall)" "wall" "CPU" "peak RSS" "C core w/CPU"
 row "expage-replay LRU 128 (grouped, streaming)" \
   "$build/tools/expage-replay" --trace "$trace" --policy lru --capacity 128 --no-progress
 row "expage-replay LRU 128 --sequential" \
   "$build/tools/expage-replay" --trace "$trace" --policy lru --capacity 128 --no-progress --sequential
+row "expage-replay LRU 128 --no-read-ahead" \
+  "$build/tools/expage-replay" --trace "$trace" --policy lru --capacity 128 --no-progress --no-read-ahead
 row "expage-replay LRU 128 --sequential, version 1" \
   "$build/tools/expage-replay" --trace "$trace_v1" --policy lru --capacity 128 --no-progress --sequential
 row "libcachesim LRU 128 (python + C core)" "$python" -c "$lcs_run" "$requests" 128
