@@ -517,7 +517,7 @@ struct decoded_chunk {
 // chunk has its own decoded_chunk, so the producer fills the next while the consumer reads one.
 // The producer runs the same code as a synchronous stream, chunk after chunk, in order; an
 // exception it throws (a corrupt block, a bad record) is rethrown by next() in the chunk's place,
-// after every chunk before it, and again by any later call. The chunks are large (a few hundred
+// after every chunk before it, and again by any later call. The chunks are large (about 1,300
 // hand-overs for a 10 M-event trace), so a mutex and two condition variables order them: the
 // producer writes a slot, then counts it under the mutex; the consumer reads it after seeing the
 // count under the same mutex, and frees it the same way.
@@ -606,16 +606,18 @@ class decode_ahead {
   std::thread thread_;  // last: started once everything it reads exists
 };
 
-// Versions 3 and 4 read about this many bytes of blocks at a time and deliver at most this many
-// events per chunk when decoding on the caller's thread (they stay in its first-level cache until
-// read), and these when decoding ahead (a few hundred hand-overs for 10 M events; the events cross
-// to the other core's caches either way): 0.5 MiB of blocks and 4 × 0.8 MB of chunks in flight.
+// Versions 3 and 4 read about this many bytes of blocks at a time (at least one block) and deliver
+// at most this many events per chunk when decoding on the caller's thread (they stay in its
+// first-level cache until read), and these when decoding ahead (about 1,300 hand-overs for 10 M
+// events; the events cross to the other core's caches either way): 0.5 MiB of blocks and four
+// chunks of at most 8,192 events or about 1 MiB of decoded events and fields in flight.
 constexpr std::size_t blocked_read_bytes = std::size_t{1} << 16;
 constexpr std::size_t blocked_chunk_events = 512;
 constexpr std::size_t ahead_read_bytes = std::size_t{1} << 19;
 constexpr std::size_t ahead_chunk_events = 8192;
+constexpr std::size_t ahead_chunk_bytes = std::size_t{1} << 20;
 
-// The streaming reader's state: the input, the header, the running checksum and one chunk.
+// The streaming reader's state: the input, the header, the running checksum and the chunks' arrays.
 namespace detail {
 struct binary_stream {
   std::unique_ptr<detail::byte_input> owned;
@@ -628,8 +630,13 @@ struct binary_stream {
   std::uint64_t vectors_seen = 0;  // records whose has_probabilities is 1
   bool finished = false;
   std::vector<std::byte> chunk;
-  std::size_t buffered = 0;        // version 3: records in `chunk`, checked, not yet delivered
-  std::uint64_t buffer_first = 0;  // version 3: the index of the first record in `chunk`
+  std::size_t buffered = 0;          // versions 3 and 4: records in `chunk` not yet delivered
+  std::uint64_t buffer_first = 0;    // versions 3 and 4: the index of the first record in `chunk`
+  std::size_t buffered_records = 0;  // versions 3 and 4: the records `chunk` was read for
+  std::size_t chunk_bytes_read = 0;  // versions 3 and 4: the bytes of `chunk` the input had
+  std::size_t checked_blocks = 0;    // versions 3 and 4: `chunk`'s blocks checked (check_block())
+  std::size_t good = 0;              // the chunk's events decoded before the one being decoded
+  std::exception_ptr pending;        // versions 3 and 4: the error after a partly delivered chunk
   // The buffers the worker hashes are declared before it, so it is joined (destroyed) first.
   std::array<std::vector<std::byte>, checksum_worker::depth> buffers;
   std::optional<checksum_worker> worker;  // hashes the records while they are decoded (large traces)
@@ -650,8 +657,9 @@ struct binary_stream {
     experts_per_layer = geometry.experts_per_layer();
     top_k = geometry.top_k();
     // Versions 3 and 4 are decoded ahead instead (from the first next()), checksums included.
+    // A pipe is read as it comes: a thread blocked on it would hold up the destructor.
     may_read_ahead = options.read_ahead && layout.h.events * layout.record_bytes >= threaded_checksum_bytes &&
-                     std::thread::hardware_concurrency() > 1;
+                     i.known_size() && std::thread::hardware_concurrency() > 1;
     if (!blocked(layout.h.version) && may_read_ahead) {
       try {
         worker.emplace(sum);
@@ -694,35 +702,41 @@ struct binary_stream {
     return std::span<const std::byte>(buffers[b].data(), n);
   }
 
-  // Reads the @p n records of the next whole blocks (version 3) with their checksums, and checks
-  // every block's checksum before any of its records is decoded. Returns the blocks as read:
-  // each block_records records (the last block fewer) followed by 4 checksum bytes.
-  std::span<const std::byte> read_blocks(std::size_t n) {
+  // Reads the @p n records of the next whole blocks (versions 3 and 4) with their checksums into
+  // `chunk`: each block_records records (the last block fewer) followed by 4 checksum bytes. The
+  // blocks are checked one by one as decoding reaches them (check_block()), so the first fault in
+  // the file's order is the one reported, whatever the size of the reads.
+  void read_blocks(std::size_t n) {
     const std::uint64_t per_block = layout.h.block_records;
-    const std::uint64_t first_block = delivered / per_block;  // delivered is a multiple of per_block
     const std::size_t blocks = (n + per_block - 1) / per_block;
     const auto record_bytes = static_cast<std::size_t>(layout.record_bytes);
     chunk.resize(n * record_bytes + blocks * block_checksum_bytes);
-    const std::size_t got = in->read_fully(reinterpret_cast<char*>(chunk.data()), chunk.size());
-    if (got != chunk.size()) {
+    chunk_bytes_read = in->read_fully(reinterpret_cast<char*>(chunk.data()), chunk.size());
+    buffered_records = n;
+    checked_blocks = 0;
+  }
+  // Checks block @p b of `chunk` (the buffer's b-th): whole, and its CRC-32C, before any of its
+  // records is decoded, so no event of a corrupt block is ever delivered.
+  // @throws format_error naming the truncation or the block.
+  void check_block(std::size_t b) {
+    const std::uint64_t per_block = layout.h.block_records;
+    const auto record_bytes = static_cast<std::size_t>(layout.record_bytes);
+    const std::size_t stride = per_block * record_bytes + block_checksum_bytes;
+    const std::size_t records = std::min<std::size_t>(per_block, buffered_records - b * per_block);
+    if (b * stride + records * record_bytes + block_checksum_bytes > chunk_bytes_read) {
       fail(at(in->offset()), "payload",
            fmt::format("input ends at byte {} where the header implies {} bytes (truncated)", in->offset(),
                        layout.expected_size));
     }
-    const std::span<const std::byte> bytes(chunk);
-    for (std::size_t b = 0; b < blocks; ++b) {
-      const std::size_t records = std::min<std::size_t>(per_block, n - b * per_block);
-      const std::span<const std::byte> block = bytes.subspan(b * (per_block * record_bytes + block_checksum_bytes));
-      const auto stored = load_le<std::uint32_t>(block, records * record_bytes);
-      if (const std::uint32_t actual = block_checksum(first_block + b, block.first(records * record_bytes));
-          actual != stored) {
-        const std::uint64_t first = delivered + b * per_block;
-        fail(at(layout.record_offset(first) + records * record_bytes), "block_checksum",
-             fmt::format("{:#010x} does not match the {:#010x} of block {} (events {} to {}): the file is corrupt",
-                         stored, actual, first_block + b, first, first + records - 1));
-      }
+    const std::span<const std::byte> block = std::span<const std::byte>(chunk).subspan(b * stride);
+    const std::uint64_t first = buffer_first + b * per_block;  // buffer_first is a multiple of per_block
+    const std::uint64_t index = first / per_block;
+    const auto stored = load_le<std::uint32_t>(block, records * record_bytes);
+    if (const std::uint32_t actual = block_checksum(index, block.first(records * record_bytes)); actual != stored) {
+      fail(at(layout.record_offset(first) + records * record_bytes), "block_checksum",
+           fmt::format("{:#010x} does not match the {:#010x} of block {} (events {} to {}): the file is corrupt",
+                       stored, actual, index, first, first + records - 1));
     }
-    return bytes;
   }
 
   // Decodes the @p count records at @p bytes into the chunk's events from @p first on: the plain
@@ -739,6 +753,7 @@ struct binary_stream {
                                           &cur->experts[j * top_k], &cur->weights[j * top_k]);
         if (i == count) break;
       }
+      good = first + i;
       decode_checked(bytes, i * record_bytes, first + i);
     }
   }
@@ -873,16 +888,19 @@ struct binary_stream {
       chunk_events = blocked_chunk_events;
       read_bytes = blocked_read_bytes;
     };
-    chunk_events = ahead_chunk_events;
+    // A chunk's decoded events and fields take about ahead_chunk_bytes (wide records: fewer
+    // events, never fewer than on this thread).
+    const trace_fields f = layout.fields;  // versions 3 and 4 deliver them
+    const std::size_t event_bytes =
+        sizeof(routing_event) + 8 * std::size_t{top_k} +
+        4 * ((f.probabilities ? std::size_t{experts_per_layer} : 0) + std::size_t{f.sketch_dims});
+    chunk_events = std::clamp(ahead_chunk_bytes / event_bytes, blocked_chunk_events, ahead_chunk_events);
     read_bytes = ahead_read_bytes;
     try {
       ahead.emplace([this](std::size_t slot) { return produce(slot); });
-    } catch (const std::system_error&) {  // no thread to be had: decode on this one
+    } catch (...) {  // no thread (or no memory for one) to be had: decode on this one
       restore();
       return false;
-    } catch (...) {
-      restore();
-      throw;
     }
     return true;
   }
@@ -893,6 +911,7 @@ struct binary_stream {
 }  // namespace detail
 
 std::span<const routing_event> detail::binary_stream::produce(std::size_t slot) {
+  if (pending) std::rethrow_exception(pending);
   cur = &slots[slot];
   std::vector<routing_event>& events = cur->events;
   if (finished) {
@@ -909,7 +928,7 @@ std::span<const routing_event> detail::binary_stream::produce(std::size_t slot) 
   const bool in_blocks = blocked(layout.h.version);
   std::size_t n = 0;
   if (in_blocks) {
-    // Whole blocks are read (about read_bytes, at least one) and checked, then delivered in chunks
+    // Whole blocks are read (about read_bytes, at least one), then checked and decoded in chunks
     // of up to chunk_events (blocked_chunk_events on this thread: a chunk's events, about 80 bytes
     // each, stay in the core's first-level cache until the consumer has read them).
     if (buffered == 0) {
@@ -917,12 +936,7 @@ std::span<const routing_event> detail::binary_stream::produce(std::size_t slot) 
       const std::size_t want = std::max<std::size_t>(1, read_bytes / record_bytes / per_block) * per_block;
       buffered = static_cast<std::size_t>(std::min<std::uint64_t>(want, remaining));
       buffer_first = delivered;
-      try {
-        (void)read_blocks(buffered);
-      } catch (const format_error&) {
-        buffered = 0;
-        throw;
-      }
+      read_blocks(buffered);
     }
     n = std::min(buffered, chunk_events);
   } else {
@@ -943,25 +957,38 @@ std::span<const routing_event> detail::binary_stream::produce(std::size_t slot) 
   cur->probabilities.resize(n * p);
   cur->sketch.resize(n * d);
   const bool plain = !delivered_fields.any() && layout.h.vectors == 0;
+  good = 0;
   try {
     if (in_blocks) {
-      // Records [delivered, delivered + n) of the blocks in `chunk`, block by block.
+      // Records [delivered, delivered + n) of the blocks in `chunk`, block by block, each block
+      // checked when the first of its records is reached.
       const std::size_t per_block = layout.h.block_records;
       const std::size_t stride = per_block * record_bytes + block_checksum_bytes;
       for (std::size_t i = 0; i < n;) {
         const auto at = static_cast<std::size_t>(delivered - buffer_first) + i;  // in the buffer
+        if (at / per_block == checked_blocks) {
+          good = i;
+          check_block(checked_blocks++);
+        }
         const std::size_t count = std::min(n - i, per_block - at % per_block);
         decode(std::span<const std::byte>(chunk).subspan(at / per_block * stride + at % per_block * record_bytes), i,
                count, plain);
         i += count;
       }
-      buffered -= n;
     } else {
       decode(read_records(n * record_bytes), 0, n, plain);
     }
   } catch (const format_error&) {
-    drain_and_rethrow();
+    // Versions 3 and 4: the events before the fault are delivered, the error with the next call,
+    // so a consumer sees every good event before it whatever the size of its chunks. Versions 1
+    // and 2: a checksum mismatch explains the error better, and is known only at the end.
+    if (!in_blocks) drain_and_rethrow();
+    if (good == 0) throw;
+    pending = std::current_exception();
+    n = good;
+    events.resize(n);
   }
+  if (in_blocks) buffered -= n;
   delivered += n;
   return events;
 }

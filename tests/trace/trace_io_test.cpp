@@ -23,6 +23,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -595,29 +596,33 @@ TEST(BinaryTraceReader, LargeTracesHashOnAHelperThreadWithTheSameVerdicts) {  //
 }
 
 // Versions 3 and 4 from 4 MiB of records on: a second thread reads, checks and decodes the next
-// chunks while the caller reads one (trace_read_options::read_ahead, on a machine with two cores).
-// The same events in the same order as on one thread, and the same verdicts: a corrupt block, a
-// bad record, a corrupt last checksum, each thrown again by every later call; abandoned half-way,
-// the thread is stopped and joined (ASan, TSan).
+// chunks while the caller reads one (trace_read_options::read_ahead, on a machine with two cores),
+// in chunks of up to 8,192 events against 512 on one thread. The same events in the same order,
+// and the same verdicts, with exactly the events before the first fault delivered either way (a
+// corrupt block, a bad record, both, a corrupt last checksum), the error thrown again by every
+// later call; abandoned part-way, the thread is stopped and joined (ASan, TSan).
 TEST(BinaryTraceReader, LargeTracesDecodeAheadWithTheSameEventsAndVerdicts) {  // versions 3 and 4
   const auto g = expage::moe_geometry::mixtral_8x7b();
+  const bool two_cores = std::thread::hardware_concurrency() > 1;
   // Reads @p bytes to the end or the first error: the events checked against @p t as they come,
-  // the error's message ("" at the end) and the events delivered before it.
+  // the error's message ("" at the end), the events delivered before it and the largest chunk.
   struct outcome {
     std::string error;
     std::uint64_t delivered = 0;
+    std::size_t largest = 0;
   };
   const auto read = [&](const std::string& bytes, const routing_trace& t, bool ahead) {
     outcome o;
     expage::binary_trace_reader in(bytes_of(bytes), g, "big.bin", {.read_ahead = ahead});
     try {
       for (auto chunk = in.next(); !chunk.empty(); chunk = in.next()) {
+        o.largest = std::max(o.largest, chunk.size());
         for (const routing_event& e : chunk) {
           const routing_event want = t[o.delivered++];
-          EXPECT_TRUE(e.sequence == want.sequence && e.step == want.step && e.layer == want.layer &&
-                      e.phase == want.phase && std::ranges::equal(e.experts, want.experts) &&
-                      std::ranges::equal(e.weights, want.weights) &&
-                      std::ranges::equal(e.probabilities, want.probabilities))
+          EXPECT_TRUE(
+              e.sequence == want.sequence && e.step == want.step && e.layer == want.layer && e.phase == want.phase &&
+              std::ranges::equal(e.experts, want.experts) && std::ranges::equal(e.weights, want.weights) &&
+              std::ranges::equal(e.probabilities, want.probabilities) && std::ranges::equal(e.sketch, want.sketch))
               << "event " << o.delivered - 1;
         }
       }
@@ -628,14 +633,14 @@ TEST(BinaryTraceReader, LargeTracesDecodeAheadWithTheSameEventsAndVerdicts) {  /
     }
     return o;
   };
-  for (const bool vectors : {false, true}) {
-    const routing_trace t =
-        expage::generate_synthetic(g, {.seed = 5, .sequences = 16, .decode_steps = 320, .probabilities = vectors});
+  for (const bool fields : {false, true}) {
+    const routing_trace t = expage::generate_synthetic(
+        g, {.seed = 5, .sequences = 16, .decode_steps = 320, .probabilities = fields, .sketch_dims = fields ? 4U : 0U});
     for (const std::uint16_t version : {std::uint16_t{3}, std::uint16_t{4}}) {
-      SCOPED_TRACE(fmt::format("version {}, probabilities {}", version, vectors));
+      SCOPED_TRACE(fmt::format("version {}, optional fields {}", version, fields));
       const std::string good = expage::encode_binary(t, {.version = version, .geometry = "mixtral-8x7b"});
       // Record i of a block of per_block records: after the header and i / per_block checksums.
-      const std::size_t record_bytes = 28 + (vectors ? 8 * 4 : 0);
+      const std::size_t record_bytes = 28 + (fields ? (8 + 4) * 4 : 0);
       const std::size_t per_block =
           expage::testing::get_le<std::uint32_t>(std::as_bytes(std::span(good.data(), good.size())), 48);
       const std::size_t blocks = (t.size() + per_block - 1) / per_block;
@@ -646,34 +651,44 @@ TEST(BinaryTraceReader, LargeTracesDecodeAheadWithTheSameEventsAndVerdicts) {  /
       const outcome whole = read(good, t, true);
       EXPECT_EQ(whole.error, "");
       EXPECT_EQ(whole.delivered, t.size());
-      EXPECT_EQ(read(good, t, false).delivered, t.size());
+      if (two_cores) {
+        EXPECT_GT(whole.largest, 512U) << "decoded ahead, in larger chunks";
+      }
+      const outcome here = read(good, t, false);
+      EXPECT_EQ(here.delivered, t.size());
+      EXPECT_EQ(here.largest, 512U) << "on the caller's thread";
       EXPECT_TRUE(expage::parse_binary(bytes_of(good), g, "big.bin") == t) << "read whole, decoded ahead";
       // A weight's bit flipped in block 13 (not resealed): the block's checksum refuses it, and no
       // event of it is delivered.
-      const std::size_t first = 13 * per_block;
+      const std::size_t corrupt_block = 13 * per_block;
       std::string corrupt = good;
-      corrupt[record_at(first + 7) + 20] = static_cast<char>(corrupt[record_at(first + 7) + 20] ^ 0x01);
-      // An expert out of range in the middle (resealed); the last block's checksum itself.
-      const std::size_t bad = t.size() / 2 + 3;
+      corrupt[record_at(corrupt_block + 7) + 20] = static_cast<char>(corrupt[record_at(corrupt_block + 7) + 20] ^ 0x01);
+      // An expert out of range in block 1 (resealed); then also block 5's checksum: the first
+      // fault in the file's order is the one reported, though one read ahead holds both.
+      const std::size_t bad = per_block + 3;
       std::string expert = good;
       expert[record_at(bad) + 16] = 8;
       expage::testing::reseal_binary(expert);
+      std::string both = expert;
+      both[record_at(5 * per_block) + 20] = static_cast<char>(both[record_at(5 * per_block) + 20] ^ 0x01);
+      // The last block's checksum itself.
       std::string last = good;
       last.back() = static_cast<char>(last.back() ^ 0x10);
-      for (const auto& [bytes, wanted, most] :
-           {std::tuple{corrupt, std::string("field 'block_checksum'"), first},
-            std::tuple{expert, fmt::format("byte {}: field 'experts'", record_at(bad)), bad},
+      const std::string expert_error = fmt::format("byte {}: field 'experts'", record_at(bad));
+      for (const auto& [bytes, wanted, first_fault] :
+           {std::tuple{corrupt, std::string("field 'block_checksum'"), corrupt_block},
+            std::tuple{expert, expert_error, bad}, std::tuple{both, expert_error, bad},
             std::tuple{last, std::string("field 'block_checksum'"), (blocks - 1) * per_block}}) {
         const outcome ahead = read(bytes, t, true);
-        const outcome here = read(bytes, t, false);
+        const outcome one = read(bytes, t, false);
         EXPECT_THAT(ahead.error, HasSubstr(wanted));
-        EXPECT_EQ(ahead.error, here.error);
-        EXPECT_LE(ahead.delivered, most);
-        EXPECT_LE(here.delivered, most);
+        EXPECT_EQ(ahead.error, one.error);
+        EXPECT_EQ(ahead.delivered, first_fault) << "every event before the first fault, none after";
+        EXPECT_EQ(one.delivered, first_fault);
         EXPECT_EQ(parse_error(bytes, "big.bin"), ahead.error) << "read whole";
       }
-      // Abandoned after one chunk, with the helper ahead or waiting for a free slot.
-      for (int chunks = 0; chunks < 3; ++chunks) {
+      // Abandoned after 1 to 3 chunks, with the helper ahead or waiting for a free slot.
+      for (int chunks = 1; chunks <= 3; ++chunks) {
         expage::binary_trace_reader abandoned(bytes_of(good), g, "big.bin");
         for (int i = 0; i < chunks; ++i) (void)abandoned.next();
       }
