@@ -656,11 +656,12 @@ struct binary_stream {
     layers = geometry.layers();
     experts_per_layer = geometry.experts_per_layer();
     top_k = geometry.top_k();
-    // Versions 3 and 4 are decoded ahead instead (from the first next()), checksums included.
-    // A pipe is read as it comes: a thread blocked on it would hold up the destructor.
-    may_read_ahead = options.read_ahead && layout.h.events * layout.record_bytes >= threaded_checksum_bytes &&
-                     i.known_size() && std::thread::hardware_concurrency() > 1;
-    if (!blocked(layout.h.version) && may_read_ahead) {
+    const bool helper = options.read_ahead && layout.h.events * layout.record_bytes >= threaded_checksum_bytes &&
+                        std::thread::hardware_concurrency() > 1;
+    // Versions 3 and 4 are decoded ahead instead (from the first next()), checksums included; not
+    // from a pipe, read as it comes: a thread blocked on it would hold up the destructor.
+    may_read_ahead = helper && blocked(layout.h.version) && i.known_size();
+    if (!blocked(layout.h.version) && helper) {
       try {
         worker.emplace(sum);
       } catch (const std::system_error&) {  // no thread to be had: hash on this one
@@ -858,7 +859,7 @@ struct binary_stream {
 
   std::uint32_t layers = 0;
   std::uint32_t top_k = 0;
-  bool may_read_ahead = false;  // a large trace, a second core, trace_read_options::read_ahead
+  bool may_read_ahead = false;  // versions 3 and 4 from a file or memory, large, two cores, read_ahead
 
   // The next chunk: decode_ahead's, or produced here. After an exception, every call throws it
   // again (the stream cannot resume past a bad block or record).

@@ -50,10 +50,11 @@ struct trace_read_options {
   /// binary header), else 1.
   std::uint32_t batch_size = 0;
   /// Binary traces of 4 MiB of records or more, on a machine with a second core: a second thread
-  /// reads ahead of the caller. Versions 3 and 4: it reads, checks and decodes the next chunks
-  /// while the caller consumes one; versions 1 and 2: it hashes the payload. The events, their
-  /// order and every error are the same either way. False: everything on the caller's thread,
-  /// for a machine whose other cores are busy (two threads then share what one would have had).
+  /// reads ahead of the caller. Versions 3 and 4 (from a file or memory, not a pipe): it reads,
+  /// checks and decodes the next chunks while the caller consumes one; versions 1 and 2: it
+  /// hashes the payload. The events, their order and every error are the same either way. False:
+  /// everything on the caller's thread, for a machine whose other cores are busy (two threads
+  /// then share what one would have had).
   bool read_ahead = true;
 };
 
@@ -196,14 +197,15 @@ struct binary_write_options {
 ///
 /// Versions 3 and 4: each block is checked (whole, and its CRC-32C) when decoding reaches its
 /// first record, so no event of a corrupt block is ever delivered, every event before the first
-/// fault (a bad block or record) is, and that fault is the error. Versions 1 and 2: the FNV-1a checksum covers the
-/// whole payload, so it is checked when the last chunk has been delivered: next() returns the empty end-of-trace chunk
-/// only after it matched, and a consumer must discard its results when next() throws. From 4 MiB of records on, on a
-/// machine with a second core, a helper thread owned by the reader works ahead of the caller
-/// (trace_read_options::read_ahead): in versions 3 and 4 it reads, checks and decodes the next chunks (up to 4 of 8,192
-/// events in flight); in versions 1 and 2 it computes the serial checksum while the records are decoded (4 buffers of
-/// 256 KiB in flight). The thread ends at the end of the trace or at an error, and is joined by then (versions 1 and 2)
-/// or by the destructor.
+/// fault (a bad block or record) is, and that fault is the error. Versions 1 and 2: the FNV-1a
+/// checksum covers the whole payload, so it is checked when the last chunk has been delivered:
+/// next() returns the empty end-of-trace chunk only after it matched, and a consumer must discard
+/// its results when next() throws. From 4 MiB of records on, on a machine with a second core, a
+/// helper thread owned by the reader works ahead of the caller (trace_read_options::read_ahead):
+/// in versions 3 and 4 it reads, checks and decodes the next chunks (up to 4 of 8,192 events in
+/// flight); in versions 1 and 2 it computes the serial checksum while the records are decoded
+/// (4 buffers of 256 KiB in flight). The thread ends at the end of the trace or at an error, and
+/// is joined by then (versions 1 and 2) or by the destructor.
 ///
 /// Version 2 to 4 events are delivered with their optional fields (probability vectors and
 /// sketches, which follow each record). Version 1 events are delivered without their probability
