@@ -867,7 +867,7 @@ struct binary_stream {
     if (failed) std::rethrow_exception(failed);
     try {
       if (ahead) return ahead->next();
-      if (may_read_ahead && delivered == 0 && !finished) {
+      if (may_read_ahead) {  // the first call: nothing produced yet
         may_read_ahead = false;
         if (start_reading_ahead()) return ahead->next();
       }
