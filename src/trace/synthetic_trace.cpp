@@ -108,21 +108,17 @@ void check_option(std::string_view field, double value, double lo, double hi) {
 
 void check_synthetic_options(const moe_geometry& geometry, const synthetic_options& options) {
   const double exponent = options.zipf_exponent.value_or(default_zipf_exponent(geometry));
-  check_option("zipf_exponent", exponent, 0.0, 8.0);
+  check_option("zipf_exponent", exponent, 0.0, max_zipf_exponent);
   check_option("locality", options.locality, 0.0, 1.0);
   check_option("cross_layer", options.cross_layer, 0.0, 1.0);
-  check_option("sequences", options.sequences, 1, 1U << 24);
-  check_option("batch_size", options.batch_size, 1, 1U << 16);
+  check_option("sequences", options.sequences, 1, max_synthetic_sequences);
+  check_option("batch_size", options.batch_size, 1, max_synthetic_batch);
   check_option("workloads", options.workloads, 1, geometry.experts_per_layer());
   check_option("shift_every", options.shift_every, 1, 4294967295.0);
-  check_option("decode_steps", options.decode_steps, options.prefill_tokens > 0 ? 0 : 1, 1U << 24);
-  check_option("prefill_tokens", options.prefill_tokens, 0, 1U << 24);
+  check_option("decode_steps", options.decode_steps, options.prefill_tokens > 0 ? 0 : 1, max_synthetic_steps);
+  check_option("prefill_tokens", options.prefill_tokens, 0, max_synthetic_steps);
   check_option("sketch_dims", options.sketch_dims, 0, max_sketch_dims);
-  const std::uint64_t steps = std::uint64_t{options.prefill_tokens} + options.decode_steps;
-  if (steps > 0xFFFF'FFFFULL) {
-    throw invalid_argument(
-        fmt::format("synthetic_options: prefill_tokens + decode_steps = {} out of range [1, {}]", steps, 0xFFFF'FFFFU));
-  }
+  const std::uint64_t steps = std::uint64_t{options.prefill_tokens} + options.decode_steps;  // ≤ 2^25
   // The sizes, before anything is allocated (each factor is below 2^32, so the products fit).
   const std::uint64_t events = std::uint64_t{options.sequences} * steps * geometry.layers();
   if (events > max_trace_events) {

@@ -265,9 +265,66 @@ inline expage::routing_trace read_checked_trace(const std::string& path, const e
   return t;
 }
 
+/// The help lines of parse_synthetic_flag()'s flags, indented to stand under a `--synthetic` (or
+/// `synth`) line, without a final newline: every tool's `{synthetic}` line in its usage text.
+inline constexpr std::string_view synthetic_flags_help =
+    R"(    --sequences N         sequences, [1, 16777216] (default 16)
+    --steps N             decode tokens per sequence, [0, 16777216] (default 128; also --decode-steps)
+    --prefill N           prompt tokens routed in each sequence's first pass, [0, 16777216] (default 0)
+    --seed N              generator seed (default 1)
+    --zipf S              popularity exponent, [0, 8] (default: fitted for the geometry)
+    --locality P          probability a token keeps each previous expert, [0, 1] (default 0.3)
+    --workloads N         distinct hot sets, [1, experts per layer] (default 1)
+    --shift-every N       sequences per workload before the hot set shifts (default 1)
+    --cross-layer P       cross-layer co-activation: a token takes its latent type's expert at each
+                          layer with this probability, [0, 1] (default 0; 0.65 is the Mixtral trace's)
+    --probabilities       record full router probability vectors (fMoE's maps use them)
+    --sketch-dims N       record hidden-state sketches of N floats carrying the token's type, for
+                          fMoE's semantic search, [0, 4096] (default 0))";
+
+/// Parses @p flag when it is one of the flags that shape a synthetic trace, into @p o: the same
+/// names and ranges in every tool (expage-replay, expage-sim and expage-plan `--synthetic`,
+/// `expage-trace synth`), the ranges the library's, check_synthetic() the rest (what depends on
+/// the geometry, and the sizes). @p value yields the flag's argument (and throws when there is
+/// none). Returns false, reading nothing, for any other flag.
+/// @throws usage_error naming the flag, its text and its range.
+template <class Value>
+bool parse_synthetic_flag(std::string_view flag, Value&& value, expage::synthetic_options& o) {
+  if (flag == "--sequences") {
+    o.sequences = parse_number<std::uint32_t>(flag, value(), 1, expage::max_synthetic_sequences);
+  } else if (flag == "--steps" || flag == "--decode-steps") {
+    o.decode_steps = parse_number<std::uint32_t>(flag, value(), 0, expage::max_synthetic_steps);
+  } else if (flag == "--prefill") {
+    o.prefill_tokens = parse_number<std::uint32_t>(flag, value(), 0, expage::max_synthetic_steps);
+  } else if (flag == "--seed") {
+    o.seed = parse_number<std::uint64_t>(flag, value(), 0, ~std::uint64_t{0});
+  } else if (flag == "--zipf") {
+    o.zipf_exponent = parse_real(flag, value(), 0.0, expage::max_zipf_exponent);
+  } else if (flag == "--locality") {
+    o.locality = parse_real(flag, value(), 0.0, 1.0);
+  } else if (flag == "--workloads") {
+    o.workloads = parse_number<std::uint32_t>(flag, value(), 1, ~std::uint32_t{0});
+  } else if (flag == "--shift-every") {
+    o.shift_every = parse_number<std::uint32_t>(flag, value(), 1, ~std::uint32_t{0});
+  } else if (flag == "--cross-layer") {
+    o.cross_layer = parse_real(flag, value(), 0.0, 1.0);
+  } else if (flag == "--probabilities") {
+    o.probabilities = true;
+  } else if (flag == "--sketch-dims") {
+    o.sketch_dims = parse_number<std::uint32_t>(flag, value(), 0, expage::max_sketch_dims);
+  } else {
+    return false;
+  }
+  return true;
+}
+
 /// Checks synthetic options, their sizes included, before anything is generated
-/// (expage::check_synthetic_options()). @throws usage_error (exit status 2) with its message.
+/// (expage::check_synthetic_options()). @throws usage_error (exit status 2) with its message, or
+/// naming the flags when `--steps` and `--prefill` are both 0.
 inline void check_synthetic(const expage::moe_geometry& g, const expage::synthetic_options& o) {
+  if (o.decode_steps == 0 && o.prefill_tokens == 0) {
+    throw usage_error{"--steps and --prefill are both 0: the trace would have no events"};
+  }
   try {
     expage::check_synthetic_options(g, o);
   } catch (const expage::invalid_argument& e) {

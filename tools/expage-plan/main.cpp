@@ -46,8 +46,8 @@ the JSON's "answer".
 
 input (one of):
   --trace FILE          a routing trace: .jsonl, .csv or .bin (expage binary), by extension
-  --synthetic           a seeded synthetic trace, the other tools' (--sequences N, default 16;
-                        --steps N, default 128; --seed N, default 1)
+  --synthetic           a seeded synthetic trace (see docs/traces.md); shaped by:
+{synthetic}
   --only-sequences LIST plan for these sequence ids only (e.g. one problem of a recorded trace)
   --trust-geometry      accept a trace without metadata that leaves half the geometry unused
                         (refused by default: the Mixtral trace run as Phi-3.5-MoE)
@@ -154,12 +154,8 @@ config parse(int argc, char** argv, const std::string& help) {
       c.trace = std::string(value());
     } else if (flag == "--synthetic") {
       c.synthetic = true;
-    } else if (flag == "--sequences") {
-      c.synth.sequences = parse_number<std::uint32_t>(flag, value(), 1, 1U << 16);
-    } else if (flag == "--steps") {
-      c.synth.decode_steps = parse_number<std::uint32_t>(flag, value(), 1, 1U << 16);
-    } else if (flag == "--seed") {
-      c.synth.seed = parse_number<std::uint64_t>(flag, value(), 0, ~std::uint64_t{0});
+    } else if (expage_tools::parse_synthetic_flag(flag, value, c.synth)) {
+      // shapes the synthetic trace: c.synth
     } else if (flag == "--trust-geometry") {
       c.trust_geometry = true;
     } else if (flag == "--only-sequences") {
@@ -669,7 +665,8 @@ int main(int argc, char** argv) {
   const std::string policy_names = expage_tools::policy_names(true);
   const std::string help = fmt::format(fmt::runtime(usage), fmt::join(expage::moe_geometry::preset_names(), ", "),
                                        fmt::join(expage::hardware_profile::preset_names(), ", "), policy_names,
-                                       fmt::join(expage::kv_session_preset_names(), ", "));
+                                       fmt::join(expage::kv_session_preset_names(), ", "),
+                                       fmt::arg("synthetic", expage_tools::synthetic_flags_help));
   try {
     const config c = parse(argc, argv, help);
     expage_tools::check_output_paths({{"--json", c.json}, {"--svg", c.svg}, {"--tiers-svg", c.tiers_svg}});

@@ -51,13 +51,7 @@ bytes moved and the modelled host-to-device stall per token.
 input (one of):
   --trace FILE          a routing trace: .jsonl, .csv or .bin (expage binary), by extension
   --synthetic           a seeded synthetic trace (see docs/traces.md); shaped by:
-    --sequences N         sequences (default 16)
-    --steps N             decode tokens per sequence (default 128)
-    --prefill N           prompt tokens routed in each sequence's first pass (default 0)
-    --seed N              generator seed (default 1)
-    --zipf S              popularity exponent (default: fitted for the geometry)
-    --locality P          probability a token keeps each previous expert, [0, 1] (default 0.3)
-    --workloads N         distinct hot sets, one per phase (default 1)
+{synthetic}
   --batch N             sequences decoded in lockstep (default 1, or what a binary trace records)
 
 model and cache:
@@ -132,20 +126,8 @@ config parse(int argc, char** argv, const std::string& help) {
       c.trace = std::string(value());
     } else if (flag == "--synthetic") {
       c.synthetic = true;
-    } else if (flag == "--sequences") {
-      c.synth.sequences = parse_number<std::uint32_t>(flag, value(), 1, 1U << 20);
-    } else if (flag == "--steps") {
-      c.synth.decode_steps = parse_number<std::uint32_t>(flag, value(), 0, 1U << 20);
-    } else if (flag == "--prefill") {
-      c.synth.prefill_tokens = parse_number<std::uint32_t>(flag, value(), 0, 1U << 16);
-    } else if (flag == "--seed") {
-      c.synth.seed = parse_number<std::uint64_t>(flag, value(), 0, ~std::uint64_t{0});
-    } else if (flag == "--zipf") {
-      c.synth.zipf_exponent = parse_real(flag, value(), 0.0, 8.0);
-    } else if (flag == "--locality") {
-      c.synth.locality = parse_real(flag, value(), 0.0, 1.0);
-    } else if (flag == "--workloads") {
-      c.synth.workloads = parse_number<std::uint32_t>(flag, value(), 1, 1024);
+    } else if (expage_tools::parse_synthetic_flag(flag, value, c.synth)) {
+      // shapes the synthetic trace: c.synth
     } else if (flag == "--batch") {
       c.batch = parse_number<std::uint32_t>(flag, value(), 1, 4096);
     } else if (flag == "--geometry") {
@@ -223,12 +205,6 @@ config parse(int argc, char** argv, const std::string& help) {
   }
   if (c.trace.has_value() == c.synthetic) {
     throw usage_error{"give exactly one of --trace FILE and --synthetic"};
-  }
-  if (c.synthetic) {
-    // Checked here, against the largest preset depth the geometry may have, and again below.
-    if (std::uint64_t{c.synth.decode_steps} + c.synth.prefill_tokens == 0) {
-      throw usage_error{"--steps and --prefill are both 0: the trace would have no events"};
-    }
   }
   if (c.policies.empty()) {
     const auto all = expage::all_policy_kinds();
@@ -338,11 +314,9 @@ std::string svg_chart(const std::vector<curve>& curves, const expage::moe_geomet
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string help = fmt::format(fmt::runtime(usage), fmt::join(expage::moe_geometry::preset_names(), ", "), [] {
-    std::vector<std::string_view> n;
-    for (const auto p : expage::all_policy_kinds()) n.push_back(expage::to_string(p));
-    return fmt::format("{}", fmt::join(n, ", "));
-  }());
+  const std::string help = fmt::format(fmt::runtime(usage), fmt::join(expage::moe_geometry::preset_names(), ", "),
+                                       expage_tools::policy_names(/*online_only=*/false),
+                                       fmt::arg("synthetic", expage_tools::synthetic_flags_help));
   try {
     const config c = parse(argc, argv, help);
     // Output paths are checked before any work.

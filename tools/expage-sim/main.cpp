@@ -55,15 +55,7 @@ residency chosen in hindsight (top-n most requested experts, never evicted).
 input (one of):
   --trace FILE          a routing trace: .jsonl, .csv or .bin (expage binary), by extension
   --synthetic           a seeded synthetic trace (see docs/traces.md); shaped by:
-    --sequences N         sequences (default 16)
-    --steps N             decode tokens per sequence (default 128)
-    --seed N              generator seed (default 1)
-    --locality P          probability a token keeps each previous expert, [0, 1] (default 0.3)
-    --cross-layer P       cross-layer co-activation: a token takes its latent type's expert at each
-                          layer with this probability, [0, 1] (default 0)
-    --probabilities       record full router probability vectors (fMoE's maps use them)
-    --sketch-dims N       record hidden-state sketches of N floats carrying the token's type, for
-                          fMoE's semantic search, [0, 4096] (default 0)
+{synthetic}
   --batch N             sequences decoded in lockstep (default 1, or what a binary trace records)
   --only-sequences LIST simulate only these sequence ids (e.g. one problem of a recorded trace)
   --trust-geometry      accept a trace without metadata that leaves half the geometry unused
@@ -191,20 +183,8 @@ config parse(int argc, char** argv, const std::string& help) {
       c.trace = std::string(value());
     } else if (flag == "--synthetic") {
       c.synthetic = true;
-    } else if (flag == "--sequences") {
-      c.synth.sequences = parse_number<std::uint32_t>(flag, value(), 1, 1U << 20);
-    } else if (flag == "--steps") {
-      c.synth.decode_steps = parse_number<std::uint32_t>(flag, value(), 1, 1U << 20);
-    } else if (flag == "--seed") {
-      c.synth.seed = parse_number<std::uint64_t>(flag, value(), 0, ~std::uint64_t{0});
-    } else if (flag == "--locality") {
-      c.synth.locality = parse_real(flag, value(), 0.0, 1.0);
-    } else if (flag == "--cross-layer") {
-      c.synth.cross_layer = parse_real(flag, value(), 0.0, 1.0);
-    } else if (flag == "--probabilities") {
-      c.synth.probabilities = true;
-    } else if (flag == "--sketch-dims") {
-      c.synth.sketch_dims = parse_number<std::uint32_t>(flag, value(), 0, expage::max_sketch_dims);
+    } else if (expage_tools::parse_synthetic_flag(flag, value, c.synth)) {
+      // shapes the synthetic trace: c.synth
     } else if (flag == "--batch") {
       c.batch = parse_number<std::uint32_t>(flag, value(), 1, 4096);
     } else if (flag == "--trust-geometry") {
@@ -523,7 +503,8 @@ std::string svg_chart(const std::vector<expage::sim_result>& results, const std:
 int main(int argc, char** argv) {
   const std::string policy_names = expage_tools::policy_names(false);
   const std::string help = fmt::format(fmt::runtime(usage), fmt::join(expage::moe_geometry::preset_names(), ", "),
-                                       fmt::join(expage::hardware_profile::preset_names(), ", "), policy_names);
+                                       fmt::join(expage::hardware_profile::preset_names(), ", "), policy_names,
+                                       fmt::arg("synthetic", expage_tools::synthetic_flags_help));
   try {
     const config c = parse(argc, argv, help);
     expage_tools::check_output_paths({{"--json", c.json}, {"--svg", c.svg}});

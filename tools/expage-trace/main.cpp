@@ -20,7 +20,6 @@
 #include "cli.hpp"
 #include "tool_output.hpp"
 
-#include <charconv>
 #include <cstdint>
 #include <exception>
 #include <filesystem>
@@ -34,6 +33,9 @@
 namespace {
 
 using expage_tools::geometry_of;
+using expage_tools::parse_number;
+using expage_tools::parse_real;
+using expage_tools::usage_error;
 
 constexpr std::string_view usage = R"(usage: expage-trace COMMAND [OPTIONS] FILE...
 
@@ -55,16 +57,6 @@ Options:
   --trust-geometry     accept a trace without metadata that leaves half the geometry unused
   --batch-size B       sequences decoded in lockstep, [1, 65536]: for reading traces (default: the
                        trace's own, else 1) and for synth (default 1)
-  --seed N             synth: random seed (default 1)
-  --sequences N        synth: number of sequences (default 16)
-  --decode-steps N     synth: decode tokens per sequence (default 128)
-  --prefill N          synth: prompt tokens per sequence (default 0)
-  --zipf S             synth: popularity exponent (default: calibrated for the geometry)
-  --locality P         synth: probability of keeping each previous expert (default 0.3)
-  --workloads W        synth: distinct hot sets (default 1)
-  --shift-every N      synth: sequences per workload phase (default 1)
-  --cross-layer P      synth: probability of linking each expert to the previous layer's (default 0)
-  --probabilities      synth: record full router probability vectors
   --binary-version V   binary output of convert, synth and realign: format version 1 to 4
                        (default 4, checked in blocks, naming the model; 1 to 3 for expage
                        readers older than version 4, which store no model name, 1 only for a
@@ -75,23 +67,12 @@ Options:
                        (default 0: all)
   --help               this text
 
+synth, the trace's shape (the other tools' --synthetic flags):
+{synthetic}
+
 exit status: 0 success (all output written), 1 unreadable, malformed or mismatched input or an
 unwritable output, 2 bad command line.
 )";
-
-struct cli_error {
-  std::string message;
-};
-
-template <class T>
-T parse_number(std::string_view flag, std::string_view text, T lo, T hi) {
-  T value{};
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || end != text.data() + text.size() || text.empty() || !(value >= lo && value <= hi)) {
-    throw cli_error{fmt::format("{}: '{}' is not a number in [{}, {}]", flag, text, lo, hi)};
-  }
-  return value;
-}
 
 // Writes @p t to @p path (atomically) in the format its name implies, binary in @p binary_version.
 void write_output(const std::filesystem::path& path, const expage::routing_trace& t, std::string_view geometry_name,
@@ -204,13 +185,14 @@ int run(int argc, char** argv) {
   std::vector<std::string_view> args(argv + 1, argv + argc);
   const std::string names = fmt::format("{}", fmt::join(expage::moe_geometry::preset_names(), ", "));
   if (args.empty() || args[0] == "--help" || args[0] == "-h") {
-    fmt::print(fmt::runtime(usage), names);
+    fmt::print(fmt::runtime(usage), names, fmt::arg("synthetic", expage_tools::synthetic_flags_help));
     return args.empty() ? 2 : 0;
   }
   const std::string_view command = args[0];
   if (command != "info" && command != "convert" && command != "synth" && command != "realign" &&
       command != "requests") {
-    throw cli_error{fmt::format("unknown command '{}' (expected info, convert, synth, realign or requests)", command)};
+    throw usage_error{
+        fmt::format("unknown command '{}' (expected info, convert, synth, realign or requests)", command)};
   }
   std::optional<expage::moe_geometry> geometry;
   expage::synthetic_options synth = expage_tools::default_synthetic();
@@ -222,87 +204,63 @@ int run(int argc, char** argv) {
   for (std::size_t i = 1; i < args.size(); ++i) {
     const std::string_view arg = args[i];
     const auto value = [&]() -> std::string_view {
-      if (i + 1 >= args.size()) throw cli_error{fmt::format("{} needs a value", arg)};
+      if (i + 1 >= args.size()) throw usage_error{fmt::format("{} needs a value", arg)};
       return args[++i];
     };
     if (arg == "--help" || arg == "-h") {
-      fmt::print(fmt::runtime(usage), names);
+      fmt::print(fmt::runtime(usage), names, fmt::arg("synthetic", expage_tools::synthetic_flags_help));
       return 0;
     } else if (arg == "--geometry") {
       const std::string_view name = value();
       try {
         geometry = expage::geometry_from_argument(name);
       } catch (const expage::invalid_argument& e) {
-        throw cli_error{fmt::format("--geometry: {}", e.what())};
+        throw usage_error{fmt::format("--geometry: {}", e.what())};
       } catch (const expage::format_error& e) {
-        throw cli_error{fmt::format("--geometry: {}", e.what())};
+        throw usage_error{fmt::format("--geometry: {}", e.what())};
       }
     } else if (arg == "--trust-geometry") {
       trust_geometry = true;
     } else if (arg == "--batch-size") {
       batch = parse_number<std::uint32_t>(arg, value(), 1, 65536);
-    } else if (arg == "--seed") {
-      synth.seed = parse_number<std::uint64_t>(arg, value(), 0, ~std::uint64_t{0});
-    } else if (arg == "--sequences") {
-      synth.sequences = parse_number<std::uint32_t>(arg, value(), 1, 1U << 24);
-    } else if (arg == "--decode-steps") {
-      synth.decode_steps = parse_number<std::uint32_t>(arg, value(), 0, 1U << 24);
-    } else if (arg == "--prefill") {
-      synth.prefill_tokens = parse_number<std::uint32_t>(arg, value(), 0, 1U << 16);
-    } else if (arg == "--zipf") {
-      synth.zipf_exponent = parse_number<double>(arg, value(), 0.0, 8.0);
-    } else if (arg == "--locality") {
-      synth.locality = parse_number<double>(arg, value(), 0.0, 1.0);
-    } else if (arg == "--workloads") {
-      synth.workloads = parse_number<std::uint32_t>(arg, value(), 1, 1024);
-    } else if (arg == "--shift-every") {
-      synth.shift_every = parse_number<std::uint32_t>(arg, value(), 1, 1U << 24);
-    } else if (arg == "--cross-layer") {
-      synth.cross_layer = parse_number<double>(arg, value(), 0.0, 1.0);
+    } else if (expage_tools::parse_synthetic_flag(arg, value, synth)) {
+      // shapes synth
     } else if (arg == "--smoothing") {
-      const std::string_view text = value();
-      realign.smoothing = parse_number<double>(arg, text, 0.0, 1000.0);
-      if (realign.smoothing == 0.0) throw cli_error{fmt::format("{}: '{}' is not a number in (0, 1000]", arg, text)};
+      realign.smoothing = parse_real(arg, value(), 0.0, 1000.0, /*open_low=*/true);
     } else if (arg == "--window") {
       realign.reference_window = parse_number<std::uint32_t>(arg, value(), 0, 65536);
     } else if (arg == "--no-pool") {
       realign.pool_sequences = false;
-    } else if (arg == "--probabilities") {
-      synth.probabilities = true;
     } else if (arg == "--binary-version") {
       binary_version =
           parse_number<std::uint16_t>(arg, value(), expage::binary_trace_version, expage::binary_trace_version_named);
     } else if (arg.starts_with("--")) {
-      throw cli_error{fmt::format("unknown option '{}' (see --help)", arg)};
+      throw usage_error{fmt::format("unknown option '{}' (see --help)", arg)};
     } else {
       files.emplace_back(arg);
     }
   }
   const std::size_t wanted = command == "convert" || command == "realign" || command == "requests" ? 2 : 1;
   if (files.size() != wanted) {
-    throw cli_error{fmt::format("{} takes {} file{}, got {}", command, wanted, wanted == 1 ? "" : "s", files.size())};
+    throw usage_error{fmt::format("{} takes {} file{}, got {}", command, wanted, wanted == 1 ? "" : "s", files.size())};
   }
   if (binary_version &&
       (command == "info" || command == "requests" || expage::format_of(files.back()) != expage::trace_format::binary)) {
-    throw cli_error{
+    throw usage_error{
         fmt::format("--binary-version applies to the binary output of convert, synth and realign, not to "
                     "{} {}",
                     command, files.back().string())};
   }
   const std::uint16_t output_version = binary_version.value_or(expage::binary_trace_version_named);
   if (command == "synth") {
-    if (!geometry) throw cli_error{fmt::format("synth needs --geometry (one of: {}, or a JSON file)", names)};
+    if (!geometry) throw usage_error{fmt::format("synth needs --geometry (one of: {}, or a JSON file)", names)};
     synth.batch_size = batch.value_or(1);
-    try {
-      expage::check_synthetic_options(*geometry, synth);
-    } catch (const expage::invalid_argument& e) {
-      throw cli_error{e.what()};  // a command-line mistake (its sizes included): status 2, before anything is generated
-    }
+    expage_tools::check_synthetic(*geometry, synth);  // its sizes included: status 2, before anything is generated
     if ((synth.probabilities || synth.sketch_dims != 0) && output_version == expage::binary_trace_version &&
         expage::format_of(files[0]) == expage::trace_format::binary) {
-      throw cli_error{fmt::format("--binary-version {} cannot carry --probabilities or --sketch-dims: use {} to {}",
-                                  output_version, expage::binary_trace_version_with_fields,
-                                  expage::binary_trace_version_named)};
+      throw usage_error{fmt::format("--binary-version {} cannot carry --probabilities or --sketch-dims: use {} to {}",
+                                    output_version, expage::binary_trace_version_with_fields,
+                                    expage::binary_trace_version_named)};
     }
     expage_tools::check_output_path("synth", files[0]);
     const expage::routing_trace t = expage::generate_synthetic(*geometry, synth);
@@ -319,8 +277,8 @@ int run(int argc, char** argv) {
   const std::string model = meta && !meta->geometry.empty() ? meta->geometry : geometry ? geometry->name() : "";
   if (!geometry) {
     if (!meta) {
-      throw cli_error{fmt::format("{} has no geometry metadata: pass --geometry (one of: {}, or a JSON file)",
-                                  files[0].string(), names)};
+      throw usage_error{fmt::format("{} has no geometry metadata: pass --geometry (one of: {}, or a JSON file)",
+                                    files[0].string(), names)};
     }
     geometry = geometry_of(*meta);
   }
@@ -355,7 +313,7 @@ int main(int argc, char** argv) {
   try {
     const int status = run(argc, argv);
     return expage_tools::finish_stdout("expage-trace") ? status : 1;
-  } catch (const cli_error& e) {
+  } catch (const usage_error& e) {
     fmt::print(stderr, "expage-trace: {}\n", e.message);
     return 2;
   } catch (const std::exception& e) {

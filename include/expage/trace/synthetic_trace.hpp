@@ -31,6 +31,16 @@ inline constexpr double olmoe_zipf_exponent = 0.600;
   return geometry.experts_per_layer() <= 16 ? mixtral_zipf_exponent : olmoe_zipf_exponent;
 }
 
+/// @name The ranges check_synthetic_options() enforces
+/// Named for the callers that parse options (the tools' `--synthetic` flags); the geometry
+/// bounds the rest (workloads ≤ experts_per_layer) and the sizes (max_trace_events).
+/// @{
+inline constexpr std::uint32_t max_synthetic_sequences = 1U << 24;  ///< sequences, [1, this]
+inline constexpr std::uint32_t max_synthetic_steps = 1U << 24;      ///< decode_steps and prefill_tokens, each
+inline constexpr std::uint32_t max_synthetic_batch = 1U << 16;      ///< batch_size, [1, this]
+inline constexpr double max_zipf_exponent = 8.0;                    ///< zipf_exponent, [0, this]
+/// @}
+
 /// @brief What generate_synthetic() produces.
 struct synthetic_options {
   std::uint64_t seed = 0x5eed'cafe'f00d'0001;  ///< Seeds std::mt19937_64; same seed, same trace.
@@ -93,8 +103,8 @@ inline constexpr std::uint64_t max_synthetic_field_floats = std::uint64_t{1} << 
 
 /// What generate_synthetic() checks before it generates anything, the sizes included: at most
 /// max_trace_events events (sequences × (prefill_tokens + decode_steps) × layers) and
-/// max_synthetic_field_floats floats of optional fields (for a caller that must refuse
-/// (for a caller that must refuse bad options first, as a tool does before it writes a file).
+/// max_synthetic_field_floats floats of optional fields (for a caller that must refuse bad
+/// options first, as a tool does before it writes a file).
 /// @throws expage::invalid_argument naming the option (or the product) out of range and its
 /// allowed range.
 void check_synthetic_options(const moe_geometry& geometry, const synthetic_options& options);
