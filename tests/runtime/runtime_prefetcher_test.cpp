@@ -16,6 +16,7 @@
 #include <future>
 #include <limits>
 #include <list>
+#include <numeric>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -258,6 +259,66 @@ TEST(RuntimePrefetcher, TheDuelHandsEvictionToLruWhileItLeads) {
   const std::uint64_t duelled = run(4);
   const std::uint64_t fifo_alone = run(0);
   EXPECT_LT(duelled + 20, fifo_alone) << "LRU order, once it leads, misses fewer experts";
+}
+
+// The duel's window holds its last duel_passes forward passes and the current one so far, whatever
+// the groups: here every layer's routing is split into two parts (group_tokens()'s parts of a
+// group too large for the cache), the last layer's included. Once a pass's last layer is heard the
+// window has moved on: the next pass's first evictions are ranked without the oldest pass.
+// Reference: the shadows' miss difference summed per pass. (Before, each part of a split last
+// layer moved the window on by a pass, and a second part was counted in the next pass.)
+TEST(RuntimePrefetcher, TheDuelWindowCountsPassesNotSplitParts) {
+  using duel_runtime = expert_runtime<host_vmm, host_stream, duel_policy<fifo_policy>>;
+  constexpr std::uint32_t capacity = 10;
+  constexpr std::uint32_t duel_passes = 3;
+  runtime_world w;
+  budget_tracker budget(capacity * w.expert_bytes());
+  host_stream prefetch("prefetch");
+  duel_runtime rt(w.geometry, budget.root(), w.vmm, w.copy, w.compute, w.source(), {.capacity = capacity}, &prefetch);
+  runtime_prefetcher pf(rt, silent_predictor(),
+                        {.threshold = 0.5F,
+                         .max_overhead = std::numeric_limits<double>::infinity(),
+                         .duel_passes = duel_passes,
+                         // Never changes sides: the window is what is checked, not the decisions.
+                         .duel_margin = 1e9});
+  std::mt19937_64 rng(29);
+  std::list<std::int64_t> per_pass;  // the policy shadow's misses less LRU's, per pass, current last
+  std::int64_t before = 0;           // the same, cumulative, after the previous call
+  bool varied = false;
+  for (int pass = 0; pass < 24; ++pass) {
+    per_pass.push_back(0);
+    if (per_pass.size() > duel_passes + 1) per_pass.pop_front();
+    for (std::uint32_t layer = 0; layer < w.geometry.layers(); ++layer) {
+      const auto other = 1 + static_cast<std::uint32_t>(rng() % 7);
+      for (const std::uint32_t e : {0U, other}) {  // two parts of one layer's group
+        const std::uint32_t part[] = {e};
+        auto lease = rt.acquire(layer, part);
+        pf.on_routed(layer, part);
+        lease.release();
+        const auto& s = pf.statistics();
+        const auto cumulative =
+            static_cast<std::int64_t>(s.policy_shadow_misses) - static_cast<std::int64_t>(s.shadow_misses);
+        per_pass.back() += cumulative - before;
+        before = cumulative;
+        varied = varied || per_pass.back() != 0;
+        // The passes in the window: duel_passes before this one and this one, or, after the last
+        // layer, this one and the duel_passes - 1 before it (the next pass has begun, empty).
+        const bool ended = layer + 1 == w.geometry.layers();
+        std::int64_t window = std::accumulate(per_pass.begin(), per_pass.end(), std::int64_t{0});
+        if (ended && per_pass.size() == duel_passes + 1) window -= per_pass.front();
+        ASSERT_EQ(s.duel_difference, window) << "pass " << pass << " layer " << layer << " expert " << e;
+      }
+    }
+  }
+  EXPECT_TRUE(varied) << "the routing tells FIFO from LRU";
+  EXPECT_EQ(pf.statistics().passes, 24U);
+  std::ostringstream json;
+  pf.statistics().write_json(json);
+  EXPECT_NE(json.str().find(fmt::format("\"duel_difference\":{}}}", pf.statistics().duel_difference)),
+            std::string::npos)
+      << json.str();
+  w.compute.synchronize();
+  EXPECT_EQ(w.check_views(rt), "");
 }
 
 // A runtime whose policy is not a duel_policy has no duel (and no policy shadow).

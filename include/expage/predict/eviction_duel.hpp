@@ -73,6 +73,14 @@ class eviction_duel {
     window_[current_] += d;
     difference_ += d;
   }
+  /// The same for misses of the pass before the current one, heard after begin_pass(): a part of
+  /// that pass's last layer, a group split to fit, routed after the pass was taken for ended.
+  void add_to_previous(std::uint64_t policy_misses, std::uint64_t lru_misses) noexcept {
+    const std::size_t previous = (current_ + window_.size() - 1) % window_.size();  // ≠ current_: ≥ 2 slots
+    const auto d = static_cast<std::int64_t>(policy_misses) - static_cast<std::int64_t>(lru_misses);
+    window_[previous] += d;
+    difference_ += d;
+  }
   /// Re-decides from the window and returns whether LRU leads now.
   bool decide() noexcept {
     const auto d = static_cast<double>(difference_);  // policy's misses − LRU's over the window

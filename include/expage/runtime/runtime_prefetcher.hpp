@@ -137,13 +137,16 @@ struct runtime_prefetch_statistics {
   std::uint64_t policy_shadow_misses = 0;  ///< What the duel's shadow of the runtime's policy loaded (0: no duel).
   std::uint64_t duel_switches = 0;         ///< Changes of the runtime's eviction order by the duel.
   std::uint64_t lru_layers = 0;            ///< on_routed() calls after which LRU ranked the victims.
+  /// The duel's window: the policy shadow's misses less the LRU shadow's over the last
+  /// duel_passes forward passes and the current one so far (positive: LRU missed fewer; 0: no duel).
+  std::int64_t duel_difference = 0;
 
   /// Writes every counter as one JSON object.
   void write_json(std::ostream& out) const {
     out << fmt::format(R"({{"passes":{},"layers":{},"requested":{},"paused":{},"cancelled":{},"shadow_misses":{},)"
-                       R"("policy_shadow_misses":{},"duel_switches":{},"lru_layers":{}}})",
+                       R"("policy_shadow_misses":{},"duel_switches":{},"lru_layers":{},"duel_difference":{}}})",
                        passes, layers, requested, paused, cancelled, shadow_misses, policy_shadow_misses, duel_switches,
-                       lru_layers);
+                       lru_layers, duel_difference);
   }
 };
 
@@ -290,15 +293,19 @@ class runtime_prefetcher {
   // The duel hears this group's misses of both shadows and hands the runtime's victims to the
   // side that leads (eviction_duel; the simulator's duel_step()). As in the simulator, a pass's
   // first evictions are ranked after the window has dropped its oldest pass: that happens when
-  // the previous pass ends (its last layer), or at the start of a pass that did not end so.
+  // the previous pass ends (its last layer), or at the start of a pass that did not end so. A
+  // further part of a last layer split to fit comes after that: its misses go to the pass that
+  // ended, and the window is not moved again (one pass, one slot, however its groups are split).
   void duel_step(bool new_pass, bool pass_ends, std::uint64_t policy_misses, std::uint64_t lru_misses) {
-    if (new_pass && !pass_begun_) duel_->begin_pass();
-    pass_begun_ = false;
-    duel_->add(policy_misses, lru_misses);
-    if (pass_ends) {
-      duel_->begin_pass();
-      pass_begun_ = true;
+    if (pass_begun_ && !new_pass) {
+      duel_->add_to_previous(policy_misses, lru_misses);
+    } else {
+      if (new_pass && !pass_begun_) duel_->begin_pass();
+      duel_->add(policy_misses, lru_misses);
+      pass_begun_ = pass_ends;
+      if (pass_ends) duel_->begin_pass();
     }
+    stats_.duel_difference = duel_->difference();
     const bool was = duel_->lru_leads();
     const bool lru = duel_->decide();
     if (lru != was) {
