@@ -474,6 +474,41 @@ TEST(ExpertRuntimeTiers, DemotionsEvictionsAndSupersededTargets) {
   EXPECT_EQ(w.check_tiers(rt), "");
 }
 
+// set_targets() replaces the queue, but an expert whose request is done stays its target, out of
+// reach of other promotions; clear_targets() forgets both, so a promotion that waited for room
+// behind remembered targets finds its victim (four_pool_driver calls it when the hi set ends).
+TEST(ExpertRuntimeTiers, ClearedTargetsProtectNothing) {
+  tiered_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
+             {.capacity = 2, .max_prefetch_in_flight = 4}, &prefetch);
+  const target two_hi[] = {{.expert = {0, 0}, .state = residency_state::resident_hi},
+                           {.expert = {0, 1}, .state = residency_state::resident_hi}};
+  rt.set_targets(two_hi);
+  prefetch.synchronize();
+  rt.poll();
+  ASSERT_EQ(rt.active_tier({0, 0}), version_tier::hi);
+  ASSERT_EQ(rt.active_tier({0, 1}), version_tier::hi);
+  const target third[] = {{.expert = {0, 2}, .state = residency_state::resident_hi}};
+  rt.set_targets(third);  // replaces the (empty) queue; experts 0 and 1 stay targets
+  prefetch.synchronize();
+  rt.poll();
+  EXPECT_FALSE(rt.resident({0, 2})) << "the hi tier is full of remembered targets";
+  const auto waiting = rt.statistics();
+  EXPECT_EQ(waiting.transitions_queued, 1U);
+  rt.clear_targets();
+  EXPECT_EQ(rt.statistics().transitions_queued, 0U);
+  EXPECT_EQ(rt.statistics().transitions_cancelled, waiting.transitions_cancelled + 1);
+  rt.set_targets(third);
+  prefetch.synchronize();
+  rt.poll();
+  EXPECT_EQ(rt.active_tier({0, 2}), version_tier::hi) << "an earlier target gave up its slot";
+  EXPECT_EQ(rt.statistics().transitions_queued, 0U);
+  EXPECT_NE(rt.resident({0, 0}), rt.resident({0, 1})) << "one of the two was the victim";
+  w.compute.synchronize();
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
 // update_targets() for plans that list only what changed: queued requests it does not list stay,
 // a listed expert's new goal replaces its queued one.
 TEST(ExpertRuntimeTiers, UpdateTargetsKeepsTheQueuedRequestsItDoesNotList) {

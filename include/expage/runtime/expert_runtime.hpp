@@ -587,6 +587,18 @@ class expert_runtime {
   /// @throws expage::invalid_argument as set_targets() (nothing changes).
   void update_targets(std::span<const target> targets) { apply_targets(targets, false, "update_targets"); }
 
+  /// Forgets every target: the queued requests are cancelled (`transitions_cancelled`) and the
+  /// targets remembered after their requests were done are dropped, so no version is kept from
+  /// being another transition's victim any more. For a planner whose target set ends, where
+  /// set_targets({}) would cancel the queue but leave the earlier members protected:
+  /// four_pool_driver's move to a split without a lo tier, whose hi set is empty.
+  void clear_targets() noexcept {
+    const locked lock(*this);
+    transitions_cancelled_ += transition_queue_.size();
+    transition_queue_.clear();
+    std::fill(target_.begin(), target_.end(), no_goal);
+  }
+
   /// Sets the bytes the runtime may hold to @p bytes (whole experts: ⌊bytes / expert_bytes()⌋)
   /// in a one-tier runtime (two tiers: resize_tiers()). Shrinking evicts unpinned experts first
   /// (waiting for their last kernels), returns their blocks to the system, and only then lowers
@@ -921,8 +933,15 @@ class expert_runtime {
       queue.push_back({static_cast<std::uint32_t>(geometry_.flat_index(t.expert)), goal_of(t.state)});
     }
     const locked lock(*this);
+    // Every allocation before the first change (strong guarantee): the push_backs below stay
+    // within these capacities.
+    std::vector<queued_transition> kept;  // updating: the queued requests that stay
+    std::vector<queued_transition> next;  // updating: the new queue
+    if (!replace) {
+      kept.reserve(transition_queue_.size());
+      next.reserve(transition_queue_.size() + queue.size());
+    }
     constexpr std::uint8_t keeps_its_place = 0xFF;  // seen[]: updating, listed again with its queued goal
-    std::vector<queued_transition> kept;            // updating: the queued requests that stay
     for (const queued_transition& q : transition_queue_) {
       if (seen[q.expert] == q.goal + 1) {
         if (!replace) {
@@ -938,23 +957,23 @@ class expert_runtime {
         kept.push_back(q);
       }
     }
+    for (const queued_transition& q : queue) target_[q.expert] = q.goal;
     if (replace) {
-      transition_queue_ = queue;
+      transition_queue_.swap(queue);
     } else {
       // The new demotions and evictions first (they free the room promotions need, and a queued
       // promotion must not take as its victim the hi version of an expert just demoted), then the
       // queued requests, then the new promotions.
       constexpr std::uint8_t hi_goal = 0;  // goal_of(resident_hi)
-      transition_queue_.clear();
       for (const queued_transition& q : queue) {
-        if (q.goal != hi_goal && seen[q.expert] != keeps_its_place) transition_queue_.push_back(q);
+        if (q.goal != hi_goal && seen[q.expert] != keeps_its_place) next.push_back(q);
       }
-      transition_queue_.insert(transition_queue_.end(), kept.begin(), kept.end());
+      next.insert(next.end(), kept.begin(), kept.end());
       for (const queued_transition& q : queue) {
-        if (q.goal == hi_goal && seen[q.expert] != keeps_its_place) transition_queue_.push_back(q);
+        if (q.goal == hi_goal && seen[q.expert] != keeps_its_place) next.push_back(q);
       }
+      transition_queue_.swap(next);
     }
-    for (const queued_transition& q : queue) target_[q.expert] = q.goal;
     drain_releases();
     pump_background();
     settle();

@@ -127,7 +127,9 @@ class four_pool_driver {
   /// Per burst, at a drained barrier: decides the split, applies it (or nothing), commits the
   /// outcome and starts the next burst. Returns the decision and whether it was applied.
   /// @throws what a step throws (a KV callback's, a runtime's), after the steps applied are undone
-  /// and the decision is committed as not applied (the next burst started);
+  /// and the decision is committed as not applied (the next burst started), or, after a move into
+  /// a split without a lo tier that holds, what handing the runtime its evictions threw (the move
+  /// committed as applied);
   /// std::runtime_error when a step failed and undoing the steps applied failed too: the runtime,
   /// its account or the KV pool may then hold part of the new split, and the controller the old.
   std::pair<four_pool_decision, bool> at_barrier() {
@@ -193,10 +195,21 @@ class four_pool_driver {
       ok = false;
     }
     if (ok) {
-      // In a split without a lo tier the hot set is empty: nothing queued is wanted any more (a
-      // demotion to lo could never run), so the dropped members' targets replace the queue. Only
-      // once the split holds: a refused one keeps the queue, whose demotions the controller counts.
-      if (!d.split.tiered()) runtime_->set_targets(d.to_targets());
+      // In a split without a lo tier the hot set is empty: no target is wanted any more, queued
+      // (a demotion to lo could never run) or remembered (an earlier member's hi version would
+      // stay out of reach of every promotion once a lo tier returns, while the new hot set never
+      // names it again), so the runtime forgets them all and is given the dropped members'
+      // evictions. Only once the split holds: a refused one keeps the queue, whose demotions the
+      // controller counts. The split holds even if handing over the evictions throws (a
+      // bad_alloc): the error reaches the caller after the move is committed.
+      if (!d.split.tiered()) {
+        try {
+          runtime_->clear_targets();
+          if (!d.hi_evictions.empty()) runtime_->update_targets(d.to_targets());
+        } catch (...) {
+          error = std::current_exception();
+        }
+      }
       return true;
     }
     // D3: the previous split stays in force, the last step applied undone first.
