@@ -267,20 +267,25 @@ inline expage::routing_trace read_checked_trace(const std::string& path, const e
 
 /// The help lines of parse_synthetic_flag()'s flags, indented to stand under a `--synthetic` (or
 /// `synth`) line, without a final newline: every tool's `{synthetic}` line in its usage text.
-inline constexpr std::string_view synthetic_flags_help =
-    R"(    --sequences N         sequences, [1, 16777216] (default 16)
-    --steps N             decode tokens per sequence, [0, 16777216] (default 128; also --decode-steps)
-    --prefill N           prompt tokens routed in each sequence's first pass, [0, 16777216] (default 0)
-    --seed N              generator seed (default 1)
-    --zipf S              popularity exponent, [0, 8] (default: fitted for the geometry)
-    --locality P          probability a token keeps each previous expert, [0, 1] (default 0.3)
+inline std::string synthetic_flags_help() {
+  const expage::synthetic_options defaults = default_synthetic();
+  return fmt::format(
+      R"(    --sequences N         sequences, [1, {0}] (default {4})
+    --steps N             decode tokens per sequence, [0, {1}] (default {5}; also --decode-steps)
+    --prefill N           prompt tokens routed in each sequence's first pass, [0, {1}] (default 0)
+    --seed N              generator seed (default {6})
+    --zipf S              popularity exponent, [0, {2}] (default: fitted for the geometry)
+    --locality P          probability a token keeps each previous expert, [0, 1] (default {7})
     --workloads N         distinct hot sets, [1, experts per layer] (default 1)
     --shift-every N       sequences per workload before the hot set shifts (default 1)
     --cross-layer P       cross-layer co-activation: a token takes its latent type's expert at each
                           layer with this probability, [0, 1] (default 0; 0.65 is the Mixtral trace's)
     --probabilities       record full router probability vectors (fMoE's maps use them)
     --sketch-dims N       record hidden-state sketches of N floats carrying the token's type, for
-                          fMoE's semantic search, [0, 4096] (default 0))";
+                          fMoE's semantic search, [0, {3}] (default 0))",
+      expage::max_synthetic_sequences, expage::max_synthetic_steps, expage::max_zipf_exponent, expage::max_sketch_dims,
+      defaults.sequences, defaults.decode_steps, defaults.seed, defaults.locality);
+}
 
 /// Parses @p flag when it is one of the flags that shape a synthetic trace, into @p o: the same
 /// names and ranges in every tool (expage-replay, expage-sim and expage-plan `--synthetic`,

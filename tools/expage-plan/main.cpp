@@ -666,7 +666,7 @@ int main(int argc, char** argv) {
   const std::string help = fmt::format(fmt::runtime(usage), fmt::join(expage::moe_geometry::preset_names(), ", "),
                                        fmt::join(expage::hardware_profile::preset_names(), ", "), policy_names,
                                        fmt::join(expage::kv_session_preset_names(), ", "),
-                                       fmt::arg("synthetic", expage_tools::synthetic_flags_help));
+                                       fmt::arg("synthetic", expage_tools::synthetic_flags_help()));
   try {
     const config c = parse(argc, argv, help);
     expage_tools::check_output_paths({{"--json", c.json}, {"--svg", c.svg}, {"--tiers-svg", c.tiers_svg}});

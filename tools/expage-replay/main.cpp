@@ -316,7 +316,7 @@ std::string svg_chart(const std::vector<curve>& curves, const expage::moe_geomet
 int main(int argc, char** argv) {
   const std::string help = fmt::format(fmt::runtime(usage), fmt::join(expage::moe_geometry::preset_names(), ", "),
                                        expage_tools::policy_names(/*online_only=*/false),
-                                       fmt::arg("synthetic", expage_tools::synthetic_flags_help));
+                                       fmt::arg("synthetic", expage_tools::synthetic_flags_help()));
   try {
     const config c = parse(argc, argv, help);
     // Output paths are checked before any work.

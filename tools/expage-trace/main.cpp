@@ -185,7 +185,7 @@ int run(int argc, char** argv) {
   std::vector<std::string_view> args(argv + 1, argv + argc);
   const std::string names = fmt::format("{}", fmt::join(expage::moe_geometry::preset_names(), ", "));
   if (args.empty() || args[0] == "--help" || args[0] == "-h") {
-    fmt::print(fmt::runtime(usage), names, fmt::arg("synthetic", expage_tools::synthetic_flags_help));
+    fmt::print(fmt::runtime(usage), names, fmt::arg("synthetic", expage_tools::synthetic_flags_help()));
     return args.empty() ? 2 : 0;
   }
   const std::string_view command = args[0];
@@ -208,7 +208,7 @@ int run(int argc, char** argv) {
       return args[++i];
     };
     if (arg == "--help" || arg == "-h") {
-      fmt::print(fmt::runtime(usage), names, fmt::arg("synthetic", expage_tools::synthetic_flags_help));
+      fmt::print(fmt::runtime(usage), names, fmt::arg("synthetic", expage_tools::synthetic_flags_help()));
       return 0;
     } else if (arg == "--geometry") {
       const std::string_view name = value();
