@@ -947,6 +947,23 @@ TEST(ExpertRuntimeTiers, OneAcquireNeverEvictsBothVersionsOfAnExpert) {
   EXPECT_EQ(w.check_tiers(rt), "");
 }
 
+// tiered_world's model for a four_pool_controller over @p total bytes (a KV floor of 16 blocks of 4 KiB).
+four_pool_model small_four_pool_model(const tiered_world& w, std::uint64_t total) {
+  return {.budget_bytes = total,
+          .layers = 4,
+          .experts_per_layer = 8,
+          .hi_expert_bytes = w.page_rounded(precision::bf16),
+          .lo_expert_bytes = w.page_rounded(precision::int4),
+          .block_bytes = 4096,
+          .kv_floor_bytes = 16 * 4096,
+          .hi_miss_seconds = 1e-3,
+          .lo_miss_seconds = 0.6e-3,
+          .kv_miss_seconds = 2e-3,
+          .lo_activation_seconds = 4e-4,
+          .min_group = 2,
+          .members_load_hi = true};
+}
+
 // The four-pool controller drives the runtime and a KV pool through four_pool_driver: after every
 // burst the runtime's tiers, its demand tier and the experts' account are the controller's split,
 // the budget B holds with the KV pool beside them, and a KV resize that is refused (or, with
@@ -977,19 +994,7 @@ void drive_four_pool(bool kv_throws) {
   host_stream prefetch("prefetch");
   runtime rt(w.geometry, experts, w.vmm, w.copy, w.compute, w.sources(),
              {.capacity = 0, .lo_capacity = 2, .targets_load_hi = true}, &prefetch);
-  const four_pool_model model{.budget_bytes = total,
-                              .layers = 4,
-                              .experts_per_layer = 8,
-                              .hi_expert_bytes = hi,
-                              .lo_expert_bytes = lo,
-                              .block_bytes = block,
-                              .kv_floor_bytes = floor,
-                              .hi_miss_seconds = 1e-3,
-                              .lo_miss_seconds = 0.6e-3,
-                              .kv_miss_seconds = 2e-3,
-                              .lo_activation_seconds = 4e-4,
-                              .min_group = 2,
-                              .members_load_hi = true};
+  const four_pool_model model = small_four_pool_model(w, total);
   four_pool_controller controller(model, {}, make_four_pool_split(model, 0, 2));
   four_pool_driver<runtime> driver(rt, controller, experts, resize_kv);
   EXPECT_EQ(rt.capacity(version_tier::lo), 8U);
@@ -1056,6 +1061,128 @@ void drive_four_pool(bool kv_throws) {
 TEST(ExpertRuntimeTiers, FourPoolDriverAppliesTheControllersSplits) { drive_four_pool(false); }
 
 TEST(ExpertRuntimeTiers, FourPoolDriverUndoesAMoveWhoseStepThrows) { drive_four_pool(true); }
+
+// A driver whose KV pool refuses the controller's first split (or throws) at construction leaves
+// the runtime's tier sizes, its demand tier and the experts' account as they were.
+TEST(ExpertRuntimeTiers, FourPoolDriverRestoresTheRuntimeWhenItsConstructionFails) {
+  tiered_world w;
+  const std::uint64_t total = 8 * w.page_rounded(precision::bf16) + 16 * w.page_rounded(precision::int4) + 32 * 4096;
+  budget_tracker budget(total);
+  const std::uint64_t lo_bytes = w.page_rounded(precision::int4);
+  budget_account& experts = budget.add_account("experts", 2 * lo_bytes);
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, experts, w.vmm, w.copy, w.compute, w.sources(),
+             {.capacity = 0, .lo_capacity = 2, .targets_load_hi = true}, &prefetch);
+  const four_pool_model model = small_four_pool_model(w, total);
+  four_pool_controller controller(model, {}, make_four_pool_split(model, 1, 2));
+  for (const bool throws : {false, true}) {
+    const auto refuse = [throws](std::uint64_t bytes) {
+      if (throws) throw out_of_budget("the engine's KV pool", bytes, 0);
+      return false;
+    };
+    if (throws) {
+      EXPECT_THROW(four_pool_driver<runtime>(rt, controller, experts, refuse), out_of_budget);
+    } else {
+      EXPECT_THROW(four_pool_driver<runtime>(rt, controller, experts, refuse), invalid_argument);
+    }
+    EXPECT_EQ(rt.capacity(version_tier::hi), 0U) << throws;
+    EXPECT_EQ(rt.capacity(version_tier::lo), 2U) << throws;
+    EXPECT_EQ(rt.demand_tier(), version_tier::lo) << throws;
+    EXPECT_EQ(experts.capacity(), 2 * lo_bytes) << throws;
+    EXPECT_EQ(controller.statistics().bursts, 0U) << "no burst started";
+  }
+}
+
+// The runtime with update_targets() refusing (a bad_alloc) as often as asked, keeping what it was
+// handed and what it refused.
+struct refusing_runtime : runtime {
+  using runtime::runtime;
+  int refusals = 0;
+  std::vector<std::vector<target>> handed;
+  std::vector<target> refused;  // the last
+  void update_targets(std::span<const target> targets) {
+    if (refusals > 0) {
+      --refusals;
+      refused.assign(targets.begin(), targets.end());
+      throw std::bad_alloc();
+    }
+    runtime::update_targets(targets);
+    handed.emplace_back(targets.begin(), targets.end());
+  }
+};
+
+[[nodiscard]] std::string describe(std::span<const target> plan) {
+  std::string s;
+  for (const target& t : plan) s += fmt::format("{}:{} ", t.expert, to_string(t.state));
+  return s;
+}
+
+// An interval's plan the runtime could not take (a bad_alloc) is not lost: the hi set has moved
+// on, so the driver hands the plan over before the next interval's or the next barrier's, and a
+// barrier whose hand-over throws changes nothing.
+TEST(ExpertRuntimeTiers, FourPoolDriverHandsOverAPlanTheRuntimeRefused) {
+  tiered_world w;
+  const std::uint64_t total = 8 * w.page_rounded(precision::bf16) + 16 * w.page_rounded(precision::int4) + 32 * 4096;
+  budget_tracker budget(total);
+  budget_account& experts = budget.add_account("experts", 8 * w.page_rounded(precision::int4));
+  host_stream prefetch("prefetch");
+  refusing_runtime rt(w.geometry, experts, w.vmm, w.copy, w.compute, w.sources(),
+                      {.capacity = 0, .lo_capacity = 8, .targets_load_hi = true}, &prefetch);
+  const four_pool_model model = small_four_pool_model(w, total);
+  four_pool_controller controller(model, {}, make_four_pool_split(model, 1, 2));
+  four_pool_driver<refusing_runtime> driver(rt, controller, experts, [](std::uint64_t) { return true; });
+  std::mt19937_64 rng(7);
+  const auto route = [&](int tokens) {
+    for (int token = 0; token < tokens; ++token) {
+      for (std::uint32_t layer = 0; layer < 4; ++layer) {
+        const std::vector<std::uint32_t> routed{static_cast<std::uint32_t>(rng() % 3),
+                                                static_cast<std::uint32_t>(3 + rng() % 5)};
+        auto lease = rt.acquire(layer, routed);
+        driver.on_routed(layer, routed);
+        w.check_lease_on_compute(rt, lease);
+        lease.release();
+      }
+    }
+  };
+  route(6);
+  rt.refusals = 1;
+  EXPECT_THROW(driver.end_interval(), std::bad_alloc);
+  EXPECT_TRUE(rt.handed.empty());
+  const std::vector<target> refused = rt.refused;
+  ASSERT_EQ(refused.size(), 4U) << "the hi set's one member per layer, at least";
+  route(6);
+  driver.end_interval();
+  ASSERT_EQ(rt.handed.size(), 2U) << "the refused plan, then the interval's";
+  EXPECT_EQ(describe(rt.handed[0]), describe(refused));
+  EXPECT_GE(rt.handed[1].size(), 4U);
+
+  // Refused again; handing it over at the barrier is refused too: no step taken, nothing changed.
+  route(6);
+  rt.refusals = 1;
+  EXPECT_THROW(driver.end_interval(), std::bad_alloc);
+  const std::vector<target> kept = rt.refused;
+  const std::uint64_t bursts = controller.statistics().bursts;
+  const four_pool_split split = controller.current();
+  rt.refusals = 1;
+  EXPECT_THROW((void)driver.at_barrier(), std::bad_alloc);
+  EXPECT_EQ(controller.statistics().bursts, bursts) << "the barrier stopped before its step";
+  EXPECT_EQ(controller.current(), split);
+  EXPECT_EQ(describe(rt.refused), describe(kept)) << "the kept plan was offered again";
+  rt.handed.clear();
+  (void)driver.at_barrier();
+  EXPECT_EQ(controller.statistics().bursts, bursts + 1);
+  ASSERT_FALSE(rt.handed.empty());
+  EXPECT_EQ(describe(rt.handed[0]), describe(kept)) << "the kept plan before the step";
+  route(2);
+  rt.handed.clear();
+  driver.end_interval();
+  EXPECT_EQ(rt.handed.size(), 1U) << "handed over once";
+  w.compute.synchronize();
+  prefetch.synchronize();
+  rt.poll();
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_LE(experts.used(), experts.capacity());
+}
 
 // Random leases, targets, prefetches and resizes: after every step every view of every version
 // agrees, and kernels read complete versions of the precision their lease was served at; a held

@@ -19,6 +19,7 @@
 #include <span>
 #include <stdexcept>
 #include <utility>
+#include <vector>
 
 namespace expage {
 
@@ -85,7 +86,9 @@ class four_pool_driver {
   /// controller's first burst.
   /// @throws expage::invalid_argument when the runtime has one tier or no prefetch stream (the hi
   /// set's targets need one), the model's sizes are not the runtime's (naming both), resize_kv is
-  /// empty, or the current split cannot be applied.
+  /// empty, or the current split cannot be applied (the runtime's tier sizes, its demand tier and
+  /// the account's capacity are then restored; versions a shrink evicted stay evicted); what the
+  /// KV callback throws, after the same restore.
   four_pool_driver(Runtime& runtime, four_pool_controller& controller, budget_account& experts, kv_resize resize_kv)
       : runtime_(&runtime), controller_(&controller), experts_(&experts), resize_kv_(std::move(resize_kv)) {
     const four_pool_model& m = controller.model();
@@ -107,7 +110,29 @@ class four_pool_driver {
           runtime.expert_bytes(version_tier::hi), runtime.expert_bytes(version_tier::lo)));
     }
     const four_pool_split& s = controller.current();
-    if (!apply_experts(hi_pool_bytes(m, s), lo_pool_bytes(m, s), s.tiered()) || !resize_kv_(s.kv_bytes)) {
+    // The runtime's sizes before, restored when the split cannot be applied (its experts' step
+    // may have succeeded before the KV pool refused).
+    const std::uint64_t old_hi = std::uint64_t{runtime.capacity(version_tier::hi)} * m.hi_expert_bytes;
+    const std::uint64_t old_lo = std::uint64_t{runtime.capacity(version_tier::lo)} * m.lo_expert_bytes;
+    const version_tier old_demand = runtime.demand_tier();
+    const std::uint64_t old_capacity = experts.capacity();
+    const auto restore = [&]() noexcept {
+      try {
+        if (old_capacity > experts_->capacity()) (void)experts_->set_capacity(old_capacity);
+        (void)runtime_->resize_tiers(old_hi, old_lo, old_demand);
+        if (old_capacity < experts_->capacity()) (void)experts_->set_capacity(old_capacity);
+      } catch (...) {  // best effort: what cannot be restored stays as the split left it
+      }
+    };
+    bool applied = false;
+    try {
+      applied = apply_experts(hi_pool_bytes(m, s), lo_pool_bytes(m, s), s.tiered()) && resize_kv_(s.kv_bytes);
+    } catch (...) {
+      restore();
+      throw;
+    }
+    if (!applied) {
+      restore();
       throw invalid_argument(fmt::format(
           "four_pool_driver: the controller's split ({} hi, {} lo slots per layer, {} KV bytes) could not be applied",
           s.hi_slots, s.lo_slots, s.kv_bytes));
@@ -122,7 +147,21 @@ class four_pool_driver {
   /// Per interval: the hi set's targets to the runtime (demotions first). update_targets(), not
   /// set_targets(): a demotion of an earlier interval still queued is not listed again, and
   /// must not be cancelled.
-  void end_interval() { runtime_->update_targets(controller_->end_interval()); }
+  /// @throws what update_targets() throws (a bad_alloc): the controller's hi set has moved on
+  /// and its plan is kept, to be handed over first by the next end_interval() or at_barrier()
+  /// (a demotion is listed by one plan only: lost, its expert would keep a hi version the
+  /// controller counts as lo). Also when handing over a kept plan throws, before anything
+  /// changed (the plan is still kept).
+  void end_interval() {
+    hand_over_unapplied();
+    std::vector<residency_target> plan = controller_->end_interval();
+    try {
+      runtime_->update_targets(plan);
+    } catch (...) {
+      unapplied_ = std::move(plan);
+      throw;
+    }
+  }
 
   /// Per burst, at a drained barrier: decides the split, applies it (or nothing), commits the
   /// outcome and starts the next burst. Returns the decision and whether it was applied.
@@ -131,8 +170,11 @@ class four_pool_driver {
   /// a split without a lo tier that holds, what handing the runtime its evictions threw (the move
   /// committed as applied);
   /// std::runtime_error when a step failed and undoing the steps applied failed too: the runtime,
-  /// its account or the KV pool may then hold part of the new split, and the controller the old.
+  /// its account or the KV pool may then hold part of the new split, and the controller the old;
+  /// what handing over an interval's plan that end_interval() kept throws, before the step
+  /// (nothing changed, the plan still kept).
   std::pair<four_pool_decision, bool> at_barrier() {
+    hand_over_unapplied();  // the hi set the decision starts from
     four_pool_decision d = controller_->step();
     bool applied = true;
     std::exception_ptr error;
@@ -203,6 +245,7 @@ class four_pool_driver {
       // controller counts. The split holds even if handing over the evictions throws (a
       // bad_alloc): the error reaches the caller after the move is committed.
       if (!d.split.tiered()) {
+        unapplied_.clear();  // a kept plan's targets are the old hot set's
         try {
           runtime_->clear_targets();
           if (!d.hi_evictions.empty()) runtime_->update_targets(d.to_targets());
@@ -230,6 +273,13 @@ class four_pool_driver {
     return false;
   }
 
+  // A plan end_interval() could not hand over, first; kept if this throws too.
+  void hand_over_unapplied() {
+    if (unapplied_.empty()) return;
+    runtime_->update_targets(unapplied_);
+    unapplied_.clear();
+  }
+
   // The runtime's tiers (and the experts account) to @p hi and @p lo bytes, the demand tier lo
   // with a lo tier, hi without. False when the runtime refuses or leases hold versions above it.
   bool apply_experts(std::uint64_t hi, std::uint64_t lo, bool tiered) {
@@ -249,6 +299,7 @@ class four_pool_driver {
   four_pool_controller* controller_;
   budget_account* experts_;
   kv_resize resize_kv_;
+  std::vector<residency_target> unapplied_;  // an interval's plan update_targets() threw on
   std::uint64_t refused_ = 0;
 };
 
