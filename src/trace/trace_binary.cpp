@@ -636,7 +636,7 @@ struct binary_stream {
   std::size_t chunk_bytes_read = 0;  // versions 3 and 4: the bytes of `chunk` the input had
   std::size_t checked_blocks = 0;    // versions 3 and 4: `chunk`'s blocks checked (check_block())
   std::size_t good = 0;              // the chunk's events decoded before the one being decoded
-  std::exception_ptr pending;        // versions 3 and 4: the error after a partly delivered chunk
+  std::exception_ptr pending;        // the error after a partly delivered chunk
   // The buffers the worker hashes are declared before it, so it is joined (destroyed) first.
   std::array<std::vector<std::byte>, checksum_worker::depth> buffers;
   std::optional<checksum_worker> worker;  // hashes the records while they are decoded (large traces)
@@ -980,12 +980,20 @@ std::span<const routing_event> detail::binary_stream::produce(std::size_t slot) 
       decode(read_records(n * record_bytes), 0, n, plain);
     }
   } catch (const format_error&) {
-    // Versions 3 and 4: the events before the fault are delivered, the error with the next call,
-    // so a consumer sees every good event before it whatever the size of its chunks. Versions 1
-    // and 2: a checksum mismatch explains the error better, and is known only at the end.
-    if (!in_blocks) drain_and_rethrow();
-    if (good == 0) throw;
-    pending = std::current_exception();
+    // The events before the fault are delivered, the error with the next call, so a consumer
+    // sees every good event before it whatever the size of its chunks (which for versions 1 and
+    // 2 depends on read_ahead). Versions 1 and 2: a checksum mismatch explains the error better,
+    // and is known only at the end, so the rest is hashed now and that is the error if it fails.
+    std::exception_ptr error = std::current_exception();
+    if (!in_blocks) {
+      try {
+        drain_and_rethrow();
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    if (good == 0) std::rethrow_exception(error);
+    pending = error;
     n = good;
     events.resize(n);
   }

@@ -593,6 +593,37 @@ TEST(BinaryTraceReader, LargeTracesHashOnAHelperThreadWithTheSameVerdicts) {  //
   // Abandoned half-way: the helper thread is stopped and joined.
   expage::binary_trace_reader abandoned(flipped, g, "big.bin");
   for (int i = 0; i < 10; ++i) (void)abandoned.next();
+  // An expert out of range in record 5,000, resealed (the record's error) or not (the checksum's,
+  // which explains it better): with the helper (chunks of 256 KiB) or without (64 KiB), the same
+  // error after the same events, every one before the bad record.
+  for (const std::uint16_t version : {std::uint16_t{1}, std::uint16_t{2}}) {
+    std::string good = expage::encode_binary(t, {.version = version});
+    const std::size_t header = good.size() - t.size() * 28;  // no optional fields: 28-byte records
+    const std::size_t bad = 5000;
+    std::string expert = good;
+    expert[header + bad * 28 + 16] = 8;
+    std::string resealed = expert;
+    expage::testing::reseal_binary(resealed);
+    for (const auto& [damaged, wanted] : {std::pair{resealed, std::string("field 'experts'")},
+                                          std::pair{expert, std::string("field 'payload_checksum'")}}) {
+      SCOPED_TRACE(fmt::format("version {}, {}", version, wanted));
+      std::array<std::pair<std::uint64_t, std::string>, 2> seen;  // with and without the helper
+      for (const bool ahead : {true, false}) {
+        expage::binary_trace_reader reader(bytes_of(damaged), g, "big.bin", {.read_ahead = ahead});
+        auto& [delivered, error] = seen[ahead ? 0 : 1];
+        try {
+          for (auto chunk = reader.next(); !chunk.empty(); chunk = reader.next()) delivered += chunk.size();
+        } catch (const expage::format_error& e) {
+          error = e.what();
+        }
+        EXPECT_THAT([&] { (void)reader.next(); }, ::testing::ThrowsMessage<expage::format_error>(error))
+            << "thrown again";
+      }
+      EXPECT_THAT(seen[0].second, HasSubstr(wanted));
+      EXPECT_EQ(seen[0], seen[1]);
+      EXPECT_EQ(seen[0].first, bad);
+    }
+  }
 }
 
 // Versions 3 and 4 from 4 MiB of records on: a second thread reads, checks and decodes the next

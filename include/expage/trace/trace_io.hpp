@@ -193,14 +193,16 @@ struct binary_write_options {
 /// Validates what read_binary() validates (header, geometry, every record, the checksums,
 /// truncation and trailing data) with memory bounded by a few chunks (256 KiB of records, or at
 /// least one version 3 or 4 block, plus their events; when reading ahead, 0.5 MiB of blocks and
-/// four chunks of at most 8,192 events or about 1 MiB), independent of the trace's length.
+/// four chunks of at most 8,192 events or about 1 MiB for the 64 KiB blocks expage writes, up to
+/// about 80 MiB for a file of 16 MiB blocks), independent of the trace's length.
 ///
 /// Versions 3 and 4: each block is checked (whole, and its CRC-32C) when decoding reaches its
 /// first record, so no event of a corrupt block is ever delivered, every event before the first
 /// fault (a bad block or record) is, and that fault is the error. Versions 1 and 2: the FNV-1a
 /// checksum covers the whole payload, so it is checked when the last chunk has been delivered:
 /// next() returns the empty end-of-trace chunk only after it matched, and a consumer must discard
-/// its results when next() throws. From 4 MiB of records on, on a machine with a second core, a
+/// its results when next() throws. Every event before a bad record is delivered; the error is the
+/// record's, or the checksum's when the rest of the payload does not match either. From 4 MiB of records on, on a machine with a second core, a
 /// helper thread owned by the reader works ahead of the caller (trace_read_options::read_ahead):
 /// in versions 3 and 4 it reads, checks and decodes the next chunks (up to 4 of 8,192 events in
 /// flight); in versions 1 and 2 it computes the serial checksum while the records are decoded
