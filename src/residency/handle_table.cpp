@@ -117,13 +117,15 @@ const version_record* handle_table::pin(epoch_domain::window& w, expert_id id) {
   }
   detail::handle_slot& slot = slots_[i];
   w.slot_->pins.push_back(&slot.pins);  // may throw; nothing pinned yet
-  // Dekker with begin(evicting): each side stores its flag, then loads the
-  // other's, all seq_cst; at least one sees the other. Either begin() sees the
-  // pin and refuses, or we see `evicting` and give the pin back.
+  // Dekker with begin(evicting) and exclusive begins: each side stores its
+  // flag, then loads the other's, all seq_cst; at least one sees the other.
+  // Either begin() sees the pin and refuses, or we see `evicting` (or the
+  // exclusive flag) and give the pin back.
   slot.pins.fetch_add(1, std::memory_order_seq_cst);
   const residency_state s = slot.state.load(std::memory_order_seq_cst);
+  const bool exclusive = slot.exclusive.load(std::memory_order_seq_cst);
   const version_record* v = slot.active.load(std::memory_order_acquire);  // pairs with publish()'s exchange
-  if (s == residency_state::evicting || v == nullptr) {
+  if (s == residency_state::evicting || exclusive || v == nullptr) {
     slot.pins.fetch_sub(1, std::memory_order_relaxed);  // relaxed: this pin never protected anything
     w.slot_->pins.pop_back();
     return nullptr;
@@ -131,7 +133,7 @@ const version_record* handle_table::pin(epoch_domain::window& w, expert_id id) {
   return v;
 }
 
-transition handle_table::begin(expert_id id, residency_state to) {
+transition handle_table::begin(expert_id id, residency_state to, bool exclusive) {
   const std::size_t i = index_of(id, "begin");
   const std::lock_guard lock(mutex_);
   detail::handle_slot& slot = slots_[i];
@@ -141,14 +143,17 @@ transition handle_table::begin(expert_id id, residency_state to) {
                                        id, from, to, from, allowed_from(from)),
                            id, from, to);
   }
+  if (exclusive) slot.exclusive.store(true, std::memory_order_seq_cst);
   slot.state.store(to, std::memory_order_seq_cst);  // seq_cst: the Dekker pair with pin(), see there
-  if (to == residency_state::evicting) {
+  if (to == residency_state::evicting || exclusive) {
     if (const auto pins = slot.pins.load(std::memory_order_seq_cst); pins > 0) {
       slot.state.store(from, std::memory_order_seq_cst);
+      slot.exclusive.store(false, std::memory_order_seq_cst);
       ++refused_;
-      throw transition_error(fmt::format("handle_table::begin: eviction of expert {} refused: {} open window{} "
+      throw transition_error(fmt::format("handle_table::begin: {} of expert {} refused: {} open window{} "
                                          "pinned it (state stays {})",
-                                         id, pins, pins == 1 ? "" : "s", from),
+                                         to == residency_state::evicting ? "eviction" : "exclusive transition", id,
+                                         pins, pins == 1 ? "" : "s", from),
                              id, from, to);
     }
   }
@@ -159,9 +164,9 @@ transition handle_table::begin(expert_id id, residency_state to) {
   return {this, id, slot.serial};
 }
 
-std::optional<transition> handle_table::try_begin(expert_id id, residency_state to) noexcept {
+std::optional<transition> handle_table::try_begin(expert_id id, residency_state to, bool exclusive) noexcept {
   try {
-    return begin(id, to);
+    return begin(id, to, exclusive);
   } catch (...) {  // transition_error, invalid_argument, or bad_alloc from a message: all mean "not begun"
     return std::nullopt;
   }
@@ -257,6 +262,7 @@ handle_table::outcome handle_table::publish_impl(expert_id id, std::uint64_t ser
   // releases the record's contents to resolve()'s acquire load.
   slot->active.exchange(next, std::memory_order_seq_cst);
   slot->state.store(target, std::memory_order_seq_cst);
+  slot->exclusive.store(false, std::memory_order_seq_cst);  // pins resolve the new version from here
   slot->published = entry.number;
   slot->serial = 0;
   ++published_;
@@ -274,6 +280,7 @@ bool handle_table::abort_locked(detail::handle_slot& slot) noexcept {
     domain_.discard(version_storage::adopt(std::move(slot.pending)), std::move(done));
   }
   slot.state.store(slot.from, std::memory_order_seq_cst);  // seq_cst: pins may succeed again (see pin())
+  slot.exclusive.store(false, std::memory_order_seq_cst);
   slot.serial = 0;
   ++aborted_;
   --in_flight_;

@@ -6,6 +6,7 @@
 
 #include "expage/cache/duel_policy.hpp"
 #include "expage/cache/lru_policy.hpp"
+#include "expage/cache/sieve_policy.hpp"
 #include "expage/cache/slot_cache.hpp"
 #include "expage/memory/tensor_storage.hpp"
 
@@ -627,6 +628,44 @@ expert_source<host_stream> failing_on_the_stream(runtime_world& w) {
   return source;
 }
 
+// A policy whose victim() moves its own state (sieve: the hand, the visited bits) is put back
+// when an acquire fails after choosing its victim: the next victim is the one it would have been.
+TEST(ExpertRuntime, AFailedAcquireLeavesAStatefulPolicyAsBefore) {
+  static_assert(!const_victim<sieve_policy> && const_victim<lru_policy>);
+  const auto run = [](bool with_failure) {
+    runtime_world w;
+    bool fail = false;
+    expert_source<host_stream> source = w.source();
+    auto inner = source.load;
+    source.load = [&, inner](expert_id id, expert_tensor t, std::span<std::byte> page, host_stream& s) {
+      if (fail && id.expert == 4) throw format_error("injected decode failure");
+      return inner(id, t, page, s);
+    };
+    expert_runtime<host_vmm, host_stream, sieve_policy> rt(w.geometry, w.account, w.vmm, w.copy, w.compute, source);
+    const std::uint32_t a[] = {0, 1};
+    const std::uint32_t b[] = {2, 3};
+    const std::uint32_t four[] = {4};
+    const std::uint32_t five[] = {5};
+    rt.acquire(0, a).release();
+    rt.acquire(0, b).release();
+    rt.acquire(0, a).release();  // hits: 0 and 1 visited
+    w.compute.synchronize();
+    if (with_failure) {
+      fail = true;
+      EXPECT_THROW((void)rt.acquire(0, four), format_error);  // the sweep passed 0 and 1, chose 2
+      fail = false;
+      EXPECT_EQ(w.check_views(rt), "");
+    }
+    rt.acquire(0, five).release();
+    w.compute.synchronize();
+    std::vector<std::uint32_t> resident;
+    for (const auto& r : rt.resident_set()) resident.push_back(r.expert.expert);
+    std::ranges::sort(resident);
+    return resident;
+  };
+  EXPECT_EQ(run(true), run(false));
+}
+
 TEST(ExpertRuntime, ADemandLoadFailingOnItsStreamStopsTheComputeStreamBeforeTheKernel) {
   runtime_world w;
   runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, failing_on_the_stream(w));
@@ -798,6 +837,7 @@ TEST(ExpertRuntime, ResizeBelowPinnedExpertsHoldsThemAndShrinksOnRelease) {
   rt.poll();  // the held experts' kernels are done: the surplus goes
   EXPECT_EQ(rt.statistics().resident, 2U);
   EXPECT_EQ(w.account.used(), 2 * rt.expert_bytes());
+  EXPECT_EQ(w.vmm.blocks() * w.vmm.granularity(), w.account.used()) << "their blocks went back to the system";
   const std::uint32_t c[] = {4, 5};
   rt.acquire(1, c).release();  // loads over victims: the capacity stays 2
   EXPECT_EQ(rt.statistics().resident, 2U);

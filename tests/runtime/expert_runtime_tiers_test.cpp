@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 #include <future>
 #include <random>
 #include <sstream>
@@ -506,6 +507,130 @@ TEST(ExpertRuntimeTiers, ClearedTargetsProtectNothing) {
   EXPECT_EQ(rt.statistics().transitions_queued, 0U);
   EXPECT_NE(rt.resident({0, 0}), rt.resident({0, 1})) << "one of the two was the victim";
   w.compute.synchronize();
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
+// A promotion whose hi version is evicted after it was issued but before its switch (a resize
+// here; a demand victim would do the same) is issued again: the request stays queued until the
+// switch, and nothing else would ask for it (planners hand over only what changed).
+TEST(ExpertRuntimeTiers, APromotionWhoseLoadIsEvictedBeforeItsSwitchIsIssuedAgain) {
+  tiered_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 2}, &prefetch);
+  const std::uint32_t routed[] = {3};
+  auto held = rt.acquire(0, routed);  // its lo version pinned: the switch waits
+  const target promote[] = {{.expert = {0, 3}, .state = residency_state::resident_hi}};
+  rt.set_targets(promote);
+  prefetch.synchronize();
+  EXPECT_EQ(rt.statistics().total.promotions, 1U) << "issued";
+  EXPECT_EQ(rt.statistics().transitions_queued, 1U) << "queued until its switch";
+  const std::size_t hi = rt.expert_bytes(version_tier::hi);
+  const std::size_t lo = rt.expert_bytes(version_tier::lo);
+  (void)rt.resize_tiers(0, 4 * lo);  // the unswitched hi version goes
+  EXPECT_TRUE(std::ranges::none_of(rt.resident_set(), [](const auto& r) {
+    return r.expert == expert_id{0, 3} && r.tier == version_tier::hi;
+  })) << "its hi version evicted";
+  (void)rt.resize_tiers(2 * hi, 4 * lo);
+  held.release();
+  w.compute.synchronize();
+  for (int i = 0; i < 3 && rt.active_tier({0, 3}) != version_tier::hi; ++i) {
+    prefetch.synchronize();
+    rt.poll();
+  }
+  EXPECT_EQ(rt.active_tier({0, 3}), version_tier::hi) << "loaded again and switched";
+  EXPECT_EQ(rt.statistics().transitions_queued, 0U);
+  EXPECT_EQ(rt.statistics().transitions_failed, 0U);
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
+// A completion whose wait() first runs a hook (engine code on another thread, while the runtime's
+// fence waits), then is done.
+struct hooked_kernel {
+  std::shared_ptr<std::atomic<bool>> done = std::make_shared<std::atomic<bool>>(false);
+  std::shared_ptr<std::function<void()>> on_wait = std::make_shared<std::function<void()>>();
+  [[nodiscard]] bool ready() const { return done->load(); }
+  void wait() const {
+    if (!done->load()) {
+      if (*on_wait) (*on_wait)();
+      done->store(true);
+    }
+  }
+};
+
+// A window of the handle table that pins a victim while the acquire's fence waits for the
+// victim's kernel makes the runtime choose another victim: the pinned record stays mapped. The
+// victim has a complete hi version, so its eviction would be a switch (before, the table refused
+// only evictions to nothing, and the switch unmapped the pages the window's record points at).
+TEST(ExpertRuntimeTiers, AWindowThatPinsAVictimDuringItsFenceKeepsIt) {
+  tiered_world w(2, 3);
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 2}, &prefetch);
+  const std::uint32_t first[] = {0};
+  auto ly = rt.acquire(1, first);  // Y = {1, 0}: lo, the least recently used
+  const target promote[] = {{.expert = {1, 0}, .state = residency_state::resident_hi}};
+  rt.set_targets(promote);
+  prefetch.synchronize();
+  w.copy.synchronize();
+  hooked_kernel kernel;
+  std::optional<epoch_domain::window> window;
+  const version_record* pinned = nullptr;
+  *kernel.on_wait = [&] {
+    window.emplace(rt.table().open_window());
+    pinned = rt.table().pin(*window, {1, 0});
+  };
+  ly.release(kernel);  // Y's kernel pending: no switch yet
+  rt.poll();
+  ASSERT_EQ(rt.active_tier({1, 0}), version_tier::lo);
+  rt.acquire(3, first).release();  // X = {3, 0}: lo, evictable
+  w.compute.synchronize();
+  auto lz = rt.acquire(2, first);  // Z = {2, 0}: lo, held; the lo tier is full
+  auto lm = rt.acquire(0, first);  // a miss: Y first (fenced, pinned meanwhile), then X
+  ASSERT_NE(pinned, nullptr);
+  EXPECT_TRUE(rt.table().pinned({1, 0}));
+  EXPECT_EQ(rt.active_tier({1, 0}), version_tier::lo) << "not switched while the window pins it";
+  EXPECT_TRUE(w.vmm.block_at(pinned->tensor(expert_tensor::gate_up)).has_value()) << "the pinned record's pages";
+  EXPECT_FALSE(rt.resident({3, 0})) << "the other victim";
+  EXPECT_GE(rt.table().statistics().refused, 1U);
+  lm.release();
+  lz.release();
+  w.compute.synchronize();
+  window.reset();
+  rt.poll();
+  EXPECT_EQ(rt.active_tier({1, 0}), version_tier::hi) << "switched once the window closed";
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
+// A group checked to fit the demand tier stays servable: the switch of a member into the demand
+// tier (a demotion whose lo version is complete) waits until after the lease when it would take
+// the slot a miss of the group needs.
+TEST(ExpertRuntimeTiers, ASwitchIntoTheDemandTierNeverCrowdsOutTheGroup) {
+  tiered_world w(2, 2);
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 2}, &prefetch);
+  const target hi[] = {{.expert = {0, 0}, .state = residency_state::resident_hi}};
+  rt.set_targets(hi);
+  prefetch.synchronize();
+  rt.poll();
+  ASSERT_EQ(rt.active_tier({0, 0}), version_tier::hi);
+  const std::uint32_t a[] = {0};
+  manual_kernel kernel;
+  rt.acquire(0, a).release(kernel);
+  const target lo[] = {{.expert = {0, 0}, .state = residency_state::resident_lo}};
+  rt.set_targets(lo);  // its lo version loads; the switch waits for the kernel
+  prefetch.synchronize();
+  rt.poll();
+  ASSERT_EQ(rt.active_tier({0, 0}), version_tier::hi);
+  *kernel.done = true;
+  const std::uint32_t group[] = {0, 1, 2};  // two misses: the lo tier's two slots
+  auto lease = rt.acquire(0, group);
+  EXPECT_EQ(lease.tiers()[0], version_tier::hi) << "served by its hi version";
+  EXPECT_EQ(lease.tiers()[1], version_tier::lo);
+  EXPECT_EQ(lease.tiers()[2], version_tier::lo);
+  w.check_lease_on_compute(rt, lease);
+  lease.release();
+  w.compute.synchronize();
+  prefetch.synchronize();
+  EXPECT_EQ(w.mismatches.load(), 0U);
   EXPECT_EQ(w.check_tiers(rt), "");
 }
 

@@ -36,6 +36,7 @@ struct expert_version final : storage_node {
 struct alignas(64) handle_slot {
   std::atomic<const version_record*> active{nullptr};  // the resolve load (acquire) pairs with publish's exchange
   std::atomic<residency_state> state{residency_state::absent};
+  std::atomic<bool> exclusive{false};  // the transition in flight refuses pins (begin(…, true))
   expert_id id{};
   alignas(64) std::atomic<std::uint32_t> pins{0};  // open windows that pinned this expert
   // Cold, guarded by handle_table::mutex_.
@@ -98,7 +99,7 @@ struct handle_table_statistics {
   std::uint64_t begun = 0;      ///< Transitions begun.
   std::uint64_t published = 0;  ///< Transitions published.
   std::uint64_t aborted = 0;    ///< Transitions aborted.
-  std::uint64_t refused = 0;    ///< Evictions refused because a window pinned the expert.
+  std::uint64_t refused = 0;    ///< Evictions and exclusive transitions refused because a window pinned the expert.
   std::size_t in_flight = 0;    ///< Transitions begun and not yet published or aborted.
   std::size_t pending = 0;      ///< Old versions waiting for reclamation.
   std::uint64_t reclaimed = 0;  ///< Versions (old or aborted) freed.
@@ -251,9 +252,11 @@ class handle_table {
   [[nodiscard]] std::optional<epoch_domain::window> try_open_window() noexcept { return domain_.try_open_window(); }
 
   /// Resolves @p id and pins it in @p w: until @p w has closed (and its
-  /// attached completion is ready), begin() refuses to evict @p id.
+  /// attached completion is ready), begin() refuses to evict @p id, or to
+  /// begin an exclusive transition of it.
   /// @return the active version, or nullptr (and no pin) when @p id is
-  ///         absent, has no version yet, or is being evicted.
+  ///         absent, has no version yet, is being evicted, or is in an
+  ///         exclusive transition.
   /// @throws expage::invalid_argument for an unknown expert or a window that
   ///         is closed or belongs to another table.
   /// @throws std::bad_alloc when the window's pin list cannot grow (nothing pinned).
@@ -274,14 +277,19 @@ class handle_table {
   /// @{
 
   /// Moves @p id from its stable state into the transitional state @p to
-  /// (promoting, demoting or evicting).
+  /// (promoting, demoting or evicting). An eviction, or any transition begun
+  /// @p exclusive, is refused while a window pins @p id, and no window can
+  /// pin @p id until it is published or aborted (pin() returns nullptr): for
+  /// an owner that frees the old version's memory when it publishes instead
+  /// of through the epochs (expert_runtime's switches between tiers reuse
+  /// the old version's blocks at once).
   /// @throws expage::transition_error naming the expert, its state and @p to
-  ///         when can_begin() forbids it, or when @p to is evicting and a
-  ///         window pinned @p id; nothing changes.
+  ///         when can_begin() forbids it, or when @p to is evicting (or the
+  ///         transition exclusive) and a window pinned @p id; nothing changes.
   /// @throws expage::invalid_argument for an unknown expert.
-  [[nodiscard]] transition begin(expert_id id, residency_state to);
+  [[nodiscard]] transition begin(expert_id id, residency_state to, bool exclusive = false);
   /// begin() without exceptions: nullopt when it would throw.
-  [[nodiscard]] std::optional<transition> try_begin(expert_id id, residency_state to) noexcept;
+  [[nodiscard]] std::optional<transition> try_begin(expert_id id, residency_state to, bool exclusive = false) noexcept;
 
   /// Supplies the new version of @p id's transition (not for evictions): its
   /// tensor pointers, format and size in @p record (expert and number are set

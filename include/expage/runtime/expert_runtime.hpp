@@ -64,6 +64,8 @@ struct runtime_views {
 /// stream it is given, whatever fills a page with tensor `t` of expert `id` in `format`
 /// (a copy, a bf16_codec decode, a group_quant dequantization...), and returns the number of
 /// bytes it will write. The runtime refuses a count other than the tensor's size in `format`.
+/// The loader is called under the runtime's lock: it must not call the runtime (that would
+/// deadlock), and work it enqueues must not wait for the runtime either.
 template <async_stream Stream>
 struct expert_source {
   /// The precision the loader writes.
@@ -132,16 +134,17 @@ struct runtime_layer_statistics {
   std::uint64_t prefetch_used_bytes = 0;    ///< Their bytes.
   std::uint64_t prefetch_wasted = 0;        ///< Prefetched experts evicted unused.
   std::uint64_t prefetch_wasted_bytes = 0;  ///< Their bytes.
-  std::uint64_t load_waits = 0;             ///< Routed experts whose load the compute stream had to wait for.
-  std::uint64_t load_wait_ns = 0;           ///< Time the compute stream waited on loads (streams that run host work).
-  std::uint64_t fence_waits = 0;            ///< Evictions that waited on a victim's last kernel (WAR fence).
-  std::uint64_t fence_wait_ns = 0;          ///< Host time those waits took.
-  std::uint64_t lo_served = 0;              ///< Routed experts served by their lo version (two tiers).
-  std::uint64_t promotions = 0;             ///< hi versions loaded in the background by set_targets().
-  std::uint64_t promotion_bytes = 0;        ///< Their bytes.
-  std::uint64_t demotions = 0;              ///< lo versions loaded in the background by set_targets().
-  std::uint64_t demotion_bytes = 0;         ///< Their bytes.
-  std::uint64_t switches = 0;               ///< Records switched to the other tier's version (publish-then-switch).
+  std::uint64_t load_waits =
+      0;  ///< Loads the compute stream had to wait on, counted once per load event (a group's misses share one).
+  std::uint64_t load_wait_ns = 0;     ///< Time the compute stream waited on loads (streams that run host work).
+  std::uint64_t fence_waits = 0;      ///< Evictions that waited on a victim's last kernel (WAR fence).
+  std::uint64_t fence_wait_ns = 0;    ///< Host time those waits took.
+  std::uint64_t lo_served = 0;        ///< Routed experts served by their lo version (two tiers).
+  std::uint64_t promotions = 0;       ///< hi versions loaded in the background by set_targets().
+  std::uint64_t promotion_bytes = 0;  ///< Their bytes.
+  std::uint64_t demotions = 0;        ///< lo versions loaded in the background by set_targets().
+  std::uint64_t demotion_bytes = 0;   ///< Their bytes.
+  std::uint64_t switches = 0;         ///< Records switched to the other tier's version (publish-then-switch).
 
   /// Adds @p o's counters.
   runtime_layer_statistics& operator+=(const runtime_layer_statistics& o) noexcept;
@@ -174,7 +177,8 @@ struct runtime_statistics {
   std::uint64_t peak_resident_bytes = 0;         ///< Highest resident_bytes.
   std::uint64_t prefetch_queued = 0;             ///< Prefetch requests waiting now.
   std::uint64_t prefetch_cancelled = 0;          ///< Prefetch requests cancelled before they were issued.
-  std::uint64_t transitions_queued = 0;          ///< set_targets() / update_targets() requests waiting now.
+  std::uint64_t transitions_queued =
+      0;  ///< set_targets() / update_targets() requests not done: waiting for room, or loading until their switch.
   std::uint64_t transitions_cancelled =
       0;                                 ///< Requests a newer call dropped or gave another state before they were done.
   std::uint64_t transitions_failed = 0;  ///< Background loads of a transition that threw (nothing changed).
@@ -277,8 +281,11 @@ struct resident_expert {
 ///   after every fallible step, and a failure after that point reloads the
 ///   victim's bytes from its source before the call returns. (A failure of
 ///   that reload too, a double fault, leaves the victim evicted: the basic
-///   guarantee.) A background load that fails changes nothing either; its request
-///   is dropped and counted.
+///   guarantee.) Background work done on the way is not undone: leases released
+///   before the call are drained, and a group expert whose other version is
+///   complete is switched to it first, as poll() or any later call would. A
+///   background load that fails changes nothing either; its request is dropped
+///   and counted.
 ///
 /// A lease released with a completion that fails (its wait() throws, as a CUDA event of a
 /// faulted context does) makes the acquire that needed its experts throw that error with the
@@ -648,13 +655,15 @@ class expert_runtime {
     }
     check_total(wanted, "resize");
     drain_releases();
+    std::vector<std::uint32_t> refused;  // victims a window pinned while their fence waited
     for (std::size_t t = 0; t < tier_count_; ++t) {
+      refused.clear();
       while (resident_count(t) > wanted[t]) {
         const std::optional<std::uint32_t> victim =
-            choose_victim(t, {}, /*ready_only=*/false, /*include_loading=*/true);
+            choose_victim(t, refused, /*ready_only=*/false, /*include_loading=*/true);
         if (!victim) break;  // the rest is pinned
         fence(t, *victim, nullptr);
-        evict(t, *victim);
+        if (!try_evict(t, *victim)) refused.push_back(*victim);
       }
     }
     pool_.trim();
@@ -1436,12 +1445,35 @@ class expert_runtime {
     if (!options_.views.records || active_[f] != t) return std::nullopt;
     if (const version* s = sibling(t, f)) {
       const std::size_t o = other(t);
-      transition tr =
-          table_.begin(geometry_.expert_at(f), o == 0 ? residency_state::promoting : residency_state::demoting);
+      // Exclusive, as an eviction: the old version's blocks are unmapped (and reused) at once,
+      // not through the epochs, so no window may pin the expert while it switches.
+      transition tr = table_.begin(geometry_.expert_at(f),
+                                   o == 0 ? residency_state::promoting : residency_state::demoting, /*exclusive=*/true);
       tr.prepare(record_of(o, f, s->slot), version_storage(std::monostate{}));
       return tr;
     }
     return table_.begin(geometry_.expert_at(f), residency_state::evicting);
+  }
+  // begin_eviction() into @p out; false when the table refused it because a window has pinned
+  // the expert since choose_victim() saw it unpinned (pins are lock-free: a fence's wait is long
+  // enough for one): the caller chooses another victim.
+  [[nodiscard]] bool try_begin_eviction(std::size_t t, std::uint32_t f, std::optional<transition>& out) {
+    try {
+      out = begin_eviction(t, f);
+      return true;
+    } catch (const transition_error&) {
+      return false;
+    }
+  }
+  // Evicts expert f's unpinned, fenced tier-t version: publishes the expert's absence (or its
+  // switch to its other version), unmaps, returns blocks and budget. False (nothing changed) when
+  // a window has pinned the expert since it was chosen.
+  [[nodiscard]] bool try_evict(std::size_t t, std::uint32_t f) {
+    std::optional<transition> tr;
+    if (!try_begin_eviction(t, f, tr)) return false;
+    if (tr) tr->publish();
+    retire(t, f, /*eviction=*/true);
+    return true;
   }
 
   // A resident version of tier t that may be evicted: not pinned by a lease, not loading (unless
@@ -1562,17 +1594,14 @@ class expert_runtime {
     ++s.fence_waits;
     s.fence_wait_ns += ns;
     if (tracing()) {
-      trace_.span(fmt::format("fence {}", geometry_.expert_at(f)), "wait", host_track_, trace_t0,
-                  trace_.now_us() - trace_t0);
+      try {
+        trace_.span(fmt::format("fence {}", geometry_.expert_at(f)), "wait", host_track_, trace_t0,
+                    trace_.now_us() - trace_t0);
+      } catch (...) {  // tracing is best effort
+      }
     }
   }
 
-  // Evicts expert f's unpinned, fenced tier-t version: publishes the expert's absence (or its
-  // switch to its other version), unmaps, returns blocks and budget.
-  void evict(std::size_t t, std::uint32_t f) {
-    if (std::optional<transition> tr = begin_eviction(t, f)) tr->publish();
-    retire(t, f, /*eviction=*/true);
-  }
   // The noexcept tail of an eviction or a switch (records already published).
   void retire(std::size_t t, std::uint32_t f, bool eviction) noexcept {
     tier_state& T = tier(t);
@@ -1694,8 +1723,61 @@ class expert_runtime {
     }
     refresh_loading();
     if (!background_.empty()) {
-      for (const std::uint32_t f : group) try_switch(f);  // a complete background version serves from now on
+      // A complete background version serves from now on (background work, as poll() does: not
+      // undone if the acquire then fails), unless the switch moves an expert into the demand
+      // tier beyond its capacity for this group: the group stays servable as it was checked.
+      for (const std::uint32_t f : group) {
+        const std::uint8_t a = active_[f];
+        const bool into_demand = a != no_tier && a != d && sibling(a, f) != nullptr;
+        if (into_demand && need == tier(d).capacity) continue;  // switched after this lease
+        if (try_switch(f)) {
+          if (into_demand)
+            ++need;
+          else if (a == d)
+            --need;
+        }
+      }
     }
+    // A policy whose victim() moves its own state (sieve's hand and bits, ARC's pending answer)
+    // is copied before the misses choose victims and put back if the acquire fails, so that the
+    // strong guarantee covers it too; a const victim() changes nothing to put back.
+    std::array<std::optional<Policy>, version_tier_count> saved_policy;
+    if constexpr (!const_victim<Policy>) {
+      if (std::any_of(group.begin(), group.end(), [&](std::uint32_t f) { return active_[f] == no_tier; })) {
+        for (std::size_t t = 0; t < tier_count_; ++t) saved_policy[t].emplace(tier(t).policy);
+      }
+    }
+    miss_attempt attempt;
+    attempt.victims.reserve(group.size());
+    try {
+      serve_planned_misses(layer, record, group, d, attempt);
+    } catch (...) {
+      if (attempt.committed) throw;  // the loads stand: so do the policies' moves
+      // Put back each saved policy unless a double fault evicted a victim (the basic guarantee
+      // then, and the policy must know that victim is gone).
+      bool all_back = true;
+      for (const std::uint32_t v : attempt.victims) {
+        bool resident = false;
+        for (std::size_t t = 0; t < tier_count_; ++t) resident = resident || tier(t).versions[v].slot >= 0;
+        all_back = all_back && resident;
+      }
+      if (all_back) {
+        for (std::size_t t = 0; t < tier_count_; ++t) {
+          if (saved_policy[t]) std::swap(tier(t).policy, *saved_policy[t]);
+        }
+      }
+      throw;
+    }
+  }
+  // What serve_planned_misses() did, for serve_misses()'s failure path.
+  struct miss_attempt {
+    std::vector<std::uint32_t> victims;  // every victim chosen
+    bool committed = false;              // past the commit: the acquire's changes stand
+  };
+  // serve_misses() past its checks and the group's switches: plans the misses, loads them,
+  // publishes and commits.
+  void serve_planned_misses(std::uint32_t layer, lease_record& record, std::span<const std::uint32_t> group,
+                            std::size_t d, miss_attempt& attempt) {
     std::vector<planned_load> plan;
     std::array<std::uint32_t, version_tier_count> free_budgeted{};  // fresh slots this group takes, per tier
     // The fences' waits, counted once the acquire succeeds (a failed one changes no statistic but
@@ -1710,19 +1792,34 @@ class expert_runtime {
           return true;
         }
       }
-      // Nor an expert one of this group's loads already evicts, in either tier: evicting its
-      // hi version may switch it to its lo one, which must then stay.
-      std::vector<std::uint32_t> excluded(group.begin(), group.end());
+      // Never the version that serves a member of this group (its active one; a member served
+      // by its other tier may lose this tier's version, which serves nothing, such as a
+      // demotion's lo version not switched to yet), nor an expert one of this group's loads
+      // already evicts, in either tier: evicting its hi version may switch it to its lo one,
+      // which must then stay.
+      std::vector<std::uint32_t> excluded;
+      excluded.reserve(group.size() + plan.size());
+      for (const std::uint32_t f : group) {
+        if (active_[f] == t) excluded.push_back(f);
+      }
       for (const planned_load& q : plan) {
         if (q.victim) excluded.push_back(*q.victim);
       }
       // An optional room (hi for a hi target) never waits for a kernel and never takes another target's version.
-      std::optional<std::uint32_t> v = choose_victim(t, excluded, /*ready_only=*/!required, false, !required);
-      if (!v && required) v = choose_victim(t, excluded, /*ready_only=*/false, /*include_loading=*/true);
-      if (!v) return false;
-      fence(t, *v, &fenced[t]);
-      p.victim = v;
-      return true;
+      for (;;) {
+        std::optional<std::uint32_t> v = choose_victim(t, excluded, /*ready_only=*/!required, false, !required);
+        if (!v && required) v = choose_victim(t, excluded, /*ready_only=*/false, /*include_loading=*/true);
+        if (!v) return false;
+        fence(t, *v, &fenced[t]);
+        // The eviction is begun after the fence: a window that pinned the victim while it waited
+        // makes the table refuse it, and another is chosen.
+        attempt.victims.push_back(*v);
+        if (try_begin_eviction(t, *v, p.eviction)) {
+          p.victim = v;
+          return true;
+        }
+        excluded.push_back(*v);
+      }
     };
     for (const std::uint32_t f : group) {
       if (active_[f] != no_tier) continue;
@@ -1745,7 +1842,6 @@ class expert_runtime {
                                         account_->available(), version_bytes(d)),
                             version_bytes(d), account_->available());
       }
-      if (p.victim) p.eviction = begin_eviction(p.tier, *p.victim);
       p.activation = begin_version(p.tier, f);
       plan.push_back(std::move(p));
     }
@@ -1794,6 +1890,7 @@ class expert_runtime {
       throw;
     }
     // Commit: nothing below throws.
+    attempt.committed = true;
     for (std::size_t t = 0; t < tier_count_; ++t) {
       stats(t, layer).fence_waits += fenced[t].fence_waits;
       stats(t, layer).fence_wait_ns += fenced[t].fence_wait_ns;
@@ -1911,8 +2008,11 @@ class expert_runtime {
               std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - *start).count();
           stall_ns_[layer].fetch_add(static_cast<std::uint64_t>(ns), std::memory_order_relaxed);
           if (tracing()) {
-            trace_.span(fmt::format("wait loads L{}", layer), "wait", compute_track_, *trace_start,
-                        trace_.now_us() - *trace_start);
+            try {
+              trace_.span(fmt::format("wait loads L{}", layer), "wait", compute_track_, *trace_start,
+                          trace_.now_us() - *trace_start);
+            } catch (...) {  // tracing is best effort
+            }
           }
         });
       } else {
@@ -1926,7 +2026,7 @@ class expert_runtime {
   }
 
   void trace_load(Stream& stream, std::uint32_t track, std::uint32_t layer, std::size_t experts, std::uint64_t bytes,
-                  const char* category) {
+                  const char* category) noexcept {
     if constexpr (requires(Stream & st) { st.enqueue(std::function<void()>{}); }) {
       // The span ends when the stream has run every copy enqueued so far (in-order stream), and
       // starts when it was issued or, if later, when the stream's previous span ended: spans of
@@ -1937,12 +2037,19 @@ class expert_runtime {
           const double start = std::max(issued, track_end_us_[track]);
           const double end = std::max(start, trace_.now_us());
           track_end_us_[track] = end;
-          trace_.span(fmt::format("{} L{} ×{}", category, layer, experts), category, track, start, end - start, bytes);
+          try {
+            trace_.span(fmt::format("{} L{} ×{}", category, layer, experts), category, track, start, end - start,
+                        bytes);
+          } catch (...) {  // tracing is best effort
+          }
         });
       } catch (...) {  // tracing is best effort
       }
     } else {
-      trace_.instant(fmt::format("{} L{} ×{}", category, layer, experts), category, track, bytes);
+      try {
+        trace_.instant(fmt::format("{} L{} ×{}", category, layer, experts), category, track, bytes);
+      } catch (...) {  // tracing is best effort
+      }
     }
   }
 
@@ -2334,20 +2441,23 @@ class expert_runtime {
     return {completions_.data(), std::max(v.first_use, oldest_kept), v.last_use};
   }
 
-  // After a resize that pinned versions held up: evict unpinned surplus whose kernels are done.
+  // After a resize that pinned versions held up: evict unpinned surplus whose kernels are done,
+  // and return their blocks to the system, as resize_tiers() does.
   void shrink_to_capacity() noexcept {
+    bool evicted = false;
     for (std::size_t t = 0; t < tier_count_; ++t) {
       while (resident_count(t) > tier(t).capacity) {
         std::optional<std::uint32_t> v;
         try {
           v = choose_victim(t, {}, /*ready_only=*/true);
-          if (!v) break;
-          evict(t, *v);
+          if (!v || !try_evict(t, *v)) break;  // refused: a window pinned it; the next call tries again
+          evicted = true;
         } catch (...) {
           break;
         }
       }
     }
+    if (evicted) pool_.trim();
   }
 
   // Switches expert f to its background version when that version's load is complete, no lease
@@ -2379,8 +2489,11 @@ class expert_runtime {
     retire(a, f, /*eviction=*/false);  // `next` becomes the active version
     ++stats(b, geometry_.expert_at(f).layer).switches;
     if (tracing()) {
-      trace_.instant(fmt::format("switch {} to {}", geometry_.expert_at(f), to_string(static_cast<version_tier>(b))),
-                     "switch", host_track_);
+      try {
+        trace_.instant(fmt::format("switch {} to {}", geometry_.expert_at(f), to_string(static_cast<version_tier>(b))),
+                       "switch", host_track_);
+      } catch (...) {  // tracing is best effort (and this is noexcept)
+      }
     }
     return true;
   }
@@ -2434,7 +2547,7 @@ class expert_runtime {
             (changes_record && options_.views.records && table_.pinned(geometry_.expert_at(f)))) {
           return false;
         }
-        evict(t, f);
+        if (!try_evict(t, f)) return false;  // a window pinned it since: later
       }
       return active_[f] == no_tier;
     }
@@ -2445,11 +2558,13 @@ class expert_runtime {
       }
       return true;
     }
-    // Loading in the background: try_switch() completes the request (and if that version is
-    // evicted meanwhile, the next call loads it again).
+    // Loading in the background: try_switch() completes the request, which stays queued until
+    // then, so that if that version is evicted meanwhile (a demand victim, a resize) the next
+    // call loads it again.
     if (tier(goal).versions[f].slot >= 0) return false;
     if (background_in_flight() >= options_.max_prefetch_in_flight) return false;
-    return issue_background(f, goal, load_kind::transition);
+    (void)issue_background(f, goal, load_kind::transition);
+    return active_[f] == goal;  // an absent expert's version is active at once
   }
   [[nodiscard]] std::uint8_t other_or_none(std::uint8_t a) const noexcept {
     return tier_count_ == 2 && a < 2 ? static_cast<std::uint8_t>(1 - a) : no_tier;
@@ -2482,17 +2597,20 @@ class expert_runtime {
     lease_type fresh;
     if (resident_count(t) < T.capacity) fresh = try_fresh_blocks(t);
     std::optional<std::uint32_t> victim;
+    std::optional<transition> eviction;
     if (!fresh) {
-      const std::uint32_t self[] = {f};
-      victim = choose_victim(t, self, /*ready_only=*/true, /*include_loading=*/false,
-                             /*protect_targets=*/kind == load_kind::transition);
-      if (!victim) return false;
+      std::vector<std::uint32_t> excluded{f};
+      for (;;) {
+        victim = choose_victim(t, excluded, /*ready_only=*/true, /*include_loading=*/false,
+                               /*protect_targets=*/kind == load_kind::transition);
+        if (!victim) return false;
+        if (try_begin_eviction(t, *victim, eviction)) break;
+        excluded.push_back(*victim);  // a window pinned it since choose_victim() looked
+      }
     }
     const bool becomes_active = active_[f] == no_tier;
-    std::optional<transition> eviction;
     std::optional<transition> next;
     const std::int32_t slot = victim ? T.versions[*victim].slot : static_cast<std::int32_t>(T.free_slots.back());
-    if (victim) eviction = begin_eviction(t, *victim);
     if (becomes_active) next = begin_version(t, f);
     const std::span<const block> blocks = victim ? T.versions[*victim].blocks.blocks() : fresh.blocks();
     map_version(t, f, slot, blocks, victim.has_value(), !victim.has_value());
