@@ -307,6 +307,39 @@ TEST_F(table_fixture, PinnedExpertsCannotBeEvicted) {
   EXPECT_THROW((void)table.pin(closed, id), invalid_argument);
 }
 
+// An exclusive transition (for an owner that frees the old version at publish, as expert_runtime's
+// switches do) is refused like an eviction while a window pins the expert, and no window can pin
+// the expert while it is in flight; after its publish or abort pins work again.
+TEST_F(table_fixture, ExclusiveTransitionsAndPinsExcludeEachOther) {
+  publish(id, rs::promoting, 1);
+  auto w = table.open_window();
+  ASSERT_NE(table.pin(w, id), nullptr);
+  EXPECT_THAT([&] { (void)table.begin(id, rs::demoting, /*exclusive=*/true); },
+              ::testing::ThrowsMessage<transition_error>(HasSubstr("exclusive transition of expert L1.E3 refused")));
+  EXPECT_FALSE(table.try_begin(id, rs::demoting, true).has_value());
+  EXPECT_EQ(table.state(id), rs::resident_hi);
+  EXPECT_EQ(table.statistics().refused, 2U);
+  w.close();
+  {
+    auto t = table.begin(id, rs::demoting, true);
+    auto w2 = table.open_window();
+    EXPECT_EQ(table.pin(w2, id), nullptr) << "no pin while it is in flight";
+    EXPECT_FALSE(table.pinned(id));
+    t.abort();
+    EXPECT_NE(table.pin(w2, id), nullptr) << "aborted: pins work again";
+  }
+  auto t = table.begin(id, rs::demoting, true);
+  auto [record, storage] = testing::pooled_version(pool, 2);
+  t.prepare(record, std::move(storage));
+  t.publish();
+  auto w3 = table.open_window();
+  const version_record* v = table.pin(w3, id);
+  ASSERT_NE(v, nullptr) << "published: pins work again";
+  EXPECT_EQ(testing::read_payload(*v), 2U);
+  auto shared = table.begin(id, rs::promoting);  // not exclusive: allowed on a pinned expert
+  shared.abort();
+}
+
 struct recording_hook final : mirror_hook {
   std::vector<std::pair<std::size_t, std::uint64_t>> updates;
   bool fail = false;
