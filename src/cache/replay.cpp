@@ -4,6 +4,7 @@
 #include "expage/cache/policy_dispatch.hpp"
 #include "expage/cache/token_groups.hpp"
 #include "expage/core/error.hpp"
+#include "expage/core/units.hpp"
 #include "expage/detail/assert.hpp"
 #include "expage/detail/sanitizers.hpp"
 
@@ -206,7 +207,7 @@ class cache_runner final : public job_runner {
     }
     r.hits = r.accesses - r.misses;
     r.evictions = evictions_;
-    r.bytes_moved = r.misses * geometry.expert_bytes(options_.format);
+    r.bytes_moved = multiply_bytes(r.misses, geometry.expert_bytes(options_.format), "replay: bytes moved");
     return r;
   }
 
@@ -693,7 +694,7 @@ class lru_curve_runner {
     }
     if (options.layout == cache_layout::global) r.evictions = r.misses - std::min(c, distinct);
     r.hits = r.accesses - r.misses;
-    r.bytes_moved = r.misses * geometry.expert_bytes(options.format);
+    r.bytes_moved = multiply_bytes(r.misses, geometry.expert_bytes(options.format), "replay: bytes moved");
     return r;
   }
 

@@ -2,6 +2,7 @@
 
 #include "expage/cache/policy_dispatch.hpp"
 #include "expage/core/error.hpp"
+#include "expage/core/units.hpp"
 #include "expage/detail/assert.hpp"
 #include "expage/memory/budget_tracker.hpp"
 #include "expage/predict/eviction_duel.hpp"
@@ -487,7 +488,7 @@ class engine {
       if (duelling_) duel_lru_[s].on_insert(key_of(layer, e), ctx);
       --free_[s];
       reserve(s, f);
-      result_.preload_bytes += cost_.expert_bytes;
+      result_.preload_bytes = add_bytes(result_.preload_bytes, cost_.expert_bytes, "pager_sim: preload bytes");
     }
   }
 
@@ -742,7 +743,7 @@ class engine {
     state_[f] = residency::resident;  // the layer waits for best_done before it computes
     ready_at_[f] = best_done;
     ++result_.demand_misses;
-    result_.demand_bytes += cost_.expert_bytes;
+    result_.demand_bytes = add_bytes(result_.demand_bytes, cost_.expert_bytes, "pager_sim: demand bytes");
     return {best_done, best};
   }
 
@@ -780,7 +781,7 @@ class engine {
       link->busy = transfer_class::prefetch;
       state_[f] = residency::in_flight;
       ready_at_[f] = done;
-      result_.prefetch_bytes += cost_.expert_bytes;
+      result_.prefetch_bytes = add_bytes(result_.prefetch_bytes, cost_.expert_bytes, "pager_sim: prefetch bytes");
       ++started_prefetches_;
       if (done <= now) {
         land(f);

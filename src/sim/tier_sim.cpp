@@ -1,6 +1,7 @@
 #include "expage/sim/tier_sim.hpp"
 
 #include "expage/core/error.hpp"
+#include "expage/core/units.hpp"
 #include "expage/memory/budget_tracker.hpp"
 
 #include <fmt/format.h>
@@ -429,10 +430,10 @@ class tier_engine {
     }
     behind = best->behind;
     const double t = p == tier_pool::hi ? best->hi : best->lo;
-    bytes_ += bytes_of(p);
+    bytes_ = add_bytes(bytes_, bytes_of(p), "tier_sim: bytes moved");
     if (draw_failure()) {
       ++failed_;
-      bytes_ += bytes_of(p);
+      bytes_ = add_bytes(bytes_, bytes_of(p), "tier_sim: bytes moved");
       best_done += t;
     }
     best->busy_until = best_done;
@@ -545,7 +546,7 @@ class tier_engine {
     const double done = start + (p == tier_pool::hi ? link.hi : link.lo);
     link.busy_until = done;
     link.busy = link_use::background;
-    bytes_ += bytes_of(p);
+    bytes_ = add_bytes(bytes_, bytes_of(p), "tier_sim: bytes moved");
     reserve(f, p);
     (p == tier_pool::hi ? hi_ : lo_)[f] = version::in_flight;
     flying_[f] = 1;

@@ -1,6 +1,9 @@
 #include "expage/core/units.hpp"
 
+#include "expage/core/error.hpp"
+
 #include <fmt/format.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstddef>
@@ -96,6 +99,19 @@ TEST(ByteSize, FmtHumanReadableTakesStringSpecs) {
   EXPECT_EQ(fmt::format("[{:*^12}]", byte_size{3 * expage::MiB}), "[**3.00 MiB**]");
   // Width is a minimum: a longer text is not truncated.
   EXPECT_EQ(fmt::format("[{:>2}]", byte_size{expage::GiB}), "[1.00 GiB]");
+}
+
+TEST(ByteCounts, AddAndMultiplyUpToTheLargestCountAndRefuseBeyond) {
+  constexpr std::uint64_t top = std::numeric_limits<std::uint64_t>::max();
+  EXPECT_EQ(expage::add_bytes(top - 5, 5, "t"), top);
+  EXPECT_EQ(expage::multiply_bytes(top / 3, 3, "t"), top / 3 * 3);
+  EXPECT_EQ(expage::multiply_bytes(0, top, "t"), 0U);
+  EXPECT_THAT([] { (void)expage::add_bytes(top - 5, 6, "sim: bytes moved"); },
+              ::testing::ThrowsMessage<expage::invalid_argument>(::testing::HasSubstr(
+                  "sim: bytes moved: 18446744073709551610 + 6 bytes is out of range [0, 2^64 - 1]")));
+  EXPECT_THAT(
+      [] { (void)expage::multiply_bytes(top / 3 + 1, 3, "replay"); },
+      ::testing::ThrowsMessage<expage::invalid_argument>(::testing::HasSubstr("6148914691236517206 × 3 bytes")));
 }
 
 }  // namespace

@@ -48,6 +48,7 @@ inline expage::output_location locate_output(std::string_view flag, const std::f
 /// link's target): its directory exists and is writable, and it is not a directory.
 /// @return where the write lands. @throws output_error naming @p flag, the path and the reason.
 inline expage::output_location check_output_path(std::string_view flag, const std::filesystem::path& requested) {
+  if (requested.empty()) throw output_error(fmt::format("{}: an empty path names no file", flag));
   const expage::output_location where = locate_output(flag, requested);
   const std::filesystem::path& path = where.target;
   std::error_code ec;
@@ -80,16 +81,39 @@ struct output_file {
   std::string_view flag;
   const std::optional<std::string>& path;
 };
+/// One file a tool reads (a trace, a geometry or hardware JSON file): its flag and its path
+/// (none when not given, or when the flag named a preset rather than a file).
+struct input_file {
+  std::string_view flag;
+  std::optional<std::string> path;
+};
 
-/// check_output_path() for every file given, and no two naming the same regular file (the one
-/// written last would replace the other: `--json F --svg F`). A device named twice (/dev/null)
-/// is fine. @throws output_error naming both flags.
-inline void check_output_paths(std::initializer_list<output_file> files) {
+/// Refuses an output that lands on an input (`--trace t.bin --svg t.bin`, or through a link):
+/// the write would replace the file being read. @throws output_error naming both flags.
+inline void check_not_an_input(std::string_view flag, const std::filesystem::path& requested,
+                               const expage::output_location& where, std::initializer_list<input_file> inputs) {
+  if (where.in_place) return;  // a device or an open stream: nothing is replaced
+  for (const input_file& in : inputs) {
+    std::error_code ec;
+    if (in.path && std::filesystem::equivalent(where.target, *in.path, ec) && !ec) {
+      throw output_error(fmt::format("{} {} is the input {}{}{}: writing it would replace the file being read", flag,
+                                     requested.string(), in.flag, in.flag.empty() ? "" : " ", *in.path));
+    }
+  }
+}
+
+/// check_output_path() for every file given, none of them one of @p inputs
+/// (check_not_an_input()), and no two naming the same regular file (the one written last would
+/// replace the other: `--json F --svg F`). A device named twice (/dev/null) is fine.
+/// @throws output_error naming both flags.
+inline void check_output_paths(std::initializer_list<output_file> files,
+                               std::initializer_list<input_file> inputs = {}) {
   std::vector<std::optional<expage::output_location>> where;  // where each file checked so far lands
   for (const output_file& f : files) {
     where.emplace_back();
     if (!f.path) continue;
     where.back() = check_output_path(f.flag, *f.path);
+    check_not_an_input(f.flag, *f.path, *where.back(), inputs);
     for (std::size_t j = 0; j + 1 < where.size(); ++j) {
       // Compared where the writes land: a dangling link and the file it will create are one file.
       if (where[j] && expage::same_output_file(*where[j], *where.back())) {

@@ -669,7 +669,8 @@ int main(int argc, char** argv) {
                                        fmt::arg("synthetic", expage_tools::synthetic_flags_help()));
   try {
     const config c = parse(argc, argv, help);
-    expage_tools::check_output_paths({{"--json", c.json}, {"--svg", c.svg}, {"--tiers-svg", c.tiers_svg}});
+    expage_tools::check_output_paths({{"--json", c.json}, {"--svg", c.svg}, {"--tiers-svg", c.tiers_svg}},
+                                     {{"--trace", c.trace}, {"--geometry", c.geometry}, {"--hardware", c.hardware}});
     const expage_tools::model_inputs inputs = expage_tools::load_model_inputs(c.hardware, c.geometry, c.trace);
     const expage::hardware_profile& hardware = inputs.hardware;
     const expage::moe_geometry& g = inputs.geometry;

@@ -320,7 +320,8 @@ int main(int argc, char** argv) {
   try {
     const config c = parse(argc, argv, help);
     // Output paths are checked before any work.
-    expage_tools::check_output_paths({{"--csv", c.csv}, {"--json", c.json}, {"--svg", c.svg}});
+    expage_tools::check_output_paths({{"--csv", c.csv}, {"--json", c.json}, {"--svg", c.svg}},
+                                     {{"--trace", c.trace}, {"--geometry", c.geometry}});
     const std::optional<expage::trace_metadata> meta =
         c.trace ? expage::read_trace_metadata(*c.trace) : std::optional<expage::trace_metadata>{};
     expage::moe_geometry g = expage_tools::geometry_argument(c.geometry, meta);

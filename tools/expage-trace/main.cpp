@@ -269,7 +269,8 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (command == "convert" || command == "realign" || command == "requests") {
-    expage_tools::check_output_path(command, files[1]);
+    const expage::output_location where = expage_tools::check_output_path(command, files[1]);
+    expage_tools::check_not_an_input(command, files[1], where, {{"", files[0].string()}});
   }
   const std::optional<expage::trace_metadata> meta = expage::read_trace_metadata(files[0]);
   // The model name an output records: the input's, else --geometry's; none when neither names

@@ -58,6 +58,30 @@ struct byte_size {
 /// Formats @p bytes with a binary unit and two decimals ("1.50 GiB"); below 1 KiB as "123 B".
 [[nodiscard]] std::string to_string(byte_size bytes);
 
+namespace detail {
+[[noreturn]] void throw_byte_count_overflow(std::uint64_t a, char op, std::uint64_t b, std::string_view what);
+}  // namespace detail
+
+/// @p total + @p bytes, for a running count of bytes moved. A count past 2^64 − 1 is refused,
+/// never wrapped (a model whose experts are too large for the trace's length).
+/// @throws expage::invalid_argument naming @p what and both terms.
+[[nodiscard]] inline std::uint64_t add_bytes(std::uint64_t total, std::uint64_t bytes, std::string_view what) {
+  std::uint64_t sum = 0;
+  if (__builtin_add_overflow(total, bytes, &sum)) [[unlikely]] {
+    detail::throw_byte_count_overflow(total, '+', bytes, what);
+  }
+  return sum;
+}
+/// @p count × @p bytes (misses × an expert's bytes), refused past 2^64 − 1 as add_bytes().
+/// @throws expage::invalid_argument naming @p what and both factors.
+[[nodiscard]] inline std::uint64_t multiply_bytes(std::uint64_t count, std::uint64_t bytes, std::string_view what) {
+  std::uint64_t product = 0;
+  if (__builtin_mul_overflow(count, bytes, &product)) [[unlikely]] {
+    detail::throw_byte_count_overflow(count, 'x', bytes, what);
+  }
+  return product;
+}
+
 }  // namespace expage
 
 // fmt support (not in the API reference: Doxygen cannot scope specializations of fmt::formatter).

@@ -29,6 +29,7 @@
 #include "expage/core/expert_id.hpp"
 #include "expage/core/moe_geometry.hpp"
 #include "expage/core/precision.hpp"
+#include "expage/core/units.hpp"
 #include "expage/predict/expert_predictor.hpp"
 #include "expage/sim/hardware_profile.hpp"
 
@@ -319,7 +320,10 @@ struct sim_result {
   std::vector<layer_sim_statistics> layers;  ///< Per MoE layer.
 
   /// Bytes moved by demand loads and prefetches.
-  [[nodiscard]] std::uint64_t bytes_moved() const noexcept { return demand_bytes + prefetch_bytes; }
+  /// demand_bytes + prefetch_bytes. @throws expage::invalid_argument past 2^64 − 1 (add_bytes()).
+  [[nodiscard]] std::uint64_t bytes_moved() const {
+    return add_bytes(demand_bytes, prefetch_bytes, "pager_sim: bytes moved");
+  }
   /// Total stall, all causes, seconds.
   [[nodiscard]] double stall_total() const noexcept {
     double s = 0;
