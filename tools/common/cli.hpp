@@ -36,6 +36,22 @@ struct usage_error {
   std::string message;
 };
 
+/// The value of the flag at @p args[@p i] (the next argument), @p i moved onto it. A value that
+/// looks like a flag (`--json --svg`) is refused rather than taken as a file name: a missing value
+/// is the likely mistake (`./--svg` names such a file). Negative numbers (`-5`) are values.
+/// @throws usage_error naming the flag.
+template <class Args>
+[[nodiscard]] std::string_view flag_value(const Args& args, std::size_t& i) {
+  const std::string_view flag = args[i];
+  if (i + 1 >= std::size(args)) throw usage_error{fmt::format("{} needs a value", flag)};
+  const std::string_view next = args[i + 1];
+  if (next.starts_with("--")) {
+    throw usage_error{
+        fmt::format("{} needs a value, not the flag {} (write ./{} for a file of that name)", flag, next, next)};
+  }
+  return args[++i];
+}
+
 /// The synthetic trace of every tool's `--synthetic` (and of `expage-trace synth`) when no shaping
 /// flag is given: seed 1, 16 sequences of 128 decode tokens, so that `expage-replay`, `expage-sim`
 /// and `expage-plan --synthetic` study one trace, the one `expage-trace synth` writes.

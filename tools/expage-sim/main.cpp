@@ -35,6 +35,7 @@
 #include <memory>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -170,12 +171,10 @@ config parse(int argc, char** argv, const std::string& help) {
   using expage_tools::parse_real;
   using expage_tools::split_nonempty;
   config c;
-  for (int i = 1; i < argc; ++i) {
+  const std::span<char* const> args(argv, static_cast<std::size_t>(argc));
+  for (std::size_t i = 1; i < args.size(); ++i) {
     const std::string_view flag = argv[i];
-    const auto value = [&]() -> std::string_view {
-      if (i + 1 >= argc) throw usage_error{fmt::format("{} needs a value", flag)};
-      return argv[++i];
-    };
+    const auto value = [&]() -> std::string_view { return expage_tools::flag_value(args, i); };
     if (flag == "--help" || flag == "-h") {
       std::fputs(help.c_str(), stdout);
       std::exit(expage_tools::finish_stdout("expage-sim") ? 0 : 1);

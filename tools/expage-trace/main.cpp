@@ -203,10 +203,7 @@ int run(int argc, char** argv) {
   std::vector<std::filesystem::path> files;
   for (std::size_t i = 1; i < args.size(); ++i) {
     const std::string_view arg = args[i];
-    const auto value = [&]() -> std::string_view {
-      if (i + 1 >= args.size()) throw usage_error{fmt::format("{} needs a value", arg)};
-      return args[++i];
-    };
+    const auto value = [&]() -> std::string_view { return expage_tools::flag_value(args, i); };
     if (arg == "--help" || arg == "-h") {
       fmt::print(fmt::runtime(usage), names, fmt::arg("synthetic", expage_tools::synthetic_flags_help()));
       return 0;
