@@ -67,6 +67,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -79,6 +80,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <span>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -140,6 +142,16 @@ struct options {
 
 [[noreturn]] void usage(const std::string& why) { throw usage_error(why); }
 
+// Flushes standard output; false (with a message) when anything written to it was lost
+// (`> /dev/full`): the exit status must say so.
+bool stdout_written() {
+  errno = 0;
+  if (std::fflush(stdout) == 0 && std::ferror(stdout) == 0) return true;
+  const int err = errno != 0 ? errno : EIO;
+  std::fprintf(stderr, "moe_decode: cannot write standard output: %s\n", std::strerror(err));
+  return false;
+}
+
 std::uint64_t parse_uint(std::string_view flag, std::string_view v, std::uint64_t lo, std::uint64_t hi) {
   std::uint64_t x = 0;
   const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
@@ -157,6 +169,11 @@ options parse(int argc, char** argv) {
     const std::string_view a = argv[i];
     const auto value = [&]() -> std::string_view {
       if (i + 1 >= argc) usage(fmt::format("{} needs a value", a));
+      const std::string_view v = argv[i + 1];
+      // An empty value would read as "not given" (every option's default is empty or its own),
+      // and a flag as a value is a value forgotten (./--x names such a file).
+      if (v.empty()) usage(fmt::format("{} needs a value, not an empty one", a));
+      if (v.starts_with("--")) usage(fmt::format("{} needs a value, not the flag {} (./{} for a file)", a, v, v));
       return argv[++i];
     };
     if (a == "--geometry") {
@@ -283,7 +300,7 @@ options parse(int argc, char** argv) {
           "pcie4) and a KV workload of the --kv-sessions preset (phase-shift, tool-calls, long-context;\n"
           "default phase-shift), a token's KV taking --kv-per-token bytes (default: the busiest pass's KV\n"
           "is a quarter of B)");
-      std::exit(0);
+      std::exit(stdout_written() ? 0 : 1);
     } else {
       usage(fmt::format("unknown option '{}' (see --help)", a));
     }
@@ -298,6 +315,17 @@ options parse(int argc, char** argv) {
     if (expage::same_output_file(expage::locate_output(o.trace_out), expage::locate_output(o.json))) {
       usage(fmt::format("--trace-out {} and --json {} name the same file: one would replace the other", o.trace_out,
                         o.json));
+    }
+  }
+  // Inputs the outputs must not replace (through links too).
+  for (const auto& [flag, out] : {std::pair{"--trace-out", &o.trace_out}, std::pair{"--json", &o.json},
+                                  std::pair{"--write-weights", &o.write_weights}}) {
+    for (const auto& [in_flag, in] : {std::pair{"--trace", &o.trace}, std::pair{"--weights", &o.weights}}) {
+      std::error_code ec;
+      if (!out->empty() && !in->empty() && std::filesystem::equivalent(*out, *in, ec) && !ec) {
+        usage(fmt::format("{} {} is the input {} {}: writing it would replace the file being read", flag, *out, in_flag,
+                          *in));
+      }
     }
   }
   if (o.problem != std::numeric_limits<std::uint32_t>::max() && o.trace.empty()) {
@@ -658,6 +686,23 @@ struct step_routing {
   std::vector<std::int32_t> ids;      // [tokens × top_k]
   std::vector<float> weights;         // [tokens × top_k]
 };
+
+// Step s ends a forward pass: the last layer's step, or its last piece when a batched trace's
+// layer had more tokens than experts and load_trace() split it. Without a trace (@p replay
+// empty) the model routes every layer of every pass in order.
+bool ends_pass(std::span<const step_routing> replay, std::uint32_t layers, std::uint64_t s) {
+  if (replay.empty()) return s % layers + 1 == layers;
+  return replay[s].layer + 1 == layers && (s + 1 == replay.size() || replay[s + 1].layer != replay[s].layer);
+}
+// The forward passes a decode runs: --tokens (32 by default) routed by the model, or the trace's.
+std::uint64_t passes_of(const options& o, std::span<const step_routing> replay, std::uint32_t layers) {
+  if (replay.empty()) return o.tokens == 0 ? 32 : o.tokens;
+  std::uint64_t passes = 0;
+  for (std::uint64_t s = 0; s < replay.size(); ++s) {
+    if (ends_pass(replay, layers, s)) ++passes;
+  }
+  return passes;
+}
 
 double relative_rms(std::span<const float> a, std::span<const float> ref) {
   double num = 0, den = 0;
@@ -1022,6 +1067,27 @@ class cuda_backend {
 // preallocated pool is; a read of an evicted block is a recompute, priced by the controller's
 // model but not run. The decisions are made for the modelled hardware (--hardware), whatever the
 // backend the mechanism runs on.
+// The KV workload of a --four-pool run of @p passes passes (pass s is step s of the stream), checked
+// against the flags: called before the weights are made (a bad command line costs nothing), and by
+// four_pool_side. @throws expage::invalid_argument when the sessions read no KV block or --burst
+// exceeds the run.
+expage::kv_block_stream four_pool_sessions(const options& o, std::uint64_t passes) {
+  expage::kv_session_options sessions;
+  sessions.phases = expage::kv_session_preset(o.kv_sessions, std::max<std::uint64_t>(passes, 3));
+  expage::kv_block_stream kv = expage::generate_kv_sessions(sessions);
+  if (kv.peak_step_blocks() == 0) {
+    throw expage::invalid_argument(fmt::format(
+        "the {} sessions read no KV block over {} passes (their first turns start later): decode more passes "
+        "(--tokens, or a longer --trace)",
+        o.kv_sessions, passes));
+  }
+  if (o.burst > passes) {
+    throw expage::invalid_argument(
+        fmt::format("--burst {} out of range [1, {}] (the run's passes: no barrier would run)", o.burst, passes));
+  }
+  return kv;
+}
+
 template <class Runtime>
 class four_pool_side {
  public:
@@ -1032,20 +1098,8 @@ class four_pool_side {
         experts_(&experts),
         kv_account_(&budget.add_account("kv", 0)),
         burst_(o.burst),
-        interval_(o.interval) {
-    expage::kv_session_options sessions;
-    sessions.phases = expage::kv_session_preset(o.kv_sessions, std::max<std::uint64_t>(passes, 3));
-    kv_ = expage::generate_kv_sessions(sessions);
-    if (kv_.peak_step_blocks() == 0) {
-      throw expage::invalid_argument(fmt::format(
-          "the {} sessions read no KV block over {} passes (their first turns start later): decode more passes "
-          "(--tokens, or a longer --trace)",
-          o.kv_sessions, passes));
-    }
-    if (o.burst > passes) {
-      throw expage::invalid_argument(
-          fmt::format("--burst {} out of range [1, {}] (the run's passes: no barrier would run)", o.burst, passes));
-    }
+        interval_(o.interval),
+        kv_(four_pool_sessions(o, passes)) {
     const std::uint64_t b = budget.root().capacity();
     // By default a token's KV is sized so that the busiest step's blocks (the admission floor,
     // WiSP Eq. 6) take a quarter of the budget: KV and experts then compete for the rest.
@@ -1217,21 +1271,15 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   // With --four-pool the budget is B for both expert tiers and the KV pool, each an account of it.
   const bool four_pool = o.four_pool && lo_store != nullptr;
   expage::budget_tracker tracker(capacity * page, four_pool ? "device" : "experts");
-  // Step s ends a forward pass: the last layer's step, or its last piece when a batched trace's
-  // layer had more tokens than experts and load_trace() split it.
-  const auto ends_pass = [&](std::uint64_t s) {
-    if (replay.empty()) return s % g.layers() + 1 == g.layers();
-    return replay[s].layer + 1 == g.layers() && (s + 1 == replay.size() || replay[s + 1].layer != replay[s].layer);
-  };
+  const auto ends_pass = [&](std::uint64_t s) { return ::ends_pass(replay, g.layers(), s); };
   // The most experts one layer step routes: a demand tier must hold them.
   std::uint32_t group = g.top_k();
-  std::uint64_t passes_total = replay.empty() ? (o.tokens == 0 ? 32 : o.tokens) : 0;
+  const std::uint64_t passes_total = passes_of(o, replay, g.layers());
   for (std::size_t s = 0; s < replay.size(); ++s) {
     std::vector<std::int32_t> ids = replay[s].ids;
     std::ranges::sort(ids);
     group = std::max(
         group, static_cast<std::uint32_t>(std::ranges::distance(ids.begin(), std::unique(ids.begin(), ids.end()))));
-    if (ends_pass(s)) ++passes_total;
   }
   auto& copy = backend.copy();
   auto& compute = backend.compute();
@@ -1627,6 +1675,13 @@ int run(const options& o) {
       usage(fmt::format("--problem {}: no event of {} belongs to this sequence", o.problem, o.trace));
     }
   }
+  if (o.four_pool) {  // what the flags decide, before the weights are made
+    try {
+      (void)four_pool_sessions(o, passes_of(o, replay, g.layers()));
+    } catch (const expage::invalid_argument& e) {
+      usage(fmt::format("--four-pool: {}", e.what()));
+    }
+  }
   // On a device every expert's stored bytes are staged in pinned host memory (cuda_backend), read
   // from the generator or the file once: the store itself then keeps nothing in memory.
   const bool on_device = o.backend == "cuda";
@@ -1792,11 +1847,20 @@ int run(const options& o) {
   return o.check && r.mismatching_layers != 0 ? 1 : 0;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run_main(int argc, char** argv) {
   try {
     const options o = parse(argc, argv);
+    // Every output checked before the work that produces it (its directory exists and is writable).
+    for (const auto& [flag, path] : {std::pair{"--json", &o.json}, std::pair{"--trace-out", &o.trace_out},
+                                     std::pair{"--write-weights", &o.write_weights}}) {
+      if (path->empty()) continue;
+      try {
+        (void)expage::check_output(*path);
+      } catch (const expage::invalid_argument& e) {
+        fmt::print(stderr, "moe_decode: {} {}\n", flag, e.what());
+        return 1;
+      }
+    }
     if (o.backend == "cuda") {
 #if EXPAGE_MOE_DECODE_CUDA
       if (!expage::cuda::device_available()) {
@@ -1823,4 +1887,11 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "moe_decode: {}\n", e.what());
     return 1;
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int status = run_main(argc, argv);
+  return stdout_written() ? status : std::max(status, 1);
 }

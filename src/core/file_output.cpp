@@ -52,6 +52,37 @@ output_location locate_output(const fs::path& requested) {
   return {path, fs::exists(path, ec) && !fs::is_regular_file(path, ec)};
 }
 
+output_location check_output(const fs::path& requested) {
+  if (requested.empty()) throw invalid_argument("an empty path names no file");
+  const output_location where = locate_output(requested);
+  const fs::path& path = where.target;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) throw invalid_argument(fmt::format("{}: is a directory", requested.string()));
+  if (where.in_place) {
+    // /dev/null, a FIFO, a terminal, /dev/stdout: written in place, so it must be writable itself.
+    if (::access(path.c_str(), W_OK) != 0) {
+      const int err = errno;
+      throw invalid_argument(fmt::format("{}: cannot write: {}", requested.string(), std::strerror(err)));
+    }
+    return where;
+  }
+  if (const std::string name = path.filename().string(); name.size() > NAME_MAX) {
+    throw invalid_argument(fmt::format("{}: the file name's {} bytes are more than the system's {} (NAME_MAX)",
+                                       requested.string(), name.size(), NAME_MAX));
+  }
+  const fs::path dir = path.has_parent_path() ? path.parent_path() : fs::path(".");
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) {
+    throw invalid_argument(
+        fmt::format("{}: cannot write in '{}': {}", requested.string(), dir.string(), std::strerror(ENOTDIR)));
+  }
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    const int err = errno;
+    throw invalid_argument(
+        fmt::format("{}: cannot write in '{}': {}", requested.string(), dir.string(), std::strerror(err)));
+  }
+  return where;
+}
+
 bool same_output_file(const output_location& a, const output_location& b) {
   if (a.in_place || b.in_place) return false;
   // Absolute first: weakly_canonical() leaves "p.json" relative while "./p.json" is made absolute.

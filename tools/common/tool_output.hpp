@@ -9,10 +9,7 @@
 
 #include <fmt/format.h>
 
-#include <unistd.h>
-
 #include <cerrno>
-#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -44,36 +41,16 @@ inline expage::output_location locate_output(std::string_view flag, const std::f
   }
 }
 
-/// Checks before any work that @p requested can be created or replaced where a write lands (a
-/// link's target): its directory exists and is writable, and it is not a directory.
-/// @return where the write lands. @throws output_error naming @p flag, the path and the reason.
+/// Checks before any work that @p requested can be created or replaced where a write lands
+/// (expage::check_output()). @return where the write lands. @throws output_error naming @p flag,
+/// the path and the reason.
 inline expage::output_location check_output_path(std::string_view flag, const std::filesystem::path& requested) {
-  if (requested.empty()) throw output_error(fmt::format("{}: an empty path names no file", flag));
-  const expage::output_location where = locate_output(flag, requested);
-  const std::filesystem::path& path = where.target;
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) {
-    throw output_error(fmt::format("{} {}: is a directory", flag, requested.string()));
+  try {
+    return expage::check_output(requested);
+  } catch (const expage::invalid_argument& e) {
+    throw output_error(requested.empty() ? fmt::format("{}: {}", flag, e.what())
+                                         : fmt::format("{} {}", flag, e.what()));
   }
-  if (where.in_place) {
-    // /dev/null, a FIFO, a terminal, /dev/stdout: written in place, so it must be writable itself.
-    if (::access(path.c_str(), W_OK) != 0) {
-      const int err = errno;
-      throw output_error(fmt::format("{} {}: cannot write: {}", flag, requested.string(), std::strerror(err)));
-    }
-    return where;
-  }
-  if (const std::string name = path.filename().string(); name.size() > NAME_MAX) {
-    throw output_error(fmt::format("{} {}: the file name's {} bytes are more than the system's {} (NAME_MAX)", flag,
-                                   requested.string(), name.size(), NAME_MAX));
-  }
-  const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
-  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
-    const int err = errno;
-    throw output_error(
-        fmt::format("{} {}: cannot write in '{}': {}", flag, requested.string(), dir.string(), std::strerror(err)));
-  }
-  return where;
 }
 
 /// One output file of a tool: its flag and its path (none when the flag was not given).

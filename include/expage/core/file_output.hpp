@@ -57,6 +57,14 @@ struct output_location {
 /// (/dev/null, /dev/stdout) both land, so they never count as one.
 [[nodiscard]] bool same_output_file(const output_location& a, const output_location& b);
 
+/// @brief Checks, before the work that produces it, that an output of @p path can be written
+/// where it lands (locate_output(): a link's target): the path is not empty, not a directory,
+/// its name fits NAME_MAX, and its directory exists, is a directory and is writable (an output
+/// written in place, /dev/null or a FIFO, must be writable itself).
+/// @return where the write lands.
+/// @throws expage::invalid_argument naming @p path and the reason ("path: reason").
+[[nodiscard]] output_location check_output(const std::filesystem::path& path);
+
 /// @brief Writes one file whole or not at all: write_files_atomically() of @p path alone.
 /// @throws expage::invalid_argument naming @p path and the system's reason.
 /// @code
