@@ -110,7 +110,8 @@ line (a budget that leaves the experts no room above the KV floor included).
 struct config {
   std::optional<std::string> trace;
   bool synthetic = false;
-  bool trust_geometry = false;                                          // --trust-geometry
+  std::string_view synthetic_flag;  // the last flag given that shapes the synthetic trace
+  bool trust_geometry = false;      // --trust-geometry
   expage::synthetic_options synth = expage_tools::default_synthetic();  // the defaults --help documents
   std::optional<std::set<std::uint32_t>> only;
   std::optional<std::uint64_t> budget;
@@ -154,7 +155,7 @@ config parse(int argc, char** argv, const std::string& help) {
     } else if (flag == "--synthetic") {
       c.synthetic = true;
     } else if (expage_tools::parse_synthetic_flag(flag, value, c.synth)) {
-      // shapes the synthetic trace: c.synth
+      c.synthetic_flag = flag;  // shapes the synthetic trace: c.synth
     } else if (flag == "--trust-geometry") {
       c.trust_geometry = true;
     } else if (flag == "--only-sequences") {
@@ -252,6 +253,9 @@ config parse(int argc, char** argv, const std::string& help) {
     }
   }
   if (c.trace.has_value() == c.synthetic) throw usage_error{"give exactly one of --trace FILE and --synthetic"};
+  if (!c.synthetic && !c.synthetic_flag.empty()) {
+    throw usage_error{fmt::format("{} shapes a --synthetic trace: it does nothing with --trace", c.synthetic_flag)};
+  }
   if (!c.budget) throw usage_error{"--budget SIZE is required (e.g. --budget 40GiB)"};
   if (c.ratio && c.precisions.size() > 1) {
     throw usage_error{

@@ -94,6 +94,7 @@ sequences x (steps + prefill) x layers <= 2^28 events (max_trace_events).
 struct config {
   std::optional<std::string> trace;
   bool synthetic = false;
+  std::string_view synthetic_flag;  // the last flag given that shapes the synthetic trace
   expage::synthetic_options synth = expage_tools::default_synthetic();  // the defaults --help documents
   std::optional<std::uint32_t> batch;                                   // unset: 1, or what a binary trace records
   std::optional<std::string> geometry;  // unset: the trace's metadata, else mixtral-8x7b
@@ -126,7 +127,7 @@ config parse(int argc, char** argv, const std::string& help) {
     } else if (flag == "--synthetic") {
       c.synthetic = true;
     } else if (expage_tools::parse_synthetic_flag(flag, value, c.synth)) {
-      // shapes the synthetic trace: c.synth
+      c.synthetic_flag = flag;  // shapes the synthetic trace: c.synth
     } else if (flag == "--batch") {
       c.batch = parse_number<std::uint32_t>(flag, value(), 1, 4096);
     } else if (flag == "--geometry") {
@@ -204,6 +205,9 @@ config parse(int argc, char** argv, const std::string& help) {
   }
   if (c.trace.has_value() == c.synthetic) {
     throw usage_error{"give exactly one of --trace FILE and --synthetic"};
+  }
+  if (!c.synthetic && !c.synthetic_flag.empty()) {
+    throw usage_error{fmt::format("{} shapes a --synthetic trace: it does nothing with --trace", c.synthetic_flag)};
   }
   if (c.policies.empty()) {
     const auto all = expage::all_policy_kinds();

@@ -131,7 +131,8 @@ struct prefetch_choice {
 struct config {
   std::optional<std::string> trace;
   bool synthetic = false;
-  bool trust_geometry = false;                                          // --trust-geometry
+  std::string_view synthetic_flag;  // the last flag given that shapes the synthetic trace
+  bool trust_geometry = false;      // --trust-geometry
   expage::synthetic_options synth = expage_tools::default_synthetic();  // the defaults --help documents
   std::optional<std::uint32_t> batch;
   std::optional<std::set<std::uint32_t>> only_sequences;
@@ -183,7 +184,7 @@ config parse(int argc, char** argv, const std::string& help) {
     } else if (flag == "--synthetic") {
       c.synthetic = true;
     } else if (expage_tools::parse_synthetic_flag(flag, value, c.synth)) {
-      // shapes the synthetic trace: c.synth
+      c.synthetic_flag = flag;  // shapes the synthetic trace: c.synth
     } else if (flag == "--batch") {
       c.batch = parse_number<std::uint32_t>(flag, value(), 1, 4096);
     } else if (flag == "--trust-geometry") {
@@ -319,6 +320,9 @@ config parse(int argc, char** argv, const std::string& help) {
     }
   }
   if (c.trace.has_value() == c.synthetic) throw usage_error{"give exactly one of --trace FILE and --synthetic"};
+  if (!c.synthetic && !c.synthetic_flag.empty()) {
+    throw usage_error{fmt::format("{} shapes a --synthetic trace: it does nothing with --trace", c.synthetic_flag)};
+  }
   if (c.forecast_distance != 0 && c.forecast_distance < c.distance) {
     throw usage_error{fmt::format("--forecast-distance {} below --distance {}", c.forecast_distance, c.distance)};
   }
