@@ -632,6 +632,8 @@ expert_source<host_stream> failing_on_the_stream(runtime_world& w) {
 // when an acquire fails after choosing its victim: the next victim is the one it would have been.
 TEST(ExpertRuntime, AFailedAcquireLeavesAStatefulPolicyAsBefore) {
   static_assert(!const_victim<sieve_policy> && const_victim<lru_policy>);
+  static_assert(const_victim<duel_policy<lru_policy>> &&
+                !const_victim<duel_policy<sieve_policy>>);  // copied only when needed
   const auto run = [](bool with_failure) {
     runtime_world w;
     bool fail = false;

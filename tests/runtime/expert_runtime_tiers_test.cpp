@@ -543,6 +543,46 @@ TEST(ExpertRuntimeTiers, APromotionWhoseLoadIsEvictedBeforeItsSwitchIsIssuedAgai
   EXPECT_EQ(w.check_tiers(rt), "");
 }
 
+// A request whose load was issued cannot be called back: a newer set_targets() that does not list
+// it, or clear_targets(), leaves it to switch, uncounted as cancelled; one still waiting for room is
+// cancelled and counted.
+TEST(ExpertRuntimeTiers, AnIssuedTransitionIsNotCancelled) {
+  tiered_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 2}, &prefetch);
+  const std::uint32_t routed[] = {3};
+  auto held = rt.acquire(0, routed);  // its lo version pinned: the switch waits
+  const target promote[] = {{.expert = {0, 3}, .state = residency_state::resident_hi}};
+  for (const bool clear : {false, true}) {
+    rt.set_targets(promote);
+    prefetch.synchronize();
+    ASSERT_EQ(rt.statistics().transitions_queued, 1U) << "issued, waiting for its switch";
+    const std::uint64_t cancelled = rt.statistics().transitions_cancelled;
+    if (clear) {
+      rt.clear_targets();
+    } else {
+      rt.set_targets({});
+    }
+    EXPECT_EQ(rt.statistics().transitions_cancelled, cancelled) << clear;
+    EXPECT_EQ(rt.statistics().transitions_queued, 0U);
+    held.release();
+    w.compute.synchronize();
+    rt.poll();
+    EXPECT_EQ(rt.active_tier({0, 3}), version_tier::hi) << "switched: " << clear;
+    // Back to lo for the second round: demoted, then held again.
+    const target demote[] = {{.expert = {0, 3}, .state = residency_state::resident_lo}};
+    rt.set_targets(demote);
+    prefetch.synchronize();
+    rt.poll();
+    ASSERT_EQ(rt.active_tier({0, 3}), version_tier::lo);
+    rt.clear_targets();
+    held = rt.acquire(0, routed);
+  }
+  held.release();
+  w.compute.synchronize();
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
 // A completion whose wait() first runs a hook (engine code on another thread, while the runtime's
 // fence waits), then is done.
 struct hooked_kernel {

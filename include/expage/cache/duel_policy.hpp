@@ -93,6 +93,12 @@ class duel_policy {
     { p.victim(v, c, f) } -> std::same_as<std::uint32_t>;
   }
   { return by_lru_ ? lru_.oldest_unpinned(pins) : inner_.victim(pins, ctx, forecast); }
+  /// victim(), const where @p Policy's is (const_victim: asking changes nothing, so an owner that
+  /// undoes a failed eviction need not save the policy).
+  [[nodiscard]] std::uint32_t victim(pin_view pins, const access_context& ctx) const
+      noexcept(noexcept(std::declval<const Policy&>().victim(pins, ctx))) requires const_victim<Policy> {
+    return by_lru_ ? lru_.oldest_unpinned(pins) : inner_.victim(pins, ctx);
+  }
 
   /// Ranks the next victims by LRU (true) or by @p Policy (false).
   void rank_by_lru(bool lru) noexcept { by_lru_ = lru; }

@@ -594,14 +594,16 @@ class expert_runtime {
   /// @throws expage::invalid_argument as set_targets() (nothing changes).
   void update_targets(std::span<const target> targets) { apply_targets(targets, false, "update_targets"); }
 
-  /// Forgets every target: the queued requests are cancelled (`transitions_cancelled`) and the
-  /// targets remembered after their requests were done are dropped, so no version is kept from
-  /// being another transition's victim any more. For a planner whose target set ends, where
+  /// Forgets every target: the queued requests are cancelled (`transitions_cancelled`; a request
+  /// whose load was issued cannot be called back: it still switches, uncounted) and the targets
+  /// remembered after their requests were done are dropped, so no version is kept from being
+  /// another transition's victim any more. For a planner whose target set ends, where
   /// set_targets({}) would cancel the queue but leave the earlier members protected:
   /// four_pool_driver's move to a split without a lo tier, whose hi set is empty.
   void clear_targets() noexcept {
     const locked lock(*this);
-    transitions_cancelled_ += transition_queue_.size();
+    transitions_cancelled_ += static_cast<std::uint64_t>(std::count_if(
+        transition_queue_.begin(), transition_queue_.end(), [&](const queued_transition& q) { return !issued(q); }));
     transition_queue_.clear();
     std::fill(target_.begin(), target_.end(), no_goal);
   }
@@ -958,10 +960,14 @@ class expert_runtime {
           seen[q.expert] = keeps_its_place;
         }
       } else if (seen[q.expert] != 0) {
-        ++transitions_cancelled_;  // superseded by another goal
+        ++transitions_cancelled_;  // superseded by another goal (whose target then refuses its switch)
       } else if (replace) {
-        target_[q.expert] = no_goal;
-        ++transitions_cancelled_;
+        // Not listed: cancelled, unless its load was issued: that cannot be called back, so it
+        // ends as a request done before this call would (its target remembered, its switch made).
+        if (!issued(q)) {
+          target_[q.expert] = no_goal;
+          ++transitions_cancelled_;
+        }
       } else {
         kept.push_back(q);
       }
@@ -1738,41 +1744,32 @@ class expert_runtime {
         }
       }
     }
-    // A policy whose victim() moves its own state (sieve's hand and bits, ARC's pending answer)
-    // is copied before the misses choose victims and put back if the acquire fails, so that the
-    // strong guarantee covers it too; a const victim() changes nothing to put back.
-    std::array<std::optional<Policy>, version_tier_count> saved_policy;
-    if constexpr (!const_victim<Policy>) {
-      if (std::any_of(group.begin(), group.end(), [&](std::uint32_t f) { return active_[f] == no_tier; })) {
-        for (std::size_t t = 0; t < tier_count_; ++t) saved_policy[t].emplace(tier(t).policy);
-      }
-    }
     miss_attempt attempt;
     attempt.victims.reserve(group.size());
     try {
       serve_planned_misses(layer, record, group, d, attempt);
     } catch (...) {
       if (attempt.committed) throw;  // the loads stand: so do the policies' moves
-      // Put back each saved policy unless a double fault evicted a victim (the basic guarantee
-      // then, and the policy must know that victim is gone).
-      bool all_back = true;
-      for (const std::uint32_t v : attempt.victims) {
-        bool resident = false;
-        for (std::size_t t = 0; t < tier_count_; ++t) resident = resident || tier(t).versions[v].slot >= 0;
-        all_back = all_back && resident;
-      }
+      // Put back each saved policy unless a double fault evicted a victim from its tier (the
+      // basic guarantee then, and the policy must know that victim is gone).
+      const bool all_back = std::all_of(attempt.victims.begin(), attempt.victims.end(),
+                                        [&](const auto& tv) { return tier(tv.first).versions[tv.second].slot >= 0; });
       if (all_back) {
         for (std::size_t t = 0; t < tier_count_; ++t) {
-          if (saved_policy[t]) std::swap(tier(t).policy, *saved_policy[t]);
+          if (attempt.saved_policy[t]) std::swap(tier(t).policy, *attempt.saved_policy[t]);
         }
       }
       throw;
     }
   }
-  // What serve_planned_misses() did, for serve_misses()'s failure path.
+  // What serve_planned_misses() did, for serve_misses()'s failure path. A policy whose victim()
+  // moves its own state (sieve's hand and bits, ARC's pending answer: not const_victim) is copied
+  // before its tier's first victim is chosen and put back if the acquire fails, so that the strong
+  // guarantee covers it too; a const victim() changes nothing to put back.
   struct miss_attempt {
-    std::vector<std::uint32_t> victims;  // every victim chosen
-    bool committed = false;              // past the commit: the acquire's changes stand
+    std::vector<std::pair<std::size_t, std::uint32_t>> victims;  // every victim chosen: (tier, expert)
+    std::array<std::optional<Policy>, version_tier_count> saved_policy;
+    bool committed = false;  // past the commit: the acquire's changes stand
   };
   // serve_misses() past its checks and the group's switches: plans the misses, loads them,
   // publishes and commits.
@@ -1805,6 +1802,9 @@ class expert_runtime {
       for (const planned_load& q : plan) {
         if (q.victim) excluded.push_back(*q.victim);
       }
+      if constexpr (!const_victim<Policy>) {
+        if (!attempt.saved_policy[t]) attempt.saved_policy[t].emplace(tier(t).policy);  // before it moves
+      }
       // An optional room (hi for a hi target) never waits for a kernel and never takes another target's version.
       for (;;) {
         std::optional<std::uint32_t> v = choose_victim(t, excluded, /*ready_only=*/!required, false, !required);
@@ -1813,7 +1813,7 @@ class expert_runtime {
         fence(t, *v, &fenced[t]);
         // The eviction is begun after the fence: a window that pinned the victim while it waited
         // makes the table refuse it, and another is chosen.
-        attempt.victims.push_back(*v);
+        attempt.victims.emplace_back(t, *v);
         if (try_begin_eviction(t, *v, p.eviction)) {
           p.victim = v;
           return true;
@@ -2446,12 +2446,16 @@ class expert_runtime {
   void shrink_to_capacity() noexcept {
     bool evicted = false;
     for (std::size_t t = 0; t < tier_count_; ++t) {
+      std::vector<std::uint32_t> refused;  // a window pinned them since they were chosen
       while (resident_count(t) > tier(t).capacity) {
-        std::optional<std::uint32_t> v;
         try {
-          v = choose_victim(t, {}, /*ready_only=*/true);
-          if (!v || !try_evict(t, *v)) break;  // refused: a window pinned it; the next call tries again
-          evicted = true;
+          const std::optional<std::uint32_t> v = choose_victim(t, refused, /*ready_only=*/true);
+          if (!v) break;  // the rest is pinned or busy: a later call goes on
+          if (try_evict(t, *v)) {
+            evicted = true;
+          } else {
+            refused.push_back(*v);
+          }
         } catch (...) {
           break;
         }
@@ -2565,6 +2569,11 @@ class expert_runtime {
     if (background_in_flight() >= options_.max_prefetch_in_flight) return false;
     (void)issue_background(f, goal, load_kind::transition);
     return active_[f] == goal;  // an absent expert's version is active at once
+  }
+  // A queued request whose load was issued: its version of the goal tier exists (loading, or
+  // complete and waiting for its switch). An eviction's goal has no tier: never issued.
+  [[nodiscard]] bool issued(const queued_transition& q) const noexcept {
+    return q.goal < tier_count_ && active_[q.expert] != q.goal && tier(q.goal).versions[q.expert].slot >= 0;
   }
   [[nodiscard]] std::uint8_t other_or_none(std::uint8_t a) const noexcept {
     return tier_count_ == 2 && a < 2 ? static_cast<std::uint8_t>(1 - a) : no_tier;
