@@ -134,17 +134,16 @@ struct runtime_layer_statistics {
   std::uint64_t prefetch_used_bytes = 0;    ///< Their bytes.
   std::uint64_t prefetch_wasted = 0;        ///< Prefetched experts evicted unused.
   std::uint64_t prefetch_wasted_bytes = 0;  ///< Their bytes.
-  std::uint64_t load_waits =
-      0;  ///< Loads the compute stream had to wait on, counted once per load event (a group's misses share one).
-  std::uint64_t load_wait_ns = 0;     ///< Time the compute stream waited on loads (streams that run host work).
-  std::uint64_t fence_waits = 0;      ///< Evictions that waited on a victim's last kernel (WAR fence).
-  std::uint64_t fence_wait_ns = 0;    ///< Host time those waits took.
-  std::uint64_t lo_served = 0;        ///< Routed experts served by their lo version (two tiers).
-  std::uint64_t promotions = 0;       ///< hi versions loaded in the background by set_targets().
-  std::uint64_t promotion_bytes = 0;  ///< Their bytes.
-  std::uint64_t demotions = 0;        ///< lo versions loaded in the background by set_targets().
-  std::uint64_t demotion_bytes = 0;   ///< Their bytes.
-  std::uint64_t switches = 0;         ///< Records switched to the other tier's version (publish-then-switch).
+  std::uint64_t load_waits = 0;             ///< Load events the compute stream waited on (a group's misses share one).
+  std::uint64_t load_wait_ns = 0;           ///< Time the compute stream waited on loads (streams that run host work).
+  std::uint64_t fence_waits = 0;            ///< Evictions that waited on a victim's last kernel (WAR fence).
+  std::uint64_t fence_wait_ns = 0;          ///< Host time those waits took.
+  std::uint64_t lo_served = 0;              ///< Routed experts served by their lo version (two tiers).
+  std::uint64_t promotions = 0;             ///< hi versions loaded in the background by set_targets().
+  std::uint64_t promotion_bytes = 0;        ///< Their bytes.
+  std::uint64_t demotions = 0;              ///< lo versions loaded in the background by set_targets().
+  std::uint64_t demotion_bytes = 0;         ///< Their bytes.
+  std::uint64_t switches = 0;               ///< Records switched to the other tier's version (publish-then-switch).
 
   /// Adds @p o's counters.
   runtime_layer_statistics& operator+=(const runtime_layer_statistics& o) noexcept;
@@ -177,8 +176,7 @@ struct runtime_statistics {
   std::uint64_t peak_resident_bytes = 0;         ///< Highest resident_bytes.
   std::uint64_t prefetch_queued = 0;             ///< Prefetch requests waiting now.
   std::uint64_t prefetch_cancelled = 0;          ///< Prefetch requests cancelled before they were issued.
-  std::uint64_t transitions_queued =
-      0;  ///< set_targets() / update_targets() requests not done: waiting for room, or loading until their switch.
+  std::uint64_t transitions_queued = 0;          ///< Requests not done: waiting for room or loading until the switch.
   std::uint64_t transitions_cancelled =
       0;                                 ///< Requests a newer call dropped or gave another state before they were done.
   std::uint64_t transitions_failed = 0;  ///< Background loads of a transition that threw (nothing changed).
@@ -2571,9 +2569,10 @@ class expert_runtime {
     return active_[f] == goal;  // an absent expert's version is active at once
   }
   // A queued request whose load was issued: its version of the goal tier exists (loading, or
-  // complete and waiting for its switch). An eviction's goal has no tier: never issued.
+  // complete and waiting for its switch, or switched to and about to leave the queue). An
+  // eviction's goal has no tier: never issued.
   [[nodiscard]] bool issued(const queued_transition& q) const noexcept {
-    return q.goal < tier_count_ && active_[q.expert] != q.goal && tier(q.goal).versions[q.expert].slot >= 0;
+    return q.goal < tier_count_ && tier(q.goal).versions[q.expert].slot >= 0;
   }
   [[nodiscard]] std::uint8_t other_or_none(std::uint8_t a) const noexcept {
     return tier_count_ == 2 && a < 2 ? static_cast<std::uint8_t>(1 - a) : no_tier;
