@@ -423,17 +423,27 @@ TEST(ExpertRuntimeTiers, NeverSwitchesUnderALeaseOrAPendingKernel) {
   EXPECT_EQ(w.check_tiers(rt), "");
 }
 
-TEST(ExpertRuntimeTiers, DemotionsEvictionsAndSupersededTargets) {
+// A runtime of 2 hi versions whose hi tier two absent experts, L0.E0 and L0.E1, were promoted
+// into: their hi versions are active at once (as a prefetch), and they stay targets.
+struct two_hi_targets {
   tiered_world w;
-  host_stream prefetch("prefetch");
-  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
-             {.capacity = 2, .max_prefetch_in_flight = 4}, &prefetch);
-  // Two absent experts promoted: their hi versions are active at once (as a prefetch).
-  const target two_hi[] = {{.expert = {0, 0}, .state = residency_state::resident_hi},
-                           {.expert = {0, 1}, .state = residency_state::resident_hi}};
-  rt.set_targets(two_hi);
-  prefetch.synchronize();
-  rt.poll();
+  host_stream prefetch{"prefetch"};
+  runtime rt{
+      w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 2, .max_prefetch_in_flight = 4},
+      &prefetch};
+
+  two_hi_targets() {
+    const target two_hi[] = {{.expert = {0, 0}, .state = residency_state::resident_hi},
+                             {.expert = {0, 1}, .state = residency_state::resident_hi}};
+    rt.set_targets(two_hi);
+    prefetch.synchronize();
+    rt.poll();
+  }
+};
+
+TEST(ExpertRuntimeTiers, DemotionsEvictionsAndSupersededTargets) {
+  two_hi_targets h;
+  auto& [w, prefetch, rt] = h;
   EXPECT_EQ(rt.active_tier({0, 0}), version_tier::hi);
   EXPECT_EQ(rt.active_tier({0, 1}), version_tier::hi);
   // A third promotion finds the hi tier full of targets: it waits (protected), then gets the
@@ -479,15 +489,8 @@ TEST(ExpertRuntimeTiers, DemotionsEvictionsAndSupersededTargets) {
 // reach of other promotions; clear_targets() forgets both, so a promotion that waited for room
 // behind remembered targets finds its victim (four_pool_driver calls it when the hi set ends).
 TEST(ExpertRuntimeTiers, ClearedTargetsProtectNothing) {
-  tiered_world w;
-  host_stream prefetch("prefetch");
-  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
-             {.capacity = 2, .max_prefetch_in_flight = 4}, &prefetch);
-  const target two_hi[] = {{.expert = {0, 0}, .state = residency_state::resident_hi},
-                           {.expert = {0, 1}, .state = residency_state::resident_hi}};
-  rt.set_targets(two_hi);
-  prefetch.synchronize();
-  rt.poll();
+  two_hi_targets h;
+  auto& [w, prefetch, rt] = h;
   ASSERT_EQ(rt.active_tier({0, 0}), version_tier::hi);
   ASSERT_EQ(rt.active_tier({0, 1}), version_tier::hi);
   const target third[] = {{.expert = {0, 2}, .state = residency_state::resident_hi}};
@@ -510,18 +513,30 @@ TEST(ExpertRuntimeTiers, ClearedTargetsProtectNothing) {
   EXPECT_EQ(w.check_tiers(rt), "");
 }
 
+// A runtime of 2 hi versions whose expert L0.E3 is lo and held by a lease, so that a promotion's
+// switch waits for the lease while its hi version loads.
+struct held_expert {
+  static constexpr std::uint32_t routed[] = {3};
+  tiered_world w;
+  host_stream prefetch{"prefetch"};
+  runtime rt{w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 2}, &prefetch};
+  runtime::lease held = rt.acquire(0, routed);
+
+  // Issues the promotion of L0.E3 and waits for its load.
+  void promote() {
+    const target hi[] = {{.expert = {0, 3}, .state = residency_state::resident_hi}};
+    rt.set_targets(hi);
+    prefetch.synchronize();
+  }
+};
+
 // A promotion whose hi version is evicted after it was issued but before its switch (a resize
 // here; a demand victim would do the same) is issued again: the request stays queued until the
 // switch, and nothing else would ask for it (planners hand over only what changed).
 TEST(ExpertRuntimeTiers, APromotionWhoseLoadIsEvictedBeforeItsSwitchIsIssuedAgain) {
-  tiered_world w;
-  host_stream prefetch("prefetch");
-  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 2}, &prefetch);
-  const std::uint32_t routed[] = {3};
-  auto held = rt.acquire(0, routed);  // its lo version pinned: the switch waits
-  const target promote[] = {{.expert = {0, 3}, .state = residency_state::resident_hi}};
-  rt.set_targets(promote);
-  prefetch.synchronize();
+  held_expert h;
+  auto& [w, prefetch, rt, held] = h;
+  h.promote();
   EXPECT_EQ(rt.statistics().total.promotions, 1U) << "issued";
   EXPECT_EQ(rt.statistics().transitions_queued, 1U) << "queued until its switch";
   const std::size_t hi = rt.expert_bytes(version_tier::hi);
@@ -544,18 +559,13 @@ TEST(ExpertRuntimeTiers, APromotionWhoseLoadIsEvictedBeforeItsSwitchIsIssuedAgai
 }
 
 // A request whose load was issued cannot be called back: a newer set_targets() that does not list
-// it, or clear_targets(), leaves it to switch, uncounted as cancelled; one still waiting for room is
-// cancelled and counted.
+// it, or clear_targets(), leaves it to switch, uncounted as cancelled (one still waiting for room
+// is cancelled and counted: ClearedTargetsProtectNothing).
 TEST(ExpertRuntimeTiers, AnIssuedTransitionIsNotCancelled) {
-  tiered_world w;
-  host_stream prefetch("prefetch");
-  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 2}, &prefetch);
-  const std::uint32_t routed[] = {3};
-  auto held = rt.acquire(0, routed);  // its lo version pinned: the switch waits
-  const target promote[] = {{.expert = {0, 3}, .state = residency_state::resident_hi}};
+  held_expert h;
+  auto& [w, prefetch, rt, held] = h;
   for (const bool clear : {false, true}) {
-    rt.set_targets(promote);
-    prefetch.synchronize();
+    h.promote();
     ASSERT_EQ(rt.statistics().transitions_queued, 1U) << "issued, waiting for its switch";
     const std::uint64_t cancelled = rt.statistics().transitions_cancelled;
     if (clear) {
@@ -576,7 +586,7 @@ TEST(ExpertRuntimeTiers, AnIssuedTransitionIsNotCancelled) {
     rt.poll();
     ASSERT_EQ(rt.active_tier({0, 3}), version_tier::lo);
     rt.clear_targets();
-    held = rt.acquire(0, routed);
+    held = rt.acquire(0, held_expert::routed);
   }
   held.release();
   w.compute.synchronize();

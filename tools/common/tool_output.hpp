@@ -30,17 +30,6 @@ struct output_error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// Where a write of @p requested lands (expage::locate_output(): a link's target, created if need
-/// be, or the path itself, in place). @throws output_error naming @p flag for a loop of links or
-/// an unreadable link.
-inline expage::output_location locate_output(std::string_view flag, const std::filesystem::path& requested) {
-  try {
-    return expage::locate_output(requested);
-  } catch (const expage::invalid_argument& e) {
-    throw output_error(fmt::format("{} {}", flag, e.what()));
-  }
-}
-
 /// Checks before any work that @p requested can be created or replaced where a write lands
 /// (expage::check_output()). @return where the write lands. @throws output_error naming @p flag,
 /// the path and the reason.

@@ -202,12 +202,12 @@ struct binary_write_options {
 /// checksum covers the whole payload, so it is checked when the last chunk has been delivered:
 /// next() returns the empty end-of-trace chunk only after it matched, and a consumer must discard
 /// its results when next() throws. Every event before a bad record is delivered; the error is the
-/// record's, or the checksum's when the rest of the payload does not match either. From 4 MiB of records on, on a machine with a second core, a
-/// helper thread owned by the reader works ahead of the caller (trace_read_options::read_ahead):
-/// in versions 3 and 4 it reads, checks and decodes the next chunks (up to 4 of 8,192 events in
-/// flight); in versions 1 and 2 it computes the serial checksum while the records are decoded
-/// (4 buffers of 256 KiB in flight). The thread ends at the end of the trace or at an error, and
-/// is joined by then (versions 1 and 2) or by the destructor.
+/// record's, or the checksum's when the rest of the payload does not match either. From 4 MiB of records on, on a
+/// machine with a second core, a helper thread owned by the reader works ahead of the caller
+/// (trace_read_options::read_ahead): in versions 3 and 4 it reads, checks and decodes the next chunks (up to 4 of 8,192
+/// events in flight); in versions 1 and 2 it computes the serial checksum while the records are decoded (4 buffers of
+/// 256 KiB in flight). The thread ends at the end of the trace or at an error, and is joined by then (versions 1 and 2)
+/// or by the destructor.
 ///
 /// Version 2 to 4 events are delivered with their optional fields (probability vectors and
 /// sketches, which follow each record). Version 1 events are delivered without their probability
