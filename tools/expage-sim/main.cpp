@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -107,6 +108,8 @@ model, hardware and cache:
                         and sketches (the ablation of fMoE's full maps and semantic search)
   --no-forecast-eviction  rank victims by the policy's own history only, not by the prefetcher's
                         forecast of the layers ahead (the ablation of prefetch-aware eviction)
+  (--pooling to --prefetch-seed, --no-trace-fields and --no-forecast-eviction are refused when
+  nothing in the run reads them: --pooling without --prefetch coactivation, for instance)
   --no-bounds           skip the oracle columns (3 extra simulations per layout x capacity x ratio)
 
 output:
@@ -167,14 +170,54 @@ struct config {
   int progress = -1;
 };
 
+// Refuses a prefetch flag that nothing in the run reads, as a synthetic-trace flag with --trace is
+// refused: a sweep that silently ran without the setting it names would be misread.
+void check_prefetch_flags(const config& c, const std::set<std::string_view>& given) {
+  const auto any = [&](auto pred) { return std::ranges::any_of(c.prefetch, pred); };
+  const bool prefetching = any([](const prefetch_choice& p) { return p.label != "none"; });
+  const bool predicting = any([](const prefetch_choice& p) { return !p.predictor.empty(); });
+  const bool coactivation = any([](const prefetch_choice& p) { return p.predictor == "coactivation"; });
+  const bool noisy = any([](const prefetch_choice& p) { return p.recall && *p.recall < 1.0; });
+  const bool guarded = prefetching && c.admission == expage::prefetch_admission::cost_benefit;
+  struct rule {
+    std::string_view flag;
+    bool applies;
+    std::string_view needs;
+  };
+  const std::array rules{
+      rule{"--distance", prefetching, "a prefetcher (--prefetch other than none)"},
+      rule{"--admission", prefetching, "a prefetcher (--prefetch other than none)"},
+      rule{"--no-forecast-eviction", prefetching, "a prefetcher (--prefetch other than none)"},
+      rule{"--max-overhead", guarded, "cost-benefit admission of a prefetcher (not --admission all)"},
+      rule{"--duel-passes", guarded, "cost-benefit admission of a prefetcher (not --admission all)"},
+      rule{"--duel-margin", guarded && c.duel_passes > 0, "the eviction duel (--duel-passes above 0)"},
+      rule{"--duel-protect", guarded && c.duel_passes > 0, "the eviction duel (--duel-passes above 0)"},
+      rule{"--forecast-distance", predicting,
+           "an online predictor (--prefetch coactivation, frequency, previous or fmoe)"},
+      rule{"--no-trace-fields", predicting,
+           "an online predictor (--prefetch coactivation, frequency, previous or fmoe)"},
+      rule{"--pooling", coactivation, "the co-activation predictor (--prefetch coactivation[:T])"},
+      rule{"--coactivation-window", coactivation, "the co-activation predictor (--prefetch coactivation[:T])"},
+      rule{"--coactivation-decay", coactivation, "the co-activation predictor (--prefetch coactivation[:T])"},
+      rule{"--prefetch-seed", noisy, "the noisy oracle (--prefetch oracle:RECALL, RECALL below 1)"},
+  };
+  for (const rule& r : rules) {
+    if (!r.applies && given.contains(r.flag)) {
+      throw usage_error{fmt::format("{} configures {}: this run has none, so it would do nothing", r.flag, r.needs)};
+    }
+  }
+}
+
 config parse(int argc, char** argv, const std::string& help) {
   using expage_tools::parse_number;
   using expage_tools::parse_real;
   using expage_tools::split_nonempty;
   config c;
   const std::span<char* const> args(argv, static_cast<std::size_t>(argc));
+  std::set<std::string_view> given;  // every flag given, for the checks of what a flag needs
   for (std::size_t i = 1; i < args.size(); ++i) {
     const std::string_view flag = argv[i];
+    given.insert(flag);
     const auto value = [&]() -> std::string_view { return expage_tools::flag_value(args, i); };
     if (flag == "--help" || flag == "-h") {
       std::fputs(help.c_str(), stdout);
@@ -326,6 +369,7 @@ config parse(int argc, char** argv, const std::string& help) {
   if (c.forecast_distance != 0 && c.forecast_distance < c.distance) {
     throw usage_error{fmt::format("--forecast-distance {} below --distance {}", c.forecast_distance, c.distance)};
   }
+  check_prefetch_flags(c, given);
   expage_tools::drop_repeats(c.policies);
   expage_tools::drop_repeats(c.ratios);
   expage_tools::drop_repeats(c.prefetch, &prefetch_choice::label);

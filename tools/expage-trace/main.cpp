@@ -201,6 +201,8 @@ int run(int argc, char** argv) {
   expage::realign_options realign;
   std::optional<std::uint16_t> binary_version;
   std::vector<std::filesystem::path> files;
+  std::string_view synthetic_flag;  // the last flag given that shapes synth's trace
+  std::string_view realign_flag;    // the last flag given that configures realign
   for (std::size_t i = 1; i < args.size(); ++i) {
     const std::string_view arg = args[i];
     const auto value = [&]() -> std::string_view { return expage_tools::flag_value(args, i); };
@@ -221,13 +223,16 @@ int run(int argc, char** argv) {
     } else if (arg == "--batch-size") {
       batch = parse_number<std::uint32_t>(arg, value(), 1, 65536);
     } else if (expage_tools::parse_synthetic_flag(arg, value, synth)) {
-      // shapes synth
+      synthetic_flag = arg;
     } else if (arg == "--smoothing") {
       realign.smoothing = parse_real(arg, value(), 0.0, 1000.0, /*open_low=*/true);
+      realign_flag = arg;
     } else if (arg == "--window") {
       realign.reference_window = parse_number<std::uint32_t>(arg, value(), 0, 65536);
+      realign_flag = arg;
     } else if (arg == "--no-pool") {
       realign.pool_sequences = false;
+      realign_flag = arg;
     } else if (arg == "--binary-version") {
       binary_version =
           parse_number<std::uint16_t>(arg, value(), expage::binary_trace_version, expage::binary_trace_version_named);
@@ -236,6 +241,16 @@ int run(int argc, char** argv) {
     } else {
       files.emplace_back(arg);
     }
+  }
+  // A flag the command does not read is refused, not silently ignored.
+  if (!synthetic_flag.empty() && command != "synth") {
+    throw usage_error{fmt::format("{} shapes synth's trace: it does nothing with {}", synthetic_flag, command)};
+  }
+  if (!realign_flag.empty() && command != "realign") {
+    throw usage_error{fmt::format("{} configures realign: it does nothing with {}", realign_flag, command)};
+  }
+  if (trust_geometry && command == "synth") {
+    throw usage_error{"--trust-geometry applies to a trace that is read: synth reads none"};
   }
   const std::size_t wanted = command == "convert" || command == "realign" || command == "requests" ? 2 : 1;
   if (files.size() != wanted) {
@@ -275,8 +290,12 @@ int run(int argc, char** argv) {
   const std::string model = meta && !meta->geometry.empty() ? meta->geometry : geometry ? geometry->name() : "";
   if (!geometry) {
     if (!meta) {
-      throw usage_error{fmt::format("{} has no geometry metadata: pass --geometry (one of: {}, or a JSON file)",
-                                    files[0].string(), names)};
+      std::error_code ec;
+      throw usage_error{fmt::format("{} {}: pass --geometry (one of: {}, or a JSON file)", files[0].string(),
+                                    std::filesystem::is_fifo(files[0], ec)
+                                        ? "is a pipe, whose geometry metadata cannot be read before the trace"
+                                        : "has no geometry metadata",
+                                    names)};
     }
     geometry = geometry_of(*meta);
   }
