@@ -6,6 +6,7 @@
 #include "expage/memory/host_memory.hpp"
 #include "expage/stream/host_stream.hpp"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -417,6 +418,32 @@ TEST(TransitionManager, RejectsBadTargetsAndClasses) {
   EXPECT_THROW(manager_t(r.table, r.migration, {.format = precision::bf16, .source = &r.lo_store, .pool = &r.hi_pool},
                          {.format = precision::int4, .source = &r.lo_store, .pool = &r.lo_pool}),
                invalid_argument);
+  // A source of another geometry whose experts fit the pool's blocks (its stored bytes were
+  // copied into the version's tensors, past them when larger: a heap overflow under ASan), and a
+  // source that decodes its stored form (copied as it is, up to its slot).
+  const moe_geometry narrow(moe_geometry::config{.name = "narrow",
+                                                 .layers = 4,
+                                                 .experts_per_layer = 8,
+                                                 .top_k = 2,
+                                                 .hidden_size = 64,
+                                                 .intermediate_size = 96,
+                                                 .group_size = 32});
+  ASSERT_LE(narrow.expert_bytes(precision::int4), r.lo_pool.block_size());
+  tensor_storage<host_stream> other(narrow, precision::int4, r.host);
+  EXPECT_THAT(
+      [&] {
+        manager_t(r.table, r.migration, {.format = precision::bf16, .source = &r.hi_store, .pool = &r.hi_pool},
+                  {.format = precision::int4, .source = &other, .pool = &r.lo_pool});
+      },
+      ::testing::ThrowsMessage<invalid_argument>(::testing::HasSubstr("the int4 class's source has")));
+  tensor_storage<host_stream> coded(r.geometry, precision::int4, r.host,
+                                    {.slot_bytes = {}, .loader = [](auto, auto, host_stream&) {}});
+  EXPECT_THAT(
+      [&] {
+        manager_t(r.table, r.migration, {.format = precision::bf16, .source = &r.hi_store, .pool = &r.hi_pool},
+                  {.format = precision::int4, .source = &coded, .pool = &r.lo_pool});
+      },
+      ::testing::ThrowsMessage<invalid_argument>(::testing::HasSubstr("decodes its stored form")));
 }
 
 // Fault injection: a failing block allocation or a failing copy aborts the

@@ -364,6 +364,35 @@ TEST(TensorStorage, StoredBytesNeverRunPastTheSlot) {
   }
 }
 
+// Without a loader the stored bytes are copied into the page as they are: more than the tensor
+// (a slot rounded up to 256 bytes, or a larger slot_bytes) is refused where it is recorded, and a
+// load never writes past a page of tensor_bytes (it did: a heap overflow under ASan).
+TEST(TensorStorage, CopiedStoredBytesNeverExceedThePage) {
+  const moe_geometry g = small(2);
+  host_memory host({.block_size = 64_KiB, .alignment = 64_KiB});
+  const std::size_t gu = g.tensor_bytes(expert_tensor::gate_up, precision::bf16);
+  tensor_storage<host_stream> storage(g, precision::bf16, host, {.slot_bytes = {gu + 4096, 0}, .loader = {}});
+  const expert_id id = g.expert_at(0);
+  EXPECT_THAT(
+      [&] { storage.set_stored_bytes(id, expert_tensor::gate_up, gu + 1); },
+      ::testing::ThrowsMessage<invalid_argument>(HasSubstr(fmt::format("{} bytes out of range [0, {}]", gu + 1, gu))));
+  EXPECT_EQ(storage.stored(id, expert_tensor::gate_up).size(), gu) << "unchanged";
+  storage.set_stored_bytes(id, expert_tensor::gate_up, gu);  // the whole tensor: allowed
+  std::vector<std::byte> page(gu);
+  std::ranges::fill(storage.slot(id, expert_tensor::gate_up), std::byte{7});
+  host_stream s("load");
+  storage.load(id, expert_tensor::gate_up, page, s);
+  s.synchronize();
+  EXPECT_TRUE(std::ranges::all_of(page, [](std::byte b) { return b == std::byte{7}; }));
+  // With a loader, the stored form may fill the slot: the loader writes the page's tensor_bytes.
+  tensor_storage<host_stream> coded(
+      g, precision::bf16, host,
+      {.slot_bytes = {gu + 4096, 0}, .loader = [](std::span<const std::byte>, std::span<std::byte> out, host_stream&) {
+         EXPECT_FALSE(out.empty());
+       }});
+  coded.set_stored_bytes(id, expert_tensor::gate_up, coded.slot_bytes(expert_tensor::gate_up));
+}
+
 // Fault injection: whatever step of a materialization fails, the layer's pages
 // are unmapped, their blocks are back in the pools and the budget is unchanged.
 class LayerPipelineFaults : public ::testing::TestWithParam<int> {};

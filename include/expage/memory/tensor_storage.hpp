@@ -104,6 +104,8 @@ class tensor_storage {
   }
   /// Bytes allocated for the whole store.
   [[nodiscard]] std::size_t bytes() const noexcept { return capacity_; }
+  /// Whether a loader decodes the stored form into the page (options::loader); else it is copied.
+  [[nodiscard]] bool decodes() const noexcept { return static_cast<bool>(loader_); }
   /// Where the stored bytes live.
   [[nodiscard]] memory_location location() const noexcept { return location_; }
   /// The tensors' precision.
@@ -120,16 +122,22 @@ class tensor_storage {
     return {memory_.get() + offset(id, t), stored_[index(id, t)]};
   }
   /// Records that the slot of (@p id, @p t) holds @p bytes (for stored forms of their own size, e.g. compressed).
-  /// @throws expage::invalid_argument for a bad id or @p bytes above the slot size.
+  /// Without a loader the stored bytes are copied into the page as they are, so they may not
+  /// exceed tensor_bytes(@p t), what a page holds (a slot rounded up to 256 bytes is larger).
+  /// @throws expage::invalid_argument for a bad id or @p bytes above the slot size (above
+  /// tensor_bytes(@p t) too without a loader).
   void set_stored_bytes(expert_id id, expert_tensor t, std::size_t bytes) {
-    if (bytes > slot_bytes(t)) {
-      throw invalid_argument(fmt::format("tensor_storage::set_stored_bytes({}, {}): {} bytes out of range [0, {}]", id,
-                                         to_string(t), bytes, slot_bytes(t)));
+    const std::size_t most = loader_ ? slot_bytes(t) : std::min(slot_bytes(t), tensor_bytes(t));
+    if (bytes > most) {
+      throw invalid_argument(fmt::format(
+          "tensor_storage::set_stored_bytes({}, {}): {} bytes out of range [0, {}]{}", id, to_string(t), bytes, most,
+          loader_ ? "" : " (copied into the page as they are: a loader decodes larger forms)"));
     }
     stored_[index(id, t)] = bytes;
   }
 
-  /// Enqueues on @p stream what fills @p page with tensor @p t of expert @p id.
+  /// Enqueues on @p stream what fills @p page with tensor @p t of expert @p id: the loader's work
+  /// on its first tensor_bytes(@p t), or a copy of the stored bytes (at most that many).
   /// @throws expage::invalid_argument for a bad id or a page shorter than tensor_bytes(@p t).
   /// @throws whatever the stream or the loader throws while enqueuing.
   void load(expert_id id, expert_tensor t, std::span<std::byte> page, Stream& stream) const {

@@ -326,6 +326,22 @@ class transition_manager {
       throw invalid_argument(fmt::format("transition_manager: the {} class's source holds {}", to_string(c.format),
                                          to_string(c.source->format())));
     }
+    // The stored bytes are copied into the version as they are: the source's tensors must be
+    // the table's, and stored as they are used.
+    for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+      const std::uint64_t want = table.geometry().tensor_bytes(t, c.format);
+      if (c.source->tensor_bytes(t) != want) {
+        throw invalid_argument(fmt::format(
+            "transition_manager: the {} class's source has {}-byte {} tensors, the table's geometry '{}' {}-byte ones",
+            to_string(c.format), c.source->tensor_bytes(t), to_string(t), table.geometry().name(), want));
+      }
+    }
+    if (c.source->decodes()) {
+      throw invalid_argument(fmt::format(
+          "transition_manager: the {} class's source decodes its stored form with a loader; versions are copies of "
+          "the stored bytes",
+          to_string(c.format)));
+    }
     return c;
   }
   [[nodiscard]] std::size_t flat(expert_id id) const {
@@ -388,6 +404,9 @@ class transition_manager {
       blocks.emplace(c.pool->acquire(std::move(admitted)));
       std::byte* const block = *blocks->begin();
       const version_record record = record_at(block, c.format);
+      // Owned by `storage` before any copy is enqueued: its allocation may throw, and the block
+      // may go back only once a copy into it is fenced (below, or after the catch's fence).
+      storage = version_storage(std::move(*blocks));
       std::size_t offset = 0;
       for (const expert_tensor tensor : {expert_tensor::gate_up, expert_tensor::down}) {
         std::span<const std::byte> from = c.source->stored(id, tensor);
@@ -401,7 +420,6 @@ class transition_manager {
         migration_->copy(record.tensor(tensor), from.data(), from.size());
       }
       migration_->record(*done);
-      storage = version_storage(std::move(*blocks));
       t->prepare(record, std::move(storage), event_completion<event_type>(done));
     } catch (...) {
       if (enqueued) {  // part of the copy may be in flight: fence it before the block goes back
