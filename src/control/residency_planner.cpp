@@ -13,6 +13,9 @@ namespace expage {
 
 namespace {
 
+// A release must leave ρ at least θ · (1 + release_margin) (see step()).
+constexpr double release_margin = 1e-9;
+
 residency_planner_config checked(residency_planner_config c) {
   if (c.layers == 0) throw invalid_argument("residency_planner: layers 0 out of range [1, 2^32)");
   if (c.experts_per_layer == 0) throw invalid_argument("residency_planner: experts_per_layer 0 out of range [1, 2^32)");
@@ -138,7 +141,10 @@ residency_step residency_planner::step(std::uint64_t kv_bytes) {
     });
     for (const std::uint32_t i : order) {
       if (capacity_[i] == 0) continue;
-      if (rho_of(load + release_cost(i)) < config_.theta) break;  // costs only grow along `order`
+      // Costs only grow along `order`. The margin covers rounding: `load` is kept incrementally
+      // while the next step sums the layers afresh, so a release that lands ρ exactly on θ here
+      // could come back as θ − 1 ulp, be added again, released again, forever.
+      if (rho_of(load + release_cost(i)) < config_.theta * (1.0 + release_margin)) break;
       release_one(i);
     }
   } else if (out.rho < config_.theta) {
