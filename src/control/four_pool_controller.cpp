@@ -444,16 +444,36 @@ four_pool_decision four_pool_controller::step() const {
     // The step: the cheapest admissible split within rate_limit slots per pool that moves the KV
     // pool (or, with it unchanged, the hi pool) the target's way for less than the current cost;
     // none, no move. (Moving each pool toward the target alone can change the KV pool the other
-    // way, or leave the space.)
+    // way, or leave the space.) Forced (the current split breaks the coverage constraint), the
+    // step need not be cheaper: the cheapest feasible one, else the one covering most (cheapest
+    // among equals), so a split out of bounds leaves however slow the rate limit.
     const auto within = [&](const four_pool_split& s) {
       return s.tiered() == current_.tiered() && !(s == current_) && slot_distance(current_, s) <= config_.rate_limit &&
-             direction(current_, s) == dir && (!any_feasible || feasible(predicted_hi_coverage(s)));
+             direction(current_, s) == dir;
     };
     std::optional<std::pair<double, four_pool_split>> step;
+    double step_coverage = 0.0;
+    bool step_feasible = false;
     for (const four_pool_split& s : candidates_) {
       if (!within(s)) continue;
       const double cost = predicted_cost(s);
-      if (cost < d.current_cost && (!step || cost < step->first)) step.emplace(cost, s);
+      const double coverage = predicted_hi_coverage(s);
+      const bool ok = !any_feasible || feasible(coverage);
+      if (forced && !ok && !(coverage > d.current_hi_coverage)) continue;  // no nearer the bound
+      bool takes = false;
+      if (!forced) {
+        takes = ok && cost < d.current_cost && (!step || cost < step->first);
+      } else if (ok != step_feasible || !step) {
+        takes = ok || !step;
+      } else {
+        takes =
+            ok ? cost < step->first : coverage > step_coverage || (coverage == step_coverage && cost < step->first);
+      }
+      if (takes) {
+        step.emplace(cost, s);
+        step_coverage = coverage;
+        step_feasible = ok;
+      }
     }
     if (!step) return d;
     next = step->second;

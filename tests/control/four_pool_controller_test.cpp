@@ -427,6 +427,46 @@ TEST(FourPoolController, ARateLimitedStepGoesTheTargetsWayAndStaysWithinTheLimit
   EXPECT_GT(limited, 20) << "the limit shaped some steps";
 }
 
+// A split below the coverage bound leaves it under a rate limit too, a step at a time, even when
+// no step is cheaper: it stayed below the bound forever (found by review). One layer of 4
+// experts, activations 50%, 45%, 5%: a coverage of 0.9 needs two hi slots.
+TEST(FourPoolController, ARateLimitedSplitBelowTheCoverageBoundStillLeavesIt) {
+  four_pool_model m{.budget_bytes = 40,
+                    .layers = 1,
+                    .experts_per_layer = 4,
+                    .hi_expert_bytes = 2,
+                    .lo_expert_bytes = 1,
+                    .block_bytes = 1,
+                    .kv_floor_bytes = 0,
+                    .hi_miss_seconds = 1.0,
+                    .lo_miss_seconds = 1.0,
+                    .kv_miss_seconds = 1.0,
+                    .lo_activation_seconds = 0.0,
+                    .min_hi_coverage = 0.9,
+                    .min_group = 1};
+  m.space.hi_only = false;
+  four_pool_config config;
+  config.rate_limit = 1;
+  config.change_ratio = 0.0;
+  four_pool_controller c(m, config, make_four_pool_split(m, 0, 1));
+  std::vector<std::uint32_t> hi_slots;
+  for (int burst = 0; burst < 20; ++burst) {
+    c.new_burst();
+    for (const auto& [x, n] :
+         {std::pair{expert_index{0}, 50}, std::pair{expert_index{1}, 45}, std::pair{expert_index{2}, 5}}) {
+      const std::array<expert_index, 1> one{x};
+      for (int i = 0; i < n; ++i) c.record(0, one);
+    }
+    (void)c.end_interval();
+    const four_pool_decision d = c.step();
+    if (d.moved) c.commit(d, true);
+    hi_slots.push_back(c.current().hi_slots);
+  }
+  EXPECT_EQ(c.current().hi_slots, 2U);
+  EXPECT_GE(c.predicted_hi_coverage(c.current()), 0.9);
+  for (std::size_t b = 1; b < hi_slots.size(); ++b) EXPECT_LE(hi_slots[b], hi_slots[b - 1] + 1) << "burst " << b;
+}
+
 // A refused resize keeps the previous split (WiSP D3); an applied one resizes the hi set, whose
 // dropped members are the ones the decision named, coldest first.
 TEST(FourPoolController, CommitResizesTheHiSetOrKeepsThePreviousSplit) {
