@@ -850,6 +850,14 @@ class engine {
       throw invalid_argument(fmt::format("simulate: the prefetcher proposed L{}.E{}, out of range [0, {}) x [0, {})",
                                          r.layer, r.expert, layers_, experts_));
     }
+    // A later group's use, or unknown: a group already served (its demand loads are issued) has
+    // nothing to prefetch for, and (use_group − g) would wrap to a use far ahead.
+    if (r.use_group != never && r.use_group <= g) {
+      throw invalid_argument(
+          fmt::format("simulate: the prefetcher proposed L{}.E{} for group {} at group {}: use_group out of range "
+                      "[{}, 2^64 - 1] (2^64 - 1: unknown)",
+                      r.layer, r.expert, r.use_group, g, g + 1));
+    }
     const std::size_t f = flat(r.layer, r.expert);
     if (state_[f] != residency::absent) return;  // already resident or on its way
     const std::uint32_t s = scope_of(r.layer);

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <random>
 
@@ -69,6 +70,8 @@ TEST(SessionMixDetector, OffNeverFiresAndBadValuesAreNamed) {
   }
   EXPECT_THROW(session_mix_detector(-3.0, 0.9), invalid_argument);
   EXPECT_THROW(session_mix_detector(std::nan(""), 0.9), invalid_argument);
+  // inf would never fire (and 0 x inf is NaN): refused, not silently off.
+  EXPECT_THROW(session_mix_detector(std::numeric_limits<double>::infinity(), 0.9), invalid_argument);
   try {
     session_mix_detector(3.0, 0.0);
     ADD_FAILURE();

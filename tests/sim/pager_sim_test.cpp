@@ -375,6 +375,31 @@ TEST(PagerSim, GuardsSilenceAUselessPrefetcher) {
   }
 }
 
+// A prefetcher whose proposals name a group already served: refused by name, not admitted as a
+// use 2^64 groups ahead (it was, under cost-benefit admission, and evicted residents for nothing).
+class stale_prefetcher final : public prefetcher {
+ public:
+  [[nodiscard]] std::string name() const override { return "stale"; }
+  void reset() override {}
+  void propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) override {
+    if (g == 0) return;
+    out.push_back({.layer = stream.layer(g - 1), .expert = 0, .use_group = g - 1, .probability = 0.01F});
+  }
+};
+
+TEST(PagerSim, AProposalForAPastGroupIsRefused) {
+  const auto g = small();
+  const routing_trace trace = generate_synthetic(g, {.seed = 3, .sequences = 1, .decode_steps = 4});
+  const access_stream stream(trace, 8);
+  stale_prefetcher stale;
+  sim_options o{.capacity = 8, .hardware = no_setup(), .transfer_compute_ratio = 0.5, .prefetch = &stale};
+  o.max_prefetch_overhead = std::numeric_limits<double>::infinity();
+  o.stall_guard = false;
+  EXPECT_THAT(
+      [&] { (void)simulate(stream, g, policy_kind::lru, o); },
+      ::testing::ThrowsMessage<invalid_argument>(HasSubstr("for group 0 at group 1: use_group out of range [2, ")));
+}
+
 // A prefetcher that never proposes anything: runs with it differ from demand loading only by what
 // the admission rule's guards do besides admitting (the eviction duel).
 class silent_prefetcher final : public prefetcher {

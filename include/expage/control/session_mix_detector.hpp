@@ -41,9 +41,10 @@ class session_mix_detector {
  public:
   /// The ranges of a controller's detector settings, named as @p who's change_ratio and
   /// change_keep (the one check every owner of these fields calls).
-  /// @throws expage::invalid_argument for a ratio in (−∞, 0) ∪ (0, 1] or a kept share outside [0, 1].
+  /// @throws expage::invalid_argument for a ratio in [−∞, 0) ∪ (0, 1] ∪ {∞} or NaN, or a kept
+  /// share outside [0, 1].
   static void check(double ratio, double keep, std::string_view who) {
-    if (!(ratio == 0.0 || ratio > 1.0)) {
+    if (!(ratio == 0.0 || (ratio > 1.0 && std::isfinite(ratio)))) {
       throw invalid_argument(fmt::format("{}: change_ratio {} out of range 0 or (1, inf)", who, ratio));
     }
     if (!(keep >= 0.0 && keep <= 1.0)) {
