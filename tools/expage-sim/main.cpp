@@ -49,9 +49,10 @@ constexpr std::string_view usage = R"(usage: expage-sim (--trace FILE | --synthe
 
 Simulates paged MoE decoding in time: per layer, routing known at its start, demand loads
 ahead of prefetches on serial links, compute from a roofline of the geometry. Reports, for
-every layout x capacity x ratio x policy x prefetcher: stall per token (mean, p50, p99, by
-cause), miss ratio, bytes moved, prefetch use, and beside it the oracles: Belady demand, Belady
-with a perfect prefetcher (2 groups ahead), the link-bandwidth lower bound, and the best static
+every layout x capacity x ratio x policy x prefetcher: stall per token (mean, by cause) and
+per forward pass (p50, p99: a pass decodes the batch's tokens, one at batch 1), miss ratio,
+bytes moved, prefetch use, and beside it the oracles: Belady demand, Belady with a perfect
+prefetcher (2 groups ahead), the link-bandwidth lower bound, and the best static
 residency chosen in hindsight (top-n most requested experts, never evicted).
 
 input (one of):
@@ -417,7 +418,7 @@ std::string result_json(const expage::sim_result& r, const cell& c, bool bounds)
   return fmt::format(
       R"({{"layout":"{}","slots":{},"policy":"{}","prefetch":"{}","ratio":{},"transfer_s":{},"layer_s":{},)"
       R"("tokens":{},"accesses":{},"hits":{},"demand_misses":{},"miss_ratio":{},"evictions":{},)"
-      R"("bytes_moved":{},"demand_bytes":{},"prefetch_bytes":{},"preload_bytes":{},"stall_per_token_s":{},"stall_p50_s":{},"stall_p99_s":{},)"
+      R"("bytes_moved":{},"demand_bytes":{},"prefetch_bytes":{},"preload_bytes":{},"stall_per_token_s":{},"stall_per_pass_p50_s":{},"stall_per_pass_p99_s":{},)"
       R"("time_per_token_s":{},"stall_by_cause_per_token_s":{{{}}},"prefetches_issued":{},"prefetches_used":{},)"
       R"("prefetches_late":{},"prefetches_wasted":{},"prefetches_promoted":{},"prefetches_cancelled":{},)"
       R"("prefetches_refused":{},"prefetch_victim_refaults":{},"duel_lru_groups":{},"duel_switches":{},)"
@@ -719,7 +720,7 @@ int main(int argc, char** argv) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
 
     fmt::print("\n{:<9} {:>6} {:>6} {:<8} {:<14} {:>7} {:>10} {:>11} {:>10} {:>10} {:>10} {:>19}", "layout", "slots",
-               "r", "policy", "prefetch", "miss", "moved", "stall/tok", "p50", "p99", "time/tok", "pf prec/cov/timely");
+               "r", "policy", "prefetch", "miss", "moved", "stall/tok", "pass p50", "pass p99", "time/tok", "pf prec/cov/timely");
     if (c.bounds) fmt::print(" {:>11} {:>11} {:>11} {:>11}", "belady", "oracle-pf", "bound", "static");
     fmt::print("\n");
     for (std::size_t i = 0; i < results.size(); ++i) {
