@@ -1,7 +1,6 @@
 #include "expage/trace/trace_io.hpp"
 
 #include "expage/core/file_output.hpp"
-#include "expage/detail/assert.hpp"
 #include "expage/format/crc32.hpp"
 #include "record_check.hpp"
 #include "trace_input.hpp"
@@ -500,7 +499,7 @@ class checksum_worker {
 
 // Payloads from this size on are hashed by a checksum_worker (when there is a second core):
 // below it a thread costs more than it saves. The same bound decides when a version 3 or 4
-// stream is read and checked ahead (check_ahead).
+// stream is decoded ahead (decode_ahead).
 constexpr std::uint64_t threaded_checksum_bytes = std::uint64_t{4} << 20;
 
 // One chunk's events and the arrays their spans point into.
@@ -512,41 +511,27 @@ struct decoded_chunk {
   std::vector<float> sketch;         // versions 2 to 4: delivered with the events
 };
 
-// One read of whole blocks of a version 3 or 4 payload: each block's records (block_records, the
-// last block fewer) followed by its CRC-32C, and how far they were checked.
-struct checked_read {
-  std::vector<std::byte> bytes;
-  std::uint64_t first = 0;     // the index of the first record (a multiple of block_records)
-  std::size_t records = 0;     // the records the read was for
-  std::size_t bytes_read = 0;  // of `bytes`, those the input had
-  std::size_t checked = 0;     // blocks found whole and matching their checksum, from the first
-  std::exception_ptr error;    // what checking block `checked` threw (checked ahead); null if none
-};
-
-// Reads and checks a version 3 or 4 payload's blocks on a second thread, up to `depth` reads ahead
-// of the consumer, which decodes them. Reading the file and the blocks' CRC-32C need nothing from
-// the consumer; decoding stays on the consumer's thread, where its events are read from the
-// first-level cache they were written to (decoded on the helper, every event crossed to the
-// other core's caches: about 1 GB for 10 M events, against the 0.3 GB of blocks that cross now).
-// Each read has its own slot, so the producer fills the next while the consumer decodes one. The
-// producer fills slots in order; an exception it throws (an unreadable input) is rethrown by
-// next() in the read's place, after every read before it, and again by any later call. A block
-// that fails its check is not an exception of the producer: it is recorded in the read
-// (checked_read::error), so the consumer delivers the events of the blocks before it first. The
-// reads are large (about 600 hand-overs for a 10 M-event trace), so a mutex and two condition
-// variables order them: the producer fills a slot, then counts it under the mutex; the consumer
-// reads it after seeing the count under the same mutex, and frees it the same way.
-class check_ahead {
+// Reads, checks and decodes a version 3 or 4 payload on a second thread, up to `depth` chunks
+// ahead of the consumer. Reading the file, the blocks' CRC-32C and decoding the records are about
+// a third of a streamed replay (docs/performance.md) and need nothing from the consumer; each
+// chunk has its own decoded_chunk, so the producer fills the next while the consumer reads one.
+// The producer runs the same code as a synchronous stream, chunk after chunk, in order; an
+// exception it throws (a corrupt block, a bad record) is rethrown by next() in the chunk's place,
+// after every chunk before it, and again by any later call. The chunks are large (about 1,300
+// hand-overs for a 10 M-event trace), so a mutex and two condition variables order them: the
+// producer writes a slot, then counts it under the mutex; the consumer reads it after seeing the
+// count under the same mutex, and frees it the same way.
+class decode_ahead {
  public:
-  static constexpr std::size_t depth = 4;  // reads in flight, the consumer's one included
-  // Fills slot @p slot (< depth); false at the end, with nothing filled.
-  using producer = std::function<bool(std::size_t slot)>;
+  static constexpr std::size_t depth = 4;  // chunks in flight, the consumer's one included
+  // Fills chunk slot @p slot (< depth) and returns its events; empty at the end.
+  using producer = std::function<std::span<const routing_event>(std::size_t slot)>;
 
   // @throws std::system_error when no thread can be started.
-  explicit check_ahead(producer produce) : produce_(std::move(produce)), thread_([this] { run(); }) {}
-  check_ahead(const check_ahead&) = delete;
-  check_ahead& operator=(const check_ahead&) = delete;
-  ~check_ahead() {
+  explicit decode_ahead(producer produce) : produce_(std::move(produce)), thread_([this] { run(); }) {}
+  decode_ahead(const decode_ahead&) = delete;
+  decode_ahead& operator=(const decode_ahead&) = delete;
+  ~decode_ahead() {
     {
       const std::lock_guard lock(mutex_);
       stop_ = true;
@@ -555,12 +540,11 @@ class check_ahead {
     thread_.join();
   }
 
-  // The slot of the next read, in the producer's order; nullopt at the end. The previous read's
-  // slot may be refilled from here on.
-  // @throws what the producer threw for this read (and for every call after it).
-  std::optional<std::size_t> next() {
+  // The next chunk, in the producer's order; the previous one's slot may be refilled from here on.
+  // @throws what the producer threw for this chunk (and for every call after it).
+  std::span<const routing_event> next() {
     if (error_) std::rethrow_exception(error_);
-    if (ended_) return std::nullopt;
+    if (ended_) return {};
     {
       std::unique_lock lock(mutex_);
       if (holding_) {
@@ -575,9 +559,9 @@ class check_ahead {
       error_ = errors_[k];
       std::rethrow_exception(error_);
     }
-    ended_ = !filled_[k];
+    ended_ = chunks_[k].empty();
     holding_ = !ended_;
-    return ended_ ? std::nullopt : std::optional<std::size_t>(k);
+    return chunks_[k];
   }
 
  private:
@@ -590,8 +574,8 @@ class check_ahead {
       }
       bool end = false;
       try {
-        filled_[k] = produce_(k);
-        end = !filled_[k];
+        chunks_[k] = produce_(k);
+        end = chunks_[k].empty();
       } catch (...) {
         errors_[k] = std::current_exception();
         end = true;
@@ -606,29 +590,32 @@ class check_ahead {
   }
 
   producer produce_;
-  std::array<bool, depth> filled_{};                // written by the producer only
-  std::array<std::exception_ptr, depth> errors_{};  // written by the producer only
+  std::array<std::span<const routing_event>, depth> chunks_{};  // written by the producer only
+  std::array<std::exception_ptr, depth> errors_{};              // written by the producer only
   std::mutex mutex_;
   std::condition_variable made_cv_;   // made_ rose
   std::condition_variable freed_cv_;  // freed_ rose, or stop_
-  std::size_t made_ = 0;              // reads produced (under mutex_)
-  std::size_t freed_ = 0;             // reads the consumer is done with (under mutex_)
+  std::size_t made_ = 0;              // chunks produced (under mutex_)
+  std::size_t freed_ = 0;             // chunks the consumer is done with (under mutex_)
   bool stop_ = false;                 // under mutex_
   // The consumer's own.
   std::size_t taken_ = 0;
-  bool holding_ = false;  // the consumer holds the read it was last given
+  bool holding_ = false;  // the consumer holds the chunk it was last given
   bool ended_ = false;
   std::exception_ptr error_;
   std::thread thread_;  // last: started once everything it reads exists
 };
 
-// Versions 3 and 4 read about this many bytes of blocks at a time (at least one block): on the
-// caller's thread, and ahead of it (check_ahead: four reads of 0.5 MiB in flight, about 600
-// hand-overs for 10 M events). They deliver at most this many events per chunk, which stay in the
-// caller's first-level cache until read (about 80 bytes each).
+// Versions 3 and 4 read about this many bytes of blocks at a time (at least one block) and deliver
+// at most this many events per chunk when decoding on the caller's thread (they stay in its
+// first-level cache until read), and these when decoding ahead (about 1,300 hand-overs for 10 M
+// events; the events cross to the other core's caches either way): 0.5 MiB of blocks and four
+// chunks of at most 8,192 events or about 1 MiB of decoded events and fields in flight.
 constexpr std::size_t blocked_read_bytes = std::size_t{1} << 16;
-constexpr std::size_t ahead_read_bytes = std::size_t{1} << 19;
 constexpr std::size_t blocked_chunk_events = 512;
+constexpr std::size_t ahead_read_bytes = std::size_t{1} << 19;
+constexpr std::size_t ahead_chunk_events = 8192;
+constexpr std::size_t ahead_chunk_bytes = std::size_t{1} << 20;
 
 // The streaming reader's state: the input, the header, the running checksum and the chunks' arrays.
 namespace detail {
@@ -642,24 +629,24 @@ struct binary_stream {
   std::uint64_t delivered = 0;     // records delivered so far
   std::uint64_t vectors_seen = 0;  // records whose has_probabilities is 1
   bool finished = false;
-  std::vector<std::byte> chunk;             // versions 1 and 2: the records read on this thread
-  checked_read own_read;                    // versions 3 and 4: the blocks read on this thread
-  const checked_read* current = &own_read;  // versions 3 and 4: the read being decoded
-  std::size_t buffered = 0;                 // versions 3 and 4: records in `current` not yet delivered
-  std::size_t verified = 0;                 // versions 3 and 4: `current`'s blocks verified (verify_block())
-  std::size_t good = 0;                     // the chunk's events decoded before the one being decoded
-  std::exception_ptr pending;               // the error after a partly delivered chunk
+  std::vector<std::byte> chunk;
+  std::size_t buffered = 0;          // versions 3 and 4: records in `chunk` not yet delivered
+  std::uint64_t buffer_first = 0;    // versions 3 and 4: the index of the first record in `chunk`
+  std::size_t buffered_records = 0;  // versions 3 and 4: the records `chunk` was read for
+  std::size_t chunk_bytes_read = 0;  // versions 3 and 4: the bytes of `chunk` the input had
+  std::size_t checked_blocks = 0;    // versions 3 and 4: `chunk`'s blocks checked (check_block())
+  std::size_t good = 0;              // the chunk's events decoded before the one being decoded
+  std::exception_ptr pending;        // the error after a partly delivered chunk
   // The buffers the worker hashes are declared before it, so it is joined (destroyed) first.
   std::array<std::vector<std::byte>, checksum_worker::depth> buffers;
-  std::optional<checksum_worker> worker;        // hashes the records while they are decoded (large traces)
-  std::size_t buffer = 0;                       // the buffer the next chunk goes to
-  decoded_chunk decoded;                        // the chunk delivered
-  std::size_t read_bytes = blocked_read_bytes;  // versions 3 and 4: bytes of blocks per read
-  // Versions 3 and 4 read ahead (check_ahead): a read per slot, and the records requested so far.
-  std::array<checked_read, check_ahead::depth> ahead_reads;
-  std::uint64_t requested = 0;
-  bool ahead_failed = false;  // a block failed its check: the helper reads no further
-  std::exception_ptr failed;  // what next() threw, thrown again
+  std::optional<checksum_worker> worker;  // hashes the records while they are decoded (large traces)
+  std::size_t buffer = 0;                 // the buffer the next chunk goes to
+  // The chunks' arrays: one per chunk decode_ahead may hold in flight; slots[0] otherwise.
+  std::array<decoded_chunk, decode_ahead::depth> slots;
+  decoded_chunk* cur = slots.data();                // the chunk being decoded
+  std::size_t chunk_events = blocked_chunk_events;  // versions 3 and 4: most events per chunk
+  std::size_t read_bytes = blocked_read_bytes;      // versions 3 and 4: bytes of blocks per read
+  std::exception_ptr failed;                        // what next() threw, thrown again
   staged_record r;
 
   binary_stream(std::unique_ptr<detail::byte_input> input, detail::byte_input& i, const moe_geometry& geometry,
@@ -671,7 +658,7 @@ struct binary_stream {
     top_k = geometry.top_k();
     const bool helper = options.read_ahead && layout.h.events * layout.record_bytes >= threaded_checksum_bytes &&
                         std::thread::hardware_concurrency() > 1;
-    // Versions 3 and 4 are read and checked ahead instead (from the first next()); not
+    // Versions 3 and 4 are decoded ahead instead (from the first next()), checksums included; not
     // from a pipe, read as it comes: a thread blocked on it would hold up the destructor.
     may_read_ahead = helper && blocked(layout.h.version) && i.known_size();
     if (!blocked(layout.h.version) && helper) {
@@ -716,73 +703,34 @@ struct binary_stream {
     return std::span<const std::byte>(buffers[b].data(), n);
   }
 
-  // Versions 3 and 4: the records of the next read from record @p first on, @p remaining left:
-  // whole blocks, about read_bytes, at least one.
-  [[nodiscard]] std::size_t read_records_from(std::uint64_t remaining) const {
-    const std::size_t per_block = layout.h.block_records;
-    const std::size_t want =
-        std::max<std::size_t>(1, read_bytes / static_cast<std::size_t>(layout.record_bytes) / per_block) * per_block;
-    return static_cast<std::size_t>(std::min<std::uint64_t>(want, remaining));
-  }
-  // Reads the @p n records from record @p first on, whole blocks (versions 3 and 4) with their
-  // checksums, into @p into, none of them checked yet.
-  void read_blocks(checked_read& into, std::uint64_t first, std::size_t n) {
+  // Reads the @p n records of the next whole blocks (versions 3 and 4) with their checksums into
+  // `chunk`: each block_records records (the last block fewer) followed by 4 checksum bytes. The
+  // blocks are checked one by one as decoding reaches them (check_block()), so the first fault in
+  // the file's order is the one reported, whatever the size of the reads.
+  void read_blocks(std::size_t n) {
     const std::uint64_t per_block = layout.h.block_records;
     const std::size_t blocks = (n + per_block - 1) / per_block;
     const auto record_bytes = static_cast<std::size_t>(layout.record_bytes);
-    into.bytes.resize(n * record_bytes + blocks * block_checksum_bytes);
-    into.first = first;
-    into.records = n;
-    into.checked = 0;
-    into.error = nullptr;
-    into.bytes_read = in->read_fully(reinterpret_cast<char*>(into.bytes.data()), into.bytes.size());
+    chunk.resize(n * record_bytes + blocks * block_checksum_bytes);
+    chunk_bytes_read = in->read_fully(reinterpret_cast<char*>(chunk.data()), chunk.size());
+    buffered_records = n;
+    checked_blocks = 0;
   }
-  // The helper's work (check_ahead's producer): reads the next blocks into ahead_reads[@p slot]
-  // and checks them in order up to the first that fails (kept in the read; the helper stops
-  // there). False at the end.
-  bool read_and_check(std::size_t slot) {
-    const std::uint64_t remaining = layout.h.events - requested;
-    if (remaining == 0 || ahead_failed) return false;
-    checked_read& read = ahead_reads[slot];
-    const std::size_t n = read_records_from(remaining);
-    read_blocks(read, requested, n);
-    requested += n;
-    const std::size_t per_block = layout.h.block_records;
-    for (const std::size_t count = (n + per_block - 1) / per_block; read.checked < count; ++read.checked) {
-      try {
-        check_block(read, read.checked);
-      } catch (const format_error&) {
-        read.error = std::current_exception();
-        ahead_failed = true;
-        break;
-      }
-    }
-    return true;
-  }
-  // Block @p b of `current`, before any of its records is decoded: checked by the helper, or here
-  // (check_block()); blocks are verified in order as decoding reaches them, so the first fault in
-  // the file's order is the one reported, whatever the size of the reads.
+  // Checks block @p b of `chunk` (the buffer's b-th): whole, and its CRC-32C, before any of its
+  // records is decoded, so no event of a corrupt block is ever delivered.
   // @throws format_error naming the truncation or the block.
-  void verify_block(std::size_t b) const {
-    if (b < current->checked) return;
-    if (current->error) std::rethrow_exception(current->error);
-    check_block(*current, b);
-  }
-  // Checks block @p b of @p read: whole, and its CRC-32C, so no event of a corrupt block is ever
-  // delivered.
-  // @throws format_error naming the truncation or the block.
-  void check_block(const checked_read& read, std::size_t b) const {
+  void check_block(std::size_t b) {
     const std::uint64_t per_block = layout.h.block_records;
     const auto record_bytes = static_cast<std::size_t>(layout.record_bytes);
     const std::size_t stride = per_block * record_bytes + block_checksum_bytes;
-    const std::size_t records = std::min<std::size_t>(per_block, read.records - b * per_block);
-    if (b * stride + records * record_bytes + block_checksum_bytes > read.bytes_read) {
+    const std::size_t records = std::min<std::size_t>(per_block, buffered_records - b * per_block);
+    if (b * stride + records * record_bytes + block_checksum_bytes > chunk_bytes_read) {
       fail(at(in->offset()), "payload",
            fmt::format("input ends at byte {} where the header implies {} bytes (truncated)", in->offset(),
                        layout.expected_size));
     }
-    const std::span<const std::byte> block = std::span<const std::byte>(read.bytes).subspan(b * stride);
-    const std::uint64_t first = read.first + b * per_block;  // read.first is a multiple of per_block
+    const std::span<const std::byte> block = std::span<const std::byte>(chunk).subspan(b * stride);
+    const std::uint64_t first = buffer_first + b * per_block;  // buffer_first is a multiple of per_block
     const std::uint64_t index = first / per_block;
     const auto stored = load_le<std::uint32_t>(block, records * record_bytes);
     if (const std::uint32_t actual = block_checksum(index, block.first(records * record_bytes)); actual != stored) {
@@ -800,10 +748,10 @@ struct binary_stream {
       if (plain) {
         const std::span<const std::byte> rest = bytes.subspan(i * record_bytes);
         const std::size_t j = first + i;
-        i += top_k == 2 ? decode_plain<2>(rest, count - i, 2, layers, experts_per_layer, &decoded.events[j],
-                                          &decoded.experts[j * 2], &decoded.weights[j * 2])
-                        : decode_plain<0>(rest, count - i, top_k, layers, experts_per_layer, &decoded.events[j],
-                                          &decoded.experts[j * top_k], &decoded.weights[j * top_k]);
+        i += top_k == 2 ? decode_plain<2>(rest, count - i, 2, layers, experts_per_layer, &cur->events[j],
+                                          &cur->experts[j * 2], &cur->weights[j * 2])
+                        : decode_plain<0>(rest, count - i, top_k, layers, experts_per_layer, &cur->events[j],
+                                          &cur->experts[j * top_k], &cur->weights[j * top_k]);
         if (i == count) break;
       }
       good = first + i;
@@ -825,7 +773,7 @@ struct binary_stream {
       fail(at(offset + 13), "has_probabilities",
            fmt::format("more events carry probabilities than the {} the header declares", layout.h.vectors));
     }
-    decoded_chunk& c = decoded;
+    decoded_chunk& c = *cur;
     std::copy(r.experts.begin(), r.experts.end(), c.experts.begin() + static_cast<std::ptrdiff_t>(index * top_k));
     std::copy(r.weights.begin(), r.weights.end(), c.weights.begin() + static_cast<std::ptrdiff_t>(index * top_k));
     const std::span<float> vector = std::span(c.probabilities).subspan(index * p, p);
@@ -913,45 +861,60 @@ struct binary_stream {
   std::uint32_t top_k = 0;
   bool may_read_ahead = false;  // versions 3 and 4 from a file or memory, large, two cores, read_ahead
 
-  // The next chunk. After an exception, every call throws it again (the stream cannot resume
-  // past a bad block or record).
+  // The next chunk: decode_ahead's, or produced here. After an exception, every call throws it
+  // again (the stream cannot resume past a bad block or record).
   std::span<const routing_event> next() {
     if (failed) std::rethrow_exception(failed);
     try {
-      if (may_read_ahead) {  // the first call: nothing read yet
+      if (ahead) return ahead->next();
+      if (may_read_ahead) {  // the first call: nothing produced yet
         may_read_ahead = false;
-        start_reading_ahead();
+        if (start_reading_ahead()) return ahead->next();
       }
-      return produce();
+      return produce(0);
     } catch (...) {
       failed = std::current_exception();
       throw;
     }
   }
-  // Decodes the next chunk into `decoded`; empty at the end, after finish().
-  std::span<const routing_event> produce();
+  // Decodes the next chunk into slots[@p slot]; empty at the end, after finish().
+  std::span<const routing_event> produce(std::size_t slot);
 
-  // Versions 3 and 4 (when may_read_ahead): starts check_ahead, which from here on reads the
-  // input (read_and_check()) until the end or a failed block; the input returns to this thread
-  // for finish() once check_ahead is joined. Nothing happens when no thread can be started.
-  void start_reading_ahead() {
-    read_bytes = ahead_read_bytes;
-    requested = delivered;
-    try {
-      ahead.emplace([this](std::size_t slot) { return read_and_check(slot); });
-    } catch (...) {  // no thread (or no memory for one) to be had: read on this one
+  // Versions 3 and 4 (when may_read_ahead): starts decode_ahead, which from here on is the only
+  // caller of produce() (and so of everything above). False when it does not apply or no thread
+  // can be started.
+  bool start_reading_ahead() {
+    if (!blocked(layout.h.version)) return false;
+    const auto restore = [this] {
+      chunk_events = blocked_chunk_events;
       read_bytes = blocked_read_bytes;
+    };
+    // A chunk's decoded events and fields take about ahead_chunk_bytes (wide records: fewer
+    // events, never fewer than on this thread).
+    const trace_fields f = layout.fields;  // versions 3 and 4 deliver them
+    const std::size_t event_bytes =
+        sizeof(routing_event) + 8 * std::size_t{top_k} +
+        4 * ((f.probabilities ? std::size_t{experts_per_layer} : 0) + std::size_t{f.sketch_dims});
+    chunk_events = std::clamp(ahead_chunk_bytes / event_bytes, blocked_chunk_events, ahead_chunk_events);
+    read_bytes = ahead_read_bytes;
+    try {
+      ahead.emplace([this](std::size_t slot) { return produce(slot); });
+    } catch (...) {  // no thread (or no memory for one) to be had: decode on this one
+      restore();
+      return false;
     }
+    return true;
   }
 
   // Last: joined (destroyed) before anything its thread uses.
-  std::optional<check_ahead> ahead;
+  std::optional<decode_ahead> ahead;
 };
 }  // namespace detail
 
-std::span<const routing_event> detail::binary_stream::produce() {
+std::span<const routing_event> detail::binary_stream::produce(std::size_t slot) {
   if (pending) std::rethrow_exception(pending);
-  std::vector<routing_event>& events = decoded.events;
+  cur = &slots[slot];
+  std::vector<routing_event>& events = cur->events;
   if (finished) {
     events.clear();
     return events;
@@ -959,7 +922,6 @@ std::span<const routing_event> detail::binary_stream::produce() {
   const std::uint64_t remaining = layout.h.events - delivered;
   if (remaining == 0) {
     events.clear();
-    ahead.reset();  // its thread is done with the input (it read every record)
     finish();
     return events;
   }
@@ -967,22 +929,17 @@ std::span<const routing_event> detail::binary_stream::produce() {
   const bool in_blocks = blocked(layout.h.version);
   std::size_t n = 0;
   if (in_blocks) {
-    // Whole blocks are read (about read_bytes, at least one; here or by check_ahead, which checks
-    // them too), then verified and decoded in chunks of up to blocked_chunk_events.
+    // Whole blocks are read (about read_bytes, at least one), then checked and decoded in chunks
+    // of up to chunk_events (blocked_chunk_events on this thread: a chunk's events, about 80 bytes
+    // each, stay in the core's first-level cache until the consumer has read them).
     if (buffered == 0) {
-      if (ahead) {
-        const std::optional<std::size_t> slot = ahead->next();  // an unreadable input throws here
-        EXPAGE_ASSERT(slot.has_value(), "binary trace: the reader ahead ended before the records");
-        current = &ahead_reads[*slot];
-      } else {
-        read_blocks(own_read, delivered, read_records_from(remaining));
-        current = &own_read;
-      }
-      EXPAGE_ASSERT(current->first == delivered, "binary trace: a read out of order");
-      buffered = current->records;
-      verified = 0;
+      const std::size_t per_block = layout.h.block_records;
+      const std::size_t want = std::max<std::size_t>(1, read_bytes / record_bytes / per_block) * per_block;
+      buffered = static_cast<std::size_t>(std::min<std::uint64_t>(want, remaining));
+      buffer_first = delivered;
+      read_blocks(buffered);
     }
-    n = std::min(buffered, blocked_chunk_events);
+    n = std::min(buffered, chunk_events);
   } else {
     // 64 KiB chunks; 256 KiB when hashed on the helper thread (fewer hand-overs).
     const std::size_t chunk_bytes = std::size_t{1} << (worker ? 18 : 16);
@@ -996,28 +953,27 @@ std::span<const routing_event> detail::binary_stream::produce() {
   const std::size_t d = delivered_fields.sketch_dims;
   // Sized once per chunk and never reallocated below: the events' spans point into them.
   events.resize(n);
-  decoded.experts.resize(n * top_k);
-  decoded.weights.resize(n * top_k);
-  decoded.probabilities.resize(n * p);
-  decoded.sketch.resize(n * d);
+  cur->experts.resize(n * top_k);
+  cur->weights.resize(n * top_k);
+  cur->probabilities.resize(n * p);
+  cur->sketch.resize(n * d);
   const bool plain = !delivered_fields.any() && layout.h.vectors == 0;
   good = 0;
   try {
     if (in_blocks) {
-      // Records [delivered, delivered + n) of `current`, block by block, each block verified when
-      // the first of its records is reached.
+      // Records [delivered, delivered + n) of the blocks in `chunk`, block by block, each block
+      // checked when the first of its records is reached.
       const std::size_t per_block = layout.h.block_records;
       const std::size_t stride = per_block * record_bytes + block_checksum_bytes;
       for (std::size_t i = 0; i < n;) {
-        const auto at = static_cast<std::size_t>(delivered - current->first) + i;  // in the read
-        if (at / per_block == verified) {
+        const auto at = static_cast<std::size_t>(delivered - buffer_first) + i;  // in the buffer
+        if (at / per_block == checked_blocks) {
           good = i;
-          verify_block(verified++);
+          check_block(checked_blocks++);
         }
         const std::size_t count = std::min(n - i, per_block - at % per_block);
-        decode(
-            std::span<const std::byte>(current->bytes).subspan(at / per_block * stride + at % per_block * record_bytes),
-            i, count, plain);
+        decode(std::span<const std::byte>(chunk).subspan(at / per_block * stride + at % per_block * record_bytes), i,
+               count, plain);
         i += count;
       }
     } else {
