@@ -24,14 +24,14 @@ using namespace expage::literals;
 using expage::testing::failing_memory;
 using expage::testing::heap_memory;
 
-// 4 layers × 8 experts; bf16 expert 48 KiB, int4 expert ≈ 13.5 KiB.
-moe_geometry small() {
-  return moe_geometry(moe_geometry::config{.name = "small",
+// 4 layers × 8 experts; bf16 expert 48 KiB, int4 expert ≈ 13.5 KiB (at the default width).
+moe_geometry small(std::uint64_t intermediate = 128) {
+  return moe_geometry(moe_geometry::config{.name = intermediate == 128 ? "small" : "narrow",
                                            .layers = 4,
                                            .experts_per_layer = 8,
                                            .top_k = 2,
                                            .hidden_size = 64,
-                                           .intermediate_size = 128,
+                                           .intermediate_size = intermediate,
                                            .group_size = 32});
 }
 
@@ -421,13 +421,7 @@ TEST(TransitionManager, RejectsBadTargetsAndClasses) {
   // A source of another geometry whose experts fit the pool's blocks (its stored bytes were
   // copied into the version's tensors, past them when larger: a heap overflow under ASan), and a
   // source that decodes its stored form (copied as it is, up to its slot).
-  const moe_geometry narrow(moe_geometry::config{.name = "narrow",
-                                                 .layers = 4,
-                                                 .experts_per_layer = 8,
-                                                 .top_k = 2,
-                                                 .hidden_size = 64,
-                                                 .intermediate_size = 96,
-                                                 .group_size = 32});
+  const moe_geometry narrow = small(96);
   ASSERT_LE(narrow.expert_bytes(precision::int4), r.lo_pool.block_size());
   tensor_storage<host_stream> other(narrow, precision::int4, r.host);
   EXPECT_THAT(
