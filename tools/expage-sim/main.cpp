@@ -720,7 +720,8 @@ int main(int argc, char** argv) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
 
     fmt::print("\n{:<9} {:>6} {:>6} {:<8} {:<14} {:>7} {:>10} {:>11} {:>10} {:>10} {:>10} {:>19}", "layout", "slots",
-               "r", "policy", "prefetch", "miss", "moved", "stall/tok", "pass p50", "pass p99", "time/tok", "pf prec/cov/timely");
+               "r", "policy", "prefetch", "miss", "moved", "stall/tok", "pass p50", "pass p99", "time/tok",
+               "pf prec/cov/timely");
     if (c.bounds) fmt::print(" {:>11} {:>11} {:>11} {:>11}", "belady", "oracle-pf", "bound", "static");
     fmt::print("\n");
     for (std::size_t i = 0; i < results.size(); ++i) {
