@@ -466,8 +466,7 @@ four_pool_decision four_pool_controller::step() const {
       } else if (ok != step_feasible || !step) {
         takes = ok || !step;
       } else {
-        takes =
-            ok ? cost < step->first : coverage > step_coverage || (coverage == step_coverage && cost < step->first);
+        takes = ok ? cost < step->first : coverage > step_coverage || (coverage == step_coverage && cost < step->first);
       }
       if (takes) {
         step.emplace(cost, s);
