@@ -108,15 +108,16 @@ void check_four_pool_model(const four_pool_model& m) {
     throw invalid_argument(fmt::format("four_pool_model: {} layers x {} experts x {} bytes out of range [0, 2^64)",
                                        m.layers, m.experts_per_layer, m.hi_expert_bytes));
   }
-  if (m.budget_bytes < m.kv_floor_bytes) {
+  if (const std::uint64_t floor = kv_floor_block_bytes(m.kv_floor_bytes, m.block_bytes); m.budget_bytes < floor) {
     throw invalid_argument(fmt::format(
-        "four_pool_model: budget_bytes {} below the KV admission floor kv_floor_bytes {} (allowed: budget_bytes in "
-        "[kv_floor_bytes, 2^64))",
-        m.budget_bytes, m.kv_floor_bytes));
+        "four_pool_model: budget_bytes {} below the KV admission floor kv_floor_bytes {} in whole blocks of {} bytes, "
+        "{} (allowed: budget_bytes in [{}, 2^64))",
+        m.budget_bytes, m.kv_floor_bytes, m.block_bytes, floor, floor));
   }
-  if (m.space.min_kv_bytes > m.budget_bytes) {
-    throw invalid_argument(fmt::format("four_pool_model: space.min_kv_bytes {} out of range [0, {}] (budget_bytes)",
-                                       m.space.min_kv_bytes, m.budget_bytes));
+  if (kv_floor_block_bytes(m.space.min_kv_bytes, m.block_bytes) > m.budget_bytes) {
+    throw invalid_argument(fmt::format(
+        "four_pool_model: space.min_kv_bytes {} out of range [0, {}] (the budget's whole blocks of {} bytes)",
+        m.space.min_kv_bytes, m.budget_bytes / m.block_bytes * m.block_bytes, m.block_bytes));
   }
   check_seconds(m.hi_miss_seconds, "hi_miss_seconds");
   check_seconds(m.lo_miss_seconds, "lo_miss_seconds");
@@ -142,6 +143,10 @@ std::uint64_t lo_pool_bytes(const four_pool_model& m, const four_pool_split& s) 
   return std::uint64_t{s.lo_slots} * m.layers * m.lo_expert_bytes;
 }
 
+std::uint64_t kv_pool_floor_bytes(const four_pool_model& m) noexcept {
+  return kv_floor_block_bytes(std::max(m.kv_floor_bytes, m.space.min_kv_bytes), m.block_bytes);
+}
+
 std::uint64_t kv_pool_blocks(const four_pool_model& m, const four_pool_split& s) noexcept {
   return s.kv_bytes / m.block_bytes;
 }
@@ -156,7 +161,7 @@ bool admissible(const four_pool_model& m, const four_pool_split& s) noexcept {
   }
   const std::uint64_t experts = hi_pool_bytes(m, s) + lo_pool_bytes(m, s);  // ≤ 2·N·E·s_hi: no overflow
   if (experts > m.budget_bytes) return false;
-  return s.kv_bytes == m.budget_bytes - experts && s.kv_bytes >= std::max(m.kv_floor_bytes, m.space.min_kv_bytes);
+  return s.kv_bytes == m.budget_bytes - experts && s.kv_bytes >= kv_pool_floor_bytes(m);
 }
 
 four_pool_split make_four_pool_split(const four_pool_model& m, std::uint32_t hi_slots, std::uint32_t lo_slots) {
@@ -168,11 +173,10 @@ four_pool_split make_four_pool_split(const four_pool_model& m, std::uint32_t hi_
     throw invalid_argument(fmt::format(
         "four_pool_split: hi_slots {} and lo_slots {} ({} expert bytes) not admissible: hi-only needs hi_slots in "
         "[{}, {}], tiered lo_slots ≥ {} and hi_slots + lo_slots ≤ {}, hi_slots ≤ {}, and the experts at most {} bytes "
-        "(the budget {} less the KV floor {})",
+        "(the budget {} less the KV floor {} in whole blocks)",
         hi_slots, lo_slots, experts, m.min_group, m.experts_per_layer, m.min_group, m.experts_per_layer,
-        std::min(m.space.max_hi_slots, m.experts_per_layer),
-        m.budget_bytes - std::max(m.kv_floor_bytes, m.space.min_kv_bytes), m.budget_bytes,
-        std::max(m.kv_floor_bytes, m.space.min_kv_bytes)));
+        std::min(m.space.max_hi_slots, m.experts_per_layer), m.budget_bytes - kv_pool_floor_bytes(m), m.budget_bytes,
+        kv_pool_floor_bytes(m)));
   }
   return s;
 }
@@ -218,14 +222,15 @@ std::vector<four_pool_split> admissible_splits(const four_pool_model& m, std::ui
     }
   }
   if (out.empty()) {
-    const std::uint64_t floor = std::max(m.kv_floor_bytes, m.space.min_kv_bytes);
+    const std::uint64_t floor = kv_pool_floor_bytes(m);
     const std::uint64_t least =
         std::uint64_t{m.min_group} * m.layers * (m.space.tiered ? m.lo_expert_bytes : m.hi_expert_bytes);
-    throw invalid_argument(fmt::format(
-        "four-pool split: budget_bytes {} leaves {} bytes above the KV floor {}, below the {} bytes of the least "
-        "admissible split ({} slots per layer of the {} version): the engine must not start there",
-        m.budget_bytes, m.budget_bytes - std::min(m.budget_bytes, floor), floor, least, m.min_group,
-        m.space.tiered ? "lo" : "hi"));
+    throw invalid_argument(
+        fmt::format("four-pool split: budget_bytes {} leaves {} bytes above the KV floor {} (in whole blocks), below "
+                    "the {} bytes of the least "
+                    "admissible split ({} slots per layer of the {} version): the engine must not start there",
+                    m.budget_bytes, m.budget_bytes - std::min(m.budget_bytes, floor), floor, least, m.min_group,
+                    m.space.tiered ? "lo" : "hi"));
   }
   return out;
 }

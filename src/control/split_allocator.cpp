@@ -17,11 +17,12 @@ void check_model(const split_model& m, const char* who) {
     throw invalid_argument(fmt::format("{}: experts_per_layer 0 out of range [1, 2^32)", who));
   if (m.slot_bytes == 0) throw invalid_argument(fmt::format("{}: slot_bytes 0 out of range [1, 2^64)", who));
   if (m.block_bytes == 0) throw invalid_argument(fmt::format("{}: block_bytes 0 out of range [1, 2^64)", who));
-  if (m.budget_bytes < m.kv_floor_bytes) {
+  const std::uint64_t floor = kv_floor_block_bytes(m.kv_floor_bytes, m.block_bytes);
+  if (m.budget_bytes < floor) {
     throw invalid_argument(
-        fmt::format("{}: budget_bytes {} below the KV admission floor kv_floor_bytes {} (allowed: "
-                    "budget_bytes in [kv_floor_bytes, 2^64))",
-                    who, m.budget_bytes, m.kv_floor_bytes));
+        fmt::format("{}: budget_bytes {} below the KV admission floor kv_floor_bytes {} in whole blocks of {} bytes, "
+                    "{} (allowed: budget_bytes in [{}, 2^64))",
+                    who, m.budget_bytes, m.kv_floor_bytes, m.block_bytes, floor, floor));
   }
   if (!(m.expert_miss_seconds >= 0.0 && std::isfinite(m.expert_miss_seconds))) {
     throw invalid_argument(fmt::format("{}: expert_miss_seconds {} out of range [0, inf)", who, m.expert_miss_seconds));
@@ -29,7 +30,7 @@ void check_model(const split_model& m, const char* who) {
   if (!(m.kv_miss_seconds >= 0.0 && std::isfinite(m.kv_miss_seconds))) {
     throw invalid_argument(fmt::format("{}: kv_miss_seconds {} out of range [0, inf)", who, m.kv_miss_seconds));
   }
-  const std::uint64_t room = (m.budget_bytes - m.kv_floor_bytes) / m.slot_bytes;
+  const std::uint64_t room = (m.budget_bytes - floor) / m.slot_bytes;
   if (m.min_expert_cap > m.experts_per_layer || m.min_expert_cap > room) {
     throw invalid_argument(fmt::format(
         "{}: min_expert_cap {} out of range [0, {}] (E = {}, and {} slots of {} bytes fit between the KV floor and "
@@ -72,8 +73,15 @@ memory_split make_split(const split_model& m, std::uint32_t cap, double cost) {
   return s;
 }
 
+std::uint64_t kv_floor_block_bytes(std::uint64_t floor_bytes, std::uint64_t block_bytes) noexcept {
+  const std::uint64_t blocks = floor_bytes / block_bytes + (floor_bytes % block_bytes != 0 ? 1 : 0);
+  std::uint64_t bytes = 0;
+  return __builtin_mul_overflow(blocks, block_bytes, &bytes) ? std::numeric_limits<std::uint64_t>::max() : bytes;
+}
+
 std::uint32_t max_expert_cap(const split_model& m) noexcept {
-  const std::uint64_t by_floor = (m.budget_bytes - m.kv_floor_bytes) / m.slot_bytes;  // Eq. 6
+  const std::uint64_t floor = kv_floor_block_bytes(m.kv_floor_bytes, m.block_bytes);
+  const std::uint64_t by_floor = (m.budget_bytes - std::min(floor, m.budget_bytes)) / m.slot_bytes;  // Eq. 6
   return static_cast<std::uint32_t>(std::min<std::uint64_t>(m.experts_per_layer, by_floor));
 }
 
@@ -153,7 +161,9 @@ memory_split live_split(const split_model& model, std::uint64_t peak_kv_blocks, 
   const std::uint64_t wanted = working >= static_cast<long double>(model.budget_bytes)
                                    ? model.budget_bytes
                                    : static_cast<std::uint64_t>(working);
-  const std::uint64_t kv_target = std::max(model.kv_floor_bytes, wanted);
+  // In whole blocks, as the pool holds them.
+  const std::uint64_t kv_target =
+      std::min(model.budget_bytes, kv_floor_block_bytes(std::max(model.kv_floor_bytes, wanted), model.block_bytes));
   // Eq. 9: all remaining bytes to experts, at most E slots.
   auto cap = std::max(model.min_expert_cap,
                       static_cast<std::uint32_t>(std::min<std::uint64_t>(

@@ -24,11 +24,12 @@ struct cap_range {
 cap_range admissible_range(const split_model& m) {
   const cap_range r{.least = m.min_expert_cap, .top = max_expert_cap(m)};
   if (r.top < r.least) {
+    const std::uint64_t floor = kv_floor_block_bytes(m.kv_floor_bytes, m.block_bytes);
     throw invalid_argument(fmt::format(
-        "split workload: budget_bytes {} leaves {} bytes above the KV floor {}, below the {} bytes of the least "
-        "expert cap {} (a step's largest group): the engine must not start there",
-        m.budget_bytes, m.budget_bytes - m.kv_floor_bytes, m.kv_floor_bytes, std::uint64_t{r.least} * m.slot_bytes,
-        r.least));
+        "split workload: budget_bytes {} leaves {} bytes above the KV floor {} (in whole blocks of {} bytes), below "
+        "the {} bytes of the least expert cap {} (a step's largest group): the engine must not start there",
+        m.budget_bytes, m.budget_bytes - std::min(floor, m.budget_bytes), floor, m.block_bytes,
+        std::uint64_t{r.least} * m.slot_bytes, r.least));
   }
   return r;
 }

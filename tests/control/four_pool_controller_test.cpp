@@ -41,19 +41,22 @@ bool admissible_by_hand(const four_pool_model& m, std::uint32_t hi, std::uint32_
       lo == 0 ? m.space.hi_only && hi >= m.min_group && hi <= e : m.space.tiered && lo >= m.min_group && hi + lo <= e;
   const std::uint64_t experts =
       std::uint64_t{hi} * m.layers * m.hi_expert_bytes + std::uint64_t{lo} * m.layers * m.lo_expert_bytes;
+  // The KV pool holds ⌊rest/S_b⌋ whole blocks; the floor asks for ⌈floor/S_b⌉ of them.
+  const std::uint64_t floor = std::max(m.kv_floor_bytes, m.space.min_kv_bytes);
   return shape && hi <= m.space.max_hi_slots && experts <= m.budget_bytes &&
-         m.budget_bytes - experts >= std::max(m.kv_floor_bytes, m.space.min_kv_bytes);
+         (m.budget_bytes - experts) / m.block_bytes >= (floor + m.block_bytes - 1) / m.block_bytes;
 }
 
 TEST(FourPoolSplits, AdmissibleSplitsEqualABruteForce) {
   std::mt19937_64 rng(3);
   for (int trial = 0; trial < 300; ++trial) {
     four_pool_model m = small_model(100 + rng() % 700, rng() % 200);
-    m.kv_floor_bytes = std::min(m.kv_floor_bytes, m.budget_bytes);
+    const std::uint64_t whole = m.budget_bytes / m.block_bytes * m.block_bytes;  // floors in whole blocks ≤ B
+    m.kv_floor_bytes = std::min(m.kv_floor_bytes, whole);
     m.space.hi_only = rng() % 4 != 0;
     m.space.tiered = !m.space.hi_only || rng() % 4 != 0;
     m.space.max_hi_slots = rng() % 3 == 0 ? static_cast<std::uint32_t>(rng() % 7) : m.space.max_hi_slots;
-    m.space.min_kv_bytes = rng() % 3 == 0 ? rng() % m.budget_bytes : 0;
+    m.space.min_kv_bytes = rng() % 3 == 0 ? rng() % (whole + 1) : 0;
     std::vector<four_pool_split> expected;
     for (std::uint32_t hi = 0; hi <= 6; ++hi) {  // hi-only first, then tiered by H, then L
       if (admissible_by_hand(m, hi, 0)) expected.push_back(make_four_pool_split(m, hi, 0));

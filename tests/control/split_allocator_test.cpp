@@ -63,17 +63,19 @@ TEST(ConfigureSplit, EqualsATwoDimensionalBruteForce) {
     auto m = model(budget, floor);
     m.kv_miss_seconds = static_cast<double>(rng() % 100) / 25.0;
     const memory_split s = configure_split(m, experts, kv);
-    // Reference: every (cap, blocks) pair the budget and the floor admit.
+    // Reference: every (cap, blocks) pair the budget and the floor admit. The KV pool holds whole
+    // blocks, so the floor asks for ⌈floor/S_b⌉ of them.
+    const std::uint64_t floor_blocks = (floor + m.block_bytes - 1) / m.block_bytes;
     double best = std::numeric_limits<double>::infinity();
     for (std::uint32_t c = 0; c <= 8; ++c) {
-      if (c * m.slot_bytes > budget || budget - c * m.slot_bytes < floor) continue;
+      if (c * m.slot_bytes > budget || (budget - c * m.slot_bytes) / m.block_bytes < floor_blocks) continue;
       for (std::uint64_t n = 0; n <= kv.key_count() && c * m.slot_bytes + n * m.block_bytes <= budget; ++n) {
         best = std::min(best, m.expert_miss_seconds * static_cast<double>(experts.misses(c)) +
                                   m.kv_miss_seconds * static_cast<double>(kv.misses(n)));
       }
     }
     ASSERT_NEAR(s.predicted_cost, best, 1e-9) << "trial " << trial;
-    ASSERT_GE(s.kv_bytes, floor);
+    ASSERT_GE(s.kv_bytes / m.block_bytes, floor_blocks) << "trial " << trial;
     ASSERT_EQ(s.kv_bytes + s.expert_bytes, budget);
     ASSERT_EQ(s.expert_bytes, s.expert_cap * m.slot_bytes);
   }
@@ -113,6 +115,25 @@ TEST(ConfigureSplit, RejectsABudgetBelowTheKvFloorAndOtherBadInput) {
   EXPECT_THROW((void)kv_admission_floor(UINT64_MAX, 2, 2), invalid_argument);
 }
 
+TEST(SplitModel, TheFloorCountsInWholeBlocks) {
+  EXPECT_EQ(kv_floor_block_bytes(0, 3), 0U);
+  EXPECT_EQ(kv_floor_block_bytes(12, 3), 12U);
+  EXPECT_EQ(kv_floor_block_bytes(13, 3), 15U);
+  constexpr auto most = std::numeric_limits<std::uint64_t>::max();
+  EXPECT_EQ(kv_floor_block_bytes(most - 1, 2), most - 1);
+  EXPECT_EQ(kv_floor_block_bytes(most - 1, 4), most);  // saturates: no budget admits it
+  // A floor of 13 bytes is 5 blocks of 3: cap 7 would leave 13 bytes, 4 blocks.
+  EXPECT_EQ(max_expert_cap(model(83, 13)), 6U);
+  EXPECT_EQ(kv_blocks(model(83, 13), 6), 7U);
+  try {
+    static_cast<void>(live_split(model(14, 13), 0, 0.0, 0));
+    ADD_FAILURE() << "no error";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("budget_bytes 14 below the KV admission floor kv_floor_bytes 13 in whole blocks "
+                                    "of 3 bytes, 15 (allowed: budget_bytes in [15, 2^64))"));
+  }
+}
+
 TEST(LiveSplit, FollowsEquations8To10) {
   const auto m = model(100, 12);
   // Peak 6 blocks of 3 bytes, headroom 0.5: KV target 27 > floor 12; cap ⌊73/10⌋ = 7; KV 30.
@@ -133,6 +154,11 @@ TEST(LiveSplit, FollowsEquations8To10) {
   EXPECT_THROW((void)live_split(m, 6, -0.1, 0), invalid_argument);
   EXPECT_THROW((void)live_split(m, 6, 0.1, 9), invalid_argument);
   EXPECT_THROW((void)live_split(model(10, 11), 0, 0.1, 0), invalid_argument);
+  // A working set of 7.5 blocks needs 8 whole ones (24 bytes): cap 7 would leave 23 bytes, 7 blocks.
+  const auto odd = model(93, 12);
+  s = live_split(odd, 5, 0.5, 0);
+  EXPECT_EQ(s.expert_cap, 6U);
+  EXPECT_EQ(kv_blocks(odd, s.expert_cap), 11U);
 }
 
 // With γ = 1 and unit bins, the decayed histograms are the exact warm curves, so the online target

@@ -54,7 +54,7 @@ struct four_pool_model {
   std::uint64_t hi_expert_bytes = 0;    ///< s_hi: one expert at the hi precision, ≥ 1.
   std::uint64_t lo_expert_bytes = 0;    ///< s_lo: one expert at the lo precision, in [1, s_hi].
   std::uint64_t block_bytes = 0;        ///< S_b: one KV block over all layers, ≥ 1.
-  std::uint64_t kv_floor_bytes = 0;     ///< B_KV^min (Eq. 6), ≤ B.
+  std::uint64_t kv_floor_bytes = 0;     ///< B_KV^min (Eq. 6); in whole blocks of S_b, ≤ B.
   double hi_miss_seconds = 0.0;         ///< One hi transfer over the link (β·s_hi), ≥ 0.
   double lo_miss_seconds = 0.0;         ///< One lo transfer (β·s_lo), ≥ 0.
   double kv_miss_seconds = 0.0;         ///< One KV block recompute (τ_r·b), ≥ 0.
@@ -96,12 +96,15 @@ struct four_pool_split {
 [[nodiscard]] std::uint64_t hi_pool_bytes(const four_pool_model& model, const four_pool_split& split) noexcept;
 /// L·N·s_lo: the lo pool's bytes.
 [[nodiscard]] std::uint64_t lo_pool_bytes(const four_pool_model& model, const four_pool_split& split) noexcept;
+/// The least KV pool a split may leave: max(B_KV^min, the space's min_kv_bytes) in whole blocks
+/// (kv_floor_block_bytes()), since the pool holds ⌊kv_bytes / S_b⌋ blocks.
+[[nodiscard]] std::uint64_t kv_pool_floor_bytes(const four_pool_model& model) noexcept;
 /// The KV blocks of a split: ⌊kv_bytes / S_b⌋.
 [[nodiscard]] std::uint64_t kv_pool_blocks(const four_pool_model& model, const four_pool_split& split) noexcept;
 
 /// True when @p split is in the model's space: hi-only with H ∈ [g, E], or tiered with L ≥ g and
-/// H + L ≤ E; H within the space's max_hi_slots; kv_bytes the remainder and at least the floor
-/// (and the space's min_kv_bytes).
+/// H + L ≤ E; H within the space's max_hi_slots; kv_bytes the remainder and at least
+/// kv_pool_floor_bytes() (the floor and the space's min_kv_bytes, in whole blocks).
 [[nodiscard]] bool admissible(const four_pool_model& model, const four_pool_split& split) noexcept;
 
 /// The split with @p hi_slots and @p lo_slots and the KV pool taking the rest.

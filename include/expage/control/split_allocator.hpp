@@ -34,8 +34,16 @@ struct split_model {
   std::uint32_t min_expert_cap = 0;
 };
 
-/// The largest cap the budget admits above the KV floor (Eq. 6): min(E, ⌊(B − B_KV^min)/S_E⌋).
-/// @pre budget_bytes ≥ kv_floor_bytes and slot_bytes ≥ 1.
+/// The KV floor as a pool of whole blocks sees it: ⌈floor_bytes/S_b⌉·S_b. The pool a split leaves
+/// holds ⌊kv_bytes/S_b⌋ blocks, so a floor of F bytes is met only when the pool keeps ⌈F/S_b⌉ blocks;
+/// every admission rule compares against this, not against F. Saturates at 2^64 − 1 (no budget
+/// admits it).
+/// @pre block_bytes ≥ 1.
+[[nodiscard]] std::uint64_t kv_floor_block_bytes(std::uint64_t floor_bytes, std::uint64_t block_bytes) noexcept;
+
+/// The largest cap the budget admits above the KV floor (Eq. 6): min(E, ⌊(B − F_b)/S_E⌋) with F_b
+/// the floor in whole blocks (kv_floor_block_bytes()).
+/// @pre budget_bytes ≥ F_b, slot_bytes ≥ 1 and block_bytes ≥ 1.
 [[nodiscard]] std::uint32_t max_expert_cap(const split_model& model) noexcept;
 
 /// The KV blocks a cap leaves (Eq. 10 [R], in blocks): ⌊(B − c·S_E)/S_b⌋.
