@@ -2,6 +2,7 @@
 
 #include "expage/cache/policy_dispatch.hpp"
 #include "expage/core/error.hpp"
+#include "expage/core/pattern.hpp"
 #include "expage/core/units.hpp"
 #include "expage/detail/assert.hpp"
 #include "expage/memory/budget_tracker.hpp"
@@ -38,7 +39,7 @@ double sim_result::prefetch_bytes_per_useful_byte() const noexcept {
 }
 
 oracle_prefetcher::oracle_prefetcher(std::uint32_t distance, double recall, std::uint64_t seed)
-    : distance_(distance), recall_(recall), seed_(seed), rng_(seed) {
+    : distance_(distance), recall_(recall), seed_(seed) {
   if (distance == 0 || distance > 64) {
     throw invalid_argument(fmt::format("oracle_prefetcher: distance {} out of range [1, 64]", distance));
   }
@@ -52,7 +53,6 @@ std::string oracle_prefetcher::name() const {
 }
 
 void oracle_prefetcher::reset() {
-  rng_.seed(seed_);
   target_layers_.clear();
   target_experts_.clear();
 }
@@ -62,8 +62,9 @@ bool oracle_prefetcher::forecast(std::uint32_t layer, std::span<float> probabili
   if (it == target_layers_.end()) return false;
   const auto& proposed = target_experts_[static_cast<std::size_t>(it - target_layers_.begin())];
   const std::size_t experts = probability.size();
-  const std::size_t n = proposed.size();
-  const double other = n < experts ? (1.0 - recall_) * static_cast<double>(n) / static_cast<double>(experts - n) : 0.0;
+  const std::size_t n = proposed.size();  // distinct: false positives are drawn without replacement
+  const double other =
+      n < experts ? std::min(1.0, (1.0 - recall_) * static_cast<double>(n) / static_cast<double>(experts - n)) : 0.0;
   std::ranges::fill(probability, static_cast<float>(other));
   for (const expert_index e : proposed) probability[e] = static_cast<float>(recall_);
   return true;
@@ -72,14 +73,18 @@ bool oracle_prefetcher::forecast(std::uint32_t layer, std::span<float> probabili
 void oracle_prefetcher::propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) {
   const std::uint32_t experts = stream.experts_per_layer();
   if (routed_.size() != experts) routed_.assign(experts, 0);
-  // Raw 64-bit draws only (no std::*_distribution), so a seed gives the same run on every platform.
-  const auto coin = [this] { return static_cast<double>(rng_() >> 11) * 0x1.0p-53; };
-  const auto pick = [this, experts] { return static_cast<expert_index>(rng_() % experts); };
   const auto confidence = static_cast<float>(recall_);  // calibrated: a proposal is right with probability recall
   target_layers_.clear();
   for (auto& t : target_experts_) t.clear();
   bool crossed = false;  // a later pass started
   for (std::size_t h = g + 1; h <= g + distance_ && h < stream.groups(); ++h) {
+    // Group h's draws depend on (seed, h) alone: the d calls that look at h before its turn agree,
+    // so the set proposed for it has the recall asked for, not 1 − (1 − recall)^d. Raw 64-bit
+    // words only (no std::*_distribution), so a seed gives the same run on every platform.
+    const std::uint64_t group_seed = pattern_word(seed_, h);
+    std::uint64_t draw = 0;
+    const auto word = [&] { return pattern_word(group_seed, draw++); };
+    const auto coin = [&] { return static_cast<double>(word() >> 11) * 0x1.0p-53; };
     const std::uint32_t layer = stream.layer(h);
     const auto routed = stream.experts(h);
     // The forecast covers the later layers of this pass (a split layer's parts as one).
@@ -95,14 +100,19 @@ void oracle_prefetcher::propose(const access_stream& stream, std::size_t g, std:
       }
       named = &target_experts_[i];
     }
+    const std::size_t first = out.size();
     for (const expert_index e : routed) routed_[e] = 1;
+    std::size_t free = experts - routed.size();  // experts neither routed nor proposed yet
     for (const expert_index e : routed) {
       expert_index x = e;
       if (recall_ >= 1.0 || coin() < recall_) {
         out.push_back({.layer = layer, .expert = e, .use_group = h, .probability = confidence});
-      } else if (routed.size() < experts) {  // a false positive: an expert of the layer that is not routed there
-        x = pick();
-        while (routed_[x] != 0) x = pick();
+      } else if (free > 0) {
+        // A false positive: an expert of the layer neither routed there nor proposed already.
+        x = static_cast<expert_index>(word() % experts);
+        while (routed_[x] != 0) x = static_cast<expert_index>(word() % experts);
+        routed_[x] = 2;
+        --free;
         out.push_back({.layer = layer, .expert = x, .use_group = h, .probability = confidence});
       } else {
         continue;
@@ -110,6 +120,7 @@ void oracle_prefetcher::propose(const access_stream& stream, std::size_t g, std:
       if (named != nullptr) named->push_back(x);
     }
     for (const expert_index e : routed) routed_[e] = 0;
+    for (std::size_t i = first; i < out.size(); ++i) routed_[out[i].expert] = 0;
   }
 }
 

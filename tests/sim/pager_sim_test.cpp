@@ -197,6 +197,74 @@ TEST(PagerSim, CostBenefitAdmissionByHand) {
   EXPECT_EQ(slow.prefetches_issued, 0U);
 }
 
+// The noisy oracle's recall is the recall of the set it proposes for a group, whatever the
+// distance: the d calls that look at a group before its turn draw the same coins (independent
+// redraws made it 1 − (1 − r)^d, 0.96 for r = 0.8 at d = 2). False positives are distinct experts
+// that are not routed, and the forecast stays a probability.
+TEST(PagerSim, TheNoisyOraclesRecallHoldsAtEveryDistance) {
+  const auto g = small();
+  synthetic_options so;
+  so.seed = 5;
+  so.sequences = 4;
+  so.decode_steps = 400;
+  const routing_trace trace = generate_synthetic(g, so);
+  const access_stream stream(trace, 16);
+  for (const std::uint32_t d : {1U, 2U, 4U}) {
+    for (const double recall : {0.5, 0.8}) {
+      SCOPED_TRACE(fmt::format("distance {} recall {}", d, recall));
+      oracle_prefetcher oracle(d, recall, 9);
+      std::vector<std::vector<expert_index>> proposed(stream.groups());  // the union over every call
+      std::vector<prefetch_request> out;
+      for (std::size_t at = 0; at < stream.groups(); ++at) {
+        out.clear();
+        oracle.propose(stream, at, out);
+        std::vector<expert_index> here;
+        for (const prefetch_request& r : out) {
+          auto& u = proposed[r.use_group];
+          if (std::find(u.begin(), u.end(), r.expert) == u.end()) u.push_back(r.expert);
+          if (r.use_group != at + 1) continue;
+          EXPECT_EQ(std::count(here.begin(), here.end(), r.expert), 0) << "an expert proposed twice for a group";
+          here.push_back(r.expert);
+        }
+      }
+      std::uint64_t routed = 0;
+      std::uint64_t kept = 0;
+      for (std::size_t h = 1; h < stream.groups(); ++h) {
+        for (const expert_index e : stream.experts(h)) {
+          ++routed;
+          kept += std::find(proposed[h].begin(), proposed[h].end(), e) != proposed[h].end() ? 1U : 0U;
+        }
+        EXPECT_LE(proposed[h].size(), stream.experts(h).size()) << "group " << h;
+      }
+      EXPECT_NEAR(static_cast<double>(kept) / static_cast<double>(routed), recall, 0.02);
+    }
+  }
+  // Three of four experts routed, recall 0: three misses but one free expert, proposed once, and
+  // a forecast within [0, 1].
+  const moe_geometry three(moe_geometry::config{
+      .name = "three", .layers = 2, .experts_per_layer = 4, .top_k = 3, .hidden_size = 64, .intermediate_size = 32});
+  routing_trace t(three);
+  const std::uint32_t routed3[] = {0, 1, 3};
+  const float weights3[] = {0.4F, 0.3F, 0.3F};
+  for (std::uint32_t step = 0; step < 4; ++step) {
+    for (std::uint32_t layer = 0; layer < 2; ++layer) {
+      t.append({.sequence = 0, .step = step, .layer = layer, .experts = routed3, .weights = weights3});
+    }
+  }
+  const access_stream s3(t, 4);
+  oracle_prefetcher none(1, 0.0, 2);
+  std::vector<prefetch_request> out;
+  none.propose(s3, 0, out);
+  ASSERT_EQ(out.size(), 1U);
+  EXPECT_EQ(out[0].expert, 2U);
+  std::vector<float> p(4);
+  ASSERT_TRUE(none.forecast(1, p));
+  for (const float x : p) {
+    EXPECT_GE(x, 0.0F);
+    EXPECT_LE(x, 1.0F);
+  }
+}
+
 // When compute is long enough to hide a transfer, a perfect prefetcher removes all but the first
 // layer's stall.
 TEST(PagerSim, PerfectPrefetchHidesTransfersBehindLongCompute) {

@@ -37,7 +37,6 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
-#include <random>
 #include <span>
 #include <string>
 #include <string_view>
@@ -111,8 +110,7 @@ class oracle_prefetcher final : public prefetcher {
   std::uint32_t distance_;
   double recall_;
   std::uint64_t seed_;
-  std::mt19937_64 rng_;
-  std::vector<std::uint8_t> routed_;  // scratch: experts routed in the target group
+  std::vector<std::uint8_t> routed_;  // scratch: experts routed in (or proposed for) the target group
   // The last propose()'s targets: their layers and proposed experts.
   std::vector<std::uint32_t> target_layers_;
   std::vector<std::vector<expert_index>> target_experts_;
