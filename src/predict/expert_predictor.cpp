@@ -21,6 +21,33 @@ void check_shape(std::string_view who, std::uint32_t layers, std::uint32_t exper
   }
 }
 
+// observe()'s contract: the layer and every expert inside the predictor's shape (checked before
+// anything is learned).
+void check_routing(std::string_view who, std::uint32_t layer, std::uint32_t layers,
+                   std::span<const expert_index> experts, std::uint32_t experts_per_layer) {
+  if (layer >= layers) {
+    throw invalid_argument(fmt::format("{}: layer {} out of range [0, {})", who, layer, layers));
+  }
+  for (const expert_index e : experts) {
+    if (e >= experts_per_layer) {
+      throw invalid_argument(
+          fmt::format("{}: expert {} of layer {} out of range [0, {})", who, e, layer, experts_per_layer));
+    }
+  }
+}
+
+// predict()'s contract: a layer inside the shape and one probability per expert.
+void check_target(std::string_view who, std::uint32_t layer, std::uint32_t layers, std::size_t size,
+                  std::uint32_t experts_per_layer) {
+  if (layer >= layers) {
+    throw invalid_argument(fmt::format("{}: layer {} out of range [0, {})", who, layer, layers));
+  }
+  if (size != experts_per_layer) {
+    throw invalid_argument(
+        fmt::format("{}: a probability span of {} entries, expected experts_per_layer {}", who, size, experts_per_layer));
+  }
+}
+
 }  // namespace
 
 frequency_predictor::frequency_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k)
@@ -37,6 +64,7 @@ void frequency_predictor::reset() {
 }
 
 void frequency_predictor::observe(std::uint32_t layer, std::span<const expert_index> experts) {
+  check_routing("frequency_predictor", layer, layers_, experts, experts_);
   if (layer != last_layer_) {  // else a split group: more experts of the same layer in this pass
     ++passes_[layer];
     last_layer_ = layer;
@@ -50,6 +78,7 @@ void frequency_predictor::observe(std::uint32_t layer, std::span<const expert_in
 }
 
 void frequency_predictor::predict(std::uint32_t layer, std::span<float> probability) const {
+  check_target("frequency_predictor", layer, layers_, probability.size(), experts_);
   const std::uint64_t n = passes_[layer];
   for (std::uint32_t e = 0; e < experts_; ++e) {
     probability[e] = n == 0 ? static_cast<float>(top_k_) / static_cast<float>(experts_)
@@ -70,6 +99,7 @@ void previous_pass_predictor::reset() {
 }
 
 void previous_pass_predictor::observe(std::uint32_t layer, std::span<const expert_index> experts) {
+  check_routing("previous_pass_predictor", layer, layers_, experts, experts_);
   if (layer != last_layer_) {  // else a split group: more experts of the same layer in this pass
     std::fill_n(last_.begin() + static_cast<std::ptrdiff_t>(std::size_t{layer} * experts_), experts_, 0);
     last_layer_ = layer;
@@ -78,6 +108,7 @@ void previous_pass_predictor::observe(std::uint32_t layer, std::span<const exper
 }
 
 void previous_pass_predictor::predict(std::uint32_t layer, std::span<float> probability) const {
+  check_target("previous_pass_predictor", layer, layers_, probability.size(), experts_);
   for (std::uint32_t e = 0; e < experts_; ++e) probability[e] = last_[std::size_t{layer} * experts_ + e];
 }
 
@@ -126,6 +157,7 @@ void coactivation_predictor::begin_pass() {
 }
 
 void coactivation_predictor::observe(std::uint32_t layer, std::span<const expert_index> experts) {
+  check_routing("coactivation_predictor", layer, layers_, experts, experts_);
   prior_.observe(layer, experts);
   if (seen_[layer] == 0) {
     seen_[layer] = 1;
@@ -151,6 +183,7 @@ void coactivation_predictor::observe(std::uint32_t layer, std::span<const expert
 }
 
 void coactivation_predictor::predict(std::uint32_t layer, std::span<float> probability) const {
+  check_target("coactivation_predictor", layer, layers_, probability.size(), experts_);
   if (pooling_ == coactivation_pooling::log_odds) {
     predict_log_odds(layer, probability);
     return;
@@ -222,19 +255,19 @@ void coactivation_predictor::predict_log_odds(std::uint32_t layer, std::span<flo
 }
 
 fmoe_map_predictor::fmoe_map_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k,
-                                       std::uint32_t capacity, std::uint32_t semantic_layers)
+                                       std::uint32_t capacity, std::optional<std::uint32_t> semantic_layers)
     : layers_(layers),
       experts_(experts_per_layer),
       top_k_(top_k),
       capacity_(capacity),
-      semantic_layers_(semantic_layers) {
+      semantic_layers_(semantic_layers.value_or(std::min(default_semantic_layers, layers))) {
   check_shape("fmoe_map_predictor", layers, experts_per_layer, top_k);
   if (capacity == 0 || capacity > 65536) {
     throw invalid_argument(fmt::format("fmoe_map_predictor: capacity {} out of range [1, 65536]", capacity));
   }
-  if (semantic_layers > layers) {
+  if (semantic_layers_ > layers) {
     throw invalid_argument(
-        fmt::format("fmoe_map_predictor: semantic_layers {} out of range [0, {}]", semantic_layers, layers));
+        fmt::format("fmoe_map_predictor: semantic_layers {} out of range [0, {}]", semantic_layers_, layers));
   }
   reset();
 }
@@ -339,6 +372,7 @@ void fmoe_map_predictor::observe(std::uint32_t layer, std::span<const expert_ind
 }
 
 void fmoe_map_predictor::observe_routing(std::uint32_t layer, const layer_routing& routing) {
+  check_routing("fmoe_map_predictor", layer, layers_, routing.experts, experts_);
   if (!routing.probabilities.empty() && routing.probabilities.size() != experts_) {
     throw invalid_argument(fmt::format("fmoe_map_predictor: a probability vector of {} values, expected {}",
                                        routing.probabilities.size(), experts_));
@@ -358,7 +392,7 @@ void fmoe_map_predictor::observe_routing(std::uint32_t layer, const layer_routin
   };
   check_finite(routing.probabilities, "probability");
   check_finite(routing.sketch, "sketch");
-  if (layer >= layers_ || (routing.experts.empty() && routing.probabilities.empty())) return;
+  if (routing.experts.empty() && routing.probabilities.empty()) return;
   if (dot_.size() != count_) {  // the first pass after reset(): no begin_pass() yet
     dot_.assign(count_, 0.0);
     norm_old_.assign(count_, 0.0);
@@ -388,7 +422,7 @@ void fmoe_map_predictor::observe_routing(std::uint32_t layer, const layer_routin
       std::ranges::fill(now, 0.0F);
     }
     for (const expert_index e : routing.experts) {
-      if (e < experts_) now[e] = 1.0F;
+      now[e] = 1.0F;
     }
     for (const float p : now) routed += p > 0.0F ? 1U : 0U;
     for (float& p : now) p = p > 0.0F ? 1.0F / static_cast<float>(routed) : 0.0F;
@@ -423,8 +457,8 @@ void fmoe_map_predictor::observe_routing(std::uint32_t layer, const layer_routin
 }
 
 void fmoe_map_predictor::predict(std::uint32_t layer, std::span<float> probability) const {
-  EXPAGE_ASSERT(probability.size() == experts_, "fmoe_map_predictor: probability span of the wrong size");
-  if (count_ == 0 || observed_ == 0 || layer >= layers_) {
+  check_target("fmoe_map_predictor", layer, layers_, probability.size(), experts_);
+  if (count_ == 0 || observed_ == 0) {
     std::ranges::fill(probability, static_cast<float>(top_k_) / static_cast<float>(experts_));
     return;
   }

@@ -568,6 +568,44 @@ TEST(Predictors, ASplitGroupCountsAsTheUnionOfItsParts) {
   }
 }
 
+// Out-of-shape input is refused by every predictor, by name, and nothing is learned from it (the
+// counting predictors wrote past their tables before; fMoE ignored it).
+TEST(Predictors, OutOfShapeInputIsRefusedAndLearnsNothing) {
+  for (const char* name : {"frequency", "previous", "coactivation", "fmoe"}) {
+    SCOPED_TRACE(name);
+    const auto p = make_predictor(name, 3, 8, 2);
+    const auto q = make_predictor(name, 3, 8, 2);  // sees only the valid input
+    for (auto* x : {p.get(), q.get()}) x->begin_pass();
+    const expert_index good[] = {1, 2};
+    const expert_index bad[] = {3, 8};
+    for (auto* x : {p.get(), q.get()}) x->observe(0, good);
+    try {
+      p->observe(1, bad);
+      ADD_FAILURE() << "no error";
+    } catch (const invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr("expert 8 of layer 1 out of range [0, 8)"));
+    }
+    try {
+      p->observe(3, good);
+      ADD_FAILURE() << "no error";
+    } catch (const invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr("layer 3 out of range [0, 3)"));
+    }
+    std::vector<float> a(8), b(8), short_span(7);
+    EXPECT_THROW(p->predict(3, a), invalid_argument);
+    EXPECT_THROW(p->predict(1, short_span), invalid_argument);
+    const expert_index next[] = {4, 5};
+    for (auto* x : {p.get(), q.get()}) {
+      x->observe(1, next);
+      x->begin_pass();
+      x->observe(0, good);
+    }
+    p->predict(1, a);
+    q->predict(1, b);
+    EXPECT_EQ(a, b);
+  }
+}
+
 TEST(Predictors, BaselinesAndFactory) {
   frequency_predictor f(2, 4, 2);
   std::vector<float> prob(4);

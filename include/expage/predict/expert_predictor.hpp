@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -53,6 +54,8 @@ class expert_predictor {
   /// Layer @p layer of the current pass routed @p experts (for a lockstep batch, the union).
   /// Layers of one pass are observed in increasing order. A layer observed again right after
   /// itself in the same pass (a split group) counts once, as the union of its experts.
+  /// @throws expage::invalid_argument for a layer or an expert out of the predictor's shape,
+  ///         naming it and the range, with nothing learned.
   virtual void observe(std::uint32_t layer, std::span<const expert_index> experts) = 0;
   /// The same with the optional fields: a predictor that uses router probabilities or sketches
   /// (fmoe_map_predictor) overrides it; the others see the experts only (the default).
@@ -61,6 +64,8 @@ class expert_predictor {
   virtual void observe_routing(std::uint32_t layer, const layer_routing& routing) { observe(layer, routing.experts); }
   /// Writes into @p probability (experts_per_layer entries) the probability that each expert of
   /// @p layer (a layer after the last observed one) is routed in the current pass.
+  /// @throws expage::invalid_argument for a layer out of the predictor's shape or a span of
+  ///         another length.
   virtual void predict(std::uint32_t layer, std::span<float> probability) const = 0;
 };
 
@@ -225,15 +230,16 @@ class fmoe_map_predictor final : public expert_predictor {
  public:
   /// The store's default capacity (fMoE §4: 1K maps).
   static constexpr std::uint32_t default_capacity = 1024;
-  /// The default semantic_layers (fMoE's prefetch distance d = 3); make_predictor() takes
-  /// min(this, layers) for a model of fewer layers.
+  /// The default semantic_layers (fMoE's prefetch distance d = 3), or every layer of a model of
+  /// fewer.
   static constexpr std::uint32_t default_semantic_layers = 3;
 
+  /// @p semantic_layers unset: min(default_semantic_layers, layers).
   /// @throws expage::invalid_argument for 0 layers/experts, top-k out of [1, experts], a
   ///         capacity out of [1, 65536] or semantic_layers out of [0, layers].
   fmoe_map_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k,
                      std::uint32_t capacity = default_capacity,
-                     std::uint32_t semantic_layers = default_semantic_layers);
+                     std::optional<std::uint32_t> semantic_layers = std::nullopt);
   [[nodiscard]] std::string name() const override { return "fmoe"; }
   void reset() override;
   void begin_pass() override;
