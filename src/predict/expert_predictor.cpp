@@ -43,8 +43,8 @@ void check_target(std::string_view who, std::uint32_t layer, std::uint32_t layer
     throw invalid_argument(fmt::format("{}: layer {} out of range [0, {})", who, layer, layers));
   }
   if (size != experts_per_layer) {
-    throw invalid_argument(
-        fmt::format("{}: a probability span of {} entries, expected experts_per_layer {}", who, size, experts_per_layer));
+    throw invalid_argument(fmt::format("{}: a probability span of {} entries, expected experts_per_layer {}", who, size,
+                                       experts_per_layer));
   }
 }
 

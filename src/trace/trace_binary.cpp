@@ -1211,6 +1211,7 @@ std::string encode_binary_blocked(const routing_trace& trace, std::uint16_t vers
 }  // namespace
 
 std::string encode_binary(const routing_trace& trace, const binary_write_options& options) {
+  detail::check_has_records(trace, "encode_binary");
   switch (options.version) {
     case binary_trace_version:
       if (trace.fields().any()) {

@@ -47,15 +47,37 @@ std::string_view trim(std::string_view s) noexcept {
 
 // The number of fields of one CSV line (RFC 4180 quoting within the line), counted before
 // anything is allocated, so a line of garbage costs no memory beyond itself.
+// A quote opens a field or is doubled inside a quoted one; after the closing quote only ',' or
+// the line's end may follow (RFC 4180 §2, rules 5–7: `1"2"` and `"1"2` are refused).
 std::size_t count_csv_fields(std::string_view line, const source_position& at) {
   std::size_t fields = 1;
   bool quoted = false;
-  for (const char c : line) {
-    if (c == '"') {
-      quoted = !quoted;  // "" inside quotes toggles twice
-    } else if (c == ',' && !quoted) {
+  bool field_start = true;
+  for (std::size_t i = 0; i < line.size(); ++i) {
+    const char c = line[i];
+    if (quoted) {
+      if (c != '"') continue;
+      if (i + 1 < line.size() && line[i + 1] == '"') {
+        ++i;  // an escaped quote
+        continue;
+      }
+      quoted = false;
+      if (i + 1 < line.size() && line[i + 1] != ',') {
+        fail(at, "record",
+             fmt::format("field {}: characters after its closing quote (RFC 4180 quotes whole fields)", fields));
+      }
+    } else if (c == '"') {
+      if (!field_start) {
+        fail(at, "record",
+             fmt::format("field {}: a quote inside an unquoted field (RFC 4180 quotes whole fields)", fields));
+      }
+      quoted = true;
+    } else if (c == ',') {
       ++fields;
+      field_start = true;
+      continue;
     }
+    field_start = false;
   }
   if (quoted) fail(at, "record", "unterminated quoted field");
   return fields;
@@ -134,11 +156,14 @@ trace_metadata parse_csv_metadata(std::string_view line, const source_position& 
   if (const std::string_view version = word(); parse_uint(version, at, "expage_trace") != 1) {
     fail(at, "expage_trace", fmt::format("metadata version {} unsupported (this reader reads 1)", printable(version)));
   }
+  std::vector<std::string_view> seen;  // keys given so far: each at most once
   for (std::string_view w = word(); !w.empty(); w = word()) {
     const std::size_t eq = w.find('=');
     if (eq == std::string_view::npos) fail(at, printable(w), "expected key=value in the metadata line");
     const std::string_view key = w.substr(0, eq);
     const std::string_view value = w.substr(eq + 1);
+    if (std::ranges::find(seen, key) != seen.end()) fail(at, printable(key), "field given twice");
+    seen.push_back(key);
     if (key == "geometry") {
       meta.geometry = std::string(value);
       continue;
@@ -149,10 +174,7 @@ trace_metadata parse_csv_metadata(std::string_view line, const source_position& 
                             : key == "batch_size"        ? &meta.batch_size
                                                          : nullptr;
     if (target == nullptr) fail(at, printable(key), "unknown metadata field");
-    *target = parse_uint(value, at, key);
-    if (*target == 0 || *target > detail::max_text_metadata_value) {
-      fail(at, key, fmt::format("{} out of range [1, {}]", *target, detail::max_text_metadata_value));
-    }
+    *target = parse_uint(value, at, key, 1, detail::max_text_metadata_value);
   }
   for (const auto& [name, v] : {std::pair<std::string_view, std::uint32_t>{"layers", meta.layers},
                                 {"experts_per_layer", meta.experts_per_layer},
@@ -245,7 +267,9 @@ routing_trace read_csv_from(detail::byte_input& in, const moe_geometry& geometry
           r.has_experts = true;
           for_each_list_element(value, at, name, [&](std::string_view t) {
             if (r.experts.size() > geometry.top_k())
-              fail(at, name, fmt::format("more than top_k = {} experts", geometry.top_k()));
+              fail(at, name,
+                   fmt::format("at least {} experts where the geometry's top_k is {}", r.experts.size() + 1,
+                               geometry.top_k()));
             r.experts.push_back(parse_uint(t, at, name));
           });
           break;
@@ -254,7 +278,9 @@ routing_trace read_csv_from(detail::byte_input& in, const moe_geometry& geometry
           r.has_weights = true;
           for_each_list_element(value, at, name, [&](std::string_view t) {
             if (r.weights.size() > geometry.top_k())
-              fail(at, name, fmt::format("more than top_k = {} weights", geometry.top_k()));
+              fail(at, name,
+                   fmt::format("at least {} weights where the geometry's top_k is {}", r.weights.size() + 1,
+                               geometry.top_k()));
             r.weights.push_back(parse_float(t, at, name));
           });
           break;
@@ -325,6 +351,7 @@ void check_csv_can_hold(const routing_trace& trace) {
 }  // namespace
 
 void write_csv(std::ostream& out, const routing_trace& trace, std::string_view geometry_name) {
+  detail::check_has_records(trace, "write_csv");
   check_csv_can_hold(trace);
   const trace_metadata meta = metadata_of(trace, geometry_name);
   detail::check_text_metadata(meta, "csv");
@@ -349,7 +376,8 @@ void write_csv(std::ostream& out, const routing_trace& trace, std::string_view g
 }
 
 void write_csv(const std::filesystem::path& path, const routing_trace& trace, std::string_view geometry_name) {
-  check_csv_can_hold(trace);  // before a temporary file exists
+  detail::check_has_records(trace, "write_csv");  // before a temporary file exists
+  check_csv_can_hold(trace);
   write_file_atomically(path, [&](std::ostream& out) { write_csv(out, trace, geometry_name); });
 }
 

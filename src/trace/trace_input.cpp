@@ -154,7 +154,8 @@ std::string printable(std::string_view token) {
   return out;
 }
 
-std::uint32_t parse_uint(std::string_view token, const source_position& at, std::string_view field) {
+std::uint32_t parse_uint(std::string_view token, const source_position& at, std::string_view field, std::uint32_t least,
+                         std::uint32_t most) {
   std::uint64_t value = 0;
   const char* first = token.data();
   const char* last = token.data() + token.size();
@@ -165,8 +166,8 @@ std::uint32_t parse_uint(std::string_view token, const source_position& at, std:
   if (token.size() > 1 && token.front() == '0') {
     fail(at, field, fmt::format("'{}' has a leading zero (JSON numbers do not)", printable(token)));
   }
-  if (ec == std::errc::result_out_of_range || value > std::numeric_limits<std::uint32_t>::max()) {
-    fail(at, field, fmt::format("{} out of range [0, 4294967295]", printable(token)));
+  if (ec == std::errc::result_out_of_range || value < least || value > most) {
+    fail(at, field, fmt::format("{} out of range [{}, {}]", printable(token), least, most));
   }
   return static_cast<std::uint32_t>(value);
 }
@@ -197,6 +198,38 @@ bool is_json_number(std::string_view t) noexcept {
   return i == t.size();
 }
 
+// The decimal exponent of a JSON number's magnitude, ⌊log10 |x|⌋ (saturated; INT64_MIN for zero):
+// the position of its first non-zero digit plus the explicit exponent.
+// @pre is_json_number(t)
+std::int64_t decimal_exponent(std::string_view t) noexcept {
+  constexpr std::int64_t most = std::int64_t{1} << 60;  // saturates far beyond any float
+  std::size_t i = t.front() == '-' ? 1 : 0;
+  std::int64_t position = std::numeric_limits<std::int64_t>::min();  // of the first non-zero digit
+  std::int64_t integer_digits = 0;
+  for (; i < t.size() && is_digit(t[i]); ++i, ++integer_digits) {
+    if (t[i] != '0' && position == std::numeric_limits<std::int64_t>::min()) position = integer_digits;
+  }
+  if (position != std::numeric_limits<std::int64_t>::min()) {
+    position = std::min(integer_digits - 1 - position, most);
+  } else if (i < t.size() && t[i] == '.') {
+    for (std::int64_t j = 1; ++i < t.size() && is_digit(t[i]); ++j) {
+      if (t[i] != '0') {
+        position = -std::min(j, most);
+        break;
+      }
+    }
+  }
+  if (position == std::numeric_limits<std::int64_t>::min()) return position;  // zero
+  const std::size_t e = t.find_first_of("eE");
+  if (e == std::string_view::npos) return position;
+  std::size_t k = e + 1;
+  const bool negative = t[k] == '-';
+  if (t[k] == '+' || t[k] == '-') ++k;
+  std::int64_t exponent = 0;
+  for (; k < t.size(); ++k) exponent = exponent > most / 10 ? most : std::min(exponent * 10 + (t[k] - '0'), most);
+  return position + (negative ? -exponent : exponent);
+}
+
 float parse_float(std::string_view token, const source_position& at, std::string_view field) {
   if (!is_json_number(token)) fail(at, field, fmt::format("'{}' is not a number", printable(token)));
   float value = 0.0F;
@@ -212,9 +245,9 @@ float parse_float(std::string_view token, const source_position& at, std::string
   if (wec == std::errc() && wend == last) {
     tiny = std::fabs(wide) < static_cast<double>(std::numeric_limits<float>::max());
   } else {
-    // Beyond double too: tiny when the exponent is negative (e.g. 1e-400).
-    const std::size_t e = token.find_first_of("eE");
-    tiny = e != std::string_view::npos && e + 1 < token.size() && token[e + 1] == '-';
+    // Beyond double too: tiny when the magnitude's decimal exponent is negative (1e-400, and
+    // 0.000…1e+5 with 400 zeros; not 1000…0e-1 with 400 zeros, which is 1e399).
+    tiny = decimal_exponent(token) < 0;
   }
   if (tiny) {
     const auto narrowed = static_cast<float>(wide);
@@ -307,8 +340,11 @@ void trace_builder::append(const routing_event& e, std::uint64_t where) {
 
 routing_trace trace_builder::finish(std::uint32_t batch_size) {
   const std::size_t n = trace_.size();
-  if (n == 0) {
-    fail(at(0), "record", "the trace has no records (an empty, blank or header-only trace is refused)");
+  if (n == 0) {  // no record to point at: the whole input
+    throw format_error(
+        fmt::format("{}: field 'record': the trace has no records (an empty, blank or header-only trace "
+                    "is refused)",
+                    source_));
   }
   const char* unit = byte_offsets_ ? "byte" : "line";
   const prefill_table prefill = trace_.prefill_lengths();
@@ -379,6 +415,13 @@ std::uint32_t effective_batch_size(const trace_read_options& options,
                                    const std::optional<trace_metadata>& meta) noexcept {
   if (options.batch_size != 0) return options.batch_size;
   return meta && meta->batch_size != 0 ? meta->batch_size : 1;
+}
+
+void check_has_records(const routing_trace& trace, std::string_view who) {
+  if (trace.empty()) {
+    throw invalid_argument(
+        fmt::format("{}: the trace has no records (every reader refuses an empty trace, so none is written)", who));
+  }
 }
 
 void check_text_metadata(const trace_metadata& meta, std::string_view format) {

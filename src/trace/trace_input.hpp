@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <ostream>
 #include <span>
@@ -24,6 +25,9 @@ namespace expage::detail {
 // refuse what is outside it, writers refuse to write a trace they could not read back.
 inline constexpr std::uint32_t max_text_metadata_value = 65536;
 // @throws expage::invalid_argument when @p meta has a number a text reader refuses, naming it.
+// Every writer's first check: a trace of no records is refused (no reader would read it back).
+// @throws expage::invalid_argument naming @p who.
+void check_has_records(const routing_trace& trace, std::string_view who);
 void check_text_metadata(const trace_metadata& meta, std::string_view format);
 
 // How a reader names a position: "name:17" for lines, "name: byte 4096" for binary offsets.
@@ -99,8 +103,11 @@ class line_reader {
 [[nodiscard]] bool is_digit(char c) noexcept;
 // @p token shown safely: at most 40 printable ASCII characters, '?' for the others.
 [[nodiscard]] std::string printable(std::string_view token);
-// A non-negative decimal integer ≤ 2^32 − 1 without sign or leading zeros.
-[[nodiscard]] std::uint32_t parse_uint(std::string_view token, const source_position& at, std::string_view field);
+// A decimal integer in [least, most] without sign or leading zeros; out of it, the error names the
+// value and that range.
+[[nodiscard]] std::uint32_t parse_uint(std::string_view token, const source_position& at, std::string_view field,
+                                       std::uint32_t least = 0,
+                                       std::uint32_t most = std::numeric_limits<std::uint32_t>::max());
 // A JSON number as a float. Magnitudes below the smallest float (1e-60 in a float64 softmax
 // dump) flush to 0 (sign kept); above the largest float it is an error.
 [[nodiscard]] float parse_float(std::string_view token, const source_position& at, std::string_view field);

@@ -99,10 +99,7 @@ class json_line {
                        : key == "experts_per_layer" ? "experts_per_layer"
                        : key == "top_k"             ? "top_k"
                                                     : "batch_size");
-        const std::uint32_t v = parse_uint(number_token(key), at_, key);
-        if (v == 0 || v > detail::max_text_metadata_value) {
-          fail(at_, key, fmt::format("{} out of range [1, {}]", v, detail::max_text_metadata_value));
-        }
+        const std::uint32_t v = parse_uint(number_token(key), at_, key, 1, detail::max_text_metadata_value);
         (key == "layers"              ? meta.layers
          : key == "experts_per_layer" ? meta.experts_per_layer
          : key == "top_k"             ? meta.top_k
@@ -119,10 +116,7 @@ class json_line {
         }
       } else if (version == 2 && key == "sketch_dims") {
         mark_seen(key, "sketch_dims");
-        const std::uint32_t v = parse_uint(number_token(key), at_, key);
-        if (v > max_sketch_dims)
-          fail(at_, key, fmt::format("{} out of range [0, {}] (max_sketch_dims)", v, max_sketch_dims));
-        meta.fields->sketch_dims = v;
+        meta.fields->sketch_dims = parse_uint(number_token(key), at_, key, 0, max_sketch_dims);
       } else if (version == 1 && (key == "probabilities" || key == "sketch_dims")) {
         fail(at_, key, "a metadata version 2 field in a version 1 metadata record (write \"expage_trace\": 2)");
       } else {
@@ -434,6 +428,7 @@ routing_trace read_jsonl(const std::filesystem::path& path, const moe_geometry& 
 }
 
 void write_jsonl(std::ostream& out, const routing_trace& trace, std::string_view geometry_name) {
+  detail::check_has_records(trace, "write_jsonl");
   const trace_metadata meta = metadata_of(trace, geometry_name);
   detail::check_text_metadata(meta, "jsonl");
   // Version 1, as before, unless the trace has optional fields to declare.
@@ -466,6 +461,7 @@ void write_jsonl(std::ostream& out, const routing_trace& trace, std::string_view
 }
 
 void write_jsonl(const std::filesystem::path& path, const routing_trace& trace, std::string_view geometry_name) {
+  detail::check_has_records(trace, "write_jsonl");  // before a temporary file exists
   write_file_atomically(path, [&](std::ostream& out) { write_jsonl(out, trace, geometry_name); });
 }
 

@@ -37,6 +37,7 @@ namespace {
 using expage::moe_geometry;
 using expage::routing_trace;
 using ::testing::HasSubstr;
+using ::testing::StartsWith;
 namespace fs = std::filesystem;
 
 constexpr bool sanitized = EXPAGE_SANITIZED != 0;
@@ -298,8 +299,11 @@ TEST_F(TraceInputs, EmptyBlankAndHeaderOnlyTracesAreRefused) {  // reproduction 
   EXPECT_THAT(message_of([] { (void)expage::parse_jsonl("\n  \n\t\n", mixtral(), "b.jsonl"); }),
               HasSubstr("no records"));
   EXPECT_THAT(message_of([&] { (void)expage::parse_csv(header, mixtral(), "h.csv"); }), HasSubstr("no records"));
-  const routing_trace empty(mixtral());
-  const std::string bytes = expage::encode_binary(empty);
+  // A binary file of no records (written elsewhere: expage's writers refuse an empty trace).
+  std::string bytes = expage::encode_binary(small_trace(), {.version = 1});
+  bytes.resize(64);
+  expage::testing::put_le(std::as_writable_bytes(std::span(bytes.data(), bytes.size())), 32, std::uint64_t{0});
+  expage::testing::reseal_binary(bytes);
   EXPECT_THAT(message_of([&] {
                 (void)expage::parse_binary(std::as_bytes(std::span(bytes.data(), bytes.size())), mixtral(), "z.bin");
               }),
@@ -308,6 +312,24 @@ TEST_F(TraceInputs, EmptyBlankAndHeaderOnlyTracesAreRefused) {  // reproduction 
   std::string meta_only = jsonl_of(small_trace());
   meta_only.resize(meta_only.find('\n') + 1);
   EXPECT_THAT(message_of([&] { (void)expage::parse_jsonl(meta_only, mixtral(), "m.jsonl"); }), HasSubstr("no records"));
+  EXPECT_THAT(message_of([&] { (void)expage::parse_jsonl(meta_only, mixtral(), "m.jsonl"); }),
+              StartsWith("m.jsonl: field 'record'"));  // the whole input, not a line 0
+  // The writers refuse what no reader reads back, and leave no file.
+  const routing_trace empty(mixtral());
+  std::ostringstream sink;
+  EXPECT_THAT(message_of([&] { expage::write_jsonl(sink, empty); }),
+              HasSubstr("write_jsonl: the trace has no records"));
+  EXPECT_THAT(message_of([&] { expage::write_csv(sink, empty); }), HasSubstr("write_csv: the trace has no records"));
+  for (const int v : {1, 2, 3, 4}) {
+    EXPECT_THAT(message_of([&] { (void)expage::encode_binary(empty, {.version = static_cast<std::uint16_t>(v)}); }),
+                HasSubstr("encode_binary: the trace has no records"));
+  }
+  EXPECT_TRUE(sink.str().empty());
+  for (const char* name : {"e.jsonl", "e.csv", "e.bin"}) {
+    const auto path = dir_ / name;
+    EXPECT_THROW(expage::write_trace(path, empty), expage::invalid_argument) << name;
+    EXPECT_FALSE(std::filesystem::exists(path)) << name;
+  }
 }
 
 TEST_F(TraceInputs, CsvCutMidLineIsRefused) {  // reproduction 5, `head -c` of a CSV trace
@@ -403,6 +425,25 @@ TEST(TraceInputsMessages, TinyProbabilitiesFlushToZero) {  // reproduction 11: 1
                 (void)expage::parse_csv("sequence,step,layer,experts,weights\n0,0,0,1;2,1e39;0\n", mixtral(), "o.csv");
               }),
               HasSubstr("1e39 out of the float range"));
+  // Beyond double, the magnitude decides, not the exponent's sign: 1 and 400 zeros then e-1 is
+  // 1e399 (an error; it read as 0 before), 0.(400 zeros)1e+5 is 1e-396 (zero; it was refused).
+  const auto weights = [](const std::string& w) {
+    return R"({"sequence": 0, "step": 0, "layer": 0, "experts": [1, 2], "weights": [0.5, )" + w + "]}";
+  };
+  const std::string zeros(400, '0');
+  EXPECT_THAT(message_of([&] { (void)expage::parse_jsonl(weights("1" + zeros + "e-1"), mixtral(), "h.jsonl"); }),
+              HasSubstr("out of the float range"));
+  EXPECT_THAT(
+      message_of([&] { (void)expage::parse_jsonl(weights("1e99999999999999999999999"), mixtral(), "h.jsonl"); }),
+      HasSubstr("out of the float range"));
+  for (const std::string& tiny :
+       {"0." + zeros + "1e+5", "-0." + zeros + "1e5", std::string("1e-99999999999999999999999"),
+        "0." + zeros + "e99999", "1" + zeros + "e-99999"}) {
+    SCOPED_TRACE(tiny.substr(0, 8));
+    const routing_trace z = expage::parse_jsonl(weights(tiny), mixtral(), "z.jsonl");
+    EXPECT_EQ(z[0].weights[1], 0.0F);
+    EXPECT_EQ(std::signbit(z[0].weights[1]), tiny.front() == '-');
+  }
 }
 
 TEST(TraceInputsMessages, ByteOrderMarkIsNamed) {  // reproduction 11

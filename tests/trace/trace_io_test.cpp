@@ -282,6 +282,9 @@ TEST(TraceIo, BadJsonlNamesFileLineAndField) {
        {"bad.jsonl:1:", "field 'phase'", "decode step 0 of sequence 0 precedes its prefill step 1"}},
       {"unterminated string", R"({"dataset": "abc)", {"field 'dataset'", "unterminated string"}},
       {"deep nesting", R"({"dataset": )" + std::string(100, '['), {"field 'dataset'", "nested deeper than 64"}},
+      {"metadata beyond 32 bits",  // the field's range, not the parser's
+       R"({"expage_trace": 1, "layers": 99999999999, "experts_per_layer": 8, "top_k": 2})",
+       {"field 'layers'", "99999999999 out of range [1, 65536]"}},
   };
   for (const bad_case& c : cases) {
     try {
@@ -306,6 +309,17 @@ TEST(TraceIo, BadCsvNamesFileLineAndField) {
       {"duplicate", header + "0,0,0,1;2,0.5;0.5\n0,0,0,3;2,0.5;0.5\n", {"bad.csv:3:", "duplicate record"}},
       {"malformed number", header + "0,x,0,1;2,0.5;0.5\n", {"bad.csv:2:", "field 'step'", "'x'"}},
       {"unterminated quote", header + "0,0,0,\"1;2,0.5;0.5\n", {"bad.csv:2:", "unterminated quoted field"}},
+      {"quote inside a field", header + "1\"2\",0,0,1;2,0.5;0.5\n", {"bad.csv:2:", "field 1: a quote inside"}},
+      {"text after a quote", header + "0,\"1\"2,0,1;2,0.5;0.5\n", {"bad.csv:2:", "field 2: characters after"}},
+      {"metadata beyond 32 bits",
+       "# expage_trace 1 layers=99999999999 experts_per_layer=8 top_k=2\n" + header,
+       {"bad.csv:1:", "field 'layers'", "99999999999 out of range [1, 65536]"}},
+      {"experts beyond top-k",
+       header + "0,0,0,1;2;3;4,0.5;0.5\n",
+       {"bad.csv:2:", "at least 4 experts where the geometry's top_k is 2"}},
+      {"metadata key twice",
+       "# expage_trace 1 layers=32 experts_per_layer=8 top_k=2 batch_size=4 batch_size=1\n" + header,
+       {"bad.csv:1:", "field 'batch_size'", "given twice"}},
       {"empty", "", {"bad.csv:1:", "field 'header'"}},
   };
   for (const bad_case& c : cases) {
