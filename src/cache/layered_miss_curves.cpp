@@ -14,7 +14,7 @@ namespace {
 
 // Validates before any member is built, so a bad shape never allocates.
 std::size_t checked_experts(std::size_t layers, std::size_t experts_per_layer) {
-  constexpr std::size_t max_layers = std::numeric_limits<std::uint32_t>::max();
+  constexpr std::size_t max_layers = reuse_distance_tracker::max_key_count;  // one expert each at least
   if (layers == 0 || layers > max_layers) {
     throw invalid_argument(fmt::format("layered_miss_curves: layers {} out of range [1, {}]", layers, max_layers));
   }

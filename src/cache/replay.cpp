@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <iterator>
 #include <memory>
 #include <unordered_map>
@@ -507,7 +508,7 @@ replay_result replay(const access_stream& stream, const moe_geometry& geometry, 
     throw invalid_argument(fmt::format("replay: capacity {} is below the stream's group limit {}", options.capacity,
                                        stream.group_limit()));
   }
-  if (!(options.link_gbytes_per_second > 0.0)) {
+  if (!(options.link_gbytes_per_second > 0.0 && std::isfinite(options.link_gbytes_per_second))) {
     throw invalid_argument(
         fmt::format("replay: link bandwidth {} GB/s out of range (0, inf)", options.link_gbytes_per_second));
   }
@@ -536,9 +537,11 @@ replay_result replay(const routing_trace& trace, const moe_geometry& geometry, p
         geometry.experts_per_layer(), geometry.top_k()));
   }
   const std::uint64_t keys = layout_keys(geometry, options.layout);
-  if (options.capacity == 0 || options.capacity > keys) {
-    throw invalid_argument(fmt::format("replay: capacity {} out of range [1, {}] for a {} cache of {}",
-                                       options.capacity, keys, to_string(options.layout), geometry.name()));
+  const std::uint64_t lowest = options.mode == replay_mode::grouped ? geometry.top_k() : 1;  // a token must fit
+  if (options.capacity < lowest || options.capacity > keys) {
+    throw invalid_argument(fmt::format("replay: capacity {} out of range [{}, {}] for a {} {} cache of {}",
+                                       options.capacity, lowest, keys, to_string(options.mode),
+                                       to_string(options.layout), geometry.name()));
   }
   // capacity ≤ keys, so the group limit fits 32 bits.
   return replay(access_stream(trace, options.capacity, options.mode), geometry, policy, options);
@@ -768,7 +771,7 @@ void check_job(const replay_job& job, const moe_geometry& geometry) {
                                        job.options.capacity, lowest, keys, to_string(job.options.mode),
                                        to_string(job.options.layout), geometry.name()));
   }
-  if (!(job.options.link_gbytes_per_second > 0.0)) {
+  if (!(job.options.link_gbytes_per_second > 0.0 && std::isfinite(job.options.link_gbytes_per_second))) {
     throw invalid_argument(fmt::format("replay_ordered: link bandwidth {} GB/s out of range (0, inf)",
                                        job.options.link_gbytes_per_second));
   }

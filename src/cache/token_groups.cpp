@@ -115,7 +115,7 @@ token_grouping group_tokens(std::span<const std::span<const expert_index>> token
     }
   }
   token_grouping best = first_fit(own, capacity);
-  best.lower_bound = (all.size() + capacity - 1) / capacity;
+  best.lower_bound = all.empty() ? 0 : (all.size() - 1) / capacity + 1;  // ⌈|union|/capacity⌉, no wrap
   best.proven_minimal = best.tokens.size() <= best.lower_bound;
   if (best.proven_minimal) return best;
 

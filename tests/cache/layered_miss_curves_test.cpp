@@ -156,6 +156,12 @@ TEST(LayeredMissCurves, RejectsEmptyAndOversizedShapes) {
     EXPECT_THAT(e.what(), AllOf(HasSubstr("experts_per_layer 0"), HasSubstr("[1, 268435456]")));
   }
   EXPECT_THROW(layered_miss_curves(1024, std::size_t{1} << 21), invalid_argument);
+  try {  // more layers than keys: the layers are named (it blamed experts_per_layer, range [1, 0])
+    layered_miss_curves curves(std::size_t{1} << 31, 1);
+    FAIL();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("layers 2147483648 out of range [1, 1073741824]"));
+  }
 }
 
 TEST(LayeredMissCurves, ResetForgetsEveryLayer) {

@@ -6,6 +6,7 @@
 #include "expage/cache/policy_dispatch.hpp"
 #include "expage/cache/slot_cache.hpp"
 #include "expage/detail/sanitizers.hpp"
+#include "expage/trace/routing_event_source.hpp"
 #include "expage/trace/synthetic_trace.hpp"
 #include "expage/trace/trace_io.hpp"
 
@@ -15,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <limits>
 #include <list>
 #include <map>
 #include <tuple>
@@ -112,6 +114,25 @@ TEST(Replay, RejectsBadParameters) {
   const access_stream s(t, 2);
   EXPECT_THROW((void)replay(s, g, policy_kind::lru, {.capacity = 1}), invalid_argument);
   EXPECT_THROW((void)replay(s, g, policy_kind::lru, {.capacity = 2, .link_gbytes_per_second = 0.0}), invalid_argument);
+  // An infinite link would report zero stall: refused like zero, by both entry points.
+  const double inf = std::numeric_limits<double>::infinity();
+  try {
+    (void)replay(s, g, policy_kind::lru, {.capacity = 2, .link_gbytes_per_second = inf});
+    ADD_FAILURE() << "no error";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("link bandwidth inf GB/s out of range (0, inf)"));
+  }
+  trace_event_source source(t);
+  const replay_job with_inf{.policy = policy_kind::lru, .options = {.capacity = 2, .link_gbytes_per_second = inf}};
+  EXPECT_THROW((void)replay_ordered(source, g, std::span(&with_inf, 1)), invalid_argument);
+  // Grouped replay of a trace names its own range, [top_k, keys], as replay_ordered does.
+  try {
+    (void)replay(t, g, policy_kind::lru, {.capacity = 1});
+    ADD_FAILURE() << "no error";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("replay: capacity 1 out of range [2, 4] for a grouped per-layer cache of tiny"));
+  }
+  EXPECT_NO_THROW((void)replay(t, g, policy_kind::lru, {.capacity = 1, .mode = replay_mode::sequential}));
   EXPECT_THROW((void)replay(s, g, policy_kind::lru, {.layout = cache_layout::per_layer, .capacity = 5}),
                invalid_argument);
   try {

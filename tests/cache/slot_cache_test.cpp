@@ -146,6 +146,12 @@ TEST(SlotCache, AGlobalScopeOfMoreKeysThanA32BitKeyNumbersIsRefused) {
   } catch (const invalid_argument& e) {
     EXPECT_THAT(e.what(), HasSubstr("4294967296 keys (65536 layers × 65536 experts), out of range [1, 4294967295]"));
   }
+  try {  // a layout that is neither: refused (it ran as per-layer)
+    slot_cache<lru_policy> cache(huge, {.layout = static_cast<cache_layout>(7), .capacity = 1});
+    FAIL() << "layout 7 accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("slot_cache: layout 7 out of range [0, 2)"));
+  }
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 #include <random>
 #include <set>
 #include <vector>
@@ -54,6 +55,16 @@ TEST(GroupTokens, SplitsIntoGroupsThatFitAndCoverEveryTokenOnce) {
     }
     EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int s) { return s == 1; })) << "seed " << seed;
   }
+}
+
+TEST(GroupTokens, TheLowerBoundNeverWrapsAtHugeCapacities) {
+  const std::vector<std::vector<std::uint32_t>> t = {{0, 1}, {2, 3}};
+  for (const std::size_t cap : {std::size_t{8}, std::numeric_limits<std::size_t>::max()}) {
+    const auto g = group_tokens(spans(t), cap);
+    EXPECT_EQ(g.lower_bound, 1U) << cap;
+    EXPECT_TRUE(g.minimal());
+  }
+  EXPECT_EQ(group_tokens(spans({}), std::numeric_limits<std::size_t>::max()).lower_bound, 0U);
 }
 
 TEST(GroupTokens, FindsFewerGroupsThanFirstFit) {

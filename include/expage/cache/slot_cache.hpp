@@ -97,8 +97,9 @@ template <eviction_policy Policy>
 class slot_cache {
  public:
   /// A cache for @p geometry whose scopes use `Policy(space)`.
-  /// @throws expage::invalid_argument when the capacity is 0 or exceeds the scope's experts, or
-  ///         when a global scope would have more than key_space::max_keys keys.
+  /// @throws expage::invalid_argument for a layout that is neither per_layer nor global, a
+  ///         capacity of 0 or above the scope's experts, or a global scope of more than
+  ///         key_space::max_keys keys.
   slot_cache(const moe_geometry& geometry, slot_cache_options options)
       : slot_cache(geometry, options, [](const key_space& s) { return Policy(s); }) {}
 
@@ -107,6 +108,10 @@ class slot_cache {
   template <class Factory>
   slot_cache(const moe_geometry& geometry, slot_cache_options options, Factory make)
       : geometry_(geometry), layers_(geometry.layers()), experts_(geometry.experts_per_layer()), options_(options) {
+    if (options.layout != cache_layout::per_layer && options.layout != cache_layout::global) {
+      throw invalid_argument(fmt::format("slot_cache: layout {} out of range [0, 2) (per_layer or global)",
+                                         static_cast<int>(options.layout)));
+    }
     const bool global = options.layout == cache_layout::global;
     const key_space whole{.layers = layers_, .experts_per_layer = experts_, .global = global};
     const std::uint64_t scope_keys = whole.key_count();
