@@ -57,14 +57,26 @@ void device_expert_map::update(version_tier tier, std::size_t index, std::int32_
     }
     staging_->copy_async(device_ + t * experts_ + index, &slot, sizeof(slot), compute_);
   } catch (const std::exception& e) {
-    if (failed_++ == 0) first_failure_ = e.what();
+    if (failed_.fetch_add(1, std::memory_order_relaxed) == 0) {
+      try {  // noexcept: a failure to keep the message (bad_alloc) loses the message only
+        const std::lock_guard lock(first_failure_mutex_);
+        first_failure_ = e.what();
+      } catch (...) {
+      }
+    }
   }
 }
 
 void device_expert_map::throw_if_failed() const {
-  if (failed_ != 0) {
+  const std::uint64_t failed = failed_.load(std::memory_order_relaxed);
+  if (failed != 0) {
+    std::string first;
+    {
+      const std::lock_guard lock(first_failure_mutex_);
+      first = first_failure_.empty() ? "(message lost)" : first_failure_;
+    }
     throw cuda_error(static_cast<int>(cudaErrorUnknown),
-                     fmt::format("cuda::device_expert_map: {} updates failed; the first: {}", failed_, first_failure_));
+                     fmt::format("cuda::device_expert_map: {} updates failed; the first: {}", failed, first));
   }
 }
 

@@ -15,8 +15,8 @@ device_memory::device_memory(options opts) : options_(opts) {
     throw invalid_argument(fmt::format("device_memory: device {} out of range [0, device count)", opts.device));
   }
   if (opts.block_size == 0 || opts.block_size % 256 != 0 || opts.block_size > max_bytes) {
-    throw invalid_argument(
-        fmt::format("device_memory: block_size {} must be a positive multiple of 256", opts.block_size));
+    throw invalid_argument(fmt::format("device_memory: block_size {} out of range: a multiple of 256 in [256, {}]",
+                                       opts.block_size, max_bytes / 256 * 256));
   }
 }
 

@@ -25,10 +25,17 @@ bool resolve(const char* symbol, Fn& out, std::string& why) {
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult query{};
   const cudaError_t status = cudaGetDriverEntryPointByVersion(symbol, &fn, abi_version, cudaEnableDefault, &query);
-  if (status != cudaSuccess || query != cudaDriverEntryPointSuccess || fn == nullptr) {
+  if (status != cudaSuccess) {  // the query itself failed (no driver): `query` was never written
     (void)cudaGetLastError();
-    why = fmt::format("driver entry point {} unavailable: {} (query result {})", symbol, cudaGetErrorName(status),
-                      static_cast<int>(query));
+    why = fmt::format("driver entry point {} unavailable: {} ({})", symbol, cudaGetErrorName(status),
+                      cudaGetErrorString(status));
+    return false;
+  }
+  if (query != cudaDriverEntryPointSuccess || fn == nullptr) {
+    why = fmt::format("driver entry point {} unavailable: {}", symbol,
+                      query == cudaDriverEntryPointSymbolNotFound        ? "symbol not found"
+                      : query == cudaDriverEntryPointVersionNotSufficent ? "driver version not sufficient"
+                                                                         : "null function");
     return false;
   }
   out = reinterpret_cast<Fn>(fn);
@@ -46,9 +53,12 @@ resolution resolve_all() {
          resolve("cuMemRelease", a.mem_release, r.why) && resolve("cuMemMap", a.mem_map, r.why) &&
          resolve("cuMemUnmap", a.mem_unmap, r.why) && resolve("cuMemSetAccess", a.mem_set_access, r.why) &&
          resolve("cuMemGetAllocationGranularity", a.mem_get_allocation_granularity, r.why);
-  if (r.ok && a.init(0) != CUDA_SUCCESS) {
+  if (!r.ok) return r;
+  if (const CUresult init = a.init(0); init != CUDA_SUCCESS) {
     r.ok = false;
-    r.why = "cuInit(0) failed";
+    const char* name = nullptr;
+    if (a.get_error_name(init, &name) != CUDA_SUCCESS || name == nullptr) name = "unknown CUresult";
+    r.why = fmt::format("cuInit(0) failed: {} ({})", name, static_cast<int>(init));  // CUDA_ERROR_NO_DEVICE, ...
   }
   return r;
 }
@@ -72,7 +82,8 @@ const driver_api* driver() noexcept {
 const driver_api& require_driver() {
   const resolution& r = resolved();
   if (!r.ok) {
-    throw cuda_error(static_cast<int>(CUDA_ERROR_NO_DEVICE), fmt::format("CUDA driver unavailable: {}", r.why));
+    throw cuda_error(static_cast<int>(CUDA_ERROR_NO_DEVICE),
+                     fmt::format("no device: CUDA driver unavailable: {}", r.why));
   }
   return r.api;
 }
@@ -84,8 +95,11 @@ void check(CUresult result, const char* what) {
   const char* name = "unknown CUresult";
   const char* text = "";
   if (const driver_api* d = driver()) {
-    d->get_error_name(result, &name);
-    d->get_error_string(result, &text);
+    // The driver leaves a null string (and returns an error) for a code it does not know.
+    const char* n = nullptr;
+    const char* t = nullptr;
+    if (d->get_error_name(result, &n) == CUDA_SUCCESS && n != nullptr) name = n;
+    if (d->get_error_string(result, &t) == CUDA_SUCCESS && t != nullptr) text = t;
   }
   throw cuda_error(static_cast<int>(result), fmt::format("{} failed: {} ({})", what, name, text));
 }

@@ -13,7 +13,8 @@ namespace expage::cuda {
 pinned_host_memory::pinned_host_memory(options opts) : options_(opts) {
   if (opts.block_size == 0 || opts.block_size % 4096 != 0 || opts.block_size > max_bytes) {
     throw invalid_argument(
-        fmt::format("pinned_host_memory: block_size {} must be a positive multiple of 4096", opts.block_size));
+        fmt::format("pinned_host_memory: block_size {} out of range: a multiple of 4096 in [4096, {}]", opts.block_size,
+                    max_bytes / 4096 * 4096));
   }
 }
 

@@ -41,8 +41,11 @@ std::string device_status() {
 void check(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
     (void)cudaGetLastError();
-    throw cuda_error(static_cast<int>(status),
-                     fmt::format("{} failed: {} ({})", what, cudaGetErrorName(status), cudaGetErrorString(status)));
+    // Without a driver or a device every call fails the same way: say so first, as device_status() does.
+    const bool no_device = status == cudaErrorNoDevice || status == cudaErrorInsufficientDriver ||
+                           status == cudaErrorStubLibrary || status == cudaErrorDevicesUnavailable;
+    throw cuda_error(static_cast<int>(status), fmt::format("{} failed: {}{} ({})", what, no_device ? "no device: " : "",
+                                                           cudaGetErrorName(status), cudaGetErrorString(status)));
   }
 }
 

@@ -9,8 +9,11 @@
 #include "expage/cuda/runtime.hpp"
 
 #include <cuda_runtime_api.h>
+#include <gmock/gmock.h>
 
 namespace expage::testing {
+
+using ::testing::HasSubstr;
 
 template <>
 struct memory_traits<cuda::pinned_host_memory> : host_touchable_traits<cuda::pinned_host_memory> {
@@ -36,6 +39,19 @@ TEST(CudaMemory, ValidatesOptionsWithoutADevice) {
   EXPECT_THROW(cuda::device_memory({.device = -1}), invalid_argument);
   EXPECT_THROW(cuda::device_memory({.block_size = 100}), invalid_argument);
   EXPECT_THROW(cuda::pinned_host_memory({.block_size = 1000}), invalid_argument);
+  // A multiple that is too large is named with the range (it said "must be a positive multiple").
+  try {
+    cuda::pinned_host_memory m({.block_size = std::size_t{1} << 63});
+    FAIL() << "a 2^63-byte block accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("block_size 9223372036854775808 out of range: a multiple of 4096 in [4096, "));
+  }
+  try {
+    cuda::device_memory m({.block_size = std::size_t{1} << 63});
+    FAIL() << "a 2^63-byte block accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("block_size 9223372036854775808 out of range: a multiple of 256 in [256, "));
+  }
 }
 
 TEST(CudaMemory, AllocationWithoutADriverIsACudaErrorNotACrash) {

@@ -10,6 +10,7 @@ namespace expage::cuda {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::StartsWith;
 
 TEST(CudaRuntime, DiscoveryNeverThrows) {
@@ -33,6 +34,12 @@ TEST(CudaRuntime, CheckThrowsCudaErrorWithNameAndCall) {
     EXPECT_EQ(e.code(), static_cast<int>(cudaErrorInvalidValue));
     EXPECT_THAT(e.what(), HasSubstr("cudaMemcpy(dst, src) failed: cudaErrorInvalidValue"));
   }
+  try {  // the errors every call gives without a driver or a device say so first
+    check(cudaErrorInsufficientDriver, "cudaSetDevice");
+    FAIL();
+  } catch (const cuda_error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("cudaSetDevice failed: no device: cudaErrorInsufficientDriver"));
+  }
 }
 
 TEST(CudaDriver, EntryPointsResolveExactlyWhenADeviceIsPresent) {
@@ -42,7 +49,8 @@ TEST(CudaDriver, EntryPointsResolveExactlyWhenADeviceIsPresent) {
       (void)require_driver();
       FAIL() << "require_driver() succeeded without a driver";
     } catch (const cuda_error& e) {
-      EXPECT_THAT(e.what(), HasSubstr("CUDA driver unavailable"));
+      EXPECT_THAT(e.what(), StartsWith("no device: CUDA driver unavailable"));
+      EXPECT_THAT(e.what(), Not(HasSubstr("query result")));  // never written when the query fails
     }
     GTEST_SKIP() << "no CUDA device: " << device_status();
   }
@@ -59,6 +67,15 @@ TEST(CudaDriver, EntryPointsResolveExactlyWhenADeviceIsPresent) {
 }
 
 TEST(CudaDriver, CheckNamesTheDriverError) {
+  // A code the driver does not know (or no driver at all): still a cuda_error with its code, never
+  // a formatting error from the null name the driver leaves.
+  try {
+    check(static_cast<CUresult>(1000), "cuMemMap");  // unassigned (CUDA_ERROR_UNKNOWN is 999)
+    FAIL();
+  } catch (const cuda_error& e) {
+    EXPECT_EQ(e.code(), 1000);
+    EXPECT_THAT(e.what(), HasSubstr("cuMemMap failed: unknown CUresult"));
+  }
   if (!device_available()) GTEST_SKIP() << "no CUDA device: " << device_status();
   try {
     check(CUDA_ERROR_OUT_OF_MEMORY, "cuMemCreate");

@@ -7,9 +7,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 namespace expage::cuda {
@@ -43,7 +45,8 @@ class staging_ring;  // src/cuda/staging_ring.hpp
 /// fused_moe<<<grid, block, 0, compute.native()>>>(rt.stable_tensor(l, expert_tensor::gate_up, version_tier::hi),
 ///                                                 maps.map(version_tier::hi) + l * E, ...);
 /// @endcode
-/// @threadsafety update() is called by the runtime under its lock; map() may be read from any thread.
+/// @threadsafety update() is called by the runtime under its lock; map(), failed_updates() and
+/// throw_if_failed() may be called from any thread.
 class device_expert_map final : public expert_map_hook {
  public:
   /// Maps of @p experts entries for @p tiers tiers (1 or 2) on the current device, updated on
@@ -66,7 +69,7 @@ class device_expert_map final : public expert_map_hook {
   /// Entries per tier.
   [[nodiscard]] std::size_t size() const noexcept { return experts_; }
   /// Updates that could not be enqueued (their entries on the device are stale).
-  [[nodiscard]] std::uint64_t failed_updates() const noexcept { return failed_; }
+  [[nodiscard]] std::uint64_t failed_updates() const noexcept { return failed_.load(std::memory_order_relaxed); }
   /// @throws expage::cuda_error with the first failed update's message, when there was one.
   void throw_if_failed() const;
 
@@ -76,8 +79,9 @@ class device_expert_map final : public expert_map_hook {
   cudaStream_t compute_;
   std::int32_t* device_ = nullptr;
   std::unique_ptr<detail::staging_ring> staging_;
-  std::uint64_t failed_ = 0;
-  std::string first_failure_;
+  std::atomic<std::uint64_t> failed_{0};  // read from any thread
+  mutable std::mutex first_failure_mutex_;
+  std::string first_failure_;  // guarded by first_failure_mutex_
 };
 
 }  // namespace expage::cuda
