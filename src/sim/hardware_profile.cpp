@@ -193,8 +193,8 @@ cost_model make_cost_model(const moe_geometry& geometry, const hardware_profile&
     if (!std::isfinite(scale)) {
       throw invalid_argument(fmt::format(
           "transfer/compute ratio {} out of range: {} x {:.3g} s per layer does not exceed the links' least setup "
-          "{:.3g} s",
-          *ratio, *ratio, layer, least_setup));
+          "{:.3g} s (allowed: a ratio above {:.3g} for this geometry and hardware)",
+          *ratio, *ratio, layer, least_setup, least_setup / layer));
     }
     for (auto& l : links) l.gbytes_per_second *= scale;
   }

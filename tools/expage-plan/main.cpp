@@ -165,11 +165,11 @@ config parse(int argc, char** argv, const std::string& help) {
     } else if (flag == "--kv-floor") {
       c.kv_floor = expage_tools::parse_bytes(flag, value(), 0);
     } else if (flag == "--concurrency") {
-      c.concurrency = parse_number<std::uint64_t>(flag, value(), 0, 1U << 24);
+      c.concurrency = parse_number<std::uint64_t>(flag, value(), 1, 1U << 24);  // 0 sessions would need no KV
     } else if (flag == "--context") {
-      c.context = parse_number<std::uint64_t>(flag, value(), 0, 1U << 30);
+      c.context = parse_number<std::uint64_t>(flag, value(), 1, 1U << 30);
     } else if (flag == "--kv-bytes-per-token") {
-      c.kv_per_token = expage_tools::parse_bytes(flag, value(), 0);
+      c.kv_per_token = expage_tools::parse_bytes(flag, value(), 1);
     } else if (flag == "--geometry") {
       c.geometry = std::string(value());
     } else if (flag == "--hardware") {
@@ -185,7 +185,10 @@ config parse(int argc, char** argv, const std::string& help) {
           throw usage_error{fmt::format("--precision: {}", e.what())};
         }
       }
-      if (c.precisions.size() > 8) throw usage_error{"--precision: at most 8 precisions"};
+      expage_tools::drop_repeats(c.precisions);  // bf16,bf16 is one precision
+      if (c.precisions.size() > 8) {
+        throw usage_error{fmt::format("--precision: {} distinct precisions, out of range [1, 8]", c.precisions.size())};
+      }
     } else if (flag == "--policy") {
       const std::string_view v = value();
       const auto kinds = expage::all_policy_kinds();
@@ -271,9 +274,6 @@ config parse(int argc, char** argv, const std::string& help) {
   if (c.sessions && !c.kv_per_token) {
     throw usage_error{"--sessions needs --kv-bytes-per-token (the KV bytes of one token over all layers)"};
   }
-  if (c.sessions && c.kv_per_token && *c.kv_per_token == 0) {
-    throw usage_error{"--kv-bytes-per-token 0 out of range [1, 2^64) with --sessions"};
-  }
   if (c.release_closed && !c.sessions) throw usage_error{"--release-closed needs --sessions MIX"};
   for (const std::string_view flag : c.given) {
     if (flag == "--interval" && !c.tiers) throw usage_error{"--interval needs --tiers (the hot set's intervals)"};
@@ -294,7 +294,6 @@ config parse(int argc, char** argv, const std::string& help) {
           "--min-hi-coverage Q"};
     }
   }
-  expage_tools::drop_repeats(c.precisions);
   return c;
 }
 
@@ -839,7 +838,7 @@ int main(int argc, char** argv) {
     const auto& b = plan.options[plan.best];
     // With --sessions this is not the answer: it leaves the KV cache's recompute out.
     fmt::print(
-        "\n{}: {} expert slots at {} ({}), {} to the KV cache; {:.3f} ms per token, within {:.0f}% of the "
+        "\n{}: {} expert slots at {} ({}), {} to the KV cache; {:.3f} ms per token, within {:.3g}% of the "
         "fastest option ({} slots at {}, {:.3f} ms).{}\n",
         c.sessions ? "knee without KV recompute (the recommendation, with it, is the last line)" : "recommended",
         r.slots, expage::to_string(r.format), expage::byte_size{r.expert_bytes}, expage::byte_size{r.kv_bytes},
