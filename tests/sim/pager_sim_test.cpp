@@ -58,6 +58,17 @@ void add(routing_trace& t, std::uint32_t step, std::uint32_t layer, std::uint32_
   t.append({.sequence = 0, .step = step, .layer = layer, .experts = experts, .weights = weights});
 }
 
+// A seeded synthetic trace of @p g: @p sequences sequences of @p steps decode steps, @p batch in lockstep.
+routing_trace synthetic(const moe_geometry& g, std::uint64_t seed, std::uint32_t sequences, std::uint32_t steps,
+                        std::uint32_t batch = 1) {
+  synthetic_options so;
+  so.seed = seed;
+  so.sequences = sequences;
+  so.decode_steps = steps;
+  so.batch_size = batch;
+  return generate_synthetic(g, so);
+}
+
 routing_trace two_tokens(const moe_geometry& g) {
   routing_trace t(g);
   add(t, 0, 0, 0, 1);
@@ -71,12 +82,7 @@ routing_trace two_tokens(const moe_geometry& g) {
 // misses, hits and evictions for every policy, layout and capacity, and the same stall.
 TEST(PagerSim, EqualsReplayWithFreeComputeForEveryPolicy) {
   const auto g = small();
-  synthetic_options so;
-  so.seed = 11;
-  so.sequences = 6;
-  so.decode_steps = 40;
-  so.batch_size = 2;
-  const routing_trace trace = generate_synthetic(g, so);
+  const routing_trace trace = synthetic(g, 11, 6, 40, 2);
   hardware_profile free_compute = hardware_profile::preset("pcie4");
   free_compute.compute_calibration = 0.0;
   free_compute.links[0].setup_seconds = 0.0;
@@ -203,11 +209,7 @@ TEST(PagerSim, CostBenefitAdmissionByHand) {
 // that are not routed, and the forecast stays a probability.
 TEST(PagerSim, TheNoisyOraclesRecallHoldsAtEveryDistance) {
   const auto g = small();
-  synthetic_options so;
-  so.seed = 5;
-  so.sequences = 4;
-  so.decode_steps = 400;
-  const routing_trace trace = generate_synthetic(g, so);
+  const routing_trace trace = synthetic(g, 5, 4, 400);
   const access_stream stream(trace, 16);
   for (const std::uint32_t d : {1U, 2U, 4U}) {
     for (const double recall : {0.5, 0.8}) {
@@ -301,12 +303,7 @@ TEST(PagerSim, InvariantsOnRandomTraces) {
   const auto g = small();
   double resize_stall = 0.0;  // some barrier waited (the test covers that case)
   for (std::uint64_t seed = 1; seed <= 4; ++seed) {
-    synthetic_options so;
-    so.seed = seed;
-    so.sequences = 4;
-    so.decode_steps = 48;
-    so.batch_size = seed % 2 + 1;
-    const routing_trace trace = generate_synthetic(g, so);
+    const routing_trace trace = synthetic(g, seed, 4, 48, seed % 2 + 1);
     for (const double r : {1.0, 10.0}) {
       for (const std::uint32_t capacity : {8U, 24U, 60U}) {
         const access_stream stream(trace, capacity);
@@ -413,11 +410,7 @@ class random_prefetcher final : public prefetcher {
 // bytes stay within (1 + share)× and stall within a few transfers of demand loading.
 TEST(PagerSim, GuardsSilenceAUselessPrefetcher) {
   const auto g = small();
-  synthetic_options so;
-  so.seed = 5;
-  so.sequences = 4;
-  so.decode_steps = 64;
-  const routing_trace trace = generate_synthetic(g, so);
+  const routing_trace trace = synthetic(g, 5, 4, 64);
   for (const std::uint32_t capacity : {16U, 48U}) {
     SCOPED_TRACE(fmt::format("capacity {}", capacity));
     const access_stream stream(trace, capacity);
@@ -580,11 +573,7 @@ TEST(PagerSim, EvictionDuelKeepsTheEvictionOrderFromTrailingLru) {
 // the largest group), the fewest misses equal the bound's, and its stall is those misses' loads.
 TEST(PagerSim, HindsightStaticEqualsTheBestStaticSetByBruteForce) {
   const auto g = tiny();  // 2 layers × 4 experts: 8 keys in the global layout
-  synthetic_options so;
-  so.seed = 6;
-  so.sequences = 2;
-  so.decode_steps = 20;
-  const routing_trace trace = generate_synthetic(g, so);
+  const routing_trace trace = synthetic(g, 6, 2, 20);
   for (const std::uint32_t capacity : {2U, 4U, 6U, 8U}) {
     SCOPED_TRACE(fmt::format("capacity {}", capacity));
     const access_stream stream(trace, capacity);
@@ -610,11 +599,7 @@ TEST(PagerSim, HindsightStaticEqualsTheBestStaticSetByBruteForce) {
 
 TEST(PagerSim, NoisyOracleIsDeterministicPerSeed) {
   const auto g = small();
-  synthetic_options so;
-  so.seed = 3;
-  so.sequences = 2;
-  so.decode_steps = 32;
-  const routing_trace trace = generate_synthetic(g, so);
+  const routing_trace trace = synthetic(g, 3, 2, 32);
   const access_stream stream(trace, 16);
   oracle_prefetcher a(2, 0.7, 5);
   oracle_prefetcher b(2, 0.7, 5);
