@@ -107,6 +107,16 @@ struct tiered_world : runtime_world {
     });
   }
 
+  // Checks @p lease's reads on the compute stream, releases it, and expects every read and every
+  // view right once the stream has run.
+  void release_checked(runtime& rt, runtime::lease& lease) {
+    check_lease_on_compute(rt, lease);
+    lease.release();
+    compute.synchronize();
+    EXPECT_EQ(mismatches.load(), 0U);
+    EXPECT_EQ(check_tiers(rt), "");
+  }
+
   // Every view of every version agrees with the others and with the weights ("" when they do).
   [[nodiscard]] std::string check_tiers(runtime& rt) {
     copy.synchronize();
@@ -770,11 +780,7 @@ TEST(ExpertRuntimeTiers, DemandTierHiLoadsHiAndStillServesResidentLoVersions) {
   ASSERT_EQ(tiers.size(), 2U);
   EXPECT_EQ(tiers[0], version_tier::lo) << "a hi miss served by the resident lo version";
   EXPECT_EQ(tiers[1], version_tier::hi) << "a demand miss loads the demand tier";
-  w.check_lease_on_compute(rt, lease);
-  lease.release();
-  w.compute.synchronize();
-  EXPECT_EQ(w.mismatches.load(), 0U);
-  EXPECT_EQ(w.check_tiers(rt), "");
+  w.release_checked(rt, lease);
 }
 
 // The demand tier can change (a split without a lo tier pages hi versions); with targets_load_hi a
@@ -1068,11 +1074,7 @@ TEST(ExpertRuntimeTiers, ADoubleFaultEvictsTheVictimAndItsRecord) {
   fail_lo = false;
   const std::uint32_t again[] = {1};
   auto lease = rt.acquire(0, again);
-  w.check_lease_on_compute(rt, lease);
-  lease.release();
-  w.compute.synchronize();
-  EXPECT_EQ(w.mismatches.load(), 0U);
-  EXPECT_EQ(w.check_tiers(rt), "");
+  w.release_checked(rt, lease);
 }
 
 // One acquire must not take both versions of an expert as victims: here a hi-target miss evicts
