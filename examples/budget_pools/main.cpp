@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <map>
@@ -74,12 +75,19 @@ int run(int argc, char** argv) {
   bool json = false;
   for (int i = 1; i < argc; ++i) {
     const std::string_view arg = argv[i];
-    if (arg == "--quick")
+    if (arg == "--quick") {
       quick = true;
-    else if (arg == "--json")
+    } else if (arg == "--json") {
       json = true;
-    else {
-      fmt::print(stderr, "budget_pools: unknown flag '{}' (expected --quick, --json)\n", arg);
+    } else if (arg == "--help" || arg == "-h") {
+      std::fputs(
+          "budget_pools [--quick] [--json]\n"
+          "  --quick  2 layers and 200 steps (the CI test; default 4 layers, 2000 steps)\n"
+          "  --json   also print the budget as JSON\n",
+          stdout);
+      return 0;
+    } else {
+      fmt::print(stderr, "budget_pools: unknown flag '{}' (expected --quick, --json, --help)\n", arg);
       return 2;
     }
   }
@@ -202,10 +210,12 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  int status = 0;
   try {
-    return run(argc, argv);
+    status = run(argc, argv);
   } catch (const std::exception& e) {
     fmt::print(stderr, "budget_pools: {}\n", e.what());
     return 1;
   }
+  return expage::finish_standard_output("budget_pools") ? status : 1;
 }

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -274,17 +275,26 @@ int run(bool quick) {
 int main(int argc, char** argv) {
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
-    if (std::string_view(argv[i]) == "--quick") {
+    const std::string_view a(argv[i]);
+    if (a == "--quick") {
       quick = true;
+    } else if (a == "--help" || a == "-h") {
+      std::fputs(
+          "mixed_precision [--quick]\n"
+          "  8 layers x 16 experts, 16 sequences x 64 tokens; --quick: 4 sequences (the CI test)\n",
+          stdout);
+      return expage::finish_standard_output("mixed_precision") ? 0 : 1;
     } else {
-      fmt::print(stderr, "mixed_precision: unknown flag {} (expected --quick)\n", argv[i]);
+      fmt::print(stderr, "mixed_precision: unknown flag {} (expected --quick, --help)\n", a);
       return 2;
     }
   }
+  int status = 0;
   try {
-    return run(quick);
-  } catch (const std::exception& e) {
+    status = run(quick);
+  } catch (const std::exception& e) {  // the run failed (memory, a transition): not the command line
     fmt::print(stderr, "mixed_precision: {}\n", e.what());
-    return 2;
+    return 1;
   }
+  return expage::finish_standard_output("mixed_precision") ? status : 1;
 }

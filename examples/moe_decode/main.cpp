@@ -142,16 +142,6 @@ struct options {
 
 [[noreturn]] void usage(const std::string& why) { throw usage_error(why); }
 
-// Flushes standard output; false (with a message) when anything written to it was lost
-// (`> /dev/full`): the exit status must say so.
-bool stdout_written() {
-  errno = 0;
-  if (std::fflush(stdout) == 0 && std::ferror(stdout) == 0) return true;
-  const int err = errno != 0 ? errno : EIO;
-  std::fprintf(stderr, "moe_decode: cannot write standard output: %s\n", std::strerror(err));
-  return false;
-}
-
 std::uint64_t parse_uint(std::string_view flag, std::string_view v, std::uint64_t lo, std::uint64_t hi) {
   std::uint64_t x = 0;
   const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
@@ -163,10 +153,13 @@ std::uint64_t parse_uint(std::string_view flag, std::string_view v, std::uint64_
 
 options parse(int argc, char** argv) {
   options o;
-  std::string_view tier_option;    // the last of --hi-share, --hi-per-layer, --interval given
-  std::string_view sizing_option;  // the last of --hi-share, --hi-per-layer given
+  std::string_view tier_option;         // the last of --hi-share, --hi-per-layer, --interval given
+  std::string_view sizing_option;       // the last of --hi-share, --hi-per-layer given
+  std::vector<std::string_view> given;  // every flag, in order
+  bool quick = false;
   for (int i = 1; i < argc; ++i) {
     const std::string_view a = argv[i];
+    given.push_back(a);
     const auto value = [&]() -> std::string_view {
       if (i + 1 >= argc) usage(fmt::format("{} needs a value", a));
       const std::string_view v = argv[i + 1];
@@ -278,8 +271,7 @@ options parse(int argc, char** argv) {
     } else if (a == "--physics") {
       o.physics = true;
     } else if (a == "--quick") {
-      o.tokens = 4;
-      o.scale = 16;
+      quick = true;  // defaults for what is not given, below
     } else if (a == "--help" || a == "-h") {
       std::puts(
           "moe_decode [--backend host|cuda] [--geometry NAME] [--scale N] [--tokens N] [--budget P%]\n"
@@ -300,9 +292,25 @@ options parse(int argc, char** argv) {
           "pcie4) and a KV workload of the --kv-sessions preset (phase-shift, tool-calls, long-context;\n"
           "default phase-shift), a token's KV taking --kv-per-token bytes (default: the busiest pass's KV\n"
           "is a quarter of B)");
-      std::exit(stdout_written() ? 0 : 1);
+      std::exit(expage::finish_standard_output("moe_decode") ? 0 : 1);
     } else {
       usage(fmt::format("unknown option '{}' (see --help)", a));
+    }
+  }
+  const auto was_given = [&](std::string_view flag) { return std::ranges::find(given, flag) != given.end(); };
+  if (quick) {  // a smaller default, never over a value given (in any order)
+    if (!was_given("--tokens")) o.tokens = 4;
+    if (!was_given("--scale")) o.scale = 16;
+  }
+  if (!o.write_weights.empty()) {  // a mode of its own: it writes the weights of the model and exits
+    for (const std::string_view flag : given) {
+      if (flag.starts_with("--") && flag != "--write-weights" && flag != "--geometry" && flag != "--scale" &&
+          flag != "--quick") {
+        usage(
+            fmt::format("--write-weights writes the model's weights and exits: {} would be ignored (give "
+                        "--geometry and --scale only)",
+                        flag));
+      }
     }
   }
   if (!tier_option.empty() && !o.lo_format) usage(fmt::format("{} needs --lo-precision (two tiers)", tier_option));
@@ -1893,5 +1901,5 @@ int run_main(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   const int status = run_main(argc, argv);
-  return stdout_written() ? status : std::max(status, 1);
+  return expage::finish_standard_output("moe_decode") ? status : std::max(status, 1);
 }

@@ -22,6 +22,7 @@
 #include <atomic>
 #include <charconv>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <string_view>
@@ -37,41 +38,65 @@ struct settings {
   std::uint32_t window = 2;
   std::uint32_t pin = 0;
   int iterations = 1;
+  bool help = false;
 };
+
+// A bad command line (exit status 2); any other failure is the run's (exit status 1).
+struct usage_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+constexpr const char* usage_text =
+    "paged_tensor [--scale N] [--window W] [--pin K] [--iterations N] [--quick]\n"
+    "  --scale N       divide the hidden and intermediate sizes by N, [1, 64] (default 1: real sizes)\n"
+    "  --window W      layers of physical blocks behind the stable addresses, [2, 32] (default 2)\n"
+    "  --pin K         experts kept mapped across iterations, [0, 256] (default 0)\n"
+    "  --iterations N  passes over the 32 layers, [1, 1000] (default 1)\n"
+    "  --quick         --scale 16 --iterations 3 where not given (the CI test)\n";
 
 std::uint32_t parse_count(std::string_view flag, const char* text, std::uint32_t lo, std::uint32_t hi) {
   std::uint32_t v = 0;
   const std::string_view s(text);
   const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
   if (ec != std::errc() || end != s.data() + s.size() || v < lo || v > hi) {
-    throw expage::invalid_argument(fmt::format("{} {}: expected an integer in [{}, {}]", flag, s, lo, hi));
+    throw usage_error(fmt::format("{} {}: expected an integer in [{}, {}]", flag, s, lo, hi));
   }
   return v;
 }
 
 settings parse(int argc, char** argv) {
   settings s;
+  bool quick = false;
+  bool scale_given = false;
+  bool iterations_given = false;
   for (int i = 1; i < argc; ++i) {
     const std::string_view a(argv[i]);
     const auto value = [&](std::uint32_t lo, std::uint32_t hi) {
-      if (i + 1 >= argc) throw expage::invalid_argument(fmt::format("{} needs a value", a));
+      if (i + 1 >= argc) throw usage_error(fmt::format("{} needs a value", a));
       return parse_count(a, argv[++i], lo, hi);
     };
     if (a == "--scale") {
       s.scale = value(1, 64);
+      scale_given = true;
     } else if (a == "--window") {
       s.window = value(2, 32);
     } else if (a == "--pin") {
       s.pin = value(0, 256);
     } else if (a == "--iterations") {
       s.iterations = static_cast<int>(value(1, 1000));
+      iterations_given = true;
     } else if (a == "--quick") {
-      s.scale = 16;
-      s.iterations = 3;
+      quick = true;
+    } else if (a == "--help" || a == "-h") {
+      s.help = true;
     } else {
-      throw expage::invalid_argument(
-          fmt::format("unknown flag {} (expected --scale N, --window W, --pin K, --iterations N, --quick)", a));
+      throw usage_error(
+          fmt::format("unknown flag {} (expected --scale N, --window W, --pin K, --iterations N, --quick, --help)", a));
     }
+  }
+  if (quick) {  // smaller defaults, never over a value given (in any order)
+    if (!scale_given) s.scale = 16;
+    if (!iterations_given) s.iterations = 3;
   }
   return s;
 }
@@ -212,10 +237,20 @@ int run(const settings& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  int status = 0;
   try {
-    return run(parse(argc, argv));
-  } catch (const std::exception& e) {
+    const settings s = parse(argc, argv);
+    if (s.help) {
+      std::fputs(usage_text, stdout);
+    } else {
+      status = run(s);
+    }
+  } catch (const usage_error& e) {
     fmt::print(stderr, "paged_tensor: {}\n", e.what());
     return 2;
+  } catch (const std::exception& e) {  // the run failed (memory, mapping): not the command line
+    fmt::print(stderr, "paged_tensor: {}\n", e.what());
+    return 1;
   }
+  return expage::finish_standard_output("paged_tensor") ? status : 1;
 }

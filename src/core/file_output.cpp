@@ -218,4 +218,16 @@ void write_file_atomically(const fs::path& path, const std::function<void(std::o
   write_files_atomically({&file, 1});
 }
 
+bool finish_standard_output(std::string_view program) noexcept {
+  errno = 0;
+  const bool ok = std::fflush(stdout) == 0 && std::ferror(stdout) == 0;
+  const int err = errno;
+  const bool closed = std::fclose(stdout) == 0;
+  const int close_err = errno;
+  if (ok && closed) return true;
+  std::fprintf(stderr, "%.*s: cannot write standard output: %s\n", static_cast<int>(program.size()), program.data(),
+               std::strerror(!ok ? (err != 0 ? err : EIO) : close_err));
+  return false;
+}
+
 }  // namespace expage

@@ -151,18 +151,4 @@ inline void write_all_atomically(const std::vector<output_text>& outputs) {
   }
 }
 
-/// Flushes and closes standard output; false (after a message on stderr naming @p tool and the
-/// reason) when anything written to it was lost.
-inline bool finish_stdout(std::string_view tool) {
-  errno = 0;
-  const bool ok = std::fflush(stdout) == 0 && std::ferror(stdout) == 0;
-  const int err = errno;
-  const bool closed = std::fclose(stdout) == 0;
-  const int close_err = errno;
-  if (ok && closed) return true;
-  std::fprintf(stderr, "%.*s: cannot write standard output: %s\n", static_cast<int>(tool.size()), tool.data(),
-               std::strerror(!ok ? (err != 0 ? err : EIO) : close_err));
-  return false;
-}
-
 }  // namespace expage_tools

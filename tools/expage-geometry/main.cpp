@@ -43,11 +43,19 @@ int main(int argc, char** argv) {
     const bool has_value = i + 1 < argc;
     if (arg == "--help" || arg == "-h") {
       fmt::print(fmt::runtime(usage), names);
-      return expage_tools::finish_stdout("expage-geometry") ? 0 : 1;
+      return expage::finish_standard_output("expage-geometry") ? 0 : 1;
     }
     if (arg == "--model" && has_value) {
       try {
-        models.push_back(expage::geometry_from_argument(argv[++i]));
+        models.push_back(expage::geometry_from_argument(argv[i + 1]));
+        if (expage_tools::shape_only(models.back())) {  // every figure here is bytes
+          fmt::print(stderr,
+                     "expage-geometry: --model {}: '{}' gives no sizes (hidden_size and intermediate_size), so its "
+                     "bytes would be per unit: add them to the file, or name a preset\n",
+                     argv[i + 1], models.back().name());
+          return 2;
+        }
+        ++i;
       } catch (const expage::invalid_argument& e) {
         fmt::print(stderr, "expage-geometry: --model: {}\n", e.what());
         return 2;
@@ -93,5 +101,5 @@ int main(int argc, char** argv) {
     }
     fmt::print("\n");
   }
-  return expage_tools::finish_stdout("expage-geometry") ? 0 : 1;
+  return expage::finish_standard_output("expage-geometry") ? 0 : 1;
 }

@@ -149,7 +149,7 @@ config parse(int argc, char** argv, const std::string& help) {
     const auto value = [&]() -> std::string_view { return expage_tools::flag_value(args, i); };
     if (flag == "--help" || flag == "-h") {
       std::fputs(help.c_str(), stdout);
-      std::exit(expage_tools::finish_stdout("expage-plan") ? 0 : 1);
+      std::exit(expage::finish_standard_output("expage-plan") ? 0 : 1);
     } else if (flag == "--trace") {
       c.trace = std::string(value());
     } else if (flag == "--synthetic") {
@@ -1013,7 +1013,7 @@ int main(int argc, char** argv) {
                                           c.sessions ? "knee" : "recommended")});
     }
     expage_tools::write_all_atomically(outputs);  // every file or none
-    return expage_tools::finish_stdout("expage-plan") ? 0 : 1;
+    return expage::finish_standard_output("expage-plan") ? 0 : 1;
   } catch (const usage_error& e) {
     fmt::print(stderr, "expage-plan: {}\n", e.message);
     return 2;

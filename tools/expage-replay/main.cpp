@@ -110,6 +110,7 @@ struct config {
   bool per_layer = false;
   std::optional<std::string> csv, json, svg;
   std::uint32_t curve_points = 24;
+  bool curve_points_given = false;
   int progress = -1;  // -1 auto
 };
 
@@ -121,7 +122,7 @@ config parse(int argc, char** argv, const std::string& help) {
     const auto value = [&]() -> std::string_view { return expage_tools::flag_value(args, i); };
     if (flag == "--help" || flag == "-h") {
       std::fputs(help.c_str(), stdout);
-      std::exit(expage_tools::finish_stdout("expage-replay") ? 0 : 1);
+      std::exit(expage::finish_standard_output("expage-replay") ? 0 : 1);
     } else if (flag == "--trace") {
       c.trace = std::string(value());
     } else if (flag == "--synthetic") {
@@ -195,6 +196,7 @@ config parse(int argc, char** argv, const std::string& help) {
       c.svg = std::string(value());
     } else if (flag == "--curve-points") {
       c.curve_points = parse_number<std::uint32_t>(flag, value(), 2, 4096);
+      c.curve_points_given = true;
     } else if (flag == "--progress") {
       c.progress = 1;
     } else if (flag == "--no-progress") {
@@ -208,6 +210,18 @@ config parse(int argc, char** argv, const std::string& help) {
   }
   if (!c.synthetic && !c.synthetic_flag.empty()) {
     throw usage_error{fmt::format("{} shapes a --synthetic trace: it does nothing with --trace", c.synthetic_flag)};
+  }
+  // A flag that changes nothing is refused, as the synthetic flags are with --trace.
+  if (c.synthetic) {
+    for (const auto& [given, flag] :
+         {std::pair{c.in_memory, "--in-memory"}, std::pair{!c.read_ahead, "--no-read-ahead"},
+          std::pair{c.trust_geometry, "--trust-geometry"}}) {
+      if (given)
+        throw usage_error{fmt::format("{} is about reading a --trace file: it does nothing with --synthetic", flag)};
+    }
+  }
+  if (c.curve_points_given && !c.json && !c.svg) {
+    throw usage_error{"--curve-points samples the curves of --json and --svg: give one of them"};
   }
   if (c.policies.empty()) {
     const auto all = expage::all_policy_kinds();
@@ -554,7 +568,7 @@ int main(int argc, char** argv) {
                                                        c.trace ? "routing trace" : "synthetic trace"))});
     }
     expage_tools::write_all_atomically(outputs);  // every file or none
-    return expage_tools::finish_stdout("expage-replay") ? 0 : 1;
+    return expage::finish_standard_output("expage-replay") ? 0 : 1;
   } catch (const usage_error& e) {
     fmt::print(stderr, "expage-replay: {}\n", e.message);
     return 2;

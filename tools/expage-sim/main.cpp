@@ -222,7 +222,7 @@ config parse(int argc, char** argv, const std::string& help) {
     const auto value = [&]() -> std::string_view { return expage_tools::flag_value(args, i); };
     if (flag == "--help" || flag == "-h") {
       std::fputs(help.c_str(), stdout);
-      std::exit(expage_tools::finish_stdout("expage-sim") ? 0 : 1);
+      std::exit(expage::finish_standard_output("expage-sim") ? 0 : 1);
     } else if (flag == "--trace") {
       c.trace = std::string(value());
     } else if (flag == "--synthetic") {
@@ -769,7 +769,7 @@ int main(int argc, char** argv) {
                              fmt::format("Stall per token vs expert memory: {}, {}", g.name(), hardware.name))});
     }
     expage_tools::write_all_atomically(outputs);  // every file or none
-    return expage_tools::finish_stdout("expage-sim") ? 0 : 1;
+    return expage::finish_standard_output("expage-sim") ? 0 : 1;
   } catch (const usage_error& e) {
     fmt::print(stderr, "expage-sim: {}\n", e.message);
     return 2;

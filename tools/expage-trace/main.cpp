@@ -329,7 +329,7 @@ int run(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     const int status = run(argc, argv);
-    return expage_tools::finish_stdout("expage-trace") ? status : 1;
+    return expage::finish_standard_output("expage-trace") ? status : 1;
   } catch (const usage_error& e) {
     fmt::print(stderr, "expage-trace: {}\n", e.message);
     return 2;

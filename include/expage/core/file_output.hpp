@@ -6,6 +6,7 @@
 #include <functional>
 #include <ostream>
 #include <span>
+#include <string_view>
 
 namespace expage {
 
@@ -71,5 +72,14 @@ struct output_location {
 /// expage::write_file_atomically("stats.json", [&](std::ostream& out) { stats.write_json(out); });
 /// @endcode
 void write_file_atomically(const std::filesystem::path& path, const std::function<void(std::ostream&)>& write);
+
+/// @brief Flushes and closes standard output, as a program's last step: false (after a message
+/// on stderr, "program: cannot write standard output: reason") when anything written to it was
+/// lost (a full disk, a closed pipe, `> /dev/full`), so that the program can exit 1 instead of
+/// reporting success over a lost report.
+/// @code
+/// return expage::finish_standard_output("moe_decode") ? status : 1;
+/// @endcode
+[[nodiscard]] bool finish_standard_output(std::string_view program) noexcept;
 
 }  // namespace expage
