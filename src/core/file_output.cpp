@@ -7,15 +7,18 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <streambuf>
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 namespace expage {
@@ -102,39 +105,115 @@ std::string display(const fs::path& requested, const fs::path& target) {
                              : fmt::format("{} (a link to {})", requested.string(), target.string());
 }
 
-// Writes `file` through `write`, flushed and closed (appended to, never truncated, when
-// `in_place`: a redirected standard output keeps what was printed before). Errors name `named`.
-// Leaves `file` behind on failure: the caller removes a temporary one.
-void write_whole(const fs::path& file, const std::string& named, const std::function<void(std::ostream&)>& write,
-                 bool in_place) {
-  std::ofstream out(file, std::ios::binary | (in_place ? std::ios::app : std::ios::trunc));
+// The reason a stream failed: the system's (errno, cleared before the write), or the writer's own.
+std::string failure_reason(int err) {
+  return err != 0 ? std::string(std::strerror(err)) : "the writer left the stream failed (no system error)";
+}
+
+// Appends to `file` (a device, a pipe, a terminal: written in place, never truncated, so that a
+// redirected standard output keeps what was printed before) through `write`, flushed and closed.
+// Errors name `named`.
+void write_in_place(const fs::path& file, const std::string& named, const std::function<void(std::ostream&)>& write) {
+  std::ofstream out(file, std::ios::binary | std::ios::app);
   if (!out) {
     const int err = errno;
     throw invalid_argument(fmt::format("{}: cannot open for writing: {}", named, std::strerror(err)));
   }
+  errno = 0;
   write(out);
   out.flush();
   if (!out) {
     const int err = errno;
-    throw invalid_argument(fmt::format("{}: write failed: {}", named, std::strerror(err)));
+    throw invalid_argument(fmt::format("{}: write failed: {}", named, failure_reason(err)));
   }
+  errno = 0;
   out.close();
   if (!out) {
     const int err = errno;
-    throw invalid_argument(fmt::format("{}: close failed: {}", named, std::strerror(err)));
+    throw invalid_argument(fmt::format("{}: close failed: {}", named, failure_reason(err)));
   }
 }
 
-// Creates the temporary file `path` afresh: never through a link or a file planted under its name
-// (O_EXCL | O_NOFOLLOW; a name left by an earlier run is removed first, which removes a link, not
-// what it points at).
-void create_temporary(const fs::path& path, const std::string& named) {
+// A stream buffer over a file descriptor it owns: a temporary file is written through the
+// descriptor that created it, never reopened by its name (which another writer, or a link planted
+// after the creation, could then stand behind).
+class fd_buffer final : public std::streambuf {
+ public:
+  explicit fd_buffer(int fd) : fd_(fd), buffer_(64 * 1024) { setp(buffer_.data(), buffer_.data() + buffer_.size()); }
+  fd_buffer(const fd_buffer&) = delete;
+  fd_buffer& operator=(const fd_buffer&) = delete;
+  ~fd_buffer() override {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  // The errno of the first failed write or close, 0 when none failed.
+  [[nodiscard]] int error() const noexcept { return error_; }
+  // Writes what is buffered and closes the descriptor; false when anything failed.
+  bool close() {
+    const bool drained = drain();
+    const int fd = std::exchange(fd_, -1);
+    if (::close(fd) != 0 && error_ == 0) error_ = errno;
+    return drained && error_ == 0;
+  }
+
+ protected:
+  int_type overflow(int_type c) override {
+    if (!drain()) return traits_type::eof();
+    if (!traits_type::eq_int_type(c, traits_type::eof())) {
+      *pptr() = traits_type::to_char_type(c);
+      pbump(1);
+    }
+    return traits_type::not_eof(c);
+  }
+  int sync() override { return drain() ? 0 : -1; }
+
+ private:
+  bool drain() {
+    if (error_ != 0) return false;
+    const char* p = pbase();
+    auto n = static_cast<std::size_t>(pptr() - pbase());
+    while (n > 0) {
+      const ssize_t w = ::write(fd_, p, n);
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        error_ = errno;
+        return false;
+      }
+      p += w;
+      n -= static_cast<std::size_t>(w);
+    }
+    setp(buffer_.data(), buffer_.data() + buffer_.size());
+    return true;
+  }
+
+  int fd_;
+  int error_ = 0;
+  std::vector<char> buffer_;
+};
+
+// Writes the temporary file open on `fd` (owned) through `write`, flushed and closed. Errors name
+// `named`; the caller removes the file on failure.
+void write_temporary(int fd, const std::string& named, const std::function<void(std::ostream&)>& write) {
+  fd_buffer buffer(fd);
+  std::ostream out(&buffer);
+  errno = 0;
+  write(out);
+  out.flush();
+  if (!out || buffer.error() != 0) {
+    const int err = buffer.error() != 0 ? buffer.error() : errno;
+    throw invalid_argument(fmt::format("{}: write failed: {}", named, failure_reason(err)));
+  }
+  if (!buffer.close()) {
+    throw invalid_argument(fmt::format("{}: close failed: {}", named, std::strerror(buffer.error())));
+  }
+}
+
+// Creates the temporary file `path` afresh and returns its descriptor: never through a link or a
+// file planted under its name (O_EXCL | O_NOFOLLOW; a name left by an earlier run is removed
+// first, which removes a link, not what it points at). Names are unique within the process.
+int create_temporary(const fs::path& path, const std::string& named) {
   for (int attempt = 0;; ++attempt) {
     const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
-    if (fd >= 0) {
-      ::close(fd);
-      return;
-    }
+    if (fd >= 0) return fd;
     const int err = errno;
     if (err != EEXIST || attempt > 0 || ::unlink(path.c_str()) != 0) {
       throw invalid_argument(fmt::format("{}: cannot open for writing: {}", named, std::strerror(err)));
@@ -182,20 +261,20 @@ void write_files_atomically(std::span<const file_output> files) {
     for (std::size_t i = 0; i < files.size(); ++i) {
       planned_file& p = plan[i];
       if (p.in_place) continue;
-      // <name>.tmp<pid>.<index> beside the target; a name too long for the suffix is cut (any name
-      // the file system takes can be written), and the index keeps two names cut to one prefix apart.
-      const std::string suffix = fmt::format(".tmp{}.{}", ::getpid(), i);
+      // <name>.tmp<pid>.<serial> beside the target; a name too long for the suffix is cut (any name
+      // the file system takes can be written). The process-wide serial keeps apart two names cut to
+      // one prefix and two threads writing one path (each stages its own file; the last rename wins).
+      static std::atomic<std::uint64_t> serial{0};
+      const std::string suffix = fmt::format(".tmp{}.{}", ::getpid(), serial.fetch_add(1, std::memory_order_relaxed));
       std::string name = p.target.filename().string();
       if (name.size() + suffix.size() > NAME_MAX) name.resize(NAME_MAX > suffix.size() ? NAME_MAX - suffix.size() : 0);
-      const fs::path temporary = p.target.parent_path() / (name + suffix);
-      create_temporary(temporary, p.named);
-      p.temporary = temporary;
-      write_whole(temporary, p.named, files[i].write, /*in_place=*/false);
-      keep_permissions(p.target, temporary);
+      p.temporary = p.target.parent_path() / (name + suffix);  // before it exists: discard() removes it
+      write_temporary(create_temporary(p.temporary, p.named), p.named, files[i].write);
+      keep_permissions(p.target, p.temporary);
     }
     for (std::size_t i = 0; i < files.size(); ++i) {
       // Through the path asked for: /dev/stdout reaches this process's standard output.
-      if (plan[i].in_place) write_whole(plan[i].target, plan[i].named, files[i].write, /*in_place=*/true);
+      if (plan[i].in_place) write_in_place(plan[i].target, plan[i].named, files[i].write);
     }
   } catch (...) {
     discard();

@@ -84,8 +84,13 @@ class json_reader {
   }
   /// A non-negative integer in [@p lo, @p hi], as integer(v, key, hi).
   std::uint64_t integer(const json_value& v, std::string_view key, std::uint64_t lo, std::uint64_t hi) const {
-    if (v.type != json_value::kind::number || v.text.find_first_not_of("0123456789") != std::string::npos) {
-      fail_at(v.column, fmt::format("field '{}': expected a non-negative integer", key));
+    if (v.type != json_value::kind::number) {
+      constexpr std::string_view kinds[] = {"an object", "an array", "a string", "a number", "a boolean", "null"};
+      fail_at(v.column, fmt::format("field '{}': {}, expected an integer in [{}, {}]", key,
+                                    kinds[static_cast<std::size_t>(v.type)], lo, hi));
+    }
+    if (v.text.find_first_not_of("0123456789") != std::string::npos) {  // a sign, a fraction or an exponent
+      fail_at(v.column, fmt::format("field '{}': {} is not an integer in [{}, {}]", key, v.text, lo, hi));
     }
     std::uint64_t n = 0;
     const auto [end, ec] = std::from_chars(v.text.data(), v.text.data() + v.text.size(), n);

@@ -11,14 +11,17 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <latch>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace expage {
@@ -91,6 +94,54 @@ TEST_F(WriteFileAtomically, AThrowingWriterLeavesTheOldFileAndNoTemporary) {
                std::runtime_error);
   EXPECT_EQ(contents(p), "old");
   EXPECT_EQ(names(), std::vector<std::string>{"out.json"});
+}
+
+// A writer that fails the stream itself (no system call failed) is named as such, not with a
+// stale errno ("No such file or directory" before).
+TEST_F(WriteFileAtomically, AWriterThatFailsItsStreamIsNamedAsSuch) {
+  const fs::path p = dir_ / "out.json";
+  write_file_atomically(p, [](std::ostream& out) { out << "old"; });
+  errno = ENOENT;
+  try {
+    write_file_atomically(p, [](std::ostream& out) {
+      out << "half";
+      out.setstate(std::ios::badbit);
+    });
+    FAIL() << "no error";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("write failed: the writer left the stream failed (no system error)"));
+  }
+  EXPECT_EQ(contents(p), "old");
+  EXPECT_EQ(names(), std::vector<std::string>{"out.json"});
+}
+
+// Two threads writing one path each stage their own temporary file (the names were per process
+// and index, so one deleted the other's and either failed or lost its data): both succeed, the
+// file is one of the two whole, and nothing is left behind. 256 KiB each: past the write buffer.
+TEST_F(WriteFileAtomically, TwoThreadsWritingOnePathBothSucceedWhole) {
+  const fs::path p = dir_ / "out.bin";
+  const std::string a(256 * 1024, 'a');
+  const std::string b(256 * 1024, 'b');
+  for (int round = 0; round < 50; ++round) {
+    std::latch start(2);
+    std::atomic<int> failed{0};
+    const auto writer = [&](const std::string& text) {
+      start.arrive_and_wait();
+      try {
+        write_file_atomically(p, [&](std::ostream& out) { out << text; });
+      } catch (const std::exception&) {
+        ++failed;
+      }
+    };
+    std::thread one(writer, std::cref(a));
+    std::thread two(writer, std::cref(b));
+    one.join();
+    two.join();
+    ASSERT_EQ(failed.load(), 0) << "round " << round;
+    const std::string got = contents(p);
+    ASSERT_TRUE(got == a || got == b) << "round " << round << ": " << got.size() << " bytes, mixed or cut";
+  }
+  EXPECT_EQ(names(), std::vector<std::string>{"out.bin"});
 }
 
 TEST_F(WriteFileAtomically, AnUnwritableDirectoryIsNamedWithTheReason) {

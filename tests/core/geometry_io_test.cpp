@@ -38,10 +38,13 @@ TEST(GeometryJson, RefusesBadFilesNamingTheColumnAndField) {
   } cases[] = {
       {R"({"name":"x","layers":2,"experts_per_layer":4})", "field 'top_k' missing"},
       {R"({"layers":2,"experts_per_layer":4,"top_k":1})", "field 'name' missing"},
+      // The value and the field's range (it said only "expected a non-negative integer").
       {R"({"name":"x","layers":-2,"experts_per_layer":4,"top_k":1})",
-       "field 'layers': expected a non-negative integer"},
+       "field 'layers': -2 is not an integer in [1, 65536]"},
       {R"({"name":"x","layers":2.5,"experts_per_layer":4,"top_k":1})",
-       "field 'layers': expected a non-negative integer"},
+       "field 'layers': 2.5 is not an integer in [1, 65536]"},
+      {R"({"name":"x","layers":"2","experts_per_layer":4,"top_k":1})",
+       "field 'layers': a string, expected an integer in [1, 65536]"},
       // Out of what the field holds: the geometry's range, not the integer type's.
       {R"({"name":"x","layers":4294967296,"experts_per_layer":4,"top_k":1})",
        "field 'layers': 4294967296 out of range [1, 65536]"},

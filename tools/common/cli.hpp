@@ -147,6 +147,7 @@ inline std::uint64_t parse_bytes(std::string_view flag, std::string_view text, s
         fmt::format("{} '{}' is not a byte count in [{}, 2^53] (e.g. 24GiB, 512MiB, 40GB)", flag, text, lo)};
   };
   constexpr std::uint64_t most = std::uint64_t{1} << 53;
+  if (number.starts_with('-') || number.starts_with('+')) throw refuse();  // "-0GiB" is no byte count
   if (!number.empty() && number.find_first_not_of("0123456789") == std::string_view::npos) {
     // A whole number is read exactly (as a double, 2^53 + 1 would round to 2^53 and pass).
     std::uint64_t n = 0;
@@ -159,9 +160,11 @@ inline std::uint64_t parse_bytes(std::string_view flag, std::string_view text, s
   }
   double v = 0.0;
   const auto [end, ec] = std::from_chars(number.data(), number.data() + number.size(), v);
-  const double bytes = v * scale;
+  // The nearest byte: 4.1 × 1e9 is 4099999999.99999952 in double ("4.1GB" gave one byte less).
+  const double bytes = std::nearbyint(v * scale);
   if (ec != std::errc() || end != number.data() + number.size() || !(bytes >= static_cast<double>(lo)) ||
-      bytes > static_cast<double>(most) || (scale == 1.0 && bytes != std::floor(bytes))) {  // "1.5B", not "8.1GiB"
+      bytes > static_cast<double>(most) || (scale == 1.0 && v != std::floor(v)) ||  // "1.5B", not "8.1GiB"
+      (v > 0.0 && bytes == 0.0)) {                                                  // "0.0000001KiB"
     throw refuse();
   }
   return static_cast<std::uint64_t>(bytes);
