@@ -190,7 +190,12 @@ inline expage::routing_trace only_sequences(const expage::routing_trace& t, cons
 inline std::uint32_t resolve_capacity(const std::string& text, std::uint32_t keys, std::uint32_t minimum) {
   std::uint32_t slots = 0;
   if (!text.empty() && text.back() == '%') {
-    const double pct = parse_real("--capacity", std::string_view(text).substr(0, text.size() - 1), 0.0, 100.0);
+    double pct = 0.0;
+    try {
+      pct = parse_real("--capacity", std::string_view(text).substr(0, text.size() - 1), 0.0, 100.0);
+    } catch (const usage_error&) {  // named as given, with its '%'
+      throw usage_error{fmt::format("--capacity '{}' is not a percentage in [0%, 100%]", text)};
+    }
     slots = static_cast<std::uint32_t>(pct / 100.0 * keys + 0.5);
   } else {
     slots = parse_number<std::uint32_t>("--capacity", text, 1, keys);
