@@ -695,12 +695,13 @@ struct step_routing {
   std::vector<float> weights;         // [tokens × top_k]
 };
 
-// Step s ends a forward pass: the last layer's step, or its last piece when a batched trace's
-// layer had more tokens than experts and load_trace() split it. Without a trace (@p replay
+// Step s ends a forward pass: the next step is an earlier layer (a new pass) or there is none. A
+// batched trace's layer split by load_trace() is its pieces in a row, the same layer; a pass whose
+// last layer lost its row (the Mixtral trace's problem 0) still ends. Without a trace (@p replay
 // empty) the model routes every layer of every pass in order.
 bool ends_pass(std::span<const step_routing> replay, std::uint32_t layers, std::uint64_t s) {
   if (replay.empty()) return s % layers + 1 == layers;
-  return replay[s].layer + 1 == layers && (s + 1 == replay.size() || replay[s + 1].layer != replay[s].layer);
+  return s + 1 == replay.size() || replay[s + 1].layer < replay[s].layer;
 }
 // The forward passes a decode runs: --tokens (32 by default) routed by the model, or the trace's.
 std::uint64_t passes_of(const options& o, std::span<const step_routing> replay, std::uint32_t layers) {
@@ -1425,6 +1426,7 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   std::vector<float> ref_bf16;
   const bool below_bf16 = lo_store != nullptr || o.format != precision::bf16;  // some expert served below bf16
   std::uint64_t passes = 0;
+  std::uint32_t pass_tokens = 0;  // the tokens of the pass under way (a layer's rows may be missing)
   std::vector<std::uint32_t> token_experts(K);
   const auto t0 = clock_type::now();
   const std::uint32_t tokens_asked = o.tokens == 0 ? 32 : o.tokens;
@@ -1551,8 +1553,9 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
       const auto inv = static_cast<float>(1.0 / std::sqrt(sq / static_cast<double>(H) + 1e-6));
       for (std::uint64_t h = 0; h < H; ++h) st[h] *= inv;
     }
-    if (layer + 1 == g.layers()) r.tokens += n;
+    pass_tokens = std::max(pass_tokens, n);
     if (ends_pass(s)) {
+      r.tokens += std::exchange(pass_tokens, 0U);  // a pass whose last layer lost a row still counts
       ++passes;
       // Every `interval` passes the hot sets move (demotions first) and the runtime follows.
       if (hot && passes % o.interval == 0) {
