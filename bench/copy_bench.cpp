@@ -6,7 +6,7 @@
 //   BM_HostCopyEngine_CopyAsync/T          copy_async(), 2 MiB chunks, then the caller waits on the
 //                                          completion without helping (T threads copy)
 //   BM_HostCopyEngine_StreamCopy/T         the same bytes as 48 expert tensors of Qwen3-30B-A3B's size
-//                                          (gate_up ≈ 7.5 MiB, down ≈ 3.7 MiB), each enqueued on a
+//                                          (gate_up ≈ 7.1 MiB, down ≈ 3.6 MiB), each enqueued on a
 //                                          host_stream (the loader form), one event record and host
 //                                          wait per iteration; the stream's thread helps (T + 1)
 //
@@ -118,7 +118,8 @@ void BM_HostCopyEngine_StreamCopy(benchmark::State& state) {
   const auto threads = static_cast<std::size_t>(state.range(0));
   expage::host_copy_engine engine({.threads = threads, .chunk_bytes = 2_MiB});
   expage::host_stream stream("load");
-  // gate_up and down are 2:1 in size (Qwen3-30B-A3B: 6 MiB and 3 MiB in bf16); 24 pairs fill the 256 MiB.
+  // gate_up and down are 2:1 in size, about Qwen3-30B-A3B's (its bf16 tensors are 6 and 3 MiB; these,
+  // 24 pairs filling the 256 MiB, are 7.11 and 3.55 MiB).
   constexpr std::size_t pairs = 24;
   constexpr std::size_t pair_bytes = total_bytes / pairs / 4096 * 4096;
   constexpr std::size_t gate_up = pair_bytes / 3 * 2 / 4096 * 4096;

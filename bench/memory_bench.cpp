@@ -45,7 +45,9 @@ void BM_Budget_TryReserveRelease(benchmark::State& state) {
     benchmark::DoNotOptimize(r);
   }
   state.SetItemsProcessed(state.iterations());
-  state.counters["levels"] = static_cast<double>(state.range(0) + 1);
+  // Averaged over the threads (a plain counter is summed: 2 threads reported 2 levels for 1).
+  state.counters["levels"] =
+      benchmark::Counter(static_cast<double>(state.range(0) + 1), benchmark::Counter::kAvgThreads);
 }
 BENCHMARK(BM_Budget_TryReserveRelease)->Arg(0)->Arg(2)->ThreadRange(1, 2)->UseRealTime();
 

@@ -121,8 +121,9 @@ constexpr expage::expert_ffn_shape ffn_shape{.hidden = 2048, .intermediate = 768
 constexpr expage::router_shape ffn_routing{.tokens = 32, .experts = 8, .top_k = 2};
 
 void BM_Baseline_Fp32Ffn(benchmark::State& state) {
-  // The FFN's arithmetic on fp32 rows decoded beforehand: per expert and weight row, one dot
-  // product per token of the expert (what BM_ExpertFfn_Host does minus the decoding).
+  // The FFN's arithmetic on one fp32 row (8 KiB, L1-resident) reused for every weight row: per
+  // expert and weight row, one dot product per token of the expert. What BM_ExpertFfn_Host does
+  // minus the decoding and minus reading the weights from memory (its floor of arithmetic).
   const expage::bench::moe_layer layer(ffn_shape, ffn_routing, expage::precision::bf16);
   const std::vector<float> w = expage::bench::realistic_weights(ffn_shape.hidden);
   std::vector<float> h(ffn_routing.pairs() * 2 * ffn_shape.intermediate);
