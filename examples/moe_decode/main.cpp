@@ -1426,7 +1426,13 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   std::vector<float> ref_bf16;
   const bool below_bf16 = lo_store != nullptr || o.format != precision::bf16;  // some expert served below bf16
   std::uint64_t passes = 0;
-  std::uint32_t pass_tokens = 0;  // the tokens of the pass under way (a layer's rows may be missing)
+  // The tokens of the pass under way: per layer the sum over its pieces (load_trace() splits a
+  // batched layer into pieces of at most E rows), over the pass the most of any layer (a layer's
+  // rows may be missing).
+  std::uint32_t pass_tokens = 0;
+  std::uint32_t layer_tokens = 0;
+  constexpr std::uint32_t no_layer = std::numeric_limits<std::uint32_t>::max();
+  std::uint32_t pieces_of = no_layer;  // the layer layer_tokens counts
   std::vector<std::uint32_t> token_experts(K);
   const auto t0 = clock_type::now();
   const std::uint32_t tokens_asked = o.tokens == 0 ? 32 : o.tokens;
@@ -1553,9 +1559,13 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
       const auto inv = static_cast<float>(1.0 / std::sqrt(sq / static_cast<double>(H) + 1e-6));
       for (std::uint64_t h = 0; h < H; ++h) st[h] *= inv;
     }
-    pass_tokens = std::max(pass_tokens, n);
+    if (pieces_of != layer) layer_tokens = 0;
+    pieces_of = layer;
+    layer_tokens += n;
+    pass_tokens = std::max(pass_tokens, layer_tokens);
     if (ends_pass(s)) {
       r.tokens += std::exchange(pass_tokens, 0U);  // a pass whose last layer lost a row still counts
+      pieces_of = no_layer;
       ++passes;
       // Every `interval` passes the hot sets move (demotions first) and the runtime follows.
       if (hot && passes % o.interval == 0) {

@@ -108,13 +108,14 @@ void check_four_pool_model(const four_pool_model& m) {
     throw invalid_argument(fmt::format("four_pool_model: {} layers x {} experts x {} bytes out of range [0, 2^64)",
                                        m.layers, m.experts_per_layer, m.hi_expert_bytes));
   }
-  if (const std::uint64_t floor = kv_floor_block_bytes(m.kv_floor_bytes, m.block_bytes); m.budget_bytes < floor) {
+  if (const std::uint64_t floor = kv_floor_block_bytes(m.kv_floor_bytes, m.block_bytes);
+      !kv_floor_fits(m.budget_bytes, m.kv_floor_bytes, m.block_bytes)) {
     throw invalid_argument(fmt::format(
         "four_pool_model: budget_bytes {} below the KV admission floor kv_floor_bytes {} in whole blocks of {} bytes, "
         "{} (allowed: budget_bytes in [{}, 2^64))",
         m.budget_bytes, m.kv_floor_bytes, m.block_bytes, floor, floor));
   }
-  if (kv_floor_block_bytes(m.space.min_kv_bytes, m.block_bytes) > m.budget_bytes) {
+  if (!kv_floor_fits(m.budget_bytes, m.space.min_kv_bytes, m.block_bytes)) {
     throw invalid_argument(fmt::format(
         "four_pool_model: space.min_kv_bytes {} out of range [0, {}] (the budget's whole blocks of {} bytes)",
         m.space.min_kv_bytes, m.budget_bytes / m.block_bytes * m.block_bytes, m.block_bytes));

@@ -18,7 +18,7 @@ void check_model(const split_model& m, const char* who) {
   if (m.slot_bytes == 0) throw invalid_argument(fmt::format("{}: slot_bytes 0 out of range [1, 2^64)", who));
   if (m.block_bytes == 0) throw invalid_argument(fmt::format("{}: block_bytes 0 out of range [1, 2^64)", who));
   const std::uint64_t floor = kv_floor_block_bytes(m.kv_floor_bytes, m.block_bytes);
-  if (m.budget_bytes < floor) {
+  if (!kv_floor_fits(m.budget_bytes, m.kv_floor_bytes, m.block_bytes)) {
     throw invalid_argument(
         fmt::format("{}: budget_bytes {} below the KV admission floor kv_floor_bytes {} in whole blocks of {} bytes, "
                     "{} (allowed: budget_bytes in [{}, 2^64))",
@@ -77,6 +77,11 @@ std::uint64_t kv_floor_block_bytes(std::uint64_t floor_bytes, std::uint64_t bloc
   const std::uint64_t blocks = floor_bytes / block_bytes + (floor_bytes % block_bytes != 0 ? 1 : 0);
   std::uint64_t bytes = 0;
   return __builtin_mul_overflow(blocks, block_bytes, &bytes) ? std::numeric_limits<std::uint64_t>::max() : bytes;
+}
+
+bool kv_floor_fits(std::uint64_t budget_bytes, std::uint64_t floor_bytes, std::uint64_t block_bytes) noexcept {
+  const std::uint64_t blocks = floor_bytes / block_bytes + (floor_bytes % block_bytes != 0 ? 1 : 0);
+  return budget_bytes / block_bytes >= blocks;  // in blocks: no product to overflow
 }
 
 std::uint32_t max_expert_cap(const split_model& m) noexcept {

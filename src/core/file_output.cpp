@@ -139,7 +139,12 @@ void write_in_place(const fs::path& file, const std::string& named, const std::f
 // after the creation, could then stand behind).
 class fd_buffer final : public std::streambuf {
  public:
-  explicit fd_buffer(int fd) : fd_(fd), buffer_(64 * 1024) { setp(buffer_.data(), buffer_.data() + buffer_.size()); }
+  // Owns @p fd from the call on: closed here when the buffer cannot be allocated.
+  explicit fd_buffer(int fd) try : fd_(fd), buffer_(64 * 1024) {
+    setp(buffer_.data(), buffer_.data() + buffer_.size());
+  } catch (...) {
+    ::close(fd);
+  }
   fd_buffer(const fd_buffer&) = delete;
   fd_buffer& operator=(const fd_buffer&) = delete;
   ~fd_buffer() override {

@@ -57,9 +57,15 @@ void device_expert_map::update(version_tier tier, std::size_t index, std::int32_
     }
     staging_->copy_async(device_ + t * experts_ + index, &slot, sizeof(slot), compute_);
   } catch (const std::exception& e) {
-    if (failed_.fetch_add(1, std::memory_order_relaxed) == 0) {
-      try {  // noexcept: a failure to keep the message (bad_alloc) loses the message only
-        const std::lock_guard lock(first_failure_mutex_);
+    // The count and the first message under one lock, so that throw_if_failed() never sees the
+    // one without the other. noexcept: a lock or an allocation that fails loses the message only.
+    std::unique_lock lock(first_failure_mutex_, std::defer_lock);
+    try {
+      lock.lock();
+    } catch (...) {
+    }
+    if (failed_.fetch_add(1, std::memory_order_relaxed) == 0 && lock.owns_lock()) {
+      try {
         first_failure_ = e.what();
       } catch (...) {
       }
@@ -68,13 +74,14 @@ void device_expert_map::update(version_tier tier, std::size_t index, std::int32_
 }
 
 void device_expert_map::throw_if_failed() const {
-  const std::uint64_t failed = failed_.load(std::memory_order_relaxed);
+  std::uint64_t failed = 0;
+  std::string first;
+  {
+    const std::lock_guard lock(first_failure_mutex_);
+    failed = failed_.load(std::memory_order_relaxed);
+    first = first_failure_.empty() ? "(message lost)" : first_failure_;
+  }
   if (failed != 0) {
-    std::string first;
-    {
-      const std::lock_guard lock(first_failure_mutex_);
-      first = first_failure_.empty() ? "(message lost)" : first_failure_;
-    }
     throw cuda_error(static_cast<int>(cudaErrorUnknown),
                      fmt::format("cuda::device_expert_map: {} updates failed; the first: {}", failed, first));
   }

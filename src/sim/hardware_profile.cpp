@@ -14,6 +14,15 @@
 namespace expage {
 namespace {
 
+// The least number of three significant digits strictly above @p bound (> 0): printed with
+// {:.3g}, a ratio that large is accepted, where the bound rounded to 3 digits may not be.
+double least_ratio_above(double bound) {
+  const double step = std::pow(10.0, std::floor(std::log10(bound)) - 2.0);
+  double up = std::ceil(bound / step) * step;
+  if (up <= bound) up += step;
+  return up;
+}
+
 constexpr std::array<std::string_view, 3> presets = {"pcie4", "pcie5", "c2c"};
 constexpr double inf = std::numeric_limits<double>::infinity();
 
@@ -193,8 +202,8 @@ cost_model make_cost_model(const moe_geometry& geometry, const hardware_profile&
     if (!std::isfinite(scale)) {
       throw invalid_argument(fmt::format(
           "transfer/compute ratio {} out of range: {} x {:.3g} s per layer does not exceed the links' least setup "
-          "{:.3g} s (allowed: a ratio above {:.3g} for this geometry and hardware)",
-          *ratio, *ratio, layer, least_setup, least_setup / layer));
+          "{:.3g} s (allowed: a ratio of at least {:.3g} for this geometry and hardware)",
+          *ratio, *ratio, layer, least_setup, least_ratio_above(least_setup / layer)));
     }
     for (auto& l : links) l.gbytes_per_second *= scale;
   }

@@ -62,7 +62,7 @@ bool oracle_prefetcher::forecast(std::uint32_t layer, std::span<float> probabili
   if (it == target_layers_.end()) return false;
   const auto& proposed = target_experts_[static_cast<std::size_t>(it - target_layers_.begin())];
   const std::size_t experts = probability.size();
-  const std::size_t n = proposed.size();  // distinct: false positives are drawn without replacement
+  const std::size_t n = proposed.size();  // distinct experts (propose() names each once per layer)
   const double other =
       n < experts ? std::min(1.0, (1.0 - recall_) * static_cast<double>(n) / static_cast<double>(experts - n)) : 0.0;
   std::ranges::fill(probability, static_cast<float>(other));
@@ -117,7 +117,8 @@ void oracle_prefetcher::propose(const access_stream& stream, std::size_t g, std:
       } else {
         continue;
       }
-      if (named != nullptr) named->push_back(x);
+      // A split layer's groups share one list: an expert named by two of them counts once.
+      if (named != nullptr && std::find(named->begin(), named->end(), x) == named->end()) named->push_back(x);
     }
     for (const expert_index e : routed) routed_[e] = 0;
     for (std::size_t i = first; i < out.size(); ++i) routed_[out[i].expert] = 0;

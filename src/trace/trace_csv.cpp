@@ -48,11 +48,14 @@ std::string_view trim(std::string_view s) noexcept {
 // The number of fields of one CSV line (RFC 4180 quoting within the line), counted before
 // anything is allocated, so a line of garbage costs no memory beyond itself.
 // A quote opens a field or is doubled inside a quoted one; after the closing quote only ',' or
-// the line's end may follow (RFC 4180 §2, rules 5–7: `1"2"` and `"1"2` are refused).
+// the line's end may follow (RFC 4180 §2, rules 5–7: `1"2"` and `"1"2` are refused). Fields are
+// trimmed, so spaces and tabs may stand around a quoted field (` "1;2" ,`).
 std::size_t count_csv_fields(std::string_view line, const source_position& at) {
+  const auto blank = [](char c) { return c == ' ' || c == '\t'; };
   std::size_t fields = 1;
   bool quoted = false;
-  bool field_start = true;
+  bool field_start = true;  // only blanks so far in this field
+  bool closed = false;      // after a quoted field's closing quote: only blanks until ',' or the end
   for (std::size_t i = 0; i < line.size(); ++i) {
     const char c = line[i];
     if (quoted) {
@@ -62,7 +65,13 @@ std::size_t count_csv_fields(std::string_view line, const source_position& at) {
         continue;
       }
       quoted = false;
-      if (i + 1 < line.size() && line[i + 1] != ',') {
+      closed = true;
+    } else if (c == ',') {
+      ++fields;
+      field_start = true;
+      closed = false;
+    } else if (closed) {
+      if (!blank(c)) {
         fail(at, "record",
              fmt::format("field {}: characters after its closing quote (RFC 4180 quotes whole fields)", fields));
       }
@@ -72,12 +81,9 @@ std::size_t count_csv_fields(std::string_view line, const source_position& at) {
              fmt::format("field {}: a quote inside an unquoted field (RFC 4180 quotes whole fields)", fields));
       }
       quoted = true;
-    } else if (c == ',') {
-      ++fields;
-      field_start = true;
-      continue;
+    } else if (!blank(c)) {
+      field_start = false;
     }
-    field_start = false;
   }
   if (quoted) fail(at, "record", "unterminated quoted field");
   return fields;

@@ -122,6 +122,12 @@ TEST(SplitModel, TheFloorCountsInWholeBlocks) {
   constexpr auto most = std::numeric_limits<std::uint64_t>::max();
   EXPECT_EQ(kv_floor_block_bytes(most - 1, 2), most - 1);
   EXPECT_EQ(kv_floor_block_bytes(most - 1, 4), most);  // saturates: no budget admits it
+  // A floor whose whole blocks overflow 64 bits is refused, not saturated into a budget of 2^64 − 1.
+  EXPECT_TRUE(kv_floor_fits(most, most - 1, 2));
+  EXPECT_FALSE(kv_floor_fits(most, (std::uint64_t{1} << 63) + 1, std::uint64_t{1} << 63));
+  split_model huge = model(most, (std::uint64_t{1} << 63) + 1);
+  huge.block_bytes = std::uint64_t{1} << 63;
+  EXPECT_THROW((void)live_split(huge, 0, 0.0, 0), invalid_argument);
   // A floor of 13 bytes is 5 blocks of 3: cap 7 would leave 13 bytes, 4 blocks.
   EXPECT_EQ(max_expert_cap(model(83, 13)), 6U);
   EXPECT_EQ(kv_blocks(model(83, 13), 6), 7U);

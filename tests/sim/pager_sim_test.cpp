@@ -241,6 +241,35 @@ TEST(PagerSim, TheNoisyOraclesRecallHoldsAtEveryDistance) {
       EXPECT_NEAR(static_cast<double>(kept) / static_cast<double>(routed), recall, 0.02);
     }
   }
+  // A split layer (a batch of 4 over 4 slots: each layer-step is cut into groups that fit) names
+  // an expert once in its forecast, though two of its groups may propose it: the forecast sums to
+  // the distinct experts proposed for the layer (recall · n + (1 − recall) · n).
+  {
+    const routing_trace batched = synthetic(g, 7, 8, 24, 4);
+    const access_stream split(batched, 4);
+    ASSERT_GT(split.split_groups(), 0U);
+    oracle_prefetcher oracle(2, 0.8, 3);
+    std::vector<prefetch_request> out;
+    std::vector<float> p(g.experts_per_layer());
+    for (std::size_t at = 0; at < split.groups(); ++at) {
+      out.clear();
+      oracle.propose(split, at, out);
+      for (std::uint32_t layer = 0; layer < g.layers(); ++layer) {
+        if (!oracle.forecast(layer, p)) continue;
+        std::vector<expert_index> distinct;
+        for (const prefetch_request& r : out) {
+          bool crossed = false;
+          for (std::size_t h = at + 1; h <= r.use_group; ++h) crossed = crossed || split.starts_pass(h);
+          if (r.layer == layer && !crossed && std::find(distinct.begin(), distinct.end(), r.expert) == distinct.end()) {
+            distinct.push_back(r.expert);
+          }
+        }
+        double sum = 0.0;
+        for (const float x : p) sum += static_cast<double>(x);
+        ASSERT_NEAR(sum, static_cast<double>(distinct.size()), 1e-4) << "group " << at << " layer " << layer;
+      }
+    }
+  }
   // Three of four experts routed, recall 0: three misses but one free expert, proposed once, and
   // a forecast within [0, 1].
   const moe_geometry three(moe_geometry::config{

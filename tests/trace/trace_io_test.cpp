@@ -296,6 +296,17 @@ TEST(TraceIo, BadJsonlNamesFileLineAndField) {
   }
 }
 
+// Fields are trimmed, so blanks may stand around a quoted field; RFC 4180's escaped quote and an
+// empty quoted field read as they should.
+TEST(TraceIo, CsvQuotedFieldsMayBeSurroundedByBlanks) {
+  const std::string header = "sequence,step,layer,experts,weights,phase\n";
+  const routing_trace t = expage::parse_csv(header + "0,0,0, \"1;2\"\t,0.5;0.5,\"\"\n", mixtral(), "ok.csv");
+  ASSERT_EQ(t.size(), 1U);
+  EXPECT_EQ(t[0].experts.size(), 2U);
+  EXPECT_EQ(t[0].experts[1], 2U);
+  EXPECT_EQ(t[0].phase, expage::routing_phase::decode) << "an empty quoted phase is decode";
+}
+
 TEST(TraceIo, BadCsvNamesFileLineAndField) {
   const std::string header = "sequence,step,layer,experts,weights\n";
   const std::vector<bad_case> cases = {

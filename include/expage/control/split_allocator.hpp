@@ -36,10 +36,15 @@ struct split_model {
 
 /// The KV floor as a pool of whole blocks sees it: ⌈floor_bytes/S_b⌉·S_b. The pool a split leaves
 /// holds ⌊kv_bytes/S_b⌋ blocks, so a floor of F bytes is met only when the pool keeps ⌈F/S_b⌉ blocks;
-/// every admission rule compares against this, not against F. Saturates at 2^64 − 1 (no budget
-/// admits it).
+/// every admission rule compares against this, not against F. Saturates at 2^64 − 1; the models'
+/// checks compare in blocks (kv_floor_fits()), so such a floor is refused, never admitted.
 /// @pre block_bytes ≥ 1.
 [[nodiscard]] std::uint64_t kv_floor_block_bytes(std::uint64_t floor_bytes, std::uint64_t block_bytes) noexcept;
+
+/// True when a budget of @p budget_bytes holds the KV floor in whole blocks: ⌊B/S_b⌋ ≥ ⌈F/S_b⌉.
+/// @pre block_bytes ≥ 1.
+[[nodiscard]] bool kv_floor_fits(std::uint64_t budget_bytes, std::uint64_t floor_bytes,
+                                 std::uint64_t block_bytes) noexcept;
 
 /// The largest cap the budget admits above the KV floor (Eq. 6): min(E, ⌊(B − F_b)/S_E⌋) with F_b
 /// the floor in whole blocks (kv_floor_block_bytes()).
