@@ -228,8 +228,8 @@ std::vector<four_pool_split> admissible_splits(const four_pool_model& m, std::ui
         std::uint64_t{m.min_group} * m.layers * (m.space.tiered ? m.lo_expert_bytes : m.hi_expert_bytes);
     throw invalid_argument(
         fmt::format("four-pool split: budget_bytes {} leaves {} bytes above the KV floor {} (in whole blocks), below "
-                    "the {} bytes of the least "
-                    "admissible split ({} slots per layer of the {} version): the engine must not start there",
+                    "the {} bytes of the least admissible split ({} slots per layer of the {} version): the engine "
+                    "must not start there",
                     m.budget_bytes, m.budget_bytes - std::min(m.budget_bytes, floor), floor, least, m.min_group,
                     m.space.tiered ? "lo" : "hi"));
   }

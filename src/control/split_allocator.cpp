@@ -73,15 +73,21 @@ memory_split make_split(const split_model& m, std::uint32_t cap, double cost) {
   return s;
 }
 
+namespace {
+// ⌈F/S_b⌉: the whole blocks a floor of F bytes asks the pool for.
+std::uint64_t floor_blocks(std::uint64_t floor_bytes, std::uint64_t block_bytes) noexcept {
+  return floor_bytes / block_bytes + (floor_bytes % block_bytes != 0 ? 1 : 0);
+}
+}  // namespace
+
 std::uint64_t kv_floor_block_bytes(std::uint64_t floor_bytes, std::uint64_t block_bytes) noexcept {
-  const std::uint64_t blocks = floor_bytes / block_bytes + (floor_bytes % block_bytes != 0 ? 1 : 0);
+  const std::uint64_t blocks = floor_blocks(floor_bytes, block_bytes);
   std::uint64_t bytes = 0;
   return __builtin_mul_overflow(blocks, block_bytes, &bytes) ? std::numeric_limits<std::uint64_t>::max() : bytes;
 }
 
 bool kv_floor_fits(std::uint64_t budget_bytes, std::uint64_t floor_bytes, std::uint64_t block_bytes) noexcept {
-  const std::uint64_t blocks = floor_bytes / block_bytes + (floor_bytes % block_bytes != 0 ? 1 : 0);
-  return budget_bytes / block_bytes >= blocks;  // in blocks: no product to overflow
+  return budget_bytes / block_bytes >= floor_blocks(floor_bytes, block_bytes);  // in blocks: no product to overflow
 }
 
 std::uint32_t max_expert_cap(const split_model& m) noexcept {

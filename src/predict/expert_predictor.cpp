@@ -499,9 +499,7 @@ std::unique_ptr<expert_predictor> make_predictor(std::string_view name, std::uin
   if (name == "previous") return std::make_unique<previous_pass_predictor>(layers, experts_per_layer);
   if (name == "coactivation") return std::make_unique<coactivation_predictor>(layers, experts_per_layer, top_k);
   if (name == "fmoe") {
-    return std::make_unique<fmoe_map_predictor>(
-        layers, experts_per_layer, top_k, fmoe_map_predictor::default_capacity,
-        std::min(fmoe_map_predictor::default_semantic_layers, layers));  // a model of one or two layers
+    return std::make_unique<fmoe_map_predictor>(layers, experts_per_layer, top_k);  // the defaults fit any model
   }
   throw invalid_argument(
       fmt::format("unknown predictor '{}': expected one of frequency, previous, coactivation, fmoe", name));

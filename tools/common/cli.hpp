@@ -253,17 +253,18 @@ inline expage::moe_geometry geometry_of(const expage::trace_metadata& m) {
 /// per unit (miss counts stay exact).
 inline bool shape_only(const expage::moe_geometry& g) { return g.hidden_size() == 1 && g.intermediate_size() == 1; }
 
-/// For a tool whose figures are bytes and times (expage-sim, expage-plan): refuses a shape-only
-/// geometry, the one of a trace whose metadata names no known model (a binary trace before
-/// version 4 names none) or a geometry file without sizes (@p given: --geometry named it).
+/// For a tool whose figures are bytes and times (expage-sim, expage-plan, expage-geometry):
+/// refuses a shape-only geometry, the one of a trace whose metadata names no known model (a
+/// binary trace before version 4 names none) or a geometry file without sizes (@p given: @p flag
+/// named it).
 /// @throws usage_error asking for --geometry, or for the file's sizes.
-inline void require_sized_geometry(const expage::moe_geometry& g, bool given) {
+inline void require_sized_geometry(const expage::moe_geometry& g, bool given, std::string_view flag = "--geometry") {
   if (!shape_only(g)) return;
   if (given) {
-    throw usage_error{fmt::format(
-        "--geometry '{}' ({} layers x {} experts, top-{}) gives no sizes (hidden_size and intermediate_size), so "
-        "bytes and times would be per unit: add them to the file, or name a preset",
-        g.name(), g.layers(), g.experts_per_layer(), g.top_k())};
+    throw usage_error{
+        fmt::format("{} '{}' ({} layers x {} experts, top-{}) gives no sizes (hidden_size and intermediate_size), so "
+                    "bytes and times would be per unit: add them to the file, or name a preset",
+                    flag, g.name(), g.layers(), g.experts_per_layer(), g.top_k())};
   }
   throw usage_error{fmt::format(
       "the trace's metadata names no model this tool knows ('{}': {} layers x {} experts, top-{}), so its bytes and "

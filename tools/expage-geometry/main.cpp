@@ -47,15 +47,11 @@ int main(int argc, char** argv) {
     }
     if (arg == "--model" && has_value) {
       try {
-        models.push_back(expage::geometry_from_argument(argv[i + 1]));
-        if (expage_tools::shape_only(models.back())) {  // every figure here is bytes
-          fmt::print(stderr,
-                     "expage-geometry: --model {}: '{}' gives no sizes (hidden_size and intermediate_size), so its "
-                     "bytes would be per unit: add them to the file, or name a preset\n",
-                     argv[i + 1], models.back().name());
-          return 2;
-        }
-        ++i;
+        models.push_back(expage::geometry_from_argument(argv[++i]));
+        expage_tools::require_sized_geometry(models.back(), true, "--model");  // every figure here is bytes
+      } catch (const expage_tools::usage_error& e) {
+        fmt::print(stderr, "expage-geometry: {}\n", e.message);
+        return 2;
       } catch (const expage::invalid_argument& e) {
         fmt::print(stderr, "expage-geometry: --model: {}\n", e.what());
         return 2;
