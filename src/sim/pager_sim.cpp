@@ -163,7 +163,14 @@ bool predictive_prefetcher::forecast(std::uint32_t layer, std::span<float> proba
 void predictive_prefetcher::propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) {
   const std::uint32_t experts = stream.experts_per_layer();
   const std::uint32_t per_layer = options_.per_layer != 0 ? options_.per_layer : stream.top_k();
-  if (stream.starts_pass(g)) predictor_->begin_pass();
+  if (stream.starts_pass(g)) {
+    if (predictor_->layers() != stream.layers() || predictor_->experts_per_layer() != experts) {
+      throw invalid_argument(fmt::format(
+          "predictive_prefetcher: the predictor \"{}\" is built for {} layers × {} experts, the stream has {} × {}",
+          predictor_->name(), predictor_->layers(), predictor_->experts_per_layer(), stream.layers(), experts));
+    }
+    predictor_->begin_pass();
+  }
   const std::uint32_t layer = stream.layer(g);
   const routing_trace* const trace = options_.trace;
   if (trace != nullptr && trace->fields().any()) {

@@ -20,6 +20,7 @@
 #include <random>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 namespace expage::testing {
 namespace {
@@ -29,8 +30,12 @@ using runtime = expert_runtime<host_vmm, host_stream, lru_policy>;
 // A predictor that always names the same experts with certainty, whatever it observed.
 class fixed_predictor final : public expert_predictor {
  public:
-  explicit fixed_predictor(std::vector<std::uint32_t> named) : named_(std::move(named)) {}
+  // Shaped for runtime_world's geometry (4 layers × 8 experts) unless told otherwise.
+  explicit fixed_predictor(std::vector<std::uint32_t> named, std::uint32_t layers = 4, std::uint32_t experts = 8)
+      : named_(std::move(named)), layers_(layers), experts_(experts) {}
   [[nodiscard]] std::string name() const override { return "fixed"; }
+  [[nodiscard]] std::uint32_t layers() const noexcept override { return layers_; }
+  [[nodiscard]] std::uint32_t experts_per_layer() const noexcept override { return experts_; }
   void reset() override {}
   void begin_pass() override {}
   void observe(std::uint32_t, std::span<const expert_index>) override {}
@@ -41,6 +46,7 @@ class fixed_predictor final : public expert_predictor {
 
  private:
   std::vector<std::uint32_t> named_;
+  std::uint32_t layers_, experts_;
 };
 // Always confidently wrong: it names the experts the chain never routes.
 std::unique_ptr<expert_predictor> wrong_predictor() { return std::make_unique<fixed_predictor>(std::vector{6U, 7U}); }
@@ -353,6 +359,20 @@ TEST(RuntimePrefetcher, RefusesBadInput) {
   EXPECT_THROW(runtime_prefetcher(rt, make(), {.per_layer = 9}), invalid_argument);
   EXPECT_THROW(runtime_prefetcher(rt, make(), {.max_overhead = -1.0}), invalid_argument);
   EXPECT_THROW(runtime_prefetcher(rt, make(), {.duel_passes = eviction_duel::max_passes + 1}), invalid_argument);
+  // A predictor of another model is refused at construction, not at the first layer it lacks.
+  for (const auto& [layers, experts] : {std::pair{5U, 8U}, std::pair{3U, 8U}, std::pair{4U, 16U}}) {
+    try {
+      runtime_prefetcher(rt, std::make_unique<fixed_predictor>(std::vector{0U}, layers, experts));
+      FAIL() << layers << " x " << experts << " accepted";
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(fmt::format("built for {} layers × {} experts, the runtime's geometry has "
+                                                       "4 × 8",
+                                                       layers, experts)),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_THROW(runtime_prefetcher(rt, std::make_unique<coactivation_predictor>(4, 16, 2)), invalid_argument);
   try {
     runtime_prefetcher(rt, make(), {.duel_margin = -1.0});
     FAIL() << "a margin of -1 accepted";

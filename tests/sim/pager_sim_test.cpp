@@ -11,6 +11,7 @@
 
 #include "common/traces.hpp"
 
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -22,6 +23,7 @@
 #include <random>
 #include <span>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace expage {
@@ -745,12 +747,30 @@ TEST(PagerSim, PrefetchersForecastWhatTheyPredicted) {
   EXPECT_THROW(predictive_prefetcher(std::make_unique<coactivation_predictor>(6, 16, 2),
                                      {.distance = 2, .forecast_distance = 1}),
                invalid_argument);
+  // A predictor of another model is refused at the stream's first group, before it learns.
+  for (const auto& [layers, experts] : {std::pair{7U, 16U}, std::pair{5U, 16U}, std::pair{6U, 32U}}) {
+    predictive_prefetcher other(std::make_unique<coactivation_predictor>(layers, experts, 2), {.distance = 1});
+    other.reset();
+    out.clear();
+    try {
+      other.propose(stream, 0, out);
+      FAIL() << layers << " x " << experts << " accepted";
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(
+                    fmt::format("built for {} layers × {} experts, the stream has 6 × 16", layers, experts)),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_TRUE(out.empty());
+  }
 }
 
 // A predictor that records what it is told.
 class recording_predictor final : public expert_predictor {
  public:
   [[nodiscard]] std::string name() const override { return "recording"; }
+  [[nodiscard]] std::uint32_t layers() const noexcept override { return 6; }  // small()'s shape
+  [[nodiscard]] std::uint32_t experts_per_layer() const noexcept override { return 16; }
   void reset() override { seen.clear(); }
   void begin_pass() override {}
   void observe(std::uint32_t layer, std::span<const expert_index> experts) override {

@@ -47,6 +47,11 @@ class expert_predictor {
   virtual ~expert_predictor() = default;
   /// A short name for reports ("coactivation", "frequency", ...).
   [[nodiscard]] virtual std::string name() const = 0;
+  /// The layers of the model the predictor was built for (its layer indices are [0, layers())).
+  /// The prefetchers compare it with their geometry at construction.
+  [[nodiscard]] virtual std::uint32_t layers() const noexcept = 0;
+  /// The experts per layer of that model.
+  [[nodiscard]] virtual std::uint32_t experts_per_layer() const noexcept = 0;
   /// Forgets everything learned (a new run).
   virtual void reset() = 0;
   /// A new forward pass starts (a new token at batch 1).
@@ -77,6 +82,8 @@ class frequency_predictor final : public expert_predictor {
   /// @throws expage::invalid_argument for 0 layers or experts, or top-k out of [1, experts].
   frequency_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k);
   [[nodiscard]] std::string name() const override { return "frequency"; }
+  [[nodiscard]] std::uint32_t layers() const noexcept override { return layers_; }
+  [[nodiscard]] std::uint32_t experts_per_layer() const noexcept override { return experts_; }
   void reset() override;
   void begin_pass() override { last_layer_ = no_layer; }
   void observe(std::uint32_t layer, std::span<const expert_index> experts) override;
@@ -99,6 +106,8 @@ class previous_pass_predictor final : public expert_predictor {
   /// @throws expage::invalid_argument for 0 layers or experts.
   previous_pass_predictor(std::uint32_t layers, std::uint32_t experts_per_layer);
   [[nodiscard]] std::string name() const override { return "previous"; }
+  [[nodiscard]] std::uint32_t layers() const noexcept override { return layers_; }
+  [[nodiscard]] std::uint32_t experts_per_layer() const noexcept override { return experts_; }
   void reset() override;
   void begin_pass() override { last_layer_ = no_layer; }
   void observe(std::uint32_t layer, std::span<const expert_index> experts) override;
@@ -162,6 +171,8 @@ class coactivation_predictor final : public expert_predictor {
                          std::uint32_t window = default_window, double decay = default_decay,
                          coactivation_pooling pooling = default_pooling);
   [[nodiscard]] std::string name() const override { return "coactivation"; }
+  [[nodiscard]] std::uint32_t layers() const noexcept override { return layers_; }
+  [[nodiscard]] std::uint32_t experts_per_layer() const noexcept override { return experts_; }
   void reset() override;
   void begin_pass() override;
   void observe(std::uint32_t layer, std::span<const expert_index> experts) override;
@@ -241,6 +252,8 @@ class fmoe_map_predictor final : public expert_predictor {
                      std::uint32_t capacity = default_capacity,
                      std::optional<std::uint32_t> semantic_layers = std::nullopt);
   [[nodiscard]] std::string name() const override { return "fmoe"; }
+  [[nodiscard]] std::uint32_t layers() const noexcept override { return layers_; }
+  [[nodiscard]] std::uint32_t experts_per_layer() const noexcept override { return experts_; }
   void reset() override;
   void begin_pass() override;
   void observe(std::uint32_t layer, std::span<const expert_index> experts) override;

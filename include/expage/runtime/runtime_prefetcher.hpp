@@ -156,8 +156,9 @@ struct runtime_prefetch_statistics {
 template <class Runtime>
 class runtime_prefetcher {
  public:
-  /// @throws expage::invalid_argument for a null predictor, options out of range, or a runtime
-  ///         without a prefetch stream (detected at the first request).
+  /// @throws expage::invalid_argument for a null predictor, a predictor built for another shape
+  ///         than the runtime's geometry, options out of range, or a runtime without a prefetch
+  ///         stream (detected at the first request).
   runtime_prefetcher(Runtime& runtime, std::unique_ptr<expert_predictor> predictor,
                      runtime_prefetch_options options = {})
       : runtime_(runtime), predictor_(std::move(predictor)), options_(options) {
@@ -173,6 +174,13 @@ class runtime_prefetcher {
           fmt::format("runtime_prefetcher: max_overhead {} out of range [0, inf]", options.max_overhead));
     }
     const auto& g = runtime_.geometry();
+    if (predictor_->layers() != g.layers() || predictor_->experts_per_layer() != g.experts_per_layer()) {
+      throw invalid_argument(fmt::format(
+          "runtime_prefetcher: the predictor \"{}\" is built for {} layers × {} experts, the runtime's geometry has "
+          "{} × {}",
+          predictor_->name(), predictor_->layers(), predictor_->experts_per_layer(), g.layers(),
+          g.experts_per_layer()));
+    }
     if (options.per_layer > g.experts_per_layer()) {
       throw invalid_argument(fmt::format("runtime_prefetcher: per_layer {} out of range [0, {}]", options.per_layer,
                                          g.experts_per_layer()));

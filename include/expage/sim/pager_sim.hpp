@@ -144,6 +144,8 @@ class predictive_prefetcher final : public prefetcher {
   predictive_prefetcher(std::unique_ptr<expert_predictor> predictor, predictive_prefetch_options options);
   [[nodiscard]] std::string name() const override;
   void reset() override;
+  /// @throws expage::invalid_argument at the first group of a pass when the predictor is built
+  ///         for another shape (layers × experts per layer) than @p stream's.
   void propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) override;
   /// The predictor's probabilities for @p layer when it is one of the last propose()'s targets.
   [[nodiscard]] bool forecast(std::uint32_t layer, std::span<float> probability) const override;
