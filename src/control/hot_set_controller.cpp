@@ -228,8 +228,12 @@ hot_set_evaluation evaluate_hot_set(const routing_trace& trace, const hot_set_co
     throw invalid_argument(
         fmt::format("evaluate_hot_set: clock.seconds_per_pass {} out of range [0, inf)", clock.seconds_per_pass));
   }
-  if (timed && !(clock.seconds > 0.0 && std::isfinite(clock.seconds))) {
-    throw invalid_argument(fmt::format("evaluate_hot_set: clock.seconds {} out of range (0, inf)", clock.seconds));
+  // An interval shorter than a pass would close intervals that saw nothing: at T_u ≪ one pass,
+  // billions of them per pass.
+  if (timed && !(clock.seconds >= clock.seconds_per_pass && std::isfinite(clock.seconds))) {
+    throw invalid_argument(
+        fmt::format("evaluate_hot_set: clock.seconds {} out of range [{}, inf) (at least clock.seconds_per_pass)",
+                    clock.seconds, clock.seconds_per_pass));
   }
   if (!trace.is_execution_ordered()) {
     throw invalid_argument("evaluate_hot_set: the trace is not in execution order (call restore_execution_order())");
@@ -237,8 +241,7 @@ hot_set_evaluation evaluate_hot_set(const routing_trace& trace, const hot_set_co
   hot_set_controller c(config);
   hot_set_evaluation out;
   std::uint64_t passes = 0;
-  double elapsed = 0.0;
-  double next_boundary = clock.seconds;
+  std::uint64_t closed = 0;  // timed: intervals closed so far
   // A forward pass is the trace's own (routing_trace::execution_key_of(): a prefill is one pass,
   // not one per prompt token).
   const auto prefill = trace.prefill_lengths();
@@ -252,10 +255,13 @@ hot_set_evaluation evaluate_hot_set(const routing_trace& trace, const hot_set_co
     if (new_pass) {
       ++passes;
       if (timed) {
-        elapsed += clock.seconds_per_pass;
-        while (elapsed >= next_boundary) {
+        // Products, not running sums, so that rounding does not accumulate, and a relative
+        // tolerance of 1e-9 so that a T_u of n passes closes every n passes (0.1 s × 9 passes is
+        // below 3 × (0.1 s × 3) in doubles). With T_u ≥ one pass at most one boundary falls in a pass.
+        const double elapsed = static_cast<double>(passes) * clock.seconds_per_pass * (1.0 + 1e-9);
+        while (static_cast<double>(closed + 1) * clock.seconds <= elapsed) {
           (void)c.end_interval(budget);
-          next_boundary += clock.seconds;
+          ++closed;
         }
       } else if (passes % clock.passes == 0) {
         (void)c.end_interval(budget);

@@ -27,29 +27,29 @@ void check_bandwidths(std::span<const double> bandwidths, const char* who) {
   }
 }
 
-// The optimal split of h streamed units over backends 1..K-1 (greedy: each next unit to the backend
-// that would finish it first; exact for minimising max_k n_k/B_k), and that maximum in units·s/byte.
-double stream_split(std::uint32_t h, std::span<const double> bw, std::span<std::uint32_t> n) {
-  std::fill(n.begin(), n.end(), 0U);
-  double worst = 0.0;
-  for (std::uint32_t u = 0; u < h; ++u) {
-    std::size_t best = 1;
-    for (std::size_t k = 2; k < bw.size(); ++k) {
-      if ((n[k] + 1.0) / bw[k] < (n[best] + 1.0) / bw[best]) best = k;
-    }
-    ++n[best];
-    worst = std::max(worst, n[best] / bw[best]);
+// One more streamed unit on backends 1..K-1 (greedy: to the backend that would finish it first;
+// exact for minimising max_k n_k/B_k): the optimal split of h + 1 units is that of h plus the
+// unit. Returns the split's new maximum in units·s/byte, given the one before in @p worst.
+double stream_one_more(std::span<const double> bw, std::span<std::uint32_t> n, double worst) {
+  std::size_t best = 1;
+  for (std::size_t k = 2; k < bw.size(); ++k) {
+    if ((n[k] + 1.0) / bw[k] < (n[best] + 1.0) / bw[best]) best = k;
   }
-  return worst;
+  ++n[best];
+  return std::max(worst, n[best] / bw[best]);
 }
 
 }  // namespace
 
 std::vector<double> bandwidth_shares(std::span<const double> bandwidths) {
   check_bandwidths(bandwidths, "bandwidth_shares");
-  const double total = std::accumulate(bandwidths.begin(), bandwidths.end(), 0.0);
+  // Over the largest first, so that the sum of bandwidths near DBL_MAX cannot overflow to
+  // infinity (the shares are ratios, unchanged by the division).
+  const double largest = *std::max_element(bandwidths.begin(), bandwidths.end());
+  double total = 0.0;
+  for (const double b : bandwidths) total += b / largest;
   std::vector<double> x(bandwidths.size());
-  for (std::size_t k = 0; k < x.size(); ++k) x[k] = bandwidths[k] / total;  // Eq. 8
+  for (std::size_t k = 0; k < x.size(); ++k) x[k] = bandwidths[k] / largest / total;  // Eq. 8
   return x;
 }
 
@@ -68,7 +68,10 @@ std::uint64_t proportional_gpu_units(std::uint32_t layers, std::uint32_t units_p
 
 tensor_placement place_tensors(const placement_problem& p) {
   if (p.layers == 0) throw invalid_argument("place_tensors: layers 0 out of range [1, 2^32)");
-  if (p.units_per_layer == 0) throw invalid_argument("place_tensors: units_per_layer 0 out of range [1, 2^32)");
+  if (p.units_per_layer == 0 || p.units_per_layer > placement_problem::max_units_per_layer) {
+    throw invalid_argument(fmt::format("place_tensors: units_per_layer {} out of range [1, {}]", p.units_per_layer,
+                                       placement_problem::max_units_per_layer));
+  }
   if (p.unit_bytes == 0) throw invalid_argument("place_tensors: unit_bytes 0 out of range [1, 2^64)");
   check_bandwidths(p.bandwidths, "place_tensors");
   const std::uint32_t n_layers = p.layers;
@@ -83,13 +86,17 @@ tensor_placement place_tensors(const placement_problem& p) {
   const std::span<const double> bw = p.bandwidths;
   const std::uint64_t streamed = total - p.gpu_units;  // H
 
-  // g(h) for h = 0..U streamed units in one layer (times unit_bytes: seconds), with its split.
+  // g(h) for h = 0..U streamed units in one layer (times unit_bytes: seconds), with its split,
+  // each split the one before plus a unit: O(U·K).
   std::vector<double> g(std::size_t{u_layer} + 1);
   std::vector<std::uint32_t> split((std::size_t{u_layer} + 1) * k_count, 0);
-  for (std::uint64_t h64 = 0; h64 <= u_layer; ++h64) {  // 64-bit: u_layer may be 2^32 − 1
-    const auto h = static_cast<std::uint32_t>(h64);
+  double streaming = 0.0;
+  for (std::uint32_t h = 0; h <= u_layer; ++h) {
     const std::span<std::uint32_t> n(split.data() + std::size_t{h} * k_count, k_count);
-    const double streaming = k_count > 1 ? stream_split(h, bw, n) : 0.0;
+    if (h > 0 && k_count > 1) {  // one backend streams nothing (K = 1 requires h = 0 anyway)
+      std::copy_n(n.data() - k_count, k_count, n.data());
+      streaming = stream_one_more(bw, n, streaming);
+    }
     n[0] = u_layer - h;
     g[h] = std::max((u_layer - h) / bw[0], streaming);
   }
@@ -192,14 +199,19 @@ std::vector<std::uint32_t> place_by_demand(std::uint32_t layers, std::uint32_t e
     std::size_t slot = 0;
     double boundary = x[backend_order[0]] * whole;
     double before = 0.0;
+    bool slot_used = false;  // the backend at `slot` has an expert of this layer
     for (const std::uint32_t e : order) {
       const double w = uniform ? 1.0 : p[e] / top;
-      // Past the cumulative target of this backend: the expert's midpoint decides its side.
-      while (slot + 1 < backend_order.size() && before + 0.5 * w > boundary) {
+      // Past the cumulative target of this backend: the expert's midpoint decides its side. A
+      // backend is never passed over empty: with K ≥ 3 an expert heavier than twice the fastest
+      // backend's target would otherwise skip it and land on a slower one.
+      while (slot_used && slot + 1 < backend_order.size() && before + 0.5 * w > boundary) {
         ++slot;
         boundary += x[backend_order[slot]] * whole;
+        slot_used = false;
       }
       out[std::size_t{i} * experts_per_layer + e] = backend_order[slot];
+      slot_used = true;
       before += w;
     }
   }

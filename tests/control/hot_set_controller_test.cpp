@@ -316,6 +316,13 @@ TEST(EvaluateHotSet, MarginCutsTransitionsOnSyntheticRouting) {
   EXPECT_EQ(timed.transitions, damped.transitions);
   EXPECT_EQ(timed.hi_hits, damped.hi_hits);
   EXPECT_EQ(timed.intervals, damped.intervals);
+  // A T_u of three passes in seconds that do not add up exactly in doubles still closes every
+  // three passes.
+  const auto every_three = evaluate_hot_set(t, cfg, {.passes = 3});
+  const auto timed_three = evaluate_hot_set(t, cfg, {.seconds_per_pass = 0.1, .seconds = 0.1 * 3});
+  EXPECT_EQ(timed_three.intervals, every_three.intervals);
+  EXPECT_EQ(timed_three.transitions, every_three.transitions);
+  EXPECT_EQ(timed_three.hi_hits, every_three.hi_hits);
 }
 
 TEST(EvaluateHotSet, RejectsMismatchedTracesAndBadClocks) {
@@ -325,6 +332,14 @@ TEST(EvaluateHotSet, RejectsMismatchedTracesAndBadClocks) {
   cfg.layers = 4;
   EXPECT_THROW((void)evaluate_hot_set(t, cfg, {.passes = 0}), invalid_argument);
   EXPECT_THROW((void)evaluate_hot_set(t, cfg, {.seconds_per_pass = 1.0, .seconds = 0.0}), invalid_argument);
+  // An interval shorter than a pass is refused, by value and range (it used to close intervals
+  // one at a time, about 1e12 per pass here).
+  try {
+    (void)evaluate_hot_set(t, cfg, {.seconds_per_pass = 1.0, .seconds = 1e-12});
+    FAIL() << "an interval of 1e-12 s accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("clock.seconds 1e-12 out of range [1, inf)"));
+  }
   EXPECT_EQ(evaluate_hot_set(t, cfg, {}).activations, 0U);
   // A budget with hi_bytes 0 would refuse every promotion, silently: refused before any change.
   budget_tracker budget(1 << 20);

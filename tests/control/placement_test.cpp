@@ -35,6 +35,12 @@ TEST(BandwidthShares, AreProportionalToBandwidth) {
   // Eq. 7: every backend streams its share of a layer in the same time.
   for (std::size_t k = 0; k < 3; ++k) EXPECT_DOUBLE_EQ(x[k] / bw[k], 1.0 / 250.0);
   EXPECT_EQ(proportional_gpu_units(32, 24, bw), 614U);  // round(0.8 · 768)
+  // Bandwidths whose sum overflows a double still give shares summing to 1.
+  const double huge[] = {1e308, 1e308};
+  const auto half = bandwidth_shares(huge);
+  EXPECT_DOUBLE_EQ(half[0], 0.5);
+  EXPECT_DOUBLE_EQ(half[1], 0.5);
+  EXPECT_EQ(proportional_gpu_units(4, 4, huge), 8U);
 }
 
 // Slow reference: every split of every layer (all compositions of U into K parts), combined by a
@@ -128,6 +134,19 @@ TEST(PlaceTensors, EqualsBruteForceForEverySmallCase) {
   EXPECT_GT(cases, 10'000U);
 }
 
+// The largest layer place_tensors() takes: its per-layer table is built in O(U·K) (it took
+// O(U²·K), hours at this size), and the convex case spreads the streamed units evenly.
+TEST(PlaceTensors, TheLargestLayerIsPlacedInOneSweep) {
+  constexpr std::uint32_t u = placement_problem::max_units_per_layer;
+  const std::vector<double> bw{3.0, 1.0};  // K = 2: g is convex
+  const auto placed = place_tensors({.layers = 2, .units_per_layer = u, .bandwidths = bw, .gpu_units = u});
+  for (std::uint32_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(placed.at(i, 0), u / 2);
+    EXPECT_EQ(placed.at(i, 1), u / 2);
+  }
+  EXPECT_DOUBLE_EQ(placed.load_time, 2.0 * (u / 2) / 1.0);  // each layer: max(u/2 / 3, u/2 / 1)
+}
+
 TEST(PlaceTensors, SpreadsStreamedUnitsEvenlyAcrossLayers) {
   // Mixtral in thirds of an expert (U = 24), GPU 200 GB/s, host 25 GB/s, at the Eq. 8 footprint.
   const std::vector<double> bw{200e9, 25e9};
@@ -197,6 +216,8 @@ TEST(PlaceTensors, RejectsBadInputNamingTheValueAndItsRange) {
                "gpu_units 5 out of range [6, 6]");
   expect_throw({.layers = 0, .units_per_layer = 3, .bandwidths = {1.0}}, "layers 0");
   expect_throw({.layers = 2, .units_per_layer = 0, .bandwidths = {1.0}}, "units_per_layer 0");
+  expect_throw({.layers = 1, .units_per_layer = placement_problem::max_units_per_layer + 1, .bandwidths = {1.0, 1.0}},
+               "units_per_layer 1048577 out of range [1, 1048576]");
   const double negative[] = {1.0, -1.0};
   EXPECT_THROW((void)bandwidth_shares(negative), invalid_argument);
 }
@@ -232,6 +253,36 @@ TEST(PlaceByDemand, BalancesDemandedBytesAndPutsHotExpertsOnTheFastBackend) {
         }
       }
     }
+  }
+}
+
+// With K ≥ 3 the fastest backend's target can be below half the hottest expert's demand; the
+// hottest expert still goes to the fastest backend rather than past it to a slower one.
+TEST(PlaceByDemand, TheHottestExpertIsOnTheFastestBackend) {
+  const std::vector<double> bw{34.0, 33.0, 33.0};
+  const std::vector<double> one_hot{1.0, 0.0, 0.0, 0.0};
+  const auto a = place_by_demand(1, 4, one_hot, bw);
+  EXPECT_EQ(a[0], 0U);
+  const std::vector<double> bw2{40.0, 30.0, 30.0};
+  const std::vector<double> skewed{0.9, 0.05, 0.05};
+  const auto b = place_by_demand(1, 3, skewed, bw2);
+  EXPECT_EQ(b[0], 0U);
+  EXPECT_DOUBLE_EQ(demanded_load_time(1, 3, skewed, b, bw2, 1.0), 0.9 / 40.0);
+  // On random skewed demand over 3 and 4 backends, every layer's hottest expert is on the
+  // fastest backend.
+  std::mt19937_64 rng(9);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  for (int round = 0; round < 200; ++round) {
+    const std::size_t k = 3 + static_cast<std::size_t>(round % 2);
+    std::vector<double> speeds(k);
+    for (double& x : speeds) x = 1.0 + u(rng);
+    const std::uint32_t experts = 2 + static_cast<std::uint32_t>(round % 7);
+    std::vector<double> demand(experts);
+    for (double& d : demand) d = std::pow(u(rng), 8.0);
+    const auto placed = place_by_demand(1, experts, demand, speeds);
+    const auto hottest = static_cast<std::size_t>(std::max_element(demand.begin(), demand.end()) - demand.begin());
+    const auto fastest = static_cast<std::uint32_t>(std::max_element(speeds.begin(), speeds.end()) - speeds.begin());
+    EXPECT_EQ(placed[hottest], fastest) << "round " << round;
   }
 }
 

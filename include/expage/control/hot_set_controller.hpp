@@ -182,7 +182,8 @@ struct hot_set_clock {
   std::uint32_t passes = 2;
   /// Modelled seconds of one forward pass; > 0 selects a time-based interval (DynaExq's T_u).
   double seconds_per_pass = 0.0;
-  /// T_u in modelled seconds when seconds_per_pass > 0.
+  /// T_u in modelled seconds when seconds_per_pass > 0, at least seconds_per_pass (an interval
+  /// closes at the first pass boundary at or after each multiple of T_u).
   double seconds = 0.0;
 };
 

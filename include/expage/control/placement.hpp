@@ -25,8 +25,12 @@ namespace expage {
 /// tensors differ in size, use the gcd of the two as the unit, e.g. thirds of a Mixtral expert,
 /// 3 per expert; every count of thirds up to 3·E is realisable with whole tensors of sizes 2 and 1).
 struct placement_problem {
+  /// The most units per layer place_tensors() takes (its tables hold (U + 1)·K entries; a layer
+  /// of thirds of 512 experts is 1,536).
+  static constexpr std::uint32_t max_units_per_layer = 1U << 20;
+
   std::uint32_t layers = 0;           ///< N, ≥ 1.
-  std::uint32_t units_per_layer = 0;  ///< U: units per layer, ≥ 1.
+  std::uint32_t units_per_layer = 0;  ///< U: units per layer, in [1, max_units_per_layer].
   std::uint64_t unit_bytes = 1;       ///< Bytes per unit, ≥ 1 (only scales load_time).
   /// B_k in bytes per second, each finite and > 0; backend 0 is the GPU-resident one (compressed or
   /// dense), the others stream from host DRAM, NVMe, ... At most 64 backends.
@@ -83,8 +87,11 @@ struct tensor_placement {
 /// Per layer, experts are taken in descending demand (ties: lower index) and backends in
 /// descending bandwidth (ties: lower index); each backend receives experts until its cumulative
 /// demand reaches the cumulative target Σ_{j ≤ k} x_j·D, an expert going to the backend on whose
-/// side of the boundary its midpoint falls. Hence hot experts gravitate to the fast backend, each
-/// backend's demand is within one expert of x_k·D, and uniform demand gives the raw-byte shares.
+/// side of the boundary its midpoint falls, except that no backend is passed over while it holds
+/// none of the layer's experts (with K ≥ 3 the fastest backend's target can be less than half the
+/// hottest expert's demand). Hence the hottest expert of every layer is on the fastest backend, hot
+/// experts gravitate to the fast backends, each backend's demand is within one expert of x_k·D,
+/// and uniform demand gives the raw-byte shares.
 ///
 /// All experts of a model have the same size s, so the demanded bytes Σ p_e·s are balanced through
 /// the demands alone.

@@ -24,7 +24,7 @@ namespace expage {
 /// of cached KV blocks they hold (the open footprint, one value per burst) is this detector's
 /// input. When it falls below its decayed average divided by the ratio r, most sessions the
 /// histogram remembers have ended: observe() returns true and the controller forgets (most of) its
-/// KV history. The average then restarts at the new footprint, and for ⌈1/(1 − γ)⌉ bursts (the
+/// KV history. The average then restarts at the new footprint, and for ⌈1/(1 − γ)⌉ bursts, at most 1,000 (the
 /// histogram's memory, while the new mix's reuses arrive) tentative() is true: the controller's
 /// moves answer a new workload on partial evidence and must not set a direction its reversal gate
 /// would then defend. A rise never triggers: new sessions make no remembered reuse stale, and the
@@ -78,7 +78,8 @@ class session_mix_detector {
     if (average_ >= 1.0 && now * ratio_ < average_) {
       average_ = now;
       ++changes_;
-      // ⌈1/(1 − γ)⌉, the histogram's memory in bursts (the 1e-9 absorbs 1 − 0.9's rounding).
+      // ⌈1/(1 − γ)⌉, the histogram's memory in bursts, at most 1,000 (γ = 1 never forgets; the
+      // 1e-9 absorbs 1 − 0.9's rounding).
       tentative_ = static_cast<std::uint32_t>(std::ceil(1.0 / std::max(1.0 - decay_, 1e-3) - 1e-9));
       return true;
     }
@@ -86,7 +87,7 @@ class session_mix_detector {
     return false;
   }
 
-  /// True for ⌈1/(1 − γ)⌉ bursts after a detected change.
+  /// True for ⌈1/(1 − γ)⌉ bursts after a detected change, at most 1,000 (from γ = 0.999 up).
   [[nodiscard]] bool tentative() const noexcept { return tentative_ > 0; }
   /// Changes detected so far.
   [[nodiscard]] std::uint64_t changes() const noexcept { return changes_; }
