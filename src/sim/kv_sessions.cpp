@@ -75,20 +75,56 @@ class detail::kv_session_generator {
     return std::max(least, lo + rng_() % (hi - lo + 1));
   }
 
-  std::uint32_t new_block() {
-    if (next_id_ == std::numeric_limits<std::uint32_t>::max()) {
-      throw invalid_argument(fmt::format("generate_kv_sessions: more than {} blocks; raise block_tokens",
-                                         std::numeric_limits<std::uint32_t>::max() - 1));
+  static constexpr std::uint64_t most_tokens = std::numeric_limits<std::uint64_t>::max();
+  static constexpr std::uint64_t most_blocks = std::numeric_limits<std::uint32_t>::max() - 1;
+
+  // Token counts saturate rather than wrap: a context past 2^64 − 1 tokens is far past the
+  // limits reserve_blocks() enforces, and is refused there.
+  static std::uint64_t add_tokens(std::uint64_t a, std::uint64_t b) noexcept {
+    std::uint64_t sum = 0;
+    return __builtin_add_overflow(a, b, &sum) ? most_tokens : sum;
+  }
+  static std::uint64_t multiply_tokens(std::uint64_t a, std::uint64_t b) noexcept {
+    std::uint64_t product = 0;
+    return __builtin_mul_overflow(a, b, &product) ? most_tokens : product;
+  }
+
+  // Refuses, before anything is allocated for them, @p more new blocks (past 2^32 − 1 blocks in
+  // all) or a context of @p read blocks that one step reads (past max_references).
+  void reserve_blocks(std::uint64_t more, std::uint64_t read) const {
+    if (read > options_.max_references) {
+      throw invalid_argument(
+          fmt::format("generate_kv_sessions: a context of {} blocks at step {} of phases[{}] ('{}') passes "
+                      "max_references {}; shorten the phase's contexts, or raise block_tokens",
+                      read, step_, phase_index_, phase_name_, options_.max_references));
     }
+    if (more > most_blocks - next_id_) {
+      throw invalid_argument(fmt::format("generate_kv_sessions: more than {} blocks; raise block_tokens", most_blocks));
+    }
+  }
+
+  std::uint32_t new_block() {
+    EXPAGE_ASSERT(next_id_ < most_blocks, "kv_session_generator: a block not reserved");
     opened_.push_back(step_);
     close_.push_back(open_);
     return next_id_++;
   }
 
+  // Block ids for @p count blocks, checked first.
+  std::vector<std::uint32_t> new_blocks(std::uint64_t count) {
+    reserve_blocks(count, count);
+    std::vector<std::uint32_t> out(static_cast<std::size_t>(count));
+    for (auto& b : out) b = new_block();
+    return out;
+  }
+
   void grow(session& s, std::uint64_t tokens) {
-    s.tokens += tokens;
+    const std::uint64_t total = add_tokens(s.tokens, tokens);
     const std::uint64_t bt = options_.block_tokens;
-    while (s.own.size() * bt < s.tokens) s.own.push_back(new_block());
+    const std::uint64_t needed = total / bt + (total % bt != 0 ? 1 : 0);
+    if (needed > s.own.size()) reserve_blocks(needed - s.own.size(), add_tokens(needed, shared_blocks_));
+    s.tokens = total;
+    while (s.own.size() < needed) s.own.push_back(new_block());
   }
 
   void start_session(session& s, const kv_phase& p) {
@@ -96,13 +132,16 @@ class detail::kv_session_generator {
     s.own.clear();
     s.tokens = 0;
     s.turn = 0;
-    grow(s, p.shared_prefix_tokens % options_.block_tokens + std::max<std::uint64_t>(p.prompt_tokens, 1));
+    grow(s, add_tokens(p.shared_prefix_tokens % options_.block_tokens, std::max<std::uint64_t>(p.prompt_tokens, 1)));
   }
 
   void phase(const kv_phase& p, std::uint32_t index, kv_block_stream& out) {
     step_ = out.offset_.size() - 1;  // the context of the sessions under way opens at the phase's first step
-    std::vector<std::uint32_t> shared(p.shared_prefix_tokens / options_.block_tokens);
-    for (auto& b : shared) b = new_block();
+    phase_index_ = index;
+    phase_name_ = p.name;
+    shared_blocks_ = 0;
+    const std::vector<std::uint32_t> shared = new_blocks(p.shared_prefix_tokens / options_.block_tokens);
+    shared_blocks_ = shared.size();
     std::vector<session> slots(p.concurrency);
     // The phase starts in its steady state rather than with every session at its first turn: each
     // slot holds a session in a uniformly drawn turn, its earlier turns' tokens already in its
@@ -116,7 +155,7 @@ class detail::kv_session_generator {
       } else {
         start_session(s, p);
         s.turn = turn;
-        grow(s, std::uint64_t{turn - 1} * (std::uint64_t{p.append_tokens} + p.decode_tokens) + p.decode_tokens);
+        grow(s, add_tokens(multiply_tokens(turn - 1, add_tokens(p.append_tokens, p.decode_tokens)), p.decode_tokens));
       }
       s.wait = rng_() % (std::uint64_t{p.think_steps} + 1);
     }
@@ -185,7 +224,10 @@ class detail::kv_session_generator {
   const kv_session_options& options_;
   std::mt19937_64 rng_;
   std::uint32_t next_id_ = 0;
-  std::uint64_t step_ = 0;             // the stream's step being generated
+  std::uint64_t step_ = 0;         // the stream's step being generated
+  std::uint32_t phase_index_ = 0;  // the phase being generated, for messages
+  std::string_view phase_name_;
+  std::uint64_t shared_blocks_ = 0;    // its shared prefix's full blocks, read with every session
   std::vector<std::uint64_t> opened_;  // per block: the step it opened at (kv_block_stream::opens_at())
   std::vector<std::uint64_t> close_;   // per block: the step its session closed at (open_ while open)
 };
@@ -346,6 +388,12 @@ kv_pool_result simulate_kv_pool(const kv_block_stream& stream, std::uint64_t cap
 
 std::vector<std::uint64_t> open_block_depths(const kv_block_stream& kv, std::span<const std::uint64_t> last_read,
                                              std::uint64_t step, bool release_closed) {
+  if (last_read.size() > kv.key_count()) {
+    throw invalid_argument(
+        fmt::format("open_block_depths: last_read holds {} blocks, out of range [0, {}] (the "
+                    "stream's blocks)",
+                    last_read.size(), kv.key_count()));
+  }
   std::vector<std::pair<std::uint64_t, std::uint32_t>> seen;  // (last read, block), most recent first
   for (std::uint32_t b = 0; b < last_read.size(); ++b) {
     if (last_read[b] != never) seen.emplace_back(last_read[b], b);

@@ -3,6 +3,7 @@
 #include "expage/cache/decayed_reuse_histogram.hpp"
 #include "expage/cache/reuse_distance.hpp"
 #include "expage/core/error.hpp"
+#include "expage/core/units.hpp"
 #include "expage/detail/assert.hpp"
 #include "expage/memory/budget_tracker.hpp"
 
@@ -10,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace expage {
 
@@ -67,12 +69,29 @@ void check_split_workload(const split_workload& w) {
         "split workload: the KV stream has {} steps, the expert stream {} passes (step i is pass i: they must match)",
         w.kv->steps(), w.experts->passes()));
   }
-  if (w.budget_bytes == 0) throw invalid_argument("split workload: budget_bytes 0 out of range [1, 2^64)");
+  if (w.experts->group_limit() > w.geometry.experts_per_layer()) {
+    // The split caps are per-layer slots, at most E, and simulate() needs at least the limit.
+    throw invalid_argument(
+        fmt::format("split workload: the expert stream's group_limit {} out of range [1, {}] "
+                    "(experts_per_layer: no per-layer cap could run it)",
+                    w.experts->group_limit(), w.geometry.experts_per_layer()));
+  }
+  if (w.budget_bytes == 0 || w.budget_bytes > max_bytes) {
+    // Both pools live in one budget_tracker, whose capacity is at most max_bytes.
+    throw invalid_argument(
+        fmt::format("split workload: budget_bytes {} out of range [1, {}]", w.budget_bytes, max_bytes));
+  }
   if (w.kv_floor_bytes > w.budget_bytes) {
     throw invalid_argument(fmt::format("split workload: budget_bytes {} below the KV floor kv_floor_bytes {}",
                                        w.budget_bytes, w.kv_floor_bytes));
   }
-  if (w.kv_bytes_per_token == 0) throw invalid_argument("split workload: kv_bytes_per_token 0 out of range [1, 2^64)");
+  // One block's bytes, S_b = block_tokens · kv_bytes_per_token, must fit 64 bits.
+  const std::uint64_t most_per_token = std::numeric_limits<std::uint64_t>::max() / w.kv->block_tokens();
+  if (w.kv_bytes_per_token == 0 || w.kv_bytes_per_token > most_per_token) {
+    throw invalid_argument(
+        fmt::format("split workload: kv_bytes_per_token {} out of range [1, {}] (blocks of {} tokens in 64 bits)",
+                    w.kv_bytes_per_token, most_per_token, w.kv->block_tokens()));
+  }
   if (w.burst_passes == 0) throw invalid_argument("split workload: burst_passes 0 out of range [1, 2^64)");
   const std::uint64_t bursts = workload_bursts(w);
   if (w.warmup_bursts >= bursts) {
@@ -201,7 +220,10 @@ split_run evaluate(const split_workload& w, const split_model& m, cap_range rang
 }  // namespace
 
 std::uint64_t workload_bursts(const split_workload& w) noexcept {
-  return (w.experts->passes() + w.burst_passes - 1) / w.burst_passes;
+  // ⌈passes / burst_passes⌉ without passes + burst_passes − 1, which wraps for burst_passes
+  // near 2^64.
+  const std::uint64_t passes = w.experts->passes();
+  return passes / w.burst_passes + (passes % w.burst_passes != 0 ? 1 : 0);
 }
 
 std::vector<std::uint64_t> phase_first_bursts(const split_workload& w) {
@@ -226,8 +248,12 @@ phase_oracle hindsight_phase_oracle(std::span<const std::vector<double>> costs,
           fmt::format("hindsight_phase_oracle: run {} has {} bursts, run 0 has {}", r, costs[r].size(), bursts));
     }
   }
-  if (first_bursts.empty() || first_bursts.front() != 0) {
-    throw invalid_argument("hindsight_phase_oracle: first_bursts must start at burst 0");
+  if (first_bursts.empty()) throw invalid_argument("hindsight_phase_oracle: first_bursts is empty (it starts at 0)");
+  if (first_bursts.front() != 0) {
+    throw invalid_argument(
+        fmt::format("hindsight_phase_oracle: first_bursts[0] = {} out of range [0, 0] (the first "
+                    "phase starts at burst 0)",
+                    first_bursts.front()));
   }
   for (std::size_t p = 1; p < first_bursts.size(); ++p) {
     if (first_bursts[p] <= first_bursts[p - 1] || first_bursts[p] >= bursts) {
@@ -348,6 +374,10 @@ split_run run_online_split(const split_workload& w, const online_split_options& 
 }
 
 split_run run_live_split(const split_workload& w, double headroom, std::uint32_t cap_dead_zone) {
+  // Checked here too: a workload of one burst has no barrier, so live_split() never sees it.
+  if (!(headroom >= 0.0 && std::isfinite(headroom))) {
+    throw invalid_argument(fmt::format("run_live_split: headroom {} out of range [0, inf)", headroom));
+  }
   const split_model m = make_split_model(w);
   const cap_range range = admissible_range(m);
   const std::uint64_t bursts = workload_bursts(w);

@@ -380,9 +380,34 @@ TEST(KvSessions, BadInputIsNamedWithItsRange) {
   o = two_phases();
   o.max_references = 1000;
   expect_error(o, "max_references 1000");
+  // One context past the guard is refused before its blocks are made (it used to allocate the
+  // bookkeeping of all 2^31 blocks first, 32 GiB).
+  o = two_phases();
+  o.block_tokens = 1;
+  o.max_references = 1000;
+  o.phases[0].prompt_tokens = 1U << 31;
+  expect_error(o, "a context of 2147483712 blocks at step 0 of phases[0] ('tool-calls') passes max_references 1000");
+  // A session drawn in its steady state at a late turn of huge turns has a context past 2^64
+  // tokens: refused, not wrapped into a small stream.
+  o = two_phases();
+  o.block_tokens = 65536;
+  o.max_references = std::uint64_t{1} << 32;
+  o.phases[0].turns = 4'294'967'295U;
+  o.phases[0].append_tokens = 4'294'967'295U;
+  o.phases[0].decode_tokens = 4'294'967'295U;
+  expect_error(o, "passes max_references 4294967296");
 
   const auto kv = generate_kv_sessions(two_phases());
   EXPECT_THROW(static_cast<void>(simulate_kv_pool(kv, 0)), invalid_argument);
+  // open_block_depths() refuses a last_read longer than the stream's blocks (it read past them).
+  const std::vector<std::uint64_t> too_long(std::size_t{kv.key_count()} + 1, 0);
+  try {
+    static_cast<void>(open_block_depths(kv, too_long, 0));
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr(fmt::format("last_read holds {} blocks, out of range [0, {}]", kv.key_count() + 1,
+                                                kv.key_count())));
+  }
   const std::vector<kv_capacity_change> backwards{{.step = 5, .blocks = 3}, {.step = 5, .blocks = 4}};
   try {
     static_cast<void>(simulate_kv_pool(kv, 10, backwards));

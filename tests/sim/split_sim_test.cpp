@@ -3,6 +3,7 @@
 #include "common/split_workloads.hpp"
 #include "common/traces.hpp"
 #include "expage/core/error.hpp"
+#include "expage/core/units.hpp"
 #include "expage/detail/sanitizers.hpp"
 #include "expage/trace/synthetic_trace.hpp"
 #include "expage/trace/trace_io.hpp"
@@ -17,6 +18,7 @@
 #include <limits>
 #include <list>
 #include <random>
+#include <string>
 
 namespace expage {
 namespace {
@@ -365,8 +367,13 @@ TEST(PhaseOracle, BadInputIsNamed) {
   }
   const std::vector<std::vector<double>> empty_rows{{}};
   EXPECT_THROW(static_cast<void>(hindsight_phase_oracle(empty_rows, zero)), invalid_argument);
-  const std::vector<std::uint64_t> not_from_zero{1};
-  EXPECT_THROW(static_cast<void>(hindsight_phase_oracle(two, not_from_zero)), invalid_argument);
+  const std::vector<std::uint64_t> not_from_zero{2};
+  try {
+    static_cast<void>(hindsight_phase_oracle(two, not_from_zero));
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("first_bursts[0] = 2 out of range [0, 0]"));
+  }
   const std::vector<std::uint64_t> none{};
   EXPECT_THROW(static_cast<void>(hindsight_phase_oracle(two, none)), invalid_argument);
   const std::vector<std::uint64_t> beyond{0, 3};
@@ -543,6 +550,44 @@ TEST(SplitSim, BadWorkloadsAreNamed) {
   }
   const std::uint32_t bad[] = {11};
   EXPECT_THROW(static_cast<void>(evaluate_split_schedule(f.workload, bad)), invalid_argument);
+  const auto expect_error = [](const split_workload& x, const std::string& text) {
+    try {
+      static_cast<void>(split_grid(x));
+      ADD_FAILURE() << "no error for " << text;
+    } catch (const invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr(text));
+    }
+  };
+  // A block's bytes past 64 bits (they wrapped, to 0 and a division by it): 16-token blocks.
+  w = f.workload;
+  w.kv_bytes_per_token = std::uint64_t{1} << 60;
+  expect_error(w, fmt::format("kv_bytes_per_token {} out of range [1, {}]", w.kv_bytes_per_token,
+                              std::numeric_limits<std::uint64_t>::max() / 16));
+  // A budget beyond what one budget_tracker holds is named by the workload check.
+  w = f.workload;
+  w.budget_bytes = std::uint64_t{1} << 63;
+  expect_error(w, fmt::format("budget_bytes {} out of range [1, {}]", w.budget_bytes, max_bytes));
+  // A group limit above E leaves no per-layer cap that could run the stream.
+  const routing_trace routed =
+      generate_synthetic(testing::small_geometry(), {.seed = 9, .sequences = 1, .decode_steps = 64});
+  const access_stream wide(routed, 100);
+  w = f.workload;
+  w.experts = &wide;
+  expect_error(w, "group_limit 100 out of range [1, 16]");
+  // A burst longer than the stream is one burst, even near 2^64 passes (the count wrapped to 0).
+  w = f.workload;
+  w.burst_passes = std::numeric_limits<std::uint64_t>::max() - 10;
+  EXPECT_EQ(workload_bursts(w), 1U);
+  EXPECT_NO_THROW(static_cast<void>(split_grid(w)));
+  // With one burst there is no barrier: the live rule's headroom is checked all the same.
+  for (const double headroom : {-5.0, std::numeric_limits<double>::quiet_NaN()}) {
+    try {
+      static_cast<void>(run_live_split(w, headroom));
+      ADD_FAILURE() << "headroom " << headroom << " accepted";
+    } catch (const invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr("out of range [0, inf)"));
+    }
+  }
 }
 
 }  // namespace

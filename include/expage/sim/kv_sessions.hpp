@@ -61,7 +61,8 @@ struct kv_session_options {
   std::vector<kv_phase> phases;     ///< In order; at a phase's start every slot begins a new session.
   std::uint64_t seed = 1;           ///< Seed of the length draws (same seed, same stream everywhere).
   /// At most this many block references in all, [1, 2^32]: a guard against a phase whose
-  /// contexts would make the stream larger than memory.
+  /// contexts would make the stream larger than memory. A context that alone passes it (its
+  /// blocks and the shared prefix's, read at one step) is refused before its blocks are made.
   std::uint64_t max_references = std::uint64_t{1} << 30;
 };
 
@@ -149,9 +150,10 @@ class kv_block_stream {
 /// @param kv the block stream (its sessions and their closing steps).
 /// @param step the step after which a session counts as open.
 /// @param last_read per block, the position of its last read in the order of all block reads
-///        (`never`: not read yet).
+///        (`never`: not read yet); at most key_count() entries (the blocks past its end unread).
 /// @param release_closed the pool drops closed conversations' blocks (simulate_kv_pool()'s
 ///        release_closed): a depth then counts only the open blocks read since.
+/// @throws expage::invalid_argument when @p last_read is longer than the stream's blocks.
 [[nodiscard]] std::vector<std::uint64_t> open_block_depths(const kv_block_stream& kv,
                                                            std::span<const std::uint64_t> last_read, std::uint64_t step,
                                                            bool release_closed = false);

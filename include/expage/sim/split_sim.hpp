@@ -43,10 +43,11 @@ struct split_workload {
   /// prefetcher are set by the split runs).
   sim_options expert_options{};
   policy_kind policy = policy_kind::lru;  ///< Expert eviction policy (online).
-  std::uint64_t budget_bytes = 0;         ///< B: bytes for expert slots and KV blocks together.
+  std::uint64_t budget_bytes = 0;         ///< B: bytes for expert slots and KV blocks together, [1, max_bytes].
   std::uint64_t kv_floor_bytes = 0;       ///< B_KV^min (WiSP Eq. 6): the KV pool never gets less.
-  std::uint64_t kv_bytes_per_token = 0;   ///< KV bytes of one token over all layers, ≥ 1.
-  std::uint64_t burst_passes = 16;        ///< Passes between drained barriers, ≥ 1.
+  /// KV bytes of one token over all layers, ≥ 1, with a block's bytes (× block_tokens) in 64 bits.
+  std::uint64_t kv_bytes_per_token = 0;
+  std::uint64_t burst_passes = 16;  ///< Passes between drained barriers, ≥ 1.
   /// Bursts run (the controllers decide, the pools fill) but not charged: a service runs for
   /// hours, and a split is judged on its steady state, not on the minutes after a cold start
   /// when nothing has been reused yet (a session's first return comes a think time after the
@@ -68,9 +69,9 @@ struct split_workload {
 ///         budget leaves the experts no room above the KV floor), naming the bytes.
 [[nodiscard]] std::vector<std::uint32_t> admissible_caps(const split_workload& workload);
 
-/// Validates a workload: streams present and paired (same passes as steps), the geometry's, a
-/// positive budget and KV bytes per token, a burst ≥ 1 pass; throws expage::invalid_argument naming
-/// the value and its range.
+/// Validates a workload: streams present and paired (same passes as steps), the geometry's, an
+/// expert group limit of at most E, a budget in [1, max_bytes], KV bytes per token whose block
+/// fits 64 bits, a burst ≥ 1 pass; throws expage::invalid_argument naming the value and its range.
 void check_split_workload(const split_workload& workload);
 
 /// @brief One burst of a split run.
