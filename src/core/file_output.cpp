@@ -303,14 +303,31 @@ void write_file_atomically(const fs::path& path, const std::function<void(std::o
 }
 
 bool finish_standard_output(std::string_view program) noexcept {
+  // A write that failed before this call discarded its buffer and left only the error flag: its
+  // reason is the errno it set, still current when nothing ran since, which a write error names
+  // (a stale errno from elsewhere would not be one of these).
+  const int on_entry = errno;
+  const bool failed_before = std::ferror(stdout) != 0;
+  const bool write_error = on_entry == ENOSPC || on_entry == EPIPE || on_entry == EIO || on_entry == EFBIG ||
+                           on_entry == EDQUOT || on_entry == EBADF || on_entry == ENXIO;
   errno = 0;
-  const bool ok = std::fflush(stdout) == 0 && std::ferror(stdout) == 0;
-  const int err = errno;
+  const bool flushed = std::fflush(stdout) == 0;
+  const int flush_err = errno;
+  const bool ok = flushed && std::ferror(stdout) == 0;
+  errno = 0;
   const bool closed = std::fclose(stdout) == 0;
   const int close_err = errno;
   if (ok && closed) return true;
+  const char* reason = nullptr;
+  if (!flushed && flush_err != 0) {
+    reason = std::strerror(flush_err);
+  } else if (failed_before) {
+    reason = write_error ? std::strerror(on_entry) : "an earlier write failed";
+  } else {
+    reason = std::strerror(!ok || close_err == 0 ? EIO : close_err);
+  }
   std::fprintf(stderr, "%.*s: cannot write standard output: %s\n", static_cast<int>(program.size()), program.data(),
-               std::strerror(!ok ? (err != 0 ? err : EIO) : close_err));
+               reason);
   return false;
 }
 

@@ -80,11 +80,15 @@ moe_geometry read_geometry(const std::filesystem::path& path) {
   return parse_geometry_json(detail::read_config_file(path, "geometry file"), path.string());
 }
 
+bool names_config_file(std::string_view name_or_path) noexcept {
+  return name_or_path.ends_with(".json") || name_or_path.find('/') != std::string_view::npos;
+}
+
 moe_geometry geometry_from_argument(std::string_view name_or_path) {
   for (const std::string_view preset : moe_geometry::preset_names()) {
     if (preset == name_or_path) return moe_geometry::preset(name_or_path);
   }
-  if (name_or_path.ends_with(".json") || name_or_path.find('/') != std::string_view::npos) {
+  if (names_config_file(name_or_path)) {
     return read_geometry(std::filesystem::path(name_or_path));
   }
   return moe_geometry::preset(name_or_path);  // throws, listing the presets

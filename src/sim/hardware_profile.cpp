@@ -2,6 +2,7 @@
 
 #include "../detail/json_reader.hpp"
 #include "expage/core/error.hpp"
+#include "expage/core/geometry_io.hpp"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -146,7 +147,7 @@ hardware_profile read_hardware_profile(const std::filesystem::path& path) {
 }
 
 hardware_profile hardware_from_argument(std::string_view name_or_path) {
-  if (name_or_path.ends_with(".json") || name_or_path.find('/') != std::string_view::npos) {
+  if (names_config_file(name_or_path)) {
     return read_hardware_profile(std::filesystem::path(name_or_path));
   }
   return hardware_profile::preset(name_or_path);

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <initializer_list>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -50,6 +51,20 @@ template <class Args>
         fmt::format("{} needs a value, not the flag {} (write ./{} for a file of that name)", flag, next, next)};
   }
   return args[++i];
+}
+
+/// The most sequences `--batch` (and `expage-trace --batch-size`) decodes in lockstep, in every
+/// tool: the synthetic trace's limit, so that a trace any tool writes every tool reads as written.
+inline constexpr std::uint32_t max_batch_flag = expage::max_synthetic_batch;
+
+/// With `--synthetic`: refuses each flag of @p flags that was given (true) and is about reading
+/// a `--trace` file, rather than ignoring it. @throws usage_error naming the flag.
+inline void refuse_trace_flags(std::initializer_list<std::pair<bool, std::string_view>> flags) {
+  for (const auto& [given, flag] : flags) {
+    if (given) {
+      throw usage_error{fmt::format("{} is about reading a --trace file: it does nothing with --synthetic", flag)};
+    }
+  }
 }
 
 /// The synthetic trace of every tool's `--synthetic` (and of `expage-trace synth`) when no shaping
@@ -186,9 +201,15 @@ inline expage::routing_trace only_sequences(const expage::routing_trace& t, cons
   return out;
 }
 
-/// A capacity flag value for a scope of @p keys experts: "50%" or "128", at least @p minimum.
-inline std::uint32_t resolve_capacity(const std::string& text, std::uint32_t keys, std::uint32_t minimum) {
-  std::uint32_t slots = 0;
+/// A capacity flag value for a scope of @p keys experts of @p layout: "50%" or "128", in
+/// [@p minimum, @p keys]. @throws usage_error naming the value, the range and the layout.
+inline std::uint32_t resolve_capacity(const std::string& text, std::uint32_t keys, std::uint32_t minimum,
+                                      expage::cache_layout layout) {
+  const auto out_of_range = [&](std::string_view gives) {
+    return usage_error{
+        fmt::format("--capacity {}{} out of range [{}, {}] for the {} layout (a step's experts must fit)", text, gives,
+                    minimum, keys, expage::to_string(layout))};
+  };
   if (!text.empty() && text.back() == '%') {
     double pct = 0.0;
     try {
@@ -196,16 +217,13 @@ inline std::uint32_t resolve_capacity(const std::string& text, std::uint32_t key
     } catch (const usage_error&) {  // named as given, with its '%'
       throw usage_error{fmt::format("--capacity '{}' is not a percentage in [0%, 100%]", text)};
     }
-    slots = static_cast<std::uint32_t>(pct / 100.0 * keys + 0.5);
-  } else {
-    slots = parse_number<std::uint32_t>("--capacity", text, 1, keys);
+    const auto slots = static_cast<std::uint32_t>(pct / 100.0 * keys + 0.5);
+    if (slots < minimum || slots > keys) throw out_of_range(fmt::format(" gives {} slots,", slots));
+    return slots;
   }
-  if (slots < minimum || slots > keys) {
-    throw usage_error{
-        fmt::format("--capacity {} gives {} slots, out of range [{}, {}] for this layout (a step's "
-                    "experts must fit)",
-                    text, slots, minimum, keys)};
-  }
+  // Parsed over every count first, so that a count out of this layout's range is named with it.
+  const auto slots = parse_number<std::uint32_t>("--capacity", text, 0, ~std::uint32_t{0});
+  if (slots < minimum || slots > keys) throw out_of_range("");
   return slots;
 }
 
@@ -346,6 +364,16 @@ bool parse_synthetic_flag(std::string_view flag, Value&& value, expage::syntheti
     return false;
   }
   return true;
+}
+
+/// Refuses `--shift-every` (@p given) without `--workloads` above 1: with one workload there is
+/// nothing to shift between. @throws usage_error naming both flags.
+inline void check_shift_every(const expage::synthetic_options& o, bool given) {
+  if (given && o.workloads == 1) {
+    throw usage_error{
+        "--shift-every moves sequences between --workloads: with one workload it does nothing (give --workloads 2 "
+        "or more)"};
+  }
 }
 
 /// Checks synthetic options, their sizes included, before anything is generated

@@ -5,9 +5,12 @@
 
 #include <expage/core/error.hpp>
 #include <expage/core/file_output.hpp>
+#include <expage/core/geometry_io.hpp>
 #include <expage/runtime/event_trace.hpp>
 
 #include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -52,11 +55,30 @@ struct input_file {
   std::optional<std::string> path;
 };
 
-/// Refuses an output that lands on an input (`--trace t.bin --svg t.bin`, or through a link):
-/// the write would replace the file being read. @throws output_error naming both flags.
+/// True when @p path is the file standard output writes to (`/dev/stdout`, or the file or pipe
+/// it is redirected to): a tool writing a data file there prints its summary on standard error,
+/// which would otherwise land inside the data.
+inline bool is_standard_output(const std::filesystem::path& path) {
+  struct stat out {};
+  struct stat named {};
+  return ::fstat(STDOUT_FILENO, &out) == 0 && ::stat(path.c_str(), &named) == 0 && out.st_dev == named.st_dev &&
+         out.st_ino == named.st_ino;
+}
+
+/// The input_file of a flag that names a preset or a JSON file (`--geometry`, `--hardware`): a
+/// file only when it names one (expage::names_config_file()); a preset reads nothing.
+inline input_file config_input(std::string_view flag, const std::optional<std::string>& value) {
+  return {flag, value && expage::names_config_file(*value) ? value : std::nullopt};
+}
+
+/// Refuses an output that lands on an input (`--trace t.bin --svg t.bin`, or through a link, or
+/// `/dev/stdin` with the input redirected from it): the write would replace the file being read,
+/// or append to it. @throws output_error naming both flags.
 inline void check_not_an_input(std::string_view flag, const std::filesystem::path& requested,
                                const expage::output_location& where, std::initializer_list<input_file> inputs) {
-  if (where.in_place) return;  // a device or an open stream: nothing is replaced
+  std::error_code regular_error;
+  // A device or a pipe replaces nothing; an open regular file written in place is appended to.
+  if (where.in_place && !std::filesystem::is_regular_file(requested, regular_error)) return;
   for (const input_file& in : inputs) {
     std::error_code ec;
     if (in.path && std::filesystem::equivalent(where.target, *in.path, ec) && !ec) {

@@ -111,6 +111,7 @@ struct config {
   std::optional<std::string> trace;
   bool synthetic = false;
   std::string_view synthetic_flag;  // the last flag given that shapes the synthetic trace
+  bool shift_every_given = false;   // --shift-every was given (check_shift_every())
   bool trust_geometry = false;      // --trust-geometry
   expage::synthetic_options synth = expage_tools::default_synthetic();  // the defaults --help documents
   std::optional<std::set<std::uint32_t>> only;
@@ -151,11 +152,13 @@ config parse(int argc, char** argv, const std::string& help) {
       std::fputs(help.c_str(), stdout);
       std::exit(expage::finish_standard_output("expage-plan") ? 0 : 1);
     } else if (flag == "--trace") {
+      if (c.trace) throw usage_error{fmt::format("--trace given twice ({} and {}): give one trace", *c.trace, value())};
       c.trace = std::string(value());
     } else if (flag == "--synthetic") {
       c.synthetic = true;
     } else if (expage_tools::parse_synthetic_flag(flag, value, c.synth)) {
       c.synthetic_flag = flag;  // shapes the synthetic trace: c.synth
+      c.shift_every_given = c.shift_every_given || flag == "--shift-every";
     } else if (flag == "--trust-geometry") {
       c.trust_geometry = true;
     } else if (flag == "--only-sequences") {
@@ -259,6 +262,8 @@ config parse(int argc, char** argv, const std::string& help) {
   if (!c.synthetic && !c.synthetic_flag.empty()) {
     throw usage_error{fmt::format("{} shapes a --synthetic trace: it does nothing with --trace", c.synthetic_flag)};
   }
+  expage_tools::check_shift_every(c.synth, c.shift_every_given);
+  if (c.synthetic) expage_tools::refuse_trace_flags({{c.trust_geometry, "--trust-geometry"}});
   if (!c.budget) throw usage_error{"--budget SIZE is required (e.g. --budget 40GiB)"};
   if (c.ratio && c.precisions.size() > 1) {
     throw usage_error{
@@ -672,7 +677,9 @@ int main(int argc, char** argv) {
   try {
     const config c = parse(argc, argv, help);
     expage_tools::check_output_paths({{"--json", c.json}, {"--svg", c.svg}, {"--tiers-svg", c.tiers_svg}},
-                                     {{"--trace", c.trace}, {"--geometry", c.geometry}, {"--hardware", c.hardware}});
+                                     {{"--trace", c.trace},
+                                      expage_tools::config_input("--geometry", c.geometry),
+                                      expage_tools::config_input("--hardware", c.hardware)});
     const expage_tools::model_inputs inputs = expage_tools::load_model_inputs(c.hardware, c.geometry, c.trace);
     const expage::hardware_profile& hardware = inputs.hardware;
     const expage::moe_geometry& g = inputs.geometry;

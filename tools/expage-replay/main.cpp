@@ -53,7 +53,8 @@ input (one of):
   --trace FILE          a routing trace: .jsonl, .csv or .bin (expage binary), by extension
   --synthetic           a seeded synthetic trace (see docs/traces.md); shaped by:
 {synthetic}
-  --batch N             sequences decoded in lockstep (default 1, or what a binary trace records)
+  --batch N             sequences decoded in lockstep, [1, 65536] (default 1, or what a binary
+                        trace records)
 
 model and cache:
   --geometry G          model: {}, or a geometry JSON file (docs/traces.md);
@@ -95,6 +96,7 @@ struct config {
   std::optional<std::string> trace;
   bool synthetic = false;
   std::string_view synthetic_flag;  // the last flag given that shapes the synthetic trace
+  bool shift_every_given = false;   // --shift-every was given (check_shift_every())
   expage::synthetic_options synth = expage_tools::default_synthetic();  // the defaults --help documents
   std::optional<std::uint32_t> batch;                                   // unset: 1, or what a binary trace records
   std::optional<std::string> geometry;  // unset: the trace's metadata, else mixtral-8x7b
@@ -124,13 +126,15 @@ config parse(int argc, char** argv, const std::string& help) {
       std::fputs(help.c_str(), stdout);
       std::exit(expage::finish_standard_output("expage-replay") ? 0 : 1);
     } else if (flag == "--trace") {
+      if (c.trace) throw usage_error{fmt::format("--trace given twice ({} and {}): give one trace", *c.trace, value())};
       c.trace = std::string(value());
     } else if (flag == "--synthetic") {
       c.synthetic = true;
     } else if (expage_tools::parse_synthetic_flag(flag, value, c.synth)) {
       c.synthetic_flag = flag;  // shapes the synthetic trace: c.synth
+      c.shift_every_given = c.shift_every_given || flag == "--shift-every";
     } else if (flag == "--batch") {
-      c.batch = parse_number<std::uint32_t>(flag, value(), 1, 4096);
+      c.batch = parse_number<std::uint32_t>(flag, value(), 1, expage_tools::max_batch_flag);
     } else if (flag == "--geometry") {
       c.geometry = std::string(value());
     } else if (flag == "--trust-geometry") {
@@ -211,14 +215,11 @@ config parse(int argc, char** argv, const std::string& help) {
   if (!c.synthetic && !c.synthetic_flag.empty()) {
     throw usage_error{fmt::format("{} shapes a --synthetic trace: it does nothing with --trace", c.synthetic_flag)};
   }
+  expage_tools::check_shift_every(c.synth, c.shift_every_given);
   // A flag that changes nothing is refused, as the synthetic flags are with --trace.
   if (c.synthetic) {
-    for (const auto& [given, flag] :
-         {std::pair{c.in_memory, "--in-memory"}, std::pair{!c.read_ahead, "--no-read-ahead"},
-          std::pair{c.trust_geometry, "--trust-geometry"}}) {
-      if (given)
-        throw usage_error{fmt::format("{} is about reading a --trace file: it does nothing with --synthetic", flag)};
-    }
+    expage_tools::refuse_trace_flags(
+        {{c.in_memory, "--in-memory"}, {!c.read_ahead, "--no-read-ahead"}, {c.trust_geometry, "--trust-geometry"}});
   }
   if (c.curve_points_given && !c.json && !c.svg) {
     throw usage_error{"--curve-points samples the curves of --json and --svg: give one of them"};
@@ -338,7 +339,7 @@ int main(int argc, char** argv) {
     const config c = parse(argc, argv, help);
     // Output paths are checked before any work.
     expage_tools::check_output_paths({{"--csv", c.csv}, {"--json", c.json}, {"--svg", c.svg}},
-                                     {{"--trace", c.trace}, {"--geometry", c.geometry}});
+                                     {{"--trace", c.trace}, expage_tools::config_input("--geometry", c.geometry)});
     const std::optional<expage::trace_metadata> meta =
         c.trace ? expage::read_trace_metadata(*c.trace) : std::optional<expage::trace_metadata>{};
     expage::moe_geometry g = expage_tools::geometry_argument(c.geometry, meta);
@@ -364,7 +365,7 @@ int main(int argc, char** argv) {
       const auto keys = static_cast<std::uint32_t>(all_keys);
       for (const auto& text : c.capacities) {
         const std::uint32_t slots =
-            resolve_capacity(text, keys, c.mode == expage::replay_mode::sequential ? 1 : g.top_k());
+            resolve_capacity(text, keys, c.mode == expage::replay_mode::sequential ? 1 : g.top_k(), layout);
         const bool repeat =
             std::any_of(jobs.begin(), jobs.end(), [&](const job& j) { return j.layout == layout && j.slots == slots; });
         if (!repeat) jobs.push_back({layout, slots, text});  // "50%,128" may name one capacity twice

@@ -39,6 +39,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -59,7 +60,8 @@ input (one of):
   --trace FILE          a routing trace: .jsonl, .csv or .bin (expage binary), by extension
   --synthetic           a seeded synthetic trace (see docs/traces.md); shaped by:
 {synthetic}
-  --batch N             sequences decoded in lockstep (default 1, or what a binary trace records)
+  --batch N             sequences decoded in lockstep, [1, 65536] (default 1, or what a binary
+                        trace records)
   --only-sequences LIST simulate only these sequence ids (e.g. one problem of a recorded trace)
   --trust-geometry      accept a trace without metadata that leaves half the geometry unused
                         (refused by default: the Mixtral trace run as Phi-3.5-MoE)
@@ -93,7 +95,8 @@ model, hardware and cache:
   --admission A         cost-benefit (PreScope Eq. 6-7: issue a prefetch only when the expected time
                         saved exceeds the expected delay) or all (ungated) (default cost-benefit)
   --max-overhead X      cost-benefit's byte guard: bytes moved stay within (1 + X) x those of LRU
-                        demand loading, tracked online by a shadow cache, [0, inf] (default 0.05)
+                        demand loading, tracked online by a shadow cache, [0, 1e9] or inf
+                        (default 0.05)
   --duel-passes N       cost-benefit's eviction duel: while demand-only LRU has missed fewer experts
                         than the policy over the last N passes (by more than --duel-margin), the
                         real cache evicts in LRU order, sparing experts forecast at least
@@ -136,6 +139,7 @@ struct config {
   std::optional<std::string> trace;
   bool synthetic = false;
   std::string_view synthetic_flag;  // the last flag given that shapes the synthetic trace
+  bool shift_every_given = false;   // --shift-every was given (check_shift_every())
   bool trust_geometry = false;      // --trust-geometry
   expage::synthetic_options synth = expage_tools::default_synthetic();  // the defaults --help documents
   std::optional<std::uint32_t> batch;
@@ -224,13 +228,15 @@ config parse(int argc, char** argv, const std::string& help) {
       std::fputs(help.c_str(), stdout);
       std::exit(expage::finish_standard_output("expage-sim") ? 0 : 1);
     } else if (flag == "--trace") {
+      if (c.trace) throw usage_error{fmt::format("--trace given twice ({} and {}): give one trace", *c.trace, value())};
       c.trace = std::string(value());
     } else if (flag == "--synthetic") {
       c.synthetic = true;
     } else if (expage_tools::parse_synthetic_flag(flag, value, c.synth)) {
       c.synthetic_flag = flag;  // shapes the synthetic trace: c.synth
+      c.shift_every_given = c.shift_every_given || flag == "--shift-every";
     } else if (flag == "--batch") {
-      c.batch = parse_number<std::uint32_t>(flag, value(), 1, 4096);
+      c.batch = parse_number<std::uint32_t>(flag, value(), 1, expage_tools::max_batch_flag);
     } else if (flag == "--trust-geometry") {
       c.trust_geometry = true;
     } else if (flag == "--only-sequences") {
@@ -332,7 +338,11 @@ config parse(int argc, char** argv, const std::string& help) {
       }
     } else if (flag == "--max-overhead") {
       const std::string_view v = value();
-      c.max_overhead = v == "inf" ? std::numeric_limits<double>::infinity() : parse_real(flag, v, 0.0, 1e9);
+      try {
+        c.max_overhead = v == "inf" ? std::numeric_limits<double>::infinity() : parse_real(flag, v, 0.0, 1e9);
+      } catch (const usage_error&) {
+        throw usage_error{fmt::format("--max-overhead '{}' is not a number in [0, 1e9], nor inf", v)};
+      }
     } else if (flag == "--duel-passes") {
       c.duel_passes = parse_number<std::uint32_t>(flag, value(), 0, expage::eviction_duel::max_passes);
     } else if (flag == "--duel-margin") {
@@ -367,13 +377,17 @@ config parse(int argc, char** argv, const std::string& help) {
   if (!c.synthetic && !c.synthetic_flag.empty()) {
     throw usage_error{fmt::format("{} shapes a --synthetic trace: it does nothing with --trace", c.synthetic_flag)};
   }
+  expage_tools::check_shift_every(c.synth, c.shift_every_given);
+  if (c.synthetic) expage_tools::refuse_trace_flags({{c.trust_geometry, "--trust-geometry"}, {c.realign, "--realign"}});
   if (c.forecast_distance != 0 && c.forecast_distance < c.distance) {
     throw usage_error{fmt::format("--forecast-distance {} below --distance {}", c.forecast_distance, c.distance)};
   }
   check_prefetch_flags(c, given);
   expage_tools::drop_repeats(c.policies);
   expage_tools::drop_repeats(c.ratios);
-  expage_tools::drop_repeats(c.prefetch, &prefetch_choice::label);
+  // By what runs, not by how it is written: "oracle" and "oracle:1.0" are one prefetcher.
+  expage_tools::drop_repeats(c.prefetch,
+                             [](const prefetch_choice& p) { return std::tuple(p.recall, p.predictor, p.threshold); });
   return c;
 }
 
@@ -556,7 +570,9 @@ int main(int argc, char** argv) {
   try {
     const config c = parse(argc, argv, help);
     expage_tools::check_output_paths({{"--json", c.json}, {"--svg", c.svg}},
-                                     {{"--trace", c.trace}, {"--geometry", c.geometry}, {"--hardware", c.hardware}});
+                                     {{"--trace", c.trace},
+                                      expage_tools::config_input("--geometry", c.geometry),
+                                      expage_tools::config_input("--hardware", c.hardware)});
     const expage_tools::model_inputs inputs = expage_tools::load_model_inputs(c.hardware, c.geometry, c.trace);
     const expage::hardware_profile& hardware = inputs.hardware;
     const expage::moe_geometry& g = inputs.geometry;
@@ -577,7 +593,8 @@ int main(int argc, char** argv) {
       const std::uint64_t keys = layout == expage::cache_layout::global ? g.expert_count() : g.experts_per_layer();
       if (keys > UINT32_MAX) throw usage_error{fmt::format("--layout global: {} experts out of range", keys)};
       for (const auto& text : c.capacities) {
-        const std::uint32_t slots = expage_tools::resolve_capacity(text, static_cast<std::uint32_t>(keys), g.top_k());
+        const std::uint32_t slots =
+            expage_tools::resolve_capacity(text, static_cast<std::uint32_t>(keys), g.top_k(), layout);
         for (const auto& r : c.ratios) {
           const bool repeat = std::any_of(cells.begin(), cells.end(), [&](const cell& x) {
             return x.layout == layout && x.slots == slots && x.ratio == r;

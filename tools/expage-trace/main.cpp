@@ -134,26 +134,33 @@ std::string missing_runs(const std::vector<expage::trace_gap>& gaps) {
   return text;
 }
 
-void print_realign(const std::filesystem::path& in, const std::filesystem::path& out, const expage::realign_result& r) {
-  fmt::print("{} -> {}: {} events; short layers: {}, rows moved: {}\n", in.string(), out.string(), r.trace.size(),
+void print_realign(std::FILE* to, const std::filesystem::path& in, const std::filesystem::path& out,
+                   const expage::realign_result& r) {
+  fmt::print(to, "{} -> {}: {} events; short layers: {}, rows moved: {}\n", in.string(), out.string(), r.trace.size(),
              r.layers.size(), r.rows_moved());
   if (r.layers.empty()) {
-    fmt::print("  no short layers: every layer of every sequence has every decode step\n");
+    fmt::print(to, "  no short layers: every layer of every sequence has every decode step\n");
     return;
   }
   // gain: log-likelihood (nats) over leaving the row at the tail; margin: over the runner-up step.
-  fmt::print("  {:>8} {:>5} {:>5} {:>4} {:>10} {:>7}  {:<16} {}\n", "sequence", "layer", "rows", "refs", "rows moved",
-             "missing", "missing steps", "insertions (step: gain/margin nats)");
+  fmt::print(to, "  {:>8} {:>5} {:>5} {:>4} {:>10} {:>7}  {:<16} {}\n", "sequence", "layer", "rows", "refs",
+             "rows moved", "missing", "missing steps", "insertions (step: gain/margin nats)");
   for (const expage::realigned_layer& l : r.layers) {
     std::string inserted;
     for (const expage::gap_insertion& g : l.insertions) {
       inserted += fmt::format("{}{}: {:.2f}/{:.2f}", inserted.empty() ? "" : ", ", g.step, g.gain, g.margin);
     }
     if (l.reference_layers == 0) inserted = "not realigned: no complete layer";
-    fmt::print("  {:>8} {:>5} {:>5} {:>4} {:>10} {:>7}  {:<16} {}\n", l.sequence, l.layer, l.rows, l.reference_layers,
-               l.rows_moved, l.missing(), missing_runs(l.gaps),
+    fmt::print(to, "  {:>8} {:>5} {:>5} {:>4} {:>10} {:>7}  {:<16} {}\n", l.sequence, l.layer, l.rows,
+               l.reference_layers, l.rows_moved, l.missing(), missing_runs(l.gaps),
                inserted.empty() ? "none (left at the tail)" : inserted);
   }
+}
+
+// Where a command that wrote @p output prints its summary: standard error when the output is
+// standard output (the summary would land in the data), else standard output.
+std::FILE* summary_to(const std::filesystem::path& output) {
+  return expage_tools::is_standard_output(output) ? stderr : stdout;
 }
 
 // The sequential request stream of @p t in libCacheSim's oracleGeneral format (struct {uint32
@@ -184,9 +191,10 @@ std::string oracle_general(const expage::routing_trace& t) {
 int run(int argc, char** argv) {
   std::vector<std::string_view> args(argv + 1, argv + argc);
   const std::string names = fmt::format("{}", fmt::join(expage::moe_geometry::preset_names(), ", "));
-  if (args.empty() || args[0] == "--help" || args[0] == "-h") {
+  if (args.empty()) throw usage_error{"a command is required: info, convert, synth, realign or requests (see --help)"};
+  if (args[0] == "--help" || args[0] == "-h") {
     fmt::print(fmt::runtime(usage), names, fmt::arg("synthetic", expage_tools::synthetic_flags_help()));
-    return args.empty() ? 2 : 0;
+    return 0;
   }
   const std::string_view command = args[0];
   if (command != "info" && command != "convert" && command != "synth" && command != "realign" &&
@@ -202,7 +210,8 @@ int run(int argc, char** argv) {
   std::optional<std::uint16_t> binary_version;
   std::vector<std::filesystem::path> files;
   std::string_view synthetic_flag;  // the last flag given that shapes synth's trace
-  std::string_view realign_flag;    // the last flag given that configures realign
+  bool shift_every_given = false;
+  std::string_view realign_flag;  // the last flag given that configures realign
   for (std::size_t i = 1; i < args.size(); ++i) {
     const std::string_view arg = args[i];
     const auto value = [&]() -> std::string_view { return expage_tools::flag_value(args, i); };
@@ -221,9 +230,10 @@ int run(int argc, char** argv) {
     } else if (arg == "--trust-geometry") {
       trust_geometry = true;
     } else if (arg == "--batch-size") {
-      batch = parse_number<std::uint32_t>(arg, value(), 1, 65536);
+      batch = parse_number<std::uint32_t>(arg, value(), 1, expage_tools::max_batch_flag);
     } else if (expage_tools::parse_synthetic_flag(arg, value, synth)) {
       synthetic_flag = arg;
+      shift_every_given = shift_every_given || arg == "--shift-every";
     } else if (arg == "--smoothing") {
       realign.smoothing = parse_real(arg, value(), 0.0, 1000.0, /*open_low=*/true);
       realign_flag = arg;
@@ -249,6 +259,7 @@ int run(int argc, char** argv) {
   if (!realign_flag.empty() && command != "realign") {
     throw usage_error{fmt::format("{} configures realign: it does nothing with {}", realign_flag, command)};
   }
+  expage_tools::check_shift_every(synth, shift_every_given);
   if (trust_geometry && command == "synth") {
     throw usage_error{"--trust-geometry applies to a trace that is read: synth reads none"};
   }
@@ -274,10 +285,16 @@ int run(int argc, char** argv) {
                                     output_version, expage::binary_trace_version_with_fields,
                                     expage::binary_trace_version_named)};
     }
+    if (synth.sketch_dims != 0 && expage::format_of(files[0]) == expage::trace_format::csv) {
+      throw usage_error{
+          fmt::format("--sketch-dims: {} is CSV, which does not carry hidden-state sketches (use JSON "
+                      "Lines or the binary format)",
+                      files[0].string())};
+    }
     expage_tools::check_output_path("synth", files[0]);
     const expage::routing_trace t = expage::generate_synthetic(*geometry, synth);
     write_output(files[0], t, geometry->name(), output_version);
-    fmt::print("{}: {} events\n", files[0].string(), t.size());
+    fmt::print(summary_to(files[0]), "{}: {} events\n", files[0].string(), t.size());
     return 0;
   }
   if (command == "convert" || command == "realign" || command == "requests") {
@@ -313,13 +330,14 @@ int run(int argc, char** argv) {
   } else if (command == "realign") {
     const expage::realign_result r = expage::realign_trace(t, realign);
     write_output(files[1], r.trace, model, output_version);
-    print_realign(files[0], files[1], r);
+    print_realign(summary_to(files[1]), files[0], files[1], r);
   } else if (command == "requests") {
     expage_tools::write_atomically(files[1], oracle_general(t));
-    fmt::print("{} -> {}: {} requests\n", files[0].string(), files[1].string(), t.size() * t.top_k());
+    fmt::print(summary_to(files[1]), "{} -> {}: {} requests\n", files[0].string(), files[1].string(),
+               t.size() * t.top_k());
   } else {
     write_output(files[1], t, model, output_version);
-    fmt::print("{} -> {}: {} events\n", files[0].string(), files[1].string(), t.size());
+    fmt::print(summary_to(files[1]), "{} -> {}: {} events\n", files[0].string(), files[1].string(), t.size());
   }
   return 0;
 }

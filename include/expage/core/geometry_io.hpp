@@ -30,8 +30,12 @@ namespace expage {
 /// @throws expage::format_error when the file cannot be read (with the system's reason) or is malformed.
 [[nodiscard]] moe_geometry read_geometry(const std::filesystem::path& path);
 
-/// A preset name (moe_geometry::preset) or, when @p name_or_path is not one and ends in
-/// ".json" or contains a '/', the geometry file it names.
+/// True when an argument that names a preset or a file (`--geometry`, `--hardware`) names a
+/// file: it ends in ".json" or contains a '/' (no preset does).
+[[nodiscard]] bool names_config_file(std::string_view name_or_path) noexcept;
+
+/// A preset name (moe_geometry::preset) or, when @p name_or_path is not one and
+/// names_config_file(), the geometry file it names.
 /// @throws expage::invalid_argument for an unknown preset, as read_geometry() for a file.
 [[nodiscard]] moe_geometry geometry_from_argument(std::string_view name_or_path);
 

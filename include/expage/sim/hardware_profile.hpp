@@ -60,7 +60,8 @@ struct hardware_profile {
 [[nodiscard]] hardware_profile parse_hardware_json(std::string_view text, std::string_view source);
 /// Reads a profile file (a regular file of at most 64 KiB). @throws expage::format_error.
 [[nodiscard]] hardware_profile read_hardware_profile(const std::filesystem::path& path);
-/// A preset name or, when @p name_or_path ends in ".json" or contains a '/', the file it names.
+/// A preset name or, when names_config_file(@p name_or_path) (it ends in ".json" or contains a
+/// '/'), the file it names.
 /// @throws expage::invalid_argument for an unknown preset, expage::format_error for a bad file.
 [[nodiscard]] hardware_profile hardware_from_argument(std::string_view name_or_path);
 
