@@ -529,24 +529,28 @@ TEST(MoeGeometryConfig, ModelLargerThanMaxBytesThrows) {
 // than a bf16 one (int8 with group 1: 1 + 4 bytes per weight), so bounding the
 // bf16 total alone would let total_expert_bytes(int8) wrap here.
 TEST(MoeGeometryConfig, NoGetterExceedsMaxBytesAfterConstruction) {
-  const moe_geometry::config cfg{.name = "dense-groups",
-                                 .layers = 21,
-                                 .experts_per_layer = 1U << 16,
-                                 .top_k = 1,
-                                 .hidden_size = std::uint64_t{1} << 20,
-                                 .intermediate_size = std::uint64_t{1} << 20,
-                                 .group_size = 1};
-  try {
-    const moe_geometry g(cfg);
-    for (const precision p : expage::all_precisions) {
-      SCOPED_TRACE(expage::to_string(p));
-      const std::uint64_t per_expert = g.expert_bytes(p);
-      ASSERT_LE(per_expert, expage::max_bytes / g.expert_count());
-      EXPECT_EQ(g.total_expert_bytes(p) / g.expert_count(), per_expert);
-    }
-  } catch (const expage::invalid_argument&) {
-    SUCCEED() << "rejected at construction, as the contract allows";
+  moe_geometry::config cfg{.name = "dense-groups",
+                           .layers = 21,
+                           .experts_per_layer = 1U << 16,
+                           .top_k = 1,
+                           .hidden_size = std::uint64_t{1} << 20,
+                           .intermediate_size = std::uint64_t{1} << 20,
+                           .group_size = 1};
+  // 21 · 2^16 experts of 3 · 2^40 weights: 9.08e18 bytes in bf16, below max_bytes (9.22e18), and
+  // 2.27e19 in int8 with group 1. Bounding the bf16 total alone would accept it.
+  const std::uint64_t bf16_total = std::uint64_t{21} * (1U << 16) * (3 * (std::uint64_t{1} << 40)) * 2;
+  ASSERT_LT(bf16_total, expage::max_bytes);
+  EXPECT_THAT(construction_error(cfg), HasSubstr("overflow the largest byte count"));
+  // 8 layers: every precision's total fits, and every getter agrees with the per-expert bytes.
+  cfg.layers = 8;
+  const moe_geometry g(cfg);
+  for (const precision p : expage::all_precisions) {
+    SCOPED_TRACE(expage::to_string(p));
+    const std::uint64_t per_expert = g.expert_bytes(p);
+    ASSERT_LE(per_expert, expage::max_bytes / g.expert_count());
+    EXPECT_EQ(g.total_expert_bytes(p) / g.expert_count(), per_expert);
   }
+  EXPECT_GT(g.total_expert_bytes(precision::int8), g.total_expert_bytes(precision::bf16));
 }
 
 // ------------------------------------------------------------- expert ids

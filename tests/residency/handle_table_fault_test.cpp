@@ -162,6 +162,9 @@ TEST(HandleTableFaults, EveryStepOfEveryTransitionKeepsTheStrongGuarantee) {
   EXPECT_EQ(faults, 4 * 5 + 2);
 }
 
+// The scope ends with a transition in flight (prepared, its copy complete, not published) and an
+// old version waiting for reclamation (published under an open window, never collected): the
+// guard's abort and the table's destruction free both, and every block returns to the budget.
 TEST(HandleTableFaults, DestroyingTheTableMidTransitionReleasesEverything) {
   budget_tracker budget{1_MiB};
   auto& hi = budget.add_account("hi", 64_KiB);
@@ -169,16 +172,24 @@ TEST(HandleTableFaults, DestroyingTheTableMidTransitionReleasesEverything) {
     testing::small_pool pool(testing::heap_memory(256), hi, {.name = "hi", .max_blocks = 16});
     handle_table table(testing::tiny_geometry());
     testing::publish_pooled(table, pool, {.layer = 0, .expert = 0}, rs::promoting, 1);
-    auto t = table.begin({.layer = 0, .expert = 0}, rs::demoting);
-    auto [record, storage] = testing::pooled_version(pool, 2);
-    completion_flag copied;
-    t.prepare(record, std::move(storage), copied);
-    copied.set();
-    t.publish();
+    {
+      auto w = table.open_window();  // a reader still sees version 1: it cannot be freed at publish
+      auto t = table.begin({.layer = 0, .expert = 0}, rs::demoting);
+      auto [record, storage] = testing::pooled_version(pool, 2);
+      completion_flag copied;
+      t.prepare(record, std::move(storage), copied);
+      copied.set();
+      t.publish();
+      w.close();
+    }
+    completion_flag copied2;  // outlives the guard, which may read it when it aborts
     auto t2 = table.begin({.layer = 1, .expert = 1}, rs::promoting);
     auto [r2, s2] = testing::pooled_version(pool, 3);
-    t2.prepare(r2, std::move(s2));
-    (void)t2.publish_if_ready();
+    t2.prepare(r2, std::move(s2), copied2);
+    copied2.set();
+    ASSERT_EQ(table.statistics().in_flight, 1U);
+    ASSERT_GE(table.statistics().pending, 1U);
+    ASSERT_GT(hi.used(), 0U);
   }
   EXPECT_EQ(hi.used(), 0U);
 }

@@ -30,7 +30,6 @@
 #include <functional>
 #include <sstream>
 #include <string>
-#include <thread>
 
 namespace {
 
@@ -381,31 +380,34 @@ TEST_F(TraceInputs, FifoWithAWriterIsRead) {  // the class: a FIFO is a legitima
   // wrote before an attempt opened waits in the pipe.
   const int guard = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   ASSERT_GE(guard, 0);
+  // The writer says on a pipe when it has opened the FIFO: a reader that opened before it would
+  // see no writer and read an empty trace. No retries, no timing.
+  int connected[2] = {-1, -1};
+  ASSERT_EQ(::pipe(connected), 0);
   std::fflush(nullptr);
   const pid_t writer = ::fork();
   if (writer == 0) {
     ::alarm(20);
-    std::FILE* f = std::fopen(fifo.c_str(), "wb");
-    const bool ok = f != nullptr && std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+    ::close(connected[0]);
+    std::FILE* f = std::fopen(fifo.c_str(), "wb");  // a reader (the guard) exists: does not block
+    const char opened = f != nullptr ? 1 : 0;
+    const bool told = ::write(connected[1], &opened, 1) == 1;
+    ::close(connected[1]);
+    const bool ok = f != nullptr && told && std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
     if (f != nullptr) std::fclose(f);
     ::_exit(ok ? 0 : 1);
   }
-  // The reader may open before the writer: it then sees no writer yet and reads as empty, so
-  // retry until the writer has connected (bounded by the writer's alarm); once the writer has
-  // closed, the trace it left in the pipe reads whole.
+  ::close(connected[1]);
+  char opened = 0;
+  const bool told = ::read(connected[0], &opened, 1) == 1;
+  ::close(connected[0]);
   routing_trace back(mixtral());
-  for (int attempt = 0; attempt < 1000; ++attempt) {
-    try {
-      back = expage::read_trace(fifo, mixtral());
-      break;
-    } catch (const expage::format_error& e) {
-      if (std::string_view(e.what()).find("shorter than") == std::string_view::npos) throw;
-      std::this_thread::yield();
-    }
-  }
+  if (told && opened == 1) back = expage::read_trace(fifo, mixtral());  // reads until the writer closes
   int status = 0;
   ::waitpid(writer, &status, 0);
   ::close(guard);
+  ASSERT_TRUE(told && opened == 1) << "the writer could not open the FIFO";
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   EXPECT_EQ(back, t);
 }
 
