@@ -530,12 +530,29 @@ TEST(FourPoolController, DoesNotOscillateUnderStationaryInput) {
     four_pool_controller c(m, {}, all[seed % all.size()]);
     const auto head = static_cast<std::uint32_t>(1 + seed % 4);
     const std::uint64_t kv = 10 + 7 * seed;
+    // Checked here from the splits themselves, not only by the controller's own count: no split
+    // is returned to once left, and the KV pool moves one way.
+    std::vector<four_pool_split> visited{c.current()};
+    int kv_sign = 0;
     for (int burst = 0; burst < 60; ++burst) {
       feed_burst(c, rng, head, kv);
       const auto d = c.step();
-      if (d.moved) c.commit(d, true);
+      if (!d.moved) continue;
+      const four_pool_split before = c.current();
+      c.commit(d, true);
+      const four_pool_split after = c.current();
+      if (after == before) continue;
+      EXPECT_EQ(std::find(visited.begin(), visited.end(), after), visited.end())
+          << "seed " << seed << " burst " << burst << ": back to a split it left";
+      visited.push_back(after);
+      if (after.kv_bytes != before.kv_bytes) {
+        const int sign = after.kv_bytes > before.kv_bytes ? 1 : -1;
+        EXPECT_TRUE(kv_sign == 0 || sign == kv_sign) << "seed " << seed << " burst " << burst << ": KV reversed";
+        kv_sign = sign;
+      }
     }
     EXPECT_EQ(c.statistics().reversals, 0U) << "seed " << seed;
+    EXPECT_EQ(c.statistics().moves, visited.size() - 1) << "seed " << seed;
     moves += c.statistics().moves;
   }
   EXPECT_GT(moves, 0U) << "the starts were chosen away from the targets";
