@@ -1644,7 +1644,7 @@ void print_four_pool(const four_pool_report& f, const expage::runtime_statistics
   }
   const auto& t = stats.total;
   fmt::print(
-      "  four-pool: {} bursts, {} moves ({} reversals, {} refused, {} session-mix changes); budget peak {} of {}; "
+      "  four-pool: {} barriers, {} moves ({} reversals, {} refused, {} session-mix changes); budget peak {} of {}; "
       "served hi {:.1f}% (lo {}), promotions {}, demotions {}, switches {}\n",
       f.bursts, f.stats.moves, f.stats.reversals, f.stats.failed_resizes, f.stats.mix_changes,
       expage::byte_size{f.budget_peak}, expage::byte_size{m.budget_bytes}, 100 * stats.hi_coverage(), t.lo_served,

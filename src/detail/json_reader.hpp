@@ -8,6 +8,7 @@
 #pragma once
 
 #include "expage/core/error.hpp"
+#include "expage/detail/utf8.hpp"
 
 #include <fmt/format.h>
 
@@ -216,7 +217,15 @@ class json_reader {
       const char c = text_[pos_++];
       if (c == '"') return out;
       if (static_cast<unsigned char>(c) < 0x20) fail("control character in a string");
-      if (c == '\\') {
+      if (static_cast<unsigned char>(c) >= 0x80) {  // a name is shown in JSON and SVG outputs: UTF-8 only
+        const std::size_t length = utf8_sequence_length(text_, pos_ - 1);
+        if (length == 0) {
+          fail(fmt::format("byte 0x{:02x} in a string is not UTF-8",
+                           static_cast<unsigned>(static_cast<unsigned char>(c))));
+        }
+        out.append(text_.substr(pos_ - 1, length));
+        pos_ += length - 1;
+      } else if (c == '\\') {
         if (pos_ >= text_.size()) fail("unterminated escape");
         const char e = text_[pos_++];
         if (e != '"' && e != '\\' && e != '/') fail("only the escapes \\\" \\\\ \\/ are accepted");

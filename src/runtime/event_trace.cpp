@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <ostream>
 #include <string_view>
 #include <utility>
@@ -40,6 +41,11 @@ void event_trace::push(trace_event e) noexcept {
 
 void event_trace::span(std::string name, const char* category, std::uint32_t track, double start_us, double duration_us,
                        std::uint64_t bytes) noexcept {
+  if (!std::isfinite(start_us) || !std::isfinite(duration_us)) {  // JSON has no NaN or infinity
+    const std::lock_guard lock(mutex_);
+    ++dropped_;
+    return;
+  }
   push(trace_event{.name = std::move(name),
                    .category = category,
                    .phase = 'X',
@@ -66,26 +72,6 @@ std::vector<trace_event> event_trace::events() const {
 std::uint64_t event_trace::dropped() const {
   const std::lock_guard lock(mutex_);
   return dropped_;
-}
-
-void write_json_string(std::ostream& out, std::string_view text) {
-  out << '"';
-  for (const char c : text) {
-    switch (c) {
-      case '"': out << "\\\""; break;
-      case '\\': out << "\\\\"; break;
-      case '\n': out << "\\n"; break;
-      case '\t': out << "\\t"; break;
-      case '\r': out << "\\r"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          out << fmt::format("\\u{:04x}", static_cast<unsigned>(static_cast<unsigned char>(c)));
-        } else {
-          out << c;
-        }
-    }
-  }
-  out << '"';
 }
 
 void event_trace::write_json(std::ostream& out) const {

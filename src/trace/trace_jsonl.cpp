@@ -1,12 +1,14 @@
 #include "expage/trace/trace_io.hpp"
 
 #include "expage/core/file_output.hpp"
+#include "expage/core/json_string.hpp"
 #include "trace_input.hpp"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <ostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -434,12 +436,9 @@ void write_jsonl(std::ostream& out, const routing_trace& trace, std::string_view
   // Version 1, as before, unless the trace has optional fields to declare.
   std::string line = fmt::format(R"({{"expage_trace": {}, )", meta.fields ? 2 : 1);
   if (!meta.geometry.empty()) {
-    std::string escaped;
-    for (const char c : meta.geometry) {
-      if (c == '"' || c == '\\') escaped += '\\';
-      escaped += c;  // metadata_of() dropped the control characters
-    }
-    line += fmt::format(R"("geometry": "{}", )", escaped);
+    std::ostringstream name;
+    write_json_string(name, meta.geometry);  // the one JSON escaper: quotes, control bytes, non-UTF-8
+    line += fmt::format(R"("geometry": {}, )", std::move(name).str());
   }
   line += fmt::format(R"("layers": {}, "experts_per_layer": {}, "top_k": {}, "batch_size": {})", meta.layers,
                       meta.experts_per_layer, meta.top_k, meta.batch_size);

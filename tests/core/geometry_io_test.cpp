@@ -38,6 +38,8 @@ TEST(GeometryJson, RefusesBadFilesNamingTheColumnAndField) {
   } cases[] = {
       {R"({"name":"x","layers":2,"experts_per_layer":4})", "field 'top_k' missing"},
       {R"({"layers":2,"experts_per_layer":4,"top_k":1})", "field 'name' missing"},
+      // A name is shown in JSON and SVG outputs: UTF-8 only.
+      {"{\"name\":\"we\xff\",\"layers\":2,\"experts_per_layer\":4,\"top_k\":1}", "byte 0xff in a string is not UTF-8"},
       // The value and the field's range (it said only "expected a non-negative integer").
       {R"({"name":"x","layers":-2,"experts_per_layer":4,"top_k":1})",
        "field 'layers': -2 is not an integer in [1, 65536]"},

@@ -6,7 +6,8 @@
 #include <expage/core/error.hpp>
 #include <expage/core/file_output.hpp>
 #include <expage/core/geometry_io.hpp>
-#include <expage/runtime/event_trace.hpp>
+#include <expage/core/json_string.hpp>
+#include <expage/detail/utf8.hpp>
 
 #include <fmt/format.h>
 #include <sys/stat.h>
@@ -119,11 +120,25 @@ inline std::string json_string(std::string_view text) {
   return std::move(out).str();
 }
 
-/// @p text escaped for SVG (XML) character data and attribute values: & < > " '.
+/// @p text escaped for SVG (XML) character data and attribute values: & < > " '. XML 1.0 allows no
+/// control character but tab, line feed and carriage return, and the file is UTF-8: the others
+/// and every byte that is not well-formed UTF-8 become U+FFFD.
 inline std::string xml_text(std::string_view text) {
   std::string out;
   out.reserve(text.size());
-  for (const char c : text) {
+  for (std::size_t i = 0; i < text.size();) {
+    const char c = text[i];
+    const std::size_t length = expage::detail::utf8_sequence_length(text, i);
+    if (length == 0 || (static_cast<unsigned char>(c) < 0x20 && c != '\t' && c != '\n' && c != '\r')) {
+      out += "&#xFFFD;";
+      ++i;
+      continue;
+    }
+    if (length > 1) {
+      out += text.substr(i, length);
+      i += length;
+      continue;
+    }
     switch (c) {
       case '&': out += "&amp;"; break;
       case '<': out += "&lt;"; break;
@@ -132,6 +147,7 @@ inline std::string xml_text(std::string_view text) {
       case '\'': out += "&apos;"; break;
       default: out += c;
     }
+    ++i;
   }
   return out;
 }

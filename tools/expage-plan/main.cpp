@@ -991,12 +991,16 @@ int main(int argc, char** argv) {
             "\nrecommended: {} hi slots and {} lo slots per layer ({} hi, {} lo), {} to the KV cache: {:.3f} ms per "
             "token "
             "of cost, {:.3f} ms modelled time, {:.1f}% of activations at hi (the online controller: {:.3f} ms of "
-            "cost). "
-            "The hi set the hysteresis controller held at the end is in the JSON (tiers.grid[{}].hi_sets).\n",
+            "cost).{}\n",
             s.hi_slots, s.lo_slots, expage::byte_size{expage::hi_pool_bytes(t.model, s)},
             expage::byte_size{expage::lo_pool_bytes(t.model, s)}, expage::byte_size{s.kv_bytes},
             best.cost_per_token() * 1e3, best.time_per_token() * 1e3, 100 * best.hi_coverage(),
-            t.online.cost_per_token() * 1e3, t.oracle);
+            t.online.cost_per_token() * 1e3,
+            // A hi-only split has no hysteresis controller, hence no hi set (its hi_sets are empty).
+            s.tiered() ? fmt::format(" The hi set the hysteresis controller held at the end is in the JSON "
+                                     "(tiers.grid[{}].hi_sets).",
+                                     t.oracle)
+                       : std::string());
       }
     }
     std::vector<expage_tools::output_text> outputs;

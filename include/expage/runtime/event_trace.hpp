@@ -3,6 +3,8 @@
 /// trace-event JSON format (opens in Perfetto and chrome://tracing).
 #pragma once
 
+#include "expage/core/json_string.hpp"  // write_json_string(), which users of this header had here
+
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -55,7 +57,8 @@ class event_trace {
   /// Microseconds since construction (steady clock).
   [[nodiscard]] double now_us() const noexcept;
 
-  /// Records a span; never throws (an event that cannot be stored is dropped and counted).
+  /// Records a span; never throws (an event that cannot be stored, or whose start or duration is
+  /// not finite, is dropped and counted).
   void span(std::string name, const char* category, std::uint32_t track, double start_us, double duration_us,
             std::uint64_t bytes = 0) noexcept;
   /// Records an instant at now_us(); never throws.
@@ -82,8 +85,5 @@ class event_trace {
   std::vector<std::string> tracks_;
   std::uint64_t dropped_ = 0;
 };
-
-/// Writes @p text as a JSON string literal (quotes, escapes) to @p out.
-void write_json_string(std::ostream& out, std::string_view text);
 
 }  // namespace expage
