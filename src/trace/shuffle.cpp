@@ -1,9 +1,10 @@
 #include "expage/trace/shuffle.hpp"
 
+#include "sampler.hpp"
+
 #include <algorithm>
 #include <cstddef>
 #include <map>
-#include <random>
 #include <utility>
 #include <vector>
 
@@ -25,13 +26,18 @@ routing_trace shuffle_tokens(const routing_trace& trace, std::uint64_t seed) {
     std::uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (std::uint64_t{sequence} + 1);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    std::mt19937_64 rng(z ^ (z >> 31));
-    std::shuffle(to.begin(), to.end(), rng);
+    // Fisher–Yates over raw engine draws (detail::sampler), not std::shuffle, whose algorithm
+    // the standard leaves open: libstdc++ and libc++ give different permutations for one seed.
+    detail::sampler rng(z ^ (z >> 31));
+    for (std::size_t i = to.size(); i > 1; --i) {
+      std::swap(to[i - 1], to[rng.below(static_cast<std::uint32_t>(i))]);
+    }
     auto& map = moved[sequence];
     for (std::size_t i = 0; i < s.size(); ++i) map.emplace(s[i], to[i]);
   }
   routing_trace out(trace.layers(), trace.experts_per_layer(), trace.top_k());
   out.set_batch_size(trace.batch_size());
+  out.declare_fields(trace.fields());  // kept even when no event carries them (an empty trace)
   for (routing_event e : trace) {
     if (e.phase == routing_phase::decode) e.step = moved.at(e.sequence).at(e.step);
     out.append(e);

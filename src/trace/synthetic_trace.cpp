@@ -2,6 +2,7 @@
 
 #include "expage/core/error.hpp"
 #include "expage/trace/trace_io.hpp"
+#include "sampler.hpp"
 
 #include <fmt/format.h>
 
@@ -15,26 +16,7 @@
 namespace expage {
 namespace {
 
-// Reproducible sampling from raw std::mt19937_64 draws (its output sequence is fixed by the
-// standard; the std distributions' algorithms are not).
-class sampler {
- public:
-  explicit sampler(std::uint64_t seed) : engine_(seed) {}
-
-  // Uniform in [0, 1) with 53 random bits.
-  double uniform() { return static_cast<double>(engine_() >> 11U) * 0x1.0p-53; }
-
-  // Uniform in [0, n), n ≥ 1; the multiply-shift maps 53-bit uniforms (bias < n / 2^53).
-  std::uint32_t below(std::uint32_t n) {
-    const auto i = static_cast<std::uint32_t>(uniform() * n);
-    return std::min(i, n - 1);
-  }
-
-  bool chance(double p) { return uniform() < p; }
-
- private:
-  std::mt19937_64 engine_;
-};
+using detail::sampler;
 
 // Draws `count` distinct items (not excluded) so that item i is included with probability
 // min(1, c·weight_i) for the c that makes the inclusion probabilities sum to `count`

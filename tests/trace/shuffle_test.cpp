@@ -88,4 +88,29 @@ TEST(ShuffleTokens, DeterministicPerSeedAndPerSequence) {
   for (const auto& [key, tok] : tokens(expage::shuffle_tokens(only0, 9))) EXPECT_EQ(whole.at(key), tok);
 }
 
+// The permutation of a seed is pinned: it is drawn from raw engine output, not std::shuffle (whose
+// algorithm differs between standard libraries), so this list holds on every platform. Step s of
+// the one sequence routes expert s, so the expert at step s after the shuffle is where it came from.
+TEST(ShuffleTokens, ASeedsPermutationIsTheSameOnEveryPlatform) {
+  routing_trace t(1, 16, 1);
+  for (std::uint32_t step = 0; step < 16; ++step) {
+    const std::uint32_t expert[] = {step};
+    const float weight[] = {1.0F};
+    t.append({.sequence = 0, .step = step, .layer = 0, .experts = expert, .weights = weight});
+  }
+  const routing_trace shuffled = expage::shuffle_tokens(t, 1);
+  std::vector<std::uint32_t> from(16);
+  for (const routing_event& e : shuffled) from[e.step] = e.experts[0];
+  EXPECT_EQ(from, (std::vector<std::uint32_t>{3, 11, 10, 4, 9, 2, 8, 12, 15, 5, 1, 7, 13, 14, 6, 0}));
+}
+
+// The optional fields a trace declares survive the shuffle, even with no event to carry them.
+TEST(ShuffleTokens, KeepsTheDeclaredFields) {
+  routing_trace t(2, 8, 2);
+  t.declare_fields({.probabilities = true, .sketch_dims = 4});
+  const routing_trace shuffled = expage::shuffle_tokens(t, 3);
+  EXPECT_EQ(shuffled.fields(), t.fields());
+  EXPECT_EQ(shuffled.size(), 0U);
+}
+
 }  // namespace

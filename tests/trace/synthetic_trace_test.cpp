@@ -163,7 +163,7 @@ TEST(SyntheticTrace, DeterministicFingerprint) {
 
 TEST(SyntheticTrace, PopularitySkewMatchesTheConfiguredExponent) {
   // 64 experts, top-8: shares stay below 1 for s ≤ 0.6, so the selection counts follow
-  // rank^-s; locality keeps the marginals (a kept expert was drawn with its share).
+  // rank^-s at locality 0 (locality pulls the shares towards uniform: docs/traces.md).
   const moe_geometry g = moe_geometry::olmoe_1b_7b();
   for (const double s : {0.3, expage::olmoe_zipf_exponent}) {
     const routing_trace t =

@@ -57,9 +57,10 @@ struct realigned_layer {
   std::uint32_t rows = 0;              ///< Decode rows the layer has.
   std::uint32_t reference_layers = 0;  ///< Complete layers of the sequence it was scored against (0: left as it was).
   std::uint32_t rows_moved = 0;        ///< Rows whose step changed.
-  /// The layer's missing decode steps after realignment, as the runs routing_trace::gaps() of
-  /// the realigned trace reports for it, ascending; steps not recovered as interior gaps stay at
-  /// the tail, where the recorder's numbering put them.
+  /// The layer's missing decode steps after realignment, ascending: the decode part of the runs
+  /// routing_trace::gaps() of the realigned trace reports for it (a run that also covers missing
+  /// prefill steps starts here at the first decode step). Steps not recovered as interior gaps
+  /// stay at the tail, where the recorder's numbering put them.
   std::vector<trace_gap> gaps;
   /// Missing decode steps in all gaps.
   [[nodiscard]] std::uint64_t missing() const noexcept {
