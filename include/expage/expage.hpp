@@ -35,6 +35,7 @@
 #include "expage/core/expert_id.hpp"
 #include "expage/core/file_output.hpp"
 #include "expage/core/geometry_io.hpp"
+#include "expage/core/json_string.hpp"
 #include "expage/core/moe_geometry.hpp"
 #include "expage/core/pattern.hpp"
 #include "expage/core/precision.hpp"
