@@ -78,8 +78,10 @@ void decayed_reuse_histogram::throw_marginal_out_of_range(std::size_t capacity) 
 double decayed_reuse_histogram::predicted_misses(std::size_t capacity) const {
   check_capacity(capacity);
   const std::size_t first = capacity / width_;  // the bin holding distance `capacity` (or the tail)
+  // The tail, then the bins from the top down: every capacity adds the same terms in the same
+  // order as the one above it, plus non-negative ones, so the curve never rises by a rounding.
   double misses = bins_.back();
-  for (std::size_t b = first + 1; b < bin_count(); ++b) misses += bins_[b];
+  for (std::size_t b = bin_count(); b-- > first + 1;) misses += bins_[b];
   if (first < bin_count()) {
     // Uniform within the bin: the share of its distances that are ≥ capacity.
     const std::size_t lo = first * width_;
@@ -91,7 +93,8 @@ double decayed_reuse_histogram::predicted_misses(std::size_t capacity) const {
 
 double decayed_reuse_histogram::predicted_miss_ratio(std::size_t capacity) const {
   const double misses = predicted_misses(capacity);
-  return total_ > 0.0 ? misses / total_ : 0.0;
+  // At most 1: the total is summed in another order than the misses.
+  return total_ > 0.0 ? std::min(1.0, misses / total_) : 0.0;
 }
 
 std::vector<double> decayed_reuse_histogram::predicted_curve() const {

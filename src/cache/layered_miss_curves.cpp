@@ -66,6 +66,7 @@ void layered_miss_curves::throw_out_of_range(expert_id id) const {
 }
 
 void layered_miss_curves::access_group(std::uint32_t layer, std::span<const expert_index> experts) {
+  if (layer >= layers_.size()) throw_out_of_range({layer, 0});  // checked even for an empty group
   for (std::size_t i = 0; i < experts.size(); ++i) {
     if (!contains({layer, experts[i]})) throw_out_of_range({layer, experts[i]});
     for (std::size_t j = 0; j < i; ++j) {

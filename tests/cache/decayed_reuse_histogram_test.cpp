@@ -9,6 +9,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -161,6 +162,46 @@ TEST(DecayedReuseHistogram, MarginalsAreNonNegativeFiniteDifferencesOfTheCurve) 
     }
     EXPECT_NEAR(curve[0], h.total_mass(), 1e-9 * h.total_mass());
     EXPECT_EQ(curve[40], h.counts().back()) << "M̂(C) is the tail";
+  }
+}
+
+// predicted_misses() never rises with the capacity, not even by a rounding, and
+// predicted_miss_ratio() never exceeds 1: the two cases a review found (bins summed in another
+// order at neighbouring capacities; the total summed in another order than the misses), then
+// random histograms.
+TEST(DecayedReuseHistogram, ThePredictedCurveNeverRisesAndTheRatioStaysAtMostOne) {
+  decayed_reuse_histogram h({.max_capacity = 3, .bin_width = 1, .decay = 0.3});
+  h.record(3);  // the tail
+  h.new_burst();
+  h.new_burst();
+  h.record(1);
+  h.record(1);
+  h.new_burst();
+  h.record(2);
+  h.record(2);  // bin 0 stays empty: M̂(0) and M̂(1) add the same masses
+  EXPECT_LE(h.predicted_misses(1), h.predicted_misses(0));
+  decayed_reuse_histogram r({.max_capacity = 3, .bin_width = 1, .decay = 0.7});
+  r.record(0);
+  r.new_burst();
+  r.record(1);
+  r.new_burst();
+  r.record(0);
+  r.record(0);
+  EXPECT_LE(r.predicted_miss_ratio(0), 1.0);
+  std::mt19937_64 rng(17);
+  for (int round = 0; round < 3000; ++round) {
+    const std::size_t capacity = 1 + rng() % 12;
+    const std::size_t width = 1 + rng() % std::min<std::size_t>(capacity, 4);
+    decayed_reuse_histogram x(
+        {.max_capacity = capacity, .bin_width = width, .decay = 0.3 + 0.7 * static_cast<double>(rng() % 100) / 100.0});
+    for (int i = 0; i < 20; ++i) {
+      if (rng() % 4 == 0) x.new_burst();
+      x.record(rng() % (capacity + 3));
+    }
+    for (std::size_t c = 0; c < capacity; ++c) {
+      ASSERT_LE(x.predicted_misses(c + 1), x.predicted_misses(c)) << "round " << round << " capacity " << c;
+    }
+    ASSERT_LE(x.predicted_miss_ratio(0), 1.0) << "round " << round;
   }
 }
 

@@ -140,6 +140,13 @@ TEST(LayeredMissCurves, RejectsExpertsOutOfRangeNamingThemAndRecordsNothing) {
     EXPECT_THAT(e.what(), AllOf(HasSubstr("layer 32"), HasSubstr("[0, 32)")));
   }
   EXPECT_THROW((void)curves.layer_curve(99), invalid_argument);
+  // A group's layer is checked even when the group is empty.
+  try {
+    curves.access_group(32, {});
+    FAIL() << "layer 32 accepted with no experts";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("layer 32"), HasSubstr("[0, 32)")));
+  }
 }
 
 TEST(LayeredMissCurves, RejectsEmptyAndOversizedShapes) {

@@ -134,6 +134,18 @@ TEST(MissCurveBuilder, RejectsBadKeysNamingThemAndRecordsNothing) {
   EXPECT_THROW((void)lru_miss_ratio_curve(4, std::vector<int>{0, 4}), invalid_argument);
 }
 
+// Keys of a type std::cmp_less cannot compare (bool, the character types) are refused by the
+// constraint, not deep inside the standard library.
+template <class Keys>
+concept curve_keys = requires(Keys k) {
+  lru_miss_ratio_curve(2, k);
+};
+static_assert(curve_keys<std::vector<int>>);
+static_assert(curve_keys<std::vector<std::uint32_t>>);
+static_assert(!curve_keys<std::vector<char>>);
+static_assert(!curve_keys<std::vector<bool>>);
+static_assert(!curve_keys<std::vector<char32_t>>);
+
 TEST(MissCurveBuilder, ResetStartsAFreshStream) {
   miss_curve_builder b(4);
   b.access_all(std::vector<unsigned>{0, 1, 0, 1, 2});

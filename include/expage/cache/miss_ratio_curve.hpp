@@ -26,10 +26,21 @@
 #include <ranges>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace expage {
+
+namespace detail {
+/// The key types a miss curve takes: the integers std::cmp_less compares (bool and the character
+/// types are not among them).
+template <class T>
+concept curve_key =
+    std::integral<T> && !std::same_as<std::remove_cv_t<T>, bool> && !std::same_as<std::remove_cv_t<T>, char> &&
+    !std::same_as<std::remove_cv_t<T>, wchar_t> && !std::same_as<std::remove_cv_t<T>, char8_t> &&
+    !std::same_as<std::remove_cv_t<T>, char16_t> && !std::same_as<std::remove_cv_t<T>, char32_t>;
+}  // namespace detail
 
 /// @brief The exact LRU miss count of one access stream at every capacity in [0, key_count].
 ///
@@ -160,7 +171,7 @@ class miss_curve_builder {
   /// @throws expage::invalid_argument naming the first key out of range (and its
   ///         position); all keys are checked first, so nothing is recorded then.
   template <std::ranges::forward_range Keys>
-  requires std::integral<std::ranges::range_value_t<Keys>>
+  requires detail::curve_key<std::ranges::range_value_t<Keys>>
   void access_all(Keys&& keys) {
     std::size_t position = 0;
     for (const auto key : keys) {
@@ -199,7 +210,7 @@ class miss_curve_builder {
 /// The exact LRU miss curve of @p keys over [0, @p key_count) (WiSP Eq. 3), in one pass.
 /// @throws expage::invalid_argument for a bad key_count, or naming the first key out of range.
 template <std::ranges::forward_range Keys>
-requires std::integral<std::ranges::range_value_t<Keys>>
+requires detail::curve_key<std::ranges::range_value_t<Keys>>
 [[nodiscard]] miss_ratio_curve lru_miss_ratio_curve(std::size_t key_count, Keys&& keys) {
   miss_curve_builder builder(key_count);
   builder.access_all(keys);

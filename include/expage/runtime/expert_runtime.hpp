@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -445,7 +446,9 @@ class expert_runtime {
   /// Declare an engine's leases after its runtime, so they are destroyed first.
   ~expert_runtime() {
     // Work this runtime enqueued on the streams (fills, timing callbacks) refers to it: let it run.
-    for (Stream* stream : {copy_, prefetch_, compute_}) {
+    // The compute stream first: a release it runs (a lease released in stream order) may start
+    // background work, loads and prefetches whose tasks on the load streams refer to the runtime.
+    for (Stream* stream : {compute_, copy_, prefetch_}) {
       if (stream != nullptr) quietly_synchronize(*record_event_quietly(*stream));
     }
     const std::lock_guard lock(mutex_);  // not locked: its unlock could start background work
@@ -2323,21 +2326,38 @@ class expert_runtime {
   // retire_lease() of a lease released with a pending completion: moves it into the ring and
   // returns its ticket.
   [[gnu::noinline]] std::uint64_t retire_completion(lease_record& r) noexcept {
-    // The ring keeps the last completion_ring completions; the one 256 releases back is
-    // complete in practice, and is waited for before its place is reused.
+    // The ring keeps the last completion_ring completions. The one completion_ring releases back
+    // is complete in practice; when it is not, it moves to the overflow rather than being waited
+    // for: this may run as a task on the compute stream (a release in stream order), and that
+    // completion may be an event recorded behind this very task (an engine more than
+    // completion_ring leases ahead of its stream), which a wait here would never see.
     const std::uint64_t ticket = ++tickets_;
     any_completion& place = completions_[ticket % completion_ring];
     if (!place.ready()) {
       try {
-        place.wait();
-      } catch (...) {
-        // As a failed fence: whether that kernel still reads its versions is unknown, so every
-        // version whose uses span the ticket is poisoned (never evicted), not forgotten.
-        poison_users(ticket - completion_ring);
+        overflow_.emplace(ticket - completion_ring, std::move(place));
+      } catch (...) {  // no memory for the overflow: wait, as a fence would
+        try {
+          place.wait();
+        } catch (...) {
+          // As a failed fence: whether that kernel still reads its versions is unknown, so every
+          // version whose uses span the ticket is poisoned (never evicted), not forgotten.
+          poison_users(ticket - completion_ring);
+        }
       }
     }
     place = std::move(r.done);
+    trim_overflow();
     return ticket;
+  }
+  // Forgets the overflow's completions that are ready: those at its front at every retire, all of
+  // them whenever it has doubled since the last full pass (amortized O(1) per retire; a completion
+  // that never becomes ready cannot make it hold every later one).
+  void trim_overflow() noexcept {
+    while (!overflow_.empty() && overflow_.begin()->second.ready()) overflow_.erase(overflow_.begin());
+    if (overflow_.size() < 2 * overflow_trimmed_ + 16) return;
+    std::erase_if(overflow_, [](const auto& entry) { return entry.second.ready(); });
+    overflow_trimmed_ = overflow_.size();
   }
   // Poisons the versions whose uses since they were last known complete include ring ticket
   // @p ticket (its completion failed). O(tiers · experts), on a failure only.
@@ -2404,39 +2424,60 @@ class expert_runtime {
     return pins;
   }
 
-  // The completions of the leases that read a version since it was last known complete: the
-  // ring's tickets [first, last] (those of other versions' leases among them are waited for too,
-  // which is safe). Empty (false) when they are known complete. Pointer-like at its call sites.
+  // The completions of the leases that read a version since it was last known complete: tickets
+  // [first, last], those still in the ring read there, older ones from the overflow (a ticket in
+  // neither was complete when its ring place was reused). Those of other versions' leases among
+  // them are waited for too, which is safe. Empty (false) when they are known complete.
+  // Pointer-like at its call sites; valid until the next retire.
   class use_span {
    public:
     use_span() noexcept = default;
-    use_span(any_completion* ring, std::uint64_t first, std::uint64_t last) noexcept
-        : ring_(ring), first_(first), last_(last) {}
-    explicit operator bool() const noexcept { return ring_ != nullptr; }
-    friend bool operator==(const use_span& s, std::nullptr_t) noexcept { return s.ring_ == nullptr; }
+    use_span(expert_runtime* rt, std::uint64_t first, std::uint64_t last) noexcept
+        : rt_(rt), first_(first), last_(last) {}
+    explicit operator bool() const noexcept { return rt_ != nullptr; }
+    friend bool operator==(const use_span& s, std::nullptr_t) noexcept { return s.rt_ == nullptr; }
     [[nodiscard]] const use_span* operator->() const noexcept { return this; }
     // True when every completion of the span is ready.
     [[nodiscard]] bool ready() const noexcept {
-      for (std::uint64_t t = first_; t <= last_; ++t) {
-        if (!ring_[t % completion_ring].ready()) return false;
+      const std::uint64_t kept = rt_->oldest_in_ring();
+      for (auto it = rt_->overflow_.lower_bound(first_); it != rt_->overflow_.end() && it->first <= last_; ++it) {
+        if (!it->second.ready()) return false;
+      }
+      for (std::uint64_t t = std::max(first_, kept); t <= last_; ++t) {
+        if (!rt_->completions_[t % completion_ring].ready()) return false;
       }
       return true;
     }
     // Waits for every completion of the span, newest first; throws the first failure.
     void wait() const {
-      for (std::uint64_t t = last_ + 1; t-- > first_;) ring_[t % completion_ring].wait();
+      const std::uint64_t from = std::max(first_, rt_->oldest_in_ring());
+      for (std::uint64_t t = last_ + 1; t-- > from;) rt_->completions_[t % completion_ring].wait();
+      auto end = rt_->overflow_.upper_bound(last_);
+      for (auto it = end; it != rt_->overflow_.begin();) {
+        --it;
+        if (it->first < first_) break;
+        it->second.wait();
+      }
     }
 
    private:
-    any_completion* ring_ = nullptr;  // completion_ring places
+    expert_runtime* rt_ = nullptr;
     std::uint64_t first_ = 0;
     std::uint64_t last_ = 0;
   };
+  // The oldest ticket whose completion is still in the ring (the ones before left it: complete,
+  // or in the overflow).
+  [[nodiscard]] std::uint64_t oldest_in_ring() const noexcept {
+    return tickets_ >= completion_ring ? tickets_ - (completion_ring - 1) : 1;
+  }
   [[nodiscard]] use_span last_use(const version& v) noexcept {
-    if (v.last_use == 0 || tickets_ - v.last_use >= completion_ring) return {};
-    // Tickets completion_ring back were waited for before their places were reused.
-    const std::uint64_t oldest_kept = tickets_ >= completion_ring ? tickets_ - (completion_ring - 1) : 1;
-    return {completions_.data(), std::max(v.first_use, oldest_kept), v.last_use};
+    if (v.last_use == 0) return {};
+    if (v.last_use < oldest_in_ring()) {
+      // Only the overflow can still hold one of its completions.
+      const auto it = overflow_.lower_bound(v.first_use);
+      if (it == overflow_.end() || it->first > v.last_use) return {};
+    }
+    return {this, v.first_use, v.last_use};
   }
 
   // After a resize that pinned versions held up: evict unpinned surplus whose kernels are done,
@@ -2714,6 +2755,9 @@ class expert_runtime {
   std::vector<std::uint32_t> background_;  // experts with a version in each tier (the inactive one to switch to)
   static constexpr std::size_t completion_ring = 256;
   std::vector<any_completion> completions_ = std::vector<any_completion>(completion_ring);  // by ticket
+  // Completions that left the ring while still pending, by ticket (retire_completion()).
+  std::map<std::uint64_t, any_completion> overflow_;
+  std::size_t overflow_trimmed_ = 0;  // overflow_'s size after its last full trim
   std::uint64_t tickets_ = 0;
   std::vector<std::unique_ptr<lease_record>> records_;  // every lease record (addresses stable)
   // Intrusive lists through lease_record::next (pushing never allocates, so never throws):
