@@ -230,7 +230,8 @@ hot_set_evaluation evaluate_hot_set(const routing_trace& trace, const hot_set_co
   }
   // An interval shorter than a pass would close intervals that saw nothing: at T_u ≪ one pass,
   // billions of them per pass.
-  if (timed && !(clock.seconds >= clock.seconds_per_pass && std::isfinite(clock.seconds))) {
+  // With the boundaries' relative tolerance (below): 3 × 0.1 s is one interval of 0.3 s passes.
+  if (timed && !(clock.seconds * (1.0 + 1e-9) >= clock.seconds_per_pass && std::isfinite(clock.seconds))) {
     throw invalid_argument(
         fmt::format("evaluate_hot_set: clock.seconds {} out of range [{}, inf) (at least clock.seconds_per_pass)",
                     clock.seconds, clock.seconds_per_pass));

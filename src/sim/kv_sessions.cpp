@@ -89,14 +89,14 @@ class detail::kv_session_generator {
     return __builtin_mul_overflow(a, b, &product) ? most_tokens : product;
   }
 
-  // Refuses, before anything is allocated for them, @p more new blocks (past 2^32 − 1 blocks in
+  // Refuses, before anything is allocated for them, @p more new blocks (past 2^32 − 2 blocks in
   // all) or a context of @p read blocks that one step reads (past max_references).
   void reserve_blocks(std::uint64_t more, std::uint64_t read) const {
     if (read > options_.max_references) {
       throw invalid_argument(
           fmt::format("generate_kv_sessions: a context of {} blocks at step {} of phases[{}] ('{}') passes "
                       "max_references {}; shorten the phase's contexts, or raise block_tokens",
-                      read, step_, phase_index_, phase_name_, options_.max_references));
+                      read, step_ - phase_first_step_, phase_index_, phase_name_, options_.max_references));
     }
     if (more > most_blocks - next_id_) {
       throw invalid_argument(fmt::format("generate_kv_sessions: more than {} blocks; raise block_tokens", most_blocks));
@@ -139,6 +139,7 @@ class detail::kv_session_generator {
     step_ = out.offset_.size() - 1;  // the context of the sessions under way opens at the phase's first step
     phase_index_ = index;
     phase_name_ = p.name;
+    phase_first_step_ = step_;
     shared_blocks_ = 0;
     const std::vector<std::uint32_t> shared = new_blocks(p.shared_prefix_tokens / options_.block_tokens);
     shared_blocks_ = shared.size();
@@ -227,9 +228,10 @@ class detail::kv_session_generator {
   std::uint64_t step_ = 0;         // the stream's step being generated
   std::uint32_t phase_index_ = 0;  // the phase being generated, for messages
   std::string_view phase_name_;
-  std::uint64_t shared_blocks_ = 0;    // its shared prefix's full blocks, read with every session
-  std::vector<std::uint64_t> opened_;  // per block: the step it opened at (kv_block_stream::opens_at())
-  std::vector<std::uint64_t> close_;   // per block: the step its session closed at (open_ while open)
+  std::uint64_t phase_first_step_ = 0;  // its first step in the stream (messages count within the phase)
+  std::uint64_t shared_blocks_ = 0;     // its shared prefix's full blocks, read with every session
+  std::vector<std::uint64_t> opened_;   // per block: the step it opened at (kv_block_stream::opens_at())
+  std::vector<std::uint64_t> close_;    // per block: the step its session closed at (open_ while open)
 };
 
 namespace {

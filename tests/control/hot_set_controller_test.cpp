@@ -340,6 +340,8 @@ TEST(EvaluateHotSet, RejectsMismatchedTracesAndBadClocks) {
   } catch (const invalid_argument& e) {
     EXPECT_THAT(e.what(), HasSubstr("clock.seconds 1e-12 out of range [1, inf)"));
   }
+  // One pass as an interval, up to the boundaries' rounding tolerance.
+  EXPECT_NO_THROW((void)evaluate_hot_set(t, cfg, {.seconds_per_pass = 0.1 * 3, .seconds = 0.3}));
   EXPECT_EQ(evaluate_hot_set(t, cfg, {}).activations, 0U);
   // A budget with hi_bytes 0 would refuse every promotion, silently: refused before any change.
   budget_tracker budget(1 << 20);

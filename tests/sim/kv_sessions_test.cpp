@@ -387,6 +387,13 @@ TEST(KvSessions, BadInputIsNamedWithItsRange) {
   o.max_references = 1000;
   o.phases[0].prompt_tokens = 1U << 31;
   expect_error(o, "a context of 2147483712 blocks at step 0 of phases[0] ('tool-calls') passes max_references 1000");
+  // In a later phase the step is counted within that phase, as the total's message counts it.
+  o = two_phases();
+  o.block_tokens = 1;
+  o.max_references = 1U << 20;
+  o.phases[0].steps = 3;
+  o.phases[1].prompt_tokens = 1U << 31;
+  expect_error(o, "blocks at step 0 of phases[1] ('long-context') passes max_references 1048576");
   // A session drawn in its steady state at a late turn of huge turns has a context past 2^64
   // tokens: refused, not wrapped into a small stream.
   o = two_phases();

@@ -221,8 +221,13 @@ inline std::uint32_t resolve_capacity(const std::string& text, std::uint32_t key
     if (slots < minimum || slots > keys) throw out_of_range(fmt::format(" gives {} slots,", slots));
     return slots;
   }
-  // Parsed over every count first, so that a count out of this layout's range is named with it.
-  const auto slots = parse_number<std::uint32_t>("--capacity", text, 0, ~std::uint32_t{0});
+  // Any count out of this layout's range (or not a count at all) is named with that range.
+  std::uint32_t slots = 0;
+  try {
+    slots = parse_number<std::uint32_t>("--capacity", text, 0, ~std::uint32_t{0});
+  } catch (const usage_error&) {
+    throw out_of_range("");
+  }
   if (slots < minimum || slots > keys) throw out_of_range("");
   return slots;
 }

@@ -121,8 +121,8 @@ inline std::string json_string(std::string_view text) {
 }
 
 /// @p text escaped for SVG (XML) character data and attribute values: & < > " '. XML 1.0 allows no
-/// control character but tab, line feed and carriage return, and the file is UTF-8: the others
-/// and every byte that is not well-formed UTF-8 become U+FFFD.
+/// control character but tab, line feed and carriage return, nor U+FFFE or U+FFFF, and the file is
+/// UTF-8: those and every byte that is not well-formed UTF-8 become U+FFFD.
 inline std::string xml_text(std::string_view text) {
   std::string out;
   out.reserve(text.size());
@@ -135,7 +135,9 @@ inline std::string xml_text(std::string_view text) {
       continue;
     }
     if (length > 1) {
-      out += text.substr(i, length);
+      // U+FFFE and U+FFFF are UTF-8 but not XML characters.
+      const std::string_view sequence = text.substr(i, length);
+      out += sequence == "\xef\xbf\xbe" || sequence == "\xef\xbf\xbf" ? std::string_view("&#xFFFD;") : sequence;
       i += length;
       continue;
     }

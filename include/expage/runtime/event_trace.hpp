@@ -66,7 +66,7 @@ class event_trace {
 
   /// The events kept, in recording order.
   [[nodiscard]] std::vector<trace_event> events() const;
-  /// Events not kept because the log was full.
+  /// Events not kept: the log was full, an event could not be stored, or a span was not finite.
   [[nodiscard]] std::uint64_t dropped() const;
   /// The capacity.
   [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
