@@ -9,6 +9,7 @@
 #include <expage/core/json_string.hpp>
 #include <expage/detail/utf8.hpp>
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -165,6 +166,41 @@ inline void write_atomically(const std::filesystem::path& path, std::string_view
   }
 }
 
+/// Keeps a tool's tables and summaries out of an output file that is standard output
+/// (`--json /dev/stdout`, or the file standard output is redirected to), so that the file arrives
+/// alone: while it lives and until put_back(), standard output (descriptor 1) writes to standard
+/// error. put_back() before writing the outputs (write_all_atomically()). Does nothing when no
+/// output is standard output, or when the descriptors cannot be duplicated.
+class tables_off_stdout {
+ public:
+  explicit tables_off_stdout(std::initializer_list<output_file> files) {
+    for (const output_file& f : files) {
+      if (!f.path || !is_standard_output(*f.path)) continue;
+      std::fflush(stdout);
+      saved_ = ::fcntl(STDOUT_FILENO, F_DUPFD_CLOEXEC, 3);
+      if (saved_ >= 0 && ::dup2(STDERR_FILENO, STDOUT_FILENO) < 0) {
+        ::close(saved_);
+        saved_ = -1;
+      }
+      return;
+    }
+  }
+  tables_off_stdout(const tables_off_stdout&) = delete;
+  tables_off_stdout& operator=(const tables_off_stdout&) = delete;
+  ~tables_off_stdout() { put_back(); }
+  /// Standard output writes where it did before construction.
+  void put_back() noexcept {
+    if (saved_ < 0) return;
+    std::fflush(stdout);
+    (void)::dup2(saved_, STDOUT_FILENO);
+    ::close(saved_);
+    saved_ = -1;
+  }
+
+ private:
+  int saved_ = -1;  // the original standard output, while descriptor 1 is standard error
+};
+
 /// One file a tool writes: where, and its whole text.
 struct output_text {
   std::string path;
@@ -172,7 +208,8 @@ struct output_text {
 };
 
 /// Writes every file of @p outputs or none of them (expage::write_files_atomically()), after what
-/// the tool printed so far (flushed first, so that `--json /dev/stdout` follows the table).
+/// the tool printed so far (flushed first; a tool whose output is standard output has sent that to
+/// standard error, tables_off_stdout).
 /// @throws output_error with the system's reason.
 inline void write_all_atomically(const std::vector<output_text>& outputs) {
   std::fflush(stdout);

@@ -680,6 +680,8 @@ int main(int argc, char** argv) {
                                      {{"--trace", c.trace},
                                       expage_tools::config_input("--geometry", c.geometry),
                                       expage_tools::config_input("--hardware", c.hardware)});
+    expage_tools::tables_off_stdout tables(
+        {{"--json", c.json}, {"--svg", c.svg}, {"--tiers-svg", c.tiers_svg}});  // an output on stdout arrives alone
     const expage_tools::model_inputs inputs = expage_tools::load_model_inputs(c.hardware, c.geometry, c.trace);
     const expage::hardware_profile& hardware = inputs.hardware;
     const expage::moe_geometry& g = inputs.geometry;
@@ -1023,6 +1025,7 @@ int main(int argc, char** argv) {
                                                       hardware.name, expage::byte_size{o.budget_bytes}),
                                           c.sessions ? "knee" : "recommended")});
     }
+    tables.put_back();
     expage_tools::write_all_atomically(outputs);  // every file or none
     return expage::finish_standard_output("expage-plan") ? 0 : 1;
   } catch (const usage_error& e) {

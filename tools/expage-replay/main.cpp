@@ -340,6 +340,8 @@ int main(int argc, char** argv) {
     // Output paths are checked before any work.
     expage_tools::check_output_paths({{"--csv", c.csv}, {"--json", c.json}, {"--svg", c.svg}},
                                      {{"--trace", c.trace}, expage_tools::config_input("--geometry", c.geometry)});
+    expage_tools::tables_off_stdout tables(
+        {{"--csv", c.csv}, {"--json", c.json}, {"--svg", c.svg}});  // an output on stdout arrives alone
     const std::optional<expage::trace_metadata> meta =
         c.trace ? expage::read_trace_metadata(*c.trace) : std::optional<expage::trace_metadata>{};
     expage::moe_geometry g = expage_tools::geometry_argument(c.geometry, meta);
@@ -568,6 +570,7 @@ int main(int argc, char** argv) {
                                            fmt::format("Expert loads per token vs. expert memory: {}, {}", g.name(),
                                                        c.trace ? "routing trace" : "synthetic trace"))});
     }
+    tables.put_back();
     expage_tools::write_all_atomically(outputs);  // every file or none
     return expage::finish_standard_output("expage-replay") ? 0 : 1;
   } catch (const usage_error& e) {

@@ -573,6 +573,8 @@ int main(int argc, char** argv) {
                                      {{"--trace", c.trace},
                                       expage_tools::config_input("--geometry", c.geometry),
                                       expage_tools::config_input("--hardware", c.hardware)});
+    expage_tools::tables_off_stdout tables(
+        {{"--json", c.json}, {"--svg", c.svg}});  // an output on stdout arrives alone
     const expage_tools::model_inputs inputs = expage_tools::load_model_inputs(c.hardware, c.geometry, c.trace);
     const expage::hardware_profile& hardware = inputs.hardware;
     const expage::moe_geometry& g = inputs.geometry;
@@ -785,6 +787,7 @@ int main(int argc, char** argv) {
           {*c.svg, svg_chart(results, jobs, cells, c.bounds,
                              fmt::format("Stall per token vs expert memory: {}, {}", g.name(), hardware.name))});
     }
+    tables.put_back();
     expage_tools::write_all_atomically(outputs);  // every file or none
     return expage::finish_standard_output("expage-sim") ? 0 : 1;
   } catch (const usage_error& e) {
