@@ -57,14 +57,15 @@ struct input_file {
   std::optional<std::string> path;
 };
 
-/// True when @p path is the file standard output writes to (`/dev/stdout`, or the file or pipe
-/// it is redirected to): a tool writing a data file there prints its summary on standard error,
-/// which would otherwise land inside the data.
+/// True when @p path is the file or pipe standard output writes to (`/dev/stdout`, or the file it
+/// is redirected to): a tool writing a data file there prints its summary on standard error,
+/// which would otherwise land inside the data. False for a character device (a terminal,
+/// /dev/null), where the two mix harmlessly.
 inline bool is_standard_output(const std::filesystem::path& path) {
   struct stat out {};
   struct stat named {};
-  return ::fstat(STDOUT_FILENO, &out) == 0 && ::stat(path.c_str(), &named) == 0 && out.st_dev == named.st_dev &&
-         out.st_ino == named.st_ino;
+  return ::fstat(STDOUT_FILENO, &out) == 0 && !S_ISCHR(out.st_mode) && ::stat(path.c_str(), &named) == 0 &&
+         out.st_dev == named.st_dev && out.st_ino == named.st_ino;
 }
 
 /// The input_file of a flag that names a preset or a JSON file (`--geometry`, `--hardware`): a
