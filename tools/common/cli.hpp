@@ -53,6 +53,13 @@ template <class Args>
   return args[++i];
 }
 
+/// Sets @p slot, the value of a flag that names one file (`--trace`), from @p value.
+/// @throws usage_error naming both values when the flag was given before.
+inline void set_once(std::string_view flag, std::optional<std::string>& slot, std::string_view value) {
+  if (slot) throw usage_error{fmt::format("{} given twice ({} and {}): give one", flag, *slot, value)};
+  slot = std::string(value);
+}
+
 /// The most sequences `--batch` (and `expage-trace --batch-size`) decodes in lockstep, in every
 /// tool: the synthetic trace's limit, so that a trace any tool writes every tool reads as written.
 inline constexpr std::uint32_t max_batch_flag = expage::max_synthetic_batch;

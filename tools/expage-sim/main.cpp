@@ -228,8 +228,7 @@ config parse(int argc, char** argv, const std::string& help) {
       std::fputs(help.c_str(), stdout);
       std::exit(expage::finish_standard_output("expage-sim") ? 0 : 1);
     } else if (flag == "--trace") {
-      if (c.trace) throw usage_error{fmt::format("--trace given twice ({} and {}): give one trace", *c.trace, value())};
-      c.trace = std::string(value());
+      expage_tools::set_once(flag, c.trace, value());
     } else if (flag == "--synthetic") {
       c.synthetic = true;
     } else if (expage_tools::parse_synthetic_flag(flag, value, c.synth)) {
