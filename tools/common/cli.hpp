@@ -342,14 +342,22 @@ inline std::string synthetic_flags_help() {
       defaults.sequences, defaults.decode_steps, defaults.seed, defaults.locality);
 }
 
-/// Parses @p flag when it is one of the flags that shape a synthetic trace, into @p o: the same
-/// names and ranges in every tool (expage-replay, expage-sim and expage-plan `--synthetic`,
-/// `expage-trace synth`), the ranges the library's, check_synthetic() the rest (what depends on
-/// the geometry, and the sizes). @p value yields the flag's argument (and throws when there is
-/// none). Returns false, reading nothing, for any other flag.
+/// Which of parse_synthetic_flag()'s flags a command line gave: what the checks after parsing
+/// need (check_shift_every(), and each tool's refusal of such a flag without a synthetic trace).
+struct synthetic_flags_seen {
+  std::string_view last;     ///< the last flag given that shapes the synthetic trace; empty when none
+  bool shift_every = false;  ///< `--shift-every` was given
+};
+
+/// Parses @p flag when it is one of the flags that shape a synthetic trace, into @p o, and notes
+/// it in @p seen: the same names and ranges in every tool (expage-replay, expage-sim and
+/// expage-plan `--synthetic`, `expage-trace synth`), the ranges the library's, check_synthetic()
+/// the rest (what depends on the geometry, and the sizes). @p value yields the flag's argument
+/// (and throws when there is none). Returns false, reading nothing, for any other flag.
 /// @throws usage_error naming the flag, its text and its range.
 template <class Value>
-bool parse_synthetic_flag(std::string_view flag, Value&& value, expage::synthetic_options& o) {
+bool parse_synthetic_flag(std::string_view flag, Value&& value, expage::synthetic_options& o,
+                          synthetic_flags_seen& seen) {
   if (flag == "--sequences") {
     o.sequences = parse_number<std::uint32_t>(flag, value(), 1, expage::max_synthetic_sequences);
   } else if (flag == "--steps" || flag == "--decode-steps") {
@@ -375,16 +383,27 @@ bool parse_synthetic_flag(std::string_view flag, Value&& value, expage::syntheti
   } else {
     return false;
   }
+  seen.last = flag;
+  seen.shift_every = seen.shift_every || flag == "--shift-every";
   return true;
 }
 
-/// Refuses `--shift-every` (@p given) without `--workloads` above 1: with one workload there is
-/// nothing to shift between. @throws usage_error naming both flags.
-inline void check_shift_every(const expage::synthetic_options& o, bool given) {
-  if (given && o.workloads == 1) {
+/// Refuses `--shift-every` (noted in @p seen) without `--workloads` above 1: with one workload
+/// there is nothing to shift between. @throws usage_error naming both flags.
+inline void check_shift_every(const expage::synthetic_options& o, const synthetic_flags_seen& seen) {
+  if (seen.shift_every && o.workloads == 1) {
     throw usage_error{
         "--shift-every moves sequences between --workloads: with one workload it does nothing (give --workloads 2 "
         "or more)"};
+  }
+}
+
+/// Refuses a flag that shapes a synthetic trace (the last noted in @p seen) when the tool reads a
+/// trace instead (@p synthetic false: `--trace`, not `--synthetic`). @throws usage_error naming
+/// the flag.
+inline void check_synthetic_flags_used(const synthetic_flags_seen& seen, bool synthetic) {
+  if (!synthetic && !seen.last.empty()) {
+    throw usage_error{fmt::format("{} shapes a --synthetic trace: it does nothing with --trace", seen.last)};
   }
 }
 

@@ -110,9 +110,8 @@ line (a budget that leaves the experts no room above the KV floor included).
 struct config {
   std::optional<std::string> trace;
   bool synthetic = false;
-  std::string_view synthetic_flag;  // the last flag given that shapes the synthetic trace
-  bool shift_every_given = false;   // --shift-every was given (check_shift_every())
-  bool trust_geometry = false;      // --trust-geometry
+  expage_tools::synthetic_flags_seen synth_flags;                       // which of synth's flags were given
+  bool trust_geometry = false;                                          // --trust-geometry
   expage::synthetic_options synth = expage_tools::default_synthetic();  // the defaults --help documents
   std::optional<std::set<std::uint32_t>> only;
   std::optional<std::uint64_t> budget;
@@ -155,9 +154,8 @@ config parse(int argc, char** argv, const std::string& help) {
       expage_tools::set_once(flag, c.trace, value());
     } else if (flag == "--synthetic") {
       c.synthetic = true;
-    } else if (expage_tools::parse_synthetic_flag(flag, value, c.synth)) {
-      c.synthetic_flag = flag;  // shapes the synthetic trace: c.synth
-      c.shift_every_given = c.shift_every_given || flag == "--shift-every";
+    } else if (expage_tools::parse_synthetic_flag(flag, value, c.synth, c.synth_flags)) {
+      // read into c.synth
     } else if (flag == "--trust-geometry") {
       c.trust_geometry = true;
     } else if (flag == "--only-sequences") {
@@ -258,10 +256,8 @@ config parse(int argc, char** argv, const std::string& help) {
     }
   }
   if (c.trace.has_value() == c.synthetic) throw usage_error{"give exactly one of --trace FILE and --synthetic"};
-  if (!c.synthetic && !c.synthetic_flag.empty()) {
-    throw usage_error{fmt::format("{} shapes a --synthetic trace: it does nothing with --trace", c.synthetic_flag)};
-  }
-  expage_tools::check_shift_every(c.synth, c.shift_every_given);
+  expage_tools::check_synthetic_flags_used(c.synth_flags, c.synthetic);
+  expage_tools::check_shift_every(c.synth, c.synth_flags);
   if (c.synthetic) expage_tools::refuse_trace_flags({{c.trust_geometry, "--trust-geometry"}});
   if (!c.budget) throw usage_error{"--budget SIZE is required (e.g. --budget 40GiB)"};
   if (c.ratio && c.precisions.size() > 1) {

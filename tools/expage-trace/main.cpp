@@ -209,9 +209,8 @@ int run(int argc, char** argv) {
   expage::realign_options realign;
   std::optional<std::uint16_t> binary_version;
   std::vector<std::filesystem::path> files;
-  std::string_view synthetic_flag;  // the last flag given that shapes synth's trace
-  bool shift_every_given = false;
-  std::string_view realign_flag;  // the last flag given that configures realign
+  expage_tools::synthetic_flags_seen synth_flags;  // which of synth's flags were given
+  std::string_view realign_flag;                   // the last flag given that configures realign
   for (std::size_t i = 1; i < args.size(); ++i) {
     const std::string_view arg = args[i];
     const auto value = [&]() -> std::string_view { return expage_tools::flag_value(args, i); };
@@ -231,9 +230,8 @@ int run(int argc, char** argv) {
       trust_geometry = true;
     } else if (arg == "--batch-size") {
       batch = parse_number<std::uint32_t>(arg, value(), 1, expage_tools::max_batch_flag);
-    } else if (expage_tools::parse_synthetic_flag(arg, value, synth)) {
-      synthetic_flag = arg;
-      shift_every_given = shift_every_given || arg == "--shift-every";
+    } else if (expage_tools::parse_synthetic_flag(arg, value, synth, synth_flags)) {
+      // read into synth
     } else if (arg == "--smoothing") {
       realign.smoothing = parse_real(arg, value(), 0.0, 1000.0, /*open_low=*/true);
       realign_flag = arg;
@@ -253,13 +251,13 @@ int run(int argc, char** argv) {
     }
   }
   // A flag the command does not read is refused, not silently ignored.
-  if (!synthetic_flag.empty() && command != "synth") {
-    throw usage_error{fmt::format("{} shapes synth's trace: it does nothing with {}", synthetic_flag, command)};
+  if (!synth_flags.last.empty() && command != "synth") {
+    throw usage_error{fmt::format("{} shapes synth's trace: it does nothing with {}", synth_flags.last, command)};
   }
   if (!realign_flag.empty() && command != "realign") {
     throw usage_error{fmt::format("{} configures realign: it does nothing with {}", realign_flag, command)};
   }
-  expage_tools::check_shift_every(synth, shift_every_given);
+  expage_tools::check_shift_every(synth, synth_flags);
   if (trust_geometry && command == "synth") {
     throw usage_error{"--trust-geometry applies to a trace that is read: synth reads none"};
   }
