@@ -202,6 +202,16 @@ class tables_off_stdout {
   int saved_ = -1;  // the original standard output, while descriptor 1 is standard error
 };
 
+/// What a tool does with its outputs before any work: check_output_paths() over @p files and
+/// @p inputs, then tables_off_stdout over the same files, returned for the tool to put_back()
+/// before it writes them.
+/// @throws output_error as check_output_paths() does.
+[[nodiscard]] inline tables_off_stdout prepare_outputs(std::initializer_list<output_file> files,
+                                                       std::initializer_list<input_file> inputs = {}) {
+  check_output_paths(files, inputs);
+  return tables_off_stdout(files);
+}
+
 /// One file a tool writes: where, and its whole text.
 struct output_text {
   std::string path;

@@ -671,12 +671,11 @@ int main(int argc, char** argv) {
                                        fmt::arg("synthetic", expage_tools::synthetic_flags_help()));
   try {
     const config c = parse(argc, argv, help);
-    expage_tools::check_output_paths({{"--json", c.json}, {"--svg", c.svg}, {"--tiers-svg", c.tiers_svg}},
-                                     {{"--trace", c.trace},
-                                      expage_tools::config_input("--geometry", c.geometry),
-                                      expage_tools::config_input("--hardware", c.hardware)});
-    expage_tools::tables_off_stdout tables(
-        {{"--json", c.json}, {"--svg", c.svg}, {"--tiers-svg", c.tiers_svg}});  // an output on stdout arrives alone
+    // An output on stdout arrives alone: the tables go to stderr until tables.put_back().
+    auto tables = expage_tools::prepare_outputs({{"--json", c.json}, {"--svg", c.svg}, {"--tiers-svg", c.tiers_svg}},
+                                                {{"--trace", c.trace},
+                                                 expage_tools::config_input("--geometry", c.geometry),
+                                                 expage_tools::config_input("--hardware", c.hardware)});
     const expage_tools::model_inputs inputs = expage_tools::load_model_inputs(c.hardware, c.geometry, c.trace);
     const expage::hardware_profile& hardware = inputs.hardware;
     const expage::moe_geometry& g = inputs.geometry;

@@ -332,11 +332,11 @@ int main(int argc, char** argv) {
                                        fmt::arg("synthetic", expage_tools::synthetic_flags_help()));
   try {
     const config c = parse(argc, argv, help);
-    // Output paths are checked before any work.
-    expage_tools::check_output_paths({{"--csv", c.csv}, {"--json", c.json}, {"--svg", c.svg}},
-                                     {{"--trace", c.trace}, expage_tools::config_input("--geometry", c.geometry)});
-    expage_tools::tables_off_stdout tables(
-        {{"--csv", c.csv}, {"--json", c.json}, {"--svg", c.svg}});  // an output on stdout arrives alone
+    // Output paths are checked before any work. An output on stdout arrives alone: the tables go
+    // to stderr until tables.put_back().
+    auto tables =
+        expage_tools::prepare_outputs({{"--csv", c.csv}, {"--json", c.json}, {"--svg", c.svg}},
+                                      {{"--trace", c.trace}, expage_tools::config_input("--geometry", c.geometry)});
     const std::optional<expage::trace_metadata> meta =
         c.trace ? expage::read_trace_metadata(*c.trace) : std::optional<expage::trace_metadata>{};
     expage::moe_geometry g = expage_tools::geometry_argument(c.geometry, meta);
