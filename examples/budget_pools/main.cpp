@@ -30,24 +30,34 @@ using namespace expage::literals;
 using expage::precision;
 using pool_t = expage::block_pool<expage::host_memory>;
 
-// Draws experts with probability ∝ 1/(rank+1)^s, a different permutation per layer.
+// Draws experts with probability ∝ 1/(rank+1)^s, a different permutation per layer. Every draw is
+// made from the engine's raw output (whose sequence the standard fixes), not through std::shuffle or
+// a std::*_distribution (whose algorithms it leaves to the library), so a seed routes the same
+// tokens under every standard library.
 class zipf_router {
  public:
   zipf_router(std::uint32_t experts, std::uint32_t layers, double s, std::uint64_t seed) : rng_(seed) {
-    for (std::uint32_t e = 0; e < experts; ++e) weights_.push_back(1.0 / std::pow(e + 1.0, s));
+    double total = 0.0;
+    for (std::uint32_t e = 0; e < experts; ++e) {
+      total += 1.0 / std::pow(e + 1.0, s);
+      cumulative_.push_back(total);
+    }
     for (std::uint32_t l = 0; l < layers; ++l) {
       std::vector<std::uint32_t> perm(experts);
       for (std::uint32_t e = 0; e < experts; ++e) perm[e] = e;
-      std::shuffle(perm.begin(), perm.end(), rng_);
+      for (std::uint32_t i = experts; i > 1; --i) std::swap(perm[i - 1], perm[rng_() % i]);  // Fisher–Yates
       perm_.push_back(std::move(perm));
     }
   }
   // top_k distinct experts of `layer` for one token.
   std::vector<std::uint32_t> route(std::uint32_t layer, std::uint32_t top_k) {
-    std::discrete_distribution<std::uint32_t> pick(weights_.begin(), weights_.end());
     std::vector<std::uint32_t> chosen;
     while (chosen.size() < top_k) {
-      const std::uint32_t e = perm_[layer][pick(rng_)];
+      // A uniform draw in [0, total) from the top 53 bits, then the rank whose weight covers it.
+      const double u = static_cast<double>(rng_() >> 11) * 0x1.0p-53 * cumulative_.back();
+      const auto rank = static_cast<std::size_t>(std::upper_bound(cumulative_.begin(), cumulative_.end() - 1, u) -
+                                                 cumulative_.begin());
+      const std::uint32_t e = perm_[layer][rank];
       if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
     }
     return chosen;
@@ -55,7 +65,7 @@ class zipf_router {
 
  private:
   std::mt19937_64 rng_;
-  std::vector<double> weights_;
+  std::vector<double> cumulative_;  // cumulative_[r]: the weights of ranks 0..r
   std::vector<std::vector<std::uint32_t>> perm_;
 };
 
