@@ -451,11 +451,13 @@ four_pool_decision four_pool_controller::step() const {
     // pool (or, with it unchanged, the hi pool) the target's way for less than the current cost;
     // none, no move. (Moving each pool toward the target alone can change the KV pool the other
     // way, or leave the space.) Forced (the current split breaks the coverage constraint), the
-    // step need not be cheaper: the cheapest feasible one, else the one covering most (cheapest
-    // among equals), so a split out of bounds leaves however slow the rate limit.
+    // step need not be cheaper nor move the KV pool the target's way: the cheapest feasible one,
+    // else the one covering most (cheapest among equals), so a split out of bounds leaves however
+    // slow the rate limit (a target with more KV may be reached only through hi slots that first
+    // take KV blocks: the KV pool's way alone could leave coverage where it is).
     const auto within = [&](const four_pool_split& s) {
       return s.tiered() == current_.tiered() && !(s == current_) && slot_distance(current_, s) <= config_.rate_limit &&
-             direction(current_, s) == dir;
+             (forced || direction(current_, s) == dir);
     };
     std::optional<std::pair<double, four_pool_split>> step;
     double step_coverage = 0.0;

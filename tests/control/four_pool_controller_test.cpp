@@ -141,6 +141,12 @@ TEST(FourPoolSplits, BadModelsAndSplitsAreNamed) {
   m.space.hi_only = m.space.tiered = false;
   expect_error(m, "neither hi-only nor tiered");
   m = small_model(500, 20);
+  m.hi_expert_bytes = m.lo_expert_bytes = std::uint64_t{1} << 62;  // 2 layers x 6 experts wrap 64 bits
+  expect_error(m, "2 layers x 6 experts x 4611686018427387904 bytes out of range [0, 2^64)");
+  m = small_model(500, 20);
+  m.space.min_kv_bytes = 498;  // above the budget's 71 whole blocks of 7 bytes
+  expect_error(m, "space.min_kv_bytes 498 out of range [0, 497]");
+  m = small_model(500, 20);
   try {
     static_cast<void>(make_four_pool_split(m, 5, 2));  // 7 > 6 experts per layer
     ADD_FAILURE();
@@ -170,6 +176,23 @@ TEST(FourPoolSplits, BadModelsAndSplitsAreNamed) {
   } catch (const invalid_argument& e) {
     EXPECT_THAT(e.what(), HasSubstr("change_keep -0.5 out of range [0, 1]"));
   }
+  const auto expect_config_error = [&](const four_pool_config& config, const char* text) {
+    try {
+      four_pool_controller(m, config, make_four_pool_split(m, 2, 0));
+      ADD_FAILURE() << "no error for " << text;
+    } catch (const invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr(text));
+    }
+  };
+  expect_config_error({.rate_limit = 0}, "rate_limit 0 out of range [1, 2^32)");
+  expect_config_error({.dead_zone = 0}, "dead_zone 0 out of range [1, 2^32)");
+  expect_config_error({.grid_step = 0}, "grid_step 0 out of range [1, 2^32)");
+  try {
+    static_cast<void>(admissible_splits(m, 0));
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("step 0 out of range [1, 2^32)"));
+  }
 }
 
 TEST(FourPoolController, TheServeRuleOfIssue12) {
@@ -183,6 +206,15 @@ TEST(FourPoolController, TheServeRuleOfIssue12) {
   EXPECT_EQ(decide_serve({.member = true}, true, false), a::load_lo);  // expert_runtime's fixed demand tier lo
   EXPECT_EQ(decide_serve({.member = true}, false, false), a::load_hi);
   EXPECT_EQ(to_string(a::load_lo), "load-lo");
+  // The controller's serve() is the rule with the split in force: a non-member loads lo only
+  // while there is a lo tier.
+  const four_pool_model m = small_model(800, 14);
+  EXPECT_EQ(four_pool_controller(m, {}, make_four_pool_split(m, 2, 2)).serve({}), a::load_lo);
+  EXPECT_EQ(four_pool_controller(m, {}, make_four_pool_split(m, 2, 0)).serve({}), a::load_hi);
+  EXPECT_EQ(four_pool_controller(m, {}, make_four_pool_split(m, 2, 2)).serve({.member = true}), a::load_hi);
+  four_pool_model lo_demand = m;
+  lo_demand.members_load_hi = false;
+  EXPECT_EQ(four_pool_controller(lo_demand, {}, make_four_pool_split(m, 2, 2)).serve({.member = true}), a::load_lo);
 }
 
 // Every interval's list names all the hi set's members (the runtime replaces pending requests
@@ -327,9 +359,14 @@ TEST(FourPoolController, StepTakesTheGridMinimumAndShrinksBeforeGrowing) {
     std::array<std::uint64_t, 3> bytes{hi_pool_bytes(m, c.current()), lo_pool_bytes(m, c.current()),
                                        c.current().kv_bytes};
     bool grown = false;
+    double last_grow_value = 1e300;  // the growing pools go in order of their value per byte
     for (const pool_resize& r : d.steps) {
       const auto p = static_cast<std::size_t>(r.pool);
-      if (r.bytes > bytes[p]) grown = true;
+      if (r.bytes > bytes[p]) {
+        grown = true;
+        EXPECT_LE(d.marginal_seconds_per_byte[p], last_grow_value) << "trial " << trial;
+        last_grow_value = d.marginal_seconds_per_byte[p];
+      }
       EXPECT_FALSE(grown && r.bytes < bytes[p]) << "a shrink after a grow";
       bytes[p] = r.bytes;
       EXPECT_LE(bytes[0] + bytes[1] + bytes[2], m.budget_bytes);
@@ -431,43 +468,55 @@ TEST(FourPoolController, ARateLimitedStepGoesTheTargetsWayAndStaysWithinTheLimit
 }
 
 // A split below the coverage bound leaves it under a rate limit too, a step at a time, even when
-// no step is cheaper: it stayed below the bound forever (found by review). One layer of 4
-// experts, activations 50%, 45%, 5%: a coverage of 0.9 needs two hi slots.
+// no step is cheaper: it stayed below the bound forever (found by review). One layer, activations
+// 50%, 45%, 5% over experts 0..2: a coverage of 0.9 needs two hi slots. Twice: from 4 experts with
+// one lo slot, and from 8 lo slots toward a target with more KV (far KV reuses), which a step of
+// one slot can reach only through hi slots that first take KV blocks (found by a second review:
+// the steps had to move the KV pool the target's way, and no such step raised the coverage).
 TEST(FourPoolController, ARateLimitedSplitBelowTheCoverageBoundStillLeavesIt) {
-  four_pool_model m{.budget_bytes = 40,
-                    .layers = 1,
-                    .experts_per_layer = 4,
-                    .hi_expert_bytes = 2,
-                    .lo_expert_bytes = 1,
-                    .block_bytes = 1,
-                    .kv_floor_bytes = 0,
-                    .hi_miss_seconds = 1.0,
-                    .lo_miss_seconds = 1.0,
-                    .kv_miss_seconds = 1.0,
-                    .lo_activation_seconds = 0.0,
-                    .min_hi_coverage = 0.9,
-                    .min_group = 1};
-  m.space.hi_only = false;
-  four_pool_config config;
-  config.rate_limit = 1;
-  config.change_ratio = 0.0;
-  four_pool_controller c(m, config, make_four_pool_split(m, 0, 1));
-  std::vector<std::uint32_t> hi_slots;
-  for (int burst = 0; burst < 20; ++burst) {
-    c.new_burst();
-    for (const auto& [x, n] :
-         {std::pair{expert_index{0}, 50}, std::pair{expert_index{1}, 45}, std::pair{expert_index{2}, 5}}) {
-      const std::array<expert_index, 1> one{x};
-      for (int i = 0; i < n; ++i) c.record(0, one);
+  const auto run = [](std::uint32_t experts, std::uint32_t lo, std::size_t kv_distance) {
+    four_pool_model m{.budget_bytes = 40,
+                      .layers = 1,
+                      .experts_per_layer = experts,
+                      .hi_expert_bytes = 2,
+                      .lo_expert_bytes = 1,
+                      .block_bytes = 1,
+                      .kv_floor_bytes = 0,
+                      .hi_miss_seconds = 1.0,
+                      .lo_miss_seconds = 1.0,
+                      .kv_miss_seconds = 1.0,
+                      .lo_activation_seconds = 0.0,
+                      .min_hi_coverage = 0.9,
+                      .min_group = 1};
+    m.space.hi_only = false;
+    four_pool_config config;
+    config.rate_limit = 1;
+    config.change_ratio = 0.0;
+    four_pool_controller c(m, config, make_four_pool_split(m, 0, lo));
+    std::vector<std::uint32_t> hi_slots;
+    std::uint64_t target_kv = 0;
+    for (int burst = 0; burst < 20; ++burst) {
+      c.new_burst();
+      for (const auto& [x, n] :
+           {std::pair{expert_index{0}, 50}, std::pair{expert_index{1}, 45}, std::pair{expert_index{2}, 5}}) {
+        const std::array<expert_index, 1> one{x};
+        for (int i = 0; i < n; ++i) c.record(0, one);
+      }
+      for (int i = 0; kv_distance != 0 && i < 20; ++i) c.kv().record(kv_distance);
+      (void)c.end_interval();
+      const four_pool_decision d = c.step();
+      if (burst == 0) target_kv = d.target.kv_bytes;
+      if (d.moved) c.commit(d, true);
+      hi_slots.push_back(c.current().hi_slots);
     }
-    (void)c.end_interval();
-    const four_pool_decision d = c.step();
-    if (d.moved) c.commit(d, true);
-    hi_slots.push_back(c.current().hi_slots);
-  }
-  EXPECT_EQ(c.current().hi_slots, 2U);
-  EXPECT_GE(c.predicted_hi_coverage(c.current()), 0.9);
-  for (std::size_t b = 1; b < hi_slots.size(); ++b) EXPECT_LE(hi_slots[b], hi_slots[b - 1] + 1) << "burst " << b;
+    SCOPED_TRACE(fmt::format("{} experts, {} lo slots at the start", experts, lo));
+    EXPECT_EQ(c.current().hi_slots, 2U);
+    EXPECT_GE(c.predicted_hi_coverage(c.current()), 0.9);
+    for (std::size_t b = 1; b < hi_slots.size(); ++b) EXPECT_LE(hi_slots[b], hi_slots[b - 1] + 1) << "burst " << b;
+    return target_kv > make_four_pool_split(m, 0, lo).kv_bytes;
+  };
+  EXPECT_FALSE(run(4, 1, 0));
+  EXPECT_TRUE(run(8, 8, 33)) << "the first target has more KV than the start";
 }
 
 // A refused resize keeps the previous split (WiSP D3); an applied one resizes the hi set, whose
@@ -517,6 +566,152 @@ TEST(FourPoolController, CommitResizesTheHiSetOrKeepsThePreviousSplit) {
   ASSERT_EQ(d.to_targets().size(), expected_drops.size());
   for (const residency_target& t : d.to_targets()) EXPECT_EQ(t.state, residency_state::absent);
   EXPECT_EQ(c.statistics().moves, 1U);
+}
+
+// A refused resize sets no direction (a later move the other way is not a reversal), and a
+// commit of a split that is not admissible throws and changes nothing.
+TEST(FourPoolController, RefusedAndInadmissibleCommitsChangeNothing) {
+  std::mt19937_64 rng(13);
+  const four_pool_model m = small_model(800, 14);
+  four_pool_controller c(m, {.gate = 0.0, .reversal_gate = 0.0}, make_four_pool_split(m, 4, 2));
+  for (int b = 0; b < 7; ++b) feed_burst(c, rng, 2, b < 3 ? 5 : 60);
+  four_pool_decision d = c.step();
+  ASSERT_TRUE(d.moved);
+  const four_pool_split before = c.current();
+  for (int refusal = 1; refusal <= 3; ++refusal) {
+    c.commit(d, false);
+    EXPECT_EQ(c.current(), before);
+    EXPECT_EQ(c.last_move(), 0) << "a refused move set the direction";
+    EXPECT_EQ(c.statistics().failed_resizes, static_cast<std::uint64_t>(refusal));
+    EXPECT_EQ(c.statistics().moves, 0U);
+    EXPECT_EQ(c.hot_set().config().hi_per_layer, 4U);
+  }
+  d.split = four_pool_split{.hi_slots = 5, .lo_slots = 5, .kv_bytes = 0};  // 10 slots of 6 experts
+  try {
+    c.commit(d, true);
+    ADD_FAILURE() << "no error";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("split (hi_slots 5, lo_slots 5, kv_bytes 0) is not admissible"));
+  }
+  EXPECT_EQ(c.current(), before);
+  EXPECT_EQ(c.last_move(), 0);
+  EXPECT_EQ(c.statistics().moves, 0U);
+  EXPECT_EQ(c.statistics().reversals, 0U);
+  EXPECT_EQ(c.hot_set().config().hi_per_layer, 4U);
+}
+
+// A target within dead_zone slots of the split in force (in both pools, one mode) is not moved
+// to; farther ones are, as with no dead zone. Two controllers fed the same stream.
+TEST(FourPoolController, TheDeadZoneHoldsNearTargets) {
+  std::mt19937_64 seeds(41);
+  int held = 0;
+  int moved = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::uint64_t seed = seeds();
+    const four_pool_model m = small_model(400 + seed % 400, 14 + (seed >> 10) % 60);
+    const auto all = admissible_splits(m);
+    const four_pool_split start = all[(seed >> 20) % all.size()];
+    four_pool_controller one(m, {.gate = 0.0, .reversal_gate = 0.0, .settle_bursts = 0}, start);
+    four_pool_controller three(m, {.gate = 0.0, .reversal_gate = 0.0, .dead_zone = 3, .settle_bursts = 0}, start);
+    std::mt19937_64 a(seed);
+    std::mt19937_64 b(seed);
+    const auto head = static_cast<std::uint32_t>(1 + seed % 5);
+    feed_burst(one, a, head, 5 + (seed >> 30) % 60);
+    feed_burst(three, b, head, 5 + (seed >> 30) % 60);
+    const four_pool_decision d1 = one.step();
+    const four_pool_decision d3 = three.step();
+    ASSERT_EQ(d1.target, d3.target) << "trial " << trial;
+    const auto dist = [](std::uint32_t x, std::uint32_t y) { return x > y ? x - y : y - x; };
+    const bool near = start.tiered() == d1.target.tiered() &&
+                      std::max(dist(start.hi_slots, d1.target.hi_slots), dist(start.lo_slots, d1.target.lo_slots)) < 3;
+    if (d1.moved && near) {
+      EXPECT_FALSE(d3.moved) << "trial " << trial << ": moved to a target inside the dead zone";
+      ++held;
+    } else {
+      EXPECT_EQ(d3.moved, d1.moved) << "trial " << trial;
+      EXPECT_EQ(d3.split, d1.split) << "trial " << trial;
+      moved += d3.moved ? 1 : 0;
+    }
+  }
+  EXPECT_GT(held, 10);
+  EXPECT_GT(moved, 10);
+}
+
+// The decision's marginals are the seconds one more hi slot, lo slot or KV block saves per byte:
+// read here from predicted_cost() of the neighbouring splits, with the other side's histogram
+// empty (its cost 0).
+TEST(FourPoolController, MarginalsAreTheSavingsOfOneMoreSlotOrBlock) {
+  std::mt19937_64 rng(17);
+  {  // experts only: 2 layers, a hi slot 80 bytes, a lo slot 20
+    const four_pool_model m = small_model(2000, 14);
+    four_pool_controller c(m, {}, make_four_pool_split(m, 2, 2));
+    for (int step = 0; step < 200; ++step) {
+      for (std::uint32_t layer = 0; layer < 2; ++layer) {
+        const auto x = static_cast<expert_index>(rng() % 6);
+        const expert_index group[] = {x, static_cast<expert_index>((x + 1 + rng() % 5) % 6)};
+        c.record(layer, group);
+      }
+      if (step % 50 == 49) static_cast<void>(c.end_interval());
+    }
+    const four_pool_decision d = c.step();
+    const double here = c.predicted_cost(make_four_pool_split(m, 2, 2));
+    EXPECT_DOUBLE_EQ(d.marginal_seconds_per_byte[0], (here - c.predicted_cost(make_four_pool_split(m, 3, 2))) / 80.0);
+    EXPECT_DOUBLE_EQ(d.marginal_seconds_per_byte[1], (here - c.predicted_cost(make_four_pool_split(m, 2, 3))) / 20.0);
+    EXPECT_EQ(d.marginal_seconds_per_byte[2], 0.0);
+    EXPECT_GT(d.marginal_seconds_per_byte[1], 0.0) << "one more lo slot saves misses";
+  }
+  {  // KV only: 1 layer whose hi slot is one KV block, so (H − 1, 0) holds one block more than (H, 0)
+    const four_pool_model m{.budget_bytes = 140,
+                            .layers = 1,
+                            .experts_per_layer = 6,
+                            .hi_expert_bytes = 7,
+                            .lo_expert_bytes = 7,
+                            .block_bytes = 7,
+                            .kv_floor_bytes = 14,
+                            .hi_miss_seconds = 1.0,
+                            .lo_miss_seconds = 1.0,
+                            .kv_miss_seconds = 0.5,
+                            .lo_activation_seconds = 0.0,
+                            .min_hi_coverage = 0.0,
+                            .min_group = 1};
+    four_pool_controller c(m, {}, make_four_pool_split(m, 3, 0));
+    c.new_burst();
+    for (int i = 0; i < 300; ++i) c.kv().record(static_cast<std::size_t>(5 + rng() % 20));
+    const four_pool_decision d = c.step();
+    const double here = c.predicted_cost(make_four_pool_split(m, 3, 0));
+    EXPECT_EQ(here, c.predicted_cost(make_four_pool_split(m, 3, 0)));
+    EXPECT_DOUBLE_EQ(d.marginal_seconds_per_byte[2], (here - c.predicted_cost(make_four_pool_split(m, 2, 0))) / 7.0);
+    EXPECT_GT(d.marginal_seconds_per_byte[2], 0.0) << "one more block holds more of the reuses";
+    EXPECT_EQ(d.marginal_seconds_per_byte[0], 0.0) << "no expert was recorded";
+  }
+}
+
+// The expert curves are kept over the hot set's ranks: an activation counts as covered by H hi
+// slots when its expert ranked within the top H at the time it was recorded. Hot experts at high
+// indices: before the first interval their ranks are their indices, after it 5 and 4 rank first.
+TEST(FourPoolController, TheCurvesFollowTheHotSetsRanks) {
+  const four_pool_model m{.budget_bytes = 800,
+                          .layers = 1,
+                          .experts_per_layer = 6,
+                          .hi_expert_bytes = 40,
+                          .lo_expert_bytes = 10,
+                          .block_bytes = 7,
+                          .kv_floor_bytes = 14,
+                          .hi_miss_seconds = 1.0,
+                          .lo_miss_seconds = 0.25,
+                          .kv_miss_seconds = 0.5,
+                          .lo_activation_seconds = 0.1,
+                          .min_group = 1};
+  four_pool_controller c(m, {.decay = 1.0}, make_four_pool_split(m, 2, 2));
+  const std::array<expert_index, 2> hot{5, 4};
+  const four_pool_split two_hi = make_four_pool_split(m, 2, 2);
+  for (int i = 0; i < 50; ++i) c.record(0, hot);
+  EXPECT_EQ(c.predicted_hi_coverage(two_hi), 0.0) << "ranks 5 and 4 before any interval";
+  static_cast<void>(c.end_interval());  // ranks by hotness, whatever the staggered promotions did
+  EXPECT_GT(c.hot_set().hotness({0, 4}), c.hot_set().hotness({0, 0}));
+  for (int i = 0; i < 50; ++i) c.record(0, hot);  // ranks 0 and 1 now
+  EXPECT_DOUBLE_EQ(c.predicted_hi_coverage(two_hi), 0.5);
+  EXPECT_DOUBLE_EQ(c.predicted_hi_coverage(make_four_pool_split(m, 1, 2)), 0.25);
 }
 
 // Under stationary input the controller moves toward one target and never back (no A→B→A):
