@@ -146,22 +146,24 @@ TEST(ResidencyPlanner, DoesNotOscillateUnderStationaryInput) {
     auto m = curves_of(seed);
     for (const std::uint32_t start : {0U, 3U, 8U}) {
       for (const double compute : {0.02, 0.2, 0.6, 2.0}) {
-        residency_planner p(config(compute, 50), m.curves, m.iterations, start);
-        double previous = p.alpha();
-        int sign = 0;
-        int changes = 0;
-        int still = 0;
-        for (int t = 0; t < 60; ++t) {
-          (void)p.step(10);  // constant KV, constant curves
-          const double now = p.alpha();
-          const int s = now > previous ? 1 : (now < previous ? -1 : 0);
-          if (s != 0 && sign != 0 && s != sign) ++changes;
-          if (s != 0) sign = s;
-          still = s == 0 ? still + 1 : 0;
-          previous = now;
+        for (const std::uint64_t gpu : {50ULL, 1000ULL}) {  // the budget binding, and not
+          residency_planner p(config(compute, gpu), m.curves, m.iterations, start);
+          double previous = p.alpha();
+          int sign = 0;
+          int changes = 0;
+          int still = 0;
+          for (int t = 0; t < 60; ++t) {
+            (void)p.step(10);  // constant KV, constant curves
+            const double now = p.alpha();
+            const int s = now > previous ? 1 : (now < previous ? -1 : 0);
+            if (s != 0 && sign != 0 && s != sign) ++changes;
+            if (s != 0) sign = s;
+            still = s == 0 ? still + 1 : 0;
+            previous = now;
+          }
+          EXPECT_LE(changes, 1) << "seed " << seed << " start " << start << " compute " << compute << " gpu " << gpu;
+          EXPECT_GE(still, 40) << "converged and stays";
         }
-        EXPECT_LE(changes, 1) << "seed " << seed << " start " << start << " compute " << compute;
-        EXPECT_GE(still, 40) << "converged and stays";
       }
     }
   }
@@ -189,6 +191,44 @@ TEST(ResidencyPlanner, RoundingNeverMakesItFlipBetweenTwoCapacities) {
     moves += (s.added + s.released) > 0 ? 1 : 0;
   }
   EXPECT_LE(moves, 2) << "settles: a move in each direction at most";
+}
+
+// Two layers of 4 experts whose last expert is worth 1 miss (layer 0) and 9 (layer 1): with room
+// for one release before ρ leaves [θ, ∞), the cheap one goes; from 2 each, with room for one more
+// expert, the layer whose third expert saves most (12 misses against 10) gets it.
+TEST(ResidencyPlanner, ReleasesTheLeastValuableAndAddsTheMostValuableFirst) {
+  const std::array<std::array<std::uint64_t, 4>, 2> hist = {{{10, 10, 10, 1}, {10, 10, 12, 9}}};
+  std::vector<miss_ratio_curve> curves;
+  for (const auto& h : hist) curves.emplace_back(std::span<const std::uint64_t>(h), 0);
+  residency_planner_config c{
+      .layers = 2, .experts_per_layer = 4, .compute_time = 5.0, .bandwidth = 1.0, .expert_bytes = 1, .gpu_bytes = 8};
+  residency_planner release(c, curves, 1);  // all resident: τ_load 0
+  const auto r = release.step(0);
+  EXPECT_EQ(r.delta, (std::vector<std::int32_t>{-1, 0})) << "ρ = 5 after the cheap release, 5/10 after both";
+  c.compute_time = 1.0;
+  c.gpu_bytes = 5;  // 4 resident, room for one more
+  residency_planner add(c, curves, 1, 2);
+  const auto a = add.step(0);
+  EXPECT_LT(a.rho, c.theta);
+  EXPECT_EQ(a.delta, (std::vector<std::int32_t>{0, 1}));
+}
+
+// Eq. 12's forced releases go round by round, at most one per layer per round, least valuable
+// first in each: a KV surge spreads them over the layers even when one layer's experts cost
+// nothing to release (layer 0's curve is flat above one expert).
+TEST(ResidencyPlanner, ForcedReleasesSpreadOverTheLayers) {
+  const std::array<std::array<std::uint64_t, 4>, 3> hist = {{{10, 0, 0, 0}, {10, 10, 10, 10}, {10, 10, 10, 10}}};
+  std::vector<miss_ratio_curve> curves;
+  for (const auto& h : hist) curves.emplace_back(std::span<const std::uint64_t>(h), 0);
+  residency_planner p(
+      {.layers = 3, .experts_per_layer = 4, .compute_time = 1.0, .bandwidth = 1.0, .expert_bytes = 1, .gpu_bytes = 12},
+      curves, 1);
+  // ρ = ∞ first: layer 0's free release (ρ stays ∞), then layer 1's would cross θ. Then 6 bytes of
+  // KV leave room for 6 experts of the 11: rounds of (0, 1, 2) and (0, 1).
+  const auto s = p.step(6);
+  EXPECT_TRUE(s.forced);
+  EXPECT_EQ(s.delta, (std::vector<std::int32_t>{-3, -2, -1}));
+  EXPECT_EQ(p.resident_bytes(), 6U);
 }
 
 // docs/control.md's table: problem 0's per-layer curves, batch 1, τ_comp = 9.6 ms, from α = 0.
@@ -256,14 +296,24 @@ TEST(ResidencyPlanner, RejectsBadInputAndChangesNothing) {
   c = config(1.0, 10);
   c.layers = 7;
   expect_throw(c, "8 miss curves for 7 layers");
+  c = config(1.0, 10);
+  c.expert_bytes = 0;
+  expect_throw(c, "expert_bytes 0 out of range [1, 2^64)");
+  c.expert_bytes = std::uint64_t{1} << 62;  // 8 layers x 8 experts of it wrap 64 bits
+  expect_throw(c, "expert_bytes 4611686018427387904 out of range [1, 288230376151711743]");
+  c = config(1.0, 10);
+  c.experts_per_layer = 4;
+  expect_throw(c, "curve of layer 0 covers 8 experts, not 4");
   residency_planner p(config(1.0, 10), m.curves, m.iterations, 5);
   EXPECT_THROW(p.set_compute_time(0.0), invalid_argument);
   EXPECT_DOUBLE_EQ(p.config().compute_time, 1.0);
   auto fewer = m.curves;
   fewer.pop_back();
+  const double load = p.load_time();
   EXPECT_THROW(p.set_curves(fewer, m.iterations), invalid_argument);
   EXPECT_THROW(p.set_curves(m.curves, 0), invalid_argument);
   EXPECT_EQ(p.capacity(0), 5U);
+  EXPECT_EQ(p.load_time(), load) << "a refused set_curves() kept the curves and their iterations";
 }
 
 }  // namespace
