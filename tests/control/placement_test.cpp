@@ -7,6 +7,7 @@
 
 #include "common/traces.hpp"
 
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -218,8 +219,22 @@ TEST(PlaceTensors, RejectsBadInputNamingTheValueAndItsRange) {
   expect_throw({.layers = 2, .units_per_layer = 0, .bandwidths = {1.0}}, "units_per_layer 0");
   expect_throw({.layers = 1, .units_per_layer = placement_problem::max_units_per_layer + 1, .bandwidths = {1.0, 1.0}},
                "units_per_layer 1048577 out of range [1, 1048576]");
+  expect_throw({.layers = 2, .units_per_layer = 3, .unit_bytes = 0, .bandwidths = {1.0}},
+               "unit_bytes 0 out of range [1, 2^64)");
+  expect_throw({.layers = 2, .units_per_layer = 3, .bandwidths = std::vector<double>(65, 1.0)},
+               "65 backends out of range [1, 64]");
   const double negative[] = {1.0, -1.0};
   EXPECT_THROW((void)bandwidth_shares(negative), invalid_argument);
+  const double one[] = {1.0};
+  for (const auto& [layers, units] : {std::pair{0U, 3U}, std::pair{3U, 0U}}) {
+    try {
+      (void)proportional_gpu_units(layers, units, one);
+      ADD_FAILURE() << "no exception for " << layers << " x " << units;
+    } catch (const invalid_argument& e) {
+      EXPECT_THAT(e.what(),
+                  HasSubstr(fmt::format("layers {} and units_per_layer {} must be in [1, 2^32)", layers, units)));
+    }
+  }
 }
 
 TEST(PlaceByDemand, BalancesDemandedBytesAndPutsHotExpertsOnTheFastBackend) {
@@ -284,6 +299,29 @@ TEST(PlaceByDemand, TheHottestExpertIsOnTheFastestBackend) {
     const auto fastest = static_cast<std::uint32_t>(std::max_element(speeds.begin(), speeds.end()) - speeds.begin());
     EXPECT_EQ(placed[hottest], fastest) << "round " << round;
   }
+}
+
+// Ties, as documented: experts of equal demand in index order, backends of equal bandwidth in
+// index order (the lower index first, so on the faster side).
+TEST(PlaceByDemand, TiesGoToTheLowerIndex) {
+  const std::vector<double> uniform4(4, 1.0);
+  EXPECT_EQ(place_by_demand(1, 4, uniform4, std::vector<double>{1.0, 1.0}), (std::vector<std::uint32_t>{0, 0, 1, 1}));
+  // Shares 0.2, 0.4, 0.4: backend 1 first (tied with 2, the lower index), then 2, then 0.
+  const std::vector<double> uniform5(5, 1.0);
+  EXPECT_EQ(place_by_demand(1, 5, uniform5, std::vector<double>{1.0, 2.0, 2.0}),
+            (std::vector<std::uint32_t>{1, 1, 2, 2, 0}));
+  // Equal demands above a cold one: the tied hot experts in index order.
+  const std::vector<double> tied{1.0, 3.0, 3.0, 3.0};
+  EXPECT_EQ(place_by_demand(1, 4, tied, std::vector<double>{2.0, 1.0}), (std::vector<std::uint32_t>{1, 0, 0, 1}));
+}
+
+// Eq. 9–10 over demanded bytes, summed over the layers: each layer costs its slowest backend.
+TEST(PlaceByDemand, DemandedLoadTimeSumsTheLayersSlowestBackends) {
+  const std::vector<double> demand{3.0, 1.0, 1.0, 5.0};  // 2 layers x 2 experts
+  const std::vector<std::uint32_t> assignment{0, 1, 1, 1};
+  const std::vector<double> bw{2.0, 1.0};
+  // Layer 0: max(3/2, 1/1) = 1.5; layer 1: max(0/2, 6/1) = 6; bytes of 2 each.
+  EXPECT_DOUBLE_EQ(demanded_load_time(2, 2, demand, assignment, bw, 2.0), 2.0 * (1.5 + 6.0));
 }
 
 TEST(PlaceByDemand, UniformDemandGivesTheRawByteShares) {
@@ -414,6 +452,21 @@ TEST(PlaceHottestFirst, RefusesCountsThatWrap) {
   const tensor_placement counts{.layers = 1, .backends = 2, .units = {0xFFFFFFFFU, 2U}};
   const std::vector<double> demand{1.0};
   EXPECT_THROW((void)place_hottest_first(counts, demand, bw), invalid_argument);
+  // Every layer must hold what layer 0 holds; demands are checked as place_by_demand() checks them.
+  const tensor_placement uneven{.layers = 2, .backends = 2, .units = {2U, 1U, 1U, 1U}};
+  try {
+    (void)place_hottest_first(uneven, std::vector<double>(6, 1.0), bw);
+    ADD_FAILURE() << "no exception";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("layer 1 holds 2 units, layer 0 holds 3"));
+  }
+  const tensor_placement even{.layers = 1, .backends = 2, .units = {1U, 1U}};
+  try {
+    (void)place_hottest_first(even, std::vector<double>{1.0, -2.0}, bw);
+    ADD_FAILURE() << "no exception";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("demand -2 at 1 out of range [0, inf)"));
+  }
 }
 
 }  // namespace
