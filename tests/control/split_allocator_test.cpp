@@ -113,6 +113,46 @@ TEST(ConfigureSplit, RejectsABudgetBelowTheKvFloorAndOtherBadInput) {
   const miss_ratio_curve wrong(std::vector<std::uint64_t>(4, 1), 0);
   EXPECT_THROW((void)configure_split(model(100, 0), wrong, kv), invalid_argument);
   EXPECT_THROW((void)kv_admission_floor(UINT64_MAX, 2, 2), invalid_argument);
+  // split_cost() checks the cap it is given: at most E and what the budget holds.
+  try {
+    (void)split_cost(model(1000, 0), experts, kv, 9);
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("split_cost: expert_cap 9 out of range [0, 8]"));
+  }
+  try {
+    (void)split_cost(model(50, 0), experts, kv, 6);
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("split_cost: expert_cap 6 out of range [0, 5]"));
+  }
+}
+
+// Equal costs at every cap (flat curves: nothing to gain on either side): the smallest cap, the
+// most KV, as documented.
+TEST(ConfigureSplit, TiesGoToTheSmallerCap) {
+  const miss_ratio_curve flat_experts(std::vector<std::uint64_t>(8, 0), 7);
+  const miss_ratio_curve flat_kv(std::vector<std::uint64_t>(40, 0), 5);
+  auto m = model(100, 0);
+  EXPECT_EQ(configure_split(m, flat_experts, flat_kv).expert_cap, 0U);
+  m.min_expert_cap = 2;
+  EXPECT_EQ(configure_split(m, flat_experts, flat_kv).expert_cap, 2U);
+}
+
+// The KV histogram's shape: one block per bin up to 2^22 blocks (bins 0), about `bins` bins
+// otherwise, never an empty capacity, and never more than the reuse tracker's keys.
+TEST(SplitModel, KvHistogramConfig) {
+  const auto c = kv_histogram_config(100, 0, 0.9);
+  EXPECT_EQ(c.max_capacity, 100U);
+  EXPECT_EQ(c.bin_width, 1U);
+  EXPECT_EQ(c.decay, 0.9);
+  EXPECT_EQ(kv_histogram_config(0, 0, 1.0).max_capacity, 1U);
+  EXPECT_EQ(kv_histogram_config(std::uint64_t{1} << 22, 0, 1.0).bin_width, 1U);
+  EXPECT_EQ(kv_histogram_config(std::uint64_t{1} << 23, 0, 1.0).bin_width, 2U);
+  EXPECT_EQ(kv_histogram_config(1000, 10, 1.0).bin_width, 100U);
+  EXPECT_EQ(kv_histogram_config(1001, 10, 1.0).bin_width, 101U);
+  EXPECT_EQ(kv_histogram_config(5, 10, 1.0).bin_width, 1U);
+  EXPECT_EQ(kv_histogram_config(UINT64_MAX, 0, 1.0).max_capacity, reuse_distance_tracker::max_key_count);
 }
 
 TEST(SplitModel, TheFloorCountsInWholeBlocks) {
@@ -413,6 +453,21 @@ TEST(OnlineSplitStep, RejectsBadInputNamingTheValueAndItsRange) {
   expect_throw(model(5, 30), {}, 0, "budget_bytes 5 below the KV admission floor kv_floor_bytes 30");
   decayed_reuse_histogram wrong({.max_capacity = 4, .bin_width = 1, .decay = 1.0});
   EXPECT_THROW((void)online_split_step(model(200, 10), {}, wrong, kh, 0), invalid_argument);
+  // The controller checks its initial cap and its expert histogram's size as the step does.
+  try {
+    split_controller(model(50, 30), {}, {.max_capacity = 8, .bin_width = 1, .decay = 1.0},
+                     {.max_capacity = 20, .bin_width = 1, .decay = 1.0}, 3);
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("split_controller: current_cap 3 out of range [0, 2]"));
+  }
+  try {
+    split_controller(model(200, 10), {}, {.max_capacity = 4, .bin_width = 1, .decay = 1.0},
+                     {.max_capacity = 20, .bin_width = 1, .decay = 1.0}, 0);
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("split_controller: expert histogram covers 4 slots, not experts_per_layer 8"));
+  }
 }
 
 }  // namespace
