@@ -51,6 +51,18 @@ TEST(ExpertRuntime, RefusesBadConstruction) {
                invalid_argument);
   EXPECT_THROW(runtime(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 8}), invalid_argument)
       << "capacity above what the account holds";
+  // In one in-order stream a demand copy would queue behind every guess: the prefetch stream is its own.
+  for (host_stream* shared : {&w.copy, &w.compute}) {
+    try {
+      (void)runtime(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {}, shared);
+      FAIL() << "a prefetch stream shared with another accepted";
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(shared == &w.copy ? "the prefetch stream is the copy stream"
+                                                             : "the prefetch stream is the compute stream"),
+                std::string::npos)
+          << e.what();
+    }
+  }
   EXPECT_EQ(w.account.used(), 0U);
 }
 
@@ -722,7 +734,8 @@ TEST(ExpertRuntime, AFailedAcquireLeavesAStatefulPolicyAsBefore) {
   static_assert(!const_victim<sieve_policy> && const_victim<lru_policy>);
   static_assert(const_victim<duel_policy<lru_policy>> &&
                 !const_victim<duel_policy<sieve_policy>>);  // copied only when needed
-  const auto run = [](bool with_failure) {
+  enum class failure { none, acquire, prefetch };
+  const auto run = [](failure with) {
     runtime_world w;
     bool fail = false;
     expert_source<host_stream> source = w.source();
@@ -731,7 +744,9 @@ TEST(ExpertRuntime, AFailedAcquireLeavesAStatefulPolicyAsBefore) {
       if (fail && id.expert == 4) throw format_error("injected decode failure");
       return inner(id, t, page, s);
     };
-    expert_runtime<host_vmm, host_stream, sieve_policy> rt(w.geometry, w.account, w.vmm, w.copy, w.compute, source);
+    host_stream prefetch("prefetch");
+    expert_runtime<host_vmm, host_stream, sieve_policy> rt(w.geometry, w.account, w.vmm, w.copy, w.compute, source, {},
+                                                           &prefetch);
     const std::uint32_t a[] = {0, 1};
     const std::uint32_t b[] = {2, 3};
     const std::uint32_t four[] = {4};
@@ -740,10 +755,20 @@ TEST(ExpertRuntime, AFailedAcquireLeavesAStatefulPolicyAsBefore) {
     rt.acquire(0, b).release();
     rt.acquire(0, a).release();  // hits: 0 and 1 visited
     w.compute.synchronize();
-    if (with_failure) {
+    if (with == failure::acquire) {
       fail = true;
       EXPECT_THROW((void)rt.acquire(0, four), format_error);  // the sweep passed 0 and 1, chose 2
       fail = false;
+      EXPECT_EQ(w.check_views(rt), "");
+    }
+    if (with == failure::prefetch) {  // the same sweep for a prefetch's victim (found by review)
+      fail = true;
+      rt.prefetch(0, four);
+      fail = false;
+      const auto s = rt.statistics();
+      EXPECT_EQ(s.prefetch_failed, 1U);
+      EXPECT_EQ(s.prefetch_queued, 0U) << "a failed prefetch is dropped";
+      EXPECT_EQ(s.total.prefetches, 0U);
       EXPECT_EQ(w.check_views(rt), "");
     }
     rt.acquire(0, five).release();
@@ -753,7 +778,8 @@ TEST(ExpertRuntime, AFailedAcquireLeavesAStatefulPolicyAsBefore) {
     std::ranges::sort(resident);
     return resident;
   };
-  EXPECT_EQ(run(true), run(false));
+  EXPECT_EQ(run(failure::acquire), run(failure::none));
+  EXPECT_EQ(run(failure::prefetch), run(failure::none));
 }
 
 TEST(ExpertRuntime, ADemandLoadFailingOnItsStreamStopsTheComputeStreamBeforeTheKernel) {
@@ -829,7 +855,9 @@ TEST(ExpertRuntime, PrefetchLoadsOnItsOwnStreamAndNeverDelaysADemandLoad) {
 TEST(ExpertRuntime, PrefetchedExpertsEvictedUnusedCountAsWasted) {
   runtime_world w;
   host_stream prefetch("prefetch");
-  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 2}, &prefetch);
+  // No reserve: the guesses take both slots, and the demand group evicts them.
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 2, .demand_reserve = 0},
+             &prefetch);
   const std::uint32_t ahead[] = {4, 5};
   rt.prefetch(2, ahead);
   prefetch.synchronize();
@@ -841,6 +869,128 @@ TEST(ExpertRuntime, PrefetchedExpertsEvictedUnusedCountAsWasted) {
   EXPECT_EQ(s.total.prefetch_wasted, 2U);
   EXPECT_EQ(s.total.prefetch_bytes, 2 * w.expert_data_bytes());
   EXPECT_EQ(s.total.prefetch_wasted_bytes, s.total.prefetch_bytes) << "the unit of prefetch_bytes (stored bytes)";
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
+// A prefetch never takes the room a demand group needs (found by review). Layer 0's lease holds
+// 2 of the 4 slots; guesses for the other 2 would leave layer 1's group only slots whose copies
+// are in flight, and its acquire would wait on the host for them (the prefetch stream is held
+// here). With the default reserve (top-k) the guesses stay queued and the acquire loads at once;
+// with no reserve they are issued.
+TEST(ExpertRuntime, APrefetchLeavesTheRoomOfADemandGroup) {
+  for (const std::optional<std::uint32_t> reserve : {std::optional<std::uint32_t>{}, std::optional<std::uint32_t>{0}}) {
+    SCOPED_TRACE(reserve ? "no reserve" : "default reserve");
+    runtime_world w;
+    host_stream prefetch("prefetch");
+    runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.demand_reserve = reserve}, &prefetch);
+    const std::uint32_t l0[] = {0, 1};
+    auto held = rt.acquire(0, l0);
+    std::promise<void> gate;
+    prefetch.enqueue([opened = gate.get_future().share()] { opened.wait(); });
+    const std::uint32_t guess[] = {2, 3};
+    rt.prefetch(1, guess);
+    const auto s = rt.statistics();
+    if (reserve) {
+      EXPECT_EQ(s.total.prefetches, 2U);
+      gate.set_value();  // the acquire below would wait for the guesses' copies
+    } else {
+      EXPECT_EQ(s.total.prefetches, 0U) << "a guess took the demand group's room";
+      EXPECT_EQ(s.prefetch_queued, 2U);
+      if (s.total.prefetches != 0) gate.set_value();  // else the acquire below never returns
+    }
+    const std::uint32_t l1[] = {4, 5};
+    auto lease = rt.acquire(1, l1);
+    if (!reserve) {
+      EXPECT_EQ(rt.statistics().total.fence_waits, 0U);
+      EXPECT_EQ(rt.statistics().total.evictions, 0U) << "the group took the free slots";
+      if (s.total.prefetches == 0) gate.set_value();
+    }
+    lease.release();
+    held.release();
+    w.compute.synchronize();
+    rt.poll();  // the queued guesses may go now
+    prefetch.synchronize();
+    rt.poll();
+    EXPECT_EQ(w.check_views(rt), "");
+    EXPECT_LE(w.account.used(), w.account.capacity());
+  }
+}
+
+// A background load never goes into a tier above its capacity (found by review): after a resize
+// held up by pinned experts, a queued guess took an unpinned surplus expert's slot, and the
+// shrink then evicted the guess unused.
+TEST(ExpertRuntime, ABackgroundLoadNeverFillsATierAboveItsCapacity) {
+  runtime_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.demand_reserve = 0}, &prefetch);
+  const std::uint32_t a[] = {0, 1};
+  const std::uint32_t b[] = {2, 3};
+  const std::uint32_t guess[] = {4};
+  auto la = rt.acquire(0, a);
+  auto lb = rt.acquire(0, b);
+  w.copy.synchronize();  // their loads done
+  const runtime_resize r = rt.resize(2 * rt.expert_bytes());
+  EXPECT_EQ(r.held, 2U);
+  rt.prefetch(1, guess);
+  completion_flag kernel;
+  la.release(kernel);
+  kernel.set();
+  rt.poll();  // 0 and 1 go; the guess finds no room but pinned versions
+  prefetch.synchronize();
+  rt.poll();
+  auto s = rt.statistics();
+  EXPECT_EQ(s.total.prefetch_wasted, 0U) << "a guess loaded into the surplus and evicted unused";
+  EXPECT_EQ(s.total.prefetches, 0U);
+  EXPECT_EQ(s.resident, 2U);
+  lb.release();
+  w.compute.synchronize();
+  rt.poll();  // now the guess takes a victim within the capacity
+  prefetch.synchronize();
+  rt.poll();
+  s = rt.statistics();
+  EXPECT_EQ(s.total.prefetches, 1U);
+  EXPECT_EQ(s.total.prefetch_wasted, 0U);
+  EXPECT_EQ(s.resident, 2U);
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
+// A completion that fails while resize() fences its victims leaves every expert in place (the
+// failed one poisoned): every victim is fenced before any is evicted (found by review; the
+// first victim, whose kernel was fine, used to be evicted before the second one's fence threw).
+TEST(ExpertRuntime, AResizeWhoseVictimsCompletionFailsEvictsNothing) {
+  struct failing_completion {
+    [[nodiscard]] bool ready() const noexcept { return false; }
+    void wait() const { throw format_error("injected kernel fault"); }
+  };
+  runtime_world w;
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());
+  const std::uint32_t three[] = {3};
+  const std::uint32_t two[] = {2};
+  const std::uint32_t a[] = {0, 1};
+  rt.acquire(0, three).release();  // the oldest: LRU's first victim, its kernel fine
+  auto lb = rt.acquire(0, two);
+  w.compute.synchronize();
+  lb.release(failing_completion{});  // the second victim: its completion fails
+  rt.acquire(0, a).release();
+  w.compute.synchronize();
+  const auto before = rt.statistics();
+  const std::size_t used = w.account.used();
+  const auto resident = rt.resident_set();
+  ASSERT_EQ(before.resident, 4U);
+  EXPECT_THROW((void)rt.resize(2 * rt.expert_bytes()), format_error);
+  const auto after = rt.statistics();
+  EXPECT_EQ(after.resident, 4U);
+  EXPECT_EQ(after.capacity, before.capacity);
+  EXPECT_EQ(after.total.evictions, 0U);
+  EXPECT_EQ(after.poisoned, 1U);
+  EXPECT_EQ(w.account.used(), used);
+  EXPECT_EQ(rt.resident_set().size(), resident.size());
+  EXPECT_TRUE(rt.resident({0, 3}));
+  EXPECT_EQ(w.check_views(rt), "");
+  // Again: the poisoned version is never a victim, so the others go.
+  const runtime_resize r = rt.resize(2 * rt.expert_bytes());
+  EXPECT_EQ(r.capacity, 2U);
+  EXPECT_TRUE(rt.resident({0, 2})) << "the poisoned version stays";
   EXPECT_EQ(w.check_views(rt), "");
 }
 
@@ -865,7 +1015,7 @@ TEST(ExpertRuntime, APrefetchedVersionReachesThePolicysOnPrefetch) {
   runtime_world w;
   host_stream prefetch("prefetch");
   expert_runtime<host_vmm, host_stream, counting_policy> rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(),
-                                                            {}, &prefetch);
+                                                            {.demand_reserve = 0}, &prefetch);
   counting_policy::inserts = counting_policy::prefetches = 0;
   const std::uint32_t routed[] = {0, 1};
   rt.acquire(0, routed).release();

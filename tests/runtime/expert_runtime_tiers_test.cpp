@@ -438,9 +438,14 @@ TEST(ExpertRuntimeTiers, NeverSwitchesUnderALeaseOrAPendingKernel) {
 struct two_hi_targets {
   tiered_world w;
   host_stream prefetch{"prefetch"};
-  runtime rt{
-      w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 2, .max_prefetch_in_flight = 4},
-      &prefetch};
+  runtime rt{w.geometry,
+             w.tiers_account,
+             w.vmm,
+             w.copy,
+             w.compute,
+             w.sources(),
+             {.capacity = 2, .max_prefetch_in_flight = 4, .demand_reserve = 0},  // transitions may fill the lo tier
+             &prefetch};
 
   two_hi_targets() {
     const target two_hi[] = {{.expert = {0, 0}, .state = residency_state::resident_hi},
@@ -696,11 +701,41 @@ TEST(ExpertRuntimeTiers, ASwitchIntoTheDemandTierNeverCrowdsOutTheGroup) {
 
 // update_targets() for plans that list only what changed: queued requests it does not list stay,
 // a listed expert's new goal replaces its queued one.
+// A background version dropped because its expert's target went back before the switch was
+// loaded and freed: an eviction, so that every version loaded ends as an eviction, a switch's
+// retired version or a resident one (found by review: it was counted nowhere).
+TEST(ExpertRuntimeTiers, ADroppedBackgroundVersionCountsAsAnEviction) {
+  tiered_world w;  // 2 hi and 4 lo versions
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 2}, &prefetch);
+  const expert_id x{0, 0};
+  const std::uint32_t group[] = {0};
+  rt.acquire(0, group).release();  // x's lo version (demand tier lo)
+  w.compute.synchronize();
+  std::promise<void> gate;
+  prefetch.enqueue([opened = gate.get_future().share()] { opened.wait(); });
+  const target hi[] = {{.expert = x, .state = residency_state::resident_hi}};
+  rt.set_targets(hi);  // x's hi version loads behind the gate
+  const target lo[] = {{.expert = x, .state = residency_state::resident_lo}};
+  rt.set_targets(lo);  // and x stays lo after all
+  gate.set_value();
+  prefetch.synchronize();
+  rt.poll();
+  const auto s = rt.statistics();
+  EXPECT_EQ(s.tiers[0].total.promotions, 1U);
+  EXPECT_EQ(s.tiers[0].total.evictions, 1U) << "the dropped hi version";
+  EXPECT_EQ(s.tiers[0].resident, 0U);
+  EXPECT_EQ(rt.active_tier(x), version_tier::lo);
+  const auto& t = s.total;
+  EXPECT_EQ(t.misses + t.prefetches + t.promotions + t.demotions, t.evictions + t.switches + s.resident);
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
 TEST(ExpertRuntimeTiers, UpdateTargetsKeepsTheQueuedRequestsItDoesNotList) {
   tiered_world w;  // 2 hi and 4 lo versions
   host_stream prefetch("prefetch");
   runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
-             {.capacity = 2, .max_prefetch_in_flight = 4}, &prefetch);
+             {.capacity = 2, .max_prefetch_in_flight = 4, .demand_reserve = 0}, &prefetch);
   std::promise<void> gate;
   auto opened = gate.get_future().share();
   prefetch.enqueue([opened] { opened.wait(); });
@@ -983,7 +1018,7 @@ TEST(ExpertRuntimeTiers, AFailedBackgroundLoadChangesNothing) {
       }
       host_stream prefetch("prefetch");
       expert_runtime<failing_vmm, host_stream, lru_policy> rt(w.geometry, w.tiers_account, vmm, w.copy, w.compute,
-                                                              sources, {.capacity = 1}, &prefetch);
+                                                              sources, {.capacity = 1, .demand_reserve = 0}, &prefetch);
       const std::uint32_t first[] = {0, 1};
       rt.acquire(0, first).release();  // lo: (0, 0), (0, 1): full
       target request{.expert = {0, 1}, .state = residency_state::resident_hi};
@@ -1052,7 +1087,8 @@ TEST(ExpertRuntimeTiers, ADoubleFaultEvictsTheVictimAndItsRecord) {
     return inner(id, t, page, s);
   };
   host_stream prefetch("prefetch");
-  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, sources, {.capacity = 1}, &prefetch);
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, sources, {.capacity = 1, .demand_reserve = 0},
+             &prefetch);
   const std::uint32_t first[] = {0, 1};
   rt.acquire(0, first).release();
   const target promote[] = {{.expert = {0, 0}, .state = residency_state::resident_hi}};

@@ -112,6 +112,14 @@ struct expert_runtime_options {
   bool targets_load_hi = false;
   /// Background loads (prefetches and transitions) in flight at once, ≥ 1.
   std::uint32_t max_prefetch_in_flight = 2;
+  /// Slots of the demand tier that background loads leave to demand misses: a prefetch (or a
+  /// transition into the demand tier) is issued only while, after it, at least this many of the
+  /// tier's slots are free or hold a version no lease pins and no load holds, so that a demand
+  /// group of that size never waits on the host for a guess's copy to land. None: top-k (one
+  /// token's routed experts); an engine that acquires larger groups (batches) may raise it, and
+  /// 0 lets guesses take every slot (a demand miss may then wait for one's copy, counted in
+  /// fence_waits).
+  std::optional<std::uint32_t> demand_reserve{};
   /// Events the Chrome trace keeps; 0: no trace.
   std::size_t trace_events = 0;
   /// Told of every record the runtime publishes (view c), e.g. a `cuda::device_mirror` on the
@@ -137,14 +145,16 @@ struct runtime_layer_statistics {
   std::uint64_t prefetch_wasted_bytes = 0;  ///< Their bytes.
   std::uint64_t load_waits = 0;             ///< Load events the compute stream waited on (a group's misses share one).
   std::uint64_t load_wait_ns = 0;           ///< Time the compute stream waited on loads (streams that run host work).
-  std::uint64_t fence_waits = 0;            ///< Evictions that waited on a victim's last kernel (WAR fence).
-  std::uint64_t fence_wait_ns = 0;          ///< Host time those waits took.
-  std::uint64_t lo_served = 0;              ///< Routed experts served by their lo version (two tiers).
-  std::uint64_t promotions = 0;             ///< hi versions loaded in the background by set_targets().
-  std::uint64_t promotion_bytes = 0;        ///< Their bytes.
-  std::uint64_t demotions = 0;              ///< lo versions loaded in the background by set_targets().
-  std::uint64_t demotion_bytes = 0;         ///< Their bytes.
-  std::uint64_t switches = 0;               ///< Records switched to the other tier's version (publish-then-switch).
+  /// Evictions that waited on the host: for a victim's last kernel (WAR fence), or for its own
+  /// load or its sibling's still in flight.
+  std::uint64_t fence_waits = 0;
+  std::uint64_t fence_wait_ns = 0;    ///< Host time those waits took.
+  std::uint64_t lo_served = 0;        ///< Routed experts served by their lo version (two tiers).
+  std::uint64_t promotions = 0;       ///< hi versions loaded in the background by set_targets().
+  std::uint64_t promotion_bytes = 0;  ///< Their bytes.
+  std::uint64_t demotions = 0;        ///< lo versions loaded in the background by set_targets().
+  std::uint64_t demotion_bytes = 0;   ///< Their bytes.
+  std::uint64_t switches = 0;         ///< Records switched to the other tier's version (publish-then-switch).
 
   /// Adds @p o's counters.
   runtime_layer_statistics& operator+=(const runtime_layer_statistics& o) noexcept;
@@ -177,6 +187,7 @@ struct runtime_statistics {
   std::uint64_t peak_resident_bytes = 0;         ///< Highest resident_bytes.
   std::uint64_t prefetch_queued = 0;             ///< Prefetch requests waiting now.
   std::uint64_t prefetch_cancelled = 0;          ///< Prefetch requests cancelled before they were issued.
+  std::uint64_t prefetch_failed = 0;             ///< Prefetch loads that threw (nothing changed; request dropped).
   std::uint64_t transitions_queued = 0;          ///< Requests not done: waiting for room or loading until the switch.
   std::uint64_t transitions_cancelled =
       0;                                 ///< Requests a newer call dropped or gave another state before they were done.
@@ -422,7 +433,8 @@ class expert_runtime {
   /// prefetch and transition loads run on (nullptr: prefetch() and set_targets() are refused).
   /// @throws expage::invalid_argument when no view is asked for, the capacity is out of range
   /// [top_k, experts] or more than the account's capacity holds (naming the bytes), the source
-  /// has no loader, or max_prefetch_in_flight is 0.
+  /// has no loader, max_prefetch_in_flight is 0, or the prefetch stream is the copy or the
+  /// compute stream.
   /// @throws whatever the backend's reserve() throws (nothing is kept).
   expert_runtime(const moe_geometry& geometry, budget_account& account, Vmm& vmm, Stream& copy, Stream& compute,
                  expert_source<Stream> source, expert_runtime_options options = {}, Stream* prefetch = nullptr)
@@ -615,7 +627,8 @@ class expert_runtime {
   /// the capacity; growing raises it. The account is never over-committed at any instant: loads
   /// are charged before their copies start.
   /// @throws expage::invalid_argument when the capacity would leave [top_k, experts], or the runtime has two tiers.
-  /// @throws whatever a victim's completion throws (experts evicted so far stay evicted).
+  /// @throws whatever a victim's completion throws; nothing is evicted then (every victim is
+  ///         fenced before any is evicted) and that victim is poisoned.
   runtime_resize resize(std::size_t bytes) {
     if (tier_count_ != 1) {
       throw invalid_argument("expert_runtime::resize: the runtime has two tiers; size them with resize_tiers()");
@@ -635,7 +648,8 @@ class expert_runtime {
   /// @throws expage::invalid_argument when the demand tier would hold fewer than top_k
   /// versions, a tier more than the experts, or both together more than the account's capacity
   /// (nothing changes).
-  /// @throws whatever a victim's completion throws (versions evicted so far stay evicted).
+  /// @throws whatever a victim's completion throws; nothing is evicted then (every victim of
+  ///         every tier is fenced before any is evicted) and that victim is poisoned.
   std::array<runtime_resize, version_tier_count> resize_tiers(std::size_t hi_bytes, std::size_t lo_bytes,
                                                               std::optional<version_tier> demand = std::nullopt) {
     std::array<std::uint32_t, version_tier_count> wanted{};
@@ -658,16 +672,39 @@ class expert_runtime {
     }
     check_total(wanted, "resize");
     drain_releases();
-    std::vector<std::uint32_t> refused;  // victims a window pinned while their fence waited
-    for (std::size_t t = 0; t < tier_count_; ++t) {
-      refused.clear();
-      while (resident_count(t) > wanted[t]) {
-        const std::optional<std::uint32_t> victim =
-            choose_victim(t, refused, /*ready_only=*/false, /*include_loading=*/true);
-        if (!victim) break;  // the rest is pinned
-        fence(t, *victim, nullptr);
-        if (!try_evict(t, *victim)) refused.push_back(*victim);
+    // Every victim of every tier is chosen and fenced before any is evicted: a completion that
+    // throws then leaves every version in place (the failed one poisoned), as a failed acquire
+    // does. Waiting changes nothing, and no kernel can start on an unpinned version meanwhile
+    // (leases are granted under the lock held here).
+    std::array<std::vector<std::uint32_t>, version_tier_count> refused;  // a window pinned them while fences waited
+    std::array<std::vector<std::uint32_t>, version_tier_count> chosen;
+    for (;;) {
+      bool any = false;
+      for (std::size_t t = 0; t < tier_count_; ++t) {
+        chosen[t] = refused[t];  // choose_victim()'s exclusions: refused ones, then those chosen
+        const std::size_t excluded = refused[t].size();
+        const std::uint32_t resident = resident_count(t);
+        while (resident - (chosen[t].size() - excluded) > wanted[t]) {
+          const std::optional<std::uint32_t> victim =
+              choose_victim(t, chosen[t], /*ready_only=*/false, /*include_loading=*/true);
+          if (!victim) break;  // the rest is pinned
+          fence(t, *victim, nullptr);
+          chosen[t].push_back(*victim);
+        }
+        chosen[t].erase(chosen[t].begin(), chosen[t].begin() + static_cast<std::ptrdiff_t>(excluded));
+        any = any || !chosen[t].empty();
       }
+      if (!any) break;
+      bool all_evicted = true;
+      for (std::size_t t = 0; t < tier_count_; ++t) {
+        for (const std::uint32_t v : chosen[t]) {
+          if (!try_evict(t, v)) {  // a window pinned it since its fence: another victim, next round
+            refused[t].push_back(v);
+            all_evicted = false;
+          }
+        }
+      }
+      if (all_evicted) break;
     }
     pool_.trim();
     demand_tier_ = new_demand;
@@ -893,6 +930,7 @@ class expert_runtime {
     s.peak_resident_bytes = peak_bytes_;
     s.prefetch_queued = prefetch_queue_.size();
     s.prefetch_cancelled = prefetch_cancelled_;
+    s.prefetch_failed = prefetch_failed_;
     s.transitions_queued = transition_queue_.size();
     s.transitions_cancelled = transitions_cancelled_;
     s.transitions_failed = transitions_failed_;
@@ -912,8 +950,8 @@ class expert_runtime {
   void poll() {
     const locked lock(*this);
     drain_releases();
+    shrink_to_capacity();  // first: the room it frees is the lowered capacity's, not the queue's
     pump_background();
-    shrink_to_capacity();
     settle();
   }
   /// @}
@@ -1085,6 +1123,11 @@ class expert_runtime {
         trace_(options.trace_events) {
     if (options.max_prefetch_in_flight == 0) {
       throw invalid_argument("expert_runtime: max_prefetch_in_flight 0 out of range [1, 2^32)");
+    }
+    if (prefetch != nullptr && (prefetch == &copy || prefetch == &compute)) {
+      // In one in-order stream a demand copy would queue behind every guess issued before it.
+      throw invalid_argument(fmt::format("expert_runtime: the prefetch stream is the {} stream; it must be its own",
+                                         prefetch == &copy ? "copy" : "compute"));
     }
     if (!options.views.stable_tensors && !options.views.slots && !options.views.records) {
       throw invalid_argument("expert_runtime: no view asked for (stable_tensors, slots, records)");
@@ -1579,16 +1622,23 @@ class expert_runtime {
   // evicting it switches to a sibling still loading, for that load too. Throws what the completion throws.
   void fence(std::size_t t, std::uint32_t f, runtime_layer_statistics* into) {
     version& e = tier(t).versions[f];
-    if (e.loaded && e.loading) e.loaded->synchronize();  // a victim still loading: wait for its copy first
+    event_type* const own_load = e.loaded && e.loading && !e.loaded->query() ? e.loaded.get() : nullptr;
+    event_type* sibling_load = nullptr;
     if (active_[f] == t) {
-      if (version* s = sibling(t, f); s != nullptr && s->loading && s->loaded) s->loaded->synchronize();
+      if (version* s = sibling(t, f); s != nullptr && s->loading && s->loaded && !s->loaded->query()) {
+        sibling_load = s->loaded.get();
+      }
     }
     const use_span last = last_use(e);
-    if (last == nullptr || last->ready()) return;
+    if (own_load == nullptr && sibling_load == nullptr && (last == nullptr || last->ready())) return;
     const auto t0 = std::chrono::steady_clock::now();
     const double trace_t0 = tracing() ? trace_.now_us() : 0.0;
+    // A victim still loading (a background load the demand had to take: the demand reserve
+    // was exceeded, or a resize): its copy first, then the sibling a switch would go to.
+    if (own_load != nullptr) own_load->synchronize();
+    if (sibling_load != nullptr) sibling_load->synchronize();
     try {
-      last->wait();
+      if (last != nullptr && !last->ready()) last->wait();
     } catch (...) {
       // The kernel's completion failed: whether it still reads the version is unknown, so it
       // is never evicted (it keeps its slot and its budget) and is counted as poisoned.
@@ -2378,8 +2428,8 @@ class expert_runtime {
       release_work_.store(work, std::memory_order_seq_cst);  // pairs with the load in release_lease()
       if (!work) return;
       drain_releases();
-      pump_background();
       shrink_to_capacity();
+      pump_background();
       if (!background_work()) continue;  // publish "no work"
       // Work remains: any release from now on sees release_work_ set and is drained at once (release_lease()).
       return;
@@ -2596,8 +2646,8 @@ class expert_runtime {
     }
     if (a == goal) {  // there already: drop a background version of the other tier left from an older request
       if (const version* s = sibling(goal, f)) {
-        if (s->loading) return false;  // its copy is in flight: retire it once done
-        retire(other(goal), f, /*eviction=*/false);
+        if (s->loading) return false;               // its copy is in flight: retire it once done
+        retire(other(goal), f, /*eviction=*/true);  // loaded and never switched to: evicted
       }
       return true;
     }
@@ -2628,11 +2678,28 @@ class expert_runtime {
           return;  // no room without waiting: try again later
         }
       } catch (...) {
-        // A failed prefetch changes nothing (issue_background's guarantee); drop the request.
+        ++prefetch_failed_;  // nothing changed (issue_background's guarantee): drop the request
       }
       prefetch_queue_.erase(prefetch_queue_.begin());
       queued_[q.expert] = 0;
     }
+  }
+
+  // Slots of tier t a demand miss could take without waiting on a load: free ones, and versions
+  // no lease pins, no load holds and no failed kernel poisoned (their last kernels may still run:
+  // a demand miss waits for those anyway, the WAR fence).
+  [[nodiscard]] std::uint32_t usable_by_demand(std::size_t t) const noexcept {
+    const tier_state& T = tier(t);
+    const std::uint32_t resident = resident_count(t);
+    std::uint32_t usable = T.capacity > resident ? T.capacity - resident : 0;
+    for (std::uint32_t f = 0; f < expert_count_; ++f) {
+      const version& v = T.versions[f];
+      if (v.slot >= 0 && T.pins[f] == 0 && !v.loading && !v.poisoned) ++usable;
+    }
+    return usable;
+  }
+  [[nodiscard]] std::uint32_t demand_reserve() const noexcept {
+    return options_.demand_reserve.value_or(geometry_.top_k());
   }
 
   // One background load of expert f's tier-t version on the prefetch stream: into a free slot
@@ -2643,16 +2710,33 @@ class expert_runtime {
   // without waiting. Strong guarantee.
   bool issue_background(std::uint32_t f, std::size_t t, load_kind kind) {
     tier_state& T = tier(t);
+    // A tier above its capacity (a resize held up by pinned versions) takes nothing new: the
+    // load would replace a surplus version, and the shrink would then evict the new one unused.
+    if (resident_count(t) > T.capacity) return false;
+    // The demand tier keeps its reserve: a demand miss with no other room waits for a loading
+    // version's copy (fence()), so guesses never take the room the next group needs.
+    if (t == demand_tier_ && usable_by_demand(t) <= demand_reserve()) return false;
     lease_type fresh;
     if (resident_count(t) < T.capacity) fresh = try_fresh_blocks(t);
     std::optional<std::uint32_t> victim;
     std::optional<transition> eviction;
+    // A policy whose victim() moves its own state (sieve's hand, ARC's pending answer) is put
+    // back when no victim is taken or the load fails: a refused or failed background load
+    // changes nothing.
+    std::optional<Policy> saved_policy;
+    const auto put_back_policy = [&]() noexcept {
+      if (saved_policy) std::swap(T.policy, *saved_policy);
+    };
     if (!fresh) {
+      if constexpr (!const_victim<Policy>) saved_policy.emplace(T.policy);
       std::vector<std::uint32_t> excluded{f};
       for (;;) {
         victim = choose_victim(t, excluded, /*ready_only=*/true, /*include_loading=*/false,
                                /*protect_targets=*/kind == load_kind::transition);
-        if (!victim) return false;
+        if (!victim) {
+          put_back_policy();
+          return false;
+        }
         if (try_begin_eviction(t, *victim, eviction)) break;
         excluded.push_back(*victim);  // a window pinned it since choose_victim() looked
       }
@@ -2683,6 +2767,7 @@ class expert_runtime {
         const std::pair<std::size_t, std::uint32_t> taken{t, *victim};
         unpublish({}, std::span(&taken, 1));
       }
+      put_back_policy();
       throw;
     }
     if (victim) {
@@ -2773,6 +2858,7 @@ class expert_runtime {
   std::vector<queued_transition> transition_queue_;
   std::uint64_t prefetch_serial_ = 0;
   std::uint64_t prefetch_cancelled_ = 0;
+  std::uint64_t prefetch_failed_ = 0;
   std::uint64_t transitions_cancelled_ = 0;
   std::uint64_t transitions_failed_ = 0;
   std::uint64_t failed_acquires_ = 0;
