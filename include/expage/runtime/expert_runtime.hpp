@@ -2767,7 +2767,9 @@ class expert_runtime {
         const std::pair<std::size_t, std::uint32_t> taken{t, *victim};
         unpublish({}, std::span(&taken, 1));
       }
-      put_back_policy();
+      // Unless a double fault evicted the victim (the basic guarantee then, and the policy must
+      // know it is gone).
+      if (!victim || T.versions[*victim].slot >= 0) put_back_policy();
       throw;
     }
     if (victim) {
