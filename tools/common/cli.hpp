@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <functional>
 #include <initializer_list>
 #include <mutex>
@@ -53,12 +54,20 @@ template <class Args>
   return args[++i];
 }
 
-/// Sets @p slot, the value of a flag that names one file (`--trace`), from @p value.
-/// @throws usage_error naming both values when the flag was given before.
-inline void set_once(std::string_view flag, std::optional<std::string>& slot, std::string_view value) {
-  if (slot) throw usage_error{fmt::format("{} given twice ({} and {}): give one", flag, *slot, value)};
-  slot = std::string(value);
-}
+/// Refuses a flag given twice on one command line (`--json a.json --json b.json`, `--trace a
+/// --trace b`): the later value would silently replace the earlier one. Call it with each
+/// argument a parse loop reaches; one that is not a flag (a command, a file) is ignored.
+class once_per_command_line {
+ public:
+  /// @throws usage_error naming the flag when it was seen before.
+  void operator()(std::string_view arg) {
+    if (!arg.starts_with("--")) return;
+    if (!seen_.insert(arg).second) throw usage_error{fmt::format("{} given twice: give it once", arg)};
+  }
+
+ private:
+  std::set<std::string_view> seen_;  // views of argv's strings, which outlive the parse
+};
 
 /// The most sequences `--batch` (and `expage-trace --batch-size`) decodes in lockstep, in every
 /// tool: the synthetic trace's limit, so that a trace any tool writes every tool reads as written.
@@ -465,6 +474,20 @@ inline expage::moe_geometry geometry_argument(const std::optional<std::string>& 
   }
 }
 
+/// Refuses a --trace on a pipe without --geometry: read_trace_metadata() cannot read a pipe's
+/// metadata ahead of the trace, so the geometry would silently be the fallback's rather than the
+/// trace's. @throws usage_error (exit status 2) naming the file.
+inline void require_geometry_for_a_pipe(const std::optional<std::string>& geometry,
+                                        const std::optional<std::string>& trace) {
+  std::error_code ec;
+  if (!geometry && trace && std::filesystem::is_fifo(*trace, ec)) {
+    throw usage_error{fmt::format(
+        "--trace {} is a pipe, whose geometry metadata cannot be read before the trace: pass --geometry (a preset "
+        "or a JSON file)",
+        *trace)};
+  }
+}
+
 /// What a simulating tool runs on: the hardware profile, the trace's metadata (when a trace is
 /// given) and the geometry (--geometry, else the metadata's). @throws usage_error (exit status 2)
 /// for a bad --hardware or --geometry; the reader's errors for an unreadable trace header.
@@ -476,6 +499,7 @@ struct model_inputs {
 inline model_inputs load_model_inputs(std::string_view hardware, const std::optional<std::string>& geometry,
                                       const std::optional<std::string>& trace) {
   expage::hardware_profile h = hardware_argument(hardware);
+  require_geometry_for_a_pipe(geometry, trace);
   std::optional<expage::trace_metadata> meta =
       trace ? expage::read_trace_metadata(*trace) : std::optional<expage::trace_metadata>{};
   expage::moe_geometry g = geometry_argument(geometry, meta);

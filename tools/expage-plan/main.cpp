@@ -144,14 +144,16 @@ config parse(int argc, char** argv, const std::string& help) {
   using expage_tools::parse_real;
   config c;
   const std::span<char* const> args(argv, static_cast<std::size_t>(argc));
+  expage_tools::once_per_command_line once;
   for (std::size_t i = 1; i < args.size(); ++i) {
     const std::string_view flag = argv[i];
+    once(flag);
     const auto value = [&]() -> std::string_view { return expage_tools::flag_value(args, i); };
     if (flag == "--help" || flag == "-h") {
       std::fputs(help.c_str(), stdout);
       std::exit(expage::finish_standard_output("expage-plan") ? 0 : 1);
     } else if (flag == "--trace") {
-      expage_tools::set_once(flag, c.trace, value());
+      c.trace = std::string(value());
     } else if (flag == "--synthetic") {
       c.synthetic = true;
     } else if (expage_tools::parse_synthetic_flag(flag, value, c.synth, c.synth_flags)) {
@@ -742,7 +744,16 @@ int main(int argc, char** argv) {
           __builtin_mul_overflow(kv->peak_step_blocks(), block_bytes, &floor)) {
         floor = ~std::uint64_t{0};
       }
-      if (!(c.kv_floor || c.concurrency)) o.kv_floor_bytes = floor;
+      // By default the session mix's peak step, and at least one block: a pool of none cannot
+      // serve a step (a short trace's peak can be 0 blocks).
+      if (!(c.kv_floor || c.concurrency)) o.kv_floor_bytes = std::max(floor, block_bytes);
+      if (c.tiers && o.kv_floor_bytes < block_bytes) {
+        throw usage_error{fmt::format(
+            "{} {} is below one KV block of {} (--block-tokens {} x --kv-bytes-per-token {}): --tiers needs at least "
+            "one",
+            c.kv_floor ? "--kv-floor" : "the KV floor from --concurrency", expage::byte_size{o.kv_floor_bytes},
+            expage::byte_size{block_bytes}, c.block_tokens, *c.kv_per_token)};
+      }
       if (o.kv_floor_bytes >= o.budget_bytes) {
         throw usage_error{fmt::format(
             "the KV floor of {} (session mix {}: {} blocks of {} tokens x {} bytes at its peak step) is not below the "

@@ -118,14 +118,16 @@ struct config {
 config parse(int argc, char** argv, const std::string& help) {
   config c;
   const std::span<char* const> args(argv, static_cast<std::size_t>(argc));
+  expage_tools::once_per_command_line once;
   for (std::size_t i = 1; i < args.size(); ++i) {
     const std::string_view flag = argv[i];
+    once(flag);
     const auto value = [&]() -> std::string_view { return expage_tools::flag_value(args, i); };
     if (flag == "--help" || flag == "-h") {
       std::fputs(help.c_str(), stdout);
       std::exit(expage::finish_standard_output("expage-replay") ? 0 : 1);
     } else if (flag == "--trace") {
-      expage_tools::set_once(flag, c.trace, value());
+      c.trace = std::string(value());
     } else if (flag == "--synthetic") {
       c.synthetic = true;
     } else if (expage_tools::parse_synthetic_flag(flag, value, c.synth, c.synth_flags)) {
@@ -337,6 +339,7 @@ int main(int argc, char** argv) {
     auto tables =
         expage_tools::prepare_outputs({{"--csv", c.csv}, {"--json", c.json}, {"--svg", c.svg}},
                                       {{"--trace", c.trace}, expage_tools::config_input("--geometry", c.geometry)});
+    expage_tools::require_geometry_for_a_pipe(c.geometry, c.trace);
     const std::optional<expage::trace_metadata> meta =
         c.trace ? expage::read_trace_metadata(*c.trace) : std::optional<expage::trace_metadata>{};
     expage::moe_geometry g = expage_tools::geometry_argument(c.geometry, meta);

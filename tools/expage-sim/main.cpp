@@ -219,15 +219,17 @@ config parse(int argc, char** argv, const std::string& help) {
   config c;
   const std::span<char* const> args(argv, static_cast<std::size_t>(argc));
   std::set<std::string_view> given;  // every flag given, for the checks of what a flag needs
+  expage_tools::once_per_command_line once;
   for (std::size_t i = 1; i < args.size(); ++i) {
     const std::string_view flag = argv[i];
+    once(flag);
     given.insert(flag);
     const auto value = [&]() -> std::string_view { return expage_tools::flag_value(args, i); };
     if (flag == "--help" || flag == "-h") {
       std::fputs(help.c_str(), stdout);
       std::exit(expage::finish_standard_output("expage-sim") ? 0 : 1);
     } else if (flag == "--trace") {
-      expage_tools::set_once(flag, c.trace, value());
+      c.trace = std::string(value());
     } else if (flag == "--synthetic") {
       c.synthetic = true;
     } else if (expage_tools::parse_synthetic_flag(flag, value, c.synth, c.synth_flags)) {

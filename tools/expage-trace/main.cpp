@@ -211,8 +211,10 @@ int run(int argc, char** argv) {
   std::vector<std::filesystem::path> files;
   expage_tools::synthetic_flags_seen synth_flags;  // which of synth's flags were given
   std::string_view realign_flag;                   // the last flag given that configures realign
+  expage_tools::once_per_command_line once;
   for (std::size_t i = 1; i < args.size(); ++i) {
     const std::string_view arg = args[i];
+    once(arg);
     const auto value = [&]() -> std::string_view { return expage_tools::flag_value(args, i); };
     if (arg == "--help" || arg == "-h") {
       fmt::print(fmt::runtime(usage), names, fmt::arg("synthetic", expage_tools::synthetic_flags_help()));
