@@ -109,6 +109,29 @@ void check_synthetic_options(const moe_geometry& geometry, const synthetic_optio
         "out of range [1, {}] (max_trace_events)",
         options.sequences, options.prefill_tokens, options.decode_steps, geometry.layers(), events, max_trace_events));
   }
+  // The generator's own tables (each factor below 2^32 and workloads ≤ experts, so the first
+  // products fit; the top_k one is formed only once layers × experts is known to be small).
+  const std::uint64_t cells = std::uint64_t{geometry.layers()} * geometry.experts_per_layer();
+  const auto check_table = [](std::uint64_t n, const char* what) {
+    if (n > max_synthetic_table_cells) {
+      throw invalid_argument(
+          fmt::format("synthetic_options: {} = {} cells out of range [1, {}] (max_synthetic_table_cells)", what, n,
+                      max_synthetic_table_cells));
+    }
+  };
+  check_table(cells, fmt::format("{} layers × {} experts", geometry.layers(), geometry.experts_per_layer()).c_str());
+  check_table(cells * options.workloads, fmt::format("workloads {} × {} layers × {} experts (the popularity table)",
+                                                     options.workloads, geometry.layers(), geometry.experts_per_layer())
+                                             .c_str());
+  if (options.cross_layer > 0.0) {
+    check_table(cells * geometry.top_k(),
+                fmt::format("cross_layer's {} layers × {} latent types × top_k {} preferred experts", geometry.layers(),
+                            geometry.experts_per_layer(), geometry.top_k())
+                    .c_str());
+  }
+  check_table(
+      std::uint64_t{geometry.experts_per_layer()} * options.sketch_dims,
+      fmt::format("sketch_dims {} × {} latent types", options.sketch_dims, geometry.experts_per_layer()).c_str());
   const std::uint64_t per_event =
       (options.probabilities ? std::uint64_t{geometry.experts_per_layer()} : 0) + options.sketch_dims;
   if (per_event > 0 && events > max_synthetic_field_floats / per_event) {
@@ -156,13 +179,18 @@ routing_trace generate_synthetic(const moe_geometry& geometry, const synthetic_o
   if (options.cross_layer > 0.0) {
     preferred.reserve(std::size_t{layers} * types * k);
     std::vector<std::uint32_t> perm(experts);
+    std::iota(perm.begin(), perm.end(), 0U);
+    std::vector<std::uint32_t> swapped(k);  // where each of the k swaps took its element from
     for (std::uint32_t l = 0; l < layers; ++l) {
       for (std::uint32_t c = 0; c < types; ++c) {
-        std::iota(perm.begin(), perm.end(), 0U);
-        for (std::uint32_t i = 0; i < k; ++i) {  // the first k of a Fisher–Yates shuffle
-          std::swap(perm[i], perm[i + rng.below(experts - i)]);
+        for (std::uint32_t i = 0; i < k; ++i) {  // the first k of a Fisher–Yates shuffle of 0..E−1
+          swapped[i] = i + rng.below(experts - i);
+          std::swap(perm[i], perm[swapped[i]]);
           preferred.push_back(perm[i]);
         }
+        // Undone in reverse, so that the next type shuffles the identity again: O(k) per type,
+        // where refilling the permutation was O(E) (O(N·E²) for the table).
+        for (std::uint32_t i = k; i-- > 0;) std::swap(perm[i], perm[swapped[i]]);
       }
     }
   }

@@ -101,10 +101,17 @@ struct synthetic_options {
 /// hold: 4 GiB.
 inline constexpr std::uint64_t max_synthetic_field_floats = std::uint64_t{1} << 30;
 
+/// Most cells of each of the generator's own tables: the popularity of every (workload, layer,
+/// expert), with cross_layer the k experts every (layer, latent type) prefers, with sketches the
+/// vector of every latent type (one per expert). 2^26 (512 MiB of doubles); real models need a
+/// few hundred thousand.
+inline constexpr std::uint64_t max_synthetic_table_cells = std::uint64_t{1} << 26;
+
 /// What generate_synthetic() checks before it generates anything, the sizes included: at most
-/// max_trace_events events (sequences × (prefill_tokens + decode_steps) × layers) and
-/// max_synthetic_field_floats floats of optional fields (for a caller that must refuse bad
-/// options first, as a tool does before it writes a file).
+/// max_trace_events events (sequences × (prefill_tokens + decode_steps) × layers),
+/// max_synthetic_field_floats floats of optional fields and max_synthetic_table_cells cells of
+/// each table (for a caller that must refuse bad options first, as a tool does before it writes
+/// a file).
 /// @throws expage::invalid_argument naming the option (or the product) out of range and its
 /// allowed range.
 void check_synthetic_options(const moe_geometry& geometry, const synthetic_options& options);
