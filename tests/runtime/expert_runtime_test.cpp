@@ -734,9 +734,10 @@ TEST(ExpertRuntime, AFailedAcquireLeavesAStatefulPolicyAsBefore) {
   static_assert(!const_victim<sieve_policy> && const_victim<lru_policy>);
   static_assert(const_victim<duel_policy<lru_policy>> &&
                 !const_victim<duel_policy<sieve_policy>>);  // copied only when needed
-  enum class failure { none, acquire, prefetch };
+  enum class failure { none, acquire, prefetch, prefetch_map };
   const auto run = [](failure with) {
     runtime_world w;
+    failing_vmm vmm(host_vmm::options{.granularity = 4096});
     bool fail = false;
     expert_source<host_stream> source = w.source();
     auto inner = source.load;
@@ -745,8 +746,8 @@ TEST(ExpertRuntime, AFailedAcquireLeavesAStatefulPolicyAsBefore) {
       return inner(id, t, page, s);
     };
     host_stream prefetch("prefetch");
-    expert_runtime<host_vmm, host_stream, sieve_policy> rt(w.geometry, w.account, w.vmm, w.copy, w.compute, source, {},
-                                                           &prefetch);
+    expert_runtime<failing_vmm, host_stream, sieve_policy> rt(w.geometry, w.account, vmm, w.copy, w.compute, source, {},
+                                                              &prefetch);
     const std::uint32_t a[] = {0, 1};
     const std::uint32_t b[] = {2, 3};
     const std::uint32_t four[] = {4};
@@ -759,17 +760,19 @@ TEST(ExpertRuntime, AFailedAcquireLeavesAStatefulPolicyAsBefore) {
       fail = true;
       EXPECT_THROW((void)rt.acquire(0, four), format_error);  // the sweep passed 0 and 1, chose 2
       fail = false;
-      EXPECT_EQ(w.check_views(rt), "");
+      EXPECT_EQ(w.check_views(rt, vmm), "");
     }
-    if (with == failure::prefetch) {  // the same sweep for a prefetch's victim (found by review)
-      fail = true;
+    if (with == failure::prefetch || with == failure::prefetch_map) {  // a prefetch's victim (found by review)
+      if (with == failure::prefetch) fail = true;
+      if (with == failure::prefetch_map) vmm.fail_map_in = 1;  // the mapping of its slot, before the load
       rt.prefetch(0, four);
       fail = false;
+      vmm.heal();
       const auto s = rt.statistics();
       EXPECT_EQ(s.prefetch_failed, 1U);
       EXPECT_EQ(s.prefetch_queued, 0U) << "a failed prefetch is dropped";
       EXPECT_EQ(s.total.prefetches, 0U);
-      EXPECT_EQ(w.check_views(rt), "");
+      EXPECT_EQ(w.check_views(rt, vmm), "");
     }
     rt.acquire(0, five).release();
     w.compute.synchronize();
@@ -780,6 +783,7 @@ TEST(ExpertRuntime, AFailedAcquireLeavesAStatefulPolicyAsBefore) {
   };
   EXPECT_EQ(run(failure::acquire), run(failure::none));
   EXPECT_EQ(run(failure::prefetch), run(failure::none));
+  EXPECT_EQ(run(failure::prefetch_map), run(failure::none));
 }
 
 TEST(ExpertRuntime, ADemandLoadFailingOnItsStreamStopsTheComputeStreamBeforeTheKernel) {

@@ -701,6 +701,75 @@ TEST(ExpertRuntimeTiers, ASwitchIntoTheDemandTierNeverCrowdsOutTheGroup) {
 
 // update_targets() for plans that list only what changed: queued requests it does not list stay,
 // a listed expert's new goal replaces its queued one.
+// The demand reserve counts only slots a demand miss could take without waiting (found by
+// review): an active lo version whose hi promotion is still loading is not one (its eviction
+// would wait for the switch). Lo: expert A with its promotion in flight, C pinned, 2 free of 4;
+// a guess for the last usable slot would leave the group {4, 5} to wait for A's hi copy.
+TEST(ExpertRuntimeTiers, TheDemandReserveCountsOnlySlotsADemandMissTakesAtOnce) {
+  tiered_world w;  // 2 hi and 4 lo versions; demand tier lo; top-k 2
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
+             {.capacity = 2, .max_prefetch_in_flight = 4}, &prefetch);
+  const std::uint32_t a[] = {0};
+  rt.acquire(0, a).release();
+  const std::uint32_t c[] = {2};
+  auto held = rt.acquire(0, c);
+  w.copy.synchronize();
+  w.compute.synchronize();
+  std::promise<void> gate;
+  prefetch.enqueue([opened = gate.get_future().share()] { opened.wait(); });
+  const target hi[] = {{.expert = {0, 0}, .state = residency_state::resident_hi}};
+  rt.set_targets(hi);  // A's hi version loads behind the gate: lo keeps 2 usable slots, the reserve
+  const std::uint32_t guess[] = {3};
+  rt.prefetch(1, guess);
+  const auto s = rt.statistics();
+  EXPECT_EQ(s.tiers[0].total.promotions, 1U);
+  EXPECT_EQ(s.total.prefetches, 0U) << "the guess took the last slot a demand miss could take at once";
+  if (s.total.prefetches != 0) gate.set_value();  // else the acquire below waits for the gate
+  const std::uint32_t group[] = {4, 5};
+  auto lease = rt.acquire(2, group);
+  EXPECT_EQ(rt.statistics().total.fence_waits, 0U);
+  if (s.total.prefetches == 0) gate.set_value();
+  lease.release();
+  held.release();
+  w.compute.synchronize();
+  prefetch.synchronize();
+  rt.poll();
+  prefetch.synchronize();
+  rt.poll();
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
+// A demand tier of top-k slots (the least it may hold) still demotes: a transition's reserve
+// leaves it one slot (found by review: with the whole reserve, the demotion stayed queued forever).
+TEST(ExpertRuntimeTiers, ADemandTierOfTopKSlotsStillDemotes) {
+  tiered_world w(2, 2);
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 2}, &prefetch);
+  const expert_id x{0, 0};
+  const target hi[] = {{.expert = x, .state = residency_state::resident_hi}};
+  rt.set_targets(hi);
+  prefetch.synchronize();
+  rt.poll();
+  const target lo[] = {{.expert = x, .state = residency_state::resident_lo}};
+  rt.set_targets(lo);
+  for (int i = 0; i < 3; ++i) {
+    prefetch.synchronize();
+    w.compute.synchronize();
+    rt.poll();
+  }
+  const auto s = rt.statistics();
+  EXPECT_EQ(rt.active_tier(x), version_tier::lo);
+  EXPECT_EQ(s.tiers[1].total.demotions, 1U);
+  EXPECT_EQ(s.transitions_queued, 0U);
+  // A guess gets none of the reserve: with 2 slots and top-k 2, nothing is prefetched.
+  const std::uint32_t guess[] = {5};
+  rt.prefetch(1, guess);
+  EXPECT_EQ(rt.statistics().total.prefetches, 0U);
+  EXPECT_EQ(rt.statistics().prefetch_queued, 1U);
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
 // A background version dropped because its expert's target went back before the switch was
 // loaded and freed: an eviction, so that every version loaded ends as an eviction, a switch's
 // retired version or a resident one (found by review: it was counted nowhere).

@@ -62,7 +62,9 @@ class once_per_command_line {
   /// @throws usage_error naming the flag when it was seen before.
   void operator()(std::string_view arg) {
     if (!arg.starts_with("--")) return;
-    if (!seen_.insert(arg).second) throw usage_error{fmt::format("{} given twice: give it once", arg)};
+    // An alias is the flag it stands for (parse_synthetic_flag() reads both as one).
+    const std::string_view name = arg == "--decode-steps" ? std::string_view("--steps") : arg;
+    if (!seen_.insert(name).second) throw usage_error{fmt::format("{} given twice: give it once", arg)};
   }
 
  private:

@@ -113,12 +113,14 @@ struct expert_runtime_options {
   /// Background loads (prefetches and transitions) in flight at once, ≥ 1.
   std::uint32_t max_prefetch_in_flight = 2;
   /// Slots of the demand tier that background loads leave to demand misses: a prefetch (or a
-  /// transition into the demand tier) is issued only while, after it, at least this many of the
-  /// tier's slots are free or hold a version no lease pins and no load holds, so that a demand
-  /// group of that size never waits on the host for a guess's copy to land. None: top-k (one
-  /// token's routed experts); an engine that acquires larger groups (batches) may raise it, and
-  /// 0 lets guesses take every slot (a demand miss may then wait for one's copy, counted in
-  /// fence_waits).
+  /// transition into the demand tier, or out of it for an expert it serves) is issued only while,
+  /// after it, at least this many of the tier's slots are free or hold a version a demand miss
+  /// could take without waiting on a load, so that a demand group of that size never waits on
+  /// the host for a guess's copy to land. None: top-k (one token's routed experts); an engine
+  /// that acquires larger groups (batches) may raise it, and 0 lets guesses take every slot (a
+  /// demand miss may then wait for one's copy, counted in fence_waits). A demand tier of at most
+  /// this many slots takes no prefetch; a transition's reserve is at most the tier's slots less
+  /// one, so that such a tier still demotes.
   std::optional<std::uint32_t> demand_reserve{};
   /// Events the Chrome trace keeps; 0: no trace.
   std::size_t trace_events = 0;
@@ -627,8 +629,10 @@ class expert_runtime {
   /// the capacity; growing raises it. The account is never over-committed at any instant: loads
   /// are charged before their copies start.
   /// @throws expage::invalid_argument when the capacity would leave [top_k, experts], or the runtime has two tiers.
-  /// @throws whatever a victim's completion throws; nothing is evicted then (every victim is
-  ///         fenced before any is evicted) and that victim is poisoned.
+  /// @throws whatever a victim's completion throws; that victim is poisoned, and nothing is
+  ///         evicted then (every victim is fenced before any is evicted; only when a window pinned
+  ///         a fenced victim, so that another had to be chosen, do the evictions of that first
+  ///         round stand).
   runtime_resize resize(std::size_t bytes) {
     if (tier_count_ != 1) {
       throw invalid_argument("expert_runtime::resize: the runtime has two tiers; size them with resize_tiers()");
@@ -648,8 +652,10 @@ class expert_runtime {
   /// @throws expage::invalid_argument when the demand tier would hold fewer than top_k
   /// versions, a tier more than the experts, or both together more than the account's capacity
   /// (nothing changes).
-  /// @throws whatever a victim's completion throws; nothing is evicted then (every victim of
-  ///         every tier is fenced before any is evicted) and that victim is poisoned.
+  /// @throws whatever a victim's completion throws; that victim is poisoned, and nothing is
+  ///         evicted then (every victim of every tier is fenced before any is evicted; only when a
+  ///         window pinned a fenced victim, so that another had to be chosen, do the evictions of
+  ///         that first round stand).
   std::array<runtime_resize, version_tier_count> resize_tiers(std::size_t hi_bytes, std::size_t lo_bytes,
                                                               std::optional<version_tier> demand = std::nullopt) {
     std::array<std::uint32_t, version_tier_count> wanted{};
@@ -1221,10 +1227,13 @@ class expert_runtime {
   // The other tier of a two-tier runtime.
   [[nodiscard]] static std::size_t other(std::size_t t) noexcept { return 1 - t; }
   // Expert f's version in the tier that is not @p t, when the runtime has two tiers and it is resident.
-  [[nodiscard]] version* sibling(std::size_t t, std::uint32_t f) noexcept {
+  [[nodiscard]] const version* sibling(std::size_t t, std::uint32_t f) const noexcept {
     if (tier_count_ != 2) return nullptr;
-    version& v = tier(other(t)).versions[f];
+    const version& v = tier(other(t)).versions[f];
     return v.slot >= 0 ? &v : nullptr;
+  }
+  [[nodiscard]] version* sibling(std::size_t t, std::uint32_t f) noexcept {
+    return const_cast<version*>(std::as_const(*this).sibling(t, f));  // the same lookup
   }
   // Entry f of tier t's expert_map becomes @p slot, on the host and through the map mirror.
   void set_map(std::size_t t, std::uint32_t f, std::int32_t slot) noexcept {
@@ -2685,17 +2694,26 @@ class expert_runtime {
     }
   }
 
-  // Slots of tier t a demand miss could take without waiting on a load: free ones, and versions
-  // no lease pins, no load holds and no failed kernel poisoned (their last kernels may still run:
-  // a demand miss waits for those anyway, the WAR fence).
+  // Whether expert f's tier-t version is one a demand miss could take without waiting on a load:
+  // resident, no lease pins it, no load holds it, no failed kernel poisoned it, and, when it is
+  // the active version, its sibling is not loading (the switch would wait for it) and no window
+  // of the handle table pins the expert (choose_victim() passes over those). Its last kernel may
+  // still run: a demand miss waits for that anyway (the WAR fence).
+  [[nodiscard]] bool usable_by_demand(std::size_t t, std::uint32_t f) const noexcept {
+    const tier_state& T = tier(t);
+    const version& v = T.versions[f];
+    if (v.slot < 0 || T.pins[f] > 0 || v.loading || v.poisoned) return false;
+    if (active_[f] != t) return true;
+    if (const version* s = sibling(t, f); s != nullptr && s->loading) return false;
+    return !(options_.views.records && table_.pinned(geometry_.expert_at(f)));
+  }
+  // Slots of tier t a demand miss could take without waiting on a load: free ones, and the
+  // versions usable_by_demand(t, f) admits.
   [[nodiscard]] std::uint32_t usable_by_demand(std::size_t t) const noexcept {
     const tier_state& T = tier(t);
     const std::uint32_t resident = resident_count(t);
     std::uint32_t usable = T.capacity > resident ? T.capacity - resident : 0;
-    for (std::uint32_t f = 0; f < expert_count_; ++f) {
-      const version& v = T.versions[f];
-      if (v.slot >= 0 && T.pins[f] == 0 && !v.loading && !v.poisoned) ++usable;
-    }
+    for (std::uint32_t f = 0; f < expert_count_; ++f) usable += usable_by_demand(t, f) ? 1U : 0U;
     return usable;
   }
   [[nodiscard]] std::uint32_t demand_reserve() const noexcept {
@@ -2714,8 +2732,19 @@ class expert_runtime {
     // load would replace a surplus version, and the shrink would then evict the new one unused.
     if (resident_count(t) > T.capacity) return false;
     // The demand tier keeps its reserve: a demand miss with no other room waits for a loading
-    // version's copy (fence()), so guesses never take the room the next group needs.
-    if (t == demand_tier_ && usable_by_demand(t) <= demand_reserve()) return false;
+    // version's copy (fence()), so guesses never take the room the next group needs. A load
+    // into the demand tier takes one of its usable slots; so does a load into the other tier of
+    // an expert served by the demand tier (its version there waits for the switch). A
+    // transition's reserve leaves it one slot, so that a demand tier of top-k slots still
+    // demotes; a guess gets none of them.
+    const bool takes_demand_room =
+        t == demand_tier_ || (active_[f] == demand_tier_ && usable_by_demand(demand_tier_, f));
+    if (takes_demand_room) {
+      const std::uint32_t capacity = tier(demand_tier_).capacity;
+      const std::uint32_t reserve =
+          kind == load_kind::prefetch ? demand_reserve() : std::min(demand_reserve(), capacity > 0 ? capacity - 1 : 0);
+      if (usable_by_demand(demand_tier_) <= reserve) return false;
+    }
     lease_type fresh;
     if (resident_count(t) < T.capacity) fresh = try_fresh_blocks(t);
     std::optional<std::uint32_t> victim;
@@ -2744,9 +2773,14 @@ class expert_runtime {
     const bool becomes_active = active_[f] == no_tier;
     std::optional<transition> next;
     const std::int32_t slot = victim ? T.versions[*victim].slot : static_cast<std::int32_t>(T.free_slots.back());
-    if (becomes_active) next = begin_version(t, f);
     const std::span<const block> blocks = victim ? T.versions[*victim].blocks.blocks() : fresh.blocks();
-    map_version(t, f, slot, blocks, victim.has_value(), !victim.has_value());
+    try {
+      if (becomes_active) next = begin_version(t, f);
+      map_version(t, f, slot, blocks, victim.has_value(), !victim.has_value());  // undoes its own maps on a throw
+    } catch (...) {
+      put_back_policy();  // nothing else has changed yet (the eviction's and next's transitions abort)
+      throw;
+    }
     std::uint64_t bytes = 0;
     std::shared_ptr<event_type> loaded;
     bool evicted = false;  // the victim's eviction published (then taken back on a failure)
