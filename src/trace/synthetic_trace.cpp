@@ -111,27 +111,30 @@ void check_synthetic_options(const moe_geometry& geometry, const synthetic_optio
   }
   // The generator's own tables (each factor below 2^32 and workloads ≤ experts, so the first
   // products fit; the top_k one is formed only once layers × experts is known to be small).
-  const std::uint64_t cells = std::uint64_t{geometry.layers()} * geometry.experts_per_layer();
-  const auto check_table = [](std::uint64_t n, const char* what) {
+  const std::uint32_t layers = geometry.layers();
+  const std::uint32_t experts = geometry.experts_per_layer();
+  const std::uint64_t cells = std::uint64_t{layers} * experts;
+  // @p what names the table's factors; formatted only for the message.
+  const auto check_table = [](std::uint64_t n, auto&& what) {
     if (n > max_synthetic_table_cells) {
       throw invalid_argument(
-          fmt::format("synthetic_options: {} = {} cells out of range [1, {}] (max_synthetic_table_cells)", what, n,
+          fmt::format("synthetic_options: {} = {} cells out of range [1, {}] (max_synthetic_table_cells)", what(), n,
                       max_synthetic_table_cells));
     }
   };
-  check_table(cells, fmt::format("{} layers × {} experts", geometry.layers(), geometry.experts_per_layer()).c_str());
-  check_table(cells * options.workloads, fmt::format("workloads {} × {} layers × {} experts (the popularity table)",
-                                                     options.workloads, geometry.layers(), geometry.experts_per_layer())
-                                             .c_str());
+  check_table(cells, [&] { return fmt::format("{} layers × {} experts", layers, experts); });
+  check_table(cells * options.workloads, [&] {
+    return fmt::format("workloads {} × {} layers × {} experts (the popularity table)", options.workloads, layers,
+                       experts);
+  });
   if (options.cross_layer > 0.0) {
-    check_table(cells * geometry.top_k(),
-                fmt::format("cross_layer's {} layers × {} latent types × top_k {} preferred experts", geometry.layers(),
-                            geometry.experts_per_layer(), geometry.top_k())
-                    .c_str());
+    check_table(cells * geometry.top_k(), [&] {
+      return fmt::format("cross_layer's {} layers × {} latent types × top_k {} preferred experts", layers, experts,
+                         geometry.top_k());
+    });
   }
-  check_table(
-      std::uint64_t{geometry.experts_per_layer()} * options.sketch_dims,
-      fmt::format("sketch_dims {} × {} latent types", options.sketch_dims, geometry.experts_per_layer()).c_str());
+  check_table(std::uint64_t{experts} * options.sketch_dims,
+              [&] { return fmt::format("sketch_dims {} × {} latent types", options.sketch_dims, experts); });
   const std::uint64_t per_event =
       (options.probabilities ? std::uint64_t{geometry.experts_per_layer()} : 0) + options.sketch_dims;
   if (per_event > 0 && events > max_synthetic_field_floats / per_event) {

@@ -400,12 +400,16 @@ TEST(SyntheticTrace, RejectsOptionsOutOfRange) {
 // std::bad_alloc), and the cross-layer table costs O(k) per latent type, not O(E): a wide
 // geometry's table is drawn at once.
 TEST(SyntheticTrace, BoundsItsOwnTables) {
-  const moe_geometry wide(moe_geometry::config{.name = "wide",
-                                               .layers = 64,
-                                               .experts_per_layer = 65536,
-                                               .top_k = 2,
-                                               .hidden_size = 64,
-                                               .intermediate_size = 64});
+  // Tiny experts: only the counts matter here.
+  const auto geometry = [](const char* name, std::uint32_t layers, std::uint32_t experts, std::uint32_t top_k) {
+    return moe_geometry(moe_geometry::config{.name = name,
+                                             .layers = layers,
+                                             .experts_per_layer = experts,
+                                             .top_k = top_k,
+                                             .hidden_size = 64,
+                                             .intermediate_size = 64});
+  };
+  const moe_geometry wide = geometry("wide", 64, 65536, 2);
   const auto expect_error = [&](const moe_geometry& g, const synthetic_options& o, const char* text) {
     try {
       check_synthetic_options(g, o);
@@ -418,19 +422,9 @@ TEST(SyntheticTrace, BoundsItsOwnTables) {
                "workloads 65536 × 64 layers × 65536 experts (the popularity table) = 274877906944 cells out of range "
                "[1, 67108864] (max_synthetic_table_cells)");
   expect_error(wide, {.sketch_dims = 2048}, "sketch_dims 2048 × 65536 latent types = 134217728 cells");
-  const moe_geometry huge(moe_geometry::config{.name = "huge",
-                                               .layers = 65536,
-                                               .experts_per_layer = 65536,
-                                               .top_k = 1,
-                                               .hidden_size = 64,
-                                               .intermediate_size = 64});
+  const moe_geometry huge = geometry("huge", 65536, 65536, 1);
   expect_error(huge, {}, "65536 layers × 65536 experts = 4294967296 cells");
-  const moe_geometry many_k(moe_geometry::config{.name = "many-k",
-                                                 .layers = 64,
-                                                 .experts_per_layer = 65536,
-                                                 .top_k = 32,
-                                                 .hidden_size = 64,
-                                                 .intermediate_size = 64});
+  const moe_geometry many_k = geometry("many-k", 64, 65536, 32);
   expect_error(many_k, {.cross_layer = 0.5}, "cross_layer's 64 layers × 65536 latent types × top_k 32");
   // 64 × 65536 × 2 preferred experts: 2^23 cells, drawn in O(k) each (the O(E) refill was 2^38 steps).
   const routing_trace t = generate_synthetic(wide, {.sequences = 1, .decode_steps = 1, .cross_layer = 0.5});
