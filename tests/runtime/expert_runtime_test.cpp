@@ -6,6 +6,7 @@
 
 #include "expage/cache/duel_policy.hpp"
 #include "expage/cache/lru_policy.hpp"
+#include "expage/cache/next_turn_policy.hpp"
 #include "expage/cache/sieve_policy.hpp"
 #include "expage/cache/slot_cache.hpp"
 #include "expage/memory/tensor_storage.hpp"
@@ -185,6 +186,34 @@ TEST(ExpertRuntime, ViewsAgreeWithTheReferenceOnRandomWorkloads) {
     EXPECT_EQ(rt.statistics().total.misses, reference.statistics().misses);
     EXPECT_EQ(rt.statistics().total.evictions, reference.statistics().evictions);
   }
+}
+
+// A policy that ranks by the layer being executed (next_turn_policy: an expert's turn is nearer
+// the closer its layer comes after the current one) gets that layer with every victim it is asked
+// for, as slot_cache gives it: so the runtime evicts what slot_cache<next_turn_policy> evicts.
+// (Ranked from layer 0 instead, it evicted the experts of the layers about to run.)
+TEST(ExpertRuntime, VictimsAreRankedFromTheLayerBeingExecuted) {
+  runtime_world w;
+  expert_runtime<host_vmm, host_stream, next_turn_policy> rt(w.geometry, w.account, w.vmm, w.copy, w.compute,
+                                                             w.source());
+  slot_cache<next_turn_policy> reference(w.geometry, {.layout = cache_layout::global, .capacity = rt.capacity()});
+  std::mt19937_64 rng(11);
+  // One expert a group (the runtime plans a group's victims before it inserts the group's misses,
+  // slot_cache inserts each before choosing the next victim: with next-turn the order matters);
+  // each layer prefers two experts, so the rates differ and the turn distance decides among equals.
+  for (int pass = 0; pass < 40; ++pass) {
+    for (std::uint32_t layer = 0; layer < w.geometry.layers(); ++layer) {
+      std::vector<std::uint32_t> routed = w.random_group(rng, 1);
+      if (rng() % 3 != 0) routed.front() = (layer + static_cast<std::uint32_t>(rng() % 2)) % 8;
+      auto lease = rt.acquire(layer, routed);
+      (void)reference.access(layer, routed);
+      lease.release();
+      w.compute.synchronize();
+      ASSERT_TRUE(std::ranges::equal(reference.expert_map(), w.whole_map(rt))) << "pass " << pass << " layer " << layer;
+    }
+  }
+  EXPECT_EQ(rt.statistics().total.misses, reference.statistics().misses);
+  EXPECT_GT(reference.statistics().evictions, 100U);
 }
 
 // vLLM PR #37190: layer l+1 acquires under pressure while layer l's kernel has not finished.

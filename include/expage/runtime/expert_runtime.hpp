@@ -1562,7 +1562,10 @@ class expert_runtime {
       blocked_[f] = 1;
     }
     while (candidates > 0) {
-      const std::uint32_t v = T.policy.victim(pin_view{blocked_.data()}, access_context{.time = clock_});
+      // Ranked from the layer being executed (next_turn_policy's turn distance counts from it),
+      // as slot_cache ranks a group's victims from the group's layer.
+      const std::uint32_t v =
+          T.policy.victim(pin_view{blocked_.data()}, access_context{.time = clock_, .layer = layer_now_});
       EXPAGE_ASSERT(T.versions[v].slot >= 0 && blocked_[v] == 0, "expert_runtime: the policy chose a blocked victim");
       // Evicting an active version changes the expert's record (to nothing, or to its other
       // version): not while an open window of the handle table pins the expert.
@@ -1729,6 +1732,7 @@ class expert_runtime {
   // Fills @p record (taken for @p experts' size) with the group first.
   void serve(std::uint32_t layer, std::span<const std::uint32_t> experts, lease_record& record) {
     ++clock_;
+    layer_now_ = layer;
     // Copy the group into the record and test it in one pass: nothing in flight and every expert
     // active means a hit path (the compact state says it all; bitwise tests, no branch each).
     const std::uint32_t first = flat(layer, 0);
@@ -2900,6 +2904,7 @@ class expert_runtime {
   std::uint64_t failed_acquires_ = 0;
   std::uint64_t peak_bytes_ = 0;
   std::uint64_t clock_ = 0;
+  std::uint32_t layer_now_ = 0;                        // the layer of the latest acquire: victims are ranked from it
   std::uint32_t unused_prefetches_ = 0;                // versions with version::prefetched set
   std::vector<runtime_layer_statistics> layer_stats_;  // per (tier, layer): tier · layers + layer
   // Compute-stream stall per layer, written by the compute stream's thread (relaxed: statistics).
