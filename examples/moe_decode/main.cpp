@@ -1778,6 +1778,12 @@ int run(const options& o) {
                o.pooling == expage::coactivation_pooling::mean ? ", mean pooling" : "", t.prefetches,
                expage::byte_size{t.prefetch_bytes}, t.prefetch_used, expage::byte_size{t.prefetch_used_bytes},
                t.prefetch_wasted, expage::byte_size{t.prefetch_wasted_bytes}, r.stats.prefetch_cancelled);
+    fmt::print(
+        "  guards: requests paused after {} of {} layer steps ({} by the stall guard); demand loading alone: {} "
+        "loads by LRU{}\n",
+        r.prefetcher.paused, r.prefetcher.layers, r.prefetcher.stall_paused, r.prefetcher.shadow_misses,
+        r.prefetcher.policy_shadow_misses != 0 ? fmt::format(", {} by {}", r.prefetcher.policy_shadow_misses, o.policy)
+                                               : std::string());
     if (o.policy != "lru" && o.duel_passes != 0) {
       fmt::print("  eviction duel over {} passes: LRU ranked the victims after {} of {} layer steps ({} switches)\n",
                  o.duel_passes, r.prefetcher.lru_layers, r.prefetcher.layers, r.prefetcher.duel_switches);

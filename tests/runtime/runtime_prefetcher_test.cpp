@@ -139,7 +139,8 @@ TEST(RuntimePrefetcher, TheByteGuardSilencesAUselessPredictor) {
     // copies land against the demand groups (it fell to 40 under ThreadSanitizer in CI).
     runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(),
                {.max_prefetch_in_flight = 2, .demand_reserve = 0}, &prefetch);
-    runtime_prefetcher pf(rt, wrong_predictor(), {.max_overhead = share});
+    runtime_prefetcher pf(rt, wrong_predictor(),
+                          {.max_overhead = share, .max_stall_overhead = std::numeric_limits<double>::infinity()});
     for (int pass = 0; pass < 20; ++pass) {
       run_pass(w, rt, pf, pass);
       prefetch.synchronize();  // let every issued prefetch land, so it can be evicted unused
@@ -159,6 +160,55 @@ TEST(RuntimePrefetcher, TheByteGuardSilencesAUselessPredictor) {
       const auto moved = static_cast<double>(s.total.misses + s.total.prefetches);
       EXPECT_LE(moved, (1.0 + share) * static_cast<double>(pf.statistics().shadow_misses) + 1.0 + 2.0);
       EXPECT_LT(s.total.prefetch_wasted, unguarded_waste);
+    }
+  }
+}
+
+// At a capacity of one pass's experts, LRU's idle victim is always an expert of a layer still to
+// run, so every wrong guess costs a demand miss later in the pass. The byte guard (off here) would
+// allow it up to its share; the stall guard stops requesting once the runtime's demand misses
+// pass the LRU shadow's (which misses only the first pass).
+TEST(RuntimePrefetcher, TheStallGuardStopsGuessesWhoseVictimsAreNeeded) {
+  constexpr double inf = std::numeric_limits<double>::infinity();
+  std::uint64_t unguarded_misses = 0;
+  for (const double share : {inf, 0.0}) {
+    runtime_world w;
+    host_stream prefetch("prefetch");
+    runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(),
+               {.max_prefetch_in_flight = 2, .demand_reserve = 0}, &prefetch);
+    ASSERT_EQ(rt.capacity(), w.geometry.layers());
+    runtime_prefetcher pf(rt, wrong_predictor(), {.max_overhead = inf, .max_stall_overhead = share});
+    const std::uint32_t routed[] = {0};
+    for (int pass = 0; pass < 20; ++pass) {
+      for (std::uint32_t layer = 0; layer < w.geometry.layers(); ++layer) {
+        auto lease = rt.acquire(layer, routed);
+        pf.on_routed(layer, routed);
+        w.check_on_compute(rt, layer, routed);
+        lease.release();
+        // Every kernel done and every guess landed before the next layer: the same victims each run.
+        w.compute.synchronize();
+        prefetch.synchronize();
+        rt.poll();
+      }
+    }
+    w.compute.synchronize();
+    EXPECT_EQ(w.mismatches.load(), 0U);
+    const auto s = rt.statistics();
+    const auto& p = pf.statistics();
+    if (std::isinf(share)) {
+      unguarded_misses = s.total.misses;
+      EXPECT_GT(unguarded_misses, 40U);
+      EXPECT_EQ(p.paused, 0U);
+      EXPECT_EQ(p.shadow_misses, 0U) << "no guard: no shadow";
+    } else {
+      EXPECT_EQ(p.shadow_misses, w.geometry.layers()) << "LRU demand loading misses the first pass only";
+      EXPECT_GT(p.stall_paused, 0U);
+      EXPECT_EQ(p.stall_paused, p.paused) << "the byte guard is off";
+      // The guard sees a guess's harm only when its victim is demanded again, a pass later: the
+      // guesses of the first pass (where LRU misses as much) are issued, their refaults follow,
+      // and then no more. At most one miss past the shadow's, plus one refault per guess issued.
+      EXPECT_LE(s.total.prefetches, 2U * w.geometry.layers()) << "the first pass's and no more";
+      EXPECT_LE(s.total.misses, p.shadow_misses + 1 + s.total.prefetches) << "unguarded: " << unguarded_misses;
     }
   }
 }
@@ -336,7 +386,9 @@ TEST(RuntimePrefetcher, NoDuelForAPolicyThatCannotSwitch) {
   host_stream prefetch("prefetch");
   runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {}, &prefetch);
   runtime_prefetcher pf(rt, silent_predictor(),
-                        {.threshold = 0.5F, .max_overhead = std::numeric_limits<double>::infinity()});
+                        {.threshold = 0.5F,
+                         .max_overhead = std::numeric_limits<double>::infinity(),
+                         .max_stall_overhead = std::numeric_limits<double>::infinity()});
   std::mt19937_64 rng(2);
   for (int pass = 0; pass < 10; ++pass) {
     for (std::uint32_t layer = 0; layer < w.geometry.layers(); ++layer) {
@@ -347,7 +399,7 @@ TEST(RuntimePrefetcher, NoDuelForAPolicyThatCannotSwitch) {
     }
   }
   EXPECT_EQ(pf.statistics().policy_shadow_misses, 0U);
-  EXPECT_EQ(pf.statistics().shadow_misses, 0U) << "neither the guard nor a duel needs the LRU shadow";
+  EXPECT_EQ(pf.statistics().shadow_misses, 0U) << "no guard and no duel: no LRU shadow";
   EXPECT_EQ(pf.statistics().duel_switches, 0U);
 }
 
@@ -361,6 +413,13 @@ TEST(RuntimePrefetcher, RefusesBadInput) {
   EXPECT_THROW(runtime_prefetcher(rt, make(), {.threshold = 1.5F}), invalid_argument);
   EXPECT_THROW(runtime_prefetcher(rt, make(), {.per_layer = 9}), invalid_argument);
   EXPECT_THROW(runtime_prefetcher(rt, make(), {.max_overhead = -1.0}), invalid_argument);
+  try {
+    runtime_prefetcher(rt, make(), {.max_stall_overhead = std::numeric_limits<double>::quiet_NaN()});
+    FAIL() << "a stall share of NaN accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("max_stall_overhead nan out of range [0, inf]"), std::string::npos)
+        << e.what();
+  }
   EXPECT_THROW(runtime_prefetcher(rt, make(), {.duel_passes = eviction_duel::max_passes + 1}), invalid_argument);
   // A predictor of another model is refused at construction, not at the first layer it lacks.
   for (const auto& [layers, experts] : {std::pair{5U, 8U}, std::pair{3U, 8U}, std::pair{4U, 16U}}) {
