@@ -139,8 +139,7 @@ TEST(RuntimePrefetcher, TheByteGuardSilencesAUselessPredictor) {
     // copies land against the demand groups (it fell to 40 under ThreadSanitizer in CI).
     runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(),
                {.max_prefetch_in_flight = 2, .demand_reserve = 0}, &prefetch);
-    runtime_prefetcher pf(rt, wrong_predictor(),
-                          {.max_overhead = share, .max_stall_overhead = std::numeric_limits<double>::infinity()});
+    runtime_prefetcher pf(rt, wrong_predictor(), {.max_overhead = share, .stall_passes = 0});
     for (int pass = 0; pass < 20; ++pass) {
       run_pass(w, rt, pf, pass);
       prefetch.synchronize();  // let every issued prefetch land, so it can be evicted unused
@@ -167,17 +166,17 @@ TEST(RuntimePrefetcher, TheByteGuardSilencesAUselessPredictor) {
 // At a capacity of one pass's experts, LRU's idle victim is always an expert of a layer still to
 // run, so every wrong guess costs a demand miss later in the pass. The byte guard (off here) would
 // allow it up to its share; the stall guard stops requesting once the runtime's demand misses
-// pass the LRU shadow's (which misses only the first pass).
+// pass the LRU shadow's (which misses only the first pass). Its window here outlasts the run.
 TEST(RuntimePrefetcher, TheStallGuardStopsGuessesWhoseVictimsAreNeeded) {
   constexpr double inf = std::numeric_limits<double>::infinity();
   std::uint64_t unguarded_misses = 0;
-  for (const double share : {inf, 0.0}) {
+  for (const std::uint32_t window : {0U, 32U}) {
     runtime_world w;
     host_stream prefetch("prefetch");
     runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(),
                {.max_prefetch_in_flight = 2, .demand_reserve = 0}, &prefetch);
     ASSERT_EQ(rt.capacity(), w.geometry.layers());
-    runtime_prefetcher pf(rt, wrong_predictor(), {.max_overhead = inf, .max_stall_overhead = share});
+    runtime_prefetcher pf(rt, wrong_predictor(), {.max_overhead = inf, .stall_passes = window});
     const std::uint32_t routed[] = {0};
     for (int pass = 0; pass < 20; ++pass) {
       for (std::uint32_t layer = 0; layer < w.geometry.layers(); ++layer) {
@@ -195,7 +194,7 @@ TEST(RuntimePrefetcher, TheStallGuardStopsGuessesWhoseVictimsAreNeeded) {
     EXPECT_EQ(w.mismatches.load(), 0U);
     const auto s = rt.statistics();
     const auto& p = pf.statistics();
-    if (std::isinf(share)) {
+    if (window == 0) {
       unguarded_misses = s.total.misses;
       EXPECT_GT(unguarded_misses, 40U);
       EXPECT_EQ(p.paused, 0U);
@@ -205,12 +204,76 @@ TEST(RuntimePrefetcher, TheStallGuardStopsGuessesWhoseVictimsAreNeeded) {
       EXPECT_GT(p.stall_paused, 0U);
       EXPECT_EQ(p.stall_paused, p.paused) << "the byte guard is off";
       // The guard sees a guess's harm only when its victim is demanded again, a pass later: the
-      // guesses of the first pass (where LRU misses as much) are issued, their refaults follow,
-      // and then no more. At most one miss past the shadow's, plus one refault per guess issued.
-      EXPECT_LE(s.total.prefetches, 2U * w.geometry.layers()) << "the first pass's and no more";
+      // guesses of the first pass (where LRU misses as much) are issued, then those the margin
+      // of one miss lets through, and their refaults follow. At most one miss past the shadow's,
+      // plus one refault per guess issued.
+      EXPECT_LE(s.total.prefetches, 2U * (w.geometry.layers() - 1) + 2U) << "the first pass's and one request";
       EXPECT_LE(s.total.misses, p.shadow_misses + 1 + s.total.prefetches) << "unguarded: " << unguarded_misses;
     }
   }
+}
+
+// The stall guard forgets: a cold predictor's bad stretch closes it, and once that stretch has
+// left its window (16 passes here) it reopens for a predictor that now helps. (Over all the misses so far it would
+// stay closed: paused, an LRU runtime misses in step with its shadow.)
+TEST(RuntimePrefetcher, TheStallGuardReopensOnceABadStretchLeavesItsWindow) {
+  // Names experts 6 and 7 while wrong, then the expert the previous layer routed (every layer of
+  // a pass routes the same one below).
+  class switching_predictor final : public expert_predictor {
+   public:
+    bool wrong = true;
+    [[nodiscard]] std::string name() const override { return "switching"; }
+    [[nodiscard]] std::uint32_t layers() const noexcept override { return 4; }
+    [[nodiscard]] std::uint32_t experts_per_layer() const noexcept override { return 8; }
+    void reset() override {}
+    void begin_pass() override {}
+    void observe(std::uint32_t, std::span<const expert_index> experts) override { last_ = experts.front(); }
+    void predict(std::uint32_t, std::span<float> probability) const override {
+      std::ranges::fill(probability, 0.0F);
+      if (wrong) {
+        probability[6] = probability[7] = 1.0F;
+      } else {
+        probability[last_] = 1.0F;
+      }
+    }
+
+   private:
+    std::uint32_t last_ = 0;
+  };
+  runtime_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(),
+             {.max_prefetch_in_flight = 2, .demand_reserve = 0}, &prefetch);
+  auto owned = std::make_unique<switching_predictor>();
+  switching_predictor& predictor = *owned;
+  runtime_prefetcher pf(rt, std::move(owned),
+                        {.max_overhead = std::numeric_limits<double>::infinity(), .stall_passes = 16});
+  const auto run = [&](int pass) {
+    // The first 5 passes route expert 0 everywhere (LRU holds it all); then pass p routes p mod 8,
+    // which LRU demand loading misses at every layer and the echo prefetches from layer 1 on.
+    const std::uint32_t routed[] = {pass < 5 ? 0U : static_cast<std::uint32_t>(pass % 8)};
+    for (std::uint32_t layer = 0; layer < w.geometry.layers(); ++layer) {
+      auto lease = rt.acquire(layer, routed);
+      pf.on_routed(layer, routed);
+      w.check_on_compute(rt, layer, routed);
+      lease.release();
+      w.compute.synchronize();
+      prefetch.synchronize();
+      rt.poll();
+    }
+  };
+  for (int pass = 0; pass < 5; ++pass) run(pass);
+  ASSERT_GT(pf.statistics().stall_paused, 0U) << "the wrong guesses closed it";
+  predictor.wrong = false;
+  const auto before = rt.statistics().total;
+  const std::uint64_t shadow_before = pf.statistics().shadow_misses;
+  for (int pass = 5; pass < 65; ++pass) run(pass);
+  const auto after = rt.statistics().total;
+  const std::uint64_t shadow = pf.statistics().shadow_misses - shadow_before;
+  EXPECT_EQ(shadow, 60U * w.geometry.layers()) << "LRU demand loading misses every layer";
+  EXPECT_GT(after.prefetch_used - before.prefetch_used, 100U) << "it reopened";
+  EXPECT_LT(after.misses - before.misses, shadow / 2) << "and the echo saved most of the misses";
+  EXPECT_EQ(w.mismatches.load(), 0U);
 }
 
 // The guard's shadow is plain LRU demand loading of the routing at the runtime's capacity: its
@@ -385,10 +448,9 @@ TEST(RuntimePrefetcher, NoDuelForAPolicyThatCannotSwitch) {
   runtime_world w;
   host_stream prefetch("prefetch");
   runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {}, &prefetch);
-  runtime_prefetcher pf(rt, silent_predictor(),
-                        {.threshold = 0.5F,
-                         .max_overhead = std::numeric_limits<double>::infinity(),
-                         .max_stall_overhead = std::numeric_limits<double>::infinity()});
+  runtime_prefetcher pf(
+      rt, silent_predictor(),
+      {.threshold = 0.5F, .max_overhead = std::numeric_limits<double>::infinity(), .stall_passes = 0});
   std::mt19937_64 rng(2);
   for (int pass = 0; pass < 10; ++pass) {
     for (std::uint32_t layer = 0; layer < w.geometry.layers(); ++layer) {
@@ -414,13 +476,13 @@ TEST(RuntimePrefetcher, RefusesBadInput) {
   EXPECT_THROW(runtime_prefetcher(rt, make(), {.per_layer = 9}), invalid_argument);
   EXPECT_THROW(runtime_prefetcher(rt, make(), {.max_overhead = -1.0}), invalid_argument);
   try {
-    runtime_prefetcher(rt, make(), {.max_stall_overhead = std::numeric_limits<double>::quiet_NaN()});
-    FAIL() << "a stall share of NaN accepted";
+    runtime_prefetcher(rt, make(), {.stall_margin = std::numeric_limits<double>::quiet_NaN()});
+    FAIL() << "a stall margin of NaN accepted";
   } catch (const invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("max_stall_overhead nan out of range [0, inf]"), std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find("stall_margin nan out of range [0, inf)"), std::string::npos) << e.what();
   }
   EXPECT_THROW(runtime_prefetcher(rt, make(), {.duel_passes = eviction_duel::max_passes + 1}), invalid_argument);
+  EXPECT_THROW(runtime_prefetcher(rt, make(), {.stall_passes = eviction_duel::max_passes + 1}), invalid_argument);
   // A predictor of another model is refused at construction, not at the first layer it lacks.
   for (const auto& [layers, experts] : {std::pair{5U, 8U}, std::pair{3U, 8U}, std::pair{4U, 16U}}) {
     try {

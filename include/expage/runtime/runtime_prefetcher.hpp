@@ -21,16 +21,18 @@
 ///   experts a prefetch evicted (the refaults), as the simulator's guard does
 ///   (within_prefetch_overhead(), sim/pager_sim.hpp). After a resize the shadow starts again at
 ///   the new capacity, empty (its misses so far kept).
-/// - **a stall guard** (runtime_prefetch_options::max_stall_overhead): while the runtime's demand
-///   misses since this prefetcher began exceed (1 + share) × those of the same LRU shadow plus
-///   one (share 0 by default), it requests nothing: the byte guard's rule
-///   (within_prefetch_overhead()) over demand misses alone. A demand miss is the runtime's stall
-///   (the compute stream waits on its load; a prefetch uses idle link time), so this is the
-///   simulator's stall guard (sim_options::stall_guard, docs/prefetch.md guard 5) with demand
-///   misses for its modelled stall. The byte guard alone lets a prefetcher spend its whole share on refaults:
-///   with LRU at a capacity of one pass's experts, every prefetch evicts an expert of the pass
-///   under way (on the Mixtral trace at 64 slots, co-activation moved 1.05× LRU's loads, as
-///   allowed, with 4.3% more demand misses, and waited 3.7% longer on an H200).
+/// - **a stall guard** (runtime_prefetch_options::stall_passes, stall_margin): while the
+///   runtime's demand misses over the last `stall_passes` forward passes and the current one
+///   exceed those of the same LRU shadow by more than `stall_margin`, it requests nothing. A
+///   demand miss is the runtime's stall (the compute stream waits on its load; a prefetch uses
+///   idle link time), so this is the simulator's stall guard (sim_options::stall_guard,
+///   docs/prefetch.md guard 5) with demand misses for its modelled stall, over a window: paused,
+///   an LRU runtime misses in step with its shadow, so a guard over all the misses so far would
+///   never reopen after one bad stretch (a cold predictor's, say), where the window forgets it.
+///   The byte guard alone lets a prefetcher spend its whole share on refaults: with LRU at a
+///   capacity of one pass's experts, every prefetch evicts an expert of the pass under way (on
+///   the Mixtral trace at 64 slots co-activation moved 1.05× LRU's loads, as allowed, with 4.3%
+///   more demand misses).
 ///
 /// - **an eviction duel** (runtime_prefetch_options::duel_passes), for a runtime whose policy is
 ///   a duel_policy (next_turn_policy wrapped, say): beside the LRU shadow it keeps a key-only
@@ -126,11 +128,15 @@ struct runtime_prefetch_options {
   std::uint32_t per_layer = 0;  ///< At most this many per target layer; 0: the geometry's top-k.
   /// The byte guard: request nothing while the runtime's loads (demand loads + prefetches)
   /// exceed (1 + this) × those of a key-only LRU shadow cache of the same capacity, plus one
-  /// expert. +∞ turns it off (and the shadow with it). [0, +∞].
+  /// expert. +∞ turns it off (and the shadow with it, when the stall guard is off too). [0, +∞].
   double max_overhead = 0.05;
-  /// The stall guard: request nothing while the runtime's demand misses exceed (1 + this) × those
-  /// of the same LRU shadow, plus one. +∞ turns it off. [0, +∞].
-  double max_stall_overhead = 0.0;
+  /// The stall guard's window in forward passes: request nothing while over the last this many
+  /// passes and the current one the runtime's demand misses exceed the LRU shadow's by more than
+  /// `stall_margin`; 0 turns it off. [0, eviction_duel::max_passes].
+  std::uint32_t stall_passes = 64;
+  /// The demand misses the runtime may exceed the LRU shadow's by over the stall guard's window.
+  /// [0, +∞).
+  double stall_margin = 1.0;
   /// The eviction duel's window in forward passes, for a runtime whose policy is a duel_policy
   /// (ignored for other policies); 0 turns it off. [0, eviction_duel::max_passes].
   std::uint32_t duel_passes = 16;
@@ -141,13 +147,16 @@ struct runtime_prefetch_options {
 
 /// @brief What a runtime_prefetcher did.
 struct runtime_prefetch_statistics {
-  std::uint64_t passes = 0;         ///< Forward passes seen (a layer before the previous one starts one).
-  std::uint64_t layers = 0;         ///< on_routed() calls.
-  std::uint64_t requested = 0;      ///< Experts requested through prefetch() (the runtime ignores resident ones).
-  std::uint64_t paused = 0;         ///< on_routed() calls that requested nothing because of a guard.
-  std::uint64_t stall_paused = 0;   ///< Of those, the calls the byte guard allowed and the stall guard did not.
-  std::uint64_t cancelled = 0;      ///< Stale requests cancelled before the runtime issued them.
-  std::uint64_t shadow_misses = 0;  ///< What the LRU shadow loaded on demand (0 with no guard and no duel).
+  std::uint64_t passes = 0;        ///< Forward passes seen (a layer before the previous one starts one).
+  std::uint64_t layers = 0;        ///< on_routed() calls.
+  std::uint64_t requested = 0;     ///< Experts requested through prefetch() (the runtime ignores resident ones).
+  std::uint64_t paused = 0;        ///< on_routed() calls that requested nothing because of a guard.
+  std::uint64_t stall_paused = 0;  ///< Of those, the calls the byte guard allowed and the stall guard did not.
+  /// The stall guard's window: the runtime's demand misses less the LRU shadow's over the last
+  /// stall_passes passes and the current one (0 with the guard off).
+  std::int64_t stall_difference = 0;
+  std::uint64_t cancelled = 0;             ///< Stale requests cancelled before the runtime issued them.
+  std::uint64_t shadow_misses = 0;         ///< What the LRU shadow loaded on demand (0 with no guard and no duel).
   std::uint64_t policy_shadow_misses = 0;  ///< What the duel's shadow of the runtime's policy loaded (0: no duel).
   std::uint64_t duel_switches = 0;         ///< Changes of the runtime's eviction order by the duel.
   std::uint64_t lru_layers = 0;            ///< on_routed() calls after which LRU ranked the victims.
@@ -158,10 +167,10 @@ struct runtime_prefetch_statistics {
   /// Writes every counter as one JSON object.
   void write_json(std::ostream& out) const {
     out << fmt::format(
-        R"({{"passes":{},"layers":{},"requested":{},"paused":{},"stall_paused":{},"cancelled":{},"shadow_misses":{},)"
-        R"("policy_shadow_misses":{},"duel_switches":{},"lru_layers":{},"duel_difference":{}}})",
-        passes, layers, requested, paused, stall_paused, cancelled, shadow_misses, policy_shadow_misses, duel_switches,
-        lru_layers, duel_difference);
+        R"({{"passes":{},"layers":{},"requested":{},"paused":{},"stall_paused":{},"stall_difference":{},"cancelled":{},)"
+        R"("shadow_misses":{},"policy_shadow_misses":{},"duel_switches":{},"lru_layers":{},"duel_difference":{}}})",
+        passes, layers, requested, paused, stall_paused, stall_difference, cancelled, shadow_misses,
+        policy_shadow_misses, duel_switches, lru_layers, duel_difference);
   }
 };
 
@@ -188,10 +197,6 @@ class runtime_prefetcher {
       throw invalid_argument(
           fmt::format("runtime_prefetcher: max_overhead {} out of range [0, inf]", options.max_overhead));
     }
-    if (!(options.max_stall_overhead >= 0.0)) {
-      throw invalid_argument(
-          fmt::format("runtime_prefetcher: max_stall_overhead {} out of range [0, inf]", options.max_stall_overhead));
-    }
     const auto& g = runtime_.geometry();
     if (predictor_->layers() != g.layers() || predictor_->experts_per_layer() != g.experts_per_layer()) {
       throw invalid_argument(fmt::format(
@@ -209,8 +214,12 @@ class runtime_prefetcher {
     routed_.assign(g.experts_per_layer(), 0);
     const auto t = runtime_.totals();
     loads_before_ = t.misses + t.prefetches;
-    misses_before_ = t.misses;
+    misses_seen_ = t.misses;
     eviction_duel::check(options.duel_passes, options.duel_margin, "runtime_prefetcher", "duel_");
+    eviction_duel::check(options.stall_passes, options.stall_margin, "runtime_prefetcher", "stall_");
+    // The stall guard's window of two miss series (the runtime's, the LRU shadow's) is the duel's
+    // window, whose side it never asks for: it pauses while the sum is above the margin.
+    if (options.stall_passes != 0) stall_.emplace(options.stall_passes, options.stall_margin);
     if constexpr (duels) {
       if (options.duel_passes != 0) {
         duel_.emplace(options.duel_passes, options.duel_margin);
@@ -274,8 +283,13 @@ class runtime_prefetcher {
       }
       const std::uint64_t lru_misses = lru_shadow_.access(runtime_.geometry(), capacity, layer, experts);
       stats_.shadow_misses = lru_shadow_.misses;
+      // The runtime's demand misses since the last call: this group's (one engine thread acquires).
+      const std::uint64_t misses = runtime_.totals().misses;
+      const std::uint64_t runtime_misses = misses - std::exchange(misses_seen_, misses);
+      step_windows(new_pass, layer + 1 == g.layers(), policy_misses, lru_misses, runtime_misses);
+      if (stall_) stats_.stall_difference = stall_->difference();
       if constexpr (duels) {
-        if (duel_) duel_step(new_pass, layer + 1 == g.layers(), policy_misses, lru_misses);
+        if (duel_) duel_decide();
       }
     }
     stats_.cancelled += runtime_.cancel_prefetches();
@@ -309,41 +323,47 @@ class runtime_prefetcher {
   static constexpr bool duels = lru_switchable_policy<typename Runtime::policy_type>;
 
   // Whether a guard needs the LRU shadow (as the simulator's: either guard runs it).
-  [[nodiscard]] bool guarded() const noexcept {
-    return !std::isinf(options_.max_overhead) || !std::isinf(options_.max_stall_overhead);
-  }
+  [[nodiscard]] bool guarded() const noexcept { return !std::isinf(options_.max_overhead) || stall_.has_value(); }
 
   enum class guard : std::uint8_t { none, bytes, stall };  // which guard pauses the requests
   [[nodiscard]] guard within_guards() const {
-    if (!guarded()) return guard::none;
-    // In experts (demand loads and prefetches load the demand tier's versions, all one size),
-    // since this prefetcher began, as the shadow's misses are.
-    const auto t = runtime_.totals();
-    const auto shadow = static_cast<double>(stats_.shadow_misses);
-    if (!within_prefetch_overhead(static_cast<double>(t.misses + t.prefetches - loads_before_), shadow,
-                                  options_.max_overhead)) {
-      return guard::bytes;
+    if (!std::isinf(options_.max_overhead)) {
+      // In experts (demand loads and prefetches load the demand tier's versions, all one size),
+      // since this prefetcher began, as the shadow's misses are.
+      const auto t = runtime_.totals();
+      if (!within_prefetch_overhead(static_cast<double>(t.misses + t.prefetches - loads_before_),
+                                    static_cast<double>(stats_.shadow_misses), options_.max_overhead)) {
+        return guard::bytes;
+      }
     }
-    return within_prefetch_overhead(static_cast<double>(t.misses - misses_before_), shadow, options_.max_stall_overhead)
-               ? guard::none
-               : guard::stall;
+    return stall_ && static_cast<double>(stall_->difference()) > options_.stall_margin ? guard::stall : guard::none;
   }
 
-  // The duel hears this group's misses of both shadows and hands the runtime's victims to the
-  // side that leads (eviction_duel; the simulator's duel_step()). As in the simulator, a pass's
-  // first evictions are ranked after the window has dropped its oldest pass: that happens when
-  // the previous pass ends (its last layer), or at the start of a pass that did not end so. A
-  // further part of a last layer split to fit comes after that: its misses go to the pass that
-  // ended, and the window is not moved again (one pass, one slot, however its groups are split).
-  void duel_step(bool new_pass, bool pass_ends, std::uint64_t policy_misses, std::uint64_t lru_misses) {
-    if (pass_begun_ && !new_pass) {
-      duel_->add_to_previous(policy_misses, lru_misses);
-    } else {
-      if (new_pass && !pass_begun_) duel_->begin_pass();
-      duel_->add(policy_misses, lru_misses);
-      pass_begun_ = pass_ends;
-      if (pass_ends) duel_->begin_pass();
-    }
+  // The windows of the duel (its two shadows' misses) and of the stall guard (the runtime's and
+  // the LRU shadow's) hear this group's misses. As in the simulator's duel_step(), a pass's first
+  // evictions are ranked after the window has dropped its oldest pass: that happens when the
+  // previous pass ends (its last layer), or at the start of a pass that did not end so. A further
+  // part of a last layer split to fit comes after that: its misses go to the pass that ended, and
+  // the window is not moved again (one pass, one slot, however its groups are split).
+  void step_windows(bool new_pass, bool pass_ends, std::uint64_t policy_misses, std::uint64_t lru_misses,
+                    std::uint64_t runtime_misses) {
+    const bool to_previous = pass_begun_ && !new_pass;
+    const auto step = [&](eviction_duel& window, std::uint64_t a, std::uint64_t b) {
+      if (to_previous) {
+        window.add_to_previous(a, b);
+        return;
+      }
+      if (new_pass && !pass_begun_) window.begin_pass();
+      window.add(a, b);
+      if (pass_ends) window.begin_pass();
+    };
+    if (duel_) step(*duel_, policy_misses, lru_misses);
+    if (stall_) step(*stall_, runtime_misses, lru_misses);
+    if (!to_previous) pass_begun_ = pass_ends;
+  }
+
+  // The duel hands the runtime's victims to the side that leads (eviction_duel).
+  void duel_decide() {
     stats_.duel_difference = duel_->difference();
     const bool was = duel_->lru_leads();
     const bool lru = duel_->decide();
@@ -363,13 +383,14 @@ class runtime_prefetcher {
   std::vector<float> probability_;
   std::vector<std::uint8_t> routed_;  // on_routed()'s duplicate check, all 0 between calls
   std::uint64_t loads_before_ = 0;    // the runtime's loads (misses + prefetches) when this began
-  std::uint64_t misses_before_ = 0;   // its demand misses then
+  std::uint64_t misses_seen_ = 0;     // the runtime's demand misses at the last on_routed()
   std::vector<std::pair<float, expert_index>> ranked_;
   std::vector<std::uint32_t> request_;
   detail::shadow_cache<lru_policy> lru_shadow_;  // the byte guard's and the duel's
   detail::shadow_cache<detail::duel_inner_t<typename Runtime::policy_type>> policy_shadow_;  // the duel's
   std::optional<eviction_duel> duel_;
-  bool pass_begun_ = false;  // the duel's window already started the next pass (the last one ended)
+  std::optional<eviction_duel> stall_;  // the stall guard's window: the runtime's misses against the LRU shadow's
+  bool pass_begun_ = false;             // the windows already started the next pass (the last one ended)
 };
 
 }  // namespace expage
