@@ -31,10 +31,9 @@ namespace expage {
 /// victim() reads the newcomer's key from @p ctx (`layer`, `expert`), as slot_cache passes it,
 /// to apply the adaptation the newcomer's ghost hit will make before choosing (the paper adapts
 /// p, then replaces); it moves no key, and on_insert() applies the adaptation. A caller that
-/// names no newcomer passes an expert out of range (expert_runtime's victim search passes the
-/// layer being executed and experts_per_layer): the choice then uses p as it is. One that leaves
-/// the context's defaults names expert 0 of layer 0: when that key is a ghost the choice
-/// anticipates its adaptation, which is at most one step of p off the paper's.
+/// names no newcomer leaves the expert at 0 (expert_runtime's victim search passes the layer
+/// being executed and expert 0): when that key is a ghost the choice anticipates its adaptation,
+/// which is at most one step of p off the paper's.
 ///
 /// Pins: REPLACE takes the least recent *unpinned* key of the list it chooses, or of the other
 /// list when every key of the chosen one is pinned; pinned keys keep their place. A key evicted

@@ -1564,10 +1564,9 @@ class expert_runtime {
     while (candidates > 0) {
       // Ranked from the layer being executed (next_turn_policy's and layer_decay_policy's turn
       // distances count from it), as slot_cache ranks a group's victims from the group's layer.
-      // The newcomer is not named (an expert out of range: arc_policy then anticipates no ghost hit).
+      // No newcomer is named: the expert is left at 0 (arc_policy's comment says what that costs).
       const std::uint32_t v =
-          T.policy.victim(pin_view{blocked_.data()},
-                          access_context{.time = clock_, .layer = layer_now_, .expert = geometry_.experts_per_layer()});
+          T.policy.victim(pin_view{blocked_.data()}, access_context{.time = clock_, .layer = layer_now_});
       EXPAGE_ASSERT(T.versions[v].slot >= 0 && blocked_[v] == 0, "expert_runtime: the policy chose a blocked victim");
       // Evicting an active version changes the expert's record (to nothing, or to its other
       // version): not while an open window of the handle table pins the expert.

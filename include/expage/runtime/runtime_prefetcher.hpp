@@ -128,7 +128,8 @@ struct runtime_prefetch_options {
   std::uint32_t per_layer = 0;  ///< At most this many per target layer; 0: the geometry's top-k.
   /// The byte guard: request nothing while the runtime's loads (demand loads + prefetches)
   /// exceed (1 + this) × those of a key-only LRU shadow cache of the same capacity, plus one
-  /// expert. +∞ turns it off (and the shadow with it, when the stall guard is off too). [0, +∞].
+  /// expert. +∞ turns it off (and the shadow with it, when the stall guard is off too and no duel
+  /// runs). [0, +∞].
   double max_overhead = 0.05;
   /// The stall guard's window in forward passes: request nothing while over the last this many
   /// passes and the current one the runtime's demand misses exceed the LRU shadow's by more than
@@ -386,7 +387,7 @@ class runtime_prefetcher {
   std::uint64_t misses_seen_ = 0;     // the runtime's demand misses at the last on_routed()
   std::vector<std::pair<float, expert_index>> ranked_;
   std::vector<std::uint32_t> request_;
-  detail::shadow_cache<lru_policy> lru_shadow_;  // the byte guard's and the duel's
+  detail::shadow_cache<lru_policy> lru_shadow_;  // the guards' and the duel's
   detail::shadow_cache<detail::duel_inner_t<typename Runtime::policy_type>> policy_shadow_;  // the duel's
   std::optional<eviction_duel> duel_;
   std::optional<eviction_duel> stall_;  // the stall guard's window: the runtime's misses against the LRU shadow's
