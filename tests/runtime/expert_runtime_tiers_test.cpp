@@ -699,8 +699,6 @@ TEST(ExpertRuntimeTiers, ASwitchIntoTheDemandTierNeverCrowdsOutTheGroup) {
   EXPECT_EQ(w.check_tiers(rt), "");
 }
 
-// update_targets() for plans that list only what changed: queued requests it does not list stay,
-// a listed expert's new goal replaces its queued one.
 // The demand reserve counts only slots a demand miss could take without waiting (found by
 // review): an active lo version whose hi promotion is still loading is not one (its eviction
 // would wait for the switch). Lo: expert A with its promotion in flight, C pinned, 2 free of 4;
@@ -800,6 +798,8 @@ TEST(ExpertRuntimeTiers, ADroppedBackgroundVersionCountsAsAnEviction) {
   EXPECT_EQ(w.check_tiers(rt), "");
 }
 
+// update_targets() for plans that list only what changed: queued requests it does not list stay,
+// a listed expert's new goal replaces its queued one.
 TEST(ExpertRuntimeTiers, UpdateTargetsKeepsTheQueuedRequestsItDoesNotList) {
   tiered_world w;  // 2 hi and 4 lo versions
   host_stream prefetch("prefetch");

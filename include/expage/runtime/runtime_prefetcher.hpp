@@ -270,6 +270,8 @@ class runtime_prefetcher {
     if (new_pass) ++stats_.passes;
     last_layer_ = layer;
     ++stats_.layers;
+    // The guards' one read of the runtime's counters in this call (it locks and sums the layers).
+    const auto totals = guarded() ? runtime_.totals() : decltype(runtime_.totals()){};
     if (guarded() || duel_) {
       // Both shadows at the one capacity read here (a resize from another thread between two
       // reads would restart them a group apart); the policy's first, so that a failure leaves
@@ -285,8 +287,7 @@ class runtime_prefetcher {
       const std::uint64_t lru_misses = lru_shadow_.access(runtime_.geometry(), capacity, layer, experts);
       stats_.shadow_misses = lru_shadow_.misses;
       // The runtime's demand misses since the last call: this group's (one engine thread acquires).
-      const std::uint64_t misses = runtime_.totals().misses;
-      const std::uint64_t runtime_misses = misses - std::exchange(misses_seen_, misses);
+      const std::uint64_t runtime_misses = totals.misses - std::exchange(misses_seen_, totals.misses);
       step_windows(new_pass, layer + 1 == g.layers(), policy_misses, lru_misses, runtime_misses);
       if (stall_) stats_.stall_difference = stall_->difference();
       if constexpr (duels) {
@@ -295,7 +296,7 @@ class runtime_prefetcher {
     }
     stats_.cancelled += runtime_.cancel_prefetches();
     if (layer + 1 >= g.layers()) return;  // the pass ends here
-    if (const guard verdict = within_guards(); verdict != guard::none) {
+    if (const guard verdict = within_guards(totals); verdict != guard::none) {
       ++stats_.paused;
       if (verdict == guard::stall) ++stats_.stall_paused;
       return;
@@ -327,11 +328,12 @@ class runtime_prefetcher {
   [[nodiscard]] bool guarded() const noexcept { return !std::isinf(options_.max_overhead) || stall_.has_value(); }
 
   enum class guard : std::uint8_t { none, bytes, stall };  // which guard pauses the requests
-  [[nodiscard]] guard within_guards() const {
+  // @p t: the runtime's totals, read in this call.
+  template <class Totals>
+  [[nodiscard]] guard within_guards(const Totals& t) const {
     if (!std::isinf(options_.max_overhead)) {
       // In experts (demand loads and prefetches load the demand tier's versions, all one size),
       // since this prefetcher began, as the shadow's misses are.
-      const auto t = runtime_.totals();
       if (!within_prefetch_overhead(static_cast<double>(t.misses + t.prefetches - loads_before_),
                                     static_cast<double>(stats_.shadow_misses), options_.max_overhead)) {
         return guard::bytes;
