@@ -7,8 +7,10 @@
 //       lets release() record the compute stream's event itself (a host_stream record).
 //   BM_Runtime_AcquireRelease_AllHit_Prefetcher  vs  BM_Runtime_AcquireRelease_AllHit
 //       the same, with a runtime_prefetcher (co-activation) told each layer's routing: what
-//       prediction, the stale-request cancel and the byte guard add per layer (every expert is
+//       prediction, the stale-request cancel and the guards add per layer (every expert is
 //       resident, so no load is issued).
+//   BM_Runtime_AcquireRelease_AllHit_Prefetcher  vs  BM_Runtime_AcquireRelease_AllHit_PrefetcherNoStallGuard
+//       what the stall guard's window (runtime_prefetch_options::stall_passes) adds per layer.
 //   BM_Runtime_AcquireRelease_AllHit_PrefetcherDuel  vs  BM_Runtime_AcquireRelease_AllHit_Prefetcher
 //       the same with next-turn inside a duel_policy: what the duel (a second key-only shadow,
 //       next-turn's, and the duel's step) adds per layer.
@@ -126,7 +128,7 @@ void BM_Baseline_SlotCache_AllHit(benchmark::State& state) {
 }
 BENCHMARK(BM_Baseline_SlotCache_AllHit);
 
-template <bool RecordEvent, bool Prefetcher = false, class Runtime = runtime>
+template <bool RecordEvent, bool Prefetcher = false, class Runtime = runtime, bool StallGuard = true>
 void BM_Runtime_AcquireRelease_AllHit(benchmark::State& state) {
   const auto g = mixtral_routing();
   expage::host_vmm vmm({.granularity = 4_KiB});
@@ -140,7 +142,9 @@ void BM_Runtime_AcquireRelease_AllHit(benchmark::State& state) {
         return budget.root();
       }(),
       vmm, copy, compute, source, {.capacity = 256}, Prefetcher ? &prefetch : nullptr);
-  expage::runtime_prefetcher<Runtime> pf(rt, expage::make_predictor("coactivation", g.layers(), 8, 2));
+  expage::runtime_prefetcher<Runtime> pf(
+      rt, expage::make_predictor("coactivation", g.layers(), 8, 2),
+      StallGuard ? expage::runtime_prefetch_options{} : expage::runtime_prefetch_options{.stall_passes = 0});
   const std::uint32_t all[] = {0, 1, 2, 3, 4, 5, 6, 7};
   for (std::uint32_t l = 0; l < g.layers(); ++l) rt.acquire(l, all).release();
   compute.synchronize();
@@ -168,6 +172,8 @@ void BM_Runtime_AcquireRelease_AllHit(benchmark::State& state) {
 BENCHMARK(BM_Runtime_AcquireRelease_AllHit<false>)->Name("BM_Runtime_AcquireRelease_AllHit");
 BENCHMARK(BM_Runtime_AcquireRelease_AllHit<true>)->Name("BM_Runtime_AcquireRelease_AllHit_RecordEvent");
 BENCHMARK(BM_Runtime_AcquireRelease_AllHit<false, true>)->Name("BM_Runtime_AcquireRelease_AllHit_Prefetcher");
+BENCHMARK(BM_Runtime_AcquireRelease_AllHit<false, true, runtime, false>)
+    ->Name("BM_Runtime_AcquireRelease_AllHit_PrefetcherNoStallGuard");
 BENCHMARK(BM_Runtime_AcquireRelease_AllHit<false, true, duel_runtime>)
     ->Name("BM_Runtime_AcquireRelease_AllHit_PrefetcherDuel");
 
