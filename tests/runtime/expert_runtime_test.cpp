@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -859,6 +860,15 @@ TEST(ExpertRuntime, PrefetchLoadsOnItsOwnStreamAndNeverDelaysADemandLoad) {
   auto opened = gate.get_future().share();
   prefetch.enqueue([opened] { opened.wait(); });
   const std::uint32_t ahead[] = {6, 7};
+  // A NaN priority has no place in the queue's order: refused, nothing queued or issued.
+  try {
+    rt.prefetch(3, ahead, std::numeric_limits<float>::quiet_NaN());
+    ADD_FAILURE() << "a NaN priority was accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("priority nan out of range"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(rt.statistics().total.prefetches, 0U);
+  EXPECT_EQ(rt.statistics().prefetch_queued, 0U);
   rt.prefetch(3, ahead, 1.0F);
   EXPECT_EQ(rt.statistics().total.prefetches, 1U) << "one in flight at most";
   EXPECT_EQ(rt.statistics().prefetch_queued, 1U);

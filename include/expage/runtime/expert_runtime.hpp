@@ -29,6 +29,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -531,11 +532,15 @@ class expert_runtime {
   /// on the prefetch stream when they can without delaying demand work: at most
   /// max_prefetch_in_flight background loads at once, into a free slot or in place of an
   /// unpinned resident version whose last kernel has completed (never waiting for one). Higher
-  /// @p priority is issued first. Requests for experts that are resident or queued already are ignored.
-  /// @throws expage::invalid_argument for a layer or expert out of range, or when the runtime
-  /// has no prefetch stream.
+  /// @p priority is issued first (any number, ±∞ included; NaN has no order and is refused).
+  /// Requests for experts that are resident or queued already are ignored.
+  /// @throws expage::invalid_argument for a layer or expert out of range, a NaN priority, or when
+  /// the runtime has no prefetch stream (nothing changes).
   void prefetch(std::uint32_t layer, std::span<const std::uint32_t> experts, float priority = 0.0F) {
     if (prefetch_ == nullptr) throw invalid_argument("expert_runtime::prefetch: the runtime has no prefetch stream");
+    if (std::isnan(priority)) {
+      throw invalid_argument("expert_runtime::prefetch: priority nan out of range [-inf, +inf] (NaN has no order)");
+    }
     const locked lock(*this);
     check_layer(layer, "prefetch");
     for (const std::uint32_t e : experts) check_expert(layer, e, "prefetch");
@@ -2022,6 +2027,8 @@ class expert_runtime {
 
   // A node-based policy may throw bad_alloc on insert; the runtime's state is committed by then,
   // so the version stays resident but unranked until its next hit re-ranks it (counted nowhere).
+  // A checked build (EXPAGE_ENABLE_ASSERTIONS) stops there instead, so that tests see a policy
+  // that throws; release builds carry on as described.
   // A prefetched version goes to the policy's on_prefetch() where it has one (no use counted:
   // guesses do not raise the rates they are judged by, as in the simulator).
   void policy_on_insert(std::size_t t, std::uint32_t f, const access_context& ctx, bool prefetched = false) noexcept {

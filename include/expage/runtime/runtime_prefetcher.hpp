@@ -139,7 +139,7 @@ struct runtime_prefetch_options {
   /// [0, +∞).
   double stall_margin = 1.0;
   /// The eviction duel's window in forward passes, for a runtime whose policy is a duel_policy
-  /// (ignored for other policies); 0 turns it off. [0, eviction_duel::max_passes].
+  /// (checked, but unused, for other policies); 0 turns it off. [0, eviction_duel::max_passes].
   std::uint32_t duel_passes = 16;
   /// The misses LRU's shadow must lead by to take the eviction order, and may trail by while it
   /// keeps it (eviction_duel's margin). [0, +∞).
