@@ -7,31 +7,6 @@
 
 namespace expage {
 
-runtime_layer_statistics& runtime_layer_statistics::operator+=(const runtime_layer_statistics& o) noexcept {
-  acquires += o.acquires;
-  hits += o.hits;
-  misses += o.misses;
-  bytes_loaded += o.bytes_loaded;
-  evictions += o.evictions;
-  prefetches += o.prefetches;
-  prefetch_bytes += o.prefetch_bytes;
-  prefetch_used += o.prefetch_used;
-  prefetch_used_bytes += o.prefetch_used_bytes;
-  prefetch_wasted += o.prefetch_wasted;
-  prefetch_wasted_bytes += o.prefetch_wasted_bytes;
-  load_waits += o.load_waits;
-  load_wait_ns += o.load_wait_ns;
-  fence_waits += o.fence_waits;
-  fence_wait_ns += o.fence_wait_ns;
-  lo_served += o.lo_served;
-  promotions += o.promotions;
-  promotion_bytes += o.promotion_bytes;
-  demotions += o.demotions;
-  demotion_bytes += o.demotion_bytes;
-  switches += o.switches;
-  return *this;
-}
-
 namespace {
 
 void write_layer(std::ostream& out, const runtime_layer_statistics& s) {

@@ -390,6 +390,7 @@ TEST(ExpertRuntimeTiers, PromotionRunsInTheBackgroundAndSwitchesWhenComplete) {
   w.compute.synchronize();
   EXPECT_EQ(w.check_tiers(rt), "");
   const auto s = rt.statistics();
+  EXPECT_TRUE(rt.totals() == s.total) << "totals() sums both tiers as the snapshot does";
   EXPECT_EQ(s.total.switches, 1U);
   EXPECT_EQ(s.tiers[1].resident, 0U) << "the lo version is freed after the switch";
   EXPECT_EQ(s.total.lo_served, 4U);

@@ -159,8 +159,34 @@ struct runtime_layer_statistics {
   std::uint64_t demotion_bytes = 0;   ///< Their bytes.
   std::uint64_t switches = 0;         ///< Records switched to the other tier's version (publish-then-switch).
 
-  /// Adds @p o's counters.
-  runtime_layer_statistics& operator+=(const runtime_layer_statistics& o) noexcept;
+  /// Adds @p o's counters (inline: expert_runtime::totals() sums one per layer and tier, once per
+  /// layer served when a runtime_prefetcher guards its requests).
+  runtime_layer_statistics& operator+=(const runtime_layer_statistics& o) noexcept {
+    acquires += o.acquires;
+    hits += o.hits;
+    misses += o.misses;
+    bytes_loaded += o.bytes_loaded;
+    evictions += o.evictions;
+    prefetches += o.prefetches;
+    prefetch_bytes += o.prefetch_bytes;
+    prefetch_used += o.prefetch_used;
+    prefetch_used_bytes += o.prefetch_used_bytes;
+    prefetch_wasted += o.prefetch_wasted;
+    prefetch_wasted_bytes += o.prefetch_wasted_bytes;
+    load_waits += o.load_waits;
+    load_wait_ns += o.load_wait_ns;
+    fence_waits += o.fence_waits;
+    fence_wait_ns += o.fence_wait_ns;
+    lo_served += o.lo_served;
+    promotions += o.promotions;
+    promotion_bytes += o.promotion_bytes;
+    demotions += o.demotions;
+    demotion_bytes += o.demotion_bytes;
+    switches += o.switches;
+    return *this;
+  }
+  /// Every counter equal.
+  friend bool operator==(const runtime_layer_statistics&, const runtime_layer_statistics&) = default;
 };
 
 /// @brief The occupancy of one tier.
@@ -813,8 +839,12 @@ class expert_runtime {
   /// scans: cheap enough to read once per layer (runtime_prefetcher's guard does).
   [[nodiscard]] runtime_layer_statistics totals() const {
     const locked lock(*this);
+    // Σ over layers of layer_snapshot(l), summed flat: every (tier, layer), then the waits.
     runtime_layer_statistics t;
-    for (std::uint32_t l = 0; l < geometry_.layers(); ++l) t += layer_snapshot(l);
+    for (const runtime_layer_statistics& s : layer_stats_) t += s;
+    t.load_wait_ns = 0;
+    for (std::uint32_t l = 0; l < geometry_.layers(); ++l)
+      t.load_wait_ns += stall_ns_[l].load(std::memory_order_relaxed);
     return t;
   }
 
