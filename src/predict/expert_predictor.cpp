@@ -139,6 +139,14 @@ coactivation_predictor::coactivation_predictor(std::uint32_t layers, std::uint32
   if (!(decay > 0.0 && decay <= 1.0)) {
     throw invalid_argument(fmt::format("coactivation_predictor: decay {} out of range (0, 1]", decay));
   }
+  // The pair counts are dense: refused before they are allocated.
+  const std::uint64_t e = experts_per_layer;
+  if (const std::uint64_t cells = saturating_product({layers, window, e, e}); cells > max_dense_table_cells) {
+    throw invalid_argument(fmt::format(
+        "coactivation_predictor: {} layers × window {} × {}^2 experts = {} pair cells out of range [0, 2^28] (the "
+        "table is dense)",
+        layers, window, e, cells));
+  }
   reset();
 }
 

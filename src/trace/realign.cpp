@@ -85,13 +85,12 @@ struct cooccurrence {
 };
 
 // The co-occurrence tables are dense, layers · E² cells (a pool and a placement's two): refused
-// beyond 2^28 cells (1 GiB each), before anything is allocated, rather than sized by a metadata
-// line (a 4-line trace declaring 16,384 experts would ask for gigabytes).
-constexpr std::uint64_t max_table_cells = std::uint64_t{1} << 28;
+// beyond max_dense_table_cells (2^28, 1 GiB each), before anything is allocated, rather than sized
+// by a metadata line (a 4-line trace declaring 16,384 experts would ask for gigabytes).
 void check_table_size(const routing_trace& trace) {
   const std::uint64_t e = trace.experts_per_layer();
   const std::uint64_t cells = std::uint64_t{trace.layers()} * e * e;
-  if (cells > max_table_cells) {
+  if (cells > max_dense_table_cells) {
     throw invalid_argument(
         fmt::format("realign_trace: {} layers x {}^2 experts = {} co-occurrence cells out of range [0, 2^28] (the "
                     "tables are dense)",

@@ -290,6 +290,27 @@ TEST(NextTurnPolicy, RejectsABadDecay) {
   EXPECT_THROW(next_turn_policy(s, {.transition_decay = 1.01}), invalid_argument);
 }
 
+// The transition table is dense, scopes × E² doubles: a geometry that would make it larger than
+// max_dense_table_cells is refused before it is allocated (4096 layers × 4096 experts asked for
+// 512 GiB and died of bad_alloc in expage-replay); without transitions the policy needs none.
+TEST(NextTurnPolicy, RefusesATransitionTableBeyondTheDenseTableBound) {
+  const key_space wide{.layers = 4096, .experts_per_layer = 4096, .global = true};
+  try {
+    next_turn_policy p(wide);
+    ADD_FAILURE() << "a table of 2^36 transition cells was accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("4096 scopes × 4096^2 experts = 68719476736 transition cells out of range "
+                                         "[0, 2^28]"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_NO_THROW(next_turn_policy(wide, {.transitions = false}));
+  // Just above the bound: 17 scopes × 4096^2 = 2^28 + 2^24 cells (the bound itself is 2 GiB).
+  EXPECT_THROW(next_turn_policy({.layers = 17, .experts_per_layer = 4096, .global = true}), invalid_argument);
+  // One scope of the largest layer: 65536^2 = 2^32 cells.
+  EXPECT_THROW(next_turn_policy({.layers = 1, .experts_per_layer = 65536, .global = true}), invalid_argument);
+}
+
 // A layer that alternates between {0, 1} and {2, 3}: every expert has the
 // same selection rate, but after {0, 1} the transitions predict {2, 3}.
 TEST(NextTurnPolicy, LearnsTheLayersTransitions) {

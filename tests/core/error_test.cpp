@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -157,6 +158,19 @@ TEST(OutOfMemory, IsNotAnOutOfBudget) {
   } catch (const expage::out_of_memory& e) {
     EXPECT_STREQ(e.what(), "backend failed");
   }
+}
+
+// A table's size, saturated instead of wrapped, so that a bound check cannot be passed by overflow.
+TEST(SaturatingProduct, MultipliesOrSaturates) {
+  static_assert(expage::saturating_product({}) == 1);
+  static_assert(expage::saturating_product({3, 5, 7}) == 105);
+  static_assert(expage::saturating_product({0, UINT64_MAX, UINT64_MAX}) == 0);
+  static_assert(expage::saturating_product({UINT64_MAX, 0}) == 0);
+  static_assert(expage::saturating_product({std::uint64_t{1} << 32, std::uint64_t{1} << 31}) == std::uint64_t{1} << 63);
+  static_assert(expage::saturating_product({std::uint64_t{1} << 32, std::uint64_t{1} << 32}) == UINT64_MAX);
+  static_assert(expage::saturating_product({4294967295U, 4294967295U, 4294967295U}) == UINT64_MAX);
+  EXPECT_EQ(expage::saturating_product({65536, 4096, 4096}), std::uint64_t{1} << 40);
+  EXPECT_EQ(expage::saturating_product({UINT64_MAX, 2}), UINT64_MAX);
 }
 
 }  // namespace

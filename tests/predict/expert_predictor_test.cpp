@@ -638,6 +638,16 @@ TEST(Predictors, BaselinesAndFactory) {
   EXPECT_THROW(coactivation_predictor(2, 4, 2, 0), invalid_argument);
   EXPECT_THROW(coactivation_predictor(2, 4, 2, 2, 1.5), invalid_argument);
   EXPECT_THROW(coactivation_predictor(2, 4, 2, 2, 0.0), invalid_argument);
+  // The pair counts are dense (layers × window × E²): refused above max_dense_table_cells before
+  // anything is allocated.
+  try {
+    coactivation_predictor(48, 4096, 8);
+    ADD_FAILURE() << "a pair table of 48 × 4 × 4096^2 cells was accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("48 layers × window 4 × 4096^2 experts = 3221225472 pair cells out of range "
+                                    "[0, 2^28]"));
+  }
+  EXPECT_THROW(coactivation_predictor(5, 4096, 8, 4), invalid_argument);  // 2^28 + 2^26 cells
   for (const auto pooling : {coactivation_pooling::mean, coactivation_pooling::log_odds}) {
     EXPECT_EQ(parse_coactivation_pooling(to_string(pooling)), pooling);
   }

@@ -79,8 +79,9 @@ class next_turn_policy {
   /// A policy over the keys of @p space with the default options.
   explicit next_turn_policy(const key_space& space) : next_turn_policy(space, options{}) {}
   /// A policy over the keys of @p space.
-  /// @throws expage::invalid_argument when a decay is not in (0, 1] or the
-  /// prior is not positive and finite.
+  /// @throws expage::invalid_argument when a decay is not in (0, 1], the
+  /// prior is not positive and finite, or (with transitions) the dense
+  /// transition table of scopes × E² cells exceeds max_dense_table_cells.
   next_turn_policy(const key_space& space, options opts)
       : space_(space),
         gamma_(opts.decay),
@@ -107,6 +108,12 @@ class next_turn_policy {
     powers_ = power_table(gamma_);
     if (transitions_) {
       const std::size_t e = space.experts_per_layer;
+      if (const std::uint64_t cells = saturating_product({scopes(space), e, e}); cells > max_dense_table_cells) {
+        throw invalid_argument(
+            fmt::format("next_turn_policy: {} scopes × {}^2 experts = {} transition cells out of range [0, 2^28] (the "
+                        "table is dense; options::transitions = false needs none)",
+                        scopes(space), e, cells));
+      }
       transition_powers_ = power_table(gamma_t_);
       transitions_to_.assign(scopes(space) * e * e, 0.0);
       follows_.assign(space.size(), 0.0);

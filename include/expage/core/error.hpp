@@ -8,11 +8,33 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <initializer_list>
 #include <new>
 #include <stdexcept>
 #include <string>
 
 namespace expage {
+
+/// @brief The most cells a dense table sized by a model's geometry may have: 2^28 (1 GiB of 4-byte
+/// cells, 2 GiB of doubles).
+///
+/// Tables quadratic in the experts per layer (realign_trace's co-occurrence counts,
+/// coactivation_predictor's pair counts, next_turn_policy's transitions) check their size against
+/// it before they allocate, and name it when they refuse: a geometry, or a trace's metadata line,
+/// cannot make them ask for terabytes.
+inline constexpr std::uint64_t max_dense_table_cells = std::uint64_t{1} << 28;
+
+/// @brief @p factors multiplied, or UINT64_MAX when the product does not fit in 64 bits: the size
+/// of a table, to compare with its bound before anything is allocated.
+[[nodiscard]] constexpr std::uint64_t saturating_product(std::initializer_list<std::uint64_t> factors) noexcept {
+  std::uint64_t p = 1;
+  for (const std::uint64_t f : factors) {
+    if (f != 0 && p > UINT64_MAX / f) return UINT64_MAX;
+    p *= f;
+  }
+  return p;
+}
 
 /// @brief A caller passed a value outside its documented range (misuse, bad input).
 /// @threadsafety thread-compatible.

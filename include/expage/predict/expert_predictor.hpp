@@ -165,8 +165,9 @@ class coactivation_predictor final : public expert_predictor {
   /// The decay the mean was tuned with (the default before log-odds), for comparisons with it.
   static constexpr double mean_decay = 0.5;
 
-  /// @throws expage::invalid_argument for 0 layers/experts, a window out of [1, 64], or a decay
-  ///         out of (0, 1].
+  /// @throws expage::invalid_argument for 0 layers/experts, a window out of [1, 64], a decay
+  ///         out of (0, 1], or a pair table of layers × window × E² cells above
+  ///         max_dense_table_cells.
   coactivation_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k,
                          std::uint32_t window = default_window, double decay = default_decay,
                          coactivation_pooling pooling = default_pooling);
