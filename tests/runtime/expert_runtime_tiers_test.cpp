@@ -955,6 +955,42 @@ TEST(ExpertRuntimeTiers, DemandTierChangesAndHiTargetsLoadHi) {
   EXPECT_EQ(rt.demand_tier(), version_tier::hi);
 }
 
+// resize_tiers(): a shrinking tier gives up its versions that are not at their target tier first,
+// in the policy's order; a hot set's members keep their hi versions while the others' go.
+TEST(ExpertRuntimeTiers, AShrinkingTierGivesUpVersionsOffTargetFirst) {
+  tiered_world w(4, 4);
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 4}, &prefetch);
+  std::vector<target> all;
+  for (std::uint32_t e = 0; e < 4; ++e) all.push_back({.expert = {0, e}, .state = residency_state::resident_hi});
+  rt.set_targets(all);
+  for (int round = 0; round < 3; ++round) {
+    prefetch.synchronize();
+    rt.poll();
+  }
+  for (std::uint32_t e = 0; e < 4; ++e) ASSERT_EQ(rt.active_tier({0, e}), version_tier::hi) << e;
+  // Only 0 and 1 stay targeted, and 2 and 3 are used last: LRU alone would give up 0 and 1.
+  rt.clear_targets();
+  const target keep[] = {{.expert = {0, 0}, .state = residency_state::resident_hi},
+                         {.expert = {0, 1}, .state = residency_state::resident_hi}};
+  rt.set_targets(keep);  // both hi already: nothing to load
+  const std::uint32_t recent[] = {2, 3};
+  rt.acquire(0, recent).release();
+  w.compute.synchronize();
+  const std::size_t lo_bytes = rt.capacity(version_tier::lo) * rt.expert_bytes(version_tier::lo);
+  const auto r = rt.resize_tiers(2 * rt.expert_bytes(version_tier::hi), lo_bytes);
+  EXPECT_TRUE(r[0].complete() && r[1].complete());
+  EXPECT_EQ(rt.active_tier({0, 0}), version_tier::hi);
+  EXPECT_EQ(rt.active_tier({0, 1}), version_tier::hi);
+  EXPECT_NE(rt.active_tier({0, 2}), version_tier::hi);
+  EXPECT_NE(rt.active_tier({0, 3}), version_tier::hi);
+  // With no version at its target tier left to give up, the policy's order decides alone.
+  const auto again = rt.resize_tiers(rt.expert_bytes(version_tier::hi), lo_bytes);
+  EXPECT_TRUE(again[0].complete());
+  EXPECT_EQ(rt.statistics().tiers[0].resident, 1U);
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
 // resize_tiers shrinks the losing tier first; the account is never over-committed.
 TEST(ExpertRuntimeTiers, ResizeTiersShrinksFirstAndRefusesBadSizes) {
   tiered_world w;
@@ -1403,6 +1439,88 @@ struct refusing_runtime : runtime {
 // An interval's plan the runtime could not take (a bad_alloc) is not lost: the hi set has moved
 // on, so the driver hands the plan over before the next interval's or the next barrier's, and a
 // barrier whose hand-over throws changes nothing.
+// A move that shrinks the hi set evicts the members it drops before the experts' resize; when a
+// later step (here the KV pool's growth) refuses, the previous split is back in force, and so are
+// those members: handed back as hi targets, their hi versions are loaded again at once (before
+// the fix they stayed evicted and came back at the next interval, outside the hot set's count).
+TEST(ExpertRuntimeTiers, FourPoolDriverHandsBackTheMembersOfARefusedMove) {
+  tiered_world w;
+  const std::size_t hi = w.page_rounded(precision::bf16);
+  const std::size_t lo = w.page_rounded(precision::int4);
+  const std::uint64_t total = 20 * hi + 8 * lo + 2 * 16 * 4096;
+  budget_tracker budget(total);
+  budget_account& experts = budget.add_account("experts", 2 * lo);
+  bool refuse = false;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, experts, w.vmm, w.copy, w.compute, w.sources(),
+             {.capacity = 0, .lo_capacity = 2, .targets_load_hi = true}, &prefetch);
+  four_pool_model model = small_four_pool_model(w, total);
+  model.space.hi_only = false;
+  four_pool_controller controller(model, {}, make_four_pool_split(model, 4, 2));
+  four_pool_driver<runtime> driver(rt, controller, experts, [&](std::uint64_t) { return !refuse; });
+  std::mt19937_64 rng(5);
+  const auto drain = [&] {
+    w.compute.synchronize();
+    prefetch.synchronize();
+    w.copy.synchronize();
+    rt.poll();
+  };
+  // Members of the hot set, and how many of them have a resident hi version.
+  const auto members_with_hi = [&] {
+    std::pair<int, int> n{0, 0};
+    for (std::uint32_t l = 0; l < 4; ++l) {
+      for (const expert_index x : controller.hot_set().hot_set(l)) {
+        ++n.first;
+        n.second += rt.expert_map(l, version_tier::hi)[x] >= 0 ? 1 : 0;
+      }
+    }
+    return n;
+  };
+  const auto route = [&](int tokens) {  // experts 0..3 hot in every layer, two at a time
+    for (int t = 0; t < tokens; ++t) {
+      for (std::uint32_t l = 0; l < 4; ++l) {
+        const std::vector<std::uint32_t> r{static_cast<std::uint32_t>(rng() % 2),
+                                           static_cast<std::uint32_t>(2 + rng() % 2)};
+        auto lease = rt.acquire(l, r);
+        driver.on_routed(l, r);
+        w.check_lease_on_compute(rt, lease);
+        lease.release();
+      }
+      if (t % 2 == 1) {
+        drain();
+        driver.end_interval();
+        drain();
+      }
+    }
+  };
+  for (int b = 0; b < 3; ++b) {  // the hot set fills, one promotion per layer per interval
+    route(8);
+    for (int i = 0; i < 64; ++i) controller.kv().record(rng() % 4);
+    drain();
+    (void)driver.at_barrier();
+  }
+  drain();
+  ASSERT_EQ(controller.current(), make_four_pool_split(model, 4, 2));
+  ASSERT_EQ(members_with_hi(), std::make_pair(16, 16));
+  // Far KV reuses: the controller moves expert bytes to KV (the hi set shrinks); the KV pool refuses.
+  route(8);
+  for (int i = 0; i < 400; ++i) controller.kv().record(8 + rng() % 200);
+  drain();
+  refuse = true;
+  const auto [d, applied] = driver.at_barrier();
+  refuse = false;
+  ASSERT_TRUE(d.moved);
+  ASSERT_FALSE(applied);
+  ASSERT_FALSE(d.hi_evictions.empty()) << "the move dropped members";
+  EXPECT_EQ(controller.current(), make_four_pool_split(model, 4, 2)) << "the previous split in force";
+  EXPECT_EQ(driver.refused(), 1U);
+  for (int round = 0; round < 8; ++round) drain();  // the background loads, a few in flight at a time
+  EXPECT_EQ(rt.statistics().transitions_queued, 0U);
+  EXPECT_EQ(members_with_hi(), std::make_pair(16, 16)) << "every member hi again";
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_LE(experts.used(), experts.capacity());
+}
+
 TEST(ExpertRuntimeTiers, FourPoolDriverHandsOverAPlanTheRuntimeRefused) {
   tiered_world w;
   const std::uint64_t total = 8 * w.page_rounded(precision::bf16) + 16 * w.page_rounded(precision::int4) + 32 * 4096;

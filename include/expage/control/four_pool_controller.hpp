@@ -231,9 +231,11 @@ struct four_pool_config {
 
 /// Totals of a four_pool_controller since construction.
 struct four_pool_statistics {
-  std::uint64_t bursts = 0;          ///< new_burst() calls.
-  std::uint64_t moves = 0;           ///< Decisions committed as applied that changed the split.
-  std::uint64_t reversals = 0;       ///< Of those, moves against the previous move.
+  std::uint64_t bursts = 0;  ///< new_burst() calls.
+  std::uint64_t moves = 0;   ///< Decisions committed as applied that changed the split.
+  /// Of those, moves against the previous move's direction (last_move()): a move in the tentative
+  /// period after a session-mix change is never one, nor is the first move after it.
+  std::uint64_t reversals = 0;
   std::uint64_t failed_resizes = 0;  ///< Decisions committed as not applied (the previous split stayed).
   std::uint64_t mix_changes = 0;     ///< Session-mix changes detected (four_pool_config::change_ratio).
   /// Writes every counter as one JSON object: `{"bursts":…,"moves":…,"reversals":…,"failed_resizes":…,
@@ -373,7 +375,8 @@ class four_pool_controller {
   /// Totals since construction.
   [[nodiscard]] const four_pool_statistics& statistics() const noexcept { return stats_; }
   /// The direction of the last applied move: +1 when the KV pool grew (or, KV unchanged, the hi
-  /// pool grew), −1 when it shrank, 0 before any move.
+  /// pool grew), −1 when it shrank; 0 before any move, and after a detected session-mix change
+  /// until the tentative period ends (its moves set no direction).
   [[nodiscard]] int last_move() const noexcept { return last_move_; }
 
  private:

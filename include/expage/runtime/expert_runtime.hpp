@@ -679,7 +679,9 @@ class expert_runtime {
   /// other): the footprint stays within the larger of the old and the new total, except that
   /// versions a lease still pins above a lowered capacity stay until released (runtime_resize::
   /// held) while the other tier may already grow; the account's capacity bounds both at every
-  /// instant, so nothing is over-committed.
+  /// instant, so nothing is over-committed. A shrinking tier's victims are its versions not at
+  /// their target tier first (set_targets(): a hot set's members keep their hi versions while
+  /// others are left), in the policy's order, then the rest in the policy's order.
   /// @throws expage::invalid_argument when the demand tier would hold fewer than top_k
   /// versions, a tier more than the experts, or both together more than the account's capacity
   /// (nothing changes).
@@ -722,8 +724,9 @@ class expert_runtime {
         const std::size_t excluded = refused[t].size();
         const std::uint32_t resident = resident_count(t);
         while (resident - (chosen[t].size() - excluded) > wanted[t]) {
-          const std::optional<std::uint32_t> victim =
-              choose_victim(t, chosen[t], /*ready_only=*/false, /*include_loading=*/true);
+          std::optional<std::uint32_t> victim =  // versions at their target tier last
+              choose_victim(t, chosen[t], /*ready_only=*/false, /*include_loading=*/true, /*protect_targets=*/true);
+          if (!victim) victim = choose_victim(t, chosen[t], /*ready_only=*/false, /*include_loading=*/true);
           if (!victim) break;  // the rest is pinned
           fence(t, *victim, nullptr);
           chosen[t].push_back(*victim);

@@ -33,9 +33,10 @@ namespace expage {
 /// |---|---|
 /// | per layer: record() the routing | on_routed(), after each acquire() |
 /// | per interval: end_interval()'s hi set | `update_targets()` (demotions, promotions, members) |
-/// | per burst: step()'s split and resize steps | `update_targets()` of the dropped hi members (`set_targets()` into a
-/// split without a lo tier), then `resize_tiers()` with the demand tier of the split (lo with a lo tier, hi without),
-/// the experts' budget account and the KV pool's resize, shrinks first; commit() |
+/// | per burst: step()'s split and resize steps | the steps, shrinks first: the KV pool's resize, and `resize_tiers()`
+/// with the demand tier of the split (lo with a lo tier, hi without) and the experts' budget account, just before which
+/// the dropped hi members go to `update_targets()` as `absent` (once a split without a lo tier holds:
+/// `clear_targets()`, then those evictions); commit() |
 ///
 /// Budget safety: the runtime's versions are charged to the engine's `experts` account and the KV
 /// pool to its own, both children of one budget B. The hi and lo steps of a decision are applied
@@ -49,8 +50,12 @@ namespace expage {
 /// are undone in the reverse order (the previous capacities, demand tier, account capacity and KV
 /// size are restored; each state on the way back is one the forward order passed through, so B
 /// holds), and the decision is committed as not applied: the previous split stays in force. The
-/// hi members a refused move dropped are asked for again by the next end_interval(), which lists
-/// every member. The KV callback must leave the pool as it was when it returns false or throws.
+/// hi members a refused move dropped are handed back at once (`update_targets()` with
+/// `resident_hi`): an eviction still queued is replaced, a hi version already evicted (by a
+/// refusal after the experts' shrink) is loaded again in the background. Those loads restore the
+/// split in force; they are not the hot set's promotions and not under its per-layer limit. A KV
+/// step refused before the experts' resize evicts nothing. The KV callback must leave the pool as
+/// it was when it returns false or throws.
 ///
 /// The runtime should be built with `expert_runtime_options::targets_load_hi` equal to the model's
 /// `members_load_hi` (the serve rule of hi-set members), and the model's sizes from the runtime
@@ -219,19 +224,29 @@ class four_pool_driver {
     bool undo_kv = false;
     bool undo_experts = false;
     bool kv_first = false;  // the KV step came before the experts' one
+    // The dropped members' evictions go to the runtime just before the experts' resize (whose
+    // shrink they make room for), not before a KV step that may be refused first; once sent, a
+    // refused move hands the members back (below).
+    bool evicted = false;
+    const auto send_evictions = [&] {
+      if (evicted || d.hi_evictions.empty()) return;
+      runtime_->update_targets(d.to_targets());
+      evicted = true;
+    };
     bool ok = true;
     try {
-      if (!d.hi_evictions.empty()) runtime_->update_targets(d.to_targets());
       for (std::size_t i = 0; i < d.steps.size() && ok; ++i) {
         if (d.steps[i].pool == tier_pool::kv) {
           ok = resize_kv_(d.steps[i].bytes);
           undo_kv = ok;
           kv_first = !undo_experts;
         } else if (at && i == *at) {
+          send_evictions();
           undo_experts = true;
           ok = apply_experts(new_hi, new_lo, d.split.tiered());
         }
       }
+      if (ok) send_evictions();  // a move without an experts' resize (none drops members today)
     } catch (...) {
       error = std::current_exception();
       ok = false;
@@ -268,6 +283,18 @@ class four_pool_driver {
       restored = undo(kv_first) && restored;
     } else if (undo_kv || undo_experts) {
       restored = undo(undo_kv);
+    }
+    if (evicted) {
+      // The previous hot set again: each dropped member's eviction, if still queued, is replaced;
+      // a hi version already evicted is loaded again in the background. These loads restore the
+      // split in force; they are not the hot set's promotions (nor under its per-layer limit).
+      try {
+        std::vector<residency_target> back = d.to_targets();
+        for (residency_target& b : back) b.state = residency_state::resident_hi;
+        runtime_->update_targets(back);
+      } catch (...) {
+        restored = false;
+      }
     }
     ++refused_;
     return false;
