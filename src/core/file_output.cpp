@@ -87,7 +87,14 @@ output_location check_output(const fs::path& requested) {
 }
 
 bool same_output_file(const output_location& a, const output_location& b) {
-  if (a.in_place || b.in_place) return false;
+  if (a.in_place || b.in_place) {
+    // A device takes both (/dev/null twice); an open regular file written in place (/dev/stdout
+    // redirected to it) does not: the other output would be appended to it or replace it.
+    std::error_code ec;
+    const fs::path& open_file = a.in_place ? a.target : b.target;
+    const bool regular = fs::is_regular_file(open_file, ec) && !ec;
+    return regular && fs::equivalent(a.target, b.target, ec) && !ec;
+  }
   // Absolute first: weakly_canonical() leaves "p.json" relative while "./p.json" is made absolute.
   std::error_code ec;
   const auto canonical = [&ec](const fs::path& p) { return fs::weakly_canonical(fs::absolute(p, ec), ec); };

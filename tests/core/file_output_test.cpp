@@ -287,6 +287,19 @@ TEST_F(WriteFileAtomically, SameOutputFileComparesWhereWritesLand) {
   EXPECT_FALSE(same_output_file(locate_output("/dev/null"), locate_output("/dev/null")));
   EXPECT_TRUE(locate_output("/dev/null").in_place);
   EXPECT_EQ(locate_output(link).target, dir_ / "t.json");
+  // An open regular file written in place (standard output redirected to it: /dev/fd/N here) is
+  // the file itself: the other output would replace what was written in place, or append to it.
+  write_file_atomically(target, [](std::ostream& out) { out << "x"; });
+  const int fd = ::open(target.c_str(), O_WRONLY | O_APPEND);
+  ASSERT_GE(fd, 0);
+  const fs::path open_file = fmt::format("/dev/fd/{}", fd);
+  ASSERT_TRUE(locate_output(open_file).in_place);
+  EXPECT_TRUE(same_output_file(locate_output(open_file), locate_output(target)));
+  EXPECT_TRUE(same_output_file(locate_output(target), locate_output(open_file)));
+  EXPECT_TRUE(same_output_file(locate_output(open_file), locate_output(open_file)));
+  EXPECT_FALSE(same_output_file(locate_output(open_file), locate_output(dir_ / "u.json")));
+  EXPECT_FALSE(same_output_file(locate_output(open_file), locate_output("/dev/null")));
+  ::close(fd);
 }
 
 }  // namespace

@@ -79,12 +79,19 @@ inline input_file config_input(std::string_view flag, const std::optional<std::s
 /// or append to it. @throws output_error naming both flags.
 inline void check_not_an_input(std::string_view flag, const std::filesystem::path& requested,
                                const expage::output_location& where, std::initializer_list<input_file> inputs) {
-  std::error_code regular_error;
-  // A device or a pipe replaces nothing; an open regular file written in place is appended to.
-  if (where.in_place && !std::filesystem::is_regular_file(requested, regular_error)) return;
+  std::error_code kind_error;
+  // A device replaces nothing; an open regular file written in place is appended to; a pipe that
+  // is the input would be opened for writing after the reader has closed it, and wait forever.
+  if (where.in_place && !std::filesystem::is_regular_file(requested, kind_error) &&
+      !std::filesystem::is_fifo(requested, kind_error)) {
+    return;
+  }
   for (const input_file& in : inputs) {
-    std::error_code ec;
-    if (in.path && std::filesystem::equivalent(where.target, *in.path, ec) && !ec) {
+    // Compared by device and inode (std::filesystem::equivalent() refuses two pipes).
+    struct stat out {};
+    struct stat input {};
+    if (in.path && ::stat(where.target.c_str(), &out) == 0 && ::stat(in.path->c_str(), &input) == 0 &&
+        out.st_dev == input.st_dev && out.st_ino == input.st_ino) {
       throw output_error(fmt::format("{} {} is the input {}{}{}: writing it would replace the file being read", flag,
                                      requested.string(), in.flag, in.flag.empty() ? "" : " ", *in.path));
     }

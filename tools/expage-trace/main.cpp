@@ -203,6 +203,7 @@ int run(int argc, char** argv) {
         fmt::format("unknown command '{}' (expected info, convert, synth, realign or requests)", command)};
   }
   std::optional<expage::moe_geometry> geometry;
+  std::optional<std::string> geometry_arg;  // --geometry as given: a preset's name or a JSON file (an input)
   expage::synthetic_options synth = expage_tools::default_synthetic();
   std::optional<std::uint32_t> batch;
   bool trust_geometry = false;
@@ -221,6 +222,7 @@ int run(int argc, char** argv) {
       return 0;
     } else if (arg == "--geometry") {
       const std::string_view name = value();
+      geometry_arg = std::string(name);
       try {
         geometry = expage::geometry_from_argument(name);
       } catch (const expage::invalid_argument& e) {
@@ -291,7 +293,9 @@ int run(int argc, char** argv) {
                       "Lines or the binary format)",
                       files[0].string())};
     }
-    expage_tools::check_output_path("synth", files[0]);
+    const expage::output_location where = expage_tools::check_output_path("synth", files[0]);
+    expage_tools::check_not_an_input("synth", files[0], where,
+                                     {expage_tools::config_input("--geometry", geometry_arg)});
     const expage::routing_trace t = expage::generate_synthetic(*geometry, synth);
     write_output(files[0], t, geometry->name(), output_version);
     fmt::print(summary_to(files[0]), "{}: {} events\n", files[0].string(), t.size());
@@ -299,7 +303,8 @@ int run(int argc, char** argv) {
   }
   if (command == "convert" || command == "realign" || command == "requests") {
     const expage::output_location where = expage_tools::check_output_path(command, files[1]);
-    expage_tools::check_not_an_input(command, files[1], where, {{"", files[0].string()}});
+    expage_tools::check_not_an_input(command, files[1], where,
+                                     {{"", files[0].string()}, expage_tools::config_input("--geometry", geometry_arg)});
   }
   const std::optional<expage::trace_metadata> meta = expage::read_trace_metadata(files[0]);
   // The model name an output records: the input's, else --geometry's; none when neither names

@@ -54,8 +54,9 @@ struct output_location {
 [[nodiscard]] output_location locate_output(const std::filesystem::path& path);
 
 /// @brief True when two outputs land on one regular file (the one written last would replace the
-/// other): their targets compared as absolute, canonical paths. Outputs written in place
-/// (/dev/null, /dev/stdout) both land, so they never count as one.
+/// other): their targets compared as absolute, canonical paths. Outputs written in place land
+/// both on a device (/dev/null twice), but not on a regular file standard output is redirected to
+/// (`--json /dev/stdout --csv F > F`, or /dev/stdout twice): those compare as the same file.
 [[nodiscard]] bool same_output_file(const output_location& a, const output_location& b);
 
 /// @brief Checks, before the work that produces it, that an output of @p path can be written
