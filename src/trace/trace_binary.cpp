@@ -15,6 +15,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -402,9 +403,10 @@ void decode_floats(std::span<const std::byte> bytes, std::size_t o, std::span<fl
 // The plain records (no optional field delivered, has_probabilities 0) at @p bytes, decoded into
 // @p events, @p experts and @p weights from their first element on, up to the first record this
 // quick test cannot vouch for; returns how many were decoded. The test is a sufficient condition
-// for what decode_record() and detail::check_record() accept (layer in range, phase 0 or 1,
-// has_probabilities and reserved 0, distinct experts in range, weights finite and ≥ 0, where a
-// weight's sign bit must be clear: -0.0 is left to them); the record it stops at goes to them,
+// for what decode_record() and detail::check_record() accept (layer in range, phase 0 or 1, a
+// prefill step below 2^32 - 1, has_probabilities and reserved 0, distinct experts in range,
+// weights finite and ≥ 0, where a weight's sign bit must be clear: -0.0 is left to them); the
+// record it stops at goes to them,
 // which name the problem or accept it, so every rule and message keeps one owner.
 // @p K is the top-k when known at compile time (the loops unroll), else 0 and @p k decides.
 template <std::size_t K>
@@ -417,7 +419,10 @@ std::size_t decode_plain(std::span<const std::byte> bytes, std::size_t count, st
     const std::size_t o = i * record_bytes;
     const auto layer = load_le<std::uint32_t>(bytes, o + 8);
     // phase (byte 12) in {0, 1}; has_probabilities (13) and reserved (14-15) 0.
-    bool ok = layer < layers && (load_le<std::uint32_t>(bytes, o + 12) & ~std::uint32_t{1}) == 0;
+    const auto phase_word = load_le<std::uint32_t>(bytes, o + 12);
+    bool ok = layer < layers && (phase_word & ~std::uint32_t{1}) == 0;
+    // A prefill step of 2^32 - 1 has no next step (check_record()): left to decode_checked().
+    ok &= !(phase_word == 1 && load_le<std::uint32_t>(bytes, o + 4) == std::numeric_limits<std::uint32_t>::max());
     std::uint32_t* x = experts + i * top_k;
     float* w = weights + i * top_k;
     for (std::size_t j = 0; j < top_k; ++j) {

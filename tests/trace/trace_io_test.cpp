@@ -543,6 +543,48 @@ TEST(TraceIo, BadVersionFourNamesByteOffsetAndField) {
 }
 
 // Sequence ids are labels, not indices: the largest one costs no memory.
+// A prefill record at step 2^32 - 1 (it has no next step): the same format_error, naming the
+// field, from the in-memory and the streaming readers, with or without optional fields. The plain
+// records' quick decoder let it through: the stream delivered it, and parse_binary() failed later
+// in routing_trace with an invalid_argument and no byte offset.
+TEST(BinaryTraceReader, APrefillStepWithoutANextStepIsAFormatErrorInEveryReader) {
+  const auto g = expage::moe_geometry::mixtral_8x7b();
+  struct variant {
+    bool vectors;
+    std::uint16_t version;
+  };
+  for (const variant v : {variant{false, 1}, variant{false, expage::binary_trace_version_named},
+                          variant{true, expage::binary_trace_version_named}}) {
+    SCOPED_TRACE(testing::Message() << "version " << v.version << (v.vectors ? " with vectors" : ""));
+    const expage::routing_trace t =
+        expage::generate_synthetic(g, {.seed = 3, .sequences = 2, .decode_steps = 4, .probabilities = v.vectors});
+    std::string bytes = expage::encode_binary(t, {.version = v.version});
+    const auto b = std::as_bytes(std::span<const char>(bytes.data(), bytes.size()));
+    // The last record: version 1 ends with it; versions 3 and 4 end with its block's CRC-32C.
+    const std::size_t record = v.version == 1 ? 28 : expage::testing::get_le<std::uint32_t>(b, 60);
+    const std::size_t last = bytes.size() - record - (v.version == 1 ? 0 : 4);
+    auto w = std::as_writable_bytes(std::span<char>(bytes.data(), bytes.size()));
+    expage::testing::put_le<std::uint32_t>(w, last + 4, 0xFFFFFFFFU);  // step
+    w[last + 12] = std::byte{1};                                       // phase: prefill
+    reseal_binary(bytes);
+    const std::string says = fmt::format("byte {}: field 'step': 4294967295 out of range", last);  // the record's offset
+    try {
+      (void)expage::parse_binary(bytes_of(bytes), g, "p.bin");
+      ADD_FAILURE() << "parse_binary accepted it";
+    } catch (const expage::format_error& e) {
+      EXPECT_THAT(e.what(), HasSubstr(says));
+    }
+    try {
+      expage::binary_trace_reader in(std::as_bytes(std::span<const char>(bytes.data(), bytes.size())), g, "p.bin");
+      std::size_t delivered = 0;
+      for (auto chunk = in.next(); !chunk.empty(); chunk = in.next()) delivered += chunk.size();
+      ADD_FAILURE() << "the stream delivered " << delivered << " events";
+    } catch (const expage::format_error& e) {
+      EXPECT_THAT(e.what(), HasSubstr(says));
+    }
+  }
+}
+
 TEST(BinaryTraceReader, StreamsWhatReadBinaryReadsInBoundedChunks) {
   const auto g = expage::moe_geometry::mixtral_8x7b();
   for (const bool vectors : {false, true}) {
