@@ -38,6 +38,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -663,7 +664,7 @@ int main(int argc, char** argv) {
     const bool bar_on = c.progress == 1 || (c.progress == -1 && ::isatty(STDERR_FILENO) != 0);
     expage_tools::progress_bar bar(bar_on, jobs.size() + (c.bounds ? cells.size() : 0));
     std::vector<expage::sim_result> results(jobs.size());
-    const unsigned threads =
+    unsigned threads =
         std::max(1U, std::min<unsigned>(c.threads != 0 ? c.threads : std::thread::hardware_concurrency(),
                                         static_cast<unsigned>(jobs.size() + cells.size())));
     std::atomic<std::size_t> next{0};
@@ -728,7 +729,16 @@ int main(int argc, char** argv) {
       }
     };
     std::vector<std::thread> pool;
-    for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
+    pool.reserve(threads - 1);
+    try {
+      for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
+    } catch (const std::system_error& e) {
+      // No more threads to be had (a process or memory limit): the work is shared by the threads
+      // started and this one, which take jobs until none is left.
+      fmt::print(stderr, "expage-sim: note: {} of {} threads could be started ({}); running on those\n",
+                 pool.size() + 1, threads, e.what());
+      threads = static_cast<unsigned>(pool.size()) + 1;
+    }
     worker();
     for (auto& t : pool) t.join();
     if (failure) std::rethrow_exception(failure);
