@@ -103,10 +103,17 @@ std::size_t byte_input::read_fully(char* out, std::size_t n) {
 
 std::optional<text_line> line_reader::next() {
   constexpr std::size_t chunk = std::size_t{1} << 16;
+  // A line's bytes before its newline ('\r' included) are at most max_trace_line_bytes, whether
+  // its end arrives in the read that crosses the limit or not.
+  const auto too_long = [&] {
+    fail({in_.name(), number_ + 1, false}, "record",
+         fmt::format("line longer than the limit of {} bytes (max_trace_line_bytes)", max_trace_line_bytes));
+  };
   std::size_t scanned = begin_;
   for (;;) {
     const std::size_t eol = buffer_.find('\n', scanned);
     if (eol != std::string::npos) {
+      if (eol - begin_ > max_trace_line_bytes) too_long();
       std::string_view line(buffer_.data() + begin_, eol - begin_);
       begin_ = eol + 1;
       if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
@@ -114,6 +121,7 @@ std::optional<text_line> line_reader::next() {
     }
     if (eof_) {
       if (begin_ == buffer_.size()) return std::nullopt;
+      if (buffer_.size() - begin_ > max_trace_line_bytes) too_long();
       std::string_view line(buffer_.data() + begin_, buffer_.size() - begin_);
       begin_ = buffer_.size();
       if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
@@ -124,10 +132,7 @@ std::optional<text_line> line_reader::next() {
       buffer_.erase(0, begin_);
       begin_ = 0;
     }
-    if (buffer_.size() > max_trace_line_bytes) {
-      fail({in_.name(), number_ + 1, false}, "record",
-           fmt::format("line longer than the limit of {} bytes (max_trace_line_bytes)", max_trace_line_bytes));
-    }
+    if (buffer_.size() > max_trace_line_bytes) too_long();
     scanned = buffer_.size();
     const std::size_t old = buffer_.size();
     buffer_.resize(old + chunk);

@@ -36,6 +36,7 @@ namespace {
 using expage::moe_geometry;
 using expage::routing_trace;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::StartsWith;
 namespace fs = std::filesystem;
 
@@ -155,6 +156,29 @@ TEST_F(TraceInputs, CsvLineOfCommasNeedsNoMemory) {  // reproduction 2
       },
       std::size_t{256} << 20);
   EXPECT_EQ(code, 0) << "1: other message, 2: accepted, 4: another exception (bad_alloc), >128: signal";
+}
+
+// The limit is on the line, not on the buffer before a read: a line one byte over it is refused
+// wherever its newline falls in the last read (it was accepted when the newline came in the read
+// that crossed the limit), and a line of exactly the limit reaches the record parser.
+TEST_F(TraceInputs, ALineOneByteOverTheLimitIsRefused) {
+  for (const std::size_t length : {expage::max_trace_line_bytes, expage::max_trace_line_bytes + 1}) {
+    for (const bool newline : {true, false}) {
+      const fs::path file = dir_ / "long.jsonl";
+      {
+        std::ofstream out(file, std::ios::binary);
+        out << std::string(length, ' ');
+        if (newline) out << "\n";
+      }
+      SCOPED_TRACE(testing::Message() << length << " bytes" << (newline ? " and a newline" : ""));
+      const std::string what = message_of([&] { (void)expage::read_jsonl(file, mixtral()); });
+      if (length > expage::max_trace_line_bytes) {
+        EXPECT_THAT(what, HasSubstr("line longer than the limit of 16777216 bytes"));
+      } else {
+        EXPECT_THAT(what, Not(HasSubstr("max_trace_line_bytes")));  // a blank line: no records
+      }
+    }
+  }
 }
 
 TEST_F(TraceInputs, JsonlGarbageWithoutNewlinesNeedsNoMemory) {  // the class, another format
