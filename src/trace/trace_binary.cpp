@@ -639,6 +639,7 @@ struct binary_stream {
   std::uint64_t buffer_first = 0;    // versions 3 and 4: the index of the first record in `chunk`
   std::size_t buffered_records = 0;  // versions 3 and 4: the records `chunk` was read for
   std::size_t chunk_bytes_read = 0;  // versions 3 and 4: the bytes of `chunk` the input had
+  std::exception_ptr read_error;     // versions 3 and 4: the read that failed after chunk_bytes_read
   std::size_t checked_blocks = 0;    // versions 3 and 4: `chunk`'s blocks checked (check_block())
   std::size_t good = 0;              // the chunk's events decoded before the one being decoded
   std::exception_ptr pending;        // the error after a partly delivered chunk
@@ -681,31 +682,49 @@ struct binary_stream {
       worker.reset();
     }
   }
-  // Reads the next @p n record bytes: into a buffer hashed by the worker, or hashed here.
-  std::span<const std::byte> read_records(std::size_t n) {
+  // Reads the next @p n record bytes (versions 1 and 2): into a buffer hashed by the worker, or
+  // hashed here. Fewer when the input ends or a read fails: the bytes read (hashed too), with the
+  // truncation or the read's error in @p short_read, so that the records before it are delivered
+  // whatever the size of the reads (read_ahead's are larger).
+  std::span<const std::byte> read_records(std::size_t n, std::exception_ptr& short_read) {
+    std::byte* out = nullptr;
+    std::size_t got = 0;
     if (!worker) {
       chunk.resize(n);
-      take(chunk.data(), n);
-      return chunk;
+      out = chunk.data();
+      got = in->read_fully(reinterpret_cast<char*>(out), n, short_read);
+      sum = fnv1a(std::span<const std::byte>(out, got), sum);
+    } else {
+      const std::size_t b = buffer;
+      buffer = (buffer + 1) % checksum_worker::depth;
+      worker->acquire(b);
+      try {
+        buffers[b].resize(n);
+      } catch (...) {
+        worker->submit(b, {});  // hand the buffer back: finish() and the destructor wait for every one
+        throw;
+      }
+      out = buffers[b].data();
+      got = in->read_fully(reinterpret_cast<char*>(out), n, short_read);
+      worker->submit(b, std::span<const std::byte>(out, got));
     }
-    const std::size_t b = buffer;
-    buffer = (buffer + 1) % checksum_worker::depth;
-    worker->acquire(b);
-    std::size_t got = 0;
+    if (got != n && !short_read) short_read = truncated();
+    return {out, got};
+  }
+  // The input ended before the size the header implies: the error, named where it ended.
+  [[noreturn]] void fail_truncated() const {
+    fail(at(in->offset()), "payload",
+         fmt::format("input ends at byte {} where the header implies {} bytes (truncated)", in->offset(),
+                     layout.expected_size));
+  }
+  [[nodiscard]] std::exception_ptr truncated() const {
+    std::exception_ptr e;
     try {
-      buffers[b].resize(n);
-      got = in->read_fully(reinterpret_cast<char*>(buffers[b].data()), n);
+      fail_truncated();
     } catch (...) {
-      worker->submit(b, {});  // hand the buffer back: finish() and the destructor wait for every one
-      throw;
+      e = std::current_exception();
     }
-    worker->submit(b, std::span<const std::byte>(buffers[b].data(), got));
-    if (got != n) {
-      fail(at(in->offset()), "payload",
-           fmt::format("input ends at byte {} where the header implies {} bytes (truncated)", in->offset(),
-                       layout.expected_size));
-    }
-    return std::span<const std::byte>(buffers[b].data(), n);
+    return e;
   }
 
   // Reads the @p n records of the next whole blocks (versions 3 and 4) with their checksums into
@@ -717,7 +736,8 @@ struct binary_stream {
     const std::size_t blocks = (n + per_block - 1) / per_block;
     const auto record_bytes = static_cast<std::size_t>(layout.record_bytes);
     chunk.resize(n * record_bytes + blocks * block_checksum_bytes);
-    chunk_bytes_read = in->read_fully(reinterpret_cast<char*>(chunk.data()), chunk.size());
+    read_error = nullptr;
+    chunk_bytes_read = in->read_fully(reinterpret_cast<char*>(chunk.data()), chunk.size(), read_error);
     buffered_records = n;
     checked_blocks = 0;
   }
@@ -730,9 +750,8 @@ struct binary_stream {
     const std::size_t stride = per_block * record_bytes + block_checksum_bytes;
     const std::size_t records = std::min<std::size_t>(per_block, buffered_records - b * per_block);
     if (b * stride + records * record_bytes + block_checksum_bytes > chunk_bytes_read) {
-      fail(at(in->offset()), "payload",
-           fmt::format("input ends at byte {} where the header implies {} bytes (truncated)", in->offset(),
-                       layout.expected_size));
+      if (read_error) std::rethrow_exception(read_error);  // the read failed there, after the blocks before
+      fail_truncated();
     }
     const std::span<const std::byte> block = std::span<const std::byte>(chunk).subspan(b * stride);
     const std::uint64_t first = buffer_first + b * per_block;  // buffer_first is a multiple of per_block
@@ -805,11 +824,7 @@ struct binary_stream {
   void take(std::byte* out, std::size_t n) {
     const std::size_t got = in->read_fully(reinterpret_cast<char*>(out), n);
     sum = fnv1a(std::span<const std::byte>(out, got), sum);
-    if (got != n) {
-      fail(at(in->offset()), "payload",
-           fmt::format("input ends at byte {} where the header implies {} bytes (truncated)", in->offset(),
-                       layout.expected_size));
-    }
+    if (got != n) fail_truncated();
   }
   // Versions 1 and 2: the payload's FNV-1a (versions 3 and 4 check every block as it is read).
   void check_sum() const {
@@ -982,7 +997,15 @@ std::span<const routing_event> detail::binary_stream::produce(std::size_t slot) 
         i += count;
       }
     } else {
-      decode(read_records(n * record_bytes), 0, n, plain);
+      std::exception_ptr short_read;
+      const std::span<const std::byte> got = read_records(n * record_bytes, short_read);
+      if (short_read) {  // the whole records read first (a bad one among them is the first fault)
+        const std::size_t whole = got.size() / record_bytes;
+        decode(got, 0, whole, plain);
+        good = whole;
+        std::rethrow_exception(short_read);
+      }
+      decode(got, 0, n, plain);
     }
   } catch (const format_error&) {
     // The events before the fault are delivered, the error with the next call, so a consumer

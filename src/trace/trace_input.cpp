@@ -101,6 +101,22 @@ std::size_t byte_input::read_fully(char* out, std::size_t n) {
   return done;
 }
 
+std::size_t byte_input::read_fully(char* out, std::size_t n, std::exception_ptr& error) {
+  std::size_t done = 0;
+  while (done < n) {
+    std::size_t got = 0;
+    try {
+      got = read(out + done, n - done);
+    } catch (const format_error&) {  // a read error: what came before it stays read
+      error = std::current_exception();
+      break;
+    }
+    if (got == 0) break;
+    done += got;
+  }
+  return done;
+}
+
 std::optional<text_line> line_reader::next() {
   constexpr std::size_t chunk = std::size_t{1} << 16;
   // A line's bytes before its newline ('\r' included) are at most max_trace_line_bytes, whether

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <filesystem>
 #include <functional>
 #include <limits>
@@ -59,6 +60,9 @@ class byte_input {
   std::size_t read(char* out, std::size_t n);
   // Exactly @p n bytes, or fewer only at the end of the input; returns the count.
   std::size_t read_fully(char* out, std::size_t n);
+  // The same, but a read that fails ends it too: the bytes read before it are kept (counted in
+  // the result) and its error in @p error, so a reader can deliver what came before it.
+  std::size_t read_fully(char* out, std::size_t n, std::exception_ptr& error);
   [[nodiscard]] std::string_view name() const noexcept { return name_; }
   // Bytes delivered so far.
   [[nodiscard]] std::uint64_t offset() const noexcept { return offset_; }
