@@ -199,15 +199,17 @@ void routing_trace::restore_execution_order() {
   *this = std::move(sorted);
 }
 
-std::vector<trace_gap> routing_trace::gaps() const {
+// Every gap in order to @p visit (a trace_gap → bool: false stops the walk).
+template <class Visit>
+void routing_trace::visit_gaps(Visit&& visit) const {
   std::vector<std::size_t> order(size());
   std::iota(order.begin(), order.end(), std::size_t{0});
   std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
     return std::tie(sequence_[a], layer_[a], step_[a]) < std::tie(sequence_[b], layer_[b], step_[b]);
   });
-  std::vector<trace_gap> result;
+  bool more = true;
   std::size_t begin = 0;
-  while (begin < order.size()) {
+  while (more && begin < order.size()) {
     // One sequence: [begin, end).
     const std::uint32_t s = sequence_[order[begin]];
     std::size_t end = begin;
@@ -217,17 +219,17 @@ std::vector<trace_gap> routing_trace::gaps() const {
       ++end;
     }
     std::size_t j = begin;
-    for (std::uint32_t layer = 0; layer < layers_; ++layer) {
+    for (std::uint32_t layer = 0; more && layer < layers_; ++layer) {
       std::uint64_t expected = 0;                  // next step this layer should have
       const auto note = [&](std::uint64_t upto) {  // steps [expected, upto) are missing
         // A run of 2^32 steps (a layer with none at all up to step 2^32 - 1) is two gaps: a
         // count is 32 bits.
-        for (std::uint64_t from = expected; upto > from;) {
+        for (std::uint64_t from = expected; more && upto > from;) {
           const std::uint64_t n = std::min<std::uint64_t>(upto - from, std::numeric_limits<std::uint32_t>::max());
-          result.push_back({.sequence = s,
-                            .layer = layer,
-                            .first_step = static_cast<std::uint32_t>(from),
-                            .count = static_cast<std::uint32_t>(n)});
+          more = visit(trace_gap{.sequence = s,
+                                 .layer = layer,
+                                 .first_step = static_cast<std::uint32_t>(from),
+                                 .count = static_cast<std::uint32_t>(n)});
           from += n;
         }
       };
@@ -243,7 +245,25 @@ std::vector<trace_gap> routing_trace::gaps() const {
     }
     begin = end;
   }
+}
+
+std::vector<trace_gap> routing_trace::gaps(std::size_t limit) const {
+  std::vector<trace_gap> result;
+  if (limit == 0) return result;
+  visit_gaps([&](const trace_gap& g) {
+    result.push_back(g);
+    return result.size() < limit;
+  });
   return result;
+}
+
+std::uint64_t routing_trace::gap_count() const {
+  std::uint64_t n = 0;
+  visit_gaps([&](const trace_gap&) {
+    ++n;
+    return true;
+  });
+  return n;
 }
 
 bool operator==(const routing_trace& a, const routing_trace& b) noexcept {

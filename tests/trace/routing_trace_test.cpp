@@ -210,6 +210,17 @@ TEST(RoutingTrace, GapsListMissingStepsPerSequenceAndLayer) {
                                       {.sequence = 0, .layer = 1, .first_step = 0, .count = most},
                                       {.sequence = 0, .layer = 1, .first_step = most, .count = 1}};
   EXPECT_EQ(last.gaps(), all);
+  // The first of them only, and their number without the list.
+  for (std::size_t limit = 0; limit <= expected.size() + 1; ++limit) {
+    EXPECT_EQ(t.gaps(limit),
+              std::vector<trace_gap>(expected.begin(),
+                                     expected.begin() + static_cast<std::ptrdiff_t>(std::min(limit, expected.size()))))
+        << limit;
+  }
+  EXPECT_EQ(t.gap_count(), expected.size());
+  EXPECT_EQ(last.gap_count(), all.size());
+  EXPECT_EQ(last.gaps(2), std::vector<trace_gap>(all.begin(), all.begin() + 2));
+  EXPECT_EQ(routing_trace(2, 8, 2).gap_count(), 0U);
 }
 
 TEST(RoutingTrace, EqualityComparesEveryField) {

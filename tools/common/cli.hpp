@@ -24,10 +24,13 @@
 #include <functional>
 #include <initializer_list>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <string_view>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -333,6 +336,21 @@ inline expage::routing_trace read_checked_trace(const std::string& path, const e
 
 /// The help lines of parse_synthetic_flag()'s flags, indented to stand under a `--synthetic` (or
 /// `synth`) line, without a final newline: every tool's `{synthetic}` line in its usage text.
+/// What a tool prints when it ends on @p e: its message; for a bare std::bad_alloc or
+/// std::length_error, whose messages name nothing, what ran out and what to change (expage's own
+/// out_of_budget and out_of_memory name the request: their message as it is).
+inline std::string failure_message(const std::exception& e) {
+  if (typeid(e) == typeid(std::bad_alloc) || typeid(e) == typeid(std::bad_array_new_length) ||
+      typeid(e) == typeid(std::length_error)) {
+    return fmt::format(
+        "out of memory ({}): the input and the options ask for more than this process may allocate; use a smaller "
+        "geometry, fewer sequences, policies or capacities, or raise the process's memory limit (docs/traces.md, "
+        "limits)",
+        e.what());
+  }
+  return e.what();
+}
+
 inline std::string synthetic_flags_help() {
   const expage::synthetic_options defaults = default_synthetic();
   return fmt::format(

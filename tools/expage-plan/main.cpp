@@ -1037,7 +1037,7 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "expage-plan: {}\n", e.message);
     return 2;
   } catch (const std::exception& e) {  // format_error, geometry mismatch, unwritable output, ...
-    fmt::print(stderr, "expage-plan: {}\n", e.what());
+    fmt::print(stderr, "expage-plan: {}\n", expage_tools::failure_message(e));
     return 1;
   }
 }

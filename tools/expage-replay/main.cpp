@@ -581,7 +581,7 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "expage-replay: {}\n", e.what());
     return 1;
   } catch (const std::exception& e) {  // out of memory, an unwritable file, ...
-    fmt::print(stderr, "expage-replay: {}\n", e.what());
+    fmt::print(stderr, "expage-replay: {}\n", expage_tools::failure_message(e));
     return 1;
   }
 }

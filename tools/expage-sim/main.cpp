@@ -664,9 +664,8 @@ int main(int argc, char** argv) {
     const bool bar_on = c.progress == 1 || (c.progress == -1 && ::isatty(STDERR_FILENO) != 0);
     expage_tools::progress_bar bar(bar_on, jobs.size() + (c.bounds ? cells.size() : 0));
     std::vector<expage::sim_result> results(jobs.size());
-    unsigned threads =
-        std::max(1U, std::min<unsigned>(c.threads != 0 ? c.threads : std::thread::hardware_concurrency(),
-                                        static_cast<unsigned>(jobs.size() + cells.size())));
+    unsigned threads = std::max(1U, std::min<unsigned>(c.threads != 0 ? c.threads : std::thread::hardware_concurrency(),
+                                                       static_cast<unsigned>(jobs.size() + cells.size())));
     std::atomic<std::size_t> next{0};
     std::exception_ptr failure;
     std::mutex failure_mutex;
@@ -800,7 +799,7 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "expage-sim: {}\n", e.message);
     return 2;
   } catch (const std::exception& e) {  // format_error, geometry mismatch, unwritable output, ...
-    fmt::print(stderr, "expage-sim: {}\n", e.what());
+    fmt::print(stderr, "expage-sim: {}\n", expage_tools::failure_message(e));
     return 1;
   }
 }

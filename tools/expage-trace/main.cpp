@@ -112,15 +112,17 @@ void print_info(const std::filesystem::path& path, const expage::routing_trace& 
       fmt::print("  binary format version {}{}: one FNV-1a checksum over the payload\n", header.version(), model);
     }
   }
-  const std::vector<expage::trace_gap> gaps = t.gaps();
-  if (gaps.empty()) {
+  constexpr std::size_t shown = 1000;  // a trace can miss a step in every (sequence, layer)
+  const std::uint64_t count = t.gap_count();
+  if (count == 0) {
     fmt::print("  no gaps: every layer of every sequence has every step\n");
     return;
   }
-  fmt::print("  gaps ({}):\n  {:>8} {:>5} {:>10} {:>5}\n", gaps.size(), "sequence", "layer", "first step", "count");
-  for (const expage::trace_gap& g : gaps) {
+  fmt::print("  gaps ({}):\n  {:>8} {:>5} {:>10} {:>5}\n", count, "sequence", "layer", "first step", "count");
+  for (const expage::trace_gap& g : t.gaps(shown)) {
     fmt::print("  {:>8} {:>5} {:>10} {:>5}\n", g.sequence, g.layer, g.first_step, g.count);
   }
+  if (count > shown) fmt::print("  ... and {} more\n", count - shown);
 }
 
 // "13", "81-82", "16,57": the missing steps of a layer.
@@ -357,7 +359,7 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "expage-trace: {}\n", e.message);
     return 2;
   } catch (const std::exception& e) {
-    fmt::print(stderr, "expage-trace: {}\n", e.what());
+    fmt::print(stderr, "expage-trace: {}\n", expage_tools::failure_message(e));
     return 1;
   }
 }

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
+#include <limits>
 #include <span>
 #include <string_view>
 #include <utility>
@@ -272,13 +273,19 @@ class routing_trace {
   /// step precedes a prefill step of its sequence; the trace is then unchanged.
   void restore_execution_order();
 
-  /// Steps missing per (sequence, layer), sorted by sequence, layer, first_step. O(n log n).
-  [[nodiscard]] std::vector<trace_gap> gaps() const;
+  /// Steps missing per (sequence, layer), sorted by sequence, layer, first_step: the first
+  /// @p limit of them (a trace of many sequences and layers can miss a step in every pair).
+  /// O(n log n + sequences × layers).
+  [[nodiscard]] std::vector<trace_gap> gaps(std::size_t limit = std::numeric_limits<std::size_t>::max()) const;
+  /// How many gaps gaps() lists without a limit, counted without storing them.
+  [[nodiscard]] std::uint64_t gap_count() const;
 
   /// Equal when dimensions, batch size, fields and every event (bitwise floats) match.
   friend bool operator==(const routing_trace& a, const routing_trace& b) noexcept;
 
  private:
+  template <class Visit>
+  void visit_gaps(Visit&& visit) const;
   std::uint32_t layers_;
   std::uint32_t experts_per_layer_;
   std::uint32_t top_k_;
