@@ -34,6 +34,7 @@ void fail(const source_position& at, std::string_view field, std::string_view me
 
 byte_input::byte_input(const std::filesystem::path& path) : storage_name_(path.string()) {
   name_ = storage_name_;
+  if (path.empty()) throw format_error("an empty path names no file to read");
   // O_NONBLOCK: opening a FIFO for reading must not wait for a writer that may never come.
   fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd_ < 0) {

@@ -78,9 +78,13 @@ TEST(GeometryJson, RefusesBadFilesNamingTheColumnAndField) {
       EXPECT_THAT(e.what(), HasSubstr(c.says));
     }
   }
-  // Dimensions out of moe_geometry's ranges are its invalid_argument, naming the field.
-  EXPECT_THROW((void)parse_geometry_json(R"({"name":"x","layers":2,"experts_per_layer":4,"top_k":5})", "t"),
-               invalid_argument);
+  // Dimensions out of moe_geometry's ranges are its invalid_argument, naming the field, after the source.
+  try {
+    (void)parse_geometry_json(R"({"name":"x","layers":2,"experts_per_layer":4,"top_k":5})", "t.json");
+    ADD_FAILURE() << "top_k above the experts was accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("t.json: moe_geometry 'x': top_k = 5 out of range [1, 4]"));
+  }
 }
 
 TEST(GeometryJson, ReadsOnlySmallRegularFiles) {

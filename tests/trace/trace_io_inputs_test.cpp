@@ -130,6 +130,7 @@ TEST_F(TraceInputs, DirectoriesAndMissingFilesNameTheReason) {  // the class: an
   EXPECT_THAT(message_of([&] { (void)expage::read_trace(dir_, mixtral()); }), HasSubstr("a directory"));
   EXPECT_THAT(message_of([&] { (void)expage::read_csv(dir_ / "none.csv", mixtral()); }),
               HasSubstr("cannot open for reading: No such file or directory"));
+  EXPECT_EQ(message_of([&] { (void)expage::read_trace("", mixtral()); }), "an empty path names no file to read");
 }
 
 // --- 2. Memory amplification: peak memory is O(records kept) -----------------------------------

@@ -305,10 +305,19 @@ inline bool shape_only(const expage::moe_geometry& g) { return g.hidden_size() =
 inline void require_sized_geometry(const expage::moe_geometry& g, bool given, std::string_view flag = "--geometry") {
   if (!shape_only(g)) return;
   if (given) {
-    throw usage_error{
-        fmt::format("{} '{}' ({} layers x {} experts, top-{}) gives no sizes (hidden_size and intermediate_size), so "
-                    "bytes and times would be per unit: add them to the file, or name a preset",
-                    flag, g.name(), g.layers(), g.experts_per_layer(), g.top_k())};
+    throw usage_error{fmt::format(
+        "{} '{}' ({} layers x {} experts, top-{}) gives no sizes (hidden_size and intermediate_size absent, or "
+        "both 1, the shape-only placeholder), so bytes and times would be per unit: add them to the file, or name "
+        "a preset",
+        flag, g.name(), g.layers(), g.experts_per_layer(), g.top_k())};
+  }
+  const auto names = expage::moe_geometry::preset_names();
+  if (std::find(names.begin(), names.end(), g.name()) != names.end()) {  // a known name, other dimensions
+    const expage::moe_geometry p = expage::moe_geometry::preset(g.name());
+    throw usage_error{fmt::format(
+        "the trace's metadata names '{}' but gives {} layers x {} experts, top-{} (the preset has {} x {}, top-{}), "
+        "so its bytes and times would be per unit: give --geometry (a preset or a geometry JSON file)",
+        g.name(), g.layers(), g.experts_per_layer(), g.top_k(), p.layers(), p.experts_per_layer(), p.top_k())};
   }
   throw usage_error{fmt::format(
       "the trace's metadata names no model this tool knows ('{}': {} layers x {} experts, top-{}), so its bytes and "

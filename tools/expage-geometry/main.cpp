@@ -37,6 +37,7 @@ unreadable or malformed geometry file included, as in the other tools).
 int main(int argc, char** argv) {
   std::vector<expage::moe_geometry> models;
   std::optional<std::size_t> budget;
+  expage_tools::once_per_command_line budget_once;
   const std::string names = fmt::format("{}", fmt::join(expage::moe_geometry::preset_names(), ", "));
   for (int i = 1; i < argc; ++i) {
     const std::string_view arg = argv[i];
@@ -61,6 +62,7 @@ int main(int argc, char** argv) {
       }
     } else if (arg == "--budget" && has_value) {
       try {
+        budget_once(arg);  // --model may repeat (one table per model); one budget
         budget = expage_tools::parse_bytes("--budget", argv[++i], 0);
       } catch (const expage_tools::usage_error& e) {
         fmt::print(stderr, "expage-geometry: {}\n", e.message);

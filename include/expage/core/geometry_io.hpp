@@ -23,7 +23,8 @@ namespace expage {
 
 /// Parses a geometry JSON object from @p text; @p source names it in messages.
 /// @throws expage::format_error naming the source, the column or field, and the value; range
-///         errors of the fields as moe_geometry's constructor reports them (invalid_argument).
+///         errors of the fields as moe_geometry's constructor reports them (invalid_argument),
+///         after the source's name.
 [[nodiscard]] moe_geometry parse_geometry_json(std::string_view text, std::string_view source);
 
 /// Reads the geometry file @p path (a regular file of at most 64 KiB).
