@@ -698,14 +698,14 @@ struct binary_stream {
       const std::size_t b = buffer;
       buffer = (buffer + 1) % checksum_worker::depth;
       worker->acquire(b);
-      try {
+      try {  // a read error is kept in short_read; anything else (a bad_alloc) gets here
         buffers[b].resize(n);
+        out = buffers[b].data();
+        got = in->read_fully(reinterpret_cast<char*>(out), n, short_read);
       } catch (...) {
         worker->submit(b, {});  // hand the buffer back: finish() and the destructor wait for every one
         throw;
       }
-      out = buffers[b].data();
-      got = in->read_fully(reinterpret_cast<char*>(out), n, short_read);
       worker->submit(b, std::span<const std::byte>(out, got));
     }
     if (got != n && !short_read) short_read = truncated();

@@ -1436,9 +1436,6 @@ struct refusing_runtime : runtime {
   return s;
 }
 
-// An interval's plan the runtime could not take (a bad_alloc) is not lost: the hi set has moved
-// on, so the driver hands the plan over before the next interval's or the next barrier's, and a
-// barrier whose hand-over throws changes nothing.
 // A move that shrinks the hi set evicts the members it drops before the experts' resize; when a
 // later step (here the KV pool's growth) refuses, the previous split is back in force, and so are
 // those members: handed back as hi targets, their hi versions are loaded again at once (before
@@ -1521,6 +1518,9 @@ TEST(ExpertRuntimeTiers, FourPoolDriverHandsBackTheMembersOfARefusedMove) {
   EXPECT_LE(experts.used(), experts.capacity());
 }
 
+// An interval's plan the runtime could not take (a bad_alloc) is not lost: the hi set has moved
+// on, so the driver hands the plan over before the next interval's or the next barrier's, and a
+// barrier whose hand-over throws changes nothing.
 TEST(ExpertRuntimeTiers, FourPoolDriverHandsOverAPlanTheRuntimeRefused) {
   tiered_world w;
   const std::uint64_t total = 8 * w.page_rounded(precision::bf16) + 16 * w.page_rounded(precision::int4) + 32 * 4096;

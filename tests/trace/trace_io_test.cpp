@@ -542,7 +542,6 @@ TEST(TraceIo, BadVersionFourNamesByteOffsetAndField) {
   EXPECT_EQ(expage::parse_binary(bytes_of(other), mixtral(), "o.bin"), t);
 }
 
-// Sequence ids are labels, not indices: the largest one costs no memory.
 // A prefill record at step 2^32 - 1 (it has no next step): the same format_error, naming the
 // field, from the in-memory and the streaming readers, with or without optional fields. The plain
 // records' quick decoder let it through: the stream delivered it, and parse_binary() failed later
@@ -567,7 +566,8 @@ TEST(BinaryTraceReader, APrefillStepWithoutANextStepIsAFormatErrorInEveryReader)
     expage::testing::put_le<std::uint32_t>(w, last + 4, 0xFFFFFFFFU);  // step
     w[last + 12] = std::byte{1};                                       // phase: prefill
     reseal_binary(bytes);
-    const std::string says = fmt::format("byte {}: field 'step': 4294967295 out of range", last);  // the record's offset
+    const std::string says =
+        fmt::format("byte {}: field 'step': 4294967295 out of range", last);  // the record's offset
     try {
       (void)expage::parse_binary(bytes_of(bytes), g, "p.bin");
       ADD_FAILURE() << "parse_binary accepted it";
@@ -794,6 +794,7 @@ TEST(BinaryTraceReader, LargeTracesDecodeAheadWithTheSameEventsAndVerdicts) {  /
   }
 }
 
+// Sequence ids are labels, not indices: the largest one costs no memory.
 TEST(TraceIo, HugeSequenceIdsCostNothing) {
   const routing_trace t = expage::parse_jsonl(
       R"({"sequence":4294967295,"step":1,"layer":0,"experts":[0,1],"weights":[1,1]})"

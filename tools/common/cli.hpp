@@ -343,8 +343,6 @@ inline expage::routing_trace read_checked_trace(const std::string& path, const e
   return t;
 }
 
-/// The help lines of parse_synthetic_flag()'s flags, indented to stand under a `--synthetic` (or
-/// `synth`) line, without a final newline: every tool's `{synthetic}` line in its usage text.
 /// What a tool prints when it ends on @p e: its message; for a bare std::bad_alloc or
 /// std::length_error, whose messages name nothing, what ran out and what to change (expage's own
 /// out_of_budget and out_of_memory name the request: their message as it is).
@@ -360,6 +358,8 @@ inline std::string failure_message(const std::exception& e) {
   return e.what();
 }
 
+/// The help lines of parse_synthetic_flag()'s flags, indented to stand under a `--synthetic` (or
+/// `synth`) line, without a final newline: every tool's `{synthetic}` line in its usage text.
 inline std::string synthetic_flags_help() {
   const expage::synthetic_options defaults = default_synthetic();
   return fmt::format(

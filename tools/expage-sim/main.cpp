@@ -88,7 +88,8 @@ model, hardware and cache:
                         experts predicted with probability >= T (default 0.5) (default none)
   --pooling P           how co-activation pools the earlier layers: mean (WiSP App. C) or log-odds
                         (each layer's lift added to the frequency's log-odds) (default log-odds)
-  --coactivation-window N  earlier layers co-activation conditions on, [1, 64] (default 4)
+  --coactivation-window N  earlier layers co-activation conditions on, [1, 64] (default 4), and at
+                           most 2^28 / (layers x experts^2): its table is dense
   --coactivation-decay X   weight of each layer further back, (0, 1] (default 1)
   --distance D          prefetch distance in layer groups (default 2)
   --forecast-distance F layers ahead an online predictor forecasts for prefetch-aware eviction,
@@ -579,6 +580,22 @@ int main(int argc, char** argv) {
     expage::synthetic_options synth = c.synth;
     synth.batch_size = c.batch.value_or(1);
     if (c.synthetic) expage_tools::check_synthetic(g, synth);
+    // The co-activation predictor's dense pair table (layers × window × E² cells) is checked
+    // here, before the trace is read, with the window this geometry allows.
+    if (std::ranges::any_of(c.prefetch, [](const prefetch_choice& p) { return p.predictor == "coactivation"; })) {
+      const std::uint64_t per_window = expage::saturating_product(
+          {g.layers(), std::uint64_t{g.experts_per_layer()}, std::uint64_t{g.experts_per_layer()}});
+      if (expage::saturating_product({per_window, c.coactivation_window}) > expage::max_dense_table_cells) {
+        throw usage_error{
+            fmt::format("--coactivation-window {}: the co-activation table of {} layers x {} x {}^2 experts is above "
+                        "max_dense_table_cells (2^28 cells): {} for geometry '{}'",
+                        c.coactivation_window, g.layers(), c.coactivation_window, g.experts_per_layer(),
+                        per_window > expage::max_dense_table_cells
+                            ? std::string("no window fits")
+                            : fmt::format("at most {}", expage::max_dense_table_cells / per_window),
+                        g.name())};
+      }
+    }
     // Ratios and capacities are checked before the trace is read.
     for (const auto& r : c.ratios) {
       try {
@@ -731,7 +748,7 @@ int main(int argc, char** argv) {
     pool.reserve(threads - 1);
     try {
       for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
-    } catch (const std::system_error& e) {
+    } catch (const std::exception& e) {  // std::system_error, or the thread's state: bad_alloc
       // No more threads to be had (a process or memory limit): the work is shared by the threads
       // started and this one, which take jobs until none is left.
       fmt::print(stderr, "expage-sim: note: {} of {} threads could be started ({}); running on those\n",

@@ -298,8 +298,10 @@ struct four_pool_statistics {
 ///     const auto d = c.step();
 ///     bool ok = true;
 ///     if (d.moved) {
-///       rt.update_targets(d.to_targets());
-///       ok = apply_in_order(d.steps);                   // resize_tiers() and the KV pool's resize
+///       // resize_tiers() and the KV pool's resize in order, the dropped members' evictions
+///       // (d.to_targets()) just before the experts' resize; a refused step undoes the ones
+///       // applied and hands those members back as resident_hi (four_pool_driver does all this)
+///       ok = apply_in_order(d.steps, [&] { rt.update_targets(d.to_targets()); });
 ///       c.commit(d, ok);
 ///     }
 ///     c.new_burst();

@@ -173,7 +173,9 @@ class four_pool_driver {
   /// @throws what a step throws (a KV callback's, a runtime's), after the steps applied are undone
   /// and the decision is committed as not applied (the next burst started), or, after a move into
   /// a split without a lo tier that holds, what handing the runtime its evictions threw (the move
-  /// committed as applied);
+  /// committed as applied), or, after a refused move whose sizes were restored, what handing the
+  /// dropped members back threw (a bad_alloc: the previous split in force, those members not
+  /// targeted until the next end_interval() lists them);
   /// std::runtime_error when a step failed and undoing the steps applied failed too: the runtime,
   /// its account or the KV pool may then hold part of the new split, and the controller the old;
   /// what handing over an interval's plan that end_interval() kept throws, before the step
@@ -292,8 +294,8 @@ class four_pool_driver {
         std::vector<residency_target> back = d.to_targets();
         for (residency_target& b : back) b.state = residency_state::resident_hi;
         runtime_->update_targets(back);
-      } catch (...) {
-        restored = false;
+      } catch (...) {  // the sizes are back; the members are not: that error reaches the caller
+        if (!error) error = std::current_exception();
       }
     }
     ++refused_;
