@@ -77,6 +77,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <new>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -84,6 +85,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <typeinfo>
 #include <vector>
 
 #include <fcntl.h>
@@ -151,6 +153,18 @@ std::uint64_t parse_uint(std::string_view flag, std::string_view v, std::uint64_
   return x;
 }
 
+// A whole percentage in [1%, 100%] (@p example in the message), as a share.
+double parse_percent(std::string_view flag, std::string_view v, std::string_view example) {
+  if (v.empty() || v.back() != '%') usage(fmt::format("{} '{}' must be a percentage, e.g. {}", flag, v, example));
+  const std::string_view digits = v.substr(0, v.size() - 1);
+  std::uint64_t percent = 0;
+  const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), percent);
+  if (ec != std::errc{} || end != digits.data() + digits.size() || percent < 1 || percent > 100) {
+    usage(fmt::format("{} '{}' is not a whole percentage in [1%, 100%]", flag, v));
+  }
+  return static_cast<double>(percent) / 100.0;
+}
+
 options parse(int argc, char** argv) {
   options o;
   std::string_view tier_option;         // the last of --hi-share, --hi-per-layer, --interval given
@@ -176,9 +190,7 @@ options parse(int argc, char** argv) {
     } else if (a == "--tokens") {
       o.tokens = static_cast<std::uint32_t>(parse_uint(a, value(), 1, 1U << 24));
     } else if (a == "--budget") {
-      std::string v(value());
-      if (v.empty() || v.back() != '%') usage(fmt::format("--budget '{}' must be a percentage, e.g. 25%", v));
-      o.budget = static_cast<double>(parse_uint(a, std::string_view(v).substr(0, v.size() - 1), 1, 100)) / 100.0;
+      o.budget = parse_percent(a, value(), "25%");
     } else if (a == "--trace") {
       o.trace = value();
     } else if (a == "--problem") {
@@ -210,9 +222,7 @@ options parse(int argc, char** argv) {
       o.lo_format = v == "int4" ? precision::int4 : precision::int8;
     } else if (a == "--hi-share") {
       tier_option = sizing_option = a;
-      std::string v(value());
-      if (v.empty() || v.back() != '%') usage(fmt::format("--hi-share '{}' must be a percentage, e.g. 50%", v));
-      o.hi_share = static_cast<double>(parse_uint(a, std::string_view(v).substr(0, v.size() - 1), 0, 100)) / 100.0;
+      o.hi_share = parse_percent(a, value(), "50%");  // from 1%: 0% would leave the hot set no hi slot
     } else if (a == "--hi-per-layer") {
       tier_option = sizing_option = a;
       o.hi_per_layer = static_cast<std::uint32_t>(parse_uint(a, value(), 1, 1U << 20));
@@ -291,7 +301,8 @@ options parse(int argc, char** argv) {
           "controller splits it every --burst passes (default 8) for the modelled --hardware (default\n"
           "pcie4) and a KV workload of the --kv-sessions preset (phase-shift, tool-calls, long-context;\n"
           "default phase-shift), a token's KV taking --kv-per-token bytes (default: the busiest pass's KV\n"
-          "is a quarter of B)");
+          "is a quarter of B)\n"
+          "A flag given twice takes its last value (tools/dev/demo.sh passes its arguments after its own).");
       std::exit(expage::finish_standard_output("moe_decode") ? 0 : 1);
     } else {
       usage(fmt::format("unknown option '{}' (see --help)", a));
@@ -1608,8 +1619,9 @@ std::vector<step_routing> load_trace(const options& o, const expage::moe_geometr
   for (const expage::routing_event e : trace) {
     if (o.problem != std::numeric_limits<std::uint32_t>::max() && e.sequence != o.problem) continue;
     if (steps.empty() || steps.back().layer != e.layer || steps.back().tokens.size() == g.experts_per_layer()) {
-      // A pass starts at layer 0 after another layer (a split layer 0 is one pass, not several).
-      const bool new_pass = e.layer == 0 && (steps.empty() || steps.back().layer != 0);
+      // A pass starts at an earlier layer than the step before, as ends_pass() ends one (a split
+      // layer is one pass, not several; a pass whose layer 0 lost its row still starts).
+      const bool new_pass = steps.empty() || e.layer < steps.back().layer;
       if (new_pass && o.tokens != 0 && ++tokens > o.tokens) break;
       steps.push_back({.layer = e.layer, .tokens = {}, .ids = {}, .weights = {}});
     }
@@ -1910,6 +1922,14 @@ int run_main(int argc, char** argv) {
   } catch (const usage_error& e) {
     fmt::print(stderr, "moe_decode: {}\n", e.what());
     return 2;
+  } catch (const std::bad_alloc& e) {
+    // A bare bad_alloc names nothing (the budget's own out_of_budget / out_of_memory name the request).
+    fmt::print(stderr, "moe_decode: {}{}\n", e.what(),
+               typeid(e) == typeid(std::bad_alloc)
+                   ? ": out of memory: lower --host-limit (0 holds no weights: the loader generates them), raise "
+                     "--scale, or raise the process's memory limit"
+                   : "");
+    return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "moe_decode: {}\n", e.what());
     return 1;
