@@ -67,10 +67,10 @@ moe_geometry parse_geometry(std::string_view text, std::string_view source) {
     for (const auto& [key, unused] : doc.members) found = found || key == required;
     if (!found) reader.fail_at(doc.column, fmt::format("field '{}' missing", required));
   }
+  // A relation between fields (top_k above the experts, ...) is the constructor's: named with the file.
   try {
     return moe_geometry(std::move(cfg));
-  } catch (
-      const invalid_argument& e) {  // a relation between fields (top_k above the experts, ...): named with the file
+  } catch (const invalid_argument& e) {
     throw invalid_argument(fmt::format("{}: {}", source, e.what()));
   }
 }

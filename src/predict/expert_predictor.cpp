@@ -140,12 +140,11 @@ coactivation_predictor::coactivation_predictor(std::uint32_t layers, std::uint32
     throw invalid_argument(fmt::format("coactivation_predictor: decay {} out of range (0, 1]", decay));
   }
   // The pair counts are dense: refused before they are allocated.
-  const std::uint64_t e = experts_per_layer;
-  if (const std::uint64_t cells = saturating_product({layers, window, e, e}); cells > max_dense_table_cells) {
+  if (const std::uint64_t cells = pair_cells(layers, window, experts_per_layer); cells > max_dense_table_cells) {
     throw invalid_argument(fmt::format(
         "coactivation_predictor: {} layers × window {} × {}^2 experts = {} pair cells out of range [0, 2^28] (the "
         "table is dense)",
-        layers, window, e, cells));
+        layers, window, experts_per_layer, cells));
   }
   reset();
 }

@@ -38,7 +38,6 @@
 #include <set>
 #include <span>
 #include <string>
-#include <system_error>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -583,9 +582,10 @@ int main(int argc, char** argv) {
     // The co-activation predictor's dense pair table (layers × window × E² cells) is checked
     // here, before the trace is read, with the window this geometry allows.
     if (std::ranges::any_of(c.prefetch, [](const prefetch_choice& p) { return p.predictor == "coactivation"; })) {
-      const std::uint64_t per_window = expage::saturating_product(
-          {g.layers(), std::uint64_t{g.experts_per_layer()}, std::uint64_t{g.experts_per_layer()}});
-      if (expage::saturating_product({per_window, c.coactivation_window}) > expage::max_dense_table_cells) {
+      using expage::coactivation_predictor;
+      const std::uint64_t per_window = coactivation_predictor::pair_cells(g.layers(), 1, g.experts_per_layer());
+      if (coactivation_predictor::pair_cells(g.layers(), c.coactivation_window, g.experts_per_layer()) >
+          expage::max_dense_table_cells) {
         throw usage_error{
             fmt::format("--coactivation-window {}: the co-activation table of {} layers x {} x {}^2 experts is above "
                         "max_dense_table_cells (2^28 cells): {} for geometry '{}'",
@@ -748,7 +748,7 @@ int main(int argc, char** argv) {
     pool.reserve(threads - 1);
     try {
       for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
-    } catch (const std::exception& e) {  // std::system_error, or the thread's state: bad_alloc
+    } catch (const std::exception& e) {  // std::system_error, or the thread's state: std::bad_alloc
       // No more threads to be had (a process or memory limit): the work is shared by the threads
       // started and this one, which take jobs until none is left.
       fmt::print(stderr, "expage-sim: note: {} of {} threads could be started ({}); running on those\n",

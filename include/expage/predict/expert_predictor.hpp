@@ -8,6 +8,7 @@
 /// later layer (predict()). Every predictor is online: it learns only from what it has observed.
 #pragma once
 
+#include "expage/core/error.hpp"
 #include "expage/core/expert_id.hpp"
 
 #include <cmath>
@@ -158,6 +159,13 @@ class coactivation_predictor final : public expert_predictor {
  public:
   /// Earlier layers pooled by default (tuned on problem 0 of the Mixtral trace).
   static constexpr std::uint32_t default_window = 4;
+  /// The cells of the dense pair table for @p layers × @p window × @p experts_per_layer² (UINT64_MAX
+  /// when the product overflows), which the constructor refuses above max_dense_table_cells: what
+  /// a caller checks a window against before it builds one.
+  [[nodiscard]] static constexpr std::uint64_t pair_cells(std::uint64_t layers, std::uint64_t window,
+                                                          std::uint64_t experts_per_layer) noexcept {
+    return saturating_product({layers, window, experts_per_layer, experts_per_layer});
+  }
   /// The default weight of each layer further back (1: every layer of the window counts alike).
   static constexpr double default_decay = 1.0;
   /// The default pooling: log-odds (the mean's figures are in docs/prefetch.md).
