@@ -230,6 +230,7 @@ budget_tracker::budget_tracker(std::size_t capacity, std::string root_name) {
   check_capacity(root_name, capacity);
   accounts_.push_back(
       std::unique_ptr<budget_account>(new budget_account(*this, nullptr, std::move(root_name), capacity)));
+  root_ = accounts_.front().get();
 }
 
 budget_tracker::~budget_tracker() {

@@ -10,6 +10,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -197,12 +198,21 @@ host_vmm::physical_block host_vmm::create() {
   const std::lock_guard lock(mutex_);
   const std::uint32_t slot = table_.next_slot();
   if (slot >= file_slots_) {
-    // Grow geometrically: the file is sparse, so its size costs nothing.
-    const std::size_t max_slots = std::min<std::size_t>(
+    // Grow geometrically: the file is sparse, so its size costs nothing. Its size counts against
+    // RLIMIT_FSIZE, and growing past that limit raises SIGXFSZ (which kills the process unless
+    // handled): stay within it and say so instead.
+    std::size_t max_slots = std::min<std::size_t>(
         detail::vmm_table::no_slot - 1, static_cast<std::size_t>(std::numeric_limits<off_t>::max()) / granularity_);
+    ::rlimit file_size{};
+    const bool limited = ::getrlimit(RLIMIT_FSIZE, &file_size) == 0 && file_size.rlim_cur != RLIM_INFINITY;
+    if (limited) max_slots = std::min<std::size_t>(max_slots, static_cast<std::size_t>(file_size.rlim_cur / granularity_));
     if (file_slots_ >= max_slots) {
-      throw out_of_memory(fmt::format("host_vmm::create: {} blocks of {} already exist (the most one memfd holds)",
-                                      file_slots_, granularity_));
+      throw out_of_memory(
+          limited ? fmt::format("host_vmm::create: {} blocks of {} already exist, the most the file size limit "
+                                "(RLIMIT_FSIZE, {} bytes) lets one memfd hold",
+                                file_slots_, granularity_, file_size.rlim_cur)
+                  : fmt::format("host_vmm::create: {} blocks of {} already exist (the most one memfd holds)",
+                                file_slots_, granularity_));
     }
     const std::size_t grown = std::min(max_slots, std::max<std::size_t>(16, file_slots_ * 2));
     if (::ftruncate(fd_, static_cast<off_t>(grown * granularity_)) != 0) {

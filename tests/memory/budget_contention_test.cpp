@@ -8,6 +8,7 @@
 #include <barrier>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -178,6 +179,29 @@ TEST(BudgetContention, ResizesNeverInflateThePeakOrUsage) {
   EXPECT_EQ(bad_reads.load(), 0U);
   EXPECT_LE(acct.statistics().peak, 8U * thread_count) << "a peak read mid-resize";
   EXPECT_EQ(acct.used(), 0U);
+}
+
+// root() and the tracker's try_reserve() take no lock, while add_account() grows the list of
+// accounts under one: the root is read from a member set once, never from that list (whose
+// buffer a reallocation frees; ASan and TSan report the read without it).
+TEST(BudgetContention, ReservingOnTheRootWhileAccountsAreAddedReadsNoFreedMemory) {
+  budget_tracker t(1 << 20);
+  std::atomic<bool> added{false};
+  std::barrier start(2);
+  std::thread adder([&] {
+    start.arrive_and_wait();
+    for (int i = 0; i < 2000; ++i) (void)t.add_account("account_" + std::to_string(i), 64);
+    added = true;
+  });
+  start.arrive_and_wait();
+  std::uint64_t granted = 0;
+  for (std::uint64_t i = 0; !added.load(); ++i) {
+    if (reservation r = t.try_reserve(8)) ++granted;
+    (void)t.add_account("root_side_" + std::to_string(i), 8);  // root() before the lock
+  }
+  adder.join();
+  EXPECT_GT(granted, 0U);
+  EXPECT_EQ(t.root().used(), 0U);
 }
 
 }  // namespace

@@ -162,8 +162,13 @@ TEST(VmmBlockPool, ChargesLeasesAndReusesBlocks) {
   EXPECT_THROW((void)pool.acquire(0), invalid_argument);
   EXPECT_THROW((void)pool.acquire(13), invalid_argument);
   EXPECT_THROW(vmm_block_pool(vm, acct, {.max_blocks = 0}), invalid_argument);
-  // A lease's charge, blocks × granularity, must fit a size_t.
-  EXPECT_THROW(vmm_block_pool(vm, acct, {.max_blocks = std::numeric_limits<std::size_t>::max() / 2}), invalid_argument);
+  // A lease's charge, blocks × granularity, must be a size a budget reserves (≤ max_bytes); the
+  // largest such limit is accepted without sizing anything to it.
+  const std::size_t most = max_bytes / vm.granularity();
+  EXPECT_THROW(vmm_block_pool(vm, acct, {.max_blocks = most + 1}), invalid_argument);
+  vmm_block_pool unbounded(vm, acct, {.max_blocks = most, .initial_blocks = 1});
+  auto c = unbounded.acquire(3);
+  EXPECT_EQ(unbounded.created(), 3U);
 }
 
 TEST(VmmBlockPool, ReachesItsLimitCleanly) {

@@ -8,12 +8,15 @@
 #include <gtest/gtest.h>
 
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace expage::testing {
@@ -129,6 +132,31 @@ TEST(HostVmmDeathTest, TouchingAnUnmappedGranuleFaults) {
   vm.unmap(base + g, g);
   vm.release(b);
   vm.free(base);
+}
+
+// The memfd's size counts against RLIMIT_FSIZE, and growing it past the limit raises SIGXFSZ,
+// which kills the process: create() stops at the limit with out_of_memory naming it. Run in a
+// child, which alone gets the limit (exit 0: stopped at block 64 with the message).
+TEST(HostVmmDeathTest, CreateStopsAtTheFileSizeLimitInsteadOfRaisingSigxfsz) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        host_vmm vm(host_vmm::options{.granularity = 64_KiB});
+        ::rlimit limit{};
+        if (::getrlimit(RLIMIT_FSIZE, &limit) != 0) std::_Exit(2);
+        limit.rlim_cur = 64 * vm.granularity();
+        if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) std::_Exit(2);
+        for (int made = 0; made <= 256; ++made) {
+          try {
+            (void)vm.create();
+          } catch (const out_of_memory& e) {
+            const bool named = std::string_view(e.what()).find("RLIMIT_FSIZE") != std::string_view::npos;
+            std::_Exit(made == 64 && named ? 0 : 3);
+          }
+        }
+        std::_Exit(4);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 TEST(HostVmm, UnmapLeavesNoHole) {

@@ -348,9 +348,9 @@ class budget_tracker {
   ~budget_tracker();
 
   /// The root account (the device budget).
-  [[nodiscard]] budget_account& root() noexcept { return *accounts_.front(); }
+  [[nodiscard]] budget_account& root() noexcept { return *root_; }
   /// The root account (the device budget).
-  [[nodiscard]] const budget_account& root() const noexcept { return *accounts_.front(); }
+  [[nodiscard]] const budget_account& root() const noexcept { return *root_; }
 
   /// Adds an account under the root.
   /// @throws expage::invalid_argument for a duplicate or malformed name or a capacity above max_bytes.
@@ -382,6 +382,9 @@ class budget_tracker {
   friend class budget_account;
   mutable std::mutex mutex_;  // guards accounts_ (its structure) and serializes set_capacity()
   std::vector<std::unique_ptr<budget_account>> accounts_;
+  // accounts_.front(), set once by the constructor: root() reads it without the mutex while
+  // add_account() may be reallocating accounts_ (the accounts themselves never move).
+  budget_account* root_ = nullptr;
 };
 
 // --- inline hot paths ------------------------------------------------------------

@@ -58,6 +58,8 @@ class tensor_storage {
   };
 
   /// Allocates the slots of every expert of @p geometry, tensors in @p format, from @p memory.
+  /// The storage gives its blocks back to @p memory when destroyed, so @p memory must outlive it
+  /// (moved storage included: a factory that returns one must not allocate from a local backend).
   /// @throws expage::invalid_argument when the store's size overflows.
   /// @throws whatever @p memory's allocate() throws (nothing is kept).
   template <physical_memory Memory>

@@ -10,8 +10,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstddef>
-#include <limits>
 #include <mutex>
 #include <span>
 #include <string>
@@ -102,21 +102,24 @@ class vmm_block_pool {
   };
 
   /// A pool of @p vmm's blocks charging @p account.
-  /// @throws expage::invalid_argument for max_blocks 0 or with a byte size that overflows, or
-  /// initial_blocks above it.
+  /// @throws expage::invalid_argument for max_blocks 0 or with a byte size above
+  /// expage::max_bytes, or initial_blocks above it.
   /// @throws whatever the backend's create() throws for the initial blocks (nothing is kept).
   vmm_block_pool(Vmm& vmm, budget_account& account, options opts) : vmm_(&vmm), account_(&account), options_(opts) {
     if (opts.max_blocks == 0 || opts.initial_blocks > opts.max_blocks) {
       throw invalid_argument(fmt::format("vmm_block_pool: max_blocks {} must be ≥ 1 and initial_blocks {} in [0, {}]",
                                          opts.max_blocks, opts.initial_blocks, opts.max_blocks));
     }
-    // n · granularity, the charge of a lease of n ≤ max_blocks blocks, must not overflow.
-    const std::size_t most = std::numeric_limits<std::size_t>::max() / vmm.granularity();
+    // n · granularity, the charge of a lease of n ≤ max_blocks blocks, must be a size a budget
+    // can reserve.
+    const std::size_t most = max_bytes / vmm.granularity();
     if (opts.max_blocks > most) {
       throw invalid_argument(fmt::format("vmm_block_pool: max_blocks {} out of range [1, {}] (blocks of {} bytes)",
                                          opts.max_blocks, most, vmm.granularity()));
     }
-    free_.reserve(opts.max_blocks);
+    // The free list grows with the blocks created (acquire()), not to max_blocks up front: a
+    // limit of millions of host pages would otherwise cost 8 bytes each before any is used.
+    free_.reserve(opts.initial_blocks);
     try {
       while (created_ < opts.initial_blocks) {
         free_.push_back(vmm.create());
@@ -139,6 +142,7 @@ class vmm_block_pool {
   /// @throws expage::invalid_argument when @p n is 0 or above max_blocks.
   /// @throws expage::out_of_budget when the account refuses.
   /// @throws expage::out_of_memory when max_blocks would be exceeded, or what the backend's create() throws.
+  /// @throws std::bad_alloc when the free list cannot grow to the blocks created (nothing changes).
   [[nodiscard]] lease acquire(std::size_t n) {
     if (n == 0 || n > options_.max_blocks) {
       throw invalid_argument(
@@ -153,6 +157,11 @@ class vmm_block_pool {
       throw out_of_memory(
           fmt::format("vmm_block_pool: {} blocks requested, {} free and {} more may be created (max {})", n,
                       free_.size(), options_.max_blocks - created_, options_.max_blocks));
+    }
+    // Room for every block this pool will have created, before creating any: give_back() then
+    // never reallocates, and a bad_alloc here leaves nothing to undo (the charge is released).
+    if (free_.capacity() < created_ + missing) {
+      free_.reserve(std::max(created_ + missing, std::min(options_.max_blocks, 2 * free_.capacity())));
     }
     std::size_t made = 0;
     try {
@@ -204,7 +213,7 @@ class vmm_block_pool {
     const std::lock_guard lock(mutex_);
     for (const block& b : blocks) {
       EXPAGE_ASSERT(vmm_->state(b) == block_state::created, "vmm_block_pool: a returned block is still mapped");
-      free_.push_back(b);  // capacity max_blocks reserved: never reallocates
+      free_.push_back(b);  // capacity ≥ created_ (acquire()): never reallocates
     }
     leased_ -= blocks.size();
   }
