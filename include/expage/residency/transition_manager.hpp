@@ -63,8 +63,9 @@ struct version_class {
 
 /// @brief Construction parameters of a transition_manager.
 struct transition_manager_options {
-  /// Bytes issued between two step() calls, in whole transitions (the first of a step always goes,
-  /// so a cap below one version moves one per step); 0: no cap (llama.cpp #27861).
+  /// Bytes issued between two step() calls (each transition counts its expert's bytes), in whole
+  /// transitions (the first of a step always goes, so a cap below one version moves one per
+  /// step); 0: no cap (llama.cpp #27861).
   std::uint64_t max_bytes_per_step = 0;
   std::size_t max_in_flight = 4;  ///< Copies in flight at once (staging slots), ≥ 1.
 };
@@ -81,7 +82,7 @@ struct transition_manager_statistics {
   std::uint64_t deferred_step_cap = 0;  ///< Steps in which issuing stopped at the per-step byte cap.
   std::uint64_t refused_pinned = 0;     ///< Times an eviction waited because an open window pinned the expert.
   std::uint64_t failed = 0;             ///< Transitions that threw while issuing (the handle kept its version).
-  std::uint64_t bytes_moved = 0;        ///< Bytes the published transitions copied.
+  std::uint64_t bytes_moved = 0;        ///< Bytes the published transitions copied (their experts, not their blocks).
   std::size_t queued = 0;               ///< Requests waiting now.
   std::size_t in_flight = 0;            ///< Copies in flight now.
   /// Nanoseconds the managed experts spent in each residency_state (indexed by the enum's value).
@@ -160,9 +161,15 @@ class transition_manager {
     if (options.max_in_flight == 0) {
       throw invalid_argument("transition_manager: max_in_flight 0 out of range [1, 2^64)");
     }
-    if (staging != nullptr && staging->block_size() < classes_[0].pool->block_size()) {
-      throw invalid_argument(fmt::format("transition_manager: staging blocks of {} bytes cannot hold a {}-byte version",
-                                         staging->block_size(), classes_[0].pool->block_size()));
+    // A version is staged in one staging block of its class's block size (issue_update()): the
+    // staging blocks must be at least as large as either class's, the low one included (int8
+    // versions, with their zero points, outweigh fp8 ones).
+    for (const version_class<Stream, Memory>& c : classes_) {
+      if (staging != nullptr && staging->block_size() < c.pool->block_size()) {
+        throw invalid_argument(fmt::format(
+            "transition_manager: staging blocks of {} bytes cannot hold a {} version's {}-byte block",
+            staging->block_size(), to_string(c.format), c.pool->block_size()));
+      }
     }
     for (std::size_t i = 0; i < last_state_.size(); ++i) last_state_[i] = table.state(table.geometry().expert_at(i));
     worker_ = std::thread([this] { run(); });
@@ -367,6 +374,11 @@ class transition_manager {
     return r;
   }
 
+  // The bytes a transition into class `c` copies: its expert, not the block that holds it.
+  [[nodiscard]] std::uint64_t copied_bytes(const version_class<Stream, Memory>& c) const noexcept {
+    return table_->geometry().expert_bytes(c.format);
+  }
+
   // The class whose versions a transition to `to` (resident_hi or resident_lo) loads.
   [[nodiscard]] const version_class<Stream, Memory>& class_for(residency_state to) const noexcept {
     return classes_[to == residency_state::resident_hi ? 0 : 1];
@@ -435,7 +447,7 @@ class transition_manager {
       const std::lock_guard lock(mutex_);
       note_state(flat(id), began);
     }
-    out.emplace(flight{std::move(*t), std::move(done), bytes, std::move(staged)});
+    out.emplace(flight{std::move(*t), std::move(done), copied_bytes(c), std::move(staged)});
     return attempt::issued;
   }
 
@@ -480,6 +492,7 @@ class transition_manager {
         }
         f.guard.abort();
         const std::lock_guard lock(mutex_);
+        note_state(flat(id), table_->state(id));  // back in its state: the transitional one ends here
         ++stats_.failed;
         --stats_.in_flight;
         flights.erase(flights.begin() + static_cast<std::ptrdiff_t>(i));
@@ -539,7 +552,7 @@ class transition_manager {
         // the next step (the first of a step always goes, so a cap below one version still moves
         // one per step).
         if (options_.max_bytes_per_step != 0 && to != residency_state::absent && bytes_this_step_ != 0 &&
-            bytes_this_step_ + class_for(to).pool->block_size() > options_.max_bytes_per_step) {
+            bytes_this_step_ + copied_bytes(class_for(to)) > options_.max_bytes_per_step) {
           updates_.push_front(id);
           if (!capped_this_step_) ++stats_.deferred_step_cap;
           capped_this_step_ = true;
@@ -589,6 +602,13 @@ class transition_manager {
         lock.unlock();
         reap(flights, true);
         lock.lock();
+        continue;
+      }
+      // A request queued while this pass was unlocked (in issue_*) was not among its tries:
+      // another pass before the idle signal, or wait_idle() would return with it untried.
+      if (wake_) {
+        wake_ = false;
+        tight_ = false;
         continue;
       }
       ++idle_generation_;
