@@ -181,9 +181,10 @@ memory_split live_split(const split_model& model, std::uint64_t peak_kv_blocks, 
                           model.experts_per_layer, (model.budget_bytes - kv_target) / model.slot_bytes)));
   // Cap dead zone (App. D): keep the current cap for small moves, unless it would break Eq. 8.
   const std::uint32_t distance = cap > current_cap ? cap - current_cap : current_cap - cap;
-  const std::uint64_t current_bytes = std::uint64_t{current_cap} * model.slot_bytes;
-  if (distance < cap_dead_zone && current_cap >= model.min_expert_cap && current_bytes <= model.budget_bytes &&
-      model.budget_bytes - current_bytes >= kv_target) {
+  // Whether the current cap fits is asked by division first: c·S_E could wrap past 2^64.
+  if (distance < cap_dead_zone && current_cap >= model.min_expert_cap &&
+      current_cap <= model.budget_bytes / model.slot_bytes &&
+      model.budget_bytes - std::uint64_t{current_cap} * model.slot_bytes >= kv_target) {
     cap = current_cap;
   }
   return make_split(model, cap, 0.0);  // Eq. 10: B_KV = B − c·S_E

@@ -200,6 +200,12 @@ cost_model make_cost_model(const moe_geometry& geometry, const hardware_profile&
             std::min(scale, static_cast<double>(m.expert_bytes) / (want - l.setup_seconds) / 1e9 / l.gbytes_per_second);
       }
     }
+    if (!std::isfinite(scale) && want > least_setup) {  // above the setup, but the scale overflows
+      throw invalid_argument(fmt::format(
+          "transfer/compute ratio {} out of range: {} x {:.3g} s per layer is too short a transfer to set (the "
+          "links' bandwidth would have to exceed a double)",
+          *ratio, *ratio, layer));
+    }
     if (!std::isfinite(scale)) {
       throw invalid_argument(fmt::format(
           "transfer/compute ratio {} out of range: {} x {:.3g} s per layer does not exceed the links' least setup "

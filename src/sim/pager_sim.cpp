@@ -466,7 +466,7 @@ class engine {
       result_.compute_seconds += compute;
       now = ready + compute;
     }
-    pass_stalls.push_back(pass_stall);
+    if (stream_.groups() != 0) pass_stalls.push_back(pass_stall);  // an empty stream has no pass
     result_.pass_stalls = pass_stalls;
     result_.elapsed_seconds = now;
     finish(pass_stalls);

@@ -162,6 +162,7 @@ split_run evaluate(const split_workload& w, const split_model& m, cap_range rang
   sim_options o = w.expert_options;
   o.layout = cache_layout::per_layer;
   o.prefetch = nullptr;
+  o.max_outstanding_prefetches = 0;  // no prefetcher: its room beside the largest group is not asked for
   o.capacity = cap_of(0);
   o.capacity_schedule.clear();
   std::vector<kv_capacity_change> kv_schedule;

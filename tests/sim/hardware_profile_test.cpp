@@ -142,6 +142,15 @@ TEST(CostModel, RatioRescalesTheLinksExactly) {
       << "a transfer shorter than the link's setup";
   EXPECT_NO_THROW((void)make_cost_model(g, two, precision::bf16, std::nullopt, 1e-9))
       << "the link without setup reaches any time";
+  // Any time a double's bandwidth can reach: a tinier one above the setup (0) is refused as too
+  // short to set, not as "not exceeding the setup 0 s" with a NaN least ratio (review).
+  try {
+    (void)make_cost_model(g, two, precision::bf16, std::nullopt, 1e-300);
+    ADD_FAILURE() << "a ratio of 1e-300 was accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("too short a transfer to set"));
+    EXPECT_THAT(e.what(), ::testing::Not(::testing::HasSubstr("nan")));
+  }
   // The fastest link is the one with the least time per transfer, not the most bandwidth: a
   // slightly wider link with a 2 ms setup is slower at these sizes (it was the one rescaled).
   hardware_profile setup = hardware_profile::preset("pcie4");

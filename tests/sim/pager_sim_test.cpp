@@ -143,6 +143,18 @@ TEST(PagerSim, DemandTimelineByHand) {
   EXPECT_EQ(r.budget_peak_bytes, 4U * 12288U);
 }
 
+// An empty stream has no pass: no per-pass stall to average (it reported one of 0 s).
+TEST(PagerSim, AnEmptyStreamHasNoPass) {
+  const auto g = tiny();
+  const routing_trace empty(g);
+  const access_stream s(empty, 4);
+  const auto r = simulate(s, g, policy_kind::lru, {.capacity = 4});
+  EXPECT_EQ(r.groups, 0U);
+  EXPECT_TRUE(r.pass_stalls.empty());
+  EXPECT_DOUBLE_EQ(r.per_pass.mean, 0.0);
+  EXPECT_DOUBLE_EQ(r.stall_total(), 0.0);
+}
+
 // The same with a perfect prefetcher one group ahead. At t = 0 the demand loads of L0 fill the
 // link until 6; L1's experts are queued behind them. L0 computes 6..8. At 8 the link has been idle
 // since 6: expert 2 started at 6 and lands at 9 (late: in flight), expert 3 had not started and

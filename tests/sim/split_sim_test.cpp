@@ -202,6 +202,11 @@ TEST(SplitSim, AStaticSplitCostsWhatTheSimulatorsSay) {
     EXPECT_EQ(run.invariant_violations, 0U);
     EXPECT_GE(run.min_kv_bytes, m.kv_floor_bytes);
   }
+  // The split runs drop the prefetcher, and with it the room for its outstanding prefetches that
+  // the pager would otherwise ask of the smallest admissible cap (it refused cap 2, review).
+  f.workload.expert_options.max_outstanding_prefetches = 1;
+  const std::uint32_t smallest[] = {caps.front()};
+  EXPECT_NO_THROW((void)evaluate_split_schedule(f.workload, smallest));
 }
 
 // The controller never exceeds the budget or goes below the floor, at every barrier, including

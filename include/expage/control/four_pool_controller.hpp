@@ -287,6 +287,7 @@ struct four_pool_statistics {
 /// @code
 /// expage::four_pool_controller c(model, {}, expage::make_four_pool_split(model, 6, 0));
 /// for (step ...) {
+///   if (start_of_burst) c.new_burst();  // first: the burst's barrier then sees it (settle_bursts counts it)
 ///   for (layer ...) {
 ///     const auto action = c.serve({.hi_ready = rt.is_hi(id), .lo_ready = rt.is_lo(id), ...});
 ///     ...
@@ -304,7 +305,6 @@ struct four_pool_statistics {
 ///       ok = apply_in_order(d.steps, [&] { rt.update_targets(d.to_targets()); });
 ///       c.commit(d, ok);
 ///     }
-///     c.new_burst();
 ///   }
 /// }
 /// @endcode
@@ -351,7 +351,9 @@ class four_pool_controller {
 
   // ---- per burst -------------------------------------------------------------------------------
 
-  /// Starts a burst: decays every histogram by γ.
+  /// Starts a burst: decays every histogram by γ. Call it before the burst's records, so that the
+  /// burst's barrier counts it (a step() after no new_burst() sees bursts() == 0 and never moves
+  /// while settle_bursts, 0 by default, is not exceeded).
   void new_burst() noexcept;
   /// Decides the burst's split (pure: nothing changes until commit()).
   [[nodiscard]] four_pool_decision step() const;
