@@ -5,12 +5,14 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace expage {
 namespace {
@@ -106,6 +108,29 @@ TEST(EventTrace, NonFiniteSpansAreDroppedAndCounted) {
   EXPECT_EQ(text.find("nan"), std::string::npos) << text;
   EXPECT_EQ(text.find("inf"), std::string::npos) << text;
   EXPECT_NE(text.find(R"("t\ufffd")"), std::string::npos) << text;
+}
+
+// Spans are recorded when they end (an enclosing span after what it encloses, a long load after
+// a short one that started later); the file lists them by start, the enclosing one first at a tie.
+TEST(EventTrace, TheFileListsEventsByStartWithAnEnclosingSpanFirst) {
+  event_trace trace(16);
+  const std::uint32_t track = trace.add_track("t");
+  trace.span("inner", "c", track, 5.0, 1.0);
+  trace.span("late", "c", track, 9.0, 1.0);
+  trace.span("outer", "c", track, 5.0, 4.0);
+  trace.span("first", "c", track, 1.0, 20.0);
+  trace.span("tie", "c", track, 5.0, 1.0);  // equal to "inner": recording order
+  std::ostringstream out;
+  trace.write_json(out);
+  const std::string text = std::move(out).str();
+  std::vector<std::size_t> at;
+  for (const char* name : {"\"first\"", "\"outer\"", "\"inner\"", "\"tie\"", "\"late\""}) {
+    at.push_back(text.find(name));
+    ASSERT_NE(at.back(), std::string::npos) << name << " in " << text;
+  }
+  EXPECT_TRUE(std::ranges::is_sorted(at)) << text;
+  ASSERT_EQ(trace.events().size(), 5U);  // events() keeps recording order
+  EXPECT_EQ(trace.events().front().name, "inner");
 }
 
 }  // namespace

@@ -71,8 +71,10 @@ class event_trace {
   /// The capacity.
   [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
 
-  /// Writes `{"traceEvents": [...], "displayTimeUnit": "ms"}` with one thread-name record per track.
-  /// @throws whatever the stream throws; @p out's state tells a failed write.
+  /// Writes `{"traceEvents": [...], "displayTimeUnit": "ms"}` with one thread-name record per track,
+  /// then the events by start time (at one start, a longer span before a shorter one; otherwise in
+  /// recording order). @throws std::bad_alloc (the order is sorted in memory), or whatever the
+  /// stream throws; @p out's state tells a failed write.
   void write_json(std::ostream& out) const;
 
  private:
