@@ -76,7 +76,9 @@ class access_stream {
       : access_stream(trace, group_limit, replay_mode::grouped) {}
   /// Flattens @p trace for @p mode: grouped as above; sequential makes every routed expert a group
   /// of one (groups() == accesses(), next_use() in request order, @p group_limit unused beyond its check).
-  /// @throws expage::invalid_argument as the other constructor, and when @p mode is not a declared enumerator.
+  /// @throws expage::invalid_argument as the other constructor (sequential: a token's experts are
+  ///         not checked against @p group_limit, each being a group of one), and when @p mode is
+  ///         not a declared enumerator.
   access_stream(const routing_trace& trace, std::uint32_t group_limit, replay_mode mode);
 
   [[nodiscard]] std::size_t groups() const noexcept { return layer_.size(); }            ///< Access groups.
