@@ -191,35 +191,42 @@ void coactivation_predictor::observe(std::uint32_t layer, std::span<const expert
 
 void coactivation_predictor::predict(std::uint32_t layer, std::span<float> probability) const {
   check_target("coactivation_predictor", layer, layers_, probability.size(), experts_);
+  // The counts of a layer already observed include this pass in its pairs but not in N: its
+  // "probabilities" would exceed 1.
+  if (seen_[layer] != 0) {
+    throw invalid_argument(fmt::format(
+        "coactivation_predictor: layer {} was already observed in this pass; predict a later one (or begin_pass())",
+        layer));
+  }
   if (pooling_ == coactivation_pooling::log_odds) {
     predict_log_odds(layer, probability);
     return;
   }
   std::vector<double>& score = conditional_;  // the scratch the log-odds path also uses
   score.assign(experts_, 0.0);
+  // The per-layer frequency, in `probability` until the end: the conditional of an expert never
+  // seen at its layer before this pass (it has no pairs), and the answer when no earlier layer of
+  // the window has been observed. (An unseen expert once added nothing and still counted in its
+  // layer's mean, pulling every prediction towards 0.)
+  prior_.predict(layer, probability);
   double weights = 0.0;
   double w = 1.0;
   for (std::uint32_t d = 1; d <= window_ && d <= layer; ++d, w *= decay_) {
     const std::uint32_t from = layer - d;
     if (seen_[from] == 0 || routed_[from].empty()) continue;
     const double share = w / static_cast<double>(routed_[from].size());
-    bool any = false;
     for (const expert_index i : routed_[from]) {
       // Passes before this one in which i fired at `from`: the current pass has not reached the
       // target layer yet, so counting it would bias every conditional down by n / (n + 1).
       const std::uint32_t n = fired_[std::size_t{from} * experts_ + i] - 1;
-      if (n == 0) continue;
-      any = true;
       for (std::uint32_t j = 0; j < experts_; ++j) {
-        score[j] += share * static_cast<double>(pair_[cell(from, d, i, j)]) / static_cast<double>(n);
+        score[j] += share * (n == 0 ? static_cast<double>(probability[j])
+                                    : static_cast<double>(pair_[cell(from, d, i, j)]) / static_cast<double>(n));
       }
     }
-    if (any) weights += w;
+    weights += w;
   }
-  if (weights == 0.0) {  // nothing observed within the window yet: the per-layer frequency
-    prior_.predict(layer, probability);
-    return;
-  }
+  if (weights == 0.0) return;  // nothing observed within the window yet: the per-layer frequency
   for (std::uint32_t j = 0; j < experts_; ++j) probability[j] = static_cast<float>(score[j] / weights);
 }
 
@@ -416,9 +423,17 @@ void fmoe_map_predictor::observe_routing(std::uint32_t layer, const layer_routin
     for (const float v : semantic_now_) semantic_now_norm_ += static_cast<double>(v) * static_cast<double>(v);
   }
   const std::span<float> now(current_.data() + std::size_t{layer} * experts_, experts_);
-  if (seen_[layer] != 0) add_row(layer, -1.0);  // observed again in this pass: its old terms go
+  // seen_: 0 not observed in this pass, 1 observed (a sparse row), 2 observed with a router vector.
+  constexpr std::uint8_t sparse_row = 1;
+  constexpr std::uint8_t vector_row = 2;
+  const std::uint8_t before = seen_[layer];
+  if (before != 0) add_row(layer, -1.0);  // observed again in this pass: its old terms go
   if (!routing.probabilities.empty()) {
     std::ranges::copy(routing.probabilities, now.begin());
+  } else if (before == vector_row) {
+    // A part without a vector after one with it (an engine passing the router's vector with the
+    // first part of a split group only): the vector stays, and weighs this part's experts too.
+    // (The union's 1/n row had turned the softmax's support, every expert, into a uniform row.)
   } else {
     // A sparse router vector: 1/k on the routed experts (the trace has no full probabilities).
     // A layer observed again in the same pass (a split group) takes the union.
@@ -434,8 +449,8 @@ void fmoe_map_predictor::observe_routing(std::uint32_t layer, const layer_routin
     for (const float p : now) routed += p > 0.0F ? 1U : 0U;
     for (float& p : now) p = p > 0.0F ? 1.0F / static_cast<float>(routed) : 0.0F;
   }
-  if (seen_[layer] == 0) ++observed_;
-  seen_[layer] = 1;
+  if (before == 0) ++observed_;
+  seen_[layer] = !routing.probabilities.empty() || before == vector_row ? vector_row : sparse_row;
   // Trajectory search (Eq. 5), incrementally: add this layer's terms to every stored map's sums.
   add_row(layer, 1.0);
   double best = -1.0;

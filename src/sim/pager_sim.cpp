@@ -952,12 +952,14 @@ class engine {
 
   // The guards of cost_benefit admission (sim_options::max_prefetch_overhead and stall_guard),
   // against demand loading with the baseline policy up to this group (shadow_): bytes moved,
-  // counting every outstanding prefetch as if it will be wasted, stay within (1 + share)× the
-  // shadow's plus one transfer; and the stall so far does not exceed the shadow's.
+  // counting every queued prefetch as if it will be wasted, stay within (1 + share)× the shadow's
+  // plus one transfer; and the stall so far does not exceed the shadow's. A prefetch in flight
+  // is counted once, among those started (outstanding_ counts it too: summing both counted it
+  // twice, and refused prefetches within the bound).
   [[nodiscard]] bool within_guards(std::size_t g) const noexcept {
     if (shadow_.empty()) return true;  // both guards off: no shadow was run
     const shadow_point& base = shadow_[g];
-    const double moved = static_cast<double>(result_.demand_misses + started_prefetches_ + outstanding_);
+    const double moved = static_cast<double>(result_.demand_misses + started_prefetches_ + queue_.size());
     if (!within_prefetch_overhead(moved, static_cast<double>(base.misses), options_.max_prefetch_overhead)) {
       return false;
     }

@@ -46,17 +46,14 @@ struct reference_coactivation {
     for (std::uint32_t d = 1; d <= window && d <= target; ++d, w *= decay) {
       const std::uint32_t from = target - d;
       if (from >= current.size() || current[from].empty()) continue;
-      bool any = false;
       double sum = 0.0;
       for (const expert_index i : current[from]) {
         // N: earlier passes in which i fired at `from`; C: those in which j also fired at target.
+        // An i never seen at `from` (N = 0) has no conditional: the frequency stands in for it.
         const std::uint64_t n = count([&](const auto& p) { return fired(p, from, i); });
         const std::uint64_t c = count([&](const auto& p) { return fired(p, from, i) && fired(p, target, j); });
-        if (n == 0) continue;
-        any = true;
-        sum += static_cast<double>(c) / static_cast<double>(n);
+        sum += n == 0 ? frequency(target, j) : static_cast<double>(c) / static_cast<double>(n);
       }
-      if (!any) continue;
       score += w * sum / static_cast<double>(current[from].size());
       weights += w;
     }
@@ -242,6 +239,28 @@ TEST(FmoeMapPredictor, ASplitLayerIsItsUnion) {
       }
     }
   }
+}
+
+// A split group whose engine passes the router's vector with its first part only: the second
+// part, experts alone, keeps that vector (it had become a uniform row over the softmax's support,
+// every expert, and the stored map's trajectory score fell from 1 to 0.69).
+TEST(FmoeMapPredictor, ASplitPartWithoutAVectorKeepsTheVectorOfAnEarlierPart) {
+  fmoe_map_predictor once(2, 4, 1), parts(2, 4, 1);
+  const std::vector<float> softmax{0.1F, 0.2F, 0.3F, 0.4F};
+  const std::vector<expert_index> top{3}, other{1};
+  for (auto* p : {&once, &parts}) {  // one stored map: this vector at layer 0, expert 3 at layer 1
+    p->begin_pass();
+    p->observe_routing(0, {.experts = top, .probabilities = softmax});
+    p->observe(1, top);
+    p->begin_pass();
+    p->observe_routing(0, {.experts = top, .probabilities = softmax});
+  }
+  parts.observe_routing(0, {.experts = other});
+  std::vector<float> a(4), b(4);
+  once.predict(1, a);
+  parts.predict(1, b);
+  EXPECT_EQ(a, b);
+  EXPECT_FLOAT_EQ(b[3], 1.0F);
 }
 
 // A pass that repeats a stored one is found and predicted exactly: its top-k at full confidence.
@@ -465,6 +484,29 @@ TEST(CoactivationPredictor, EqualsTheCountingReferenceOnRandomPasses) {
         }
         ref.passes.push_back(current);
       }
+    }
+  }
+}
+
+// predict() is for layers after the last observed one: a layer already observed counts this pass
+// in its pairs but not in N, and its "probabilities" went above 1 (2.0 after two passes).
+TEST(CoactivationPredictor, RefusesALayerAlreadyObservedInThePass) {
+  for (const auto pooling : {coactivation_pooling::mean, coactivation_pooling::log_odds}) {
+    coactivation_predictor p(3, 4, 1, 4, 1.0, pooling);
+    std::vector<float> got(4);
+    const expert_index zero[] = {0};
+    for (int pass = 0; pass < 3; ++pass) {
+      p.begin_pass();
+      p.observe(0, zero);
+      p.observe(1, zero);
+      try {
+        p.predict(1, got);
+        ADD_FAILURE() << "no error";
+      } catch (const invalid_argument& e) {
+        EXPECT_THAT(e.what(), HasSubstr("layer 1 was already observed in this pass"));
+      }
+      p.predict(2, got);
+      for (const float x : got) EXPECT_LE(x, 1.0F);
     }
   }
 }

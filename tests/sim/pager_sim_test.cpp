@@ -479,6 +479,30 @@ TEST(PagerSim, GuardsSilenceAUselessPrefetcher) {
   }
 }
 
+// A perfect prefetcher into a cache that holds every expert moves exactly demand loading's bytes
+// (each expert once), so even a byte guard with no share never has cause to refuse it. With a
+// prefetch counted twice while in flight (once started, once outstanding) it refused 10 of 40 at
+// r = 1.5, where prefetches are still in flight at the next layer, and stalled 23% longer.
+TEST(PagerSim, TheByteGuardCountsAPrefetchInFlightOnce) {
+  const moe_geometry g(moe_geometry::config{
+      .name = "guard", .layers = 4, .experts_per_layer = 8, .top_k = 1, .hidden_size = 64, .intermediate_size = 32});
+  const routing_trace trace = generate_synthetic(g, {.seed = 3, .sequences = 1, .decode_steps = 40});
+  const access_stream stream(trace, 32);
+  sim_options o{.capacity = 32, .hardware = no_setup(), .transfer_compute_ratio = 1.5};
+  o.stall_guard = false;
+  oracle_prefetcher perfect(2, 1.0);
+  o.prefetch = &perfect;
+  o.max_prefetch_overhead = std::numeric_limits<double>::infinity();
+  const sim_result free = simulate(stream, g, policy_kind::lru, o);
+  o.max_prefetch_overhead = 0.0;
+  const sim_result bounded = simulate(stream, g, policy_kind::lru, o);
+  ASSERT_GT(free.prefetches_issued, 0U);
+  EXPECT_EQ(free.prefetches_wasted, 0U);
+  EXPECT_EQ(bounded.prefetches_refused, 0U);
+  EXPECT_EQ(bounded.prefetches_issued, free.prefetches_issued);
+  EXPECT_DOUBLE_EQ(bounded.stall_total(), free.stall_total());
+}
+
 // A prefetcher whose proposals name a group already served: refused by name, not admitted as a
 // use 2^64 groups ahead (it was, under cost-benefit admission, and evicted residents for nothing).
 class stale_prefetcher final : public prefetcher {

@@ -151,8 +151,10 @@ enum class coactivation_pooling {
 /// dilutes each layer's evidence by the number of layers and leaves every expert near its base
 /// rate; log-odds adds it up. On the Mixtral trace, for the most probable expert not resident at
 /// 64 slots, log-odds covers 11.0% of the misses at 5% wasted transfers against the mean's 7.2%
-/// (problem 1; docs/prefetch.md, "Pooling the layers"). With mean pooling, pairs never seen fall back to
-/// per-layer frequency. The defaults (log-odds, window 4, decay 1) are tuned on problem 0 of the
+/// (problem 1; docs/prefetch.md, "Pooling the layers"). With mean pooling, an expert never seen at
+/// ℓ before the pass (N = 0) contributes the per-layer frequency f(j) to its layer's mean, and f is
+/// the answer while no earlier layer of the window has been observed. predict() refuses a layer
+/// already observed in the pass. The defaults (log-odds, window 4, decay 1) are tuned on problem 0 of the
 /// Mixtral trace; the mean's, WiSP's form, was decay 0.5. The table holds layers × window ×
 /// experts² counters (Mixtral, window 4: 8,192 entries).
 class coactivation_predictor final : public expert_predictor {
@@ -232,12 +234,14 @@ class coactivation_predictor final : public expert_predictor {
 /// map term alone without sketches).
 ///
 /// Rows are the router's probability vectors where observe_routing() passes them; otherwise
-/// (the Mixtral trace records only the top-2) each routed expert gets 1/k (a sparse map, as the
-/// notes prescribe). Before any layer is observed, and with an empty store, the prediction is
-/// uniform k/E. A layer observed twice in a pass (a split group) counts as the union of its
-/// experts (with probabilities: the latest vector). Per observed layer the search costs
-/// O(capacity · E) (running dot products), semantic search O(capacity · sketch) once per pass; a
-/// finished pass O(capacity), its redundancy check reusing those sums.
+/// (the Mixtral trace records only the top-2) each routed expert gets 1/n, n the experts routed
+/// at the layer (k, or a lockstep batch's union: a sparse map of mass 1, as the notes prescribe).
+/// Before any layer is observed, and with an empty store, the prediction is uniform k/E. A layer
+/// observed twice in a pass (a split group) counts as the union of its experts; with
+/// probabilities, the latest vector (a part without one keeps the vector an earlier part
+/// brought). Per observed layer the search costs O(capacity · E) (running dot products), and
+/// semantic search O(capacity · sketch) on each of the first d observed layers; a finished pass
+/// O(capacity), its redundancy check reusing those sums.
 ///
 /// @code
 /// expage::fmoe_map_predictor p(32, 8, 2);

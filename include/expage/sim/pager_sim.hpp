@@ -91,7 +91,9 @@ class prefetcher {
 
 /// @brief The (noisy) oracle: the experts of the next `distance` groups, each kept with
 /// probability `recall` and otherwise replaced by a random expert of the same layer that is not
-/// routed there (a false positive of the same layer, so precision = recall on average).
+/// routed there (a false positive of the same layer, so precision = recall on average; higher
+/// where a layer's routed union leaves fewer unrouted experts than it has misses, as lockstep
+/// batches can: no false positive is drawn where none is left).
 ///
 /// Recall 1 is the perfect predictor, the bound of "what prediction can buy"; recall 0.8–0.97
 /// stands for hidden-state predictors of published quality (control-layer notes, E5 and B1).
@@ -190,8 +192,8 @@ struct sim_options {
   /// last transfer that fits and the fraction that does not, which needs ⌈f⌉ ≥ f (the paper's
   /// text says "nearest integer", which would make the first term exceed 1 or go negative).
   prefetch_admission admission = prefetch_admission::cost_benefit;
-  /// The byte guard of cost_benefit admission: bytes moved (outstanding prefetches counted as if
-  /// wasted) may exceed those of demand loading with `guard_baseline` by at most this share (plus
+  /// The byte guard of cost_benefit admission: bytes moved (queued prefetches counted as if
+  /// wasted; one in flight counts once, as moved) may exceed those of demand loading with `guard_baseline` by at most this share (plus
   /// one transfer), measured as the run goes against a shadow of that demand-only cache up to the
   /// current group (what a key-only shadow cache beside the real one knows online). Admission
   /// pauses while the bound would be crossed. +∞ turns it off. [0, +∞].
