@@ -81,9 +81,13 @@ void residency_planner::set_compute_time(double seconds) {
 
 double residency_planner::layer_time(std::uint32_t layer, std::uint32_t capacity) const noexcept {
   // A miss streams one expert over the link: M_i(c)·s / (B·I) seconds per iteration (Eq. 9 with one
-  // streaming backend; the resident share costs no link time).
-  return static_cast<double>(curves_[layer].miss_counts()[capacity]) * static_cast<double>(config_.streamed_bytes) /
-         (config_.bandwidth * static_cast<double>(iterations_));
+  // streaming backend; the resident share costs no link time). M_i counts warm misses only: a
+  // first sight is paid once, whatever α, and at α = 1 "τ_load is effectively zero" (FluxMoE
+  // §4.3); counting them read a fully resident model as I/O-bound (WiSP App. B, decision 2, drops
+  // them from the split's curves for the same reason).
+  const miss_ratio_curve& curve = curves_[layer];
+  return static_cast<double>(curve.miss_counts()[capacity] - curve.compulsory_misses()) *
+         static_cast<double>(config_.streamed_bytes) / (config_.bandwidth * static_cast<double>(iterations_));
 }
 
 double residency_planner::load_time() const noexcept {

@@ -56,16 +56,37 @@ residency_planner_config config(double compute_time, std::uint64_t gpu_bytes) {
           .gpu_bytes = gpu_bytes};
 }
 
+// τ_load counts warm misses only (first sights are paid once, whatever α).
 TEST(ResidencyPlanner, RhoAndLoadTimeFollowEquations10And11) {
   auto m = curves_of(1);
   double expected = 0.0;
-  for (const auto& c : m.curves) expected += static_cast<double>(c.misses(4)) / static_cast<double>(m.iterations);
+  for (const auto& c : m.curves) expected += static_cast<double>(c.warm_misses(4)) / static_cast<double>(m.iterations);
   residency_planner p(config(0.5, 1000), m.curves, m.iterations, 4);
   EXPECT_NEAR(p.load_time(), expected, 1e-12);
   EXPECT_DOUBLE_EQ(p.alpha(), 0.5);
   EXPECT_EQ(p.resident_bytes(), 32U);
   const auto s = p.step(0);
   EXPECT_NEAR(s.rho, 0.5 / expected, 1e-12);
+}
+
+// At α = 1 nothing streams: "τ_load is effectively zero" (FluxMoE §4.3), so ρ is infinite and the
+// planner hands back the experts that are never reused. Counting first sights as load, a model
+// whose layers route one expert only read as I/O-bound (ρ 0.05) and kept all 16 resident.
+TEST(ResidencyPlanner, FirstSightsAreNotLoadAndUnusedExpertsGoBack) {
+  std::vector<std::uint64_t> histogram(8, 0);
+  histogram[0] = 99;  // expert 0 reused 99 times at distance 0, after its one first sight
+  const std::vector<miss_ratio_curve> curves(2, miss_ratio_curve(histogram, 1));
+  residency_planner p({.layers = 2,
+                       .experts_per_layer = 8,
+                       .compute_time = 1e-3,
+                       .bandwidth = 1e9,
+                       .expert_bytes = 1'000'000'000,
+                       .gpu_bytes = 1'000'000'000'000ULL},
+                      curves, 100);
+  EXPECT_EQ(p.load_time(), 0.0);
+  for (int period = 0; period < 8; ++period) (void)p.step(0);
+  EXPECT_DOUBLE_EQ(p.alpha(), 1.0 / 8.0) << "expert 0 of each layer stays, the seven never reused go";
+  EXPECT_EQ(p.load_time(), 0.0);
 }
 
 TEST(ResidencyPlanner, DoesNothingInsideTheDeadZone) {
