@@ -71,6 +71,7 @@
 #include <charconv>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -1939,6 +1940,9 @@ int run_main(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Past `ulimit -f` a write then fails (EFBIG) and is reported, its temporary file removed;
+  // SIGXFSZ would end the process and leave it.
+  std::signal(SIGXFSZ, SIG_IGN);
   const int status = run_main(argc, argv);
   return expage::finish_standard_output("moe_decode") ? status : std::max(status, 1);
 }

@@ -35,6 +35,7 @@ unreadable or malformed geometry file included, as in the other tools).
 }  // namespace
 
 int main(int argc, char** argv) {
+  expage_tools::ignore_file_size_signal();
   std::vector<expage::moe_geometry> models;
   std::optional<std::size_t> budget;
   expage_tools::once_per_command_line budget_once;

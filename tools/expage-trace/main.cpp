@@ -352,6 +352,7 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  expage_tools::ignore_file_size_signal();
   try {
     const int status = run(argc, argv);
     return expage::finish_standard_output("expage-trace") ? status : 1;
