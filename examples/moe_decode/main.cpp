@@ -810,6 +810,44 @@ struct ffn_step {
 
 // --- the backends: memory, streams and the FFN; the decode loop is the same for both ------------
 
+// The host backend's granules: small enough that rounding a page up wastes little, large enough
+// to keep mappings few (the largest of 2 MiB, 64 KiB and 4 KiB that rounds no tensor of any tier
+// up by more than 1/16).
+std::size_t host_granularity(const options& o, const expage::moe_geometry& g, bool two_tiers) {
+  std::vector<precision> formats{o.format};
+  if (two_tiers) formats.push_back(*o.lo_format);
+  const auto wastes_little = [&](std::size_t granule) {
+    for (const precision f : formats) {
+      for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+        const std::uint64_t bytes = g.tensor_bytes(t, f);
+        if ((bytes + granule - 1) / granule * granule - bytes > bytes / 16) return false;
+      }
+    }
+    return true;
+  };
+  return wastes_little(2_MiB) ? 2_MiB : wastes_little(64_KiB) ? 64_KiB : 4_KiB;
+}
+
+// One version of an expert in @p f as the runtime holds it: both tensors' pages, each rounded up
+// to @p granularity (expert_runtime::expert_bytes()).
+std::uint64_t version_bytes(const expage::moe_geometry& g, precision f, std::size_t granularity) {
+  const auto page = [&](expert_tensor t) { return (g.tensor_bytes(t, f) + granularity - 1) / granularity * granularity; };
+  return page(expert_tensor::gate_up) + page(expert_tensor::down);
+}
+
+// The most experts one layer step routes (the union of its tokens' experts), at least top-k: a
+// demand tier must hold them.
+std::uint32_t largest_group(const expage::moe_geometry& g, std::span<const step_routing> replay) {
+  std::uint32_t group = g.top_k();
+  for (const step_routing& s : replay) {
+    std::vector<std::int32_t> ids = s.ids;
+    std::ranges::sort(ids);
+    group = std::max(
+        group, static_cast<std::uint32_t>(std::ranges::distance(ids.begin(), std::unique(ids.begin(), ids.end()))));
+  }
+  return group;
+}
+
 // The host: host_vmm, host streams (executor threads), the loader reading weight_store (through
 // a host_copy_engine of --copy-threads workers, which the copy stream's thread helps), and the
 // reference expert_ffn() run on the compute stream, bit-exact against the same FFN on the host.
@@ -826,7 +864,7 @@ class host_backend {
         engine_(o.copy_threads == 0 ? nullptr
                                     : std::make_unique<expage::host_copy_engine>(expage::host_copy_engine_options{
                                           .threads = o.copy_threads, .chunk_bytes = 2_MiB})),
-        vmm_({.granularity = granularity_for(o, g, lo_store != nullptr)}) {}
+        vmm_({.granularity = host_granularity(o, g, lo_store != nullptr)}) {}
 
   [[nodiscard]] std::size_t granularity() const { return vmm_.granularity(); }
   [[nodiscard]] vmm_type& vmm() { return vmm_; }
@@ -858,23 +896,6 @@ class host_backend {
   }
 
  private:
-  // Granules small enough that rounding a page up wastes little, large enough to keep mappings few
-  // (the largest of 2 MiB, 64 KiB and 4 KiB that rounds no tensor of any tier up by more than 1/16).
-  static std::size_t granularity_for(const options& o, const expage::moe_geometry& g, bool two_tiers) {
-    std::vector<precision> formats{o.format};
-    if (two_tiers) formats.push_back(*o.lo_format);
-    const auto wastes_little = [&](std::size_t granule) {
-      for (const precision f : formats) {
-        for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
-          const std::uint64_t bytes = g.tensor_bytes(t, f);
-          if ((bytes + granule - 1) / granule * granule - bytes > bytes / 16) return false;
-        }
-      }
-      return true;
-    };
-    return wastes_little(2_MiB) ? 2_MiB : wastes_little(64_KiB) ? 64_KiB : 4_KiB;
-  }
-
   const weight_store& store_;
   const weight_store* lo_store_;
   std::unique_ptr<expage::host_copy_engine> engine_;  // null: --copy-threads 0
@@ -1109,6 +1130,49 @@ expage::kv_block_stream four_pool_sessions(const options& o, std::uint64_t passe
   return kv;
 }
 
+// The four-pool controller's model of a --four-pool run (issue 12), from the flags, the device
+// budget @p budget_bytes, one hi and one lo version's page-rounded bytes and the KV workload; sets
+// @p kv_per_token (the flag's, or by default a quarter of the budget for the busiest step's
+// blocks: KV and experts then compete for the rest). One owner: the check before the weights are
+// made and four_pool_side. @throws expage::invalid_argument naming the flags behind a model the
+// controller refuses.
+expage::four_pool_model four_pool_model_of(const options& o, const expage::moe_geometry& g, std::uint64_t budget_bytes,
+                                           std::uint64_t hi_expert_bytes, std::uint64_t lo_expert_bytes,
+                                           const expage::kv_block_stream& kv, std::uint32_t group,
+                                           std::uint64_t& kv_per_token) {
+  // The busiest step's blocks are the admission floor (WiSP Eq. 6).
+  kv_per_token = o.kv_per_token != 0
+                     ? o.kv_per_token
+                     : std::max<std::uint64_t>(1, budget_bytes / (4 * kv.peak_step_blocks() * kv.block_tokens()));
+  const std::uint64_t block_bytes = std::uint64_t{kv.block_tokens()} * kv_per_token;
+  const expage::hardware_profile hw = expage::hardware_profile::preset(o.hardware);
+  const expage::cost_model hi = expage::make_cost_model(g, hw, o.format);
+  const expage::cost_model lo = expage::make_cost_model(g, hw, *o.lo_format);
+  expage::four_pool_model m;
+  m.budget_bytes = budget_bytes;
+  m.layers = g.layers();
+  m.experts_per_layer = g.experts_per_layer();
+  m.hi_expert_bytes = hi_expert_bytes;  // page-rounded, what the tiers hold
+  m.lo_expert_bytes = lo_expert_bytes;
+  m.block_bytes = block_bytes;
+  m.kv_floor_bytes = std::max<std::uint64_t>(1, kv.peak_step_blocks()) * block_bytes;
+  m.hi_miss_seconds = *std::ranges::min_element(hi.transfer_seconds);
+  m.lo_miss_seconds = *std::ranges::min_element(lo.transfer_seconds);
+  m.kv_miss_seconds = hi.recompute_seconds_per_token * kv.block_tokens();
+  m.lo_activation_seconds = m.hi_miss_seconds / 4;  // λ_q = t_hi/4, as docs/control.md's four-pool runs
+  m.min_group = group;
+  m.members_load_hi = true;  // the runtime's targets_load_hi
+  try {
+    (void)expage::admissible_splits(m);  // the model, and a budget that holds one split at least
+  } catch (const expage::invalid_argument& e) {
+    throw expage::invalid_argument(
+        fmt::format("{} (B is --budget of the experts' bytes at --precision; the KV floor is the busiest pass's "
+                    "blocks at --kv-per-token)",
+                    e.what()));
+  }
+  return m;
+}
+
 template <class Runtime>
 class four_pool_side {
  public:
@@ -1122,39 +1186,11 @@ class four_pool_side {
         interval_(o.interval),
         kv_(four_pool_sessions(o, passes)) {
     const std::uint64_t b = budget.root().capacity();
-    // By default a token's KV is sized so that the busiest step's blocks (the admission floor,
-    // WiSP Eq. 6) take a quarter of the budget: KV and experts then compete for the rest.
-    report_.kv_per_token = o.kv_per_token != 0
-                               ? o.kv_per_token
-                               : std::max<std::uint64_t>(1, b / (4 * kv_.peak_step_blocks() * kv_.block_tokens()));
-    const std::uint64_t block_bytes = std::uint64_t{kv_.block_tokens()} * report_.kv_per_token;
-    const expage::hardware_profile hw = expage::hardware_profile::preset(o.hardware);
-    const expage::cost_model hi = expage::make_cost_model(g, hw, o.format);
-    const expage::cost_model lo = expage::make_cost_model(g, hw, *o.lo_format);
-    expage::four_pool_model& m = report_.model;
-    m.budget_bytes = b;
-    m.layers = g.layers();
-    m.experts_per_layer = g.experts_per_layer();
-    m.hi_expert_bytes = rt.expert_bytes(expage::version_tier::hi);  // page-rounded, what the tiers hold
-    m.lo_expert_bytes = rt.expert_bytes(expage::version_tier::lo);
-    m.block_bytes = block_bytes;
-    m.kv_floor_bytes = std::max<std::uint64_t>(1, kv_.peak_step_blocks()) * block_bytes;
-    m.hi_miss_seconds = *std::ranges::min_element(hi.transfer_seconds);
-    m.lo_miss_seconds = *std::ranges::min_element(lo.transfer_seconds);
-    m.kv_miss_seconds = hi.recompute_seconds_per_token * kv_.block_tokens();
-    m.lo_activation_seconds = m.hi_miss_seconds / 4;  // λ_q = t_hi/4, as docs/control.md's four-pool runs
-    m.min_group = group;
-    m.members_load_hi = true;  // the runtime's targets_load_hi
+    report_.model = four_pool_model_of(o, g, b, rt.expert_bytes(expage::version_tier::hi),
+                                       rt.expert_bytes(expage::version_tier::lo), kv_, group, report_.kv_per_token);
+    const expage::four_pool_model& m = report_.model;
     // The first split: what a static configuration would set, the KV half of the budget and the
     // experts' half shared by bytes between the tiers (the admissible split nearest to it).
-    try {
-      expage::check_four_pool_model(m);
-    } catch (const expage::invalid_argument& e) {
-      throw expage::invalid_argument(
-          fmt::format("{} (B is --budget of the experts' bytes at --precision; the KV floor is the busiest pass's "
-                      "blocks at --kv-per-token)",
-                      e.what()));
-    }
     const auto candidates = expage::admissible_splits(m);
     const auto distance = [&](const expage::four_pool_split& s) {
       const auto d = [](std::uint64_t x, std::uint64_t y) { return x > y ? x - y : y - x; };
@@ -1283,25 +1319,15 @@ run_result decode(const options& o, const expage::moe_geometry& g, const weight_
   for (const step_routing& s : replay) max_tokens = std::max(max_tokens, static_cast<std::uint32_t>(s.tokens.size()));
   Backend backend(o, g, store, lo_store, max_tokens);
   const std::size_t granularity = backend.granularity();
-  const auto page_of = [&](precision f) {
-    return (g.tensor_bytes(expert_tensor::gate_up, f) + granularity - 1) / granularity * granularity +
-           (g.tensor_bytes(expert_tensor::down, f) + granularity - 1) / granularity * granularity;
-  };
+  const auto page_of = [&](precision f) { return version_bytes(g, f, granularity); };
   const std::uint64_t page = page_of(o.format);
   const std::uint64_t capacity = experts_for(budget, g);
   // With --four-pool the budget is B for both expert tiers and the KV pool, each an account of it.
   const bool four_pool = o.four_pool && lo_store != nullptr;
   expage::budget_tracker tracker(capacity * page, four_pool ? "device" : "experts");
   const auto ends_pass = [&](std::uint64_t s) { return ::ends_pass(replay, g.layers(), s); };
-  // The most experts one layer step routes: a demand tier must hold them.
-  std::uint32_t group = g.top_k();
+  const std::uint32_t group = largest_group(g, replay);
   const std::uint64_t passes_total = passes_of(o, replay, g.layers());
-  for (std::size_t s = 0; s < replay.size(); ++s) {
-    std::vector<std::int32_t> ids = replay[s].ids;
-    std::ranges::sort(ids);
-    group = std::max(
-        group, static_cast<std::uint32_t>(std::ranges::distance(ids.begin(), std::unique(ids.begin(), ids.end()))));
-  }
   auto& copy = backend.copy();
   auto& compute = backend.compute();
   auto& prefetch = backend.prefetch();
@@ -1711,7 +1737,16 @@ int run(const options& o) {
   }
   if (o.four_pool) {  // what the flags decide, before the weights are made
     try {
-      (void)four_pool_sessions(o, passes_of(o, replay, g.layers()));
+      const expage::kv_block_stream kv = four_pool_sessions(o, passes_of(o, replay, g.layers()));
+      // The model too, on the host, where the granules are known before the backend exists (a
+      // device's come from its driver: checked once it is up).
+      if (o.backend != "cuda") {
+        const std::size_t granule = host_granularity(o, g, true);
+        std::uint64_t kv_per_token = 0;
+        (void)four_pool_model_of(o, g, experts_for(o.budget, g) * version_bytes(g, o.format, granule),
+                                 version_bytes(g, o.format, granule), version_bytes(g, *o.lo_format, granule), kv,
+                                 largest_group(g, replay), kv_per_token);
+      }
     } catch (const expage::invalid_argument& e) {
       usage(fmt::format("--four-pool: {}", e.what()));
     }
