@@ -4,8 +4,8 @@
 // the hottest experts of each layer to bf16 (DynaExq's residency model). Each
 // role has its own block pool; every pool charges its own budget account under
 // one device budget. Routing is a seeded Zipf draw, so the run is repeatable.
-// Midway, the KV cache asks for more memory: the experts' budget shrinks, the
-// coldest bf16 versions are evicted until the shrink completes.
+// After the routing, the KV cache asks for more memory: the experts' budget
+// shrinks, the coldest bf16 versions are evicted until the shrink completes.
 //
 //   budget_pools            full run
 //   budget_pools --quick    fewer layers and steps (used as a test)
