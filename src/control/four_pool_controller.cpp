@@ -73,7 +73,14 @@ hot_set_config hot_config(const four_pool_model& m, const four_pool_config& c) {
   h.experts_per_layer = m.experts_per_layer;
   h.hi_per_layer = 1;  // resized to the split's n_hi by the constructor (the config admits no 0)
   h.hi_bytes = static_cast<std::size_t>(m.hi_expert_bytes);
-  h.rank_slack = std::min(h.rank_slack, m.experts_per_layer - 1);
+  // The hi set holds 1..E members as the split moves (hot_set_controller::resize() narrows the
+  // slack to E − n_hi in force): a slack of E or more could never apply, and is refused by name,
+  // as every other field of `hot` is, not narrowed in silence.
+  if (h.rank_slack >= m.experts_per_layer) {
+    throw invalid_argument(fmt::format("four_pool_controller: hot.rank_slack {} out of range [0, {}] (experts_per_layer "
+                                       "− 1)",
+                                       h.rank_slack, m.experts_per_layer - 1));
+  }
   return h;
 }
 

@@ -373,6 +373,7 @@ kv_pool_result simulate_kv_pool(const kv_block_stream& stream, std::uint64_t cap
   auto change = schedule.begin();
   for (std::uint64_t s = 0; s < stream.steps(); ++s) {
     if (change != schedule.end() && change->step == s) {
+      if (change->through != 0) pool.resize(change->through);
       pool.resize(change->blocks);
       ++change;
     }

@@ -742,6 +742,9 @@ tier_run run(const tier_workload& w, const four_pool_model& m, four_pool_control
   out.controller = std::move(name);
   std::uint64_t mismatches = 0;  // the engine's split against the controller's
   out.bursts.resize(bursts);
+  // Per burst, the KV blocks a barrier refused after its shrinks passed through (0: none): the
+  // KV replay below evicts down to them and grows back, as the engine's pools did.
+  std::vector<std::uint64_t> kv_dip(bursts, 0);
   std::size_t g = 0;
   for (std::uint64_t pass = 0; pass < stream.passes(); ++pass) {
     engine.start_pass();
@@ -757,6 +760,9 @@ tier_run run(const tier_workload& w, const four_pool_model& m, four_pool_control
         if (d.moved) {
           const resize_fault f = *fault ? (*fault)(b) : resize_fault::none;
           const bool applied = engine.barrier(d.split, d.hi_evictions, f);
+          if (!applied && f == resize_fault::refused_after_shrink && d.split.kv_bytes < controller.current().kv_bytes) {
+            kv_dip[b] = kv_pool_blocks(m, d.split);
+          }
           controller.commit(d, applied);
         }
       }
@@ -781,8 +787,8 @@ tier_run run(const tier_workload& w, const four_pool_model& m, four_pool_control
   std::vector<kv_capacity_change> schedule;
   for (std::uint64_t b = 1; b < bursts; ++b) {
     const std::uint64_t blocks = kv_pool_blocks(m, out.bursts[b].split);
-    if (blocks != kv_pool_blocks(m, out.bursts[b - 1].split)) {
-      schedule.push_back({.step = out.bursts[b].first_pass, .blocks = blocks});
+    if (blocks != kv_pool_blocks(m, out.bursts[b - 1].split) || kv_dip[b] != 0) {
+      schedule.push_back({.step = out.bursts[b].first_pass, .blocks = blocks, .through = kv_dip[b]});
     }
     if (!(out.bursts[b].split == out.bursts[b - 1].split)) out.converged_burst = b;
   }
@@ -862,8 +868,8 @@ std::size_t tier_oracle(const std::vector<tier_run>& grid, double min_hi_coverag
   for (std::size_t i = 1; i < grid.size(); ++i) {
     const tier_run& x = grid[i];
     const tier_run& b = grid[best];
-    if (!any) {
-      if (x.hi_coverage() > b.hi_coverage()) best = i;
+    if (!any) {  // the most covering, the cheapest of them (as tier_phase_oracle and the controller)
+      if (x.hi_coverage() > b.hi_coverage() || (x.hi_coverage() == b.hi_coverage() && x.cost() < b.cost())) best = i;
       continue;
     }
     const bool x_ok = x.hi_coverage() >= min_hi_coverage;

@@ -164,6 +164,14 @@ TEST(FourPoolSplits, BadModelsAndSplitsAreNamed) {
                invalid_argument);
   EXPECT_THROW(four_pool_controller(m, {}, four_pool_split{.hi_slots = 2, .lo_slots = 0, .kv_bytes = 1}),
                invalid_argument);  // KV is not the remainder
+  try {  // a slack no hi set can use: refused by name, as the other hot-set fields (it was narrowed)
+    four_pool_config wide;
+    wide.hot.rank_slack = 1000;
+    four_pool_controller(m, wide, make_four_pool_split(m, 2, 0));
+    ADD_FAILURE();
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("hot.rank_slack 1000 out of range [0, 5]"));
+  }
   try {
     four_pool_controller(m, {.change_ratio = 0.5}, make_four_pool_split(m, 2, 0));
     ADD_FAILURE();

@@ -424,6 +424,65 @@ TEST(TierSim, TheGridIsExhaustiveAndKvTakesTheRest) {
   }
 }
 
+// When no run meets the coverage floor, the oracle takes the cheapest of the most covering runs,
+// as the per-phase oracle and the controller do. It kept the first of them: with only 0+L splits
+// in the budget (all coverage 0), the smallest lo pool, 2.1× the cost of 0+5 in expage-plan.
+TEST(TierOracle, WithTheFloorOutOfReachTheCheapestOfTheMostCoveringRuns) {
+  const auto at = [](std::uint64_t lo_activations, double stall) {
+    tier_run r;
+    r.activations = 100;
+    r.lo_activations = lo_activations;
+    r.expert_stall_seconds = stall;
+    return r;
+  };
+  const std::vector<tier_run> uncovered = {at(100, 8.0), at(100, 3.8), at(100, 5.0)};
+  EXPECT_EQ(tier_oracle(uncovered, 0.5), 1U);
+  const std::vector<tier_run> mixed = {at(100, 1.0), at(90, 8.0), at(90, 4.0), at(95, 0.5)};
+  EXPECT_EQ(tier_oracle(mixed, 0.5), 2U) << "the most covering (10%), then the cheaper of those";
+  EXPECT_EQ(tier_oracle(mixed, 0.05), 3U) << "met by three: the cheapest of them";
+}
+
+// A move refused after its shrinks leaves the KV pool emptier: the replay of the KV side shrinks
+// to the move's blocks and grows back at that barrier, as an independent replay through
+// kv_block_pool does. (It replayed only the splits in force, so the fault's KV recompute was a
+// plain refusal's: 0 s against 53 recomputes here.)
+TEST(TierSim, AMoveRefusedAfterItsShrinksEvictsKvBlocks) {
+  fixture f({tool_calls(160), long_context(160), tool_calls(160)}, 20.0, 3);
+  const four_pool_model m = make_four_pool_model(f.workload);
+  four_pool_split most_kv = admissible_splits(m).front();
+  for (const four_pool_split& s : admissible_splits(m)) {
+    if (s.kv_bytes > most_kv.kv_bytes) most_kv = s;
+  }
+  const auto run_with = [&](resize_fault fault) {
+    four_pool_options o;
+    o.initial = most_kv;
+    o.inject_resize_fault = [fault](std::uint64_t) { return fault; };
+    return run_four_pool(f.workload, o);
+  };
+  const tier_run refused = run_with(resize_fault::refused);
+  const tier_run shrunk = run_with(resize_fault::refused_after_shrink);
+  ASSERT_GT(shrunk.failed_resizes, 0U);
+  kv_block_pool pool(f.kv.key_count(), kv_pool_blocks(m, most_kv));
+  std::uint64_t recomputes = 0;
+  std::uint64_t dips = 0;
+  const std::uint64_t burst = f.workload.base.burst_passes;
+  for (std::uint64_t s = 0; s < f.kv.steps(); ++s) {
+    if (s != 0 && s % burst == 0) {
+      const tier_burst& previous = shrunk.bursts[s / burst - 1];
+      if (!(previous.target == previous.split) && previous.target.kv_bytes < previous.split.kv_bytes) {
+        pool.resize(kv_pool_blocks(m, previous.target));
+        pool.resize(kv_pool_blocks(m, previous.split));
+        ++dips;
+      }
+    }
+    for (const std::uint32_t block : f.kv.blocks(s)) recomputes += pool.read(block) == kv_read::recompute ? 1U : 0U;
+  }
+  ASSERT_GT(dips, 0U);
+  EXPECT_GT(shrunk.kv_recompute_seconds, refused.kv_recompute_seconds);
+  EXPECT_NEAR(shrunk.kv_recompute_seconds, static_cast<double>(recomputes) * m.kv_miss_seconds,
+              1e-9 * std::max(1.0, shrunk.kv_recompute_seconds));
+}
+
 // The invariants hold when resizes are refused (before or after the shrinks) and transfers fail
 // mid-flight: the budget at every instant, the KV floor at every barrier, every pool within its
 // slots, nothing pinned or in flight evicted; the failures are seen and survived.

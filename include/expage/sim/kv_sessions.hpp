@@ -196,6 +196,9 @@ class kv_reuse_observer {
 struct kv_capacity_change {
   std::uint64_t step = 0;    ///< The step before which it applies.
   std::uint64_t blocks = 0;  ///< The pool's blocks from then on.
+  /// Not 0: the pool passes through this many blocks first, a shrink whose split was then refused
+  /// and undone (its evictions stay: the pool gets its blocks back, emptier).
+  std::uint64_t through = 0;
 };
 
 /// @brief What a KV pool replay measured.

@@ -198,7 +198,7 @@ struct four_pool_options {
 [[nodiscard]] std::vector<tier_run> tier_grid(const tier_workload& workload, const four_pool_space& space = {},
                                               std::uint32_t step = 1);
 /// The index of the oracle in @p grid: the least cost() with hi_coverage() ≥ @p min_hi_coverage
-/// (the most covering run when none meets it). @pre grid not empty.
+/// (the cheapest of the most covering runs when none meets it). @pre grid not empty.
 [[nodiscard]] std::size_t tier_oracle(const std::vector<tier_run>& grid, double min_hi_coverage = 0.0) noexcept;
 
 /// The per-phase hindsight oracle (hindsight_phase_oracle()) of tier runs of @p workload
