@@ -1098,6 +1098,19 @@ TEST(ExpertRuntimeTiers, RefusesBadInputAndChangesNothing) {
   host_stream p1("p1");
   runtime single_p(one.geometry, one.account, one.vmm, one.copy, one.compute, one.source(), {.capacity = 2}, &p1);
   expect_error([&] { single_p.set_targets(lo); }, "out of range (resident_hi, absent)");
+  // The caller is named (resize_tiers, not set_demand_tier), and a demand tier out of the enum's
+  // range is refused at construction (it indexed past the tiers, review).
+  expect_error([&] { (void)single.resize_tiers(2 * single.expert_bytes(), 0, version_tier::lo); },
+               "expert_runtime::resize_tiers: tier lo out of range: the runtime has one tier (hi)");
+  tiered_world two;
+  host_stream p2("p2");
+  expect_error(
+      [&] {
+        runtime bad(two.geometry, two.tiers_account, two.vmm, two.copy, two.compute, two.sources(),
+                    {.capacity = 2, .demand_tier = static_cast<version_tier>(2)}, &p2);
+      },
+      "demand_tier 2 out of range (hi, lo)");
+  EXPECT_EQ(two.tiers_account.used(), 0U);
 }
 
 // A background load that fails (its loader throws, its map fails) changes nothing; its request is

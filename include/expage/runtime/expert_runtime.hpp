@@ -693,7 +693,7 @@ class expert_runtime {
                                                               std::optional<version_tier> demand = std::nullopt) {
     std::array<std::uint32_t, version_tier_count> wanted{};
     const std::array<std::size_t, version_tier_count> bytes{hi_bytes, lo_bytes};
-    if (demand) (void)demand_checked(*demand);
+    if (demand) (void)demand_checked(*demand, "resize_tiers");
     const locked lock(*this);  // the demand tier is read under it
     const std::size_t new_demand = demand ? static_cast<std::size_t>(*demand) : demand_tier_;
     for (std::size_t t = 0; t < tier_count_; ++t) {
@@ -770,7 +770,7 @@ class expert_runtime {
   /// @throws expage::invalid_argument for a tier the runtime lacks, or one with fewer than top_k
   /// slots (nothing changes).
   void set_demand_tier(version_tier which) {
-    const std::size_t t = demand_checked(which);
+    const std::size_t t = demand_checked(which, "set_demand_tier");
     const locked lock(*this);
     if (tier(t).capacity < geometry_.top_k()) {
       throw invalid_argument(fmt::format(
@@ -1168,6 +1168,11 @@ class expert_runtime {
     if (options.max_prefetch_in_flight == 0) {
       throw invalid_argument("expert_runtime: max_prefetch_in_flight 0 out of range [1, 2^32)");
     }
+    // Read as an index of tiers_ from here on (the one-tier runtime ignores it).
+    if (lo && static_cast<std::size_t>(options.demand_tier) >= version_tier_count) {
+      throw invalid_argument(fmt::format("expert_runtime: demand_tier {} out of range (hi, lo)",
+                                         static_cast<unsigned>(options.demand_tier)));
+    }
     if (prefetch != nullptr && (prefetch == &copy || prefetch == &compute)) {
       // In one in-order stream a demand copy would queue behind every guess issued before it.
       throw invalid_argument(fmt::format("expert_runtime: the prefetch stream is the {} stream; it must be its own",
@@ -1208,8 +1213,8 @@ class expert_runtime {
   static constexpr std::size_t index(expert_tensor t) noexcept { return static_cast<std::size_t>(t); }
   [[nodiscard]] tier_state& tier(std::size_t t) noexcept { return *tiers_[t]; }
   [[nodiscard]] const tier_state& tier(std::size_t t) const noexcept { return *tiers_[t]; }
-  [[nodiscard]] std::size_t demand_checked(version_tier which) const {
-    (void)checked_tier(which, "set_demand_tier");
+  [[nodiscard]] std::size_t demand_checked(version_tier which, const char* what) const {
+    (void)checked_tier(which, what);
     return static_cast<std::size_t>(which);
   }
   // The tier a view reads: the one named, or with one tier the only one.
@@ -1226,8 +1231,8 @@ class expert_runtime {
   [[nodiscard]] const tier_state& checked_tier(version_tier which, const char* what) const {
     const auto t = static_cast<std::size_t>(which);
     if (t >= tier_count_) {
-      throw invalid_argument(fmt::format("expert_runtime::{}: tier {} out of range: the runtime has one tier (hi)",
-                                         what, to_string(which)));
+      throw invalid_argument(fmt::format("expert_runtime::{}: tier {} out of range: the runtime has {}", what,
+                                         to_string(which), tier_count_ == 1 ? "one tier (hi)" : "two tiers (hi, lo)"));
     }
     return tier(t);
   }
