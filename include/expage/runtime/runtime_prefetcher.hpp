@@ -256,11 +256,14 @@ class runtime_prefetcher {
       }
     }
     // A duplicate is refused before anything changes (acquire() refuses it as well).
-    bool duplicate = false;
-    for (const std::uint32_t e : experts) duplicate = std::exchange(routed_[e], std::uint8_t{1}) != 0 || duplicate;
+    std::optional<std::uint32_t> duplicate;
+    for (const std::uint32_t e : experts) {
+      if (std::exchange(routed_[e], std::uint8_t{1}) != 0 && !duplicate) duplicate = e;
+    }
     for (const std::uint32_t e : experts) routed_[e] = 0;
     if (duplicate) {
-      throw invalid_argument(fmt::format("runtime_prefetcher: layer {} routed an expert twice in one group", layer));
+      throw invalid_argument(
+          fmt::format("runtime_prefetcher: layer {} routed expert {} twice in one group", layer, *duplicate));
     }
     // A layer before the previous one starts a new pass; the same layer again is the next part of
     // a group split to fit (group_tokens()), the same pass (one-layer models aside).
