@@ -8,7 +8,9 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
+#include <string_view>
 #include <utility>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -173,6 +175,43 @@ void host_copy_engine::validate(std::span<const copy_region> regions) {
           fmt::format("host_copy_engine: region {}: destination [{:#x}, {:#x}) overlaps source [{:#x}, {:#x})", i, d,
                       d + r.bytes, s, s + r.bytes));
     }
+  }
+  if (regions.size() < 2) return;
+  // Across regions: their chunks run in parallel, in no order, so no region may write what another
+  // writes or reads. The destinations sorted must be disjoint; then each source is checked against
+  // the destination that starts last before its end (O(r log r)).
+  struct range {
+    std::uintptr_t begin, end;
+    std::size_t region;
+  };
+  std::vector<range> writes;
+  writes.reserve(regions.size());
+  for (std::size_t i = 0; i < regions.size(); ++i) {
+    if (regions[i].bytes == 0) continue;
+    const auto d = reinterpret_cast<std::uintptr_t>(regions[i].dst);
+    writes.push_back({d, d + regions[i].bytes, i});
+  }
+  std::ranges::sort(writes, {}, &range::begin);
+  const auto clash = [](const range& w, std::size_t other, std::string_view does, std::uintptr_t b, std::uintptr_t e) {
+    return invalid_argument(fmt::format(
+        "host_copy_engine: region {} writes [{:#x}, {:#x}), which region {} {} ([{:#x}, {:#x})): regions of one batch "
+        "run in parallel and must not overlap",
+        w.region, w.begin, w.end, other, does, b, e));
+  };
+  for (std::size_t k = 1; k < writes.size(); ++k) {
+    if (writes[k].begin < writes[k - 1].end) {
+      throw clash(writes[k - 1], writes[k].region, "writes", writes[k].begin, writes[k].end);
+    }
+  }
+  for (std::size_t i = 0; i < regions.size(); ++i) {
+    if (regions[i].bytes == 0) continue;
+    const auto b = reinterpret_cast<std::uintptr_t>(regions[i].src);
+    const std::uintptr_t e = b + regions[i].bytes;
+    // The last destination starting before e; disjoint and sorted, only it can reach past b.
+    auto it = std::ranges::lower_bound(writes, e, {}, &range::begin);
+    if (it == writes.begin()) continue;
+    --it;
+    if (it->end > b && it->region != i) throw clash(*it, i, "reads", b, e);
   }
 }
 

@@ -27,7 +27,9 @@
 #include <limits>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -103,6 +105,25 @@ TEST(HostCopyEngine, RejectsNullAndOverlappingRegions) {
   } catch (const invalid_argument& e) {
     EXPECT_STREQ(e.what(), "host_copy_engine: region 1 of 5 bytes has a null destination (allowed only for 0 bytes)");
   }
+  // Across regions (their chunks run in parallel): one writing what another reads or writes.
+  const auto refused = [&](std::span<const copy_region> regions, std::string_view says) {
+    try {
+      (void)engine.copy_async(regions);
+      ADD_FAILURE() << "accepted: " << says;
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  std::vector<std::byte> b(256);
+  const copy_region reads_a_write[] = {{a.data(), b.data(), 64}, {b.data() + 128, a.data() + 32, 16}};
+  refused(reads_a_write, "region 0 writes");
+  refused(reads_a_write, "which region 1 reads");
+  const copy_region two_writes[] = {
+      {b.data(), a.data(), 64}, {a.data() + 200, b.data() + 128, 8}, {b.data() + 63, a.data() + 100, 2}};
+  refused(two_writes, "which region 2 writes");
+  const copy_region apart[] = {
+      {b.data(), a.data(), 64}, {b.data() + 64, a.data(), 64}, {a.data() + 128, b.data() + 192, 64}};
+  engine.copy(apart);  // adjacent writes, shared reads: fine
   host_stream stream;
   EXPECT_THROW(engine.copy(nullptr, a.data(), 1, stream), invalid_argument);  // at once, on this thread
   stream.synchronize();

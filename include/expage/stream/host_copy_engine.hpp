@@ -20,7 +20,8 @@
 
 namespace expage {
 
-/// @brief One copy of a batch: @p bytes from @p src to @p dst (the ranges must not overlap).
+/// @brief One copy of a batch: @p bytes from @p src to @p dst (the ranges must not overlap, and
+/// a batch's regions run in parallel: none may write what another writes or reads).
 struct copy_region {
   void* dst = nullptr;        ///< Destination; may be null only when bytes is 0.
   const void* src = nullptr;  ///< Source; may be null only when bytes is 0.
@@ -160,7 +161,8 @@ class host_copy_engine {
   /// @throws expage::invalid_argument for a null pointer with bytes > 0 or overlapping ranges.
   [[nodiscard]] copy_completion copy_async(void* dst, const void* src, std::size_t bytes);
   /// Starts copying every region of @p regions (one completion for all of them).
-  /// @throws expage::invalid_argument as above, naming the region's index.
+  /// @throws expage::invalid_argument as above, naming the region's index, or for a region that
+  ///         writes what another writes or reads (naming both).
   [[nodiscard]] copy_completion copy_async(std::span<const copy_region> regions);
 
   /// Copies and waits, as copy_async(@p dst, @p src, @p bytes).synchronize(), except that the
