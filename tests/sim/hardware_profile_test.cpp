@@ -149,6 +149,7 @@ TEST(CostModel, RatioRescalesTheLinksExactly) {
     ADD_FAILURE() << "a ratio of 1e-300 was accepted";
   } catch (const invalid_argument& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("too short a transfer to set"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("allowed: a ratio above"));
     EXPECT_THAT(e.what(), ::testing::Not(::testing::HasSubstr("nan")));
   }
   // The fastest link is the one with the least time per transfer, not the most bandwidth: a
