@@ -3,6 +3,7 @@
 #include "expage/core/error.hpp"
 #include "expage/cuda/pinned_host_memory.hpp"
 #include "expage/cuda/runtime.hpp"
+#include "expage/stream/host_copy_engine.hpp"
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 namespace expage::cuda {
 
@@ -144,13 +146,14 @@ void copy_engine::enqueue_direct(std::byte* dst, const std::byte* src, std::size
 }
 
 void copy_engine::run(std::span<const region_route> regions, cuda_stream& stream) {
-  for (std::size_t i = 0; i < regions.size(); ++i) {
-    const copy_region& r = regions[i].region;
-    if (r.bytes != 0 && (r.dst == nullptr || r.src == nullptr)) {
-      throw invalid_argument(
-          fmt::format("cuda::copy_engine: region {} of {} bytes has a null {} (allowed only for 0 bytes)", i, r.bytes,
-                      r.dst == nullptr ? "destination" : "source"));
-    }
+  // The checks host_copy_engine makes (one owner): the regions' chunks run on parallel streams.
+  if (regions.size() == 1) {
+    check_copy_regions(std::span(&regions.front().region, 1), "cuda::copy_engine");
+  } else {
+    std::vector<copy_region> plain;
+    plain.reserve(regions.size());
+    for (const region_route& r : regions) plain.push_back(r.region);
+    check_copy_regions(plain, "cuda::copy_engine");
   }
   // A capture would record the staging copies as graph nodes that replay
   // whatever a reused slot holds then, and the slot fences cannot be captured.

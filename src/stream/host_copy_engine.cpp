@@ -152,13 +152,13 @@ host_copy_engine::~host_copy_engine() {
   for (auto& w : workers_) w.join();
 }
 
-void host_copy_engine::validate(std::span<const copy_region> regions) {
+void check_copy_regions(std::span<const copy_region> regions, std::string_view who) {
   for (std::size_t i = 0; i < regions.size(); ++i) {
     const copy_region& r = regions[i];
     if (r.bytes == 0) continue;
     if (r.dst == nullptr || r.src == nullptr) {
       throw invalid_argument(
-          fmt::format("host_copy_engine: region {} of {} bytes has a null {} (allowed only for 0 bytes)", i, r.bytes,
+          fmt::format("{}: region {} of {} bytes has a null {} (allowed only for 0 bytes)", who, i, r.bytes,
                       r.dst == nullptr ? "destination" : "source"));
     }
     const auto d = reinterpret_cast<std::uintptr_t>(r.dst);
@@ -166,13 +166,12 @@ void host_copy_engine::validate(std::span<const copy_region> regions) {
     const std::uintptr_t limit = std::numeric_limits<std::uintptr_t>::max() - std::max(d, s);
     if (r.bytes > limit) {
       throw invalid_argument(
-          fmt::format("host_copy_engine: region {}: {} bytes out of range [0, {}] (the range would "
-                      "wrap around the address space)",
-                      i, r.bytes, limit));
+          fmt::format("{}: region {}: {} bytes out of range [0, {}] (the range would wrap around the address space)",
+                      who, i, r.bytes, limit));
     }
     if (d < s + r.bytes && s < d + r.bytes) {
       throw invalid_argument(
-          fmt::format("host_copy_engine: region {}: destination [{:#x}, {:#x}) overlaps source [{:#x}, {:#x})", i, d,
+          fmt::format("{}: region {}: destination [{:#x}, {:#x}) overlaps source [{:#x}, {:#x})", who, i, d,
                       d + r.bytes, s, s + r.bytes));
     }
   }
@@ -192,11 +191,12 @@ void host_copy_engine::validate(std::span<const copy_region> regions) {
     writes.push_back({d, d + regions[i].bytes, i});
   }
   std::ranges::sort(writes, {}, &range::begin);
-  const auto clash = [](const range& w, std::size_t other, std::string_view does, std::uintptr_t b, std::uintptr_t e) {
-    return invalid_argument(fmt::format(
-        "host_copy_engine: region {} writes [{:#x}, {:#x}), which region {} {} ([{:#x}, {:#x})): regions of one batch "
-        "run in parallel and must not overlap",
-        w.region, w.begin, w.end, other, does, b, e));
+  const auto clash = [who](const range& w, std::size_t other, std::string_view does, std::uintptr_t b,
+                           std::uintptr_t e) {
+    return invalid_argument(
+        fmt::format("{}: region {} writes [{:#x}, {:#x}), which region {} {} ([{:#x}, {:#x})): regions of one batch "
+                    "run in parallel and must not overlap",
+                    who, w.region, w.begin, w.end, other, does, b, e));
   };
   for (std::size_t k = 1; k < writes.size(); ++k) {
     if (writes[k].begin < writes[k - 1].end) {
@@ -257,7 +257,7 @@ copy_completion host_copy_engine::copy_async(void* dst, const void* src, std::si
 }
 
 copy_completion host_copy_engine::copy_async(std::span<const copy_region> regions) {
-  validate(regions);
+  check_copy_regions(regions, "host_copy_engine");
   return submit(regions, /*helped=*/false);
 }
 
@@ -267,7 +267,7 @@ void host_copy_engine::copy(void* dst, const void* src, std::size_t bytes) {
 }
 
 void host_copy_engine::copy(std::span<const copy_region> regions) {
-  validate(regions);
+  check_copy_regions(regions, "host_copy_engine");
   submit_and_help(regions);
 }
 
@@ -283,7 +283,7 @@ void host_copy_engine::copy(void* dst, const void* src, std::size_t bytes, host_
 }
 
 void host_copy_engine::copy(std::span<const copy_region> regions, host_stream& stream) {
-  validate(regions);
+  check_copy_regions(regions, "host_copy_engine");
   // Counts the stream task from now until its closure is destroyed, whether
   // the stream ran it or skipped it after an error; the destructor waits for 0.
   // The notify happens under the lock: once it is released the engine may be gone.

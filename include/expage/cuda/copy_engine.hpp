@@ -101,7 +101,8 @@ class copy_engine {
   /// @throws expage::cuda_error for a failing CUDA call.
   void copy(void* dst, const void* src, std::size_t bytes, cuda_stream& stream);
   /// Copies every region of @p regions, each as copy() would, under one pair of fences on @p stream.
-  /// @throws expage::invalid_argument naming the region, or expage::cuda_error.
+  /// @throws expage::invalid_argument naming the region (check_copy_regions(): a region overlapping
+  ///         itself or another's destination included; nothing is enqueued), or expage::cuda_error.
   void copy(std::span<const copy_region> regions, cuda_stream& stream);
   /// Copies through the staging ring whatever @p src is (e.g. memory the runtime cannot classify).
   /// @throws as copy().

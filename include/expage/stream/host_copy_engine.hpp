@@ -15,6 +15,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -27,6 +28,14 @@ struct copy_region {
   const void* src = nullptr;  ///< Source; may be null only when bytes is 0.
   std::size_t bytes = 0;      ///< Bytes to copy.
 };
+
+/// @brief Checks a batch of copies before any of it runs, as host_copy_engine and
+/// cuda::copy_engine run batches (their regions' chunks in parallel, in no order): no null
+/// pointer with bytes > 0, no range that wraps around the address space, no region whose
+/// destination overlaps its source, and no region that writes what another writes or reads.
+/// O(r log r) for r regions.
+/// @throws expage::invalid_argument naming @p who, the region (or both regions) and the ranges.
+void check_copy_regions(std::span<const copy_region> regions, std::string_view who);
 
 namespace detail {
 struct copy_job;
@@ -185,7 +194,6 @@ class host_copy_engine {
   [[nodiscard]] host_copy_engine_statistics statistics() const;                    ///< A snapshot of the counters.
 
  private:
-  static void validate(std::span<const copy_region> regions);
   [[nodiscard]] copy_completion submit(std::span<const copy_region> regions, bool helped);
   void submit_and_help(std::span<const copy_region> regions);
   void run_worker();
