@@ -831,7 +831,9 @@ std::size_t host_granularity(const options& o, const expage::moe_geometry& g, bo
 // One version of an expert in @p f as the runtime holds it: both tensors' pages, each rounded up
 // to @p granularity (expert_runtime::expert_bytes()).
 std::uint64_t version_bytes(const expage::moe_geometry& g, precision f, std::size_t granularity) {
-  const auto page = [&](expert_tensor t) { return (g.tensor_bytes(t, f) + granularity - 1) / granularity * granularity; };
+  const auto page = [&](expert_tensor t) {
+    return (g.tensor_bytes(t, f) + granularity - 1) / granularity * granularity;
+  };
   return page(expert_tensor::gate_up) + page(expert_tensor::down);
 }
 

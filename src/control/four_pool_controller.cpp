@@ -77,9 +77,9 @@ hot_set_config hot_config(const four_pool_model& m, const four_pool_config& c) {
   // slack to E − n_hi in force): a slack of E or more could never apply, and is refused by name,
   // as every other field of `hot` is, not narrowed in silence.
   if (h.rank_slack >= m.experts_per_layer) {
-    throw invalid_argument(fmt::format("four_pool_controller: hot.rank_slack {} out of range [0, {}] (experts_per_layer "
-                                       "− 1)",
-                                       h.rank_slack, m.experts_per_layer - 1));
+    throw invalid_argument(
+        fmt::format("four_pool_controller: hot.rank_slack {} out of range [0, {}] (experts_per_layer − 1)",
+                    h.rank_slack, m.experts_per_layer - 1));
   }
   return h;
 }

@@ -203,12 +203,11 @@ cost_model make_cost_model(const moe_geometry& geometry, const hardware_profile&
     // Above the setup, but a rescaled bandwidth, B / (ratio × layer − setup) bytes/s, would
     // overflow a double.
     const bool representable = std::isfinite(scale) && std::ranges::all_of(links, [&](const auto& l) {
-      return std::isfinite(l.gbytes_per_second * scale * 1e9);
-    });
+                                 return std::isfinite(l.gbytes_per_second * scale * 1e9);
+                               });
     if (!representable && want > least_setup) {
       // The least time a link moves an expert in at a finite bandwidth: setup + B / DBL_MAX.
-      const double least_time =
-          least_setup + static_cast<double>(m.expert_bytes) / std::numeric_limits<double>::max();
+      const double least_time = least_setup + static_cast<double>(m.expert_bytes) / std::numeric_limits<double>::max();
       throw invalid_argument(fmt::format(
           "transfer/compute ratio {} out of range: {} x {:.3g} s per layer is too short a transfer to set, the "
           "links' bandwidth would have to exceed a double (allowed: a ratio above {:.3g} for this geometry and "

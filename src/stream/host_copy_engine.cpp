@@ -157,9 +157,8 @@ void check_copy_regions(std::span<const copy_region> regions, std::string_view w
     const copy_region& r = regions[i];
     if (r.bytes == 0) continue;
     if (r.dst == nullptr || r.src == nullptr) {
-      throw invalid_argument(
-          fmt::format("{}: region {} of {} bytes has a null {} (allowed only for 0 bytes)", who, i, r.bytes,
-                      r.dst == nullptr ? "destination" : "source"));
+      throw invalid_argument(fmt::format("{}: region {} of {} bytes has a null {} (allowed only for 0 bytes)", who, i,
+                                         r.bytes, r.dst == nullptr ? "destination" : "source"));
     }
     const auto d = reinterpret_cast<std::uintptr_t>(r.dst);
     const auto s = reinterpret_cast<std::uintptr_t>(r.src);
@@ -170,9 +169,8 @@ void check_copy_regions(std::span<const copy_region> regions, std::string_view w
                       who, i, r.bytes, limit));
     }
     if (d < s + r.bytes && s < d + r.bytes) {
-      throw invalid_argument(
-          fmt::format("{}: region {}: destination [{:#x}, {:#x}) overlaps source [{:#x}, {:#x})", who, i, d,
-                      d + r.bytes, s, s + r.bytes));
+      throw invalid_argument(fmt::format("{}: region {}: destination [{:#x}, {:#x}) overlaps source [{:#x}, {:#x})",
+                                         who, i, d, d + r.bytes, s, s + r.bytes));
     }
   }
   if (regions.size() < 2) return;

@@ -199,8 +199,11 @@ TEST(LiveSplit, FollowsEquations8To10) {
   EXPECT_EQ(live_split(m, 6, 0.5, 8, 2).expert_cap, 7U);  // cap 8 leaves 20 < 27 bytes of KV
   // A current cap whose bytes wrap past 2^64 (2 × 2^63) does not fit a 1,000-byte budget: it
   // was kept, a split of 0 expert bytes with a cap of 2 (review).
-  const split_model wide{.budget_bytes = 1000, .experts_per_layer = 4, .slot_bytes = std::uint64_t{1} << 63,
-                         .block_bytes = 1, .kv_floor_bytes = 0};
+  const split_model wide{.budget_bytes = 1000,
+                         .experts_per_layer = 4,
+                         .slot_bytes = std::uint64_t{1} << 63,
+                         .block_bytes = 1,
+                         .kv_floor_bytes = 0};
   const memory_split kept = live_split(wide, 0, 0.0, 2, 3);
   EXPECT_EQ(kept.expert_cap, 0U);
   EXPECT_EQ(kept.kv_bytes, 1000U);

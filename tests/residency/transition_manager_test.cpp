@@ -12,8 +12,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <limits>
 #include <future>
+#include <limits>
 #include <map>
 #include <optional>
 #include <random>

@@ -91,8 +91,8 @@ concept eviction_policy = std::constructible_from<P, const key_space&> &&
 
 /// @brief A policy whose victim() is const: asking for a victim changes nothing (LRU, LFU,
 /// next-turn). sieve_policy, arc_policy and s3fifo_policy move state when asked (the sweep's hand,
-/// the pending answer, the keys promoted and reinserted on the way), so an owner that must undo a failed eviction (expert_runtime's strong guarantee)
-/// saves them first.
+/// the pending answer, the keys promoted and reinserted on the way), so an owner that must undo a
+/// failed eviction (expert_runtime's strong guarantee) saves them first.
 template <class P>
 concept const_victim = eviction_policy<P> && requires(const P& p, pin_view pins, const access_context& ctx) {
   { p.victim(pins, ctx) } -> std::same_as<std::uint32_t>;

@@ -43,14 +43,13 @@ struct copy_engine_statistics {
 /// host-resident expert pool needs no pinning (PreScope §4.4: chunked
 /// multi-stream transfers through pre-registered buffers).
 ///
-/// The ring (K × chunk_bytes of pinned memory) is allocated once at
-/// construction. Chunks take the streams in turn, and pageable ones the slots in turn, the
-/// turns carried over from one copy to the next (so a copy's first chunk goes where the last
-/// one's left off, not to slot 0 and stream 0): the host waits on that slot's event (its previous copy has left the slot:
-/// a per-slot fence, never a stream or device synchronization), copies the
-/// chunk into the slot, enqueues cudaMemcpyAsync from the slot and records the
-/// slot's event. So up to K chunks are in flight while the host fills the next
-/// slot. Pinned (and device) sources skip the ring: each chunk is one
+/// The ring (K × chunk_bytes of pinned memory) is allocated once at construction. Chunks take the
+/// streams in turn, and pageable ones the slots in turn, the turns carried over from one copy to
+/// the next (so a copy's first chunk goes where the last one's left off, not to slot 0 and stream
+/// 0): the host waits on that slot's event (its previous copy has left the slot: a per-slot fence,
+/// never a stream or device synchronization), copies the chunk into the slot, enqueues
+/// cudaMemcpyAsync from the slot and records the slot's event. So up to K chunks are in flight
+/// while the host fills the next slot. Pinned (and device) sources skip the ring: each chunk is one
 /// cudaMemcpyAsync on its stream.
 ///
 /// Stream order with the caller's @p stream: the caller stream records an

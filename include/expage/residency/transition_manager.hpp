@@ -166,9 +166,9 @@ class transition_manager {
     // versions, with their zero points, outweigh fp8 ones).
     for (const version_class<Stream, Memory>& c : classes_) {
       if (staging != nullptr && staging->block_size() < c.pool->block_size()) {
-        throw invalid_argument(fmt::format(
-            "transition_manager: staging blocks of {} bytes cannot hold a {} version's {}-byte block",
-            staging->block_size(), to_string(c.format), c.pool->block_size()));
+        throw invalid_argument(
+            fmt::format("transition_manager: staging blocks of {} bytes cannot hold a {} version's {}-byte block",
+                        staging->block_size(), to_string(c.format), c.pool->block_size()));
       }
     }
     for (std::size_t i = 0; i < last_state_.size(); ++i) last_state_[i] = table.state(table.geometry().expert_at(i));

@@ -193,8 +193,8 @@ struct sim_options {
   /// text says "nearest integer", which would make the first term exceed 1 or go negative).
   prefetch_admission admission = prefetch_admission::cost_benefit;
   /// The byte guard of cost_benefit admission: bytes moved (queued prefetches counted as if
-  /// wasted; one in flight counts once, as moved) may exceed those of demand loading with `guard_baseline` by at most this share (plus
-  /// one transfer), measured as the run goes against a shadow of that demand-only cache up to the
+  /// wasted; one in flight counts once, as moved) may exceed those of demand loading with `guard_baseline` by at most
+  /// this share (plus one transfer), measured as the run goes against a shadow of that demand-only cache up to the
   /// current group (what a key-only shadow cache beside the real one knows online). Admission
   /// pauses while the bound would be crossed. +∞ turns it off. [0, +∞].
   double max_prefetch_overhead = 0.05;

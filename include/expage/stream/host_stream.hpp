@@ -68,7 +68,7 @@ class host_event {
 
 /// @brief Counters of a host_stream.
 struct host_stream_statistics {
-  std::uint64_t tasks = 0;         ///< Work items executed (copies, callbacks, records, waits; a wait on a never-recorded event enqueues none).
+  std::uint64_t tasks = 0;         ///< Work items executed (copies, callbacks, records, waits on recorded events).
   std::uint64_t copies = 0;        ///< copy() calls executed.
   std::uint64_t bytes_copied = 0;  ///< Bytes those copies moved.
   std::uint64_t records = 0;       ///< record() calls.
