@@ -43,10 +43,11 @@ struct residency_step {
 ///
 /// State: c_i resident experts in every layer i; α = Σ c_i / (N·E). τ_load is the aggregate I/O
 /// time of one iteration (Eq. 9–10 for a single streaming backend): τ_load = Σ_i M_i(c_i)·s/(B·I),
-/// with M_i the exact LRU miss curve of layer i (WiSP Eq. 3; layered_miss_curves::layer_curve) measured over I iterations, without its compulsory misses
-/// (miss_ratio_curve::warm_misses(): a first sight is paid once whatever α, and at α = 1 τ_load is
-/// zero, FluxMoE §4.3), and s the bytes moved per miss. FluxMoE profiles τ_load; expage computes it
-/// from the curves, so the knee of Eq. 13 is where the curves put it rather than a guess.
+/// with M_i the exact LRU miss curve of layer i (WiSP Eq. 3; layered_miss_curves::layer_curve)
+/// measured over I iterations, without its compulsory misses (miss_ratio_curve::warm_misses(): a
+/// first sight is paid once whatever α, and at α = 1 τ_load is zero, FluxMoE §4.3), and s the
+/// bytes moved per miss. FluxMoE profiles τ_load; expage computes it from the curves, so the knee
+/// of Eq. 13 is where the curves put it rather than a guess.
 ///
 /// step(kv_bytes), once per period (Algorithm 2):
 /// 1. ρ = τ_comp / τ_load (Eq. 11).
