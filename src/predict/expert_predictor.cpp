@@ -435,7 +435,7 @@ void fmoe_map_predictor::observe_routing(std::uint32_t layer, const layer_routin
     // first part of a split group only): the vector stays, and weighs this part's experts too.
     // (The union's 1/n row had turned the softmax's support, every expert, into a uniform row.)
   } else {
-    // A sparse router vector: 1/k on the routed experts (the trace has no full probabilities).
+    // A sparse router vector: 1/n on the n experts routed (the trace has no full probabilities).
     // A layer observed again in the same pass (a split group) takes the union.
     std::size_t routed = 0;
     if (seen_[layer] != 0) {

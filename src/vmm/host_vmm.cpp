@@ -205,8 +205,9 @@ host_vmm::physical_block host_vmm::create() {
         detail::vmm_table::no_slot - 1, static_cast<std::size_t>(std::numeric_limits<off_t>::max()) / granularity_);
     ::rlimit file_size{};
     const bool limited = ::getrlimit(RLIMIT_FSIZE, &file_size) == 0 && file_size.rlim_cur != RLIM_INFINITY;
-    if (limited)
+    if (limited) {
       max_slots = std::min<std::size_t>(max_slots, static_cast<std::size_t>(file_size.rlim_cur / granularity_));
+    }
     if (file_slots_ >= max_slots) {
       throw out_of_memory(
           limited ? fmt::format("host_vmm::create: {} blocks of {} already exist, the most the file size limit "
