@@ -175,8 +175,42 @@ void check_copy_regions(std::span<const copy_region> regions, std::string_view w
   }
   if (regions.size() < 2) return;
   // Across regions: their chunks run in parallel, in no order, so no region may write what another
-  // writes or reads. The destinations sorted must be disjoint; then each source is checked against
-  // the destination that starts last before its end (O(r log r)).
+  // writes or reads.
+  const auto clash = [who](std::size_t writer, std::uintptr_t begin, std::uintptr_t end, std::size_t other,
+                           std::string_view does, std::uintptr_t b, std::uintptr_t e) {
+    return invalid_argument(
+        fmt::format("{}: region {} writes [{:#x}, {:#x}), which region {} {} ([{:#x}, {:#x})): regions of one batch "
+                    "run in parallel and must not overlap",
+                    who, writer, begin, end, other, does, b, e));
+  };
+  const auto span_of = [](const void* p, std::size_t bytes) {
+    const auto b = reinterpret_cast<std::uintptr_t>(p);
+    return std::pair{b, b + bytes};
+  };
+  const auto overlap = [](std::pair<std::uintptr_t, std::uintptr_t> x, std::pair<std::uintptr_t, std::uintptr_t> y) {
+    return x.first < y.second && y.first < x.second;
+  };
+  // A few regions (an expert's tensors, the loader's batches): every pair, with no allocation on the
+  // load path.
+  constexpr std::size_t pairwise_up_to = 8;
+  if (regions.size() <= pairwise_up_to) {
+    for (std::size_t i = 0; i < regions.size(); ++i) {
+      if (regions[i].bytes == 0) continue;
+      const auto wi = span_of(regions[i].dst, regions[i].bytes);
+      const auto ri = span_of(regions[i].src, regions[i].bytes);
+      for (std::size_t j = i + 1; j < regions.size(); ++j) {
+        if (regions[j].bytes == 0) continue;
+        const auto wj = span_of(regions[j].dst, regions[j].bytes);
+        const auto rj = span_of(regions[j].src, regions[j].bytes);
+        if (overlap(wi, wj)) throw clash(i, wi.first, wi.second, j, "writes", wj.first, wj.second);
+        if (overlap(wi, rj)) throw clash(i, wi.first, wi.second, j, "reads", rj.first, rj.second);
+        if (overlap(wj, ri)) throw clash(j, wj.first, wj.second, i, "reads", ri.first, ri.second);
+      }
+    }
+    return;
+  }
+  // More: the destinations sorted must be disjoint; then each source is checked against the
+  // destination that starts last before its end (O(r log r)).
   struct range {
     std::uintptr_t begin, end;
     std::size_t region;
@@ -185,31 +219,23 @@ void check_copy_regions(std::span<const copy_region> regions, std::string_view w
   writes.reserve(regions.size());
   for (std::size_t i = 0; i < regions.size(); ++i) {
     if (regions[i].bytes == 0) continue;
-    const auto d = reinterpret_cast<std::uintptr_t>(regions[i].dst);
-    writes.push_back({d, d + regions[i].bytes, i});
+    const auto [b, e] = span_of(regions[i].dst, regions[i].bytes);
+    writes.push_back({b, e, i});
   }
   std::ranges::sort(writes, {}, &range::begin);
-  const auto clash = [who](const range& w, std::size_t other, std::string_view does, std::uintptr_t b,
-                           std::uintptr_t e) {
-    return invalid_argument(
-        fmt::format("{}: region {} writes [{:#x}, {:#x}), which region {} {} ([{:#x}, {:#x})): regions of one batch "
-                    "run in parallel and must not overlap",
-                    who, w.region, w.begin, w.end, other, does, b, e));
-  };
   for (std::size_t k = 1; k < writes.size(); ++k) {
-    if (writes[k].begin < writes[k - 1].end) {
-      throw clash(writes[k - 1], writes[k].region, "writes", writes[k].begin, writes[k].end);
-    }
+    const range& w = writes[k - 1];
+    if (writes[k].begin < w.end)
+      throw clash(w.region, w.begin, w.end, writes[k].region, "writes", writes[k].begin, writes[k].end);
   }
   for (std::size_t i = 0; i < regions.size(); ++i) {
     if (regions[i].bytes == 0) continue;
-    const auto b = reinterpret_cast<std::uintptr_t>(regions[i].src);
-    const std::uintptr_t e = b + regions[i].bytes;
+    const auto [b, e] = span_of(regions[i].src, regions[i].bytes);
     // The last destination starting before e; disjoint and sorted, only it can reach past b.
     auto it = std::ranges::lower_bound(writes, e, {}, &range::begin);
     if (it == writes.begin()) continue;
     --it;
-    if (it->end > b && it->region != i) throw clash(*it, i, "reads", b, e);
+    if (it->end > b && it->region != i) throw clash(it->region, it->begin, it->end, i, "reads", b, e);
   }
 }
 

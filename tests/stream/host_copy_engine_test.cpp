@@ -124,6 +124,20 @@ TEST(HostCopyEngine, RejectsNullAndOverlappingRegions) {
   const copy_region apart[] = {
       {b.data(), a.data(), 64}, {b.data() + 64, a.data(), 64}, {a.data() + 128, b.data() + 192, 64}};
   engine.copy(apart);  // adjacent writes, shared reads: fine
+  // Past a few regions the check sorts the destinations: the same answers for a longer batch.
+  std::vector<std::byte> big(4096), from(4096);
+  std::vector<copy_region> many;
+  for (std::size_t k = 0; k < 12; ++k) many.push_back({big.data() + 256 * k, from.data() + 256 * k, 256});
+  engine.copy(many);
+  std::vector<copy_region> rereads = many;
+  rereads[9].src = big.data() + 3 * 256 + 100;  // region 9 reads part of what region 3 writes
+  rereads[9].bytes = 100;
+  refused(rereads, "region 3 writes");
+  refused(rereads, "which region 9 reads");
+  std::vector<copy_region> rewrites = many;
+  rewrites[11].dst = big.data() + 5 * 256 + 8;  // region 11 writes into region 5's destination
+  refused(rewrites, "region 5 writes");
+  refused(rewrites, "which region 11 writes");
   host_stream stream;
   EXPECT_THROW(engine.copy(nullptr, a.data(), 1, stream), invalid_argument);  // at once, on this thread
   stream.synchronize();
