@@ -1,7 +1,8 @@
 # Builds and runs one consumer project (script mode; see CMakeLists.txt).
 #   MODE=install          cmake --install into a temporary prefix, then find_package(expage)
 #   MODE=build_tree       find_package(expage) from the build tree's export
-#   MODE=fetch_content    FetchContent with SOURCE_DIR pointing at the checkout
+#   MODE=fetch_content    FetchContent with SOURCE_DIR pointing at the checkout; compiles the
+#                         consumer against it (fetch_content/CMakeLists.txt says why not more)
 #   MODE=add_subdirectory add_subdirectory(<checkout>)
 # BUILD_TYPE is the consumer's CMAKE_BUILD_TYPE.
 
@@ -29,6 +30,14 @@ endif()
 
 run(${CMAKE_COMMAND} -S "${CONSUMER_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}"
     -DCMAKE_BUILD_TYPE=${BUILD_TYPE} "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" ${args})
+if(MODE STREQUAL "fetch_content")
+  run(${CMAKE_COMMAND} --build "${WORK_DIR}/build" --target consumer_object)
+  if(last_output MATCHES "Linking|src/core/")
+    message(FATAL_ERROR "package test '${MODE}': building the consumer's object built expage too:\n${last_output}")
+  endif()
+  message(STATUS "package test '${MODE}': the consumer compiles against expage from FetchContent")
+  return()
+endif()
 run(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
 run("${WORK_DIR}/build/consumer")
 if(NOT last_output MATCHES "expage consumer ok")
