@@ -1977,9 +1977,10 @@ int run_main(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Past `ulimit -f` a write then fails (EFBIG) and is reported, its temporary file removed;
-  // SIGXFSZ would end the process and leave it.
+  // Past `ulimit -f`, or into a pipe whose reader has gone, a write then fails (EFBIG, EPIPE) and
+  // is reported, its temporary file removed; SIGXFSZ or SIGPIPE would end the process and leave it.
   std::signal(SIGXFSZ, SIG_IGN);
+  std::signal(SIGPIPE, SIG_IGN);
   const int status = run_main(argc, argv);
   return expage::finish_standard_output("moe_decode") ? status : std::max(status, 1);
 }

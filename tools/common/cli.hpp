@@ -344,11 +344,15 @@ inline expage::routing_trace read_checked_trace(const std::string& path, const e
   return t;
 }
 
-/// Past the file size limit (RLIMIT_FSIZE, `ulimit -f`) a write raises SIGXFSZ, which ends the
-/// process and leaves the temporary file of write_files_atomically() beside its output. Ignored,
-/// the write fails instead (EFBIG): the tool says so, removes its temporary files and ends with
-/// status 1. Every tool calls this first.
-inline void ignore_file_size_signal() noexcept { std::signal(SIGXFSZ, SIG_IGN); }
+/// Two signals would end a tool part-way through writing its outputs and leave the temporary files
+/// of write_files_atomically() beside them: SIGXFSZ past the file size limit (RLIMIT_FSIZE, `ulimit
+/// -f`) and SIGPIPE when standard output is a pipe whose reader has gone (`--json /dev/stdout |
+/// head`). Ignored, the write fails instead (EFBIG, EPIPE): the tool says so, removes its temporary
+/// files and ends with status 1. Every tool calls this first.
+inline void ignore_output_signals() noexcept {
+  std::signal(SIGXFSZ, SIG_IGN);
+  std::signal(SIGPIPE, SIG_IGN);
+}
 
 /// What a tool prints when it ends on @p e: its message; for a bare std::bad_alloc or
 /// std::length_error, whose messages name nothing, what ran out and what to change (expage's own

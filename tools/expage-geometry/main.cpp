@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <vector>
 
 namespace {
@@ -35,7 +36,7 @@ unreadable or malformed geometry file included, as in the other tools).
 }  // namespace
 
 int main(int argc, char** argv) {
-  expage_tools::ignore_file_size_signal();
+  expage_tools::ignore_output_signals();
   std::vector<expage::moe_geometry> models;
   std::optional<std::size_t> budget;
   expage_tools::once_per_command_line budget_once;
@@ -80,25 +81,32 @@ int main(int argc, char** argv) {
       models.push_back(expage::moe_geometry::preset(name));
   }
 
-  for (const auto& m : models) {
-    fmt::print("{}: {} MoE layers x {} experts, top-{}, {} shared; hidden {}, expert FFN {}\n", m.name(), m.layers(),
-               m.experts_per_layer(), m.top_k(), m.shared_experts(), m.hidden_size(), m.intermediate_size());
-    fmt::print("  {:<6} {:>12} {:>12} {:>14}{}\n", "format", "expert", "all experts", "shared/layer",
-               budget ? fmt::format(" {:>16}", fmt::format("fit in {}", expage::byte_size{*budget})) : "");
-    for (expage::precision p : expage::all_precisions) {
-      const auto one = m.expert_bytes(p);
-      std::string fit;
-      if (budget) {
-        const auto n = *budget / one;
-        fit = fmt::format(" {:>16}",
-                          fmt::format("{} ({:.0f}%)", n,
-                                      100.0 * static_cast<double>(std::min<std::uint64_t>(n, m.expert_count())) /
-                                          static_cast<double>(m.expert_count())));
+  // fmt::print() throws once a write fails past stdio's buffer (a full disk, `> /dev/full`): the
+  // documented status 1, not an uncaught exception.
+  try {
+    for (const auto& m : models) {
+      fmt::print("{}: {} MoE layers x {} experts, top-{}, {} shared; hidden {}, expert FFN {}\n", m.name(), m.layers(),
+                 m.experts_per_layer(), m.top_k(), m.shared_experts(), m.hidden_size(), m.intermediate_size());
+      fmt::print("  {:<6} {:>12} {:>12} {:>14}{}\n", "format", "expert", "all experts", "shared/layer",
+                 budget ? fmt::format(" {:>16}", fmt::format("fit in {}", expage::byte_size{*budget})) : "");
+      for (expage::precision p : expage::all_precisions) {
+        const auto one = m.expert_bytes(p);
+        std::string fit;
+        if (budget) {
+          const auto n = *budget / one;
+          fit = fmt::format(" {:>16}",
+                            fmt::format("{} ({:.0f}%)", n,
+                                        100.0 * static_cast<double>(std::min<std::uint64_t>(n, m.expert_count())) /
+                                            static_cast<double>(m.expert_count())));
+        }
+        fmt::print("  {:<6} {:>12} {:>12} {:>14}{}\n", expage::to_string(p), expage::byte_size{one},
+                   expage::byte_size{m.total_expert_bytes(p)}, expage::byte_size{m.shared_bytes_per_layer(p)}, fit);
       }
-      fmt::print("  {:<6} {:>12} {:>12} {:>14}{}\n", expage::to_string(p), expage::byte_size{one},
-                 expage::byte_size{m.total_expert_bytes(p)}, expage::byte_size{m.shared_bytes_per_layer(p)}, fit);
+      fmt::print("\n");
     }
-    fmt::print("\n");
+  } catch (const std::system_error& e) {
+    fmt::print(stderr, "expage-geometry: cannot write standard output: {}\n", e.code().message());
+    return 1;
   }
   return expage::finish_standard_output("expage-geometry") ? 0 : 1;
 }

@@ -666,7 +666,7 @@ std::string plan_svg(const expage::plan_result& plan, const std::string& title, 
 }  // namespace
 
 int main(int argc, char** argv) {
-  expage_tools::ignore_file_size_signal();
+  expage_tools::ignore_output_signals();
   const std::string policy_names = expage_tools::policy_names(true);
   const std::string help = fmt::format(fmt::runtime(usage), fmt::join(expage::moe_geometry::preset_names(), ", "),
                                        fmt::join(expage::hardware_profile::preset_names(), ", "), policy_names,

@@ -329,7 +329,7 @@ std::string svg_chart(const std::vector<curve>& curves, const expage::moe_geomet
 }  // namespace
 
 int main(int argc, char** argv) {
-  expage_tools::ignore_file_size_signal();
+  expage_tools::ignore_output_signals();
   const std::string help = fmt::format(fmt::runtime(usage), fmt::join(expage::moe_geometry::preset_names(), ", "),
                                        expage_tools::policy_names(/*online_only=*/false),
                                        fmt::arg("synthetic", expage_tools::synthetic_flags_help()));

@@ -561,7 +561,7 @@ std::string svg_chart(const std::vector<expage::sim_result>& results, const std:
 }  // namespace
 
 int main(int argc, char** argv) {
-  expage_tools::ignore_file_size_signal();
+  expage_tools::ignore_output_signals();
   const std::string policy_names = expage_tools::policy_names(false);
   const std::string help = fmt::format(fmt::runtime(usage), fmt::join(expage::moe_geometry::preset_names(), ", "),
                                        fmt::join(expage::hardware_profile::preset_names(), ", "), policy_names,

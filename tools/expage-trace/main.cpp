@@ -352,7 +352,7 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  expage_tools::ignore_file_size_signal();
+  expage_tools::ignore_output_signals();
   try {
     const int status = run(argc, argv);
     return expage::finish_standard_output("expage-trace") ? status : 1;
