@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -246,6 +247,48 @@ void remove_quietly(const fs::path& path) {
   fs::remove(path, ignored);
 }
 
+// How a staged file was moved over its target, so that the move can be undone until every output
+// has landed.
+enum class committed : std::uint8_t {
+  nothing,    // still staged
+  created,    // the target did not exist: undone by removing it
+  exchanged,  // renameat2(RENAME_EXCHANGE): the old file now stands under the temporary name
+  replaced,   // a plain rename (a file system without RENAME_EXCHANGE): the old file is gone
+};
+
+// Moves `temporary` over `target` so that it can be put back: an exchange when the target exists
+// (the old file then stands under the temporary name until finish), a rename that refuses to
+// replace when it does not. A target that is no longer a regular file (a directory made under its
+// name while the outputs were staged) is refused, not exchanged. Returns what was done, or throws
+// naming `named` with the system's reason.
+committed move_into_place(const fs::path& temporary, const fs::path& target, const std::string& named) {
+  const auto fail = [&](int err) {
+    return invalid_argument(
+        fmt::format("{}: cannot rename the temporary file into place: {}", named, std::strerror(err)));
+  };
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    struct stat st {};
+    if (::lstat(target.c_str(), &st) == 0) {
+      if (!S_ISREG(st.st_mode)) throw fail(S_ISDIR(st.st_mode) ? EISDIR : EEXIST);
+      if (::renameat2(AT_FDCWD, temporary.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0) {
+        return committed::exchanged;
+      }
+      if (errno == ENOENT) continue;  // removed since the lstat(): create it
+    } else if (errno != ENOENT) {
+      throw fail(errno);
+    } else if (::renameat2(AT_FDCWD, temporary.c_str(), AT_FDCWD, target.c_str(), RENAME_NOREPLACE) == 0) {
+      return committed::created;
+    } else if (errno == EEXIST) {
+      continue;  // created since the lstat(): exchange with it
+    }
+    if (errno != EINVAL && errno != ENOSYS) throw fail(errno);
+    // The file system has no renameat2() flags: a plain rename, which cannot be undone.
+    if (std::rename(temporary.c_str(), target.c_str()) != 0) throw fail(errno);
+    return committed::replaced;
+  }
+  throw fail(EBUSY);  // the target appeared and vanished twice under us
+}
+
 }  // namespace
 
 void write_files_atomically(std::span<const file_output> files) {
@@ -253,23 +296,35 @@ void write_files_atomically(std::span<const file_output> files) {
     fs::path target;    // where the bytes land
     std::string named;  // how errors name it
     bool in_place = false;
-    fs::path temporary;  // a regular file's staged copy
+    fs::path temporary;  // a regular file's staged copy; after an exchange, the old file
+    committed state = committed::nothing;
   };
   std::vector<planned_file> plan;
   plan.reserve(files.size());
   for (const file_output& f : files) {
     const output_location place = locate_output(f.path);
-    plan.push_back(
-        {.target = place.target, .named = display(f.path, place.target), .in_place = place.in_place, .temporary = {}});
+    plan.push_back({.target = place.target,
+                    .named = display(f.path, place.target),
+                    .in_place = place.in_place,
+                    .temporary = {},
+                    .state = committed::nothing});
   }
-  const auto discard = [&] {
-    for (const planned_file& p : plan) {
-      if (!p.temporary.empty()) remove_quietly(p.temporary);
+  // Undoes what the renames did, last first (an exchange exchanged back, a created file removed),
+  // and removes every temporary file: each path is as before, but for a plain rename's.
+  const auto undo = [&] {
+    for (auto p = plan.rbegin(); p != plan.rend(); ++p) {
+      if (p->state == committed::exchanged) {
+        ::renameat2(AT_FDCWD, p->temporary.c_str(), AT_FDCWD, p->target.c_str(), RENAME_EXCHANGE);
+      } else if (p->state == committed::created) {
+        remove_quietly(p->target);
+      }
+      if (!p->temporary.empty() && p->state != committed::replaced) remove_quietly(p->temporary);
     }
   };
   try {
-    // Every regular file staged first, so that nothing reaches a device or a pipe unless every
-    // staged file was written; then the files written in place, then the renames.
+    // Every regular file staged first; then moved into place, each move kept undoable; then, only
+    // once every file has landed, the outputs written in place (a device, a pipe, standard
+    // output), so that nothing reaches them unless every file did. Any failure undoes the moves.
     for (std::size_t i = 0; i < files.size(); ++i) {
       planned_file& p = plan[i];
       if (p.in_place) continue;
@@ -280,27 +335,23 @@ void write_files_atomically(std::span<const file_output> files) {
       const std::string suffix = fmt::format(".tmp{}.{}", ::getpid(), serial.fetch_add(1, std::memory_order_relaxed));
       std::string name = p.target.filename().string();
       if (name.size() + suffix.size() > NAME_MAX) name.resize(NAME_MAX > suffix.size() ? NAME_MAX - suffix.size() : 0);
-      p.temporary = p.target.parent_path() / (name + suffix);  // before it exists: discard() removes it
+      p.temporary = p.target.parent_path() / (name + suffix);  // before it exists: undo() removes it
       write_temporary(create_temporary(p.temporary, p.named), p.named, files[i].write);
       keep_permissions(p.target, p.temporary);
+    }
+    for (planned_file& p : plan) {
+      if (!p.in_place) p.state = move_into_place(p.temporary, p.target, p.named);
     }
     for (std::size_t i = 0; i < files.size(); ++i) {
       // Through the path asked for: /dev/stdout reaches this process's standard output.
       if (plan[i].in_place) write_in_place(plan[i].target, plan[i].named, files[i].write);
     }
   } catch (...) {
-    discard();
+    undo();
     throw;
   }
-  for (std::size_t i = 0; i < plan.size(); ++i) {
-    planned_file& p = plan[i];
-    if (p.in_place) continue;
-    if (std::rename(p.temporary.c_str(), p.target.c_str()) != 0) {
-      const int err = errno;
-      discard();  // this one's and the later ones' (the earlier ones are in place: removing fails quietly)
-      throw invalid_argument(
-          fmt::format("{}: cannot rename the temporary file into place: {}", p.named, std::strerror(err)));
-    }
+  for (const planned_file& p : plan) {
+    if (p.state == committed::exchanged) remove_quietly(p.temporary);  // the old file
   }
 }
 

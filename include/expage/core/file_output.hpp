@@ -18,19 +18,21 @@ struct file_output {
 
 /// @brief Writes every file of @p files or none of them. Each regular file is written through its
 /// writer into a temporary file beside it (created afresh, never through a link; flushed and
-/// closed); only once all are written are they renamed over their paths, so on any failure (or an
-/// exception from a writer, rethrown) every temporary file is removed and every path is as before.
+/// closed); only once all are written are they moved over their paths, each move kept undoable (an
+/// existing file is exchanged with its staged copy, renameat2(RENAME_EXCHANGE), and removed only at
+/// the end), so on any failure (or an exception from a writer, rethrown) every move is undone, every
+/// temporary file removed and every path is as before.
 ///
 /// A symbolic link is followed link by link, as open() follows it: its target is replaced (created,
 /// for a dangling link) and the link stays. A file replaced keeps its permissions (the temporary
 /// file has the umask's). A path that cannot be replaced by a rename is written in place, appended
 /// to, never truncated: one that exists and is not a regular file (/dev/null, a FIFO, a terminal),
 /// and one whose links reach the process's open files (/dev/stdout, /dev/fd/N, /proc/self/fd/N),
-/// so that `--json /dev/stdout > out.txt` keeps what was printed. Those are written once every
-/// regular file is staged, so a staging failure reaches no device; a device failing leaves every
-/// regular file as it was (the devices written before it keep what they got). A rename failing
-/// part-way, which only a file system error causes, leaves the files before it replaced and
-/// removes the rest's temporary files.
+/// so that `--json /dev/stdout > out.txt` keeps what was printed. Those are written last, once every
+/// regular file has landed, so a failure to stage or to move a file reaches no device; a device
+/// failing puts every regular file back (the devices written before it keep what they got). A path
+/// that became a directory while the outputs were written is refused. On a file system without
+/// renameat2()'s flags a plain rename is used, which a later failure cannot undo.
 /// @throws expage::invalid_argument naming the path (and the link's target) and the system's reason.
 /// @code
 /// expage::write_files_atomically({{
