@@ -20,9 +20,28 @@ set(args -DEXPAGE_SOURCE_DIR=${EXPAGE_SOURCE_DIR} -DCONSUMER_WITH_CUDA=${WITH_CU
 if(MODE STREQUAL "install")
   run(${CMAKE_COMMAND} --install "${EXPAGE_BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
   list(APPEND args "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix")
-  # Installed headers must not leak the sources' include tree.
   if(NOT EXISTS "${WORK_DIR}/prefix/include/expage/version.hpp" OR NOT EXISTS "${WORK_DIR}/prefix/include/expage/expage.hpp")
     message(FATAL_ERROR "package test 'install': headers missing from the prefix")
+  endif()
+  # The installed package names no path of the checkout or of its build tree: it must work after
+  # both are gone.
+  file(GLOB exported "${WORK_DIR}/prefix/lib*/cmake/expage/*.cmake")
+  foreach(f IN LISTS exported)
+    file(READ "${f}" text)
+    foreach(leak IN ITEMS "${EXPAGE_SOURCE_DIR}" "${EXPAGE_BUILD_DIR}")
+      string(FIND "${text}" "${leak}" at)
+      if(NOT at EQUAL -1)
+        message(FATAL_ERROR "package test 'install': ${f} names ${leak}")
+      endif()
+    endforeach()
+  endforeach()
+  if(WITH_CUDA)
+    # Without a CUDA toolkit, `cuda` as an optional component: the host library only (configured
+    # and the consumer compiled; optional_cuda/CMakeLists.txt).
+    run(${CMAKE_COMMAND} -S "${CONSUMER_DIR}/../optional_cuda" -B "${WORK_DIR}/optional_cuda" -G "${GENERATOR}"
+        -DCMAKE_BUILD_TYPE=${BUILD_TYPE} "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON
+        ${args} "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix")
+    run(${CMAKE_COMMAND} --build "${WORK_DIR}/optional_cuda" --target consumer_object)
   endif()
 elseif(MODE STREQUAL "build_tree")
   list(APPEND args "-Dexpage_DIR=${EXPAGE_BUILD_DIR}")
@@ -30,6 +49,18 @@ endif()
 
 run(${CMAKE_COMMAND} -S "${CONSUMER_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}"
     -DCMAKE_BUILD_TYPE=${BUILD_TYPE} "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" ${args})
+# As a subproject expage adds no install rules (nor tests, benchmarks, examples, tools: the
+# consumers check those targets).
+if(MODE STREQUAL "fetch_content" OR MODE STREQUAL "add_subdirectory")
+  set(sub_binary "${WORK_DIR}/build/expage")
+  if(MODE STREQUAL "fetch_content")
+    set(sub_binary "${WORK_DIR}/build/_deps/expage-build")
+  endif()
+  file(READ "${sub_binary}/cmake_install.cmake" install_script)
+  if(install_script MATCHES "file\\(INSTALL")
+    message(FATAL_ERROR "package test '${MODE}': expage added install rules as a subproject (${sub_binary}/cmake_install.cmake)")
+  endif()
+endif()
 if(MODE STREQUAL "fetch_content")
   run(${CMAKE_COMMAND} --build "${WORK_DIR}/build" --target consumer_object)
   if(last_output MATCHES "Linking|src/core/")

@@ -2,8 +2,6 @@
 /// @brief The physical_memory concept: backends that hand out fixed-size blocks.
 #pragma once
 
-#include <fmt/format.h>
-
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
