@@ -138,11 +138,14 @@ execution_key routing_trace::execution_key_of(std::size_t i, const prefill_table
                            batch_size_);
 }
 
-bool routing_trace::is_execution_ordered() const {
-  if (size() < 2) return true;
-  const prefill_table prefill = prefill_lengths();
-  for (std::size_t i = 1; i < size(); ++i) {
-    if (!(execution_key_of(i - 1, prefill) < execution_key_of(i, prefill))) return false;
+bool routing_trace::is_execution_ordered() const { return is_execution_ordered(prefill_lengths()); }
+
+bool routing_trace::is_execution_ordered(const prefill_table& prefill) const {
+  for (std::size_t i = 0; i < size(); ++i) {
+    // A decode step before its sequence's prefill has no place in execution order (the keys alone
+    // would fold it into the prefill pass).
+    if (phase_[i] == routing_phase::decode && step_[i] < prefill[sequence_[i]]) return false;
+    if (i > 0 && !(execution_key_of(i - 1, prefill) < execution_key_of(i, prefill))) return false;
   }
   return true;
 }
@@ -153,18 +156,8 @@ void routing_trace::restore_execution_order() {
   // needs one linear pass, no sort: strict order already excludes duplicate (sequence, step,
   // layer) records once decode-before-prefill is ruled out (a prefill and a decode record of the
   // same step would have equal keys only if the decode step preceded the prefill length).
-  bool ordered = true;
-  for (std::size_t i = 0; i < size(); ++i) {
-    if (phase_[i] == routing_phase::decode && step_[i] < prefill[sequence_[i]]) {
-      ordered = false;  // reported below, after the duplicate check, as before
-      break;
-    }
-    if (i > 0 && !(execution_key_of(i - 1, prefill) < execution_key_of(i, prefill))) {
-      ordered = false;
-      break;
-    }
-  }
-  if (ordered) return;
+  // (A decode step before its prefill is reported below, after the duplicate check.)
+  if (is_execution_ordered(prefill)) return;
   std::vector<std::size_t> order(size());
   std::iota(order.begin(), order.end(), std::size_t{0});
   // Duplicates: sort by (sequence, step, layer) first.

@@ -110,6 +110,19 @@ TEST(Replay, RejectsBadParameters) {
   add(t, 0, 1, 0, 0, 1);
   add(t, 0, 0, 0, 2, 3);  // out of execution order
   EXPECT_THROW(access_stream(t, 2), invalid_argument);
+  {
+    // A decode step before its prefill: in key order, but not in execution order, as the streamed
+    // replay (replay_ordered()) and restore_execution_order() say too.
+    routing_trace early(g);
+    const std::uint32_t experts[] = {0, 1};
+    const float weights[] = {0.75F, 0.25F};
+    for (const auto& [step, phase] : {std::pair{0U, routing_phase::prefill}, std::pair{1U, routing_phase::decode},
+                                     std::pair{2U, routing_phase::prefill}}) {
+      early.append({.sequence = 0, .step = step, .layer = 0, .phase = phase, .experts = experts, .weights = weights});
+    }
+    EXPECT_THAT([&] { (void)replay(early, g, policy_kind::lru, {.capacity = 2}); },
+                ::testing::ThrowsMessage<invalid_argument>(HasSubstr("not in execution order")));
+  }
   t.restore_execution_order();
   const access_stream s(t, 2);
   EXPECT_THROW((void)replay(s, g, policy_kind::lru, {.capacity = 1}), invalid_argument);

@@ -149,6 +149,18 @@ TEST(RoutingTrace, RestoresExecutionOrderFromLayerMajorInput) {
   }
 }
 
+// A decode step before its sequence's (last) prefill step: its execution key alone sorts it into
+// the prefill pass, but it is not in execution order, and restoring the order refuses it.
+TEST(RoutingTrace, ADecodeStepBeforeItsPrefillIsNotInExecutionOrder) {
+  routing_trace t(1, 8, 2);
+  add(t, 0, 0, 0, {0, 1}, routing_phase::prefill);
+  add(t, 0, 1, 0, {2, 3}, routing_phase::decode);
+  add(t, 0, 2, 0, {4, 5}, routing_phase::prefill);
+  EXPECT_FALSE(t.is_execution_ordered());
+  EXPECT_THAT([&] { t.restore_execution_order(); },
+              ::testing::ThrowsMessage<expage::invalid_argument>(HasSubstr("decode step 1 of sequence 0 precedes")));
+}
+
 TEST(RoutingTrace, LockstepOrderInterleavesTheBatchAndGroupsPrefill) {
   routing_trace t(2, 8, 2);
   t.set_batch_size(2);

@@ -265,7 +265,8 @@ class routing_trace {
   /// @pre i < size().
   [[nodiscard]] execution_key execution_key_of(std::size_t i, const prefill_table& prefill) const noexcept;
 
-  /// True when the events are in strictly increasing execution_key order (no duplicates).
+  /// True when the events are in strictly increasing execution_key order (no duplicates) and no
+  /// decode step precedes its sequence's prefill (restore_execution_order() refuses that).
   [[nodiscard]] bool is_execution_ordered() const;
 
   /// Sorts the events into execution order (stable).
@@ -286,6 +287,8 @@ class routing_trace {
  private:
   template <class Visit>
   void visit_gaps(Visit&& visit) const;
+  // is_execution_ordered() given the prefill lengths (restore_execution_order() has them).
+  [[nodiscard]] bool is_execution_ordered(const prefill_table& prefill) const;
   std::uint32_t layers_;
   std::uint32_t experts_per_layer_;
   std::uint32_t top_k_;
