@@ -642,16 +642,20 @@ class order_check {
 // The sequential LRU jobs of a sweep in one pass: the exact miss curves (WiSP Eq. 3 through
 // miss_ratio_curve) of the layouts the jobs use: per layer, one builder per layer; global, one
 // builder over every expert plus, per layer, the histogram of global distances, so a global
-// cache's misses can be told per layer.
+// cache's misses can be told per layer. Those histograms stop at the largest global capacity
+// asked for (@p global_capacity): a distance at or past it misses at every capacity of the sweep,
+// so one last bucket holds them all, and the histograms take layers × (capacity + 1) counters,
+// not layers × experts.
 class lru_curve_runner {
  public:
-  lru_curve_runner(const moe_geometry& geometry, bool per_layer, bool global)
+  lru_curve_runner(const moe_geometry& geometry, bool per_layer, std::optional<std::uint64_t> global_capacity)
       : experts_(geometry.experts_per_layer()), cold_(geometry.layers(), 0) {
     if (per_layer) layers_.assign(geometry.layers(), miss_curve_builder(geometry.experts_per_layer()));
-    if (global) {
+    if (global_capacity) {
       const auto keys = static_cast<std::size_t>(geometry.expert_count());
       global_.emplace(keys);
-      by_layer_.assign(geometry.layers(), std::vector<std::uint64_t>(keys, 0));
+      const std::size_t buckets = static_cast<std::size_t>(std::min<std::uint64_t>(keys, *global_capacity + 1));
+      by_layer_.assign(geometry.layers(), std::vector<std::uint64_t>(buckets, 0));
     }
   }
 
@@ -662,7 +666,7 @@ class lru_curve_runner {
       if (d == reuse_distance_tracker::cold) {
         ++cold_[layer];
       } else {
-        ++by_layer_[layer][d];
+        ++by_layer_[layer][std::min(d, by_layer_[layer].size() - 1)];
       }
     }
   }
@@ -802,7 +806,13 @@ std::optional<std::vector<replay_result>> replay_ordered(routing_event_source& s
       return std::any_of(jobs.begin(), jobs.end(),
                          [&](const replay_job& j) { return curve_job(j) && j.options.layout == layout; });
     };
-    curves.emplace(geometry, uses(cache_layout::per_layer), uses(cache_layout::global));
+    std::optional<std::uint64_t> global_capacity;  // the largest of the global curve jobs
+    for (const replay_job& j : jobs) {
+      if (curve_job(j) && j.options.layout == cache_layout::global) {
+        global_capacity = std::max<std::uint64_t>(global_capacity.value_or(0), j.options.capacity);
+      }
+    }
+    curves.emplace(geometry, uses(cache_layout::per_layer), global_capacity);
   }
   std::vector<std::unique_ptr<job_runner>> runners(jobs.size());
   for (std::size_t j = 0; j < jobs.size(); ++j) {
