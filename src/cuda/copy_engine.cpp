@@ -72,13 +72,14 @@ copy_engine::copy_engine(copy_engine_options opts) : options_(validated(opts)) {
       ring, [pinned, slots = options_.staging_slots](std::byte* p) mutable { pinned.deallocate(p, slots); });
   streams_.reserve(options_.streams);
   final_events_.reserve(options_.streams);
+  // The events are created now, on the engine's device: they are recorded through native().
   for (std::size_t m = 0; m < options_.streams; ++m) {
     streams_.emplace_back();
-    final_events_.emplace_back();
+    final_events_.emplace_back(options_.device);
   }
   slot_events_.reserve(options_.staging_slots);
-  for (std::size_t k = 0; k < options_.staging_slots; ++k) slot_events_.emplace_back();
-  start_.emplace();
+  for (std::size_t k = 0; k < options_.staging_slots; ++k) slot_events_.emplace_back(options_.device);
+  start_.emplace(options_.device);
   slot_used_.assign(options_.staging_slots, false);
   stream_used_.assign(options_.streams, false);
   if (options_.staging_threads > 1) {

@@ -254,8 +254,11 @@ void cuda_vmm::unmap(std::byte* address, std::size_t bytes) noexcept {
   if (const driver_api* drv = driver()) {
     const scoped_device on(options_.device, std::nothrow);
     // One call for the run: cuMemUnmap accepts a range covering several whole mappings.
-    [[maybe_unused]] const CUresult rc = drv->mem_unmap(device_address(address), bytes);
+    const CUresult rc = drv->mem_unmap(device_address(address), bytes);
     EXPAGE_ASSERT(rc == CUDA_SUCCESS, "cuda_vmm::unmap: cuMemUnmap failed");
+    // Failed, the driver still maps the range: so does the table, so that no later map() lands on
+    // it, no release() caches a handle still mapped, and free() and the destructor unmap it again.
+    if (rc != CUDA_SUCCESS) return;
   }
   for (std::size_t i = 0; i < r.count; ++i) table_.mark_unmapped(*r.where, r.first + i);
 }

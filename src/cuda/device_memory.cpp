@@ -39,9 +39,11 @@ std::byte* device_memory::allocate(std::size_t blocks) {
 }
 
 void device_memory::deallocate(std::byte* p, std::size_t /*blocks*/) noexcept {
-  // cudaFree acts on the allocation's own device whatever device is current.
-  // A sticky error from earlier work or the runtime unloading at exit comes
-  // back here too; only a bad pointer is this call's bug.
+  // cudaFree acts on the allocation's own device whatever device is current, but on a thread that
+  // never chose one it would first create device 0's context (hundreds of MiB there): enter the
+  // pool's device. A sticky error from earlier work or the runtime unloading at exit comes back
+  // here too; only a bad pointer is this call's bug.
+  const scoped_device on(options_.device, std::nothrow);
   [[maybe_unused]] const cudaError_t status = cudaFree(p);
   EXPAGE_ASSERT(status != cudaErrorInvalidValue && status != cudaErrorInvalidDevicePointer,
                 "device_memory::deallocate: cudaFree of a pointer it did not allocate");

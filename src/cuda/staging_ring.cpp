@@ -57,13 +57,17 @@ void staging_ring::copy_async(void* destination, const void* source, std::size_t
   std::memcpy(at, source, bytes);
   check(cudaMemcpyAsync(destination, at, bytes, cudaMemcpyHostToDevice, stream),
         (std::string("cudaMemcpyAsync (") + owner_ + " update)").c_str());
-  if (const cudaError_t rc = cudaEventRecord(copied_[slot], stream); rc != cudaSuccess) {
-    // The copy is queued but cannot be fenced: let it finish before the slot can be reused.
-    (void)cudaStreamSynchronize(stream);
+  if (cudaEventRecord(copied_[slot], stream) != cudaSuccess) {
+    // The copy is queued but cannot be fenced. Queued, it is the update: a kernel after it reads
+    // the new record, so the caller must not be told it failed (a failed publish frees the
+    // version's blocks, which the device would then read). Wait for the copy instead of fencing
+    // it; only a wait that fails too is an error (the context is then broken).
+    (void)cudaGetLastError();  // the record's error, answered here
     used_[slot] = false;
-    check(rc, "cudaEventRecord (staging slot)");
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (a staging slot whose event record failed)");
+  } else {
+    used_[slot] = true;
   }
-  used_[slot] = true;
   next_ = (slot + 1) % copied_.size();
 }
 

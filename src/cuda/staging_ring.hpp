@@ -23,7 +23,9 @@ class staging_ring {
   // Copies @p bytes (≤ slot_bytes) from @p source into the next slot and enqueues their copy to
   // device address @p destination on @p stream. A slot still read by an earlier copy is waited for
   // first (only when the ring wraps faster than the stream drains).
-  // @throws expage::cuda_error when the copy cannot be enqueued.
+  // @throws expage::cuda_error when the copy cannot be enqueued (nothing reaches the device), or
+  // when its slot's event cannot be recorded and waiting for the stream fails as well. A copy that
+  // was enqueued but cannot be fenced is waited for, and the call succeeds.
   void copy_async(void* destination, const void* source, std::size_t bytes, cudaStream_t stream);
 
  private:

@@ -26,7 +26,14 @@ using namespace expage::literals;
 TEST(CudaStream, ConstructionWithoutADeviceIsACudaErrorNotACrash) {
   if (cuda::device_available()) GTEST_SKIP() << "a device is present";
   EXPECT_THROW(cuda::cuda_stream(), cuda_error);
-  EXPECT_THROW(cuda::cuda_event(), cuda_error);
+  EXPECT_THROW(cuda::cuda_event(0), cuda_error);
+  // A default event is created by its first record, on the stream's device: until then it makes
+  // no CUDA call and counts as complete, here too.
+  const cuda::cuda_event never;
+  EXPECT_EQ(never.native(), nullptr);
+  EXPECT_EQ(never.device(), -1);
+  EXPECT_TRUE(never.query());
+  EXPECT_NO_THROW(never.synchronize());
 }
 
 TEST(CudaStream, CopiesAndEventsOrderTwoStreams) {

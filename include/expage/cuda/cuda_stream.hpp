@@ -20,8 +20,13 @@ namespace expage::cuda {
 /// @threadsafety thread-safe (the CUDA runtime's guarantees for one event).
 class cuda_event {
  public:
-  /// Creates the event on the current device. @throws expage::cuda_error (e.g. no device).
-  cuda_event();
+  /// An event not yet created: it counts as complete (the async_stream concept's never-recorded
+  /// event) and makes no CUDA call; cuda_stream::record() creates it on the stream's device. So a
+  /// thread may make events for a stream of any device without touching device 0.
+  cuda_event() noexcept = default;
+  /// Creates the event now on @p device, for code that records it through native().
+  /// @throws expage::cuda_error (e.g. no device).
+  explicit cuda_event(int device);
   cuda_event(const cuda_event&) = delete;
   cuda_event& operator=(const cuda_event&) = delete;
   /// Takes over @p other's event.
@@ -31,16 +36,20 @@ class cuda_event {
   /// Destroys the event (safe while a record is pending, as in CUDA).
   ~cuda_event();
 
-  /// True when the latest record has completed (cudaEventQuery). @throws expage::cuda_error on errors other than "not
-  /// ready".
+  /// True when the latest record has completed (cudaEventQuery), or when there was none.
+  /// @throws expage::cuda_error on errors other than "not ready".
   [[nodiscard]] bool query() const;
-  /// Blocks the host until the latest record has completed. @throws expage::cuda_error
+  /// Blocks the host until the latest record has completed (at once when there was none).
+  /// @throws expage::cuda_error
   void synchronize() const;
-  /// The native handle.
+  /// The native handle: null until the event is created (recorded on a stream, or made for a device).
   [[nodiscard]] cudaEvent_t native() const noexcept { return event_; }
+  /// The device the event was created on; -1 before.
+  [[nodiscard]] int device() const noexcept { return device_; }
 
  private:
   cudaEvent_t event_ = nullptr;
+  int device_ = -1;
 };
 
 /// @brief An owned non-blocking cudaStream_t (cudaStreamNonBlocking: no implicit
@@ -62,7 +71,10 @@ class cuda_stream {
   /// The stream's event type.
   using event_type = cuda_event;
 
-  /// Creates a non-blocking stream on the current device. @throws expage::cuda_error (e.g. no device).
+  /// Creates a non-blocking stream on the current device, which it remembers: copy(), record(),
+  /// and wait() make that device current on the calling thread first (scoped_device),
+  /// so that a worker thread that never chose a device (the transition manager's, a prefetcher's)
+  /// records events on the stream's device, not on device 0. @throws expage::cuda_error (e.g. no device).
   cuda_stream();
   cuda_stream(const cuda_stream&) = delete;
   cuda_stream& operator=(const cuda_stream&) = delete;
@@ -75,17 +87,22 @@ class cuda_stream {
 
   /// Copies @p bytes from @p src to @p dst asynchronously. @throws expage::cuda_error
   void copy(void* dst, const void* src, std::size_t bytes);
-  /// Records @p event after the work submitted so far. @throws expage::cuda_error
+  /// Records @p event after the work submitted so far, creating it on this stream's device first
+  /// when it was not created yet or was created on another device. @throws expage::cuda_error
   void record(cuda_event& event);
-  /// Later work waits for @p event's latest record (cudaStreamWaitEvent). @throws expage::cuda_error
+  /// Later work waits for @p event's latest record (cudaStreamWaitEvent); an event never
+  /// recorded is complete, and nothing waits. @throws expage::cuda_error
   void wait(const cuda_event& event);
   /// Blocks the host until all submitted work has completed (a stream-wide wait). @throws expage::cuda_error
   void synchronize();
   /// The native handle.
   [[nodiscard]] cudaStream_t native() const noexcept { return stream_; }
+  /// The device the stream was created on.
+  [[nodiscard]] int device() const noexcept { return device_; }
 
  private:
   cudaStream_t stream_ = nullptr;
+  int device_ = 0;
 };
 
 static_assert(async_stream<cuda_stream>);
