@@ -89,12 +89,15 @@ output_location check_output(const fs::path& requested) {
 
 bool same_output_file(const output_location& a, const output_location& b) {
   if (a.in_place || b.in_place) {
-    // A device takes both (/dev/null twice); an open regular file written in place (/dev/stdout
-    // redirected to it) does not: the other output would be appended to it or replace it.
-    std::error_code ec;
-    const fs::path& open_file = a.in_place ? a.target : b.target;
-    const bool regular = fs::is_regular_file(open_file, ec) && !ec;
-    return regular && fs::equivalent(a.target, b.target, ec) && !ec;
+    // A character device takes both (/dev/null twice, a terminal a person reads); an open regular
+    // file written in place (/dev/stdout redirected to it) does not, where the other output would
+    // be appended to it or replace it; nor does a pipe or a FIFO, where a reader would get the two
+    // outputs run together (`--csv /dev/stdout --json /dev/stdout | jq`).
+    // stat(), not fs::equivalent(), which reports an error for two pipes (both of type "other").
+    struct stat sa {};
+    struct stat sb {};
+    if (::stat(a.target.c_str(), &sa) != 0 || ::stat(b.target.c_str(), &sb) != 0) return false;
+    return !S_ISCHR(sa.st_mode) && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
   }
   // Absolute first: weakly_canonical() leaves "p.json" relative while "./p.json" is made absolute.
   std::error_code ec;

@@ -343,6 +343,17 @@ TEST_F(WriteFileAtomically, SameOutputFileComparesWhereWritesLand) {
   EXPECT_FALSE(same_output_file(locate_output(open_file), locate_output(dir_ / "u.json")));
   EXPECT_FALSE(same_output_file(locate_output(open_file), locate_output("/dev/null")));
   ::close(fd);
+  // One pipe named twice (standard output piped to a reader, /dev/stdout twice): the reader would
+  // get both outputs run together. Two pipes are two files.
+  int first[2];
+  int second[2];
+  ASSERT_EQ(::pipe(first), 0);
+  ASSERT_EQ(::pipe(second), 0);
+  const fs::path pipe_a = fmt::format("/dev/fd/{}", first[1]);
+  const fs::path pipe_b = fmt::format("/dev/fd/{}", second[1]);
+  EXPECT_TRUE(same_output_file(locate_output(pipe_a), locate_output(pipe_a)));
+  EXPECT_FALSE(same_output_file(locate_output(pipe_a), locate_output(pipe_b)));
+  for (const int p : {first[0], first[1], second[0], second[1]}) ::close(p);
 }
 
 }  // namespace

@@ -66,7 +66,14 @@ class once_per_command_line {
   /// @throws usage_error naming the flag when it was seen before.
   void operator()(std::string_view arg) {
     if (!arg.starts_with("--")) return;
-    // An alias is the flag it stands for (parse_synthetic_flag() reads both as one).
+    // An alias is the flag it stands for (parse_synthetic_flag() reads both as one); a flag and its
+    // negation are one choice, made once (`--progress --no-progress` would leave the last word).
+    if (arg == "--progress" || arg == "--no-progress") {
+      if (!seen_.insert("--progress").second) {
+        throw usage_error{fmt::format("{}: --progress or --no-progress was given before: give one, once", arg)};
+      }
+      return;
+    }
     const std::string_view name = arg == "--decode-steps" ? std::string_view("--steps") : arg;
     if (!seen_.insert(name).second) throw usage_error{fmt::format("{} given twice: give it once", arg)};
   }

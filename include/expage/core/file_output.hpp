@@ -55,10 +55,11 @@ struct output_location {
 /// @throws expage::invalid_argument for a loop of links or a link that cannot be read.
 [[nodiscard]] output_location locate_output(const std::filesystem::path& path);
 
-/// @brief True when two outputs land on one regular file (the one written last would replace the
-/// other): their targets compared as absolute, canonical paths. Outputs written in place land
-/// both on a device (/dev/null twice), but not on a regular file standard output is redirected to
-/// (`--json /dev/stdout --csv F > F`, or /dev/stdout twice): those compare as the same file.
+/// @brief True when two outputs land on one file (the one written last would replace the other,
+/// or follow it): their targets compared as absolute, canonical paths. Outputs written in place
+/// land both on a character device (/dev/null twice, a terminal), but not on a regular file
+/// standard output is redirected to (`--json /dev/stdout --csv F > F`, or /dev/stdout twice), nor
+/// on one pipe or FIFO (`--csv /dev/stdout --json /dev/stdout | jq`): those compare as the same file.
 [[nodiscard]] bool same_output_file(const output_location& a, const output_location& b);
 
 /// @brief Checks, before the work that produces it, that an output of @p path can be written
