@@ -62,7 +62,8 @@ __global__ void __launch_bounds__(threads_per_block) router_top_k_kernel(const r
       }
     }
     if (j == 0) max = best_key;
-    const float numerator = expf(best_key - max);
+    const float numerator = expage::detail::router_max_is_infinite(max) ? expage::detail::router_limit_term(best_key)
+                                                                        : expf(best_key - max);
     chosen_sum += numerator;
     if (lane == 0) {
       a.ids[token * a.top_k + j] = static_cast<std::int32_t>(best_id);
@@ -75,7 +76,10 @@ __global__ void __launch_bounds__(threads_per_block) router_top_k_kernel(const r
   float denominator = chosen_sum;
   if (!a.renormalize) {
     float sum = 0.0F;
-    for (std::uint32_t e = lane; e < a.experts; e += 32) sum += expf(logit_key(a, row + e) - max);
+    for (std::uint32_t e = lane; e < a.experts; e += 32) {
+      const float k = logit_key(a, row + e);
+      sum += expage::detail::router_max_is_infinite(max) ? expage::detail::router_limit_term(k) : expf(k - max);
+    }
 #pragma unroll
     for (unsigned offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(full_mask, sum, offset);
     denominator = sum;

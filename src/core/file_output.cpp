@@ -250,20 +250,22 @@ void remove_quietly(const fs::path& path) {
   fs::remove(path, ignored);
 }
 
-// How a staged file was moved over its target, so that the move can be undone until every output
+// How a staged file was moved over its target, so that the move can be undone until every file
 // has landed.
 enum class committed : std::uint8_t {
   nothing,    // still staged
   created,    // the target did not exist: undone by removing it
   exchanged,  // renameat2(RENAME_EXCHANGE): the old file now stands under the temporary name
-  replaced,   // a plain rename (a file system without RENAME_EXCHANGE): the old file is gone
+  replaced,   // a plain rename (no renameat2() flags here): the old file is gone
 };
 
 // Moves `temporary` over `target` so that it can be put back: an exchange when the target exists
-// (the old file then stands under the temporary name until finish), a rename that refuses to
+// (the old file then stands under the temporary name until the end), a rename that refuses to
 // replace when it does not. A target that is no longer a regular file (a directory made under its
-// name while the outputs were staged) is refused, not exchanged. Returns what was done, or throws
-// naming `named` with the system's reason.
+// name while the outputs were staged) is refused, not exchanged. Where renameat2()'s flags are not
+// there (a file system without them: EINVAL; a kernel or a seccomp filter without the system call:
+// ENOSYS, EPERM; EOPNOTSUPP), a plain rename, which cannot be undone; a real permission error then
+// fails it again. Returns what was done, or throws naming `named` with the system's reason.
 committed move_into_place(const fs::path& temporary, const fs::path& target, const std::string& named) {
   const auto fail = [&](int err) {
     return invalid_argument(
@@ -284,12 +286,24 @@ committed move_into_place(const fs::path& temporary, const fs::path& target, con
     } else if (errno == EEXIST) {
       continue;  // created since the lstat(): exchange with it
     }
-    if (errno != EINVAL && errno != ENOSYS) throw fail(errno);
-    // The file system has no renameat2() flags: a plain rename, which cannot be undone.
+    const int err = errno;
+    if (err != EINVAL && err != ENOSYS && err != EPERM && err != EOPNOTSUPP) throw fail(err);
     if (std::rename(temporary.c_str(), target.c_str()) != 0) throw fail(errno);
     return committed::replaced;
   }
   throw fail(EBUSY);  // the target appeared and vanished twice under us
+}
+
+// A file's identity: what a path names now, against what this call staged.
+struct file_identity {
+  dev_t device = 0;
+  ino_t inode = 0;
+  bool known = false;
+};
+
+bool names_file(const fs::path& path, const file_identity& id) {
+  struct stat st {};
+  return id.known && ::lstat(path.c_str(), &st) == 0 && st.st_dev == id.device && st.st_ino == id.inode;
 }
 
 }  // namespace
@@ -299,7 +313,8 @@ void write_files_atomically(std::span<const file_output> files) {
     fs::path target;    // where the bytes land
     std::string named;  // how errors name it
     bool in_place = false;
-    fs::path temporary;  // a regular file's staged copy; after an exchange, the old file
+    fs::path temporary;    // a regular file's staged copy; after an exchange, the old file
+    file_identity staged;  // the staged copy's, to tell it from a file another writer moved there
     committed state = committed::nothing;
   };
   std::vector<planned_file> plan;
@@ -310,44 +325,51 @@ void write_files_atomically(std::span<const file_output> files) {
                     .named = display(f.path, place.target),
                     .in_place = place.in_place,
                     .temporary = {},
+                    .staged = {},
                     .state = committed::nothing});
   }
-  // Undoes what the renames did, last first (an exchange exchanged back, a created file removed),
-  // and removes every temporary file: each path is as before, but for a plain rename's.
+  // Undoes the moves, last first, and removes the temporary files. A move is undone only while
+  // the target still holds what this call moved there: another thread or process that replaced
+  // it since has the last word, as a later rename would (the old file under the temporary name
+  // is then stale, and removed). An exchange that cannot be made back keeps the old file under
+  // its temporary name rather than remove it.
   const auto undo = [&] {
     for (auto p = plan.rbegin(); p != plan.rend(); ++p) {
-      if (p->state == committed::exchanged) {
-        ::renameat2(AT_FDCWD, p->temporary.c_str(), AT_FDCWD, p->target.c_str(), RENAME_EXCHANGE);
-      } else if (p->state == committed::created) {
+      bool keep_temporary = p->state == committed::replaced;
+      if (p->state == committed::exchanged && names_file(p->target, p->staged)) {
+        keep_temporary = ::renameat2(AT_FDCWD, p->temporary.c_str(), AT_FDCWD, p->target.c_str(), RENAME_EXCHANGE) != 0;
+      } else if (p->state == committed::created && names_file(p->target, p->staged)) {
         remove_quietly(p->target);
       }
-      if (!p->temporary.empty() && p->state != committed::replaced) remove_quietly(p->temporary);
+      if (!p->temporary.empty() && !keep_temporary) remove_quietly(p->temporary);
     }
   };
   try {
-    // Every regular file staged first; then moved into place, each move kept undoable; then, only
-    // once every file has landed, the outputs written in place (a device, a pipe, standard
-    // output), so that nothing reaches them unless every file did. Any failure undoes the moves.
+    // Every regular file staged first, so that nothing reaches a device or a pipe unless every
+    // staged file was written; then the outputs written in place; then the moves, each undoable,
+    // so that a move failing part-way puts back the files moved before it.
     for (std::size_t i = 0; i < files.size(); ++i) {
       planned_file& p = plan[i];
       if (p.in_place) continue;
       // <name>.tmp<pid>.<serial> beside the target; a name too long for the suffix is cut (any name
       // the file system takes can be written). The process-wide serial keeps apart two names cut to
-      // one prefix and two threads writing one path (each stages its own file; the last rename wins).
+      // one prefix and two threads writing one path (each stages its own file; the last move wins).
       static std::atomic<std::uint64_t> serial{0};
       const std::string suffix = fmt::format(".tmp{}.{}", ::getpid(), serial.fetch_add(1, std::memory_order_relaxed));
       std::string name = p.target.filename().string();
       if (name.size() + suffix.size() > NAME_MAX) name.resize(NAME_MAX > suffix.size() ? NAME_MAX - suffix.size() : 0);
       p.temporary = p.target.parent_path() / (name + suffix);  // before it exists: undo() removes it
-      write_temporary(create_temporary(p.temporary, p.named), p.named, files[i].write);
+      const int fd = create_temporary(p.temporary, p.named);
+      if (struct stat st{}; ::fstat(fd, &st) == 0) p.staged = {st.st_dev, st.st_ino, true};
+      write_temporary(fd, p.named, files[i].write);
       keep_permissions(p.target, p.temporary);
-    }
-    for (planned_file& p : plan) {
-      if (!p.in_place) p.state = move_into_place(p.temporary, p.target, p.named);
     }
     for (std::size_t i = 0; i < files.size(); ++i) {
       // Through the path asked for: /dev/stdout reaches this process's standard output.
       if (plan[i].in_place) write_in_place(plan[i].target, plan[i].named, files[i].write);
+    }
+    for (planned_file& p : plan) {
+      if (!p.in_place) p.state = move_into_place(p.temporary, p.target, p.named);
     }
   } catch (...) {
     undo();

@@ -56,18 +56,21 @@ void select_top_k(std::span<const Logit> logits, router_shape shape, router_gati
     std::partial_sort(ids.begin(), ids.begin() + shape.top_k, ids.end(), [&](std::uint32_t a, std::uint32_t b) {
       return detail::router_ranks_before(keys[a], a, keys[b], b);
     });
-    // The top-1 key is the maximum: exp(l − max) ≤ 1 never overflows.
+    // The top-1 key is the maximum: exp(l − max) ≤ 1 never overflows; a +∞ maximum takes the
+    // softmax's limit instead (the +∞ experts share the weight).
     const float max = keys[ids[0]];
+    const bool infinite = detail::router_max_is_infinite(max);
+    const auto term = [&](float k) { return infinite ? detail::router_limit_term(k) : std::exp(k - max); };
     float denominator = 0.0F;
     if (gating == router_gating::softmax) {
-      for (const float k : keys) denominator += std::exp(k - max);
+      for (const float k : keys) denominator += term(k);
     } else {
-      for (std::uint32_t j = 0; j < shape.top_k; ++j) denominator += std::exp(keys[ids[j]] - max);
+      for (std::uint32_t j = 0; j < shape.top_k; ++j) denominator += term(keys[ids[j]]);
     }
     for (std::uint32_t j = 0; j < shape.top_k; ++j) {
       const std::size_t p = t * shape.top_k + j;
       topk_ids[p] = static_cast<std::int32_t>(ids[j]);
-      topk_weights[p] = std::exp(keys[ids[j]] - max) / denominator;
+      topk_weights[p] = term(keys[ids[j]]) / denominator;
       ++expert_counts[ids[j]];
     }
   }

@@ -130,6 +130,23 @@ TEST(RouterTopK, MixtralRenormalizedWeightsOfAKnownRow) {
   EXPECT_FLOAT_EQ(weights[0], static_cast<float>(1.0 / (std::exp(-2.0) + 2.0 + std::exp(-1.0))));
 }
 
+// +∞ logits (a router that overflowed): the softmax's limit, the +∞ experts sharing the weight
+// and the others getting none, not the NaN of exp(∞ − ∞). Two of four here: 1/2 each under both
+// gatings; with one +∞ among the chosen two, 1 and 0.
+TEST(RouterTopK, InfiniteLogitsTakeTheSoftmaxLimit) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const router_shape s{.tokens = 2, .experts = 4, .top_k = 2};
+  const std::vector<float> logits = {0.0F, inf, 1.0F, inf, /* token 1 */ 0.0F, inf, 1.0F, 2.0F};
+  std::vector<std::int32_t> ids(4);
+  std::vector<float> weights(4);
+  std::vector<std::uint32_t> counts(4);
+  for (const router_gating gating : {router_gating::softmax, router_gating::softmax_renormalized}) {
+    expage::router_top_k(logits, s, gating, ids, weights, counts);
+    EXPECT_EQ(ids, (std::vector<std::int32_t>{1, 3, 1, 3}));
+    EXPECT_EQ(weights, (std::vector<float>{0.5F, 0.5F, 1.0F, 0.0F}));
+  }
+}
+
 TEST(RouterTopK, RejectsShapesAndSizesOutOfRange) {
   std::vector<float> logits(8);
   std::vector<std::int32_t> ids(4);

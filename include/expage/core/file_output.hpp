@@ -28,11 +28,14 @@ struct file_output {
 /// file has the umask's). A path that cannot be replaced by a rename is written in place, appended
 /// to, never truncated: one that exists and is not a regular file (/dev/null, a FIFO, a terminal),
 /// and one whose links reach the process's open files (/dev/stdout, /dev/fd/N, /proc/self/fd/N),
-/// so that `--json /dev/stdout > out.txt` keeps what was printed. Those are written last, once every
-/// regular file has landed, so a failure to stage or to move a file reaches no device; a device
-/// failing puts every regular file back (the devices written before it keep what they got). A path
-/// that became a directory while the outputs were written is refused. On a file system without
-/// renameat2()'s flags a plain rename is used, which a later failure cannot undo.
+/// so that `--json /dev/stdout > out.txt` keeps what was printed. Those are written once every
+/// regular file is staged and before the moves, so a staging failure reaches no device, and a
+/// device failing leaves every regular file as it was (the devices written before it keep what
+/// they got); a move failing after them (a target made a directory meanwhile, an immutable file)
+/// puts the moved files back but cannot take back what the devices got. Writers racing on one
+/// path each land whole, the last move winning; a failing call undoes only moves no other writer
+/// has replaced since. Where renameat2()'s flags are missing (EINVAL, ENOSYS, EPERM, EOPNOTSUPP)
+/// a plain rename is used, which a later failure cannot undo.
 /// @throws expage::invalid_argument naming the path (and the link's target) and the system's reason.
 /// @code
 /// expage::write_files_atomically({{

@@ -58,7 +58,9 @@ struct router_shape {
 /// Ranking: larger logit first; **on equal logits the lower expert id wins**; a NaN logit ranks
 /// as −∞. Weights: p_e = exp(l_e − max_j l_j) / Σ_j exp(l_j − max_j l_j), in fp32, for
 /// router_gating::softmax; divided by the sum of the k chosen p for softmax_renormalized. A token
-/// whose logits are all −∞ or NaN gets NaN weights (its ids are still well defined).
+/// with m logits of +∞ (a router that overflowed) gets the softmax's limit: 1/m for each of them,
+/// 0 for the rest (renormalized: over the chosen ones). A token whose logits are all −∞ or NaN
+/// gets NaN weights (its ids are still well defined).
 /// @p expert_counts is overwritten: entry e counts the pairs that chose e (the per-step input of
 /// hotness estimation; add it to a running histogram). O(tokens · experts · log top_k).
 ///

@@ -22,6 +22,18 @@ namespace expage::detail {
   return ka > kb || (ka == kb && a < b);
 }
 
+/// True when the softmax's shift, the top key @p max, is +∞ (a router whose logits overflowed):
+/// exp(key − max) is then NaN or 0, and the softmax's limit gives each +∞ key an equal share and
+/// the rest nothing, which router_limit_term() stands for.
+[[nodiscard]] EXPAGE_HOST_DEVICE inline bool router_max_is_infinite(float max) noexcept {
+  return max == float_from_bits(0x7F800000U);
+}
+
+/// The unnormalized softmax term of @p key when the maximum is +∞: 1 for a +∞ key, 0 otherwise.
+[[nodiscard]] EXPAGE_HOST_DEVICE inline float router_limit_term(float key) noexcept {
+  return key == float_from_bits(0x7F800000U) ? 1.0F : 0.0F;
+}
+
 /// The slot of logical expert @p id through @p expert_map (@p experts entries), or −1 when the
 /// id is outside [0, experts) or the map holds a negative value (not resident).
 [[nodiscard]] EXPAGE_HOST_DEVICE inline std::int32_t remap_slot(std::int32_t id, const std::int32_t* expert_map,
