@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <random>
 #include <vector>
@@ -28,12 +29,14 @@
 namespace expage::testing {
 namespace {
 
-// Logits from N(0, 2²) rounded to multiples of 1/4 so exact ties are common.
+// Logits from N(0, 2²) rounded to multiples of 1/4 so exact ties are common, and one in 97 +∞
+// (a router that overflowed), so that some tokens take the softmax's limit.
 std::vector<float> router_logits(std::size_t n, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0F, 2.0F);
   std::vector<float> out(n);
   for (float& l : out) l = std::round(normal(rng) * 4.0F) / 4.0F;
+  for (std::size_t i = 13; i < n; i += 97) out[i] = std::numeric_limits<float>::infinity();
   return out;
 }
 
