@@ -29,12 +29,19 @@ detail::ffn_tensor tensor_of(const version_record& r, expert_tensor t, tensor_sh
           .format = r.format};
 }
 
-void check_record(const version_record& r, std::size_t expert) {
+void check_record(const version_record& r, std::size_t expert, const expert_ffn_shape& shape) {
   if (r.encoding != version_encoding::raw || !detail::ffn_format_supported(r.format)) {
     throw invalid_argument(
         fmt::format("expert_ffn: expert {} is a {} {} version; the FFN reads raw bf16, fp16, int8, "
                     "int4 or int2",
                     expert, r.encoding, r.format));
+  }
+  // A record of another shape (or group size) would be read past its end: its size says.
+  if (const std::uint64_t need = packed_version_bytes(r.format, shape); r.bytes != need) {
+    throw invalid_argument(
+        fmt::format("expert_ffn: expert {} ({}) holds {} bytes; hidden {} x intermediate {} in groups of {} needs {} "
+                    "(a version_record from packed_version_record() of this shape)",
+                    expert, r.format, r.bytes, shape.hidden, shape.intermediate, shape.group_size, need));
   }
   const bool integer = r.format != precision::bf16 && r.format != precision::fp16;
   for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
@@ -79,7 +86,7 @@ void expert_ffn(std::span<const float> x, std::uint32_t top_k, std::span<const s
       throw invalid_argument(fmt::format("expert_ffn: offsets[{}..{}] = [{}, {}] not non-decreasing within [0, {}]", e,
                                          e + 1, offsets[e], offsets[e + 1], pairs));
     }
-    if (offsets[e] != offsets[e + 1]) check_record(records[e], e);
+    if (offsets[e] != offsets[e + 1]) check_record(records[e], e, shape);
   }
   for (std::size_t i = 0; i < offsets.back(); ++i) {
     if (order[i] >= pairs) {

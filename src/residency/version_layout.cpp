@@ -5,6 +5,8 @@
 
 #include <fmt/format.h>
 
+#include <array>
+
 namespace expage {
 
 namespace {
@@ -26,30 +28,52 @@ void expert_ffn_shape::validate() const {
   }
 }
 
+namespace {
+
+// A version's two tensors: gate and up stacked ([2I × H]), then down ([H × I]).
+std::array<tensor_shape, expert_tensor_count> version_tensors(const expert_ffn_shape& shape) noexcept {
+  return {tensor_shape{.rows = 2 * shape.intermediate, .cols = shape.hidden},
+          tensor_shape{.rows = shape.hidden, .cols = shape.intermediate}};
+}
+
+// Groups of a tensor of fp8 weights (one fp16 scale each).
+std::uint64_t fp8_groups(tensor_shape s, std::uint32_t group_size) noexcept {
+  return s.rows * ((s.cols + group_size - 1) / group_size);
+}
+
+// The bytes of one tensor in @p format's packed layout.
+std::uint64_t packed_tensor_bytes(precision format, tensor_shape s, std::uint32_t group_size) {
+  if (format == precision::bf16 || format == precision::fp16) return s.elements() * 2;
+  if (format == precision::fp8) return s.elements() + fp8_groups(s, group_size) * metadata_bytes_per_group(format);
+  return group_quant_layout(format, s, group_size).total_bytes();
+}
+
+}  // namespace
+
+std::uint64_t packed_version_bytes(precision format, const expert_ffn_shape& shape) {
+  shape.validate();
+  std::uint64_t bytes = 0;
+  for (const tensor_shape s : version_tensors(shape)) bytes += packed_tensor_bytes(format, s, shape.group_size);
+  return bytes;
+}
+
 version_record packed_version_record(precision format, std::byte* gate_up, std::byte* down,
                                      const expert_ffn_shape& shape) {
   shape.validate();
   version_record r;
   r.format = format;
-  const tensor_shape shapes[] = {{.rows = 2 * shape.intermediate, .cols = shape.hidden},
-                                 {.rows = shape.hidden, .cols = shape.intermediate}};
+  const std::array<tensor_shape, expert_tensor_count> shapes = version_tensors(shape);
   std::byte* const at[] = {gate_up, down};
   for (std::size_t t = 0; t < expert_tensor_count; ++t) {
     r.data[t] = at[t];
-    if (format == precision::bf16 || format == precision::fp16) {
-      r.bytes += shapes[t].elements() * 2;
-      continue;
-    }
+    r.bytes += packed_tensor_bytes(format, shapes[t], shape.group_size);
     if (format == precision::fp8) {  // one e4m3 byte per weight, then one fp16 scale per group
-      const std::uint64_t groups = shapes[t].rows * ((shapes[t].cols + shape.group_size - 1) / shape.group_size);
       r.scales[t] = at[t] + shapes[t].elements();
-      r.bytes += shapes[t].elements() + groups * metadata_bytes_per_group(format);
-      continue;
+    } else if (format != precision::bf16 && format != precision::fp16) {
+      const group_quant_layout layout(format, shapes[t], shape.group_size);
+      r.scales[t] = at[t] + layout.scales_at();
+      r.zeros[t] = at[t] + layout.zeros_at();
     }
-    const group_quant_layout layout(format, shapes[t], shape.group_size);
-    r.scales[t] = at[t] + layout.scales_at();
-    r.zeros[t] = at[t] + layout.zeros_at();
-    r.bytes += layout.total_bytes();
   }
   return r;
 }

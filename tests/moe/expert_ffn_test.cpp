@@ -8,6 +8,7 @@
 #include "expage/format/group_quant.hpp"
 #include "expage/residency/version_record.hpp"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -81,8 +82,16 @@ TEST(ExpertFfn, RejectsBadShapesSizesAndRecords) {
   records[1].zeros[1] = nullptr;
   EXPECT_THROW(call(c.shape), invalid_argument);
   records = c.host_records();
+  // Records of another shape, or another group size, would be read past their ends: their sizes
+  // say so (ASan reported the reads before this check).
+  EXPECT_THAT([&] { call({.hidden = 16, .intermediate = 16, .group_size = 8}); },
+              ::testing::ThrowsMessage<invalid_argument>(::testing::HasSubstr(
+                  "expert 0 (bf16) holds 768 bytes; hidden 16 x intermediate 16 in groups of 8 needs 1536")));
+  EXPECT_THAT([&] { call({.hidden = 16, .intermediate = 8, .group_size = 4}); },
+              ::testing::ThrowsMessage<invalid_argument>(::testing::HasSubstr("expert 1 (int4) holds")));
   c.offsets[1] = c.offsets[2] + 1;  // decreasing
   EXPECT_THROW(call(c.shape), invalid_argument);
+  EXPECT_EQ(to_string(static_cast<version_encoding>(5)), "invalid");
 }
 
 TEST(PackedVersionRecord, PointsIntoEachTensorAndSizesItAsTheGeometry) {
@@ -94,6 +103,7 @@ TEST(PackedVersionRecord, PointsIntoEachTensorAndSizesItAsTheGeometry) {
     const version_record r = packed_version_record(p, gate_up, down, shape);
     EXPECT_EQ(r.format, p);
     EXPECT_EQ(r.bytes, g.expert_bytes(p)) << to_string(p);
+    EXPECT_EQ(packed_version_bytes(p, shape), r.bytes) << to_string(p);
     EXPECT_EQ(r.tensor(expert_tensor::gate_up), gate_up);
     EXPECT_EQ(r.tensor(expert_tensor::down), down);
     if (p == precision::bf16 || p == precision::fp16) {

@@ -8,7 +8,9 @@
 /// code 0 stands for; weight w becomes the code q = clamp(round((w − z)/s), 0, 2^b − 1) and reads
 /// back as q·s + z (expage/format/group_quant_element.hpp). The quantizer takes z = the group's
 /// minimum rounded down to fp16 and s = (max − z)/(2^b − 1) rounded up to fp16, so no code is
-/// clamped and every weight is within s/2 (plus one rounding of the sum) of its dequantized value.
+/// clamped and every weight is within s/2 (plus one rounding of the sum) of q·s + z in fp32; the
+/// dequantizers return that rounded to bf16 or fp16, which adds half an ulp of the output format
+/// (docs/kernels.md: for int8 of the order of s itself).
 ///
 /// Bytes (docs/kernels.md): the codes of all rows·cols weights in flat row-major order, packed
 /// little-end first (int4: element 2k in the low nibble of byte k; int2: element 4k in bits 0–1),

@@ -44,4 +44,9 @@ struct expert_ffn_shape {
 [[nodiscard]] version_record packed_version_record(precision format, std::byte* gate_up, std::byte* down,
                                                    const expert_ffn_shape& shape);
 
+/// The bytes of a version of @p shape in @p format's packed layout: the `bytes`
+/// packed_version_record() sets (both tensors, as moe_geometry::tensor_bytes counts them).
+/// @throws expage::invalid_argument when @p shape is out of range.
+[[nodiscard]] std::uint64_t packed_version_bytes(precision format, const expert_ffn_shape& shape);
+
 }  // namespace expage

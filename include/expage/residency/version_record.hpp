@@ -32,9 +32,13 @@ enum class version_encoding : std::uint8_t {
   compressed,  ///< Losslessly compressed (e.g. FluxMoE §4.2 exponent coding); kernels decode first.
 };
 
-/// The lowercase name of @p e: "raw" or "compressed".
+/// The lowercase name of @p e: "raw" or "compressed" ("invalid" for a value of neither).
 [[nodiscard]] constexpr std::string_view to_string(version_encoding e) noexcept {
-  return e == version_encoding::raw ? "raw" : "compressed";
+  switch (e) {
+    case version_encoding::raw: return "raw";
+    case version_encoding::compressed: return "compressed";
+  }
+  return "invalid";
 }
 
 /// @brief One complete version of one expert: where its tensors are and how
