@@ -17,7 +17,10 @@ namespace expage::cuda {
 /// load.record(loaded);
 /// compute.wait(loaded);
 /// @endcode
-/// @threadsafety thread-safe (the CUDA runtime's guarantees for one event).
+/// @threadsafety thread-safe once created (the CUDA runtime's guarantees for one event). A
+/// default-constructed event is created by its first record, which writes its handle: that record
+/// must happen before any use on another thread (record, then share, as expert_runtime and
+/// transition_manager do), and so must a record on a stream of another device, which replaces it.
 class cuda_event {
  public:
   /// An event not yet created: it counts as complete (the async_stream concept's never-recorded
