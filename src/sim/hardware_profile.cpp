@@ -171,7 +171,10 @@ cost_model make_cost_model(const moe_geometry& geometry, const hardware_profile&
   hardware.validate();
   cost_model m;
   m.expert_bytes = geometry.expert_bytes(format);
-  m.dense_bytes = dense_bytes.value_or(estimate_dense_bytes_per_layer(geometry, format));
+  // The dense weights stay at bf16 whatever the paged experts' precision (`format` is theirs
+  // alone): int4 experts must not credit the model with int4 attention, which the user did not
+  // choose (expage-plan's precisions are then compared on the experts' bytes only).
+  m.dense_bytes = dense_bytes.value_or(estimate_dense_bytes_per_layer(geometry, precision::bf16));
   const double hbm = hardware.hbm_gbytes_per_second * 1e9;
   m.seconds_per_expert_read = hardware.compute_calibration * static_cast<double>(m.expert_bytes) / hbm;
   m.dense_seconds = hardware.compute_calibration * static_cast<double>(m.dense_bytes) / hbm;

@@ -113,6 +113,22 @@ TEST(CostModel, DenseBytesCountEverySharedExpert) {
   EXPECT_EQ(estimate_dense_bytes_per_layer(g, precision::bf16), attention + 2 * g.shared_expert_bytes(precision::bf16));
 }
 
+// The dense weights are not paged: their estimate is at bf16 whatever the experts' precision, so
+// int4 experts do not credit the model with int4 attention (expage-plan compared bf16 and int4
+// rows on 0.79 ms per token of attention the user did not choose on the c2c link).
+TEST(CostModel, DenseBytesStayBf16WhateverTheExpertsPrecision) {
+  const auto g = moe_geometry::mixtral_8x7b();
+  const auto hw = hardware_profile::preset("c2c");
+  const auto bf16 = make_cost_model(g, hw, precision::bf16);
+  for (const precision p : all_precisions) {
+    const auto m = make_cost_model(g, hw, p);
+    EXPECT_EQ(m.dense_bytes, estimate_dense_bytes_per_layer(g, precision::bf16)) << to_string(p);
+    EXPECT_EQ(m.dense_seconds, bf16.dense_seconds) << to_string(p);
+    EXPECT_EQ(m.expert_bytes, g.expert_bytes(p)) << to_string(p);
+  }
+  EXPECT_EQ(make_cost_model(g, hw, precision::int4, 1000).dense_bytes, 1000U) << "an explicit figure is kept";
+}
+
 TEST(CostModel, RooflineAndTransferTimesFollowTheGeometry) {
   const auto g = moe_geometry::mixtral_8x7b();
   const auto m = make_cost_model(g, hardware_profile::preset("pcie4"), precision::bf16);

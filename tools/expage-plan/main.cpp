@@ -371,6 +371,7 @@ struct tier_report {
   std::uint32_t grid_step = 1;
   std::vector<expage::tier_run> grid;
   std::size_t oracle = 0;
+  bool coverage_met = true;     // the oracle reaches --min-hi-coverage (else it is the most covering split)
   expage::phase_oracle phases;  // the per-phase hindsight oracle over the grid
   expage::tier_run online;
   std::vector<expage::tier_run> two_pool;
@@ -438,12 +439,12 @@ std::string tiers_json(const tier_report& t, bool release_closed) {
   std::vector<std::string> two;
   for (const auto& r : t.two_pool) two.push_back(tier_run_json(r, t.model, true));
   return fmt::format(
-      R"({{"hi_precision":"{}","lo_precision":"{}","quality_seconds":{},"min_hi_coverage":{},"interval_passes":{},)"
-      R"("grid_step":{},)"
+      R"({{"hi_precision":"{}","lo_precision":"{}","quality_seconds":{},"min_hi_coverage":{},)"
+      R"("min_hi_coverage_met":{},"interval_passes":{},"grid_step":{},)"
       R"("release_closed":{},"hi_slot_bytes":{},"lo_slot_bytes":{},"kv_floor_bytes":{},"grid":[{}],"oracle":{},)"
       R"("phase_oracle":{},"four_pool":{},"two_pool":[{}]}})",
       expage::to_string(t.hi), expage::to_string(t.lo), json_number(t.model.lo_activation_seconds),
-      json_number(t.model.min_hi_coverage), t.interval, t.grid_step, release_closed,
+      json_number(t.model.min_hi_coverage), t.coverage_met, t.interval, t.grid_step, release_closed,
       std::uint64_t{t.model.layers} * t.model.hi_expert_bytes, std::uint64_t{t.model.layers} * t.model.lo_expert_bytes,
       t.model.kv_floor_bytes, fmt::join(grid, ","), t.oracle, phase_oracle_json(t.phases, t.grid.front().tokens),
       tier_run_json(t.online, t.model, true), fmt::join(two, ","));
@@ -513,7 +514,7 @@ std::string tiers_svg(const tier_report& t, const std::string& title, std::uint6
         "\n"
         R"(<line x1="{3}" y1="{4}" x2="{5}" y2="{4}" stroke="{0}" stroke-width="2" stroke-dasharray="{1}"/><text x="{6}" y="{7}">{8}</text>)"
         "\n",
-        colours[i % 10], dashes[i % 10], points, left + pw + 12, ly, left + pw + 40, left + pw + 46, ly + 4,
+        colours[i % 10], dashes[(i + i / 10) % 10], points, left + pw + 12, ly, left + pw + 40, left + pw + 46, ly + 4,
         series[i].first);
   }
   const auto& oracle = t.grid[t.oracle];
@@ -623,7 +624,9 @@ std::string plan_svg(const expage::plan_result& plan, const std::string& title, 
   std::size_t series = 0;
   for (std::size_t i = 0; i < plan.options.size();) {
     std::size_t j = i;
-    std::string points, oracle;
+    std::string points, oracle, marks;
+    const char* colour = colours[series % 8];
+    const char* dash = dashes[series % 8];
     while (j < plan.options.size() && plan.options[j].format == plan.options[i].format) {
       const auto& a = plan.options[j];
       const double gib = static_cast<double>(a.expert_bytes) / 1073741824.0;
@@ -633,10 +636,13 @@ std::string plan_svg(const expage::plan_result& plan, const std::string& title, 
            a.belady_stall_per_token) *
           1e3;
       oracle += fmt::format("{:.1f},{:.1f} ", x_of(gib), y_of(belady));
+      // A dot per option: a precision with one capacity has a one-point line, which draws nothing.
+      marks += fmt::format(R"(<circle cx="{:.1f}" cy="{:.1f}" r="2.5" fill="{}"/>)"
+                           R"(<circle cx="{:.1f}" cy="{:.1f}" r="2" fill="#999"/>)",
+                           x_of(gib), y_of(a.result.seconds_per_token() * 1e3), colour, x_of(gib), y_of(belady));
       ++j;
     }
-    const char* colour = colours[series % 8];
-    const char* dash = dashes[series % 8];
+    out += marks + "\n";
     const double ly = top + 16 + 36.0 * static_cast<double>(series);
     out += fmt::format(
         R"(<polyline fill="none" stroke="{}" stroke-width="2" stroke-dasharray="{}" points="{}"/>)"
@@ -781,14 +787,20 @@ int main(int argc, char** argv) {
       w.kv_release_closed = c.release_closed;
       return w;
     };
+    // The precisions the session model admits (the model, and room for a cap above the floor): one
+    // without room is reported and skipped, as the first table does; none at all is refused.
+    std::vector<expage::precision> session_precisions;
+    std::vector<std::string> no_session_room;
     if (c.sessions) {
       for (const auto p : o.precisions) {
         try {
-          (void)expage::admissible_caps(split_workload_of(p));  // the model, and room for a cap
+          (void)expage::admissible_caps(split_workload_of(p));
+          session_precisions.push_back(p);
         } catch (const expage::invalid_argument& e) {
-          throw usage_error{fmt::format("--sessions at {}: {}", expage::to_string(p), e.what())};
+          no_session_room.push_back(fmt::format("--sessions at {}: {}", expage::to_string(p), e.what()));
         }
       }
+      if (session_precisions.empty()) throw usage_error{no_session_room.front()};
     }
     // The four-pool workload (--tiers), its model checked here too.
     const auto tier_workload_of = [&] {
@@ -853,7 +865,7 @@ int main(int argc, char** argv) {
     const auto& b = plan.options[plan.best];
     // With --sessions this is not the answer: it leaves the KV cache's recompute out.
     fmt::print(
-        "\n{}: {} expert slots at {} ({}), {} to the KV cache; {:.3f} ms per token, within {:.3g}% of the "
+        "\n{}: {} expert slots at {} ({}), {} to the KV cache; {:.3f} ms per token, within {:g}% of the "
         "fastest option ({} slots at {}, {:.3f} ms).{}\n",
         c.sessions ? "knee without KV recompute (the recommendation, with it, is the last line)" : "recommended",
         r.slots, expage::to_string(r.format), expage::byte_size{r.expert_bytes}, expage::byte_size{r.kv_bytes},
@@ -873,7 +885,8 @@ int main(int argc, char** argv) {
           kv_pool_name(c.release_closed));
       fmt::print("{:<9} {:>9} {:>12} {:>12} {:>11} {:>11} {:>11}\n", "precision", "cap/layer", "experts", "KV",
                  "stall/tok", "recomp/tok", "cost/tok");
-      for (const auto p : o.precisions) {
+      for (const std::string& skipped : no_session_room) fmt::print("no room: {}\n", skipped);
+      for (const auto p : session_precisions) {
         const expage::split_workload w = split_workload_of(p);
         split_report rep;
         rep.format = p;
@@ -949,6 +962,8 @@ int main(int argc, char** argv) {
               fmt::format("--tiers {}:{}: {}", expage::to_string(t.hi), expage::to_string(t.lo), e.what())};
         }
         t.oracle = expage::tier_oracle(t.grid, w.min_hi_coverage);
+        // tier_oracle() falls back to the most covering split when none reaches the bound: say so.
+        t.coverage_met = t.grid[t.oracle].hi_coverage() >= w.min_hi_coverage;
         t.phases = expage::tier_phase_oracle(w, t.grid);
         t.online = expage::run_four_pool(w);
         t.two_pool = expage::run_two_pool_baselines(w, t.grid[t.oracle].bursts.front().split.kv_bytes);
@@ -1009,6 +1024,12 @@ int main(int argc, char** argv) {
                                      "(tiers.grid[{}].hi_sets).",
                                      t.oracle)
                        : std::string());
+        if (!t.coverage_met) {
+          fmt::print(
+              "NOT MET: no split at this budget serves {:.1f}% of activations at hi (--min-hi-coverage {}); the one "
+              "above covers the most ({:.1f}%) at the least cost among those. Raise the budget or lower the bound.\n",
+              100 * t.model.min_hi_coverage, t.model.min_hi_coverage, 100 * best.hi_coverage());
+        }
       }
     }
     std::vector<expage_tools::output_text> outputs;

@@ -96,7 +96,9 @@ struct cost_model {
 /// experts, at @p p. An engine that knows its model passes the exact figure instead.
 [[nodiscard]] std::uint64_t estimate_dense_bytes_per_layer(const moe_geometry& geometry, precision p) noexcept;
 
-/// Builds the cost model. With @p ratio set, every link's bandwidth is rescaled (setup kept) so
+/// Builds the cost model of experts in @p format; the dense bytes are @p dense_bytes, or
+/// estimate_dense_bytes_per_layer() at bf16 whatever @p format (the dense weights are not paged,
+/// and their precision is not the experts'). With @p ratio set, every link's bandwidth is rescaled (setup kept) so
 /// that the fastest link (the least setup + bytes / bandwidth after the rescale) moves an expert
 /// in exactly ratio × the nominal layer time: the knob that sweeps the regime directly
 /// (`expage-sim --r`).
