@@ -55,7 +55,11 @@ namespace expage {
 struct tier_workload {
   /// The streams, geometry, hardware (expert_options: hardware, dense bytes, ratio; its format is
   /// the hi precision), budget, KV floor, KV bytes per token, burst and warm-up. Its policy must
-  /// be LRU (both expert pools page with LRU).
+  /// be LRU (both expert pools page with LRU). A transfer/compute ratio rescales the links of each
+  /// tier against that tier's own layer time (make_cost_model() per precision), so the two tiers
+  /// then see different bandwidths on one link: a sweep knob for tests, not a model of a machine.
+  /// To model one link for both tiers, give its bandwidth in the hardware profile and no ratio
+  /// (expage-plan refuses `--r` with `--tiers` for this reason).
   split_workload base{};
   precision lo_format = precision::int4;  ///< The lo tier's precision: fewer bytes than the hi one.
   double lo_activation_seconds = 0.0;     ///< λ_q: seconds charged per activation served at lo, ≥ 0.
