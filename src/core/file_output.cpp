@@ -301,9 +301,12 @@ struct file_identity {
   bool known = false;
 };
 
+// True when @p path names the staged file @p id; also when its identity is unknown (fstat() failed),
+// so that an undo then puts the old file back rather than drop it.
 bool names_file(const fs::path& path, const file_identity& id) {
+  if (!id.known) return true;
   struct stat st {};
-  return id.known && ::lstat(path.c_str(), &st) == 0 && st.st_dev == id.device && st.st_ino == id.inode;
+  return ::lstat(path.c_str(), &st) == 0 && st.st_dev == id.device && st.st_ino == id.inode;
 }
 
 }  // namespace
@@ -333,16 +336,25 @@ void write_files_atomically(std::span<const file_output> files) {
   // it since has the last word, as a later rename would (the old file under the temporary name
   // is then stale, and removed). An exchange that cannot be made back keeps the old file under
   // its temporary name rather than remove it.
-  const auto undo = [&] {
+  // Returns where old files were kept ("" when none), for the error to say.
+  const auto undo = [&]() noexcept -> std::string {
+    std::string kept;
     for (auto p = plan.rbegin(); p != plan.rend(); ++p) {
       bool keep_temporary = p->state == committed::replaced;
       if (p->state == committed::exchanged && names_file(p->target, p->staged)) {
-        keep_temporary = ::renameat2(AT_FDCWD, p->temporary.c_str(), AT_FDCWD, p->target.c_str(), RENAME_EXCHANGE) != 0;
+        if (::renameat2(AT_FDCWD, p->temporary.c_str(), AT_FDCWD, p->target.c_str(), RENAME_EXCHANGE) != 0) {
+          keep_temporary = true;
+          try {
+            kept += fmt::format("; {}'s previous contents are kept in {}", p->named, p->temporary.string());
+          } catch (...) {  // the message is lost, not the file
+          }
+        }
       } else if (p->state == committed::created && names_file(p->target, p->staged)) {
         remove_quietly(p->target);
       }
       if (!p->temporary.empty() && !keep_temporary) remove_quietly(p->temporary);
     }
+    return kept;
   };
   try {
     // Every regular file staged first, so that nothing reaches a device or a pipe unless every
@@ -371,8 +383,12 @@ void write_files_atomically(std::span<const file_output> files) {
     for (planned_file& p : plan) {
       if (!p.in_place) p.state = move_into_place(p.temporary, p.target, p.named);
     }
+  } catch (const invalid_argument& e) {
+    const std::string kept = undo();
+    if (kept.empty()) throw;
+    throw invalid_argument(e.what() + kept);
   } catch (...) {
-    undo();
+    (void)undo();
     throw;
   }
   for (const planned_file& p : plan) {

@@ -942,7 +942,7 @@ int main(int argc, char** argv) {
             "{}\n",
             split.expert_cap, expage::to_string(sr.format), expage::byte_size{final_answer.expert_bytes},
             expage::byte_size{final_answer.kv_bytes}, run.cost_per_token() * 1e3, sr.online.cost_per_token() * 1e3,
-            splits.size() > 1 ? " Lower precisions cost quality: weigh them against yours." : "");
+            o.precisions.size() > 1 ? " Lower precisions cost quality: weigh them against yours." : "");
       }
       if (c.tiers) {
         tier_report& t = tiers.emplace();

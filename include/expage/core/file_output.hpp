@@ -34,8 +34,10 @@ struct file_output {
 /// they got); a move failing after them (a target made a directory meanwhile, an immutable file)
 /// puts the moved files back but cannot take back what the devices got. Writers racing on one
 /// path each land whole, the last move winning; a failing call undoes only moves no other writer
-/// has replaced since. Where renameat2()'s flags are missing (EINVAL, ENOSYS, EPERM, EOPNOTSUPP)
-/// a plain rename is used, which a later failure cannot undo.
+/// has replaced since (checked just before each undo, not atomically with it; two calls on one
+/// path that both fail may leave one's file). An undo whose exchange back fails keeps the old
+/// file under its temporary name, and the error says where. Where renameat2()'s flags are missing
+/// (EINVAL, ENOSYS, EPERM, EOPNOTSUPP) a plain rename is used, which a later failure cannot undo.
 /// @throws expage::invalid_argument naming the path (and the link's target) and the system's reason.
 /// @code
 /// expage::write_files_atomically({{
