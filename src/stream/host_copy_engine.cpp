@@ -225,8 +225,9 @@ void check_copy_regions(std::span<const copy_region> regions, std::string_view w
   std::ranges::sort(writes, {}, &range::begin);
   for (std::size_t k = 1; k < writes.size(); ++k) {
     const range& w = writes[k - 1];
-    if (writes[k].begin < w.end)
+    if (writes[k].begin < w.end) {
       throw clash(w.region, w.begin, w.end, writes[k].region, "writes", writes[k].begin, writes[k].end);
+    }
   }
   for (std::size_t i = 0; i < regions.size(); ++i) {
     if (regions[i].bytes == 0) continue;

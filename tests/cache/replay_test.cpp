@@ -117,7 +117,7 @@ TEST(Replay, RejectsBadParameters) {
     const std::uint32_t experts[] = {0, 1};
     const float weights[] = {0.75F, 0.25F};
     for (const auto& [step, phase] : {std::pair{0U, routing_phase::prefill}, std::pair{1U, routing_phase::decode},
-                                     std::pair{2U, routing_phase::prefill}}) {
+                                      std::pair{2U, routing_phase::prefill}}) {
       early.append({.sequence = 0, .step = step, .layer = 0, .phase = phase, .experts = experts, .weights = weights});
     }
     EXPECT_THAT([&] { (void)replay(early, g, policy_kind::lru, {.capacity = 2}); },

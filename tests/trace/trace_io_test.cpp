@@ -734,10 +734,10 @@ TEST(BinaryTraceReader, LargeTracesDecodeAheadWithTheSameEventsAndVerdicts) {  /
   for (const bool fields : {false, true}) {
     // Just over the 4 MiB threshold either way: 28-byte records, or 76 with the optional fields.
     const routing_trace t = expage::generate_synthetic(g, {.seed = 5,
-                                                          .sequences = fields ? 6U : 16U,
-                                                          .decode_steps = 320,
-                                                          .probabilities = fields,
-                                                          .sketch_dims = fields ? 4U : 0U});
+                                                           .sequences = fields ? 6U : 16U,
+                                                           .decode_steps = 320,
+                                                           .probabilities = fields,
+                                                           .sketch_dims = fields ? 4U : 0U});
     for (const std::uint16_t version : {std::uint16_t{3}, std::uint16_t{4}}) {
       SCOPED_TRACE(fmt::format("version {}, optional fields {}", version, fields));
       const std::string good = expage::encode_binary(t, {.version = version, .geometry = "mixtral-8x7b"});
