@@ -88,6 +88,7 @@ hardware_profile parse_hardware_json(std::string_view text, std::string_view sou
   for (const auto& [key, v] : doc.members) {
     if (key == "name") {
       p.name = reader.string(v, key);
+      if (p.name.empty()) reader.fail_at(v.column, "field 'name': empty (reports name the profile by it)");
       has_name = true;
     } else if (key == "comment") {
       (void)reader.string(v, key);

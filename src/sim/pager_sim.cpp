@@ -979,9 +979,13 @@ class engine {
     const double ahead = static_cast<double>(queue_.size()) * transfer / static_cast<double>(links_.size());
     const double groups_ahead = r.use_group == never ? 1.0 : static_cast<double>(r.use_group - g);
     const double gap = groups_ahead * nominal_layer_ - ahead;
-    const double f = std::max(0.0, gap / transfer);
-    const double n = std::max(1.0, std::ceil(f));
-    const double xi = p * (f - n + 1.0) - (1.0 - p) * (n - f);
+    // Eq. 6: f for this proposal alone (the work queued ahead is already taken from its gap).
+    // Eq. 7 prices the critical, last transfer of a batch of ⌈f⌉ and issues the ⌈f⌉ − 1 before it
+    // whatever p; a proposal judged alone is that last transfer only when it does not fit (f < 1).
+    // One that fits is worth any p > 0: ξ = p·min(f, 1) − (1 − p)·(1 − min(f, 1)). (Pricing every
+    // proposal as Eq. 7's critical one refused at f = 1.5 what it admitted at f = 1.)
+    const double fits = std::clamp(gap / transfer, 0.0, 1.0);
+    const double xi = p * fits - (1.0 - p) * (1.0 - fits);
     // The victim's value, in transfers: the share of prefetch evictions refaulted within a pass
     // (a prior of 1 in 2 until there is evidence).
     const double victim =

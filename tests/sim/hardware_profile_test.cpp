@@ -65,6 +65,8 @@ TEST(HardwareProfile, RefusesBadFilesNamingTheValue) {
       {R"({"name":"x","hbm_gbytes_per_second":10,"dense_tflops":1,"links":[{"gbytes_per_second":1}],"bw":3})",
        "unknown field 'bw'"},
       {R"({"name":"x","name":"y"})", "field 'name' given twice"},
+      {R"({"name":"","hbm_gbytes_per_second":10,"dense_tflops":1,"links":[{"gbytes_per_second":1}]})",
+       "field 'name': empty"},
       {R"({"name":"x","hbm_gbytes_per_second":01})", "leading zero"},
       {R"({"name":"x",)", "input ends"},
       {R"([1,2])", "expected an object"},

@@ -217,6 +217,50 @@ TEST(PagerSim, CostBenefitAdmissionByHand) {
   EXPECT_EQ(slow.prefetches_issued, 0U);
 }
 
+// Proposes, after group 0, expert 2 of layer 1 for group 1 at a fixed probability.
+class one_guess final : public prefetcher {
+ public:
+  explicit one_guess(float probability) : probability_(probability) {}
+  [[nodiscard]] std::string name() const override { return "one-guess"; }
+  void reset() override {}
+  void propose(const access_stream&, std::size_t g, std::vector<prefetch_request>& out) override {
+    if (g == 0) out.push_back({.layer = 1, .expert = 2, .use_group = 1, .probability = probability_});
+  }
+
+ private:
+  float probability_;
+};
+
+// Eq. 7 prices the last transfer of a batch of ⌈f⌉ and issues the ones before it whatever p. A
+// proposal judged alone that fits its gap (f ≥ 1) is one of those, so any p is worth it; one
+// that does not (f < 1) needs p > 1 − f. Pricing every proposal as the critical one refused at
+// f = 1.5 and f = 2.1 the guess that f = 1 admitted: a faster link silenced the predictor.
+// One expert read takes `read` s, a layer reads two, a transfer takes 1 s,
+// so f = 2 × read; no eviction (4 free slots), so the victim's value is 0.
+TEST(PagerSim, CostBenefitAdmitsAnyGuessThatFitsItsGap) {
+  const auto g = tiny();
+  const routing_trace t = two_tokens(g);
+  const access_stream s(t, 4);
+  const auto issued = [&](double f, float p) {
+    one_guess guess(p);
+    return simulate(s, g, policy_kind::lru,
+                    {.capacity = 8,
+                     .hardware = seconds_profile(f / 2.0, 1.0),
+                     .dense_bytes_per_layer = 0,
+                     .prefetch = &guess,
+                     .admission = prefetch_admission::cost_benefit})
+        .prefetches_issued;
+  };
+  for (const double f : {1.0, 1.5, 2.1, 4.0}) {
+    SCOPED_TRACE(fmt::format("f = {}", f));
+    EXPECT_EQ(issued(f, 0.4F), 1U);
+    EXPECT_EQ(issued(f, 0.05F), 1U);
+  }
+  // f = 0.5 < 1: ξ = p·f − (1 − p)(1 − f) > 0 iff p > 1 − f = 0.5.
+  EXPECT_EQ(issued(0.5, 0.4F), 0U);
+  EXPECT_EQ(issued(0.5, 0.6F), 1U);
+}
+
 // The noisy oracle's recall is the recall of the set it proposes for a group, whatever the
 // distance: the d calls that look at a group before its turn draw the same coins (independent
 // redraws made it 1 − (1 − r)^d, 0.96 for r = 0.8 at d = 2). False positives are distinct experts

@@ -186,11 +186,14 @@ struct sim_options {
   /// f = (idle link time before the expert is needed) / (its transfer time), estimated at issue as
   /// (groups until its use × nominal layer time − prefetch work queued ahead) / transfer time (the
   /// current layer's demand loads delay the use as much as the link), and p the
-  /// predictor's probability, issue iff ξ = p·(f − ⌈f⌉ + 1) − (1 − p)·(⌈f⌉ − f) > 0: a transfer
-  /// that fits in the idle time is worth any p > 0; one that cannot (f < 1, the bandwidth-bound
-  /// regime) only p > 1 − f. ⌈f⌉ rather than round(f): Eq. 7's terms are the fraction of the
-  /// last transfer that fits and the fraction that does not, which needs ⌈f⌉ ≥ f (the paper's
-  /// text says "nearest integer", which would make the first term exceed 1 or go negative).
+  /// predictor's probability, issue iff ξ = p·(f − ⌈f⌉ + 1) − (1 − p)·(⌈f⌉ − f) exceeds the
+  /// victim's value, ξ being Eq. 7's price of the critical (last) transfer of a batch of ⌈f⌉.
+  /// Each proposal is judged alone, with the work queued ahead taken from its gap, so it is the
+  /// critical transfer only when it does not fit (f < 1, the bandwidth-bound regime: ⌈f⌉ = 1,
+  /// issue only if p > 1 − f); one that fits (f ≥ 1) is among the ⌈f⌉ − 1 Eq. 7 issues whatever
+  /// p, ξ = p. ⌈f⌉ rather than round(f): Eq. 7's terms are the fraction of the last transfer that
+  /// fits and the fraction that does not, which needs ⌈f⌉ ≥ f (the paper's text says "nearest
+  /// integer", which would make the first term exceed 1 or go negative).
   prefetch_admission admission = prefetch_admission::cost_benefit;
   /// The byte guard of cost_benefit admission: bytes moved (queued prefetches counted as if
   /// wasted; one in flight counts once, as moved) may exceed those of demand loading with `guard_baseline` by at most
