@@ -235,8 +235,8 @@ class one_guess final : public prefetcher {
 // proposal judged alone that fits its gap (f ≥ 1) is one of those, so any p is worth it; one
 // that does not (f < 1) needs p > 1 − f. Pricing every proposal as the critical one refused at
 // f = 1.5 and f = 2.1 the guess that f = 1 admitted: a faster link silenced the predictor.
-// One expert read takes `read` s, a layer reads two, a transfer takes 1 s,
-// so f = 2 × read; no eviction (4 free slots), so the victim's value is 0.
+// One expert read takes f / 2 s, a layer reads two, a transfer takes 1 s; the cache has room for
+// every expert, so nothing is evicted and the victim's value is 0.
 TEST(PagerSim, CostBenefitAdmitsAnyGuessThatFitsItsGap) {
   const auto g = tiny();
   const routing_trace t = two_tokens(g);
