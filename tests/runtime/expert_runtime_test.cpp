@@ -11,6 +11,7 @@
 #include "expage/cache/slot_cache.hpp"
 #include "expage/memory/tensor_storage.hpp"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -502,6 +503,63 @@ TEST(ExpertRuntime, AFailedKernelCompletionPoisonsItsExpertsAndChangesNothing) {
   EXPECT_EQ(rt.statistics().poisoned, 2U);
   EXPECT_EQ(rt.statistics().failed_acquires, 2U);
   w.check_on_compute(rt, 1, next);
+  lease.release();
+  w.compute.synchronize();
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
+// A failed completion belongs to its lease's experts. A version whose span of tickets covers it
+// (its own earlier lease still pending when the failing one was released) but that the lease did
+// not read is evicted as usual once its own kernels are done. Until 2026-11-30 the fence waited
+// for every ticket of the span, met the other lease's failure and poisoned the version: one
+// failed kernel could poison every expert in use around it, until no slot was left.
+TEST(ExpertRuntime, AFailedCompletionPoisonsOnlyItsOwnLeasesExperts) {
+  runtime_world w;
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 2});
+  struct faulted_kernel {
+    [[nodiscard]] bool ready() const { return false; }
+    void wait() { throw std::runtime_error("injected: the kernel's stream faulted"); }
+  };
+  const std::uint32_t e0[] = {0};
+  const std::uint32_t e1[] = {1};
+  const std::uint32_t e2[] = {2};
+  const std::uint32_t e3[] = {3};
+  const auto k1 = std::make_shared<std::atomic<int>>(0);
+  const auto k3 = std::make_shared<std::atomic<int>>(0);
+  rt.acquire(0, e0).release(pending_kernel{k1});  // ticket 1: L0.E0's kernel pending
+  rt.acquire(0, e1).release(faulted_kernel{});    // ticket 2: L0.E1's kernel fails
+  rt.acquire(0, e0).release(pending_kernel{k3});  // ticket 3: E0 again, its span now [1, 3]
+  rt.acquire(0, e1).release(any_completion{});    // E1 used last: E0 is LRU's victim
+  k1->store(1);                                   // every kernel that read E0 is done
+  k3->store(1);
+  w.compute.synchronize();
+  auto lease = rt.acquire(0, e2);  // evicts E0 without meeting E1's failure
+  EXPECT_FALSE(rt.resident({0, 0}));
+  EXPECT_TRUE(rt.resident({0, 1}));
+  EXPECT_EQ(rt.statistics().poisoned, 0U);
+  EXPECT_EQ(rt.statistics().failed_acquires, 0U);
+  w.check_on_compute(rt, 0, e2);
+  lease.release();
+  w.compute.synchronize();
+  // E1's own failure still shows when E1 is the victim, and poisons it; E2 goes next.
+  const auto before = w.snapshot(rt);
+  EXPECT_THROW((void)rt.acquire(0, e3), std::runtime_error);
+  EXPECT_EQ(w.snapshot(rt), before);
+  EXPECT_EQ(rt.statistics().poisoned, 1U);
+  lease = rt.acquire(0, e3);
+  EXPECT_TRUE(rt.resident({0, 1}));
+  EXPECT_FALSE(rt.resident({0, 2}));
+  w.check_on_compute(rt, 0, e3);
+  // Nothing left to evict: the refusal says why (it counted the poisoned version as evictable).
+  const std::uint32_t e4[] = {4};
+  try {
+    (void)rt.acquire(0, e4);
+    ADD_FAILURE() << "no room was left";
+  } catch (const out_of_budget& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("2 resident hi versions (pinned or loading: 1; poisoned by a failed "
+                                               "kernel completion: 1)"));
+  }
   lease.release();
   w.compute.synchronize();
   EXPECT_EQ(w.mismatches.load(), 0U);

@@ -503,7 +503,7 @@ class expert_runtime {
       for (std::uint32_t f = 0; f < expert_count_; ++f) {
         version& v = T.versions[f];
         if (v.slot < 0) continue;
-        quietly_wait(v);
+        quietly_wait(t, f);
         unmap_version(t, f);
         v.blocks.release();
       }
@@ -1093,9 +1093,9 @@ class expert_runtime {
     lease_type blocks;                   // the physical blocks and their budget
     std::shared_ptr<event_type> loaded;  // the load's event
     std::uint64_t last_use = 0;          // ticket of the last lease that read it (0: none)
-    // The oldest ticket since it was last known complete: the completions of [first_use,
-    // last_use] are all waited for (leases released together are drained in acquire order, not
-    // in the order their kernels complete).
+    // The oldest ticket since it was last known complete: the completions in [first_use,
+    // last_use] of the leases that read it are all waited for (leases released together are
+    // drained in acquire order, not in the order their kernels complete).
     std::uint64_t first_use = 0;
   };
   // Everything one tier holds: its source, pages, ranges, capacity, policy and versions.
@@ -1614,7 +1614,7 @@ class expert_runtime {
       // Evicting an active version changes the expert's record (to nothing, or to its other
       // version): not while an open window of the handle table pins the expert.
       const bool window_pinned = active_[v] == t && options_.views.records && table_.pinned(geometry_.expert_at(v));
-      const use_span last = last_use(T.versions[v]);
+      const use_span last = last_use(t, v);
       const bool busy = ready_only && last != nullptr && !last->ready();
       if (!window_pinned && !busy) return v;
       blocked_[v] = 1;
@@ -1622,12 +1622,23 @@ class expert_runtime {
     }
     return std::nullopt;
   }
-  // Resident versions of tier t no lease pins and no load holds (for messages).
-  [[nodiscard]] std::uint32_t evictable_count(std::size_t t) const noexcept {
+  // Resident versions of tier t that cannot be evicted, by why (for messages): a lease pins it or
+  // a load holds it; a failed kernel completion poisoned it.
+  struct held_versions {
+    std::uint32_t pinned_or_loading = 0;
+    std::uint32_t poisoned = 0;
+  };
+  [[nodiscard]] held_versions held_count(std::size_t t) const noexcept {
     const tier_state& T = tier(t);
-    std::uint32_t n = 0;
+    held_versions n;
     for (std::uint32_t f = 0; f < expert_count_; ++f) {
-      if (T.versions[f].slot >= 0 && T.pins[f] == 0 && !T.versions[f].loading) ++n;
+      const version& v = T.versions[f];
+      if (v.slot < 0) continue;
+      if (T.pins[f] > 0 || v.loading) {
+        ++n.pinned_or_loading;
+      } else if (v.poisoned) {
+        ++n.poisoned;
+      }
     }
     return n;
   }
@@ -1685,7 +1696,7 @@ class expert_runtime {
         sibling_load = s->loaded.get();
       }
     }
-    const use_span last = last_use(e);
+    const use_span last = last_use(t, f);
     if (own_load == nullptr && sibling_load == nullptr && (last == nullptr || last->ready())) return;
     const auto t0 = std::chrono::steady_clock::now();
     const double trace_t0 = tracing() ? trace_.now_us() : 0.0;
@@ -1942,12 +1953,13 @@ class expert_runtime {
         if (placed) p.tier = 0;
       }
       if (!placed && !find_room(p, d, /*required=*/true)) {
-        throw out_of_budget(fmt::format("expert_runtime::acquire: no room for {} at layer {}: {} of {} resident "
-                                        "{} versions are pinned or loading "
-                                        "and the account {} has {} bytes free (a version needs {})",
-                                        geometry_.expert_at(f), layer, resident_count(d) - evictable_count(d),
-                                        resident_count(d), to_string(static_cast<version_tier>(d)), account_->name(),
-                                        account_->available(), version_bytes(d)),
+        const held_versions held = held_count(d);
+        throw out_of_budget(fmt::format("expert_runtime::acquire: no room for {} at layer {}: {} resident {} "
+                                        "versions (pinned or loading: {}; poisoned by a failed kernel "
+                                        "completion: {}) and the account {} has {} bytes free (a version needs {})",
+                                        geometry_.expert_at(f), layer, resident_count(d),
+                                        to_string(static_cast<version_tier>(d)), held.pinned_or_loading, held.poisoned,
+                                        account_->name(), account_->available(), version_bytes(d)),
                             version_bytes(d), account_->available());
       }
       p.activation = begin_version(p.tier, f);
@@ -2244,9 +2256,10 @@ class expert_runtime {
     } catch (...) {  // a failed device context: nothing left to wait for
     }
   }
-  void quietly_wait(version& v) noexcept {
+  void quietly_wait(std::size_t t, std::uint32_t f) noexcept {
+    const version& v = tier(t).versions[f];
     if (v.loaded) quietly_synchronize(*v.loaded);
-    if (const use_span last = last_use(v)) {
+    if (const use_span last = last_use(t, f)) {
       try {
         last->wait();
       } catch (...) {
@@ -2420,18 +2433,32 @@ class expert_runtime {
     const std::span<const std::uint32_t> flat = r.flat;
     const bool one_tier = tier_count_ == 1;
     for (std::size_t i = 0; i < flat.size(); ++i) {
-      tier_state& T = tier(one_tier ? 0 : static_cast<std::size_t>(r.tiers[i]));
+      const std::size_t t = one_tier ? 0 : static_cast<std::size_t>(r.tiers[i]);
+      tier_state& T = tier(t);
       const std::uint32_t f = flat[i];
       EXPAGE_ASSERT(T.pins[f] > 0, "expert_runtime: a lease released an expert it did not pin");
       --T.pins[f];
       if (ticket != 0) {
         version& v = T.versions[f];
         // Earlier uses still pending stay in the span: a later ticket is not a later kernel.
-        if (const use_span earlier = last_use(v); !earlier || earlier.ready()) v.first_use = ticket;
+        if (const use_span earlier = last_use(t, f); !earlier || earlier.ready()) v.first_use = ticket;
         v.last_use = ticket;
       }
     }
   }
+  // The completion of a lease released with one pending, and the versions its kernel reads:
+  // key(tier, expert) of each of the lease's experts. A fence waits only for the completions of
+  // the leases its version was in, so another lease's failed kernel poisons that lease's
+  // versions, not every version whose span of tickets covers it. Without memory for the list
+  // (`members_known` false) the completion counts as every version's, as before.
+  struct kept_completion {
+    any_completion done;
+    std::vector<std::uint32_t> members;  // capacity kept across reuses of its ring place
+    bool members_known = false;
+    [[nodiscard]] bool read_by(std::uint32_t k) const noexcept {
+      return !members_known || std::find(members.begin(), members.end(), k) != members.end();
+    }
+  };
   // retire_lease() of a lease released with a pending completion: moves it into the ring and
   // returns its ticket.
   [[gnu::noinline]] std::uint64_t retire_completion(lease_record& r) noexcept {
@@ -2441,21 +2468,31 @@ class expert_runtime {
     // completion may be an event recorded behind this very task (an engine more than
     // completion_ring leases ahead of its stream), which a wait here would never see.
     const std::uint64_t ticket = ++tickets_;
-    any_completion& place = completions_[ticket % completion_ring];
-    if (!place.ready()) {
+    kept_completion& place = completions_[ticket % completion_ring];
+    if (!place.done.ready()) {
       try {
         overflow_.emplace(ticket - completion_ring, std::move(place));
       } catch (...) {  // no memory for the overflow: wait, as a fence would
         try {
-          place.wait();
+          place.done.wait();
         } catch (...) {
-          // As a failed fence: whether that kernel still reads its versions is unknown, so every
-          // version whose uses span the ticket is poisoned (never evicted), not forgotten.
-          poison_users(ticket - completion_ring);
+          // As a failed fence: whether that kernel still reads its versions is unknown, so they
+          // are poisoned (never evicted), not forgotten.
+          poison_users(place, ticket - completion_ring);
         }
       }
     }
-    place = std::move(r.done);
+    place.done = std::move(r.done);
+    place.members_known = false;
+    try {
+      place.members.clear();  // a place moved to the overflow is left valid, its contents unspecified
+      const bool one_tier = tier_count_ == 1;
+      for (std::size_t i = 0; i < r.flat.size(); ++i) {
+        place.members.push_back(key(one_tier ? 0 : static_cast<std::size_t>(r.tiers[i]), r.flat[i]));
+      }
+      place.members_known = true;
+    } catch (...) {  // no memory for the list: the completion counts as every version's
+    }
     trim_overflow();
     return ticket;
   }
@@ -2463,17 +2500,21 @@ class expert_runtime {
   // them whenever it has doubled since the last full pass (amortized O(1) per retire; a completion
   // that never becomes ready cannot make it hold every later one).
   void trim_overflow() noexcept {
-    while (!overflow_.empty() && overflow_.begin()->second.ready()) overflow_.erase(overflow_.begin());
+    while (!overflow_.empty() && overflow_.begin()->second.done.ready()) overflow_.erase(overflow_.begin());
     if (overflow_.size() < 2 * overflow_trimmed_ + 16) return;
-    std::erase_if(overflow_, [](const auto& entry) { return entry.second.ready(); });
+    std::erase_if(overflow_, [](const auto& entry) { return entry.second.done.ready(); });
     overflow_trimmed_ = overflow_.size();
   }
-  // Poisons the versions whose uses since they were last known complete include ring ticket
-  // @p ticket (its completion failed). O(tiers · experts), on a failure only.
-  void poison_users(std::uint64_t ticket) noexcept {
+  // Poisons the resident versions that ticket @p ticket's lease read (its completion @p c
+  // failed), or, when its list is unknown, every version whose uses since it was last known
+  // complete include the ticket. O(tiers · experts), on a failure only.
+  void poison_users(const kept_completion& c, std::uint64_t ticket) noexcept {
     for (std::size_t t = 0; t < tier_count_; ++t) {
-      for (version& v : tier(t).versions) {
-        if (v.slot >= 0 && v.last_use != 0 && v.first_use <= ticket && ticket <= v.last_use) v.poisoned = true;
+      for (std::uint32_t f = 0; f < expert_count_; ++f) {
+        version& v = tier(t).versions[f];
+        if (v.slot >= 0 && v.last_use != 0 && v.first_use <= ticket && ticket <= v.last_use && c.read_by(key(t, f))) {
+          v.poisoned = true;
+        }
       }
     }
   }
@@ -2533,44 +2574,50 @@ class expert_runtime {
     return pins;
   }
 
-  // The completions of the leases that read a version since it was last known complete: tickets
-  // [first, last], those still in the ring read there, older ones from the overflow (a ticket in
-  // neither was complete when its ring place was reused). Those of other versions' leases among
-  // them are waited for too, which is safe. Empty (false) when they are known complete.
+  // The completions of the leases that read a version since it was last known complete: the
+  // tickets in [first, last] of the leases it was in, those still in the ring read there, older
+  // ones from the overflow (a ticket in neither was complete when its ring place was reused).
+  // Empty (false) when they are known complete.
   // Pointer-like at its call sites; valid until the next retire.
   class use_span {
    public:
     use_span() noexcept = default;
-    use_span(expert_runtime* rt, std::uint64_t first, std::uint64_t last) noexcept
-        : rt_(rt), first_(first), last_(last) {}
+    use_span(expert_runtime* rt, std::uint32_t key, std::uint64_t first, std::uint64_t last) noexcept
+        : rt_(rt), key_(key), first_(first), last_(last) {}
     explicit operator bool() const noexcept { return rt_ != nullptr; }
     friend bool operator==(const use_span& s, std::nullptr_t) noexcept { return s.rt_ == nullptr; }
     [[nodiscard]] const use_span* operator->() const noexcept { return this; }
-    // True when every completion of the span is ready.
+    // True when every completion of the span that reads the version is ready.
     [[nodiscard]] bool ready() const noexcept {
       const std::uint64_t kept = rt_->oldest_in_ring();
       for (auto it = rt_->overflow_.lower_bound(first_); it != rt_->overflow_.end() && it->first <= last_; ++it) {
-        if (!it->second.ready()) return false;
+        if (it->second.read_by(key_) && !it->second.done.ready()) return false;
       }
       for (std::uint64_t t = std::max(first_, kept); t <= last_; ++t) {
-        if (!rt_->completions_[t % completion_ring].ready()) return false;
+        const kept_completion& c = rt_->completions_[t % completion_ring];
+        if (c.read_by(key_) && !c.done.ready()) return false;
       }
       return true;
     }
-    // Waits for every completion of the span, newest first; throws the first failure.
+    // Waits for every completion of the span that reads the version, newest first; throws the
+    // first failure.
     void wait() const {
       const std::uint64_t from = std::max(first_, rt_->oldest_in_ring());
-      for (std::uint64_t t = last_ + 1; t-- > from;) rt_->completions_[t % completion_ring].wait();
+      for (std::uint64_t t = last_ + 1; t-- > from;) {
+        kept_completion& c = rt_->completions_[t % completion_ring];
+        if (c.read_by(key_)) c.done.wait();
+      }
       auto end = rt_->overflow_.upper_bound(last_);
       for (auto it = end; it != rt_->overflow_.begin();) {
         --it;
         if (it->first < first_) break;
-        it->second.wait();
+        if (it->second.read_by(key_)) it->second.done.wait();
       }
     }
 
    private:
     expert_runtime* rt_ = nullptr;
+    std::uint32_t key_ = 0;  // key(tier, expert) of the version
     std::uint64_t first_ = 0;
     std::uint64_t last_ = 0;
   };
@@ -2579,14 +2626,15 @@ class expert_runtime {
   [[nodiscard]] std::uint64_t oldest_in_ring() const noexcept {
     return tickets_ >= completion_ring ? tickets_ - (completion_ring - 1) : 1;
   }
-  [[nodiscard]] use_span last_use(const version& v) noexcept {
+  [[nodiscard]] use_span last_use(std::size_t t, std::uint32_t f) noexcept {
+    const version& v = tier(t).versions[f];
     if (v.last_use == 0) return {};
     if (v.last_use < oldest_in_ring()) {
       // Only the overflow can still hold one of its completions.
       const auto it = overflow_.lower_bound(v.first_use);
       if (it == overflow_.end() || it->first > v.last_use) return {};
     }
-    return {this, v.first_use, v.last_use};
+    return {this, key(t, f), v.first_use, v.last_use};
   }
 
   // After a resize that pinned versions held up: evict unpinned surplus whose kernels are done,
@@ -2627,7 +2675,7 @@ class expert_runtime {
     if (tier(a).pins[f] > 0 || now.poisoned) return false;
     // Its own load must be done too (a lease released with an engine's completion says nothing of it).
     if (now.loading && now.loaded && !now.loaded->query()) return false;
-    if (const use_span last = last_use(now); last && !last.ready()) return false;
+    if (const use_span last = last_use(a, f); last && !last.ready()) return false;
     if (options_.views.records && table_.pinned(geometry_.expert_at(f))) return false;  // a window reads it
     try {
       if (std::optional<transition> tr = begin_eviction(a, f)) tr->publish();  // the switch to `next`
@@ -2693,7 +2741,7 @@ class expert_runtime {
       for (const std::size_t t : {std::size_t{other_or_none(a)}, std::size_t{a}}) {
         if (t >= tier_count_ || tier(t).versions[f].slot < 0) continue;
         const version& v = tier(t).versions[f];
-        const use_span last = last_use(v);
+        const use_span last = last_use(t, f);
         const bool changes_record = active_[f] == t;
         if (tier(t).pins[f] > 0 || v.poisoned || v.loading || (last != nullptr && !last->ready()) ||
             (changes_record && options_.views.records && table_.pinned(geometry_.expert_at(f)))) {
@@ -2925,9 +2973,9 @@ class expert_runtime {
   bool load_error_seen_ = false;           // a load stream's error was passed to the compute stream
   std::vector<std::uint32_t> background_;  // experts with a version in each tier (the inactive one to switch to)
   static constexpr std::size_t completion_ring = 256;
-  std::vector<any_completion> completions_ = std::vector<any_completion>(completion_ring);  // by ticket
+  std::vector<kept_completion> completions_ = std::vector<kept_completion>(completion_ring);  // by ticket
   // Completions that left the ring while still pending, by ticket (retire_completion()).
-  std::map<std::uint64_t, any_completion> overflow_;
+  std::map<std::uint64_t, kept_completion> overflow_;
   std::size_t overflow_trimmed_ = 0;  // overflow_'s size after its last full trim
   std::uint64_t tickets_ = 0;
   std::vector<std::unique_ptr<lease_record>> records_;  // every lease record (addresses stable)
