@@ -351,6 +351,7 @@ void four_pool_controller::set_kv_open_depths(std::vector<std::uint64_t> depths)
   if (mix_.observe(kv_open_depths_.size())) {  // the sessions the KV histogram remembers have ended
     kv_.scale(config_.change_keep);
     last_move_ = 0;
+    heading_.reset();
     stats_.mix_changes = mix_.changes();
   }
 }
@@ -448,16 +449,23 @@ four_pool_decision four_pool_controller::step() const {
   if (d.target == current_ || stats_.bursts <= config_.settle_bursts) return d;
   const double gain = d.current_cost - d.target_cost;
   const int dir = direction(current_, d.target);
-  const double gate = last_move_ != 0 && dir != 0 && dir != last_move_ ? config_.reversal_gate : config_.gate;
+  // A step toward the target of the last move goes on with that move, even back over the target's
+  // KV pool after a rate-limited step passed it: not a reversal (commit() counts none either).
+  const bool continuing = heading_ && d.target == *heading_;
+  const double gate =
+      !continuing && last_move_ != 0 && dir != 0 && dir != last_move_ ? config_.reversal_gate : config_.gate;
   const bool forced = any_feasible && !feasible(d.current_hi_coverage);
   if (!forced && !(gain > 0.0 && gain > gate * d.current_cost)) return d;
   if (!forced && slot_distance(current_, d.target) < config_.dead_zone) return d;
   four_pool_split next = d.target;
   if (current_.tiered() == d.target.tiered() && slot_distance(current_, d.target) > config_.rate_limit) {
     // The step: the cheapest admissible split within rate_limit slots per pool that moves the KV
-    // pool (or, with it unchanged, the hi pool) the target's way for less than the current cost;
-    // none, no move. (Moving each pool toward the target alone can change the KV pool the other
-    // way, or leave the space.) Forced (the current split breaks the coverage constraint), the
+    // pool (or, with it unchanged, the hi pool) the target's way for less than the current cost,
+    // preferring one that does not pass the target's KV pool (from there the target lies the same
+    // way); none, no move. (Moving each pool toward the target alone can change the KV pool the
+    // other way, or leave the space; and a step within the limit may have to pass the target's KV
+    // pool: with hi slots worth 4 lo slots of KV and a limit of 1, (1, 4) reaches (0, 6) only
+    // through (0, 5).) Forced (the current split breaks the coverage constraint), the
     // step need not be cheaper nor move the KV pool the target's way: the cheapest feasible one,
     // else the one covering most (cheapest among equals), so a split out of bounds leaves however
     // slow the rate limit (a target with more KV may be reached only through hi slots that first
@@ -469,6 +477,7 @@ four_pool_decision four_pool_controller::step() const {
     std::optional<std::pair<double, four_pool_split>> step;
     double step_coverage = 0.0;
     bool step_feasible = false;
+    bool step_passes = false;  // it passes the target's KV pool
     for (const four_pool_split& s : candidates_) {
       if (!within(s)) continue;
       const double cost = predicted_cost(s);
@@ -477,7 +486,9 @@ four_pool_decision four_pool_controller::step() const {
       if (forced && !ok && !(coverage > d.current_hi_coverage)) continue;  // no nearer the bound
       bool takes = false;
       if (!forced) {
-        takes = ok && cost < d.current_cost && (!step || cost < step->first);
+        const bool passes = direction(s, d.target) == -dir;
+        takes = ok && cost < d.current_cost && (!step || (passes != step_passes ? step_passes : cost < step->first));
+        if (takes) step_passes = passes;
       } else if (ok != step_feasible || !step) {
         takes = ok || !step;
       } else {
@@ -532,10 +543,15 @@ void four_pool_controller::commit(const four_pool_decision& decision, bool appli
                     decision.split.hi_slots, decision.split.lo_slots, decision.split.kv_bytes));
   }
   const int dir = direction(current_, decision.split);
-  if (dir != 0 && !mix_.tentative()) {  // a tentative move answers a new mix: it sets no direction
-    if (last_move_ != 0 && dir != last_move_) ++stats_.reversals;
+  // A step on to the same target is no reversal (see step()), but its direction is the last
+  // move's: a later target back the other way faces the reversal gate. A tentative move answers
+  // a new mix: it sets no direction.
+  const bool continuing = heading_ && decision.target == *heading_;
+  if (dir != 0 && !mix_.tentative()) {
+    if (!continuing && last_move_ != 0 && dir != last_move_) ++stats_.reversals;
     last_move_ = dir;
   }
+  heading_ = decision.target;
   ++stats_.moves;
   if (n_hi_of(decision.split) != hot_.config().hi_per_layer) (void)hot_.resize(n_hi_of(decision.split));
   current_ = decision.split;

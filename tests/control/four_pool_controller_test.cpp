@@ -760,6 +760,39 @@ TEST(FourPoolController, DoesNotOscillateUnderStationaryInput) {
   EXPECT_GT(moves, 0U) << "the starts were chosen away from the targets";
 }
 
+// With a rate limit, a target further away is approached in steps. One step within the limit
+// may have to pass the target's KV pool (here hi slots are worth four lo slots of KV, and from
+// (1, 4) the limit of one slot per pool reaches (0, 6) only through (0, 5)); the step back to the
+// same target goes on with the move: no reversal, and no reversal gate. It used to face the 30%
+// gate, so the controller sat at the costlier (0, 5) for four bursts, and counted a reversal.
+// A step that does not pass the target is preferred when one is cheaper than the current split.
+TEST(FourPoolController, ARateLimitedMoveThatPassesItsTargetIsNoReversal) {
+  std::mt19937_64 rng(29);
+  four_pool_model m = small_model(300 + rng() % 700, 14 + rng() % 60);
+  m.lo_activation_seconds = 0.02 * static_cast<double>(rng() % 10);
+  m.kv_miss_seconds = 0.1 * static_cast<double>(1 + rng() % 10);
+  const auto all = admissible_splits(m);
+  const four_pool_config config{.rate_limit = static_cast<std::uint32_t>(1 + rng() % 2)};
+  ASSERT_EQ(config.rate_limit, 1U);
+  four_pool_controller c(m, config, all[rng() % all.size()]);
+  const auto head = static_cast<std::uint32_t>(1 + rng() % 5);
+  const std::uint64_t kv = 5 + rng() % 60;
+  ASSERT_EQ(c.current(), make_four_pool_split(m, 1, 4));
+  std::vector<four_pool_split> path;
+  for (int burst = 0; burst < 6; ++burst) {
+    feed_burst(c, rng, head, kv);
+    const auto d = c.step();
+    EXPECT_EQ(d.target, make_four_pool_split(m, 0, 6)) << "burst " << burst;
+    if (d.moved) path.push_back(d.split);
+    c.commit(d, true);
+    if (burst == 1) {
+      EXPECT_EQ(c.current(), make_four_pool_split(m, 0, 6)) << "at the target the burst after";
+    }
+  }
+  EXPECT_EQ(path, (std::vector<four_pool_split>{make_four_pool_split(m, 0, 5), make_four_pool_split(m, 0, 6)}));
+  EXPECT_EQ(c.statistics().reversals, 0U);
+}
+
 // The open sessions' KV blocks deeper than a pool are predicted to miss even before the
 // histogram has seen their reuse.
 TEST(FourPoolController, OpenSessionBlocksRaiseTheKvValue) {

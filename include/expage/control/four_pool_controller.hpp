@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <iosfwd>
 #include <limits>
+#include <optional>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -278,7 +279,10 @@ struct four_pool_statistics {
 /// against the previous direction, the direction being that of the KV pool, else of the hi pool),
 /// when the target is at least dead_zone slots away, and by at most rate_limit slots per pool (a
 /// target further away: the cheapest admissible split within the limit that moves the target's way
-/// and costs less than the current one, or no move; a change of mode goes at once). The
+/// and costs less than the current one, one that does not pass the target's KV pool first, or no
+/// move; a change of mode goes at once). A step toward the target of the last move goes on with
+/// that move: the plain gate, and no reversal, even when it comes back over the target's KV pool
+/// (no step within the limit may reach the target without passing it). The
 /// resize steps shrink every losing pool before any pool grows (WiSP §3.5, three pools), and a
 /// resize the runtime refuses leaves the previous split in force (D3, commit(decision, false)).
 ///
@@ -402,6 +406,7 @@ class four_pool_controller {
   std::vector<std::uint64_t> kv_open_depths_;  // ascending
   four_pool_statistics stats_;
   int last_move_ = 0;
+  std::optional<four_pool_split> heading_;  // the target of the last applied move
   session_mix_detector mix_;
 };
 
