@@ -412,7 +412,7 @@ four_pool_decision four_pool_controller::step() const {
   };
   const auto better = [&](const scored& a, const scored& b) {
     if (!any_feasible && a.coverage != b.coverage) return a.coverage > b.coverage;
-    if (a.cost != b.cost) return a.cost < b.cost;
+    if (!detail::same_cost(a.cost, b.cost)) return a.cost < b.cost;
     const four_pool_split& x = candidates_[a.index];
     const four_pool_split& y = candidates_[b.index];
     if ((x == current_) != (y == current_)) return x == current_;
@@ -455,7 +455,9 @@ four_pool_decision four_pool_controller::step() const {
   const double gate =
       !continuing && last_move_ != 0 && dir != 0 && dir != last_move_ ? config_.reversal_gate : config_.gate;
   const bool forced = any_feasible && !feasible(d.current_hi_coverage);
-  if (!forced && !(gain > 0.0 && gain > gate * d.current_cost)) return d;
+  if (!forced && !(gain > 0.0 && gain > gate * d.current_cost && !detail::same_cost(d.current_cost, d.target_cost))) {
+    return d;
+  }
   if (!forced && slot_distance(current_, d.target) < config_.dead_zone) return d;
   four_pool_split next = d.target;
   if (current_.tiered() == d.target.tiered() && slot_distance(current_, d.target) > config_.rate_limit) {

@@ -54,11 +54,10 @@ void check_config(const online_split_config& c) {
   }
 }
 
-void check_cap(const split_model& m, std::uint32_t cap, const char* who) {
+void check_cap(const split_model& m, std::uint32_t cap, const char* who, const char* name) {
   if (cap > max_expert_cap(m) || cap < m.min_expert_cap) {
-    throw invalid_argument(
-        fmt::format("{}: current_cap {} out of range [{}, {}] (min_expert_cap to E and the KV floor)", who, cap,
-                    m.min_expert_cap, max_expert_cap(m)));
+    throw invalid_argument(fmt::format("{}: {} {} out of range [{}, {}] (min_expert_cap to E and the KV floor)", who,
+                                       name, cap, m.min_expert_cap, max_expert_cap(m)));
   }
 }
 
@@ -204,7 +203,7 @@ online_split_decision online_split_step(const split_model& model, const online_s
                                         std::span<const std::uint64_t> kv_open_depths) {
   check_model(model, "online_split_step");
   check_config(config);
-  check_cap(model, current_cap, "online_split_step");
+  check_cap(model, current_cap, "online_split_step", "current_cap");
   if (experts.max_capacity() != model.experts_per_layer) {
     throw invalid_argument(fmt::format("online_split_step: expert histogram covers {} slots, not experts_per_layer {}",
                                        experts.max_capacity(), model.experts_per_layer));
@@ -218,13 +217,14 @@ online_split_decision online_split_step(const split_model& model, const online_s
   online_split_decision out;
   out.current_cost = cost(current_cap);
   // Decision 3: the whole grid, not the point marginal (which reads 0 inside a bimodal gap). Ties
-  // keep the current cap, then the closer candidate, so equal costs never cause a move.
+  // (equal up to rounding: detail::same_cost) keep the current cap, then the closer candidate, so
+  // equal costs never cause a move.
   std::uint32_t target = current_cap;
   double target_cost = out.current_cost;
   const auto consider = [&](std::uint32_t c) {
     const double v = cost(c);
     const auto dist = [&](std::uint32_t x) { return x > current_cap ? x - current_cap : current_cap - x; };
-    if (v < target_cost || (v == target_cost && dist(c) < dist(target))) {
+    if (detail::same_cost(v, target_cost) ? dist(c) < dist(target) : v < target_cost) {
       target = c;
       target_cost = v;
     }
@@ -240,7 +240,8 @@ online_split_decision online_split_step(const split_model& model, const online_s
   std::uint32_t next = current_cap;
   const int direction = target > current_cap ? 1 : -1;
   const double gate = previous_move != 0 && direction != previous_move ? config.reversal_gate : config.gate;
-  if (distance >= config.dead_zone && gain > gate * out.current_cost && gain > 0.0) {
+  if (distance >= config.dead_zone && gain > gate * out.current_cost && gain > 0.0 &&
+      !detail::same_cost(out.current_cost, target_cost)) {
     const std::uint32_t step = std::min(distance, config.rate_limit);
     next = target > current_cap ? current_cap + step : current_cap - step;
   }
@@ -256,7 +257,7 @@ split_controller::split_controller(const split_model& model, const online_split_
     : model_(model), config_(config), experts_(experts), kv_(kv), mix_(config.change_ratio, kv.decay) {
   check_model(model_, "split_controller");
   check_config(config_);
-  check_cap(model_, initial_cap, "split_controller");
+  check_cap(model_, initial_cap, "split_controller", "initial_cap");
   if (experts_.max_capacity() != model_.experts_per_layer) {
     throw invalid_argument(fmt::format("split_controller: expert histogram covers {} slots, not experts_per_layer {}",
                                        experts_.max_capacity(), model_.experts_per_layer));

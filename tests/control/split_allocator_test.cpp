@@ -322,6 +322,40 @@ TEST(OnlineSplitStep, AReversalNeedsTheLargerGate) {
   EXPECT_THROW((void)online_split_step(m, {.gate = 0.05, .reversal_gate = 0.04}, eh, kh, 4), invalid_argument);
 }
 
+// Caps 7 and 9 cost the same here (0.5·8 + 0.2·X = 0.2·(X + 20)), but the two sums differ in
+// their last bit, one way or the other as the histograms grow. With a gate of 0 (allowed) that
+// bit moved the cap 7 → 9 → 7 → 9 on identical bursts; a tie up to rounding keeps the cap.
+TEST(OnlineSplitStep, CostsEqualUpToRoundingAreATie) {
+  const split_model m{.budget_bytes = 747,
+                      .experts_per_layer = 9,
+                      .slot_bytes = 45,
+                      .block_bytes = 30,
+                      .kv_floor_bytes = 266,
+                      .expert_miss_seconds = 0.5,
+                      .kv_miss_seconds = 0.2,
+                      .min_expert_cap = 7};
+  const online_split_config config{.grid_step = 3, .gate = 0.0, .rate_limit = 3, .dead_zone = 2, .reversal_gate = 0.0};
+  split_controller c(m, config, {.max_capacity = 9, .bin_width = 1, .decay = 0.9},
+                     kv_histogram_config(m.budget_bytes / m.block_bytes, 0, 0.9), 7);
+  const int expert_counts[9] = {4, 7, 8, 2, 8, 1, 6, 7, 1};
+  const int kv_counts[40] = {4, 0, 7, 6, 1, 5, 6, 0, 4, 9, 2, 6, 6, 8, 6, 6, 2, 8, 1, 3,
+                             5, 4, 2, 1, 8, 8, 2, 4, 7, 6, 9, 1, 9, 2, 7, 3, 8, 1, 9, 9};
+  for (int burst = 0; burst < 12; ++burst) {
+    c.new_burst();  // the same records every burst: the histograms' shape never changes
+    for (std::size_t d = 0; d < 9; ++d) {
+      for (int k = 0; k < expert_counts[d]; ++k) c.experts().record(d);
+    }
+    for (std::size_t d = 0; d < 40; ++d) {
+      for (int k = 0; k < kv_counts[d]; ++k) c.kv().record(d);
+    }
+    const auto decision = c.step();
+    EXPECT_FALSE(decision.moved) << "burst " << burst << ": " << decision.current_cost << " against "
+                                 << decision.target_cost;
+    c.commit(decision, true);
+  }
+  EXPECT_EQ(c.current().expert_cap, 7U);
+}
+
 // The open sessions' blocks: a pool of n blocks is predicted to recompute at least the open
 // blocks deeper than n (against a brute force over every n), and they move the split toward KV
 // before the histogram has seen their reuse.
@@ -469,7 +503,7 @@ TEST(OnlineSplitStep, RejectsBadInputNamingTheValueAndItsRange) {
                      {.max_capacity = 20, .bin_width = 1, .decay = 1.0}, 3);
     ADD_FAILURE();
   } catch (const invalid_argument& e) {
-    EXPECT_THAT(e.what(), HasSubstr("split_controller: current_cap 3 out of range [0, 2]"));
+    EXPECT_THAT(e.what(), HasSubstr("split_controller: initial_cap 3 out of range [0, 2]"));
   }
   try {
     split_controller(model(200, 10), {}, {.max_capacity = 4, .bin_width = 1, .decay = 1.0},

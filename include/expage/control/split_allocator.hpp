@@ -13,6 +13,7 @@
 #include "expage/cache/miss_ratio_curve.hpp"
 #include "expage/control/session_mix_detector.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -155,6 +156,17 @@ struct online_split_config {
 ///        read below the deepest open one read: open_block_depths()).
 [[nodiscard]] double kv_predicted_misses(const decayed_reuse_histogram& kv, std::uint64_t blocks,
                                          std::span<const std::uint64_t> open_depths) noexcept;
+
+namespace detail {
+/// Whether two predicted costs are equal up to rounding, |a − b| ≤ 10⁻⁹·max(|a|, |b|): the
+/// controllers' ties (which keep the current split) and gains (a move needs more) use it. Costs
+/// summed in different orders from decayed histograms differ in their last bits, which must not
+/// decide a move: with a gate of 0 two caps of equal cost took turns as the target.
+[[nodiscard]] inline bool same_cost(double a, double b) noexcept {
+  const double d = a > b ? a - b : b - a;
+  return d <= 1e-9 * std::max(a < 0 ? -a : a, b < 0 ? -b : b);
+}
+}  // namespace detail
 
 /// @brief What online_split_step() decided.
 struct online_split_decision {
