@@ -217,7 +217,7 @@ struct online_split_decision {
 /// for (auto d : expert_distances) c.experts().record(d);
 /// for (auto d : kv_distances) c.kv().record(d);
 /// const auto plan = c.step();
-/// if (plan.moved) c.commit(resize_both(plan.split, plan.shrink_kv_first));   // at a drained barrier
+/// if (plan.moved) c.commit(plan, resize_both(plan.split, plan.shrink_kv_first));  // at a drained barrier
 /// @endcode
 /// @threadsafety single-owner.
 class split_controller {

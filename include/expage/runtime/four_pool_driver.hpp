@@ -67,7 +67,8 @@ namespace expage {
 /// expage::budget_tracker budget(B);
 /// auto& experts = budget.add_account("experts", hi_bytes + lo_bytes);
 /// auto& kv = budget.add_account("kv", kv_bytes);
-/// expert_runtime rt(g, experts, vmm, copy, compute, sources, {.targets_load_hi = true}, &prefetch);
+/// expert_runtime<host_vmm, host_stream, lru_policy> rt(g, experts, vmm, copy, compute, sources,
+///                                                    {.targets_load_hi = true}, &prefetch);
 /// four_pool_controller c(model, {}, initial);
 /// four_pool_driver driver(rt, c, experts, [&](std::uint64_t bytes) { return kv_pool.resize(bytes); });
 /// // per layer:    auto lease = rt.acquire(l, routed); driver.on_routed(l, routed); ...
