@@ -152,11 +152,13 @@ void host_vmm::adjust_mappings(std::ptrdiff_t delta) noexcept {
 }
 
 std::byte* host_vmm::reserve(std::size_t bytes) {
-  if (bytes == 0 || bytes % granularity_ != 0 || bytes > max_bytes - granularity_) {
+  // The largest multiple of the granularity that leaves a granule of headroom below max_bytes.
+  const std::size_t largest = (max_bytes - granularity_) / granularity_ * granularity_;
+  if (bytes == 0 || bytes % granularity_ != 0 || bytes > largest) {
     throw invalid_argument(
         fmt::format("host_vmm::reserve: {} bytes is not a positive multiple of the granularity {} "
                     "in [{}, {}]",
-                    bytes, granularity_, granularity_, max_bytes - granularity_));
+                    bytes, granularity_, granularity_, largest));
   }
   const std::lock_guard lock(mutex_);
   charge_mappings(1, "host_vmm::reserve");

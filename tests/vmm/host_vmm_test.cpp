@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -60,6 +61,26 @@ TEST(HostVmm, ValidatesOptions) {
   EXPECT_EQ(host_vmm().granularity(), page());
   EXPECT_EQ(host_vmm({.granularity = 2_MiB}).configuration().granularity, 2_MiB);
   EXPECT_EQ(host_vmm().location(), memory_location::host);
+}
+
+// A reservation's size is a positive multiple of the granularity, and the range the refusal
+// names holds only such sizes: its top was max_bytes − granularity, which is not one.
+TEST(HostVmm, AReservationRefusalNamesARangeOfMultiples) {
+  host_vmm vm;
+  const std::size_t g = vm.granularity();
+  for (const std::size_t bytes : {std::size_t{0}, g + 1, std::numeric_limits<std::size_t>::max()}) {
+    try {
+      (void)vm.reserve(bytes);
+      ADD_FAILURE() << bytes;
+    } catch (const invalid_argument& e) {
+      const std::string what = e.what();
+      const auto comma = what.rfind(", ");
+      ASSERT_NE(comma, std::string::npos) << what;
+      const std::size_t top = std::stoull(what.substr(comma + 2));
+      EXPECT_EQ(top % g, 0U) << what;
+      EXPECT_GT(top, g) << what;
+    }
+  }
 }
 
 TEST(HostVmm, TwoMiBGranulesAreAligned) {
