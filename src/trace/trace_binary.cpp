@@ -307,8 +307,10 @@ binary_layout read_layout(detail::byte_input& in, const moe_geometry& geometry) 
   l.fields = h.meta.fields.value_or(trace_fields{});
   l.record_bytes = record_fixed_bytes + 6 * l.k;
   if (v2) l.record_bytes += (l.fields.probabilities ? l.vector_bytes : 0) + 4ULL * l.fields.sketch_dims;
-  if (h.events > max_trace_events) {
-    fail(at(32), "event_count", fmt::format("{} out of range [1, {}] (max_trace_events)", h.events, max_trace_events));
+  if (h.events == 0 || h.events > max_trace_events) {
+    fail(at(32), "event_count",
+         fmt::format("{} out of range [1, {}] (max_trace_events){}", h.events, max_trace_events,
+                     h.events == 0 ? ": the trace has no records (an empty trace is refused)" : ""));
   }
   if (h.vectors > h.events) {
     fail(at(40), "probability_vectors",
@@ -1102,9 +1104,14 @@ routing_trace read_binary_from(std::unique_ptr<detail::byte_input> input, const 
           fail(st.at(offset + 13), "has_probabilities",
                fmt::format("more events carry probabilities than the {} the header declares", h.vectors));
         }
+        const std::uint64_t vector_offset = in.offset();
         st.take(vector.data(), vector.size());
         for (std::size_t j = 0; j < geometry.experts_per_layer(); ++j)
           r.probabilities.push_back(load_f32(vector, 4 * j));
+        // Named at the vector, as the streaming reader names it (not at its record).
+        if (const auto problem = detail::check_probabilities(r.probabilities, geometry.experts_per_layer())) {
+          fail(st.at(vector_offset), "probabilities", fmt::format("vector {}: {}", vectors_used, problem->message));
+        }
         ++vectors_used;
       }
       builder.append(r, offset);

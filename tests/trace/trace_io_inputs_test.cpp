@@ -332,6 +332,23 @@ TEST_F(TraceInputs, EmptyBlankAndHeaderOnlyTracesAreRefused) {  // reproduction 
                 (void)expage::parse_binary(std::as_bytes(std::span(bytes.data(), bytes.size())), mixtral(), "z.bin");
               }),
               HasSubstr("no records"));
+  // The streaming reader too, in every version: it delivered no event and a clean end, so
+  // expage-replay's default (streamed) path reported an empty run where --in-memory refused.
+  for (const std::uint16_t v : {std::uint16_t{1}, std::uint16_t{2}, std::uint16_t{3}, std::uint16_t{4}}) {
+    std::string zero = expage::encode_binary(small_trace(), {.version = v});
+    const auto name = v == 4 ? expage::testing::get_le<std::uint32_t>(std::as_bytes(std::span(zero)), 52) : 0U;
+    zero.resize(v == 1 ? 64 : 72 + (name + 7) / 8 * 8);  // the header alone
+    expage::testing::put_le(std::as_writable_bytes(std::span(zero.data(), zero.size())), 32, std::uint64_t{0});
+    expage::testing::reseal_binary(zero);
+    EXPECT_THAT(message_of([&] {
+                  expage::binary_trace_reader in(std::as_bytes(std::span(zero.data(), zero.size())), mixtral(),
+                                                 "z.bin");
+                  while (!in.next().empty()) {
+                  }
+                }),
+                HasSubstr("no records"))
+        << "version " << v;
+  }
   // The class: a trace that is only metadata.
   std::string meta_only = jsonl_of(small_trace());
   meta_only.resize(meta_only.find('\n') + 1);
