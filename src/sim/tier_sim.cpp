@@ -251,7 +251,12 @@ class tier_engine {
             at = t.done;
             break;
           }
-          land_until(t.done);  // it lands empty: load on demand from then
+          // It lands empty: load on demand from then. Only it lands here: another transfer due
+          // by then may switch an expert of this group, whose old version the layer still reads
+          // (it lands at the next advance(), after the group, as without faults).
+          land(static_cast<std::size_t>(std::find_if(flights_.begin(), flights_.end(),
+                                                     [&](const flight& in_flight) { return in_flight.flat == f; }) -
+                                        flights_.begin()));
           if (room(f, t.pool)) {
             at = demand(f, t.pool, t.done, waited_behind);
           } else {
@@ -572,15 +577,22 @@ class tier_engine {
       }
       return;
     }
+    // The version it replaces is freed: never one the group being served reads (a violation).
     if (t.pool == tier_pool::hi) {  // a promotion: switch to hi, then free the lo version
       hi_[f] = version::active;
       touch(f, tier_pool::hi);
-      if (lo_[f] == version::active) drop_lo(f);
+      if (lo_[f] == version::active) {
+        if (pinned_[f] != 0) ++violations_;
+        drop_lo(f);
+      }
       ++promotions_;
     } else {  // a demotion: switch to lo, then free the hi version
       lo_[f] = version::active;
       touch(f, tier_pool::lo);
-      if (hi_[f] == version::active) drop_hi(f);
+      if (hi_[f] == version::active) {
+        if (pinned_[f] != 0) ++violations_;
+        drop_hi(f);
+      }
       ++demotions_;
     }
   }

@@ -520,6 +520,54 @@ TEST(TierSim, InvariantsHoldUnderRefusedResizesAndFailedTransfers) {
   }
 }
 
+// A layer waiting on a transfer that fails lands that transfer alone. It used to land every
+// transfer due by then, and a promotion among them freed the lo version an expert of the same
+// group had just been served from (the layer still read it), uncounted. The freeing of a version
+// the group pins now counts as a violation; none happens. (One layer of six experts, two links,
+// a static 4 + 2 split with a hot set that moves every pass, a quarter of the transfers failing.)
+TEST(TierSim, AFailedTransferLandsAloneWhileItsGroupIsServed) {
+  const moe_geometry g(moe_geometry::config{
+      .name = "t", .layers = 1, .experts_per_layer = 6, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
+  synthetic_options so;
+  so.seed = 18;
+  so.sequences = 1;
+  so.decode_steps = 4;
+  const access_stream experts(generate_synthetic(g, so), 2);
+  kv_session_options ko;
+  ko.phases = {
+      {.name = "a", .steps = experts.passes(), .concurrency = 1, .turns = 1, .prompt_tokens = 4, .decode_tokens = 1}};
+  const auto kv = generate_kv_sessions(ko);
+  tier_workload w;
+  w.base.experts = &experts;
+  w.base.kv = &kv;
+  w.base.geometry = g;
+  w.base.expert_options.layout = cache_layout::per_layer;
+  w.base.expert_options.transfer_compute_ratio = 4.0;
+  auto& links = w.base.expert_options.hardware.links;
+  links[0].setup_seconds = 0.0;
+  links.push_back(links[0]);
+  links[1].name = "b";
+  w.base.expert_options.dense_bytes_per_layer = 20000;
+  w.base.kv_bytes_per_token = 16;
+  w.base.kv_floor_bytes = 256;
+  w.base.budget_bytes = 256 + 6 * g.expert_bytes(precision::bf16);
+  w.base.burst_passes = 1000;
+  w.interval_passes = 1;
+  w.hot.margin = 0.1;
+  const four_pool_model m = make_four_pool_model(w);
+  const four_pool_split split{
+      .hi_slots = 4, .lo_slots = 2, .kv_bytes = w.base.budget_bytes - 4 * m.hi_expert_bytes - 2 * m.lo_expert_bytes};
+  std::uint64_t failed = 0;
+  for (std::uint64_t seed = 1; seed <= 16; ++seed) {
+    std::mt19937_64 rng(seed);
+    w.fail_transfer = [&](std::uint64_t) { return rng() % 4 == 0; };
+    const tier_run r = evaluate_tier_split(w, split);
+    EXPECT_EQ(r.invariant_violations, 0U) << "seed " << seed;
+    failed += r.failed_transfers;
+  }
+  EXPECT_GT(failed, 0U);
+}
+
 // Stationary session mixes: the controller settles and never reverses (no A→B→A), and stays near
 // the grid's best static split (a loose bound on this small synthetic model; the figures that
 // matter are the Mixtral ones, FourPoolAcceptanceOnMixtralHumanEval).
