@@ -13,10 +13,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 #include <functional>
 #include <future>
 #include <random>
 #include <sstream>
+#include <stdexcept>
+#include <string>
 #include <thread>
 
 namespace expage::testing {
@@ -1596,6 +1600,96 @@ TEST(ExpertRuntimeTiers, FourPoolDriverHandsOverAPlanTheRuntimeRefused) {
   rt.poll();
   EXPECT_EQ(w.mismatches.load(), 0U);
   EXPECT_LE(experts.used(), experts.capacity());
+}
+
+// A host stream whose events, once armed, say "not yet" to the first query that finds them
+// complete: an event that completes between two queries a few instructions apart.
+std::atomic<int> racy_events_armed{0};
+struct racy_event {
+  host_event event;
+  [[nodiscard]] bool query() const {
+    const bool done = event.query();
+    if (done && racy_events_armed.load() > 0) {
+      racy_events_armed.fetch_sub(1);
+      return false;
+    }
+    return done;
+  }
+  void synchronize() const { event.synchronize(); }
+};
+struct racy_stream {
+  using event_type = racy_event;
+  host_stream stream;
+  explicit racy_stream(std::string name) : stream(std::move(name)) {}
+  void copy(void* to, const void* from, std::size_t n) { stream.copy(to, from, n); }
+  void enqueue(std::function<void()> task) { stream.enqueue(std::move(task)); }
+  void record(racy_event& e) { stream.record(e.event); }
+  void wait(const racy_event& e) { stream.wait(e.event); }
+  void synchronize() { stream.synchronize(); }
+  void check() const { stream.check(); }
+};
+static_assert(async_stream<racy_stream>);
+
+// A background load that fails on its stream after it was issued stops the compute stream (the
+// fail-stop), also when it completes between refresh_loading(), which saw it pending, and the
+// switch to it, which saw it complete: the switch cleared the load itself and never checked its
+// stream, so the next lease was a hit on half-written bytes and its kernel ran (until 2026-11-30).
+TEST(ExpertRuntimeTiers, ASwitchToALoadThatFailedOnItsStreamStopsCompute) {
+  for (const bool race : {false, true}) {
+    SCOPED_TRACE(race ? "completed between the two queries" : "completed before both");
+    tiered_world w(1, 4);
+    racy_stream copy("copy");
+    racy_stream compute("compute");
+    racy_stream prefetch("prefetch");
+    const expert_id x{0, 0};
+    const expert_source<racy_stream> hi{
+        .format = precision::bf16,
+        .load = [&](expert_id id, expert_tensor t, std::span<std::byte> page, racy_stream& s) {
+          const auto& weights = w.weights_in(precision::bf16, id, t);
+          if (id == x && t == expert_tensor::down) {  // half the bytes, then the decode fails on the stream
+            std::byte* to = page.data();
+            const std::byte* from = weights.data();
+            const std::size_t n = weights.size() / 2;
+            s.enqueue([=] {
+              std::memcpy(to, from, n);
+              throw std::runtime_error("injected: decode failed on the prefetch stream");
+            });
+          } else {
+            s.copy(page.data(), weights.data(), weights.size());
+          }
+          return weights.size();
+        }};
+    const expert_source<racy_stream> lo{
+        .format = precision::int4,
+        .load = [&](expert_id id, expert_tensor t, std::span<std::byte> page, racy_stream& s) {
+          const auto& weights = w.weights_in(precision::int4, id, t);
+          s.copy(page.data(), weights.data(), weights.size());
+          return weights.size();
+        }};
+    expert_runtime<host_vmm, racy_stream, lru_policy> rt(w.geometry, w.tiers_account, w.vmm, copy, compute,
+                                                         tiered_source<racy_stream>{.hi = hi, .lo = lo},
+                                                         {.capacity = 1, .demand_reserve = 0}, &prefetch);
+    const std::uint32_t group[] = {0};
+    rt.acquire(0, group).release();  // L0.E0 served lo
+    compute.synchronize();
+    copy.synchronize();
+    const target promote[] = {{.expert = x, .state = residency_state::resident_hi}};
+    rt.set_targets(promote);  // the hi load, which fails on the prefetch stream
+    racy_event loaded;
+    prefetch.record(loaded);
+    loaded.synchronize();
+    racy_events_armed = race ? 1 : 0;
+    rt.poll();
+    racy_events_armed = 0;
+    auto lease = rt.acquire(0, group);
+    const version_record r = rt.records(0)[0];
+    std::atomic<int> kernels{0};
+    compute.enqueue([&] { kernels.fetch_add(1); });
+    lease.release();
+    EXPECT_THROW(compute.synchronize(), std::runtime_error);
+    EXPECT_EQ(kernels.load(), 0) << "a kernel ran after the load failed (the lease was served "
+                                 << (r.format == precision::bf16 ? "hi" : "lo") << ")";
+  }
 }
 
 // Random leases, targets, prefetches and resizes: after every step every view of every version

@@ -2671,6 +2671,10 @@ class expert_runtime {
     const std::size_t b = other(a);
     version& next = tier(b).versions[f];
     if (next.loading && next.loaded && !next.loaded->query()) return false;
+    // Its load completed since refresh_loading() looked (which checks the load streams when it
+    // retires one): check them before anything reads it, or a load that failed on its stream
+    // would be switched to with the compute stream still running.
+    if (next.loading) stop_compute_on_load_error();
     version& now = tier(a).versions[f];
     if (tier(a).pins[f] > 0 || now.poisoned) return false;
     // Its own load must be done too (a lease released with an engine's completion says nothing of it).
