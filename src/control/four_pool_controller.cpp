@@ -472,9 +472,13 @@ four_pool_decision four_pool_controller::step() const {
     // else the one covering most (cheapest among equals), so a split out of bounds leaves however
     // slow the rate limit (a target with more KV may be reached only through hi slots that first
     // take KV blocks: the KV pool's way alone could leave coverage where it is).
+    // Not forced, a step also comes nearer the target in slots: with the target unchanged the
+    // walk then never returns to a split it left (the KV pool's way alone allowed (0, 6) → (0, 5)
+    // → (0, 6) toward (1, 2), whose KV pool equals (0, 6)'s).
+    const std::uint32_t away = slot_distance(current_, d.target);
     const auto within = [&](const four_pool_split& s) {
       return s.tiered() == current_.tiered() && !(s == current_) && slot_distance(current_, s) <= config_.rate_limit &&
-             (forced || direction(current_, s) == dir);
+             (forced || (direction(current_, s) == dir && slot_distance(s, d.target) < away));
     };
     std::optional<std::pair<double, four_pool_split>> step;
     double step_coverage = 0.0;
@@ -488,7 +492,11 @@ four_pool_decision four_pool_controller::step() const {
       if (forced && !ok && !(coverage > d.current_hi_coverage)) continue;  // no nearer the bound
       bool takes = false;
       if (!forced) {
-        const bool passes = direction(s, d.target) == -dir;
+        // Past the target's KV pool (by KV alone when the move changes it: a step that lands on
+        // the target's KV pool with another hi pool passes nothing).
+        const bool passes = current_.kv_bytes != d.target.kv_bytes
+                                ? (dir > 0 ? s.kv_bytes > d.target.kv_bytes : s.kv_bytes < d.target.kv_bytes)
+                                : direction(s, d.target) == -dir;
         takes = ok && cost < d.current_cost && (!step || (passes != step_passes ? step_passes : cost < step->first));
         if (takes) step_passes = passes;
       } else if (ok != step_feasible || !step) {

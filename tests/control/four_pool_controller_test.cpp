@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <list>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <vector>
@@ -791,6 +792,39 @@ TEST(FourPoolController, ARateLimitedMoveThatPassesItsTargetIsNoReversal) {
   }
   EXPECT_EQ(path, (std::vector<four_pool_split>{make_four_pool_split(m, 0, 5), make_four_pool_split(m, 0, 6)}));
   EXPECT_EQ(c.statistics().reversals, 0U);
+}
+
+// On random models and rate limits (as above): while the target stays the same, the steps
+// toward it never return to a split they left (each comes nearer the target in slots). The KV
+// pool's way alone walked (0, 6) → (0, 5) → (0, 6) toward (1, 2), whose KV pool is (0, 6)'s
+// (seed 3340).
+TEST(FourPoolController, StepsTowardOneTargetNeverReturn) {
+  for (std::uint64_t seed = 3300; seed <= 3400; ++seed) {
+    std::mt19937_64 rng(seed);
+    four_pool_model m = small_model(300 + rng() % 700, 14 + rng() % 60);
+    m.lo_activation_seconds = 0.02 * static_cast<double>(rng() % 10);
+    m.kv_miss_seconds = 0.1 * static_cast<double>(1 + rng() % 10);
+    const auto all = admissible_splits(m);
+    const four_pool_config config{.rate_limit = static_cast<std::uint32_t>(1 + rng() % 2)};
+    four_pool_controller c(m, config, all[rng() % all.size()]);
+    const auto head = static_cast<std::uint32_t>(1 + rng() % 5);
+    const std::uint64_t kv = 5 + rng() % 60;
+    std::optional<four_pool_split> target;
+    std::vector<four_pool_split> walk;  // the splits since the target was chosen
+    for (int burst = 0; burst < 40; ++burst) {
+      feed_burst(c, rng, head, kv);
+      const auto d = c.step();
+      if (!d.moved) continue;
+      if (!target || !(d.target == *target)) {
+        target = d.target;
+        walk = {c.current()};
+      }
+      EXPECT_EQ(std::find(walk.begin(), walk.end(), d.split), walk.end())
+          << "seed " << seed << " burst " << burst << ": back to a split on the way to the same target";
+      walk.push_back(d.split);
+      c.commit(d, true);
+    }
+  }
 }
 
 // The open sessions' KV blocks deeper than a pool are predicted to miss even before the
