@@ -1535,6 +1535,92 @@ TEST(ExpertRuntimeTiers, FourPoolDriverHandsBackTheMembersOfARefusedMove) {
   EXPECT_LE(experts.used(), experts.capacity());
 }
 
+// The same move with leases held across the barrier (one or four layers' experts 0 and 2, hi):
+// a dropped member a lease pins cannot leave, and the hi shrink used to evict kept members (at
+// their target tier) in its place and report the resize complete, so the move stood with up to
+// six of eight members absent and nothing queued to bring them back. The pinned members headed
+// off the tier now count as leaving: the resize is held, the driver refuses the move and hands
+// the members back, and every member is hi again once the leases are released.
+TEST(ExpertRuntimeTiers, FourPoolDriverRefusesAMoveLeasesHoldAndKeepsTheMembers) {
+  for (const std::uint32_t hold : {1U, 4U}) {
+    SCOPED_TRACE(fmt::format("{} layers held", hold));
+    tiered_world w;
+    const std::size_t hi = w.page_rounded(precision::bf16);
+    const std::size_t lo = w.page_rounded(precision::int4);
+    const std::uint64_t total = 20 * hi + 8 * lo + 2 * 16 * 4096;
+    budget_tracker budget(total);
+    budget_account& experts = budget.add_account("experts", 2 * lo);
+    host_stream prefetch("prefetch");
+    runtime rt(w.geometry, experts, w.vmm, w.copy, w.compute, w.sources(),
+               {.capacity = 0, .lo_capacity = 2, .targets_load_hi = true}, &prefetch);
+    four_pool_model model = small_four_pool_model(w, total);
+    model.space.hi_only = false;
+    four_pool_controller controller(model, {}, make_four_pool_split(model, 4, 2));
+    four_pool_driver<runtime> driver(rt, controller, experts, [](std::uint64_t) { return true; });
+    std::mt19937_64 rng(5);
+    const auto drain = [&] {
+      w.compute.synchronize();
+      prefetch.synchronize();
+      w.copy.synchronize();
+      rt.poll();
+    };
+    const auto members_with_hi = [&] {
+      std::pair<int, int> n{0, 0};
+      for (std::uint32_t l = 0; l < 4; ++l) {
+        for (const expert_index x : controller.hot_set().hot_set(l)) {
+          ++n.first;
+          n.second += rt.expert_map(l, version_tier::hi)[x] >= 0 ? 1 : 0;
+        }
+      }
+      return n;
+    };
+    const auto route = [&](int tokens) {
+      for (int t = 0; t < tokens; ++t) {
+        for (std::uint32_t l = 0; l < 4; ++l) {
+          const std::vector<std::uint32_t> r{static_cast<std::uint32_t>(rng() % 2),
+                                             static_cast<std::uint32_t>(2 + rng() % 2)};
+          auto lease = rt.acquire(l, r);
+          driver.on_routed(l, r);
+          w.check_lease_on_compute(rt, lease);
+          lease.release();
+        }
+        if (t % 2 == 1) {
+          drain();
+          driver.end_interval();
+          drain();
+        }
+      }
+    };
+    for (int b = 0; b < 3; ++b) {
+      route(8);
+      for (int i = 0; i < 64; ++i) controller.kv().record(rng() % 4);
+      drain();
+      (void)driver.at_barrier();
+    }
+    drain();
+    ASSERT_EQ(members_with_hi(), std::make_pair(16, 16));
+    route(8);
+    for (int i = 0; i < 400; ++i) controller.kv().record(8 + rng() % 200);
+    drain();
+    std::vector<runtime::lease> held;
+    for (std::uint32_t l = 0; l < hold; ++l) {
+      const std::uint32_t r[] = {0, 2};
+      held.push_back(rt.acquire(l, r));
+    }
+    const auto [d, applied] = driver.at_barrier();
+    ASSERT_TRUE(d.moved);
+    ASSERT_FALSE(d.hi_evictions.empty()) << "the move dropped members";
+    EXPECT_FALSE(applied) << "leases hold versions above the new hi capacity";
+    EXPECT_EQ(controller.current(), make_four_pool_split(model, 4, 2));
+    held.clear();  // released
+    for (int round = 0; round < 10; ++round) drain();
+    EXPECT_EQ(rt.statistics().transitions_queued, 0U);
+    EXPECT_EQ(members_with_hi(), std::make_pair(16, 16)) << "every member hi";
+    EXPECT_EQ(w.mismatches.load(), 0U);
+    EXPECT_LE(experts.used(), experts.capacity());
+  }
+}
+
 // An interval's plan the runtime could not take (a bad_alloc) is not lost: the hi set has moved
 // on, so the driver hands the plan over before the next interval's or the next barrier's, and a
 // barrier whose hand-over throws changes nothing.

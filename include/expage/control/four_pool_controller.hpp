@@ -279,7 +279,8 @@ struct four_pool_statistics {
 /// against the previous direction, the direction being that of the KV pool, else of the hi pool),
 /// when the target is at least dead_zone slots away, and by at most rate_limit slots per pool (a
 /// target further away: the cheapest admissible split within the limit that moves the target's way
-/// and costs less than the current one, one that does not pass the target's KV pool first, or no
+/// (its KV pool, and nearer in slots) and costs less than the current one, one that does not pass
+/// the target's KV pool first, or no
 /// move; a change of mode goes at once). A step toward the target of the last move goes on with
 /// that move: the plain gate, and no reversal, even when it comes back over the target's KV pool
 /// (no step within the limit may reach the target without passing it). The
