@@ -470,16 +470,18 @@ TEST(ExpertRuntime, AReleaseOnTheComputeStreamNeverWaitsForTheLock) {
   EXPECT_EQ(w.check_views(rt), "");
 }
 
+// A kernel completion that fails (a faulted device context).
+struct faulted_kernel {
+  [[nodiscard]] bool ready() const { return false; }
+  void wait() { throw std::runtime_error("injected: the kernel's stream faulted"); }
+};
+
 // A lease released with a completion that fails (a faulted device context): the acquire that
 // needs its experts fails with that error and changes nothing; the experts are never evicted
 // afterwards (the kernel may still read them) and later acquires take other victims.
 TEST(ExpertRuntime, AFailedKernelCompletionPoisonsItsExpertsAndChangesNothing) {
   runtime_world w;
   runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 3});
-  struct faulted_kernel {
-    [[nodiscard]] bool ready() const { return false; }
-    void wait() { throw std::runtime_error("injected: the kernel's stream faulted"); }
-  };
   const std::uint32_t first[] = {0, 1};
   rt.acquire(0, first).release(faulted_kernel{});  // L0.E0 and L0.E1: completion will fail
   const std::uint32_t third[] = {2};
@@ -517,10 +519,6 @@ TEST(ExpertRuntime, AFailedKernelCompletionPoisonsItsExpertsAndChangesNothing) {
 TEST(ExpertRuntime, AFailedCompletionPoisonsOnlyItsOwnLeasesExperts) {
   runtime_world w;
   runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 2});
-  struct faulted_kernel {
-    [[nodiscard]] bool ready() const { return false; }
-    void wait() { throw std::runtime_error("injected: the kernel's stream faulted"); }
-  };
   const std::uint32_t e0[] = {0};
   const std::uint32_t e1[] = {1};
   const std::uint32_t e2[] = {2};
@@ -575,10 +573,6 @@ TEST(ExpertRuntime, AFailedCompletionPoisonsOnlyItsOwnLeasesExperts) {
 TEST(ExpertRuntime, AFailurePushedOutOfTheRingStillPoisons) {
   runtime_world w;
   runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 3});
-  struct faulted_kernel {
-    [[nodiscard]] bool ready() const { return false; }
-    void wait() { throw std::runtime_error("injected: the kernel's stream faulted"); }
-  };
   const std::uint32_t first[] = {0, 1};
   rt.acquire(0, first).release(faulted_kernel{});
   for (int i = 0; i < 300; ++i) {  // later leases of the same experts wrap the ring

@@ -1453,34 +1453,42 @@ struct refusing_runtime : runtime {
   return s;
 }
 
-// A move that shrinks the hi set evicts the members it drops before the experts' resize; when a
-// later step (here the KV pool's growth) refuses, the previous split is back in force, and so are
-// those members: handed back as hi targets, their hi versions are loaded again at once (before
-// the fix they stayed evicted and came back at the next interval, outside the hot set's count).
-TEST(ExpertRuntimeTiers, FourPoolDriverHandsBackTheMembersOfARefusedMove) {
+// A tiered runtime, a four-pool controller and its driver, routed with experts 0..3 hot in every
+// layer (two at a time): after fill(), three barriers, the split is 4 hi + 2 lo slots and all 16
+// hot-set members are hi; after want_kv(), far KV reuses, the next barrier moves expert bytes to
+// KV and drops members. The KV pool's resize answers !refuse_kv.
+struct driven_hot_set {
   tiered_world w;
-  const std::size_t hi = w.page_rounded(precision::bf16);
-  const std::size_t lo = w.page_rounded(precision::int4);
-  const std::uint64_t total = 20 * hi + 8 * lo + 2 * 16 * 4096;
-  budget_tracker budget(total);
-  budget_account& experts = budget.add_account("experts", 2 * lo);
-  bool refuse = false;
-  host_stream prefetch("prefetch");
-  runtime rt(w.geometry, experts, w.vmm, w.copy, w.compute, w.sources(),
-             {.capacity = 0, .lo_capacity = 2, .targets_load_hi = true}, &prefetch);
-  four_pool_model model = small_four_pool_model(w, total);
-  model.space.hi_only = false;
-  four_pool_controller controller(model, {}, make_four_pool_split(model, 4, 2));
-  four_pool_driver<runtime> driver(rt, controller, experts, [&](std::uint64_t) { return !refuse; });
-  std::mt19937_64 rng(5);
-  const auto drain = [&] {
+  std::uint64_t total = 20 * w.page_rounded(precision::bf16) + 8 * w.page_rounded(precision::int4) + 2 * 16 * 4096;
+  budget_tracker budget{total};
+  budget_account& experts = budget.add_account("experts", 2 * w.page_rounded(precision::int4));
+  host_stream prefetch{"prefetch"};
+  runtime rt{w.geometry,
+             experts,
+             w.vmm,
+             w.copy,
+             w.compute,
+             w.sources(),
+             {.capacity = 0, .lo_capacity = 2, .targets_load_hi = true},
+             &prefetch};
+  four_pool_model model = [this] {
+    four_pool_model m = small_four_pool_model(w, total);
+    m.space.hi_only = false;
+    return m;
+  }();
+  four_pool_controller controller{model, {}, make_four_pool_split(model, 4, 2)};
+  bool refuse_kv = false;
+  four_pool_driver<runtime> driver{rt, controller, experts, [this](std::uint64_t) { return !refuse_kv; }};
+  std::mt19937_64 rng{5};
+
+  void drain() {
     w.compute.synchronize();
     prefetch.synchronize();
     w.copy.synchronize();
     rt.poll();
-  };
+  }
   // Members of the hot set, and how many of them have a resident hi version.
-  const auto members_with_hi = [&] {
+  [[nodiscard]] std::pair<int, int> members_with_hi() const {
     std::pair<int, int> n{0, 0};
     for (std::uint32_t l = 0; l < 4; ++l) {
       for (const expert_index x : controller.hot_set().hot_set(l)) {
@@ -1489,8 +1497,8 @@ TEST(ExpertRuntimeTiers, FourPoolDriverHandsBackTheMembersOfARefusedMove) {
       }
     }
     return n;
-  };
-  const auto route = [&](int tokens) {  // experts 0..3 hot in every layer, two at a time
+  }
+  void route(int tokens) {
     for (int t = 0; t < tokens; ++t) {
       for (std::uint32_t l = 0; l < 4; ++l) {
         const std::vector<std::uint32_t> r{static_cast<std::uint32_t>(rng() % 2),
@@ -1506,33 +1514,46 @@ TEST(ExpertRuntimeTiers, FourPoolDriverHandsBackTheMembersOfARefusedMove) {
         drain();
       }
     }
-  };
-  for (int b = 0; b < 3; ++b) {  // the hot set fills, one promotion per layer per interval
-    route(8);
-    for (int i = 0; i < 64; ++i) controller.kv().record(rng() % 4);
-    drain();
-    (void)driver.at_barrier();
   }
-  drain();
-  ASSERT_EQ(controller.current(), make_four_pool_split(model, 4, 2));
-  ASSERT_EQ(members_with_hi(), std::make_pair(16, 16));
-  // Far KV reuses: the controller moves expert bytes to KV (the hi set shrinks); the KV pool refuses.
-  route(8);
-  for (int i = 0; i < 400; ++i) controller.kv().record(8 + rng() % 200);
-  drain();
-  refuse = true;
-  const auto [d, applied] = driver.at_barrier();
-  refuse = false;
+  void fill() {  // the hot set fills, one promotion per layer per interval
+    for (int b = 0; b < 3; ++b) {
+      route(8);
+      for (int i = 0; i < 64; ++i) controller.kv().record(rng() % 4);
+      drain();
+      (void)driver.at_barrier();
+    }
+    drain();
+  }
+  void want_kv() {
+    route(8);
+    for (int i = 0; i < 400; ++i) controller.kv().record(8 + rng() % 200);
+    drain();
+  }
+};
+
+// A move that shrinks the hi set evicts the members it drops before the experts' resize; when a
+// later step (here the KV pool's growth) refuses, the previous split is back in force, and so are
+// those members: handed back as hi targets, their hi versions are loaded again at once (before
+// the fix they stayed evicted and came back at the next interval, outside the hot set's count).
+TEST(ExpertRuntimeTiers, FourPoolDriverHandsBackTheMembersOfARefusedMove) {
+  driven_hot_set s;
+  s.fill();
+  ASSERT_EQ(s.controller.current(), make_four_pool_split(s.model, 4, 2));
+  ASSERT_EQ(s.members_with_hi(), std::make_pair(16, 16));
+  s.want_kv();
+  s.refuse_kv = true;
+  const auto [d, applied] = s.driver.at_barrier();
+  s.refuse_kv = false;
   ASSERT_TRUE(d.moved);
   ASSERT_FALSE(applied);
   ASSERT_FALSE(d.hi_evictions.empty()) << "the move dropped members";
-  EXPECT_EQ(controller.current(), make_four_pool_split(model, 4, 2)) << "the previous split in force";
-  EXPECT_EQ(driver.refused(), 1U);
-  for (int round = 0; round < 8; ++round) drain();  // the background loads, a few in flight at a time
-  EXPECT_EQ(rt.statistics().transitions_queued, 0U);
-  EXPECT_EQ(members_with_hi(), std::make_pair(16, 16)) << "every member hi again";
-  EXPECT_EQ(w.mismatches.load(), 0U);
-  EXPECT_LE(experts.used(), experts.capacity());
+  EXPECT_EQ(s.controller.current(), make_four_pool_split(s.model, 4, 2)) << "the previous split in force";
+  EXPECT_EQ(s.driver.refused(), 1U);
+  for (int round = 0; round < 8; ++round) s.drain();  // the background loads, a few in flight at a time
+  EXPECT_EQ(s.rt.statistics().transitions_queued, 0U);
+  EXPECT_EQ(s.members_with_hi(), std::make_pair(16, 16)) << "every member hi again";
+  EXPECT_EQ(s.w.mismatches.load(), 0U);
+  EXPECT_LE(s.experts.used(), s.experts.capacity());
 }
 
 // The same move with leases held across the barrier (one or four layers' experts 0 and 2, hi):
@@ -1544,80 +1565,26 @@ TEST(ExpertRuntimeTiers, FourPoolDriverHandsBackTheMembersOfARefusedMove) {
 TEST(ExpertRuntimeTiers, FourPoolDriverRefusesAMoveLeasesHoldAndKeepsTheMembers) {
   for (const std::uint32_t hold : {1U, 4U}) {
     SCOPED_TRACE(fmt::format("{} layers held", hold));
-    tiered_world w;
-    const std::size_t hi = w.page_rounded(precision::bf16);
-    const std::size_t lo = w.page_rounded(precision::int4);
-    const std::uint64_t total = 20 * hi + 8 * lo + 2 * 16 * 4096;
-    budget_tracker budget(total);
-    budget_account& experts = budget.add_account("experts", 2 * lo);
-    host_stream prefetch("prefetch");
-    runtime rt(w.geometry, experts, w.vmm, w.copy, w.compute, w.sources(),
-               {.capacity = 0, .lo_capacity = 2, .targets_load_hi = true}, &prefetch);
-    four_pool_model model = small_four_pool_model(w, total);
-    model.space.hi_only = false;
-    four_pool_controller controller(model, {}, make_four_pool_split(model, 4, 2));
-    four_pool_driver<runtime> driver(rt, controller, experts, [](std::uint64_t) { return true; });
-    std::mt19937_64 rng(5);
-    const auto drain = [&] {
-      w.compute.synchronize();
-      prefetch.synchronize();
-      w.copy.synchronize();
-      rt.poll();
-    };
-    const auto members_with_hi = [&] {
-      std::pair<int, int> n{0, 0};
-      for (std::uint32_t l = 0; l < 4; ++l) {
-        for (const expert_index x : controller.hot_set().hot_set(l)) {
-          ++n.first;
-          n.second += rt.expert_map(l, version_tier::hi)[x] >= 0 ? 1 : 0;
-        }
-      }
-      return n;
-    };
-    const auto route = [&](int tokens) {
-      for (int t = 0; t < tokens; ++t) {
-        for (std::uint32_t l = 0; l < 4; ++l) {
-          const std::vector<std::uint32_t> r{static_cast<std::uint32_t>(rng() % 2),
-                                             static_cast<std::uint32_t>(2 + rng() % 2)};
-          auto lease = rt.acquire(l, r);
-          driver.on_routed(l, r);
-          w.check_lease_on_compute(rt, lease);
-          lease.release();
-        }
-        if (t % 2 == 1) {
-          drain();
-          driver.end_interval();
-          drain();
-        }
-      }
-    };
-    for (int b = 0; b < 3; ++b) {
-      route(8);
-      for (int i = 0; i < 64; ++i) controller.kv().record(rng() % 4);
-      drain();
-      (void)driver.at_barrier();
-    }
-    drain();
-    ASSERT_EQ(members_with_hi(), std::make_pair(16, 16));
-    route(8);
-    for (int i = 0; i < 400; ++i) controller.kv().record(8 + rng() % 200);
-    drain();
+    driven_hot_set s;
+    s.fill();
+    ASSERT_EQ(s.members_with_hi(), std::make_pair(16, 16));
+    s.want_kv();
     std::vector<runtime::lease> held;
     for (std::uint32_t l = 0; l < hold; ++l) {
       const std::uint32_t r[] = {0, 2};
-      held.push_back(rt.acquire(l, r));
+      held.push_back(s.rt.acquire(l, r));
     }
-    const auto [d, applied] = driver.at_barrier();
+    const auto [d, applied] = s.driver.at_barrier();
     ASSERT_TRUE(d.moved);
     ASSERT_FALSE(d.hi_evictions.empty()) << "the move dropped members";
     EXPECT_FALSE(applied) << "leases hold versions above the new hi capacity";
-    EXPECT_EQ(controller.current(), make_four_pool_split(model, 4, 2));
+    EXPECT_EQ(s.controller.current(), make_four_pool_split(s.model, 4, 2));
     held.clear();  // released
-    for (int round = 0; round < 10; ++round) drain();
-    EXPECT_EQ(rt.statistics().transitions_queued, 0U);
-    EXPECT_EQ(members_with_hi(), std::make_pair(16, 16)) << "every member hi";
-    EXPECT_EQ(w.mismatches.load(), 0U);
-    EXPECT_LE(experts.used(), experts.capacity());
+    for (int round = 0; round < 10; ++round) s.drain();
+    EXPECT_EQ(s.rt.statistics().transitions_queued, 0U);
+    EXPECT_EQ(s.members_with_hi(), std::make_pair(16, 16)) << "every member hi";
+    EXPECT_EQ(s.w.mismatches.load(), 0U);
+    EXPECT_LE(s.experts.used(), s.experts.capacity());
   }
 }
 
