@@ -1556,38 +1556,6 @@ TEST(ExpertRuntimeTiers, FourPoolDriverHandsBackTheMembersOfARefusedMove) {
   EXPECT_LE(s.experts.used(), s.experts.capacity());
 }
 
-// The same move with leases held across the barrier (one or four layers' experts 0 and 2, hi):
-// a dropped member a lease pins cannot leave, and the hi shrink used to evict kept members (at
-// their target tier) in its place and report the resize complete, so the move stood with up to
-// six of eight members absent and nothing queued to bring them back. The pinned members headed
-// off the tier now count as leaving: the resize is held, the driver refuses the move and hands
-// the members back, and every member is hi again once the leases are released.
-TEST(ExpertRuntimeTiers, FourPoolDriverRefusesAMoveLeasesHoldAndKeepsTheMembers) {
-  for (const std::uint32_t hold : {1U, 4U}) {
-    SCOPED_TRACE(fmt::format("{} layers held", hold));
-    driven_hot_set s;
-    s.fill();
-    ASSERT_EQ(s.members_with_hi(), std::make_pair(16, 16));
-    s.want_kv();
-    std::vector<runtime::lease> held;
-    for (std::uint32_t l = 0; l < hold; ++l) {
-      const std::uint32_t r[] = {0, 2};
-      held.push_back(s.rt.acquire(l, r));
-    }
-    const auto [d, applied] = s.driver.at_barrier();
-    ASSERT_TRUE(d.moved);
-    ASSERT_FALSE(d.hi_evictions.empty()) << "the move dropped members";
-    EXPECT_FALSE(applied) << "leases hold versions above the new hi capacity";
-    EXPECT_EQ(s.controller.current(), make_four_pool_split(s.model, 4, 2));
-    held.clear();  // released
-    for (int round = 0; round < 10; ++round) s.drain();
-    EXPECT_EQ(s.rt.statistics().transitions_queued, 0U);
-    EXPECT_EQ(s.members_with_hi(), std::make_pair(16, 16)) << "every member hi";
-    EXPECT_EQ(s.w.mismatches.load(), 0U);
-    EXPECT_LE(s.experts.used(), s.experts.capacity());
-  }
-}
-
 // An interval's plan the runtime could not take (a bad_alloc) is not lost: the hi set has moved
 // on, so the driver hands the plan over before the next interval's or the next barrier's, and a
 // barrier whose hand-over throws changes nothing.

@@ -681,9 +681,7 @@ class expert_runtime {
   /// held) while the other tier may already grow; the account's capacity bounds both at every
   /// instant, so nothing is over-committed. A shrinking tier's victims are its versions not at
   /// their target tier first (set_targets(): a hot set's members keep their hi versions while
-  /// others are left), in the policy's order, then the rest in the policy's order; but a version
-  /// at its target tier is not evicted for one a lease pins that is headed off the tier (it
-  /// leaves once released, and the tier is held above its capacity until then).
+  /// others are left), in the policy's order, then the rest in the policy's order.
   /// @throws expage::invalid_argument when the demand tier would hold fewer than top_k
   /// versions, a tier more than the experts, or both together more than the account's capacity
   /// (nothing changes).
@@ -728,10 +726,6 @@ class expert_runtime {
         while (resident - (chosen[t].size() - excluded) > wanted[t]) {
           std::optional<std::uint32_t> victim =  // versions at their target tier last
               choose_victim(t, chosen[t], /*ready_only=*/false, /*include_loading=*/true, /*protect_targets=*/true);
-          // Versions a lease pins that are headed off this tier leave once released (their
-          // transition is queued): a version at its target tier goes only for what they cannot
-          // make up (a hot set's members were evicted for a dropped member a lease held).
-          if (!victim && resident - (chosen[t].size() - excluded) - pinned_leavers(t) <= wanted[t]) break;
           if (!victim) victim = choose_victim(t, chosen[t], /*ready_only=*/false, /*include_loading=*/true);
           if (!victim) break;  // the rest is pinned
           fence(t, *victim, nullptr);
@@ -1627,16 +1621,6 @@ class expert_runtime {
       --candidates;
     }
     return std::nullopt;
-  }
-  // Resident versions of tier t that a lease pins and whose expert is headed off the tier (a
-  // target of absent or of the other tier): they leave once released.
-  [[nodiscard]] std::uint32_t pinned_leavers(std::size_t t) const noexcept {
-    const tier_state& T = tier(t);
-    std::uint32_t n = 0;
-    for (std::uint32_t f = 0; f < expert_count_; ++f) {
-      if (T.versions[f].slot >= 0 && T.pins[f] > 0 && target_[f] != no_goal && target_[f] != t) ++n;
-    }
-    return n;
   }
   // Resident versions of tier t that cannot be evicted, by why (for messages): a lease pins it or
   // a load holds it; a failed kernel completion poisoned it.
@@ -2661,12 +2645,7 @@ class expert_runtime {
       std::vector<std::uint32_t> refused;  // a window pinned them since they were chosen
       while (resident_count(t) > tier(t).capacity) {
         try {
-          // As resize_tiers() chooses: versions not at their target tier first, and one at it only
-          // for what the pinned versions headed off this tier cannot make up once released.
-          std::optional<std::uint32_t> v =
-              choose_victim(t, refused, /*ready_only=*/true, /*include_loading=*/false, /*protect_targets=*/true);
-          if (!v && resident_count(t) - pinned_leavers(t) <= tier(t).capacity) break;
-          if (!v) v = choose_victim(t, refused, /*ready_only=*/true);
+          const std::optional<std::uint32_t> v = choose_victim(t, refused, /*ready_only=*/true);
           if (!v) break;  // the rest is pinned or busy: a later call goes on
           if (try_evict(t, *v)) {
             evicted = true;
