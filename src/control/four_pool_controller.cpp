@@ -458,9 +458,10 @@ four_pool_decision four_pool_controller::step() const {
   if (!forced && !(gain > 0.0 && gain > gate * d.current_cost && !detail::same_cost(d.current_cost, d.target_cost))) {
     return d;
   }
-  if (!forced && slot_distance(current_, d.target) < config_.dead_zone) return d;
+  const std::uint32_t away = slot_distance(current_, d.target);
+  if (!forced && away < config_.dead_zone) return d;
   four_pool_split next = d.target;
-  if (current_.tiered() == d.target.tiered() && slot_distance(current_, d.target) > config_.rate_limit) {
+  if (current_.tiered() == d.target.tiered() && away > config_.rate_limit) {
     // The step: the cheapest admissible split within rate_limit slots per pool that moves the KV
     // pool (or, with it unchanged, the hi pool) the target's way for less than the current cost,
     // preferring one that does not pass the target's KV pool (from there the target lies the same
@@ -475,7 +476,6 @@ four_pool_decision four_pool_controller::step() const {
     // Not forced, a step also comes nearer the target in slots: with the target unchanged the
     // walk then never returns to a split it left (the KV pool's way alone allowed (0, 6) → (0, 5)
     // → (0, 6) toward (1, 2), whose KV pool equals (0, 6)'s).
-    const std::uint32_t away = slot_distance(current_, d.target);
     const auto within = [&](const four_pool_split& s) {
       return s.tiered() == current_.tiered() && !(s == current_) && slot_distance(current_, s) <= config_.rate_limit &&
              (forced || (direction(current_, s) == dir && slot_distance(s, d.target) < away));

@@ -254,9 +254,7 @@ class tier_engine {
           // It lands empty: load on demand from then. Only it lands here: another transfer due
           // by then may switch an expert of this group, whose old version the layer still reads
           // (it lands at the next advance(), after the group, as without faults).
-          land(static_cast<std::size_t>(std::find_if(flights_.begin(), flights_.end(),
-                                                     [&](const flight& in_flight) { return in_flight.flat == f; }) -
-                                        flights_.begin()));
+          land(flight_index(f));
           if (room(f, t.pool)) {
             at = demand(f, t.pool, t.done, waited_behind);
           } else {
@@ -462,9 +460,13 @@ class tier_engine {
     ++dropped_;
   }
 
-  [[nodiscard]] const flight& flight_of(std::size_t f) const {
-    return *std::find_if(flights_.begin(), flights_.end(), [&](const flight& t) { return t.flat == f; });
+  // The index in flights_ of expert f's transfer in flight (there is one).
+  [[nodiscard]] std::size_t flight_index(std::size_t f) const {
+    return static_cast<std::size_t>(
+        std::find_if(flights_.begin(), flights_.end(), [&](const flight& t) { return t.flat == f; }) -
+        flights_.begin());
   }
+  [[nodiscard]] const flight& flight_of(std::size_t f) const { return flights_[flight_index(f)]; }
 
   // Whether queued job @p q can start now (its pool has room); stale jobs are reported as such.
   enum class readiness : std::uint8_t { start, wait, stale };
