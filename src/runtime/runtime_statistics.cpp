@@ -28,12 +28,12 @@ void runtime_statistics::write_json(std::ostream& out) const {
   out << fmt::format(
       R"(,"capacity":{},"resident":{},"pinned":{},"resident_bytes":{},"peak_resident_bytes":{},)"
       R"("prefetch_queued":{},"prefetch_cancelled":{},"prefetch_failed":{},"transitions_queued":{},)"
-      R"("transitions_cancelled":{},)"
+      R"("transitions_cancelled":{},"transitions_requeued":{},)"
       R"("transitions_failed":{},"failed_acquires":{},"poisoned":{},"trace_dropped":{},"hit_ratio":{:.6f},)"
       R"("hi_coverage":{:.6f},"ranks_by_lru":{},)",
       capacity, resident, pinned, resident_bytes, peak_resident_bytes, prefetch_queued, prefetch_cancelled,
-      prefetch_failed, transitions_queued, transitions_cancelled, transitions_failed, failed_acquires, poisoned,
-      trace_dropped, hit_ratio(), hi_coverage(), ranks_by_lru);
+      prefetch_failed, transitions_queued, transitions_cancelled, transitions_requeued, transitions_failed,
+      failed_acquires, poisoned, trace_dropped, hit_ratio(), hi_coverage(), ranks_by_lru);
   out << "\"tiers\":[";
   for (std::size_t t = 0; t < tiers.size(); ++t) {
     if (t != 0) out << ',';

@@ -995,6 +995,91 @@ TEST(ExpertRuntimeTiers, AShrinkingTierGivesUpVersionsOffTargetFirst) {
   EXPECT_EQ(w.check_tiers(rt), "");
 }
 
+// Four hi versions of layer 0: members 0 and 1 (targeted hi), then 2 and 3 (no target), all
+// resident hi.
+static void load_four_then_keep_two(tiered_world& w, runtime& rt, host_stream& prefetch) {
+  std::vector<target> all;
+  for (std::uint32_t e = 0; e < 4; ++e) all.push_back({.expert = {0, e}, .state = residency_state::resident_hi});
+  rt.set_targets(all);
+  for (int round = 0; round < 3; ++round) {
+    prefetch.synchronize();
+    rt.poll();
+  }
+  for (std::uint32_t e = 0; e < 4; ++e) ASSERT_EQ(rt.active_tier({0, e}), version_tier::hi) << e;
+  rt.clear_targets();
+  const target keep[] = {{.expert = {0, 0}, .state = residency_state::resident_hi},
+                         {.expert = {0, 1}, .state = residency_state::resident_hi}};
+  rt.set_targets(keep);
+  w.compute.synchronize();
+}
+
+// A shrink whose versions headed off the tier (2 and 3) are pinned evicts members in their
+// place; the members are queued to load again, and once the leases are released the others
+// leave and the members are hi again. Before, the members stayed out with nothing queued.
+TEST(ExpertRuntimeTiers, AShrinkThatEvictsMembersForPinnedVersionsQueuesThemAgain) {
+  tiered_world w(4, 4);
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 4}, &prefetch);
+  load_four_then_keep_two(w, rt, prefetch);
+  const std::uint32_t others[] = {2, 3};
+  auto held = rt.acquire(0, others);
+  const std::size_t lo_bytes = rt.capacity(version_tier::lo) * rt.expert_bytes(version_tier::lo);
+  const auto r = rt.resize_tiers(2 * rt.expert_bytes(version_tier::hi), lo_bytes);
+  EXPECT_TRUE(r[0].complete()) << "members made the room";
+  EXPECT_NE(rt.active_tier({0, 0}), version_tier::hi);
+  EXPECT_NE(rt.active_tier({0, 1}), version_tier::hi);
+  EXPECT_EQ(rt.statistics().transitions_requeued, 2U);
+  EXPECT_EQ(rt.statistics().transitions_queued, 2U);
+  w.check_lease_on_compute(rt, held);
+  held.release();  // the queued loads start
+  for (int round = 0; round < 4; ++round) {
+    prefetch.synchronize();
+    w.compute.synchronize();
+    rt.poll();
+  }
+  EXPECT_EQ(rt.active_tier({0, 0}), version_tier::hi);
+  EXPECT_EQ(rt.active_tier({0, 1}), version_tier::hi);
+  EXPECT_NE(rt.active_tier({0, 2}), version_tier::hi);
+  EXPECT_NE(rt.active_tier({0, 3}), version_tier::hi);
+  EXPECT_EQ(rt.statistics().transitions_queued, 0U);
+  EXPECT_EQ(rt.statistics().tiers[0].resident, 2U);
+  EXPECT_EQ(w.mismatches.load(), 0U);
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
+// A resize held above its capacity by pinned versions headed off the tier: once other leases
+// are released, the shrink that goes on waits for those versions (pinned, then busy with their
+// last kernel) rather than evicting a member that became free first. Before, member 0 went.
+TEST(ExpertRuntimeTiers, AHeldShrinkWaitsForTheVersionsLeavingBeforeAMember) {
+  tiered_world w(4, 4);
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 4}, &prefetch);
+  load_four_then_keep_two(w, rt, prefetch);
+  const std::uint32_t member[] = {0};
+  const std::uint32_t others[] = {2, 3};
+  auto on_member = rt.acquire(0, member);
+  auto held = rt.acquire(0, others);
+  const std::size_t lo_bytes = rt.capacity(version_tier::lo) * rt.expert_bytes(version_tier::lo);
+  const auto r = rt.resize_tiers(rt.expert_bytes(version_tier::hi), lo_bytes);
+  EXPECT_EQ(r[0].held, 2U) << "member 1 went; 0, 2 and 3 are pinned";
+  EXPECT_EQ(rt.statistics().transitions_requeued, 0U) << "no room will come back for member 1";
+  w.release_checked(rt, on_member);
+  rt.poll();
+  EXPECT_EQ(rt.active_tier({0, 0}), version_tier::hi) << "2 and 3 leave once released";
+  manual_kernel kernel;
+  held.release(kernel);
+  rt.poll();
+  EXPECT_EQ(rt.active_tier({0, 0}), version_tier::hi) << "2 and 3 leave once their kernel is done";
+  EXPECT_EQ(rt.statistics().tiers[0].resident, 3U);
+  kernel.done->store(true);
+  rt.poll();
+  EXPECT_EQ(rt.active_tier({0, 0}), version_tier::hi);
+  EXPECT_NE(rt.active_tier({0, 2}), version_tier::hi);
+  EXPECT_NE(rt.active_tier({0, 3}), version_tier::hi);
+  EXPECT_EQ(rt.statistics().tiers[0].resident, 1U);
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
 // resize_tiers shrinks the losing tier first; the account is never over-committed.
 TEST(ExpertRuntimeTiers, ResizeTiersShrinksFirstAndRefusesBadSizes) {
   tiered_world w;
@@ -1554,6 +1639,42 @@ TEST(ExpertRuntimeTiers, FourPoolDriverHandsBackTheMembersOfARefusedMove) {
   EXPECT_EQ(s.members_with_hi(), std::make_pair(16, 16)) << "every member hi again";
   EXPECT_EQ(s.w.mismatches.load(), 0U);
   EXPECT_LE(s.experts.used(), s.experts.capacity());
+}
+
+// The same move with leases held across the barrier (one or four layers' experts 0 and 2, hi):
+// a dropped member a lease pins cannot leave, so the hi shrink evicts kept members (at their
+// target tier) in its place. The move stands (the KV pool gets its bytes at the barrier), and
+// the kept members it evicted are queued to load hi again: once the leases are released the
+// dropped members leave and make the room. Before, nothing was queued to reload them and they
+// stayed without a hi version until a later interval named them.
+TEST(ExpertRuntimeTiers, FourPoolDriverMoveWithLeasesHeldReloadsTheMembersItEvicted) {
+  for (const std::uint32_t hold : {1U, 4U}) {
+    SCOPED_TRACE(fmt::format("{} layers held", hold));
+    driven_hot_set s;
+    s.fill();
+    ASSERT_EQ(s.members_with_hi(), std::make_pair(16, 16));
+    s.want_kv();
+    std::vector<runtime::lease> held;
+    for (std::uint32_t l = 0; l < hold; ++l) {
+      const std::uint32_t r[] = {0, 2};
+      held.push_back(s.rt.acquire(l, r));
+    }
+    const auto [d, applied] = s.driver.at_barrier();
+    ASSERT_TRUE(d.moved);
+    ASSERT_FALSE(d.hi_evictions.empty()) << "the move dropped members";
+    EXPECT_TRUE(applied);
+    EXPECT_EQ(s.controller.current(), d.split);
+    EXPECT_GT(s.rt.statistics().transitions_requeued, 0U) << "kept members went in the dropped ones' place";
+    EXPECT_LE(s.experts.used(), s.experts.capacity());
+    held.clear();  // released
+    for (int round = 0; round < 10; ++round) s.drain();
+    EXPECT_EQ(s.rt.statistics().transitions_queued, 0U);
+    const auto [members, with_hi] = s.members_with_hi();
+    EXPECT_EQ(with_hi, members) << "every member hi";
+    EXPECT_LT(members, 16);
+    EXPECT_EQ(s.w.mismatches.load(), 0U);
+    EXPECT_LE(s.experts.used(), s.experts.capacity());
+  }
 }
 
 // An interval's plan the runtime could not take (a bad_alloc) is not lost: the hi set has moved

@@ -221,10 +221,12 @@ struct runtime_statistics {
   std::uint64_t transitions_cancelled =
       0;                                 ///< Requests a newer call dropped or gave another state before they were done.
   std::uint64_t transitions_failed = 0;  ///< Background loads of a transition that threw (nothing changed).
-  std::uint64_t failed_acquires = 0;     ///< acquire() calls that threw (nothing changed).
-  std::uint32_t poisoned = 0;       ///< Versions whose last kernel's completion failed: kept resident, never evicted.
-  std::uint64_t trace_dropped = 0;  ///< Trace events dropped because the trace was full.
-  bool ranks_by_lru = false;        ///< True while LRU ranks the victims (a duel_policy, rank_by_lru()).
+  std::uint64_t transitions_requeued =
+      0;                              ///< Members a shrink evicted in place of pinned leavers, queued to load again.
+  std::uint64_t failed_acquires = 0;  ///< acquire() calls that threw (nothing changed).
+  std::uint32_t poisoned = 0;         ///< Versions whose last kernel's completion failed: kept resident, never evicted.
+  std::uint64_t trace_dropped = 0;    ///< Trace events dropped because the trace was full.
+  bool ranks_by_lru = false;          ///< True while LRU ranks the victims (a duel_policy, rank_by_lru()).
 
   /// The hit ratio of demand accesses, hits / (hits + misses); 0 without accesses.
   [[nodiscard]] double hit_ratio() const noexcept {
@@ -681,7 +683,10 @@ class expert_runtime {
   /// held) while the other tier may already grow; the account's capacity bounds both at every
   /// instant, so nothing is over-committed. A shrinking tier's victims are its versions not at
   /// their target tier first (set_targets(): a hot set's members keep their hi versions while
-  /// others are left), in the policy's order, then the rest in the policy's order.
+  /// others are left), in the policy's order, then the rest in the policy's order. Members
+  /// evicted because the versions headed off the tier are pinned are queued to load again, as
+  /// many as those versions leave room for once released (`transitions_requeued`); a held
+  /// shrink that goes on at releases waits for those versions before it takes a member.
   /// @throws expage::invalid_argument when the demand tier would hold fewer than top_k
   /// versions, a tier more than the experts, or both together more than the account's capacity
   /// (nothing changes).
@@ -717,6 +722,18 @@ class expert_runtime {
     // (leases are granted under the lock held here).
     std::array<std::vector<std::uint32_t>, version_tier_count> refused;  // a window pinned them while fences waited
     std::array<std::vector<std::uint32_t>, version_tier_count> chosen;
+    // Victims at their target tier, chosen because the versions headed off the tier are pinned:
+    // queued to load again (below). Every allocation that needs is made here, before any change.
+    std::array<std::vector<std::uint32_t>, version_tier_count> members_out;
+    std::size_t surplus = 0;
+    for (std::size_t t = 0; t < tier_count_; ++t) {
+      const std::uint32_t resident = resident_count(t);
+      if (resident > wanted[t]) {
+        members_out[t].reserve(resident - wanted[t]);
+        surplus += resident - wanted[t];
+      }
+    }
+    transition_queue_.reserve(transition_queue_.size() + surplus);
     for (;;) {
       bool any = false;
       for (std::size_t t = 0; t < tier_count_; ++t) {
@@ -726,7 +743,12 @@ class expert_runtime {
         while (resident - (chosen[t].size() - excluded) > wanted[t]) {
           std::optional<std::uint32_t> victim =  // versions at their target tier last
               choose_victim(t, chosen[t], /*ready_only=*/false, /*include_loading=*/true, /*protect_targets=*/true);
-          if (!victim) victim = choose_victim(t, chosen[t], /*ready_only=*/false, /*include_loading=*/true);
+          if (!victim) {
+            victim = choose_victim(t, chosen[t], /*ready_only=*/false, /*include_loading=*/true);
+            if (victim && target_[*victim] == t && members_out[t].size() < members_out[t].capacity()) {
+              members_out[t].push_back(*victim);
+            }
+          }
           if (!victim) break;  // the rest is pinned
           fence(t, *victim, nullptr);
           chosen[t].push_back(*victim);
@@ -754,6 +776,7 @@ class expert_runtime {
       const std::uint32_t in_force = std::max(wanted[t], resident_count(t));
       out[t] = {.requested = wanted[t], .capacity = in_force, .held = in_force - wanted[t]};
     }
+    requeue_members(members_out);  // at the new capacities
     settle();
     if (tracing()) {
       try {
@@ -977,6 +1000,7 @@ class expert_runtime {
     s.prefetch_failed = prefetch_failed_;
     s.transitions_queued = transition_queue_.size();
     s.transitions_cancelled = transitions_cancelled_;
+    s.transitions_requeued = transitions_requeued_;
     s.transitions_failed = transitions_failed_;
     s.failed_acquires = failed_acquires_;
     s.trace_dropped = trace_.dropped();
@@ -1621,6 +1645,42 @@ class expert_runtime {
       --candidates;
     }
     return std::nullopt;
+  }
+  // Resident versions of tier t not at their expert's target tier and not poisoned: a shrink
+  // takes them before members, and those pinned, busy or loading now go once free.
+  [[nodiscard]] std::uint32_t leaver_count(std::size_t t) const noexcept {
+    const tier_state& T = tier(t);
+    std::uint32_t n = 0;
+    for (std::uint32_t f = 0; f < expert_count_; ++f) {
+      if (T.versions[f].slot >= 0 && target_[f] != t && !T.versions[f].poisoned) ++n;
+    }
+    return n;
+  }
+  // After a shrink: members (versions at their target tier) it evicted in place of versions
+  // headed off the tier that a lease pins (a hot set's dropped member an engine still reads) are
+  // queued to load again, as many as such versions remain: they leave once released, and a
+  // queued load takes their room (a transition's victim is never at its target tier). Without
+  // it the members would stay out until a later plan named them again. Beyond that many the
+  // tier is simply smaller than its members, and their targets are only remembered. Never
+  // allocates (resize_tiers() reserved the queue).
+  void requeue_members(const std::array<std::vector<std::uint32_t>, version_tier_count>& members_out) noexcept {
+    for (std::size_t t = 0; t < tier_count_; ++t) {
+      if (members_out[t].empty()) continue;
+      const tier_state& T = tier(t);
+      // The room the leavers give back once they go: the capacity less what stays.
+      const std::uint32_t stays = resident_count(t) - leaver_count(t);
+      std::uint32_t room = T.capacity > stays ? T.capacity - stays : 0;
+      for (const std::uint32_t f : members_out[t]) {
+        if (room == 0) break;
+        if (T.versions[f].slot >= 0 || target_[f] != t) continue;  // not evicted (refused), or retargeted
+        const bool queued = std::any_of(transition_queue_.begin(), transition_queue_.end(),
+                                        [&](const queued_transition& q) { return q.expert == f; });
+        if (queued) continue;
+        transition_queue_.push_back({f, static_cast<std::uint8_t>(t)});
+        --room;
+        ++transitions_requeued_;
+      }
+    }
   }
   // Resident versions of tier t that cannot be evicted, by why (for messages): a lease pins it or
   // a load holds it; a failed kernel completion poisoned it.
@@ -2645,7 +2705,12 @@ class expert_runtime {
       std::vector<std::uint32_t> refused;  // a window pinned them since they were chosen
       while (resident_count(t) > tier(t).capacity) {
         try {
-          const std::optional<std::uint32_t> v = choose_victim(t, refused, /*ready_only=*/true);
+          // As resize_tiers() chooses: versions not at their target tier first; a member only
+          // for the surplus the others (pinned, busy or loading: they go once free) cannot make up.
+          std::optional<std::uint32_t> v =
+              choose_victim(t, refused, /*ready_only=*/true, /*include_loading=*/false, /*protect_targets=*/true);
+          if (!v && resident_count(t) - leaver_count(t) <= tier(t).capacity) break;
+          if (!v) v = choose_victim(t, refused, /*ready_only=*/true);
           if (!v) break;  // the rest is pinned or busy: a later call goes on
           if (try_evict(t, *v)) {
             evicted = true;
@@ -2998,6 +3063,7 @@ class expert_runtime {
   std::uint64_t prefetch_cancelled_ = 0;
   std::uint64_t prefetch_failed_ = 0;
   std::uint64_t transitions_cancelled_ = 0;
+  std::uint64_t transitions_requeued_ = 0;
   std::uint64_t transitions_failed_ = 0;
   std::uint64_t failed_acquires_ = 0;
   std::uint64_t peak_bytes_ = 0;
