@@ -11,12 +11,15 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <future>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -56,6 +59,47 @@ class failing_stream : public host_stream {
   }
 };
 static_assert(async_stream<failing_stream>);
+
+// A host_stream whose record() throws while `fail_record` is set (a stream that can no longer
+// record events), and whose work after hold() waits behind a gate its synchronize() opens.
+class unrecordable_stream : public host_stream {
+ public:
+  using host_stream::host_stream;
+  ~unrecordable_stream() {
+    try {
+      synchronize();  // opens the gate: the executor must not wait behind it at its destruction
+    } catch (...) {
+    }
+  }
+  void hold() {
+    host_stream::enqueue([this] {
+      std::unique_lock lock(mutex_);
+      cv_.wait(lock, [&] { return open_; });
+    });
+  }
+  std::atomic<bool> fail_record{false};
+  void record(host_event& e) {
+    if (fail_record) throw cuda_error(700, "unrecordable_stream: injected record failure");
+    host_stream::record(e);
+  }
+  void synchronize() {
+    {
+      const std::lock_guard lock(mutex_);
+      open_ = true;
+    }
+    cv_.notify_all();
+    host_stream::synchronize();
+  }
+  [[nodiscard]] bool opened() {
+    const std::lock_guard lock(mutex_);
+    return open_;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
 
 template <class Stream = host_stream, class Memory = heap_memory>
 struct rig {
@@ -584,6 +628,30 @@ INSTANTIATE_TEST_SUITE_P(EachCopy, TransitionManagerCopyFaults, ::testing::Value
 // The migration stream has a sticky error (an unrelated task on it threw): it skips later copies
 // but completes their records. The manager must not publish the versions those copies never
 // filled: the transition fails and the expert keeps its lo version. (It used to publish.)
+// An update whose copies are queued when its event cannot be recorded (the stream refuses the
+// record, twice): its block and its bytes go back only once the stream has run those copies.
+// Before, the second refusal was swallowed and the block went back to the pool (and could be
+// trimmed or handed out again) with the copies still queued into it.
+TEST(TransitionManagerFaults, AFailedUpdateWhoseEventCannotBeRecordedFencesTheStream) {
+  rig<unrecordable_stream> r(8, {}, hi_blocks());
+  r.target_all(residency_state::resident_lo);
+  r.manager.wait_idle();
+  (void)r.table.collect();
+  const std::size_t hi_before = r.hi_account.used();
+  r.migration.hold();  // the update's copies queue behind the gate
+  r.migration.fail_record = true;
+  const std::vector<residency_target> promote{{{0, 3}, residency_state::resident_hi}};
+  r.manager.set_targets(promote);
+  r.manager.wait_idle();
+  EXPECT_TRUE(r.migration.opened()) << "the block went back with its copies still queued into it";
+  r.migration.fail_record = false;
+  r.migration.synchronize();
+  EXPECT_EQ(r.manager.statistics().failed, 1U);
+  EXPECT_EQ(r.hi_pool.statistics().blocks_in_use, 0U);
+  EXPECT_EQ(r.hi_account.used(), hi_before);
+  EXPECT_EQ(r.table.state({0, 3}), residency_state::resident_lo);
+}
+
 TEST(TransitionManagerFaults, AStreamsStickyErrorFailsItsTransitions) {
   rig r(8, {}, hi_blocks());
   r.target_all(residency_state::resident_lo);

@@ -66,7 +66,8 @@ struct residency_step {
 /// release that kept ρ ≥ θ, so under stationary curves and KV the planner does not oscillate:
 /// Δα changes sign at most once (tests/control/residency_planner_test.cpp).
 ///
-/// Costs: step() O(N log N + N·E) at most. Memory O(N·E).
+/// Costs: step() O(N log N + N·E), and O(E·N log N) at most when Eq. 12 forces releases (up to E
+/// rounds, each sorting the N layers). Memory O(N·E).
 ///
 /// @code
 /// expage::residency_planner planner(

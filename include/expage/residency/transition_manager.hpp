@@ -122,7 +122,9 @@ struct transition_manager_statistics {
 ///   table; the eviction waits in its queue (`refused_pinned`).
 /// - **Failures.** An exception while issuing (a pool or backend failure, a
 ///   failing copy) aborts the transition: the handle keeps its version, the
-///   reservation and the block are returned (`failed`).
+///   reservation and the block are returned (`failed`), once the copies already
+///   queued into the block have run (the flight's event, or when it cannot be
+///   recorded, the stream's synchronize(): the Stream must have one).
 ///
 /// @code
 /// expage::transition_manager<expage::host_stream, expage::host_memory> manager(
@@ -136,6 +138,7 @@ struct transition_manager_statistics {
 /// @threadsafety thread-safe: set_targets(), update_targets(), step(), wait_idle(), drain() and statistics() may be
 /// called from any thread.
 template <async_stream Stream, physical_memory Memory, physical_memory Staging = Memory>
+requires requires(Stream& s) { s.synchronize(); }  // the fence of last resort (fence_copies())
 class transition_manager {
  public:
   /// A target residency for one expert.
@@ -434,13 +437,7 @@ class transition_manager {
       migration_->record(*done);
       t->prepare(record, std::move(storage), event_completion<event_type>(done));
     } catch (...) {
-      if (enqueued) {  // part of the copy may be in flight: fence it before the block goes back
-        try {
-          migration_->record(*done);
-          done->synchronize();
-        } catch (...) {
-        }
-      }
+      if (enqueued) fence_copies(*done, /*record=*/true);  // part of the copy may be queued: before the block goes back
       return attempt::failed;  // t's destructor aborts: the handle keeps its version, the budget returns
     }
     {
@@ -449,6 +446,26 @@ class transition_manager {
     }
     out.emplace(flight{std::move(*t), std::move(done), copied_bytes(c), std::move(staged)});
     return attempt::issued;
+  }
+
+  // Returns once no copy enqueued on the migration stream before this call can still run (one
+  // that writes a block, or reads a staging block, a failed transition is about to return):
+  // @p done (re-recorded first with @p record) is waited for, and when that throws, the whole
+  // stream. Its synchronize() throwing ends the wait too: host_stream rethrows its sticky error
+  // only after its queue has run, and a CUDA stream whose synchronize fails has a sticky error
+  // and runs nothing more. Before, a second failure here (a stream that could not record the
+  // event again) let the blocks go back with the copies still queued into them.
+  void fence_copies(event_type& done, bool record) noexcept {
+    try {
+      if (record) migration_->record(done);
+      done.synchronize();
+      return;
+    } catch (...) {
+    }
+    try {
+      migration_->synchronize();
+    } catch (...) {
+    }
   }
 
   attempt issue_eviction(expert_id id) {
@@ -486,10 +503,7 @@ class transition_manager {
           published = true;
         }
       } catch (...) {
-        try {
-          f.done->synchronize();  // the copy may still read the staging block the flight returns
-        } catch (...) {
-        }
+        fence_copies(*f.done, /*record=*/false);  // the copy may still read the staging block the flight returns
         f.guard.abort();
         const std::lock_guard lock(mutex_);
         note_state(flat(id), table_->state(id));  // back in its state: the transitional one ends here
