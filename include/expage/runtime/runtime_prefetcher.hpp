@@ -11,7 +11,8 @@
 ///
 /// What keeps it from hurting in the runtime:
 /// - **stale requests are dropped:** each call first cancels the requests not yet issued (they
-///   were for this layer or were re-predicted now);
+///   were for this layer or are re-predicted now; while a guard pauses, nothing is requested
+///   again, and the cancelled guesses for later layers are counted in `cancelled` too);
 /// - **a byte guard with a shadow cache** (runtime_prefetch_options::max_overhead): beside the
 ///   runtime it keeps a key-only LRU cache of the runtime's capacity (its demand tier's), fed the
 ///   routing on_routed() sees, which counts what plain LRU demand loading would have loaded.
@@ -156,7 +157,7 @@ struct runtime_prefetch_statistics {
   /// The stall guard's window: the runtime's demand misses less the LRU shadow's over the last
   /// stall_passes passes and the current one (0 with the guard off).
   std::int64_t stall_difference = 0;
-  std::uint64_t cancelled = 0;             ///< Stale requests cancelled before the runtime issued them.
+  std::uint64_t cancelled = 0;  ///< Requests cancelled before the runtime issued them (stale, or dropped by a pause).
   std::uint64_t shadow_misses = 0;         ///< What the LRU shadow loaded on demand (0 with no guard and no duel).
   std::uint64_t policy_shadow_misses = 0;  ///< What the duel's shadow of the runtime's policy loaded (0: no duel).
   std::uint64_t duel_switches = 0;         ///< Changes of the runtime's eviction order by the duel.
@@ -176,18 +177,22 @@ struct runtime_prefetch_statistics {
 };
 
 /// @brief Drives @p Runtime's prefetch() from an expert_predictor. @p Runtime is an
-/// expert_runtime (anything with its policy_type, geometry(), demand_capacity(), prefetch(),
-/// cancel_prefetches(), totals(), and rank_by_lru() for a duel_policy).
+/// expert_runtime (anything with its policy_type, geometry(), has_prefetch_stream(),
+/// demand_capacity(), prefetch(), cancel_prefetches(), totals(), and rank_by_lru() for a duel_policy).
 template <class Runtime>
 class runtime_prefetcher {
  public:
   /// @throws expage::invalid_argument for a null predictor, a predictor built for another shape
   ///         than the runtime's geometry, options out of range, or a runtime without a prefetch
-  ///         stream (detected at the first request).
+  ///         stream.
   runtime_prefetcher(Runtime& runtime, std::unique_ptr<expert_predictor> predictor,
                      runtime_prefetch_options options = {})
       : runtime_(runtime), predictor_(std::move(predictor)), options_(options) {
     if (!predictor_) throw invalid_argument("runtime_prefetcher: the predictor is null");
+    // Here, not at the first request: by then on_routed() has fed the predictor and its guards.
+    if (!runtime_.has_prefetch_stream()) {
+      throw invalid_argument("runtime_prefetcher: the runtime has no prefetch stream (its prefetch() needs one)");
+    }
     if (options.distance == 0 || options.distance > 64) {
       throw invalid_argument(fmt::format("runtime_prefetcher: distance {} out of range [1, 64]", options.distance));
     }
