@@ -1080,7 +1080,9 @@ routing_trace read_binary_from(std::unique_ptr<detail::byte_input> input, const 
     for (auto chunk = st.next(); !chunk.empty(); chunk = st.next()) {
       for (const routing_event& e : chunk) builder.append(e, st.layout.record_offset(i++));
     }
-    return builder.finish(st.batch_size);
+    routing_trace out = builder.finish(st.batch_size);
+    if (options.metadata != nullptr) *options.metadata = h.meta;
+    return out;
   }
   st.join_checksum();  // the records are kept whole until their vectors: nothing to overlap
   const std::uint64_t record_bytes = st.layout.record_bytes;
@@ -1130,7 +1132,9 @@ routing_trace read_binary_from(std::unique_ptr<detail::byte_input> input, const 
                      st.layout.expected_size));
   }
   st.check_sum();
-  return builder.finish(st.batch_size);
+  routing_trace out = builder.finish(st.batch_size);
+  if (options.metadata != nullptr) *options.metadata = h.meta;
+  return out;
 }
 
 }  // namespace

@@ -305,7 +305,9 @@ routing_trace read_csv_from(detail::byte_input& in, const moe_geometry& geometry
     builder.append(r, line->number);
   }
   if (columns.empty()) fail({in.name(), 1, false}, "header", "missing (the input has no header line)");
-  return builder.finish(detail::effective_batch_size(options, meta));
+  routing_trace out = builder.finish(detail::effective_batch_size(options, meta));
+  if (options.metadata != nullptr) *options.metadata = std::move(meta);
+  return out;
 }
 
 template <class T>

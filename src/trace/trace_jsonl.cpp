@@ -390,7 +390,9 @@ routing_trace read_jsonl_from(detail::byte_input& in, const moe_geometry& geomet
     parser.parse_record(record);
     builder.append(record, line->number);
   }
-  return builder.finish(detail::effective_batch_size(options, meta));
+  routing_trace out = builder.finish(detail::effective_batch_size(options, meta));
+  if (options.metadata != nullptr) *options.metadata = std::move(meta);
+  return out;
 }
 
 template <class T>

@@ -28,6 +28,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -409,6 +410,38 @@ TEST_F(TraceInputs, FifoWithoutWriterIsRefusedNotWaitedFor) {  // reproduction 6
     return 2;
   });
   EXPECT_EQ(code, 0) << "142 = SIGALRM: the read hung";
+}
+
+// trace_read_options::metadata: what the stream carried, for an input whose metadata cannot be
+// read ahead (a pipe): a JSON Lines metadata line, a binary header (always), nothing for a text
+// trace without one; a failed read leaves it alone.
+TEST_F(TraceInputs, TheReadersReportTheMetadataTheTraceCarried) {
+  const routing_trace t = small_trace();
+  const auto write = [&](const std::string& name, const std::string& bytes) {
+    const fs::path p = dir_ / name;
+    std::ofstream(p, std::ios::binary) << bytes;
+    return p;
+  };
+  const std::string jsonl = jsonl_of(t);
+  const fs::path with = write("with.jsonl", jsonl);
+  const fs::path bare = write("bare.jsonl", jsonl.substr(jsonl.find('\n') + 1));
+  const fs::path bin = write("t.bin", expage::encode_binary(t, {.geometry = "mixtral-8x7b"}));
+  const fs::path csv = write("t.csv", csv_of(t));
+  for (const fs::path& p : {with, bin, csv}) {
+    std::optional<expage::trace_metadata> seen;
+    EXPECT_EQ(expage::read_trace(p, mixtral(), {.metadata = &seen}), t) << p;
+    ASSERT_TRUE(seen.has_value()) << p;
+    EXPECT_EQ(seen->layers, mixtral().layers()) << p;
+    EXPECT_EQ(seen->geometry, "mixtral-8x7b") << p;
+    EXPECT_EQ(seen, expage::read_trace_metadata(p)) << p;
+  }
+  std::optional<expage::trace_metadata> none = expage::trace_metadata{};
+  EXPECT_EQ(expage::read_trace(bare, mixtral(), {.metadata = &none}), t);
+  EXPECT_FALSE(none.has_value()) << "a trace without its metadata line carries none";
+  const fs::path cut = write("cut.jsonl", jsonl.substr(0, jsonl.size() / 2));
+  std::optional<expage::trace_metadata> untouched;
+  EXPECT_THROW((void)expage::read_trace(cut, mixtral(), {.metadata = &untouched}), expage::format_error);
+  EXPECT_FALSE(untouched.has_value()) << "a failed read reports nothing";
 }
 
 TEST_F(TraceInputs, FifoWithAWriterIsRead) {  // the class: a FIFO is a legitimate input

@@ -53,8 +53,8 @@ input (one of):
   --trace FILE          a routing trace: .jsonl, .csv or .bin (expage binary), by extension
   --synthetic           a seeded synthetic trace (see docs/traces.md); shaped by:
 {synthetic}
-  --batch N             sequences decoded in lockstep, [1, 65536] (default 1, or what a binary
-                        trace records)
+  --batch N             sequences decoded in lockstep, [1, 65536] (default: the trace's metadata,
+                        else 1)
 
 model and cache:
   --geometry G          model: {}, or a geometry JSON file (docs/traces.md);
@@ -97,7 +97,7 @@ struct config {
   bool synthetic = false;
   expage_tools::synthetic_flags_seen synth_flags;                       // which of synth's flags were given
   expage::synthetic_options synth = expage_tools::default_synthetic();  // the defaults --help documents
-  std::optional<std::uint32_t> batch;                                   // unset: 1, or what a binary trace records
+  std::optional<std::uint32_t> batch;                                   // unset: the trace's metadata, else 1
   std::optional<std::string> geometry;  // unset: the trace's metadata, else mixtral-8x7b
   bool trust_geometry = false;
   std::vector<expage::policy_kind> policies;

@@ -60,8 +60,8 @@ input (one of):
   --trace FILE          a routing trace: .jsonl, .csv or .bin (expage binary), by extension
   --synthetic           a seeded synthetic trace (see docs/traces.md); shaped by:
 {synthetic}
-  --batch N             sequences decoded in lockstep, [1, 65536] (default 1, or what a binary
-                        trace records)
+  --batch N             sequences decoded in lockstep, [1, 65536] (default: the trace's metadata,
+                        else 1)
   --only-sequences LIST simulate only these sequence ids (e.g. one problem of a recorded trace)
   --trust-geometry      accept a trace without metadata that leaves half the geometry unused
                         (refused by default: the Mixtral trace run as Phi-3.5-MoE)

@@ -44,6 +44,8 @@ inline constexpr std::size_t max_trace_line_bytes = std::size_t{16} << 20;
 /// routing_trace for top-2). Bounds memory and every count product derived from a trace.
 inline constexpr std::uint64_t max_trace_events = std::uint64_t{1} << 28;
 
+struct trace_metadata;
+
 /// @brief Options of the readers.
 struct trace_read_options {
   /// Sequences decoded in lockstep (see routing_trace). 0: the trace's own (its metadata or
@@ -56,6 +58,10 @@ struct trace_read_options {
   /// everything on the caller's thread, for a machine whose other cores are busy (two threads
   /// then share what one would have had).
   bool read_ahead = true;
+  /// When set, receives on success the metadata the trace carried (a JSON Lines or CSV metadata
+  /// line, a binary header, which always carries one), or nothing: what read_trace_metadata()
+  /// reads ahead of a file, for an input that cannot be read twice (a pipe).
+  std::optional<trace_metadata>* metadata = nullptr;
 };
 
 /// @brief The geometry a trace records about itself (docs/traces.md, "Geometry metadata").
