@@ -1723,10 +1723,20 @@ void write_four_pool_json(std::ostream& f, const four_pool_report& r) {
 
 template <class Policy>
 int run(const options& o) {
+  // An output that is standard output (--json /dev/stdout, or the file it is redirected to) gets
+  // it alone: the report goes to standard error, until the outputs are written and after.
+  std::vector<std::filesystem::path> outputs_named;
+  for (const std::string* path : {&o.json, &o.trace_out, &o.write_weights}) {
+    if (!path->empty()) outputs_named.emplace_back(*path);
+  }
+  const bool data_on_stdout = std::ranges::any_of(outputs_named, expage::is_standard_output);
+  std::FILE* const after_outputs = data_on_stdout ? stderr : stdout;
+  expage::report_off_stdout report(outputs_named);
   const expage::moe_geometry g = scaled(expage::moe_geometry::preset(o.geometry), o.scale);
   if (!o.write_weights.empty()) {
+    report.put_back();
     write_safetensors(o.write_weights, g);
-    fmt::print("wrote {} experts of {} ({} bf16) to {}\n", g.expert_count(), g.name(),
+    fmt::print(after_outputs, "wrote {} experts of {} ({} bf16) to {}\n", g.expert_count(), g.name(),
                expage::byte_size{g.total_expert_bytes(precision::bf16)}, o.write_weights);
     return 0;
   }
@@ -1919,8 +1929,9 @@ int run(const options& o) {
                          f << "}\n";
                        }});
   }
+  report.put_back();
   expage::write_files_atomically(outputs);
-  if (!o.trace_out.empty()) fmt::print("  Chrome trace: {}\n", o.trace_out);
+  if (!o.trace_out.empty()) fmt::print(after_outputs, "  Chrome trace: {}\n", o.trace_out);
   return o.check && r.mismatching_layers != 0 ? 1 : 0;
 }
 
@@ -1981,6 +1992,7 @@ int main(int argc, char** argv) {
   // is reported, its temporary file removed; SIGXFSZ or SIGPIPE would end the process and leave it.
   std::signal(SIGXFSZ, SIG_IGN);
   std::signal(SIGPIPE, SIG_IGN);
+  expage::remove_staged_files_on_signals();  // Ctrl-C or `timeout` during the write: the same
   const int status = run_main(argc, argv);
   return expage::finish_standard_output("moe_decode") ? status : std::max(status, 1);
 }

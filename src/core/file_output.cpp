@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cerrno>
 #include <climits>
+#include <csignal>
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
@@ -301,6 +302,50 @@ struct file_identity {
   bool known = false;
 };
 
+// The staged files of the write_files_atomically() calls in progress, for the handler that
+// remove_staged_files_on_signals() installs. Fixed slots, so that the handler touches no lock and
+// no allocator: a path longer than a slot, or a file beyond the slots' count, is not registered
+// (the cleanup is best effort; the write itself is unaffected).
+struct staged_slot {
+  std::atomic<int> state{0};  // free, being written, registered
+  char path[PATH_MAX]{};
+};
+constexpr int slot_free = 0, slot_writing = 1, slot_registered = 2;
+constexpr int staged_slot_count = 64;
+staged_slot staged_slots[staged_slot_count];
+static_assert(std::atomic<int>::is_always_lock_free, "the signal handler reads the slots' state");
+
+// A slot holding @p path, or -1.
+int register_staged(const fs::path& path) noexcept {
+  const std::string& p = path.native();
+  if (p.size() >= PATH_MAX) return -1;
+  for (int i = 0; i < staged_slot_count; ++i) {
+    int expected = slot_free;
+    if (staged_slots[i].state.compare_exchange_strong(expected, slot_writing, std::memory_order_acquire)) {
+      std::memcpy(staged_slots[i].path, p.c_str(), p.size() + 1);
+      staged_slots[i].state.store(slot_registered, std::memory_order_release);
+      return i;
+    }
+  }
+  return -1;
+}
+
+void unregister_staged(int slot) noexcept {
+  if (slot >= 0) staged_slots[slot].state.store(slot_free, std::memory_order_release);
+}
+
+// SIGINT, SIGTERM, SIGHUP: removes the staged files, then ends the process as the signal would
+// have (unlink(), signal() and raise() are async-signal-safe).
+extern "C" void remove_staged_files_and_reraise(int sig) {
+  const int saved = errno;
+  for (staged_slot& slot : staged_slots) {
+    if (slot.state.load(std::memory_order_acquire) == slot_registered) (void)::unlink(slot.path);
+  }
+  (void)std::signal(sig, SIG_DFL);
+  (void)std::raise(sig);
+  errno = saved;
+}
+
 // True when @p path names the staged file @p id; also when its identity is unknown (fstat() failed),
 // so that an undo then puts the old file back rather than drop it.
 bool names_file(const fs::path& path, const file_identity& id) {
@@ -319,9 +364,16 @@ void write_files_atomically(std::span<const file_output> files) {
     fs::path temporary;    // a regular file's staged copy; after an exchange, the old file
     file_identity staged;  // the staged copy's, to tell it from a file another writer moved there
     committed state = committed::nothing;
+    int slot = -1;  // where a signal handler finds the temporary file (register_staged())
   };
   std::vector<planned_file> plan;
   plan.reserve(files.size());
+  struct unregister_all {
+    std::vector<planned_file>& plan;
+    ~unregister_all() {
+      for (const planned_file& p : plan) unregister_staged(p.slot);
+    }
+  } const registered{plan};
   for (const file_output& f : files) {
     const output_location place = locate_output(f.path);
     plan.push_back({.target = place.target,
@@ -371,6 +423,7 @@ void write_files_atomically(std::span<const file_output> files) {
       std::string name = p.target.filename().string();
       if (name.size() + suffix.size() > NAME_MAX) name.resize(NAME_MAX > suffix.size() ? NAME_MAX - suffix.size() : 0);
       p.temporary = p.target.parent_path() / (name + suffix);  // before it exists: undo() removes it
+      p.slot = register_staged(p.temporary);                   // so does a signal (SIGINT, SIGTERM, SIGHUP)
       const int fd = create_temporary(p.temporary, p.named);
       if (struct stat st{}; ::fstat(fd, &st) == 0) p.staged = {st.st_dev, st.st_ino, true};
       write_temporary(fd, p.named, files[i].write);
@@ -399,6 +452,45 @@ void write_files_atomically(std::span<const file_output> files) {
 void write_file_atomically(const fs::path& path, const std::function<void(std::ostream&)>& write) {
   const file_output file{path, write};
   write_files_atomically({&file, 1});
+}
+
+void remove_staged_files_on_signals() noexcept {
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) {
+    struct sigaction now {};
+    if (::sigaction(sig, nullptr, &now) != 0 || now.sa_handler != SIG_DFL) continue;  // ignored or handled: kept
+    struct sigaction handler {};
+    handler.sa_handler = remove_staged_files_and_reraise;
+    ::sigemptyset(&handler.sa_mask);
+    (void)::sigaction(sig, &handler, nullptr);
+  }
+}
+
+bool is_standard_output(const fs::path& path) {
+  struct stat out {};
+  struct stat named {};
+  return ::fstat(STDOUT_FILENO, &out) == 0 && !S_ISCHR(out.st_mode) && ::stat(path.c_str(), &named) == 0 &&
+         out.st_dev == named.st_dev && out.st_ino == named.st_ino;
+}
+
+report_off_stdout::report_off_stdout(std::span<const fs::path> outputs) {
+  for (const fs::path& path : outputs) {
+    if (!is_standard_output(path)) continue;
+    std::fflush(stdout);
+    saved_ = ::fcntl(STDOUT_FILENO, F_DUPFD_CLOEXEC, 3);
+    if (saved_ >= 0 && ::dup2(STDERR_FILENO, STDOUT_FILENO) < 0) {
+      ::close(saved_);
+      saved_ = -1;
+    }
+    return;
+  }
+}
+
+void report_off_stdout::put_back() noexcept {
+  if (saved_ < 0) return;
+  std::fflush(stdout);
+  (void)::dup2(saved_, STDOUT_FILENO);
+  ::close(saved_);
+  saved_ = -1;
 }
 
 bool finish_standard_output(std::string_view program) noexcept {

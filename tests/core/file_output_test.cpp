@@ -8,12 +8,15 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <climits>
+#include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -94,6 +97,55 @@ TEST_F(WriteFileAtomically, AThrowingWriterLeavesTheOldFileAndNoTemporary) {
                std::runtime_error);
   EXPECT_EQ(contents(p), "old");
   EXPECT_EQ(names(), std::vector<std::string>{"out.json"});
+}
+
+// A signal that ends the program during the write (Ctrl-C, `timeout`, a SIGTERM) leaves no
+// temporary file once remove_staged_files_on_signals() has run: the handler removes the staged
+// files and the process still ends by the signal. A signal the program ignores is left ignored.
+// In a child process, whose death is the point (before, the staged files stayed beside the outputs).
+TEST_F(WriteFileAtomically, ASignalDuringTheWriteLeavesNoTemporaryFile) {
+  const fs::path kept = dir_ / "kept.json";
+  write_file_atomically(kept, [](std::ostream& out) { out << "old"; });
+  const auto write_two_and_raise = [&](int sig) {
+    const std::vector<file_output> files{{kept, [](std::ostream& out) { out << "new"; }},
+                                         {dir_ / "second.json", [sig](std::ostream& out) {
+                                            out << "half" << std::flush;
+                                            (void)::raise(sig);
+                                            out << " and the rest";
+                                          }}};
+    write_files_atomically(files);
+  };
+  const auto run_child = [&](int sig, bool ignore_first) {
+    std::fflush(nullptr);
+    const pid_t child = ::fork();
+    if (child == 0) {
+      ::alarm(20);
+      if (ignore_first) (void)std::signal(sig, SIG_IGN);
+      remove_staged_files_on_signals();
+      try {
+        write_two_and_raise(sig);
+      } catch (...) {
+        ::_exit(3);
+      }
+      ::_exit(0);
+    }
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    return status;
+  };
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) {
+    SCOPED_TRACE(strsignal(sig));
+    const int status = run_child(sig, false);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == sig) << status;
+    EXPECT_EQ(names(), std::vector<std::string>{"kept.json"}) << "a staged file was left";
+    EXPECT_EQ(contents(kept), "old");
+  }
+  const int status = run_child(SIGHUP, true);  // nohup: ignored, the write completes
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  std::vector<std::string> all = names();
+  std::ranges::sort(all);
+  EXPECT_EQ(all, (std::vector<std::string>{"kept.json", "second.json"}));
+  EXPECT_EQ(contents(dir_ / "second.json"), "half and the rest");
 }
 
 // A writer that fails the stream itself (no system call failed) is named as such, not with a

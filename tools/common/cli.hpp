@@ -5,6 +5,7 @@
 
 #include <expage/cache/replay.hpp>
 #include <expage/core/error.hpp>
+#include <expage/core/file_output.hpp>
 #include <expage/core/geometry_io.hpp>
 #include <expage/core/moe_geometry.hpp>
 #include <expage/sim/hardware_profile.hpp>
@@ -357,10 +358,13 @@ inline expage::routing_trace read_checked_trace(const std::string& path, const e
 /// of write_files_atomically() beside them: SIGXFSZ past the file size limit (RLIMIT_FSIZE, `ulimit
 /// -f`) and SIGPIPE when standard output is a pipe whose reader has gone (`--json /dev/stdout |
 /// head`). Ignored, the write fails instead (EFBIG, EPIPE): the tool says so, removes its temporary
-/// files and ends with status 1. Every tool calls this first.
+/// files and ends with status 1. And SIGINT, SIGTERM and SIGHUP (Ctrl-C, `timeout`) remove those
+/// temporary files before they end the tool (expage::remove_staged_files_on_signals()). Every
+/// tool calls this first.
 inline void ignore_output_signals() noexcept {
   std::signal(SIGXFSZ, SIG_IGN);
   std::signal(SIGPIPE, SIG_IGN);
+  expage::remove_staged_files_on_signals();
 }
 
 /// What a tool prints when it ends on @p e: its message; for a bare std::bad_alloc or

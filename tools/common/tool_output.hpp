@@ -57,16 +57,8 @@ struct input_file {
   std::optional<std::string> path;
 };
 
-/// True when @p path is the file or pipe standard output writes to (`/dev/stdout`, or the file it
-/// is redirected to): a tool writing a data file there prints its summary on standard error,
-/// which would otherwise land inside the data. False for a character device (a terminal,
-/// /dev/null), where the two mix harmlessly.
-inline bool is_standard_output(const std::filesystem::path& path) {
-  struct stat out {};
-  struct stat named {};
-  return ::fstat(STDOUT_FILENO, &out) == 0 && !S_ISCHR(out.st_mode) && ::stat(path.c_str(), &named) == 0 &&
-         out.st_dev == named.st_dev && out.st_ino == named.st_ino;
-}
+/// True when @p path is standard output (expage::is_standard_output()).
+using expage::is_standard_output;
 
 /// The input_file of a flag that names a preset or a JSON file (`--geometry`, `--hardware`): a
 /// file only when it names one (expage::names_config_file()); a preset reads nothing.
@@ -175,38 +167,20 @@ inline void write_atomically(const std::filesystem::path& path, std::string_view
 }
 
 /// Keeps a tool's tables and summaries out of an output file that is standard output
-/// (`--json /dev/stdout`, or the file standard output is redirected to), so that the file arrives
-/// alone: while it lives and until put_back(), standard output (descriptor 1) writes to standard
-/// error. put_back() before writing the outputs (write_all_atomically()). Does nothing when no
-/// output is standard output, or when the descriptors cannot be duplicated.
-class tables_off_stdout {
+/// (expage::report_off_stdout over the files' paths): put_back() before writing the outputs
+/// (write_all_atomically()).
+class tables_off_stdout : public expage::report_off_stdout {
  public:
-  explicit tables_off_stdout(std::initializer_list<output_file> files) {
-    for (const output_file& f : files) {
-      if (!f.path || !is_standard_output(*f.path)) continue;
-      std::fflush(stdout);
-      saved_ = ::fcntl(STDOUT_FILENO, F_DUPFD_CLOEXEC, 3);
-      if (saved_ >= 0 && ::dup2(STDERR_FILENO, STDOUT_FILENO) < 0) {
-        ::close(saved_);
-        saved_ = -1;
-      }
-      return;
-    }
-  }
-  tables_off_stdout(const tables_off_stdout&) = delete;
-  tables_off_stdout& operator=(const tables_off_stdout&) = delete;
-  ~tables_off_stdout() { put_back(); }
-  /// Standard output writes where it did before construction.
-  void put_back() noexcept {
-    if (saved_ < 0) return;
-    std::fflush(stdout);
-    (void)::dup2(saved_, STDOUT_FILENO);
-    ::close(saved_);
-    saved_ = -1;
-  }
+  explicit tables_off_stdout(std::initializer_list<output_file> files) : report_off_stdout(paths_of(files)) {}
 
  private:
-  int saved_ = -1;  // the original standard output, while descriptor 1 is standard error
+  static std::vector<std::filesystem::path> paths_of(std::initializer_list<output_file> files) {
+    std::vector<std::filesystem::path> out;
+    for (const output_file& f : files) {
+      if (f.path) out.emplace_back(*f.path);
+    }
+    return out;
+  }
 };
 
 /// What a tool does with its outputs before any work: check_output_paths() over @p files and

@@ -82,6 +82,38 @@ struct output_location {
 /// @endcode
 void write_file_atomically(const std::filesystem::path& path, const std::function<void(std::ostream&)>& write);
 
+/// @brief Makes SIGINT, SIGTERM and SIGHUP remove the temporary files of the
+/// write_files_atomically() calls in progress before they end the process (as they would have:
+/// the handler restores the default and raises the signal again), so that an interrupted write
+/// leaves nothing beside its outputs. A signal already ignored or handled is left alone (`nohup`,
+/// a program's own handler). For a program's start, as the tools and moe_decode do; best effort
+/// for up to 64 files written at once.
+void remove_staged_files_on_signals() noexcept;
+
+/// @brief True when @p path is the file or pipe standard output writes to (`/dev/stdout`, or the
+/// file it is redirected to): a program writing a data file there must print its report
+/// elsewhere, or the report lands inside the data. False for a character device (a terminal,
+/// /dev/null), where the two mix harmlessly.
+[[nodiscard]] bool is_standard_output(const std::filesystem::path& path);
+
+/// @brief Keeps a program's report off an output file that is standard output (`--json
+/// /dev/stdout`, or the file standard output is redirected to), so that the file arrives alone:
+/// while it lives and until put_back(), standard output (descriptor 1) writes to standard error.
+/// put_back() before writing the outputs. Does nothing when no output is standard output, or when
+/// the descriptors cannot be duplicated.
+class report_off_stdout {
+ public:
+  explicit report_off_stdout(std::span<const std::filesystem::path> outputs);
+  report_off_stdout(const report_off_stdout&) = delete;
+  report_off_stdout& operator=(const report_off_stdout&) = delete;
+  ~report_off_stdout() { put_back(); }
+  /// Standard output writes where it did before construction.
+  void put_back() noexcept;
+
+ private:
+  int saved_ = -1;  // the original standard output, while descriptor 1 is standard error
+};
+
 /// @brief Flushes and closes standard output, as a program's last step: false (after a message
 /// on stderr, "program: cannot write standard output: reason") when anything written to it was
 /// lost (a full disk, a closed pipe, `> /dev/full`), so that the program can exit 1 instead of
