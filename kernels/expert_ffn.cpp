@@ -20,7 +20,7 @@ constexpr std::uint64_t max_pairs = std::uint64_t{1} << 31U;
 constexpr std::uint32_t max_experts = 65536;
 
 std::uint64_t checked_pairs(std::uint32_t tokens, std::uint32_t top_k, const expert_ffn_shape& shape) {
-  shape.validate();
+  shape.validate("expert_ffn_async");
   const std::uint64_t pairs = std::uint64_t{tokens} * top_k;
   if (top_k < 1 || pairs >= max_pairs) {
     throw invalid_argument(

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -36,8 +37,9 @@ void check_record(const version_record& r, std::size_t expert, const expert_ffn_
                     "int4 or int2",
                     expert, r.encoding, r.format));
   }
-  // A record of another shape (or group size) would be read past its end: its size says.
-  if (const std::uint64_t need = packed_version_bytes(r.format, shape); r.bytes != need) {
+  // A record of another shape (or group size) would be read past its end: its size says, and
+  // for the integer formats where each tensor's scales and zeros begin (below).
+  if (const std::uint64_t need = packed_version_bytes(r.format, shape, "expert_ffn"); r.bytes != need) {
     throw invalid_argument(
         fmt::format("expert_ffn: expert {} ({}) holds {} bytes; hidden {} x intermediate {} in groups of {} needs {} "
                     "(a version_record from packed_version_record() of this shape)",
@@ -50,6 +52,22 @@ void check_record(const version_record& r, std::size_t expert, const expert_ffn_
                                          r.format, to_string(t)));
     }
   }
+  if (!integer) return;  // 16-bit tensors of 2·I·H and H·I values: their sizes are the shape's whatever H and I
+  // The total alone matches shapes that split the bytes otherwise between the tensors (int4:
+  // hidden 16 × intermediate 16 and 32 × 8, in groups of 32): each tensor's codes must end
+  // where this shape's do, or the reads run past a tensor.
+  const version_record want = packed_version_record(r.format, const_cast<std::byte*>(r.tensor(expert_tensor::gate_up)),
+                                                    const_cast<std::byte*>(r.tensor(expert_tensor::down)), shape);
+  for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+    if (r.scale(t) != want.scale(t) || r.zero(t) != want.zero(t)) {
+      throw invalid_argument(fmt::format(
+          "expert_ffn: expert {} ({}) has the scales and zeros of {} at bytes {} and {} of the tensor; hidden {} x "
+          "intermediate {} in groups of {} puts them at {} and {} (a version_record from packed_version_record() of "
+          "this shape)",
+          expert, r.format, to_string(t), r.scale(t) - r.tensor(t), r.zero(t) - r.tensor(t), shape.hidden,
+          shape.intermediate, shape.group_size, want.scale(t) - want.tensor(t), want.zero(t) - want.tensor(t)));
+    }
+  }
 }
 
 float dot(const float* a, const float* b, std::uint64_t n) noexcept {
@@ -60,10 +78,16 @@ float dot(const float* a, const float* b, std::uint64_t n) noexcept {
 
 }  // namespace
 
+double expert_ffn_rounding_scale(const expert_ffn_shape& shape) noexcept {
+  constexpr double measured_at = 128.0 + 96.0;  // ffn_test_cases()' largest H + I
+  const double n = static_cast<double>(shape.hidden) + static_cast<double>(shape.intermediate);
+  return std::max(1.0, std::sqrt(n / measured_at));
+}
+
 void expert_ffn(std::span<const float> x, std::uint32_t top_k, std::span<const std::uint32_t> offsets,
                 std::span<const std::uint32_t> order, std::span<const float> topk_weights,
                 std::span<const version_record> records, const expert_ffn_shape& shape, std::span<float> out) {
-  shape.validate();
+  shape.validate("expert_ffn");
   const std::uint64_t h_dim = shape.hidden;
   const std::uint64_t i_dim = shape.intermediate;
   if (x.size() % h_dim != 0 || out.size() != x.size()) {
@@ -80,6 +104,10 @@ void expert_ffn(std::span<const float> x, std::uint32_t top_k, std::span<const s
   if (records.empty() || offsets.size() != records.size() + 1) {
     throw invalid_argument(fmt::format("expert_ffn: {} records and {} offsets; expected experts ≥ 1 and experts + 1",
                                        records.size(), offsets.size()));
+  }
+  if (offsets[0] != 0) {  // group_by_expert()'s; the device kernel counts every pair from 0
+    throw invalid_argument(
+        fmt::format("expert_ffn: offsets[0] = {} out of range [0, 0] (the pairs begin at 0)", offsets[0]));
   }
   for (std::size_t e = 0; e < records.size(); ++e) {
     if (offsets[e] > offsets[e + 1] || offsets[e + 1] > pairs) {

@@ -5,7 +5,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
+#include <iterator>
+#include <string_view>
 
 namespace expage {
 
@@ -15,16 +18,16 @@ constexpr std::uint64_t max_dimension = std::uint64_t{1} << 20U;
 
 }  // namespace
 
-void expert_ffn_shape::validate() const {
+void expert_ffn_shape::validate(std::string_view caller) const {
   if (hidden < 1 || hidden > max_dimension) {
-    throw invalid_argument(fmt::format("expert_ffn: hidden {} out of range [1, {}]", hidden, max_dimension));
+    throw invalid_argument(fmt::format("{}: hidden {} out of range [1, {}]", caller, hidden, max_dimension));
   }
   if (intermediate < 1 || intermediate > max_dimension) {
     throw invalid_argument(
-        fmt::format("expert_ffn: intermediate {} out of range [1, {}]", intermediate, max_dimension));
+        fmt::format("{}: intermediate {} out of range [1, {}]", caller, intermediate, max_dimension));
   }
   if (group_size < 1 || group_size > max_dimension) {
-    throw invalid_argument(fmt::format("expert_ffn: group_size {} out of range [1, {}]", group_size, max_dimension));
+    throw invalid_argument(fmt::format("{}: group_size {} out of range [1, {}]", caller, group_size, max_dimension));
   }
 }
 
@@ -48,10 +51,19 @@ std::uint64_t packed_tensor_bytes(precision format, tensor_shape s, std::uint32_
   return group_quant_layout(format, s, group_size).total_bytes();
 }
 
+// @p format one of the six precisions (a value cast from a byte of a file may be none).
+void check_format(precision format, std::string_view caller) {
+  if (std::ranges::find(all_precisions, format) == std::end(all_precisions)) {
+    throw invalid_argument(fmt::format("{}: precision {} out of range (bf16, fp16, fp8, int8, int4 or int2)", caller,
+                                       static_cast<unsigned>(format)));
+  }
+}
+
 }  // namespace
 
-std::uint64_t packed_version_bytes(precision format, const expert_ffn_shape& shape) {
-  shape.validate();
+std::uint64_t packed_version_bytes(precision format, const expert_ffn_shape& shape, std::string_view caller) {
+  shape.validate(caller);
+  check_format(format, caller);
   std::uint64_t bytes = 0;
   for (const tensor_shape s : version_tensors(shape)) bytes += packed_tensor_bytes(format, s, shape.group_size);
   return bytes;
@@ -59,7 +71,8 @@ std::uint64_t packed_version_bytes(precision format, const expert_ffn_shape& sha
 
 version_record packed_version_record(precision format, std::byte* gate_up, std::byte* down,
                                      const expert_ffn_shape& shape) {
-  shape.validate();
+  shape.validate("packed_version_record");
+  check_format(format, "packed_version_record");
   version_record r;
   r.format = format;
   const std::array<tensor_shape, expert_tensor_count> shapes = version_tensors(shape);

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string_view>
 
 namespace expage {
 
@@ -22,8 +23,9 @@ struct expert_ffn_shape {
   [[nodiscard]] static expert_ffn_shape of(const moe_geometry& g) noexcept {
     return {.hidden = g.hidden_size(), .intermediate = g.intermediate_size(), .group_size = g.group_size()};
   }
-  /// @throws expage::invalid_argument naming the first dimension out of its range.
-  void validate() const;
+  /// @throws expage::invalid_argument naming the first dimension out of its range, after
+  /// "@p caller: ".
+  void validate(std::string_view caller = "expert_ffn_shape") const;
 };
 
 /// The raw version_record of an expert whose tensors are stored at @p gate_up and @p down, each
@@ -40,13 +42,15 @@ struct expert_ffn_shape {
 /// std::vector<std::byte> dn = expage::quantize_groups(w_down, down_layout);
 /// expage::version_record r = expage::packed_version_record(expage::precision::int4, gu.data(), dn.data(), shape);
 /// @endcode
-/// @throws expage::invalid_argument when @p shape is out of range.
+/// @throws expage::invalid_argument when @p shape or @p format is out of range.
 [[nodiscard]] version_record packed_version_record(precision format, std::byte* gate_up, std::byte* down,
                                                    const expert_ffn_shape& shape);
 
 /// The bytes of a version of @p shape in @p format's packed layout: the `bytes`
 /// packed_version_record() sets (both tensors, as moe_geometry::tensor_bytes counts them).
-/// @throws expage::invalid_argument when @p shape is out of range.
-[[nodiscard]] std::uint64_t packed_version_bytes(precision format, const expert_ffn_shape& shape);
+/// @throws expage::invalid_argument when @p shape or @p format is out of range, the message
+/// beginning with @p caller.
+[[nodiscard]] std::uint64_t packed_version_bytes(precision format, const expert_ffn_shape& shape,
+                                                 std::string_view caller = "packed_version_bytes");
 
 }  // namespace expage
