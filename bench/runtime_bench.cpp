@@ -57,6 +57,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -142,9 +143,11 @@ void BM_Runtime_AcquireRelease_AllHit(benchmark::State& state) {
         return budget.root();
       }(),
       vmm, copy, compute, source, {.capacity = 256}, Prefetcher ? &prefetch : nullptr);
-  expage::runtime_prefetcher<Runtime> pf(
-      rt, expage::make_predictor("coactivation", g.layers(), 8, 2),
-      StallGuard ? expage::runtime_prefetch_options{} : expage::runtime_prefetch_options{.stall_passes = 0});
+  std::optional<expage::runtime_prefetcher<Runtime>> pf;  // needs the prefetch stream
+  if constexpr (Prefetcher) {
+    pf.emplace(rt, expage::make_predictor("coactivation", g.layers(), 8, 2),
+               StallGuard ? expage::runtime_prefetch_options{} : expage::runtime_prefetch_options{.stall_passes = 0});
+  }
   const std::uint32_t all[] = {0, 1, 2, 3, 4, 5, 6, 7};
   for (std::uint32_t l = 0; l < g.layers(); ++l) rt.acquire(l, all).release();
   compute.synchronize();
@@ -157,7 +160,7 @@ void BM_Runtime_AcquireRelease_AllHit(benchmark::State& state) {
   for (auto _ : state) {
     const auto layer = static_cast<std::uint32_t>(i % 32);
     auto lease = rt.acquire(layer, groups[i & 4095]);
-    if constexpr (Prefetcher) pf.on_routed(layer, groups[i & 4095]);
+    if constexpr (Prefetcher) pf->on_routed(layer, groups[i & 4095]);
     ++i;
     if constexpr (RecordEvent) {
       lease.release();
