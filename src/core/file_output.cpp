@@ -434,7 +434,13 @@ void write_files_atomically(std::span<const file_output> files) {
       if (plan[i].in_place) write_in_place(plan[i].target, plan[i].named, files[i].write);
     }
     for (planned_file& p : plan) {
-      if (!p.in_place) p.state = move_into_place(p.temporary, p.target, p.named);
+      if (p.in_place) continue;
+      // Out of the signal handler's reach first: once moved (an exchange), the temporary name
+      // holds the previous contents, which a signal must not remove. A signal during the moves
+      // leaves those moved as moved, their previous contents under the temporary names, as
+      // without the handler; the files not yet moved lose only their staged copies.
+      unregister_staged(std::exchange(p.slot, -1));
+      p.state = move_into_place(p.temporary, p.target, p.named);
     }
   } catch (const invalid_argument& e) {
     const std::string kept = undo();

@@ -8,6 +8,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -26,6 +27,19 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+// renameat2() as libc's, except that a test can make the process receive a signal right after an
+// exchange: a signal between two moves of write_files_atomically(). (The library is linked
+// statically: its calls come here.)
+std::atomic<int> signal_after_exchange{0};
+extern "C" int renameat2(int old_dir, const char* old_path, int new_dir, const char* new_path,
+                         unsigned int flags) noexcept {
+  const auto r = static_cast<int>(::syscall(SYS_renameat2, old_dir, old_path, new_dir, new_path, flags));
+  if (r == 0 && (flags & RENAME_EXCHANGE) != 0) {
+    if (const int sig = signal_after_exchange.exchange(0); sig != 0) (void)::raise(sig);
+  }
+  return r;
+}
 
 namespace expage {
 namespace {
@@ -146,6 +160,44 @@ TEST_F(WriteFileAtomically, ASignalDuringTheWriteLeavesNoTemporaryFile) {
   std::ranges::sort(all);
   EXPECT_EQ(all, (std::vector<std::string>{"kept.json", "second.json"}));
   EXPECT_EQ(contents(dir_ / "second.json"), "half and the rest");
+}
+
+// A signal between two moves: the file moved first (an exchange) keeps its previous contents
+// under its temporary name, as without the handler; the file not yet moved keeps its old
+// contents and loses only its staged copy. Before, the handler removed the moved file's
+// previous contents too: the only copy of a.json's old version.
+TEST_F(WriteFileAtomically, ASignalBetweenTwoMovesKeepsThePreviousContentsOfTheFileMoved) {
+  const fs::path a = dir_ / "a.json";
+  const fs::path b = dir_ / "b.json";
+  write_file_atomically(a, [](std::ostream& out) { out << "old A"; });
+  write_file_atomically(b, [](std::ostream& out) { out << "old B"; });
+  std::fflush(nullptr);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::alarm(20);
+    remove_staged_files_on_signals();
+    signal_after_exchange = SIGTERM;
+    const std::vector<file_output> files{{a, [](std::ostream& out) { out << "new A"; }},
+                                         {b, [](std::ostream& out) { out << "new B"; }}};
+    try {
+      write_files_atomically(files);
+    } catch (...) {
+      ::_exit(3);
+    }
+    ::_exit(0);
+  }
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) << status;
+  EXPECT_EQ(contents(a), "new A");
+  EXPECT_EQ(contents(b), "old B");
+  std::vector<std::string> rest;
+  for (const std::string& n : names()) {
+    if (n != "a.json" && n != "b.json") rest.push_back(n);
+  }
+  ASSERT_EQ(rest.size(), 1U) << "a.json's previous contents, and no staged copy of b.json";
+  EXPECT_TRUE(rest[0].starts_with("a.json.tmp")) << rest[0];
+  EXPECT_EQ(contents(dir_ / rest[0]), "old A");
 }
 
 // A writer that fails the stream itself (no system call failed) is named as such, not with a

@@ -84,10 +84,13 @@ void write_file_atomically(const std::filesystem::path& path, const std::functio
 
 /// @brief Makes SIGINT, SIGTERM and SIGHUP remove the temporary files of the
 /// write_files_atomically() calls in progress before they end the process (as they would have:
-/// the handler restores the default and raises the signal again), so that an interrupted write
-/// leaves nothing beside its outputs. A signal already ignored or handled is left alone (`nohup`,
-/// a program's own handler). For a program's start, as the tools and moe_decode do; best effort
-/// for up to 64 files written at once.
+/// the handler restores the default and raises the signal again), so that a write interrupted
+/// while it stages its files leaves nothing beside its outputs. Once the staged files are being
+/// moved into place (microseconds, at the end), a moved file's temporary name holds its previous
+/// contents and is left alone: a signal then leaves those files moved and their previous
+/// contents beside them, as without the handler. A signal already ignored or handled is left
+/// alone (`nohup`, a program's own handler). For a program's start, as the tools and moe_decode
+/// do; best effort for up to 64 files written at once.
 void remove_staged_files_on_signals() noexcept;
 
 /// @brief True when @p path is the file or pipe standard output writes to (`/dev/stdout`, or the

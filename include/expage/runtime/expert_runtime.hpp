@@ -725,12 +725,12 @@ class expert_runtime {
     // Victims at their target tier, chosen because the versions headed off the tier are pinned:
     // queued to load again (below). Every allocation that needs is made here, before any change.
     std::array<std::vector<std::uint32_t>, version_tier_count> members_out;
-    std::size_t surplus = 0;
+    std::size_t surplus = 0;  // at most every resident version, over every round (a refused victim is replaced)
     for (std::size_t t = 0; t < tier_count_; ++t) {
       const std::uint32_t resident = resident_count(t);
       if (resident > wanted[t]) {
-        members_out[t].reserve(resident - wanted[t]);
-        surplus += resident - wanted[t];
+        members_out[t].reserve(resident);
+        surplus += resident;
       }
     }
     transition_queue_.reserve(transition_queue_.size() + surplus);
@@ -1661,8 +1661,10 @@ class expert_runtime {
   // queued to load again, as many as such versions remain: they leave once released, and a
   // queued load takes their room (a transition's victim is never at its target tier). Without
   // it the members would stay out until a later plan named them again. Beyond that many the
-  // tier is simply smaller than its members, and their targets are only remembered. Never
-  // allocates (resize_tiers() reserved the queue).
+  // tier is simply smaller than its members, and their targets are only remembered. (Requeues of
+  // an earlier shrink that a later one leaves without room stay queued, as any promotion into a
+  // tier smaller than its members does: `transitions_queued` counts them.) Never allocates
+  // (resize_tiers() reserved the queue).
   void requeue_members(const std::array<std::vector<std::uint32_t>, version_tier_count>& members_out) noexcept {
     for (std::size_t t = 0; t < tier_count_; ++t) {
       if (members_out[t].empty()) continue;
