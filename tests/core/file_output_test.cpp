@@ -21,6 +21,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <latch>
 #include <sstream>
 #include <stdexcept>
@@ -51,6 +52,25 @@ std::string contents(const fs::path& p) {
   std::ostringstream text;
   text << in.rdbuf();
   return text.str();
+}
+
+// Runs @p body in a child process (whose death by a signal is what the caller checks) and
+// returns its waitpid() status: exit 0 when @p body returned, 3 when it threw.
+int status_in_child(const std::function<void()>& body) {
+  std::fflush(nullptr);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::alarm(20);
+    try {
+      body();
+    } catch (...) {
+      ::_exit(3);
+    }
+    ::_exit(0);
+  }
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  return status;
 }
 
 // A fresh directory per test, removed after it.
@@ -130,22 +150,11 @@ TEST_F(WriteFileAtomically, ASignalDuringTheWriteLeavesNoTemporaryFile) {
     write_files_atomically(files);
   };
   const auto run_child = [&](int sig, bool ignore_first) {
-    std::fflush(nullptr);
-    const pid_t child = ::fork();
-    if (child == 0) {
-      ::alarm(20);
+    return status_in_child([&] {
       if (ignore_first) (void)std::signal(sig, SIG_IGN);
       remove_staged_files_on_signals();
-      try {
-        write_two_and_raise(sig);
-      } catch (...) {
-        ::_exit(3);
-      }
-      ::_exit(0);
-    }
-    int status = 0;
-    ::waitpid(child, &status, 0);
-    return status;
+      write_two_and_raise(sig);
+    });
   };
   for (const int sig : {SIGINT, SIGTERM, SIGHUP}) {
     SCOPED_TRACE(strsignal(sig));
@@ -171,23 +180,13 @@ TEST_F(WriteFileAtomically, ASignalBetweenTwoMovesKeepsThePreviousContentsOfTheF
   const fs::path b = dir_ / "b.json";
   write_file_atomically(a, [](std::ostream& out) { out << "old A"; });
   write_file_atomically(b, [](std::ostream& out) { out << "old B"; });
-  std::fflush(nullptr);
-  const pid_t child = ::fork();
-  if (child == 0) {
-    ::alarm(20);
+  const int status = status_in_child([&] {
     remove_staged_files_on_signals();
     signal_after_exchange = SIGTERM;
     const std::vector<file_output> files{{a, [](std::ostream& out) { out << "new A"; }},
                                          {b, [](std::ostream& out) { out << "new B"; }}};
-    try {
-      write_files_atomically(files);
-    } catch (...) {
-      ::_exit(3);
-    }
-    ::_exit(0);
-  }
-  int status = 0;
-  ::waitpid(child, &status, 0);
+    write_files_atomically(files);
+  });
   EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) << status;
   EXPECT_EQ(contents(a), "new A");
   EXPECT_EQ(contents(b), "old B");

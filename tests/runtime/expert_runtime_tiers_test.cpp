@@ -959,42 +959,6 @@ TEST(ExpertRuntimeTiers, DemandTierChangesAndHiTargetsLoadHi) {
   EXPECT_EQ(rt.demand_tier(), version_tier::hi);
 }
 
-// resize_tiers(): a shrinking tier gives up its versions that are not at their target tier first,
-// in the policy's order; a hot set's members keep their hi versions while the others' go.
-TEST(ExpertRuntimeTiers, AShrinkingTierGivesUpVersionsOffTargetFirst) {
-  tiered_world w(4, 4);
-  host_stream prefetch("prefetch");
-  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 4}, &prefetch);
-  std::vector<target> all;
-  for (std::uint32_t e = 0; e < 4; ++e) all.push_back({.expert = {0, e}, .state = residency_state::resident_hi});
-  rt.set_targets(all);
-  for (int round = 0; round < 3; ++round) {
-    prefetch.synchronize();
-    rt.poll();
-  }
-  for (std::uint32_t e = 0; e < 4; ++e) ASSERT_EQ(rt.active_tier({0, e}), version_tier::hi) << e;
-  // Only 0 and 1 stay targeted, and 2 and 3 are used last: LRU alone would give up 0 and 1.
-  rt.clear_targets();
-  const target keep[] = {{.expert = {0, 0}, .state = residency_state::resident_hi},
-                         {.expert = {0, 1}, .state = residency_state::resident_hi}};
-  rt.set_targets(keep);  // both hi already: nothing to load
-  const std::uint32_t recent[] = {2, 3};
-  rt.acquire(0, recent).release();
-  w.compute.synchronize();
-  const std::size_t lo_bytes = rt.capacity(version_tier::lo) * rt.expert_bytes(version_tier::lo);
-  const auto r = rt.resize_tiers(2 * rt.expert_bytes(version_tier::hi), lo_bytes);
-  EXPECT_TRUE(r[0].complete() && r[1].complete());
-  EXPECT_EQ(rt.active_tier({0, 0}), version_tier::hi);
-  EXPECT_EQ(rt.active_tier({0, 1}), version_tier::hi);
-  EXPECT_NE(rt.active_tier({0, 2}), version_tier::hi);
-  EXPECT_NE(rt.active_tier({0, 3}), version_tier::hi);
-  // With no version at its target tier left to give up, the policy's order decides alone.
-  const auto again = rt.resize_tiers(rt.expert_bytes(version_tier::hi), lo_bytes);
-  EXPECT_TRUE(again[0].complete());
-  EXPECT_EQ(rt.statistics().tiers[0].resident, 1U);
-  EXPECT_EQ(w.check_tiers(rt), "");
-}
-
 // Four hi versions of layer 0: members 0 and 1 (targeted hi), then 2 and 3 (no target), all
 // resident hi.
 static void load_four_then_keep_two(tiered_world& w, runtime& rt, host_stream& prefetch) {
@@ -1011,6 +975,31 @@ static void load_four_then_keep_two(tiered_world& w, runtime& rt, host_stream& p
                          {.expert = {0, 1}, .state = residency_state::resident_hi}};
   rt.set_targets(keep);
   w.compute.synchronize();
+}
+
+// resize_tiers(): a shrinking tier gives up its versions that are not at their target tier first,
+// in the policy's order; a hot set's members keep their hi versions while the others' go.
+TEST(ExpertRuntimeTiers, AShrinkingTierGivesUpVersionsOffTargetFirst) {
+  tiered_world w(4, 4);
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 4}, &prefetch);
+  // Only 0 and 1 stay targeted, and 2 and 3 are used last: LRU alone would give up 0 and 1.
+  load_four_then_keep_two(w, rt, prefetch);
+  const std::uint32_t recent[] = {2, 3};
+  rt.acquire(0, recent).release();
+  w.compute.synchronize();
+  const std::size_t lo_bytes = rt.capacity(version_tier::lo) * rt.expert_bytes(version_tier::lo);
+  const auto r = rt.resize_tiers(2 * rt.expert_bytes(version_tier::hi), lo_bytes);
+  EXPECT_TRUE(r[0].complete() && r[1].complete());
+  EXPECT_EQ(rt.active_tier({0, 0}), version_tier::hi);
+  EXPECT_EQ(rt.active_tier({0, 1}), version_tier::hi);
+  EXPECT_NE(rt.active_tier({0, 2}), version_tier::hi);
+  EXPECT_NE(rt.active_tier({0, 3}), version_tier::hi);
+  // With no version at its target tier left to give up, the policy's order decides alone.
+  const auto again = rt.resize_tiers(rt.expert_bytes(version_tier::hi), lo_bytes);
+  EXPECT_TRUE(again[0].complete());
+  EXPECT_EQ(rt.statistics().tiers[0].resident, 1U);
+  EXPECT_EQ(w.check_tiers(rt), "");
 }
 
 // A shrink whose versions headed off the tier (2 and 3) are pinned evicts members in their
