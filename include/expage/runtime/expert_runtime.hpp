@@ -1658,7 +1658,7 @@ class expert_runtime {
   }
   // After a shrink: members (versions at their target tier) it evicted in place of versions
   // headed off the tier that a lease pins (a hot set's dropped member an engine still reads) are
-  // queued to load again, as many as such versions remain: they leave once released, and a
+  // queued to load again, as many as the room those versions leave: they go once released, and a
   // queued load takes their room (a transition's victim is never at its target tier). Without
   // it the members would stay out until a later plan named them again. Beyond that many the
   // tier is simply smaller than its members, and their targets are only remembered. (Requeues of
