@@ -106,6 +106,7 @@ void remove_staged_files_on_signals() noexcept;
 /// the descriptors cannot be duplicated.
 class report_off_stdout {
  public:
+  /// Sends standard output to standard error when one of @p outputs is standard output.
   explicit report_off_stdout(std::span<const std::filesystem::path> outputs);
   report_off_stdout(const report_off_stdout&) = delete;
   report_off_stdout& operator=(const report_off_stdout&) = delete;
