@@ -173,12 +173,28 @@ void copy_engine::run(std::span<const region_route> regions, cuda_stream& stream
   std::fill(stream_used_.begin(), stream_used_.end(), false);
   // The end fence: the caller's later work follows every chunk, also when a
   // call fails halfway (the chunks already enqueued still write the destination).
+  // Every used stream is joined even after one fails (the first error is thrown after the loop);
+  // a stream whose fence cannot be set is waited for by the host instead. Before, the first
+  // failure left the streams after it unjoined, their chunks still writing the destination.
   const auto join = [&] {
+    cudaError_t first = cudaSuccess;
+    const char* failed = nullptr;
     for (std::size_t m = 0; m < streams_.size(); ++m) {
       if (!stream_used_[m]) continue;
-      EXPAGE_CUDA_CHECK(cudaEventRecord(final_events_[m].native(), streams_[m].native()));
-      EXPAGE_CUDA_CHECK(cudaStreamWaitEvent(stream.native(), final_events_[m].native(), 0));
+      const char* what = "cudaEventRecord(final_events_[m], streams_[m])";
+      cudaError_t e = cudaEventRecord(final_events_[m].native(), streams_[m].native());
+      if (e == cudaSuccess) {
+        what = "cudaStreamWaitEvent(stream, final_events_[m])";
+        e = cudaStreamWaitEvent(stream.native(), final_events_[m].native(), 0);
+      }
+      if (e == cudaSuccess) continue;
+      (void)cudaStreamSynchronize(streams_[m].native());  // the host fence instead
+      if (first == cudaSuccess) {
+        first = e;
+        failed = what;
+      }
     }
+    if (first != cudaSuccess) check(first, failed);
   };
   try {
     for (const region_route& rr : regions) {

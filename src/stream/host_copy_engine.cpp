@@ -317,7 +317,6 @@ void host_copy_engine::copy(std::span<const copy_region> regions, host_stream& s
     explicit stream_task_guard(host_copy_engine* e) : engine(e) {
       const std::lock_guard lock(engine->mutex_);
       ++engine->stream_tasks_;
-      ++engine->stats_.stream_copies;
     }
     stream_task_guard(const stream_task_guard&) = delete;
     stream_task_guard& operator=(const stream_task_guard&) = delete;
@@ -333,6 +332,8 @@ void host_copy_engine::copy(std::span<const copy_region> regions, host_stream& s
   // every chunk is done (before the later work); a chunk's error becomes the
   // stream's sticky error.
   stream.enqueue([this, guard = std::move(guard), owned = std::move(owned)] { submit_and_help(owned); });
+  const std::lock_guard lock(mutex_);
+  ++stats_.stream_copies;  // once enqueued: a copy enqueue() refused (a bad_alloc) is not one
 }
 
 void host_copy_engine::run_worker() {

@@ -25,7 +25,7 @@ void host_event::synchronize() const {
 
 std::uint64_t host_event::records() const {
   const std::lock_guard lock(state_->mutex);
-  return state_->recorded;
+  return state_->count;
 }
 
 host_stream::host_stream(std::string name) : name_(std::move(name)) {
@@ -60,12 +60,14 @@ void host_stream::enqueue(std::function<void()> work) { submit({std::move(work),
 void host_stream::record(host_event& event) {
   std::shared_ptr<host_event::state> s = event.state_;
   std::uint64_t generation = 0;
+  std::uint64_t before = 0;  // the latest record before this one
   {
     // The generation is taken now, on the submitting thread: a query() or a
     // wait() issued after this call refers to this record (CUDA semantics).
     const std::lock_guard lock(s->mutex);
-    s->pending.push_back(s->recorded + 1);  // generations only grow: pending stays ascending
-    generation = ++s->recorded;
+    generation = ++s->issued;  // generations only grow: pending stays ascending
+    s->pending.push_back(generation);
+    before = std::exchange(s->recorded, generation);
   }
   const auto complete = [](host_event::state& st, std::uint64_t g) {
     const auto at = std::lower_bound(st.pending.begin(), st.pending.end(), g);
@@ -84,15 +86,19 @@ void host_stream::record(host_event& event) {
   } catch (...) {
     // Not submitted (out of memory): a generation nothing will complete must not stay pending,
     // or every later synchronize() would hang. The event is as before unless another thread
-    // recorded it since; then this generation counts as complete.
+    // recorded it since; a wait() that took this generation meanwhile sees it complete. Its
+    // number is not handed out again: a later record's would be waited for by that wait() too,
+    // a dependency on work submitted after it (a deadlock in a review's reproducer).
     {
       const std::lock_guard lock(s->mutex);
       complete(*s, generation);
-      if (s->recorded == generation) --s->recorded;
+      if (s->recorded == generation) s->recorded = before;
     }
     s->completed_cv.notify_all();
     throw;
   }
+  const std::lock_guard lock(s->mutex);
+  ++s->count;
 }
 
 void host_stream::wait(const host_event& event) {
@@ -158,7 +164,7 @@ void host_stream::execute() {
       ++stats_.copies;
       stats_.bytes_copied += *t.copy_bytes;
     }
-    ++stats_.tasks;
+    if (!skip) ++stats_.tasks;
     ++finished_;
     idle_cv_.notify_all();
   }

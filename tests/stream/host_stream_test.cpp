@@ -166,6 +166,25 @@ TEST(HostStream, ErrorsAreStickyAndRecordsStillComplete) {
   EXPECT_THROW(stream.check(), std::runtime_error);
   EXPECT_THROW(stream.synchronize(), std::runtime_error);
   EXPECT_EQ(stream.statistics().skipped, 2u);
+  EXPECT_EQ(stream.statistics().tasks, 2u) << "the failed callback and the record: skipped work is not executed";
+}
+
+// A moved-from event is still an event, sharing the state as a copy does (a defaulted move left
+// it without one: query() dereferenced null).
+TEST(HostEvent, AMovedFromEventSharesTheStateAsACopy) {
+  host_stream stream("s");
+  host_event a;
+  stream.record(a);
+  host_event b = std::move(a);
+  host_event c;
+  c = std::move(b);
+  a.synchronize();
+  EXPECT_TRUE(a.query());
+  EXPECT_TRUE(b.query());
+  EXPECT_EQ(a.records(), 1u);
+  EXPECT_EQ(b.records(), 1u);
+  stream.record(c);
+  EXPECT_EQ(a.records(), 2u) << "one state";
 }
 
 TEST(HostStream, DestructionRunsTheSubmittedWork) {

@@ -44,6 +44,20 @@ class host_event {
  public:
   /// A new event, complete until it is first recorded.
   host_event();
+  /// A copy shares the state (as copies of a cudaEvent_t handle do).
+  host_event(const host_event&) = default;
+  /// Shares @p other's state.
+  host_event& operator=(const host_event&) = default;
+  /// A copy: the moved-from event keeps the state and stays usable (a defaulted move left it
+  /// without one: a null dereference).
+  host_event(host_event&& other) noexcept : state_(other.state_) {}
+  /// A copy assignment, as the move constructor.
+  host_event& operator=(host_event&& other) noexcept {
+    state_ = other.state_;
+    return *this;
+  }
+  /// Drops this copy's share of the state.
+  ~host_event() = default;
 
   /// True when the latest record's work has completed (or the event was never recorded).
   [[nodiscard]] bool query() const;
@@ -57,7 +71,9 @@ class host_event {
   struct state {
     mutable std::mutex mutex;
     std::condition_variable completed_cv;
-    std::uint64_t recorded = 0;          // records issued (generation of the latest)
+    std::uint64_t issued = 0;            // generations handed out, failed records' included: never reused
+    std::uint64_t recorded = 0;          // generation of the latest record (0: none)
+    std::uint64_t count = 0;             // records submitted
     std::vector<std::uint64_t> pending;  // generations recorded whose work has not completed, ascending
     // Generation g's work has completed. Records on different streams complete in any order, so
     // a later generation's completion says nothing about an earlier one's. Under mutex.
@@ -68,7 +84,8 @@ class host_event {
 
 /// @brief Counters of a host_stream.
 struct host_stream_statistics {
-  std::uint64_t tasks = 0;         ///< Work items executed (copies, callbacks, records, waits on recorded events).
+  std::uint64_t tasks =
+      0;  ///< Work items executed (copies, callbacks, records, waits on recorded events), not skipped.
   std::uint64_t copies = 0;        ///< copy() calls executed.
   std::uint64_t bytes_copied = 0;  ///< Bytes those copies moved.
   std::uint64_t records = 0;       ///< record() calls.
