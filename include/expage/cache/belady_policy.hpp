@@ -37,7 +37,13 @@ class belady_policy {
     // The key's node is reused: a hit never allocates, so it cannot fail halfway.
     auto node = resident_.extract({next_[key], key});
     next_[key] = ctx.next_use;
-    if (node.empty()) return;  // unreachable: only resident keys get hits
+    if (node.empty()) {  // its insert failed while the cache kept it resident: ranked now
+      try {
+        resident_.emplace(ctx.next_use, key);
+      } catch (...) {  // unranked until its next hit, as before it
+      }
+      return;
+    }
     node.value().first = ctx.next_use;
     resident_.insert(std::move(node));
   }

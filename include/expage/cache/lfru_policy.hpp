@@ -39,8 +39,10 @@ struct lfru_options {
 /// recency-weighted access count, the least recently used among equals.
 ///
 /// vLLM PR #37190 (`--moe-expert-cache-size`, open) names its per-layer expert cache "LFRU
-/// (frequency-weighted LRU)"; its scoring code is not in the material expage could read
-/// (docs/caches.md says what is known). expage's score is LRFU's combined recency and frequency
+/// (frequency-weighted LRU)"; its scoring code is not in the material expage could read. The
+/// tinyserve `LFRUPolicy` its description points to scores freq / (age + 1) with counts reset at
+/// each insertion; this policy is not a port of it and picks other victims (docs/caches.md says
+/// where they differ). expage's score is LRFU's combined recency and frequency
 /// (Lee et al., IEEE TC 2001) with the decay applied in whole half-lives: with E(t) = ⌊t / h⌋
 /// the half-life epoch of access-group time t,
 ///

@@ -20,9 +20,17 @@ class ranked_residents {
   void erase(const Rank& r) noexcept { ranks_.erase(r); }
   /// Moves the key ranked @p old to rank @p now, reusing its node: never
   /// allocates, so a hit cannot fail halfway (erase, then a throwing insert).
+  /// A key without a rank (its insert failed on an allocation, while the cache
+  /// kept it resident) is ranked now, if the node can be allocated this time.
   void rerank(const Rank& old, const Rank& now) noexcept {
     auto node = ranks_.extract(old);
-    if (node.empty()) return;  // unreachable: only resident keys are re-ranked
+    if (node.empty()) {
+      try {
+        ranks_.insert(now);
+      } catch (...) {  // unranked until its next hit, as before it
+      }
+      return;
+    }
     node.value() = now;
     ranks_.insert(std::move(node));
   }

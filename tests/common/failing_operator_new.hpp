@@ -1,0 +1,52 @@
+// A replacement of the global operator new that fails the k-th allocation of the calling thread
+// (fault injection for code whose only fallible step is an allocation). It defines operator new
+// and delete: include it in ONE source file of a test binary. Not in sanitizer builds, whose
+// allocators it would bypass: there it defines nothing and `failing_new_available` is false
+// (tests skip).
+#pragma once
+
+#include "expage/detail/sanitizers.hpp"
+
+#include <cstddef>
+#include <cstdlib>
+#include <functional>
+#include <new>
+#include <utility>
+
+namespace expage::testing {
+
+inline constexpr bool failing_new_available = EXPAGE_SANITIZED == 0;
+
+namespace detail {
+inline thread_local int fail_in = 0;                           // > 0: the fail_in-th allocation from now fails
+inline thread_local std::function<void()>* on_fail = nullptr;  // run (once) just before it fails
+}  // namespace detail
+
+/// The @p k-th allocation of this thread from now throws std::bad_alloc (0: none), after running
+/// @p hook when given (what another thread would do at that moment; its own allocations succeed).
+inline void fail_allocation(int k, std::function<void()>* hook = nullptr) noexcept {
+  detail::on_fail = hook;
+  detail::fail_in = k;
+}
+
+/// No allocation of this thread fails.
+inline void stop_failing_allocations() noexcept { fail_allocation(0); }
+
+}  // namespace expage::testing
+
+#if !EXPAGE_SANITIZED
+// GCC sees the replaced operator delete's free() inlined against the library's operator new and
+// warns of a mismatch; the two replacements below are the matched pair.
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+void* operator new(std::size_t n) {
+  using namespace expage::testing::detail;
+  if (fail_in > 0 && --fail_in == 0) {
+    if (std::function<void()>* f = std::exchange(on_fail, nullptr)) (*f)();
+    throw std::bad_alloc();
+  }
+  if (void* p = std::malloc(n != 0 ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+#endif
