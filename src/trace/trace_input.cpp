@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -58,6 +59,16 @@ byte_input::byte_input(const std::filesystem::path& path) : storage_name_(path.s
                                                          : "not a regular file";
     throw format_error(fmt::format("{}: {} (a trace must be a regular file or a FIFO)", name_, kind));
   }
+  fifo_ = S_ISFIFO(st.st_mode);
+  if (fifo_) {
+    // A FIFO opened before its writer reads as empty: its first bytes are waited for, up to
+    // fifo_writer_wait_ms. On Linux poll() reports a FIFO that never had a writer neither
+    // readable nor hung up, so this returns as soon as the writer writes (or opens and closes)
+    // and waits no longer than the bound when none comes.
+    pollfd ready{.fd = fd_, .events = POLLIN, .revents = 0};
+    while (::poll(&ready, 1, fifo_writer_wait_ms) < 0 && errno == EINTR) {
+    }
+  }
   // Back to blocking reads: a FIFO whose writer is slow is waited for; one with no writer at
   // all reads as end of input.
   const int flags = ::fcntl(fd_, F_GETFL);
@@ -82,6 +93,11 @@ std::size_t byte_input::read(char* out, std::size_t n) {
   }
   for (;;) {
     const ssize_t got = ::read(fd_, out, n);
+    if (got == 0 && offset_ == 0 && fifo_) {  // said as what it is, not as an empty trace
+      throw format_error(
+          fmt::format("{}: a FIFO with nothing in it: no writer opened it within {} s, or its writer wrote nothing",
+                      name_, fifo_writer_wait_ms / 1000));
+    }
     if (got >= 0) {
       offset_ += static_cast<std::uint64_t>(got);
       return static_cast<std::size_t>(got);

@@ -74,9 +74,15 @@ class byte_input {
   std::string storage_name_;
   std::string_view name_;
   int fd_ = -1;
+  bool fifo_ = false;
   std::uint64_t offset_ = 0;
   std::optional<std::uint64_t> size_;
 };
+
+// How long opening a FIFO waits for its writer's first bytes (a writer started a moment after
+// the reader, `mkfifo q; producer > q & tool --trace q`), in milliseconds. Never longer: a FIFO
+// without a writer is then refused, not waited for.
+inline constexpr int fifo_writer_wait_ms = 2000;
 
 // One line of a text trace (without its "\n" and a trailing "\r").
 struct text_line {
