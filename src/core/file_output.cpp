@@ -438,7 +438,8 @@ void write_files_atomically(std::span<const file_output> files) {
       // Out of the signal handler's reach first: once moved (an exchange), the temporary name
       // holds the previous contents, which a signal must not remove. A signal during the moves
       // leaves those moved as moved, their previous contents under the temporary names, as
-      // without the handler; the files not yet moved lose only their staged copies.
+      // without the handler, and the one being moved its staged copy or previous contents; the
+      // files not yet moved lose only their staged copies.
       unregister_staged(std::exchange(p.slot, -1));
       p.state = move_into_place(p.temporary, p.target, p.named);
     }

@@ -60,14 +60,14 @@ void host_stream::enqueue(std::function<void()> work) { submit({std::move(work),
 void host_stream::record(host_event& event) {
   std::shared_ptr<host_event::state> s = event.state_;
   std::uint64_t generation = 0;
-  std::uint64_t before = 0;  // the latest record before this one
   {
-    // The generation is taken now, on the submitting thread: a query() or a
-    // wait() issued after this call refers to this record (CUDA semantics).
+    // The generation is taken now, and pending from now: the executor completes it whenever
+    // it runs. The record becomes the event's latest only once submitted (below): a record
+    // that fails has no effect, as a failed cudaEventRecord, on what query(), synchronize()
+    // and wait() refer to, whichever thread asks meanwhile.
     const std::lock_guard lock(s->mutex);
     generation = ++s->issued;  // generations only grow: pending stays ascending
     s->pending.push_back(generation);
-    before = std::exchange(s->recorded, generation);
   }
   const auto complete = [](host_event::state& st, std::uint64_t g) {
     const auto at = std::lower_bound(st.pending.begin(), st.pending.end(), g);
@@ -84,20 +84,21 @@ void host_stream::record(host_event& event) {
             false},
            &host_stream_statistics::records);
   } catch (...) {
-    // Not submitted (out of memory): a generation nothing will complete must not stay pending,
-    // or every later synchronize() would hang. The event is as before unless another thread
-    // recorded it since; a wait() that took this generation meanwhile sees it complete. Its
-    // number is not handed out again: a later record's would be waited for by that wait() too,
-    // a dependency on work submitted after it (a deadlock in a review's reproducer).
+    // Not submitted (out of memory): a generation nothing will complete must not stay pending.
+    // Its number is never handed out again. (Before, the rollback lowered the latest record
+    // and a later record took this number: a wait() that took it meanwhile then waited for
+    // that later work, a deadlock in a review's reproducer.)
     {
       const std::lock_guard lock(s->mutex);
       complete(*s, generation);
-      if (s->recorded == generation) s->recorded = before;
     }
     s->completed_cv.notify_all();
     throw;
   }
+  // The latest from now on: a query() or a wait() issued after this call refers to this record
+  // (or to a later one another thread made meanwhile).
   const std::lock_guard lock(s->mutex);
+  s->recorded = std::max(s->recorded, generation);
   ++s->count;
 }
 

@@ -1,5 +1,6 @@
 // A replacement of the global operator new that fails the k-th allocation of the calling thread
-// (fault injection for code whose only fallible step is an allocation). It defines operator new
+// (fault injection for code whose only fallible step is an allocation; aligned allocations are
+// libstdc++'s own, neither counted nor failed). It defines operator new
 // and delete: include it in ONE source file of a test binary. Not in sanitizer builds, whose
 // allocators it would bypass: there it defines nothing and `failing_new_available` is false
 // (tests skip).
@@ -35,9 +36,6 @@ inline void stop_failing_allocations() noexcept { fail_allocation(0); }
 }  // namespace expage::testing
 
 #if !EXPAGE_SANITIZED
-// GCC sees the replaced operator delete's free() inlined against the library's operator new and
-// warns of a mismatch; the two replacements below are the matched pair.
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
 void* operator new(std::size_t n) {
   using namespace expage::testing::detail;
   if (fail_in > 0 && --fail_in == 0) {
@@ -47,6 +45,8 @@ void* operator new(std::size_t n) {
   if (void* p = std::malloc(n != 0 ? n : 1)) return p;
   throw std::bad_alloc();
 }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+// Not inlined: GCC would see free() against an operator new it does not know is this one, and
+// warn of a mismatch (-Wmismatched-new-delete) in every file that deletes.
+[[gnu::noinline]] void operator delete(void* p) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 #endif

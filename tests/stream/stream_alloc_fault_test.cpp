@@ -14,7 +14,9 @@
 #include <cstdlib>
 #include <functional>
 #include <future>
+#include <latch>
 #include <new>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -58,6 +60,60 @@ TEST(HostStreamFaults, AFailedRecordsGenerationIsNotHandedOutAgain) {
   int status = 0;
   ::waitpid(child, &status, 0);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status << " (SIGALRM 14: a deadlock)";
+}
+
+// Two records failing on two threads, the first to take its generation failing first: the
+// event stays on the last record that was made, still pending. Before, the second failure put
+// back the first's (failed, so complete) generation, and query(), synchronize() and wait()
+// passed over the pending work. The order is staged with latches: B takes its generation while
+// A's allocation is failing, and fails once A's record has thrown.
+TEST(HostStreamFaults, TwoFailedRecordsLeaveTheEventOnTheLastRecordMade) {
+  if (!failing_new_available) GTEST_SKIP() << "replaces operator new: not under a sanitizer";
+  host_stream a("a"), b("b"), gated("gated");
+  host_event e;
+  std::promise<void> first_gate;
+  gated.enqueue([opened = first_gate.get_future().share()] { opened.wait(); });
+  for (int i = 0; i < 8; ++i)
+    gated.record(e);  // room in the event's pending list: the records below allocate only their tasks
+  first_gate.set_value();
+  e.synchronize();
+  std::promise<void> gate;
+  gated.enqueue([opened = gate.get_future().share()] { opened.wait(); });
+  gated.record(e);  // the last record made: pending until the gate opens
+  std::latch b_failing(1), b_may_throw(1);
+  bool a_threw = false, b_threw = false;
+  std::thread other;
+  std::function<void()> start_b = [&] {
+    other = std::thread([&] {
+      std::function<void()> hold = [&] {
+        b_failing.count_down();
+        b_may_throw.wait();
+      };
+      fail_allocation(1, &hold);
+      try {
+        b.record(e);
+      } catch (const std::bad_alloc&) {
+        b_threw = true;
+      }
+      stop_failing_allocations();
+    });
+    b_failing.wait();
+  };
+  fail_allocation(1, &start_b);
+  try {
+    a.record(e);
+  } catch (const std::bad_alloc&) {
+    a_threw = true;
+  }
+  stop_failing_allocations();
+  b_may_throw.count_down();
+  other.join();
+  ASSERT_TRUE(a_threw && b_threw);
+  EXPECT_FALSE(e.query()) << "the last record made is pending";
+  gate.set_value();
+  e.synchronize();
+  EXPECT_TRUE(e.query());
+  EXPECT_EQ(e.records(), 9U) << "the records submitted";
 }
 
 // A stream-ordered engine copy that the stream could not take (a bad_alloc at any of its

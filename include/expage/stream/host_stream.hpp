@@ -72,7 +72,7 @@ class host_event {
     mutable std::mutex mutex;
     std::condition_variable completed_cv;
     std::uint64_t issued = 0;            // generations handed out, failed records' included: never reused
-    std::uint64_t recorded = 0;          // generation of the latest record (0: none)
+    std::uint64_t recorded = 0;          // generation of the latest record submitted (0: none)
     std::uint64_t count = 0;             // records submitted
     std::vector<std::uint64_t> pending;  // generations recorded whose work has not completed, ascending
     // Generation g's work has completed. Records on different streams complete in any order, so
