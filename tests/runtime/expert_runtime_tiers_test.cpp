@@ -977,6 +977,14 @@ static void load_four_then_keep_two(tiered_world& w, runtime& rt, host_stream& p
   w.compute.synchronize();
 }
 
+// A runtime of 4 hi slots holding load_four_then_keep_two()'s versions.
+struct four_hi {
+  tiered_world w{4, 4};
+  host_stream prefetch{"prefetch"};
+  runtime rt{w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 4}, &prefetch};
+  four_hi() { load_four_then_keep_two(w, rt, prefetch); }
+};
+
 // Which of layer 0's experts 0–3 are served hi: "1100" for 0 and 1.
 static std::string hi_of_first_four(const runtime& rt) {
   std::string out;
@@ -987,11 +995,10 @@ static std::string hi_of_first_four(const runtime& rt) {
 // resize_tiers(): a shrinking tier gives up its versions that are not at their target tier first,
 // in the policy's order; a hot set's members keep their hi versions while the others' go.
 TEST(ExpertRuntimeTiers, AShrinkingTierGivesUpVersionsOffTargetFirst) {
-  tiered_world w(4, 4);
-  host_stream prefetch("prefetch");
-  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 4}, &prefetch);
   // Only 0 and 1 stay targeted, and 2 and 3 are used last: LRU alone would give up 0 and 1.
-  load_four_then_keep_two(w, rt, prefetch);
+  four_hi f;
+  tiered_world& w = f.w;
+  runtime& rt = f.rt;
   const std::uint32_t recent[] = {2, 3};
   rt.acquire(0, recent).release();
   w.compute.synchronize();
@@ -1010,10 +1017,9 @@ TEST(ExpertRuntimeTiers, AShrinkingTierGivesUpVersionsOffTargetFirst) {
 // place; the members are queued to load again, and once the leases are released the others
 // leave and the members are hi again. Before, the members stayed out with nothing queued.
 TEST(ExpertRuntimeTiers, AShrinkThatEvictsMembersForPinnedVersionsQueuesThemAgain) {
-  tiered_world w(4, 4);
-  host_stream prefetch("prefetch");
-  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 4}, &prefetch);
-  load_four_then_keep_two(w, rt, prefetch);
+  four_hi f;
+  tiered_world& w = f.w;
+  runtime& rt = f.rt;
   const std::uint32_t others[] = {2, 3};
   auto held = rt.acquire(0, others);
   const std::size_t lo_bytes = rt.capacity(version_tier::lo) * rt.expert_bytes(version_tier::lo);
@@ -1025,7 +1031,7 @@ TEST(ExpertRuntimeTiers, AShrinkThatEvictsMembersForPinnedVersionsQueuesThemAgai
   w.check_lease_on_compute(rt, held);
   held.release();  // the queued loads start
   for (int round = 0; round < 4; ++round) {
-    prefetch.synchronize();
+    f.prefetch.synchronize();
     w.compute.synchronize();
     rt.poll();
   }
@@ -1040,10 +1046,9 @@ TEST(ExpertRuntimeTiers, AShrinkThatEvictsMembersForPinnedVersionsQueuesThemAgai
 // are released, the shrink that goes on waits for those versions (pinned, then busy with their
 // last kernel) rather than evicting a member that became free first. Before, member 0 went.
 TEST(ExpertRuntimeTiers, AHeldShrinkWaitsForTheVersionsLeavingBeforeAMember) {
-  tiered_world w(4, 4);
-  host_stream prefetch("prefetch");
-  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(), {.capacity = 4}, &prefetch);
-  load_four_then_keep_two(w, rt, prefetch);
+  four_hi f;
+  tiered_world& w = f.w;
+  runtime& rt = f.rt;
   const std::uint32_t member[] = {0};
   const std::uint32_t others[] = {2, 3};
   auto on_member = rt.acquire(0, member);
