@@ -1732,9 +1732,8 @@ int run(const options& o) {
   for (const std::string* path : {&o.json, &o.trace_out, &o.write_weights}) {
     if (!path->empty()) outputs_named.emplace_back(*path);
   }
-  const bool data_on_stdout = std::ranges::any_of(outputs_named, expage::is_standard_output);
-  std::FILE* const after_outputs = data_on_stdout ? stderr : stdout;
   expage::report_off_stdout report(outputs_named);
+  std::FILE* const after_outputs = report.names_standard_output() ? stderr : stdout;
   const expage::moe_geometry g = scaled(expage::moe_geometry::preset(o.geometry), o.scale);
   if (!o.write_weights.empty()) {
     report.put_back();

@@ -482,6 +482,7 @@ bool is_standard_output(const fs::path& path) {
 report_off_stdout::report_off_stdout(std::span<const fs::path> outputs) {
   for (const fs::path& path : outputs) {
     if (!is_standard_output(path)) continue;
+    names_stdout_ = true;
     std::fflush(stdout);
     saved_ = ::fcntl(STDOUT_FILENO, F_DUPFD_CLOEXEC, 3);
     if (saved_ >= 0 && ::dup2(STDERR_FILENO, STDOUT_FILENO) < 0) {

@@ -334,17 +334,16 @@ inline void require_sized_geometry(const expage::moe_geometry& g, bool given, st
       g.name(), g.layers(), g.experts_per_layer(), g.top_k())};
 }
 
-/// Reads the trace at @p path for @p g. A trace without metadata (@p has_metadata false, and
-/// none in the stream read: a pipe's is only seen then) that leaves half the geometry unused is
-/// refused unless @p trust (expage::check_trace_geometry(): the Mixtral trace run as Phi-3.5-MoE).
+/// Reads the trace at @p path for @p g. A trace that carries no metadata (as its read says: a
+/// pipe's is only seen then) and leaves half the geometry unused is refused unless @p trust
+/// (expage::check_trace_geometry(): the Mixtral trace run as Phi-3.5-MoE).
 /// @throws expage::format_error (exit status 1) naming the file; the reader's errors.
-inline expage::routing_trace read_checked_trace(const std::string& path, const expage::moe_geometry& g,
-                                                bool has_metadata, bool trust,
+inline expage::routing_trace read_checked_trace(const std::string& path, const expage::moe_geometry& g, bool trust,
                                                 expage::trace_read_options options = {}) {
   std::optional<expage::trace_metadata> carried;
   options.metadata = &carried;
   expage::routing_trace t = expage::read_trace(path, g, options);
-  if (!has_metadata && !carried && !trust) {
+  if (!carried && !trust) {
     try {
       expage::check_trace_geometry(t, g);
     } catch (const expage::invalid_argument& e) {

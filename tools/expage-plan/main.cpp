@@ -725,9 +725,8 @@ int main(int argc, char** argv) {
       throw usage_error{fmt::format("the KV floor of {} is not below the budget of {}: no room for experts",
                                     expage::byte_size{o.kv_floor_bytes}, expage::byte_size{o.budget_bytes})};
     }
-    expage::routing_trace trace =
-        c.trace ? expage_tools::read_checked_trace(*c.trace, g, inputs.metadata.has_value(), c.trust_geometry)
-                : expage::generate_synthetic(g, c.synth);
+    expage::routing_trace trace = c.trace ? expage_tools::read_checked_trace(*c.trace, g, c.trust_geometry)
+                                          : expage::generate_synthetic(g, c.synth);
     if (c.only) trace = expage_tools::only_sequences(trace, *c.only);
     // With --sessions the session model's KV floor (its peak step, unless --kv-floor or
     // --concurrency names one) holds for the first table too; a floor the budget cannot hold, a

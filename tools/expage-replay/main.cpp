@@ -452,7 +452,7 @@ int main(int argc, char** argv) {
     if (done.empty() && !all.empty()) {
       expage::routing_trace trace = [&] {
         if (c.trace) {
-          return expage_tools::read_checked_trace(*c.trace, g, meta.has_value(), c.trust_geometry,
+          return expage_tools::read_checked_trace(*c.trace, g, c.trust_geometry,
                                                   {.batch_size = c.batch.value_or(0), .read_ahead = c.read_ahead});
         }
         expage::synthetic_options o = c.synth;

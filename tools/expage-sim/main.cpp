@@ -622,8 +622,7 @@ int main(int argc, char** argv) {
     }
     expage::routing_trace trace = [&] {
       if (c.trace) {
-        return expage_tools::read_checked_trace(*c.trace, g, inputs.metadata.has_value(), c.trust_geometry,
-                                                {.batch_size = c.batch.value_or(0)});
+        return expage_tools::read_checked_trace(*c.trace, g, c.trust_geometry, {.batch_size = c.batch.value_or(0)});
       }
       return expage::generate_synthetic(g, synth);
     }();

@@ -323,10 +323,10 @@ int run(int argc, char** argv) {
     }
     geometry = geometry_of(*meta);
   }
-  std::optional<expage::trace_metadata> carried;  // a pipe's metadata, seen only as it is read
+  std::optional<expage::trace_metadata> carried;  // what the read saw (a pipe's is seen only then)
   const expage::trace_read_options read_options{.batch_size = batch.value_or(0), .metadata = &carried};
   const expage::routing_trace t = expage::read_trace(files[0], *geometry, read_options);
-  if (!meta && !carried && !trust_geometry) {
+  if (!carried && !trust_geometry) {
     try {
       expage::check_trace_geometry(t, *geometry);
     } catch (const expage::invalid_argument& e) {

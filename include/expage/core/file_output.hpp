@@ -113,9 +113,13 @@ class report_off_stdout {
   ~report_off_stdout() { put_back(); }
   /// Standard output writes where it did before construction.
   void put_back() noexcept;
+  /// True when one of the outputs is standard output: what is printed after they are written
+  /// belongs on standard error too.
+  [[nodiscard]] bool names_standard_output() const noexcept { return names_stdout_; }
 
  private:
   int saved_ = -1;  // the original standard output, while descriptor 1 is standard error
+  bool names_stdout_ = false;
 };
 
 /// @brief Flushes and closes standard output, as a program's last step: false (after a message
