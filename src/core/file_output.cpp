@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <fcntl.h>
+#include <sched.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -307,10 +308,10 @@ struct file_identity {
 // no allocator: a path longer than a slot, or a file beyond the slots' count, is not registered
 // (the cleanup is best effort; the write itself is unaffected).
 struct staged_slot {
-  std::atomic<int> state{0};  // free, being written, registered
+  std::atomic<int> state{0};  // free, being written, registered, being removed by the handler
   char path[PATH_MAX]{};
 };
-constexpr int slot_free = 0, slot_writing = 1, slot_registered = 2;
+constexpr int slot_free = 0, slot_writing = 1, slot_registered = 2, slot_removing = 3;
 constexpr int staged_slot_count = 64;
 staged_slot staged_slots[staged_slot_count];
 static_assert(std::atomic<int>::is_always_lock_free, "the signal handler reads the slots' state");
@@ -330,8 +331,17 @@ int register_staged(const fs::path& path) noexcept {
   return -1;
 }
 
+// Frees @p slot unless the handler has claimed it: then the handler, on another thread, is
+// removing the file and the process ends as soon as it returns, so this thread waits for that
+// rather than let the slot's path be overwritten under the handler (or the file be moved).
 void unregister_staged(int slot) noexcept {
-  if (slot >= 0) staged_slots[slot].state.store(slot_free, std::memory_order_release);
+  if (slot < 0) return;
+  int expected = slot_registered;
+  while (!staged_slots[slot].state.compare_exchange_weak(expected, slot_free, std::memory_order_acq_rel)) {
+    if (expected != slot_registered) {
+      while (true) ::sched_yield();  // slot_removing: only the signal ends this
+    }
+  }
 }
 
 // SIGINT, SIGTERM, SIGHUP: removes the staged files, then ends the process as the signal would
@@ -339,7 +349,12 @@ void unregister_staged(int slot) noexcept {
 extern "C" void remove_staged_files_and_reraise(int sig) {
   const int saved = errno;
   for (staged_slot& slot : staged_slots) {
-    if (slot.state.load(std::memory_order_acquire) == slot_registered) (void)::unlink(slot.path);
+    // Claimed first, so that unregister_staged() on another thread cannot free the slot (and a
+    // register_staged() rewrite its path) while unlink() reads it.
+    int expected = slot_registered;
+    if (slot.state.compare_exchange_strong(expected, slot_removing, std::memory_order_acq_rel)) {
+      (void)::unlink(slot.path);
+    }
   }
   (void)std::signal(sig, SIG_DFL);
   (void)std::raise(sig);
