@@ -21,12 +21,15 @@ inline constexpr bool failing_new_available = EXPAGE_SANITIZED == 0;
 namespace detail {
 inline thread_local int fail_in = 0;                           // > 0: the fail_in-th allocation from now fails
 inline thread_local std::function<void()>* on_fail = nullptr;  // run (once) just before it fails
+inline thread_local std::size_t only_size = 0;                 // > 0: only allocations of this size count
 }  // namespace detail
 
 /// The @p k-th allocation of this thread from now throws std::bad_alloc (0: none), after running
 /// @p hook when given (what another thread would do at that moment; its own allocations succeed).
-inline void fail_allocation(int k, std::function<void()>* hook = nullptr) noexcept {
+/// With @p size, only allocations of exactly @p size bytes count (one object's, say).
+inline void fail_allocation(int k, std::function<void()>* hook = nullptr, std::size_t size = 0) noexcept {
   detail::on_fail = hook;
+  detail::only_size = size;
   detail::fail_in = k;
 }
 
@@ -38,7 +41,7 @@ inline void stop_failing_allocations() noexcept { fail_allocation(0); }
 #if !EXPAGE_SANITIZED
 void* operator new(std::size_t n) {
   using namespace expage::testing::detail;
-  if (fail_in > 0 && --fail_in == 0) {
+  if (fail_in > 0 && (only_size == 0 || n == only_size) && --fail_in == 0) {
     if (std::function<void()>* f = std::exchange(on_fail, nullptr)) (*f)();
     throw std::bad_alloc();
   }

@@ -1,5 +1,6 @@
 #include "expage/residency/transition_manager.hpp"
 
+#include "common/failing_operator_new.hpp"
 #include "common/test_memory.hpp"
 #include "expage/control/hot_set_controller.hpp"
 #include "expage/core/pattern.hpp"
@@ -600,6 +601,64 @@ TEST(TransitionManagerFaults, AFailingAllocationKeepsThePreviousVersion) {
   EXPECT_EQ(r.mismatches(*r.table.resolve({0, 3})), 0u);
   EXPECT_EQ(r.hi_account.used(), hi_before);
   EXPECT_EQ(r.lo_account.used(), lo_before);
+}
+
+// A heap_memory that arms the failing operator new on the thread that allocates a block (the
+// manager's worker): that thread's next allocation of `size` bytes fails.
+class arming_memory {
+ public:
+  explicit arming_memory(heap_memory inner = heap_memory()) : inner_(inner) {}
+  [[nodiscard]] std::size_t block_size() const noexcept { return inner_.block_size(); }
+  [[nodiscard]] std::size_t alignment() const noexcept { return inner_.alignment(); }
+  [[nodiscard]] memory_location location() const noexcept { return inner_.location(); }
+  [[nodiscard]] std::byte* allocate(std::size_t blocks) {
+    std::byte* const p = inner_.allocate(blocks);  // aligned: not counted by the failing new
+    if (const std::size_t size = arm_->exchange(0); size > 0) expage::testing::fail_allocation(1, &note_, size);
+    return p;
+  }
+  void deallocate(std::byte* p, std::size_t blocks) noexcept { inner_.deallocate(p, blocks); }
+  void arm(std::size_t size) noexcept { arm_->store(size); }
+  [[nodiscard]] bool failed() const noexcept { return *failed_; }
+
+ private:
+  heap_memory inner_;
+  std::shared_ptr<std::atomic<std::size_t>> arm_ = std::make_shared<std::atomic<std::size_t>>(0);
+  std::shared_ptr<std::atomic<bool>> failed_ = std::make_shared<std::atomic<bool>>(false);
+  std::function<void()> note_ = [f = failed_] { f->store(true); };
+};
+static_assert(physical_memory<arming_memory>);
+
+// The holder that makes the block the version's (version_storage) is allocated before any copy
+// into the block is enqueued, so when that allocation fails the block goes straight back with
+// nothing queued into it (before, the copies came first and the block went back under them), and
+// nothing else changes: the expert keeps its lo version, the budget and the pool are as before,
+// and the same promotion succeeds afterwards.
+TEST(TransitionManagerFaults, AFailedVersionAllocationQueuesNoCopyAndChangesNothing) {
+  if (!expage::testing::failing_new_available) GTEST_SKIP() << "replaces operator new: not under a sanitizer";
+  rig<host_stream, arming_memory> r(8, {}, arming_memory(hi_blocks()));
+  r.target_all(residency_state::resident_lo);
+  ASSERT_TRUE(r.manager.wait_idle());
+  (void)r.table.collect();
+  const std::size_t hi_before = r.hi_account.used(), lo_before = r.lo_account.used();
+  const std::uint64_t copies_before = r.migration.statistics().copies;
+  r.hi_pool.backend().arm(sizeof(expage::detail::storage_holder<block_pool<arming_memory>::span>));
+  const std::vector<residency_target> promote{{{0, 3}, residency_state::resident_hi}};
+  r.manager.set_targets(promote);
+  EXPECT_TRUE(r.manager.wait_idle());
+  ASSERT_TRUE(r.hi_pool.backend().failed()) << "the injected failure was not reached";
+  EXPECT_EQ(r.manager.statistics().failed, 1U);
+  EXPECT_EQ(r.migration.statistics().copies, copies_before) << "a copy was queued into a block the update gave back";
+  EXPECT_EQ(r.table.state({0, 3}), residency_state::resident_lo);
+  EXPECT_EQ(r.mismatches(*r.table.resolve({0, 3})), 0U);
+  EXPECT_EQ(r.hi_account.used(), hi_before);
+  EXPECT_EQ(r.lo_account.used(), lo_before);
+  EXPECT_EQ(r.hi_pool.statistics().blocks_in_use, 0U);
+
+  r.manager.set_targets(std::vector<residency_target>{});
+  r.manager.set_targets(promote);  // a new target set: the failed request is issued again
+  EXPECT_TRUE(r.manager.wait_idle());
+  EXPECT_EQ(r.table.state({0, 3}), residency_state::resident_hi);
+  EXPECT_EQ(r.mismatches(*r.table.resolve({0, 3})), 0U);
 }
 
 class TransitionManagerCopyFaults : public ::testing::TestWithParam<int> {};
