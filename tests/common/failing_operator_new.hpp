@@ -39,7 +39,9 @@ inline void stop_failing_allocations() noexcept { fail_allocation(0); }
 }  // namespace expage::testing
 
 #if !EXPAGE_SANITIZED
-void* operator new(std::size_t n) {
+// Not inlined either: inlined, GCC sees malloc() paired with the operator delete below and warns
+// (-Wmismatched-new-delete).
+[[gnu::noinline]] void* operator new(std::size_t n) {
   using namespace expage::testing::detail;
   if (fail_in > 0 && (only_size == 0 || n == only_size) && --fail_in == 0) {
     if (std::function<void()>* f = std::exchange(on_fail, nullptr)) (*f)();
