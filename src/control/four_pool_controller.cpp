@@ -65,6 +65,12 @@ void check_config(const four_pool_config& c) {
   if (c.rate_limit == 0) throw invalid_argument("four_pool_controller: rate_limit 0 out of range [1, 2^32)");
   if (c.dead_zone == 0) throw invalid_argument("four_pool_controller: dead_zone 0 out of range [1, 2^32)");
   if (c.grid_step == 0) throw invalid_argument("four_pool_controller: grid_step 0 out of range [1, 2^32)");
+  // Candidates lie grid_step slots apart: a smaller limit reaches none of them, and the controller
+  // would never move.
+  if (c.rate_limit < c.grid_step) {
+    throw invalid_argument(fmt::format("four_pool_controller: rate_limit {} out of range [grid_step = {}, 2^32)",
+                                       c.rate_limit, c.grid_step));
+  }
 }
 
 hot_set_config hot_config(const four_pool_model& m, const four_pool_config& c) {
@@ -163,7 +169,7 @@ bool admissible(const four_pool_model& m, const four_pool_split& s) noexcept {
   const std::uint32_t e = m.experts_per_layer;
   if (s.hi_slots > e || s.lo_slots > e || s.hi_slots > m.space.max_hi_slots) return false;
   if (s.tiered()) {
-    if (!m.space.tiered || s.lo_slots < m.min_group || s.hi_slots + s.lo_slots > e) return false;
+    if (!m.space.tiered || s.lo_slots < m.min_group || std::uint64_t{s.hi_slots} + s.lo_slots > e) return false;
   } else if (!m.space.hi_only || s.hi_slots < m.min_group) {
     return false;
   }
@@ -435,10 +441,10 @@ four_pool_decision four_pool_controller::step() const {
   const double here = expert_cost(current_.hi_slots, current_.lo_slots);
   const double slot_hi = static_cast<double>(model_.layers) * static_cast<double>(model_.hi_expert_bytes);
   const double slot_lo = static_cast<double>(model_.layers) * static_cast<double>(model_.lo_expert_bytes);
-  if (current_.hi_slots + (current_.tiered() ? current_.lo_slots : 0) < e) {
+  if (std::uint64_t{current_.hi_slots} + (current_.tiered() ? current_.lo_slots : 0) < e) {
     d.marginal_seconds_per_byte[0] = (here - expert_cost(current_.hi_slots + 1, current_.lo_slots)) / slot_hi;
   }
-  if (current_.tiered() && current_.hi_slots + current_.lo_slots < e) {
+  if (current_.tiered() && std::uint64_t{current_.hi_slots} + current_.lo_slots < e) {
     d.marginal_seconds_per_byte[1] = (here - expert_cost(current_.hi_slots, current_.lo_slots + 1)) / slot_lo;
   }
   const std::uint64_t blocks = kv_pool_blocks(model_, current_);
@@ -462,20 +468,23 @@ four_pool_decision four_pool_controller::step() const {
   if (!forced && away < config_.dead_zone) return d;
   four_pool_split next = d.target;
   if (current_.tiered() == d.target.tiered() && away > config_.rate_limit) {
-    // The step: the cheapest admissible split within rate_limit slots per pool that moves the KV
-    // pool (or, with it unchanged, the hi pool) the target's way for less than the current cost,
-    // preferring one that does not pass the target's KV pool (from there the target lies the same
-    // way); none, no move. (Moving each pool toward the target alone can change the KV pool the
-    // other way, or leave the space; and a step within the limit may have to pass the target's KV
-    // pool: with hi slots worth 4 lo slots of KV and a limit of 1, (1, 4) reaches (0, 6) only
-    // through (0, 5).) Forced (the current split breaks the coverage constraint), the
-    // step need not be cheaper nor move the KV pool the target's way: the cheapest feasible one,
-    // else the one covering most (cheapest among equals), so a split out of bounds leaves however
-    // slow the rate limit (a target with more KV may be reached only through hi slots that first
-    // take KV blocks: the KV pool's way alone could leave coverage where it is).
-    // Not forced, a step also comes nearer the target in slots: with the target unchanged the
-    // walk then never returns to a split it left (the KV pool's way alone allowed (0, 6) → (0, 5)
-    // → (0, 6) toward (1, 2), whose KV pool equals (0, 6)'s).
+    // The step: the cheapest admissible split within rate_limit slots per pool that moves the KV pool
+    // (or, with it unchanged, the hi pool) the target's way for less than the current cost, preferring
+    // one that does not pass the target's KV pool (from there the target lies the same way). When none
+    // costs less (a cliff in the miss curves between here and the target: every split within the limit
+    // costs what the current one does, or more), the same choice among the others: the gate judged the
+    // target, and WiSP's rate limit (App. B, decision 3) caps the step without asking each step to pay;
+    // the two-pool online_split_step() moves so too. Before, the controller stayed put behind such a
+    // cliff for good. (Moving each pool toward the target alone can change the KV pool the other way,
+    // or leave the space; and a step within the limit may have to pass the target's KV pool: with hi
+    // slots worth 4 lo slots of KV and a limit of 1, (1, 4) reaches (0, 6) only through (0, 5).) Forced
+    // (the current split breaks the coverage constraint), the step need not be cheaper nor move the KV
+    // pool the target's way: the cheapest feasible one, else the one covering most (cheapest among
+    // equals), so a split out of bounds leaves however slow the rate limit (a target with more KV may
+    // be reached only through hi slots that first take KV blocks: the KV pool's way alone could leave
+    // coverage where it is). Not forced, a step also comes nearer the target in slots: with the target
+    // unchanged the walk then never returns to a split it left (the KV pool's way alone allowed (0, 6)
+    // → (0, 5) → (0, 6) toward (1, 2), whose KV pool equals (0, 6)'s).
     const auto within = [&](const four_pool_split& s) {
       return s.tiered() == current_.tiered() && !(s == current_) && slot_distance(current_, s) <= config_.rate_limit &&
              (forced || (direction(current_, s) == dir && slot_distance(s, d.target) < away));
@@ -483,7 +492,8 @@ four_pool_decision four_pool_controller::step() const {
     std::optional<std::pair<double, four_pool_split>> step;
     double step_coverage = 0.0;
     bool step_feasible = false;
-    bool step_passes = false;  // it passes the target's KV pool
+    bool step_passes = false;   // it passes the target's KV pool
+    bool step_cheaper = false;  // it costs less than the current split
     for (const four_pool_split& s : candidates_) {
       if (!within(s)) continue;
       const double cost = predicted_cost(s);
@@ -497,8 +507,14 @@ four_pool_decision four_pool_controller::step() const {
         const bool passes = current_.kv_bytes != d.target.kv_bytes
                                 ? (dir > 0 ? s.kv_bytes > d.target.kv_bytes : s.kv_bytes < d.target.kv_bytes)
                                 : direction(s, d.target) == -dir;
-        takes = ok && cost < d.current_cost && (!step || (passes != step_passes ? step_passes : cost < step->first));
-        if (takes) step_passes = passes;
+        const bool cheaper = cost < d.current_cost;
+        takes = ok && (!step || (cheaper != step_cheaper ? cheaper
+                                 : passes != step_passes ? step_passes
+                                                         : cost < step->first));
+        if (takes) {
+          step_passes = passes;
+          step_cheaper = cheaper;
+        }
       } else if (ok != step_feasible || !step) {
         takes = ok || !step;
       } else {

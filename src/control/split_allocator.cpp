@@ -280,8 +280,17 @@ void split_controller::set_kv_open_depths(std::vector<std::uint64_t> depths) {
   }
 }
 
-void split_controller::commit(const online_split_decision& decision, bool applied) noexcept {
+void split_controller::commit(const online_split_decision& decision, bool applied) {
   if (applied) {
+    // The split must be one a step could return: else every later step() refuses current_cap.
+    check_cap(model_, decision.split.expert_cap, "split_controller::commit", "split.expert_cap");
+    if (const memory_split s = make_split(model_, decision.split.expert_cap, 0.0);
+        decision.split.expert_bytes != s.expert_bytes || decision.split.kv_bytes != s.kv_bytes) {
+      throw invalid_argument(fmt::format(
+          "split_controller::commit: split.expert_bytes {} and split.kv_bytes {} are not cap {}'s ({} and {} = B − {})",
+          decision.split.expert_bytes, decision.split.kv_bytes, decision.split.expert_cap, s.expert_bytes, s.kv_bytes,
+          s.expert_bytes));
+    }
     if (decision.split.expert_cap != current_.expert_cap && !mix_.tentative())
       last_move_ = decision.split.expert_cap > current_.expert_cap ? 1 : -1;
     current_ = decision.split;

@@ -196,6 +196,8 @@ TEST(FourPoolSplits, BadModelsAndSplitsAreNamed) {
   expect_config_error({.rate_limit = 0}, "rate_limit 0 out of range [1, 2^32)");
   expect_config_error({.dead_zone = 0}, "dead_zone 0 out of range [1, 2^32)");
   expect_config_error({.grid_step = 0}, "grid_step 0 out of range [1, 2^32)");
+  // No candidate lies within a limit below the grid's step: the controller would never move.
+  expect_config_error({.rate_limit = 1, .grid_step = 2}, "rate_limit 1 out of range [grid_step = 2, 2^32)");
   try {
     static_cast<void>(admissible_splits(m, 0));
     ADD_FAILURE();
@@ -439,8 +441,10 @@ TEST(FourPoolController, GateRateLimitAndCoverageConstraint) {
 }
 
 // Under a rate limit every step stays within it, moves the KV pool (or, with it unchanged, the hi
-// pool) the target's way, and lowers the predicted cost: moving each pool toward the target alone
-// could grow the KV pool on a move that shrinks it, or leave the admissible space and jump.
+// pool) the target's way, and lowers the predicted cost where a step within the limit can (where
+// none can, it climbs toward the cheaper target all the same: the cliff test below): moving each
+// pool toward the target alone could grow the KV pool on a move that shrinks it, or leave the
+// admissible space and jump.
 TEST(FourPoolController, ARateLimitedStepGoesTheTargetsWayAndStaysWithinTheLimit) {
   std::mt19937_64 rng(31);
   const auto way = [](const four_pool_split& from, const four_pool_split& to) {
@@ -448,7 +452,7 @@ TEST(FourPoolController, ARateLimitedStepGoesTheTargetsWayAndStaysWithinTheLimit
     if (to.hi_slots != from.hi_slots) return to.hi_slots > from.hi_slots ? 1 : -1;
     return 0;
   };
-  int limited = 0;
+  int limited = 0, uphill = 0;
   for (int trial = 0; trial < 200; ++trial) {
     const four_pool_model m = small_model(400 + rng() % 400, 14 + rng() % 60);
     const auto all = admissible_splits(m);
@@ -468,12 +472,74 @@ TEST(FourPoolController, ARateLimitedStepGoesTheTargetsWayAndStaysWithinTheLimit
       EXPECT_LE(slots, limit) << "trial " << trial;
       EXPECT_TRUE(admissible(m, d.split));
       EXPECT_EQ(way(c.current(), d.split), way(c.current(), d.target)) << "trial " << trial;
-      EXPECT_LT(c.predicted_cost(d.split), d.current_cost) << "trial " << trial;
+      // A cheaper step within the limit, the target's way and nearer it, is taken when one exists.
+      const auto slot_distance = [&](const four_pool_split& a, const four_pool_split& b) {
+        return std::max(dist(a.hi_slots, b.hi_slots), dist(a.lo_slots, b.lo_slots));
+      };
+      const std::uint32_t away = slot_distance(c.current(), d.target);
+      const bool cheaper_exists = std::ranges::any_of(all, [&](const four_pool_split& s) {
+        return s.tiered() == c.current().tiered() && !(s == c.current()) && slot_distance(c.current(), s) <= limit &&
+               way(c.current(), s) == way(c.current(), d.target) && slot_distance(s, d.target) < away &&
+               c.predicted_cost(s) < d.current_cost;
+      });
+      if (cheaper_exists) {
+        EXPECT_LT(c.predicted_cost(d.split), d.current_cost) << "trial " << trial;
+      } else {
+        ++uphill;
+      }
       if (!(d.split == d.target)) ++limited;
       c.commit(d, true);
     }
   }
   EXPECT_GT(limited, 20) << "the limit shaped some steps";
+  EXPECT_GT(uphill, 0) << "some steps crossed a rise in the predicted cost";
+}
+
+// Behind a miss-curve cliff (cyclic routing over the layer's 8 experts: every reuse at distance 7,
+// so every cap below 8 misses all) no split within the limit costs less than the current one. The
+// controller still walks to the target a slot per burst, as the two-pool online_split_step()
+// does; before, it stayed at 1 slot for good (found by review).
+TEST(FourPoolController, ARateLimitedWalkCrossesAMissCurveCliff) {
+  four_pool_model m{.budget_bytes = 1000,
+                    .layers = 1,
+                    .experts_per_layer = 8,
+                    .hi_expert_bytes = 10,
+                    .lo_expert_bytes = 5,
+                    .block_bytes = 1,
+                    .hi_miss_seconds = 1.0,
+                    .lo_miss_seconds = 0.5,
+                    .kv_miss_seconds = 0.0};
+  m.space.tiered = false;
+  four_pool_controller c(m, {.gate = 0.0, .reversal_gate = 0.0, .rate_limit = 1}, make_four_pool_split(m, 1, 0));
+  std::vector<std::uint32_t> walk;
+  for (int burst = 0; burst < 9; ++burst) {
+    c.new_burst();
+    for (std::uint32_t i = 0; i < 64; ++i) {
+      const expert_index x[] = {static_cast<expert_index>(i % 8)};
+      c.record(0, x);
+    }
+    const four_pool_decision d = c.step();
+    if (d.moved) {
+      EXPECT_EQ(d.target.hi_slots, 8U);
+      c.commit(d, true);
+    }
+    walk.push_back(c.current().hi_slots);
+  }
+  EXPECT_THAT(walk, ::testing::ElementsAre(2, 3, 4, 5, 6, 7, 8, 8, 8));
+}
+
+// A split with H + L > E is not admissible even where H + L overflows 32 bits (it passed).
+TEST(FourPoolController, AdmissibleCountsTheSlotsWithoutOverflow) {
+  const four_pool_model m{.budget_bytes = std::uint64_t{1} << 40,
+                          .layers = 1,
+                          .experts_per_layer = 0xFFFFFFFFU,
+                          .hi_expert_bytes = 1,
+                          .lo_expert_bytes = 1,
+                          .block_bytes = 1};
+  four_pool_split s{.hi_slots = 0x80000000U, .lo_slots = 0x80000000U, .kv_bytes = 0};
+  s.kv_bytes = m.budget_bytes - hi_pool_bytes(m, s) - lo_pool_bytes(m, s);
+  EXPECT_FALSE(admissible(m, s));
+  EXPECT_THROW((void)make_four_pool_split(m, 0x80000000U, 0x80000000U), invalid_argument);
 }
 
 // A split below the coverage bound leaves it under a rate limit too, a step at a time, even when

@@ -425,6 +425,37 @@ TEST(SplitController, AFailedResizeLeavesThePreviousSplit) {
   EXPECT_EQ(c.current().expert_cap, 3U);
 }
 
+// A split that no step could return (below the KV floor, or bytes not its cap's) is refused and
+// changes nothing. Before, commit() put it in force, and every later step() refused the current
+// cap (found by review).
+TEST(SplitController, CommitRefusesASplitOutsideTheModel) {
+  const split_model m{.budget_bytes = 100,
+                      .experts_per_layer = 8,
+                      .slot_bytes = 10,
+                      .block_bytes = 1,
+                      .kv_floor_bytes = 30,
+                      .expert_miss_seconds = 1.0,
+                      .kv_miss_seconds = 1.0};
+  split_controller c(m, {}, {.max_capacity = 8, .bin_width = 1, .decay = 0.9},
+                     {.max_capacity = 100, .bin_width = 1, .decay = 0.9}, 2);
+  online_split_decision d = c.step();
+  d.moved = true;
+  d.split = make_split(m, 8);  // 80 bytes of experts leave 20 of KV: below the floor (cap at most 7)
+  EXPECT_THAT([&] { c.commit(d, true); },
+              ::testing::ThrowsMessage<invalid_argument>(HasSubstr("split.expert_cap 8 out of range [0, 7]")));
+  d.split = make_split(m, 5);
+  d.split.kv_bytes -= 1;
+  EXPECT_THAT([&] { c.commit(d, true); },
+              ::testing::ThrowsMessage<invalid_argument>(HasSubstr("split.kv_bytes 49 are not cap 5's (50 and 50")));
+  EXPECT_EQ(c.current().expert_cap, 2U);
+  EXPECT_NO_THROW((void)c.step());
+  c.commit(d, false);  // a refused resize is only counted, whatever its split
+  EXPECT_EQ(c.failed_resizes(), 1U);
+  d.split = make_split(m, 5);
+  c.commit(d, true);
+  EXPECT_EQ(c.current().expert_cap, 5U);
+}
+
 // The change detector: an open footprint that wanders within the ratio around its decayed
 // average, or rises, changes nothing; one that falls past it empties the KV histogram to
 // change_keep of its mass, counts a change and clears the last move, and for ⌈1/(1 − γ)⌉ bursts

@@ -206,7 +206,7 @@ struct four_pool_config {
   double kv_decay = 0.85;
   double gate = 0.05;           ///< Move only when the predicted gain exceeds this share of the current cost, [0, 1).
   double reversal_gate = 0.30;  ///< The gate of a move against the previous one, [gate, 1).
-  /// Most slots per layer each expert pool moves per burst, ≥ 1 (a mode change goes at once).
+  /// Most slots per layer each expert pool moves per burst, ≥ grid_step (a mode change goes at once).
   std::uint32_t rate_limit = std::numeric_limits<std::uint32_t>::max();
   std::uint32_t dead_zone = 1;  ///< Never move toward a target within this many slots in both pools, ≥ 1.
   std::uint32_t grid_step = 1;  ///< Candidate H and L every grid_step slots (admissible_splits()), ≥ 1.
@@ -276,16 +276,17 @@ struct four_pool_statistics {
 /// controller evaluates T at every admissible split instead, which is exact for the non-convex
 /// curves that bimodal reuse gives, and takes the minimiser subject to the KV floor (Eq. 6) and the
 /// coverage constraint. It moves toward it only when the gain exceeds gate·T(current) (reversal_gate
-/// against the previous direction, the direction being that of the KV pool, else of the hi pool),
-/// when the target is at least dead_zone slots away, and by at most rate_limit slots per pool (a
-/// target further away: the cheapest admissible split within the limit that moves the target's way
-/// (its KV pool, and nearer in slots) and costs less than the current one, one that does not pass
-/// the target's KV pool first, or no
-/// move; a change of mode goes at once). A step toward the target of the last move goes on with
-/// that move: the plain gate, and no reversal, even when it comes back over the target's KV pool
-/// (no step within the limit may reach the target without passing it). The
-/// resize steps shrink every losing pool before any pool grows (WiSP §3.5, three pools), and a
-/// resize the runtime refuses leaves the previous split in force (D3, commit(decision, false)).
+/// against the previous direction, the direction being that of the KV pool, else of the hi pool), when
+/// the target is at least dead_zone slots away, and by at most rate_limit slots per pool (a target
+/// further away: of the admissible splits within the limit that move the target's way (its KV pool, and
+/// nearer in slots), those that cost less than the current one first (when none does, a miss-curve
+/// cliff lies between, and the step is taken all the same, as WiSP's rate limit only caps it), then one
+/// that does not pass the target's KV pool, then the cheapest; none, no move; a change of mode goes at
+/// once; rate_limit ≥ grid_step, so that a candidate lies within it). A step toward the target of the
+/// last move goes on with that move: the plain gate, and no reversal, even when it comes back over the
+/// target's KV pool (no step within the limit may reach the target without passing it). The resize
+/// steps shrink every losing pool before any pool grows (WiSP §3.5, three pools), and a resize the
+/// runtime refuses leaves the previous split in force (D3, commit(decision, false)).
 ///
 /// Costs: record() O(E) per expert; step() O(candidates · E + KV bins); memory O(N·E + E² + KV bins).
 ///

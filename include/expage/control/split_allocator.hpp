@@ -248,7 +248,10 @@ class split_controller {
   [[nodiscard]] online_split_decision step() const;
   /// Records the outcome of applying @p decision: on success its split is in force; on failure the
   /// previous split stays (D3) and the failure is counted.
-  void commit(const online_split_decision& decision, bool applied) noexcept;
+  /// @throws expage::invalid_argument when @p applied and the split is not one of this model's
+  ///         (its cap outside [min_expert_cap, max_expert_cap()], or its bytes not the cap's);
+  ///         nothing changes.
+  void commit(const online_split_decision& decision, bool applied);
   /// The split in force.
   [[nodiscard]] const memory_split& current() const noexcept { return current_; }
   /// Resizes that failed.
