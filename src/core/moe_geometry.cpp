@@ -89,6 +89,14 @@ constexpr std::array<std::string_view, 6> preset_list = {"mixtral-8x7b",     "qw
 
 }  // namespace
 
+std::size_t checked_tensor_index(expert_tensor t, std::string_view who) {
+  const auto i = static_cast<std::size_t>(t);
+  if (i >= expert_tensor_count) [[unlikely]] {
+    throw invalid_argument(fmt::format("{}: expert_tensor {} out of range {{gate_up, down}}", who, i));
+  }
+  return i;
+}
+
 moe_geometry::moe_geometry(config cfg) : config_(std::move(cfg)) {
   if (config_.name.empty()) {
     throw invalid_argument("moe_geometry: name is empty");

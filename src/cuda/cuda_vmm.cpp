@@ -214,6 +214,7 @@ void cuda_vmm::map_alias(physical_block block, std::byte* address, access_mode a
 
 void cuda_vmm::map_granule(physical_block block, std::byte* address, access_mode access, bool alias) {
   const char* const op = alias ? "cuda_vmm::map_alias" : "cuda_vmm::map";
+  check_access_mode(access, op);
   const std::lock_guard lock(mutex_);
   detail::vmm_table::slot_record& s = alias ? table_.require_mapped(op, block.slot, block.generation)
                                             : table_.require_created(op, block.slot, block.generation);
@@ -264,6 +265,7 @@ void cuda_vmm::unmap(std::byte* address, std::size_t bytes) noexcept {
 }
 
 void cuda_vmm::set_access(std::byte* address, std::size_t bytes, access_mode access) {
+  check_access_mode(access, "cuda_vmm::set_access");
   const std::lock_guard lock(mutex_);
   (void)table_.require_mapped_run("cuda_vmm::set_access", reinterpret_cast<std::uintptr_t>(address), bytes);
   const driver_api& drv = require_driver();

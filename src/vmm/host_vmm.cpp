@@ -269,6 +269,7 @@ void host_vmm::map_alias(physical_block block, std::byte* address, access_mode a
 
 void host_vmm::map_granule(physical_block block, std::byte* address, access_mode access, bool alias) {
   const char* const op = alias ? "host_vmm::map_alias" : "host_vmm::map";
+  check_access_mode(access, op);
   const std::lock_guard lock(mutex_);
   detail::vmm_table::slot_record& s = alias ? table_.require_mapped(op, block.slot, block.generation)
                                             : table_.require_created(op, block.slot, block.generation);
@@ -326,6 +327,7 @@ void host_vmm::unmap(std::byte* address, std::size_t bytes) noexcept {
 }
 
 void host_vmm::set_access(std::byte* address, std::size_t bytes, access_mode access) {
+  check_access_mode(access, "host_vmm::set_access");
   const std::lock_guard lock(mutex_);
   (void)table_.require_mapped_run("host_vmm::set_access", address_of(address), bytes);
   if (::mprotect(address, bytes, protection(access)) != 0) {

@@ -146,6 +146,16 @@ TYPED_TEST_P(virtual_memory_contract, RejectsIllegalMapsAndLeavesStateUnchanged)
       << "unknown block";
   EXPECT_THROW(vm.set_access(base, 2 * g, access_mode::read_write), std::invalid_argument)
       << "access to a granule that holds no block";
+  // An integer cast to access_mode that is neither value (it was taken as none).
+  const auto bad_mode = static_cast<access_mode>(7);
+  EXPECT_THROW(vm.map(b, base + g, bad_mode), std::invalid_argument) << "access_mode 7";
+  EXPECT_THROW(vm.set_access(base, g, bad_mode), std::invalid_argument) << "access_mode 7";
+  try {
+    vm.set_access(base, g, bad_mode);
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("access_mode 7 out of range {none, read_write}"), std::string::npos)
+        << e.what();
+  }
   try {
     vm.map(a, base + g, access_mode::read_write);
   } catch (const std::invalid_argument& e) {

@@ -268,6 +268,14 @@ TEST(LayerPipeline, RejectsMisuseWithoutChangingAnything) {
   }
   EXPECT_EQ(r.pipe.window_layers(), (std::vector<std::uint32_t>{0, 1}));
   EXPECT_EQ(r.budget.root().used(), 2 * 4 * r.page_bytes());
+  const auto bad = static_cast<expert_tensor>(2);  // neither tensor: it indexed past the spaces
+  EXPECT_THAT(
+      [&] {
+        (void)r.pipe.address({0, 0}, bad);
+      },
+      ::testing::ThrowsMessage<invalid_argument>(HasSubstr("expert_tensor 2 out of range {gate_up, down}")));
+  EXPECT_THROW((void)r.pipe.state({0, 0}, bad), invalid_argument);
+  EXPECT_THROW((void)r.pipe.pool(bad), invalid_argument);
   EXPECT_THROW((layer_pipeline<host_vmm, host_stream>(r.vm, r.geometry, precision::bf16, r.budget.root(), r.storage,
                                                       r.compute, r.load_gate_up, r.load_down, {.window = 1})),
                invalid_argument);
@@ -355,6 +363,14 @@ TEST(TensorStorage, StoredBytesNeverRunPastTheSlot) {
               storage.slot(g.expert_at(0), expert_tensor::gate_up).data() + storage.bytes());
   }
   EXPECT_EQ(storage.slot_bytes(expert_tensor::gate_up), 1024U);
+  // An integer cast to expert_tensor that is neither tensor: slot() handed out a span past the store.
+  const auto bad = static_cast<expert_tensor>(2);
+  EXPECT_THAT([&] { (void)storage.slot(last, bad); },
+              ::testing::ThrowsMessage<invalid_argument>(HasSubstr("expert_tensor 2 out of range {gate_up, down}")));
+  EXPECT_THROW((void)storage.stored(last, bad), invalid_argument);
+  EXPECT_THROW((void)storage.slot_bytes(bad), invalid_argument);
+  EXPECT_THROW((void)storage.tensor_bytes(bad), invalid_argument);
+  EXPECT_THROW(storage.set_stored_bytes(last, bad, 0), invalid_argument);
   try {
     tensor_storage<host_stream> huge(g, precision::bf16, host,
                                      {.slot_bytes = {~std::size_t{0} - 1, 1 << 21}, .loader = {}});

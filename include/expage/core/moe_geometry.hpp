@@ -28,6 +28,11 @@ inline constexpr std::size_t expert_tensor_count = 2;
   return t == expert_tensor::gate_up ? "gate_up" : "down";
 }
 
+/// @p t as an index into an array of expert_tensor_count entries, checked: an integer cast to
+/// expert_tensor may be neither value, and would index past such an array.
+/// @throws expage::invalid_argument naming @p who, the value and the allowed ones.
+[[nodiscard]] std::size_t checked_tensor_index(expert_tensor t, std::string_view who);
+
 /// @brief Rows × columns of a weight matrix; columns are the input dimension
 /// along which quantization groups run.
 struct tensor_shape {

@@ -97,12 +97,14 @@ class tensor_storage {
   }
 
   /// The decoded size of tensor @p t: what a page receives.
-  [[nodiscard]] std::size_t tensor_bytes(expert_tensor t) const noexcept {
-    return tensor_bytes_[static_cast<std::size_t>(t)];
+  /// @throws expage::invalid_argument for a value of @p t that is neither tensor.
+  [[nodiscard]] std::size_t tensor_bytes(expert_tensor t) const {
+    return tensor_bytes_[checked_tensor_index(t, "tensor_storage")];
   }
   /// Bytes of each slot of tensor @p t.
-  [[nodiscard]] std::size_t slot_bytes(expert_tensor t) const noexcept {
-    return slot_bytes_[static_cast<std::size_t>(t)];
+  /// @throws expage::invalid_argument for a value of @p t that is neither tensor.
+  [[nodiscard]] std::size_t slot_bytes(expert_tensor t) const {
+    return slot_bytes_[checked_tensor_index(t, "tensor_storage")];
   }
   /// Bytes allocated for the whole store.
   [[nodiscard]] std::size_t bytes() const noexcept { return capacity_; }
@@ -114,7 +116,8 @@ class tensor_storage {
   [[nodiscard]] precision format() const noexcept { return format_; }
 
   /// The whole slot of tensor @p t of expert @p id, to write the stored form into.
-  /// @throws expage::invalid_argument for an id outside the geometry.
+  /// @throws expage::invalid_argument for an id outside the geometry (or a @p t that is neither tensor, here and
+  /// below).
   [[nodiscard]] std::span<std::byte> slot(expert_id id, expert_tensor t) {
     return {memory_.get() + offset(id, t), slot_bytes(t)};
   }
@@ -162,7 +165,7 @@ class tensor_storage {
   }
   [[nodiscard]] std::size_t index(expert_id id, expert_tensor t) const {
     return static_cast<std::size_t>(geometry_.checked_flat_index(id)) * expert_tensor_count +
-           static_cast<std::size_t>(t);
+           checked_tensor_index(t, "tensor_storage");
   }
   [[nodiscard]] std::size_t offset(expert_id id, expert_tensor t) const {
     const std::size_t i = index(id, t);

@@ -167,8 +167,15 @@ class layer_pipeline {
     }
     if (recycle == 0) ++stats_.cold_starts;
     for (std::size_t r = 0; r < recycle; ++r) recycle_oldest();
-    load_layer(layer);
+    // The window's entry first: its allocation may throw, and once the layer is mapped nothing may
+    // (a layer mapped outside the window would stay mapped and charged until destruction).
     window_.push_back({layer, false});
+    try {
+      load_layer(layer);
+    } catch (...) {
+      window_.pop_back();
+      throw;
+    }
     held_[layer] = true;
     ++stats_.layers_materialized;
   }
@@ -201,6 +208,8 @@ class layer_pipeline {
     const std::size_t flat = flat_of(id);
     if (pinned_[flat]) return;
     std::vector<std::pair<std::size_t, std::size_t>> loaded;
+    loaded.reserve(
+        expert_tensor_count);  // so that noting a mapped page cannot throw (undo_loads() unmaps what it lists)
     try {
       for (std::size_t t = 0; t < expert_tensor_count; ++t) {
         if (!leases_[t][flat]) {
@@ -264,12 +273,14 @@ class layer_pipeline {
   /// @throws expage::invalid_argument for an id outside the geometry.
   [[nodiscard]] page_state state(expert_id id, expert_tensor t) const { return space(t).state(id); }
   /// The address space of tensor type @p t.
-  [[nodiscard]] const address_space<Vmm>& space(expert_tensor t) const noexcept {
-    return spaces_[static_cast<std::size_t>(t)];
+  /// @throws expage::invalid_argument for a value of @p t that is neither tensor (so do address() and state()).
+  [[nodiscard]] const address_space<Vmm>& space(expert_tensor t) const {
+    return spaces_[checked_tensor_index(t, "layer_pipeline")];
   }
   /// The block pool of tensor type @p t.
-  [[nodiscard]] const vmm_block_pool<Vmm>& pool(expert_tensor t) const noexcept {
-    return pools_[static_cast<std::size_t>(t)];
+  /// @throws expage::invalid_argument for a value of @p t that is neither tensor.
+  [[nodiscard]] const vmm_block_pool<Vmm>& pool(expert_tensor t) const {
+    return pools_[checked_tensor_index(t, "layer_pipeline")];
   }
 
   /// Waits, one layer event at a time, until every load and every forward issued so far has

@@ -35,6 +35,16 @@ enum class access_mode : std::uint8_t {
   return "unknown";
 }
 
+/// Checks that @p a is one of access_mode's values (an integer cast to it may not be), for the
+/// backends' map(), map_alias() and set_access().
+/// @throws expage::invalid_argument naming @p op, the value and the allowed ones.
+inline void check_access_mode(access_mode a, std::string_view op) {
+  if (a != access_mode::none && a != access_mode::read_write) [[unlikely]] {
+    throw invalid_argument(
+        fmt::format("{}: access_mode {} out of range {{none, read_write}}", op, static_cast<unsigned>(a)));
+  }
+}
+
 /// Where a physical block of a virtual_memory backend is in its life.
 enum class block_state : std::uint8_t {
   free,     ///< Not created (or released); the handle is stale.
