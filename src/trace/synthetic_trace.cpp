@@ -9,8 +9,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace expage {
@@ -101,13 +103,19 @@ void check_synthetic_options(const moe_geometry& geometry, const synthetic_optio
   check_option("prefill_tokens", options.prefill_tokens, 0, max_synthetic_steps);
   check_option("sketch_dims", options.sketch_dims, 0, max_sketch_dims);
   const std::uint64_t steps = std::uint64_t{options.prefill_tokens} + options.decode_steps;  // ≤ 2^25
-  // The sizes, before anything is allocated (each factor is below 2^32, so the products fit).
-  const std::uint64_t events = std::uint64_t{options.sequences} * steps * geometry.layers();
+  // The sizes, before anything is allocated. Three factors of up to 2^24, 2^25 and 2^32 can
+  // overflow 64 bits (2^24 · 2^25 · 2^16 wrapped to 0 and passed), so the product saturates.
+  std::uint64_t events = 0;
+  if (__builtin_mul_overflow(std::uint64_t{options.sequences} * steps, std::uint64_t{geometry.layers()}, &events)) {
+    events = std::numeric_limits<std::uint64_t>::max();
+  }
   if (events > max_trace_events) {
     throw invalid_argument(fmt::format(
         "synthetic_options: sequences {} × (prefill_tokens {} + decode_steps {}) × {} layers = {} events "
         "out of range [1, {}] (max_trace_events)",
-        options.sequences, options.prefill_tokens, options.decode_steps, geometry.layers(), events, max_trace_events));
+        options.sequences, options.prefill_tokens, options.decode_steps, geometry.layers(),
+        events == std::numeric_limits<std::uint64_t>::max() ? std::string("more than 2^64") : fmt::to_string(events),
+        max_trace_events));
   }
   // The generator's own tables (each factor below 2^32 and workloads ≤ experts, so the first
   // products fit; the top_k one is formed only once layers × experts is known to be small).

@@ -426,6 +426,10 @@ TEST(SyntheticTrace, BoundsItsOwnTables) {
   expect_error(huge, {}, "65536 layers × 65536 experts = 4294967296 cells");
   const moe_geometry many_k = geometry("many-k", 64, 65536, 32);
   expect_error(many_k, {.cross_layer = 0.5}, "cross_layer's 64 layers × 65536 latent types × top_k 32");
+  // sequences × steps × layers past 2^64 (2^24 · 2^25 · 2^15) wrapped to 0 events and passed.
+  const moe_geometry deep = geometry("deep", 32768, 8, 2);
+  expect_error(deep, {.sequences = 1U << 24, .decode_steps = 1U << 24, .prefill_tokens = 1U << 24},
+               "32768 layers = more than 2^64 events out of range");
   // 64 × 65536 × 2 preferred experts: 2^23 cells, drawn in O(k) each (the O(E) refill was 2^38 steps).
   const routing_trace t = generate_synthetic(wide, {.sequences = 1, .decode_steps = 1, .cross_layer = 0.5});
   EXPECT_EQ(t.size(), 64U);
