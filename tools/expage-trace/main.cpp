@@ -309,9 +309,7 @@ int run(int argc, char** argv) {
                                      {{"", files[0].string()}, expage_tools::config_input("--geometry", geometry_arg)});
   }
   const std::optional<expage::trace_metadata> meta = expage::read_trace_metadata(files[0]);
-  // The model name an output records: the input's, else --geometry's; none when neither names
-  // one (not the placeholder name of a geometry made from the input's dimensions).
-  const std::string model = meta && !meta->geometry.empty() ? meta->geometry : geometry ? geometry->name() : "";
+  const bool geometry_given = geometry.has_value();
   if (!geometry) {
     if (!meta) {
       std::error_code ec;
@@ -326,6 +324,12 @@ int run(int argc, char** argv) {
   std::optional<expage::trace_metadata> carried;  // what the read saw (a pipe's is seen only then)
   const expage::trace_read_options read_options{.batch_size = batch.value_or(0), .metadata = &carried};
   const expage::routing_trace t = expage::read_trace(files[0], *geometry, read_options);
+  // The model name an output records: the input's (what the read carried: a pipe's metadata is
+  // seen only then), else --geometry's; none when neither names one (not the placeholder name of
+  // a geometry made from the input's dimensions).
+  const std::string model = carried && !carried->geometry.empty() ? carried->geometry
+                            : geometry_given                      ? geometry->name()
+                                                                  : "";
   if (!carried && !trust_geometry) {
     try {
       expage::check_trace_geometry(t, *geometry);
