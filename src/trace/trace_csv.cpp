@@ -143,6 +143,37 @@ void for_each_list_element(std::string_view field_text, const source_position& a
 
 constexpr std::string_view metadata_prefix = "# expage_trace ";
 
+// The metadata line separates its fields by spaces, so a model name's spaces are written %20 and
+// its percent signs %25 (they were dropped: "a b" came back as "ab"); the reader undoes exactly
+// these two, leaving any other % as it is (names written before are read unchanged unless they
+// held a literal "%20" or "%25").
+std::string encode_csv_name(std::string_view name) {
+  std::string out;
+  for (const char c : name) {
+    if (c == ' ') {
+      out += "%20";
+    } else if (c == '%') {
+      out += "%25";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+std::string decode_csv_name(std::string_view text) {
+  std::string out;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '%' && text.size() - i >= 3 && text[i + 1] == '2' && (text[i + 2] == '0' || text[i + 2] == '5')) {
+      out += text[i + 2] == '0' ? ' ' : '%';
+      i += 2;
+    } else {
+      out += text[i];
+    }
+  }
+  return out;
+}
+
 // "# expage_trace 1 geometry=NAME layers=L experts_per_layer=E top_k=K batch_size=B"
 trace_metadata parse_csv_metadata(std::string_view line, const source_position& at) {
   trace_metadata meta;
@@ -171,7 +202,7 @@ trace_metadata parse_csv_metadata(std::string_view line, const source_position& 
     if (std::ranges::find(seen, key) != seen.end()) fail(at, printable(key), "field given twice");
     seen.push_back(key);
     if (key == "geometry") {
-      meta.geometry = std::string(value);
+      meta.geometry = decode_csv_name(value);
       continue;
     }
     std::uint32_t* target = key == "layers"              ? &meta.layers
@@ -363,10 +394,7 @@ void write_csv(std::ostream& out, const routing_trace& trace, std::string_view g
   check_csv_can_hold(trace);
   const trace_metadata meta = metadata_of(trace, geometry_name);
   detail::check_text_metadata(meta, "csv");
-  std::string geometry;
-  for (const char c : meta.geometry) {
-    if (c != ' ') geometry += c;  // metadata_of() dropped the control characters
-  }
+  const std::string geometry = encode_csv_name(meta.geometry);  // metadata_of() dropped the control characters
   out << metadata_prefix << 1 << (geometry.empty() ? std::string() : " geometry=" + geometry)
       << fmt::format(" layers={} experts_per_layer={} top_k={} batch_size={}\n", meta.layers, meta.experts_per_layer,
                      meta.top_k, meta.batch_size);

@@ -2,6 +2,7 @@
 
 #include "expage/core/file_output.hpp"
 #include "expage/core/json_string.hpp"
+#include "expage/detail/utf8.hpp"
 #include "trace_input.hpp"
 
 #include <fmt/format.h>
@@ -283,37 +284,47 @@ class json_line {
         case 'r': out += '\r'; break;
         case 't': out += '\t'; break;
         case 'u': {
-          if (text_.size() - pos_ < 4) fail(at_, field, "truncated \\u escape");
-          unsigned code = 0;
-          for (int i = 0; i < 4; ++i) {
-            const char h = text_[pos_++];
-            code <<= 4U;
-            if (is_digit(h)) {
-              code |= static_cast<unsigned>(h - '0');
-            } else if (h >= 'a' && h <= 'f') {
-              code |= static_cast<unsigned>(h - 'a' + 10);
-            } else if (h >= 'A' && h <= 'F') {
-              code |= static_cast<unsigned>(h - 'A' + 10);
+          unsigned code = parse_hex4(field);
+          // A high surrogate and the low one after it are one code point (RFC 8259 §7); a lone
+          // surrogate becomes U+FFFD (UTF-8 cannot carry it: the writers then wrote each of its
+          // bytes as U+FFFD, so a model name like "a 😀" came back as six replacement characters).
+          if (code >= 0xD800 && code <= 0xDBFF && text_.size() - pos_ >= 6 && text_[pos_] == '\\' &&
+              text_[pos_ + 1] == 'u') {
+            const std::size_t back = pos_;
+            pos_ += 2;
+            const unsigned low = parse_hex4(field);
+            if (low >= 0xDC00 && low <= 0xDFFF) {
+              code = 0x10000 + ((code - 0xD800) << 10U) + (low - 0xDC00);
             } else {
-              fail(at_, field, "bad hex digit in a \\u escape");
+              pos_ = back;  // not a pair: the next escape is read on its own
             }
           }
-          // UTF-8 of the code unit (surrogates are kept as they are: only compared, never shown).
-          if (code < 0x80) {
-            out += static_cast<char>(code);
-          } else if (code < 0x800) {
-            out += static_cast<char>(0xC0U | (code >> 6U));
-            out += static_cast<char>(0x80U | (code & 0x3FU));
-          } else {
-            out += static_cast<char>(0xE0U | (code >> 12U));
-            out += static_cast<char>(0x80U | ((code >> 6U) & 0x3FU));
-            out += static_cast<char>(0x80U | (code & 0x3FU));
-          }
+          detail::append_utf8(out, static_cast<char32_t>(code));
           break;
         }
         default: fail(at_, field, fmt::format("bad escape '\\{}'", printable(std::string_view(&e, 1))));
       }
     }
+  }
+
+  // The four hex digits of a \\u escape, after the u.
+  unsigned parse_hex4(std::string_view field) {
+    if (text_.size() - pos_ < 4) fail(at_, field, "truncated \\u escape");
+    unsigned code = 0;
+    for (int i = 0; i < 4; ++i) {
+      const char h = text_[pos_++];
+      code <<= 4U;
+      if (is_digit(h)) {
+        code |= static_cast<unsigned>(h - '0');
+      } else if (h >= 'a' && h <= 'f') {
+        code |= static_cast<unsigned>(h - 'a' + 10);
+      } else if (h >= 'A' && h <= 'F') {
+        code |= static_cast<unsigned>(h - 'A' + 10);
+      } else {
+        fail(at_, field, "bad hex digit in a \\u escape");
+      }
+    }
+    return code;
   }
 
   // Skips any JSON value (used for `dataset`); nesting is bounded so hostile input cannot

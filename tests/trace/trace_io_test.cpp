@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <optional>
 #include <random>
@@ -107,6 +108,26 @@ TEST_F(TraceFiles, BinaryRoundTripIsIdentical) {
   EXPECT_FALSE(fs::exists(dir_ / "v5.bin"));
 }
 
+// A \\u escape of a character beyond the BMP is a surrogate pair: read as one character. A lone
+// surrogate, which UTF-8 cannot carry, reads as U+FFFD.
+TEST_F(TraceFiles, JsonLinesReadsSurrogatePairsAsOneCharacter) {
+  const auto name_in = [&](const std::string& escaped) {
+    const fs::path file = dir_ / "s.jsonl";
+    {
+      std::ofstream out(file);
+      out << R"({"expage_trace": 1, "geometry": ")" << escaped
+          << R"(", "layers": 32, "experts_per_layer": 8, "top_k": 2})" << '\n'
+          << R"({"sequence": 0, "step": 0, "layer": 0, "experts": [0, 1], "weights": [0.5, 0.5]})" << '\n';
+    }
+    return expage::read_trace_metadata(file).value().geometry;
+  };
+  EXPECT_EQ(name_in(R"(a \ud83d\ude00 b)"), "a \xF0\x9F\x98\x80 b");
+  EXPECT_EQ(name_in(R"(a \uD83D\uDE00)"), "a \xF0\x9F\x98\x80");
+  EXPECT_EQ(name_in(R"(lone \ud83d x)"), "lone \xEF\xBF\xBD x");
+  EXPECT_EQ(name_in(R"(low \ude00)"), "low \xEF\xBF\xBD");
+  EXPECT_EQ(name_in(R"(two highs \ud83d\ud83d\ude00)"), "two highs \xEF\xBF\xBD\xF0\x9F\x98\x80");
+}
+
 TEST_F(TraceFiles, BinaryVersionFourRecordsTheModelName) {
   const routing_trace t = small_synthetic();
   // write_trace() names the model in a binary file as in a text one; control characters are
@@ -118,6 +139,14 @@ TEST_F(TraceFiles, BinaryVersionFourRecordsTheModelName) {
   for (const char* file : {"c.jsonl", "c.csv"}) {  // one rule for every format (metadata_of())
     expage::write_trace(dir_ / file, t, "my\tmodel\n");
     EXPECT_EQ(expage::read_trace_metadata(dir_ / file).value().geometry, "mymodel") << file;
+  }
+  // Spaces, percent signs and characters beyond the BMP survive every format's round trip (CSV
+  // dropped the spaces; JSON Lines read a surrogate pair as two invalid three-byte sequences,
+  // written back as six U+FFFD). Found by review.
+  const std::string named = "mixtral 8x7b 50%20 \xF0\x9F\x98\x80";  // U+1F600 in UTF-8
+  for (const char* file : {"n.jsonl", "n.csv", "n.bin"}) {
+    expage::write_trace(dir_ / file, t, named);
+    EXPECT_EQ(expage::read_trace_metadata(dir_ / file).value().geometry, named) << file;
   }
   // The name's length sets the header's: 72 bytes and the name padded to a multiple of 8, from
   // 0 to max_binary_geometry_name bytes; the records follow it.

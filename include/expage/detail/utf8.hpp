@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 #include <string_view>
 
 namespace expage::detail {
@@ -38,6 +39,34 @@ namespace expage::detail {
     if (byte(at + i) < 0x80 || byte(at + i) > 0xBF) return 0;
   }
   return length;
+}
+
+/// Appends the UTF-8 form of code point @p code to @p out; a surrogate (U+D800 to U+DFFF, which
+/// UTF-8 cannot carry) or a value above U+10FFFF becomes U+FFFD, the replacement character.
+inline void append_utf8(std::string& out, char32_t code) {
+  const auto put = [&](unsigned v) { out += static_cast<char>(v); };
+  const auto c = static_cast<unsigned>(code);
+  if (c < 0x80) {
+    put(c);
+  } else if (c < 0x800) {
+    put(0xC0U | (c >> 6U));
+    put(0x80U | (c & 0x3FU));
+  } else if (c < 0x10000) {
+    if (c >= 0xD800 && c <= 0xDFFF) {
+      append_utf8(out, U'\uFFFD');
+      return;
+    }
+    put(0xE0U | (c >> 12U));
+    put(0x80U | ((c >> 6U) & 0x3FU));
+    put(0x80U | (c & 0x3FU));
+  } else if (c <= 0x10FFFF) {
+    put(0xF0U | (c >> 18U));
+    put(0x80U | ((c >> 12U) & 0x3FU));
+    put(0x80U | ((c >> 6U) & 0x3FU));
+    put(0x80U | (c & 0x3FU));
+  } else {
+    append_utf8(out, U'\uFFFD');
+  }
 }
 
 }  // namespace expage::detail
