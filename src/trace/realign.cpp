@@ -19,13 +19,38 @@
 namespace expage {
 namespace {
 
-// The events of one sequence, decode rows per layer in step order.
+// The events of one sequence, decode rows per layer in step order. Sparse: only the layers that
+// have rows are listed, so a sequence costs its records, not the trace's layers (a 144-byte trace
+// declaring 65,536 layers took seconds per sequence, and 2 MiB of vectors).
 struct sequence_rows {
+  struct layer_span {
+    std::uint32_t layer = 0;
+    std::size_t first = 0;  // into `events`
+    std::size_t count = 0;
+  };
   std::uint32_t sequence = 0;
-  std::uint32_t prefill = 0;                     // P: decode steps are [P, P + decode_steps)
-  std::uint64_t decode_steps = 0;                // N − P (2^32 when a step is UINT32_MAX)
-  std::vector<std::vector<std::size_t>> decode;  // [layer] → event indices, ascending step
-  [[nodiscard]] bool complete(std::uint32_t layer) const noexcept { return decode[layer].size() == decode_steps; }
+  std::uint32_t prefill = 0;                   // P: decode steps are [P, P + decode_steps)
+  std::uint64_t decode_steps = 0;              // N − P (2^32 when a step is UINT32_MAX)
+  std::vector<std::size_t> events;             // the decode event indices, by (layer, step)
+  std::vector<layer_span> layers;              // the layers with decode rows, ascending
+  std::vector<std::uint32_t> complete_layers;  // those with a row at every decode step, ascending
+
+  // The decode rows of @p layer, ascending step (empty when it has none).
+  [[nodiscard]] std::span<const std::size_t> decode(std::uint32_t layer) const noexcept {
+    const auto it = std::ranges::lower_bound(layers, layer, {}, &layer_span::layer);
+    if (it == layers.end() || it->layer != layer) return {};
+    return std::span<const std::size_t>(events).subspan(it->first, it->count);
+  }
+  [[nodiscard]] bool complete(std::uint32_t layer) const noexcept { return decode(layer).size() == decode_steps; }
+  // The complete layers within @p window of @p layer (all of them for a window of 0), ascending.
+  [[nodiscard]] std::span<const std::uint32_t> complete_near(std::uint32_t layer, std::uint32_t window) const noexcept {
+    if (window == 0) return complete_layers;
+    const std::uint32_t lo = layer > window ? layer - window : 0;
+    const std::uint64_t hi = std::uint64_t{layer} + window;
+    const auto b = std::ranges::lower_bound(complete_layers, lo);
+    const auto e = std::ranges::upper_bound(complete_layers, hi, {}, [](std::uint32_t l) { return std::uint64_t{l}; });
+    return {b, e};
+  }
 };
 
 std::vector<sequence_rows> group_by_sequence(const routing_trace& trace) {
@@ -58,16 +83,23 @@ std::vector<sequence_rows> group_by_sequence(const routing_trace& trace) {
     sequence_rows s;
     s.sequence = std::get<0>(keys[order[begin]]);
     s.prefill = prefill[s.sequence];
-    s.decode.resize(trace.layers());
     std::uint64_t last = 0;
     std::size_t end = begin;
     for (; end < order.size() && std::get<0>(keys[order[end]]) == s.sequence; ++end) {
-      const std::size_t i = order[end];
+      const std::size_t i = order[end];  // ascending (layer, step) within the sequence
       last = std::max<std::uint64_t>(last, std::get<2>(keys[i]));
-      if (trace[i].phase == routing_phase::decode) s.decode[std::get<1>(keys[i])].push_back(i);
+      if (trace[i].phase != routing_phase::decode) continue;
+      const std::uint32_t layer = std::get<1>(keys[i]);
+      if (s.layers.empty() || s.layers.back().layer != layer)
+        s.layers.push_back({.layer = layer, .first = s.events.size()});
+      s.events.push_back(i);
+      ++s.layers.back().count;
     }
     // Steps [P, last] are decode steps (routing_trace::gaps() uses the same extent).
     s.decode_steps = last + 1 > s.prefill ? last + 1 - s.prefill : 0;
+    for (const sequence_rows::layer_span& l : s.layers) {
+      if (l.count == s.decode_steps) s.complete_layers.push_back(l.layer);
+    }
     result.push_back(std::move(s));
     begin = end;
   }
@@ -123,11 +155,13 @@ cooccurrence pooled_counts(const routing_trace& trace, std::span<const sequence_
   cooccurrence pool(layers, experts);
   for (const sequence_rows& s : sequences) {
     if (s.decode_steps == 0 || !s.complete(short_layer)) continue;
-    for (std::uint32_t ref = 0; ref < layers; ++ref) {
-      if (ref == short_layer || !s.complete(ref)) continue;
+    const std::span<const std::size_t> short_rows = s.decode(short_layer);
+    for (const std::uint32_t ref : s.complete_layers) {
+      if (ref == short_layer) continue;
+      const std::span<const std::size_t> ref_rows = s.decode(ref);
       for (std::uint32_t t = 0; t < s.decode_steps; ++t) {
-        const routing_event a = trace[s.decode[ref][t]];
-        const routing_event b = trace[s.decode[short_layer][t]];
+        const routing_event a = trace[ref_rows[t]];
+        const routing_event b = trace[short_rows[t]];
         for (const std::uint32_t i : a.experts) {
           for (const std::uint32_t j : b.experts) ++pool.cell[(std::size_t{ref} * experts + i) * experts + j];
           pool.row[std::size_t{ref} * experts + i] += static_cast<std::uint32_t>(b.experts.size());
@@ -138,6 +172,28 @@ cooccurrence pooled_counts(const routing_trace& trace, std::span<const sequence_
   return pool;
 }
 
+// The placement's own counts, dense and reused across short layers (one allocation per
+// realign_trace() call, grown to the largest reference set), cleared by the cells they touched:
+// a round then costs what it counts, not references × E² (it was 65 ms per short layer on the
+// Qwen3-Next geometry, clearing and copying two tables of 47 × 512² cells).
+struct placement_counts {
+  std::vector<std::uint32_t> cell;     // [reference][i][j]
+  std::vector<std::uint32_t> row;      // [reference][i]
+  std::vector<std::size_t> cells_set;  // the nonzero cells, to clear
+  std::vector<std::size_t> rows_set;   // the nonzero rows, to clear
+  void fit(std::size_t references, std::uint32_t experts_per_layer) {
+    const std::size_t e = experts_per_layer;
+    if (cell.size() < references * e * e) cell.resize(references * e * e, 0);
+    if (row.size() < references * e) row.resize(references * e, 0);
+  }
+  void clear() noexcept {
+    for (const std::size_t c : cells_set) cell[c] = 0;
+    for (const std::size_t r : rows_set) row[r] = 0;
+    cells_set.clear();
+    rows_set.clear();
+  }
+};
+
 // The composite log-likelihood of one short layer's placement, kept up to date as rows move.
 //   score = Σ_cells c·log(f + c + α) − Σ_rows r·log(f_r + r + α·E)
 // where c counts the placement's (i, j) pairs and f the fixed pooled counts: Σ over the
@@ -145,36 +201,33 @@ cooccurrence pooled_counts(const routing_trace& trace, std::span<const sequence_
 class placement_score {
  public:
   placement_score(const routing_trace& trace, const sequence_rows& s, std::span<const std::uint32_t> references,
-                  const cooccurrence* pool, double alpha)
+                  const cooccurrence* pool, double alpha, placement_counts& counts)
       : refs_(references.size()),
         k_(trace.top_k()),
         experts_(trace.experts_per_layer()),
-        counts_(references.size(), trace.experts_per_layer()),
-        fixed_(references.size(), trace.experts_per_layer()),
+        pool_(pool),
+        counts_(counts),
         cell_log_(alpha),
         row_log_(alpha * trace.experts_per_layer()) {
+    counts_.clear();
+    counts_.fit(refs_, experts_);
     // The reference layers' experts, [step][reference][k], so a row's update reads one run.
     ref_experts_.reserve(std::size_t{s.decode_steps} * refs_ * k_);
+    std::vector<std::span<const std::size_t>> rows;
+    rows.reserve(refs_);
+    for (const std::uint32_t ref : references) rows.push_back(s.decode(ref));
     for (std::uint32_t t = 0; t < s.decode_steps; ++t) {
-      for (const std::uint32_t ref : references) {
-        const routing_event e = trace[s.decode[ref][t]];
+      for (const std::span<const std::size_t> r : rows) {
+        const routing_event e = trace[r[t]];
         ref_experts_.insert(ref_experts_.end(), e.experts.begin(), e.experts.end());
       }
     }
-    if (pool != nullptr) {
-      const std::size_t e = experts_;
-      for (std::size_t r = 0; r < refs_; ++r) {
-        std::copy_n(pool->cell.begin() + static_cast<std::ptrdiff_t>(references[r] * e * e), e * e,
-                    fixed_.cell.begin() + static_cast<std::ptrdiff_t>(r * e * e));
-        std::copy_n(pool->row.begin() + static_cast<std::ptrdiff_t>(references[r] * e), e,
-                    fixed_.row.begin() + static_cast<std::ptrdiff_t>(r * e));
-      }
-    }
+    // Where each reference layer's pooled counts start: read in place, not copied.
+    for (const std::uint32_t ref : references) pool_layer_.push_back(ref);
   }
 
   void reset() {
-    std::fill(counts_.cell.begin(), counts_.cell.end(), 0);
-    std::fill(counts_.row.begin(), counts_.row.end(), 0);
+    counts_.clear();
     score_ = 0.0;
   }
 
@@ -185,18 +238,22 @@ class placement_score {
     const auto k = static_cast<std::uint32_t>(row.size());
     const std::uint32_t* ref = ref_experts_.data() + std::size_t{position} * refs_ * k_;
     for (std::size_t r = 0; r < refs_; ++r) {
+      const std::size_t pool_base = std::size_t{pool_layer_[r]} * e;  // the reference layer's rows in the pool
       for (std::size_t a = 0; a < k_; ++a, ++ref) {
         const std::size_t i = (r * e + *ref);
+        const std::size_t pool_row = pool_base + *ref;
         for (const std::uint32_t j : row) {
           const std::size_t at = i * e + j;
-          const std::uint64_t f = fixed_.cell[at];
+          const std::uint64_t f = pool_ != nullptr ? pool_->cell[pool_row * e + j] : 0;
           std::uint32_t& c = counts_.cell[at];
+          if (c == 0) counts_.cells_set.push_back(at);
           score_ -= static_cast<double>(c) * cell_log_(f + c);
           c = add ? c + 1 : c - 1;
           score_ += static_cast<double>(c) * cell_log_(f + c);
         }
-        const std::uint64_t f = fixed_.row[i];
+        const std::uint64_t f = pool_ != nullptr ? pool_->row[pool_row] : 0;
         std::uint32_t& c = counts_.row[i];
+        if (c == 0) counts_.rows_set.push_back(i);
         score_ += static_cast<double>(c) * row_log_(f + c);
         c = add ? c + k : c - k;
         score_ -= static_cast<double>(c) * row_log_(f + c);
@@ -210,9 +267,10 @@ class placement_score {
   std::size_t refs_;
   std::size_t k_;
   std::uint32_t experts_;
+  const cooccurrence* pool_;               // the fixed counts, [layer][i][j] over every layer; null: none
+  std::vector<std::uint32_t> pool_layer_;  // reference r's layer in the pool
   std::vector<std::uint32_t> ref_experts_;
-  cooccurrence counts_;
-  cooccurrence fixed_;
+  placement_counts& counts_;
   log_table cell_log_;  // log(α + m)
   log_table row_log_;   // log(α·E + m)
   double score_ = 0.0;
@@ -221,12 +279,13 @@ class placement_score {
 // Greedy gap insertion for one short layer; returns the rows' decode positions (relative to P).
 std::vector<std::uint32_t> place_rows(const routing_trace& trace, const sequence_rows& s, std::uint32_t layer,
                                       std::span<const std::uint32_t> references, const cooccurrence* pool, double alpha,
-                                      std::uint32_t max_insertions, std::vector<gap_insertion>& insertions) {
-  const std::vector<std::size_t>& rows = s.decode[layer];
+                                      std::uint32_t max_insertions, placement_counts& counts,
+                                      std::vector<gap_insertion>& insertions) {
+  const std::span<const std::size_t> rows = s.decode(layer);
   const std::size_t n = rows.size();
   std::vector<std::uint32_t> position(n);
   std::iota(position.begin(), position.end(), 0U);
-  placement_score model(trace, s, references, pool, alpha);
+  placement_score model(trace, s, references, pool, alpha, counts);
   const std::size_t k = trace.top_k();
   std::vector<std::uint32_t> row_experts;  // [row][k]
   row_experts.reserve(n * k);
@@ -287,19 +346,15 @@ realign_result realign_trace(const routing_trace& trace, const realign_options& 
   // Layer by layer, so that one short layer's pooled counts are alive at a time; the report is
   // put back in sequence order at the end.
   std::vector<std::size_t> report_sequence;  // per report: its sequence's index in `sequences`
+  placement_counts counts;                   // every placement's, reused
   for (std::uint32_t layer = 0; layer < trace.layers(); ++layer) {
     std::optional<cooccurrence> pooled;  // this short layer's, built on first use
     for (std::size_t si = 0; si < sequences.size(); ++si) {
       const sequence_rows& s = sequences[si];
-      const std::vector<std::size_t>& rows = s.decode[layer];
+      const std::span<const std::size_t> rows = s.decode(layer);
       if (rows.size() >= s.decode_steps) continue;
-      std::vector<std::uint32_t> references;
-      for (std::uint32_t l = 0; l < trace.layers(); ++l) {
-        const std::uint32_t distance = l > layer ? l - layer : layer - l;
-        if (s.complete(l) && (options.reference_window == 0 || distance <= options.reference_window)) {
-          references.push_back(l);
-        }
-      }
+      // The layer is short, so not among the complete ones.
+      const std::span<const std::uint32_t> references = s.complete_near(layer, options.reference_window);
       realigned_layer report{.sequence = s.sequence,
                              .layer = layer,
                              .rows = static_cast<std::uint32_t>(rows.size()),
@@ -309,15 +364,15 @@ realign_result realign_trace(const routing_trace& trace, const realign_options& 
                              .insertions = {}};
       std::vector<std::uint32_t> steps(rows.size());  // absolute, after realignment
       for (std::size_t r = 0; r < rows.size(); ++r) steps[r] = trace[rows[r]].step;
-      if (!references.empty()) {
+      if (!references.empty() && !rows.empty()) {  // a layer without rows has nothing to place
         check_table_size(trace);
         const cooccurrence* pool = nullptr;
         if (options.pool_sequences) {
           if (!pooled) pooled.emplace(pooled_counts(trace, sequences, layer));
           pool = &*pooled;
         }
-        const std::vector<std::uint32_t> position =
-            place_rows(trace, s, layer, references, pool, options.smoothing, options.max_insertions, report.insertions);
+        const std::vector<std::uint32_t> position = place_rows(trace, s, layer, references, pool, options.smoothing,
+                                                               options.max_insertions, counts, report.insertions);
         for (std::size_t r = 0; r < rows.size(); ++r) steps[r] = s.prefill + position[r];
       }
       // The missing decode steps as runs, from the ascending steps of the rows.
