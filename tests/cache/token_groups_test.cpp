@@ -1,11 +1,14 @@
 #include "expage/cache/token_groups.hpp"
 
 #include "expage/core/error.hpp"
+#include "expage/core/moe_geometry.hpp"
+#include "expage/trace/synthetic_trace.hpp"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <random>
 #include <set>
 #include <vector>
@@ -79,6 +82,26 @@ TEST(GroupTokens, FindsFewerGroupsThanFirstFit) {
   const auto unproven = group_tokens(spans(t), 4, /*search_budget=*/1);
   EXPECT_EQ(unproven.tokens.size(), 3U) << "out of budget: first-fit's split, not claimed minimal";
   EXPECT_FALSE(unproven.minimal());
+}
+
+// On a batch whose lower bound is out of reach (32 Qwen3-30B-A3B tokens, 16 slots), the search
+// still finds packings below first-fit's: it searches downward from first-fit's count, keeping
+// each packing found. It searched upward from the bound and spent its whole budget proving the
+// bound itself impossible, returning first-fit's split on every step (found by review).
+TEST(GroupTokens, ABatchBeyondTheSearchStillGetsFewerGroupsThanFirstFit) {
+  const moe_geometry g = moe_geometry::qwen3_30b_a3b();
+  const routing_trace t = generate_synthetic(g, {.seed = 1, .sequences = 32, .decode_steps = 2, .batch_size = 32});
+  std::map<std::pair<std::uint32_t, std::uint32_t>, std::vector<std::span<const expert_index>>> steps;
+  for (std::size_t i = 0; i < t.size(); ++i) steps[{t[i].step, t[i].layer}].push_back(t[i].experts);
+  std::size_t first_fit = 0, searched = 0, unproven = 0;
+  for (const auto& [key, tokens] : steps) {
+    first_fit += group_tokens(tokens, 16, /*search_budget=*/0).tokens.size();
+    const token_grouping s = group_tokens(tokens, 16);
+    searched += s.tokens.size();
+    unproven += s.minimal() ? 0U : 1U;
+  }
+  EXPECT_LT(searched, first_fit);
+  EXPECT_GT(unproven, 0U) << "the case is beyond the search, as meant";
 }
 
 // The fewest groups by brute force over every set partition (restricted growth strings).

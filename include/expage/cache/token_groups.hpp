@@ -21,8 +21,11 @@ struct token_grouping {
   [[nodiscard]] bool minimal() const noexcept { return proven_minimal; }
 };
 
-/// Nodes group_tokens() may explore looking for fewer groups than first-fit found.
-inline constexpr std::size_t default_grouping_search_budget = 100'000;
+/// Nodes group_tokens() may explore looking for fewer groups than first-fit found. A replay calls
+/// it for every layer-step whose union exceeds the slots: on a batch of 32 Qwen3-30B-A3B tokens
+/// 1,000 nodes cost about 0.8 ms per step against 0.03 ms for first-fit alone, and find 0.6–3.4%
+/// fewer groups (at 16 to 64 slots); 100,000 nodes (the default until 2026-11-30) cost 66 ms.
+inline constexpr std::size_t default_grouping_search_budget = 1'000;
 
 /// Splits tokens into groups whose per-group expert union has at most
 /// @p capacity experts (WiSP §3.2: when a batch's expert union exceeds the
@@ -33,12 +36,14 @@ inline constexpr std::size_t default_grouping_search_budget = 100'000;
 /// Finding the fewest groups is a set-union packing problem (NP-hard in
 /// general). First-fit (each token joins the first group it fits) runs first;
 /// when it uses more groups than the lower bound ⌈|union|/capacity⌉, an exact
-/// depth-first search tries every smaller count from the bound up (tokens with
-/// the most experts first, interchangeable empty groups pruned), within
-/// @p search_budget nodes. minimal() is true when the result is proven to have
-/// the fewest groups: always for the step sizes of real batches; when the
-/// budget runs out first-fit's split is returned unproven. Tokens stay in
-/// ascending order within a group, and groups are ordered by their first token.
+/// depth-first search looks for one group fewer, then one fewer again, down to
+/// the bound (tokens with the most experts first, interchangeable empty groups
+/// pruned), within @p search_budget nodes in all, and keeps the last packing it
+/// found. minimal() is true when the result is proven to have the fewest groups
+/// (the next count was shown impossible, or the bound is reached): small steps
+/// are settled so, while large batches (32 tokens of top-8 at 16 slots, say)
+/// exhaust the budget and return the fewest groups found, unproven. Tokens stay
+/// in ascending order within a group, and groups are ordered by their first token.
 ///
 /// @code
 /// std::vector<std::span<const expage::expert_index>> routed = {t0_experts, t1_experts, t2_experts};
