@@ -6,6 +6,7 @@
 #include "expage/cache/policy_dispatch.hpp"
 #include "expage/cache/slot_cache.hpp"
 #include "expage/detail/sanitizers.hpp"
+#include "expage/sim/pager_sim.hpp"
 #include "expage/trace/routing_event_source.hpp"
 #include "expage/trace/synthetic_trace.hpp"
 #include "expage/trace/trace_io.hpp"
@@ -177,6 +178,34 @@ TEST(Replay, RefusesATraceOfAnotherGeometry) {
   const access_stream stream(t, 4);
   EXPECT_THROW((void)replay(stream, moe_geometry::phi_3_5_moe(), policy_kind::lru, {.capacity = 4}), invalid_argument);
   EXPECT_NO_THROW((void)replay(stream, moe_geometry::mixtral_8x7b(), policy_kind::lru, {.capacity = 4}));
+}
+
+// A stream that split steps holds its own limit's groups: replayed or simulated at a larger
+// capacity it gave the counts of the wrong grouping (12 accesses in 3 split groups at 3 slots,
+// where the trace has 9 in none). It serves its own limit; one that split nothing serves more.
+TEST(Replay, AStreamThatSplitStepsServesItsOwnLimitAlone) {
+  const moe_geometry g(moe_geometry::config{
+      .name = "tiny", .layers = 1, .experts_per_layer = 4, .top_k = 2, .hidden_size = 8, .intermediate_size = 4});
+  routing_trace t(g);
+  t.set_batch_size(2);
+  const float w[] = {0.6F, 0.4F};
+  for (std::uint32_t step = 0; step < 3; ++step) {
+    const std::uint32_t a[] = {0, 1}, b[] = {1, 2};
+    t.append({.sequence = 0, .step = step, .layer = 0, .experts = a, .weights = w});
+    t.append({.sequence = 1, .step = step, .layer = 0, .experts = b, .weights = w});
+  }
+  t.restore_execution_order();
+  const access_stream narrow(t, 2);  // the union {0, 1, 2} exceeds 2: every step split
+  ASSERT_EQ(narrow.split_groups(), 3U);
+  EXPECT_THAT([&] { (void)replay(narrow, g, policy_kind::lru, {.capacity = 3}); },
+              ::testing::ThrowsMessage<invalid_argument>(
+                  HasSubstr("replay: capacity 3 differs from the stream's group limit 2, for which 3 layer-steps")));
+  EXPECT_THAT([&] { (void)simulate(narrow, g, policy_kind::lru, {.capacity = 3}); },
+              ::testing::ThrowsMessage<invalid_argument>(HasSubstr("simulate: capacity 3 differs")));
+  EXPECT_EQ(replay(narrow, g, policy_kind::lru, {.capacity = 2}).split_groups, 3U);
+  const access_stream wide(t, 3);  // nothing split: serves 3 and 4
+  EXPECT_EQ(replay(wide, g, policy_kind::lru, {.capacity = 4}).accesses, 9U);
+  EXPECT_EQ(replay(t, g, policy_kind::lru, {.capacity = 3}).accesses, 9U);
 }
 
 // Issue 15, item 9: enumerators out of range are errors, not a replay of nothing.

@@ -112,6 +112,11 @@ class access_stream {
   [[nodiscard]] std::uint32_t group_limit() const noexcept { return limit_; }      ///< The limit it was built for.
   /// The most experts one group holds (≤ group_limit()): the fewest slots a scope can run it with.
   [[nodiscard]] std::uint32_t largest_group() const noexcept { return largest_group_; }
+  /// Checks that the groups are those of @p capacity slots: a stream that split a step holds its
+  /// own limit's groups, so it serves that capacity alone; one that split nothing serves any
+  /// capacity from its limit up (replay() and simulate() call it).
+  /// @throws expage::invalid_argument naming @p who, the capacity, the limit and the splits.
+  void check_split_capacity(std::uint32_t capacity, std::string_view who) const;
   [[nodiscard]] replay_mode mode() const noexcept { return mode_; }        ///< The mode it was built for.
   [[nodiscard]] std::uint32_t layers() const noexcept { return layers_; }  ///< The trace's layers.
   [[nodiscard]] std::uint32_t experts_per_layer() const noexcept { return experts_per_layer_; }  ///< Its experts.
@@ -189,7 +194,7 @@ struct replay_result {
 ///         experts or top-k, when @p policy, the layout, the precision or the mode is not a
 ///         declared enumerator, when the stream was built for another mode than `options.mode`,
 ///         or when the capacity is out of range for the layout or (grouped) below the stream's
-///         group limit.
+///         group limit, or other than it when the stream split a step (check_split_capacity()).
 [[nodiscard]] replay_result replay(const access_stream& stream, const moe_geometry& geometry, policy_kind policy,
                                    const replay_options& options);
 

@@ -369,7 +369,8 @@ struct sim_result {
 
 /// Simulates @p stream with eviction policy @p policy.
 /// @throws expage::invalid_argument for a geometry mismatch, a capacity out of range or below the
-///         stream's group limit, an invalid hardware profile or ratio (make_cost_model), or enum
+///         stream's group limit (or other than it when the stream split a step:
+///         access_stream::check_split_capacity()), an invalid hardware profile or ratio (make_cost_model), or enum
 ///         values out of range. Nothing is half-done: the prefetcher is only reset.
 [[nodiscard]] sim_result simulate(const access_stream& stream, const moe_geometry& geometry, policy_kind policy,
                                   const sim_options& options);
