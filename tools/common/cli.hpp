@@ -237,8 +237,10 @@ inline std::uint32_t resolve_capacity(const std::string& text, std::uint32_t key
                                       expage::cache_layout layout) {
   const auto out_of_range = [&](std::string_view gives) {
     return usage_error{
-        fmt::format("--capacity {}{} out of range [{}, {}] for the {} layout (a step's experts must fit)", text, gives,
-                    minimum, keys, expage::to_string(layout))};
+        fmt::format("--capacity {}{} out of range [{}, {}] for the {} layout{}", text, gives, minimum, keys,
+                    expage::to_string(layout),
+                    // A minimum above one slot is a token's experts (grouped); sequential requests need one.
+                    minimum > 1 ? " (a step's experts must fit)" : "")};
   };
   if (!text.empty() && text.back() == '%') {
     double pct = 0.0;
