@@ -226,7 +226,7 @@ void predictive_prefetcher::propose(const access_stream& stream, std::size_t g, 
 namespace {
 
 enum class residency : std::uint8_t { absent, queued, in_flight, resident };
-enum class transfer_class : std::uint8_t { none, demand, prefetch, migration };
+enum class transfer_class : std::uint8_t { none, demand, prefetch };
 
 constexpr std::uint8_t group_pin = 1;        // routed in the group being served
 constexpr std::uint8_t outstanding_pin = 2;  // a prefetch queued or in flight: not evictable
@@ -235,8 +235,7 @@ struct link_state {
   double transfer = 0.0;    // seconds per expert
   double busy_until = 0.0;  // end of the last transfer started
   transfer_class busy = transfer_class::none;
-  double behind = -1.0;  // this group's wait behind a non-demand transfer (−1: not yet scheduled)
-  transfer_class behind_class = transfer_class::none;
+  double behind = -1.0;  // this group's wait behind a prefetch transfer (−1: not yet scheduled)
 };
 
 struct queued_prefetch {
@@ -425,6 +424,7 @@ class engine {
             if (duelling_) duel_lru_[s].on_insert(k, ctx);
             if (evicts) {
               evict(s, victim);
+              ++result_.evictions;
               ++demand_evictions_;
             } else {
               --free_[s];
@@ -443,13 +443,11 @@ class engine {
         if (cause == stall_cause::late_prefetch) {
           result_.stall_seconds[static_cast<std::size_t>(stall_cause::late_prefetch)] += stall;
         } else {
-          double behind = 0.0;
-          stall_cause behind_cause = stall_cause::queued_behind_prefetch;
-          if (critical_link != nullptr && critical_link->behind > 0.0) {
-            behind = std::min(stall, critical_link->behind);
-            if (critical_link->behind_class == transfer_class::migration) behind_cause = stall_cause::resize;
-          }
-          result_.stall_seconds[static_cast<std::size_t>(behind_cause)] += behind;
+          // A link carries demand loads and prefetches only (a resize drains it at its barrier,
+          // charged there), so what a demand load waited behind is a prefetch.
+          const double behind =
+              critical_link != nullptr && critical_link->behind > 0.0 ? std::min(stall, critical_link->behind) : 0.0;
+          result_.stall_seconds[static_cast<std::size_t>(stall_cause::queued_behind_prefetch)] += behind;
           result_.stall_seconds[static_cast<std::size_t>(stall_cause::demand_miss)] += stall - behind;
         }
       }
@@ -725,7 +723,8 @@ class engine {
     slots_[fv] = reservation{};
     policies_[s].on_evict(victim);
     if (duelling_) duel_lru_[s].on_evict(victim);
-    ++result_.evictions;
+    // Not counted here: sim_result::evictions counts loads that displaced an expert, and a
+    // shrink's evictions go to resize_evictions alone (they were in both).
   }
 
   void note_use(std::size_t f, bool late) noexcept {
@@ -752,7 +751,6 @@ class engine {
     if (best->behind < 0.0) {  // the group's first demand on this link: what was it queued behind?
       const bool other = best->busy_until > now && best->busy != transfer_class::demand;
       best->behind = other ? best->busy_until - now : 0.0;
-      best->behind_class = best->busy;
       if (best->busy == transfer_class::prefetch) {
         result_.longest_wait_behind_prefetch = std::max(result_.longest_wait_behind_prefetch, best->behind);
       }
@@ -923,6 +921,7 @@ class engine {
     if (duelling_) duel_lru_[s].on_insert(k, ctx);
     if (evicts) {
       evict(s, victim);
+      ++result_.evictions;
       prefetch_evicted_at_[flat_of_key(s, victim)] = victim_note{.group = g, .demand_evictions = demand_evictions_};
       ++prefetch_evictions_;
     } else {

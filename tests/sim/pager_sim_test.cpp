@@ -82,6 +82,32 @@ routing_trace two_tokens(const moe_geometry& g) {
 
 // With compute free, one link without setup and no prefetch, the simulator is replay(): the same
 // misses, hits and evictions for every policy, layout and capacity, and the same stall.
+// A shrink's evictions are counted in resize_evictions alone; evictions counts the loads that
+// displaced an expert (the shrink's were in both). Two layers of two experts each, every pass
+// the same; 4 slots, then 2 from pass 1: the first pass loads 4 into free slots, the shrink
+// evicts 2, and the second pass loads its 4 misses over 4 victims.
+TEST(PagerSim, AShrinksEvictionsAreNotCountedAsLoadEvictions) {
+  const moe_geometry g(moe_geometry::config{
+      .name = "tiny", .layers = 2, .experts_per_layer = 4, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
+  routing_trace t(g);
+  const auto add = [&](std::uint32_t step, std::uint32_t layer, std::uint32_t a, std::uint32_t b) {
+    const std::uint32_t e[] = {a, b};
+    const float w[] = {0.6F, 0.4F};
+    t.append({.sequence = 0, .step = step, .layer = layer, .experts = e, .weights = w});
+  };
+  add(0, 0, 0, 1);
+  add(0, 1, 2, 3);
+  add(1, 0, 0, 1);
+  add(1, 1, 2, 3);
+  const access_stream s(t, 2);
+  sim_options o{.capacity = 4};
+  o.capacity_schedule = {{.pass = 1, .capacity = 2}};
+  const sim_result r = simulate(s, g, policy_kind::lru, o);
+  EXPECT_EQ(r.demand_misses, 8U);
+  EXPECT_EQ(r.resize_evictions, 2U);
+  EXPECT_EQ(r.evictions, 4U);
+}
+
 TEST(PagerSim, EqualsReplayWithFreeComputeForEveryPolicy) {
   const auto g = small();
   const routing_trace trace = synthetic(g, 11, 6, 40, 2);

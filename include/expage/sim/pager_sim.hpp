@@ -49,7 +49,10 @@ enum class stall_cause : std::uint8_t {
   demand_miss,             ///< Loading experts that were neither resident nor on their way.
   late_prefetch,           ///< A prefetch of a needed expert was still in flight.
   queued_behind_prefetch,  ///< A demand load waited for a prefetch transfer occupying its link.
-  resize,                  ///< A demand load waited for a migration (resize, promotion) occupying its link.
+  /// A resize barrier waited for the transfers in flight to land (simulate()); in tier_simulate()
+  /// also the drains of its burst barriers. (Waits behind the hi set's background transfers are
+  /// the tier simulator's late_prefetch and queued_behind_prefetch.)
+  resize,
 };
 /// The number of stall causes.
 inline constexpr std::size_t stall_cause_count = 4;

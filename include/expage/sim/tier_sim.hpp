@@ -117,8 +117,9 @@ struct tier_run {
   std::uint64_t lo_activations = 0;    ///< Served at lo, after the warm-up.
   std::uint64_t tokens = 0;            ///< Tokens charged.
   /// Expert stall of the whole run (warm-up included) by cause: demand loads, waits for a hi-set
-  /// transfer in flight (late_prefetch), demand loads queued behind one (queued_behind_prefetch),
-  /// barrier drains (resize).
+  /// transfer in flight (late_prefetch), demand loads queued behind one (queued_behind_prefetch:
+  /// the hi set's promotions and demotions are this simulator's background transfers, as
+  /// prefetches are simulate()'s), barrier drains (resize).
   std::array<double, stall_cause_count> stall_seconds{};
   std::uint64_t demand_hi_loads = 0;    ///< Hi versions loaded on demand (whole run).
   std::uint64_t demand_lo_loads = 0;    ///< Lo versions loaded on demand.
