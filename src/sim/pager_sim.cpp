@@ -228,6 +228,15 @@ namespace {
 enum class residency : std::uint8_t { absent, queued, in_flight, resident };
 enum class transfer_class : std::uint8_t { none, demand, prefetch };
 
+// A policy that can rank its victims by a prefetcher's forecast (sim_options::forecast_eviction).
+template <class Policy>
+concept forecast_ranking = requires(const Policy& p, pin_view pins, const access_context& ctx, std::span<const float> f,
+                                    std::uint32_t key) {
+  { p.victim(pins, ctx, f) } -> std::same_as<std::uint32_t>;
+  { p.next_use(key, ctx.layer, 0.5) } -> std::same_as<double>;
+  { p.next_use(key, ctx.layer) } -> std::same_as<double>;
+};
+
 constexpr std::uint8_t group_pin = 1;        // routed in the group being served
 constexpr std::uint8_t outstanding_pin = 2;  // a prefetch queued or in flight: not evictable
 
@@ -592,12 +601,7 @@ class engine {
                    : std::span<const float>(forecast_).subspan(flat(s, 0), experts_);
   }
 
-  static constexpr bool ranks_forecasts =
-      requires(const Policy& p, pin_view pins, const access_context& ctx, std::span<const float> f, std::uint32_t key) {
-    { p.victim(pins, ctx, f) } -> std::same_as<std::uint32_t>;
-    { p.next_use(key, ctx.layer, 0.5) } -> std::same_as<double>;
-    { p.next_use(key, ctx.layer) } -> std::same_as<double>;
-  };
+  static constexpr bool ranks_forecasts = forecast_ranking<Policy>;
 
   // The policy's victim in scope s for the access @p ctx, ranked by the forecasts where it can.
   [[nodiscard]] std::uint32_t choose_victim(std::uint32_t s, const access_context& ctx) {
@@ -1061,6 +1065,16 @@ class engine {
   double nominal_layer_ = 0.0;
   sim_result result_;
 };
+
+}  // namespace
+
+bool ranks_forecasts(policy_kind kind) {
+  return visit_policy(kind, [](auto tag) { return forecast_ranking<typename decltype(tag)::type>; });
+}
+
+bool duels(policy_kind kind) noexcept { return kind != policy_kind::lru; }
+
+namespace {
 
 void check_options(const access_stream& stream, const moe_geometry& geometry, policy_kind policy,
                    const sim_options& options) {

@@ -184,6 +184,11 @@ void check_prefetch_flags(const config& c, const std::set<std::string_view>& giv
   const bool coactivation = any([](const prefetch_choice& p) { return p.predictor == "coactivation"; });
   const bool noisy = any([](const prefetch_choice& p) { return p.recall && *p.recall < 1.0; });
   const bool guarded = prefetching && c.admission == expage::prefetch_admission::cost_benefit;
+  // The duel runs for a policy other than LRU; the forecasts rank victims for a policy that can
+  // use them, and for any policy while the duel hands its victims to LRU order.
+  const bool duelling = guarded && std::ranges::any_of(c.policies, expage::duels);
+  const bool forecast_ranked =
+      prefetching && (std::ranges::any_of(c.policies, expage::ranks_forecasts) || (duelling && c.duel_passes > 0));
   struct rule {
     std::string_view flag;
     bool applies;
@@ -192,11 +197,13 @@ void check_prefetch_flags(const config& c, const std::set<std::string_view>& giv
   const std::array rules{
       rule{"--distance", prefetching, "a prefetcher (--prefetch other than none)"},
       rule{"--admission", prefetching, "a prefetcher (--prefetch other than none)"},
-      rule{"--no-forecast-eviction", prefetching, "a prefetcher (--prefetch other than none)"},
+      rule{"--no-forecast-eviction", forecast_ranked,
+           "the forecast ranking of victims (a prefetcher, with next-turn or the eviction duel)"},
       rule{"--max-overhead", guarded, "cost-benefit admission of a prefetcher (not --admission all)"},
-      rule{"--duel-passes", guarded, "cost-benefit admission of a prefetcher (not --admission all)"},
-      rule{"--duel-margin", guarded && c.duel_passes > 0, "the eviction duel (--duel-passes above 0)"},
-      rule{"--duel-protect", guarded && c.duel_passes > 0, "the eviction duel (--duel-passes above 0)"},
+      rule{"--duel-passes", duelling,
+           "the eviction duel of a policy other than lru under cost-benefit admission of a prefetcher"},
+      rule{"--duel-margin", duelling && c.duel_passes > 0, "the eviction duel (--duel-passes above 0)"},
+      rule{"--duel-protect", duelling && c.duel_passes > 0, "the eviction duel (--duel-passes above 0)"},
       rule{"--forecast-distance", predicting,
            "an online predictor (--prefetch coactivation, frequency, previous or fmoe)"},
       rule{"--no-trace-fields", predicting,

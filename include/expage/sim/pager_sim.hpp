@@ -370,6 +370,14 @@ struct sim_result {
   }
 };
 
+/// Whether @p kind's policy can rank its victims by a prefetcher's forecast, so that
+/// sim_options::forecast_eviction changes its runs (next-turn; any policy in the duel's LRU turns).
+/// @throws expage::invalid_argument when @p kind is not a declared enumerator.
+[[nodiscard]] bool ranks_forecasts(policy_kind kind);
+/// Whether the eviction duel (sim_options::eviction_duel_passes) runs for @p kind: every policy
+/// but LRU, which it would duel against itself.
+[[nodiscard]] bool duels(policy_kind kind) noexcept;
+
 /// Simulates @p stream with eviction policy @p policy.
 /// @throws expage::invalid_argument for a geometry mismatch, a capacity out of range or below the
 ///         stream's group limit (or other than it when the stream split a step:
