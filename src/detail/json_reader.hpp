@@ -71,6 +71,19 @@ class json_reader {
     if (v.type != json_value::kind::number) fail_at(v.column, fmt::format("field '{}': expected a number", key));
     double d = 0.0;
     const auto [end, ec] = std::from_chars(v.text.data(), v.text.data() + v.text.size(), d);
+    // A JSON number past a double's range: an exponent below zero or no integer digits but 0
+    // means it is too small (1e-400), else too large. A tiny one lies inside the printed range,
+    // so "out of range" would mislead.
+    if (ec == std::errc::result_out_of_range && end == v.text.data() + v.text.size()) {
+      const std::size_t e = v.text.find_first_of("eE");
+      const bool tiny = (e != std::string::npos && e + 1 < v.text.size() && v.text[e + 1] == '-') ||
+                        (e == std::string::npos && (v.text.starts_with("0.") || v.text.starts_with("-0.")));
+      if (tiny) {
+        fail_at(v.column, fmt::format("field '{}': {} is too small for a double (it would read as 0): give 0 "
+                                      "or a value in {}{}, {}]",
+                                      key, v.text, open_low ? "(" : "[", lo, hi));
+      }
+    }
     const bool in_range = open_low ? (d > lo && d <= hi) : (d >= lo && d <= hi);
     if (ec != std::errc() || end != v.text.data() + v.text.size() || !in_range) {
       fail_at(v.column,

@@ -74,6 +74,10 @@ TEST(HardwareProfile, RefusesBadFilesNamingTheValue) {
       {R"({"name":"x","hbm_gbytes_per_second":10,"dense_tflops":1,"links":[{"gbytes_per_second":1,"setup_us":-1}]})",
        "setup_us': -1 out of range [0"},
       {R"({"name":"x","hbm_gbytes_per_second":"fast"})", "expected a number"},
+      // Too small for a double: inside the printed range, so not "out of range" (found by review).
+      {R"({"name":"x","hbm_gbytes_per_second":10,"dense_tflops":1,"links":[{"gbytes_per_second":1,"setup_us":1e-400}]})",
+       "setup_us': 1e-400 is too small for a double (it would read as 0): give 0 or a value in [0, 1000000]"},
+      {R"({"name":"x","hbm_gbytes_per_second":1e400})", "hbm_gbytes_per_second': 1e400 out of range [1e-06"},
       {R"({"name":"x"} x)", "after the document"},
       // Nine levels (the object and eight arrays): one more than the reader's eight (nine were read).
       {R"({"links":[[[[[[[[]]]]]]]]})", "nesting deeper than 8 levels"},
