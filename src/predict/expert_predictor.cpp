@@ -210,10 +210,16 @@ void coactivation_predictor::predict(std::uint32_t layer, std::span<float> proba
   // layer's mean, pulling every prediction towards 0.)
   prior_.predict(layer, probability);
   double weights = 0.0;
+  // decay^(d − d0), d0 the nearest observed layer's distance: a factor common to every term of
+  // the mean. With decay^(d − 1) itself a far nearest layer's weight was subnormal, its shares
+  // rounded coarsely, and the mean came out above 1 (decay 1e-320 at distance 2: 1.0005).
   double w = 1.0;
-  for (std::uint32_t d = 1; d <= window_ && d <= layer; ++d, w *= decay_) {
+  bool started = false;
+  for (std::uint32_t d = 1; d <= window_ && d <= layer; ++d) {
+    if (started) w *= decay_;
     const std::uint32_t from = layer - d;
     if (seen_[from] == 0 || routed_[from].empty()) continue;
+    started = true;
     const double share = w / static_cast<double>(routed_[from].size());
     for (const expert_index i : routed_[from]) {
       // Passes before this one in which i fired at `from`: the current pass has not reached the
@@ -406,18 +412,21 @@ void fmoe_map_predictor::observe_routing(std::uint32_t layer, const layer_routin
   };
   check_finite(routing.probabilities, "probability");
   check_finite(routing.sketch, "sketch");
+  // The first sketch after reset() fixes the length, wherever it comes (a later layer's, or one
+  // on a call that routes nothing): the length was fixed by a first layer's alone, so a sketch
+  // of another length elsewhere passed.
+  if (!routing.sketch.empty() && sketch_dims_ == 0) {
+    sketch_dims_ = routing.sketch.size();
+    semantic_store_.assign(count_ * sketch_dims_, 0.0F);
+  }
   if (routing.experts.empty() && routing.probabilities.empty()) return;
   if (dot_.size() != count_) {  // the first pass after reset(): no begin_pass() yet
     dot_.assign(count_, 0.0);
     norm_old_.assign(count_, 0.0);
   }
   // The pass's semantic vector: the sketch of its first observed layer (fMoE embeds the
-  // iteration's input once). The first sketch after reset() fixes the length.
+  // iteration's input once).
   if (observed_ == 0 && !routing.sketch.empty()) {
-    if (sketch_dims_ == 0) {
-      sketch_dims_ = routing.sketch.size();
-      semantic_store_.assign(count_ * sketch_dims_, 0.0F);
-    }
     semantic_now_.assign(routing.sketch.begin(), routing.sketch.end());
     semantic_now_norm_ = 0.0;
     for (const float v : semantic_now_) semantic_now_norm_ += static_cast<double>(v) * static_cast<double>(v);
@@ -453,7 +462,9 @@ void fmoe_map_predictor::observe_routing(std::uint32_t layer, const layer_routin
   seen_[layer] = !routing.probabilities.empty() || before == vector_row ? vector_row : sparse_row;
   // Trajectory search (Eq. 5), incrementally: add this layer's terms to every stored map's sums.
   add_row(layer, 1.0);
-  double best = -1.0;
+  // Below every cosine, so that a stored sketch opposite to this pass's (cosine −1) is still
+  // chosen when it is the only one (it was skipped, and best_ kept an earlier layer's choice).
+  double best = -std::numeric_limits<double>::infinity();
   semantic_ = false;
   if (observed_ <= semantic_layers_ && semantic_now_norm_ != 0.0) {
     // Semantic search (Eq. 4) while the trajectory is shorter than d layers.

@@ -452,6 +452,69 @@ TEST(FmoeMapPredictor, SemanticSearchTellsPassesApartWhereTheTrajectoryCannot) {
   EXPECT_LT(hits(false), 16) << "one layer of trajectory ties, and ties go to the first stored map";
 }
 
+// A stored sketch opposite to the pass's (cosine −1) is still the semantic match when it is the
+// only stored map: score max(−1, 0) = 0, so nothing is predicted. It was skipped (the search
+// started at −1 and wanted more), the pass fell back to the trajectory and predicted its next
+// layer with certainty; a sketch nudged off −1 predicted nothing (found by review).
+TEST(FmoeMapPredictor, AnOppositeSketchIsStillTheSemanticMatch) {
+  for (const float nudge : {0.0F, 0.01F}) {
+    fmoe_map_predictor p(4, 8, 2, 16, 3);
+    const std::vector<float> stored{0.5F, -1.0F}, now{-0.25F, 0.5F + nudge};
+    const expert_index a0[] = {0, 1}, a1[] = {2, 3};
+    p.begin_pass();
+    p.observe_routing(0, {.experts = a0, .sketch = stored});
+    p.observe(1, a1);
+    p.begin_pass();
+    p.observe_routing(0, {.experts = a0, .sketch = now});
+    std::vector<float> prob(8);
+    p.predict(1, prob);
+    EXPECT_TRUE(p.semantic()) << "nudge " << nudge;
+    EXPECT_EQ(prob[2], 0.0F) << "nudge " << nudge;
+  }
+}
+
+// The first sketch after reset() fixes the length wherever it comes: a later layer's, or one on
+// a call that routes nothing (only a first layer's did, found by review).
+TEST(FmoeMapPredictor, TheFirstSketchFixesTheLengthWhereverItComes) {
+  const expert_index r[] = {0, 1};
+  const std::vector<float> s3{1.0F, 0.0F, 0.0F}, s5{1.0F, 0.0F, 0.0F, 0.0F, 0.0F};
+  {
+    fmoe_map_predictor p(4, 8, 2);
+    p.begin_pass();
+    p.observe_routing(1, {.experts = r, .sketch = s3});
+    p.begin_pass();
+    EXPECT_THAT([&] { p.observe_routing(0, {.experts = r, .sketch = s5}); },
+                ::testing::ThrowsMessage<invalid_argument>(HasSubstr("a sketch of 5 values, expected 3")));
+  }
+  {
+    fmoe_map_predictor p(4, 8, 2);
+    p.begin_pass();
+    p.observe_routing(0, {.experts = {}, .sketch = s3});
+    EXPECT_THROW(p.observe_routing(0, {.experts = r, .sketch = s5}), invalid_argument);
+  }
+}
+
+// Mean pooling with a decay so small that the only observed layer's weight decay^(d − 1) is
+// subnormal: every conditional is 1, so is the mean (it came out at 1.0005, and 0.999995).
+TEST(CoactivationPredictor, TheMeanOfATinyDecayStaysAProbability) {
+  for (const double decay : {1e-320, 1e-6}) {
+    const std::uint32_t gap = decay < 1e-300 ? 2 : 54;  // the observed layer's distance
+    coactivation_predictor p(gap + 1, 3, 1, 64, decay, coactivation_pooling::mean);
+    const expert_index all[] = {0, 1, 2}, zero[] = {0};
+    for (int pass = 0; pass < 4; ++pass) {
+      p.begin_pass();
+      p.observe(0, all);
+      p.observe(gap, zero);
+    }
+    p.begin_pass();
+    p.observe(0, all);
+    std::vector<float> prob(3);
+    p.predict(gap, prob);
+    EXPECT_EQ(prob[0], 1.0F) << "decay " << decay;
+    EXPECT_EQ(prob[1], 0.0F) << "decay " << decay;
+  }
+}
+
 TEST(CoactivationPredictor, EqualsTheCountingReferenceOnRandomPasses) {
   constexpr std::uint32_t layers = 6, experts = 5, top_k = 2;
   std::mt19937_64 rng(7);
