@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -213,7 +214,13 @@ bf16_container_info inspect_layout(std::span<const std::byte> container) {
   if (size < bf16_header_bytes) bad(fmt::format("{} bytes, shorter than the {}-byte header", size, bf16_header_bytes));
   if (!std::equal(detail::bf16_magic.begin(), detail::bf16_magic.end(),
                   reinterpret_cast<const char*>(container.data()))) {
-    bad("bad magic (expected \"EXPAGEBF\")");
+    std::string found;  // the 8 bytes there, printable or escaped
+    for (const std::byte b : container.first(detail::bf16_magic.size())) {
+      const auto c = static_cast<unsigned char>(b);
+      found += c >= 0x20 && c < 0x7F && c != '"' && c != '\\' ? std::string(1, static_cast<char>(c))
+                                                              : fmt::format("\\x{:02x}", c);
+    }
+    bad(fmt::format("bad magic \"{}\" (expected \"EXPAGEBF\")", found));
   }
   const auto header_crc = get_le<std::uint32_t>(container, 44);
   if (const std::uint32_t actual = crc32(container.first(44)); actual != header_crc) {
@@ -261,7 +268,9 @@ bf16_container_info inspect_layout(std::span<const std::byte> container) {
   if (const std::uint32_t actual = crc32(container.subspan(bf16_header_bytes)); actual != payload_crc) {
     bad(fmt::format("payload checksum {:#010x} does not match the payload (CRC-32 {:#010x})", payload_crc, actual));
   }
-  if (get_le<std::uint32_t>(container, 40) != 0) bad("reserved header field at byte 40 is not zero");
+  if (const auto reserved = get_le<std::uint32_t>(container, 40); reserved != 0) {
+    bad(fmt::format("reserved header field at byte 40 is {:#x}, must be 0", reserved));
+  }
 
   std::uint64_t kraft = 0;  // Σ 2^(max - length): a complete code sums to 2^max
   for (unsigned s = 0; s < 256; ++s) {

@@ -51,7 +51,9 @@ void put_le16(std::vector<std::byte>& b, std::uint64_t at, std::uint16_t v) {
 group_quant_layout::group_quant_layout(precision format, tensor_shape shape, std::uint32_t group_size)
     : format_(format), shape_(shape), group_size_(group_size) {
   if (format != precision::int8 && format != precision::int4 && format != precision::int2) {
-    throw invalid_argument(fmt::format("group_quant_layout: precision {} is not one of int8, int4, int2", format));
+    // By number: to_string() of a value that is no precision reads "unknown".
+    throw invalid_argument(fmt::format("group_quant_layout: precision {} ({}) is not one of int8, int4, int2", format,
+                                       static_cast<unsigned>(format)));
   }
   if (group_size < 1 || group_size > (1U << 20)) {
     throw invalid_argument(fmt::format("group_quant_layout: group_size {} out of range [1, {}]", group_size, 1U << 20));
@@ -113,8 +115,8 @@ void dequantize_groups(std::span<const std::byte> packed, const group_quant_layo
                                        layout.total_bytes()));
   }
   if (out.size() != layout.shape().elements()) {
-    throw invalid_argument(
-        fmt::format("dequantize_groups: output holds {} values, the layout {}", out.size(), layout.shape().elements()));
+    throw invalid_argument(fmt::format("dequantize_groups: output holds {} values, the layout needs {}", out.size(),
+                                       layout.shape().elements()));
   }
   if (out_format != precision::bf16 && out_format != precision::fp16) {
     throw invalid_argument(fmt::format("dequantize_groups: output precision {} is not bf16 or fp16", out_format));
@@ -124,6 +126,18 @@ void dequantize_groups(std::span<const std::byte> packed, const group_quant_layo
   const tensor_shape shape = layout.shape();
   const std::uint64_t gpr = layout.groups_per_row();
   const unsigned bits = layout.bits();
+  // Every group's metadata before any value is written (nothing half-written): quantize_groups()
+  // writes finite scales ≥ 0 and finite zeros, and a corrupted one decoded to NaN, ±inf or
+  // mirrored values without a word.
+  for (std::uint64_t g = 0; g < shape.rows * gpr; ++g) {
+    const float scale = fp16_to_float(load_le16(bytes + layout.scales_at() + 2 * g));
+    const float zero = fp16_to_float(load_le16(bytes + layout.zeros_at() + 2 * g));
+    if (!(scale >= 0.0F && std::isfinite(scale)) || !std::isfinite(zero)) {
+      throw invalid_argument(fmt::format(
+          "dequantize_groups: group {} of row {}: scale {} (allowed: finite, ≥ 0) and zero {} (allowed: finite)",
+          g % gpr, g / gpr, scale, zero));
+    }
+  }
   for (std::uint64_t r = 0; r < shape.rows; ++r) {
     for (std::uint64_t j = 0; j < gpr; ++j) {
       const float scale = fp16_to_float(load_le16(bytes + layout.scales_at() + 2 * (r * gpr + j)));

@@ -199,13 +199,14 @@ TEST(Bf16Codec, StructuralErrorsNameTheField) {
     reseal(b);
     return error_of(b);
   };
-  EXPECT_THAT(corrupt(0, std::byte{'X'}), HasSubstr("bad magic"));
+  EXPECT_THAT(corrupt(0, std::byte{'X'}), HasSubstr("bad magic \"XXPAGEBF\" (expected \"EXPAGEBF\")"));
+  EXPECT_THAT(corrupt(1, std::byte{0x01}), HasSubstr("bad magic \"E\\x01PAGEBF\""));
   EXPECT_THAT(corrupt(8, std::byte{2}), HasSubstr("version 2 unsupported"));
   EXPECT_THAT(corrupt(10, std::byte{13}), HasSubstr("max code length 13 out of range [1, 12]"));
   EXPECT_THAT(corrupt(11, std::byte{16}), HasSubstr("lanes per chunk 16"));
   EXPECT_THAT(corrupt(12, std::byte{1}), HasSubstr("chunk_elements 257"));
   EXPECT_THAT(corrupt(32, std::byte{9}), HasSubstr("chunk count 9"));
-  EXPECT_THAT(corrupt(40, std::byte{1}), HasSubstr("reserved"));
+  EXPECT_THAT(corrupt(40, std::byte{7}), HasSubstr("reserved header field at byte 40 is 0x7, must be 0"));
   // A code length table that no longer sums to a complete code.
   const bf16_container_info info = inspect_bf16(good);
   const auto used = static_cast<std::size_t>(

@@ -53,6 +53,8 @@ TEST(GroupQuantLayout, SizesMatchMoeGeometryForEveryPresetTensor) {
 TEST(GroupQuantLayout, RejectsWhatItCannotDescribe) {
   EXPECT_THROW(group_quant_layout(precision::bf16, {.rows = 1, .cols = 1}, 32), expage::invalid_argument);
   EXPECT_THROW(group_quant_layout(precision::fp8, {.rows = 1, .cols = 1}, 32), expage::invalid_argument);
+  EXPECT_THAT([] { (void)group_quant_layout(static_cast<precision>(9), {.rows = 1, .cols = 1}, 32); },
+              ::testing::ThrowsMessage<expage::invalid_argument>(::testing::HasSubstr("precision unknown (9)")));
   EXPECT_THROW(group_quant_layout(precision::int4, {.rows = 1, .cols = 1}, 0), expage::invalid_argument);
   EXPECT_THROW(group_quant_layout(precision::int4, {.rows = 0, .cols = 8}, 32), expage::invalid_argument);
   EXPECT_THROW(group_quant_layout(precision::int4, {.rows = 1U << 30, .cols = 1U << 30}, 32), expage::invalid_argument);
@@ -219,8 +221,25 @@ TEST(GroupQuant, RejectsBadInput) {
   EXPECT_THROW(expage::dequantize_groups(std::span(packed).first(5), layout, precision::bf16, out),
                expage::invalid_argument);
   EXPECT_THROW(expage::dequantize_groups(packed, layout, precision::int8, out), expage::invalid_argument);
-  EXPECT_THROW(expage::dequantize_groups(packed, layout, precision::bf16, std::span(out).first(7)),
-               expage::invalid_argument);
+  EXPECT_THAT([&] { expage::dequantize_groups(packed, layout, precision::bf16, std::span(out).first(7)); },
+              ::testing::ThrowsMessage<expage::invalid_argument>(
+                  ::testing::HasSubstr("output holds 7 values, the layout needs 8")));
+  // Corrupted metadata (a scale of +inf, NaN or −1, a NaN zero) is refused before anything is
+  // written; it decoded to NaN, ±inf or mirrored values (found by review).
+  for (const std::uint16_t bits : {std::uint16_t{0x7C00}, std::uint16_t{0x7E00}, std::uint16_t{0xBC00}}) {
+    for (const bool zero : {false, true}) {
+      if (zero && bits != 0x7E00) continue;  // a zero may be negative; NaN is the corrupted one
+      std::vector<std::byte> bad = packed;
+      const std::size_t at = (zero ? layout.zeros_at() : layout.scales_at()) + 2;  // row 1's group
+      bad[at] = static_cast<std::byte>(bits & 0xFFU);
+      bad[at + 1] = static_cast<std::byte>(bits >> 8U);
+      std::ranges::fill(out, std::uint16_t{0x1234});
+      EXPECT_THAT([&] { expage::dequantize_groups(bad, layout, precision::bf16, out); },
+                  ::testing::ThrowsMessage<expage::invalid_argument>(::testing::HasSubstr("group 0 of row 1: scale")))
+          << std::hex << bits << (zero ? " in the zero" : " in the scale");
+      EXPECT_TRUE(std::ranges::all_of(out, [](std::uint16_t v) { return v == 0x1234; })) << "nothing written";
+    }
+  }
 }
 
 }  // namespace
