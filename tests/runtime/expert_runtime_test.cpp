@@ -1180,6 +1180,32 @@ TEST(ExpertRuntime, ResizeBelowPinnedExpertsHoldsThemAndShrinksOnRelease) {
   EXPECT_EQ(w.check_views(rt), "");
 }
 
+// A group beyond the capacity is refused whether or not a load is in flight: with four experts
+// pinned above a new capacity of 2, a group of three resident ones was refused while a load ran
+// and accepted once none did (the hit path skipped the check; found by review). Both refusals
+// count in failed_acquires and change nothing.
+TEST(ExpertRuntime, AGroupBeyondTheCapacityIsRefusedWhateverIsInFlight) {
+  runtime_world w;
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());
+  const std::uint32_t four[] = {0, 1, 2, 3};
+  auto held = rt.acquire(0, four);
+  ASSERT_FALSE(rt.resize(2 * rt.expert_bytes()).complete()) << "held above the new capacity";
+  const std::uint32_t three[] = {0, 1, 2};
+  const auto refused = [&] {
+    EXPECT_THAT([&] { (void)rt.acquire(0, three); }, ::testing::ThrowsMessage<invalid_argument>(::testing::HasSubstr(
+                                                         "3 experts routed at layer 0 but at most 2 can be resident")));
+  };
+  refused();  // the loads of `held` may still run
+  w.copy.synchronize();
+  rt.poll();
+  refused();  // every expert resident, nothing in flight
+  EXPECT_EQ(rt.statistics().failed_acquires, 2U);
+  EXPECT_EQ(rt.statistics().resident, 4U);
+  held.release();
+  w.compute.synchronize();
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
 TEST(ExpertRuntime, WritesStatisticsAndAChromeTrace) {
   runtime_world w;
   runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.trace_events = 1000});

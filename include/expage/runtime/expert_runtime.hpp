@@ -222,11 +222,14 @@ struct runtime_statistics {
       0;                                 ///< Requests a newer call dropped or gave another state before they were done.
   std::uint64_t transitions_failed = 0;  ///< Background loads of a transition that threw (nothing changed).
   std::uint64_t transitions_requeued =
-      0;                              ///< Members a shrink evicted in place of pinned leavers, queued to load again.
-  std::uint64_t failed_acquires = 0;  ///< acquire() calls that threw (nothing changed).
-  std::uint32_t poisoned = 0;         ///< Versions whose last kernel's completion failed: kept resident, never evicted.
-  std::uint64_t trace_dropped = 0;    ///< Trace events dropped because the trace was full.
-  bool ranks_by_lru = false;          ///< True while LRU ranks the victims (a duel_policy, rank_by_lru()).
+      0;  ///< Members a shrink evicted in place of pinned leavers, queued to load again.
+  /// acquire() calls that threw once their group was checked (nothing changed): a group beyond
+  /// the capacity, a budget refusal, a failed load. A group refused for a layer or expert out of
+  /// range or a repeated expert is refused before that and not counted.
+  std::uint64_t failed_acquires = 0;
+  std::uint32_t poisoned = 0;       ///< Versions whose last kernel's completion failed: kept resident, never evicted.
+  std::uint64_t trace_dropped = 0;  ///< Trace events dropped because the trace was full.
+  bool ranks_by_lru = false;        ///< True while LRU ranks the victims (a duel_policy, rank_by_lru()).
 
   /// The hit ratio of demand accesses, hits / (hits + misses); 0 without accesses.
   [[nodiscard]] double hit_ratio() const noexcept {
@@ -1856,7 +1859,10 @@ class expert_runtime {
     const std::uint8_t* const active = active_.data();
     std::uint32_t* const ids = record.experts.data();
     std::uint32_t* const flats = record.flat.data();
-    bool all_hit = loading_.empty() && background_.empty();
+    // A group beyond the demand tier's capacity takes the checked path even when every expert is
+    // resident (after a resize below pinned experts, say): refused there as it would be with a
+    // load in flight, not accepted or refused by timing (found by review).
+    bool all_hit = loading_.empty() && background_.empty() && experts.size() <= tier(demand_tier_).capacity;
     for (std::size_t i = 0; i < experts.size(); ++i) {
       const std::uint32_t f = first + experts[i];
       ids[i] = experts[i];
