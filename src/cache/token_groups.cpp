@@ -126,16 +126,19 @@ token_grouping group_tokens(std::span<const std::span<const expert_index>> token
   // and returned first-fit's split). Downward, each packing found is kept, and the first count
   // shown impossible proves the last one found minimal.
   exact_packer packer(own, capacity, search_budget);
-  for (std::size_t groups = best.tokens.size() - 1; groups >= best.lower_bound; --groups) {
+  for (std::size_t groups = best.tokens.size() - 1; groups >= best.lower_bound; groups = best.tokens.size() - 1) {
     const auto r = packer.pack(groups);
     if (r == exact_packer::outcome::gave_up) return best;  // the best found, not proven minimal
     if (r == exact_packer::outcome::impossible) {
       best.proven_minimal = true;  // one group fewer is impossible, so is every smaller count
       return best;
     }
+    // The packing may leave groups empty (it fits in fewer than it was given): only the groups
+    // used are kept, and the search goes on from one fewer than those.
     token_grouping exact;
     exact.lower_bound = best.lower_bound;
     for (std::size_t g = 0; g < groups; ++g) {
+      if (packer.members()[g].empty()) continue;
       auto members = packer.members()[g];
       std::sort(members.begin(), members.end());
       // The group's union in first-seen token order.
@@ -149,7 +152,7 @@ token_grouping group_tokens(std::span<const std::span<const expert_index>> token
       exact.experts.push_back(std::move(experts));
     }
     // Groups in order of their first token, as first-fit orders them.
-    std::vector<std::size_t> idx(groups);
+    std::vector<std::size_t> idx(exact.tokens.size());
     std::iota(idx.begin(), idx.end(), std::size_t{0});
     std::sort(idx.begin(), idx.end(),
               [&](std::size_t a, std::size_t b) { return exact.tokens[a][0] < exact.tokens[b][0]; });
@@ -160,7 +163,7 @@ token_grouping group_tokens(std::span<const std::span<const expert_index>> token
       sorted.experts.push_back(std::move(exact.experts[k]));
     }
     best = std::move(sorted);
-    if (groups == best.lower_bound) {
+    if (best.tokens.size() <= best.lower_bound) {
       best.proven_minimal = true;  // at the bound
       return best;
     }

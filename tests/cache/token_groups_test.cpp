@@ -104,6 +104,20 @@ TEST(GroupTokens, ABatchBeyondTheSearchStillGetsFewerGroupsThanFirstFit) {
   EXPECT_GT(unproven, 0U) << "the case is beyond the search, as meant";
 }
 
+std::size_t optimum(const std::vector<std::vector<std::uint32_t>>& t, std::size_t cap);
+
+// A packing into one group fewer than first-fit's may use fewer still, leaving groups empty: only
+// the groups used are kept (the first version of the downward search read an empty group's first
+// token: a null read; found by the review of that change).
+TEST(GroupTokens, APackingThatLeavesAGroupEmptyKeepsTheGroupsUsed) {
+  const std::vector<std::vector<std::uint32_t>> t = {{4, 2}, {3, 1}, {5, 2, 1}, {4, 1, 2, 0}, {0}, {3, 5}};
+  const auto g = group_tokens(spans(t), 4);
+  EXPECT_EQ(g.tokens.size(), optimum(t, 4));
+  EXPECT_EQ(g.tokens.size(), 2U);
+  EXPECT_TRUE(g.minimal());
+  for (const auto& group : g.tokens) EXPECT_FALSE(group.empty());
+}
+
 // The fewest groups by brute force over every set partition (restricted growth strings).
 std::size_t optimum(const std::vector<std::vector<std::uint32_t>>& t, std::size_t cap) {
   const std::size_t n = t.size();
