@@ -1112,7 +1112,6 @@ void check_options(const access_stream& stream, const moe_geometry& geometry, po
                     "{} layout's experts)",
                     options.capacity, stream.group_limit(), keys, to_string(options.layout)));
   }
-  stream.check_split_capacity(options.capacity, "simulate");
   if (options.max_outstanding_prefetches > options.capacity - stream.largest_group()) {
     throw invalid_argument(fmt::format(
         "simulate: max_outstanding_prefetches {} out of range [0, {}] (capacity − largest group: a whole group must "

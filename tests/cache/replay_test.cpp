@@ -6,7 +6,6 @@
 #include "expage/cache/policy_dispatch.hpp"
 #include "expage/cache/slot_cache.hpp"
 #include "expage/detail/sanitizers.hpp"
-#include "expage/sim/pager_sim.hpp"
 #include "expage/trace/routing_event_source.hpp"
 #include "expage/trace/synthetic_trace.hpp"
 #include "expage/trace/trace_io.hpp"
@@ -180,7 +179,7 @@ TEST(Replay, RefusesATraceOfAnotherGeometry) {
   EXPECT_NO_THROW((void)replay(stream, moe_geometry::mixtral_8x7b(), policy_kind::lru, {.capacity = 4}));
 }
 
-// A stream that split steps holds its own limit's groups: replayed or simulated at a larger
+// A stream that split steps holds its own limit's groups: replayed at a larger
 // capacity it gave the counts of the wrong grouping (12 accesses in 3 split groups at 3 slots,
 // where the trace has 9 in none). It serves its own limit; one that split nothing serves more.
 TEST(Replay, AStreamThatSplitStepsServesItsOwnLimitAlone) {
@@ -200,8 +199,6 @@ TEST(Replay, AStreamThatSplitStepsServesItsOwnLimitAlone) {
   EXPECT_THAT([&] { (void)replay(narrow, g, policy_kind::lru, {.capacity = 3}); },
               ::testing::ThrowsMessage<invalid_argument>(
                   HasSubstr("replay: capacity 3 differs from the stream's group limit 2, for which 3 layer-steps")));
-  EXPECT_THAT([&] { (void)simulate(narrow, g, policy_kind::lru, {.capacity = 3}); },
-              ::testing::ThrowsMessage<invalid_argument>(HasSubstr("simulate: capacity 3 differs")));
   EXPECT_EQ(replay(narrow, g, policy_kind::lru, {.capacity = 2}).split_groups, 3U);
   const access_stream wide(t, 3);  // nothing split: serves 3 and 4
   EXPECT_EQ(replay(wide, g, policy_kind::lru, {.capacity = 4}).accesses, 9U);

@@ -114,7 +114,8 @@ class access_stream {
   [[nodiscard]] std::uint32_t largest_group() const noexcept { return largest_group_; }
   /// Checks that the groups are those of @p capacity slots: a stream that split a step holds its
   /// own limit's groups, so it serves that capacity alone; one that split nothing serves any
-  /// capacity from its limit up (replay() and simulate() call it).
+  /// capacity from its limit up (replay() calls it; simulate() runs a split stream's groups at
+  /// every capacity, as the split and tier simulators mean it to).
   /// @throws expage::invalid_argument naming @p who, the capacity, the limit and the splits.
   void check_split_capacity(std::uint32_t capacity, std::string_view who) const;
   [[nodiscard]] replay_mode mode() const noexcept { return mode_; }        ///< The mode it was built for.

@@ -379,9 +379,11 @@ struct sim_result {
 [[nodiscard]] bool duels(policy_kind kind) noexcept;
 
 /// Simulates @p stream with eviction policy @p policy.
+/// A stream that split steps keeps its group limit's groups at every capacity (the split and tier
+/// simulators build one stream at their smallest cap and run it at every cap, so that the groups
+/// fit all of them); replay() refuses such a stream at another capacity.
 /// @throws expage::invalid_argument for a geometry mismatch, a capacity out of range or below the
-///         stream's group limit (or other than it when the stream split a step:
-///         access_stream::check_split_capacity()), an invalid hardware profile or ratio (make_cost_model), or enum
+///         stream's group limit, an invalid hardware profile or ratio (make_cost_model), or enum
 ///         values out of range. Nothing is half-done: the prefetcher is only reset.
 [[nodiscard]] sim_result simulate(const access_stream& stream, const moe_geometry& geometry, policy_kind policy,
                                   const sim_options& options);
