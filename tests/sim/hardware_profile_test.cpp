@@ -77,6 +77,8 @@ TEST(HardwareProfile, RefusesBadFilesNamingTheValue) {
       // Too small for a double: inside the printed range, so not "out of range" (found by review).
       {R"({"name":"x","hbm_gbytes_per_second":10,"dense_tflops":1,"links":[{"gbytes_per_second":1,"setup_us":1e-400}]})",
        "setup_us': 1e-400 is too small for a double (it would read as 0): give 0 or a value in [0, 1000000]"},
+      // Where 0 is refused too, the value is below the range, and said so.
+      {R"({"name":"x","hbm_gbytes_per_second":1e-400})", "hbm_gbytes_per_second': 1e-400 out of range [1e-06"},
       {R"({"name":"x","hbm_gbytes_per_second":1e400})", "hbm_gbytes_per_second': 1e400 out of range [1e-06"},
       {R"({"name":"x"} x)", "after the document"},
       // Nine levels (the object and eight arrays): one more than the reader's eight (nine were read).
