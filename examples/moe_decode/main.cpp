@@ -296,8 +296,12 @@ options parse(int argc, char** argv) {
           "            mean with its decay of 0.5, the default before log-odds)\n"
           "           [--weights FILE] [--write-weights FILE] [--trace-out FILE] [--json FILE]\n"
           "           [--host-limit BYTES] [--copy-threads N] [--no-check] [--physics] [--quick]\n"
-          "--tokens N: tokens routed by the model, or with --trace the first N forward passes (a batched\n"
-          "trace's pass decodes one token of each of its sequences)\n"
+          "--tokens N: tokens routed by the model (default 32), or with --trace the first N forward passes\n"
+          "(default: all; a batched trace's pass decodes one token of each of its sequences)\n"
+          "Defaults: --backend host, --geometry olmoe-1b-7b, --scale 8 (in [1, 1024]), --budget 25%, --precision\n"
+          "bf16, --view records, --policy lru, --hi-share 50%, --interval 2, --duel-passes 16 (0: no duel),\n"
+          "--host-limit 4294967296, --copy-threads 1; --quick sets --tokens 4 --scale 16 where not given.\n"
+          "BYTES is a whole number of bytes (no suffix).\n"
           "--four-pool: --budget is B for hi and lo versions and the KV cache together; the four-pool\n"
           "controller splits it every --burst passes (default 8) for the modelled --hardware (default\n"
           "pcie4) and a KV workload of the --kv-sessions preset (phase-shift, tool-calls, long-context;\n"
@@ -1663,6 +1667,10 @@ std::vector<step_routing> load_trace(const options& o, const expage::moe_geometr
       steps.back().ids.push_back(static_cast<std::int32_t>(e.experts[k]));
       steps.back().weights.push_back(e.weights[k]);
     }
+  }
+  if (o.tokens != 0 && tokens < o.tokens) {  // the loop ended before --tokens passes: say so
+    fmt::print(stderr, "moe_decode: --tokens {}: {} has {} forward passes{}; running them all\n", o.tokens, o.trace,
+               tokens, o.problem != std::numeric_limits<std::uint32_t>::max() ? " in that problem" : "");
   }
   return steps;
 }
