@@ -109,7 +109,8 @@ struct usage_error : std::runtime_error {
 struct options {
   std::string geometry = "olmoe-1b-7b";
   std::uint32_t scale = 8;
-  std::uint32_t tokens = 0;  // 0: 32 tokens routed by the model, or the whole trace
+  std::uint32_t tokens = 0;      // 0: 32 tokens routed by the model, or the whole trace
+  bool tokens_by_quick = false;  // `tokens` is --quick's 4, not given
   double budget = 0.25;
   std::string trace;
   std::string trace_out;
@@ -315,7 +316,10 @@ options parse(int argc, char** argv) {
   }
   const auto was_given = [&](std::string_view flag) { return std::ranges::find(given, flag) != given.end(); };
   if (quick) {  // a smaller default, never over a value given (in any order)
-    if (!was_given("--tokens")) o.tokens = 4;
+    if (!was_given("--tokens")) {
+      o.tokens = 4;
+      o.tokens_by_quick = true;
+    }
     if (!was_given("--scale")) o.scale = 16;
   }
   if (!o.write_weights.empty()) {  // a mode of its own: it writes the weights of the model and exits
@@ -1669,8 +1673,9 @@ std::vector<step_routing> load_trace(const options& o, const expage::moe_geometr
     }
   }
   if (o.tokens != 0 && tokens < o.tokens) {  // the loop ended before --tokens passes: say so
-    fmt::print(stderr, "moe_decode: --tokens {}: {} has {} forward passes{}; running them all\n", o.tokens, o.trace,
-               tokens, o.problem != std::numeric_limits<std::uint32_t>::max() ? " in that problem" : "");
+    fmt::print(stderr, "moe_decode: {} {}: {} has {} forward passes{}; running them all\n",
+               o.tokens_by_quick ? "--quick's tokens" : "--tokens", o.tokens, o.trace, tokens,
+               o.problem != std::numeric_limits<std::uint32_t>::max() ? " in that problem" : "");
   }
   return steps;
 }

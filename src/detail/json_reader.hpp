@@ -78,7 +78,7 @@ class json_reader {
       const std::size_t e = v.text.find_first_of("eE");
       const bool tiny = (e != std::string::npos && e + 1 < v.text.size() && v.text[e + 1] == '-') ||
                         (e == std::string::npos && (v.text.starts_with("0.") || v.text.starts_with("-0.")));
-      if (tiny && (open_low ? lo < 0.0 : lo <= 0.0)) {  // else it is below the range, as said below
+      if (tiny && (open_low ? lo < 0.0 : lo <= 0.0) && hi >= 0.0) {  // else it is below the range, as said below
         fail_at(v.column, fmt::format("field '{}': {} is too small for a double (it would read as 0): give 0 "
                                       "or a value in {}{}, {}]",
                                       key, v.text, open_low ? "(" : "[", lo, hi));

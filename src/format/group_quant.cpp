@@ -127,8 +127,9 @@ void dequantize_groups(std::span<const std::byte> packed, const group_quant_layo
   const std::uint64_t gpr = layout.groups_per_row();
   const unsigned bits = layout.bits();
   // Every group's metadata before any value is written (nothing half-written): quantize_groups()
-  // writes finite scales ≥ 0 and finite zeros, and a corrupted one decoded to NaN, ±inf or
-  // mirrored values without a word.
+  // writes finite scales ≥ 0 and finite zeros, and such a corrupted one decoded to NaN, ±inf or
+  // mirrored values without a word. (A finite scale too large for the codes can still overflow
+  // an fp16 output: beyond this the metadata is trusted.)
   for (std::uint64_t g = 0; g < shape.rows * gpr; ++g) {
     const float scale = fp16_to_float(load_le16(bytes + layout.scales_at() + 2 * g));
     const float zero = fp16_to_float(load_le16(bytes + layout.zeros_at() + 2 * g));

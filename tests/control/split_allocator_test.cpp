@@ -429,13 +429,7 @@ TEST(SplitController, AFailedResizeLeavesThePreviousSplit) {
 // changes nothing. Before, commit() put it in force, and every later step() refused the current
 // cap (found by review).
 TEST(SplitController, CommitRefusesASplitOutsideTheModel) {
-  const split_model m{.budget_bytes = 100,
-                      .experts_per_layer = 8,
-                      .slot_bytes = 10,
-                      .block_bytes = 1,
-                      .kv_floor_bytes = 30,
-                      .expert_miss_seconds = 1.0,
-                      .kv_miss_seconds = 1.0};
+  const split_model m = model(100, 30);  // caps 0 to 7: 8 would leave 20 bytes of KV
   split_controller c(m, {}, {.max_capacity = 8, .bin_width = 1, .decay = 0.9},
                      {.max_capacity = 100, .bin_width = 1, .decay = 0.9}, 2);
   online_split_decision d = c.step();

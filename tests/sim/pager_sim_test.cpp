@@ -80,11 +80,9 @@ routing_trace two_tokens(const moe_geometry& g) {
   return t;
 }
 
-// With compute free, one link without setup and no prefetch, the simulator is replay(): the same
-// misses, hits and evictions for every policy, layout and capacity, and the same stall.
 // A shrink's evictions are counted in resize_evictions alone; evictions counts the loads that
-// displaced an expert (the shrink's were in both). Two layers of two experts each, every pass
-// the same; 4 slots, then 2 from pass 1: the first pass loads 4 into free slots, the shrink
+// displaced an expert (the shrink's were in both). Two layers, two experts routed at each, every
+// pass the same; 4 slots, then 2 from pass 1: the first pass loads 4 into free slots, the shrink
 // evicts 2, and the second pass loads its 4 misses over 4 victims.
 TEST(PagerSim, AShrinksEvictionsAreNotCountedAsLoadEvictions) {
   const moe_geometry g(moe_geometry::config{
@@ -108,6 +106,8 @@ TEST(PagerSim, AShrinksEvictionsAreNotCountedAsLoadEvictions) {
   EXPECT_EQ(r.evictions, 4U);
 }
 
+// With compute free, one link without setup and no prefetch, the simulator is replay(): the same
+// misses, hits and evictions for every policy, layout and capacity, and the same stall.
 TEST(PagerSim, EqualsReplayWithFreeComputeForEveryPolicy) {
   const auto g = small();
   const routing_trace trace = synthetic(g, 11, 6, 40, 2);
