@@ -208,8 +208,8 @@ class layer_pipeline {
     const std::size_t flat = flat_of(id);
     if (pinned_[flat]) return;
     std::vector<std::pair<std::size_t, std::size_t>> loaded;
-    loaded.reserve(
-        expert_tensor_count);  // so that noting a mapped page cannot throw (undo_loads() unmaps what it lists)
+    // Room first, so that noting a mapped page cannot throw (undo_loads() unmaps what it lists).
+    loaded.reserve(expert_tensor_count);
     try {
       for (std::size_t t = 0; t < expert_tensor_count; ++t) {
         if (!leases_[t][flat]) {
