@@ -17,6 +17,7 @@
 #include "expage/cache/next_turn_policy.hpp"
 #include "expage/cache/replay.hpp"
 #include "expage/cache/slot_cache.hpp"
+#include "expage/cache/token_groups.hpp"
 #include "expage/trace/synthetic_trace.hpp"
 #include "expage/trace/trace_io.hpp"
 
@@ -25,6 +26,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <list>
+#include <map>
 #include <random>
 #include <span>
 #include <string>
@@ -131,6 +133,39 @@ void BM_SlotCache_Mixed(benchmark::State& state) {
   state.counters["miss_ratio"] = static_cast<double>(misses) / static_cast<double>(state.iterations() * 8);
 }
 BENCHMARK(BM_SlotCache_Mixed<expage::lru_policy>)->Name("BM_SlotCache_Mixed");
+
+// group_tokens() on every layer-step of a batch of 32 Qwen3-30B-A3B tokens at 16 / 32 / 64 slots
+// (each step's union exceeds the slots): the default search (downward from first-fit's count,
+// 1,000 nodes) beside first-fit alone (search_budget 0), its baseline. Per iteration: 96
+// layer-steps (2 decode steps × 48 layers).
+const std::vector<std::vector<std::span<const expage::expert_index>>>& batched_steps() {
+  static const expage::routing_trace trace = expage::generate_synthetic(
+      expage::moe_geometry::qwen3_30b_a3b(), {.seed = 1, .sequences = 32, .decode_steps = 2, .batch_size = 32});
+  static const auto steps = [] {
+    std::map<std::pair<std::uint32_t, std::uint32_t>, std::vector<std::span<const expage::expert_index>>> by_step;
+    for (std::size_t i = 0; i < trace.size(); ++i) by_step[{trace[i].step, trace[i].layer}].push_back(trace[i].experts);
+    std::vector<std::vector<std::span<const expage::expert_index>>> out;
+    for (auto& [key, tokens] : by_step) out.push_back(std::move(tokens));
+    return out;
+  }();
+  return steps;
+}
+void group_steps(benchmark::State& state, std::size_t budget) {
+  const auto& steps = batched_steps();
+  const auto capacity = static_cast<std::size_t>(state.range(0));
+  std::size_t groups = 0;
+  for (auto _ : state) {
+    groups = 0;
+    for (const auto& tokens : steps) groups += expage::group_tokens(tokens, capacity, budget).tokens.size();
+    benchmark::DoNotOptimize(groups);
+  }
+  state.counters["groups"] = static_cast<double>(groups);
+}
+void BM_GroupTokens_Batch32(benchmark::State& state) { group_steps(state, expage::default_grouping_search_budget); }
+BENCHMARK(BM_GroupTokens_Batch32)->Arg(16)->Arg(32)->Arg(64)->Unit(benchmark::kMillisecond);
+void BM_Baseline_GroupTokens_FirstFit(benchmark::State& state) { group_steps(state, 0); }
+BENCHMARK(BM_Baseline_GroupTokens_FirstFit)->Arg(16)->Arg(32)->Arg(64)->Unit(benchmark::kMillisecond);
+
 // What duel_policy's LRU order beside the policy costs per access (no switch: next-turn ranks).
 BENCHMARK(BM_SlotCache_Mixed<expage::next_turn_policy>)->Name("BM_SlotCache_Mixed_NextTurn");
 BENCHMARK(BM_SlotCache_Mixed<expage::duel_policy<expage::next_turn_policy>>)->Name("BM_SlotCache_Mixed_DuelNextTurn");

@@ -205,6 +205,7 @@ class placement_score {
       : refs_(references.size()),
         k_(trace.top_k()),
         experts_(trace.experts_per_layer()),
+        references_(references),
         pool_(pool),
         counts_(counts),
         cell_log_(alpha),
@@ -222,8 +223,6 @@ class placement_score {
         ref_experts_.insert(ref_experts_.end(), e.experts.begin(), e.experts.end());
       }
     }
-    // Where each reference layer's pooled counts start: read in place, not copied.
-    for (const std::uint32_t ref : references) pool_layer_.push_back(ref);
   }
 
   void reset() {
@@ -238,7 +237,7 @@ class placement_score {
     const auto k = static_cast<std::uint32_t>(row.size());
     const std::uint32_t* ref = ref_experts_.data() + std::size_t{position} * refs_ * k_;
     for (std::size_t r = 0; r < refs_; ++r) {
-      const std::size_t pool_base = std::size_t{pool_layer_[r]} * e;  // the reference layer's rows in the pool
+      const std::size_t pool_base = std::size_t{references_[r]} * e;  // its layer's rows in the pool, read in place
       for (std::size_t a = 0; a < k_; ++a, ++ref) {
         const std::size_t i = (r * e + *ref);
         const std::size_t pool_row = pool_base + *ref;
@@ -267,8 +266,8 @@ class placement_score {
   std::size_t refs_;
   std::size_t k_;
   std::uint32_t experts_;
-  const cooccurrence* pool_;               // the fixed counts, [layer][i][j] over every layer; null: none
-  std::vector<std::uint32_t> pool_layer_;  // reference r's layer in the pool
+  std::span<const std::uint32_t> references_;  // the reference layers (the sequence's, alive with it)
+  const cooccurrence* pool_;                   // the fixed counts, [layer][i][j] over every layer; null: none
   std::vector<std::uint32_t> ref_experts_;
   placement_counts& counts_;
   log_table cell_log_;  // log(α + m)
