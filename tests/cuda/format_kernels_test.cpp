@@ -51,7 +51,9 @@ TEST(Bf16DecodeKernel, MatchesTheHostDecoderBitForBit) {
                                      {std::vector<std::uint16_t>(5000, 0x3F80), 256},
                                      {{0x7FC0}, 128},
                                      {realistic_bf16(131, 104), 128},
-                                     {realistic_bf16(8192 * 3 - 1, 105), 8192}};
+                                     {realistic_bf16(8192 * 3 - 1, 105), 8192},
+                                     // More chunks than the device's resident warps: blocks loop.
+                                     {realistic_bf16((1U << 20) + 129, 106), 128}};
   for (std::size_t k = 0; k < inputs.size(); ++k) {
     const std::vector<std::byte> blob = encode_bf16(inputs[k].values, {.chunk_elements = inputs[k].chunk});
     const std::vector<std::uint16_t> device = decode_on_device(blob);
