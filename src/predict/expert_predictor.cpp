@@ -19,6 +19,13 @@ void check_shape(std::string_view who, std::uint32_t layers, std::uint32_t exper
                     "top-k in [1, experts])",
                     who, layers, experts, top_k));
   }
+  // Every predictor keeps dense per-(layer, expert) tables: refused before they are allocated.
+  if (const std::uint64_t cells = saturating_product({layers, experts}); cells > max_dense_table_cells) {
+    throw invalid_argument(
+        fmt::format("{}: {} layers × {} experts = {} cells out of range [0, 2^28] (the tables are "
+                    "dense)",
+                    who, layers, experts, cells));
+  }
 }
 
 // observe()'s contract: the layer and every expert inside the predictor's shape (checked before
@@ -284,6 +291,13 @@ fmoe_map_predictor::fmoe_map_predictor(std::uint32_t layers, std::uint32_t exper
   check_shape("fmoe_map_predictor", layers, experts_per_layer, top_k);
   if (capacity == 0 || capacity > 65536) {
     throw invalid_argument(fmt::format("fmoe_map_predictor: capacity {} out of range [1, 65536]", capacity));
+  }
+  // The store holds up to capacity maps of layers × experts probabilities.
+  if (const std::uint64_t cells = saturating_product({capacity, layers, experts_per_layer});
+      cells > max_dense_table_cells) {
+    throw invalid_argument(
+        fmt::format("fmoe_map_predictor: capacity {} × {} layers × {} experts = {} stored cells out of range [0, 2^28]",
+                    capacity, layers, experts_per_layer, cells));
   }
   if (semantic_layers_ > layers) {
     throw invalid_argument(

@@ -760,5 +760,27 @@ TEST(Predictors, BaselinesAndFactory) {
   EXPECT_THROW(frequency_predictor(2, 4, 5), invalid_argument);
 }
 
+TEST(Predictors, DenseTablesAboveTheBoundAreRefusedBeforeAllocating) {
+  // layers × experts cells (2^16 × 2^16 asked for 32 GiB of counts), and fMoE's store of capacity
+  // maps of layers × experts probabilities.
+  try {
+    frequency_predictor(65536, 65536, 8);
+    ADD_FAILURE() << "a table of 65536 × 65536 cells was accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("frequency_predictor: 65536 layers × 65536 experts = 4294967296 cells out of "
+                                    "range [0, 2^28]"));
+  }
+  EXPECT_THROW(previous_pass_predictor(16385, 16384), invalid_argument);
+  EXPECT_THROW(coactivation_predictor(16385, 16384, 8, 1), invalid_argument);
+  try {
+    fmoe_map_predictor(61, 256, 8, 65536);
+    ADD_FAILURE() << "a store of 65536 × 61 × 256 cells was accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("fmoe_map_predictor: capacity 65536 × 61 layers × 256 experts = 1023410176 "
+                                    "stored cells out of range [0, 2^28]"));
+  }
+  EXPECT_NO_THROW(fmoe_map_predictor(61, 256, 8));  // DeepSeek-V3's shape at the default capacity
+}
+
 }  // namespace
 }  // namespace expage

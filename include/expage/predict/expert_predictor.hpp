@@ -80,7 +80,8 @@ class expert_predictor {
 class frequency_predictor final : public expert_predictor {
  public:
   /// A predictor for @p layers × @p experts_per_layer experts with top-@p top_k routing.
-  /// @throws expage::invalid_argument for 0 layers or experts, or top-k out of [1, experts].
+  /// @throws expage::invalid_argument for 0 layers or experts, top-k out of [1, experts], or
+  ///         layers × experts above max_dense_table_cells.
   frequency_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k);
   [[nodiscard]] std::string name() const override { return "frequency"; }
   [[nodiscard]] std::uint32_t layers() const noexcept override { return layers_; }
@@ -104,7 +105,8 @@ class frequency_predictor final : public expert_predictor {
 class previous_pass_predictor final : public expert_predictor {
  public:
   /// A predictor for @p layers × @p experts_per_layer experts.
-  /// @throws expage::invalid_argument for 0 layers or experts.
+  /// @throws expage::invalid_argument for 0 layers or experts, or layers × experts above
+  ///         max_dense_table_cells.
   previous_pass_predictor(std::uint32_t layers, std::uint32_t experts_per_layer);
   [[nodiscard]] std::string name() const override { return "previous"; }
   [[nodiscard]] std::uint32_t layers() const noexcept override { return layers_; }
@@ -175,9 +177,9 @@ class coactivation_predictor final : public expert_predictor {
   /// The decay the mean was tuned with (the default before log-odds), for comparisons with it.
   static constexpr double mean_decay = 0.5;
 
-  /// @throws expage::invalid_argument for 0 layers/experts, a window out of [1, 64], a decay
-  ///         out of (0, 1], or a pair table of layers × window × E² cells above
-  ///         max_dense_table_cells.
+  /// @throws expage::invalid_argument for 0 layers/experts, layers × experts or a pair table of
+  ///         layers × window × E² cells above max_dense_table_cells, a window out of [1, 64], or a
+  ///         decay out of (0, 1].
   coactivation_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k,
                          std::uint32_t window = default_window, double decay = default_decay,
                          coactivation_pooling pooling = default_pooling);
@@ -260,7 +262,8 @@ class fmoe_map_predictor final : public expert_predictor {
 
   /// @p semantic_layers unset: min(default_semantic_layers, layers).
   /// @throws expage::invalid_argument for 0 layers/experts, top-k out of [1, experts], a
-  ///         capacity out of [1, 65536] or semantic_layers out of [0, layers].
+  ///         capacity out of [1, 65536], a store of capacity × layers × experts cells above
+  ///         max_dense_table_cells, or semantic_layers out of [0, layers].
   fmoe_map_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k,
                      std::uint32_t capacity = default_capacity,
                      std::optional<std::uint32_t> semantic_layers = std::nullopt);
