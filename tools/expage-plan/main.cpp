@@ -580,12 +580,15 @@ std::string plan_json(const expage::plan_result& plan, const expage::plan_option
         json_number(a.result.seconds_per_token()), json_number(a.belady_stall_per_token)));
   }
   return fmt::format(
-      R"({{"tool":"expage-plan","geometry":{},"hardware":{},"policy":"{}","budget_bytes":{},"kv_floor_bytes":{},)"
-      R"("tolerance":{},"options":[{}],"best":{},"recommended":{},"splits":{},"tiers":{},"answer":{}}})"
+      R"({{"tool":"expage-plan","geometry":{},"hardware":{},"r":{},"policy":"{}","layout":"{}","budget_bytes":{},)"
+      R"("kv_floor_bytes":{},"tolerance":{},"options":[{}],"best":{},"recommended":{},"splits":{},"tiers":{},)"
+      R"("answer":{}}})"
       "\n",
-      expage_tools::json_string(g.name()), expage_tools::json_string(hardware), expage::to_string(o.policy),
-      o.budget_bytes, o.kv_floor_bytes, json_number(o.tolerance), fmt::join(rows, ","), plan.best, plan.recommended,
-      splits.empty() ? "[]" : splits, tiers.empty() ? "null" : tiers, answer_json(final_answer));
+      expage_tools::json_string(g.name()), expage_tools::json_string(hardware),
+      o.transfer_compute_ratio ? json_number(*o.transfer_compute_ratio) : std::string("null"),
+      expage::to_string(o.policy), expage::to_string(o.layout), o.budget_bytes, o.kv_floor_bytes,
+      json_number(o.tolerance), fmt::join(rows, ","), plan.best, plan.recommended, splits.empty() ? "[]" : splits,
+      tiers.empty() ? "null" : tiers, answer_json(final_answer));
 }
 
 // Time per token (ms) against expert memory (GiB): one series per precision (colour and dash),
