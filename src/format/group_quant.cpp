@@ -128,8 +128,10 @@ void dequantize_groups(std::span<const std::byte> packed, const group_quant_layo
   const unsigned bits = layout.bits();
   // Every group's metadata before any value is written (nothing half-written): quantize_groups()
   // writes finite scales ≥ 0 and finite zeros, and such a corrupted one decoded to NaN, ±inf or
-  // mirrored values without a word. (A finite scale too large for the codes can still overflow
-  // an fp16 output: beyond this the metadata is trusted.)
+  // mirrored values without a word. With a scale ≥ 0 the group's values grow with the code, so
+  // its largest code bounds them: a scale that puts it beyond fp16's range (±65504, a value
+  // that rounds to ±inf) is refused for an fp16 output. (bf16's range holds any such value.)
+  const unsigned largest_code = (1U << bits) - 1U;
   for (std::uint64_t g = 0; g < shape.rows * gpr; ++g) {
     const float scale = fp16_to_float(load_le16(bytes + layout.scales_at() + 2 * g));
     const float zero = fp16_to_float(load_le16(bytes + layout.zeros_at() + 2 * g));
@@ -137,6 +139,12 @@ void dequantize_groups(std::span<const std::byte> packed, const group_quant_layo
       throw invalid_argument(fmt::format(
           "dequantize_groups: group {} of row {}: scale {} (allowed: finite, ≥ 0) and zero {} (allowed: finite)",
           g % gpr, g / gpr, scale, zero));
+    }
+    if (!to_bf16 && (dequantize_to_16(largest_code, scale, zero, false) & 0x7FFFU) == 0x7C00U) {
+      throw invalid_argument(fmt::format(
+          "dequantize_groups: group {} of row {}: scale {} and zero {} put code {} at {}, out of fp16's range "
+          "[-65504, 65504]",
+          g % gpr, g / gpr, scale, zero, largest_code, dequantize_value(largest_code, scale, zero)));
     }
   }
   for (std::uint64_t r = 0; r < shape.rows; ++r) {

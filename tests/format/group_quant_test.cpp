@@ -240,6 +240,29 @@ TEST(GroupQuant, RejectsBadInput) {
       EXPECT_TRUE(std::ranges::all_of(out, [](std::uint16_t v) { return v == 0x1234; })) << "nothing written";
     }
   }
+  // A finite scale too large for the codes: code 15 at 15 · 8192 = 122880, beyond fp16's range
+  // (it decoded to +inf); bf16 holds it. 4368 (15 · 4368 = 65520) rounds to inf too; 4364 does not.
+  for (const auto& [scale_bits, overflows] :
+       {std::pair{std::uint16_t{0x7000}, true}, std::pair{std::uint16_t{0x6C44}, true},
+        std::pair{std::uint16_t{0x6C43}, false}}) {
+    std::vector<std::byte> big = packed;
+    big[layout.scales_at() + 2] = static_cast<std::byte>(scale_bits & 0xFFU);
+    big[layout.scales_at() + 3] = static_cast<std::byte>(scale_bits >> 8U);
+    std::ranges::fill(big.begin(), big.begin() + 4, std::byte{0xFF});  // every code 15
+    big[layout.zeros_at() + 2] = std::byte{0};
+    big[layout.zeros_at() + 3] = std::byte{0};
+    std::ranges::fill(out, std::uint16_t{0x1234});
+    if (overflows) {
+      EXPECT_THAT([&] { expage::dequantize_groups(big, layout, precision::fp16, out); },
+                  ::testing::ThrowsMessage<expage::invalid_argument>(::testing::HasSubstr("group 0 of row 1: scale")))
+          << std::hex << scale_bits;
+      EXPECT_TRUE(std::ranges::all_of(out, [](std::uint16_t v) { return v == 0x1234; })) << "nothing written";
+    } else {
+      expage::dequantize_groups(big, layout, precision::fp16, out);
+      EXPECT_EQ(out[4], 0x7BFEU) << "15 · 4364 = 65460 rounds to 65472";
+    }
+    EXPECT_NO_THROW(expage::dequantize_groups(big, layout, precision::bf16, out)) << std::hex << scale_bits;
+  }
 }
 
 }  // namespace

@@ -79,9 +79,9 @@ class group_quant_layout {
 /// (expage/cuda/dequant.hpp) produces the same bits for metadata quantize_groups() wrote (the
 /// kernel does not check it).
 /// @throws expage::invalid_argument when @p packed is not layout.total_bytes() long, @p out does
-/// not hold rows·cols values, @p out_format is not bf16 or fp16, or a group's scale is not finite
-/// and ≥ 0 or its zero not finite (checked before anything is written; a finite scale too large
-/// for the codes can still overflow an fp16 output: the metadata is otherwise trusted).
+/// not hold rows·cols values, @p out_format is not bf16 or fp16, a group's scale is not finite
+/// and ≥ 0 or its zero not finite, or (fp16 output) its largest code's value rounds beyond fp16's
+/// range (all checked before anything is written).
 void dequantize_groups(std::span<const std::byte> packed, const group_quant_layout& layout, precision out_format,
                        std::span<std::uint16_t> out);
 
