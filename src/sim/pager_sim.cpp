@@ -831,10 +831,13 @@ class engine {
   }
 
   // Drops queued prefetches whose predicted use has passed (or, without a prediction, that have
-  // waited a whole pass of layers).
+  // waited a whole pass of layers). A use is predicted for a layer-step's first group; a step
+  // split into several groups is still under way in its later ones, where the expert may be
+  // routed, so those keep it (its groups share one range of trace events).
   void cancel_stale(std::size_t g) {
     cancel_if([&](const queued_prefetch& q) {
-      return q.use_group != never ? q.use_group < g : q.issued_group + layers_ < g;
+      if (q.use_group == never) return q.issued_group + layers_ < g;
+      return q.use_group < g && stream_.trace_events(static_cast<std::size_t>(q.use_group)) != stream_.trace_events(g);
     });
   }
 
@@ -949,7 +952,7 @@ class engine {
     const victim_note at = prefetch_evicted_at_[f];
     if (at.group == never) return;
     prefetch_evicted_at_[f] = victim_note{};
-    if (demand_evictions_ - at.demand_evictions <= 1) ++prefetch_refaults_;
+    if (demand_evictions_ == at.demand_evictions) ++prefetch_refaults_;  // this miss has not evicted yet
     if (g - at.group <= layers_) ++result_.prefetch_victim_refaults;
   }
 
@@ -962,7 +965,8 @@ class engine {
   [[nodiscard]] bool within_guards(std::size_t g) const noexcept {
     if (shadow_.empty()) return true;  // both guards off: no shadow was run
     const shadow_point& base = shadow_[g];
-    const double moved = static_cast<double>(result_.demand_misses + started_prefetches_ + queue_.size());
+    // The candidate counted: admission pauses when admitting it would cross the bound.
+    const double moved = static_cast<double>(result_.demand_misses + started_prefetches_ + queue_.size() + 1);
     if (!within_prefetch_overhead(moved, static_cast<double>(base.misses), options_.max_prefetch_overhead)) {
       return false;
     }
@@ -979,7 +983,11 @@ class engine {
     // delay the use as much as the link: only prefetch work queued ahead eats the idle gap.
     double transfer = std::numeric_limits<double>::infinity();
     for (const auto& l : links_) transfer = std::min(transfer, l.transfer);
-    const double ahead = static_cast<double>(queue_.size()) * transfer / static_cast<double>(links_.size());
+    // The queue starts in (use_group, order) order, so the work ahead of this proposal is what is
+    // queued for its group or earlier (a later use waits behind it).
+    const auto queued_ahead = std::count_if(queue_.begin(), queue_.end(),
+                                            [&](const queued_prefetch& q) { return q.use_group <= r.use_group; });
+    const double ahead = static_cast<double>(queued_ahead) * transfer / static_cast<double>(links_.size());
     const double groups_ahead = r.use_group == never ? 1.0 : static_cast<double>(r.use_group - g);
     const double gap = groups_ahead * nominal_layer_ - ahead;
     // Eq. 6: f for this proposal alone (the work queued ahead is already taken from its gap).

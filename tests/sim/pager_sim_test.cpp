@@ -399,12 +399,15 @@ TEST(PagerSim, PerfectPrefetchHidesTransfersBehindLongCompute) {
                                .dense_bytes_per_layer = 0,
                                .prefetch = &oracle});
   EXPECT_EQ(tight.prefetches_issued, 0U);
+  // No byte guard: at the first token a prefetcher this far ahead is more than one transfer
+  // ahead of demand loading, where the guard (5% and one transfer) pauses it.
   const auto roomy = simulate(s, g, policy_kind::belady,
                               {.layout = cache_layout::per_layer,
                                .capacity = 4,
                                .hardware = seconds_profile(10.0, 1.0),
                                .dense_bytes_per_layer = 0,
-                               .prefetch = &oracle});
+                               .prefetch = &oracle,
+                               .max_prefetch_overhead = std::numeric_limits<double>::infinity()});
   EXPECT_DOUBLE_EQ(roomy.stall_total(), 2.0) << "only the first group's two loads wait";
   EXPECT_GT(roomy.prefetches_used, 0U);
 }
@@ -461,6 +464,171 @@ TEST(PagerSim, InvariantsOnRandomTraces) {
     }
   }
   EXPECT_GT(resize_stall, 0.0);
+}
+
+// Proposes a fixed list of requests at one group.
+class list_prefetcher final : public prefetcher {
+ public:
+  list_prefetcher(std::size_t at, std::vector<prefetch_request> requests) : at_(at), requests_(std::move(requests)) {}
+  [[nodiscard]] std::string name() const override { return "list"; }
+  void reset() override {}
+  void propose(const access_stream&, std::size_t g, std::vector<prefetch_request>& out) override {
+    if (g == at_) out.insert(out.end(), requests_.begin(), requests_.end());
+  }
+
+ private:
+  std::size_t at_;
+  std::vector<prefetch_request> requests_;
+};
+
+// One expert per layer-step, one token over 8 layers: group g is layer g.
+routing_trace one_token_over_layers(const moe_geometry& g) {
+  routing_trace t(g);
+  for (std::uint32_t l = 0; l < g.layers(); ++l) {
+    const std::uint32_t experts[] = {0};
+    const float weights[] = {1.0F};
+    t.append({.sequence = 0, .step = 0, .layer = l, .experts = experts, .weights = weights});
+  }
+  return t;
+}
+
+// Only the prefetch work queued for the proposal's group or earlier is ahead of it (the queue
+// starts in (use group, order) order): at r = 0.6, B for group 1 (p 0.3) fits its gap alone
+// (f = 1 / 0.6 ≥ 1) and must not be refused because A, for group 3, was queued first. The work
+// queued ahead was the whole queue, so A pushed B's f below 1 and p = 0.3 lost.
+TEST(PagerSim, CostBenefitCountsOnlyTheWorkQueuedAheadOfAProposal) {
+  const moe_geometry g(moe_geometry::config{
+      .name = "eight", .layers = 8, .experts_per_layer = 8, .top_k = 1, .hidden_size = 64, .intermediate_size = 32});
+  const routing_trace t = one_token_over_layers(g);
+  const access_stream s(t, 1);
+  const prefetch_request a{.layer = 3, .expert = 5, .use_group = 3, .probability = 1.0F};
+  const prefetch_request b{.layer = 1, .expert = 5, .use_group = 1, .probability = 0.3F};
+  const auto run = [&](std::vector<prefetch_request> requests) {
+    list_prefetcher pf(0, std::move(requests));
+    sim_options o{.capacity = 64, .hardware = no_setup(), .transfer_compute_ratio = 0.6, .prefetch = &pf};
+    o.max_prefetch_overhead = std::numeric_limits<double>::infinity();
+    o.stall_guard = false;
+    return simulate(s, g, policy_kind::lru, o);
+  };
+  EXPECT_EQ(run({b}).prefetches_issued, 1U);
+  const sim_result both = run({a, b});
+  EXPECT_EQ(both.prefetches_issued, 2U);
+  EXPECT_EQ(both.prefetches_refused, 0U);
+  // B queued first is ahead of a proposal for its own group: C, for group 1 too (p 0.3), then
+  // finds f = (1 − 0.6) / 0.6 < 1 and p·f − (1 − p)(1 − f) < 0.
+  const prefetch_request c{.layer = 1, .expert = 6, .use_group = 1, .probability = 0.3F};
+  EXPECT_EQ(run({b, c}).prefetches_refused, 1U);
+}
+
+// A layer-step split into several groups (a batch over its slots) keeps a prefetch for it until
+// its last group: the expert may be routed in any part. Cancelled when the step's second part
+// began, the guesses for its experts there were dropped before their use and loaded again on
+// demand.
+TEST(PagerSim, ASplitLayerStepKeepsItsPrefetchesUntilItEnds) {
+  const moe_geometry g(moe_geometry::config{
+      .name = "split", .layers = 2, .experts_per_layer = 8, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
+  routing_trace t(g);
+  t.set_batch_size(2);
+  for (std::uint32_t step = 0; step < 6; ++step) {
+    for (std::uint32_t l = 0; l < 2; ++l) {
+      for (std::uint32_t seq = 0; seq < 2; ++seq) {
+        const std::uint32_t experts[] = {l * 4 + seq * 2, l * 4 + seq * 2 + 1};
+        const float weights[] = {0.5F, 0.5F};
+        t.append({.sequence = seq, .step = step, .layer = l, .experts = experts, .weights = weights});
+      }
+    }
+  }
+  t.restore_execution_order();
+  const access_stream s(t, 2);  // each layer-step {a, b, c, d} runs as {a, b} then {c, d}
+  ASSERT_EQ(s.groups(), 24U);
+  // At group 1 (layer 0's second part), the next layer-step's four experts, for its first group.
+  list_prefetcher pf(1, {{.layer = 1, .expert = 4, .use_group = 2, .probability = 1.0F},
+                         {.layer = 1, .expert = 5, .use_group = 2, .probability = 1.0F},
+                         {.layer = 1, .expert = 6, .use_group = 2, .probability = 1.0F},
+                         {.layer = 1, .expert = 7, .use_group = 2, .probability = 1.0F}});
+  sim_options o{.capacity = 8, .hardware = no_setup(), .transfer_compute_ratio = 3.0, .prefetch = &pf};
+  o.admission = prefetch_admission::all;
+  const sim_result r = simulate(s, g, policy_kind::lru, o);
+  EXPECT_EQ(r.prefetches_issued, 4U);
+  EXPECT_EQ(r.prefetches_cancelled, 0U) << "experts 6 and 7 are routed in the step's second group";
+  EXPECT_EQ(r.prefetches_used + r.prefetches_promoted, 4U);  // late ones are among the used
+}
+
+// A prefetch cancelled before it started moved nothing and was never used: it leaves no count
+// behind in a policy that counts uses (lfu, lfru keep counts across evictions). Trace A K K X A
+// N X, 3 slots, free compute; X proposed at group 0 for group 1 (a wrong guess), cancelled
+// unstarted when group 2 begins. Counted as a use it kept X over A at N's eviction: one demand
+// miss fewer by luck, a different cache.
+TEST(PagerSim, ACancelledPrefetchCountsNoUse) {
+  const moe_geometry g(moe_geometry::config{
+      .name = "one", .layers = 1, .experts_per_layer = 8, .top_k = 1, .hidden_size = 64, .intermediate_size = 32});
+  routing_trace t(g);
+  const std::uint32_t sequence[] = {0, 1, 1, 7, 0, 2, 7};
+  for (std::uint32_t step = 0; step < 7; ++step) {
+    const std::uint32_t experts[] = {sequence[step]};
+    const float weights[] = {1.0F};
+    t.append({.sequence = 0, .step = step, .layer = 0, .experts = experts, .weights = weights});
+  }
+  const access_stream s(t, 1);
+  hardware_profile free_compute = no_setup();
+  free_compute.compute_calibration = 0.0;
+  for (const policy_kind p : {policy_kind::lru, policy_kind::lfu, policy_kind::lfru, policy_kind::arc,
+                              policy_kind::s3fifo, policy_kind::sieve}) {
+    SCOPED_TRACE(to_string(p));
+    list_prefetcher pf(0, {{.layer = 0, .expert = 7, .use_group = 1, .probability = 1.0F}});
+    sim_options o{.capacity = 3, .hardware = free_compute};
+    const sim_result alone = simulate(s, g, p, o);
+    o.prefetch = &pf;
+    o.admission = prefetch_admission::all;
+    const sim_result guessed = simulate(s, g, p, o);
+    ASSERT_EQ(guessed.prefetches_cancelled, 1U);
+    EXPECT_EQ(guessed.prefetch_bytes, 0U);
+    EXPECT_EQ(guessed.demand_misses, alone.demand_misses);
+    EXPECT_EQ(guessed.evictions, alone.evictions);
+  }
+}
+
+// The victim-value estimate counts a refault of a prefetch's victim only before the policy's next
+// demand eviction (after it the victim, the policy's next choice, would have gone anyway). Two
+// slots, LRU, r = 0.1: X (p 0.9) evicts A; A refaults; then Y (p 0.5) is proposed. With the
+// refault counted the victim's value is 2/3 of a transfer and Y is refused; not counted, 1/3 and
+// Y is admitted. A demand eviction between X's eviction of A and A's refault: not counted (it
+// was, up to one such eviction).
+TEST(PagerSim, AVictimsRefaultCountsOnlyBeforeTheNextDemandEviction) {
+  const moe_geometry g(moe_geometry::config{
+      .name = "one", .layers = 1, .experts_per_layer = 8, .top_k = 1, .hidden_size = 64, .intermediate_size = 32});
+  const auto issued = [&](const std::vector<std::uint32_t>& sequence) {
+    routing_trace t(g);
+    for (std::uint32_t step = 0; step < sequence.size(); ++step) {
+      const std::uint32_t experts[] = {sequence[step]};
+      const float weights[] = {1.0F};
+      t.append({.sequence = 0, .step = step, .layer = 0, .experts = experts, .weights = weights});
+    }
+    const access_stream s(t, 1);
+    std::size_t refault = 2;
+    while (sequence[refault] != 0) ++refault;
+    // X for group 2 at group 1; Y for the group after A's refault, at that group.
+    class two_guesses final : public prefetcher {
+     public:
+      explicit two_guesses(std::size_t y) : y_(y) {}
+      [[nodiscard]] std::string name() const override { return "two"; }
+      void reset() override {}
+      void propose(const access_stream&, std::size_t g, std::vector<prefetch_request>& out) override {
+        if (g == 1) out.push_back({.layer = 0, .expert = 7, .use_group = 2, .probability = 0.9F});
+        if (g == y_) out.push_back({.layer = 0, .expert = 6, .use_group = g + 1, .probability = 0.5F});
+      }
+
+     private:
+      std::size_t y_;
+    } pf(refault);
+    sim_options o{.capacity = 2, .hardware = no_setup(), .transfer_compute_ratio = 0.1, .prefetch = &pf};
+    o.max_prefetch_overhead = std::numeric_limits<double>::infinity();
+    o.stall_guard = false;
+    return simulate(s, g, policy_kind::lru, o).prefetches_issued;
+  };
+  EXPECT_EQ(issued({0, 1, 1, 0, 4, 4}), 1U) << "A refaulted before any demand eviction: Y refused";
+  EXPECT_EQ(issued({0, 1, 2, 0, 4, 4}), 2U) << "one demand eviction between: Y admitted";
+  EXPECT_EQ(issued({0, 1, 2, 3, 0, 4, 4}), 2U) << "two between: Y admitted";
 }
 
 // A prefetch whose group began before it could start is cancelled, not started in the idle link
@@ -549,10 +717,13 @@ TEST(PagerSim, GuardsSilenceAUselessPrefetcher) {
   }
 }
 
-// A perfect prefetcher into a cache that holds every expert moves exactly demand loading's bytes
-// (each expert once), so even a byte guard with no share never has cause to refuse it. With a
-// prefetch counted twice while in flight (once started, once outstanding) it refused 10 of 40 at
-// r = 1.5, where prefetches are still in flight at the next layer, and stalled 23% longer.
+// A perfect prefetcher one layer ahead into a cache that holds every expert moves exactly demand
+// loading's bytes (each expert once), one transfer ahead of it at most, so even a byte guard with
+// no share (one transfer of slack) never has cause to refuse it. With a prefetch counted twice
+// while in flight (once started, once outstanding) it refused 10 of 40 at r = 1.5, where
+// prefetches are still in flight at the next layer, and stalled 23% longer. Two layers ahead it
+// would run two transfers ahead: the guard pauses it, counting the candidate (admitting it would
+// cross the bound; the candidate uncounted let the bytes end one transfer past it).
 TEST(PagerSim, TheByteGuardCountsAPrefetchInFlightOnce) {
   const moe_geometry g(moe_geometry::config{
       .name = "guard", .layers = 4, .experts_per_layer = 8, .top_k = 1, .hidden_size = 64, .intermediate_size = 32});
@@ -560,7 +731,7 @@ TEST(PagerSim, TheByteGuardCountsAPrefetchInFlightOnce) {
   const access_stream stream(trace, 32);
   sim_options o{.capacity = 32, .hardware = no_setup(), .transfer_compute_ratio = 1.5};
   o.stall_guard = false;
-  oracle_prefetcher perfect(2, 1.0);
+  oracle_prefetcher perfect(1, 1.0);
   o.prefetch = &perfect;
   o.max_prefetch_overhead = std::numeric_limits<double>::infinity();
   const sim_result free = simulate(stream, g, policy_kind::lru, o);
@@ -571,6 +742,13 @@ TEST(PagerSim, TheByteGuardCountsAPrefetchInFlightOnce) {
   EXPECT_EQ(bounded.prefetches_refused, 0U);
   EXPECT_EQ(bounded.prefetches_issued, free.prefetches_issued);
   EXPECT_DOUBLE_EQ(bounded.stall_total(), free.stall_total());
+  // Two layers ahead, with no share: every admission leaves the bytes moved (queued counted as
+  // moved) within demand loading's plus one transfer.
+  oracle_prefetcher two_ahead(2, 1.0);
+  o.prefetch = &two_ahead;
+  const sim_result paused = simulate(stream, g, policy_kind::lru, o);
+  EXPECT_GT(paused.prefetches_refused, 0U);
+  EXPECT_LE(paused.bytes_moved(), free.bytes_moved() + paused.expert_bytes);
 }
 
 // A prefetcher whose proposals name a group already served: refused by name, not admitted as a

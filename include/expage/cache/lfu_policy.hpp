@@ -47,6 +47,9 @@ class lfu_policy {
     last_[key] = ctx.time;
     resident_.rerank(old, rank_of(key));
   }
+  /// A prefetch made @p key resident: ranked by the accesses it had, none counted (a guess is not
+  /// a use; its first use counts, through on_hit()). Strong guarantee.
+  void on_prefetch(std::uint32_t key, const access_context& /*ctx*/) { resident_.insert(rank_of(key)); }
   /// @p key left the cache; its count is kept.
   void on_evict(std::uint32_t key) noexcept { resident_.erase(rank_of(key)); }
   /// The unpinned key with the fewest accesses (then the oldest, then the smallest).
