@@ -121,7 +121,10 @@ struct expert_runtime_options {
   /// that acquires larger groups (batches) may raise it, and 0 lets guesses take every slot (a
   /// demand miss may then wait for one's copy, counted in fence_waits). A demand tier of at most
   /// this many slots takes no prefetch; a transition's reserve is at most the tier's slots less
-  /// one, so that such a tier still demotes.
+  /// one, so that such a tier still demotes. The reserve counts slots free when a guess is issued:
+  /// an engine that holds one layer's lease while it acquires the next pins that group's slots,
+  /// so the next group's misses may find only guesses to take and wait for their copies; it
+  /// reserves two groups (2 · top-k) to keep demand loads from waiting on a guess.
   std::optional<std::uint32_t> demand_reserve{};
   /// Events the Chrome trace keeps; 0: no trace.
   std::size_t trace_events = 0;
@@ -527,8 +530,9 @@ class expert_runtime {
   /// served by it (a hit; with two tiers a hi miss is served by a resident lo version);
   /// an absent one is loaded into the demand tier on the copy stream; the compute stream waits
   /// on the loads still in flight.
-  /// @throws expage::invalid_argument for a layer or expert out of range, a repeated expert, or
-  /// more experts needing the demand tier than its capacity (nothing changes).
+  /// @throws expage::invalid_argument for a layer or expert out of range or a repeated expert
+  /// (nothing changes), or more experts needing the demand tier than its capacity (nothing
+  /// changes but `failed_acquires`, which counts it).
   /// @throws expage::out_of_budget when every other resident version of the demand tier is pinned
   /// and the account has no room; whatever the backend, the loader or a victim's completion throws;
   /// or expage::invalid_argument when the loader reports a size other than the tensor's. Strong
@@ -545,6 +549,7 @@ class expert_runtime {
       ++failed_acquires_;
       record.next = free_records_;  // nothing was pinned: nothing to release
       free_records_ = &record;
+      pool_.trim();  // blocks taken for the failed loads go back to the system, not kept uncharged
       throw;
     }
     record.next = nullptr;  // held, after the records held before it
@@ -575,6 +580,7 @@ class expert_runtime {
     const locked lock(*this);
     check_layer(layer, "prefetch");
     for (const std::uint32_t e : experts) check_expert(layer, e, "prefetch");
+    prefetch_queue_.reserve(prefetch_queue_.size() + experts.size());  // below, nothing throws
     for (const std::uint32_t e : experts) {
       const std::uint32_t f = flat(layer, e);
       if (active_[f] != no_tier || queued_[f] != 0) continue;
@@ -737,6 +743,9 @@ class expert_runtime {
       }
     }
     transition_queue_.reserve(transition_queue_.size() + surplus);
+    // The fences' waits, counted once the resize can no longer fail (a victim's failed
+    // completion throws), as acquire() counts its own.
+    std::vector<runtime_layer_statistics> fenced(tier_count_ * std::size_t{geometry_.layers()});
     for (;;) {
       bool any = false;
       for (std::size_t t = 0; t < tier_count_; ++t) {
@@ -753,7 +762,7 @@ class expert_runtime {
             }
           }
           if (!victim) break;  // the rest is pinned
-          fence(t, *victim, nullptr);
+          fence(t, *victim, &fenced[t * geometry_.layers() + geometry_.expert_at(*victim).layer]);
           chosen[t].push_back(*victim);
         }
         chosen[t].erase(chosen[t].begin(), chosen[t].begin() + static_cast<std::ptrdiff_t>(excluded));
@@ -770,6 +779,13 @@ class expert_runtime {
         }
       }
       if (all_evicted) break;
+    }
+    for (std::size_t t = 0; t < tier_count_; ++t) {
+      for (std::uint32_t l = 0; l < geometry_.layers(); ++l) {
+        const runtime_layer_statistics& waited = fenced[t * geometry_.layers() + l];
+        stats(t, l).fence_waits += waited.fence_waits;
+        stats(t, l).fence_wait_ns += waited.fence_wait_ns;
+      }
     }
     pool_.trim();
     demand_tier_ = new_demand;
@@ -1258,8 +1274,10 @@ class expert_runtime {
   [[nodiscard]] const tier_state& checked_tier(version_tier which, const char* what) const {
     const auto t = static_cast<std::size_t>(which);
     if (t >= tier_count_) {
+      // A value past the enumerators is named by number (to_string() calls any non-hi value lo).
       throw invalid_argument(fmt::format("expert_runtime::{}: tier {} out of range: the runtime has {}", what,
-                                         to_string(which), tier_count_ == 1 ? "one tier (hi)" : "two tiers (hi, lo)"));
+                                         t < version_tier_count ? std::string(to_string(which)) : std::to_string(t),
+                                         tier_count_ == 1 ? "one tier (hi)" : "two tiers (hi, lo)"));
     }
     return tier(t);
   }
@@ -2045,6 +2063,9 @@ class expert_runtime {
     std::vector<std::pair<std::size_t, std::uint32_t>> evictions_published;  // (tier, victim)
     std::vector<std::uint32_t> activations_published;
     try {
+      // Room first: a publish the lists could not record would not be taken back on failure.
+      evictions_published.reserve(plan.size());
+      activations_published.reserve(plan.size());
       for (planned_load& p : plan) {
         tier_state& T = tier(p.tier);
         const std::span<const block> blocks = p.victim ? T.versions[*p.victim].blocks.blocks() : p.fresh.blocks();
@@ -2169,17 +2190,28 @@ class expert_runtime {
   }
 
   // RAW fence: the compute stream waits on the load events of the group's active versions still loading.
+  // After the commit, so nothing here may throw: the distinct load events are found by scanning
+  // the group (a few experts; a vector of them could fail to allocate here).
   void wait_for_loads(std::uint32_t layer, std::span<const std::uint32_t> group) noexcept {
     runtime_layer_statistics& s = stats(0, layer);  // a lease's count (per layer, not per tier)
-    std::vector<const event_type*> waited;
-    for (const std::uint32_t f : group) {
-      const version& v = tier(active_[f]).versions[f];
-      if (!v.loading || !v.loaded) continue;
-      if (std::find(waited.begin(), waited.end(), v.loaded.get()) != waited.end()) continue;
-      waited.push_back(v.loaded.get());
-      ++s.load_waits;
-    }
-    if (waited.empty()) return;
+    const auto load_of = [&](std::size_t i) -> const event_type* {
+      const version& v = tier(active_[group[i]]).versions[group[i]];
+      return v.loading && v.loaded ? v.loaded.get() : nullptr;
+    };
+    // Calls @p fn once per distinct event the group's versions are still loading under.
+    const auto for_each_load = [&](auto&& fn) {
+      for (std::size_t i = 0; i < group.size(); ++i) {
+        const event_type* ev = load_of(i);
+        if (ev == nullptr) continue;
+        bool seen = false;
+        for (std::size_t j = 0; j < i && !seen; ++j) seen = load_of(j) == ev;
+        if (!seen) fn(*ev);
+      }
+    };
+    std::uint64_t loads = 0;
+    for_each_load([&](const event_type&) { ++loads; });
+    s.load_waits += loads;
+    if (loads == 0) return;
     try {
       if constexpr (requires(Stream & st) { st.enqueue(std::function<void()>{}); }) {
         // Streams that run host work measure the stall on the compute stream itself.
@@ -2189,7 +2221,7 @@ class expert_runtime {
           *start = std::chrono::steady_clock::now();
           *trace_start = trace_.now_us();
         });
-        for (const event_type* ev : waited) compute_->wait(*ev);
+        for_each_load([&](const event_type& ev) { compute_->wait(ev); });
         compute_->enqueue([start, trace_start, layer, this] {
           // After the fences, in stream order: a load that failed on its stream stops the compute
           // stream here, before the layer's kernel (see stop_compute_on_load_error()).
@@ -2206,12 +2238,12 @@ class expert_runtime {
           }
         });
       } else {
-        for (const event_type* ev : waited) compute_->wait(*ev);
+        for_each_load([&](const event_type& ev) { compute_->wait(ev); });
       }
     } catch (...) {
       // A stream that cannot take the wait (a failed device context) would let a kernel read a page
       // being filled: wait on the host instead, for these events only.
-      for (const event_type* ev : waited) quietly_synchronize(*ev);
+      for_each_load([&](const event_type& ev) { quietly_synchronize(ev); });
     }
   }
 
@@ -2764,6 +2796,7 @@ class expert_runtime {
       std::erase(loading_, key(b, f));
     }
     retire(a, f, /*eviction=*/false);  // `next` becomes the active version
+    pool_.trim();                      // the old version's blocks go back to the system, as the account's charge did
     ++stats(b, geometry_.expert_at(f).layer).switches;
     if (tracing()) {
       try {
@@ -2804,6 +2837,7 @@ class expert_runtime {
         ++transitions_failed_;  // nothing changed (issue_background's guarantee): drop the request
         target_[q.expert] = no_goal;
         done = true;
+        pool_.trim();  // nor are blocks left in the pool uncharged
       }
       if (!done) transition_queue_[kept++] = q;
     }
@@ -2832,6 +2866,7 @@ class expert_runtime {
       if (const version* s = sibling(goal, f)) {
         if (s->loading) return false;               // its copy is in flight: retire it once done
         retire(other(goal), f, /*eviction=*/true);  // loaded and never switched to: evicted
+        pool_.trim();
       }
       return true;
     }
@@ -2863,6 +2898,7 @@ class expert_runtime {
         }
       } catch (...) {
         ++prefetch_failed_;  // nothing changed (issue_background's guarantee): drop the request
+        pool_.trim();        // nor are blocks left in the pool uncharged
       }
       prefetch_queue_.erase(prefetch_queue_.begin());
       queued_[q.expert] = 0;

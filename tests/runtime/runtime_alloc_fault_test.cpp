@@ -1,0 +1,185 @@
+// expert_runtime under allocation failure (the failing operator new, at every allocation of a
+// call) and with blocks a failure leaves behind: every view, the account and the backend's
+// blocks as before the call, and no std::terminate from a noexcept step after the commit.
+#include "common/failing_operator_new.hpp"
+#include "common/runtime_fixture.hpp"
+
+#include "expage/cache/lru_policy.hpp"
+#include "expage/core/error.hpp"
+#include "expage/runtime/expert_runtime.hpp"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <memory>
+#include <new>
+#include <sstream>
+#include <string>
+
+namespace expage::testing {
+namespace {
+
+using runtime = expert_runtime<host_vmm, host_stream, lru_policy>;
+
+// What a failed call must leave as it found: the resident set, every layer's expert_map and
+// records, the account's charge and the backend's blocks.
+std::string observable(runtime& rt, const runtime_world& w) {
+  std::ostringstream o;
+  for (const auto& r : rt.resident_set()) {
+    o << fmt::format("{} slot {} tier {} active {} loading {}\n", r.expert, r.slot, static_cast<int>(r.tier), r.active,
+                     r.loading);
+  }
+  for (std::uint32_t l = 0; l < w.geometry.layers(); ++l) {
+    o << "map";
+    for (const std::int32_t s : rt.expert_map(l)) o << ' ' << s;
+    o << "\nrecords";
+    for (const auto& r : rt.records(l)) {
+      o << ' ' << static_cast<const void*>(r.data[0]) << '/' << static_cast<const void*>(r.data[1]) << '#' << r.number;
+    }
+    o << '\n';
+  }
+  o << "account " << w.account.used() << " blocks " << w.vmm.blocks() << '\n';
+  return o.str();
+}
+
+// Capacity 4 holding layer 0's experts 0-3, all released and complete: layer 1's group {4, 5}
+// is served over two victims (their records unpublished, their blocks handed over).
+struct warm {
+  runtime_world w;
+  host_stream prefetch{"prefetch"};
+  runtime rt{w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.trace_events = 1000}, &prefetch};
+  warm() {
+    const std::uint32_t a[] = {0, 1};
+    const std::uint32_t b[] = {2, 3};
+    rt.acquire(0, a).release();
+    rt.acquire(0, b).release();
+    settle();
+  }
+  void settle() {
+    w.compute.synchronize();
+    w.copy.synchronize();
+    prefetch.synchronize();
+    rt.poll();
+  }
+};
+
+TEST(RuntimeAllocFaults, AnAllocationFailureAnywhereInAcquireChangesNothing) {
+  if (!failing_new_available) GTEST_SKIP() << "the failing operator new is off under sanitizers";
+  const std::uint32_t group[] = {4, 5};
+  int failures = 0;
+  for (int k = 1; k < 400; ++k) {
+    SCOPED_TRACE(fmt::format("allocation {}", k));
+    warm s;
+    const std::string before = observable(s.rt, s.w);
+    fail_allocation(k);
+    try {
+      auto lease = s.rt.acquire(1, group);
+      stop_failing_allocations();
+      lease.release();
+      break;  // k is past the call's last allocation
+    } catch (const std::bad_alloc&) {
+      stop_failing_allocations();
+    }
+    ++failures;
+    s.settle();
+    EXPECT_EQ(observable(s.rt, s.w), before);
+    EXPECT_EQ(s.w.check_views(s.rt), "");
+    // And the runtime still serves the group.
+    auto lease = s.rt.acquire(1, group);
+    lease.release();
+    s.settle();
+    EXPECT_EQ(s.w.check_views(s.rt), "");
+  }
+  EXPECT_GT(failures, 20);
+}
+
+TEST(RuntimeAllocFaults, APrefetchThatRunsOutOfMemoryQueuesNothing) {
+  if (!failing_new_available) GTEST_SKIP() << "the failing operator new is off under sanitizers";
+  const std::uint32_t guesses[] = {4, 5, 6};
+  int failures = 0;
+  for (int k = 1; k < 50; ++k) {
+    SCOPED_TRACE(fmt::format("allocation {}", k));
+    warm s;
+    const std::uint64_t queued = s.rt.statistics().prefetch_queued;
+    fail_allocation(k);
+    try {
+      s.rt.prefetch(1, guesses);
+      stop_failing_allocations();
+      break;
+    } catch (const std::bad_alloc&) {
+      stop_failing_allocations();
+    }
+    ++failures;
+    EXPECT_EQ(s.rt.statistics().prefetch_queued, queued);
+    s.settle();
+    EXPECT_EQ(s.rt.statistics().total.prefetches, 0U) << "nothing was queued, so nothing loads";
+  }
+  EXPECT_GT(failures, 0);
+}
+
+// A failed load gives its blocks back to the system: the account is as before and so are the
+// backend's blocks (they stayed in the pool, charged to nothing).
+TEST(RuntimeAllocFaults, AFailedLoadLeavesNoBlockBehind) {
+  runtime_world w;
+  bool fail = false;
+  expert_source<host_stream> source = w.source();
+  source.load = [&, inner = source.load](expert_id id, expert_tensor t, std::span<std::byte> page, host_stream& s) {
+    if (fail) throw format_error("injected decode failure");
+    return inner(id, t, page, s);
+  };
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, source);
+  const std::uint32_t group[] = {0, 1};
+  const std::string before = observable(rt, w);
+  fail = true;
+  EXPECT_THROW((void)rt.acquire(0, group), format_error);
+  EXPECT_EQ(observable(rt, w), before);
+  EXPECT_EQ(w.vmm.blocks(), 0U);
+}
+
+// A resize whose second victim's completion fails throws with nothing evicted; the first
+// victim's fence wait, counted as it happened, made the statistics say otherwise.
+TEST(RuntimeFailures, AResizeThatFailsCountsNoFenceWait) {
+  struct pending_then_fine {  // pending until waited for, then fine
+    std::shared_ptr<bool> done = std::make_shared<bool>(false);
+    [[nodiscard]] bool ready() const noexcept { return *done; }
+    void wait() { *done = true; }
+  };
+  struct failing {
+    [[nodiscard]] bool ready() const noexcept { return false; }
+    void wait() const { throw format_error("injected kernel fault"); }
+  };
+  runtime_world w;
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());
+  const std::uint32_t three[] = {3};
+  const std::uint32_t two[] = {2};
+  const std::uint32_t pair[] = {0, 1};
+  rt.acquire(0, three).release(pending_then_fine{});  // LRU's first victim: its kernel pending, fine
+  rt.acquire(0, two).release(failing{});              // the second: its completion fails
+  rt.acquire(0, pair).release();
+  w.compute.synchronize();
+  w.copy.synchronize();
+  rt.poll();
+  const std::string before = observable(rt, w);
+  const runtime_statistics stats = rt.statistics();
+  EXPECT_THROW((void)rt.resize(2 * rt.expert_bytes()), format_error);
+  EXPECT_EQ(observable(rt, w), before);
+  EXPECT_EQ(rt.statistics().total.fence_waits, stats.total.fence_waits);
+  EXPECT_EQ(rt.statistics().total.fence_wait_ns, stats.total.fence_wait_ns);
+}
+
+// A tier past the enumerators is named by its number, not as "lo".
+TEST(RuntimeFailures, AnUnknownTierIsNamedByNumber) {
+  runtime_world w;
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());
+  volatile int seven = 7;  // not a constant GCC could see flow past the check (-Warray-bounds)
+  try {
+    rt.set_demand_tier(static_cast<version_tier>(seven));
+    ADD_FAILURE() << "tier 7 was accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("tier 7 out of range"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace expage::testing
