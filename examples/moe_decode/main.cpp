@@ -286,7 +286,7 @@ options parse(int argc, char** argv) {
       quick = true;  // defaults for what is not given, below
     } else if (a == "--help" || a == "-h") {
       std::puts(
-          "moe_decode [--backend host|cuda] [--geometry NAME] [--scale N] [--tokens N] [--budget P%]\n"
+          "moe_decode [--backend host|cuda] [--geometry NAME|FILE] [--scale N] [--tokens N] [--budget P%]\n"
           "           [--trace FILE [--problem ID]]\n"
           "           [--precision bf16|int4] [--view records|stable|slots] [--policy lru|lfu|next-turn]\n"
           "           [--lo-precision int4|int8 [--hi-share P%] [--hi-per-layer N] [--interval PASSES]]\n"
@@ -361,8 +361,8 @@ options parse(int argc, char** argv) {
   }
   std::uint32_t experts_per_layer = 0;
   try {
-    experts_per_layer = expage::moe_geometry::preset(o.geometry).experts_per_layer();
-  } catch (const expage::invalid_argument& e) {
+    experts_per_layer = expage::geometry_from_argument(o.geometry).experts_per_layer();
+  } catch (const std::exception& e) {  // an unknown preset, or a geometry file that does not read
     usage(fmt::format("--geometry: {}", e.what()));
   }
   if (o.hi_per_layer > experts_per_layer) {  // it was clamped silently
@@ -1747,7 +1747,7 @@ int run(const options& o) {
   }
   expage::report_off_stdout report(outputs_named);
   std::FILE* const after_outputs = report.names_standard_output() ? stderr : stdout;
-  const expage::moe_geometry g = scaled(expage::moe_geometry::preset(o.geometry), o.scale);
+  const expage::moe_geometry g = scaled(expage::geometry_from_argument(o.geometry), o.scale);
   if (!o.write_weights.empty()) {
     report.put_back();
     write_safetensors(o.write_weights, g);
@@ -1757,7 +1757,7 @@ int run(const options& o) {
   }
   std::vector<step_routing> replay;
   if (!o.trace.empty()) {
-    replay = load_trace(o, expage::moe_geometry::preset(o.geometry));
+    replay = load_trace(o, expage::geometry_from_argument(o.geometry));
     if (replay.empty()) {  // never fall back to the model's routing when a trace was asked for
       usage(fmt::format("--problem {}: no event of {} belongs to this sequence", o.problem, o.trace));
     }

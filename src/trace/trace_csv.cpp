@@ -132,13 +132,32 @@ void for_each_list_element(std::string_view field_text, const source_position& a
     if (s.back() != ']') fail(at, field, "'[' without a closing ']'");
     s = s.substr(1, s.size() - 2);
   }
+  // Spaces around a ';' or ',' belong to it; a mark with no value before it (two in a row, or one
+  // first or last) is an empty item, refused as JSON Lines refuses [5,,1] (it read as [5, 1]).
+  const auto is_space = [](char c) { return c == ' ' || c == '\t'; };
+  const auto is_mark = [](char c) { return c == ';' || c == ','; };
+  bool any = false;
+  bool after_mark = false;
+  const auto empty_item = [&] { fail(at, field, fmt::format("an empty item in the list '{}'", trim(field_text))); };
   std::size_t i = 0;
   while (i < s.size()) {
-    while (i < s.size() && (s[i] == ' ' || s[i] == '\t' || s[i] == ';' || s[i] == ',')) ++i;
+    if (is_space(s[i])) {
+      ++i;
+      continue;
+    }
+    if (is_mark(s[i])) {
+      if (!any || after_mark) empty_item();
+      after_mark = true;
+      ++i;
+      continue;
+    }
     const std::size_t start = i;
-    while (i < s.size() && s[i] != ' ' && s[i] != '\t' && s[i] != ';' && s[i] != ',') ++i;
-    if (i > start) on_element(s.substr(start, i - start));
+    while (i < s.size() && !is_space(s[i]) && !is_mark(s[i])) ++i;
+    on_element(s.substr(start, i - start));
+    any = true;
+    after_mark = false;
   }
+  if (after_mark) empty_item();
 }
 
 constexpr std::string_view metadata_prefix = "# expage_trace ";

@@ -334,6 +334,11 @@ TEST(TraceIo, CsvQuotedFieldsMayBeSurroundedByBlanks) {
   EXPECT_EQ(t[0].experts.size(), 2U);
   EXPECT_EQ(t[0].experts[1], 2U);
   EXPECT_EQ(t[0].phase, expage::routing_phase::decode) << "an empty quoted phase is decode";
+  // Blanks around a mark belong to it, and blanks alone separate items.
+  const routing_trace spaced = expage::parse_csv(header + "0,0,0, 1 ; 2 ,0.5 0.5,\n", mixtral(), "ok.csv");
+  ASSERT_EQ(spaced.size(), 1U);
+  EXPECT_EQ(spaced[0].experts[1], 2U);
+  EXPECT_EQ(spaced[0].weights.size(), 2U);
 }
 
 TEST(TraceIo, BadCsvNamesFileLineAndField) {
@@ -361,6 +366,12 @@ TEST(TraceIo, BadCsvNamesFileLineAndField) {
        "# expage_trace 1 layers=32 experts_per_layer=8 top_k=2 batch_size=4 batch_size=1\n" + header,
        {"bad.csv:1:", "field 'batch_size'", "given twice"}},
       {"empty", "", {"bad.csv:1:", "field 'header'"}},
+      // An empty list item (two marks in a row, one first or last) is refused, as JSON Lines
+      // refuses [5,,1]; it read as the items around it.
+      {"empty item", header + "0,0,0,1;;2,0.5;0.5\n", {"bad.csv:2:", "field 'experts'", "an empty item in the list"}},
+      {"empty first item", header + "0,0,0,;1;2,0.5;0.5\n", {"bad.csv:2:", "field 'experts'", "an empty item"}},
+      {"empty last item", header + "0,0,0,1;2,0.5;0.5;\n", {"bad.csv:2:", "field 'weights'", "an empty item"}},
+      {"empty bracketed item", header + "0,0,0,\"[1,,2]\",0.5;0.5\n", {"bad.csv:2:", "an empty item"}},
   };
   for (const bad_case& c : cases) {
     try {

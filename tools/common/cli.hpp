@@ -216,16 +216,30 @@ inline std::uint64_t parse_bytes(std::string_view flag, std::string_view text, s
 }
 
 /// The events of @p t whose sequence is in @p ids, in execution order (e.g. one problem of a
-/// recorded trace). @throws usage_error when none is.
-inline expage::routing_trace only_sequences(const expage::routing_trace& t, const std::set<std::uint32_t>& ids) {
+/// recorded trace). @throws usage_error naming @p flag and the first id no event of @p t has (a
+/// typo would otherwise leave out what it meant to keep, without a word).
+inline expage::routing_trace only_sequences(const expage::routing_trace& t, const std::set<std::uint32_t>& ids,
+                                            std::string_view flag = "--only-sequences") {
   expage::routing_trace out(t.layers(), t.experts_per_layer(), t.top_k());
   out.set_batch_size(t.batch_size());
+  std::set<std::uint32_t> present;
   for (const expage::routing_event& e : t) {
-    if (ids.contains(e.sequence)) out.append(e);
+    if (!ids.contains(e.sequence)) continue;
+    present.insert(e.sequence);
+    out.append(e);
   }
-  if (out.empty()) {
-    throw usage_error{
-        fmt::format("--only-sequences {}: no event of the trace has one of these ids", fmt::join(ids, ","))};
+  for (const std::uint32_t id : ids) {
+    if (present.contains(id)) continue;
+    std::uint32_t lowest = ~std::uint32_t{0};
+    std::uint32_t highest = 0;
+    for (const expage::routing_event& e : t) {
+      lowest = std::min(lowest, e.sequence);
+      highest = std::max(highest, e.sequence);
+    }
+    throw usage_error{t.empty() ? fmt::format("{} {}: the trace has no events", flag, id)
+                                : fmt::format("{} {}: no event of the trace has this sequence id (its ids lie in [{}, "
+                                              "{}])",
+                                              flag, id, lowest, highest)};
   }
   out.restore_execution_order();
   return out;
@@ -458,6 +472,14 @@ inline void check_shift_every(const expage::synthetic_options& o, const syntheti
     throw usage_error{
         "--shift-every moves sequences between --workloads: with one workload it does nothing (give --workloads 2 "
         "or more)"};
+  }
+  // Sequence n runs workload (n / shift_every) mod workloads: with no sequence past the first
+  // shift, every sequence runs workload 0 and --workloads does nothing either.
+  if (o.workloads > 1 && o.sequences <= o.shift_every) {
+    throw usage_error{fmt::format(
+        "--workloads {} with --sequences {} and --shift-every {}: every sequence runs workload 0 (sequence n runs "
+        "workload (n / shift-every) mod workloads); give more sequences than --shift-every",
+        o.workloads, o.sequences, o.shift_every)};
   }
 }
 

@@ -454,7 +454,9 @@ std::string tiers_json(const tier_report& t, bool release_closed) {
 // grid, one series per hi slot count (hi-only splits their own series), each with its own colour
 // and dash; the oracle circled, the online controller's final split a cross. Bottom: the online
 // controller's pools (GiB) over the passes: hi, lo and KV.
-std::string tiers_svg(const tier_report& t, const std::string& title, std::uint64_t burst_passes) {
+// @p total_passes: the trace's forward passes (its last burst may be shorter than @p burst_passes).
+std::string tiers_svg(const tier_report& t, const std::string& title, std::uint64_t burst_passes,
+                      std::uint64_t total_passes) {
   constexpr double width = 820, panel = 300, left = 80, right = 190, top = 40, gap = 80;
   constexpr const char* colours[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e",
                                      "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"};
@@ -534,7 +536,10 @@ std::string tiers_svg(const tier_report& t, const std::string& title, std::uint6
   // Bottom panel: the pools over the passes.
   const double y0 = top + panel + gap;
   const auto& bursts = t.online.bursts;
-  const double passes = static_cast<double>(bursts.size() * burst_passes);
+  const double passes = static_cast<double>(std::min<std::uint64_t>(bursts.size() * burst_passes, total_passes));
+  const auto x_at = [&](std::size_t b) {  // where burst b starts (b = bursts.size(): the end)
+    return left + pw * std::min(static_cast<double>(b * burst_passes), passes) / std::max(passes, 1.0);
+  };
   double max_gib = 0;
   for (const auto& b : bursts) {
     max_gib = std::max({max_gib, gib(expage::hi_pool_bytes(t.model, b.split)),
@@ -551,9 +556,7 @@ std::string tiers_svg(const tier_report& t, const std::string& title, std::uint6
                            : p == 1 ? expage::lo_pool_bytes(t.model, s)
                                     : s.kv_bytes);
       const double y = y0 + panel - g / max_gib * panel;
-      points += fmt::format("{:.1f},{:.1f} {:.1f},{:.1f} ",
-                            left + pw * static_cast<double>(b) / static_cast<double>(bursts.size()), y,
-                            left + pw * static_cast<double>(b + 1) / static_cast<double>(bursts.size()), y);
+      points += fmt::format("{:.1f},{:.1f} {:.1f},{:.1f} ", x_at(b), y, x_at(b + 1), y);
     }
     const double ly = y0 + 10 + 22.0 * static_cast<double>(p);
     out += fmt::format(
@@ -744,6 +747,19 @@ int main(int argc, char** argv) {
         throw usage_error{
             fmt::format("--sessions needs a trace of at least 3 forward passes (this one has {})", experts->passes())};
       }
+      // A burst (or hot-set interval) given longer than the trace: no barrier (no interval) would
+      // run, and the online controller's report would be its first split's.
+      const auto given = [&](std::string_view flag) { return std::ranges::find(c.given, flag) != c.given.end(); };
+      if (given("--burst") && c.burst > experts->passes()) {
+        throw usage_error{
+            fmt::format("--burst {} out of range [1, {}] (the trace's forward passes: no barrier would run)", c.burst,
+                        experts->passes())};
+      }
+      if (given("--interval") && c.interval > experts->passes()) {
+        throw usage_error{
+            fmt::format("--interval {} out of range [1, {}] (the trace's forward passes: no interval would end)",
+                        c.interval, experts->passes())};
+      }
       expage::kv_session_options ko;
       ko.block_tokens = c.block_tokens;
       ko.phases = expage::kv_session_preset(*c.sessions, experts->passes());
@@ -767,8 +783,9 @@ int main(int argc, char** argv) {
         throw usage_error{fmt::format(
             "the KV floor of {} (session mix {}: {} blocks of {} tokens x {} bytes at its peak step) is not below the "
             "budget of {}: no room for experts",
-            expage::byte_size{o.kv_floor_bytes}, *c.sessions, kv->peak_step_blocks(), c.block_tokens, *c.kv_per_token,
-            expage::byte_size{o.budget_bytes})};
+            o.kv_floor_bytes == ~std::uint64_t{0} ? std::string("above 2^64 - 1 bytes")  // the product saturated
+                                                  : fmt::format("{}", expage::byte_size{o.kv_floor_bytes}),
+            *c.sessions, kv->peak_step_blocks(), c.block_tokens, *c.kv_per_token, expage::byte_size{o.budget_bytes})};
       }
     }
     // The split workload of precision p (--sessions), built once here so that its checks run
@@ -1046,7 +1063,7 @@ int main(int argc, char** argv) {
                                    fmt::format("Four pools: {}, {}, budget {}, hi {} / lo {}, sessions {}", g.name(),
                                                hardware.name, expage::byte_size{o.budget_bytes},
                                                expage::to_string(tiers->hi), expage::to_string(tiers->lo), *c.sessions),
-                                   c.burst)});
+                                   c.burst, experts->passes())});
     }
     if (c.svg) {
       outputs.push_back({*c.svg, plan_svg(plan,

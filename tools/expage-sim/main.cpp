@@ -643,12 +643,7 @@ int main(int argc, char** argv) {
       trace = r.trace;
     }
     std::vector<std::uint64_t> hot;
-    if (c.hot_table) {
-      const bool any = std::any_of(trace.begin(), trace.end(),
-                                   [&](const expage::routing_event& e) { return c.hot_table->contains(e.sequence); });
-      if (!any) throw usage_error{"--hot-table: none of these sequences is in the trace"};
-      hot = expage::hot_expert_table(expage_tools::only_sequences(trace, *c.hot_table));
-    }
+    if (c.hot_table) hot = expage::hot_expert_table(expage_tools::only_sequences(trace, *c.hot_table, "--hot-table"));
     if (c.only_sequences) trace = expage_tools::only_sequences(trace, *c.only_sequences);
     if (c.shuffle_seed) trace = expage::shuffle_tokens(trace, *c.shuffle_seed);
     const std::string source = c.trace ? *c.trace : fmt::format("synthetic (seed {})", c.synth.seed);
