@@ -137,37 +137,6 @@ TEST(RuntimeAllocFaults, AFailedLoadLeavesNoBlockBehind) {
   EXPECT_EQ(w.vmm.blocks(), 0U);
 }
 
-// A resize whose second victim's completion fails throws with nothing evicted; the first
-// victim's fence wait, counted as it happened, made the statistics say otherwise.
-TEST(RuntimeFailures, AResizeThatFailsCountsNoFenceWait) {
-  struct pending_then_fine {  // pending until waited for, then fine
-    std::shared_ptr<bool> done = std::make_shared<bool>(false);
-    [[nodiscard]] bool ready() const noexcept { return *done; }
-    void wait() { *done = true; }
-  };
-  struct failing {
-    [[nodiscard]] bool ready() const noexcept { return false; }
-    void wait() const { throw format_error("injected kernel fault"); }
-  };
-  runtime_world w;
-  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());
-  const std::uint32_t three[] = {3};
-  const std::uint32_t two[] = {2};
-  const std::uint32_t pair[] = {0, 1};
-  rt.acquire(0, three).release(pending_then_fine{});  // LRU's first victim: its kernel pending, fine
-  rt.acquire(0, two).release(failing{});              // the second: its completion fails
-  rt.acquire(0, pair).release();
-  w.compute.synchronize();
-  w.copy.synchronize();
-  rt.poll();
-  const std::string before = observable(rt, w);
-  const runtime_statistics stats = rt.statistics();
-  EXPECT_THROW((void)rt.resize(2 * rt.expert_bytes()), format_error);
-  EXPECT_EQ(observable(rt, w), before);
-  EXPECT_EQ(rt.statistics().total.fence_waits, stats.total.fence_waits);
-  EXPECT_EQ(rt.statistics().total.fence_wait_ns, stats.total.fence_wait_ns);
-}
-
 // A tier past the enumerators is named by its number, not as "lo".
 TEST(RuntimeFailures, AnUnknownTierIsNamedByNumber) {
   runtime_world w;
