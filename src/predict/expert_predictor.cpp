@@ -546,7 +546,12 @@ std::unique_ptr<expert_predictor> make_predictor(std::string_view name, std::uin
   if (name == "previous") return std::make_unique<previous_pass_predictor>(layers, experts_per_layer);
   if (name == "coactivation") return std::make_unique<coactivation_predictor>(layers, experts_per_layer, top_k);
   if (name == "fmoe") {
-    return std::make_unique<fmoe_map_predictor>(layers, experts_per_layer, top_k);  // the defaults fit any model
+    // The default capacity, cut for a wide model to the maps the dense-table bound holds (at
+    // least one; a shape above the bound is refused by the constructor, as by every predictor).
+    const std::uint64_t cells = std::max<std::uint64_t>(saturating_product({layers, experts_per_layer}), 1);
+    const auto capacity = static_cast<std::uint32_t>(
+        std::clamp<std::uint64_t>(max_dense_table_cells / cells, 1, fmoe_map_predictor::default_capacity));
+    return std::make_unique<fmoe_map_predictor>(layers, experts_per_layer, top_k, capacity);
   }
   throw invalid_argument(
       fmt::format("unknown predictor '{}': expected one of frequency, previous, coactivation, fmoe", name));

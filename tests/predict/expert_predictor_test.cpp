@@ -780,6 +780,8 @@ TEST(Predictors, DenseTablesAboveTheBoundAreRefusedBeforeAllocating) {
                                     "stored cells out of range [0, 2^28]"));
   }
   EXPECT_NO_THROW(fmoe_map_predictor(61, 256, 8));  // DeepSeek-V3's shape at the default capacity
+  // By name, a wide model's store is cut to the bound rather than refused (found by review).
+  EXPECT_EQ(make_predictor("fmoe", 512, 1024, 2)->name(), "fmoe");
 }
 
 }  // namespace

@@ -750,10 +750,10 @@ int main(int argc, char** argv) {
       // A burst (or hot-set interval) given longer than the trace: no barrier (no interval) would
       // run, and the online controller's report would be its first split's.
       const auto given = [&](std::string_view flag) { return std::ranges::find(c.given, flag) != c.given.end(); };
-      if (given("--burst") && c.burst > experts->passes()) {
-        throw usage_error{
-            fmt::format("--burst {} out of range [1, {}] (the trace's forward passes: no barrier would run)", c.burst,
-                        experts->passes())};
+      if (given("--burst") && c.burst >= experts->passes()) {
+        throw usage_error{fmt::format(
+            "--burst {} out of range [1, {}] (the trace has {} forward passes: one burst of them all runs no barrier)",
+            c.burst, experts->passes() - 1, experts->passes())};
       }
       if (given("--interval") && c.interval > experts->passes()) {
         throw usage_error{

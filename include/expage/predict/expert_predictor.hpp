@@ -330,7 +330,8 @@ void most_probable(std::span<const float> probability, float threshold, std::siz
   return std::isinf(share) || moved <= (1.0 + share) * baseline + 1.0;
 }
 
-/// A predictor by name: "frequency", "previous", "coactivation", "fmoe".
+/// A predictor by name: "frequency", "previous", "coactivation", "fmoe" (its default capacity, cut
+/// for a model whose capacity × layers × experts would pass max_dense_table_cells).
 /// @throws expage::invalid_argument for another name, listing the accepted ones.
 [[nodiscard]] std::unique_ptr<expert_predictor> make_predictor(std::string_view name, std::uint32_t layers,
                                                                std::uint32_t experts_per_layer, std::uint32_t top_k);
