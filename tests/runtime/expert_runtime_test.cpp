@@ -1160,6 +1160,63 @@ TEST(ExpertRuntime, ResizeShrinksBeforeItGrowsAndReturnsTheBudget) {
   EXPECT_EQ(w.check_views(rt), "");
 }
 
+// An expert evicted by a target (absent) gives its blocks back to the system, as a resize or a
+// switch does: the budget no longer charges them, so a sibling account (the KV pool's) may take
+// their bytes. (They stayed in the block pool, charged to nothing, until a later trim.)
+TEST(ExpertRuntime, AnAbsentTargetGivesTheBlocksBackToTheSystem) {
+  runtime_world w;
+  host_stream prefetch("prefetch");
+  budget_tracker shared(4 * w.expert_bytes());
+  budget_account& experts = shared.add_account("experts", 4 * w.expert_bytes());
+  budget_account& kv = shared.add_account("kv", 4 * w.expert_bytes());
+  runtime rt(w.geometry, experts, w.vmm, w.copy, w.compute, w.source(), {}, &prefetch);
+  const std::uint32_t three[] = {0, 1, 2};
+  rt.acquire(0, three).release();
+  w.compute.synchronize();
+  const runtime::target drop[] = {{.expert = {0, 0}, .state = residency_state::absent},
+                                  {.expert = {0, 1}, .state = residency_state::absent}};
+  rt.set_targets(drop);
+  rt.poll();
+  ASSERT_EQ(rt.statistics().resident, 1U);
+  EXPECT_EQ(experts.used(), w.expert_bytes());
+  EXPECT_EQ(w.vmm.blocks() * w.vmm.granularity(), experts.used()) << "the evicted versions' blocks are unmapped";
+  EXPECT_TRUE(kv.try_reserve(3 * w.expert_bytes()));
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
+// A refused acquire names what a reservation could get, where the shared budget above the
+// runtime's account is what is full (it said the account's own free bytes, 3 versions' worth).
+TEST(ExpertRuntime, ARefusalNamesTheBudgetThatIsFull) {
+  runtime_world w;
+  budget_tracker shared(4 * w.expert_bytes());
+  budget_account& experts = shared.add_account("experts", 4 * w.expert_bytes());
+  budget_account& kv = shared.add_account("kv", 4 * w.expert_bytes());
+  const reservation held = kv.reserve(3 * w.expert_bytes());
+  runtime rt(w.geometry, experts, w.vmm, w.copy, w.compute, w.source(), {.capacity = 2});
+  const std::uint32_t two[] = {0, 1};
+  try {
+    (void)rt.acquire(0, two);
+    ADD_FAILURE() << "one version's bytes were left";
+  } catch (const out_of_budget& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr(fmt::format("the account experts can take 0 bytes ({} of its own; its "
+                                                           "ancestor device has 0 free)",
+                                                           3 * w.expert_bytes())));
+    EXPECT_EQ(e.available(), 0U);
+  }
+  EXPECT_EQ(experts.used(), 0U);
+  EXPECT_EQ(w.vmm.blocks(), 0U);
+}
+
+// The views' accessors check the tensor as every other owner of a tensor index does.
+TEST(ExpertRuntime, ViewAccessorsRefuseATensorOutOfRange) {
+  runtime_world w;
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());  // every view
+  const auto bad = static_cast<expert_tensor>(2);
+  EXPECT_THROW((void)rt.page_bytes(bad), invalid_argument);
+  EXPECT_THROW((void)rt.stable_tensor(1, bad), invalid_argument);
+  EXPECT_THROW((void)rt.slot_address(0, bad), invalid_argument);
+}
+
 TEST(ExpertRuntime, ResizeBelowPinnedExpertsHoldsThemAndShrinksOnRelease) {
   runtime_world w;
   runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());

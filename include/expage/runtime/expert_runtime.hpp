@@ -830,8 +830,8 @@ class expert_runtime {
   /// address: expert e's page is at `+ e · page_bytes(t, which)` and mapped only while e has a
   /// version in that tier. The tier may be left out with one tier; with two it must be named
   /// (lease::tiers() says which serves each routed expert).
-  /// @throws expage::invalid_argument for a layer out of range, a tier the runtime lacks, no tier
-  /// named with two tiers, or when the view is not kept.
+  /// @throws expage::invalid_argument for a layer or tensor out of range, a tier the runtime
+  /// lacks, no tier named with two tiers, or when the view is not kept.
   [[nodiscard]] std::byte* stable_tensor(std::uint32_t layer, expert_tensor t,
                                          std::optional<version_tier> which = std::nullopt) const {
     check_layer(layer, "stable_tensor");
@@ -839,11 +839,12 @@ class expert_runtime {
     if (!options_.views.stable_tensors) {
       throw invalid_argument("expert_runtime::stable_tensor: the stable-tensor view was not asked for");
     }
-    return T.stable_base[index(t)] + std::size_t{layer} * geometry_.experts_per_layer() * T.page_bytes[index(t)];
+    const std::size_t i = checked_tensor_index(t, "expert_runtime::stable_tensor");
+    return T.stable_base[i] + std::size_t{layer} * geometry_.experts_per_layer() * T.page_bytes[i];
   }
   /// View (b): slot @p slot of tensor @p t in tier @p which (named with two tiers, as in stable_tensor()).
-  /// @throws expage::invalid_argument for a slot out of range [0, experts), a tier the runtime
-  /// lacks, no tier named with two tiers, or when the view is not kept.
+  /// @throws expage::invalid_argument for a slot out of range [0, experts) or a tensor out of
+  /// range, a tier the runtime lacks, no tier named with two tiers, or when the view is not kept.
   [[nodiscard]] std::byte* slot_address(std::int32_t slot, expert_tensor t,
                                         std::optional<version_tier> which = std::nullopt) const {
     const tier_state& T = view_tier(which, "slot_address");
@@ -852,7 +853,8 @@ class expert_runtime {
       throw invalid_argument(
           fmt::format("expert_runtime::slot_address: slot {} out of range [0, {})", slot, expert_count_));
     }
-    return T.slot_base[index(t)] + static_cast<std::size_t>(slot) * T.page_bytes[index(t)];
+    const std::size_t i = checked_tensor_index(t, "expert_runtime::slot_address");
+    return T.slot_base[i] + static_cast<std::size_t>(slot) * T.page_bytes[i];
   }
   /// View (b): layer @p layer's `expert_map` in tier @p which (expert → slot of its active
   /// version when that is in this tier, else −1; the tier named with two tiers, as in
@@ -946,9 +948,10 @@ class expert_runtime {
     return T.page_bytes[0] + T.page_bytes[1];
   }
   /// σ_t: bytes of one page of tensor @p t in tier @p which (named with two tiers, as in stable_tensor()).
-  /// @throws expage::invalid_argument for a tier the runtime lacks, or no tier named with two tiers.
+  /// @throws expage::invalid_argument for a tensor out of range, a tier the runtime lacks, or no
+  /// tier named with two tiers.
   [[nodiscard]] std::size_t page_bytes(expert_tensor t, std::optional<version_tier> which = std::nullopt) const {
-    return view_tier(which, "page_bytes").page_bytes[index(t)];
+    return view_tier(which, "page_bytes").page_bytes[checked_tensor_index(t, "expert_runtime::page_bytes")];
   }
   /// Resident versions allowed in tier @p which (after a resize, the target; versions that leases
   /// held above it are evicted as their kernels complete).
@@ -2040,13 +2043,25 @@ class expert_runtime {
       }
       if (!placed && !find_room(p, d, /*required=*/true)) {
         const held_versions held = held_count(d);
-        throw out_of_budget(fmt::format("expert_runtime::acquire: no room for {} at layer {}: {} resident {} "
-                                        "versions (pinned or loading: {}; poisoned by a failed kernel "
-                                        "completion: {}) and the account {} has {} bytes free (a version needs {})",
-                                        geometry_.expert_at(f), layer, resident_count(d),
-                                        to_string(static_cast<version_tier>(d)), held.pinned_or_loading, held.poisoned,
-                                        account_->name(), account_->available(), version_bytes(d)),
-                            version_bytes(d), account_->available());
+        // What a reservation could get: the least free bytes on the path to the root (a budget
+        // the account shares, as with the KV pool's, may be what is full).
+        const std::size_t room = account_->headroom();
+        std::string limit = fmt::format("the account {} has {} bytes free", account_->name(), room);
+        for (const budget_account* a = account_->parent(); room < account_->available() && a != nullptr;
+             a = a->parent()) {
+          if (a->available() == room) {
+            limit = fmt::format("the account {} can take {} bytes ({} of its own; its ancestor {} has {} free)",
+                                account_->name(), room, account_->available(), a->name(), room);
+            break;
+          }
+        }
+        throw out_of_budget(
+            fmt::format("expert_runtime::acquire: no room for {} at layer {}: {} resident {} "
+                        "versions (pinned or loading: {}; poisoned by a failed kernel "
+                        "completion: {}) and {} (a version needs {})",
+                        geometry_.expert_at(f), layer, resident_count(d), to_string(static_cast<version_tier>(d)),
+                        held.pinned_or_loading, held.poisoned, limit, version_bytes(d)),
+            version_bytes(d), room);
       }
       p.activation = begin_version(p.tier, f);
       plan.push_back(std::move(p));
@@ -2859,6 +2874,7 @@ class expert_runtime {
           return false;
         }
         if (!try_evict(t, f)) return false;  // a window pinned it since: later
+        pool_.trim();                        // its blocks back to the system, as the budget already has them
       }
       return active_[f] == no_tier;
     }
