@@ -57,9 +57,22 @@ void oracle_prefetcher::reset() {
   target_experts_.clear();
 }
 
+namespace {
+
+// The span prefetcher::forecast() fills: one entry per expert of the layer, never fewer or more.
+void check_forecast_span(std::string_view who, std::size_t entries, std::size_t experts) {
+  if (entries != experts) {
+    throw invalid_argument(
+        fmt::format("{}::forecast: {} probabilities given; the layer has {} experts", who, entries, experts));
+  }
+}
+
+}  // namespace
+
 bool oracle_prefetcher::forecast(std::uint32_t layer, std::span<float> probability) const {
   const auto it = std::find(target_layers_.begin(), target_layers_.end(), layer);
   if (it == target_layers_.end()) return false;
+  check_forecast_span("oracle_prefetcher", probability.size(), routed_.size());
   const auto& proposed = target_experts_[static_cast<std::size_t>(it - target_layers_.begin())];
   const std::size_t experts = probability.size();
   const std::size_t n = proposed.size();  // distinct experts (propose() names each once per layer)
@@ -101,8 +114,24 @@ void oracle_prefetcher::propose(const access_stream& stream, std::size_t g, std:
       named = &target_experts_[i];
     }
     const std::size_t first = out.size();
-    for (const expert_index e : routed) routed_[e] = 1;
-    std::size_t free = experts - routed.size();  // experts neither routed nor proposed yet
+    // A false positive is an expert the layer-step does not route: when the step is split into
+    // groups, an expert of a sibling group is not one (the prefetch stays until the step's last
+    // group and is used there), so every part of the step is marked, not h alone.
+    const auto step = stream.trace_events(h);
+    std::size_t step_first = h;
+    while (step_first > 0 && stream.trace_events(step_first - 1) == step) --step_first;
+    std::size_t step_last = h + 1;
+    while (step_last < stream.groups() && stream.trace_events(step_last) == step) ++step_last;
+    std::size_t free = experts;  // experts neither routed in the step nor proposed yet
+    const auto mark_step = [&](std::uint8_t mark) {
+      for (std::size_t k = step_first; k < step_last; ++k) {
+        for (const expert_index e : stream.experts(k)) {
+          if (mark != 0 && routed_[e] == 0) --free;
+          routed_[e] = mark;
+        }
+      }
+    };
+    mark_step(1);
     for (const expert_index e : routed) {
       expert_index x = e;
       if (recall_ >= 1.0 || coin() < recall_) {
@@ -120,7 +149,7 @@ void oracle_prefetcher::propose(const access_stream& stream, std::size_t g, std:
       // A split layer's groups share one list: an expert named by two of them counts once.
       if (named != nullptr && std::find(named->begin(), named->end(), x) == named->end()) named->push_back(x);
     }
-    for (const expert_index e : routed) routed_[e] = 0;
+    mark_step(0);
     for (std::size_t i = first; i < out.size(); ++i) routed_[out[i].expert] = 0;
   }
 }
@@ -154,6 +183,7 @@ void predictive_prefetcher::reset() {
 bool predictive_prefetcher::forecast(std::uint32_t layer, std::span<float> probability) const {
   const auto it = std::find(target_layers_.begin(), target_layers_.end(), layer);
   if (it == target_layers_.end()) return false;
+  check_forecast_span("predictive_prefetcher", probability.size(), predictor_->experts_per_layer());
   const auto i = static_cast<std::size_t>(it - target_layers_.begin());
   std::copy_n(probability_.begin() + static_cast<std::ptrdiff_t>(i * probability.size()), probability.size(),
               probability.begin());
@@ -1094,6 +1124,12 @@ void check_options(const access_stream& stream, const moe_geometry& geometry, po
   if (options.layout != cache_layout::per_layer && options.layout != cache_layout::global) {
     throw invalid_argument(
         fmt::format("simulate: layout {} out of range [0, 2)", static_cast<unsigned>(options.layout)));
+  }
+  if (options.admission != prefetch_admission::all && options.admission != prefetch_admission::cost_benefit) {
+    // Any other value would run the test of Eq. 6–7 without the guards and the duel (run() starts
+    // them for cost_benefit alone).
+    throw invalid_argument(
+        fmt::format("simulate: admission {} out of range [0, 2)", static_cast<unsigned>(options.admission)));
   }
   if (std::find(std::begin(all_precisions), std::end(all_precisions), options.format) == std::end(all_precisions)) {
     throw invalid_argument(fmt::format("simulate: precision {} out of range [0, {})",

@@ -20,7 +20,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <random>
+#include <set>
 #include <span>
 #include <string_view>
 #include <utility>
@@ -378,6 +380,45 @@ TEST(PagerSim, TheNoisyOraclesRecallHoldsAtEveryDistance) {
     EXPECT_GE(x, 0.0F);
     EXPECT_LE(x, 1.0F);
   }
+}
+
+// On a split layer-step a false positive is an expert the whole step does not route: one routed
+// in a sibling group would be used before the step ends, so the set proposed for the step would
+// have more precision and recall than asked (0.61 and 0.62 at recall 0.5, when only the group's
+// own experts were excluded).
+TEST(PagerSim, TheNoisyOraclesFalsePositivesMissTheWholeSplitStep) {
+  const moe_geometry g(moe_geometry::config{
+      .name = "wide", .layers = 6, .experts_per_layer = 32, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
+  const routing_trace trace = synthetic(g, 3, 8, 100, 8);
+  const access_stream split(trace, 4);
+  ASSERT_GT(split.split_groups(), 100U);
+  const double recall = 0.5;
+  oracle_prefetcher oracle(1, recall, 7);
+  using step = std::pair<std::size_t, std::size_t>;  // a layer-step's trace events
+  std::map<step, std::set<expert_index>> proposed;
+  std::map<step, std::map<expert_index, int>> routed;  // expert → the step's groups routing it
+  std::vector<prefetch_request> out;
+  for (std::size_t at = 0; at < split.groups(); ++at) {
+    out.clear();
+    oracle.propose(split, at, out);
+    for (const prefetch_request& r : out) proposed[split.trace_events(r.use_group)].insert(r.expert);
+    for (const expert_index e : split.experts(at)) ++routed[split.trace_events(at)][e];
+  }
+  std::uint64_t named = 0;
+  std::uint64_t wanted = 0;
+  std::uint64_t right = 0;
+  double expected = 0.0;  // an expert routed by m groups of its step is kept by any of m coins
+  for (const auto& [events, experts] : routed) {
+    if (events.first == 0) continue;  // no call looks at the first step ahead of its turn
+    const auto& p = proposed[events];
+    named += p.size();
+    wanted += experts.size();
+    for (const auto& [e, m] : experts) expected += 1.0 - std::pow(1.0 - recall, m);
+    for (const expert_index e : p) right += experts.contains(e) ? 1U : 0U;
+  }
+  EXPECT_NEAR(static_cast<double>(right) / static_cast<double>(wanted), expected / static_cast<double>(wanted), 0.02)
+      << "recall";
+  EXPECT_NEAR(static_cast<double>(right) / static_cast<double>(named), recall, 0.03) << "precision";
 }
 
 // When compute is long enough to hide a transfer, a perfect prefetcher removes all but the first
@@ -971,6 +1012,42 @@ TEST(PagerSim, AdmissionNeverDelaysADemandLoad) {
   }
 }
 
+// fMoE's store sizes its set by δ = clip(1 − score, 0, 1): the smallest set whose mass reaches δ,
+// at least k. The prefetcher proposes at most per_layer of it, top-k by default; per_layer E lets
+// the whole set through (expage-sim --per-layer).
+TEST(PagerSim, PerLayerBoundsFmoesDeltaSet) {
+  const moe_geometry g(moe_geometry::config{
+      .name = "eight", .layers = 2, .experts_per_layer = 8, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
+  routing_trace t(g);
+  t.declare_fields({.probabilities = true});
+  const auto add_step = [&](std::uint32_t step, std::uint32_t layer, std::vector<float> p, std::uint32_t a,
+                            std::uint32_t b) {
+    const std::uint32_t experts[] = {a, b};
+    const float weights[] = {0.5F, 0.5F};
+    t.append({.sequence = 0, .step = step, .layer = layer, .experts = experts, .weights = weights, .probabilities = p});
+  };
+  const std::vector<float> spread = {0.2F, 0.2F, 0.15F, 0.15F, 0.1F, 0.1F, 0.05F, 0.05F};
+  add_step(0, 0, {0.5F, 0.5F, 0, 0, 0, 0, 0, 0}, 0, 1);
+  add_step(0, 1, spread, 0, 1);
+  add_step(1, 0, {0.5F, 0, 0.5F, 0, 0, 0, 0, 0}, 0, 2);  // cosine 0.5 with the stored row: δ = 0.5
+  add_step(1, 1, spread, 0, 1);
+  const access_stream s(t, 8);
+  for (const std::uint32_t per_layer : {0U, 8U}) {
+    predictive_prefetcher pf(std::make_unique<fmoe_map_predictor>(2, 8, 2, 16),
+                             {.distance = 1, .threshold = 0.0F, .per_layer = per_layer, .trace = &t});
+    pf.reset();
+    std::vector<prefetch_request> out;
+    for (std::size_t at = 0; at <= 2; ++at) {
+      out.clear();
+      pf.propose(s, at, out);
+    }
+    std::vector<float> f(8);
+    ASSERT_TRUE(pf.forecast(1, f));
+    EXPECT_EQ(std::ranges::count_if(f, [](float x) { return x > 0.0F; }), 3) << "δ 0.5 needs 0.2 + 0.2 + 0.15";
+    EXPECT_EQ(out.size(), per_layer == 0 ? 2U : 3U) << "per_layer " << per_layer;
+  }
+}
+
 // What forecast eviction reads: the predictive prefetcher's forecast is its predictor's
 // prediction for the layers it proposed for, and nothing beyond; the noisy oracle's gives its
 // proposals `recall` and shares the rest of the layer's routed experts among the others.
@@ -1014,6 +1091,18 @@ TEST(PagerSim, PrefetchersForecastWhatTheyPredicted) {
       }
     }
     EXPECT_FALSE(oracle.forecast(layer, got));
+  }
+  // A span of another length than the layer's experts is refused, not overrun or read past.
+  {
+    out.clear();
+    pf.propose(stream, 0, out);
+    oracle.propose(stream, 0, out);
+    const std::uint32_t next = stream.layer(1);
+    for (const std::size_t n : {8U, 32U}) {
+      std::vector<float> wrong(n);
+      EXPECT_THROW((void)pf.forecast(next, wrong), invalid_argument) << n;
+      EXPECT_THROW((void)oracle.forecast(next, wrong), invalid_argument) << n;
+    }
   }
   // A longer forecast than the prefetch distance: forecasts reach 3 layers, proposals 1.
   predictive_prefetcher far(std::make_unique<coactivation_predictor>(6, 16, 2),
@@ -1293,6 +1382,8 @@ TEST(PagerSim, RefusesBadParameters) {
   expect_refusal({.capacity = 4, .eviction_duel_protect = std::nan("")}, "eviction_duel_protect nan out of range");
   expect_refusal({.capacity = 4, .guard_baseline = policy_kind::belady},
                  "guard_baseline belady is not an online policy");
+  // Not a declared admission: it would have run Eq. 6–7 with the guards and the duel off.
+  expect_refusal({.capacity = 4, .admission = static_cast<prefetch_admission>(7)}, "admission 7 out of range [0, 2)");
   hardware_profile bad = hardware_profile::preset("pcie4");
   bad.links[0].gbytes_per_second = -1.0;
   expect_refusal({.capacity = 4, .hardware = bad}, "gbytes_per_second -1 out of range");

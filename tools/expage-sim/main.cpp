@@ -93,6 +93,10 @@ model, hardware and cache:
   --distance D          prefetch distance in layer groups (default 2)
   --forecast-distance F layers ahead an online predictor forecasts for prefetch-aware eviction,
                         [D, 64] (default D)
+  --per-layer N         most experts an online predictor prefetches per layer, [0, experts per
+                        layer]; 0: the geometry's top-k (default 0). fMoE's store sizes its set by
+                        delta (the smallest set whose mass reaches delta, at least k): N above k lets
+                        that set through, within the threshold
   --admission A         cost-benefit (PreScope Eq. 6-7: issue a prefetch only when the expected time
                         saved exceeds the expected delay) or all (ungated) (default cost-benefit)
   --max-overhead X      cost-benefit's byte guard: bytes moved stay within (1 + X) x those of LRU
@@ -157,6 +161,7 @@ struct config {
   std::vector<prefetch_choice> prefetch = {{"none", std::nullopt}};
   std::uint32_t distance = 2;
   std::uint32_t forecast_distance = 0;
+  std::uint32_t per_layer = 0;
   expage::prefetch_admission admission = expage::prefetch_admission::cost_benefit;
   double max_overhead = 0.05;
   std::uint32_t duel_passes = 0;
@@ -206,6 +211,7 @@ void check_prefetch_flags(const config& c, const std::set<std::string_view>& giv
       rule{"--duel-protect", duelling && c.duel_passes > 0, "the eviction duel (--duel-passes above 0)"},
       rule{"--forecast-distance", predicting,
            "an online predictor (--prefetch coactivation, frequency, previous or fmoe)"},
+      rule{"--per-layer", predicting, "an online predictor (--prefetch coactivation, frequency, previous or fmoe)"},
       rule{"--no-trace-fields", predicting,
            "an online predictor (--prefetch coactivation, frequency, previous or fmoe)"},
       rule{"--pooling", coactivation, "the co-activation predictor (--prefetch coactivation[:T])"},
@@ -334,6 +340,8 @@ config parse(int argc, char** argv, const std::string& help) {
       c.distance = parse_number<std::uint32_t>(flag, value(), 1, 64);
     } else if (flag == "--forecast-distance") {
       c.forecast_distance = parse_number<std::uint32_t>(flag, value(), 1, 64);
+    } else if (flag == "--per-layer") {
+      c.per_layer = parse_number<std::uint32_t>(flag, value(), 0, std::numeric_limits<std::uint32_t>::max());
     } else if (flag == "--admission") {
       const std::string_view v = value();
       if (v == "all") {
@@ -587,6 +595,19 @@ int main(int argc, char** argv) {
     expage::synthetic_options synth = c.synth;
     synth.batch_size = c.batch.value_or(1);
     if (c.synthetic) expage_tools::check_synthetic(g, synth);
+    if (c.per_layer > g.experts_per_layer()) {
+      throw usage_error{fmt::format("--per-layer {} out of range [0, {}] (the experts of a layer of geometry '{}')",
+                                    c.per_layer, g.experts_per_layer(), g.name())};
+    }
+    // Every online predictor holds dense layers × experts tables: refused with status 2 here, as
+    // the window below, not when the first simulation builds it (status 1).
+    if (std::ranges::any_of(c.prefetch, [](const prefetch_choice& p) { return !p.predictor.empty(); }) &&
+        std::uint64_t{g.layers()} * g.experts_per_layer() > expage::max_dense_table_cells) {
+      throw usage_error{fmt::format(
+          "--prefetch: an online predictor's tables of {} layers x {} experts are above max_dense_table_cells (2^28 "
+          "cells) for geometry '{}'",
+          g.layers(), g.experts_per_layer(), g.name())};
+    }
     // The co-activation predictor's dense pair table (layers × window × E² cells) is checked
     // here, before the trace is read, with the window this geometry allows.
     if (std::ranges::any_of(c.prefetch, [](const prefetch_choice& p) { return p.predictor == "coactivation"; })) {
@@ -720,6 +741,7 @@ int main(int argc, char** argv) {
                     : expage::make_predictor(pc.predictor, g.layers(), g.experts_per_layer(), g.top_k()),
                 expage::predictive_prefetch_options{.distance = c.distance,
                                                     .threshold = pc.threshold,
+                                                    .per_layer = c.per_layer,
                                                     .forecast_distance = c.forecast_distance,
                                                     .trace = c.trace_fields ? &trace : nullptr});
           }

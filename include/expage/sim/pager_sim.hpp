@@ -85,6 +85,8 @@ class prefetcher {
   /// entries) the probability that each expert of @p layer, a later layer of the same pass, is
   /// routed there; returns false when it forecasts nothing for that layer (the default). The
   /// simulator's prefetch-aware eviction reads it (sim_options::forecast_eviction).
+  /// The two prefetchers here throw expage::invalid_argument when they forecast @p layer and
+  /// @p probability does not have experts_per_layer entries.
   [[nodiscard]] virtual bool forecast(std::uint32_t layer, std::span<float> probability) const {
     static_cast<void>(layer);
     static_cast<void>(probability);
