@@ -230,11 +230,13 @@ cost_model make_cost_model(const moe_geometry& geometry, const hardware_profile&
     m.transfer_seconds.push_back(l.setup_seconds + static_cast<double>(m.expert_bytes) / (l.gbytes_per_second * 1e9));
     m.link_gbytes_per_second_total += l.gbytes_per_second;
   }
-  // Prefill recompute: 2 FLOPs per active parameter per token (routed experts + dense), bf16-sized.
+  // Prefill recompute: 2 FLOPs per active parameter per token (routed experts + dense), bf16-sized;
+  // the dense parameters are those of the dense bytes the compute time reads (the caller's figure
+  // when given), so that a KV miss and a layer are priced on one model of the layer.
   const double active =
       static_cast<double>(geometry.layers()) *
       (static_cast<double>(geometry.top_k()) * static_cast<double>(geometry.expert_bytes(precision::bf16)) / 2.0 +
-       static_cast<double>(estimate_dense_bytes_per_layer(geometry, precision::bf16)) / 2.0);
+       static_cast<double>(m.dense_bytes) / 2.0);
   m.recompute_seconds_per_token = 2.0 * active / (hardware.dense_tflops * 1e12);
   return m;
 }

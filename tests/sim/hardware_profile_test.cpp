@@ -148,6 +148,17 @@ TEST(CostModel, RooflineAndTransferTimesFollowTheGeometry) {
   EXPECT_GT(m.transfer_compute_ratio(g.top_k()), 30.0);
   EXPECT_LT(m.transfer_compute_ratio(g.top_k()), 70.0);
   EXPECT_GT(m.recompute_seconds_per_token, 0.0);
+  // Recompute prices the layer the compute time reads: 2 FLOPs per bf16 parameter of the top-k
+  // experts and of the dense bytes, the caller's figure when given (it used the estimate always).
+  const hardware_profile hw = hardware_profile::preset("pcie4");
+  for (const std::uint64_t dense : {std::uint64_t{0}, std::uint64_t{1} << 30}) {
+    const auto d = make_cost_model(g, hw, precision::bf16, dense);
+    const double params =
+        32.0 * (2.0 * static_cast<double>(g.expert_bytes(precision::bf16)) / 2.0 + static_cast<double>(dense) / 2.0);
+    EXPECT_NEAR(d.recompute_seconds_per_token, 2.0 * params / (hw.dense_tflops * 1e12),
+                1e-12 * d.recompute_seconds_per_token)
+        << dense;
+  }
 }
 
 TEST(CostModel, RatioRescalesTheLinksExactly) {

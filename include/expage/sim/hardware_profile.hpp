@@ -79,7 +79,9 @@ struct cost_model {
   double dense_seconds = 0.0;               ///< calibration × dense_bytes / HBM bandwidth.
   std::vector<double> transfer_seconds;     ///< Per link: setup + expert_bytes / bandwidth.
   double link_gbytes_per_second_total = 0;  ///< Σ_k bandwidth_k (the bandwidth lower bound's link).
-  double recompute_seconds_per_token = 0;   ///< Prefill recompute of one token: 2 × active params / FLOP/s.
+  /// Prefill recompute of one token: 2 × active params / FLOP/s, the params being the top-k
+  /// experts' and dense_bytes' as bf16 values, over every layer.
+  double recompute_seconds_per_token = 0;
 
   /// Compute time of one layer for a group of @p experts routed experts.
   [[nodiscard]] double compute_seconds(std::size_t experts) const noexcept {
