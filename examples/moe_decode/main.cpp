@@ -1125,7 +1125,7 @@ class cuda_backend {
 // The KV workload of a --four-pool run of @p passes passes (pass s is step s of the stream), checked
 // against the flags: called before the weights are made (a bad command line costs nothing), and by
 // four_pool_side. @throws expage::invalid_argument when the sessions read no KV block or --burst
-// exceeds the run.
+// is not below the run's passes.
 expage::kv_block_stream four_pool_sessions(const options& o, std::uint64_t passes) {
   expage::kv_session_options sessions;
   sessions.phases = expage::kv_session_preset(o.kv_sessions, std::max<std::uint64_t>(passes, 3));
@@ -1136,9 +1136,11 @@ expage::kv_block_stream four_pool_sessions(const options& o, std::uint64_t passe
         "(--tokens, or a longer --trace)",
         o.kv_sessions, passes));
   }
-  if (o.burst > passes) {
+  if (o.burst >= passes) {
+    // A barrier runs after every burst-th pass: one after the last pass splits nothing the run uses.
     throw expage::invalid_argument(
-        fmt::format("--burst {} out of range [1, {}] (the run's passes: no barrier would run)", o.burst, passes));
+        fmt::format("--burst {} out of range [1, {}] (the run has {} passes: no barrier would run before its end)",
+                    o.burst, passes - 1, passes));
   }
   return kv;
 }

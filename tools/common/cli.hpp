@@ -162,7 +162,7 @@ inline double parse_real(std::string_view flag, std::string_view text, double lo
   if (ec != std::errc() || end != text.data() + text.size() || !((open_low ? v > lo : v >= lo) && v <= hi)) {
     throw usage_error{fmt::format("{} '{}' is not a number in {}{}, {}]", flag, text, open_low ? "(" : "[", lo, hi)};
   }
-  return v;
+  return v + 0.0;  // "-0" is 0 (-0.0 + 0.0 is +0.0), not echoed as -0 in reports
 }
 
 /// A byte count: a number with an optional unit, "24GiB", "512MiB", "40GB", "123456". Binary

@@ -755,10 +755,11 @@ int main(int argc, char** argv) {
             "--burst {} out of range [1, {}] (the trace has {} forward passes: one burst of them all runs no barrier)",
             c.burst, experts->passes() - 1, experts->passes())};
       }
-      if (given("--interval") && c.interval > experts->passes()) {
-        throw usage_error{
-            fmt::format("--interval {} out of range [1, {}] (the trace's forward passes: no interval would end)",
-                        c.interval, experts->passes())};
+      if (given("--interval") && c.interval >= experts->passes()) {
+        // An interval ends at a pass that starts after it (pass % interval == 0, pass < passes).
+        throw usage_error{fmt::format(
+            "--interval {} out of range [1, {}] (the trace has {} forward passes: an interval of them all never ends)",
+            c.interval, experts->passes() - 1, experts->passes())};
       }
       expage::kv_session_options ko;
       ko.block_tokens = c.block_tokens;
