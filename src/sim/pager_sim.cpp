@@ -55,6 +55,7 @@ std::string oracle_prefetcher::name() const {
 void oracle_prefetcher::reset() {
   target_layers_.clear();
   target_experts_.clear();
+  step_stream_ = nullptr;
 }
 
 namespace {
@@ -81,6 +82,29 @@ bool oracle_prefetcher::forecast(std::uint32_t layer, std::span<float> probabili
   std::ranges::fill(probability, static_cast<float>(other));
   for (const expert_index e : proposed) probability[e] = static_cast<float>(recall_);
   return true;
+}
+
+std::span<const expert_index> oracle_prefetcher::step_experts(const access_stream& stream, std::size_t h) {
+  const std::pair<std::size_t, std::size_t> events = stream.trace_events(h);
+  if (step_stream_ == &stream && events == step_events_) return step_experts_;
+  // A split step's groups are consecutive and share its events: its bounds are found once per
+  // step (propose() walks the groups in order), so the work stays linear in the groups.
+  std::size_t first = h;
+  while (first > 0 && stream.trace_events(first - 1) == events) --first;
+  std::size_t last = h + 1;
+  while (last < stream.groups() && stream.trace_events(last) == events) ++last;
+  step_experts_.clear();
+  for (std::size_t k = first; k < last; ++k) {
+    for (const expert_index e : stream.experts(k)) {
+      if (routed_[e] != 0) continue;
+      routed_[e] = 1;
+      step_experts_.push_back(e);
+    }
+  }
+  for (const expert_index e : step_experts_) routed_[e] = 0;
+  step_stream_ = &stream;
+  step_events_ = events;
+  return step_experts_;
 }
 
 void oracle_prefetcher::propose(const access_stream& stream, std::size_t g, std::vector<prefetch_request>& out) {
@@ -117,21 +141,9 @@ void oracle_prefetcher::propose(const access_stream& stream, std::size_t g, std:
     // A false positive is an expert the layer-step does not route: when the step is split into
     // groups, an expert of a sibling group is not one (the prefetch stays until the step's last
     // group and is used there), so every part of the step is marked, not h alone.
-    const auto step = stream.trace_events(h);
-    std::size_t step_first = h;
-    while (step_first > 0 && stream.trace_events(step_first - 1) == step) --step_first;
-    std::size_t step_last = h + 1;
-    while (step_last < stream.groups() && stream.trace_events(step_last) == step) ++step_last;
-    std::size_t free = experts;  // experts neither routed in the step nor proposed yet
-    const auto mark_step = [&](std::uint8_t mark) {
-      for (std::size_t k = step_first; k < step_last; ++k) {
-        for (const expert_index e : stream.experts(k)) {
-          if (mark != 0 && routed_[e] == 0) --free;
-          routed_[e] = mark;
-        }
-      }
-    };
-    mark_step(1);
+    const std::span<const expert_index> in_step = step_experts(stream, h);
+    for (const expert_index e : in_step) routed_[e] = 1;
+    std::size_t free = experts - in_step.size();  // experts neither routed in the step nor proposed yet
     for (const expert_index e : routed) {
       expert_index x = e;
       if (recall_ >= 1.0 || coin() < recall_) {
@@ -149,7 +161,7 @@ void oracle_prefetcher::propose(const access_stream& stream, std::size_t g, std:
       // A split layer's groups share one list: an expert named by two of them counts once.
       if (named != nullptr && std::find(named->begin(), named->end(), x) == named->end()) named->push_back(x);
     }
-    mark_step(0);
+    for (const expert_index e : in_step) routed_[e] = 0;
     for (std::size_t i = first; i < out.size(); ++i) routed_[out[i].expert] = 0;
   }
 }

@@ -117,7 +117,13 @@ class oracle_prefetcher final : public prefetcher {
   std::uint32_t distance_;
   double recall_;
   std::uint64_t seed_;
-  std::vector<std::uint8_t> routed_;  // scratch: experts routed in (or proposed for) the target group
+  // The distinct experts of every group of h's layer-step (cached for the last step asked).
+  std::span<const expert_index> step_experts(const access_stream& stream, std::size_t h);
+
+  std::vector<std::uint8_t> routed_;            // scratch: experts routed in (or proposed for) the target step
+  const access_stream* step_stream_ = nullptr;  // step_experts()'s cache: its stream, step and experts
+  std::pair<std::size_t, std::size_t> step_events_{};
+  std::vector<expert_index> step_experts_;
   // The last propose()'s targets: their layers and proposed experts.
   std::vector<std::uint32_t> target_layers_;
   std::vector<std::vector<expert_index>> target_experts_;
