@@ -139,6 +139,7 @@ struct options {
   bool four_pool = false;
   std::string kv_sessions = "phase-shift";  // the KV workload's session preset
   std::uint32_t burst = 8;                  // passes between drained barriers
+  bool burst_given = false;                 // --burst was on the command line
   std::string hardware = "pcie4";           // the costs the controller decides with
   std::uint64_t kv_per_token = 0;           // 0: a quarter of the budget for the busiest step's KV
   std::string_view four_pool_option;        // the last option given that only --four-pool reads
@@ -268,6 +269,7 @@ options parse(int argc, char** argv) {
     } else if (a == "--burst") {
       o.four_pool_option = a;
       o.burst = static_cast<std::uint32_t>(parse_uint(a, value(), 1, 1U << 20));
+      o.burst_given = true;
     } else if (a == "--hardware") {
       o.four_pool_option = a;
       o.hardware = value();
@@ -1139,8 +1141,8 @@ expage::kv_block_stream four_pool_sessions(const options& o, std::uint64_t passe
   if (o.burst >= passes) {
     // A barrier runs after every burst-th pass: one after the last pass splits nothing the run uses.
     throw expage::invalid_argument(
-        fmt::format("--burst {} out of range [1, {}] (the run has {} passes: no barrier would run before its end)",
-                    o.burst, passes - 1, passes));
+        fmt::format("--burst {}{} out of range [1, {}] (the run has {} passes: no barrier would run before its end)",
+                    o.burst, o.burst_given ? "" : " (the default)", passes - 1, passes));
   }
   return kv;
 }
