@@ -10,9 +10,8 @@
 #include <limits>
 
 namespace expage {
-namespace {
 
-void check_shape(std::string_view who, std::uint32_t layers, std::uint32_t experts, std::uint32_t top_k) {
+void check_predictor_shape(std::string_view who, std::uint32_t layers, std::uint32_t experts, std::uint32_t top_k) {
   if (layers == 0 || experts == 0 || top_k == 0 || top_k > experts) {
     throw invalid_argument(
         fmt::format("{}: {} layers x {} experts, top-{} out of range (layers and experts >= 1, "
@@ -27,6 +26,8 @@ void check_shape(std::string_view who, std::uint32_t layers, std::uint32_t exper
                     who, layers, experts, cells));
   }
 }
+
+namespace {
 
 // observe()'s contract: the layer and every expert inside the predictor's shape (checked before
 // anything is learned).
@@ -59,7 +60,7 @@ void check_target(std::string_view who, std::uint32_t layer, std::uint32_t layer
 
 frequency_predictor::frequency_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k)
     : layers_(layers), experts_(experts_per_layer), top_k_(top_k) {
-  check_shape("frequency_predictor", layers, experts_per_layer, top_k);
+  check_predictor_shape("frequency_predictor", layers, experts_per_layer, top_k);
   reset();
 }
 
@@ -96,7 +97,7 @@ void frequency_predictor::predict(std::uint32_t layer, std::span<float> probabil
 
 previous_pass_predictor::previous_pass_predictor(std::uint32_t layers, std::uint32_t experts_per_layer)
     : layers_(layers), experts_(experts_per_layer) {
-  check_shape("previous_pass_predictor", layers, experts_per_layer, 1);
+  check_predictor_shape("previous_pass_predictor", layers, experts_per_layer, 1);
   reset();
 }
 
@@ -138,8 +139,8 @@ coactivation_predictor::coactivation_predictor(std::uint32_t layers, std::uint32
       window_(window),
       decay_(decay),
       pooling_(pooling),
-      prior_((check_shape("coactivation_predictor", layers, experts_per_layer, top_k), layers), experts_per_layer,
-             top_k) {
+      prior_((check_predictor_shape("coactivation_predictor", layers, experts_per_layer, top_k), layers),
+             experts_per_layer, top_k) {
   if (window == 0 || window > 64) {
     throw invalid_argument(fmt::format("coactivation_predictor: window {} out of range [1, 64]", window));
   }
@@ -288,7 +289,7 @@ fmoe_map_predictor::fmoe_map_predictor(std::uint32_t layers, std::uint32_t exper
       top_k_(top_k),
       capacity_(capacity),
       semantic_layers_(semantic_layers.value_or(std::min(default_semantic_layers, layers))) {
-  check_shape("fmoe_map_predictor", layers, experts_per_layer, top_k);
+  check_predictor_shape("fmoe_map_predictor", layers, experts_per_layer, top_k);
   if (capacity == 0 || capacity > 65536) {
     throw invalid_argument(fmt::format("fmoe_map_predictor: capacity {} out of range [1, 65536]", capacity));
   }

@@ -599,14 +599,14 @@ int main(int argc, char** argv) {
       throw usage_error{fmt::format("--per-layer {} out of range [0, {}] (the experts of a layer of geometry '{}')",
                                     c.per_layer, g.experts_per_layer(), g.name())};
     }
-    // Every online predictor holds dense layers × experts tables: refused with status 2 here, as
-    // the window below, not when the first simulation builds it (status 1).
-    if (std::ranges::any_of(c.prefetch, [](const prefetch_choice& p) { return !p.predictor.empty(); }) &&
-        std::uint64_t{g.layers()} * g.experts_per_layer() > expage::max_dense_table_cells) {
-      throw usage_error{fmt::format(
-          "--prefetch: an online predictor's tables of {} layers x {} experts are above max_dense_table_cells (2^28 "
-          "cells) for geometry '{}'",
-          g.layers(), g.experts_per_layer(), g.name())};
+    // A shape no online predictor takes (its dense tables above the bound): refused with status 2
+    // here, as the window below, not when the first simulation builds it (status 1).
+    if (std::ranges::any_of(c.prefetch, [](const prefetch_choice& p) { return !p.predictor.empty(); })) {
+      try {
+        expage::check_predictor_shape("--prefetch", g.layers(), g.experts_per_layer(), g.top_k());
+      } catch (const expage::invalid_argument& e) {
+        throw usage_error{fmt::format("{} for geometry '{}'", e.what(), g.name())};
+      }
     }
     // The co-activation predictor's dense pair table (layers × window × E² cells) is checked
     // here, before the trace is read, with the window this geometry allows.

@@ -330,6 +330,13 @@ void most_probable(std::span<const float> probability, float threshold, std::siz
   return std::isinf(share) || moved <= (1.0 + share) * baseline + 1.0;
 }
 
+/// The shape every predictor takes: layers and experts ≥ 1, top-k in [1, experts], and its dense
+/// per-(layer, expert) tables within max_dense_table_cells (each constructor checks it first; a
+/// tool checks it before building any). @throws expage::invalid_argument naming @p who and the
+/// value out of range.
+void check_predictor_shape(std::string_view who, std::uint32_t layers, std::uint32_t experts_per_layer,
+                           std::uint32_t top_k);
+
 /// A predictor by name: "frequency", "previous", "coactivation", "fmoe" (its default capacity, cut
 /// for a model whose capacity × layers × experts would pass max_dense_table_cells).
 /// @throws expage::invalid_argument for another name, listing the accepted ones.
