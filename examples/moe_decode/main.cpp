@@ -124,6 +124,7 @@ struct options {
   double hi_share = 0.5;               // of the budget, for the hi tier
   std::uint32_t hi_per_layer = 0;      // the hot set's size per layer; 0: what the hi tier holds
   std::uint32_t interval = 2;          // forward passes per hot-set interval
+  bool interval_given = false;         // --interval was on the command line
   std::string policy = "lru";
   std::string prefetch = "none";
   std::optional<expage::coactivation_pooling> pooling;  // --pooling, for --prefetch coactivation
@@ -232,6 +233,7 @@ options parse(int argc, char** argv) {
     } else if (a == "--interval") {
       tier_option = a;
       o.interval = static_cast<std::uint32_t>(parse_uint(a, value(), 1, 1U << 20));
+      o.interval_given = true;
     } else if (a == "--policy") {
       o.policy = value();
       if (o.policy != "lru" && o.policy != "lfu" && o.policy != "next-turn") {
@@ -1780,6 +1782,18 @@ int run(const options& o) {
       }
     } catch (const expage::invalid_argument& e) {
       usage(fmt::format("--four-pool: {}", e.what()));
+    }
+  }
+  if (o.lo_format) {
+    // The hot sets move after every interval-th pass: a move after the last pass changes nothing the
+    // run serves, so an interval as long as the run leaves --lo-precision's hot set as it started.
+    if (const std::uint64_t passes = passes_of(o, replay, g.layers()); o.interval >= passes) {
+      const std::string interval = fmt::format("--interval {}{}", o.interval, o.interval_given ? "" : " (the default)");
+      usage(passes < 2 ? fmt::format("{}: the run has {} pass, so the hot set would never move (decode at least 2: "
+                                     "--tokens, or a longer --trace)",
+                                     interval, passes)
+                       : fmt::format("{} out of range [1, {}] (the run has {} passes: the hot set would never move)",
+                                     interval, passes - 1, passes));
     }
   }
   // On a device every expert's stored bytes are staged in pinned host memory (cuda_backend), read
