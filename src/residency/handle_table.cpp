@@ -224,7 +224,11 @@ handle_table::outcome handle_table::publish_impl(expert_id id, std::uint64_t ser
   if (target != residency_state::absent && slot->pending == nullptr) {
     throw invalid_argument(fmt::format("handle_table::publish: expert {} is {} but no version was prepared", id, now));
   }
-  if (slot->pending != nullptr && !slot->pending->done.ready()) {
+  if (slot->pending != nullptr && slot->pending->done.ready()) {
+    // Over, but work that failed is over too (the completion concept): wait() returns at once,
+    // or throws the failure before anything changed.
+    slot->pending->done.wait();
+  } else if (slot->pending != nullptr) {
     if (!wait) return outcome::not_ready;
     // Wait outside the lock (other experts' transitions and collect() go on);
     // publish_waiting keeps abort() from freeing the version meanwhile.

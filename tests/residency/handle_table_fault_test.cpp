@@ -1,5 +1,5 @@
 // Fault injection at every step of a transition (reserve, allocate, copy,
-// publish: the mirror update and the completion's wait): the handle keeps its
+// publish: the mirror update, the completion's wait, a completion over and failed): the handle keeps its
 // previous complete version, the state returns to where it was, and every
 // budget account returns exactly to its previous usage.
 #include "expage/residency/handle_table.hpp"
@@ -23,8 +23,9 @@ using rs = residency_state;
 using backend = testing::failing_memory<testing::counting_memory<testing::heap_memory>>;
 using pool_type = block_pool<backend>;
 
-enum class step { none, reserve, allocate, copy, mirror, wait };
-constexpr step all_steps[] = {step::reserve, step::allocate, step::copy, step::mirror, step::wait};
+// failed: the copy is over when publish() comes, and it failed.
+enum class step { none, reserve, allocate, copy, mirror, wait, failed };
+constexpr step all_steps[] = {step::reserve, step::allocate, step::copy, step::mirror, step::wait, step::failed};
 
 struct failing_hook final : mirror_hook {
   bool fail = false;
@@ -36,11 +37,18 @@ struct failing_hook final : mirror_hook {
 // A copy whose completion reports an error when waited on (a failed event).
 struct failing_copy {
   std::shared_ptr<bool> over = std::make_shared<bool>(false);
-  [[nodiscard]] bool ready() const { return *over; }
+  [[nodiscard]] bool ready() const noexcept { return *over; }
   void wait() {
     *over = true;  // the work is over, it failed
     throw cuda_error(719, "injected copy failure reported by the event");
   }
+};
+
+// A copy that is over and failed (an event after a sticky error): ready() says it is over, and
+// wait() throws its error. publish() must not switch to the version it never filled.
+struct failed_copy {
+  [[nodiscard]] bool ready() const noexcept { return true; }
+  void wait() { throw cuda_error(700, "injected copy failure, over before publish"); }
 };
 
 struct rig {
@@ -88,6 +96,8 @@ struct rig {
     const auto record = testing::record_at(span.front(), pool.block_size());
     if (fail == step::wait) {
       t.prepare(record, version_storage(std::move(span)), failing_copy{});
+    } else if (fail == step::failed) {
+      t.prepare(record, version_storage(std::move(span)), failed_copy{});
     } else {
       t.prepare(record, version_storage(std::move(span)));
     }
@@ -159,7 +169,7 @@ TEST(HandleTableFaults, EveryStepOfEveryTransitionKeepsTheStrongGuarantee) {
       (void)r.table.collect();
     }
   }
-  EXPECT_EQ(faults, 4 * 5 + 2);
+  EXPECT_EQ(faults, 4 * 6 + 2);
 }
 
 // The scope ends with a transition in flight (prepared, its copy complete, not published) and an

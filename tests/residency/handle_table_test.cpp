@@ -134,7 +134,7 @@ TEST_F(table_fixture, PublishIfReadyWaitsForTheCopy) {
 struct announced_copy {
   completion_flag flag;
   std::latch* entered;
-  [[nodiscard]] bool ready() const { return flag.ready(); }
+  [[nodiscard]] bool ready() const noexcept { return flag.ready(); }
   void wait() {
     entered->count_down();
     flag.wait();
@@ -382,7 +382,7 @@ TEST(HandleTable, DestructionWaitsForClosedWindowsBeforeFreeingVersions) {
     std::shared_ptr<std::atomic<bool>> done;
     std::shared_ptr<std::atomic<std::size_t>> used;  // the account's bytes when the wait began
     const budget_account* account;
-    [[nodiscard]] bool ready() const { return done->load(); }
+    [[nodiscard]] bool ready() const noexcept { return done->load(); }
     void wait() {
       used->store(account->used());
       done->store(true);

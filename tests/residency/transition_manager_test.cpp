@@ -14,9 +14,11 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <limits>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -101,6 +103,56 @@ class unrecordable_stream : public host_stream {
   std::condition_variable cv_;
   bool open_ = false;
 };
+
+// A stream that fails as a CUDA stream does: a copy fails on the stream (the call returns; the
+// error surfaces later) and from then on every event recorded on it reports the error, query()
+// and synchronize() throwing cuda_error, as cuda_event's do after a sticky error.
+class sticky_event {
+ public:
+  [[nodiscard]] bool query() const {
+    if (failed()) throw cuda_error(700, "sticky_event: an illegal memory access was encountered");
+    return inner_.query();
+  }
+  void synchronize() const {
+    inner_.synchronize();
+    if (failed()) throw cuda_error(700, "sticky_event: an illegal memory access was encountered");
+  }
+
+ private:
+  friend class cuda_like_stream;
+  [[nodiscard]] bool failed() const { return failed_ != nullptr && failed_->load(); }
+  host_event inner_;
+  std::shared_ptr<const std::atomic<bool>> failed_;
+};
+
+class cuda_like_stream {
+ public:
+  using event_type = sticky_event;
+  explicit cuda_like_stream(std::string name) : stream_(std::move(name)) {}
+  std::optional<int> fail_copy_in;  // the Nth copy fails on the stream
+  void copy(void* dst, const void* src, std::size_t n) {
+    if (fail_copy_in && --*fail_copy_in == 0) {
+      stream_.enqueue([failed = failed_] { failed->store(true); });
+      return;
+    }
+    stream_.copy(dst, src, n);
+  }
+  void record(sticky_event& e) {
+    e.failed_ = failed_;
+    stream_.record(e.inner_);
+  }
+  void wait(const sticky_event& e) { stream_.wait(e.inner_); }
+  void enqueue(std::function<void()> f) { stream_.enqueue(std::move(f)); }
+  void synchronize() {
+    stream_.synchronize();
+    if (failed_->load()) throw cuda_error(700, "cuda_like_stream: an illegal memory access was encountered");
+  }
+
+ private:
+  host_stream stream_;
+  std::shared_ptr<std::atomic<bool>> failed_ = std::make_shared<std::atomic<bool>>(false);
+};
+static_assert(async_stream<cuda_like_stream>);
 
 template <class Stream = host_stream, class Memory = heap_memory>
 struct rig {
@@ -725,6 +777,44 @@ TEST(TransitionManagerFaults, AStreamsStickyErrorFailsItsTransitions) {
   EXPECT_EQ(r.mismatches(*r.table.resolve({2, 2})), 0u);
   (void)r.table.collect();
   EXPECT_EQ(r.hi_account.used(), hi_before);
+}
+
+// The same on a stream whose events throw once it has failed (cuda_event's query()): the
+// transition is aborted and its block and bytes come back. The abort used to ask the event
+// whether it was over from code that cannot throw, and the process ended in std::terminate.
+TEST(TransitionManagerFaults, AnEventThatThrowsAfterAFailedCopyAbortsTheTransition) {
+  rig<cuda_like_stream> r(8, {}, hi_blocks());
+  r.target_all(residency_state::resident_lo);
+  ASSERT_TRUE(r.manager.wait_idle());
+  (void)r.table.collect();
+  const std::size_t hi_before = r.hi_account.used();
+  r.migration.fail_copy_in = 1;
+  r.manager.set_targets(std::vector<residency_target>{{{2, 2}, residency_state::resident_hi}});
+  EXPECT_TRUE(r.manager.wait_idle());
+  EXPECT_EQ(r.manager.statistics().failed, 1U);
+  EXPECT_EQ(r.table.state({2, 2}), residency_state::resident_lo);
+  EXPECT_EQ(r.mismatches(*r.table.resolve({2, 2})), 0U);
+  (void)r.table.collect();
+  EXPECT_EQ(r.hi_account.used(), hi_before);
+  EXPECT_EQ(r.hi_pool.statistics().blocks_in_use, 0U);
+}
+
+// A failed event is over: event_completion::ready() says so without throwing (it is asked in
+// code that cannot fail), and wait() reports the error.
+TEST(EventCompletion, AnEventThatFailedIsReadyAndItsWaitThrows) {
+  cuda_like_stream stream("copy");
+  stream.fail_copy_in = 1;
+  std::byte from[8]{}, to[8]{};
+  stream.copy(to, from, sizeof to);
+  auto event = std::make_shared<sticky_event>();
+  stream.record(*event);
+  EXPECT_THROW(stream.synchronize(), cuda_error);
+  const event_completion<sticky_event> done(event);
+  static_assert(noexcept(done.ready()));
+  EXPECT_TRUE(done.ready());
+  any_completion erased(event_completion<sticky_event>{event});
+  EXPECT_TRUE(erased.ready());
+  EXPECT_THROW(erased.wait(), cuda_error);
 }
 
 TEST(TransitionManager, ReadersNeverSeeAnIncompleteVersionWhileTheManagerSwitches) {

@@ -237,7 +237,7 @@ TEST(ExpertRuntime, NeverEvictsAnExpertWhoseKernelIsPendingOrWhoseLeaseIsHeld) {
     runtime_world* w;
     runtime* rt;
     std::shared_ptr<std::atomic<int>> waited;
-    [[nodiscard]] bool ready() const { return waited->load() > 0; }
+    [[nodiscard]] bool ready() const noexcept { return waited->load() > 0; }
     void wait() {
       // Called by the evicting acquire, before anything of layer 0 was unmapped.
       EXPECT_EQ(w->mismatch_at_stable(*rt, {0, 0}), 0U);
@@ -263,7 +263,7 @@ TEST(ExpertRuntime, NeverEvictsAnExpertWhoseKernelIsPendingOrWhoseLeaseIsHeld) {
 // once), counting the waits.
 struct pending_kernel {
   std::shared_ptr<std::atomic<int>> waited;
-  [[nodiscard]] bool ready() const { return waited->load() > 0; }
+  [[nodiscard]] bool ready() const noexcept { return waited->load() > 0; }
   void wait() { waited->fetch_add(1); }
 };
 
@@ -428,7 +428,7 @@ struct announced_kernel {
   std::shared_ptr<std::promise<void>> waiting;
   std::shared_ptr<std::once_flag> once;
   completion_flag done;
-  [[nodiscard]] bool ready() const { return done.ready(); }
+  [[nodiscard]] bool ready() const noexcept { return done.ready(); }
   void wait() const {
     std::call_once(*once, [&] { waiting->set_value(); });
     done.wait();
@@ -473,7 +473,7 @@ TEST(ExpertRuntime, AReleaseOnTheComputeStreamNeverWaitsForTheLock) {
 
 // A kernel completion that fails (a faulted device context).
 struct faulted_kernel {
-  [[nodiscard]] bool ready() const { return false; }
+  [[nodiscard]] bool ready() const noexcept { return false; }
   void wait() { throw std::runtime_error("injected: the kernel's stream faulted"); }
 };
 

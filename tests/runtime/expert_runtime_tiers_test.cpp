@@ -223,7 +223,7 @@ struct shadow_records final : mirror_hook {
 // A completion the test completes by hand.
 struct manual_kernel {
   std::shared_ptr<std::atomic<bool>> done = std::make_shared<std::atomic<bool>>(false);
-  [[nodiscard]] bool ready() const { return done->load(); }
+  [[nodiscard]] bool ready() const noexcept { return done->load(); }
   void wait() const {
     while (!done->load()) std::this_thread::yield();
   }
@@ -618,7 +618,7 @@ TEST(ExpertRuntimeTiers, AnIssuedTransitionIsNotCancelled) {
 struct hooked_kernel {
   std::shared_ptr<std::atomic<bool>> done = std::make_shared<std::atomic<bool>>(false);
   std::shared_ptr<std::function<void()>> on_wait = std::make_shared<std::function<void()>>();
-  [[nodiscard]] bool ready() const { return done->load(); }
+  [[nodiscard]] bool ready() const noexcept { return done->load(); }
   void wait() const {
     if (!done->load()) {
       if (*on_wait) (*on_wait)();

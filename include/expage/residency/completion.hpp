@@ -17,8 +17,10 @@ namespace expage {
 /// stream, a forward pass on a compute stream, a host thread's work.
 ///
 /// Requirements on a model `C`:
-/// - `c.ready()` (const): true once the work is complete; never blocks, never throws.
-/// - `c.wait()`: blocks until ready() would return true.
+/// - `c.ready()` (const, `noexcept`): true once the work is over; never blocks, never throws.
+///   Work that failed is over: ready() returns true and wait() throws the failure, so code that
+///   must know the work succeeded (handle_table::publish()) calls wait() even when ready.
+/// - `c.wait()`: blocks until ready() would return true; throws if the work failed.
 /// - completion must be monotonic: once ready() returned true it stays true.
 /// - ready() returning true *synchronizes with* the completion of the work:
 ///   whatever the work wrote is visible to the thread that observed it.
@@ -30,7 +32,8 @@ namespace expage {
 /// this event is complete").
 template <class C>
 concept completion = std::move_constructible<C> && requires(const C& c, C& m) {
-  { c.ready() } -> std::same_as<bool>;
+  { c.ready() }
+  noexcept->std::same_as<bool>;
   m.wait();
 };
 

@@ -300,7 +300,8 @@ class handle_table {
   ///         a null tensor or 0 bytes. On any exception @p storage is untouched.
   void prepare(expert_id id, const version_record& record, version_storage&& storage, any_completion done = {});
 
-  /// Waits for the prepared version's completion, then switches @p id to it
+  /// Waits for the prepared version's completion (its wait() is called even when it is ready:
+  /// work that failed is ready, and its wait() throws), then switches @p id to it
   /// (to nothing for an eviction), updates the mirror, moves the state to its
   /// target, retires the old version and runs collect().
   /// @throws expage::transition_error when no transition is in flight (also a

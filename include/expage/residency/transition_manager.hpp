@@ -38,15 +38,26 @@ namespace expage {
 ///
 /// Holds its own event (one per transition), so a later record of another
 /// event cannot move what it waits for.
+///
+/// An event whose query() throws (cuda_event after a sticky error: the stream runs nothing
+/// more) is over: ready() returns true, and wait() throws the error from synchronize(). Kept
+/// out of ready(), which must not throw: the epoch domain and the handle table ask it in code
+/// that cannot fail (freeing a failed transition's block), where a throw was std::terminate.
 /// @threadsafety as the event.
 template <stream_event Event>
 class event_completion {
  public:
   /// Shares @p event (already recorded by the caller).
   explicit event_completion(std::shared_ptr<Event> event) noexcept : event_(std::move(event)) {}
-  /// True when the event's work has completed.
-  [[nodiscard]] bool ready() const { return event_->query(); }
-  /// Blocks until it has.
+  /// True when the event's work has completed or failed.
+  [[nodiscard]] bool ready() const noexcept {
+    try {
+      return event_->query();
+    } catch (...) {
+      return true;  // failed: nothing more runs on the stream; wait() reports it
+    }
+  }
+  /// Blocks until it has; throws the stream's error if the work failed.
   void wait() { event_->synchronize(); }
 
  private:

@@ -13,7 +13,9 @@ namespace expage {
 /// CUDA semantics, which host_event reproduces: recording an event captures the
 /// work submitted to the stream so far; query() and synchronize() (and a
 /// stream's wait()) refer to the most recent record made *before* they were
-/// called; an event never recorded counts as complete.
+/// called; an event never recorded counts as complete. Unlike host_event's, a
+/// cuda_event's query() and synchronize() throw once its stream has failed (a
+/// sticky error): event_completion reads such an event as over, its wait() throwing.
 template <class E>
 concept stream_event = std::default_initializable<E> && requires(const E& ce) {
   { ce.query() } -> std::same_as<bool>;  // true when the latest recorded work has completed
