@@ -278,6 +278,23 @@ TYPED_TEST(EvictionPolicyContract, BeladyIsNeverWorse) {
   }
 }
 
+// Equal priorities tie, and the tie goes to the older access (the documented rule), whatever
+// the layer count: with 5 layers, 1 · (1 − 3/5) and 2 · (1 − 4/5) are both 2/5, but in doubles
+// the first rounds up and the second down, and the rounding used to pick the victim.
+TEST(LayerDecayPolicy, EqualPrioritiesGoToTheOlderAccess) {
+  const moe_geometry g(moe_geometry::config{
+      .name = "five", .layers = 5, .experts_per_layer = 2, .top_k = 1, .hidden_size = 8, .intermediate_size = 8});
+  slot_cache<layer_decay_policy> cache(g, {.layout = cache_layout::global, .capacity = 2});
+  const expert_index first[] = {0}, second[] = {1};
+  (void)cache.access(3, first, {.time = 0});   // (3, 0): count 1, last access 0
+  (void)cache.access(4, second, {.time = 1});  // (4, 1): count 2, last access 2
+  (void)cache.access(4, second, {.time = 2});
+  // Layer 4 runs: (3, 0) is a = 3 layers ahead, (4, 1) a = 4: priorities 2/5 and 2/5.
+  const auto r = cache.access(4, first, {.time = 3});
+  ASSERT_EQ(r.loads.size(), 1U);
+  EXPECT_EQ(r.loads[0].evicted, (expert_id{.layer = 3, .expert = 0}));
+}
+
 TEST(NextTurnPolicy, RejectsABadDecay) {
   const key_space s{.layers = 2, .experts_per_layer = 4, .global = true};
   EXPECT_THROW(next_turn_policy(s, {.decay = 0.0}), invalid_argument);

@@ -299,7 +299,7 @@ inline reference_result reference_replay(const std::vector<group>& groups, std::
             case policy_kind::layer_decay: {
               const auto prio = [&](std::uint32_t r) {
                 const std::uint32_t ahead = (layer_of(r, s) + layers - grp.layer - 1) % layers;
-                return count(r) * (1.0 - ahead / static_cast<double>(layers));
+                return count(r) * (layers - ahead);  // L · count · (1 − a/L), exact
               };
               return std::tuple(prio(a), last_time(a), a) < std::tuple(prio(b), last_time(b), b);
             }

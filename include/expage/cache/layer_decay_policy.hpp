@@ -5,6 +5,7 @@
 #include "expage/cache/detail/ranking.hpp"
 #include "expage/cache/detail/resident_set.hpp"
 #include "expage/cache/eviction_policy.hpp"
+#include "expage/core/error.hpp"
 
 #include <cstdint>
 #include <vector>
@@ -45,10 +46,12 @@ class layer_decay_policy {
   void on_evict(std::uint32_t key) noexcept { resident_.erase(key); }
   /// The unpinned key with the smallest distance-weighted count.
   [[nodiscard]] std::uint32_t victim(pin_view pins, const access_context& ctx) const noexcept {
-    const double layers = space_.layers;
     return detail::scan_for_victim(resident_, pins, last_, [&](std::uint32_t k) {
       const std::uint32_t ahead = (space_.layer_of(k) + space_.layers - ctx.layer - 1) % space_.layers;
-      return -(static_cast<double>(count_[k]) * (1.0 - ahead / layers));  // smallest priority first
+      // L · priority = count · (L − a), in integers: exact, so equal priorities tie and the tie
+      // rule decides (in doubles a/L rounds when L is not a power of two, and the rounding did).
+      // Smallest priority first: the largest complement. Saturates only past 2^64 / L accesses.
+      return UINT64_MAX - saturating_product({count_[k], std::uint64_t{space_.layers} - ahead});
     });
   }
 

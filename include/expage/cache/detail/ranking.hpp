@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <set>
+#include <type_traits>
 #include <vector>
 
 namespace expage::detail {
@@ -48,15 +49,18 @@ class ranked_residents {
 /// The unpinned resident key with the largest `score(key)`; ties go to the
 /// older access (`last[key]`), then to the smaller key. For policies whose
 /// scores move with the current layer and so cannot stay sorted. O(residents).
+/// Scores are compared in the type `score` returns: a policy whose ties are
+/// part of its rule returns an exact (integer) score, not a rounded one.
 template <class Score>
 [[nodiscard]] std::uint32_t scan_for_victim(const resident_set& resident, pin_view pins,
                                             const std::vector<std::uint64_t>& last, Score score) noexcept {
+  using score_type = std::invoke_result_t<Score&, std::uint32_t>;
   std::uint32_t best = 0;
-  double best_score = 0.0;
+  score_type best_score{};
   bool found = false;
   for (const std::uint32_t k : resident.keys()) {
     if (pins(k)) continue;
-    const double s = score(k);
+    const score_type s = score(k);
     if (!found || s > best_score ||
         (s == best_score && (last[k] < last[best] || (last[k] == last[best] && k < best)))) {
       best = k;
