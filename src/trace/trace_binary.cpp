@@ -321,7 +321,10 @@ binary_layout read_layout(detail::byte_input& in, const moe_geometry& geometry) 
         at(12), "flags",
         fmt::format("probability flag {} contradicts {} probability vectors", h.flags & flag_probabilities, h.vectors));
   }
-  if (v2 && h.vectors != 0 && h.vectors != h.events) {
+  // Every version (version 1's records each say has_probabilities, but the reader keeps all or
+  // none; without this header check a v1 file declaring a few vectors for many events was sized
+  // as all of them before its records were read: 52 GB for a 4.66 MB file).
+  if (h.vectors != 0 && h.vectors != h.events) {
     fail(
         at(40), "probability_vectors",
         fmt::format("{} vectors for {} events: a trace has the field on every record or on none", h.vectors, h.events));
