@@ -308,13 +308,14 @@ std::vector<std::uint32_t> place_rows(const routing_trace& trace, const sequence
       model.update(experts, position[r] + 1, true);
       candidate[r] = model.score();
     }
-    // Ties go to the later insertion point (fewer rows moved); leaving the row at the tail wins
-    // unless a position is better by more than rounding.
-    std::size_t best = n;
-    for (std::size_t r = n; r-- > 0;) {
-      if (candidate[r] > candidate[best]) best = r;
-    }
+    // Ties go to the later insertion point (fewer rows moved): the latest candidate within
+    // rounding of the best, so two scores that are equal but rounded apart (1e-15 here and
+    // there) do not move rows. Leaving the row at the tail wins unless a position is better by
+    // more than rounding.
     const double tolerance = 1e-9 * std::max(1.0, std::abs(candidate[n]));
+    const double top = *std::max_element(candidate.begin(), candidate.begin() + static_cast<std::ptrdiff_t>(n) + 1);
+    std::size_t best = n;
+    while (candidate[best] < top - tolerance) --best;  // stops: some candidate equals top
     if (best == n || candidate[best] - candidate[n] <= tolerance) break;
     double runner_up = -HUGE_VAL;
     for (std::size_t r = 0; r <= n; ++r) {
@@ -322,7 +323,7 @@ std::vector<std::uint32_t> place_rows(const routing_trace& trace, const sequence
     }
     insertions.push_back({.step = static_cast<std::uint32_t>(s.prefill + position[best]),
                           .gain = candidate[best] - candidate[n],
-                          .margin = candidate[best] - runner_up});
+                          .margin = std::max(0.0, candidate[best] - runner_up)});  // a tie within rounding: 0
     for (std::size_t r = best; r < n; ++r) ++position[r];
   }
   return position;
@@ -346,56 +347,66 @@ realign_result realign_trace(const routing_trace& trace, const realign_options& 
   // put back in sequence order at the end.
   std::vector<std::size_t> report_sequence;  // per report: its sequence's index in `sequences`
   placement_counts counts;                   // every placement's, reused
-  for (std::uint32_t layer = 0; layer < trace.layers(); ++layer) {
-    std::optional<cooccurrence> pooled;  // this short layer's, built on first use
-    for (std::size_t si = 0; si < sequences.size(); ++si) {
-      const sequence_rows& s = sequences[si];
-      const std::span<const std::size_t> rows = s.decode(layer);
-      if (rows.size() >= s.decode_steps) continue;
-      // The layer is short, so not among the complete ones.
-      const std::span<const std::uint32_t> references = s.complete_near(layer, options.reference_window);
-      realigned_layer report{.sequence = s.sequence,
-                             .layer = layer,
-                             .rows = static_cast<std::uint32_t>(rows.size()),
-                             .reference_layers = static_cast<std::uint32_t>(references.size()),
-                             .rows_moved = 0,
-                             .gaps = {},
-                             .insertions = {}};
-      std::vector<std::uint32_t> steps(rows.size());  // absolute, after realignment
-      for (std::size_t r = 0; r < rows.size(); ++r) steps[r] = trace[rows[r]].step;
-      if (!references.empty() && !rows.empty()) {  // a layer without rows has nothing to place
-        check_table_size(trace);
-        const cooccurrence* pool = nullptr;
-        if (options.pool_sequences) {
-          if (!pooled) pooled.emplace(pooled_counts(trace, sequences, layer));
-          pool = &*pooled;
-        }
-        const std::vector<std::uint32_t> position = place_rows(trace, s, layer, references, pool, options.smoothing,
-                                                               options.max_insertions, counts, report.insertions);
-        for (std::size_t r = 0; r < rows.size(); ++r) steps[r] = s.prefill + position[r];
+  // The (layer, sequence) pairs with decode rows, by layer then sequence: the loop below costs
+  // the records, not sequences × declared layers. A layer without a decode row in a sequence has
+  // nothing to place and is not reported (gaps() lists its steps): reporting it made one entry
+  // per declared layer of every sequence (12.5 MB per one-row sequence at 65,536 layers).
+  std::vector<std::pair<std::uint32_t, std::size_t>> with_rows;
+  for (std::size_t si = 0; si < sequences.size(); ++si) {
+    for (const sequence_rows::layer_span& span : sequences[si].layers) with_rows.emplace_back(span.layer, si);
+  }
+  std::ranges::sort(with_rows);
+  std::optional<cooccurrence> pooled;  // the current layer's, built on first use
+  for (std::size_t p = 0; p < with_rows.size(); ++p) {
+    const std::uint32_t layer = with_rows[p].first;  // named, not bound: lambdas below capture it
+    const std::size_t si = with_rows[p].second;
+    if (p > 0 && with_rows[p - 1].first != layer) pooled.reset();
+    const sequence_rows& s = sequences[si];
+    const std::span<const std::size_t> rows = s.decode(layer);
+    if (rows.size() >= s.decode_steps) continue;
+    // The layer is short, so not among the complete ones.
+    const std::span<const std::uint32_t> references = s.complete_near(layer, options.reference_window);
+    realigned_layer report{.sequence = s.sequence,
+                           .layer = layer,
+                           .rows = static_cast<std::uint32_t>(rows.size()),
+                           .reference_layers = static_cast<std::uint32_t>(references.size()),
+                           .rows_moved = 0,
+                           .gaps = {},
+                           .insertions = {}};
+    std::vector<std::uint32_t> steps(rows.size());  // absolute, after realignment
+    for (std::size_t r = 0; r < rows.size(); ++r) steps[r] = trace[rows[r]].step;
+    if (!references.empty()) {
+      check_table_size(trace);
+      const cooccurrence* pool = nullptr;
+      if (options.pool_sequences) {
+        if (!pooled) pooled.emplace(pooled_counts(trace, sequences, layer));
+        pool = &*pooled;
       }
-      // The missing decode steps as runs, from the ascending steps of the rows.
-      std::uint64_t expected = s.prefill;
-      const auto note = [&](std::uint64_t upto) {            // steps [expected, upto) are missing
-        for (std::uint64_t from = expected; upto > from;) {  // a count is 32 bits (as gaps())
-          const std::uint64_t n = std::min<std::uint64_t>(upto - from, std::numeric_limits<std::uint32_t>::max());
-          report.gaps.push_back({.sequence = s.sequence,
-                                 .layer = layer,
-                                 .first_step = static_cast<std::uint32_t>(from),
-                                 .count = static_cast<std::uint32_t>(n)});
-          from += n;
-        }
-      };
-      for (std::size_t r = 0; r < rows.size(); ++r) {
-        if (steps[r] != trace[rows[r]].step) ++report.rows_moved;
-        new_step[rows[r]] = steps[r];
-        note(steps[r]);
-        expected = std::uint64_t{steps[r]} + 1;
-      }
-      note(s.prefill + s.decode_steps);
-      result.layers.push_back(std::move(report));
-      report_sequence.push_back(si);
+      const std::vector<std::uint32_t> position = place_rows(trace, s, layer, references, pool, options.smoothing,
+                                                             options.max_insertions, counts, report.insertions);
+      for (std::size_t r = 0; r < rows.size(); ++r) steps[r] = s.prefill + position[r];
     }
+    // The missing decode steps as runs, from the ascending steps of the rows.
+    std::uint64_t expected = s.prefill;
+    const auto note = [&](std::uint64_t upto) {            // steps [expected, upto) are missing
+      for (std::uint64_t from = expected; upto > from;) {  // a count is 32 bits (as gaps())
+        const std::uint64_t n = std::min<std::uint64_t>(upto - from, std::numeric_limits<std::uint32_t>::max());
+        report.gaps.push_back({.sequence = s.sequence,
+                               .layer = layer,
+                               .first_step = static_cast<std::uint32_t>(from),
+                               .count = static_cast<std::uint32_t>(n)});
+        from += n;
+      }
+    };
+    for (std::size_t r = 0; r < rows.size(); ++r) {
+      if (steps[r] != trace[rows[r]].step) ++report.rows_moved;
+      new_step[rows[r]] = steps[r];
+      note(steps[r]);
+      expected = std::uint64_t{steps[r]} + 1;
+    }
+    note(s.prefill + s.decode_steps);
+    result.layers.push_back(std::move(report));
+    report_sequence.push_back(si);
   }
   {  // sequence order, layers ascending within a sequence (as before the layer-major loop)
     std::vector<std::size_t> order(result.layers.size());

@@ -12,11 +12,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <optional>
 #include <random>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -235,6 +238,137 @@ TEST(Realign, RecoversAPerfectlyCorrelatedDeletionAndLeavesTheStepAbsent) {
   EXPECT_EQ(r.trace, expected);
 }
 
+// One row lost per short layer: the greedy's single round tries every insertion point, so it must
+// pick the one a from-scratch log-likelihood (the documented model: Lidstone-smoothed
+// co-occurrence of each reference layer's experts with the short layer's at the same step,
+// pooled over the other sequences where both layers are complete) ranks best, ties to the
+// later point (fewer rows moved), and report the same gain and margin. Ties within rounding used
+// to go to an earlier point by 1e-15 (36 of 523 layers here).
+TEST(Realign, OneLostRowGoesWhereABruteForceLikelihoodPutsIt) {
+  std::mt19937_64 rng(4242);
+  const auto below = [&](std::uint32_t n) { return static_cast<std::uint32_t>(rng() % n); };
+  using rows_t = std::vector<std::vector<std::uint32_t>>;  // a layer's decode rows, in step order
+  int layers_checked = 0;
+  for (int c = 0; c < 300; ++c) {
+    const std::uint32_t L = 2 + below(4), E = 2 + below(5), K = 1 + below(std::min<std::uint32_t>(2, E - 1));
+    const std::uint32_t S = 1 + below(3), N = 4 + below(8), P = below(2);
+    const bool pool = below(2) == 1;
+    const double alpha = below(2) == 1 ? 0.5 : 0.1 + below(10) / 10.0;
+    routing_trace t(L, E, K);
+    std::map<std::pair<std::uint32_t, std::uint32_t>, rows_t> rows;  // (sequence, layer)
+    std::map<std::pair<std::uint32_t, std::uint32_t>, bool> short_layer;
+    const std::vector<float> w(K, 1.0F / static_cast<float>(K));
+    for (std::uint32_t s = 0; s < S; ++s) {
+      std::vector<std::uint32_t> type(N);
+      for (auto& x : type) x = below(E);
+      for (std::uint32_t l = 0; l < L; ++l) {
+        rows_t& v = rows[{s, l}];
+        for (std::uint32_t step = 0; step < N; ++step) {
+          std::vector<std::uint32_t> ex{(type[step] + l) % E};  // correlated across layers
+          while (ex.size() < K) {
+            const std::uint32_t x = below(E);
+            if (std::find(ex.begin(), ex.end(), x) == ex.end()) ex.push_back(x);
+          }
+          if (below(4) == 0) ex[0] = K == 2 && (ex[0] + 1) % E == ex[1] ? ex[0] : (ex[0] + 1) % E;  // noise
+          if (K == 2 && ex[0] == ex[1]) ex[0] = (ex[1] + 1) % E;
+          v.push_back(ex);
+        }
+        short_layer[{s, l}] = l != 0 && below(3) == 0;
+        if (short_layer[{s, l}]) v.erase(v.begin() + below(N));
+      }
+      for (std::uint32_t step = 0; step < P; ++step) {
+        for (std::uint32_t l = 0; l < L; ++l) {
+          std::vector<std::uint32_t> ex(K);
+          for (std::uint32_t x = 0; x < K; ++x) ex[x] = x;
+          t.append({.sequence = s,
+                    .step = step,
+                    .layer = l,
+                    .phase = expage::routing_phase::prefill,
+                    .experts = ex,
+                    .weights = w});
+        }
+      }
+      for (std::uint32_t l = 0; l < L; ++l) {
+        const rows_t& v = rows[{s, l}];
+        for (std::uint32_t r = 0; r < v.size(); ++r) {
+          t.append({.sequence = s, .step = P + r, .layer = l, .experts = v[r], .weights = w});
+        }
+      }
+    }
+    t.restore_execution_order();
+    const realign_result res = realign_trace(t, {.smoothing = alpha, .pool_sequences = pool});
+    for (const realigned_layer& got : res.layers) {
+      if (got.reference_layers == 0) continue;
+      const std::uint32_t s = got.sequence, l = got.layer;
+      const rows_t& v = rows[{s, l}];
+      const auto n = static_cast<std::uint32_t>(v.size());
+      std::vector<std::uint32_t> refs;
+      for (std::uint32_t q = 0; q < L; ++q) {
+        if (!short_layer[{s, q}]) refs.push_back(q);
+      }
+      // Pooled counts: f[q][i][j] pairs, fr[q][i] pairs of reference expert i (K per occurrence).
+      std::map<std::tuple<std::uint32_t, std::uint32_t, std::uint32_t>, double> f;
+      std::map<std::pair<std::uint32_t, std::uint32_t>, double> fr;
+      for (std::uint32_t o = 0; pool && o < S; ++o) {
+        if (short_layer[{o, l}]) continue;
+        for (std::uint32_t q = 0; q < L; ++q) {
+          if (q == l || short_layer[{o, q}]) continue;
+          for (std::uint32_t step = 0; step < N; ++step) {
+            for (const std::uint32_t i : rows[{o, q}][step]) {
+              for (const std::uint32_t j : rows[{o, l}][step]) f[{q, i, j}] += 1;
+              fr[{q, i}] += K;
+            }
+          }
+        }
+      }
+      // The log-likelihood of row r at step position[r], counted from scratch.
+      const auto likelihood = [&](const std::vector<std::uint32_t>& position) {
+        std::map<std::tuple<std::uint32_t, std::uint32_t, std::uint32_t>, double> cc = f;
+        std::map<std::pair<std::uint32_t, std::uint32_t>, double> cr = fr;
+        for (std::uint32_t r = 0; r < n; ++r) {
+          for (const std::uint32_t q : refs) {
+            for (const std::uint32_t i : rows[{s, q}][position[r]]) {
+              for (const std::uint32_t j : v[r]) cc[{q, i, j}] += 1;
+              cr[{q, i}] += K;
+            }
+          }
+        }
+        double sum = 0;
+        for (std::uint32_t r = 0; r < n; ++r) {
+          for (const std::uint32_t q : refs) {
+            for (const std::uint32_t i : rows[{s, q}][position[r]]) {
+              for (const std::uint32_t j : v[r]) sum += std::log((cc[{q, i, j}] + alpha) / (cr[{q, i}] + alpha * E));
+            }
+          }
+        }
+        return sum;
+      };
+      std::vector<double> candidate(n + 1);  // candidate b: rows b … n−1 one step later
+      for (std::uint32_t b = 0; b <= n; ++b) {
+        std::vector<std::uint32_t> position(n);
+        for (std::uint32_t r = 0; r < n; ++r) position[r] = r < b ? r : r + 1;
+        candidate[b] = likelihood(position);
+      }
+      const double tolerance = 1e-9 * std::max(1.0, std::abs(candidate[n]));
+      const double top = *std::max_element(candidate.begin(), candidate.end());
+      std::uint32_t best = n;
+      while (candidate[best] < top - tolerance) --best;  // the latest point within rounding of the best
+      const bool inserts = best != n && candidate[best] - candidate[n] > tolerance;
+      ++layers_checked;
+      ASSERT_EQ(got.insertions.size(), inserts ? 1U : 0U) << "case " << c << " sequence " << s << " layer " << l;
+      if (!inserts) continue;
+      double runner_up = -HUGE_VAL;
+      for (std::uint32_t b = 0; b <= n; ++b) {
+        if (b != best) runner_up = std::max(runner_up, candidate[b]);
+      }
+      EXPECT_EQ(got.insertions[0].step, P + best) << "case " << c << " sequence " << s << " layer " << l;
+      EXPECT_NEAR(got.insertions[0].gain, candidate[best] - candidate[n], 1e-6);
+      EXPECT_NEAR(got.insertions[0].margin, std::max(0.0, candidate[best] - runner_up), 1e-6);
+    }
+  }
+  EXPECT_GT(layers_checked, 300);  // 390 with this seed
+}
+
 TEST(Realign, IsIdempotent) {
   const routing_trace t = delete_row(delete_row(correlated_trace(4), 1, 7, 30), 2, 20, 50);
   const realign_result once = realign_trace(t);
@@ -305,6 +439,27 @@ TEST(Realign, ReportsHugeGapsAsRunsWithoutAllocatingPerStep) {
   EXPECT_EQ(r.layers[1].gaps,
             (std::vector<trace_gap>{{.sequence = 0, .layer = 1, .first_step = 1, .count = UINT32_MAX - 1}}));
   EXPECT_EQ(r.trace, t);
+}
+
+// A layer with no decode row in a sequence has nothing to place and is not reported, so the
+// report, like the work, follows the records: 40 one-row sequences of a model declaring 65,536
+// layers used to report 40 × 65,535 layers (12.5 MB each). A short layer with rows still is.
+TEST(Realign, ReportsOnlyLayersWithRows) {
+  routing_trace t(65536, 2, 1);
+  const std::uint32_t x[] = {1};
+  const float w[] = {1.0F};
+  for (std::uint32_t s = 0; s < 40; ++s) t.append({.sequence = s, .step = 0, .layer = 0, .experts = x, .weights = w});
+  for (std::uint32_t step = 0; step < 4; ++step) {  // sequence 40: layer 0 complete, layer 1 lost step 2
+    t.append({.sequence = 40, .step = step, .layer = 0, .experts = x, .weights = w});
+    if (step != 3) t.append({.sequence = 40, .step = step, .layer = 1, .experts = x, .weights = w});
+  }
+  t.restore_execution_order();
+  const realign_result r = realign_trace(t);
+  ASSERT_EQ(r.layers.size(), 1U);
+  EXPECT_EQ(r.layers[0].sequence, 40U);
+  EXPECT_EQ(r.layers[0].layer, 1U);
+  EXPECT_EQ(r.layers[0].rows, 3U);
+  EXPECT_EQ(r.layers[0].reference_layers, 1U);
 }
 
 // The co-occurrence tables are dense (layers x E^2 cells): a geometry whose tables would pass

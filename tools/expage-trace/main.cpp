@@ -141,7 +141,9 @@ void print_realign(std::FILE* to, const std::filesystem::path& in, const std::fi
   fmt::print(to, "{} -> {}: {} events; short layers: {}, rows moved: {}\n", in.string(), out.string(), r.trace.size(),
              r.layers.size(), r.rows_moved());
   if (r.layers.empty()) {
-    fmt::print(to, "  no short layers: every layer of every sequence has every decode step\n");
+    // Layers without a decode row in a sequence are not short layers here: nothing to place
+    // (`expage-trace info` lists their steps among the gaps).
+    fmt::print(to, "  no short layers: every layer with decode rows in a sequence has every decode step\n");
     return;
   }
   // gain: log-likelihood (nats) over leaving the row at the tail; margin: over the runner-up step.

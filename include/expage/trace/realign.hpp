@@ -73,8 +73,11 @@ struct realigned_layer {
 
 /// @brief The realigned trace and, per short (sequence, layer), what moved.
 struct realign_result {
-  routing_trace trace;                  ///< Events re-registered, in execution order.
-  std::vector<realigned_layer> layers;  ///< One entry per short (sequence, layer), by sequence then layer.
+  routing_trace trace;  ///< Events re-registered, in execution order.
+  /// One entry per short (sequence, layer) with at least one decode row, by sequence then layer.
+  /// A layer with no decode row in a sequence has nothing to place and is not listed
+  /// (routing_trace::gaps() reports its missing steps).
+  std::vector<realigned_layer> layers;
   /// Rows moved in all layers.
   [[nodiscard]] std::size_t rows_moved() const noexcept {
     std::size_t n = 0;
