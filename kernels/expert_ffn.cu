@@ -32,15 +32,6 @@ __device__ std::uint32_t expert_at(const ffn_args& a, std::uint32_t p) {
   return lo;
 }
 
-__device__ bool readable(const version_record& r) {
-  if (r.encoding != version_encoding::raw || !expage::detail::ffn_format_supported(r.format)) return false;
-  const bool integer = r.format != precision::bf16 && r.format != precision::fp16;
-  for (std::size_t t = 0; t < expert_tensor_count; ++t) {
-    if (r.data[t] == nullptr || (integer && (r.scales[t] == nullptr || r.zeros[t] == nullptr))) return false;
-  }
-  return true;
-}
-
 __device__ ffn_tensor tensor_of(const version_record& r, int t, std::uint64_t cols, std::uint32_t group_size) {
   const auto i = static_cast<std::size_t>(t);
   return {.data = reinterpret_cast<const std::uint8_t*>(r.data[i]),
@@ -84,7 +75,9 @@ __device__ expert_run run_at(const ffn_args& a, std::uint32_t p, std::uint32_t t
   const std::uint32_t e = expert_at(a, p);
   const std::uint32_t end = std::min(a.offsets[e + 1], tile_end);
   const version_record& r = a.records[e];
-  return {end, end - p, readable(r), tensor_of(r, t, cols, a.group_size)};
+  // The host's record check (ffn_record_fits(): format, pointers, size and layout of this shape).
+  return {end, end - p, expage::detail::ffn_record_fits(r, a.hidden, a.intermediate, a.group_size),
+          tensor_of(r, t, cols, a.group_size)};
 }
 
 // This warp's first weight row and the stride between its rows (grid.y may be capped).

@@ -22,8 +22,6 @@ void check_range(std::string_view model, std::string_view field, T value, T lo, 
   }
 }
 
-constexpr std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) noexcept { return a / b + (a % b != 0); }
-
 // The published config.json values of each preset (num_hidden_layers minus
 // dense layers, hidden_size, the routed experts' FFN width, number of routed
 // experts, num_experts_per_tok, shared experts and their width).
@@ -137,9 +135,7 @@ tensor_shape moe_geometry::shape_of(expert_tensor t, std::uint64_t intermediate)
 }
 
 std::uint64_t moe_geometry::bytes_of(tensor_shape s, precision p) const noexcept {
-  const std::uint64_t weights = ceil_div(s.elements() * bits_per_weight(p), 8);
-  const std::uint64_t groups = s.rows * ceil_div(s.cols, config_.group_size);
-  return weights + groups * metadata_bytes_per_group(p);
+  return packed_extent_of(p, s.rows, s.cols, config_.group_size).total_bytes;
 }
 
 std::uint64_t moe_geometry::shared_expert_bytes(precision p) const noexcept {

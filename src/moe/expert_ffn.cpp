@@ -31,6 +31,8 @@ detail::ffn_tensor tensor_of(const version_record& r, expert_tensor t, tensor_sh
 }
 
 void check_record(const version_record& r, std::size_t expert, const expert_ffn_shape& shape) {
+  // The decision is the device kernel's (one owner); what follows names what differs.
+  if (detail::ffn_record_fits(r, shape.hidden, shape.intermediate, shape.group_size)) return;
   if (r.encoding != version_encoding::raw || !detail::ffn_format_supported(r.format)) {
     throw invalid_argument(
         fmt::format("expert_ffn: expert {} is a {} {} version; the FFN reads raw bf16, fp16, int8, "
@@ -52,22 +54,30 @@ void check_record(const version_record& r, std::size_t expert, const expert_ffn_
                                          r.format, to_string(t)));
     }
   }
-  if (!integer) return;  // 16-bit tensors of 2·I·H and H·I values: their sizes are the shape's whatever H and I
-  // The total alone matches shapes that split the bytes otherwise between the tensors (int4:
+  // 16-bit tensors of 2·I·H and H·I values: their sizes are the shape's whatever H and I. The
+  // total alone matches integer shapes that split the bytes otherwise between the tensors (int4:
   // hidden 16 × intermediate 16 and 32 × 8, in groups of 32): each tensor's codes must end
   // where this shape's do, or the reads run past a tensor.
-  const version_record want = packed_version_record(r.format, const_cast<std::byte*>(r.tensor(expert_tensor::gate_up)),
-                                                    const_cast<std::byte*>(r.tensor(expert_tensor::down)), shape);
-  for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
-    if (r.scale(t) != want.scale(t) || r.zero(t) != want.zero(t)) {
-      throw invalid_argument(fmt::format(
-          "expert_ffn: expert {} ({}) has the scales and zeros of {} at bytes {} and {} of the tensor; hidden {} x "
-          "intermediate {} in groups of {} puts them at {} and {} (a version_record from packed_version_record() of "
-          "this shape)",
-          expert, r.format, to_string(t), r.scale(t) - r.tensor(t), r.zero(t) - r.tensor(t), shape.hidden,
-          shape.intermediate, shape.group_size, want.scale(t) - want.tensor(t), want.zero(t) - want.tensor(t)));
+  if (integer) {
+    const version_record want =
+        packed_version_record(r.format, const_cast<std::byte*>(r.tensor(expert_tensor::gate_up)),
+                              const_cast<std::byte*>(r.tensor(expert_tensor::down)), shape);
+    for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
+      if (r.scale(t) != want.scale(t) || r.zero(t) != want.zero(t)) {
+        throw invalid_argument(fmt::format(
+            "expert_ffn: expert {} ({}) has the scales and zeros of {} at bytes {} and {} of the tensor; hidden {} x "
+            "intermediate {} in groups of {} puts them at {} and {} (a version_record from packed_version_record() "
+            "of this shape)",
+            expert, r.format, to_string(t), r.scale(t) - r.tensor(t), r.zero(t) - r.tensor(t), shape.hidden,
+            shape.intermediate, shape.group_size, want.scale(t) - want.tensor(t), want.zero(t) - want.tensor(t)));
+      }
     }
   }
+  // The checks above name every way ffn_record_fits() refuses a record; never refuse silently.
+  throw invalid_argument(
+      fmt::format("expert_ffn: expert {} ({}) is no version of hidden {} x intermediate {} in "
+                  "groups of {} (a version_record from packed_version_record() of this shape)",
+                  expert, r.format, shape.hidden, shape.intermediate, shape.group_size));
 }
 
 float dot(const float* a, const float* b, std::uint64_t n) noexcept {

@@ -1,7 +1,6 @@
 #include "expage/residency/version_layout.hpp"
 
 #include "expage/core/error.hpp"
-#include "expage/format/group_quant.hpp"
 
 #include <fmt/format.h>
 
@@ -39,16 +38,9 @@ std::array<tensor_shape, expert_tensor_count> version_tensors(const expert_ffn_s
           tensor_shape{.rows = shape.hidden, .cols = shape.intermediate}};
 }
 
-// Groups of a tensor of fp8 weights (one fp16 scale each).
-std::uint64_t fp8_groups(tensor_shape s, std::uint32_t group_size) noexcept {
-  return s.rows * ((s.cols + group_size - 1) / group_size);
-}
-
 // The bytes of one tensor in @p format's packed layout.
-std::uint64_t packed_tensor_bytes(precision format, tensor_shape s, std::uint32_t group_size) {
-  if (format == precision::bf16 || format == precision::fp16) return s.elements() * 2;
-  if (format == precision::fp8) return s.elements() + fp8_groups(s, group_size) * metadata_bytes_per_group(format);
-  return group_quant_layout(format, s, group_size).total_bytes();
+std::uint64_t packed_tensor_bytes(precision format, tensor_shape s, std::uint32_t group_size) noexcept {
+  return packed_extent_of(format, s.rows, s.cols, group_size).total_bytes;
 }
 
 // @p format one of the six precisions (a value cast from a byte of a file may be none).
@@ -78,15 +70,11 @@ version_record packed_version_record(precision format, std::byte* gate_up, std::
   const std::array<tensor_shape, expert_tensor_count> shapes = version_tensors(shape);
   std::byte* const at[] = {gate_up, down};
   for (std::size_t t = 0; t < expert_tensor_count; ++t) {
+    const packed_extent e = packed_extent_of(format, shapes[t].rows, shapes[t].cols, shape.group_size);
     r.data[t] = at[t];
-    r.bytes += packed_tensor_bytes(format, shapes[t], shape.group_size);
-    if (format == precision::fp8) {  // one e4m3 byte per weight, then one fp16 scale per group
-      r.scales[t] = at[t] + shapes[t].elements();
-    } else if (format != precision::bf16 && format != precision::fp16) {
-      const group_quant_layout layout(format, shapes[t], shape.group_size);
-      r.scales[t] = at[t] + layout.scales_at();
-      r.zeros[t] = at[t] + layout.zeros_at();
-    }
+    r.bytes += e.total_bytes;
+    if (metadata_bytes_per_group(format) >= 2) r.scales[t] = at[t] + e.weight_bytes;  // fp8 and integers
+    if (metadata_bytes_per_group(format) == 4) r.zeros[t] = at[t] + e.zeros_at;       // integers
   }
   return r;
 }

@@ -17,10 +17,12 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <random>
@@ -177,8 +179,10 @@ TEST(RoutingKernels, RejectBadArgumentsBeforeLaunching) {
   EXPECT_THROW(cuda::group_by_expert_async(ids, 4, 8, fake, sizeof fake, u32, nullptr, u32, nullptr), invalid_argument);
 }
 
-// The case's tensors uploaded, and the device copy of its records (the table's mirror).
-std::vector<float> run_on_device(const ffn_case& c) {
+// The case's tensors uploaded, and the device copy of its records (the table's mirror), which
+// @p edit may change first.
+std::vector<float> run_on_device(const ffn_case& c,
+                                 const std::function<void(std::vector<version_record>&)>& edit = {}) {
   std::vector<std::unique_ptr<device_buffer>> tensors;
   std::vector<std::byte*> gate_up;
   std::vector<std::byte*> down;
@@ -186,7 +190,9 @@ std::vector<float> run_on_device(const ffn_case& c) {
     gate_up.push_back(tensors.emplace_back(std::make_unique<device_buffer>(c.gate_up[e].bytes))->as<std::byte>());
     down.push_back(tensors.emplace_back(std::make_unique<device_buffer>(c.down[e].bytes))->as<std::byte>());
   }
-  const device_buffer d_records(c.records(gate_up, down));
+  std::vector<version_record> records = c.records(gate_up, down);
+  if (edit) edit(records);
+  const device_buffer d_records(records);
   const device_buffer d_x(c.x);
   const device_buffer d_offsets(c.offsets);
   const device_buffer d_order(c.order);
@@ -218,6 +224,37 @@ TEST(ExpertFfnKernel, MatchesTheFp64ReferencePerPrecision) {
     EXPECT_LT(relative_error(out, c.reference()), t.bounds.device_vs_stored) << t.spec.name;
     EXPECT_LT(relative_error(out, c.reference(false)), t.bounds.vs_original) << t.spec.name;
   }
+}
+
+// A record laid out for another shape of the same size (int4 hidden 16 x intermediate 16 read as
+// 32 x 8, in groups of 32: 576 bytes each) is refused on the device as on the host
+// (detail::ffn_record_fits()): its tokens' outputs are NaN, where the kernel used to read past
+// its down tensor. The other experts' tokens are computed as ever.
+TEST(ExpertFfnKernel, ARecordLaidOutForAnotherShapeGivesNaNInItsTokens) {
+  if (!cuda::device_available()) GTEST_SKIP() << no_device_reason();
+  const expert_ffn_shape called{.hidden = 32, .intermediate = 8, .group_size = 32};
+  const expert_ffn_shape built{.hidden = 16, .intermediate = 16, .group_size = 32};
+  ffn_case c({"split", called, 32, 1, {precision::int4, precision::int4, precision::int4, precision::int4}}, 540);
+  const std::vector<float> out = run_on_device(c, [&](std::vector<version_record>& records) {
+    records[1] = packed_version_record(precision::int4, records[1].data[0], records[1].data[1], built);
+  });
+  const std::vector<double> want = c.reference();
+  double scale = 0;
+  for (const double v : want) scale = std::max(scale, std::abs(v));
+  int refused = 0;
+  for (std::uint32_t t = 0; t < c.tokens; ++t) {
+    const bool to_refused = c.ids[t] == 1;  // top-1
+    refused += to_refused ? 1 : 0;
+    for (std::uint64_t h = 0; h < called.hidden; ++h) {
+      const float v = out[t * called.hidden + h];
+      if (to_refused) {
+        EXPECT_TRUE(std::isnan(v)) << "token " << t;
+      } else {
+        EXPECT_NEAR(v, want[t * called.hidden + h], 1e-4 * scale + 1e-7) << "token " << t;
+      }
+    }
+  }
+  EXPECT_GT(refused, 0);
 }
 
 TEST(ExpertFfnKernel, RejectsBadArgumentsBeforeLaunching) {

@@ -6,6 +6,7 @@
 #include "expage/core/moe_geometry.hpp"
 #include "expage/core/precision.hpp"
 #include "expage/format/group_quant.hpp"
+#include "expage/moe/detail/ffn_element.hpp"
 #include "expage/residency/version_record.hpp"
 
 #include <fmt/format.h>
@@ -129,6 +130,59 @@ TEST(ExpertFfn, RejectsARecordWhoseTensorsSplitItsBytesOtherwise) {
                   "expert 1 (int4) has the scales and zeros of gate_up at bytes 256 and 320 of the tensor; hidden 32 "
                   "x intermediate 8 in groups of 32 puts them at 256 and 288")));
   EXPECT_NO_THROW(expert_ffn(c.x, c.top_k, c.offsets, c.order, c.gate_weights, c.host_records(), called, out));
+}
+
+// The record check the device kernel makes (detail::ffn_record_fits(), which expert_ffn() also
+// decides by), run on the host: it accepts the record packed_version_record() builds for the
+// shape, a record built for another shape only where the layouts coincide (16-bit formats of the
+// same H · I), and refuses every field that differs. The kernel used to check formats and null
+// pointers only, and read a record of another layout past its tensors.
+TEST(FfnRecordFits, AcceptsThePackedRecordOfTheShapeAndRefusesEveryOtherLayout) {
+  std::vector<std::byte> gate_up(64 * 1024), down(64 * 1024);
+  const expert_ffn_shape shapes[] = {{.hidden = 16, .intermediate = 8, .group_size = 8},
+                                     {.hidden = 32, .intermediate = 8, .group_size = 32},
+                                     {.hidden = 16, .intermediate = 16, .group_size = 32},
+                                     {.hidden = 24, .intermediate = 40, .group_size = 7},
+                                     {.hidden = 24, .intermediate = 40, .group_size = 8}};
+  const auto fits = [](const version_record& r, const expert_ffn_shape& s) {
+    return detail::ffn_record_fits(r, s.hidden, s.intermediate, s.group_size);
+  };
+  const auto same_layout = [](const version_record& a, const version_record& b) {
+    return a.data == b.data && a.scales == b.scales && a.zeros == b.zeros && a.bytes == b.bytes;
+  };
+  int refused_shapes = 0;
+  for (const precision p : {precision::bf16, precision::fp16, precision::int8, precision::int4, precision::int2}) {
+    for (const expert_ffn_shape& s : shapes) {
+      const version_record r = packed_version_record(p, gate_up.data(), down.data(), s);
+      EXPECT_TRUE(fits(r, s)) << to_string(p);
+      for (const expert_ffn_shape& other : shapes) {
+        const bool same = same_layout(r, packed_version_record(p, gate_up.data(), down.data(), other));
+        EXPECT_EQ(fits(r, other), same) << to_string(p) << " " << s.hidden << "x" << s.intermediate << "/"
+                                        << s.group_size << " read as " << other.hidden << "x" << other.intermediate
+                                        << "/" << other.group_size;
+        refused_shapes += same ? 0 : 1;
+      }
+      version_record bad = r;
+      ++bad.bytes;
+      EXPECT_FALSE(fits(bad, s));
+      bad = r;
+      bad.encoding = version_encoding::compressed;
+      EXPECT_FALSE(fits(bad, s));
+      bad = r;
+      bad.data[1] = nullptr;
+      EXPECT_FALSE(fits(bad, s));
+      if (p == precision::bf16 || p == precision::fp16) continue;
+      bad = r;
+      bad.scales[1] += 2;
+      EXPECT_FALSE(fits(bad, s));
+      bad = r;
+      bad.zeros[0] = nullptr;
+      EXPECT_FALSE(fits(bad, s));
+    }
+  }
+  EXPECT_GT(refused_shapes, 80);
+  version_record fp8 = packed_version_record(precision::fp8, gate_up.data(), down.data(), shapes[0]);
+  EXPECT_FALSE(fits(fp8, shapes[0]));  // the FFN does not read fp8
 }
 
 // The pairs begin at 0, as group_by_expert() groups them and the device kernel counts them; the

@@ -57,6 +57,32 @@ inline constexpr precision all_precisions[] = {precision::bf16, precision::fp16,
   return 0;
 }
 
+/// @brief Where a [rows, cols] weight matrix stored in one precision keeps its bytes
+/// (docs/kernels.md): the weights first, then the fp16 scales (fp8 and the integer formats, one
+/// per group of `group_size` weights along a row, groups never crossing rows), then the fp16 zero
+/// points (the integer formats), packed with no padding. The one owner of these offsets:
+/// moe_geometry's sizes, group_quant_layout, packed_version_record() and the FFN's record check
+/// (host and device) all read them here.
+struct packed_extent {
+  std::uint64_t weight_bytes = 0;  ///< ⌈rows·cols·bits/8⌉: the weights, and where the scales begin.
+  std::uint64_t groups = 0;        ///< rows · ⌈cols / group_size⌉.
+  std::uint64_t zeros_at = 0;      ///< Where the zero points begin: weight_bytes + 2 · groups.
+  std::uint64_t total_bytes = 0;   ///< weight_bytes + groups · metadata_bytes_per_group(p).
+};
+
+/// The packed_extent of a [@p rows, @p cols] matrix in @p p with groups of @p group_size.
+/// @pre group_size ≥ 1 and rows·cols·16 below 2^64 (the callers' shape checks).
+[[nodiscard]] constexpr packed_extent packed_extent_of(precision p, std::uint64_t rows, std::uint64_t cols,
+                                                       std::uint32_t group_size) noexcept {
+  const std::uint64_t bits = rows * cols * bits_per_weight(p);
+  packed_extent e;
+  e.weight_bytes = bits / 8 + (bits % 8 != 0);  // rounded up without overflowing near 2^64
+  e.groups = rows * (cols / group_size + (cols % group_size != 0));
+  e.zeros_at = e.weight_bytes + 2 * e.groups;
+  e.total_bytes = e.weight_bytes + e.groups * metadata_bytes_per_group(p);
+  return e;
+}
+
 /// The lowercase name of @p p: "bf16", "int4", ...
 [[nodiscard]] constexpr std::string_view to_string(precision p) noexcept {
   switch (p) {

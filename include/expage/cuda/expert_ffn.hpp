@@ -49,8 +49,10 @@ struct expert_ffn_problem {
 
 /// Runs the FFN of every expert over its grouped tokens and writes the gated sum per token into
 /// problem.out (fp32). Asynchronous on @p stream. The records are read on the device: one that
-/// is compressed, in fp8, or lacks a pointer yields NaN in its tokens' outputs (the host version
-/// throws instead). Offsets and order must come from group_by_expert for these ids (the kernel
+/// is compressed, in fp8, lacks a pointer, or is laid out for another shape or group size (its
+/// bytes, or an integer tensor's scales and zeros, elsewhere than the shape puts them) yields NaN
+/// in its tokens' outputs, the host version's check (expage::detail::ffn_record_fits()), where
+/// the host version throws. Offsets and order must come from group_by_expert for these ids (the kernel
 /// trusts them).
 ///
 /// @code

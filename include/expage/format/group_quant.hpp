@@ -52,14 +52,16 @@ class group_quant_layout {
   /// rows · groups_per_row(): scales (and zeros) stored.
   [[nodiscard]] std::uint64_t group_count() const noexcept { return shape_.rows * groups_per_row(); }
   /// Bytes of packed codes: ⌈rows·cols·bits/8⌉ (also the offset of the scales).
-  [[nodiscard]] std::uint64_t code_bytes() const noexcept { return (shape_.elements() * bits() + 7) / 8; }
+  [[nodiscard]] std::uint64_t code_bytes() const noexcept { return extent().weight_bytes; }
   /// Byte offset of the fp16 scales.
   [[nodiscard]] std::uint64_t scales_at() const noexcept { return code_bytes(); }
   /// Byte offset of the fp16 zeros.
-  [[nodiscard]] std::uint64_t zeros_at() const noexcept { return scales_at() + 2 * group_count(); }
+  [[nodiscard]] std::uint64_t zeros_at() const noexcept { return extent().zeros_at; }
   /// Total bytes: codes plus metadata_bytes_per_group(format) per group.
-  [[nodiscard]] std::uint64_t total_bytes() const noexcept {
-    return code_bytes() + group_count() * metadata_bytes_per_group(format_);
+  [[nodiscard]] std::uint64_t total_bytes() const noexcept { return extent().total_bytes; }
+  /// The offsets above (packed_extent_of(), their one owner).
+  [[nodiscard]] packed_extent extent() const noexcept {
+    return packed_extent_of(format_, shape_.rows, shape_.cols, group_size_);
   }
 
  private:

@@ -7,8 +7,10 @@
 #include "expage/detail/host_device.hpp"
 #include "expage/format/float16.hpp"
 #include "expage/format/group_quant_element.hpp"
+#include "expage/residency/version_record.hpp"
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 
 namespace expage::detail {
@@ -28,6 +30,30 @@ struct ffn_tensor {
 [[nodiscard]] EXPAGE_HOST_DEVICE inline bool ffn_format_supported(precision format) noexcept {
   return format == precision::bf16 || format == precision::fp16 || format == precision::int8 ||
          format == precision::int4 || format == precision::int2;
+}
+
+/// True when @p r is a version the FFN can read as an expert of @p hidden × @p intermediate in
+/// groups of @p group_size: raw, in a format ffn_format_supported() names, both tensors' weights
+/// set, its bytes the shape's, and for the integer formats each tensor's scales and zeros where
+/// the packed layout puts them (packed_extent_of(); packed_version_record() builds such records).
+/// A record of another shape would be read past its end. The host expert_ffn() throws, naming
+/// what differs; the device kernel writes NaN to the expert's tokens. A bf16 or fp16 record of
+/// another H × I with the same product cannot be told apart. Tensors: gate_up [2·I, H], down [H, I].
+[[nodiscard]] EXPAGE_HOST_DEVICE inline bool ffn_record_fits(const version_record& r, std::uint64_t hidden,
+                                                             std::uint64_t intermediate,
+                                                             std::uint32_t group_size) noexcept {
+  if (r.encoding != version_encoding::raw || !ffn_format_supported(r.format)) return false;
+  const bool integer = metadata_bytes_per_group(r.format) == 4;
+  const std::uint64_t rows[expert_tensor_count] = {2 * intermediate, hidden};
+  const std::uint64_t cols[expert_tensor_count] = {hidden, intermediate};
+  std::uint64_t bytes = 0;
+  for (std::size_t t = 0; t < expert_tensor_count; ++t) {
+    const packed_extent e = packed_extent_of(r.format, rows[t], cols[t], group_size);
+    bytes += e.total_bytes;
+    if (r.data[t] == nullptr) return false;
+    if (integer && (r.scales[t] != r.data[t] + e.weight_bytes || r.zeros[t] != r.data[t] + e.zeros_at)) return false;
+  }
+  return r.bytes == bytes;
 }
 
 /// Weight (row, col) of @p t as a float: 16-bit values widened exactly, integer codes
