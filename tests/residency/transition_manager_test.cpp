@@ -1,5 +1,6 @@
 #include "expage/residency/transition_manager.hpp"
 
+#include "common/cuda_like_stream.hpp"
 #include "common/failing_operator_new.hpp"
 #include "common/test_memory.hpp"
 #include "expage/control/hot_set_controller.hpp"
@@ -30,8 +31,10 @@ namespace expage {
 namespace {
 
 using namespace expage::literals;
+using expage::testing::cuda_like_stream;
 using expage::testing::failing_memory;
 using expage::testing::heap_memory;
+using expage::testing::sticky_event;
 
 // 4 layers × 8 experts; bf16 expert 48 KiB, int4 expert ≈ 13.5 KiB (at the default width).
 moe_geometry small(std::uint64_t intermediate = 128) {
@@ -103,56 +106,6 @@ class unrecordable_stream : public host_stream {
   std::condition_variable cv_;
   bool open_ = false;
 };
-
-// A stream that fails as a CUDA stream does: a copy fails on the stream (the call returns; the
-// error surfaces later) and from then on every event recorded on it reports the error, query()
-// and synchronize() throwing cuda_error, as cuda_event's do after a sticky error.
-class sticky_event {
- public:
-  [[nodiscard]] bool query() const {
-    if (failed()) throw cuda_error(700, "sticky_event: an illegal memory access was encountered");
-    return inner_.query();
-  }
-  void synchronize() const {
-    inner_.synchronize();
-    if (failed()) throw cuda_error(700, "sticky_event: an illegal memory access was encountered");
-  }
-
- private:
-  friend class cuda_like_stream;
-  [[nodiscard]] bool failed() const { return failed_ != nullptr && failed_->load(); }
-  host_event inner_;
-  std::shared_ptr<const std::atomic<bool>> failed_;
-};
-
-class cuda_like_stream {
- public:
-  using event_type = sticky_event;
-  explicit cuda_like_stream(std::string name) : stream_(std::move(name)) {}
-  std::optional<int> fail_copy_in;  // the Nth copy fails on the stream
-  void copy(void* dst, const void* src, std::size_t n) {
-    if (fail_copy_in && --*fail_copy_in == 0) {
-      stream_.enqueue([failed = failed_] { failed->store(true); });
-      return;
-    }
-    stream_.copy(dst, src, n);
-  }
-  void record(sticky_event& e) {
-    e.failed_ = failed_;
-    stream_.record(e.inner_);
-  }
-  void wait(const sticky_event& e) { stream_.wait(e.inner_); }
-  void enqueue(std::function<void()> f) { stream_.enqueue(std::move(f)); }
-  void synchronize() {
-    stream_.synchronize();
-    if (failed_->load()) throw cuda_error(700, "cuda_like_stream: an illegal memory access was encountered");
-  }
-
- private:
-  host_stream stream_;
-  std::shared_ptr<std::atomic<bool>> failed_ = std::make_shared<std::atomic<bool>>(false);
-};
-static_assert(async_stream<cuda_like_stream>);
 
 template <class Stream = host_stream, class Memory = heap_memory>
 struct rig {

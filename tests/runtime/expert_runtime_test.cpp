@@ -1,6 +1,7 @@
 // expert_runtime on host_vmm + host_stream: leases, the three views against a reference
 // (slot_cache with the same policy), the #37190 pattern, prefetch, resize, fault injection
 // with exact before/after snapshots, bad input, the trace and the statistics.
+#include "common/cuda_like_stream.hpp"
 #include "common/failing_vmm.hpp"
 #include "common/runtime_fixture.hpp"
 
@@ -902,6 +903,62 @@ TEST(ExpertRuntime, APrefetchFailingOnItsStreamStopsTheComputeStreamBeforeItIsUs
   lease.release();
   EXPECT_THROW(w.compute.synchronize(), format_error);
   EXPECT_EQ(kernels.load(), 0);
+}
+
+// The same failures on streams whose events throw once the stream has failed (cuda_event's
+// query() after a sticky error; host_event's never throws). poll(), prefetch(), a release and a
+// lease's destructor asked the failed load's event from code that cannot throw, and the process
+// ended in std::terminate. Such a load is now over (fail-stop, as on a host stream), and the
+// error comes from the next call that uses the failed stream.
+TEST(ExpertRuntime, StreamsWhoseEventsThrowAfterAFailedLoadNeverEndTheProcess) {
+  runtime_world w;
+  struct streams {
+    cuda_like_stream copy{"copy"}, compute{"compute"}, prefetch{"prefetch"};
+  };
+  const auto source = [&w] {
+    return expert_source<cuda_like_stream>{
+        .format = precision::bf16,
+        .load = [&w](expert_id id, expert_tensor t, std::span<std::byte> page, cuda_like_stream& s) {
+          const auto& weights = w.weights(id, t);
+          s.copy(page.data(), weights.data(), weights.size());
+          return weights.size();
+        }};
+  };
+  using cuda_like_runtime = expert_runtime<host_vmm, cuda_like_stream, lru_policy>;
+  {  // a demand load fails on the copy stream
+    streams s;
+    cuda_like_runtime rt(w.geometry, w.account, w.vmm, s.copy, s.compute, source(), {}, &s.prefetch);
+    s.copy.fail_copy_in = 1;
+    const std::uint32_t routed[] = {5};
+    auto lease = rt.acquire(0, routed);  // returns: the copy fails later, on its stream
+    lease.release();
+    s.copy.drain();
+    ASSERT_TRUE(s.copy.failed());
+    EXPECT_NO_THROW(rt.poll());
+    const std::uint32_t ahead[] = {6};
+    EXPECT_NO_THROW(rt.prefetch(1, ahead));
+    const std::uint32_t next[] = {1};
+    EXPECT_THROW((void)rt.acquire(2, next), cuda_error);  // its miss copies on the failed stream
+  }
+  {  // a prefetch fails while a lease is held and another prefetch waits for the stream
+    streams s;
+    cuda_like_runtime rt(w.geometry, w.account, w.vmm, s.copy, s.compute, source(), {.max_prefetch_in_flight = 1},
+                         &s.prefetch);
+    std::promise<void> gate;
+    {
+      const std::uint32_t routed[] = {1};
+      auto lease = rt.acquire(0, routed);
+      s.compute.drain();
+      s.prefetch.enqueue([opened = gate.get_future().share()] { opened.wait(); });  // the copies wait for it
+      s.prefetch.fail_copy_in = 1;
+      const std::uint32_t ahead[] = {6, 7};
+      rt.prefetch(1, ahead);  // 6 issued (its copy fails), 7 queued behind it
+      gate.set_value();
+      s.prefetch.drain();
+      ASSERT_TRUE(s.prefetch.failed());
+    }  // the lease's destructor starts the queued prefetch: it ended the process
+    EXPECT_NO_THROW(rt.poll());
+  }
 }
 
 TEST(ExpertRuntime, PrefetchLoadsOnItsOwnStreamAndNeverDelaysADemandLoad) {

@@ -50,13 +50,7 @@ class event_completion {
   /// Shares @p event (already recorded by the caller).
   explicit event_completion(std::shared_ptr<Event> event) noexcept : event_(std::move(event)) {}
   /// True when the event's work has completed or failed.
-  [[nodiscard]] bool ready() const noexcept {
-    try {
-      return event_->query();
-    } catch (...) {
-      return true;  // failed: nothing more runs on the stream; wait() reports it
-    }
-  }
+  [[nodiscard]] bool ready() const noexcept { return event_over(*event_); }
   /// Blocks until it has; throws the stream's error if the work failed.
   void wait() { event_->synchronize(); }
 

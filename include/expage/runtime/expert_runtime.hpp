@@ -334,10 +334,14 @@ struct resident_expert {
 ///   background load that fails changes nothing either; its request is dropped
 ///   and counted.
 ///
-/// A lease released with a completion that fails (its wait() throws, as a CUDA event of a
-/// faulted context does) makes the acquire that needed its experts throw that error with the
+/// A lease released with a completion that fails while it is not over (its ready() false, its
+/// wait() throwing) makes the acquire that needed its experts throw that error with the
 /// strong guarantee; those versions are then never evicted, since whether the kernel still reads
 /// them is unknown (`runtime_statistics::poisoned`), and later acquires choose other victims.
+/// A completion that says its work is over is trusted, failed or not (the completion concept):
+/// an event_completion of a cuda_event after a sticky error is over, since the device runs
+/// nothing more, and its experts are evicted like any; the error comes from the next call that
+/// uses a stream. Loads whose events report such an error are over too (fail-stop).
 ///
 /// A group whose experts need more slots of the demand tier than it has is refused with an
 /// error naming both: split the tokens with group_tokens() first. Duplicate experts in a
@@ -1729,13 +1733,16 @@ class expert_runtime {
     return n;
   }
 
-  // Marks resident the loading versions whose load event has completed (queries, never waits).
-  void refresh_loading() {
+  // Marks resident the loading versions whose load event has completed (queries, never waits;
+  // never throws: called from noexcept paths). A load whose event reports its stream's error is
+  // over, as on a host stream, whose failed copies still complete their events: fail-stop, the
+  // error reaching every later call (on a host stream through the compute stream, below).
+  void refresh_loading() noexcept {
     if (loading_.empty()) return;
     const std::size_t before = loading_.size();
     std::erase_if(loading_, [&](std::uint32_t k) {
       version& v = tier(k / expert_count_).versions[k % expert_count_];
-      if (v.loaded && !v.loaded->query()) return false;
+      if (v.loaded && !event_over(*v.loaded)) return false;
       v.loading = false;
       return true;
     });
@@ -2790,7 +2797,7 @@ class expert_runtime {
     if (target_[f] == a || target_[f] == goal_absent) return false;  // a newer target keeps (or drops) the active one
     const std::size_t b = other(a);
     version& next = tier(b).versions[f];
-    if (next.loading && next.loaded && !next.loaded->query()) return false;
+    if (next.loading && next.loaded && !event_over(*next.loaded)) return false;
     // Its load completed since refresh_loading() looked (which checks the load streams when it
     // retires one): check them before anything reads it, or a load that failed on its stream
     // would be switched to with the compute stream still running.
@@ -2798,7 +2805,7 @@ class expert_runtime {
     version& now = tier(a).versions[f];
     if (tier(a).pins[f] > 0 || now.poisoned) return false;
     // Its own load must be done too (a lease released with an engine's completion says nothing of it).
-    if (now.loading && now.loaded && !now.loaded->query()) return false;
+    if (now.loading && now.loaded && !event_over(*now.loaded)) return false;
     if (const use_span last = last_use(a, f); last && !last.ready()) return false;
     if (options_.views.records && table_.pinned(geometry_.expert_at(f))) return false;  // a window reads it
     try {

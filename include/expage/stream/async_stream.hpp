@@ -22,6 +22,19 @@ concept stream_event = std::default_initializable<E> && requires(const E& ce) {
   ce.synchronize();                      // the host waits for it: a per-event fence
 };
 
+/// Whether @p e's latest recorded work is over, without throwing: query(), or true when query()
+/// throws (a cuda_event after a sticky error: its stream runs nothing more, and the error reaches
+/// every later call that can fail). What code that must not throw asks (noexcept paths,
+/// destructors): a throw there is std::terminate.
+template <stream_event E>
+[[nodiscard]] bool event_over(const E& e) noexcept {
+  try {
+    return e.query();
+  } catch (...) {
+    return true;
+  }
+}
+
 /// @brief An in-order queue of asynchronous work: copies, event records and
 /// waits on other streams' events.
 ///
