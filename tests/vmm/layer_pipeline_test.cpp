@@ -1,5 +1,6 @@
 #include "expage/vmm/layer_pipeline.hpp"
 
+#include "common/cuda_like_stream.hpp"
 #include "common/failing_vmm.hpp"
 #include "expage/core/pattern.hpp"
 #include "expage/format/bf16_codec.hpp"
@@ -545,6 +546,32 @@ TEST(LayerPipelineFaults, AStreamThatFailsTheFenceToo) {
     EXPECT_NE(pipe.state({0, 0}, expert_tensor::gate_up), page_state::unmapped) << "loaded again";
   }
   EXPECT_EQ(vm.blocks(), 0U) << "no block leaked";
+}
+
+// unpin() waits for the layer's events before it changes anything: when a wait throws (a copy
+// that failed on a CUDA-like stream, whose events then throw), the pin stays and nothing moves.
+// It used to drop the pin first, leaving the page mapped and charged with nothing to unmap it.
+TEST(LayerPipelineFaults, AnUnpinWhoseWaitThrowsKeepsThePin) {
+  const moe_geometry g = small(4);
+  host_vmm vm({.granularity = 64_KiB});
+  budget_tracker budget(1_GiB);
+  host_memory host({.block_size = 64_KiB, .alignment = 64_KiB});
+  tensor_storage<testing::cuda_like_stream> storage(g, precision::bf16, host);
+  testing::cuda_like_stream compute("compute"), load_gate_up("load.gate_up"), load_down("load.down");
+  layer_pipeline<host_vmm, testing::cuda_like_stream> pipe(vm, g, precision::bf16, budget.root(), storage, compute,
+                                                           load_gate_up, load_down, {.window = 2});
+  const expert_id id{.layer = 2, .expert = 1};
+  load_gate_up.fail_copy_in = 1;
+  pipe.pin(id);  // returns: the copy fails on its stream
+  load_gate_up.drain();
+  const std::size_t used = budget.root().used();
+  const auto stats = pipe.statistics();
+  EXPECT_THROW(pipe.unpin(id), cuda_error);
+  EXPECT_TRUE(pipe.pinned(id));
+  EXPECT_EQ(budget.root().used(), used);
+  EXPECT_EQ(pipe.statistics().pinned_experts, stats.pinned_experts);
+  EXPECT_EQ(pipe.statistics().war_fences + pipe.statistics().war_already_done,
+            stats.war_fences + stats.war_already_done);
 }
 
 }  // namespace

@@ -230,14 +230,17 @@ class layer_pipeline {
   /// Ends @p id's pinning: a page of a layer in the window stays until its layer is recycled;
   /// otherwise it is unmapped once its layer's compute and load events have completed.
   /// @throws expage::invalid_argument for an id outside the geometry.
+  /// @throws what waiting on the layer's events throws (a stream's error): the pin then stays,
+  ///         nothing changed (it used to be dropped first, its page left mapped and charged).
   void unpin(expert_id id) {
     const std::size_t flat = flat_of(id);
     if (!pinned_[flat]) return;
+    const bool unmaps = !held_[id.layer];
+    if (unmaps) wait_for_layer(id.layer);  // may throw: before anything changes
     pinned_[flat] = false;
     --pinned_in_layer_[id.layer];
     --stats_.pinned_experts;
-    if (held_[id.layer]) return;
-    wait_for_layer(id.layer);
+    if (!unmaps) return;
     for (std::size_t t = 0; t < expert_tensor_count; ++t) unmap_page(t, flat);
   }
 
@@ -423,15 +426,13 @@ class layer_pipeline {
   }
   // WAR (Algorithm 1, line 5): the host waits on the layer's compute event, then
   // on its load events (complete already when the layer was forwarded after its loads).
+  // Counts its fence only once every wait has returned: a wait that throws changes nothing.
   void wait_for_layer(std::uint32_t layer) {
     event_type& computed = compute_events_[layer];
-    if (computed.query()) {
-      ++stats_.war_already_done;
-    } else {
-      ++stats_.war_fences;
-      computed.synchronize();
-    }
+    const bool done = computed.query();
+    if (!done) computed.synchronize();
     for (std::size_t t = 0; t < expert_tensor_count; ++t) load_events_[layer * expert_tensor_count + t].synchronize();
+    ++(done ? stats_.war_already_done : stats_.war_fences);
     finish_loads(layer);
   }
   // Line 6: recycles the blocks of the oldest layer in the window.
