@@ -214,6 +214,32 @@ TEST(PagerSim, PrefetchTimelineByHand) {
   EXPECT_DOUBLE_EQ(r.prefetch_bytes_per_useful_byte(), 1.0);
 }
 
+// The same timeline at a tenth of the scale (a transfer 0.3 s, a layer 0.2 s) with a second
+// link ten times slower (3 s a transfer). A prefetch goes to the link that lands it first, as a
+// demand load does: expert 2 on the fast link (0.6..0.9, not on the slow one, idle since 0 but
+// landing at 3), and expert 3 does not start before L1 (the fast link, busy, lands it first), so
+// the stall is the one-link case's 1 s. Before, the idle slow link took expert 2 and L1 waited
+// for it until 3 s: 2.8 s of stall, more than with the fast link alone.
+TEST(PagerSim, APrefetchTakesTheLinkThatLandsItFirst) {
+  const auto g = tiny();
+  const routing_trace t = two_tokens(g);
+  const access_stream s(t, 4);
+  oracle_prefetcher oracle(1, 1.0);
+  hardware_profile hw = seconds_profile(0.1, 0.3);
+  hw.links.push_back({"slow", 12288.0 / 3.0 / 1e9, 0.0});
+  const auto r = simulate(s, g, policy_kind::lru,
+                          {.capacity = 4,
+                           .hardware = hw,
+                           .dense_bytes_per_layer = 0,
+                           .prefetch = &oracle,
+                           .admission = prefetch_admission::all});
+  EXPECT_NEAR(r.stall_total(), 1.0, 1e-9);
+  EXPECT_NEAR(r.stall_seconds[static_cast<std::size_t>(stall_cause::demand_miss)], 0.9, 1e-9);
+  EXPECT_NEAR(r.stall_seconds[static_cast<std::size_t>(stall_cause::queued_behind_prefetch)], 0.1, 1e-9);
+  EXPECT_EQ(r.prefetches_used, 1U);
+  EXPECT_EQ(r.demand_misses, 3U);
+}
+
 // PreScope's test on the same timeline: the first proposal fits 2/3 of its transfer in the layer's
 // 2 s of compute (f = 2/3, ξ = p·f > 0 for p = 1); the second would queue behind it (f = 0, ξ = 0)
 // and is refused. The stall is the same 10 s with one prefetch fewer.
@@ -1391,6 +1417,11 @@ TEST(PagerSim, RefusesBadParameters) {
       .name = "other", .layers = 3, .experts_per_layer = 4, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
   EXPECT_THROW((void)simulate(s, other, policy_kind::lru, {.capacity = 4}), invalid_argument);
   EXPECT_THROW((void)simulate(s, g, static_cast<policy_kind>(99), {.capacity = 4}), invalid_argument);
+  // A sequential stream (one request per routed expert) would charge the layer's compute per
+  // request and pass a capacity below top-k; replay() refuses it in grouped mode too.
+  const access_stream sequential(t, 1, replay_mode::sequential);
+  EXPECT_THAT([&] { (void)simulate(sequential, g, policy_kind::lru, {.capacity = 4}); },
+              ::testing::ThrowsMessage<invalid_argument>(HasSubstr("simulate: the stream was built sequential")));
 }
 
 }  // namespace

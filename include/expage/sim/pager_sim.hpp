@@ -100,8 +100,13 @@ class prefetcher {
 /// where a layer's routed union leaves fewer unrouted experts than it has misses, as lockstep
 /// batches can: no false positive is drawn where none is left).
 ///
-/// Recall 1 is the perfect predictor, the bound of "what prediction can buy"; recall 0.8–0.97
-/// stands for hidden-state predictors of published quality (control-layer notes, E5 and B1).
+/// Recall 1 is the perfect predictor: what perfect prediction buys under the admission rule
+/// and eviction policy it runs with, not a lower bound on stall. An admitted prefetch reserves
+/// its slot and evicts its victim when it is queued, so where transfers are slow (high r) queued
+/// prefetches shrink the demand cache, and Belady with perfect prefetch can stall more than
+/// Belady demand loading (a review saw it in 1,714 of 7,723 random cells, up to 3.7×; at r = 30
+/// one case made 129 loads against 62). Recall 0.8–0.97 stands for hidden-state predictors of
+/// published quality (control-layer notes, E5 and B1).
 class oracle_prefetcher final : public prefetcher {
  public:
   /// @throws expage::invalid_argument when @p distance is 0 or above 64, or @p recall is not in [0, 1].
@@ -400,7 +405,9 @@ struct sim_result {
 struct sim_bounds {
   double belady_demand_stall_per_token = 0;    ///< Belady eviction, demand loading only.
   std::uint64_t belady_demand_misses = 0;      ///< Its misses: no policy at this capacity misses fewer.
-  double oracle_prefetch_stall_per_token = 0;  ///< Belady eviction + perfect prefetch 2 groups ahead.
+  /// Belady eviction + perfect prefetch 2 groups ahead, every proposal admitted: an oracle, not
+  /// a bound (oracle_prefetcher: at high r it can stall more than belady_demand_stall_per_token).
+  double oracle_prefetch_stall_per_token = 0;
   /// Link-time bound: (Belady's bytes / Σ link bandwidth − total compute)⁺ / tokens. No schedule
   /// at this capacity stalls less: it must move at least Belady's bytes, and can at best hide the
   /// link behind all of the compute.
