@@ -159,7 +159,9 @@ std::uint64_t parse_uint(std::string_view flag, std::string_view v, std::uint64_
 
 // A whole percentage in [1%, 100%] (@p example in the message), as a share.
 double parse_percent(std::string_view flag, std::string_view v, std::string_view example) {
-  if (v.empty() || v.back() != '%') usage(fmt::format("{} '{}' must be a percentage, e.g. {}", flag, v, example));
+  if (v.empty() || v.back() != '%') {
+    usage(fmt::format("{} '{}' must be a whole percentage in [1%, 100%], e.g. {}", flag, v, example));
+  }
   const std::string_view digits = v.substr(0, v.size() - 1);
   std::uint64_t percent = 0;
   const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), percent);
@@ -1678,7 +1680,8 @@ std::vector<step_routing> load_trace(const options& o, const expage::moe_geometr
       steps.back().weights.push_back(e.weights[k]);
     }
   }
-  if (o.tokens != 0 && tokens < o.tokens) {  // the loop ended before --tokens passes: say so
+  // The loop ended before --tokens passes: say so (not for an empty problem, which is refused).
+  if (o.tokens != 0 && tokens < o.tokens && !steps.empty()) {
     fmt::print(stderr, "moe_decode: {} {}: {} has {} forward passes{}; running them all\n",
                o.tokens_by_quick ? "--quick's tokens" : "--tokens", o.tokens, o.trace, tokens,
                o.problem != std::numeric_limits<std::uint32_t>::max() ? " in that problem" : "");
