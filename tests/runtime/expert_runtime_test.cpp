@@ -928,15 +928,26 @@ TEST(ExpertRuntime, StreamsWhoseEventsThrowAfterAFailedLoadNeverEndTheProcess) {
   {  // a demand load fails on the copy stream
     streams s;
     cuda_like_runtime rt(w.geometry, w.account, w.vmm, s.copy, s.compute, source(), {}, &s.prefetch);
+    std::promise<void> gate;  // the copy fails once acquire() has returned, as on a device
+    s.copy.enqueue([opened = gate.get_future().share()] { opened.wait(); });
     s.copy.fail_copy_in = 1;
     const std::uint32_t routed[] = {5};
-    auto lease = rt.acquire(0, routed);  // returns: the copy fails later, on its stream
+    auto lease = rt.acquire(0, routed);
     lease.release();
+    gate.set_value();
     s.copy.drain();
     ASSERT_TRUE(s.copy.failed());
     EXPECT_NO_THROW(rt.poll());
     const std::uint32_t ahead[] = {6};
     EXPECT_NO_THROW(rt.prefetch(1, ahead));
+    // The failed version is never read: its error stops the compute stream before the kernel of
+    // a hit on it (as a failed load on a host stream does), whatever the other streams do.
+    std::atomic<int> kernels{0};
+    auto hit = rt.acquire(0, routed);
+    s.compute.enqueue([&] { ++kernels; });
+    hit.release();
+    EXPECT_THROW(s.compute.synchronize(), cuda_error);
+    EXPECT_EQ(kernels.load(), 0);
     const std::uint32_t next[] = {1};
     EXPECT_THROW((void)rt.acquire(2, next), cuda_error);  // its miss copies on the failed stream
   }

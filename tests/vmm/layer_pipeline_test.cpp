@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <future>
 #include <map>
 #include <optional>
 #include <stdexcept>
@@ -561,8 +562,11 @@ TEST(LayerPipelineFaults, AnUnpinWhoseWaitThrowsKeepsThePin) {
   layer_pipeline<host_vmm, testing::cuda_like_stream> pipe(vm, g, precision::bf16, budget.root(), storage, compute,
                                                            load_gate_up, load_down, {.window = 2});
   const expert_id id{.layer = 2, .expert = 1};
+  std::promise<void> gate;  // the copy fails once pin() has returned, as on a device
+  load_gate_up.enqueue([opened = gate.get_future().share()] { opened.wait(); });
   load_gate_up.fail_copy_in = 1;
-  pipe.pin(id);  // returns: the copy fails on its stream
+  pipe.pin(id);
+  gate.set_value();
   load_gate_up.drain();
   const std::size_t used = budget.root().used();
   const auto stats = pipe.statistics();

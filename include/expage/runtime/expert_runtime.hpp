@@ -33,6 +33,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -341,7 +342,8 @@ struct resident_expert {
 /// A completion that says its work is over is trusted, failed or not (the completion concept):
 /// an event_completion of a cuda_event after a sticky error is over, since the device runs
 /// nothing more, and its experts are evicted like any; the error comes from the next call that
-/// uses a stream. Loads whose events report such an error are over too (fail-stop).
+/// uses a stream. Loads whose events report such an error are over too, and their error stops
+/// the compute stream before any kernel reads them (fail-stop, as for a host stream's failed load).
 ///
 /// A group whose experts need more slots of the demand tier than it has is refused with an
 /// error naming both: split the tokens with group_tokens() first. Duplicate experts in a
@@ -1733,16 +1735,31 @@ class expert_runtime {
     return n;
   }
 
+  // Whether a load's event is over, without throwing (called from noexcept paths). An event that
+  // reports its stream's error (a cuda_event after a sticky error: query() throws) is over, as a
+  // failed copy on a host stream still completes its event, and its error is kept: the callers
+  // then stop the compute stream with it before any kernel reads the version
+  // (stop_compute_on_load_error()), as for a host stream's failed load. Under the lock.
+  bool load_over(const event_type& loaded) noexcept {
+    try {
+      return loaded.query();
+    } catch (...) {
+      if (!load_event_failed_.load(std::memory_order_relaxed)) {
+        load_event_error_ = std::current_exception();
+        load_event_failed_.store(true, std::memory_order_release);  // read on the compute stream
+      }
+      return true;
+    }
+  }
+
   // Marks resident the loading versions whose load event has completed (queries, never waits;
-  // never throws: called from noexcept paths). A load whose event reports its stream's error is
-  // over, as on a host stream, whose failed copies still complete their events: fail-stop, the
-  // error reaching every later call (on a host stream through the compute stream, below).
+  // never throws: called from noexcept paths); a load that failed stops the compute stream.
   void refresh_loading() noexcept {
     if (loading_.empty()) return;
     const std::size_t before = loading_.size();
     std::erase_if(loading_, [&](std::uint32_t k) {
       version& v = tier(k / expert_count_).versions[k % expert_count_];
-      if (v.loaded && !event_over(*v.loaded)) return false;
+      if (v.loaded && !load_over(*v.loaded)) return false;
       v.loading = false;
       return true;
     });
@@ -1755,6 +1772,7 @@ class expert_runtime {
   // first load stream's error, if any (copy, then prefetch); streams without check() have none
   // to report here (a CUDA context's error reaches every later call by itself).
   void rethrow_load_stream_error() const {
+    if (load_event_failed_.load(std::memory_order_acquire)) std::rethrow_exception(load_event_error_);
     if constexpr (requires(const Stream& st) { st.check(); }) {
       copy_->check();
       if (prefetch_ != nullptr) prefetch_->check();
@@ -2797,7 +2815,7 @@ class expert_runtime {
     if (target_[f] == a || target_[f] == goal_absent) return false;  // a newer target keeps (or drops) the active one
     const std::size_t b = other(a);
     version& next = tier(b).versions[f];
-    if (next.loading && next.loaded && !event_over(*next.loaded)) return false;
+    if (next.loading && next.loaded && !load_over(*next.loaded)) return false;
     // Its load completed since refresh_loading() looked (which checks the load streams when it
     // retires one): check them before anything reads it, or a load that failed on its stream
     // would be switched to with the compute stream still running.
@@ -2805,7 +2823,7 @@ class expert_runtime {
     version& now = tier(a).versions[f];
     if (tier(a).pins[f] > 0 || now.poisoned) return false;
     // Its own load must be done too (a lease released with an engine's completion says nothing of it).
-    if (now.loading && now.loaded && !event_over(*now.loaded)) return false;
+    if (now.loading && now.loaded && !load_over(*now.loaded)) return false;
     if (const use_span last = last_use(a, f); last && !last.ready()) return false;
     if (options_.views.records && table_.pinned(geometry_.expert_at(f))) return false;  // a window reads it
     try {
@@ -3100,13 +3118,17 @@ class expert_runtime {
   std::array<std::optional<tier_state>, version_tier_count> tiers_;  // in place: the hit path reads no pointer
   vmm_block_pool<Vmm> pool_;
   handle_table table_;
-  std::vector<std::uint8_t> active_;       // per flat index: the tier of the active version, or no_tier
-  std::vector<version_tier> all_hi_;       // lease::tiers() of a one-tier runtime: hi, once per expert of a layer
-  std::vector<std::uint8_t> target_;       // per flat index: set_targets()'s goal (a tier, goal_absent) or no_goal
-  std::vector<std::uint8_t> queued_;       // per flat index: in the prefetch queue
-  std::vector<std::uint8_t> blocked_;      // choose_victim()'s pin_view scratch, per flat index
-  std::vector<std::uint32_t> loading_;     // key(tier, expert) of versions whose load event may be pending
-  bool load_error_seen_ = false;           // a load stream's error was passed to the compute stream
+  std::vector<std::uint8_t> active_;    // per flat index: the tier of the active version, or no_tier
+  std::vector<version_tier> all_hi_;    // lease::tiers() of a one-tier runtime: hi, once per expert of a layer
+  std::vector<std::uint8_t> target_;    // per flat index: set_targets()'s goal (a tier, goal_absent) or no_goal
+  std::vector<std::uint8_t> queued_;    // per flat index: in the prefetch queue
+  std::vector<std::uint8_t> blocked_;   // choose_victim()'s pin_view scratch, per flat index
+  std::vector<std::uint32_t> loading_;  // key(tier, expert) of versions whose load event may be pending
+  bool load_error_seen_ = false;        // a load stream's error was passed to the compute stream
+  // The first error a load's event reported (load_over()); written once under the lock, read by
+  // rethrow_load_stream_error() on the compute stream after the flag.
+  std::exception_ptr load_event_error_;
+  std::atomic<bool> load_event_failed_{false};
   std::vector<std::uint32_t> background_;  // experts with a version in each tier (the inactive one to switch to)
   static constexpr std::size_t completion_ring = 256;
   std::vector<kept_completion> completions_ = std::vector<kept_completion>(completion_ring);  // by ticket
