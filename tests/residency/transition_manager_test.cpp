@@ -752,6 +752,14 @@ TEST(TransitionManagerFaults, AnEventThatThrowsAfterAFailedCopyAbortsTheTransiti
   EXPECT_EQ(r.hi_pool.statistics().blocks_in_use, 0U);
 }
 
+// ready() must not throw (it is asked in code that cannot fail): the concept says so.
+struct ready_may_throw {
+  [[nodiscard]] bool ready() const { return true; }
+  void wait() {}
+};
+static_assert(!completion<ready_may_throw>);
+static_assert(completion<event_completion<sticky_event>>);
+
 // A failed event is over: event_completion::ready() says so without throwing (it is asked in
 // code that cannot fail), and wait() reports the error.
 TEST(EventCompletion, AnEventThatFailedIsReadyAndItsWaitThrows) {

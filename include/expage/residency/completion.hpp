@@ -32,10 +32,9 @@ namespace expage {
 /// this event is complete").
 template <class C>
 concept completion = std::move_constructible<C> && requires(const C& c, C& m) {
-  { c.ready() }
-  noexcept->std::same_as<bool>;
+  { c.ready() } -> std::same_as<bool>;
   m.wait();
-};
+} && noexcept(std::declval<const C&>().ready());
 
 /// @brief A host completion: a shared flag the producer sets once its work is done.
 ///
