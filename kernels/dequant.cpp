@@ -20,9 +20,7 @@ void dequantize_groups_async(const group_quant_layout& layout, const std::byte* 
   if (device_packed == nullptr || device_out == nullptr) {
     throw invalid_argument("dequantize_groups_async: device_packed and device_out must be non-null device pointers");
   }
-  if (out_format != precision::bf16 && out_format != precision::fp16) {
-    throw invalid_argument(fmt::format("dequantize_groups_async: output precision {} is not bf16 or fp16", out_format));
-  }
+  check_dequant_output(out_format, "dequantize_groups_async");
   const auto* bytes = reinterpret_cast<const std::uint8_t*>(device_packed);
   const detail::dequant_args args{.codes = bytes,
                                   .scales = bytes + layout.scales_at(),

@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(threads_per_block) router_top_k_kernel(const r
   float last_key = 0.0F;
   std::uint32_t last_id = 0;
   float max = 0.0F;
-  float chosen_sum = 0.0F;
+  double chosen_sum = 0.0;  // sums in double, rounded once, as the host reference's
   for (std::uint32_t j = 0; j < a.top_k; ++j) {
     float best_key = 0.0F;
     std::uint32_t best_id = a.experts;  // none yet
@@ -73,9 +73,9 @@ __global__ void __launch_bounds__(threads_per_block) router_top_k_kernel(const r
     last_key = best_key;
     last_id = best_id;
   }
-  float denominator = chosen_sum;
+  double denominator = chosen_sum;
   if (!a.renormalize) {
-    float sum = 0.0F;
+    double sum = 0.0;
     for (std::uint32_t e = lane; e < a.experts; e += 32) {
       const float k = logit_key(a, row + e);
       sum += expage::detail::router_max_is_infinite(max) ? expage::detail::router_limit_term(k) : expf(k - max);
@@ -84,8 +84,9 @@ __global__ void __launch_bounds__(threads_per_block) router_top_k_kernel(const r
     for (unsigned offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(full_mask, sum, offset);
     denominator = sum;
   }
+  const auto rounded = static_cast<float>(denominator);
   __syncwarp();  // lane 0's weight stores are visible to the warp after this
-  for (std::uint32_t j = lane; j < a.top_k; j += 32) a.weights[token * a.top_k + j] /= denominator;
+  for (std::uint32_t j = lane; j < a.top_k; j += 32) a.weights[token * a.top_k + j] /= rounded;
 }
 
 // One thread per pair; the block counts its misses with __syncthreads_count and adds them once.

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 namespace expage {
@@ -62,6 +63,14 @@ group_quant_layout::group_quant_layout(precision format, tensor_shape shape, std
   if (shape.rows == 0 || shape.cols == 0 || shape.rows > max_elements || shape.cols > max_elements / shape.rows) {
     throw invalid_argument(
         fmt::format("group_quant_layout: shape [{}, {}] must have rows·cols in [1, 2^48]", shape.rows, shape.cols));
+  }
+}
+
+void check_dequant_output(precision out_format, std::string_view caller) {
+  if (out_format != precision::bf16 && out_format != precision::fp16) {
+    // By number too: to_string() of a value that is no precision reads "unknown".
+    throw invalid_argument(fmt::format("{}: output precision {} ({}) is not bf16 or fp16", caller, out_format,
+                                       static_cast<unsigned>(out_format)));
   }
 }
 
@@ -118,9 +127,7 @@ void dequantize_groups(std::span<const std::byte> packed, const group_quant_layo
     throw invalid_argument(fmt::format("dequantize_groups: output holds {} values, the layout needs {}", out.size(),
                                        layout.shape().elements()));
   }
-  if (out_format != precision::bf16 && out_format != precision::fp16) {
-    throw invalid_argument(fmt::format("dequantize_groups: output precision {} is not bf16 or fp16", out_format));
-  }
+  check_dequant_output(out_format, "dequantize_groups");
   const bool to_bf16 = out_format == precision::bf16;
   const auto* bytes = reinterpret_cast<const std::uint8_t*>(packed.data());
   const tensor_shape shape = layout.shape();

@@ -35,9 +35,9 @@ void check_record(const version_record& r, std::size_t expert, const expert_ffn_
   if (detail::ffn_record_fits(r, shape.hidden, shape.intermediate, shape.group_size)) return;
   if (r.encoding != version_encoding::raw || !detail::ffn_format_supported(r.format)) {
     throw invalid_argument(
-        fmt::format("expert_ffn: expert {} is a {} {} version; the FFN reads raw bf16, fp16, int8, "
+        fmt::format("expert_ffn: expert {} is a {} ({}) {} ({}) version; the FFN reads raw bf16, fp16, int8, "
                     "int4 or int2",
-                    expert, r.encoding, r.format));
+                    expert, r.encoding, static_cast<unsigned>(r.encoding), r.format, static_cast<unsigned>(r.format)));
   }
   // A record of another shape (or group size) would be read past its end: its size says, and
   // for the integer formats where each tensor's scales and zeros begin (below).

@@ -221,6 +221,10 @@ TEST(GroupQuant, RejectsBadInput) {
   EXPECT_THROW(expage::dequantize_groups(std::span(packed).first(5), layout, precision::bf16, out),
                expage::invalid_argument);
   EXPECT_THROW(expage::dequantize_groups(packed, layout, precision::int8, out), expage::invalid_argument);
+  // A value that is no precision is named by number (its name reads "unknown").
+  EXPECT_THAT([&] { expage::dequantize_groups(packed, layout, static_cast<precision>(77), out); },
+              ::testing::ThrowsMessage<expage::invalid_argument>(
+                  ::testing::HasSubstr("dequantize_groups: output precision unknown (77) is not bf16 or fp16")));
   EXPECT_THAT([&] { expage::dequantize_groups(packed, layout, precision::bf16, std::span(out).first(7)); },
               ::testing::ThrowsMessage<expage::invalid_argument>(
                   ::testing::HasSubstr("output holds 7 values, the layout needs 8")));

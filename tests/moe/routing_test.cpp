@@ -130,6 +130,25 @@ TEST(RouterTopK, MixtralRenormalizedWeightsOfAKnownRow) {
   EXPECT_FLOAT_EQ(weights[0], static_cast<float>(1.0 / (std::exp(-2.0) + 2.0 + std::exp(-1.0))));
 }
 
+// The softmax over many experts: expert 0 at logit 0 and 65,535 at −1. The weight is
+// 1 / (1 + 65535·e^−1) to within a few ulp; summed in float the denominator drifted 4e-4 (about
+// 7,000 ulp) from it, every addition of e^−1 rounding alike.
+TEST(RouterTopK, SoftmaxWeightsStayExactToAFewUlpOverManyExperts) {
+  const std::uint32_t experts = 65536;
+  std::vector<float> logits(experts, -1.0F);
+  logits[0] = 0.0F;
+  const router_shape s{.tokens = 1, .experts = experts, .top_k = 1};
+  std::vector<std::int32_t> ids(1);
+  std::vector<float> weights(1);
+  std::vector<std::uint32_t> counts(experts);
+  expage::router_top_k(logits, s, router_gating::softmax, ids, weights, counts);
+  ASSERT_EQ(ids[0], 0);
+  // The terms as computed (exp in float), summed exactly.
+  const long double exact = 1.0L / (1.0L + 65535.0L * static_cast<long double>(std::exp(-1.0F)));
+  EXPECT_NEAR(static_cast<double>(weights[0]) / static_cast<double>(exact), 1.0,
+              4.0 * static_cast<double>(std::numeric_limits<float>::epsilon()));
+}
+
 // +∞ logits (a router that overflowed): the softmax's limit, the +∞ experts sharing the weight
 // and the others getting none, not the NaN of exp(∞ − ∞). Two of four here: 1/2 each under both
 // gatings; with one +∞ among the chosen two, 1 and 0.

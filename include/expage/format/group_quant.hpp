@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 namespace expage {
@@ -75,6 +76,10 @@ class group_quant_layout {
 /// @throws expage::invalid_argument when the size differs from rows·cols or a weight is not
 /// finite or exceeds 32768 in magnitude (scales and zeros must stay finite in fp16).
 [[nodiscard]] std::vector<std::byte> quantize_groups(std::span<const float> weights, const group_quant_layout& layout);
+
+/// The output precisions a dequantizer writes: bf16 and fp16 (the host's and the device's one check).
+/// @throws expage::invalid_argument naming @p out_format (by name and number) after "@p caller: ".
+void check_dequant_output(precision out_format, std::string_view caller);
 
 /// The host reference dequantizer: writes q·s + z of every weight, rounded to @p out_format
 /// (bf16 or fp16), as 16-bit patterns in row-major order. The CUDA kernel
