@@ -1741,15 +1741,10 @@ class expert_runtime {
   // then stop the compute stream with it before any kernel reads the version
   // (stop_compute_on_load_error()), as for a host stream's failed load. Under the lock.
   bool load_over(const event_type& loaded) noexcept {
-    try {
-      return loaded.query();
-    } catch (...) {
-      if (!load_event_failed_.load(std::memory_order_relaxed)) {
-        load_event_error_ = std::current_exception();
-        load_event_failed_.store(true, std::memory_order_release);  // read on the compute stream
-      }
-      return true;
-    }
+    if (load_event_failed_.load(std::memory_order_relaxed)) return event_over(loaded);  // the first error kept
+    const bool over = event_over(loaded, &load_event_error_);
+    if (load_event_error_) load_event_failed_.store(true, std::memory_order_release);  // read on the compute stream
+    return over;
   }
 
   // Marks resident the loading versions whose load event has completed (queries, never waits;

@@ -403,8 +403,8 @@ struct sim_result {
 
 /// @brief The oracles and bounds printed beside every result (same stream, capacity and hardware).
 struct sim_bounds {
-  double belady_demand_stall_per_token = 0;    ///< Belady eviction, demand loading only.
-  std::uint64_t belady_demand_misses = 0;      ///< Its misses: no policy at this capacity misses fewer.
+  double belady_demand_stall_per_token = 0;  ///< Belady eviction, demand loading only.
+  std::uint64_t belady_demand_misses = 0;    ///< Its misses: no policy at this capacity misses fewer.
   /// Belady eviction + perfect prefetch 2 groups ahead, every proposal admitted: an oracle, not
   /// a bound (oracle_prefetcher: at high r it can stall more than belady_demand_stall_per_token).
   double oracle_prefetch_stall_per_token = 0;

@@ -4,6 +4,7 @@
 
 #include <concepts>
 #include <cstddef>
+#include <exception>
 
 namespace expage {
 
@@ -25,12 +26,14 @@ concept stream_event = std::default_initializable<E> && requires(const E& ce) {
 /// Whether @p e's latest recorded work is over, without throwing: query(), or true when query()
 /// throws (a cuda_event after a sticky error: its stream runs nothing more, and the error reaches
 /// every later call that can fail). What code that must not throw asks (noexcept paths,
-/// destructors): a throw there is std::terminate.
+/// destructors): a throw there is std::terminate. When query() throws and @p error is set and
+/// still empty, it receives the error (expert_runtime keeps a failed load's).
 template <stream_event E>
-[[nodiscard]] bool event_over(const E& e) noexcept {
+[[nodiscard]] bool event_over(const E& e, std::exception_ptr* error = nullptr) noexcept {
   try {
     return e.query();
   } catch (...) {
+    if (error != nullptr && !*error) *error = std::current_exception();
     return true;
   }
 }
