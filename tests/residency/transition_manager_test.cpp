@@ -764,11 +764,14 @@ static_assert(completion<event_completion<sticky_event>>);
 // code that cannot fail), and wait() reports the error.
 TEST(EventCompletion, AnEventThatFailedIsReadyAndItsWaitThrows) {
   cuda_like_stream stream("copy");
+  std::promise<void> gate;  // the copy fails once the event is recorded behind it, as on a device
+  stream.enqueue([opened = gate.get_future().share()] { opened.wait(); });
   stream.fail_copy_in = 1;
   std::byte from[8]{}, to[8]{};
   stream.copy(to, from, sizeof to);
   auto event = std::make_shared<sticky_event>();
   stream.record(*event);
+  gate.set_value();
   EXPECT_THROW(stream.synchronize(), cuda_error);
   const event_completion<sticky_event> done(event);
   static_assert(noexcept(done.ready()));
