@@ -716,32 +716,16 @@ TEST(TransitionManagerFaults, AFailedUpdateWhoseEventCannotBeRecordedFencesTheSt
   EXPECT_EQ(r.table.state({0, 3}), residency_state::resident_lo);
 }
 
-TEST(TransitionManagerFaults, AStreamsStickyErrorFailsItsTransitions) {
-  rig r(8, {}, hi_blocks());
+// Every expert lo, then expert (2, 2) promoted after @p break_stream has made the migration
+// stream fail: the promotion fails, the lo version stays whole, and its block and bytes come back.
+template <class Stream, class BreakStream>
+void expect_a_failed_stream_aborts_the_promotion(BreakStream break_stream) {
+  rig<Stream> r(8, {}, hi_blocks());
   r.target_all(residency_state::resident_lo);
   ASSERT_TRUE(r.manager.wait_idle());
   (void)r.table.collect();
   const std::size_t hi_before = r.hi_account.used();
-  r.migration.enqueue([] { throw std::runtime_error("a task on the migration stream failed"); });
-  r.manager.set_targets(std::vector<target>{{{2, 2}, residency_state::resident_hi}});
-  EXPECT_TRUE(r.manager.wait_idle());
-  EXPECT_EQ(r.manager.statistics().failed, 1u);
-  EXPECT_EQ(r.table.state({2, 2}), residency_state::resident_lo);
-  EXPECT_EQ(r.mismatches(*r.table.resolve({2, 2})), 0u);
-  (void)r.table.collect();
-  EXPECT_EQ(r.hi_account.used(), hi_before);
-}
-
-// The same on a stream whose events throw once it has failed (cuda_event's query()): the
-// transition is aborted and its block and bytes come back. The abort used to ask the event
-// whether it was over from code that cannot throw, and the process ended in std::terminate.
-TEST(TransitionManagerFaults, AnEventThatThrowsAfterAFailedCopyAbortsTheTransition) {
-  rig<cuda_like_stream> r(8, {}, hi_blocks());
-  r.target_all(residency_state::resident_lo);
-  ASSERT_TRUE(r.manager.wait_idle());
-  (void)r.table.collect();
-  const std::size_t hi_before = r.hi_account.used();
-  r.migration.fail_copy_in = 1;
+  break_stream(r.migration);
   r.manager.set_targets(std::vector<residency_target>{{{2, 2}, residency_state::resident_hi}});
   EXPECT_TRUE(r.manager.wait_idle());
   EXPECT_EQ(r.manager.statistics().failed, 1U);
@@ -750,6 +734,18 @@ TEST(TransitionManagerFaults, AnEventThatThrowsAfterAFailedCopyAbortsTheTransiti
   (void)r.table.collect();
   EXPECT_EQ(r.hi_account.used(), hi_before);
   EXPECT_EQ(r.hi_pool.statistics().blocks_in_use, 0U);
+}
+
+TEST(TransitionManagerFaults, AStreamsStickyErrorFailsItsTransitions) {
+  expect_a_failed_stream_aborts_the_promotion<host_stream>(
+      [](host_stream& s) { s.enqueue([] { throw std::runtime_error("a task on the migration stream failed"); }); });
+}
+
+// The same on a stream whose events throw once it has failed (cuda_event's query()): the
+// transition is aborted and its block and bytes come back. The abort used to ask the event
+// whether it was over from code that cannot throw, and the process ended in std::terminate.
+TEST(TransitionManagerFaults, AnEventThatThrowsAfterAFailedCopyAbortsTheTransition) {
+  expect_a_failed_stream_aborts_the_promotion<cuda_like_stream>([](cuda_like_stream& s) { s.fail_copy_in = 1; });
 }
 
 // ready() must not throw (it is asked in code that cannot fail): the concept says so.
