@@ -160,8 +160,10 @@ void cuda_vmm::free(std::byte* base) noexcept {
   if (r == nullptr) return;
   if (const driver_api* drv = driver()) {
     const scoped_device on(options_.device, std::nothrow);
-    [[maybe_unused]] const CUresult rc = drv->mem_address_free(device_address(base), r->bytes);
+    const CUresult rc = drv->mem_address_free(device_address(base), r->bytes);
     EXPAGE_ASSERT(rc == CUDA_SUCCESS, "cuda_vmm::free: cuMemAddressFree failed");
+    // Failed, the driver still holds the range: so does the table, and the destructor frees it.
+    if (rc != CUDA_SUCCESS) return;
   }
   table_.erase_reservation(address);
 }
@@ -224,6 +226,7 @@ void cuda_vmm::map_granule(physical_block block, std::byte* address, access_mode
                                        fmt::ptr(address), it->second, table_.at(it->second).generation));
   }
   const auto [it, inserted] = r.where->mapped.emplace(r.first, block.slot);  // may throw: nothing changed yet
+  bool still_mapped = false;  // the driver kept a mapping this call could not undo
   try {
     const driver_api& drv = require_driver();
     const scoped_device guard(options_.device);
@@ -233,12 +236,19 @@ void cuda_vmm::map_granule(physical_block block, std::byte* address, access_mode
       const CUmemAccessDesc desc = access_desc(options_.device, access);
       const CUresult rc = drv.mem_set_access(ptr, granularity_, &desc, 1);
       if (rc != CUDA_SUCCESS) {
-        drv.mem_unmap(ptr, granularity_);
+        // The undo failed too: the table keeps the mapping, as unmap() does, so that no later
+        // map() lands on it, no release() caches a handle still mapped, and free() and the
+        // destructor unmap it again. The call still fails (the caller asked for access it lacks).
+        still_mapped = drv.mem_unmap(ptr, granularity_) != CUDA_SUCCESS;
         check(rc, "cuMemSetAccess");
       }
     }
   } catch (...) {
-    r.where->mapped.erase(it);
+    if (still_mapped) {
+      table_.mark_mapped(s, reinterpret_cast<std::uintptr_t>(address));
+    } else {
+      r.where->mapped.erase(it);
+    }
     throw;
   }
   table_.mark_mapped(s, reinterpret_cast<std::uintptr_t>(address));

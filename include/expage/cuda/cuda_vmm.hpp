@@ -91,7 +91,8 @@ class cuda_vmm {
   /// @throws expage::invalid_argument when @p bytes is not a positive multiple of granularity().
   /// @throws expage::cuda_error when cuMemAddressReserve fails.
   [[nodiscard]] std::byte* reserve(std::size_t bytes);
-  /// Returns the range reserve() gave at @p base.
+  /// Returns the range reserve() gave at @p base (if cuMemAddressFree fails, asserted in debug
+  /// builds, the range stays reserved, and the destructor frees it).
   /// @pre @p base is a live reservation and none of its granules holds a block.
   void free(std::byte* base) noexcept;
 
@@ -108,7 +109,9 @@ class cuda_vmm {
   /// Maps @p block at the granule @p address (cuMemMap) and, for read-write, grants this device access.
   /// @throws expage::invalid_argument for a stale or mapped block, or an address that is misaligned,
   /// outside every reservation, or holds a block.
-  /// @throws expage::cuda_error when a driver call fails.
+  /// @throws expage::cuda_error when a driver call fails. Nothing changes, unless the access grant
+  /// fails and so does the cuMemUnmap that undoes the map: then the block stays mapped at
+  /// @p address, as the driver keeps it (state() says so), for unmap() or the destructor.
   void map(physical_block block, std::byte* address, access_mode access = access_mode::read_write);
   /// Unmaps the @p bytes at @p address (one cuMemUnmap); their blocks keep their content.
   /// @pre the range is granule-aligned, inside one reservation, and every granule of it holds a block.
