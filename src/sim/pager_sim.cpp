@@ -444,6 +444,8 @@ class engine {
             note_use(f, false);
             break;
           case residency::in_flight:
+            // Waiting for it is never slower than a second load: its link was the one to land it
+            // first when it started (advance_links()), and a link's busy_until only grows.
             ++ls.hits;
             policy.on_hit(k, ctx);
             if (duelling_) duel_lru_[s].on_hit(k, ctx);
