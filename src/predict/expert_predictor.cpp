@@ -1,7 +1,9 @@
 #include "expage/predict/expert_predictor.hpp"
 
+#include "../trace/record_check.hpp"  // check_probabilities(), check_sketch(): the trace's rules
 #include "expage/core/error.hpp"
 #include "expage/detail/assert.hpp"
+#include "expage/trace/routing_trace.hpp"
 
 #include <fmt/format.h>
 
@@ -57,6 +59,10 @@ void check_target(std::string_view who, std::uint32_t layer, std::uint32_t layer
 }
 
 }  // namespace
+
+void expert_predictor::validate_routing(std::uint32_t layer, const layer_routing& routing) const {
+  check_routing(name(), layer, layers(), routing.experts, experts_per_layer());
+}
 
 frequency_predictor::frequency_predictor(std::uint32_t layers, std::uint32_t experts_per_layer, std::uint32_t top_k)
     : layers_(layers), experts_(experts_per_layer), top_k_(top_k) {
@@ -406,27 +412,31 @@ void fmoe_map_predictor::observe(std::uint32_t layer, std::span<const expert_ind
   observe_routing(layer, {.experts = experts});
 }
 
-void fmoe_map_predictor::observe_routing(std::uint32_t layer, const layer_routing& routing) {
+void fmoe_map_predictor::validate_routing(std::uint32_t layer, const layer_routing& routing) const {
   check_routing("fmoe_map_predictor", layer, layers_, routing.experts, experts_);
-  if (!routing.probabilities.empty() && routing.probabilities.size() != experts_) {
-    throw invalid_argument(fmt::format("fmoe_map_predictor: a probability vector of {} values, expected {}",
-                                       routing.probabilities.size(), experts_));
+  // A value out of [0, 1] (logits) would weigh the maps by a vector that is not a distribution,
+  // and a NaN or an infinity would make every similarity NaN (and no stored map the most redundant).
+  if (!routing.probabilities.empty()) {
+    if (const auto problem = detail::check_probabilities(routing.probabilities, experts_)) {
+      throw invalid_argument(fmt::format("fmoe_map_predictor: {}", problem->message));
+    }
   }
-  if (!routing.sketch.empty() && sketch_dims_ != 0 && routing.sketch.size() != sketch_dims_) {
+  if (routing.sketch.empty()) return;
+  if (routing.sketch.size() > max_sketch_dims) {
+    throw invalid_argument(fmt::format("fmoe_map_predictor: a sketch of {} values out of range [1, {}]",
+                                       routing.sketch.size(), max_sketch_dims));
+  }
+  if (sketch_dims_ != 0 && routing.sketch.size() != sketch_dims_) {
     throw invalid_argument(fmt::format("fmoe_map_predictor: a sketch of {} values, expected {} (the first one's)",
                                        routing.sketch.size(), sketch_dims_));
   }
-  // A NaN or an infinity would make every similarity NaN (and no stored map the most redundant).
-  const auto check_finite = [](std::span<const float> v, const char* what) {
-    for (std::size_t i = 0; i < v.size(); ++i) {
-      if (!std::isfinite(v[i])) {
-        throw invalid_argument(
-            fmt::format("fmoe_map_predictor: {} value {} is {}, expected a finite number", what, i, v[i]));
-      }
-    }
-  };
-  check_finite(routing.probabilities, "probability");
-  check_finite(routing.sketch, "sketch");
+  if (const auto problem = detail::check_sketch(routing.sketch, static_cast<std::uint32_t>(routing.sketch.size()))) {
+    throw invalid_argument(fmt::format("fmoe_map_predictor: {}", problem->message));
+  }
+}
+
+void fmoe_map_predictor::observe_routing(std::uint32_t layer, const layer_routing& routing) {
+  validate_routing(layer, routing);
   // The first sketch after reset() fixes the length, wherever it comes (a later layer's, or one
   // on a call that routes nothing): the length was fixed by a first layer's alone, so a sketch
   // of another length elsewhere passed.

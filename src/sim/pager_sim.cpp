@@ -211,9 +211,9 @@ void predictive_prefetcher::propose(const access_stream& stream, std::size_t g, 
           "predictive_prefetcher: the predictor \"{}\" is built for {} layers × {} experts, the stream has {} × {}",
           predictor_->name(), predictor_->layers(), predictor_->experts_per_layer(), stream.layers(), experts));
     }
-    predictor_->begin_pass();
   }
   const std::uint32_t layer = stream.layer(g);
+  layer_routing routing{.experts = stream.experts(g)};
   const routing_trace* const trace = options_.trace;
   if (trace != nullptr && trace->fields().any()) {
     // Plain variables, not a structured binding: the lambda below captures them (C++20 allows it,
@@ -226,27 +226,32 @@ void predictive_prefetcher::propose(const access_stream& stream, std::size_t g, 
           "predictive_prefetcher: group {} reads trace events [{}, {}) of a trace of {}: not the stream's trace", g,
           first, last, trace->size()));
     }
-    layer_routing routing{.experts = stream.experts(g)};
     if (last - first == 1) {
       routing.probabilities = (*trace)[first].probabilities;
       routing.sketch = (*trace)[first].sketch;
     } else {  // a lockstep step: the mean of its events' vectors
-      const auto mean = [&](std::vector<float>& sum, auto field) {
-        sum.assign(field((*trace)[first]).size(), 0.0F);
+      const auto mean = [&](std::vector<float>& into, auto field) {
+        // Summed in double: the floats' sum can overflow where their mean cannot (two sketch
+        // values of 3e38, finite, summed to infinity in float).
+        mean_sum_.assign(field((*trace)[first]).size(), 0.0);
         for (std::size_t i = first; i < last; ++i) {
           const auto v = field((*trace)[i]);
-          for (std::size_t j = 0; j < sum.size(); ++j) sum[j] += v[j];
+          for (std::size_t j = 0; j < mean_sum_.size(); ++j) mean_sum_[j] += static_cast<double>(v[j]);
         }
-        for (float& x : sum) x /= static_cast<float>(last - first);
-        return std::span<const float>(sum);
+        into.resize(mean_sum_.size());
+        for (std::size_t j = 0; j < into.size(); ++j) {
+          into[j] = static_cast<float>(mean_sum_[j] / static_cast<double>(last - first));
+        }
+        return std::span<const float>(into);
       };
       routing.probabilities = mean(mean_probabilities_, [](const routing_event& e) { return e.probabilities; });
       routing.sketch = mean(mean_sketch_, [](const routing_event& e) { return e.sketch; });
     }
-    predictor_->observe_routing(layer, routing);
-  } else {
-    predictor_->observe(layer, stream.experts(g));
   }
+  // Refused before begin_pass(), so that a refused group changes nothing.
+  predictor_->validate_routing(layer, routing);
+  if (stream.starts_pass(g)) predictor_->begin_pass();
+  predictor_->observe_routing(layer, routing);
   const std::uint32_t horizon = std::max(options_.distance, options_.forecast_distance);
   probability_.resize(std::size_t{experts} * horizon);
   target_layers_.clear();

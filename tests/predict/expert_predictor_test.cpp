@@ -1,6 +1,7 @@
 #include "expage/predict/expert_predictor.hpp"
 
 #include "expage/core/error.hpp"
+#include "expage/trace/routing_trace.hpp"  // max_sketch_dims
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -410,8 +411,20 @@ TEST(FmoeMapPredictor, EqualsTheReferenceWithProbabilitiesAndSketches) {
     full.observe_routing(0, {.experts = routed, .probabilities = probability});
     FAIL() << "a NaN probability accepted";
   } catch (const invalid_argument& e) {
-    EXPECT_THAT(e.what(), HasSubstr("probability value 3 is nan, expected a finite number"));
+    EXPECT_THAT(e.what(), HasSubstr("probability nan of expert 3 out of range [0, 1]"));
   }
+  // Not a softmax over the layer's experts (logits, or a top-k slice): refused as a trace
+  // refuses it. Logits were taken as weights, and every prediction came out 0.
+  const std::vector<float> logits{-0.1F, -5.0F, -5.0F, -5.0F, -5.0F}, slice{0.6F, 0.2F, 0.0F, 0.0F, 0.0F};
+  EXPECT_THAT(
+      [&] { full.observe_routing(0, {.experts = routed, .probabilities = logits}); },
+      ::testing::ThrowsMessage<invalid_argument>(HasSubstr("probability -0.1 of expert 0 out of range [0, 1]")));
+  EXPECT_THAT([&] { full.observe_routing(0, {.experts = routed, .probabilities = slice}); },
+              ::testing::ThrowsMessage<invalid_argument>(HasSubstr("not logits or a top-k slice")));
+  EXPECT_THROW(full.validate_routing(0, {.experts = routed, .probabilities = logits}), invalid_argument);
+  const std::vector<float> too_long(max_sketch_dims + 1, 0.0F);
+  EXPECT_THAT([&] { fmoe_map_predictor(layers, experts, top_k).validate_routing(0, {.sketch = too_long}); },
+              ::testing::ThrowsMessage<invalid_argument>(HasSubstr("a sketch of 4097 values out of range [1, 4096]")));
   std::vector<float> infinite(dims, 1.0F);
   infinite[0] = std::numeric_limits<float>::infinity();
   EXPECT_THROW(full.observe_routing(0, {.experts = routed, .sketch = infinite}), invalid_argument);

@@ -534,6 +534,37 @@ TEST(RuntimePrefetcher, RefusesBadInput) {
   }
 }
 
+// A routing the predictor refuses (fMoE: probabilities that are not a softmax over the layer's
+// experts) changes nothing: it is refused before the new pass begins. The pass used to begin
+// first, so the predictor stored the last pass's map while the prefetcher's pass count stayed.
+TEST(RuntimePrefetcher, ARoutingThePredictorRefusesChangesNothing) {
+  runtime_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {}, &prefetch);
+  runtime_prefetcher pf(
+      rt, std::make_unique<fmoe_map_predictor>(w.geometry.layers(), w.geometry.experts_per_layer(), w.geometry.top_k()),
+      {.distance = 1});
+  const auto& fmoe = dynamic_cast<const fmoe_map_predictor&>(pf.predictor());
+  const std::vector<float> softmax(w.geometry.experts_per_layer(),
+                                   1.0F / static_cast<float>(w.geometry.experts_per_layer()));
+  const std::uint32_t routed[] = {1, 2};
+  for (std::uint32_t layer = 0; layer < w.geometry.layers(); ++layer) {
+    pf.on_routed(layer, {.experts = routed, .probabilities = softmax});
+  }
+  ASSERT_EQ(fmoe.stored(), 0U);
+  std::vector<float> nan = softmax, logits(w.geometry.experts_per_layer(), -2.0F);
+  nan[5] = std::numeric_limits<float>::quiet_NaN();
+  for (const auto& bad : {nan, logits}) {
+    EXPECT_THROW(pf.on_routed(0, {.experts = routed, .probabilities = bad}), invalid_argument);
+    EXPECT_EQ(fmoe.stored(), 0U) << "the refused call began a pass";
+    EXPECT_EQ(pf.statistics().passes, 1U);
+    EXPECT_EQ(pf.statistics().layers, w.geometry.layers());
+  }
+  pf.on_routed(0, {.experts = routed, .probabilities = softmax});
+  EXPECT_EQ(fmoe.stored(), 1U);
+  EXPECT_EQ(pf.statistics().passes, 2U);
+}
+
 // A group split to fit (the same layer twice in a row, group_tokens()) is one layer-step of one
 // pass: the predictor sees the union (its frequency counts the layer once) and no pass starts.
 TEST(RuntimePrefetcher, ASplitGroupStaysInItsPass) {

@@ -1232,6 +1232,40 @@ TEST(PagerSim, PredictorsSeeTheTracesOptionalFields) {
   }
 }
 
+// A lockstep step's mean sketch is summed in double: two finite sketch values of 3e38 summed in
+// float to infinity, and fMoE refused the step's "sketch value 0 is inf" on a valid trace.
+TEST(PagerSim, TheMeanOfALockstepStepsSketchesDoesNotOverflow) {
+  const auto g = small();  // recording_predictor's shape
+  routing_trace trace(g);
+  trace.set_batch_size(2);
+  trace.declare_fields({.sketch_dims = 1});
+  const float big[] = {3.0e38F};
+  for (std::uint32_t sequence = 0; sequence < 2; ++sequence) {
+    for (std::uint32_t layer = 0; layer < g.layers(); ++layer) {
+      const std::uint32_t routed[] = {sequence, sequence + 2};
+      const float weight[] = {0.5F, 0.5F};
+      trace.append(
+          {.sequence = sequence, .step = 0, .layer = layer, .experts = routed, .weights = weight, .sketch = big});
+    }
+  }
+  trace.restore_execution_order();
+  const access_stream stream(trace, 4);
+  auto owned = std::make_unique<recording_predictor>();
+  const recording_predictor* const rec = owned.get();
+  predictive_prefetcher recorded(std::move(owned), {.distance = 1, .trace = &trace});
+  predictive_prefetcher fmoe(std::make_unique<fmoe_map_predictor>(g.layers(), g.experts_per_layer(), g.top_k(), 8),
+                             {.distance = 1, .trace = &trace});
+  recorded.reset();
+  fmoe.reset();
+  std::vector<prefetch_request> out;
+  for (std::size_t grp = 0; grp < stream.groups(); ++grp) {
+    recorded.propose(stream, grp, out);
+    EXPECT_NO_THROW(fmoe.propose(stream, grp, out));
+  }
+  ASSERT_EQ(rec->seen.size(), stream.groups());
+  for (const auto& c : rec->seen) EXPECT_EQ(c.sketch, std::vector<float>{3.0e38F});
+}
+
 // PreScope's hot-expert table ranks by tokens routed (brute force), and initial residency
 // fills each scope with its hottest experts before the first layer: with room for every expert
 // nothing is loaded on demand; with less, the preload is the scope's slots, reported apart from

@@ -68,6 +68,12 @@ class expert_predictor {
   /// @throws expage::invalid_argument where the predictor uses a field and its length is wrong
   ///         or a value is not finite.
   virtual void observe_routing(std::uint32_t layer, const layer_routing& routing) { observe(layer, routing.experts); }
+  /// Throws what observe_routing() would refuse in these arguments, and learns nothing: a layer or
+  /// an expert out of the predictor's shape (the default) and, in a predictor that uses the
+  /// optional fields, a field it refuses. The prefetchers call it before begin_pass(), so that a
+  /// call they refuse changes nothing.
+  /// @throws expage::invalid_argument naming the value and its range.
+  virtual void validate_routing(std::uint32_t layer, const layer_routing& routing) const;
   /// Writes into @p probability (experts_per_layer entries) the probability that each expert of
   /// @p layer (a layer after the last observed one) is routed in the current pass.
   /// @throws expage::invalid_argument for a layer out of the predictor's shape or a span of
@@ -273,9 +279,14 @@ class fmoe_map_predictor final : public expert_predictor {
   void reset() override;
   void begin_pass() override;
   void observe(std::uint32_t layer, std::span<const expert_index> experts) override;
-  /// @throws expage::invalid_argument for a probability vector that is not experts_per_layer
-  ///         long, or a sketch whose length differs from the first one seen since reset().
+  /// @throws expage::invalid_argument as validate_routing(), with nothing learned.
   void observe_routing(std::uint32_t layer, const layer_routing& routing) override;
+  /// Besides the layer and the experts: a probability vector must be the router's softmax over
+  /// the layer's experts, as a trace's (experts_per_layer values in [0, 1] summing to 1 ±
+  /// probability_sum_tolerance: logits or a top-k slice are refused), and a sketch at most
+  /// max_sketch_dims finite values, as long as the first one seen since reset().
+  /// @throws expage::invalid_argument naming the value and its range.
+  void validate_routing(std::uint32_t layer, const layer_routing& routing) const override;
   void predict(std::uint32_t layer, std::span<float> probability) const override;
   /// Maps stored now.
   [[nodiscard]] std::size_t stored() const noexcept { return count_; }

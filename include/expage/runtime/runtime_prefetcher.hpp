@@ -246,8 +246,9 @@ class runtime_prefetcher {
   }
   /// The same with the router's probabilities and a hidden-state sketch where the engine has them
   /// (the predictor sees them through expert_predictor::observe_routing(); fMoE's maps use them).
-  /// @throws expage::invalid_argument for a layer or expert out of range or an expert given twice
-  ///         (nothing changes), or what the predictor refuses.
+  /// @throws expage::invalid_argument for a layer or expert out of range, an expert given twice,
+  ///         or what the predictor refuses (expert_predictor::validate_routing(): fmoe_map_predictor
+  ///         refuses probabilities that are not a softmax over the layer's experts): nothing changes.
   void on_routed(std::uint32_t layer, const layer_routing& routing) {
     const std::span<const std::uint32_t> experts = routing.experts;
     const auto& g = runtime_.geometry();
@@ -273,6 +274,7 @@ class runtime_prefetcher {
     // A layer before the previous one starts a new pass; the same layer again is the next part of
     // a group split to fit (group_tokens()), the same pass (one-layer models aside).
     const bool new_pass = stats_.layers == 0 || layer < last_layer_ || (layer == last_layer_ && g.layers() == 1);
+    predictor_->validate_routing(layer, routing);  // before begin_pass(): a refused call changes nothing
     if (new_pass) predictor_->begin_pass();
     predictor_->observe_routing(layer, routing);
     if (new_pass) ++stats_.passes;

@@ -174,6 +174,7 @@ class predictive_prefetcher final : public prefetcher {
   std::vector<float> probability_;  // [target][expert] of the last propose()
   std::vector<std::uint32_t> target_layers_;
   std::vector<float> mean_probabilities_, mean_sketch_;  // a lockstep step's fields
+  std::vector<double> mean_sum_;                         // their sums
   std::vector<std::pair<float, expert_index>> ranked_;
 };
 
