@@ -576,7 +576,7 @@ TEST(TransitionManager, RejectsBadTargetsAndClasses) {
         manager_t(r.table, r.migration, {.format = precision::bf16, .source = &r.hi_store, .pool = &r.hi_pool},
                   {.format = precision::int4, .source = &other, .pool = &r.lo_pool});
       },
-      ::testing::ThrowsMessage<invalid_argument>(::testing::HasSubstr("the int4 class's source has")));
+      ::testing::ThrowsMessage<invalid_argument>(::testing::HasSubstr("the int4 class's source: the storage's")));
   tensor_storage<host_stream> coded(r.geometry, precision::int4, r.host,
                                     {.slot_bytes = {}, .loader = [](auto, auto, host_stream&) {}});
   EXPECT_THAT(

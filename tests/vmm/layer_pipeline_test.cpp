@@ -284,6 +284,57 @@ TEST(LayerPipeline, RejectsMisuseWithoutChangingAnything) {
   EXPECT_THROW((layer_pipeline<host_vmm, host_stream>(r.vm, r.geometry, precision::int4, r.budget.root(), r.storage,
                                                       r.compute, r.load_gate_up, r.load_down, {})),
                invalid_argument);
+  // A storage of another precision of the same size, or of another model whose tensors have the
+  // same bytes: both were accepted (the first filled bf16 pages with fp16 weights, the second
+  // failed at its first missing layer, naming the storage's geometry).
+  using pipeline = layer_pipeline<host_vmm, host_stream>;
+  tensor_storage<host_stream> fp16(r.geometry, precision::fp16, r.host);
+  EXPECT_THAT(
+      [&] {
+        pipeline(r.vm, r.geometry, precision::bf16, r.budget.root(), fp16, r.compute, r.load_gate_up, r.load_down, {});
+      },
+      ::testing::ThrowsMessage<invalid_argument>(HasSubstr("the storage holds fp16 tensors, expected bf16")));
+  tensor_storage<host_stream> shorter(small(2), precision::bf16, r.host);
+  EXPECT_THAT(
+      [&] {
+        pipeline(r.vm, r.geometry, precision::bf16, r.budget.root(), shorter, r.compute, r.load_gate_up, r.load_down,
+                 {});
+      },
+      ::testing::ThrowsMessage<invalid_argument>(
+          HasSubstr("the storage holds 2 layers × 4 experts ('small'), the geometry 'small' has 4 × 4")));
+}
+
+// A launch that throws after enqueuing work: the layer counts as not forwarded (materialize()
+// refuses to recycle it) and its compute event covers the queued work, so that the page stays
+// mapped until that work has run. An earlier forward's event and mark were kept: the next
+// materialize() recycled the layer and unmapped its pages under the queued kernel.
+TEST(LayerPipeline, ALaunchThatThrowsLeavesItsLayerUnforwardedAndFenced) {
+  rig r(2, 4);
+  r.pipe.materialize(0);
+  r.forward(0);
+  std::promise<void> gate;
+  std::atomic<bool> mapped_when_run{false};
+  const expert_id id{0, 1};
+  EXPECT_THROW(r.pipe.forward(0,
+                              [&](host_stream& stream) {
+                                stream.enqueue([&, opened = gate.get_future().share()] {
+                                  opened.wait();
+                                  mapped_when_run =
+                                      r.vm.block_at(r.pipe.address(id, expert_tensor::gate_up)).has_value();
+                                });
+                                throw std::runtime_error("the launch failed after enqueuing a kernel");
+                              }),
+               std::runtime_error);
+  r.pipe.materialize(1);
+  EXPECT_THAT([&] { r.pipe.materialize(2); },
+              ::testing::ThrowsMessage<invalid_argument>(HasSubstr("layer 0 has not been forwarded")));
+  EXPECT_EQ(r.pipe.window_layers(), (std::vector<std::uint32_t>{0, 1}));
+  gate.set_value();
+  r.forward(0);
+  r.pipe.materialize(2);  // recycles layer 0 behind its compute event
+  r.pipe.drain();
+  EXPECT_TRUE(mapped_when_run);
+  EXPECT_EQ(r.mismatches, 0U);
 }
 
 TEST(LayerPipeline, ACompressedStorageIsDecodedIntoThePagesByItsLoader) {

@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -114,6 +115,32 @@ class tensor_storage {
   [[nodiscard]] memory_location location() const noexcept { return location_; }
   /// The tensors' precision.
   [[nodiscard]] precision format() const noexcept { return format_; }
+  /// The geometry whose experts it stores.
+  [[nodiscard]] const moe_geometry& geometry() const noexcept { return geometry_; }
+  /// Throws unless it stores every expert of @p geometry with tensors in @p format: the same
+  /// precision, layers × experts and decoded tensor bytes (what a page of @p geometry receives).
+  /// The one check of a storage against its user's geometry (layer_pipeline, transition_manager).
+  /// @throws expage::invalid_argument naming @p who, what differs and both values.
+  void check_holds(const moe_geometry& geometry, precision format, std::string_view who) const {
+    if (format_ != format) {
+      throw invalid_argument(
+          fmt::format("{}: the storage holds {} tensors, expected {}", who, to_string(format_), to_string(format)));
+    }
+    if (geometry_.layers() != geometry.layers() || geometry_.experts_per_layer() != geometry.experts_per_layer()) {
+      throw invalid_argument(
+          fmt::format("{}: the storage holds {} layers × {} experts ('{}'), the geometry '{}' has {} × {}", who,
+                      geometry_.layers(), geometry_.experts_per_layer(), geometry_.name(), geometry.name(),
+                      geometry.layers(), geometry.experts_per_layer()));
+    }
+    for (std::size_t t = 0; t < expert_tensor_count; ++t) {
+      const auto tensor = static_cast<expert_tensor>(t);
+      if (const std::uint64_t want = geometry.tensor_bytes(tensor, format); tensor_bytes_[t] != want) {
+        throw invalid_argument(fmt::format(
+            "{}: the storage's {} tensors have {} bytes, the geometry '{}''s {} tensors in {} have {}", who,
+            to_string(tensor), tensor_bytes_[t], geometry.name(), to_string(tensor), to_string(format), want));
+      }
+    }
+  }
 
   /// The whole slot of tensor @p t of expert @p id, to write the stored form into.
   /// @throws expage::invalid_argument for an id outside the geometry (or a @p t that is neither tensor, here and

@@ -337,20 +337,10 @@ class transition_manager {
       throw invalid_argument(fmt::format("transition_manager: {} pool blocks of {} bytes cannot hold a {}-byte expert",
                                          to_string(c.format), c.pool->block_size(), bytes));
     }
-    if (c.source->format() != c.format) {
-      throw invalid_argument(fmt::format("transition_manager: the {} class's source holds {}", to_string(c.format),
-                                         to_string(c.source->format())));
-    }
     // The stored bytes are copied into the version as they are: the source's tensors must be
     // the table's, and stored as they are used.
-    for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
-      const std::uint64_t want = table.geometry().tensor_bytes(t, c.format);
-      if (c.source->tensor_bytes(t) != want) {
-        throw invalid_argument(fmt::format(
-            "transition_manager: the {} class's source has {}-byte {} tensors, the table's geometry '{}' {}-byte ones",
-            to_string(c.format), c.source->tensor_bytes(t), to_string(t), table.geometry().name(), want));
-      }
-    }
+    c.source->check_holds(table.geometry(), c.format,
+                          fmt::format("transition_manager: the {} class's source", to_string(c.format)));
     if (c.source->decodes()) {
       throw invalid_argument(fmt::format(
           "transition_manager: the {} class's source decodes its stored form with a loader; versions are copies of "

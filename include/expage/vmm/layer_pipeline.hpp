@@ -109,7 +109,8 @@ class layer_pipeline {
   /// A pipeline over the experts of @p geometry in @p format, blocks from @p vmm charged to @p account,
   /// pages filled from @p storage on @p load_gate_up / @p load_down, compute fenced on @p compute.
   /// All referenced objects must outlive the pipeline.
-  /// @throws expage::invalid_argument for a window below 2 or a storage of another format or geometry size.
+  /// @throws expage::invalid_argument for a window below 2 or a storage of another format or geometry
+  ///         (tensor_storage::check_holds()).
   /// @throws whatever reserving the address ranges or creating the events throws (nothing is kept).
   layer_pipeline(Vmm& vmm, const moe_geometry& geometry, precision format, budget_account& account,
                  const tensor_storage<Stream>& storage, Stream& compute, Stream& load_gate_up, Stream& load_down,
@@ -194,11 +195,28 @@ class layer_pipeline {
       compute_->wait(load_events_[layer * expert_tensor_count + t]);
       ++stats_.raw_fences;
     }
-    std::forward<Launch>(launch)(*compute_);
-    compute_->record(compute_events_[layer]);
-    for (auto& entry : window_) {
-      if (entry.layer == layer) entry.forwarded = true;
+    const auto mark_forwarded = [&](bool forwarded) {
+      for (auto& entry : window_) {
+        if (entry.layer == layer) entry.forwarded = forwarded;
+      }
+    };
+    try {
+      std::forward<Launch>(launch)(*compute_);
+      compute_->record(compute_events_[layer]);
+    } catch (...) {
+      // The launch may have enqueued work before it threw: the layer's compute event covers it
+      // (best effort: a stream that cannot record runs nothing more), so that recycling or
+      // unpinning the layer fences it, and the layer counts as not forwarded, so that no
+      // materialize() recycles it before it is forwarded again. An earlier forward's event and
+      // mark were left: its pages were unmapped under the work this launch had queued.
+      try {
+        compute_->record(compute_events_[layer]);
+      } catch (...) {
+      }
+      mark_forwarded(false);
+      throw;
     }
+    mark_forwarded(true);
   }
 
   /// Keeps expert @p id resident beyond the window (mapping and loading it now if needed) until unpin().
@@ -321,14 +339,7 @@ class layer_pipeline {
     if (opts.window < 2) {
       throw invalid_argument(fmt::format("layer_pipeline: window of {} layers out of range [2, 2^32)", opts.window));
     }
-    for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
-      if (storage.tensor_bytes(t) != geometry.tensor_bytes(t, format)) {
-        throw invalid_argument(fmt::format(
-            "layer_pipeline: the storage's {} tensors have {} bytes, the geometry's {} tensors in {} have {}",
-            to_string(t), storage.tensor_bytes(t), geometry.name(), to_string(format),
-            geometry.tensor_bytes(t, format)));
-      }
-    }
+    storage.check_holds(geometry, format, "layer_pipeline");
     return geometry;
   }
   // A pool may lease every page of its space: the budget, not the pool, limits residency.
