@@ -52,7 +52,12 @@ void host_stream::submit(task t, std::uint64_t host_stream_statistics::*counter)
 }
 
 void host_stream::copy(void* dst, const void* src, std::size_t bytes) {
-  submit({[dst, src, bytes] { std::memcpy(dst, src, bytes); }, true, bytes});
+  // memcpy's pointers must not be null even for 0 bytes; a copy of nothing from nowhere is valid
+  // here, as it is for cudaMemcpyAsync.
+  submit({[dst, src, bytes] {
+            if (bytes != 0) std::memcpy(dst, src, bytes);
+          },
+          true, bytes});
 }
 
 void host_stream::enqueue(std::function<void()> work) { submit({std::move(work), true}); }

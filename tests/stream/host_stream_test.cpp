@@ -66,6 +66,16 @@ TEST(HostStream, CopiesInOrderWithOtherWork) {
   EXPECT_EQ(stats.stream_syncs, 0u);
 }
 
+// A copy of no bytes may name null pointers, as cudaMemcpyAsync's may: it was a memcpy of null
+// pointers, undefined behaviour (UBSan, in the asan stage, stops on it).
+TEST(HostStream, ACopyOfNothingMayNameNullPointers) {
+  host_stream stream;
+  stream.copy(nullptr, nullptr, 0);
+  stream.synchronize();
+  EXPECT_EQ(stream.statistics().copies, 1U);
+  EXPECT_EQ(stream.statistics().bytes_copied, 0U);
+}
+
 TEST(HostEvent, IsCompleteUntilRecordedAndAfterItsWorkRan) {
   host_event e;
   EXPECT_TRUE(e.query());
