@@ -523,6 +523,54 @@ inline std::string policy_names(bool online_only) {
   return fmt::format("{}", fmt::join(n, ", "));
 }
 
+/// A `--policy` value: a comma-separated list of policy names, `all` standing for every policy
+/// (Belady included). @throws usage_error naming an empty or unknown name.
+inline std::vector<expage::policy_kind> parse_policy_list(std::string_view flag, std::string_view value) {
+  std::vector<expage::policy_kind> policies;
+  for (const auto& name : split_nonempty(flag, value)) {
+    if (name == "all") {
+      const auto all = expage::all_policy_kinds();
+      policies.assign(all.begin(), all.end());
+      continue;
+    }
+    try {
+      policies.push_back(expage::parse_policy(name));
+    } catch (const expage::invalid_argument& e) {
+      throw usage_error{fmt::format("{}: {}", flag, e.what())};
+    }
+  }
+  return policies;
+}
+
+/// A `--layout` value of expage-replay and expage-sim: per-layer, global or both (per-layer first).
+/// @throws usage_error naming the value and the choices.
+inline std::vector<expage::cache_layout> parse_layouts(std::string_view flag, std::string_view value) {
+  if (value == "per-layer") return {expage::cache_layout::per_layer};
+  if (value == "global") return {expage::cache_layout::global};
+  if (value == "both") return {expage::cache_layout::per_layer, expage::cache_layout::global};
+  throw usage_error{fmt::format("{} '{}' is not one of per-layer, global, both", flag, value)};
+}
+
+/// A precision flag's value (bf16, int4, ...). @throws usage_error with the reader's message.
+inline expage::precision parse_precision_flag(std::string_view flag, std::string_view value) {
+  try {
+    return expage::parse_precision(value);
+  } catch (const expage::invalid_argument& e) {
+    throw usage_error{fmt::format("{}: {}", flag, e.what())};
+  }
+}
+
+/// The experts one slot cache of @p layout holds for geometry @p g: every expert (global) or a
+/// layer's (per-layer). @throws usage_error when they do not fit a slot cache's 32-bit keys.
+inline std::uint32_t layout_keys(expage::cache_layout layout, const expage::moe_geometry& g) {
+  const std::uint64_t keys = layout == expage::cache_layout::global ? g.expert_count() : g.experts_per_layer();
+  if (keys > UINT32_MAX) {
+    throw usage_error{fmt::format("--layout {}: {} experts out of range [1, {}] for a slot cache",
+                                  expage::to_string(layout), keys, UINT32_MAX)};
+  }
+  return static_cast<std::uint32_t>(keys);
+}
+
 /// The hardware profile a --hardware value names (a preset or a JSON file). @throws usage_error
 /// (exit status 2) with the reader's message for an unknown preset or a bad file.
 inline expage::hardware_profile hardware_argument(std::string_view text) {

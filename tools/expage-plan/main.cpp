@@ -181,11 +181,7 @@ config parse(int argc, char** argv, const std::string& help) {
     } else if (flag == "--precision") {
       c.precisions.clear();
       for (const auto& p : expage_tools::split_nonempty(flag, value())) {
-        try {
-          c.precisions.push_back(expage::parse_precision(p));
-        } catch (const expage::invalid_argument& e) {
-          throw usage_error{fmt::format("--precision: {}", e.what())};
-        }
+        c.precisions.push_back(expage_tools::parse_precision_flag(flag, p));
       }
       expage_tools::drop_repeats(c.precisions);  // bf16,bf16 is one precision
       if (c.precisions.size() > 8) {
@@ -233,11 +229,8 @@ config parse(int argc, char** argv, const std::string& help) {
       if (colon == std::string_view::npos) {
         throw usage_error{fmt::format("--tiers '{}' is not HI:LO, two precisions (e.g. bf16:int4)", v)};
       }
-      try {
-        c.tiers = {expage::parse_precision(v.substr(0, colon)), expage::parse_precision(v.substr(colon + 1))};
-      } catch (const expage::invalid_argument& e) {
-        throw usage_error{fmt::format("--tiers: {}", e.what())};
-      }
+      c.tiers = {expage_tools::parse_precision_flag(flag, v.substr(0, colon)),
+                 expage_tools::parse_precision_flag(flag, v.substr(colon + 1))};
     } else if (flag == "--quality-seconds") {
       c.quality_seconds = parse_real(flag, value(), 0.0, 1.0);
     } else if (flag == "--min-hi-coverage") {

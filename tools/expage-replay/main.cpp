@@ -139,48 +139,13 @@ config parse(int argc, char** argv, const std::string& help) {
     } else if (flag == "--trust-geometry") {
       c.trust_geometry = true;
     } else if (flag == "--policy") {
-      c.policies.clear();
-      const auto names = split(value());
-      if (std::any_of(names.begin(), names.end(), [](const auto& n) { return n.empty(); })) {
-        throw usage_error{fmt::format("--policy '{}': an empty name in the comma-separated list (see --help)",
-                                      fmt::join(names, ","))};
-      }
-      for (const auto& name : names) {
-        if (name == "all") {
-          const auto all = expage::all_policy_kinds();
-          c.policies.assign(all.begin(), all.end());
-          continue;
-        }
-        try {
-          c.policies.push_back(expage::parse_policy(name));
-        } catch (const expage::invalid_argument& e) {
-          throw usage_error{fmt::format("--policy: {}", e.what())};
-        }
-      }
+      c.policies = expage_tools::parse_policy_list(flag, value());
     } else if (flag == "--capacity") {
-      c.capacities = split(value());
-      if (std::any_of(c.capacities.begin(), c.capacities.end(), [](const auto& v) { return v.empty(); })) {
-        throw usage_error{
-            fmt::format("--capacity '{}': an empty value in the comma-separated list of slot counts or "
-                        "percentages",
-                        fmt::join(c.capacities, ","))};
-      }
+      c.capacities = expage_tools::split_nonempty(flag, value());
     } else if (flag == "--layout") {
-      const std::string_view v = value();
-      if (v == "per-layer")
-        c.layouts = {expage::cache_layout::per_layer};
-      else if (v == "global")
-        c.layouts = {expage::cache_layout::global};
-      else if (v == "both")
-        c.layouts = {expage::cache_layout::per_layer, expage::cache_layout::global};
-      else
-        throw usage_error{fmt::format("--layout '{}' is not one of per-layer, global, both", v)};
+      c.layouts = expage_tools::parse_layouts(flag, value());
     } else if (flag == "--precision") {
-      try {
-        c.format = expage::parse_precision(value());
-      } catch (const expage::invalid_argument& e) {
-        throw usage_error{fmt::format("--precision: {}", e.what())};
-      }
+      c.format = expage_tools::parse_precision_flag(flag, value());
     } else if (flag == "--link-gbps") {
       c.link_gbps = parse_real(flag, value(), 1e-3, 1e6);
     } else if (flag == "--sequential") {
@@ -358,12 +323,7 @@ int main(int argc, char** argv) {
     };
     std::vector<job> jobs;
     for (const auto layout : c.layouts) {
-      const std::uint64_t all_keys = layout == expage::cache_layout::global ? g.expert_count() : g.experts_per_layer();
-      if (all_keys > UINT32_MAX) {
-        throw usage_error{
-            fmt::format("--layout global: {} experts out of range [1, {}] for a slot cache", all_keys, UINT32_MAX)};
-      }
-      const auto keys = static_cast<std::uint32_t>(all_keys);
+      const std::uint32_t keys = expage_tools::layout_keys(layout, g);
       for (const auto& text : c.capacities) {
         const std::uint32_t slots =
             resolve_capacity(text, keys, c.mode == expage::replay_mode::sequential ? 1 : g.top_k(), layout);

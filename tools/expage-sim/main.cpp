@@ -268,38 +268,13 @@ config parse(int argc, char** argv, const std::string& help) {
     } else if (flag == "--dense-bytes") {
       c.dense_bytes = parse_number<std::uint64_t>(flag, value(), 0, std::uint64_t{1} << 50);
     } else if (flag == "--precision") {
-      try {
-        c.format = expage::parse_precision(value());
-      } catch (const expage::invalid_argument& e) {
-        throw usage_error{fmt::format("--precision: {}", e.what())};
-      }
+      c.format = expage_tools::parse_precision_flag(flag, value());
     } else if (flag == "--policy") {
-      c.policies.clear();
-      for (const auto& name : split_nonempty(flag, value())) {
-        if (name == "all") {
-          const auto all = expage::all_policy_kinds();
-          c.policies.assign(all.begin(), all.end());
-          continue;
-        }
-        try {
-          c.policies.push_back(expage::parse_policy(name));
-        } catch (const expage::invalid_argument& e) {
-          throw usage_error{fmt::format("--policy: {}", e.what())};
-        }
-      }
+      c.policies = expage_tools::parse_policy_list(flag, value());
     } else if (flag == "--capacity") {
       c.capacities = split_nonempty(flag, value());
     } else if (flag == "--layout") {
-      const std::string_view v = value();
-      if (v == "per-layer") {
-        c.layouts = {expage::cache_layout::per_layer};
-      } else if (v == "global") {
-        c.layouts = {expage::cache_layout::global};
-      } else if (v == "both") {
-        c.layouts = {expage::cache_layout::per_layer, expage::cache_layout::global};
-      } else {
-        throw usage_error{fmt::format("--layout '{}' is not one of per-layer, global, both", v)};
-      }
+      c.layouts = expage_tools::parse_layouts(flag, value());
     } else if (flag == "--prefetch") {
       c.prefetch.clear();
       for (const auto& p : split_nonempty(flag, value())) {
@@ -635,11 +610,9 @@ int main(int argc, char** argv) {
     }
     std::vector<cell> cells;
     for (const auto layout : c.layouts) {
-      const std::uint64_t keys = layout == expage::cache_layout::global ? g.expert_count() : g.experts_per_layer();
-      if (keys > UINT32_MAX) throw usage_error{fmt::format("--layout global: {} experts out of range", keys)};
+      const std::uint32_t keys = expage_tools::layout_keys(layout, g);
       for (const auto& text : c.capacities) {
-        const std::uint32_t slots =
-            expage_tools::resolve_capacity(text, static_cast<std::uint32_t>(keys), g.top_k(), layout);
+        const std::uint32_t slots = expage_tools::resolve_capacity(text, keys, g.top_k(), layout);
         for (const auto& r : c.ratios) {
           const bool repeat = std::any_of(cells.begin(), cells.end(), [&](const cell& x) {
             return x.layout == layout && x.slots == slots && x.ratio == r;
