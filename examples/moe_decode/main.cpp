@@ -75,6 +75,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <initializer_list>
 #include <limits>
 #include <map>
 #include <memory>
@@ -157,6 +158,18 @@ std::uint64_t parse_uint(std::string_view flag, std::string_view v, std::uint64_
   return x;
 }
 
+// @p v when it is one of @p choices; else the refusal names them ("is not a, b or c").
+std::string_view one_of(std::string_view flag, std::string_view v, std::initializer_list<std::string_view> choices) {
+  if (std::find(choices.begin(), choices.end(), v) != choices.end()) return v;
+  std::string names;
+  std::size_t i = 0;
+  for (const std::string_view c : choices) {
+    names += fmt::format("{}{}", i == 0 ? "" : i + 1 == choices.size() ? " or " : ", ", c);
+    ++i;
+  }
+  usage(fmt::format("{} '{}' is not {}", flag, v, names));
+}
+
 // A whole percentage in [1%, 100%] (@p example in the message), as a share.
 double parse_percent(std::string_view flag, std::string_view v, std::string_view example) {
   if (v.empty() || v.back() != '%') {
@@ -210,22 +223,13 @@ options parse(int argc, char** argv) {
     } else if (a == "--write-weights") {
       o.write_weights = value();
     } else if (a == "--view") {
-      o.view = value();
-      if (o.view != "records" && o.view != "stable" && o.view != "slots") {
-        usage(fmt::format("--view '{}' is not records, stable or slots", o.view));
-      }
+      o.view = one_of(a, value(), {"records", "stable", "slots"});
     } else if (a == "--backend") {
-      o.backend = value();
-      if (o.backend != "host" && o.backend != "cuda")
-        usage(fmt::format("--backend '{}' is not host or cuda", o.backend));
+      o.backend = one_of(a, value(), {"host", "cuda"});
     } else if (a == "--precision") {
-      const std::string_view v = value();
-      if (v != "bf16" && v != "int4") usage(fmt::format("--precision '{}' is not bf16 or int4", v));
-      o.format = v == "bf16" ? precision::bf16 : precision::int4;
+      o.format = one_of(a, value(), {"bf16", "int4"}) == "bf16" ? precision::bf16 : precision::int4;
     } else if (a == "--lo-precision") {
-      const std::string_view v = value();
-      if (v != "int4" && v != "int8") usage(fmt::format("--lo-precision '{}' is not int4 or int8", v));
-      o.lo_format = v == "int4" ? precision::int4 : precision::int8;
+      o.lo_format = one_of(a, value(), {"int4", "int8"}) == "int4" ? precision::int4 : precision::int8;
     } else if (a == "--hi-share") {
       tier_option = sizing_option = a;
       o.hi_share = parse_percent(a, value(), "50%");  // from 1%: 0% would leave the hot set no hi slot
@@ -237,16 +241,9 @@ options parse(int argc, char** argv) {
       o.interval = static_cast<std::uint32_t>(parse_uint(a, value(), 1, 1U << 20));
       o.interval_given = true;
     } else if (a == "--policy") {
-      o.policy = value();
-      if (o.policy != "lru" && o.policy != "lfu" && o.policy != "next-turn") {
-        usage(fmt::format("--policy '{}' is not lru, lfu or next-turn", o.policy));
-      }
+      o.policy = one_of(a, value(), {"lru", "lfu", "next-turn"});
     } else if (a == "--prefetch") {
-      o.prefetch = value();
-      if (o.prefetch != "none" && o.prefetch != "coactivation" && o.prefetch != "frequency" &&
-          o.prefetch != "previous" && o.prefetch != "fmoe") {
-        usage(fmt::format("--prefetch '{}' is not none, coactivation, frequency, previous or fmoe", o.prefetch));
-      }
+      o.prefetch = one_of(a, value(), {"none", "coactivation", "frequency", "previous", "fmoe"});
     } else if (a == "--pooling") {
       try {
         o.pooling = expage::parse_coactivation_pooling(value());
