@@ -144,6 +144,12 @@ void check_four_pool_model(const four_pool_model& m) {
     throw invalid_argument(fmt::format("four_pool_model: min_group {} out of range [1, {}] (experts_per_layer)",
                                        m.min_group, m.experts_per_layer));
   }
+  if (m.space.max_kv_bytes < kv_pool_floor_bytes(m)) {
+    throw invalid_argument(fmt::format(
+        "four_pool_model: space.max_kv_bytes {} out of range [{}, 2^64) (the KV floor and space.min_kv_bytes in whole "
+        "blocks)",
+        m.space.max_kv_bytes, kv_pool_floor_bytes(m)));
+  }
   if (!m.space.hi_only && !m.space.tiered) {
     throw invalid_argument("four_pool_model: space admits neither hi-only nor tiered splits");
   }
@@ -175,7 +181,8 @@ bool admissible(const four_pool_model& m, const four_pool_split& s) noexcept {
   }
   const std::uint64_t experts = hi_pool_bytes(m, s) + lo_pool_bytes(m, s);  // ≤ 2·N·E·s_hi: no overflow
   if (experts > m.budget_bytes) return false;
-  return s.kv_bytes == m.budget_bytes - experts && s.kv_bytes >= kv_pool_floor_bytes(m);
+  return s.kv_bytes == m.budget_bytes - experts && s.kv_bytes >= kv_pool_floor_bytes(m) &&
+         s.kv_bytes <= m.space.max_kv_bytes;
 }
 
 four_pool_split make_four_pool_split(const four_pool_model& m, std::uint32_t hi_slots, std::uint32_t lo_slots) {
@@ -187,10 +194,10 @@ four_pool_split make_four_pool_split(const four_pool_model& m, std::uint32_t hi_
     throw invalid_argument(fmt::format(
         "four_pool_split: hi_slots {} and lo_slots {} ({} expert bytes) not admissible: hi-only needs hi_slots in "
         "[{}, {}], tiered lo_slots ≥ {} and hi_slots + lo_slots ≤ {}, hi_slots ≤ {}, and the experts at most {} bytes "
-        "(the budget {} less the KV floor {} in whole blocks)",
+        "(the budget {} less the KV floor {} in whole blocks) and at least {} (space.max_kv_bytes {})",
         hi_slots, lo_slots, experts, m.min_group, m.experts_per_layer, m.min_group, m.experts_per_layer,
         std::min(m.space.max_hi_slots, m.experts_per_layer), m.budget_bytes - kv_pool_floor_bytes(m), m.budget_bytes,
-        kv_pool_floor_bytes(m)));
+        kv_pool_floor_bytes(m), m.budget_bytes - std::min(m.budget_bytes, m.space.max_kv_bytes), m.space.max_kv_bytes));
   }
   return s;
 }
@@ -199,24 +206,29 @@ std::vector<four_pool_split> admissible_splits(const four_pool_model& m, std::ui
   check_four_pool_model(m);
   if (step == 0) throw invalid_argument("admissible_splits: step 0 out of range [1, 2^32)");
   const std::uint32_t e = m.experts_per_layer;
-  // The split (hi, lo) with KV the rest, when admissible.
-  const auto split_of = [&](std::uint32_t hi, std::uint32_t lo) -> std::optional<four_pool_split> {
+  // The split (hi, lo) with KV the rest, when admissible in @p model.
+  const auto split_in = [](const four_pool_model& model, std::uint32_t hi,
+                           std::uint32_t lo) -> std::optional<four_pool_split> {
     four_pool_split s{.hi_slots = hi, .lo_slots = lo, .kv_bytes = 0};
-    const std::uint64_t experts = hi_pool_bytes(m, s) + lo_pool_bytes(m, s);
-    if (experts > m.budget_bytes) return std::nullopt;
-    s.kv_bytes = m.budget_bytes - experts;
-    return admissible(m, s) ? std::optional(s) : std::nullopt;
+    const std::uint64_t experts = hi_pool_bytes(model, s) + lo_pool_bytes(model, s);
+    if (experts > model.budget_bytes) return std::nullopt;
+    s.kv_bytes = model.budget_bytes - experts;
+    return admissible(model, s) ? std::optional(s) : std::nullopt;
   };
-  // Of the values in [first, last] for which @p ok holds (a prefix: more slots leave the KV pool
-  // less), every step-th counted from first, and the largest: a coarse grid keeps the split that
-  // gives the experts the most the budget allows.
+  const auto split_of = [&](std::uint32_t hi, std::uint32_t lo) { return split_in(m, hi, lo); };
+  // Of the values in [first, last] for which @p ok holds (an interval: more slots leave the KV
+  // pool less, the floor bounds them above and space.max_kv_bytes below), every step-th counted
+  // from the first, and the largest: a coarse grid keeps the split that gives the experts the
+  // most the budget allows.
   const auto values = [step](std::uint32_t first, std::uint32_t last, const auto& ok) {
     std::vector<std::uint32_t> v;
+    std::optional<std::uint64_t> start;
     std::optional<std::uint32_t> largest;
     for (std::uint64_t x = first; x <= last; ++x) {
       const auto y = static_cast<std::uint32_t>(x);
       if (!ok(y)) continue;
-      if ((x - first) % step == 0) v.push_back(y);
+      if (!start) start = x;
+      if ((x - *start) % step == 0) v.push_back(y);
       largest = y;
     }
     if (largest && (v.empty() || v.back() != *largest)) v.push_back(*largest);
@@ -229,7 +241,17 @@ std::vector<four_pool_split> admissible_splits(const four_pool_model& m, std::ui
     for (const std::uint32_t hi : values(m.min_group, top_hi, hi_only)) out.push_back(*split_of(hi, 0));
   }
   if (m.space.tiered && m.min_group <= e) {
-    const auto tiered = [&](std::uint32_t hi) { return split_of(hi, m.min_group).has_value(); };
+    // A tiered H is admissible with some L when it is with the most L the floor leaves it (the
+    // least KV, the one a cap on the pool may admit): found on the model without the cap, where
+    // the L that fit are a prefix.
+    four_pool_model uncapped = m;
+    uncapped.space.max_kv_bytes = std::numeric_limits<std::uint64_t>::max();
+    const auto tiered = [&](std::uint32_t hi) {
+      for (std::uint32_t lo = e - hi; lo >= m.min_group; --lo) {
+        if (split_in(uncapped, hi, lo)) return split_of(hi, lo).has_value();
+      }
+      return false;
+    };
     for (const std::uint32_t hi : values(0, std::min(top_hi, e - m.min_group), tiered)) {
       const auto with_lo = [&](std::uint32_t lo) { return split_of(hi, lo).has_value(); };
       for (const std::uint32_t lo : values(m.min_group, e - hi, with_lo)) out.push_back(*split_of(hi, lo));

@@ -67,11 +67,13 @@ class detail::kv_session_generator {
   }
 
  private:
-  // Uniform in [m/2, m + m/2], at least `least`; raw 64-bit draws only, so a seed gives the same
-  // stream on every platform.
+  // Uniform in [lo, 2m − lo], mean m, with lo = ⌊m/2⌋ raised to `least` (≤ m), and at least
+  // `least`; raw 64-bit draws only, so a seed gives the same stream on every platform. (The top
+  // was m + ⌊m/2⌋: an odd mean came out half a token low; even means, every preset's, draw as
+  // before.)
   std::uint64_t draw(std::uint64_t mean, std::uint64_t least) {
-    const std::uint64_t lo = mean / 2;
-    const std::uint64_t hi = mean + mean / 2;
+    const std::uint64_t lo = std::max(mean / 2, std::min(least, mean));
+    const std::uint64_t hi = 2 * mean - lo;
     return std::max(least, lo + rng_() % (hi - lo + 1));
   }
 

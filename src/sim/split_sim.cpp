@@ -243,11 +243,22 @@ phase_oracle hindsight_phase_oracle(std::span<const std::vector<double>> costs,
   if (costs.empty()) throw invalid_argument("hindsight_phase_oracle: no runs (allowed: at least 1)");
   const std::size_t bursts = costs.front().size();
   if (bursts == 0) throw invalid_argument("hindsight_phase_oracle: runs of 0 bursts (allowed: at least 1)");
-  for (std::size_t r = 1; r < costs.size(); ++r) {
+  for (std::size_t r = 0; r < costs.size(); ++r) {
     if (costs[r].size() != bursts) {
       throw invalid_argument(
           fmt::format("hindsight_phase_oracle: run {} has {} bursts, run 0 has {}", r, costs[r].size(), bursts));
     }
+    // A NaN would never compare below the best so far, and a run of NaN cost could be chosen.
+    for (std::size_t b = 0; b < bursts; ++b) {
+      if (!(costs[r][b] >= 0.0 && std::isfinite(costs[r][b]))) {
+        throw invalid_argument(
+            fmt::format("hindsight_phase_oracle: burst_costs[{}][{}] = {} out of range [0, inf)", r, b, costs[r][b]));
+      }
+    }
+  }
+  if (charged_from > bursts) {
+    throw invalid_argument(
+        fmt::format("hindsight_phase_oracle: charged_from {} out of range [0, {}] (the bursts)", charged_from, bursts));
   }
   if (first_bursts.empty()) throw invalid_argument("hindsight_phase_oracle: first_bursts is empty (it starts at 0)");
   if (first_bursts.front() != 0) {

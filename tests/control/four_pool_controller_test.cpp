@@ -45,7 +45,8 @@ bool admissible_by_hand(const four_pool_model& m, std::uint32_t hi, std::uint32_
   // The KV pool holds ⌊rest/S_b⌋ whole blocks; the floor asks for ⌈floor/S_b⌉ of them.
   const std::uint64_t floor = std::max(m.kv_floor_bytes, m.space.min_kv_bytes);
   return shape && hi <= m.space.max_hi_slots && experts <= m.budget_bytes &&
-         (m.budget_bytes - experts) / m.block_bytes >= (floor + m.block_bytes - 1) / m.block_bytes;
+         (m.budget_bytes - experts) / m.block_bytes >= (floor + m.block_bytes - 1) / m.block_bytes &&
+         m.budget_bytes - experts <= m.space.max_kv_bytes;
 }
 
 TEST(FourPoolSplits, AdmissibleSplitsEqualABruteForce) {
@@ -58,6 +59,10 @@ TEST(FourPoolSplits, AdmissibleSplitsEqualABruteForce) {
     m.space.tiered = !m.space.hi_only || rng() % 4 != 0;
     m.space.max_hi_slots = rng() % 3 == 0 ? static_cast<std::uint32_t>(rng() % 7) : m.space.max_hi_slots;
     m.space.min_kv_bytes = rng() % 3 == 0 ? rng() % (whole + 1) : 0;
+    if (rng() % 3 == 0) {  // a capped pool, at least the floor in whole blocks
+      const std::uint64_t least = kv_pool_floor_bytes(m);
+      m.space.max_kv_bytes = least + rng() % (m.budget_bytes - least + 1);
+    }
     std::vector<four_pool_split> expected;
     for (std::uint32_t hi = 0; hi <= 6; ++hi) {  // hi-only first, then tiered by H, then L
       if (admissible_by_hand(m, hi, 0)) expected.push_back(make_four_pool_split(m, hi, 0));
@@ -67,7 +72,8 @@ TEST(FourPoolSplits, AdmissibleSplitsEqualABruteForce) {
         if (admissible_by_hand(m, hi, lo)) expected.push_back(make_four_pool_split(m, hi, lo));
       }
     }
-    SCOPED_TRACE(fmt::format("budget {} floor {} min_kv {}", m.budget_bytes, m.kv_floor_bytes, m.space.min_kv_bytes));
+    SCOPED_TRACE(fmt::format("budget {} floor {} min_kv {} max_kv {}", m.budget_bytes, m.kv_floor_bytes,
+                             m.space.min_kv_bytes, m.space.max_kv_bytes));
     if (expected.empty()) {
       try {
         static_cast<void>(admissible_splits(m));
@@ -147,6 +153,10 @@ TEST(FourPoolSplits, BadModelsAndSplitsAreNamed) {
   m = small_model(500, 20);
   m.space.min_kv_bytes = 498;  // above the budget's 71 whole blocks of 7 bytes
   expect_error(m, "space.min_kv_bytes 498 out of range [0, 497]");
+  m = small_model(500, 20);
+  m.space.min_kv_bytes = 40;
+  m.space.max_kv_bytes = 41;  // below the 42 bytes of the 6 whole blocks of 7 that 40 asks for
+  expect_error(m, "space.max_kv_bytes 41 out of range [42, 2^64)");
   m = small_model(500, 20);
   try {
     static_cast<void>(make_four_pool_split(m, 5, 2));  // 7 > 6 experts per layer

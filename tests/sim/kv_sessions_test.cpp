@@ -119,6 +119,54 @@ TEST(KvSessions, ADecodeStepReadsTheWholeContext) {
   }
 }
 
+// A turn decodes decode_tokens and a session thinks think_steps between turns on average, odd
+// means included (they came out half a step low: the draw's top was m + ⌊m/2⌋). One session at a
+// time, one token per block: a turn is a step that does not read one block more than the step
+// before it (a prefill), then its decode steps; the empty steps between two turns of one session
+// (same first block) are its thinking.
+TEST(KvSessions, TurnsDecodeAndThinkTheirMeans) {
+  for (const auto& [decode, think] : {std::pair{3U, 1U}, std::pair{5U, 7U}, std::pair{4U, 4U}}) {
+    kv_session_options o;
+    o.block_tokens = 1;
+    o.seed = 5;
+    o.phases = {{.name = "one",
+                 .steps = 100000,
+                 .concurrency = 1,
+                 .turns = 2,
+                 .prompt_tokens = 8,
+                 .append_tokens = 4,
+                 .decode_tokens = decode,
+                 .think_steps = think}};
+    const auto kv = generate_kv_sessions(o);
+    double turns = 0, decoded = 0, waits = 0, waited = 0;
+    std::uint64_t before = 0, idle = 0;
+    std::uint32_t first = ~0U;
+    for (std::uint64_t s = 0; s < kv.steps(); ++s) {
+      const auto blocks = kv.blocks(s);
+      if (blocks.empty()) {
+        ++idle;
+        before = 0;
+        continue;
+      }
+      if (before != 0 && blocks.size() == before + 1 && blocks[0] == first) {
+        ++decoded;
+      } else {
+        ++turns;
+        if (blocks[0] == first) {
+          ++waits;
+          waited += static_cast<double>(idle);
+        }
+        first = blocks[0];
+      }
+      idle = 0;
+      before = blocks.size();
+    }
+    ASSERT_GT(waits, 1000);
+    EXPECT_NEAR(decoded / turns, decode, 0.1) << "decode_tokens " << decode;
+    EXPECT_NEAR(waited / waits, think, 0.1) << "think_steps " << think;
+  }
+}
+
 // The far mode: a session's next turn re-reads its prefix after waiting; with a pool that holds
 // every session's context nothing is recomputed, with one that holds only the running ones the
 // waiting sessions' prefixes are.

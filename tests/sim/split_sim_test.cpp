@@ -404,6 +404,15 @@ TEST(PhaseOracle, BadInputIsNamed) {
   }
   const std::vector<std::uint64_t> repeated{0, 1, 1};
   EXPECT_THROW(static_cast<void>(hindsight_phase_oracle(two, repeated)), invalid_argument);
+  // A NaN cost never compares below the best so far: a run costing NaN was chosen first.
+  const std::vector<std::vector<double>> with_nan{{1.0, std::nan(""), 2.0}, {2.0, 2.0, 2.0}};
+  EXPECT_THAT([&] { (void)hindsight_phase_oracle(with_nan, zero); },
+              ::testing::ThrowsMessage<invalid_argument>(HasSubstr("burst_costs[0][1] = nan out of range [0, inf)")));
+  const std::vector<std::vector<double>> negative{{1.0, -1.0, 2.0}, {2.0, 2.0, 2.0}};
+  EXPECT_THROW((void)hindsight_phase_oracle(negative, zero), invalid_argument);
+  EXPECT_THAT([&] { (void)hindsight_phase_oracle(two, zero, 4); },
+              ::testing::ThrowsMessage<invalid_argument>(HasSubstr("charged_from 4 out of range [0, 3]")));
+  EXPECT_EQ(hindsight_phase_oracle(two, zero, 3).cost, 0.0) << "nothing charged";
   // Two phases: each takes the run cheaper there.
   const std::vector<std::uint64_t> halves{0, 2};
   const phase_oracle o = hindsight_phase_oracle(two, halves);

@@ -42,8 +42,11 @@ struct four_pool_space {
   bool tiered = true;   ///< Admit splits with a lo tier (hi set + lo cache).
   /// Most hi slots per layer (0 with tiered only: every expert at lo, WiSP at lo precision).
   std::uint32_t max_hi_slots = std::numeric_limits<std::uint32_t>::max();
-  /// A raised KV floor: the KV pool keeps at least this many bytes (a fixed KV share), ≤ the budget.
+  /// A raised KV floor: the KV pool keeps at least this many bytes, ≤ the budget.
   std::uint64_t min_kv_bytes = 0;
+  /// A capped KV pool: at most this many bytes, ≥ min_kv_bytes. With min_kv_bytes, a fixed KV
+  /// share: [share, share + one lo slot per layer) leaves each hi count only its largest lo count.
+  std::uint64_t max_kv_bytes = std::numeric_limits<std::uint64_t>::max();
 };
 
 /// @brief The budget, sizes and prices of the four-pool split (WiSP Eq. 1, 4, 6 [R], with a hi

@@ -44,14 +44,14 @@ class kv_session_generator;
 
 /// @brief One stationary stretch of a workload: a session mix.
 struct kv_phase {
-  std::string name;                        ///< For reports ("tool-calls", "long-context").
-  std::uint64_t steps = 0;                 ///< Scheduler steps (forward passes) it lasts, ≥ 1.
-  std::uint32_t concurrency = 1;           ///< Sessions served at once (C), [1, 4096].
-  std::uint32_t turns = 1;                 ///< Turns per session, ≥ 1.
-  std::uint32_t prompt_tokens = 0;         ///< Tokens of a session's first turn after the shared prefix.
-  std::uint32_t append_tokens = 0;         ///< Tokens each later turn appends (tool output, user message).
-  std::uint32_t decode_tokens = 1;         ///< Mean tokens decoded per turn (uniform in [d/2, 3d/2]), ≥ 1.
-  std::uint32_t think_steps = 0;           ///< Mean steps a session waits between turns (same spread).
+  std::string name;                 ///< For reports ("tool-calls", "long-context").
+  std::uint64_t steps = 0;          ///< Scheduler steps (forward passes) it lasts, ≥ 1.
+  std::uint32_t concurrency = 1;    ///< Sessions served at once (C), [1, 4096].
+  std::uint32_t turns = 1;          ///< Turns per session, ≥ 1.
+  std::uint32_t prompt_tokens = 0;  ///< Tokens of a session's first turn after the shared prefix.
+  std::uint32_t append_tokens = 0;  ///< Tokens each later turn appends (tool output, user message).
+  std::uint32_t decode_tokens = 1;  ///< Mean tokens decoded per turn (uniform in [⌊d/2⌋, 2d − ⌊d/2⌋]), ≥ 1.
+  std::uint32_t think_steps = 0;    ///< Mean steps a session waits between turns (same spread).
   std::uint32_t shared_prefix_tokens = 0;  ///< System prompt every session of the phase shares.
 };
 

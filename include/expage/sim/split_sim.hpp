@@ -165,8 +165,9 @@ struct phase_oracle {
 /// @param charged_from bursts before it are not charged (the workload's warmup_bursts).
 /// @param eligible which runs a phase may choose (run, phase); empty: every run. A phase where
 ///        none is eligible may choose any.
-/// @throws expage::invalid_argument for no rows, rows of unequal or zero length, or first_bursts
-///         not ascending from 0 below the rows' length (naming the value).
+/// @throws expage::invalid_argument for no rows, rows of unequal or zero length, a cost that is
+///         negative or not finite, charged_from above the rows' length, or first_bursts not
+///         ascending from 0 below the rows' length (naming the value).
 [[nodiscard]] phase_oracle hindsight_phase_oracle(std::span<const std::vector<double>> burst_costs,
                                                   std::span<const std::uint64_t> first_bursts,
                                                   std::uint64_t charged_from = 0,
