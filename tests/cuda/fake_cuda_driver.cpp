@@ -1,11 +1,13 @@
 // The fake CUDA runtime and driver of fake_cuda_driver.hpp. It defines the runtime functions
-// src/cuda/{runtime,driver,cuda_vmm}.cpp call, so a binary that links this file instead of
-// cudart runs them on the host.
+// src/cuda/{runtime,driver,cuda_vmm,cuda_stream,pinned_host_memory,copy_engine}.cpp call, so a
+// binary that links this file instead of cudart runs them on the host.
 #include "cuda/fake_cuda_driver.hpp"
 
-#include <cuda_runtime_api.h>
+#include <fmt/format.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <string_view>
 
 namespace expage::testing::fake_cuda {
@@ -138,6 +140,11 @@ void reset() {
   s.reservations.clear();
   s.mapped.clear();
   s.misuse.clear();
+  s.streams.clear();
+  s.events.clear();
+  s.pinned.clear();
+  s.log.clear();
+  s.capturing = false;
   disarm();
 }
 
@@ -155,10 +162,43 @@ void disarm() {
 
 bool nothing_live() {
   const driver_state& s = the_state();
-  return s.handles.empty() && s.reservations.empty() && s.mapped.empty();
+  return s.handles.empty() && s.reservations.empty() && s.mapped.empty() && s.streams.empty() && s.events.empty() &&
+         s.pinned.empty();
 }
 
 }  // namespace expage::testing::fake_cuda
+
+// Streams and events: opaque handles the fake allocates and tracks (a stream runs its work at once).
+namespace {
+
+namespace f = expage::testing::fake_cuda;
+
+// Logs a stream or event call; false (and a misuse) when it names a stream or event not live.
+bool logged(const char* function, cudaStream_t stream, cudaEvent_t event, bool failed = false) {
+  f::driver_state& s = f::state();
+  s.log.push_back({function, stream, event, failed});
+  bool ok = true;
+  if (stream != nullptr && s.streams.count(stream) == 0) {
+    s.misuse.push_back(fmt::format("{} on a stream that is not live", function));
+    ok = false;
+  }
+  if (event != nullptr && s.events.count(event) == 0) {
+    s.misuse.push_back(fmt::format("{} of an event that is not live", function));
+    ok = false;
+  }
+  return ok;
+}
+
+template <class Handle>
+Handle new_handle() {
+  return reinterpret_cast<Handle>(new std::max_align_t);
+}
+template <class Handle>
+void delete_handle(Handle h) {
+  delete reinterpret_cast<std::max_align_t*>(h);
+}
+
+}  // namespace
 
 // The CUDA runtime functions the code under test calls: one device, always present.
 extern "C" {
@@ -166,7 +206,6 @@ extern "C" {
 cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion(const char* symbol, void** function,
                                                        unsigned int /*cudaVersion*/, unsigned long long /*flags*/,
                                                        cudaDriverEntryPointQueryResult* status) {
-  namespace f = expage::testing::fake_cuda;
   static const f::entry table[] = {
       {"cuInit", reinterpret_cast<void*>(&f::init)},
       {"cuGetErrorName", reinterpret_cast<void*>(&f::error_name)},
@@ -194,6 +233,88 @@ cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion(const char* symbol, void*
 }
 
 cudaError_t CUDARTAPI cudaGetLastError() { return cudaSuccess; }
+
+cudaError_t CUDARTAPI cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int /*flags*/) {
+  *stream = new_handle<cudaStream_t>();
+  f::state().streams.insert(*stream);
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaStreamDestroy(cudaStream_t stream) {
+  if (!logged("cudaStreamDestroy", stream, nullptr)) return cudaErrorInvalidResourceHandle;
+  f::state().streams.erase(stream);
+  delete_handle(stream);
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaStreamSynchronize(cudaStream_t stream) {
+  return logged("cudaStreamSynchronize", stream, nullptr) ? cudaSuccess : cudaErrorInvalidResourceHandle;
+}
+cudaError_t CUDARTAPI cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int /*flags*/) {
+  const bool failed = f::fails(f::call::stream_wait_event);
+  if (!logged("cudaStreamWaitEvent", stream, event, failed)) return cudaErrorInvalidResourceHandle;
+  return failed ? cudaErrorUnknown : cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaStreamIsCapturing(cudaStream_t stream, enum cudaStreamCaptureStatus* status) {
+  if (!logged("cudaStreamIsCapturing", stream, nullptr)) return cudaErrorInvalidResourceHandle;
+  *status = f::state().capturing ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int /*flags*/) {
+  *event = new_handle<cudaEvent_t>();
+  f::state().events.insert(*event);
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaEventDestroy(cudaEvent_t event) {
+  if (!logged("cudaEventDestroy", nullptr, event)) return cudaErrorInvalidResourceHandle;
+  f::state().events.erase(event);
+  delete_handle(event);
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  const bool failed = f::fails(f::call::event_record);
+  if (!logged("cudaEventRecord", stream, event, failed)) return cudaErrorInvalidResourceHandle;
+  return failed ? cudaErrorUnknown : cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaEventQuery(cudaEvent_t event) {
+  return logged("cudaEventQuery", nullptr, event) ? cudaSuccess : cudaErrorInvalidResourceHandle;
+}
+cudaError_t CUDARTAPI cudaEventSynchronize(cudaEvent_t event) {
+  return logged("cudaEventSynchronize", nullptr, event) ? cudaSuccess : cudaErrorInvalidResourceHandle;
+}
+cudaError_t CUDARTAPI cudaMemcpyAsync(void* dst, const void* src, size_t count, enum cudaMemcpyKind /*kind*/,
+                                      cudaStream_t stream) {
+  const bool failed = f::fails(f::call::memcpy_async);
+  if (!logged("cudaMemcpyAsync", stream, nullptr, failed)) return cudaErrorInvalidResourceHandle;
+  if (failed) return cudaErrorUnknown;
+  if (count != 0) std::memcpy(dst, src, count);
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaHostAlloc(void** p, size_t size, unsigned int /*flags*/) {
+  if (f::fails(f::call::host_alloc)) return cudaErrorMemoryAllocation;
+  *p = std::aligned_alloc(4096, (size + 4095) / 4096 * 4096);
+  if (*p == nullptr) return cudaErrorMemoryAllocation;
+  f::state().pinned.emplace(static_cast<const std::byte*>(*p), size);
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaFreeHost(void* p) {
+  f::driver_state& s = f::state();
+  if (s.pinned.erase(static_cast<const std::byte*>(p)) == 0) {
+    s.misuse.emplace_back(std::string_view("cudaFreeHost of memory cudaHostAlloc did not give"));
+    return cudaErrorInvalidValue;
+  }
+  std::free(p);
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaPointerGetAttributes(struct cudaPointerAttributes* attributes, const void* ptr) {
+  std::memset(attributes, 0, sizeof *attributes);
+  attributes->type = cudaMemoryTypeUnregistered;
+  const auto* p = static_cast<const std::byte*>(ptr);
+  const f::driver_state& s = f::state();
+  if (auto it = s.pinned.upper_bound(p); it != s.pinned.begin()) {
+    --it;
+    if (p < it->first + it->second) attributes->type = cudaMemoryTypeHost;
+  }
+  return cudaSuccess;
+}
 const char* CUDARTAPI cudaGetErrorName(cudaError_t /*error*/) { return "cudaErrorFake"; }
 const char* CUDARTAPI cudaGetErrorString(cudaError_t /*error*/) { return "an error of the fake runtime"; }
 
