@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <new>
 #include <string_view>
 
@@ -143,6 +144,7 @@ void reset() {
   s.streams.clear();
   s.events.clear();
   s.pinned.clear();
+  s.device.clear();
   s.log.clear();
   s.capturing = false;
   disarm();
@@ -163,7 +165,7 @@ void disarm() {
 bool nothing_live() {
   const driver_state& s = the_state();
   return s.handles.empty() && s.reservations.empty() && s.mapped.empty() && s.streams.empty() && s.events.empty() &&
-         s.pinned.empty();
+         s.pinned.empty() && s.device.empty();
 }
 
 }  // namespace expage::testing::fake_cuda
@@ -302,6 +304,38 @@ cudaError_t CUDARTAPI cudaFreeHost(void* p) {
     return cudaErrorInvalidValue;
   }
   std::free(p);
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaMalloc(void** p, size_t size) {
+  if (f::fails(f::call::malloc)) return cudaErrorMemoryAllocation;
+  *p = std::aligned_alloc(256, (size + 255) / 256 * 256);
+  if (*p == nullptr) return cudaErrorMemoryAllocation;
+  f::state().device.emplace(static_cast<const std::byte*>(*p), size);
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaFree(void* p) {
+  if (p == nullptr) return cudaSuccess;
+  f::driver_state& s = f::state();
+  if (s.device.erase(static_cast<const std::byte*>(p)) == 0) {
+    s.misuse.emplace_back(std::string_view("cudaFree of memory cudaMalloc did not give"));
+    return cudaErrorInvalidValue;
+  }
+  std::free(p);
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaMemset(void* p, int value, size_t count) {
+  f::driver_state& s = f::state();
+  const auto* b = static_cast<const std::byte*>(p);
+  const auto it = s.device.upper_bound(b);
+  if (it == s.device.begin() || b + count > std::prev(it)->first + std::prev(it)->second) {
+    s.misuse.emplace_back(std::string_view("cudaMemset outside a cudaMalloc'd range"));
+    return cudaErrorInvalidValue;
+  }
+  std::memset(p, value, count);
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaDeviceSynchronize() {
+  logged("cudaDeviceSynchronize", nullptr, nullptr);
   return cudaSuccess;
 }
 cudaError_t CUDARTAPI cudaPointerGetAttributes(struct cudaPointerAttributes* attributes, const void* ptr) {

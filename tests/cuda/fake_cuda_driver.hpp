@@ -42,6 +42,7 @@ enum class call : std::uint8_t {
   event_record,       ///< cudaEventRecord
   stream_wait_event,  ///< cudaStreamWaitEvent
   host_alloc,         ///< cudaHostAlloc
+  malloc,             ///< cudaMalloc
   count_
 };
 
@@ -65,6 +66,7 @@ struct driver_state {
   std::set<cudaStream_t> streams;                  ///< live streams
   std::set<cudaEvent_t> events;                    ///< live events
   std::map<const std::byte*, std::size_t> pinned;  ///< cudaHostAlloc'd ranges (registered memory)
+  std::map<const std::byte*, std::size_t> device;  ///< cudaMalloc'd ranges ("device" memory, on the host)
   std::vector<runtime_call> log;                   ///< every stream and event call, in order
   bool capturing = false;                          ///< cudaStreamIsCapturing's answer for every stream
 };
@@ -77,7 +79,7 @@ void reset();
 void arm(call kind, int nth = 0);
 /// Disarms every failure and restarts the counts.
 void disarm();
-/// True when no handle, reservation, mapping, stream, event or pinned allocation is live.
+/// True when no handle, reservation, mapping, stream, event, pinned or device allocation is live.
 [[nodiscard]] bool nothing_live();
 
 }  // namespace expage::testing::fake_cuda
