@@ -144,12 +144,6 @@ void check_four_pool_model(const four_pool_model& m) {
     throw invalid_argument(fmt::format("four_pool_model: min_group {} out of range [1, {}] (experts_per_layer)",
                                        m.min_group, m.experts_per_layer));
   }
-  if (m.space.max_kv_bytes < kv_pool_floor_bytes(m)) {
-    throw invalid_argument(fmt::format(
-        "four_pool_model: space.max_kv_bytes {} out of range [{}, 2^64) (the KV floor and space.min_kv_bytes in whole "
-        "blocks)",
-        m.space.max_kv_bytes, kv_pool_floor_bytes(m)));
-  }
   if (!m.space.hi_only && !m.space.tiered) {
     throw invalid_argument("four_pool_model: space admits neither hi-only nor tiered splits");
   }
@@ -181,8 +175,11 @@ bool admissible(const four_pool_model& m, const four_pool_split& s) noexcept {
   }
   const std::uint64_t experts = hi_pool_bytes(m, s) + lo_pool_bytes(m, s);  // ≤ 2·N·E·s_hi: no overflow
   if (experts > m.budget_bytes) return false;
-  return s.kv_bytes == m.budget_bytes - experts && s.kv_bytes >= kv_pool_floor_bytes(m) &&
-         s.kv_bytes <= m.space.max_kv_bytes;
+  if (s.kv_bytes != m.budget_bytes - experts || s.kv_bytes < kv_pool_floor_bytes(m)) return false;
+  // With fill_lo, one lo slot more (in every layer) must not fit above the floor.
+  const std::uint64_t lo_slot = lo_pool_bytes(m, {.hi_slots = 0, .lo_slots = 1, .kv_bytes = 0});
+  return !(m.space.fill_lo && s.tiered() && std::uint64_t{s.hi_slots} + s.lo_slots < e &&
+           s.kv_bytes - kv_pool_floor_bytes(m) >= lo_slot);
 }
 
 four_pool_split make_four_pool_split(const four_pool_model& m, std::uint32_t hi_slots, std::uint32_t lo_slots) {
@@ -194,10 +191,10 @@ four_pool_split make_four_pool_split(const four_pool_model& m, std::uint32_t hi_
     throw invalid_argument(fmt::format(
         "four_pool_split: hi_slots {} and lo_slots {} ({} expert bytes) not admissible: hi-only needs hi_slots in "
         "[{}, {}], tiered lo_slots ≥ {} and hi_slots + lo_slots ≤ {}, hi_slots ≤ {}, and the experts at most {} bytes "
-        "(the budget {} less the KV floor {} in whole blocks) and at least {} (space.max_kv_bytes {})",
+        "(the budget {} less the KV floor {} in whole blocks){}",
         hi_slots, lo_slots, experts, m.min_group, m.experts_per_layer, m.min_group, m.experts_per_layer,
         std::min(m.space.max_hi_slots, m.experts_per_layer), m.budget_bytes - kv_pool_floor_bytes(m), m.budget_bytes,
-        kv_pool_floor_bytes(m), m.budget_bytes - std::min(m.budget_bytes, m.space.max_kv_bytes), m.space.max_kv_bytes));
+        kv_pool_floor_bytes(m), m.space.fill_lo ? ", tiered with the most lo slots that fit (space.fill_lo)" : ""));
   }
   return s;
 }
@@ -216,10 +213,10 @@ std::vector<four_pool_split> admissible_splits(const four_pool_model& m, std::ui
     return admissible(model, s) ? std::optional(s) : std::nullopt;
   };
   const auto split_of = [&](std::uint32_t hi, std::uint32_t lo) { return split_in(m, hi, lo); };
-  // Of the values in [first, last] for which @p ok holds (an interval: more slots leave the KV
-  // pool less, the floor bounds them above and space.max_kv_bytes below), every step-th counted
-  // from the first, and the largest: a coarse grid keeps the split that gives the experts the
-  // most the budget allows.
+  // Of the values in [first, last] for which @p ok holds (more slots leave the KV pool less: a
+  // prefix, or with fill_lo one lo count per hi), every step-th counted from the first that
+  // holds, and the largest: a coarse grid keeps the split that gives the experts the most the
+  // budget allows.
   const auto values = [step](std::uint32_t first, std::uint32_t last, const auto& ok) {
     std::vector<std::uint32_t> v;
     std::optional<std::uint64_t> start;
@@ -242,13 +239,12 @@ std::vector<four_pool_split> admissible_splits(const four_pool_model& m, std::ui
   }
   if (m.space.tiered && m.min_group <= e) {
     // A tiered H is admissible with some L when it is with the most L the floor leaves it (the
-    // least KV, the one a cap on the pool may admit): found on the model without the cap, where
-    // the L that fit are a prefix.
-    four_pool_model uncapped = m;
-    uncapped.space.max_kv_bytes = std::numeric_limits<std::uint64_t>::max();
+    // one fill_lo admits): found on the model without fill_lo, where the L that fit are a prefix.
+    four_pool_model any_lo = m;
+    any_lo.space.fill_lo = false;
     const auto tiered = [&](std::uint32_t hi) {
       for (std::uint32_t lo = e - hi; lo >= m.min_group; --lo) {
-        if (split_in(uncapped, hi, lo)) return split_of(hi, lo).has_value();
+        if (split_in(any_lo, hi, lo)) return split_of(hi, lo).has_value();
       }
       return false;
     };

@@ -245,6 +245,14 @@ void predictive_prefetcher::propose(const access_stream& stream, std::size_t g, 
         return std::span<const float>(into);
       };
       routing.probabilities = mean(mean_probabilities_, [](const routing_event& e) { return e.probabilities; });
+      // The mean of softmaxes is one, up to the floats' rounding: each value rounded to float could
+      // carry a sum just inside 1 ± probability_sum_tolerance outside it, and fMoE refused a valid
+      // trace. Divided by the sum of the floats, it sums to 1 within E roundings.
+      double sum = 0.0;
+      for (const float x : mean_probabilities_) sum += static_cast<double>(x);
+      if (sum > 0.0) {
+        for (float& x : mean_probabilities_) x = static_cast<float>(static_cast<double>(x) / sum);
+      }
       routing.sketch = mean(mean_sketch_, [](const routing_event& e) { return e.sketch; });
     }
   }

@@ -958,18 +958,13 @@ std::vector<tier_run> run_two_pool_baselines(const tier_workload& w, std::uint64
     throw invalid_argument(fmt::format("run_two_pool_baselines: kv_share_bytes {} out of range [0, {}] (the budget)",
                                        kv_share_bytes, m.budget_bytes));
   }
-  // hi+lo holds the KV pool at the share, in whole blocks, to within one lo slot per layer: each
-  // hi count with the most lo slots the share leaves (a raised floor alone let the pool grow past
-  // the share and the experts page hi-only, the four-pool controller with a higher floor).
-  four_pool_model with_share = m;
-  with_share.space.min_kv_bytes = kv_share_bytes;
-  const std::uint64_t share = kv_pool_floor_bytes(with_share);
-  const std::uint64_t lo_slot = lo_pool_bytes(m, {.hi_slots = 0, .lo_slots = 1, .kv_bytes = 0});
+  // hi+lo holds the KV pool at the share: each hi count with the most lo slots the share leaves
+  // it (a raised floor alone let the pool grow past the share and the experts page hi-only, the
+  // four-pool controller with a higher floor).
   const baseline baselines[] = {
       {"hi+KV", {.hi_only = true, .tiered = false}},
       {"lo+KV", {.hi_only = false, .tiered = true, .max_hi_slots = 0}},
-      {"hi+lo",
-       {.hi_only = false, .tiered = true, .min_kv_bytes = kv_share_bytes, .max_kv_bytes = share + lo_slot - 1}},
+      {"hi+lo", {.hi_only = false, .tiered = true, .min_kv_bytes = kv_share_bytes, .fill_lo = true}},
   };
   std::vector<tier_run> out;
   for (const baseline& b : baselines) {

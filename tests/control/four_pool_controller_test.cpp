@@ -44,9 +44,14 @@ bool admissible_by_hand(const four_pool_model& m, std::uint32_t hi, std::uint32_
       std::uint64_t{hi} * m.layers * m.hi_expert_bytes + std::uint64_t{lo} * m.layers * m.lo_expert_bytes;
   // The KV pool holds ⌊rest/S_b⌋ whole blocks; the floor asks for ⌈floor/S_b⌉ of them.
   const std::uint64_t floor = std::max(m.kv_floor_bytes, m.space.min_kv_bytes);
-  return shape && hi <= m.space.max_hi_slots && experts <= m.budget_bytes &&
-         (m.budget_bytes - experts) / m.block_bytes >= (floor + m.block_bytes - 1) / m.block_bytes &&
-         m.budget_bytes - experts <= m.space.max_kv_bytes;
+  const auto fits = [&](std::uint64_t bytes) {
+    return bytes <= m.budget_bytes &&
+           (m.budget_bytes - bytes) / m.block_bytes >= (floor + m.block_bytes - 1) / m.block_bytes;
+  };
+  // fill_lo: a tiered split takes every lo slot that fits (one more would not, or every expert is in).
+  const bool most_lo =
+      !m.space.fill_lo || lo == 0 || hi + lo == e || !fits(experts + std::uint64_t{m.layers} * m.lo_expert_bytes);
+  return shape && hi <= m.space.max_hi_slots && fits(experts) && most_lo;
 }
 
 TEST(FourPoolSplits, AdmissibleSplitsEqualABruteForce) {
@@ -59,10 +64,7 @@ TEST(FourPoolSplits, AdmissibleSplitsEqualABruteForce) {
     m.space.tiered = !m.space.hi_only || rng() % 4 != 0;
     m.space.max_hi_slots = rng() % 3 == 0 ? static_cast<std::uint32_t>(rng() % 7) : m.space.max_hi_slots;
     m.space.min_kv_bytes = rng() % 3 == 0 ? rng() % (whole + 1) : 0;
-    if (rng() % 3 == 0) {  // a capped pool, at least the floor in whole blocks
-      const std::uint64_t least = kv_pool_floor_bytes(m);
-      m.space.max_kv_bytes = least + rng() % (m.budget_bytes - least + 1);
-    }
+    m.space.fill_lo = rng() % 3 == 0;
     std::vector<four_pool_split> expected;
     for (std::uint32_t hi = 0; hi <= 6; ++hi) {  // hi-only first, then tiered by H, then L
       if (admissible_by_hand(m, hi, 0)) expected.push_back(make_four_pool_split(m, hi, 0));
@@ -72,8 +74,8 @@ TEST(FourPoolSplits, AdmissibleSplitsEqualABruteForce) {
         if (admissible_by_hand(m, hi, lo)) expected.push_back(make_four_pool_split(m, hi, lo));
       }
     }
-    SCOPED_TRACE(fmt::format("budget {} floor {} min_kv {} max_kv {}", m.budget_bytes, m.kv_floor_bytes,
-                             m.space.min_kv_bytes, m.space.max_kv_bytes));
+    SCOPED_TRACE(fmt::format("budget {} floor {} min_kv {} fill_lo {}", m.budget_bytes, m.kv_floor_bytes,
+                             m.space.min_kv_bytes, m.space.fill_lo));
     if (expected.empty()) {
       try {
         static_cast<void>(admissible_splits(m));
@@ -122,6 +124,33 @@ TEST(FourPoolSplits, AdmissibleSplitsEqualABruteForce) {
   }
 }
 
+// A fixed KV share (the hi+lo baseline): each hi count with the most lo slots the share leaves
+// it. The share of a hi-only split near every expert leaves no tiered split within one lo slot
+// of it, yet every hi count still has its most lo slots (here, every expert resident): a window
+// [share, share + one lo slot) admitted none, and the baseline was dropped.
+TEST(FourPoolSplits, AFixedShareGivesEachHiCountItsMostLoSlots) {
+  four_pool_model m = small_model(1000, 0);
+  m.layers = 1;
+  m.experts_per_layer = 4;
+  m.hi_expert_bytes = 100;
+  m.lo_expert_bytes = 25;
+  m.block_bytes = 1;
+  m.min_group = 1;
+  m.space = {.hi_only = false, .tiered = true, .min_kv_bytes = 600, .fill_lo = true};
+  const std::vector<four_pool_split> want{{.hi_slots = 0, .lo_slots = 4, .kv_bytes = 900},
+                                          {.hi_slots = 1, .lo_slots = 3, .kv_bytes = 825},
+                                          {.hi_slots = 2, .lo_slots = 2, .kv_bytes = 750},
+                                          {.hi_slots = 3, .lo_slots = 1, .kv_bytes = 675}};
+  EXPECT_EQ(admissible_splits(m), want);
+  m.experts_per_layer = 40;  // now the share, not the experts, bounds the lo slots
+  const auto got = admissible_splits(m);
+  ASSERT_FALSE(got.empty());
+  for (const auto& s : got) {
+    EXPECT_GE(s.kv_bytes, 600U);
+    EXPECT_LT(s.kv_bytes, 625U) << "one lo slot more would have fit: H " << s.hi_slots << " L " << s.lo_slots;
+  }
+}
+
 TEST(FourPoolSplits, BadModelsAndSplitsAreNamed) {
   const auto expect_error = [](const four_pool_model& m, const char* text) {
     try {
@@ -153,10 +182,6 @@ TEST(FourPoolSplits, BadModelsAndSplitsAreNamed) {
   m = small_model(500, 20);
   m.space.min_kv_bytes = 498;  // above the budget's 71 whole blocks of 7 bytes
   expect_error(m, "space.min_kv_bytes 498 out of range [0, 497]");
-  m = small_model(500, 20);
-  m.space.min_kv_bytes = 40;
-  m.space.max_kv_bytes = 41;  // below the 42 bytes of the 6 whole blocks of 7 that 40 asks for
-  expect_error(m, "space.max_kv_bytes 41 out of range [42, 2^64)");
   m = small_model(500, 20);
   try {
     static_cast<void>(make_four_pool_split(m, 5, 2));  // 7 > 6 experts per layer

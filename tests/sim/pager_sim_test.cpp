@@ -1266,6 +1266,39 @@ TEST(PagerSim, TheMeanOfALockstepStepsSketchesDoesNotOverflow) {
   for (const auto& c : rec->seen) EXPECT_EQ(c.sketch, std::vector<float>{3.0e38F});
 }
 
+// The mean of a lockstep step's probability vectors sums to one: each of these two sums to 1 ±
+// 0.01 (the trace takes them), and their mean, rounded to floats, summed to 1.0100000054: fMoE
+// refused the step. It is divided by its sum.
+TEST(PagerSim, TheMeanOfALockstepStepsProbabilitiesIsADistribution) {
+  const moe_geometry g(moe_geometry::config{
+      .name = "ten", .layers = 2, .experts_per_layer = 10, .top_k = 2, .hidden_size = 64, .intermediate_size = 32});
+  routing_trace trace(g);
+  trace.set_batch_size(2);
+  trace.declare_fields({.probabilities = true});
+  const float p[2][10] = {{0.0797097385F, 0.0280367471F, 0.0295675043F, 0.0171229187F, 0.172113925F, 0.160479441F,
+                           0.195758536F, 0.0972404107F, 0.131281987F, 0.0986887887F},
+                          {0.0474113449F, 0.148689643F, 0.221274614F, 0.0923049375F, 0.00957360771F, 0.0705514327F,
+                           0.220498592F, 0.0651990101F, 0.129634738F, 0.004862078F}};
+  for (std::uint32_t sequence = 0; sequence < 2; ++sequence) {
+    for (std::uint32_t layer = 0; layer < 2; ++layer) {
+      const std::uint32_t routed[] = {sequence, sequence + 2};
+      const float weight[] = {0.5F, 0.5F};
+      trace.append({.sequence = sequence,
+                    .step = 0,
+                    .layer = layer,
+                    .experts = routed,
+                    .weights = weight,
+                    .probabilities = p[sequence]});
+    }
+  }
+  trace.restore_execution_order();
+  const access_stream stream(trace, 4);
+  predictive_prefetcher fmoe(std::make_unique<fmoe_map_predictor>(2, 10, 2, 8), {.distance = 1, .trace = &trace});
+  fmoe.reset();
+  std::vector<prefetch_request> out;
+  for (std::size_t grp = 0; grp < stream.groups(); ++grp) EXPECT_NO_THROW(fmoe.propose(stream, grp, out));
+}
+
 // PreScope's hot-expert table ranks by tokens routed (brute force), and initial residency
 // fills each scope with its hottest experts before the first layer: with room for every expert
 // nothing is loaded on demand; with less, the preload is the scope's slots, reported apart from

@@ -44,9 +44,10 @@ struct four_pool_space {
   std::uint32_t max_hi_slots = std::numeric_limits<std::uint32_t>::max();
   /// A raised KV floor: the KV pool keeps at least this many bytes, ≤ the budget.
   std::uint64_t min_kv_bytes = 0;
-  /// A capped KV pool: at most this many bytes, ≥ min_kv_bytes. With min_kv_bytes, a fixed KV
-  /// share: [share, share + one lo slot per layer) leaves each hi count only its largest lo count.
-  std::uint64_t max_kv_bytes = std::numeric_limits<std::uint64_t>::max();
+  /// Tiered splits only with the most lo slots their hi count leaves above the KV floor (or every
+  /// expert's): with min_kv_bytes, a fixed KV share that the expert tiers split between them, the
+  /// hi+lo two-pool baseline (run_two_pool_baselines()).
+  bool fill_lo = false;
 };
 
 /// @brief The budget, sizes and prices of the four-pool split (WiSP Eq. 1, 4, 6 [R], with a hi
@@ -108,7 +109,8 @@ struct four_pool_split {
 
 /// True when @p split is in the model's space: hi-only with H ∈ [g, E], or tiered with L ≥ g and
 /// H + L ≤ E; H within the space's max_hi_slots; kv_bytes the remainder and at least
-/// kv_pool_floor_bytes() (the floor and the space's min_kv_bytes, in whole blocks).
+/// kv_pool_floor_bytes() (the floor and the space's min_kv_bytes, in whole blocks); with the
+/// space's fill_lo, a tiered L the most that fit (H + L = E, or one lo slot more would cross the floor).
 [[nodiscard]] bool admissible(const four_pool_model& model, const four_pool_split& split) noexcept;
 
 /// The split with @p hi_slots and @p lo_slots and the KV pool taking the rest.

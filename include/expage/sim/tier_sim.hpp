@@ -226,8 +226,8 @@ struct four_pool_options {
 /// - "hi+KV": no lo tier (WiSP's MV-WSA split at the hi precision);
 /// - "lo+KV": every expert at lo (no hi slot; MV-WSA at the lo precision, λ_q on every activation);
 /// - "hi+lo": the expert tiers split online within a fixed KV share (@p kv_share_bytes, e.g. the
-///   grid oracle's KV pool: a share chosen with hindsight): tiered splits only, the KV pool in
-///   [share, share + one lo slot per layer) (four_pool_space::max_kv_bytes).
+///   grid oracle's KV pool: a share chosen with hindsight): tiered splits only, each hi count with
+///   the most lo slots the share leaves it (four_pool_space::fill_lo).
 /// @return the runs in that order (a space the budget cannot admit is skipped).
 /// @throws expage::invalid_argument for a bad workload or @p kv_share_bytes above the budget.
 [[nodiscard]] std::vector<tier_run> run_two_pool_baselines(const tier_workload& workload, std::uint64_t kv_share_bytes,
