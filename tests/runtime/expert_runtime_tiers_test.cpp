@@ -505,6 +505,47 @@ TEST(ExpertRuntimeTiers, DemotionsEvictionsAndSupersededTargets) {
   EXPECT_EQ(w.check_tiers(rt), "");
 }
 
+// An eviction set_targets() asked for whose record publish fails (a mirror hook that throws
+// while it is broken) stays queued and is done once the mirror works, as a switch that fails the
+// same way is. It was dropped: the expert stayed resident, its target forgotten, counted as a
+// failed load.
+TEST(ExpertRuntimeTiers, AnEvictionWhosePublishFailsIsRetried) {
+  struct broken_mirror final : mirror_hook {
+    bool broken = false;
+    int thrown = 0;
+    void update(std::size_t, const version_record&) override {
+      if (broken) {
+        ++thrown;
+        throw std::runtime_error("injected mirror failure");
+      }
+    }
+  };
+  tiered_world w;
+  broken_mirror mirror;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
+             {.capacity = 2, .record_mirror = &mirror}, &prefetch);
+  const std::uint32_t routed[] = {3};
+  rt.acquire(0, routed).release();
+  w.compute.synchronize();
+  rt.poll();
+  ASSERT_TRUE(rt.resident({0, 3}));
+  mirror.broken = true;
+  const target drop[] = {{.expert = {0, 3}, .state = residency_state::absent}};
+  rt.set_targets(drop);
+  rt.poll();
+  EXPECT_GT(mirror.thrown, 0);
+  EXPECT_TRUE(rt.resident({0, 3})) << "the publish failed: nothing changed";
+  EXPECT_EQ(rt.statistics().transitions_queued, 1U) << "and the request stays";
+  EXPECT_EQ(w.check_tiers(rt), "");
+  mirror.broken = false;
+  rt.poll();
+  EXPECT_FALSE(rt.resident({0, 3}));
+  EXPECT_EQ(rt.statistics().transitions_queued, 0U);
+  EXPECT_EQ(rt.statistics().transitions_failed, 0U);
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
 // set_targets() replaces the queue, but an expert whose request is done stays its target, out of
 // reach of other promotions; clear_targets() forgets both, so a promotion that waited for room
 // behind remembered targets finds its victim (four_pool_driver calls it when the hi set ends).

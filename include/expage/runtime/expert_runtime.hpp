@@ -2893,8 +2893,17 @@ class expert_runtime {
             (changes_record && options_.views.records && table_.pinned(geometry_.expert_at(f)))) {
           return false;
         }
-        if (!try_evict(t, f)) return false;  // a window pinned it since: later
-        pool_.trim();                        // its blocks back to the system, as the budget already has them
+        bool evicted = false;
+        try {
+          evicted = try_evict(t, f);  // false: a window pinned it since
+        } catch (...) {
+          // The table refused the publish (a mirror hook failed): nothing changed; try again
+          // later, as try_switch() does. (Thrown on, the request was dropped and the expert
+          // stayed resident, counted as a failed background load.)
+          return false;
+        }
+        if (!evicted) return false;
+        pool_.trim();  // its blocks back to the system, as the budget already has them
       }
       return active_[f] == no_tier;
     }
