@@ -546,6 +546,37 @@ TEST(ExpertRuntimeTiers, AnEvictionWhosePublishFailsIsRetried) {
   EXPECT_EQ(w.check_tiers(rt), "");
 }
 
+// A prefetch queued (not issued) before the expert is targeted absent is dropped: it loaded the
+// expert back after the eviction. One asked for later is the engine's newer word and loads.
+TEST(ExpertRuntimeTiers, TargetingAnExpertAbsentDropsItsQueuedPrefetch) {
+  tiered_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
+             {.capacity = 2, .max_prefetch_in_flight = 1}, &prefetch);
+  std::promise<void> gate;
+  prefetch.enqueue([opened = gate.get_future().share()] { opened.wait(); });
+  const std::uint32_t two[] = {1, 2};
+  rt.prefetch(0, two);  // E1 issued (behind the gate), E2 queued
+  ASSERT_EQ(rt.statistics().prefetch_queued, 1U);
+  const target drop[] = {{.expert = {0, 2}, .state = residency_state::absent}};
+  rt.update_targets(drop);
+  EXPECT_EQ(rt.statistics().prefetch_queued, 0U);
+  EXPECT_EQ(rt.statistics().prefetch_cancelled, 1U);
+  gate.set_value();
+  prefetch.synchronize();
+  rt.poll();
+  prefetch.synchronize();
+  rt.poll();
+  EXPECT_TRUE(rt.resident({0, 1}));
+  EXPECT_FALSE(rt.resident({0, 2})) << "the dropped prefetch loaded it back";
+  const std::uint32_t again[] = {2};
+  rt.prefetch(0, again);
+  prefetch.synchronize();
+  rt.poll();
+  EXPECT_TRUE(rt.resident({0, 2})) << "a prefetch asked for after the target loads";
+  EXPECT_EQ(w.check_tiers(rt), "");
+}
+
 // set_targets() replaces the queue, but an expert whose request is done stays its target, out of
 // reach of other promotions; clear_targets() forgets both, so a promotion that waited for room
 // behind remembered targets finds its victim (four_pool_driver calls it when the hi set ends).

@@ -634,7 +634,9 @@ class expert_runtime {
   ///   expert is not itself targeted at that tier; never waiting), then switch its record to it
   ///   once the load is complete, no lease holds the expert and its last kernel has completed;
   ///   the old version is then freed. An absent expert's new version is active at once.
-  /// - absent: evict the expert's versions once no lease holds it and its last kernel is done.
+  /// - absent: evict the expert's versions once no lease holds it and its last kernel is done,
+  ///   and drop its prefetch request if one is queued and not issued yet (`prefetch_cancelled`;
+  ///   a prefetch asked for later loads it as any prefetch does).
   /// Requests that find no room stay queued and are retried by later calls (acquire's slow
   /// path, poll(), releases), as do requests for a tier of 0 slots until resize_tiers() gives it
   /// some (a runtime built from two sources with the default `options.capacity` has no hi slots:
@@ -1123,6 +1125,15 @@ class expert_runtime {
         if (q.goal == hi_goal && seen[q.expert] != keeps_its_place) next.push_back(q);
       }
       transition_queue_.swap(next);
+    }
+    // A prefetch still queued for an expert this call targets absent would load it back after
+    // its eviction: the later call wins, and the request is dropped (`prefetch_cancelled`).
+    if (!prefetch_queue_.empty()) {
+      prefetch_cancelled_ += std::erase_if(prefetch_queue_, [&](const queued_prefetch& p) {
+        const bool drop = seen[p.expert] != 0 && target_[p.expert] == goal_absent;
+        if (drop) queued_[p.expert] = 0;
+        return drop;
+      });
     }
     drain_releases();
     pump_background();
