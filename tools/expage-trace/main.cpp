@@ -47,7 +47,7 @@ Commands:
                        and write OUT; prints what moved (docs/traces.md, "Realignment")
   requests IN OUT      write IN's sequential request stream (every routed expert, in execution
                        and top-k order: expage-replay --sequential) as libCacheSim's oracleGeneral
-                       binary: 24-byte little-endian records (uint32 time = forward pass, uint64
+                       binary: 24-byte little-endian records (uint32 time = forward pass, from 1, uint64
                        obj_id = layer x experts_per_layer + expert, uint32 size = 1, int64 next
                        access as a request index, -1 for never), for cachesim and libcachesim
 

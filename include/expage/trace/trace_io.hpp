@@ -197,10 +197,10 @@ struct binary_write_options {
 /// @brief A binary trace read as a stream: one chunk of records at a time, never the whole trace.
 ///
 /// Validates what read_binary() validates (header, geometry, every record, the checksums,
-/// truncation and trailing data) with memory bounded by a few chunks (256 KiB of records, or at
-/// least one version 3 or 4 block, plus their events; when reading ahead, 0.5 MiB of blocks and
-/// four chunks of at most 8,192 events or about 1 MiB for the 64 KiB blocks expage writes, up to
-/// about 80 MiB for a file of 16 MiB blocks), independent of the trace's length.
+/// truncation and trailing data) with memory bounded by a few chunks (64 KiB of records, 256 KiB
+/// when reading ahead, or at least one version 3 or 4 block, plus their events; when reading ahead, 0.5 MiB of blocks
+/// and four chunks of at most 8,192 events or about 1 MiB for the 64 KiB blocks expage writes, up to about 80 MiB for a
+/// file of 16 MiB blocks), independent of the trace's length.
 ///
 /// Versions 3 and 4: each block is checked (whole, and its CRC-32C) when decoding reaches its
 /// first record, so no event of a corrupt block is ever delivered, every event before the first
