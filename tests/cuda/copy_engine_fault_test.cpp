@@ -4,7 +4,7 @@
 // whose fence cannot be recorded is waited for; nothing is left live. No GPU needed: "device"
 // memory is host memory and a stream runs its work at once, so these tests check what is asked
 // of the runtime and in which order, not concurrency.
-#include "cuda/fake_cuda_driver.hpp"
+#include "cuda/fake_cuda_test.hpp"
 #include "expage/core/error.hpp"
 #include "expage/cuda/copy_engine.hpp"
 #include "expage/cuda/pinned_host_memory.hpp"
@@ -35,16 +35,8 @@ std::vector<std::byte> pattern(std::size_t bytes, unsigned seed) {
   return v;
 }
 
-class CopyEngineFaults : public ::testing::Test {
+class CopyEngineFaults : public fake::fake_cuda_test {
  protected:
-  void SetUp() override { fake::reset(); }
-  void TearDown() override {
-    const fake::driver_state& s = fake::state();
-    EXPECT_TRUE(fake::nothing_live()) << fmt::format("left live: {} streams, {} events, {} pinned allocations",
-                                                     s.streams.size(), s.events.size(), s.pinned.size());
-    EXPECT_TRUE(s.misuse.empty()) << fmt::format("asked of the runtime: {}", fmt::join(s.misuse, "; "));
-  }
-
   // The internal streams that took a chunk copy since log entry @p from.
   static std::set<cudaStream_t> copied_on(std::size_t from) {
     std::set<cudaStream_t> out;

@@ -2,7 +2,7 @@
 // can fail fails once, at each step, and the object, the driver's handles, reservations and
 // mappings are as the contract says afterwards; and the destructor leaves nothing live. These
 // tests need no GPU: the binary links the fake in place of the CUDA runtime.
-#include "cuda/fake_cuda_driver.hpp"
+#include "cuda/fake_cuda_test.hpp"
 #include "expage/core/error.hpp"
 #include "expage/cuda/cuda_vmm.hpp"
 #include "expage/detail/assert.hpp"
@@ -19,18 +19,7 @@ using expage::block_state;
 using expage::cuda::cuda_vmm;
 using call = fake::call;
 
-class CudaVmmFaults : public ::testing::Test {
- protected:
-  void SetUp() override { fake::reset(); }
-  // Every test destroys its cuda_vmm before this: nothing may be left, and nothing the driver
-  // would refuse may have been asked of it.
-  void TearDown() override {
-    const fake::driver_state& s = fake::state();
-    EXPECT_TRUE(fake::nothing_live()) << fmt::format("left live: {} handles, {} reservations, {} mapped granules",
-                                                     s.handles.size(), s.reservations.size(), s.mapped.size());
-    EXPECT_TRUE(s.misuse.empty()) << fmt::format("asked of the driver: {}", fmt::join(s.misuse, "; "));
-  }
-};
+class CudaVmmFaults : public fake::fake_cuda_test {};
 
 TEST_F(CudaVmmFaults, ConstructionReleasesTheBlocksItMadeWhenACreateFails) {
   for (int k = 0; k < 4; ++k) {

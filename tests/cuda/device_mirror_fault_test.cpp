@@ -4,7 +4,7 @@
 // that cannot be enqueued is refused (the mirror) or counted and reported (the map, whose update
 // cannot throw); a slot whose fence cannot be recorded is waited for and the update stands.
 // "Device" memory is host memory here, so the tests read the device arrays directly.
-#include "cuda/fake_cuda_driver.hpp"
+#include "cuda/fake_cuda_test.hpp"
 #include "expage/core/error.hpp"
 #include "expage/cuda/cuda_stream.hpp"
 #include "expage/cuda/device_expert_map.hpp"
@@ -31,17 +31,8 @@ using expage::cuda::device_mirror;
 using call = fake::call;
 using ::testing::HasSubstr;
 
-class DeviceMirrorFaults : public ::testing::Test {
+class DeviceMirrorFaults : public fake::fake_cuda_test {
  protected:
-  void SetUp() override { fake::reset(); }
-  void TearDown() override {
-    const fake::driver_state& s = fake::state();
-    EXPECT_TRUE(fake::nothing_live()) << fmt::format(
-        "left live: {} streams, {} events, {} pinned and {} device allocations", s.streams.size(), s.events.size(),
-        s.pinned.size(), s.device.size());
-    EXPECT_TRUE(s.misuse.empty()) << fmt::format("asked of the runtime: {}", fmt::join(s.misuse, "; "));
-  }
-
   // How many times the log names @p function since entry @p from.
   static std::size_t calls_of(std::string_view function, std::size_t from = 0) {
     std::size_t n = 0;
