@@ -175,11 +175,12 @@ bool admissible(const four_pool_model& m, const four_pool_split& s) noexcept {
   }
   const std::uint64_t experts = hi_pool_bytes(m, s) + lo_pool_bytes(m, s);  // ≤ 2·N·E·s_hi: no overflow
   if (experts > m.budget_bytes) return false;
-  if (s.kv_bytes != m.budget_bytes - experts || s.kv_bytes < kv_pool_floor_bytes(m)) return false;
+  const std::uint64_t floor = kv_pool_floor_bytes(m);
+  if (s.kv_bytes != m.budget_bytes - experts || s.kv_bytes < floor) return false;
   // With fill_lo, one lo slot more (in every layer) must not fit above the floor.
   const std::uint64_t lo_slot = lo_pool_bytes(m, {.hi_slots = 0, .lo_slots = 1, .kv_bytes = 0});
   return !(m.space.fill_lo && s.tiered() && std::uint64_t{s.hi_slots} + s.lo_slots < e &&
-           s.kv_bytes - kv_pool_floor_bytes(m) >= lo_slot);
+           s.kv_bytes - floor >= lo_slot);
 }
 
 four_pool_split make_four_pool_split(const four_pool_model& m, std::uint32_t hi_slots, std::uint32_t lo_slots) {
