@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <tuple>
@@ -90,6 +91,24 @@ void routing_trace::append(const routing_event& event) {
                                        detail::to_string(problem->field), problem->message, event.sequence, event.step,
                                        event.layer));
   }
+  // A view of this trace's own event (t.append(t[i])) points into the arrays grown below, which
+  // may move: copy what it points at first (may throw, before anything changes).
+  routing_event e = event;
+  std::vector<std::uint32_t> own_experts;
+  std::vector<float> own_weights;
+  std::vector<float> own_probabilities;
+  std::vector<float> own_sketch;
+  const auto detach = [](const auto& storage, auto& view, auto& copy) {
+    const std::less<> before;
+    if (!view.empty() && !before(view.data(), storage.data()) && before(view.data(), storage.data() + storage.size())) {
+      copy.assign(view.begin(), view.end());
+      view = copy;
+    }
+  };
+  detach(experts_, e.experts, own_experts);
+  detach(weights_, e.weights, own_weights);
+  detach(probabilities_, e.probabilities, own_probabilities);
+  detach(sketch_, e.sketch, own_sketch);
   // Strong guarantee: grow every array first (may throw), then push (cannot throw).
   const std::size_t n = size() + 1;
   const auto grow = [](auto& v, std::size_t count) {
@@ -101,16 +120,16 @@ void routing_trace::append(const routing_event& event) {
   grow(phase_, n);
   grow(experts_, n * top_k_);
   grow(weights_, n * top_k_);
-  grow(probabilities_, probabilities_.size() + event.probabilities.size());
-  grow(sketch_, sketch_.size() + event.sketch.size());
-  sequence_.push_back(event.sequence);
-  step_.push_back(event.step);
-  layer_.push_back(event.layer);
-  phase_.push_back(event.phase);
-  experts_.insert(experts_.end(), event.experts.begin(), event.experts.end());
-  weights_.insert(weights_.end(), event.weights.begin(), event.weights.end());
-  probabilities_.insert(probabilities_.end(), event.probabilities.begin(), event.probabilities.end());
-  sketch_.insert(sketch_.end(), event.sketch.begin(), event.sketch.end());
+  grow(probabilities_, probabilities_.size() + e.probabilities.size());
+  grow(sketch_, sketch_.size() + e.sketch.size());
+  sequence_.push_back(e.sequence);
+  step_.push_back(e.step);
+  layer_.push_back(e.layer);
+  phase_.push_back(e.phase);
+  experts_.insert(experts_.end(), e.experts.begin(), e.experts.end());
+  weights_.insert(weights_.end(), e.weights.begin(), e.weights.end());
+  probabilities_.insert(probabilities_.end(), e.probabilities.begin(), e.probabilities.end());
+  sketch_.insert(sketch_.end(), e.sketch.begin(), e.sketch.end());
   fields_ = fields;
 }
 

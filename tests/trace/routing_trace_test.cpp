@@ -96,6 +96,38 @@ TEST(RoutingTrace, AppendCopiesTheEventAndIndexingReturnsIt) {
   EXPECT_EQ(steps, 19U);
 }
 
+// A view of the trace's own event, appended again (as vector::push_back(v[0]) may be): the arrays
+// it points into grow during the call, so append() must copy it before they move.
+TEST(RoutingTrace, AppendAcceptsAViewOfItsOwnEventAcrossAGrowth) {
+  routing_trace t(4, 8, 2);
+  const std::array<std::uint32_t, 2> experts = {6, 5};
+  const std::array<float, 2> weights = {0.7F, 0.3F};
+  std::array<float, 8> probabilities{};
+  probabilities[6] = 0.5F;
+  probabilities[5] = 0.2F;
+  probabilities[0] = 0.3F;
+  const std::array<float, 3> sketch = {-1.5F, 0.0F, 2.25F};
+  t.append({.sequence = 0,
+            .step = 0,
+            .layer = 0,
+            .experts = experts,
+            .weights = weights,
+            .probabilities = probabilities,
+            .sketch = sketch});
+  for (std::uint32_t step = 1; step < 40; ++step) {  // past several reallocations of every array
+    routing_event e = t[step - 1];
+    e.step = step;
+    t.append(e);
+  }
+  ASSERT_EQ(t.size(), 40U);
+  for (const routing_event& e : t) {
+    EXPECT_THAT(e.experts, ::testing::ElementsAre(6U, 5U)) << "step " << e.step;
+    EXPECT_THAT(e.weights, ::testing::ElementsAre(0.7F, 0.3F)) << "step " << e.step;
+    EXPECT_THAT(e.probabilities, ::testing::ElementsAreArray(probabilities)) << "step " << e.step;
+    EXPECT_THAT(e.sketch, ::testing::ElementsAreArray(sketch)) << "step " << e.step;
+  }
+}
+
 TEST(RoutingTrace, AppendValidatesAndNamesTheValueAndRange) {
   routing_trace t(4, 8, 2);
   const auto expect_error = [&](const routing_event& e, const char* text) {

@@ -244,7 +244,8 @@ class routing_trace {
   /// @throws expage::invalid_argument when @p batch_size is 0.
   void set_batch_size(std::uint32_t batch_size);
 
-  /// Appends @p event (its spans are copied); strong guarantee.
+  /// Appends @p event (its spans are copied, and may view this trace's own events: t.append(t[i])
+  /// works); strong guarantee.
   /// @throws expage::invalid_argument naming the field and its allowed range: layer out of
   /// [0, layers), experts.size() ≠ top_k, an expert out of [0, experts_per_layer) or repeated,
   /// weights.size() ≠ experts.size(), a weight not finite or negative; an optional field present
