@@ -162,6 +162,7 @@ std::uint64_t estimate_dense_bytes_per_layer(const moe_geometry& geometry, preci
 }
 
 double cost_model::transfer_compute_ratio(std::uint32_t top_k) const noexcept {
+  if (transfer_seconds.empty()) return inf;  // no link: nothing moves
   const double layer = nominal_layer_seconds(top_k);
   const double fastest = *std::min_element(transfer_seconds.begin(), transfer_seconds.end());
   return layer > 0.0 ? fastest / layer : inf;

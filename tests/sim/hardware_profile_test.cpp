@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include <cmath>
+#include <limits>
 
 namespace expage {
 namespace {
@@ -159,6 +160,14 @@ TEST(CostModel, RooflineAndTransferTimesFollowTheGeometry) {
                 1e-12 * d.recompute_seconds_per_token)
         << dense;
   }
+}
+
+TEST(CostModel, AModelWithoutALinkHasAnInfiniteRatio) {
+  // A default cost_model has no link yet: nothing can be moved, r = ∞ (it dereferenced an empty
+  // vector, from a control-layer review).
+  expage::cost_model m;
+  m.dense_seconds = 1e-3;
+  EXPECT_EQ(m.transfer_compute_ratio(2), std::numeric_limits<double>::infinity());
 }
 
 TEST(CostModel, RatioRescalesTheLinksExactly) {

@@ -89,7 +89,8 @@ struct cost_model {
   }
   /// The nominal layer time at batch 1: top-k routed experts.
   [[nodiscard]] double nominal_layer_seconds(std::uint32_t top_k) const noexcept { return compute_seconds(top_k); }
-  /// r = fastest link's transfer time of one expert / nominal layer time (∞ when compute is free).
+  /// r = fastest link's transfer time of one expert / nominal layer time (∞ when compute is free
+  /// or there is no link).
   [[nodiscard]] double transfer_compute_ratio(std::uint32_t top_k) const noexcept;
 };
 
