@@ -115,5 +115,33 @@ TEST(BlockPoolFaults, AFailureAfterSomeSlabsOfOneGrowthRollsThemAllBack) {
   EXPECT_EQ(second.size(), 11U);
 }
 
+// A request over max_blocks is refused before the budget is asked, on every path: the budget's
+// peak and reservation count stay as they were (the peak had reached 9 blocks on a pool of 8).
+TEST(BlockPoolFaults, ALimitRefusalLeavesTheBudgetsCountersAsTheyWere) {
+  budget_tracker budget(1_GiB);
+  auto& hi = budget.add_account("hi", 1_MiB);
+  backend mem{testing::counting_memory<testing::heap_memory>(testing::heap_memory(bs))};
+  block_pool<backend> pool(std::move(mem), hi, {.name = "hi", .max_blocks = 8, .growth_blocks = 2});
+  auto held = pool.acquire(4 * bs);
+  const auto counters = [&] {
+    const auto root = budget.root().statistics();
+    const auto account = hi.statistics();
+    return std::vector<std::uint64_t>{root.peak, root.reservations, account.peak, account.reservations, account.used};
+  };
+  const auto before = counters();
+  EXPECT_THROW((void)pool.acquire(5 * bs), out_of_memory);
+  EXPECT_EQ(counters(), before) << "acquire(bytes)";
+  EXPECT_FALSE(pool.try_acquire(5 * bs));
+  EXPECT_EQ(counters(), before) << "try_acquire()";
+  reservation own = hi.reserve(5 * bs - 1);
+  const auto with_own = counters();
+  EXPECT_THROW((void)pool.acquire(std::move(own)), out_of_memory);
+  EXPECT_EQ(counters(), with_own) << "acquire(reservation&&): not even the rounding to whole blocks";
+  EXPECT_EQ(own.bytes(), 5 * bs - 1);
+  EXPECT_EQ(pool.statistics().failed_limit, 3U);
+  auto more = pool.acquire(4 * bs);  // exactly the limit
+  EXPECT_EQ(more.size(), 4U);
+}
+
 }  // namespace
 }  // namespace expage

@@ -184,6 +184,11 @@ TEST(VmmBlockPool, ReachesItsLimitCleanly) {
                 AllOf(HasSubstr("2 blocks requested"), HasSubstr("1 more may be created"), HasSubstr("max 5")));
   }
   EXPECT_EQ(budget.root().used(), 4 * vm.granularity());
+  // The limit is checked before the budget is asked: the refusal raised neither the peak nor
+  // the reservations granted (the peak had reached 6 blocks on a pool of 5).
+  const auto s = budget.root().statistics();
+  EXPECT_EQ(s.peak, 4 * vm.granularity());
+  EXPECT_EQ(s.reservations, 1U);
 }
 
 TEST(VmmBlockPoolFaults, AFailingCreateGivesBackWhatTheCallCreated) {

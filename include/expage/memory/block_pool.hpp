@@ -69,7 +69,10 @@ struct block_pool_statistics {
 ///
 /// Strong guarantee: a failed acquisition (budget refused, limit reached,
 /// backend threw) leaves the pool, the backend and the budget exactly as they
-/// were.
+/// were. The limit is checked before the budget is asked, so a request over it
+/// leaves even the budget's counters (peak, reservations) untouched; a backend
+/// that throws was asked with the bytes reserved, and that brief reservation
+/// stays counted in `peak` and `reservations`, as any granted one.
 ///
 /// @code
 /// expage::budget_tracker budget(64_GiB);
@@ -256,14 +259,16 @@ class block_pool {
   /// @throws expage::out_of_memory when max_blocks would be exceeded, or the backend's own exception.
   [[nodiscard]] span acquire(std::size_t bytes) {
     const std::size_t blocks = blocks_for(bytes);
+    const std::lock_guard lock(mutex_);  // the limit, then the budget (lock-free), then the blocks
+    check_limit_locked(blocks);
     reservation charge;
     try {
       charge = account_->reserve(blocks * block_size());
     } catch (const out_of_budget&) {
-      note_failure(failed_budget_);
+      ++failed_budget_;
       throw;
     }
-    return take(blocks, charge);
+    return take_locked(blocks, charge);
   }
 
   /// Like acquire(), but uses the caller's reservation @p charge (made on this
@@ -283,16 +288,18 @@ class block_pool {
     const std::size_t original = charge.bytes();
     const std::size_t blocks = blocks_for(original);
     const std::size_t needed = blocks * block_size();
+    const std::lock_guard lock(mutex_);
+    check_limit_locked(blocks);
     if (needed > original && !charge.try_grow(needed - original)) {
-      note_failure(failed_budget_);
+      ++failed_budget_;
       throw out_of_budget(fmt::format("block_pool '{}': cannot round a reservation of {} bytes up to {} blocks",
                                       options_.name, original, blocks),
                           needed - original, account_->headroom());
     }
     try {
-      return take(blocks, charge);
+      return take_locked(blocks, charge);
     } catch (...) {
-      charge.shrink(original);  // take() left it intact; undo the rounding
+      charge.shrink(original);  // take_locked() left it intact; undo the rounding
       throw;
     }
   }
@@ -303,13 +310,18 @@ class block_pool {
       return {};
     }
     const std::size_t blocks = bytes / block_size() + (bytes % block_size() != 0);
+    const std::lock_guard lock(mutex_);
+    if (!within_limit_locked(blocks)) {
+      ++failed_limit_;
+      return {};
+    }
     reservation charge = account_->try_reserve(blocks * block_size());
     if (!charge) {
-      note_failure(failed_budget_);
+      ++failed_budget_;
       return {};
     }
     try {
-      return take(blocks, charge);
+      return take_locked(blocks, charge);
     } catch (...) {
       return {};
     }
@@ -395,22 +407,26 @@ class block_pool {
     return std::min(options_.growth_blocks, options_.max_blocks - s * options_.growth_blocks);
   }
 
-  void note_failure(std::uint64_t& counter) noexcept {
-    const std::lock_guard lock(mutex_);
-    ++counter;
+  // Whether @p blocks blocks fit: the free ones, and what max_blocks lets the pool still grow.
+  [[nodiscard]] bool within_limit_locked(std::size_t blocks) const noexcept {
+    return free_count_ >= blocks || blocks - free_count_ <= options_.max_blocks - held_count_;
   }
 
-  /// Pops @p blocks blocks into a span that takes over @p charge. On failure
-  /// @p charge is untouched and nothing else changed.
-  span take(std::size_t blocks, reservation& charge) {
-    const std::lock_guard lock(mutex_);
+  // Refuses @p blocks blocks over the limit, before the budget is asked (failed_limit_ counts it).
+  void check_limit_locked(std::size_t blocks) {
+    if (!within_limit_locked(blocks)) {
+      ++failed_limit_;
+      throw out_of_memory(fmt::format(
+          "block_pool '{}': {} blocks requested, {} free and {} more allowed (limit {} blocks of {})", options_.name,
+          blocks, free_count_, options_.max_blocks - held_count_, options_.max_blocks, byte_size{block_size()}));
+    }
+  }
+
+  /// Pops @p blocks blocks (within the limit: check_limit_locked()) into a span that takes over
+  /// @p charge, the pool's lock held. On failure @p charge is untouched and nothing else changed.
+  span take_locked(std::size_t blocks, reservation& charge) {
+    EXPAGE_ASSERT(within_limit_locked(blocks), "block_pool: take_locked() over the limit");
     if (free_count_ < blocks) {
-      if (blocks - free_count_ > options_.max_blocks - held_count_) {
-        ++failed_limit_;
-        throw out_of_memory(fmt::format(
-            "block_pool '{}': {} blocks requested, {} free and {} more allowed (limit {} blocks of {})", options_.name,
-            blocks, free_count_, options_.max_blocks - held_count_, options_.max_blocks, byte_size{block_size()}));
-      }
       try {
         grow_locked(blocks - free_count_);
       } catch (...) {

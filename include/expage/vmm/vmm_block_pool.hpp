@@ -32,7 +32,10 @@ namespace expage {
 ///
 /// Strong guarantee: a failed acquisition (budget refused, limit reached, the
 /// backend's create() threw) leaves the pool, the backend and the budget as
-/// they were.
+/// they were. The limit is checked before the budget is asked, so a request
+/// over it leaves even the budget's counters (peak, reservations) untouched; a
+/// create() that throws ran with the bytes reserved, and that brief reservation
+/// stays counted in `peak` and `reservations`, as any granted one.
 ///
 /// @code
 /// expage::vmm_block_pool pool(vm, budget.at("experts_gate_up"), {.max_blocks = 2 * layers * per_page});
@@ -149,15 +152,15 @@ class vmm_block_pool {
           fmt::format("vmm_block_pool::acquire: {} blocks out of range [1, {}]", n, options_.max_blocks));
     }
     lease out;
-    out.charge_ = account_->reserve(n * vmm_->granularity());  // first: a refusal touches nothing else
     out.blocks_.reserve(n);
     const std::lock_guard lock(mutex_);
     const std::size_t missing = n > free_.size() ? n - free_.size() : 0;
-    if (missing > options_.max_blocks - created_) {
+    if (missing > options_.max_blocks - created_) {  // before the budget: a refusal touches nothing
       throw out_of_memory(
           fmt::format("vmm_block_pool: {} blocks requested, {} free and {} more may be created (max {})", n,
                       free_.size(), options_.max_blocks - created_, options_.max_blocks));
     }
+    out.charge_ = account_->reserve(n * vmm_->granularity());  // lock-free; before any block is created
     // Room for every block this pool will have created, before creating any: give_back() then
     // never reallocates, and a bad_alloc here leaves nothing to undo (the charge is released).
     if (free_.capacity() < created_ + missing) {
