@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <new>
 #include <vector>
 
 namespace expage {
@@ -62,6 +63,45 @@ TEST(SlotCache, EvictsIntoTheVictimsSlotAndNeverEvictsTheGroup) {
   EXPECT_EQ(r.loads[0].evicted, (expert_id{0, 0}));
   EXPECT_EQ(r.loads[0].slot, 0) << "the newcomer takes the victim's slot";
   EXPECT_THAT(cache.expert_map(0), ElementsAre(-1, 1, 0, -1, -1, -1));
+}
+
+// LRU whose on_insert() throws on a chosen call, as a node-based policy's allocation may.
+int flaky_fail_in = -1;  // the on_insert() call, counted from 0, that throws
+struct flaky_lru : lru_policy {
+  using lru_policy::lru_policy;
+  void on_insert(std::uint32_t key, const access_context& ctx) {
+    if (flaky_fail_in-- == 0) throw std::bad_alloc();
+    lru_policy::on_insert(key, ctx);
+  }
+};
+
+// A policy that throws on a later miss of a group: none of the group's loads reached the caller,
+// so none may stay in the map (a retried step would hit an expert whose copy was never issued,
+// over the evicted expert's weights). The victims chosen so far stay evicted, their slots free.
+TEST(SlotCache, APolicyThatThrowsMidGroupLeavesNoLoadTheCallerWasNotTold) {
+  slot_cache<flaky_lru> cache(small(), {.layout = cache_layout::per_layer, .capacity = 3});
+  const std::uint32_t first[] = {0, 1, 2};
+  (void)cache.access(0, first);
+  const std::uint32_t second[] = {3, 2, 4};  // 3 evicts 0, 2 hits, 4's insert throws
+  flaky_fail_in = 1;
+  EXPECT_THROW((void)cache.access(0, second), std::bad_alloc);
+  EXPECT_THAT(cache.expert_map(0), ElementsAre(-1, 1, 2, -1, -1, -1)) << "3 is not resident: its load was undone";
+  const auto& s = cache.statistics();
+  EXPECT_EQ(s.groups, 1U);
+  EXPECT_EQ(s.misses, 3U) << "the failed group's misses are not counted";
+  EXPECT_EQ(s.evictions, 1U) << "0 was evicted";
+  EXPECT_EQ(s.misses - s.evictions, 2U) << "the residents";
+  // The step again: 3 and 4 are misses, issued this time: 3 into the slot 0 left, 4 over 1.
+  const auto r = cache.access(0, second);
+  EXPECT_EQ(r.hits, 1U);
+  ASSERT_EQ(r.loads.size(), 2U);
+  EXPECT_FALSE(r.loads[0].evicts);
+  EXPECT_TRUE(r.loads[1].evicts);
+  EXPECT_EQ(r.loads[1].evicted, (expert_id{0, 1}));
+  EXPECT_EQ(cache.expert_map(0)[3], r.loads[0].slot);
+  EXPECT_EQ(cache.expert_map(0)[4], r.loads[1].slot);
+  EXPECT_NE(r.loads[0].slot, r.loads[1].slot);
+  EXPECT_EQ(cache.statistics().misses - cache.statistics().evictions, 3U);
 }
 
 TEST(SlotCache, PinsTheWholeGroupEvenWhenThePolicyWouldChooseIt) {

@@ -80,9 +80,13 @@ struct slot_cache_statistics {
 ///
 /// Exceptions: bad requests throw before anything changes. The only other
 /// exception is std::bad_alloc from a policy that allocates a node when a key
-/// is inserted (LFU, LFRU, fMoE, Belady; hits re-rank without allocating); the
-/// cache then stays consistent and the experts of the group served so far
-/// stay resident (basic guarantee).
+/// is inserted (LFU, LFRU, fMoE, Belady; hits re-rank without allocating).
+/// The caller then has no loads to issue, so none of the group's misses stays
+/// in the map: the experts it had placed are absent again and their slots
+/// free; the victims chosen so far stay evicted (their slots free too), hits
+/// keep their re-ranking, and the statistics count those evictions and not
+/// the group (basic guarantee: consistent, and the map claims no copy that
+/// was not issued).
 ///
 /// @code
 /// expage::slot_cache<expage::lru_policy> cache(expage::moe_geometry::mixtral_8x7b(),
@@ -174,9 +178,41 @@ class slot_cache {
       }
     } const unpin{sc, layer, experts};
     const std::uint64_t time = hints.time == never ? stats_.groups : hints.time;
-    const pin_view pins{sc.pinned.data()};
     loads_.clear();
     access_result result;
+    try {
+      serve(sc, layer, experts, hints, time, result);
+    } catch (...) {
+      // on_insert() threw (std::bad_alloc): undo this call's loads, which no caller will issue.
+      for (auto it = loads_.rbegin(); it != loads_.rend(); ++it) {
+        map_[flat(it->expert.layer, it->expert.expert)] = -1;
+        sc.policy.on_evict(sc.space.key_of(it->expert.layer, it->expert.expert));
+        sc.free_slots.push_back(static_cast<std::uint32_t>(it->slot));  // within its capacity: no allocation
+      }
+      loads_.clear();
+      throw;
+    }
+    ++stats_.groups;
+    stats_.accesses += experts.size();
+    stats_.hits += result.hits;
+    stats_.misses += result.misses;
+    result.loads = loads_;
+    return result;
+  }
+
+ private:
+  struct scope {
+    Policy policy;
+    key_space space;                        // the keys policy ranks
+    std::vector<std::uint8_t> pinned;       // per key: part of the current group
+    std::vector<std::uint32_t> free_slots;  // slots holding no expert
+  };
+
+  // access()'s pass over the group, the group pinned: hits re-ranked, misses placed into loads_.
+  // Inlined: as a call it cost the hit path 2 ns (BM_SlotCache_HitPath 14.4 → 16.2 ns).
+  [[gnu::always_inline]] void serve(scope& sc, std::uint32_t layer, std::span<const expert_index> experts,
+                                    const access_hints& hints, std::uint64_t time, access_result& result) {
+    const pin_view pins{sc.pinned.data()};
     for (std::size_t i = 0; i < experts.size(); ++i) {
       const expert_index e = experts[i];
       const std::uint32_t k = sc.space.key_of(layer, e);
@@ -193,7 +229,7 @@ class slot_cache {
       }
       // Choose the slot, tell the policy about the newcomer (the one step that
       // may throw), and only then evict: a throwing policy leaves the map,
-      // the slots and the policy consistent, with this group partly served.
+      // the slots and the policy consistent, for access() to undo the loads.
       expert_load load{.expert = {layer, e}, .slot = 0, .evicts = false, .evicted = {}};
       std::uint32_t victim = 0;
       if (!sc.free_slots.empty()) {
@@ -218,21 +254,7 @@ class slot_cache {
       ++result.misses;
       loads_.push_back(load);
     }
-    ++stats_.groups;
-    stats_.accesses += experts.size();
-    stats_.hits += result.hits;
-    stats_.misses += result.misses;
-    result.loads = loads_;
-    return result;
   }
-
- private:
-  struct scope {
-    Policy policy;
-    key_space space;                        // the keys policy ranks
-    std::vector<std::uint8_t> pinned;       // per key: part of the current group
-    std::vector<std::uint32_t> free_slots;  // slots holding no expert
-  };
 
   // The expert_map index of (layer, e): moe_geometry's layer-major index, in 64 bits.
   [[nodiscard]] std::size_t flat(std::uint32_t layer, expert_index e) const noexcept {
