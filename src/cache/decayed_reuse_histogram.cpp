@@ -36,31 +36,36 @@ decayed_reuse_histogram::decayed_reuse_histogram(config cfg) {
   width_ = cfg.bin_width;
   decay_ = cfg.decay;
   bins_.assign((capacity_ + width_ - 1) / width_ + 1, 0.0);
+  squares_.assign(bins_.size(), 0.0);
 }
+
+namespace {
+// Multiplies every count by @p factor, flushing what falls below the smallest normal double
+// (no subnormals on idle streams); returns the new sum.
+double scale_counts(std::vector<double>& bins, double factor) noexcept {
+  double total = 0.0;
+  for (double& h : bins) {
+    h *= factor;
+    if (h < std::numeric_limits<double>::min()) h = 0.0;
+    total += h;
+  }
+  return total;
+}
+}  // namespace
 
 void decayed_reuse_histogram::new_burst() noexcept {
   ++bursts_;
   if (decay_ == 1.0) return;
-  double total = 0.0;
-  for (double& h : bins_) {
-    h *= decay_;
-    if (h < std::numeric_limits<double>::min()) h = 0.0;  // no subnormals on idle streams
-    total += h;
-  }
-  total_ = total;  // re-summed, so total_mass() never drifts from the bins
+  total_ = scale_counts(bins_, decay_);  // re-summed, so total_mass() never drifts from the bins
+  (void)scale_counts(squares_, decay_ * decay_);
 }
 
 void decayed_reuse_histogram::scale(double keep) {
   if (!(keep >= 0.0 && keep <= 1.0)) {
     throw invalid_argument(fmt::format("decayed_reuse_histogram::scale: keep {} out of range [0, 1]", keep));
   }
-  double total = 0.0;
-  for (double& h : bins_) {
-    h *= keep;
-    if (h < std::numeric_limits<double>::min()) h = 0.0;
-    total += h;
-  }
-  total_ = total;
+  total_ = scale_counts(bins_, keep);
+  (void)scale_counts(squares_, keep * keep);
 }
 
 void decayed_reuse_histogram::check_capacity(std::size_t capacity) const {
@@ -75,20 +80,27 @@ void decayed_reuse_histogram::throw_marginal_out_of_range(std::size_t capacity) 
       fmt::format("decayed_reuse_histogram: marginal at capacity {} out of range [0, {})", capacity, capacity_));
 }
 
-double decayed_reuse_histogram::predicted_misses(std::size_t capacity) const {
+double decayed_reuse_histogram::tail_sum(const std::vector<double>& bins, std::size_t capacity) const {
   check_capacity(capacity);
   const std::size_t first = capacity / width_;  // the bin holding distance `capacity` (or the tail)
   // The tail, then the bins from the top down: every capacity adds the same terms in the same
   // order as the one above it, plus non-negative ones, so the curve never rises by a rounding.
-  double misses = bins_.back();
-  for (std::size_t b = bin_count(); b-- > first + 1;) misses += bins_[b];
+  double sum = bins.back();
+  for (std::size_t b = bin_count(); b-- > first + 1;) sum += bins[b];
   if (first < bin_count()) {
-    // Uniform within the bin: the share of its distances that are ≥ capacity.
+    // Uniform within the bin: the share of its distances that are ≥ capacity (for the squares,
+    // the variance of that share of a Poisson count: the same share of its variance).
     const std::size_t lo = first * width_;
     const std::size_t hi = bin_upper(first);
-    misses += bins_[first] * static_cast<double>(hi - capacity) / static_cast<double>(hi - lo);
+    sum += bins[first] * static_cast<double>(hi - capacity) / static_cast<double>(hi - lo);
   }
-  return misses;
+  return sum;
+}
+
+double decayed_reuse_histogram::predicted_misses(std::size_t capacity) const { return tail_sum(bins_, capacity); }
+
+double decayed_reuse_histogram::predicted_misses_variance(std::size_t capacity) const {
+  return tail_sum(squares_, capacity);
 }
 
 double decayed_reuse_histogram::predicted_miss_ratio(std::size_t capacity) const {
@@ -117,6 +129,7 @@ std::vector<double> decayed_reuse_histogram::marginals() const {
 
 void decayed_reuse_histogram::reset() noexcept {
   std::fill(bins_.begin(), bins_.end(), 0.0);
+  std::fill(squares_.begin(), squares_.end(), 0.0);
   total_ = 0.0;
   bursts_ = 0;
   warm_records_ = 0;

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -61,6 +62,9 @@ void check_config(const four_pool_config& c) {
   if (!(c.reversal_gate >= c.gate && c.reversal_gate < 1.0)) {
     throw invalid_argument(
         fmt::format("four_pool_controller: reversal_gate {} out of range [gate = {}, 1)", c.reversal_gate, c.gate));
+  }
+  if (!(c.noise_gate >= 0.0 && c.noise_gate < std::numeric_limits<double>::infinity())) {
+    throw invalid_argument(fmt::format("four_pool_controller: noise_gate {} out of range [0, inf)", c.noise_gate));
   }
   if (c.rate_limit == 0) throw invalid_argument("four_pool_controller: rate_limit 0 out of range [1, 2^32)");
   if (c.dead_zone == 0) throw invalid_argument("four_pool_controller: dead_zone 0 out of range [1, 2^32)");
@@ -400,6 +404,50 @@ double four_pool_controller::expert_cost(std::uint32_t hi, std::uint32_t lo) con
          model_.lo_activation_seconds * rank_.predicted_misses(hi);
 }
 
+double four_pool_controller::gain_variance(const four_pool_split& a, const four_pool_split& b) const {
+  // Each split's cost as weighted tail sums (expert_cost(), kv_cost()): weight, histogram, capacity.
+  struct term {
+    double weight;
+    const decayed_reuse_histogram* histogram;
+    std::size_t capacity;
+  };
+  const auto terms = [&](const four_pool_split& s) {
+    std::array<term, 3> t{};
+    if (s.lo_slots == 0) {
+      t[0] = {model_.hi_miss_seconds, &filtered_[0], s.hi_slots};
+    } else {
+      t[0] = {model_.lo_miss_seconds, &filtered_[s.hi_slots], std::min(s.lo_slots, model_.experts_per_layer)};
+      t[1] = {model_.lo_activation_seconds, &rank_, s.hi_slots};
+    }
+    const std::uint64_t blocks = std::min<std::uint64_t>(kv_pool_blocks(model_, s), kv_.max_capacity());
+    t[2] = {model_.kv_miss_seconds, &kv_, static_cast<std::size_t>(blocks)};
+    return t;
+  };
+  const auto x = terms(a);
+  const auto y = terms(b);
+  std::array<bool, 3> paired{};
+  double variance = 0.0;
+  for (const term& p : x) {
+    if (p.histogram == nullptr) continue;
+    const double vp = p.histogram->predicted_misses_variance(p.capacity);
+    bool found = false;
+    for (std::size_t j = 0; j < y.size() && !found; ++j) {
+      const term& q = y[j];
+      if (paired[j] || q.histogram != p.histogram || q.weight != p.weight) continue;
+      // One histogram's two tail sums differ by the distances between the two capacities.
+      variance += p.weight * p.weight * std::abs(vp - q.histogram->predicted_misses_variance(q.capacity));
+      paired[j] = found = true;
+    }
+    if (!found) variance += p.weight * p.weight * vp;
+  }
+  for (std::size_t j = 0; j < y.size(); ++j) {
+    if (!paired[j] && y[j].histogram != nullptr) {
+      variance += y[j].weight * y[j].weight * y[j].histogram->predicted_misses_variance(y[j].capacity);
+    }
+  }
+  return variance;
+}
+
 double four_pool_controller::predicted_cost(const four_pool_split& s) const {
   if (config_.frozen) return 0.0;
   return expert_cost(s.hi_slots, s.lo_slots) + kv_cost(kv_pool_blocks(model_, s));
@@ -480,7 +528,9 @@ four_pool_decision four_pool_controller::step() const {
   const double gate =
       !continuing && last_move_ != 0 && dir != 0 && dir != last_move_ ? config_.reversal_gate : config_.gate;
   const bool forced = any_feasible && !feasible(d.current_hi_coverage);
-  if (!forced && !(gain > 0.0 && gain > gate * d.current_cost && !detail::same_cost(d.current_cost, d.target_cost))) {
+  if (!forced &&
+      !(gain > 0.0 && gain > gate * d.current_cost && !detail::same_cost(d.current_cost, d.target_cost) &&
+        (config_.noise_gate == 0.0 || gain > config_.noise_gate * std::sqrt(gain_variance(current_, d.target))))) {
     return d;
   }
   const std::uint32_t away = slot_distance(current_, d.target);

@@ -52,6 +52,9 @@ void check_config(const online_split_config& c) {
     throw invalid_argument(
         fmt::format("online_split_step: reversal_gate {} out of range [gate = {}, 1)", c.reversal_gate, c.gate));
   }
+  if (!(c.noise_gate >= 0.0 && c.noise_gate < std::numeric_limits<double>::infinity())) {
+    throw invalid_argument(fmt::format("online_split_step: noise_gate {} out of range [0, inf)", c.noise_gate));
+  }
 }
 
 void check_cap(const split_model& m, std::uint32_t cap, const char* who, const char* name) {
@@ -240,8 +243,23 @@ online_split_decision online_split_step(const split_model& model, const online_s
   std::uint32_t next = current_cap;
   const int direction = target > current_cap ? 1 : -1;
   const double gate = previous_move != 0 && direction != previous_move ? config.reversal_gate : config.gate;
+  // The noise gate: the gain's estimate differs between the two caps by the counts of the
+  // distances between them, in each stream; read as Poisson, its variance is those bins' squared
+  // weights (predicted_misses_variance()), weighted by each stream's cost squared.
+  const auto gain_variance = [&] {
+    if (config.noise_gate == 0.0) return 0.0;
+    const auto kv_at = [&](std::uint32_t c) {
+      return static_cast<std::size_t>(std::min<std::uint64_t>(kv_blocks(model, c), kv.max_capacity()));
+    };
+    const double ve =
+        std::abs(experts.predicted_misses_variance(current_cap) - experts.predicted_misses_variance(target));
+    const double vk =
+        std::abs(kv.predicted_misses_variance(kv_at(current_cap)) - kv.predicted_misses_variance(kv_at(target)));
+    return model.expert_miss_seconds * model.expert_miss_seconds * ve +
+           model.kv_miss_seconds * model.kv_miss_seconds * vk;
+  };
   if (distance >= config.dead_zone && gain > gate * out.current_cost && gain > 0.0 &&
-      !detail::same_cost(out.current_cost, target_cost)) {
+      !detail::same_cost(out.current_cost, target_cost) && gain > config.noise_gate * std::sqrt(gain_variance())) {
     const std::uint32_t step = std::min(distance, config.rate_limit);
     next = target > current_cap ? current_cap + step : current_cap - step;
   }

@@ -205,6 +205,51 @@ TEST(DecayedReuseHistogram, ThePredictedCurveNeverRisesAndTheRatioStaysAtMostOne
   }
 }
 
+// The variance estimate is the same tail sum over squared weights: Σ_k γ^{2k}·n_k of the
+// distances ≥ c recorded k bursts ago (for a bin straddling c, its share), scaled by keep² —
+// against a brute force over the recorded (burst, distance) pairs.
+TEST(DecayedReuseHistogram, TheVarianceIsTheTailSumOfSquaredWeights) {
+  std::mt19937_64 rng(17);
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::size_t capacity = 1 + rng() % 40;
+    const std::size_t width = 1 + rng() % capacity;
+    const double decay = trial % 5 == 0 ? 1.0 : 0.5 + 0.5 * static_cast<double>(rng() % 100) / 100.0;
+    decayed_reuse_histogram h({.max_capacity = capacity, .bin_width = width, .decay = decay});
+    std::vector<std::pair<int, std::size_t>> seen;  // (burst, distance)
+    const int bursts = 1 + static_cast<int>(rng() % 6);
+    for (int b = 0; b < bursts; ++b) {
+      h.new_burst();
+      for (int i = static_cast<int>(rng() % 20); i > 0; --i) {
+        const std::size_t d = rng() % (capacity + 5);
+        h.record(d);
+        seen.emplace_back(b, d);
+      }
+    }
+    const double keep = trial % 3 == 0 ? 0.5 : 1.0;
+    h.scale(keep);
+    for (std::size_t c = 0; c <= capacity; ++c) {
+      double want = 0.0;
+      for (const auto& [b, d] : seen) {
+        const double w = std::pow(decay, 2 * (bursts - 1 - b)) * keep * keep;
+        const std::size_t lo = std::min(d, capacity) / width * width;  // its bin's first distance
+        const std::size_t hi = d >= capacity ? capacity : std::min(lo + width, capacity);
+        if (d >= capacity || lo >= c) {
+          want += w;  // wholly at or above c
+        } else if (hi > c) {
+          want += w * static_cast<double>(hi - c) / static_cast<double>(hi - lo);  // the bin's share
+        }
+      }
+      EXPECT_NEAR(h.predicted_misses_variance(c), want, 1e-9 * std::max(1.0, want))
+          << "trial " << trial << " capacity " << c;
+    }
+  }
+  decayed_reuse_histogram h({.max_capacity = 4, .bin_width = 1, .decay = 0.5});
+  h.record(1);
+  h.reset();
+  EXPECT_EQ(h.predicted_misses_variance(0), 0.0);
+  EXPECT_THROW((void)h.predicted_misses_variance(5), invalid_argument);
+}
+
 TEST(DecayedReuseHistogram, RejectsBadParametersNamingTheValue) {
   const auto message = [](decayed_reuse_histogram::config cfg) -> std::string {
     try {

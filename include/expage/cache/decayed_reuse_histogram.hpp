@@ -89,6 +89,7 @@ class decayed_reuse_histogram {
     }
     const std::size_t bin = distance >= capacity_ ? bins_.size() - 1 : distance / width_;
     bins_[bin] += 1.0;
+    squares_[bin] += 1.0;
     total_ += 1.0;
     ++warm_records_;
   }
@@ -132,6 +133,12 @@ class decayed_reuse_histogram {
   /// M̂(@p capacity): the decayed warm accesses predicted to miss with @p capacity slots. O(bins).
   /// @throws expage::invalid_argument when @p capacity is not in [0, max_capacity()].
   [[nodiscard]] double predicted_misses(std::size_t capacity) const;
+  /// An estimate of the variance of M̂(@p capacity), reading the counts as Poisson: the same sum
+  /// over the squared weights, Σ_k γ^{2k}·n_k for the n_k distances recorded k bursts ago
+  /// (Var[Σ_k γ^k·n_k] when each n_k is Poisson). The controllers' noise gate
+  /// (online_split_config::noise_gate) asks a move's predicted gain to stand above it. O(bins).
+  /// @throws expage::invalid_argument when @p capacity is not in [0, max_capacity()].
+  [[nodiscard]] double predicted_misses_variance(std::size_t capacity) const;
   /// M̂(@p capacity) / M̂(0); 0 while the histogram is empty.
   /// @throws expage::invalid_argument when @p capacity is not in [0, max_capacity()].
   [[nodiscard]] double predicted_miss_ratio(std::size_t capacity) const;
@@ -162,7 +169,11 @@ class decayed_reuse_histogram {
   std::size_t capacity_;
   std::size_t width_;
   double decay_;
-  std::vector<double> bins_;  // B in-range bins, then the tail
+  // The tail sum of @p bins above @p capacity (predicted_misses() of bins_, of squares_).
+  [[nodiscard]] double tail_sum(const std::vector<double>& bins, std::size_t capacity) const;
+
+  std::vector<double> bins_;     // B in-range bins, then the tail
+  std::vector<double> squares_;  // the same bins with squared weights: decayed by γ² (the variance's)
   double total_ = 0.0;
   std::uint64_t bursts_ = 0;
   std::uint64_t warm_records_ = 0;

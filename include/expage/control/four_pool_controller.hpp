@@ -211,6 +211,14 @@ struct four_pool_config {
   double kv_decay = 0.85;
   double gate = 0.05;           ///< Move only when the predicted gain exceeds this share of the current cost, [0, 1).
   double reversal_gate = 0.30;  ///< The gate of a move against the previous one, [gate, 1).
+  /// Noise gate z, [0, ∞): a move also needs its predicted gain above z standard deviations of
+  /// the gain's estimate, the decayed counts read as Poisson (online_split_config::noise_gate,
+  /// the same rule; terms of two different histograms count whole, their shared events twice).
+  /// Moves made on the few counts of the first bursts set the direction the reversal gate then
+  /// defends: with defaults and no noise gate, 5 of 400 stationary synthetic runs went A→B→A
+  /// (docs/control.md). On the Mixtral trace the counts are large and z = 3 changes no figure.
+  /// 0: off.
+  double noise_gate = 3.0;
   /// Most slots per layer each expert pool moves per burst, ≥ grid_step (a mode change goes at once).
   std::uint32_t rate_limit = std::numeric_limits<std::uint32_t>::max();
   std::uint32_t dead_zone = 1;  ///< Never move toward a target within this many slots in both pools, ≥ 1.
@@ -397,6 +405,8 @@ class four_pool_controller {
  private:
   [[nodiscard]] double kv_cost(std::uint64_t blocks) const;
   [[nodiscard]] double expert_cost(std::uint32_t hi, std::uint32_t lo) const;
+  // The variance of predicted_cost(a) − predicted_cost(b) (the noise gate's).
+  [[nodiscard]] double gain_variance(const four_pool_split& a, const four_pool_split& b) const;
 
   four_pool_model model_;
   four_pool_config config_;

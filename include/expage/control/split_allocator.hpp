@@ -133,7 +133,8 @@ struct online_split_config {
   std::uint32_t dead_zone = 1;   ///< Never move toward a target closer than this many experts, ≥ 1.
   /// Reversal gate: a move opposite to the previous one needs a predicted gain above this share
   /// of the current predicted cost, [gate, 1). Under stationary input the estimates still jitter
-  /// from burst to burst; a reversal must beat that noise, so an A→B→A cycle needs a real shift.
+  /// from burst to burst, by more than any fixed share where the counts are few: noise_gate is
+  /// what holds a move until the counts say its gain is real.
   double reversal_gate = 0.10;
   /// The session-mix change detector's ratio r [not in WiSP]: split_controller feeds the open
   /// sessions' KV footprint (the number of depths given to set_kv_open_depths()) to a
@@ -142,6 +143,13 @@ struct online_split_config {
   /// set no direction for the reversal gate to defend. 0: off (WiSP as written); else r > 1.
   double change_ratio = 0.0;
   double change_keep = 0.0;  ///< Share of the KV histogram kept at a detected change, [0, 1].
+  /// Noise gate z [not in WiSP], [0, ∞): a move also needs its predicted gain above z standard
+  /// deviations of the gain's estimate, the decayed counts read as Poisson
+  /// (decayed_reuse_histogram::predicted_misses_variance() of the distances between the two caps,
+  /// in each stream). A relative gate alone is beaten by the jitter of a few decayed counts, so a
+  /// controller moved, under stationary input, between caps whose costs differ by noise, and back
+  /// (A→B→A); with z the move waits until the counts say the gain is real. 0: off.
+  double noise_gate = 3.0;
 };
 
 /// @brief The KV misses a pool of @p blocks is predicted to take: the decayed histogram's warm
