@@ -28,6 +28,25 @@ void add(routing_trace& t, std::uint32_t sequence, std::uint32_t step, std::uint
       {.sequence = sequence, .step = step, .layer = layer, .phase = phase, .experts = experts, .weights = weights});
 }
 
+// The fields of one event of a top-2, 8-expert trace, every optional field present.
+struct full_event {
+  std::array<std::uint32_t, 2> experts = {6, 5};
+  std::array<float, 2> weights = {0.7F, 0.3F};
+  std::array<float, 8> probabilities = {0.3F, 0.0F, 0.0F, 0.0F, 0.0F, 0.2F, 0.5F, 0.0F};
+  std::array<float, 3> sketch = {-1.5F, 0.0F, 2.25F};
+  [[nodiscard]] routing_event at(std::uint32_t sequence, std::uint32_t step, std::uint32_t layer,
+                                 routing_phase phase = routing_phase::decode) const {
+    return {.sequence = sequence,
+            .step = step,
+            .layer = layer,
+            .phase = phase,
+            .experts = experts,
+            .weights = weights,
+            .probabilities = probabilities,
+            .sketch = sketch};
+  }
+};
+
 TEST(RoutingTrace, StartsEmptyWithItsDimensions) {
   const routing_trace t(expage::moe_geometry::mixtral_8x7b());
   EXPECT_EQ(t.layers(), 32U);
@@ -53,29 +72,12 @@ TEST(RoutingTrace, RejectsBadDimensions) {
 
 TEST(RoutingTrace, AppendCopiesTheEventAndIndexingReturnsIt) {
   routing_trace t(4, 8, 2);
-  const std::array<std::uint32_t, 2> experts = {6, 5};
-  const std::array<float, 2> weights = {0.7F, 0.3F};
-  std::array<float, 8> probabilities{};
-  probabilities[6] = 0.5F;
-  probabilities[5] = 0.2F;
-  probabilities[0] = 0.3F;
-  const std::array<float, 3> sketch = {-1.5F, 0.0F, 2.25F};
-  t.append({.sequence = 3,
-            .step = 9,
-            .layer = 2,
-            .phase = routing_phase::prefill,
-            .experts = experts,
-            .weights = weights,
-            .probabilities = probabilities,
-            .sketch = sketch});
+  const full_event fields;
+  t.append(fields.at(3, 9, 2, routing_phase::prefill));
   const std::array<float, 8> uniform = {0.125F, 0.125F, 0.125F, 0.125F, 0.125F, 0.125F, 0.125F, 0.125F};
-  t.append({.sequence = 3,
-            .step = 10,
-            .layer = 2,
-            .experts = experts,
-            .weights = weights,
-            .probabilities = uniform,
-            .sketch = sketch});
+  routing_event second = fields.at(3, 10, 2);
+  second.probabilities = uniform;
+  t.append(second);
   ASSERT_EQ(t.size(), 2U);
   const routing_event e = t[0];
   EXPECT_EQ(e.sequence, 3U);
@@ -100,20 +102,8 @@ TEST(RoutingTrace, AppendCopiesTheEventAndIndexingReturnsIt) {
 // it points into grow during the call, so append() must copy it before they move.
 TEST(RoutingTrace, AppendAcceptsAViewOfItsOwnEventAcrossAGrowth) {
   routing_trace t(4, 8, 2);
-  const std::array<std::uint32_t, 2> experts = {6, 5};
-  const std::array<float, 2> weights = {0.7F, 0.3F};
-  std::array<float, 8> probabilities{};
-  probabilities[6] = 0.5F;
-  probabilities[5] = 0.2F;
-  probabilities[0] = 0.3F;
-  const std::array<float, 3> sketch = {-1.5F, 0.0F, 2.25F};
-  t.append({.sequence = 0,
-            .step = 0,
-            .layer = 0,
-            .experts = experts,
-            .weights = weights,
-            .probabilities = probabilities,
-            .sketch = sketch});
+  const full_event fields;
+  t.append(fields.at(0, 0, 0));
   for (std::uint32_t step = 1; step < 40; ++step) {  // past several reallocations of every array
     routing_event e = t[step - 1];
     e.step = step;
@@ -123,8 +113,8 @@ TEST(RoutingTrace, AppendAcceptsAViewOfItsOwnEventAcrossAGrowth) {
   for (const routing_event& e : t) {
     EXPECT_THAT(e.experts, ::testing::ElementsAre(6U, 5U)) << "step " << e.step;
     EXPECT_THAT(e.weights, ::testing::ElementsAre(0.7F, 0.3F)) << "step " << e.step;
-    EXPECT_THAT(e.probabilities, ::testing::ElementsAreArray(probabilities)) << "step " << e.step;
-    EXPECT_THAT(e.sketch, ::testing::ElementsAreArray(sketch)) << "step " << e.step;
+    EXPECT_THAT(e.probabilities, ::testing::ElementsAreArray(fields.probabilities)) << "step " << e.step;
+    EXPECT_THAT(e.sketch, ::testing::ElementsAreArray(fields.sketch)) << "step " << e.step;
   }
 }
 
