@@ -7,7 +7,12 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <bit>
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
 
 namespace expage {
 namespace {
@@ -40,6 +45,23 @@ TEST(LfruPolicy, ScoresHalveOncePerHalfLife) {
 }
 
 // LFRU sits between LFU and LRU. Half-life 2 groups, victims chosen at time 6 (epoch 3).
+// The aging multiplies by 2^−age instead of calling ldexp: the same doubles, bit for bit, at every
+// age, for values whose aged score is normal, subnormal or zero.
+TEST(LfruPolicy, AgingEqualsLdexpBitForBit) {
+  std::mt19937_64 rng(5);
+  std::vector<double> values = {
+      0.0, 1.0, 1.5, 3.0, 0.75, 1e6, 123456.789, 0x1.fffffffffffffp+30, std::numeric_limits<double>::min()};
+  for (int i = 0; i < 200; ++i)
+    values.push_back(std::ldexp(static_cast<double>(rng() >> 11), -static_cast<int>(rng() % 80)));
+  for (const double v : values) {
+    for (std::uint64_t age = 0; age <= 2100; ++age) {
+      const double want = age >= 2048 ? 0.0 : std::ldexp(v, -static_cast<int>(age));
+      const double got = detail::lfru_age(v, 5, 5 + age);
+      ASSERT_EQ(std::bit_cast<std::uint64_t>(got), std::bit_cast<std::uint64_t>(want)) << v << " aged " << age;
+    }
+  }
+}
+
 TEST(LfruPolicy, WeighsFrequencyByRecency) {
   const std::uint8_t none[8] = {};
   const access_context now{.time = 6};

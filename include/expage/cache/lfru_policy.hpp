@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -21,6 +22,10 @@ namespace detail {
 // per epoch (exact: a power-of-two scaling, until it underflows far below any fresh score).
 [[nodiscard]] inline double lfru_age(double value, std::uint64_t from, std::uint64_t to) noexcept {
   const std::uint64_t age = to - from;
+  if (age == 0) return value;  // the newer side of every comparison
+  // 2^−age as a normal double, multiplied: ldexp's result (exact, or rounded once where it falls
+  // among the subnormals) without its libm call, which was 15% of an LFRU replay.
+  if (age <= 1022) return value * std::bit_cast<double>((std::uint64_t{1023} - age) << 52);
   return age >= 2048 ? 0.0 : std::ldexp(value, -static_cast<int>(age));
 }
 
