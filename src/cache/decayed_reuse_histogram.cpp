@@ -80,7 +80,8 @@ void decayed_reuse_histogram::throw_marginal_out_of_range(std::size_t capacity) 
       fmt::format("decayed_reuse_histogram: marginal at capacity {} out of range [0, {})", capacity, capacity_));
 }
 
-double decayed_reuse_histogram::tail_sum(const std::vector<double>& bins, std::size_t capacity) const {
+double decayed_reuse_histogram::tail_sum(const std::vector<double>& bins, std::size_t capacity,
+                                         bool squared_share) const {
   check_capacity(capacity);
   const std::size_t first = capacity / width_;  // the bin holding distance `capacity` (or the tail)
   // The tail, then the bins from the top down: every capacity adds the same terms in the same
@@ -88,19 +89,22 @@ double decayed_reuse_histogram::tail_sum(const std::vector<double>& bins, std::s
   double sum = bins.back();
   for (std::size_t b = bin_count(); b-- > first + 1;) sum += bins[b];
   if (first < bin_count()) {
-    // Uniform within the bin: the share of its distances that are ≥ capacity (for the squares,
-    // the variance of that share of a Poisson count: the same share of its variance).
+    // Uniform within the bin: the share s of its distances that are ≥ capacity. M̂ holds s·h_b, so
+    // its variance holds s²·Var(h_b).
     const std::size_t lo = first * width_;
     const std::size_t hi = bin_upper(first);
-    sum += bins[first] * static_cast<double>(hi - capacity) / static_cast<double>(hi - lo);
+    const double share = static_cast<double>(hi - capacity) / static_cast<double>(hi - lo);
+    sum += bins[first] * (squared_share ? share * share : share);
   }
   return sum;
 }
 
-double decayed_reuse_histogram::predicted_misses(std::size_t capacity) const { return tail_sum(bins_, capacity); }
+double decayed_reuse_histogram::predicted_misses(std::size_t capacity) const {
+  return tail_sum(bins_, capacity, false);
+}
 
 double decayed_reuse_histogram::predicted_misses_variance(std::size_t capacity) const {
-  return tail_sum(squares_, capacity);
+  return tail_sum(squares_, capacity, true);
 }
 
 double decayed_reuse_histogram::predicted_miss_ratio(std::size_t capacity) const {

@@ -528,11 +528,15 @@ four_pool_decision four_pool_controller::step() const {
   const double gate =
       !continuing && last_move_ != 0 && dir != 0 && dir != last_move_ ? config_.reversal_gate : config_.gate;
   const bool forced = any_feasible && !feasible(d.current_hi_coverage);
-  if (!forced &&
-      !(gain > 0.0 && gain > gate * d.current_cost && !detail::same_cost(d.current_cost, d.target_cost) &&
-        (config_.noise_gate == 0.0 || gain > config_.noise_gate * std::sqrt(gain_variance(current_, d.target))))) {
+  if (!forced && !(gain > 0.0 && gain > gate * d.current_cost && !detail::same_cost(d.current_cost, d.target_cost))) {
     return d;
   }
+  // The noise gate (not when forced): the gain to the target stands above the noise, or else the
+  // step taken does on its own (below: a rate-limited step can be certain where the target is not).
+  const auto significant = [&](const four_pool_split& to, double g) {
+    return config_.noise_gate == 0.0 || g > config_.noise_gate * std::sqrt(gain_variance(current_, to));
+  };
+  const bool target_significant = forced || significant(d.target, gain);
   const std::uint32_t away = slot_distance(current_, d.target);
   if (!forced && away < config_.dead_zone) return d;
   four_pool_split next = d.target;
@@ -597,6 +601,13 @@ four_pool_decision four_pool_controller::step() const {
     }
     if (!step) return d;
     next = step->second;
+  }
+  if (!target_significant) {
+    const double step_gain = d.current_cost - predicted_cost(next);
+    if (next == d.target || !(step_gain > 0.0 && !detail::same_cost(d.current_cost, predicted_cost(next)) &&
+                              significant(next, step_gain))) {
+      return d;
+    }
   }
   d.split = next;
   d.moved = !(next == current_);

@@ -243,25 +243,34 @@ online_split_decision online_split_step(const split_model& model, const online_s
   std::uint32_t next = current_cap;
   const int direction = target > current_cap ? 1 : -1;
   const double gate = previous_move != 0 && direction != previous_move ? config.reversal_gate : config.gate;
-  // The noise gate: the gain's estimate differs between the two caps by the counts of the
-  // distances between them, in each stream; read as Poisson, its variance is those bins' squared
-  // weights (predicted_misses_variance()), weighted by each stream's cost squared.
-  const auto gain_variance = [&] {
-    if (config.noise_gate == 0.0) return 0.0;
+  // The noise gate: the gain's estimate differs between two caps by the counts of the distances
+  // between them, in each stream; read as Poisson, its variance is those bins' squared weights
+  // (predicted_misses_variance()), weighted by each stream's cost squared.
+  const auto significant = [&](std::uint32_t to, double g) {
+    if (config.noise_gate == 0.0) return true;
     const auto kv_at = [&](std::uint32_t c) {
       return static_cast<std::size_t>(std::min<std::uint64_t>(kv_blocks(model, c), kv.max_capacity()));
     };
-    const double ve =
-        std::abs(experts.predicted_misses_variance(current_cap) - experts.predicted_misses_variance(target));
+    const double ve = std::abs(experts.predicted_misses_variance(current_cap) - experts.predicted_misses_variance(to));
     const double vk =
-        std::abs(kv.predicted_misses_variance(kv_at(current_cap)) - kv.predicted_misses_variance(kv_at(target)));
-    return model.expert_miss_seconds * model.expert_miss_seconds * ve +
-           model.kv_miss_seconds * model.kv_miss_seconds * vk;
+        std::abs(kv.predicted_misses_variance(kv_at(current_cap)) - kv.predicted_misses_variance(kv_at(to)));
+    const double variance =
+        model.expert_miss_seconds * model.expert_miss_seconds * ve + model.kv_miss_seconds * model.kv_miss_seconds * vk;
+    return g > config.noise_gate * std::sqrt(variance);
   };
   if (distance >= config.dead_zone && gain > gate * out.current_cost && gain > 0.0 &&
-      !detail::same_cost(out.current_cost, target_cost) && gain > config.noise_gate * std::sqrt(gain_variance())) {
+      !detail::same_cost(out.current_cost, target_cost)) {
     const std::uint32_t step = std::min(distance, config.rate_limit);
     next = target > current_cap ? current_cap + step : current_cap - step;
+    // The gain to the target stands above the noise, or else the step taken does on its own (a
+    // rate-limited step can be certain where the target is not: known open KV blocks, say).
+    if (!significant(target, gain)) {
+      const double step_gain = out.current_cost - cost(next);
+      if (next == target ||
+          !(step_gain > 0.0 && !detail::same_cost(out.current_cost, cost(next)) && significant(next, step_gain))) {
+        next = current_cap;
+      }
+    }
   }
   out.split = make_split(model, next, cost(next));
   out.moved = next != current_cap;

@@ -98,17 +98,23 @@ void routing_trace::append(const routing_event& event) {
   std::vector<float> own_weights;
   std::vector<float> own_probabilities;
   std::vector<float> own_sketch;
-  const auto detach = [](const auto& storage, auto& view, auto& copy) {
+  const auto inside = [](const auto& storage, auto view) {
     const std::less<> before;
-    if (!view.empty() && !before(view.data(), storage.data()) && before(view.data(), storage.data() + storage.size())) {
-      copy.assign(view.begin(), view.end());
-      view = copy;
-    }
+    return !view.empty() && !before(view.data(), storage.data()) &&
+           before(view.data(), storage.data() + storage.size());
   };
-  detach(experts_, e.experts, own_experts);
-  detach(weights_, e.weights, own_weights);
-  detach(probabilities_, e.probabilities, own_probabilities);
-  detach(sketch_, e.sketch, own_sketch);
+  const auto detach = [](auto& view, auto& copy) {
+    copy.assign(view.begin(), view.end());
+    view = copy;
+  };
+  if (inside(experts_, e.experts)) detach(e.experts, own_experts);
+  // A float view may point into any of the float arrays (a sketch taken from the weights, say).
+  const auto own_floats = [&](std::span<const float> view) {
+    return inside(weights_, view) || inside(probabilities_, view) || inside(sketch_, view);
+  };
+  if (own_floats(e.weights)) detach(e.weights, own_weights);
+  if (own_floats(e.probabilities)) detach(e.probabilities, own_probabilities);
+  if (own_floats(e.sketch)) detach(e.sketch, own_sketch);
   // Strong guarantee: grow every array first (may throw), then push (cannot throw).
   const std::size_t n = size() + 1;
   const auto grow = [](auto& v, std::size_t count) {

@@ -206,7 +206,7 @@ TEST(DecayedReuseHistogram, ThePredictedCurveNeverRisesAndTheRatioStaysAtMostOne
 }
 
 // The variance estimate is the same tail sum over squared weights: Σ_k γ^{2k}·n_k of the
-// distances ≥ c recorded k bursts ago (for a bin straddling c, its share), scaled by keep² —
+// distances ≥ c recorded k bursts ago (for a bin straddling c, its share squared), scaled by keep² —
 // against a brute force over the recorded (burst, distance) pairs.
 TEST(DecayedReuseHistogram, TheVarianceIsTheTailSumOfSquaredWeights) {
   std::mt19937_64 rng(17);
@@ -236,7 +236,8 @@ TEST(DecayedReuseHistogram, TheVarianceIsTheTailSumOfSquaredWeights) {
         if (d >= capacity || lo >= c) {
           want += w;  // wholly at or above c
         } else if (hi > c) {
-          want += w * static_cast<double>(hi - c) / static_cast<double>(hi - lo);  // the bin's share
+          const double share = static_cast<double>(hi - c) / static_cast<double>(hi - lo);
+          want += w * share * share;  // M̂ holds the bin's share of the count: its variance, share²
         }
       }
       EXPECT_NEAR(h.predicted_misses_variance(c), want, 1e-9 * std::max(1.0, want))

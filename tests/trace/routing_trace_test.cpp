@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <iterator>
 #include <limits>
+#include <span>
 #include <vector>
 
 namespace {
@@ -115,6 +116,25 @@ TEST(RoutingTrace, AppendAcceptsAViewOfItsOwnEventAcrossAGrowth) {
     EXPECT_THAT(e.weights, ::testing::ElementsAre(0.7F, 0.3F)) << "step " << e.step;
     EXPECT_THAT(e.probabilities, ::testing::ElementsAreArray(fields.probabilities)) << "step " << e.step;
     EXPECT_THAT(e.sketch, ::testing::ElementsAreArray(fields.sketch)) << "step " << e.step;
+  }
+}
+
+// A view into another of the trace's arrays: a sketch of two floats taken from the weights.
+TEST(RoutingTrace, AppendAcceptsAViewIntoAnotherOfItsArrays) {
+  routing_trace t(4, 8, 2);
+  const full_event fields;
+  routing_event first = fields.at(0, 0, 0);
+  first.probabilities = {};
+  first.sketch = std::span<const float>(fields.sketch).first(2);
+  t.append(first);
+  for (std::uint32_t step = 1; step < 40; ++step) {
+    routing_event e = t[step - 1];
+    e.step = step;
+    e.sketch = e.weights;
+    t.append(e);
+  }
+  for (std::uint32_t step = 1; step < 40; ++step) {
+    EXPECT_THAT(t[step].sketch, ::testing::ElementsAre(0.7F, 0.3F)) << "step " << step;
   }
 }
 

@@ -5,6 +5,7 @@
 #include "expage/stream/host_stream.hpp"
 #include "expage/vmm/host_vmm.hpp"
 #include "expage/vmm/layer_pipeline.hpp"
+#include "expage/vmm/vmm_block_pool.hpp"
 
 #include <gtest/gtest.h>
 
@@ -111,6 +112,27 @@ TEST(LayerPipelineFaults, AnAllocationFailureAnywhereInMaterializeLeavesTheLayer
   }
   r.pipe.drain();
   EXPECT_GT(failures, 80);
+}
+
+// vmm_block_pool::acquire() whose own allocations fail (the lease's block list, then the room of
+// the free list) leaves the budget's counters as they were: both come before the budget is
+// asked. (The free list's room came after it, and a failure there raised its peak.)
+TEST(VmmBlockPoolFaults, AFailedAllocationLeavesTheBudgetsCountersAsTheyWere) {
+  if (!failing_new_available) GTEST_SKIP() << "replaces operator new: not under a sanitizer";
+  for (int k = 1; k <= 2; ++k) {
+    host_vmm vmm{{.granularity = 64_KiB}};
+    budget_tracker budget{1_GiB};
+    vmm_block_pool pool(vmm, budget.root(), {.max_blocks = 8});
+    fail_allocation(k);
+    EXPECT_THROW((void)pool.acquire(3), std::bad_alloc) << "allocation " << k;
+    stop_failing_allocations();
+    const auto s = budget.root().statistics();
+    EXPECT_EQ(s.peak, 0U) << "allocation " << k;
+    EXPECT_EQ(s.reservations, 0U) << "allocation " << k;
+    EXPECT_EQ(pool.created(), 0U);
+    auto lease = pool.acquire(3);  // and the pool works
+    EXPECT_EQ(lease.size(), 3U);
+  }
 }
 
 }  // namespace

@@ -135,7 +135,8 @@ class decayed_reuse_histogram {
   [[nodiscard]] double predicted_misses(std::size_t capacity) const;
   /// An estimate of the variance of M̂(@p capacity), reading the counts as Poisson: the same sum
   /// over the squared weights, Σ_k γ^{2k}·n_k for the n_k distances recorded k bursts ago
-  /// (Var[Σ_k γ^k·n_k] when each n_k is Poisson). The controllers' noise gate
+  /// (Var[Σ_k γ^k·n_k] when each n_k is Poisson), the bin straddling @p capacity by its share
+  /// squared (M̂ holds that share of its count). The controllers' noise gate
   /// (online_split_config::noise_gate) asks a move's predicted gain to stand above it. O(bins).
   /// @throws expage::invalid_argument when @p capacity is not in [0, max_capacity()].
   [[nodiscard]] double predicted_misses_variance(std::size_t capacity) const;
@@ -169,8 +170,9 @@ class decayed_reuse_histogram {
   std::size_t capacity_;
   std::size_t width_;
   double decay_;
-  // The tail sum of @p bins above @p capacity (predicted_misses() of bins_, of squares_).
-  [[nodiscard]] double tail_sum(const std::vector<double>& bins, std::size_t capacity) const;
+  // The tail sum of @p bins above @p capacity (predicted_misses() of bins_, of squares_: the
+  // share of the bin straddling @p capacity squared, @p squared_share).
+  [[nodiscard]] double tail_sum(const std::vector<double>& bins, std::size_t capacity, bool squared_share) const;
 
   std::vector<double> bins_;     // B in-range bins, then the tail
   std::vector<double> squares_;  // the same bins with squared weights: decayed by γ² (the variance's)

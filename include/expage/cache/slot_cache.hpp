@@ -84,9 +84,10 @@ struct slot_cache_statistics {
 /// The caller then has no loads to issue, so none of the group's misses stays
 /// in the map: the experts it had placed are absent again and their slots
 /// free; the victims chosen so far stay evicted (their slots free too), hits
-/// keep their re-ranking, and the statistics count those evictions and not
-/// the group (basic guarantee: consistent, and the map claims no copy that
-/// was not issued).
+/// keep their re-ranking, policies that count accesses across evictions
+/// (LFU, LFRU, fMoE) keep the undone misses counted, and the statistics count
+/// those evictions and not the group (basic guarantee: consistent, and the
+/// map claims no copy that was not issued).
 ///
 /// @code
 /// expage::slot_cache<expage::lru_policy> cache(expage::moe_geometry::mixtral_8x7b(),

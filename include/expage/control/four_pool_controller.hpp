@@ -214,10 +214,11 @@ struct four_pool_config {
   /// Noise gate z, [0, ∞): a move also needs its predicted gain above z standard deviations of
   /// the gain's estimate, the decayed counts read as Poisson (online_split_config::noise_gate,
   /// the same rule; terms of two different histograms count whole, their shared events twice).
-  /// Moves made on the few counts of the first bursts set the direction the reversal gate then
-  /// defends: with defaults and no noise gate, 5 of 400 stationary synthetic runs went A→B→A
-  /// (docs/control.md). On the Mixtral trace the counts are large and z = 3 changes no figure.
-  /// 0: off.
+  /// A move made on a few bursts' counts sets the direction the reversal gate then defends: with
+  /// defaults and no noise gate, 1 of 400 stationary synthetic runs returned to a split it had
+  /// left, none with z = 3 (docs/control.md). Where the target is not significant, a rate-limited
+  /// step whose own gain is still goes. On the Mixtral trace the counts are large: z = 3 delayed
+  /// the first move by a burst in two runs, and moved no other figure. 0: off.
   double noise_gate = 3.0;
   /// Most slots per layer each expert pool moves per burst, ≥ grid_step (a mode change goes at once).
   std::uint32_t rate_limit = std::numeric_limits<std::uint32_t>::max();

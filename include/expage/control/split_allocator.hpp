@@ -148,7 +148,9 @@ struct online_split_config {
   /// (decayed_reuse_histogram::predicted_misses_variance() of the distances between the two caps,
   /// in each stream). A relative gate alone is beaten by the jitter of a few decayed counts, so a
   /// controller moved, under stationary input, between caps whose costs differ by noise, and back
-  /// (A→B→A); with z the move waits until the counts say the gain is real. 0: off.
+  /// (A→B→A); with z the move waits until the counts say the gain is real. Where the gain to the
+  /// target is not significant, a rate-limited step whose own gain is still goes (a step onto
+  /// known open KV blocks, say). 0: off.
   double noise_gate = 3.0;
 };
 

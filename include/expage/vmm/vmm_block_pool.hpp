@@ -160,12 +160,12 @@ class vmm_block_pool {
           fmt::format("vmm_block_pool: {} blocks requested, {} free and {} more may be created (max {})", n,
                       free_.size(), options_.max_blocks - created_, options_.max_blocks));
     }
-    out.charge_ = account_->reserve(n * vmm_->granularity());  // lock-free; before any block is created
     // Room for every block this pool will have created, before creating any: give_back() then
-    // never reallocates, and a bad_alloc here leaves nothing to undo (the charge is released).
+    // never reallocates. Before the budget too: a bad_alloc here leaves even its counters as they were.
     if (free_.capacity() < created_ + missing) {
       free_.reserve(std::max(created_ + missing, std::min(options_.max_blocks, 2 * free_.capacity())));
     }
+    out.charge_ = account_->reserve(n * vmm_->granularity());  // lock-free; before any block is created
     std::size_t made = 0;
     try {
       for (; made < missing; ++made) free_.push_back(vmm_->create());  // capacity reserved: no reallocation
