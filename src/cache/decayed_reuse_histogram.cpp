@@ -103,6 +103,27 @@ double decayed_reuse_histogram::predicted_misses(std::size_t capacity) const {
   return tail_sum(bins_, capacity, false);
 }
 
+double decayed_reuse_histogram::predicted_difference_variance(std::size_t a, std::size_t b) const {
+  check_capacity(a);
+  check_capacity(b);
+  const std::size_t lo = std::min(a, b);
+  const std::size_t hi = std::max(a, b);
+  // The share of bin [first, last) at or above c.
+  const auto share = [](std::size_t first, std::size_t last, std::size_t c) {
+    if (c <= first) return 1.0;
+    if (c >= last) return 0.0;
+    return static_cast<double>(last - c) / static_cast<double>(last - first);
+  };
+  double variance = 0.0;
+  for (std::size_t bin = lo / width_; bin < bin_count() && bin * width_ < hi; ++bin) {
+    const std::size_t first = bin * width_;
+    const std::size_t last = bin_upper(bin);
+    const double d = share(first, last, lo) - share(first, last, hi);
+    variance += d * d * squares_[bin];
+  }
+  return variance;
+}
+
 double decayed_reuse_histogram::predicted_misses_variance(std::size_t capacity) const {
   return tail_sum(squares_, capacity, true);
 }

@@ -429,16 +429,15 @@ double four_pool_controller::gain_variance(const four_pool_split& a, const four_
   double variance = 0.0;
   for (const term& p : x) {
     if (p.histogram == nullptr) continue;
-    const double vp = p.histogram->predicted_misses_variance(p.capacity);
     bool found = false;
     for (std::size_t j = 0; j < y.size() && !found; ++j) {
       const term& q = y[j];
       if (paired[j] || q.histogram != p.histogram || q.weight != p.weight) continue;
       // One histogram's two tail sums differ by the distances between the two capacities.
-      variance += p.weight * p.weight * std::abs(vp - q.histogram->predicted_misses_variance(q.capacity));
+      variance += p.weight * p.weight * p.histogram->predicted_difference_variance(p.capacity, q.capacity);
       paired[j] = found = true;
     }
-    if (!found) variance += p.weight * p.weight * vp;
+    if (!found) variance += p.weight * p.weight * p.histogram->predicted_misses_variance(p.capacity);
   }
   for (std::size_t j = 0; j < y.size(); ++j) {
     if (!paired[j] && y[j].histogram != nullptr) {

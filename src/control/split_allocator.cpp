@@ -245,15 +245,14 @@ online_split_decision online_split_step(const split_model& model, const online_s
   const double gate = previous_move != 0 && direction != previous_move ? config.reversal_gate : config.gate;
   // The noise gate: the gain's estimate differs between two caps by the counts of the distances
   // between them, in each stream; read as Poisson, its variance is those bins' squared weights
-  // (predicted_misses_variance()), weighted by each stream's cost squared.
+  // (predicted_difference_variance()), weighted by each stream's cost squared.
   const auto significant = [&](std::uint32_t to, double g) {
     if (config.noise_gate == 0.0) return true;
     const auto kv_at = [&](std::uint32_t c) {
       return static_cast<std::size_t>(std::min<std::uint64_t>(kv_blocks(model, c), kv.max_capacity()));
     };
-    const double ve = std::abs(experts.predicted_misses_variance(current_cap) - experts.predicted_misses_variance(to));
-    const double vk =
-        std::abs(kv.predicted_misses_variance(kv_at(current_cap)) - kv.predicted_misses_variance(kv_at(to)));
+    const double ve = experts.predicted_difference_variance(current_cap, to);
+    const double vk = kv.predicted_difference_variance(kv_at(current_cap), kv_at(to));
     const double variance =
         model.expert_miss_seconds * model.expert_miss_seconds * ve + model.kv_miss_seconds * model.kv_miss_seconds * vk;
     return g > config.noise_gate * std::sqrt(variance);

@@ -243,12 +243,33 @@ TEST(DecayedReuseHistogram, TheVarianceIsTheTailSumOfSquaredWeights) {
       EXPECT_NEAR(h.predicted_misses_variance(c), want, 1e-9 * std::max(1.0, want))
           << "trial " << trial << " capacity " << c;
     }
+    // The difference of two tails: each record by the difference of its bin's shares at the two
+    // capacities, squared (1 or 0 with unit bins: the records between them).
+    const auto share = [&](std::size_t d, std::size_t c) {
+      if (d >= capacity) return 1.0;
+      const std::size_t lo = d / width * width;
+      const std::size_t hi = std::min(lo + width, capacity);
+      return c <= lo ? 1.0 : c >= hi ? 0.0 : static_cast<double>(hi - c) / static_cast<double>(hi - lo);
+    };
+    for (int pair = 0; pair < 20; ++pair) {
+      const std::size_t a = rng() % (capacity + 1);
+      const std::size_t b = rng() % (capacity + 1);
+      double want = 0.0;
+      for (const auto& [burst, d] : seen) {
+        const double diff = share(d, a) - share(d, b);
+        want += std::pow(decay, 2 * (bursts - 1 - burst)) * keep * keep * diff * diff;
+      }
+      EXPECT_NEAR(h.predicted_difference_variance(a, b), want, 1e-9 * std::max(1.0, want))
+          << "trial " << trial << " caps " << a << ", " << b;
+      EXPECT_EQ(h.predicted_difference_variance(a, b), h.predicted_difference_variance(b, a));
+    }
   }
   decayed_reuse_histogram h({.max_capacity = 4, .bin_width = 1, .decay = 0.5});
   h.record(1);
   h.reset();
   EXPECT_EQ(h.predicted_misses_variance(0), 0.0);
   EXPECT_THROW((void)h.predicted_misses_variance(5), invalid_argument);
+  EXPECT_THROW((void)h.predicted_difference_variance(0, 5), invalid_argument);
 }
 
 TEST(DecayedReuseHistogram, RejectsBadParametersNamingTheValue) {

@@ -334,6 +334,32 @@ TEST(OnlineSplitStep, NoStationaryRunReturnsToACapItLeft) {
   }
 }
 
+// The noise gate reads the variance of the gain's estimate itself: one block more of a 16-wide KV
+// bin is 1/16 of the bin's count, (1/16)² of its variance, at the bin's foot as at its top.
+// (Differencing the two tails' variances, each with its straddled bin's share squared, gave 19.4
+// at the foot and 1.9 at the top, and refused the move at the foot.)
+TEST(OnlineSplitStep, TheNoiseGateReadsAWideBinAlikeWhereverTheCapFalls) {
+  for (const std::uint64_t budget : {119U, 217U}) {  // cap 1 leaves 16 blocks, or 30
+    const split_model m{.budget_bytes = budget,
+                        .experts_per_layer = 8,
+                        .slot_bytes = 7,
+                        .block_bytes = 7,
+                        .kv_floor_bytes = 7,
+                        .expert_miss_seconds = 1.0,
+                        .kv_miss_seconds = 1.0};
+    decayed_reuse_histogram experts({.max_capacity = 8, .bin_width = 1, .decay = 1.0});
+    decayed_reuse_histogram kv({.max_capacity = 64, .bin_width = 16, .decay = 1.0});
+    for (std::size_t d = 16; d < 32; ++d) {
+      for (int i = 0; i < 10; ++i) kv.record(d);
+    }
+    const std::size_t from = kv_blocks(m, 1);
+    EXPECT_DOUBLE_EQ(kv.predicted_difference_variance(from, from + 1), 160.0 / 256.0) << budget;
+    const auto d = online_split_step(m, {}, experts, kv, 1);
+    EXPECT_DOUBLE_EQ(d.current_cost - d.target_cost, 10.0) << budget;
+    EXPECT_TRUE(d.moved) << "a gain of 10 against 3σ = 2.4, at " << from << " blocks";
+  }
+}
+
 TEST(OnlineSplitStep, CrossesABimodalGapWhereThePointMarginalIsZero) {
   // Expert reuse: distance 0 or 6, nothing in between; at cap 2 the point marginal reads 0.
   decayed_reuse_histogram eh({.max_capacity = 8, .bin_width = 1, .decay = 1.0});

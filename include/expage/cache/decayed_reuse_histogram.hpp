@@ -136,10 +136,16 @@ class decayed_reuse_histogram {
   /// An estimate of the variance of M̂(@p capacity), reading the counts as Poisson: the same sum
   /// over the squared weights, Σ_k γ^{2k}·n_k for the n_k distances recorded k bursts ago
   /// (Var[Σ_k γ^k·n_k] when each n_k is Poisson), the bin straddling @p capacity by its share
-  /// squared (M̂ holds that share of its count). The controllers' noise gate
-  /// (online_split_config::noise_gate) asks a move's predicted gain to stand above it. O(bins).
+  /// squared (M̂ holds that share of its count). O(bins).
   /// @throws expage::invalid_argument when @p capacity is not in [0, max_capacity()].
   [[nodiscard]] double predicted_misses_variance(std::size_t capacity) const;
+  /// The variance of M̂(@p a) − M̂(@p b), the same reading: Σ over the bins between the two
+  /// capacities of (s_b(a) − s_b(b))²·(squared-weight count of b), s_b(c) being the share of bin b
+  /// at or above c (1 above c, 0 below, a fraction for the bin straddling c). With unit bins, the
+  /// squared-weight count of the distances in [min(a, b), max(a, b)). What the noise gate asks of
+  /// a move's gain (a difference of two tails of one histogram). O(bins between).
+  /// @throws expage::invalid_argument when @p a or @p b is not in [0, max_capacity()].
+  [[nodiscard]] double predicted_difference_variance(std::size_t a, std::size_t b) const;
   /// M̂(@p capacity) / M̂(0); 0 while the histogram is empty.
   /// @throws expage::invalid_argument when @p capacity is not in [0, max_capacity()].
   [[nodiscard]] double predicted_miss_ratio(std::size_t capacity) const;

@@ -145,7 +145,7 @@ struct online_split_config {
   double change_keep = 0.0;  ///< Share of the KV histogram kept at a detected change, [0, 1].
   /// Noise gate z [not in WiSP], [0, ∞): a move also needs its predicted gain above z standard
   /// deviations of the gain's estimate, the decayed counts read as Poisson
-  /// (decayed_reuse_histogram::predicted_misses_variance() of the distances between the two caps,
+  /// (decayed_reuse_histogram::predicted_difference_variance() of the two caps' predicted misses,
   /// in each stream). A relative gate alone is beaten by the jitter of a few decayed counts, so a
   /// controller moved, under stationary input, between caps whose costs differ by noise, and back
   /// (A→B→A); with z the move waits until the counts say the gain is real. Where the gain to the
