@@ -285,6 +285,21 @@ void BM_Split_Online(benchmark::State& state) {
 }
 BENCHMARK(BM_Split_Online)->Unit(benchmark::kMillisecond);
 
+// The same run without the controller's noise gate (online_split_config::noise_gate = 0): what
+// the gate's variance sums cost per burst, beside BM_Split_Online.
+void BM_Split_Online_NoNoiseGate(benchmark::State& state) {
+  const auto w = split_workload();
+  expage::online_split_options options;
+  options.controller.noise_gate = 0.0;
+  for (auto _ : state) {
+    const auto r = expage::run_online_split(w, options);
+    benchmark::DoNotOptimize(r.expert_stall_seconds);
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(stream().events()));
+  state.SetLabel("routing events");
+}
+BENCHMARK(BM_Split_Online_NoNoiseGate)->Unit(benchmark::kMillisecond);
+
 // The per-phase hindsight oracle over the grid already run (what expage-plan adds beside the
 // grid): per phase, the cheapest run's burst costs summed. Against BM_Split_Static, the cost of
 // one grid point.

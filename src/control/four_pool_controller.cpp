@@ -63,9 +63,7 @@ void check_config(const four_pool_config& c) {
     throw invalid_argument(
         fmt::format("four_pool_controller: reversal_gate {} out of range [gate = {}, 1)", c.reversal_gate, c.gate));
   }
-  if (!(c.noise_gate >= 0.0 && c.noise_gate < std::numeric_limits<double>::infinity())) {
-    throw invalid_argument(fmt::format("four_pool_controller: noise_gate {} out of range [0, inf)", c.noise_gate));
-  }
+  detail::check_noise_gate(c.noise_gate, "four_pool_controller");
   if (c.rate_limit == 0) throw invalid_argument("four_pool_controller: rate_limit 0 out of range [1, 2^32)");
   if (c.dead_zone == 0) throw invalid_argument("four_pool_controller: dead_zone 0 out of range [1, 2^32)");
   if (c.grid_step == 0) throw invalid_argument("four_pool_controller: grid_step 0 out of range [1, 2^32)");
@@ -602,9 +600,10 @@ four_pool_decision four_pool_controller::step() const {
     next = step->second;
   }
   if (!target_significant) {
-    const double step_gain = d.current_cost - predicted_cost(next);
-    if (next == d.target || !(step_gain > 0.0 && !detail::same_cost(d.current_cost, predicted_cost(next)) &&
-                              significant(next, step_gain))) {
+    const double next_cost = predicted_cost(next);
+    const double step_gain = d.current_cost - next_cost;
+    if (next == d.target ||
+        !(step_gain > 0.0 && !detail::same_cost(d.current_cost, next_cost) && significant(next, step_gain))) {
       return d;
     }
   }

@@ -52,9 +52,7 @@ void check_config(const online_split_config& c) {
     throw invalid_argument(
         fmt::format("online_split_step: reversal_gate {} out of range [gate = {}, 1)", c.reversal_gate, c.gate));
   }
-  if (!(c.noise_gate >= 0.0 && c.noise_gate < std::numeric_limits<double>::infinity())) {
-    throw invalid_argument(fmt::format("online_split_step: noise_gate {} out of range [0, inf)", c.noise_gate));
-  }
+  detail::check_noise_gate(c.noise_gate, "online_split_step");
 }
 
 void check_cap(const split_model& m, std::uint32_t cap, const char* who, const char* name) {
@@ -200,6 +198,12 @@ double kv_predicted_misses(const decayed_reuse_histogram& kv, std::uint64_t bloc
   return std::max(kv.predicted_misses(n), static_cast<double>(open_depths.end() - held));
 }
 
+void detail::check_noise_gate(double z, std::string_view who) {
+  if (!(z >= 0.0 && z < std::numeric_limits<double>::infinity())) {
+    throw invalid_argument(fmt::format("{}: noise_gate {} out of range [0, inf)", who, z));
+  }
+}
+
 online_split_decision online_split_step(const split_model& model, const online_split_config& config,
                                         const decayed_reuse_histogram& experts, const decayed_reuse_histogram& kv,
                                         std::uint32_t current_cap, int previous_move,
@@ -264,9 +268,10 @@ online_split_decision online_split_step(const split_model& model, const online_s
     // The gain to the target stands above the noise, or else the step taken does on its own (a
     // rate-limited step can be certain where the target is not: known open KV blocks, say).
     if (!significant(target, gain)) {
-      const double step_gain = out.current_cost - cost(next);
+      const double next_cost = cost(next);
+      const double step_gain = out.current_cost - next_cost;
       if (next == target ||
-          !(step_gain > 0.0 && !detail::same_cost(out.current_cost, cost(next)) && significant(next, step_gain))) {
+          !(step_gain > 0.0 && !detail::same_cost(out.current_cost, next_cost) && significant(next, step_gain))) {
         next = current_cap;
       }
     }

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <list>
 #include <optional>
 #include <random>
@@ -198,6 +199,15 @@ TEST(FourPoolSplits, BadModelsAndSplitsAreNamed) {
   }
   EXPECT_THROW(four_pool_controller(m, {.gate = 0.5, .reversal_gate = 0.2}, make_four_pool_split(m, 2, 0)),
                invalid_argument);
+  for (const double z : {-1.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+    try {
+      four_pool_controller(m, {.noise_gate = z}, make_four_pool_split(m, 2, 0));
+      ADD_FAILURE() << z;
+    } catch (const invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr("four_pool_controller: noise_gate"));
+      EXPECT_THAT(e.what(), HasSubstr("out of range [0, inf)"));
+    }
+  }
   EXPECT_THROW(four_pool_controller(m, {}, four_pool_split{.hi_slots = 2, .lo_slots = 0, .kv_bytes = 1}),
                invalid_argument);  // KV is not the remainder
   try {  // a slack no hi set can use: refused by name, as the other hot-set fields (it was narrowed)

@@ -401,6 +401,15 @@ TEST(OnlineSplitStep, AReversalNeedsTheLargerGate) {
   EXPECT_FALSE(online_split_step(m, c, eh, kh, 4, -1).moved);                           // a reversal: 7.4% < 10%
   EXPECT_TRUE(online_split_step(m, {.gate = 0.05, .reversal_gate = 0.07, .noise_gate = 0.0}, eh, kh, 4, -1).moved);
   EXPECT_THROW((void)online_split_step(m, {.gate = 0.05, .reversal_gate = 0.04}, eh, kh, 4), invalid_argument);
+  for (const double z : {-0.5, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+    try {
+      (void)online_split_step(m, {.noise_gate = z}, eh, kh, 4);
+      ADD_FAILURE() << z;
+    } catch (const invalid_argument& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr("online_split_step: noise_gate"));
+      EXPECT_THAT(e.what(), ::testing::HasSubstr("out of range [0, inf)"));
+    }
+  }
 }
 
 // Caps 7 and 9 cost the same here (0.5·8 + 0.2·X = 0.2·(X + 20)), but the two sums differ in

@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 namespace expage {
@@ -176,6 +177,10 @@ namespace detail {
   const double d = a > b ? a - b : b - a;
   return d <= 1e-9 * std::max(a < 0 ? -a : a, b < 0 ? -b : b);
 }
+/// Refuses a noise gate z (online_split_config::noise_gate, four_pool_config::noise_gate) outside
+/// [0, ∞), naming @p who.
+/// @throws expage::invalid_argument naming the value and the range.
+void check_noise_gate(double z, std::string_view who);
 }  // namespace detail
 
 /// @brief What online_split_step() decided.
