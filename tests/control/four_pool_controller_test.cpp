@@ -1,6 +1,7 @@
 #include "expage/control/four_pool_controller.hpp"
 
 #include "expage/core/error.hpp"
+#include "expage/detail/sanitizers.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -879,9 +880,12 @@ TEST(FourPoolController, DoesNotOscillateUnderStationaryInput) {
 // in their first bursts, while the hot set's ranks form — (0, 6) → (5, 0) → (4, 2): the KV pool
 // shrinks, then grows back part of the way, to a split never visited — and count a reversal.)
 TEST(FourPoolController, NoStationaryRunReturnsToASplitItLeft) {
-  const auto returning = [](double noise_gate, std::uint64_t& moves) {
+  // Under a sanitizer a tenth of the sweep checks memory and races (it took 19 s under ASan); the
+  // release stage runs all of it, and the gate's control, whose one return is among the 400.
+  const std::uint64_t seeds = EXPAGE_SANITIZED != 0 ? 40 : 400;
+  const auto returning = [seeds](double noise_gate, std::uint64_t& moves) {
     int runs = 0;
-    for (std::uint64_t seed = 1; seed <= 400; ++seed) {
+    for (std::uint64_t seed = 1; seed <= seeds; ++seed) {
       std::mt19937_64 rng(seed);
       const four_pool_model m = small_model(400 + 10 * (seed % 60), 14);
       const auto all = admissible_splits(m);
@@ -905,8 +909,10 @@ TEST(FourPoolController, NoStationaryRunReturnsToASplitItLeft) {
   };
   std::uint64_t moves = 0;
   EXPECT_EQ(returning(four_pool_config{}.noise_gate, moves), 0);
-  EXPECT_GT(moves, 200U);
-  EXPECT_GT(returning(0.0, moves), 0) << "the relative gates alone are beaten by the jitter";
+  EXPECT_GT(moves, seeds / 2);
+  if (EXPAGE_SANITIZED == 0) {
+    EXPECT_GT(returning(0.0, moves), 0) << "the relative gates alone are beaten by the jitter";
+  }
 }
 
 // With a rate limit, a target further away is approached in steps. One step within the limit
