@@ -304,8 +304,9 @@ struct link_state {
 
 struct queued_prefetch {
   std::uint64_t flat;
-  std::uint64_t use_group;
-  std::uint64_t issued_group;
+  std::uint64_t use_group;     // the earliest use proposed: the queue's order
+  std::uint64_t last_use;      // the latest use proposed (never: none known): stale after it
+  std::uint64_t issued_group;  // the last proposal's group: a prefetch without a use waits a pass from it
   std::uint64_t order;
   double issued_at;  // a prefetch never starts before it was proposed
 };
@@ -893,15 +894,32 @@ class engine {
     --outstanding_;
   }
 
-  // Drops queued prefetches whose predicted use has passed (or, without a prediction, that have
-  // waited a whole pass of layers). A use is predicted for a layer-step's first group; a step
-  // split into several groups is still under way in its later ones, where the expert may be
-  // routed, so those keep it (its groups share one range of trace events).
+  // Drops queued prefetches whose predicted uses have all passed (or, without a prediction, that
+  // have waited a whole pass of layers since last proposed). A use is predicted for a
+  // layer-step's first group; a step split into several groups is still under way in its later
+  // ones, where the expert may be routed, so those keep it (its groups share one range of trace
+  // events).
   void cancel_stale(std::size_t g) {
     cancel_if([&](const queued_prefetch& q) {
-      if (q.use_group == never) return q.issued_group + layers_ < g;
-      return q.use_group < g && stream_.trace_events(static_cast<std::size_t>(q.use_group)) != stream_.trace_events(g);
+      if (q.last_use == never) return q.issued_group + layers_ < g;
+      return q.last_use < g && stream_.trace_events(static_cast<std::size_t>(q.last_use)) != stream_.trace_events(g);
     });
+  }
+
+  // A proposal of an expert whose prefetch is still queued renews it rather than being dropped:
+  // the queue keeps its earliest use for order and its latest for staleness (kept only for the
+  // first, it was cancelled once that use passed, and the expert loaded on demand at the second).
+  void renew(const prefetch_request& r, std::size_t f, std::size_t g) noexcept {
+    const auto it = std::find_if(queue_.begin(), queue_.end(), [&](const auto& q) { return q.flat == f; });
+    if (r.use_group == never) {
+      it->issued_group = g;
+      return;
+    }
+    if (it->last_use == never || r.use_group > it->last_use) it->last_use = r.use_group;
+    if (it->use_group == never || r.use_group < it->use_group) {
+      it->use_group = r.use_group;
+      predicted_use_[f] = r.use_group;
+    }
   }
 
   // Drops the queued prefetches `stale` selects, giving their slots back.
@@ -946,6 +964,7 @@ class engine {
                       r.layer, r.expert, r.use_group, g, g + 1));
     }
     const std::size_t f = flat(r.layer, r.expert);
+    if (state_[f] == residency::queued) renew(r, f, g);
     if (state_[f] != residency::absent) return;  // already resident or on its way
     const std::uint32_t s = scope_of(r.layer);
     const std::uint32_t occupied = capacity_ - free_[s];
@@ -1003,7 +1022,7 @@ class engine {
     predicted_use_[f] = r.use_group;
     set_pin(s, k, outstanding_pin);
     ++outstanding_;
-    queue_.push_back({f, r.use_group, g, order_++, now});
+    queue_.push_back({f, r.use_group, r.use_group, g, order_++, now});
     ++result_.prefetches_issued;
   }
 

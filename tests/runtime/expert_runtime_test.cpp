@@ -1036,6 +1036,51 @@ TEST(ExpertRuntime, PrefetchedExpertsEvictedUnusedCountAsWasted) {
   EXPECT_EQ(w.check_views(rt), "");
 }
 
+// A guess does not evict a guess of the same or a higher priority before that one's layer has run
+// (found by review): the queue issues higher priority first, and layer 2's less likely guesses
+// took the slots of layer 1's, unused. Once layer 1 has run, its unused guesses are ordinary
+// victims; a higher priority takes a pending guess's place at once.
+TEST(ExpertRuntime, APrefetchDoesNotEvictAPendingGuessOfHigherPriority) {
+  runtime_world w;
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.capacity = 4, .demand_reserve = 0},
+             &prefetch);
+  const auto settle = [&] {
+    for (int i = 0; i < 4; ++i) {  // at most two in flight: each round issues the next ones
+      prefetch.synchronize();
+      w.compute.synchronize();
+      rt.poll();
+    }
+  };
+  const auto resident = [&](std::uint32_t layer) {
+    std::uint32_t n = 0;
+    for (std::uint32_t e = 0; e < 8; ++e) n += rt.resident({layer, e}) ? 1U : 0U;
+    return n;
+  };
+  const std::uint32_t all[] = {0, 1, 2, 3};
+  rt.prefetch(1, all, 10.0F);
+  settle();
+  ASSERT_EQ(resident(1), 4U);
+  rt.prefetch(2, all, 1.0F);
+  settle();
+  EXPECT_EQ(resident(1), 4U) << "layer 2's guesses evicted layer 1's before layer 1 ran";
+  EXPECT_EQ(rt.statistics().total.prefetch_wasted, 0U);
+  EXPECT_EQ(rt.statistics().prefetch_queued, 4U);
+  EXPECT_EQ(w.check_views(rt), "");
+  // Layer 1 runs with two of its guesses: the other two are wrong guesses now and make room.
+  const std::uint32_t routed[] = {0, 1};
+  rt.acquire(1, routed).release();
+  settle();
+  EXPECT_EQ(resident(2), 4U);
+  EXPECT_EQ(rt.statistics().total.prefetch_used, 2U);
+  EXPECT_EQ(rt.statistics().total.prefetch_wasted, 2U);
+  // A higher priority does not wait for layer 2 to run.
+  rt.prefetch(3, all, 20.0F);
+  settle();
+  EXPECT_EQ(resident(3), 4U);
+  EXPECT_EQ(w.check_views(rt), "");
+}
+
 // A prefetch never takes the room a demand group needs (found by review). Layer 0's lease holds
 // 2 of the 4 slots; guesses for the other 2 would leave layer 1's group only slots whose copies
 // are in flight, and its acquire would wait on the host for them (the prefetch stream is held

@@ -731,6 +731,45 @@ TEST(PagerSim, APrefetchWhoseGroupBeganIsCancelled) {
   EXPECT_DOUBLE_EQ(r.pass_stalls[1], 6.0) << "group 2 loads at once (16 to 22), group 3 hits";
 }
 
+// A proposal of an expert whose prefetch is still queued renews it: the queue keeps the latest
+// use proposed. One layer, trace A B C X, compute 1 s and a move 3 s per expert. At group 0,
+// P (wrong) then X, both for group 1; at group 1, X again for group 3. P starts in the idle
+// second before group 1 and holds the link until X's first use has passed. X's re-proposal was
+// dropped (it was queued) and X was cancelled at group 2, then loaded on demand at group 3: a
+// stall of 3 + 5 + 3 + 3 s, where X starting at t = 9 behind B's load gives 3 + 5 + 5 + 0 s.
+TEST(PagerSim, AReProposedQueuedPrefetchIsKeptUntilItsLatestUse) {
+  const moe_geometry g(moe_geometry::config{
+      .name = "one", .layers = 1, .experts_per_layer = 8, .top_k = 1, .hidden_size = 64, .intermediate_size = 32});
+  routing_trace t(g);
+  const std::uint32_t sequence[] = {0, 1, 2, 7};
+  for (std::uint32_t step = 0; step < 4; ++step) {
+    const std::uint32_t experts[] = {sequence[step]};
+    const float weights[] = {1.0F};
+    t.append({.sequence = 0, .step = step, .layer = 0, .experts = experts, .weights = weights});
+  }
+  const access_stream s(t, 1);
+  struct twice final : prefetcher {
+    [[nodiscard]] std::string name() const override { return "twice"; }
+    void reset() override {}
+    void propose(const access_stream&, std::size_t g, std::vector<prefetch_request>& out) override {
+      if (g == 0) {
+        out.push_back({.layer = 0, .expert = 5, .use_group = 1, .probability = 1.0F});
+        out.push_back({.layer = 0, .expert = 7, .use_group = 1, .probability = 1.0F});
+      }
+      if (g == 1) out.push_back({.layer = 0, .expert = 7, .use_group = 3, .probability = 1.0F});
+    }
+  } pf;
+  sim_options o{.capacity = 8, .hardware = seconds_profile(1.0, 3.0), .dense_bytes_per_layer = 0};
+  o.prefetch = &pf;
+  o.admission = prefetch_admission::all;
+  const sim_result r = simulate(s, g, policy_kind::lru, o);
+  EXPECT_EQ(r.prefetches_issued, 2U);
+  EXPECT_EQ(r.prefetches_cancelled, 0U);
+  EXPECT_EQ(r.prefetches_used, 1U);
+  EXPECT_EQ(r.demand_misses, 3U);
+  EXPECT_DOUBLE_EQ(r.stall_total(), 13.0);
+}
+
 // A prefetcher that proposes random experts of the next layer: every proposal is a guess.
 class random_prefetcher final : public prefetcher {
  public:

@@ -153,7 +153,9 @@ struct runtime_layer_statistics {
   std::uint64_t load_waits = 0;             ///< Load events the compute stream waited on (a group's misses share one).
   std::uint64_t load_wait_ns = 0;           ///< Time the compute stream waited on loads (streams that run host work).
   /// Evictions that waited on the host: for a victim's last kernel (WAR fence), or for its own
-  /// load or its sibling's still in flight.
+  /// load or its sibling's still in flight. Counted in the layer that waited: an acquire's in
+  /// its own layer (the stall is its), a resize's, which no layer's acquire made, in the
+  /// victim's layer.
   std::uint64_t fence_waits = 0;
   std::uint64_t fence_wait_ns = 0;    ///< Host time those waits took.
   std::uint64_t lo_served = 0;        ///< Routed experts served by their lo version (two tiers).
@@ -254,7 +256,10 @@ struct runtime_statistics {
 struct runtime_resize {
   std::uint32_t requested = 0;  ///< The capacity asked for, in versions.
   std::uint32_t capacity = 0;   ///< The capacity in force now (≥ requested when leases pin versions).
-  std::uint32_t held = 0;       ///< Versions above `requested` that leases still pin.
+  /// Versions above `requested` still resident: pinned by leases (they go when released), or
+  /// poisoned by a failed kernel (never evicted: complete() stays false while they remain, and
+  /// the tier takes no background load meanwhile; runtime_statistics::poisoned counts them).
+  std::uint32_t held = 0;
   /// True when the requested capacity is in force.
   [[nodiscard]] bool complete() const noexcept { return capacity == requested; }
 };
@@ -551,6 +556,7 @@ class expert_runtime {
     lease_record& record = take_record(experts.size());  // may throw bad_alloc: nothing changed
     try {
       serve(layer, experts, record);
+      layer_served_[layer] = clock_;  // its pending guesses are judged (not by a refused acquire)
     } catch (...) {
       ++failed_acquires_;
       record.next = free_records_;  // nothing was pinned: nothing to release
@@ -1151,6 +1157,8 @@ class expert_runtime {
     std::int32_t slot = -1;              // -1: absent
     bool loading = false;                // the load's event may not have completed
     bool prefetched = false;             // loaded by prefetch, no lease has used it yet
+    float guess_priority = 0.0F;         // with prefetched: its request's priority
+    std::uint64_t guessed_at = 0;        // with prefetched: clock_ when it was issued
     bool poisoned = false;               // its last kernel's completion failed: never evicted
     load_kind kind = load_kind::demand;  // who loaded it
     lease_type blocks;                   // the physical blocks and their budget
@@ -1226,6 +1234,7 @@ class expert_runtime {
         queued_(expert_count_, 0),
         blocked_(expert_count_, 0),
         layer_stats_(std::size_t{geometry.layers()} * (lo ? 2 : 1)),
+        layer_served_(geometry.layers(), 0),
         stall_ns_(std::make_unique<std::atomic<std::uint64_t>[]>(geometry.layers())),
         trace_(options.trace_events) {
     if (options.max_prefetch_in_flight == 0) {
@@ -1647,10 +1656,12 @@ class expert_runtime {
   // @p include_loading: the caller then waits for the load in fence()), not in @p excluded, not
   // whose expert a handle-table window pins (when it is the active version);
   // with @p ready_only also with its last kernel done (never waits); with @p protect_targets
-  // not a version at its expert's target tier. Polls loading versions first so finished loads
-  // become evictable.
+  // not a version at its expert's target tier; with @p guess (a prefetch's priority) not a
+  // pending guess of that priority or higher (pending_guess()). Polls loading versions first so
+  // finished loads become evictable.
   std::optional<std::uint32_t> choose_victim(std::size_t t, std::span<const std::uint32_t> excluded, bool ready_only,
-                                             bool include_loading = false, bool protect_targets = false) {
+                                             bool include_loading = false, bool protect_targets = false,
+                                             std::optional<float> guess = std::nullopt) {
     refresh_loading();
     tier_state& T = tier(t);
     blocked_.assign(expert_count_, 0);  // sized at construction: never allocates
@@ -1658,7 +1669,8 @@ class expert_runtime {
     for (std::uint32_t f = 0; f < expert_count_; ++f) {
       const version& v = T.versions[f];
       bool blocked = v.slot < 0 || T.pins[f] > 0 || v.poisoned || (v.loading && !include_loading) ||
-                     (protect_targets && target_[f] == t);
+                     (protect_targets && target_[f] == t) ||
+                     (guess && pending_guess(v, f) && v.guess_priority >= *guess);
       if (!blocked && active_[f] == t) {  // evicting it switches to a sibling: that must be complete too
         if (const version* s = sibling(t, f); s != nullptr && s->loading && !include_loading) blocked = true;
       }
@@ -1686,6 +1698,13 @@ class expert_runtime {
       --candidates;
     }
     return std::nullopt;
+  }
+  // A prefetched version whose layer has not been acquired since it was issued: its guess is
+  // still to be judged. A later prefetch of lower or equal priority does not take its place
+  // (the queue issues higher priority first, so otherwise a farther, less likely layer's guesses
+  // evicted the nearer ones unused); once its layer has run without it, it is an ordinary victim.
+  [[nodiscard]] bool pending_guess(const version& v, std::uint32_t f) const noexcept {
+    return v.prefetched && layer_served_[f / geometry_.experts_per_layer()] <= v.guessed_at;
   }
   // Resident versions of tier t not at their expert's target tier and not poisoned: a shrink
   // takes them before members, and those pinned, busy or loading now go once free.
@@ -2949,7 +2968,8 @@ class expert_runtime {
     while (!prefetch_queue_.empty() && background_in_flight() < options_.max_prefetch_in_flight) {
       const queued_prefetch q = prefetch_queue_.front();
       try {
-        if (active_[q.expert] == no_tier && !issue_background(q.expert, demand_tier_, load_kind::prefetch)) {
+        if (active_[q.expert] == no_tier &&
+            !issue_background(q.expert, demand_tier_, load_kind::prefetch, q.priority)) {
           return;  // no room without waiting: try again later
         }
       } catch (...) {
@@ -2991,9 +3011,10 @@ class expert_runtime {
   // with budget, or in place of a version whose kernels are done (for a transition, not one at
   // its expert's target tier). An absent expert's version is active at once (its record is
   // published now, and an acquire waits on its load, as after a demand miss); an expert with an
-  // active version in the other tier keeps it until try_switch(). False when there is no room
-  // without waiting. Strong guarantee.
-  bool issue_background(std::uint32_t f, std::size_t t, load_kind kind) {
+  // active version in the other tier keeps it until try_switch(). A prefetch of @p priority
+  // passes over pending guesses of that priority or higher (pending_guess()). False when there
+  // is no room without waiting. Strong guarantee.
+  bool issue_background(std::uint32_t f, std::size_t t, load_kind kind, float priority = 0.0F) {
     tier_state& T = tier(t);
     // A tier above its capacity (a resize held up by pinned versions) takes nothing new: the
     // load would replace a surplus version, and the shrink would then evict the new one unused.
@@ -3027,8 +3048,10 @@ class expert_runtime {
       if constexpr (!const_victim<Policy>) saved_policy.emplace(T.policy);
       std::vector<std::uint32_t> excluded{f};
       for (;;) {
-        victim = choose_victim(t, excluded, /*ready_only=*/true, /*include_loading=*/false,
-                               /*protect_targets=*/kind == load_kind::transition);
+        victim = choose_victim(
+            t, excluded, /*ready_only=*/true, /*include_loading=*/false,
+            /*protect_targets=*/kind == load_kind::transition,
+            kind == load_kind::prefetch ? std::optional<float>(priority) : std::nullopt);
         if (!victim) {
           put_back_policy();
           return false;
@@ -3098,6 +3121,8 @@ class expert_runtime {
     const char* category = "prefetch";
     if (kind == load_kind::prefetch) {
       v.prefetched = true;
+      v.guess_priority = priority;
+      v.guessed_at = clock_;
       ++unused_prefetches_;
       ++s.prefetches;
       s.prefetch_bytes += bytes;
@@ -3175,6 +3200,7 @@ class expert_runtime {
   std::uint32_t layer_now_ = 0;                        // the layer of the latest acquire: victims are ranked from it
   std::uint32_t unused_prefetches_ = 0;                // versions with version::prefetched set
   std::vector<runtime_layer_statistics> layer_stats_;  // per (tier, layer): tier · layers + layer
+  std::vector<std::uint64_t> layer_served_;            // per layer: clock_ at its latest acquire (pending_guess())
   // Compute-stream stall per layer, written by the compute stream's thread (relaxed: statistics).
   std::unique_ptr<std::atomic<std::uint64_t>[]> stall_ns_;
   event_trace trace_;
