@@ -16,7 +16,15 @@ option(EXPAGE_ENABLE_ASSERTIONS "Check EXPAGE_ASSERT preconditions even in NDEBU
 set(EXPAGE_ENABLE_CUDA "AUTO" CACHE STRING "Build expage::cuda and expage::kernels: AUTO, ON or OFF")
 set_property(CACHE EXPAGE_ENABLE_CUDA PROPERTY STRINGS AUTO ON OFF)
 
-set(EXPAGE_SANITIZE "" CACHE STRING "Sanitizers for expage's own targets: '', address, thread, fuzzer (Clang)")
+# The test suites' optimization level, when it should differ from the build type's: the release
+# preset compiles them at -O1 (tests/CMakeLists.txt says why); empty keeps the build type's flags.
+set(EXPAGE_TEST_OPTIMIZATION "" CACHE STRING "Optimization flag for the test suites' C++ sources: '', -O0, -O1, -O2, -O3, -Og, -Os")
+set_property(CACHE EXPAGE_TEST_OPTIMIZATION PROPERTY STRINGS "" -O0 -O1 -O2 -O3 -Og -Os)
+if(NOT EXPAGE_TEST_OPTIMIZATION MATCHES "^(|-O[0123gs])$")
+  message(FATAL_ERROR "EXPAGE_TEST_OPTIMIZATION='${EXPAGE_TEST_OPTIMIZATION}' is not one of '', -O0, -O1, -O2, -O3, -Og, -Os")
+endif()
+
+set(EXPAGE_SANITIZE "" CACHE STRING "Sanitizers for expage's own targets: '', address, thread, fuzzer (Clang; the input readers and their fuzz targets only)")
 set_property(CACHE EXPAGE_SANITIZE PROPERTY STRINGS "" address thread fuzzer)
 
 if(PROJECT_IS_TOP_LEVEL)
@@ -39,6 +47,15 @@ if(PROJECT_IS_TOP_LEVEL)
     endif()
     add_compile_options(-fsanitize=fuzzer-no-link,address,undefined -fno-omit-frame-pointer)
     add_link_options(-fsanitize=address,undefined)
+    # A fuzzing build is the input readers and their fuzz targets (CMakeLists.txt,
+    # tests/CMakeLists.txt): the rest needs the whole library, which it does not compile.
+    foreach(part BUILD_BENCH BUILD_EXAMPLES BUILD_TOOLS BUILD_DOCS INSTALL)
+      if(EXPAGE_${part})
+        message(STATUS "expage: EXPAGE_SANITIZE=fuzzer builds the input readers and their fuzz targets only: EXPAGE_${part} is OFF")
+        set(EXPAGE_${part} OFF)
+      endif()
+    endforeach()
+    set(EXPAGE_ENABLE_CUDA OFF)
   elseif(NOT EXPAGE_SANITIZE STREQUAL "")
     message(FATAL_ERROR "EXPAGE_SANITIZE='${EXPAGE_SANITIZE}' is not one of '', address, thread, fuzzer")
   endif()

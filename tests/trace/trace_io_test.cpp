@@ -5,6 +5,7 @@
 
 #include "expage/core/error.hpp"
 #include "expage/core/moe_geometry.hpp"
+#include "expage/detail/sanitizers.hpp"
 #include "expage/trace/routing_trace.hpp"
 #include "expage/trace/synthetic_trace.hpp"
 
@@ -779,6 +780,9 @@ TEST(BinaryTraceReader, LargeTracesDecodeAheadWithTheSameEventsAndVerdicts) {  /
                                                            .probabilities = fields,
                                                            .sketch_dims = fields ? 4U : 0U});
     for (const std::uint16_t version : {std::uint16_t{3}, std::uint16_t{4}}) {
+      // Under a sanitizer, version 3 without the optional fields and version 4 with them (13 s of
+      // the ASan stage for all four; the readers of both versions and both record sizes still run).
+      if (EXPAGE_SANITIZED != 0 && (version == 4) != fields) continue;
       SCOPED_TRACE(fmt::format("version {}, optional fields {}", version, fields));
       const std::string good = expage::encode_binary(t, {.version = version, .geometry = "mixtral-8x7b"});
       // Record i of a block of per_block records: after the header and i / per_block checksums.

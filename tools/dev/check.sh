@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # expage's whole test run, as CI runs it (.ci/run calls this and nothing else):
-#   1. release build (CUDA targets when nvcc is present): unit tests, GPU tests
+#   1. release build (CUDA targets when nvcc is present; the test suites' own sources at -O1,
+#      EXPAGE_TEST_OPTIMIZATION: compile CPU 944 -> 724 s): unit tests, GPU tests
 #      (skipped without a device), examples, tools, a smoke run of every
 #      benchmark, the package tests, the Doxygen build (warnings are errors);
 #   2. the host library and its tests under AddressSanitizer + UBSan (at -O0: under UBSan, -O1
@@ -8,9 +9,10 @@
 #      -O0 builds and tests in about 520 s on 2 cores where -O1 took about 640 s);
 #   3. the host library and its tests under ThreadSanitizer (at -O1: build 276 s + tests 131 s,
 #      where -O2 took about 365 s + 158 s);
-#   4. the libFuzzer targets of the trace readers, 15 s each (when clang++ and
+#   4. the libFuzzer targets of the input readers, 15 s each (when clang++ and
 #      its libFuzzer runtime are installed; skipped with a message otherwise; -g1: line tables
-#      are what a crash report needs).
+#      are what a crash report needs), built from the library's input sources alone (the stage
+#      took 174 s with the whole library, 79 s now).
 # Usage: tools/dev/check.sh [release|asan|tsan|fuzz]...   (default: all four)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
