@@ -56,6 +56,7 @@ if(PROJECT_IS_TOP_LEVEL)
       endif()
     endforeach()
     set(EXPAGE_ENABLE_CUDA OFF)
+    set(expage_inputs_only ON)  # read by CMakeLists.txt and tests/CMakeLists.txt
   elseif(NOT EXPAGE_SANITIZE STREQUAL "")
     message(FATAL_ERROR "EXPAGE_SANITIZE='${EXPAGE_SANITIZE}' is not one of '', address, thread, fuzzer")
   endif()
