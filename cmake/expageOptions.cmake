@@ -27,6 +27,7 @@ endif()
 set(EXPAGE_SANITIZE "" CACHE STRING "Sanitizers for expage's own targets: '', address, thread, fuzzer (Clang; the input readers and their fuzz targets only)")
 set_property(CACHE EXPAGE_SANITIZE PROPERTY STRINGS "" address thread fuzzer)
 
+set(expage_inputs_only OFF)  # ON: a fuzzing build of the input readers alone (below)
 if(PROJECT_IS_TOP_LEVEL)
   include(GNUInstallDirs)
   set(CMAKE_CXX_EXTENSIONS OFF)

@@ -5,7 +5,6 @@
 #include "expage/core/error.hpp"
 #include "expage/core/moe_geometry.hpp"
 #include "expage/core/precision.hpp"
-#include "expage/detail/sanitizers.hpp"
 #include "expage/format/group_quant.hpp"
 #include "expage/moe/detail/ffn_element.hpp"
 #include "expage/residency/version_record.hpp"
@@ -50,8 +49,7 @@ TEST(ExpertFfn, TheBoundWidensWithTheReductionLength) {
   EXPECT_DOUBLE_EQ(expert_ffn_rounding_scale({.hidden = 128, .intermediate = 96}), 1.0);
   EXPECT_DOUBLE_EQ(expert_ffn_rounding_scale({.hidden = 1, .intermediate = 1}), 1.0);
   EXPECT_NEAR(expert_ffn_rounding_scale(wide), std::sqrt(5120.0 / 224.0), 1e-12);
-  // One token under a sanitizer (three: 9-10 s of each sanitizer stage); the reductions are as long.
-  ffn_case c({"wide", wide, EXPAGE_SANITIZED != 0 ? 1U : 3U, 2, {precision::bf16, precision::int4}}, 540);
+  ffn_case c({"wide", wide, 3, 2, {precision::bf16, precision::int4}}, 540);
   const double err = relative_error(run_host(c), c.reference());
   EXPECT_LT(err, 2e-6 * expert_ffn_rounding_scale(wide));
   RecordProperty("relative_error", fmt::format("{:.2e}", err));
