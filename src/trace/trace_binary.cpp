@@ -1,6 +1,7 @@
 #include "expage/trace/trace_io.hpp"
 
 #include "expage/core/file_output.hpp"
+#include "expage/detail/utf8.hpp"
 #include "expage/format/crc32.hpp"
 #include "record_check.hpp"
 #include "trace_input.hpp"
@@ -246,12 +247,22 @@ binary_header parse_header(std::span<const std::byte> bytes, std::string_view so
   } else if (h.vectors > 0) {
     h.meta.fields = trace_fields{.probabilities = true, .sketch_dims = 0};
   }
-  // Version 4: the model name, as the text writers write one (no control character), then zeros.
-  for (std::size_t i = 0; i < name_bytes; ++i) {
-    if (const auto c = std::to_integer<unsigned char>(bytes[name_offset + i]); c < 0x20) {
+  // Version 4: the model name as every writer records it (trace_model_name(): UTF-8 without a
+  // control character), then zeros. Refused otherwise rather than repaired: what this reader
+  // returns, its writer writes back byte for byte (a repaired name could outgrow the header).
+  const std::string_view name(reinterpret_cast<const char*>(bytes.data() + name_offset), name_bytes);
+  for (std::size_t i = 0; i < name.size();) {
+    const auto c = static_cast<unsigned char>(name[i]);
+    const std::size_t length = detail::utf8_sequence_length(name, i);
+    if (length == 0) {
+      fail(at(name_offset + i), "geometry",
+           fmt::format("byte {:#04x} in the model name, which is not UTF-8 (a writer records it as U+FFFD)", c));
+    }
+    if (c < 0x20) {
       fail(at(name_offset + i), "geometry",
            fmt::format("byte {:#04x} in the model name, where a name has no control character", c));
     }
+    i += length;
   }
   for (std::size_t i = name_offset + name_bytes; i + 8 < h.size; ++i) {
     if (bytes[i] != std::byte{0}) {
@@ -260,7 +271,7 @@ binary_header parse_header(std::span<const std::byte> bytes, std::string_view so
                        std::to_integer<unsigned>(bytes[i])));
     }
   }
-  h.meta.geometry.assign(reinterpret_cast<const char*>(bytes.data() + name_offset), name_bytes);
+  h.meta.geometry = name;
   return h;
 }
 

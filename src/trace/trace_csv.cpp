@@ -221,7 +221,7 @@ trace_metadata parse_csv_metadata(std::string_view line, const source_position& 
     if (std::ranges::find(seen, key) != seen.end()) fail(at, printable(key), "field given twice");
     seen.push_back(key);
     if (key == "geometry") {
-      meta.geometry = decode_csv_name(value);
+      meta.geometry = trace_model_name(decode_csv_name(value));  // as every writer records it
       continue;
     }
     std::uint32_t* target = key == "layers"              ? &meta.layers
@@ -413,7 +413,7 @@ void write_csv(std::ostream& out, const routing_trace& trace, std::string_view g
   check_csv_can_hold(trace);
   const trace_metadata meta = metadata_of(trace, geometry_name);
   detail::check_text_metadata(meta, "csv");
-  const std::string geometry = encode_csv_name(meta.geometry);  // metadata_of() dropped the control characters
+  const std::string geometry = encode_csv_name(meta.geometry);  // trace_model_name(): no control character
   out << metadata_prefix << 1 << (geometry.empty() ? std::string() : " geometry=" + geometry)
       << fmt::format(" layers={} experts_per_layer={} top_k={} batch_size={}\n", meta.layers, meta.experts_per_layer,
                      meta.top_k, meta.batch_size);

@@ -4,6 +4,7 @@
 #include "expage/trace/trace_io.hpp"
 
 #include "expage/core/error.hpp"
+#include "expage/detail/utf8.hpp"
 #include "trace_input.hpp"
 
 #include <fmt/format.h>
@@ -21,12 +22,24 @@ trace_format format_of(const std::filesystem::path& path) noexcept {
   return trace_format::binary;
 }
 
-trace_metadata metadata_of(const routing_trace& trace, std::string_view geometry_name) {
-  std::string name;  // the name as every writer records it: control characters dropped
-  for (const char c : geometry_name) {
-    if (static_cast<unsigned char>(c) >= 0x20) name += c;
+std::string trace_model_name(std::string_view name) {
+  std::string out;
+  out.reserve(name.size());
+  for (std::size_t i = 0; i < name.size();) {
+    const std::size_t length = detail::utf8_sequence_length(name, i);
+    if (length == 0) {
+      detail::append_utf8(out, U'\uFFFD');  // one per byte, as write_json_string()
+      ++i;
+      continue;
+    }
+    if (length > 1 || static_cast<unsigned char>(name[i]) >= 0x20) out.append(name.substr(i, length));
+    i += length;
   }
-  return {.geometry = std::move(name),
+  return out;
+}
+
+trace_metadata metadata_of(const routing_trace& trace, std::string_view geometry_name) {
+  return {.geometry = trace_model_name(geometry_name),
           .layers = trace.layers(),
           .experts_per_layer = trace.experts_per_layer(),
           .top_k = trace.top_k(),

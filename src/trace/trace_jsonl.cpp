@@ -96,7 +96,7 @@ class json_line {
       } else if (key == "geometry") {
         mark_seen(key, "geometry");
         if (peek() != '"') fail(at_, key, "expected a string");
-        meta.geometry = parse_string(key);
+        meta.geometry = trace_model_name(parse_string(key));  // as every writer records it
       } else if (key == "layers" || key == "experts_per_layer" || key == "top_k" || key == "batch_size") {
         mark_seen(key, key == "layers"              ? "layers"
                        : key == "experts_per_layer" ? "experts_per_layer"

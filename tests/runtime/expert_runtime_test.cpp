@@ -1394,12 +1394,18 @@ TEST(ExpertRuntime, WritesStatisticsAndAChromeTrace) {
     auto lease = rt.acquire(layer, routed);
     lease.release();
   }
+  // A refused acquire (five experts for four slots) has its span, named as failed: the waits a
+  // failed acquire made before failing would otherwise sit in the trace without one.
+  const std::uint32_t too_many[] = {0, 1, 2, 3, 4};
+  EXPECT_THROW((void)rt.acquire(3, too_many), invalid_argument);
   w.compute.synchronize();
   w.copy.synchronize();
   std::ostringstream trace;
   rt.trace().write_json(trace);
   const std::string json = trace.str();
   EXPECT_EQ(json.rfind("{\"traceEvents\":[", 0), 0U);
+  EXPECT_NE(json.find("\"name\":\"failed acquire L3\",\"cat\":\"acquire\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"name\":\"acquire L3\",\"cat\":\"acquire\""), std::string::npos);
   EXPECT_NE(json.find("\"cat\":\"load\""), std::string::npos);
   EXPECT_NE(json.find("\"cat\":\"evict\""), std::string::npos);
   EXPECT_NE(json.find("\"cat\":\"wait\""), std::string::npos);
@@ -1407,6 +1413,7 @@ TEST(ExpertRuntime, WritesStatisticsAndAChromeTrace) {
   std::ostringstream stats;
   rt.statistics().write_json(stats);
   EXPECT_NE(stats.str().find("\"misses\":8"), std::string::npos) << stats.str();
+  EXPECT_NE(stats.str().find("\"failed_acquires\":1"), std::string::npos) << stats.str();
   EXPECT_NE(stats.str().find("\"layers\":["), std::string::npos);
   EXPECT_NE(stats.str().find("\"ranks_by_lru\":false"), std::string::npos) << "LRU itself: no switch";
   const auto set = rt.resident_set();

@@ -6,6 +6,7 @@
 #include "expage/core/error.hpp"
 #include "expage/core/moe_geometry.hpp"
 #include "expage/detail/sanitizers.hpp"
+#include "expage/detail/utf8.hpp"
 #include "expage/trace/routing_trace.hpp"
 #include "expage/trace/synthetic_trace.hpp"
 
@@ -171,6 +172,55 @@ TEST_F(TraceFiles, BinaryVersionFourRecordsTheModelName) {
   EXPECT_THAT([&] { (void)expage::read_binary(dir_ / "w.bin", moe_geometry::preset("phi-3.5-moe")); },
               ::testing::ThrowsMessage<expage::format_error>(
                   HasSubstr("field 'experts_per_layer': 8 (mixtral-8x7b) but the geometry 'phi-3.5-moe' has 16")));
+}
+
+// trace_model_name(): control characters dropped, each byte that is not UTF-8 as U+FFFD, one per
+// byte as write_json_string() writes them; the bytes around a dropped control character are not
+// joined into a sequence they did not form.
+TEST(TraceIo, TheModelNameIsUtf8WithoutControlCharacters) {
+  const std::string fffd = "\xEF\xBF\xBD";
+  EXPECT_EQ(expage::trace_model_name("mixtral-8x7b"), "mixtral-8x7b");
+  EXPECT_EQ(expage::trace_model_name("a\xFF" "b\x01" "c"), "a" + fffd + "bc");
+  EXPECT_EQ(expage::trace_model_name("\xC3\x01\xA9"), fffd + fffd);  // not the é of C3 A9
+  EXPECT_EQ(expage::trace_model_name("\xC3\xA9 \xF0\x9F\x98\x80"), "\xC3\xA9 \xF0\x9F\x98\x80");
+  EXPECT_EQ(expage::trace_model_name("\xED\xA0\x80"), fffd + fffd + fffd);  // a surrogate, byte by byte
+  EXPECT_EQ(expage::trace_model_name("\xF0\x9F\x98"), fffd + fffd + fffd);  // cut short
+}
+
+// A name that is not UTF-8 came back from JSON Lines as U+FFFD while CSV and binary version 4
+// kept its bytes, so a conversion changed it. Every writer now records trace_model_name() and
+// every reader returns it: random byte strings, through every pair of formats.
+TEST_F(TraceFiles, EveryModelNameComesBackUnchangedThroughEveryFormat) {
+  const routing_trace t = small_synthetic();
+  std::mt19937_64 rng(20261202);
+  const std::vector<std::string> formats = {"jsonl", "csv", "bin"};
+  for (int round = 0; round < 40; ++round) {
+    std::string raw(std::uniform_int_distribution<std::size_t>(0, 24)(rng), '\0');
+    for (char& c : raw) {  // bytes of every kind: ASCII, control, lead and continuation bytes
+      c = static_cast<char>(std::uniform_int_distribution<int>(1, 255)(rng));
+    }
+    if (round % 4 == 0) raw += "\xF0\x9F\x98\x80 m";  // one well-formed four-byte sequence
+    const std::string expected = expage::trace_model_name(raw);
+    EXPECT_EQ(expage::trace_model_name(expected), expected);  // idempotent
+    for (std::size_t i = 0; i < expected.size();) {
+      const std::size_t length = expage::detail::utf8_sequence_length(expected, i);
+      ASSERT_GT(length, 0U) << "round " << round << ", byte " << i;
+      ASSERT_TRUE(length > 1 || static_cast<unsigned char>(expected[i]) >= 0x20) << "round " << round;
+      i += length;
+    }
+    for (const std::string& first : formats) {
+      const fs::path a = dir_ / ("a." + first);
+      expage::write_trace(a, t, raw);
+      const std::string read = expage::read_trace_metadata(a).value().geometry;
+      ASSERT_EQ(read, expected) << first << ", round " << round;
+      for (const std::string& second : formats) {
+        const fs::path b = dir_ / ("b." + second);
+        expage::write_trace(b, t, read);
+        EXPECT_EQ(expage::read_trace_metadata(b).value().geometry, expected)
+            << first << " -> " << second << ", round " << round;
+      }
+    }
+  }
 }
 
 TEST_F(TraceFiles, TextRoundTripsAreIdentical) {
@@ -560,6 +610,24 @@ TEST(TraceIo, BadVersionFourNamesByteOffsetAndField) {
   EXPECT_THAT(
       message(control),
       HasSubstr("byte 71: field 'geometry': byte 0x0a in the model name, where a name has no control character"));
+  // A byte that is not UTF-8, as a writer before trace_model_name() recorded one: refused (every
+  // writer now records it as U+FFFD, which could outgrow the header), not repaired.
+  std::string not_utf8 = good;
+  not_utf8[64 + 7] = '\xFF';
+  reseal_binary(not_utf8);
+  EXPECT_THAT(message(not_utf8),
+              HasSubstr("byte 71: field 'geometry': byte 0xff in the model name, which is not UTF-8 (a writer "
+                        "records it as U+FFFD)"));
+  std::string cut = good;  // the first byte of a two-byte sequence, then a letter
+  cut[64 + 2] = '\xC3';
+  reseal_binary(cut);
+  EXPECT_THAT(message(cut), HasSubstr("byte 66: field 'geometry': byte 0xc3 in the model name, which is not UTF-8"));
+  std::string accented = good;  // "miétral-8x7b": a well-formed sequence reads as it is
+  accented[64 + 2] = '\xC3';
+  accented[64 + 3] = '\xA9';
+  reseal_binary(accented);
+  EXPECT_EQ(expage::binary_trace_reader(bytes_of(accented), mixtral(), "v4.bin").geometry_name(),
+            "mi\xC3\xA9ral-8x7b");
   std::string padding = good;
   padding[64 + 13] = 'x';
   reseal_binary(padding);

@@ -562,6 +562,7 @@ class expert_runtime {
       record.next = free_records_;  // nothing was pinned: nothing to release
       free_records_ = &record;
       pool_.trim();  // blocks taken for the failed loads go back to the system, not kept uncharged
+      if (tracing()) trace_acquire(layer, t0, /*failed=*/true);  // the waits it made show inside it
       throw;
     }
     record.next = nullptr;  // held, after the records held before it
@@ -1447,10 +1448,13 @@ class expert_runtime {
     }
   }
   // acquire()'s span in the Chrome trace, out of line (the hit path stays short). Never throws:
-  // the lease is committed by then, and an exception would lose it (tracing is best effort).
-  [[gnu::noinline]] void trace_acquire(std::uint32_t layer, double t0) noexcept {
+  // the lease is committed by then, and an exception would lose it (tracing is best effort). A
+  // failed acquire has its span too, named so: the fence waits it made before failing are in the
+  // trace (they took the time) but in no statistic.
+  [[gnu::noinline]] void trace_acquire(std::uint32_t layer, double t0, bool failed = false) noexcept {
     try {
-      trace_.span(fmt::format("acquire L{}", layer), "acquire", host_track_, t0, trace_.now_us() - t0);
+      trace_.span(fmt::format("{}acquire L{}", failed ? "failed " : "", layer), "acquire", host_track_, t0,
+                  trace_.now_us() - t0);
     } catch (...) {  // the name could not be formatted: no span
     }
   }

@@ -82,8 +82,15 @@ struct trace_metadata {
   friend bool operator==(const trace_metadata&, const trace_metadata&) = default;
 };
 
-/// The metadata the writers record for @p trace, naming the model @p geometry_name less its
-/// control characters (every format drops them).
+/// The model name as every trace writer records it: @p name with its control characters (bytes
+/// below 0x20) dropped and each byte that does not start a well-formed UTF-8 sequence replaced by
+/// U+FFFD, as write_json_string() writes it. The text readers return the name they read in this
+/// form, the binary reader refuses a name not in it, so a name read from any format comes back
+/// unchanged through every other (JSON must be UTF-8: a CSV or binary name that was not came back
+/// from JSON Lines as something else). Idempotent.
+[[nodiscard]] std::string trace_model_name(std::string_view name);
+
+/// The metadata the writers record for @p trace, naming the model trace_model_name(@p geometry_name).
 [[nodiscard]] trace_metadata metadata_of(const routing_trace& trace, std::string_view geometry_name = {});
 
 /// @brief The on-disk trace formats.
@@ -179,8 +186,9 @@ struct binary_write_options {
   /// older than version 4 (1 only for a trace without optional fields).
   std::uint16_t version = binary_trace_version_named;
   /// The model name a version 4 header records (e.g. "mixtral-8x7b"), at most
-  /// max_binary_geometry_name bytes; control characters are dropped, as the text writers drop
-  /// them. Empty: none. Versions 1 to 3 have no place for it.
+  /// max_binary_geometry_name bytes as trace_model_name() records it (control characters dropped,
+  /// bytes that are not UTF-8 as U+FFFD), as the text writers record it. Empty: none. Versions 1
+  /// to 3 have no place for it.
   std::string geometry{};
 };
 
