@@ -319,21 +319,29 @@ void four_pool_controller::record(std::uint32_t layer, std::span<const expert_in
     const std::uint32_t r = rank[x];
     rank_.record(r);  // Â(H) = activations of rank ≥ H: those a top-H hi set serves at lo
     expert_index* const it = std::find(stack, stack + depth, x);
+    // The LRU stack distance counted over the experts of rank ≥ H only, for every H ≤ r (for H > r
+    // the expert is hi and the lo cache never sees it): d_H = p − #{above it with rank < H}. A
+    // first sight (not in the stack) is recorded at the stack's depth: a right-censored distance,
+    // the least its reuse distance can be had it been seen before the stream began. WiSP App. B
+    // (decision 2) drops first sights as cold; while the stacks fill, that leaves out the long
+    // distances (an expert not yet reused reads as never missing) and the first bursts' curves
+    // promise a hi-only pager near E slots no misses, a move the next bursts take back (4 of the
+    // 400 runs of FourPoolController.NoStationaryRunReturnsToASplitItLeft). Once a layer's stack holds its E
+    // experts there are no first sights, so the steady state is WiSP's curve (the cold misses
+    // themselves are paid by every split alike).
+    const auto p = static_cast<std::size_t>(it - stack);
+    std::fill(above_.begin(), above_.end(), 0U);
+    for (const expert_index* a = stack; a != it; ++a) ++above_[rank[*a] + 1];
+    std::size_t below_h = 0;  // #{above with rank < H}
+    for (std::uint32_t h = 0; h <= r; ++h) {
+      below_h += above_[h];
+      filtered_[h].record(p - below_h);
+    }
     if (it != stack + depth) {
-      // The LRU stack distance counted over the experts of rank ≥ H only, for every H ≤ r (for H > r
-      // the expert is hi and the lo cache never sees it): d_H = p − #{above it with rank < H}.
-      const auto p = static_cast<std::size_t>(it - stack);
-      std::fill(above_.begin(), above_.end(), 0U);
-      for (const expert_index* a = stack; a != it; ++a) ++above_[rank[*a] + 1];
-      std::size_t below_h = 0;  // #{above with rank < H}
-      for (std::uint32_t h = 0; h <= r; ++h) {
-        below_h += above_[h];
-        filtered_[h].record(p - below_h);
-      }
       std::copy_backward(stack, it, it + 1);  // move to front
     } else {
-      std::copy_backward(stack, stack + depth, stack + depth + 1);  // a first sight: cold, dropped
-      ++depth;                                                      // (App. B decision 2)
+      std::copy_backward(stack, stack + depth, stack + depth + 1);  // a first sight
+      ++depth;
     }
     stack[0] = x;
   }

@@ -309,24 +309,20 @@ TEST(FourPoolController, IntervalTargetsListEveryMemberAfterTheDemotions) {
   }
 }
 
-// Per layer, misses of an LRU cache of `slots` over the experts of index ≥ `first`, first sights
-// not counted (warm misses): the exact curve the controller's histograms must reproduce.
+// Per layer, misses of an LRU cache of `slots` over the experts of index ≥ `first` (warm misses):
+// the exact curve the controller's histograms must reproduce. A first sight is a miss only when
+// `slots` other experts were seen before it (its reuse distance is right-censored at the number
+// seen: were it seen before the stream began, it would sit below all of them), not a cold miss.
 std::uint64_t warm_lru_misses(const std::vector<std::pair<std::uint32_t, std::uint32_t>>& accesses,
                               std::uint32_t layers, std::uint32_t first, std::uint32_t slots) {
-  std::vector<std::list<std::uint32_t>> lru(layers);
-  std::vector<std::vector<bool>> seen(layers, std::vector<bool>(64, false));
+  std::vector<std::list<std::uint32_t>> lru(layers);  // every expert seen, most recent first
   std::uint64_t misses = 0;
   for (const auto& [layer, x] : accesses) {
     if (x < first) continue;
     auto& l = lru[layer];
     const auto it = std::find(l.begin(), l.end(), x);
-    if (it != l.end()) {
-      if (static_cast<std::uint32_t>(std::distance(l.begin(), it)) >= slots) ++misses;
-      l.erase(it);
-    } else if (seen[layer][x]) {
-      ++misses;
-    }
-    seen[layer][x] = true;
+    if (static_cast<std::uint32_t>(std::distance(l.begin(), it)) >= slots) ++misses;
+    if (it != l.end()) l.erase(it);
     l.push_front(x);
   }
   return misses;
@@ -876,15 +872,23 @@ TEST(FourPoolController, DoesNotOscillateUnderStationaryInput) {
 // Over many more stationary runs than the test above (budgets, heads, KV distances and starts
 // varied; 80 bursts each), no split is returned to once left. Without the noise gate one run
 // went 2+3 → 2+4 → 3+2 → 2+4: a move on two bursts' counts, which the reversal gate then
-// defended for 74 bursts until a spike of the estimates passed it. (A few runs still overshoot
-// in their first bursts, while the hot set's ranks form — (0, 6) → (5, 0) → (4, 2): the KV pool
-// shrinks, then grows back part of the way, to a split never visited — and count a reversal.)
+// defended for 74 bursts until a spike of the estimates passed it. And few runs reverse at all:
+// 4 did while first sights were dropped from the reuse histograms, which then promised a hi-only
+// pager near E slots no misses in the first burst ((0, 6) → (5, 0) → (4, 2): the KV pool shrinks,
+// then grows back part of the way, to a split never visited). The one left (seed 389) chooses
+// between two nearly equal minima on the first burst's counts, (3, 2) at 2.85 and (2, 4) at 3.00,
+// and the reversal gate holds (3, 2) until burst 10.
 TEST(FourPoolController, NoStationaryRunReturnsToASplitItLeft) {
   // Under a sanitizer a tenth of the sweep checks memory and races (it took 19 s under ASan); the
   // release stage runs all of it, and the gate's control, whose one return is among the 400.
   const std::uint64_t seeds = EXPAGE_SANITIZED != 0 ? 40 : 400;
-  const auto returning = [seeds](double noise_gate, std::uint64_t& moves) {
-    int runs = 0;
+  struct sweep {
+    int returning = 0;  // runs back at a split they left
+    int reversing = 0;  // runs with a reversal (a move against the last one's direction)
+    std::uint64_t moves = 0;
+  };
+  const auto run = [seeds](double noise_gate) {
+    sweep out;
     for (std::uint64_t seed = 1; seed <= seeds; ++seed) {
       std::mt19937_64 rng(seed);
       const four_pool_model m = small_model(400 + 10 * (seed % 60), 14);
@@ -902,16 +906,18 @@ TEST(FourPoolController, NoStationaryRunReturnsToASplitItLeft) {
         back = back || std::find(visited.begin(), visited.end(), c.current()) != visited.end();
         visited.push_back(c.current());
       }
-      moves += c.statistics().moves;
-      runs += back ? 1 : 0;
+      out.moves += c.statistics().moves;
+      out.returning += back ? 1 : 0;
+      out.reversing += c.statistics().reversals > 0 ? 1 : 0;
     }
-    return runs;
+    return out;
   };
-  std::uint64_t moves = 0;
-  EXPECT_EQ(returning(four_pool_config{}.noise_gate, moves), 0);
-  EXPECT_GT(moves, seeds / 2);
+  const sweep gated = run(four_pool_config{}.noise_gate);
+  EXPECT_EQ(gated.returning, 0);
+  EXPECT_LE(gated.reversing, 1);
+  EXPECT_GT(gated.moves, seeds / 2);
   if (EXPAGE_SANITIZED == 0) {
-    EXPECT_GT(returning(0.0, moves), 0) << "the relative gates alone are beaten by the jitter";
+    EXPECT_GT(run(0.0).returning, 0) << "the relative gates alone are beaten by the jitter";
   }
 }
 
