@@ -208,4 +208,46 @@ struct runtime_world {
   }
 };
 
+// runtime_world plus an int4 version of every expert (distinct bytes) and a budget sized for
+// `hi` bf16 versions and `lo` int4 versions.
+struct tiered_runtime_world : runtime_world {
+  std::vector<std::vector<std::byte>> lo_tensors;  // per (flat index, tensor)
+  budget_tracker tiers_budget;
+  budget_account& tiers_account;
+
+  explicit tiered_runtime_world(std::size_t hi = 2, std::size_t lo = 4)
+      : tiers_budget(hi * page_rounded(precision::bf16) + lo * page_rounded(precision::int4)),
+        tiers_account(tiers_budget.root()) {
+    for (std::uint64_t f = 0; f < geometry.expert_count(); ++f) {
+      for (std::size_t t = 0; t < expert_tensor_count; ++t) {
+        std::vector<std::byte> w(geometry.tensor_bytes(static_cast<expert_tensor>(t), precision::int4));
+        std::mt19937_64 rng(seed_of(f, t) ^ 0x10);
+        for (std::byte& b : w) b = static_cast<std::byte>(rng());
+        lo_tensors.push_back(std::move(w));
+      }
+    }
+  }
+  // Bytes one version of @p p holds in the runtime (pages of 4 KiB).
+  [[nodiscard]] std::size_t page_rounded(precision p) const {
+    std::size_t n = 0;
+    for (std::size_t t = 0; t < expert_tensor_count; ++t) {
+      n += (geometry.tensor_bytes(static_cast<expert_tensor>(t), p) + 4095) / 4096 * 4096;
+    }
+    return n;
+  }
+  [[nodiscard]] const std::vector<std::byte>& weights_in(precision p, expert_id id, expert_tensor t) const {
+    if (p == precision::bf16) return weights(id, t);
+    return lo_tensors[geometry.flat_index(id) * expert_tensor_count + static_cast<std::size_t>(t)];
+  }
+  [[nodiscard]] expert_source<host_stream> lo_source() {
+    return {.format = precision::int4,
+            .load = [this](expert_id id, expert_tensor t, std::span<std::byte> page, host_stream& s) {
+              const auto& w = weights_in(precision::int4, id, t);
+              s.copy(page.data(), w.data(), w.size());
+              return w.size();
+            }};
+  }
+  [[nodiscard]] tiered_source<host_stream> sources() { return {.hi = source(), .lo = lo_source()}; }
+};
+
 }  // namespace expage::testing

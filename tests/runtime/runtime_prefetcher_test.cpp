@@ -182,6 +182,85 @@ TEST(RuntimePrefetcher, TheByteGuardSilencesAUselessPredictor) {
   }
 }
 
+// Names the experts in *named, which the test changes between passes.
+class switchable_predictor final : public expert_predictor {
+ public:
+  explicit switchable_predictor(const std::vector<std::uint32_t>* named) : named_(named) {}
+  [[nodiscard]] std::string name() const override { return "switchable"; }
+  [[nodiscard]] std::uint32_t layers() const noexcept override { return 4; }
+  [[nodiscard]] std::uint32_t experts_per_layer() const noexcept override { return 8; }
+  void reset() override {}
+  void begin_pass() override {}
+  void observe(std::uint32_t, std::span<const expert_index>) override {}
+  void predict(std::uint32_t, std::span<float> probability) const override {
+    std::ranges::fill(probability, 0.0F);
+    for (const std::uint32_t e : *named_) probability[e] = 1.0F;
+  }
+
+ private:
+  const std::vector<std::uint32_t>* named_;
+};
+
+// The byte guard counts bytes. On a two-tier runtime a stretch of lo demand loading (3,840-byte
+// loads here) earns the guard a share of lo bytes; once the demand tier is hi (12,288 bytes), a
+// wrong predictor may spend that share, not as many hi loads as there were lo ones: 16 hi
+// prefetches here, where the guard counting experts (until 2026-12-02) let 44 through.
+TEST(RuntimePrefetcher, TheByteGuardCountsBytesAcrossADemandTierSwitch) {
+  tiered_runtime_world w(16, 3);
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
+             {.capacity = 16, .lo_capacity = 3, .max_prefetch_in_flight = 2, .demand_reserve = 0}, &prefetch);
+  const std::uint64_t hi = w.geometry.expert_bytes(precision::bf16);  // what a load moves
+  const std::uint64_t lo = w.geometry.expert_bytes(precision::int4);
+  ASSERT_EQ(rt.demand().tier, version_tier::lo);
+  ASSERT_EQ(rt.demand().load_bytes, lo);
+  ASSERT_GT(hi, lo);
+  std::vector<std::uint32_t> named;  // nothing named: nothing requested (threshold 0.5)
+  const double share = 0.05;
+  runtime_prefetcher pf(rt, std::make_unique<switchable_predictor>(&named),
+                        {.threshold = 0.5F, .max_overhead = share, .stall_passes = 0});
+  const auto pass = [&](std::span<const std::uint32_t> routed) {
+    for (std::uint32_t layer = 0; layer < w.geometry.layers(); ++layer) {
+      auto lease = rt.acquire(layer, routed);
+      pf.on_routed(layer, routed);
+      lease.release();
+      w.compute.synchronize();
+      prefetch.synchronize();
+      rt.poll();
+    }
+  };
+  // Lo demand loading alone: three lo slots for eight experts a pass, as the shadow misses them.
+  for (int p = 0; p < 100; ++p) {
+    const auto a = static_cast<std::uint32_t>(p % 3);
+    const std::uint32_t routed[] = {a, a + 3};
+    pass(routed);
+  }
+  const auto lo_phase = rt.totals();
+  const std::uint64_t lo_shadow = pf.statistics().shadow_misses;
+  EXPECT_EQ(lo_phase.prefetches, 0U);
+  EXPECT_EQ(lo_phase.misses, lo_shadow);
+  EXPECT_GT(lo_shadow, 600U);
+  EXPECT_EQ(pf.statistics().shadow_bytes, lo_shadow * lo);
+  // Hi demand loading, and a predictor naming experts never routed.
+  rt.set_demand_tier(version_tier::hi);
+  ASSERT_EQ(rt.demand().load_bytes, hi);
+  const std::uint32_t routed[] = {0, 1};
+  for (int p = 0; p < 40; ++p) {
+    const auto b = static_cast<std::uint32_t>(2 + 2 * (p % 3));  // guesses never routed, new each pass
+    named = {b, b + 1};
+    pass(routed);
+  }
+  const auto t = rt.totals();
+  const auto& ps = pf.statistics();
+  EXPECT_GT(t.prefetches, 0U);
+  EXPECT_GT(ps.paused, 0U) << "the guard closed";
+  EXPECT_EQ(ps.shadow_bytes, lo_shadow * lo + (ps.shadow_misses - lo_shadow) * hi);
+  // Bytes moved within (1 + share) × the shadow's plus one hi load and the two in flight when the
+  // guard closed (the guesses take spare slots: no refaults).
+  const auto moved = static_cast<double>(t.bytes_loaded + t.prefetch_bytes);
+  EXPECT_LE(moved, (1.0 + share) * static_cast<double>(ps.shadow_bytes) + 3.0 * static_cast<double>(hi));
+}
+
 // At a capacity of one pass's experts, LRU's idle victim is always an expert of a layer still to
 // run, so every wrong guess costs a demand miss later in the pass. The byte guard (off here) would
 // allow it up to its share; the stall guard stops requesting once the runtime's demand misses

@@ -333,12 +333,14 @@ void most_probable(std::span<const float> probability, float threshold, std::siz
                    std::vector<std::pair<float, expert_index>>& out);
 
 /// The byte guard of prefetching (docs/prefetch.md), the one rule the simulator's admission and
-/// the runtime's prefetcher share: true while @p moved transfers (demand loads and prefetches so
-/// far, the simulator also counting those queued or in flight) stay within (1 + @p share) × the
+/// the runtime's prefetcher share: true while @p moved (demand loads and prefetches so far, the
+/// simulator also counting those queued or in flight) stays within (1 + @p share) × the
 /// @p baseline's (a key-only shadow of LRU demand loading over the same routing) plus one
-/// transfer. @p share = +∞ turns it off.
-[[nodiscard]] inline bool within_prefetch_overhead(double moved, double baseline, double share) noexcept {
-  return std::isinf(share) || moved <= (1.0 + share) * baseline + 1.0;
+/// transfer of @p unit. The simulator counts transfers (unit 1: every expert one size), the
+/// runtime's prefetcher bytes (unit: one version of its demand tier). @p share = +∞ turns it off.
+[[nodiscard]] inline bool within_prefetch_overhead(double moved, double baseline, double share,
+                                                   double unit = 1.0) noexcept {
+  return std::isinf(share) || moved <= (1.0 + share) * baseline + unit;
 }
 
 /// The shape every predictor takes: layers and experts ≥ 1, top-k in [1, experts], and its dense

@@ -209,6 +209,15 @@ struct runtime_tier_statistics {
   runtime_layer_statistics total;  ///< Summed over layers.
 };
 
+/// @brief The tier demand misses and prefetches load, as expert_runtime::demand() reads it.
+struct runtime_demand {
+  version_tier tier = version_tier::hi;  ///< The demand tier.
+  std::uint32_t capacity = 0;            ///< Its resident versions allowed now.
+  /// Bytes one load of its versions moves: its tensors' bytes in its precision, as
+  /// `bytes_loaded` and `prefetch_bytes` count them (expert_bytes() is the pages they fill).
+  std::uint64_t load_bytes = 0;
+};
+
 /// @brief A snapshot of an expert_runtime's counters.
 struct runtime_statistics {
   std::vector<runtime_layer_statistics> layers;  ///< Per layer.
@@ -976,12 +985,18 @@ class expert_runtime {
     const locked lock(*this);
     return T.capacity;
   }
-  /// The demand tier's capacity(), read with the tier under one lock (a resize_tiers() that
-  /// switches the demand tier cannot fall between the two reads).
-  [[nodiscard]] std::uint32_t demand_capacity() const {
+  /// The demand tier, its capacity() and the bytes one load of its versions moves, read under one
+  /// lock (a resize_tiers() or set_demand_tier() that switches the demand tier cannot fall between
+  /// the reads).
+  [[nodiscard]] runtime_demand demand() const {
     const locked lock(*this);
-    return tier(demand_tier_).capacity;
+    const tier_state& T = tier(demand_tier_);
+    return {.tier = static_cast<version_tier>(demand_tier_),
+            .capacity = T.capacity,
+            .load_bytes = geometry_.expert_bytes(T.source.format)};
   }
+  /// The demand tier's capacity(), read with the tier under one lock (demand().capacity).
+  [[nodiscard]] std::uint32_t demand_capacity() const { return demand().capacity; }
   /// True when the runtime was given a prefetch stream (prefetch() and set_targets() need one).
   [[nodiscard]] bool has_prefetch_stream() const noexcept { return prefetch_ != nullptr; }
   /// The model.

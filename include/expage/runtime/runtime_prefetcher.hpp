@@ -15,10 +15,12 @@
 ///   again, and the cancelled guesses for later layers are counted in `cancelled` too);
 /// - **a byte guard with a shadow cache** (runtime_prefetch_options::max_overhead): beside the
 ///   runtime it keeps a key-only LRU cache of the runtime's capacity (its demand tier's), fed the
-///   routing on_routed() sees, which counts what plain LRU demand loading would have loaded.
-///   While the runtime's loads (demand loads + prefetches issued) exceed (1 + share) × the
-///   shadow's plus one expert, it requests nothing, and resumes once demand loading would have
-///   loaded as much. Unlike counting wasted prefetches, this also charges the demand misses on
+///   routing on_routed() sees, which counts what plain LRU demand loading would have loaded, in
+///   bytes: each shadow miss at one version of the demand tier in force then. While the
+///   runtime's loaded bytes (demand loads + prefetches issued) exceed (1 + share) × the
+///   shadow's plus one version, it requests nothing, and resumes once demand loading would have
+///   loaded as much. (Bytes, not experts: on a two-tier runtime whose demand tier changes, a hi
+///   version and a lo one are not the same cost.) Unlike counting wasted prefetches, this also charges the demand misses on
 ///   experts a prefetch evicted (the refaults), as the simulator's guard does
 ///   (within_prefetch_overhead(), sim/pager_sim.hpp). After a resize the shadow starts again at
 ///   the new capacity, empty (its misses so far kept).
@@ -127,9 +129,9 @@ struct runtime_prefetch_options {
   std::uint32_t distance = 1;   ///< Layers ahead of the routed one to request for, [1, 64].
   float threshold = 0.0F;       ///< Request only experts predicted with at least this probability, [0, 1].
   std::uint32_t per_layer = 0;  ///< At most this many per target layer; 0: the geometry's top-k.
-  /// The byte guard: request nothing while the runtime's loads (demand loads + prefetches)
-  /// exceed (1 + this) × those of a key-only LRU shadow cache of the same capacity, plus one
-  /// expert. +∞ turns it off (and the shadow with it, when the stall guard is off too and no duel
+  /// The byte guard: request nothing while the runtime's loaded bytes (demand loads +
+  /// prefetches) exceed (1 + this) × those of a key-only LRU shadow cache of the same capacity,
+  /// plus one version of the demand tier. +∞ turns it off (and the shadow with it, when the stall guard is off too and no duel
   /// runs). [0, +∞].
   double max_overhead = 0.05;
   /// The stall guard's window in forward passes: request nothing while over the last this many
@@ -159,6 +161,9 @@ struct runtime_prefetch_statistics {
   std::int64_t stall_difference = 0;
   std::uint64_t cancelled = 0;  ///< Requests cancelled before the runtime issued them (stale, or dropped by a pause).
   std::uint64_t shadow_misses = 0;         ///< What the LRU shadow loaded on demand (0 with no guard and no duel).
+  /// Their bytes: each miss at one load of the demand tier in force when it happened
+  /// (runtime_demand::load_bytes, as the runtime's `bytes_loaded` counts its own).
+  std::uint64_t shadow_bytes = 0;
   std::uint64_t policy_shadow_misses = 0;  ///< What the duel's shadow of the runtime's policy loaded (0: no duel).
   std::uint64_t duel_switches = 0;         ///< Changes of the runtime's eviction order by the duel.
   std::uint64_t lru_layers = 0;            ///< on_routed() calls after which LRU ranked the victims.
@@ -170,15 +175,16 @@ struct runtime_prefetch_statistics {
   void write_json(std::ostream& out) const {
     out << fmt::format(
         R"({{"passes":{},"layers":{},"requested":{},"paused":{},"stall_paused":{},"stall_difference":{},"cancelled":{},)"
-        R"("shadow_misses":{},"policy_shadow_misses":{},"duel_switches":{},"lru_layers":{},"duel_difference":{}}})",
-        passes, layers, requested, paused, stall_paused, stall_difference, cancelled, shadow_misses,
+        R"("shadow_misses":{},"shadow_bytes":{},"policy_shadow_misses":{},"duel_switches":{},"lru_layers":{},)"
+        R"("duel_difference":{}}})",
+        passes, layers, requested, paused, stall_paused, stall_difference, cancelled, shadow_misses, shadow_bytes,
         policy_shadow_misses, duel_switches, lru_layers, duel_difference);
   }
 };
 
 /// @brief Drives @p Runtime's prefetch() from an expert_predictor. @p Runtime is an
 /// expert_runtime (anything with its policy_type, geometry(), has_prefetch_stream(),
-/// demand_capacity(), prefetch(), cancel_prefetches(), totals(), and rank_by_lru() for a duel_policy).
+/// demand(), prefetch(), cancel_prefetches(), totals(), and rank_by_lru() for a duel_policy).
 template <class Runtime>
 class runtime_prefetcher {
  public:
@@ -219,7 +225,7 @@ class runtime_prefetcher {
     probability_.resize(g.experts_per_layer());
     routed_.assign(g.experts_per_layer(), 0);
     const auto t = runtime_.totals();
-    loads_before_ = t.misses + t.prefetches;
+    bytes_before_ = t.bytes_loaded + t.prefetch_bytes;
     misses_seen_ = t.misses;
     eviction_duel::check(options.duel_passes, options.duel_margin, "runtime_prefetcher", "duel_");
     eviction_duel::check(options.stall_passes, options.stall_margin, "runtime_prefetcher", "stall_");
@@ -286,7 +292,9 @@ class runtime_prefetcher {
       // Both shadows at the one capacity read here (a resize from another thread between two
       // reads would restart them a group apart); the policy's first, so that a failure leaves
       // the two in step.
-      const std::uint32_t capacity = runtime_.demand_capacity();
+      const runtime_demand demand = runtime_.demand();
+      const std::uint32_t capacity = demand.capacity;
+      demand_bytes_ = demand.load_bytes;
       std::uint64_t policy_misses = 0;
       if constexpr (duels) {
         if (duel_) {
@@ -296,6 +304,7 @@ class runtime_prefetcher {
       }
       const std::uint64_t lru_misses = lru_shadow_.access(runtime_.geometry(), capacity, layer, experts);
       stats_.shadow_misses = lru_shadow_.misses;
+      stats_.shadow_bytes += lru_misses * demand.load_bytes;
       // The runtime's demand misses since the last call: this group's (one engine thread acquires).
       const std::uint64_t runtime_misses = totals.misses - std::exchange(misses_seen_, totals.misses);
       step_windows(new_pass, layer + 1 == g.layers(), policy_misses, lru_misses, runtime_misses);
@@ -342,10 +351,11 @@ class runtime_prefetcher {
   template <class Totals>
   [[nodiscard]] guard within_guards(const Totals& t) const {
     if (!std::isinf(options_.max_overhead)) {
-      // In experts (demand loads and prefetches load the demand tier's versions, all one size),
-      // since this prefetcher began, as the shadow's misses are.
-      if (!within_prefetch_overhead(static_cast<double>(t.misses + t.prefetches - loads_before_),
-                                    static_cast<double>(stats_.shadow_misses), options_.max_overhead)) {
+      // In bytes since this prefetcher began, as the shadow's are; the slack is one version of
+      // the demand tier read in this call.
+      if (!within_prefetch_overhead(static_cast<double>(t.bytes_loaded + t.prefetch_bytes - bytes_before_),
+                                    static_cast<double>(stats_.shadow_bytes), options_.max_overhead,
+                                    static_cast<double>(demand_bytes_))) {
         return guard::bytes;
       }
     }
@@ -395,7 +405,8 @@ class runtime_prefetcher {
   runtime_prefetch_statistics stats_;
   std::vector<float> probability_;
   std::vector<std::uint8_t> routed_;  // on_routed()'s duplicate check, all 0 between calls
-  std::uint64_t loads_before_ = 0;    // the runtime's loads (misses + prefetches) when this began
+  std::uint64_t bytes_before_ = 0;    // the runtime's loaded bytes (demand + prefetch) when this began
+  std::uint64_t demand_bytes_ = 0;    // one load of the demand tier's versions, at the last on_routed()
   std::uint64_t misses_seen_ = 0;     // the runtime's demand misses at the last on_routed()
   std::vector<std::pair<float, expert_index>> ranked_;
   std::vector<std::uint32_t> request_;
