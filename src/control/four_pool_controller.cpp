@@ -326,9 +326,9 @@ void four_pool_controller::record(std::uint32_t layer, std::span<const expert_in
     // (decision 2) drops first sights as cold; while the stacks fill, that leaves out the long
     // distances (an expert not yet reused reads as never missing) and the first bursts' curves
     // promise a hi-only pager near E slots no misses, a move the next bursts take back (4 of the
-    // 400 runs of FourPoolController.NoStationaryRunReturnsToASplitItLeft). Once a layer's stack holds its E
-    // experts there are no first sights, so the steady state is WiSP's curve (the cold misses
-    // themselves are paid by every split alike).
+    // 400 runs of FourPoolController.NoStationaryRunReturnsToASplitItLeft). Once a layer's stack
+    // holds its E experts there are no first sights, so the steady state is WiSP's curve (the
+    // cold misses themselves are paid by every split alike).
     const auto p = static_cast<std::size_t>(it - stack);
     std::fill(above_.begin(), above_.end(), 0U);
     for (const expert_index* a = stack; a != it; ++a) ++above_[rank[*a] + 1];

@@ -16,12 +16,12 @@
 /// - **a byte guard with a shadow cache** (runtime_prefetch_options::max_overhead): beside the
 ///   runtime it keeps a key-only LRU cache of the runtime's capacity (its demand tier's), fed the
 ///   routing on_routed() sees, which counts what plain LRU demand loading would have loaded, in
-///   bytes: each shadow miss at one version of the demand tier in force then. While the
-///   runtime's loaded bytes (demand loads + prefetches issued) exceed (1 + share) × the
-///   shadow's plus one version, it requests nothing, and resumes once demand loading would have
-///   loaded as much. (Bytes, not experts: on a two-tier runtime whose demand tier changes, a hi
-///   version and a lo one are not the same cost.) Unlike counting wasted prefetches, this also charges the demand misses on
-///   experts a prefetch evicted (the refaults), as the simulator's guard does
+///   bytes: each shadow miss at one load of the demand tier in force then. While the runtime's
+///   loaded bytes (demand loads + prefetches issued) exceed (1 + share) × the shadow's plus one
+///   load, it requests nothing, and resumes once demand loading would have loaded as much.
+///   (Bytes, not experts: on a two-tier runtime whose demand tier changes, a hi load and a lo one
+///   are not the same cost.) Unlike counting wasted prefetches, this also charges the demand
+///   misses on experts a prefetch evicted (the refaults), as the simulator's guard does
 ///   (within_prefetch_overhead(), sim/pager_sim.hpp). After a resize the shadow starts again at
 ///   the new capacity, empty (its misses so far kept).
 /// - **a stall guard** (runtime_prefetch_options::stall_passes, stall_margin): while the
@@ -131,8 +131,8 @@ struct runtime_prefetch_options {
   std::uint32_t per_layer = 0;  ///< At most this many per target layer; 0: the geometry's top-k.
   /// The byte guard: request nothing while the runtime's loaded bytes (demand loads +
   /// prefetches) exceed (1 + this) × those of a key-only LRU shadow cache of the same capacity,
-  /// plus one version of the demand tier. +∞ turns it off (and the shadow with it, when the stall guard is off too and no duel
-  /// runs). [0, +∞].
+  /// plus one load of the demand tier. +∞ turns it off (and the shadow with it, when the stall
+  /// guard is off too and no duel runs). [0, +∞].
   double max_overhead = 0.05;
   /// The stall guard's window in forward passes: request nothing while over the last this many
   /// passes and the current one the runtime's demand misses exceed the LRU shadow's by more than
@@ -351,8 +351,8 @@ class runtime_prefetcher {
   template <class Totals>
   [[nodiscard]] guard within_guards(const Totals& t) const {
     if (!std::isinf(options_.max_overhead)) {
-      // In bytes since this prefetcher began, as the shadow's are; the slack is one version of
-      // the demand tier read in this call.
+      // In bytes since this prefetcher began, as the shadow's are; the slack is one load of the
+      // demand tier read in this call.
       if (!within_prefetch_overhead(static_cast<double>(t.bytes_loaded + t.prefetch_bytes - bytes_before_),
                                     static_cast<double>(stats_.shadow_bytes), options_.max_overhead,
                                     static_cast<double>(demand_bytes_))) {
