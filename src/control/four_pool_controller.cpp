@@ -325,7 +325,7 @@ void four_pool_controller::record(std::uint32_t layer, std::span<const expert_in
     // the least its reuse distance can be had it been seen before the stream began. WiSP App. B
     // (decision 2) drops first sights as cold; while the stacks fill, that leaves out the long
     // distances (an expert not yet reused reads as never missing) and the first bursts' curves
-    // promise a hi-only pager near E slots no misses, a move the next bursts take back (4 of the
+    // promise a hi-only pager near E slots no misses, a move the next bursts take back (3 of the
     // 400 runs of FourPoolController.NoStationaryRunReturnsToASplitItLeft). Once a layer's stack
     // holds its E experts there are no first sights, so the steady state is WiSP's curve (the
     // cold misses themselves are paid by every split alike).

@@ -1278,10 +1278,16 @@ std::string encode_binary(const routing_trace& trace, const binary_write_options
     case binary_trace_version_named: {
       const std::string name = metadata_of(trace, options.geometry).geometry;  // as every format records it
       if (name.size() > max_binary_geometry_name) {
-        throw invalid_argument(
-            fmt::format("encode_binary: a model name of {} bytes out of range [0, {}] "
-                        "(max_binary_geometry_name): '{}...'",
-                        name.size(), max_binary_geometry_name, name.substr(0, 32)));
+        // The recorded form may be longer than the name given (U+FFFD is three bytes).
+        throw invalid_argument(fmt::format(
+            "encode_binary: a model name of {} bytes out of range [0, {}] (max_binary_geometry_name){}: '{}...'",
+            name.size(), max_binary_geometry_name,
+            name.size() != options.geometry.size()
+                ? fmt::format(", as recorded from the {} bytes given (trace_model_name(): control characters "
+                              "dropped, U+FFFD for each byte that is not UTF-8)",
+                              options.geometry.size())
+                : std::string(),
+            detail::printable(options.geometry)));
       }
       return encode_binary_blocked(trace, options.version, name);
     }

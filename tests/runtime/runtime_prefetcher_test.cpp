@@ -255,10 +255,57 @@ TEST(RuntimePrefetcher, TheByteGuardCountsBytesAcrossADemandTierSwitch) {
   EXPECT_GT(t.prefetches, 0U);
   EXPECT_GT(ps.paused, 0U) << "the guard closed";
   EXPECT_EQ(ps.shadow_bytes, lo_shadow * lo + (ps.shadow_misses - lo_shadow) * hi);
+  EXPECT_EQ(ps.charged_bytes, t.bytes_loaded + t.prefetch_bytes) << "every load in the demand tier";
   // Bytes moved within (1 + share) × the shadow's plus one hi load and the two in flight when the
   // guard closed (the guesses take spare slots: no refaults).
   const auto moved = static_cast<double>(t.bytes_loaded + t.prefetch_bytes);
   EXPECT_LE(moved, (1.0 + share) * static_cast<double>(ps.shadow_bytes) + 3.0 * static_cast<double>(hi));
+}
+
+// A demand miss is charged at the demand tier's load size whatever it loads: with
+// targets_load_hi a hot-set target's miss loads its hi version (12,288 bytes) while the demand
+// tier is lo (3,840), and charged by the bytes it moved it paused a prefetcher that had asked
+// for nothing (found by review: 3 of 3 layer steps paused).
+TEST(RuntimePrefetcher, TheByteGuardChargesADemandMissAtTheDemandTiersSize) {
+  tiered_runtime_world w(16, 4);
+  host_stream prefetch("prefetch");
+  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
+             {.capacity = 16,
+              .lo_capacity = 4,
+              .targets_load_hi = true,
+              .max_prefetch_in_flight = 1,
+              .demand_reserve = 0},
+             &prefetch);
+  std::vector<std::uint32_t> named;  // nothing named: nothing requested
+  runtime_prefetcher pf(rt, std::make_unique<switchable_predictor>(&named),
+                        {.threshold = 0.5F, .max_overhead = 0.05, .stall_passes = 0});
+  // The prefetch stream held, and its one load in flight taken: the promotions stay queued, so the
+  // targets' misses load them on demand.
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  prefetch.enqueue([opened] { opened.wait(); });
+  const std::uint32_t seven[] = {7};
+  rt.prefetch(0, seven);
+  std::vector<residency_target> members;
+  for (std::uint32_t l = 0; l < w.geometry.layers(); ++l) {
+    for (std::uint32_t e = 0; e < 2; ++e) members.push_back({.expert = {l, e}, .state = residency_state::resident_hi});
+  }
+  rt.set_targets(members);
+  const std::uint32_t routed[] = {0, 1};
+  for (std::uint32_t layer = 0; layer < w.geometry.layers(); ++layer) {
+    auto lease = rt.acquire(layer, routed);
+    pf.on_routed(layer, routed);
+    lease.release();
+    w.compute.synchronize();
+  }
+  const std::uint64_t lo = w.geometry.expert_bytes(precision::int4);
+  EXPECT_EQ(rt.statistics().tiers[0].total.misses, 8U) << "the targets' misses loaded hi";
+  EXPECT_EQ(pf.statistics().shadow_bytes, 8 * lo);
+  EXPECT_EQ(pf.statistics().charged_bytes, 8 * lo + lo) << "eight misses and the one prefetch, at lo";
+  EXPECT_EQ(pf.statistics().paused, 0U);
+  gate.set_value();
+  prefetch.synchronize();
+  rt.poll();
 }
 
 // At a capacity of one pass's experts, LRU's idle victim is always an expert of a layer still to

@@ -168,6 +168,16 @@ TEST_F(TraceFiles, BinaryVersionFourRecordsTheModelName) {
               ::testing::ThrowsMessage<expage::invalid_argument>(
                   HasSubstr("a model name of 257 bytes out of range [0, 256] (max_binary_geometry_name)")));
   EXPECT_FALSE(fs::exists(dir_ / "long.bin"));
+  // A name that fits as given but not as recorded (each byte that is not UTF-8 becomes the three
+  // bytes of U+FFFD) names both lengths: a CSV's 240-byte Latin-1 name cannot be converted.
+  std::string latin;
+  for (int i = 0; i < 60; ++i) latin += "caf\xE9";
+  EXPECT_THAT([&] { expage::write_binary(dir_ / "latin.bin", t, {.geometry = latin}); },
+              ::testing::ThrowsMessage<expage::invalid_argument>(
+                  HasSubstr("a model name of 360 bytes out of range [0, 256] (max_binary_geometry_name), as recorded "
+                            "from the 240 bytes given (trace_model_name(): control characters dropped, U+FFFD for "
+                            "each byte that is not UTF-8): 'caf?caf?")));
+  EXPECT_FALSE(fs::exists(dir_ / "latin.bin"));
   // A geometry mismatch names the model the trace was recorded for.
   EXPECT_THAT([&] { (void)expage::read_binary(dir_ / "w.bin", moe_geometry::preset("phi-3.5-moe")); },
               ::testing::ThrowsMessage<expage::format_error>(

@@ -16,12 +16,16 @@
 /// - **a byte guard with a shadow cache** (runtime_prefetch_options::max_overhead): beside the
 ///   runtime it keeps a key-only LRU cache of the runtime's capacity (its demand tier's), fed the
 ///   routing on_routed() sees, which counts what plain LRU demand loading would have loaded, in
-///   bytes: each shadow miss at one load of the demand tier in force then. While the runtime's
-///   loaded bytes (demand loads + prefetches issued) exceed (1 + share) × the shadow's plus one
-///   load, it requests nothing, and resumes once demand loading would have loaded as much.
-///   (Bytes, not experts: on a two-tier runtime whose demand tier changes, a hi load and a lo one
-///   are not the same cost.) Unlike counting wasted prefetches, this also charges the demand
-///   misses on experts a prefetch evicted (the refaults), as the simulator's guard does
+///   bytes: each shadow miss at one load of the demand tier in force then. The runtime is charged
+///   alike: its demand misses at that load's bytes, plus the bytes of the prefetches it issued
+///   (`charged_bytes`). While that exceeds (1 + share) × the shadow's plus one load, it requests
+///   nothing, and resumes once demand loading would have loaded as much. (Bytes, not experts: on
+///   a two-tier runtime whose demand tier changes, a hi load and a lo one are not the same cost.
+///   A demand miss is charged at the demand tier's size even when it loads the other tier, as a
+///   hot-set target's miss does with `targets_load_hi`: that choice is the controller's, not the
+///   prefetcher's, and the shadow makes it too.) Unlike counting wasted prefetches, this also
+///   charges the demand misses on experts a prefetch evicted (the refaults), as the simulator's
+///   guard does
 ///   (within_prefetch_overhead(), sim/pager_sim.hpp). After a resize the shadow starts again at
 ///   the new capacity, empty (its misses so far kept).
 /// - **a stall guard** (runtime_prefetch_options::stall_passes, stall_margin): while the
@@ -129,9 +133,9 @@ struct runtime_prefetch_options {
   std::uint32_t distance = 1;   ///< Layers ahead of the routed one to request for, [1, 64].
   float threshold = 0.0F;       ///< Request only experts predicted with at least this probability, [0, 1].
   std::uint32_t per_layer = 0;  ///< At most this many per target layer; 0: the geometry's top-k.
-  /// The byte guard: request nothing while the runtime's loaded bytes (demand loads +
-  /// prefetches) exceed (1 + this) × those of a key-only LRU shadow cache of the same capacity,
-  /// plus one load of the demand tier. +∞ turns it off (and the shadow with it, when the stall
+  /// The byte guard: request nothing while the runtime's loads (demand misses at the demand
+  /// tier's load size, plus prefetch bytes) exceed (1 + this) × those of a key-only LRU shadow
+  /// cache of the same capacity, plus one load of the demand tier. +∞ turns it off (and the shadow with it, when the stall
   /// guard is off too and no duel runs). [0, +∞].
   double max_overhead = 0.05;
   /// The stall guard's window in forward passes: request nothing while over the last this many
@@ -164,6 +168,9 @@ struct runtime_prefetch_statistics {
   /// Their bytes: each miss at one load of the demand tier in force when it happened
   /// (runtime_demand::load_bytes, as the runtime's `bytes_loaded` counts its own).
   std::uint64_t shadow_bytes = 0;
+  /// The runtime's side of the byte guard: its demand misses, each at one load of the demand
+  /// tier in force at the on_routed() that saw it, plus its prefetch bytes, since this began.
+  std::uint64_t charged_bytes = 0;
   std::uint64_t policy_shadow_misses = 0;  ///< What the duel's shadow of the runtime's policy loaded (0: no duel).
   std::uint64_t duel_switches = 0;         ///< Changes of the runtime's eviction order by the duel.
   std::uint64_t lru_layers = 0;            ///< on_routed() calls after which LRU ranked the victims.
@@ -175,10 +182,10 @@ struct runtime_prefetch_statistics {
   void write_json(std::ostream& out) const {
     out << fmt::format(
         R"({{"passes":{},"layers":{},"requested":{},"paused":{},"stall_paused":{},"stall_difference":{},"cancelled":{},)"
-        R"("shadow_misses":{},"shadow_bytes":{},"policy_shadow_misses":{},"duel_switches":{},"lru_layers":{},)"
-        R"("duel_difference":{}}})",
+        R"("shadow_misses":{},"shadow_bytes":{},"charged_bytes":{},"policy_shadow_misses":{},"duel_switches":{},)"
+        R"("lru_layers":{},"duel_difference":{}}})",
         passes, layers, requested, paused, stall_paused, stall_difference, cancelled, shadow_misses, shadow_bytes,
-        policy_shadow_misses, duel_switches, lru_layers, duel_difference);
+        charged_bytes, policy_shadow_misses, duel_switches, lru_layers, duel_difference);
   }
 };
 
@@ -225,8 +232,8 @@ class runtime_prefetcher {
     probability_.resize(g.experts_per_layer());
     routed_.assign(g.experts_per_layer(), 0);
     const auto t = runtime_.totals();
-    bytes_before_ = t.bytes_loaded + t.prefetch_bytes;
     misses_seen_ = t.misses;
+    prefetch_bytes_seen_ = t.prefetch_bytes;
     eviction_duel::check(options.duel_passes, options.duel_margin, "runtime_prefetcher", "duel_");
     eviction_duel::check(options.stall_passes, options.stall_margin, "runtime_prefetcher", "stall_");
     // The stall guard's window of two miss series (the runtime's, the LRU shadow's) is the duel's
@@ -305,8 +312,11 @@ class runtime_prefetcher {
       const std::uint64_t lru_misses = lru_shadow_.access(runtime_.geometry(), capacity, layer, experts);
       stats_.shadow_misses = lru_shadow_.misses;
       stats_.shadow_bytes += lru_misses * demand.load_bytes;
-      // The runtime's demand misses since the last call: this group's (one engine thread acquires).
+      // The runtime's demand misses since the last call: this group's (one engine thread acquires),
+      // charged at the load the shadow's are.
       const std::uint64_t runtime_misses = totals.misses - std::exchange(misses_seen_, totals.misses);
+      stats_.charged_bytes += runtime_misses * demand.load_bytes +
+                              (totals.prefetch_bytes - std::exchange(prefetch_bytes_seen_, totals.prefetch_bytes));
       step_windows(new_pass, layer + 1 == g.layers(), policy_misses, lru_misses, runtime_misses);
       if (stall_) stats_.stall_difference = stall_->difference();
       if constexpr (duels) {
@@ -315,7 +325,7 @@ class runtime_prefetcher {
     }
     stats_.cancelled += runtime_.cancel_prefetches();
     if (layer + 1 >= g.layers()) return;  // the pass ends here
-    if (const guard verdict = within_guards(totals); verdict != guard::none) {
+    if (const guard verdict = within_guards(); verdict != guard::none) {
       ++stats_.paused;
       if (verdict == guard::stall) ++stats_.stall_paused;
       return;
@@ -347,15 +357,13 @@ class runtime_prefetcher {
   [[nodiscard]] bool guarded() const noexcept { return !std::isinf(options_.max_overhead) || stall_.has_value(); }
 
   enum class guard : std::uint8_t { none, bytes, stall };  // which guard pauses the requests
-  // @p t: the runtime's totals, read in this call.
-  template <class Totals>
-  [[nodiscard]] guard within_guards(const Totals& t) const {
+  // From what this call counted (the shadows, the runtime's charge, the stall window).
+  [[nodiscard]] guard within_guards() const {
     if (!std::isinf(options_.max_overhead)) {
-      // In bytes since this prefetcher began, as the shadow's are; the slack is one load of the
-      // demand tier read in this call.
-      if (!within_prefetch_overhead(static_cast<double>(t.bytes_loaded + t.prefetch_bytes - bytes_before_),
-                                    static_cast<double>(stats_.shadow_bytes), options_.max_overhead,
-                                    static_cast<double>(demand_bytes_))) {
+      // In bytes since this prefetcher began, the runtime's charged as the shadow's are; the
+      // slack is one load of the demand tier read in this call.
+      if (!within_prefetch_overhead(static_cast<double>(stats_.charged_bytes), static_cast<double>(stats_.shadow_bytes),
+                                    options_.max_overhead, static_cast<double>(demand_bytes_))) {
         return guard::bytes;
       }
     }
@@ -405,9 +413,9 @@ class runtime_prefetcher {
   runtime_prefetch_statistics stats_;
   std::vector<float> probability_;
   std::vector<std::uint8_t> routed_;  // on_routed()'s duplicate check, all 0 between calls
-  std::uint64_t bytes_before_ = 0;    // the runtime's loaded bytes (demand + prefetch) when this began
-  std::uint64_t demand_bytes_ = 0;    // one load of the demand tier's versions, at the last on_routed()
-  std::uint64_t misses_seen_ = 0;     // the runtime's demand misses at the last on_routed()
+  std::uint64_t demand_bytes_ = 0;         // one load of the demand tier's versions, at the last on_routed()
+  std::uint64_t misses_seen_ = 0;          // the runtime's demand misses at the last on_routed()
+  std::uint64_t prefetch_bytes_seen_ = 0;  // the runtime's prefetch bytes at the last on_routed()
   std::vector<std::pair<float, expert_index>> ranked_;
   std::vector<std::uint32_t> request_;
   detail::shadow_cache<lru_policy> lru_shadow_;  // the guards' and the duel's
