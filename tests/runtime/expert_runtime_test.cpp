@@ -1179,7 +1179,7 @@ TEST(ExpertRuntime, AResizeWhoseVictimsCompletionFailsEvictsNothing) {
     void wait() { *done = true; }
   };
   runtime_world w;
-  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source());
+  runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.trace_events = 1000});
   const std::uint32_t three[] = {3};
   const std::uint32_t two[] = {2};
   const std::uint32_t a[] = {0, 1};
@@ -1205,11 +1205,19 @@ TEST(ExpertRuntime, AResizeWhoseVictimsCompletionFailsEvictsNothing) {
   EXPECT_EQ(rt.resident_set().size(), resident.size());
   EXPECT_TRUE(rt.resident({0, 3}));
   EXPECT_EQ(w.check_views(rt), "");
+  // The trace has the first victim's fence wait, which took its time, and says the resize failed.
+  const auto traced = [&](std::string_view name) {
+    const auto events = rt.trace().events();
+    return std::ranges::any_of(events, [&](const trace_event& e) { return e.name == name; });
+  };
+  EXPECT_TRUE(traced("fence L0.E3"));
+  EXPECT_TRUE(traced("failed resize to 2 experts"));
   // Again: the poisoned version is never a victim, so the others go.
   const runtime_resize r = rt.resize(2 * rt.expert_bytes());
   EXPECT_EQ(r.capacity, 2U);
   EXPECT_TRUE(rt.resident({0, 2})) << "the poisoned version stays";
   EXPECT_EQ(w.check_views(rt), "");
+  EXPECT_TRUE(traced("resize to 2 experts"));
 }
 
 // An LRU that counts how it hears of each new resident version.

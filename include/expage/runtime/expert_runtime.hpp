@@ -786,7 +786,12 @@ class expert_runtime {
             }
           }
           if (!victim) break;  // the rest is pinned
-          fence(t, *victim, &fenced[t * geometry_.layers() + geometry_.expert_at(*victim).layer]);
+          try {
+            fence(t, *victim, &fenced[t * geometry_.layers() + geometry_.expert_at(*victim).layer]);
+          } catch (...) {
+            if (tracing()) trace_resize(wanted, /*failed=*/true);  // the fence waits it made show before it
+            throw;
+          }
           chosen[t].push_back(*victim);
         }
         chosen[t].erase(chosen[t].begin(), chosen[t].begin() + static_cast<std::ptrdiff_t>(excluded));
@@ -821,14 +826,7 @@ class expert_runtime {
     }
     requeue_members(members_out);  // at the new capacities
     settle();
-    if (tracing()) {
-      try {
-        trace_.instant(tier_count_ == 1 ? fmt::format("resize to {} experts", wanted[0])
-                                        : fmt::format("resize to {} hi + {} lo", wanted[0], wanted[1]),
-                       "resize", host_track_);
-      } catch (...) {  // tracing is best effort: the resize is in force
-      }
-    }
+    if (tracing()) trace_resize(wanted, /*failed=*/false);
     return out;
   }
   /// Makes @p which the tier demand misses and prefetches load from now on (a split without a lo
@@ -1471,6 +1469,17 @@ class expert_runtime {
       trace_.span(fmt::format("{}acquire L{}", failed ? "failed " : "", layer), "acquire", host_track_, t0,
                   trace_.now_us() - t0);
     } catch (...) {  // the name could not be formatted: no span
+    }
+  }
+  // resize_tiers()'s instant in the Chrome trace; a failed one (a victim's completion threw) is
+  // named so, after the fence waits it made. Never throws (tracing is best effort).
+  void trace_resize(const std::array<std::uint32_t, version_tier_count>& wanted, bool failed) noexcept {
+    try {
+      trace_.instant(tier_count_ == 1
+                         ? fmt::format("{}resize to {} experts", failed ? "failed " : "", wanted[0])
+                         : fmt::format("{}resize to {} hi + {} lo", failed ? "failed " : "", wanted[0], wanted[1]),
+                     "resize", host_track_);
+    } catch (...) {  // the name could not be formatted: no instant
     }
   }
   // Ranges and repeats (the capacity is checked under the lock).
