@@ -1875,7 +1875,8 @@ int run(const options& o) {
         "  guards: requests paused after {} of {} layer steps ({} by the stall guard); demand loading alone: {} "
         "loads ({}) by LRU{}\n",
         r.prefetcher.paused, r.prefetcher.layers, r.prefetcher.stall_paused, r.prefetcher.shadow_misses,
-        expage::byte_size{r.prefetcher.shadow_bytes}, r.prefetcher.policy_shadow_misses != 0 ? fmt::format(", {} by {}", r.prefetcher.policy_shadow_misses, o.policy)
+        expage::byte_size{r.prefetcher.shadow_bytes},
+        r.prefetcher.policy_shadow_misses != 0 ? fmt::format(", {} by {}", r.prefetcher.policy_shadow_misses, o.policy)
                                                : std::string());
     if (o.policy != "lru" && o.duel_passes != 0) {
       fmt::print("  eviction duel over {} passes: LRU ranked the victims after {} of {} layer steps ({} switches)\n",

@@ -28,12 +28,16 @@ namespace {
 
 using runtime = expert_runtime<host_vmm, host_stream, lru_policy>;
 
-// A predictor that always names the same experts with certainty, whatever it observed.
+// A predictor that names the same experts with certainty, whatever it observed: its own, or
+// those a vector of the test holds (which the test may change between passes).
 class fixed_predictor final : public expert_predictor {
  public:
   // Shaped for runtime_world's geometry (4 layers × 8 experts) unless told otherwise.
   explicit fixed_predictor(std::vector<std::uint32_t> named, std::uint32_t layers = 4, std::uint32_t experts = 8)
-      : named_(std::move(named)), layers_(layers), experts_(experts) {}
+      : owned_(std::move(named)), layers_(layers), experts_(experts) {}
+  explicit fixed_predictor(const std::vector<std::uint32_t>* named) : named_(named) {}
+  fixed_predictor(const fixed_predictor&) = delete;  // named_ may point into owned_
+  fixed_predictor& operator=(const fixed_predictor&) = delete;
   [[nodiscard]] std::string name() const override { return "fixed"; }
   [[nodiscard]] std::uint32_t layers() const noexcept override { return layers_; }
   [[nodiscard]] std::uint32_t experts_per_layer() const noexcept override { return experts_; }
@@ -42,12 +46,13 @@ class fixed_predictor final : public expert_predictor {
   void observe(std::uint32_t, std::span<const expert_index>) override {}
   void predict(std::uint32_t, std::span<float> probability) const override {
     std::ranges::fill(probability, 0.0F);
-    for (const std::uint32_t e : named_) probability[e] = 1.0F;
+    for (const std::uint32_t e : *named_) probability[e] = 1.0F;
   }
 
  private:
-  std::vector<std::uint32_t> named_;
-  std::uint32_t layers_, experts_;
+  std::vector<std::uint32_t> owned_;
+  const std::vector<std::uint32_t>* named_ = &owned_;
+  std::uint32_t layers_ = 4, experts_ = 8;
 };
 // Always confidently wrong: it names the experts the chain never routes.
 std::unique_ptr<expert_predictor> wrong_predictor() { return std::make_unique<fixed_predictor>(std::vector{6U, 7U}); }
@@ -182,25 +187,6 @@ TEST(RuntimePrefetcher, TheByteGuardSilencesAUselessPredictor) {
   }
 }
 
-// Names the experts in *named, which the test changes between passes.
-class switchable_predictor final : public expert_predictor {
- public:
-  explicit switchable_predictor(const std::vector<std::uint32_t>* named) : named_(named) {}
-  [[nodiscard]] std::string name() const override { return "switchable"; }
-  [[nodiscard]] std::uint32_t layers() const noexcept override { return 4; }
-  [[nodiscard]] std::uint32_t experts_per_layer() const noexcept override { return 8; }
-  void reset() override {}
-  void begin_pass() override {}
-  void observe(std::uint32_t, std::span<const expert_index>) override {}
-  void predict(std::uint32_t, std::span<float> probability) const override {
-    std::ranges::fill(probability, 0.0F);
-    for (const std::uint32_t e : *named_) probability[e] = 1.0F;
-  }
-
- private:
-  const std::vector<std::uint32_t>* named_;
-};
-
 // The byte guard counts bytes. On a two-tier runtime a stretch of lo demand loading (3,840-byte
 // loads here) earns the guard a share of lo bytes; once the demand tier is hi (12,288 bytes), a
 // wrong predictor may spend that share, not as many hi loads as there were lo ones: 16 hi
@@ -217,7 +203,7 @@ TEST(RuntimePrefetcher, TheByteGuardCountsBytesAcrossADemandTierSwitch) {
   ASSERT_GT(hi, lo);
   std::vector<std::uint32_t> named;  // nothing named: nothing requested (threshold 0.5)
   const double share = 0.05;
-  runtime_prefetcher pf(rt, std::make_unique<switchable_predictor>(&named),
+  runtime_prefetcher pf(rt, std::make_unique<fixed_predictor>(&named),
                         {.threshold = 0.5F, .max_overhead = share, .stall_passes = 0});
   const auto pass = [&](std::span<const std::uint32_t> routed) {
     for (std::uint32_t layer = 0; layer < w.geometry.layers(); ++layer) {
@@ -269,15 +255,12 @@ TEST(RuntimePrefetcher, TheByteGuardCountsBytesAcrossADemandTierSwitch) {
 TEST(RuntimePrefetcher, TheByteGuardChargesADemandMissAtTheDemandTiersSize) {
   tiered_runtime_world w(16, 4);
   host_stream prefetch("prefetch");
-  runtime rt(w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
-             {.capacity = 16,
-              .lo_capacity = 4,
-              .targets_load_hi = true,
-              .max_prefetch_in_flight = 1,
-              .demand_reserve = 0},
-             &prefetch);
+  runtime rt(
+      w.geometry, w.tiers_account, w.vmm, w.copy, w.compute, w.sources(),
+      {.capacity = 16, .lo_capacity = 4, .targets_load_hi = true, .max_prefetch_in_flight = 1, .demand_reserve = 0},
+      &prefetch);
   std::vector<std::uint32_t> named;  // nothing named: nothing requested
-  runtime_prefetcher pf(rt, std::make_unique<switchable_predictor>(&named),
+  runtime_prefetcher pf(rt, std::make_unique<fixed_predictor>(&named),
                         {.threshold = 0.5F, .max_overhead = 0.05, .stall_passes = 0});
   // The prefetch stream held, and its one load in flight taken: the promotions stay queued, so the
   // targets' misses load them on demand.

@@ -190,7 +190,7 @@ TEST_F(TraceFiles, BinaryVersionFourRecordsTheModelName) {
 TEST(TraceIo, TheModelNameIsUtf8WithoutControlCharacters) {
   const std::string fffd = "\xEF\xBF\xBD";
   EXPECT_EQ(expage::trace_model_name("mixtral-8x7b"), "mixtral-8x7b");
-  EXPECT_EQ(expage::trace_model_name("a\xFF" "b\x01" "c"), "a" + fffd + "bc");
+  EXPECT_EQ(expage::trace_model_name(std::string{'a', '\xFF', 'b', '\x01', 'c'}), "a" + fffd + "bc");
   EXPECT_EQ(expage::trace_model_name("\xC3\x01\xA9"), fffd + fffd);  // not the é of C3 A9
   EXPECT_EQ(expage::trace_model_name("\xC3\xA9 \xF0\x9F\x98\x80"), "\xC3\xA9 \xF0\x9F\x98\x80");
   EXPECT_EQ(expage::trace_model_name("\xED\xA0\x80"), fffd + fffd + fffd);  // a surrogate, byte by byte
@@ -636,8 +636,7 @@ TEST(TraceIo, BadVersionFourNamesByteOffsetAndField) {
   accented[64 + 2] = '\xC3';
   accented[64 + 3] = '\xA9';
   reseal_binary(accented);
-  EXPECT_EQ(expage::binary_trace_reader(bytes_of(accented), mixtral(), "v4.bin").geometry_name(),
-            "mi\xC3\xA9ral-8x7b");
+  EXPECT_EQ(expage::binary_trace_reader(bytes_of(accented), mixtral(), "v4.bin").geometry_name(), "mi\xC3\xA9ral-8x7b");
   std::string padding = good;
   padding[64 + 13] = 'x';
   reseal_binary(padding);

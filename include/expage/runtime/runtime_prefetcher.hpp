@@ -135,8 +135,8 @@ struct runtime_prefetch_options {
   std::uint32_t per_layer = 0;  ///< At most this many per target layer; 0: the geometry's top-k.
   /// The byte guard: request nothing while the runtime's loads (demand misses at the demand
   /// tier's load size, plus prefetch bytes) exceed (1 + this) × those of a key-only LRU shadow
-  /// cache of the same capacity, plus one load of the demand tier. +∞ turns it off (and the shadow with it, when the stall
-  /// guard is off too and no duel runs). [0, +∞].
+  /// cache of the same capacity, plus one load of the demand tier. +∞ turns it off (and the
+  /// shadow with it, when the stall guard is off too and no duel runs). [0, +∞].
   double max_overhead = 0.05;
   /// The stall guard's window in forward passes: request nothing while over the last this many
   /// passes and the current one the runtime's demand misses exceed the LRU shadow's by more than
@@ -164,7 +164,7 @@ struct runtime_prefetch_statistics {
   /// stall_passes passes and the current one (0 with the guard off).
   std::int64_t stall_difference = 0;
   std::uint64_t cancelled = 0;  ///< Requests cancelled before the runtime issued them (stale, or dropped by a pause).
-  std::uint64_t shadow_misses = 0;         ///< What the LRU shadow loaded on demand (0 with no guard and no duel).
+  std::uint64_t shadow_misses = 0;  ///< What the LRU shadow loaded on demand (0 with no guard and no duel).
   /// Their bytes: each miss at one load of the demand tier in force when it happened
   /// (runtime_demand::load_bytes, as the runtime's `bytes_loaded` counts its own).
   std::uint64_t shadow_bytes = 0;
@@ -295,13 +295,13 @@ class runtime_prefetcher {
     ++stats_.layers;
     // The guards' one read of the runtime's counters in this call (it locks and sums the layers).
     const auto totals = guarded() ? runtime_.totals() : decltype(runtime_.totals()){};
+    runtime_demand demand{};  // read with the shadows: the byte guard's unit in this call
     if (guarded() || duel_) {
       // Both shadows at the one capacity read here (a resize from another thread between two
       // reads would restart them a group apart); the policy's first, so that a failure leaves
       // the two in step.
-      const runtime_demand demand = runtime_.demand();
+      demand = runtime_.demand();
       const std::uint32_t capacity = demand.capacity;
-      demand_bytes_ = demand.load_bytes;
       std::uint64_t policy_misses = 0;
       if constexpr (duels) {
         if (duel_) {
@@ -325,7 +325,7 @@ class runtime_prefetcher {
     }
     stats_.cancelled += runtime_.cancel_prefetches();
     if (layer + 1 >= g.layers()) return;  // the pass ends here
-    if (const guard verdict = within_guards(); verdict != guard::none) {
+    if (const guard verdict = within_guards(demand.load_bytes); verdict != guard::none) {
       ++stats_.paused;
       if (verdict == guard::stall) ++stats_.stall_paused;
       return;
@@ -357,13 +357,13 @@ class runtime_prefetcher {
   [[nodiscard]] bool guarded() const noexcept { return !std::isinf(options_.max_overhead) || stall_.has_value(); }
 
   enum class guard : std::uint8_t { none, bytes, stall };  // which guard pauses the requests
-  // From what this call counted (the shadows, the runtime's charge, the stall window).
-  [[nodiscard]] guard within_guards() const {
+  // From what this call counted (the shadows, the runtime's charge, the stall window); @p load:
+  // one load of the demand tier read in this call, the byte guard's slack.
+  [[nodiscard]] guard within_guards(std::uint64_t load) const {
     if (!std::isinf(options_.max_overhead)) {
-      // In bytes since this prefetcher began, the runtime's charged as the shadow's are; the
-      // slack is one load of the demand tier read in this call.
+      // In bytes since this prefetcher began, the runtime's charged as the shadow's are.
       if (!within_prefetch_overhead(static_cast<double>(stats_.charged_bytes), static_cast<double>(stats_.shadow_bytes),
-                                    options_.max_overhead, static_cast<double>(demand_bytes_))) {
+                                    options_.max_overhead, static_cast<double>(load))) {
         return guard::bytes;
       }
     }
@@ -412,8 +412,7 @@ class runtime_prefetcher {
   std::uint32_t last_layer_ = 0;
   runtime_prefetch_statistics stats_;
   std::vector<float> probability_;
-  std::vector<std::uint8_t> routed_;  // on_routed()'s duplicate check, all 0 between calls
-  std::uint64_t demand_bytes_ = 0;         // one load of the demand tier's versions, at the last on_routed()
+  std::vector<std::uint8_t> routed_;       // on_routed()'s duplicate check, all 0 between calls
   std::uint64_t misses_seen_ = 0;          // the runtime's demand misses at the last on_routed()
   std::uint64_t prefetch_bytes_seen_ = 0;  // the runtime's prefetch bytes at the last on_routed()
   std::vector<std::pair<float, expert_index>> ranked_;
