@@ -34,6 +34,8 @@ class device_buffer {
   explicit device_buffer(std::size_t bytes) : bytes_(bytes) {
     EXPAGE_CUDA_CHECK(cudaMalloc(&p_, bytes + 4096));
     EXPAGE_CUDA_CHECK(cudaMemset(p_, poison, bytes + 4096));
+    // The memset runs on the default stream, which the engine's non-blocking streams do not wait for.
+    EXPAGE_CUDA_CHECK(cudaStreamSynchronize(nullptr));
   }
   device_buffer(const device_buffer&) = delete;
   device_buffer& operator=(const device_buffer&) = delete;

@@ -124,7 +124,7 @@ TEST(CudaDecode, ShortTwoTierDecodeOnCudaVmmMatchesTheHostReference) {
       for (std::uint32_t e = 0; e < E; ++e) {
         if (offsets[e + 1] > offsets[e]) routed.push_back(e);
       }
-      d_x.upload(x.data());  // synchronous: on the device before the kernel is enqueued
+      d_x.upload(x.data());  // waits until the bytes are on the device (device_buffer::upload())
       d_offsets.upload(offsets.data());
       d_order.upload(order.data());
       d_weights.upload(weights.data());

@@ -89,6 +89,7 @@ TEST(CudaLayerPipeline, StreamsLayersThroughDevicePagesAtStableAddresses) {
   unsigned long long* counter = nullptr;
   EXPAGE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&counter), sizeof *counter));
   EXPAGE_CUDA_CHECK(cudaMemset(counter, 0, sizeof *counter));
+  EXPAGE_CUDA_CHECK(cudaStreamSynchronize(nullptr));  // the streams below do not wait for the default stream
   {
     layer_pipeline pipe(vm, geometry, precision::bf16, budget.root(), storage, compute, load_gate_up, load_down,
                         {.window = 2});

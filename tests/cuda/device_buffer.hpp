@@ -34,7 +34,14 @@ class device_buffer {
     return static_cast<T*>(p_);
   }
   [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
-  void upload(const void* host) { EXPAGE_CUDA_CHECK(cudaMemcpy(p_, host, bytes_, cudaMemcpyHostToDevice)); }
+  /// Copies @p host in and waits until the bytes are on the device. A cudaMemcpy from pageable
+  /// memory may return once they are staged, before its DMA lands, and a cudaMemset returns at
+  /// once; a kernel on a non-blocking stream is not ordered after either. Waiting for the default
+  /// stream they ran on makes both visible to any later launch, whichever stream it is on.
+  void upload(const void* host) {
+    EXPAGE_CUDA_CHECK(cudaMemcpy(p_, host, bytes_, cudaMemcpyHostToDevice));
+    EXPAGE_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  }
   void download(void* host) const { EXPAGE_CUDA_CHECK(cudaMemcpy(host, p_, bytes_, cudaMemcpyDeviceToHost)); }
   /// The whole buffer as bytes_ / sizeof(T) values.
   template <class T>
@@ -43,7 +50,11 @@ class device_buffer {
     EXPAGE_CUDA_CHECK(cudaMemcpy(out.data(), p_, out.size() * sizeof(T), cudaMemcpyDeviceToHost));
     return out;
   }
-  void poison() { EXPAGE_CUDA_CHECK(cudaMemset(p_, 0xA5, bytes_)); }
+  /// Fills the buffer with 0xA5 and waits for it (as upload()).
+  void poison() {
+    EXPAGE_CUDA_CHECK(cudaMemset(p_, 0xA5, bytes_));
+    EXPAGE_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  }
 
  private:
   void* p_ = nullptr;

@@ -55,6 +55,7 @@ TEST(CudaDriver, EntryPointsResolveExactlyWhenADeviceIsPresent) {
     GTEST_SKIP() << "no CUDA device: " << device_status();
   }
   const driver_api& d = require_driver();
+  const scoped_device on(0);  // as every caller in the library: device 0's primary context current
   CUmemAllocationProp prop{};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
