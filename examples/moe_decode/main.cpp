@@ -851,6 +851,26 @@ std::uint64_t version_bytes(const expage::moe_geometry& g, precision f, std::siz
   return page(expert_tensor::gate_up) + page(expert_tensor::down);
 }
 
+// The memory this machine has for the run now: MemAvailable (/proc/meminfo), else the free
+// physical pages; nullopt when neither can be read.
+std::optional<std::uint64_t> available_host_memory() {
+  if (std::FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char line[256];
+    unsigned long long kib = 0;
+    bool found = false;
+    while (!found && std::fgets(line, sizeof line, f) != nullptr) {
+      found = std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1;
+    }
+    (void)std::fclose(f);
+    if (found) return std::uint64_t{kib} * 1024;
+  }
+  const long pages = sysconf(_SC_AVPHYS_PAGES);
+  const long page = sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page > 0) return static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page);
+  return std::nullopt;
+}
+
+
 // The most experts one layer step routes (the union of its tokens' experts), at least top-k: a
 // demand tier must hold them.
 std::uint32_t largest_group(const expage::moe_geometry& g, std::span<const step_routing> replay) {
@@ -862,6 +882,48 @@ std::uint32_t largest_group(const expage::moe_geometry& g, std::span<const step_
         group, static_cast<std::uint32_t>(std::ranges::distance(ids.begin(), std::unique(ids.begin(), ids.end()))));
   }
   return group;
+}
+
+// On the host backend a run holds, at most: the budget's experts mapped by the runtime (all of
+// them in --physics' all-resident run, which runs first and ends before the paged one), the
+// weight stores when every expert fits --host-limit, and, with the output check, the reference's
+// copy of each expert it reads, in each precision it checks (the served ones, and bf16 for the
+// distance when nothing is served in bf16), up to every expert one of the run's passes routes.
+// Refused, before any of it is made, when that is more than the machine has available, where the
+// kernel would otherwise kill the run part-way (a review ran --geometry of 1,000,000 × 1,000,000
+// experts, 21.8 GiB each, and Mixtral-8x7B at --scale 1).
+void check_host_memory(const options& o, const expage::moe_geometry& g, std::span<const step_routing> replay) {
+  using real = long double;
+  const std::size_t granule = host_granularity(o, g, o.lo_format.has_value());
+  const std::uint64_t resident = o.physics ? g.expert_count() : experts_for(o.budget, g);
+  const real mapped = static_cast<real>(resident) * static_cast<real>(version_bytes(g, o.format, granule));
+  real held = 0.0L;
+  real reference = 0.0L;
+  // The experts the reference may read: every expert a pass's layer routes, in every pass.
+  const real routed = std::min(static_cast<real>(g.expert_count()),
+                               static_cast<real>(passes_of(o, replay, g.layers())) * g.layers() *
+                                   std::min(g.experts_per_layer(), largest_group(g, replay)));
+  std::vector<precision> checked{o.format};
+  if (o.lo_format) checked.push_back(*o.lo_format);
+  if (std::ranges::find(checked, precision::bf16) == checked.end()) checked.push_back(precision::bf16);
+  for (const precision f : checked) {
+    const std::uint64_t total = g.total_expert_bytes(f);
+    const bool stored = f == o.format || (o.lo_format && f == *o.lo_format);
+    if (stored && total <= o.host_limit) held += static_cast<real>(total);
+    if (o.check) reference += routed * static_cast<real>(g.expert_bytes(f));
+  }
+  const std::optional<std::uint64_t> available = available_host_memory();
+  if (!available || mapped + held + reference <= static_cast<real>(*available)) return;
+  const auto size = [](real b) {
+    return b >= 0x1p64L ? std::string("over 16 EiB") : fmt::format("{}", expage::byte_size{static_cast<std::uint64_t>(b)});
+  };
+  usage(fmt::format(
+      "{} at --budget {:.0f}% needs up to {} of host memory: {} mapped by the runtime ({} experts{}), {} of weights "
+      "held (--host-limit {}) and {} read by the output check; this machine has {} available: raise --scale, lower "
+      "--budget or --host-limit, or add --no-check",
+      g.name(), o.budget * 100, size(mapped + held + reference), size(mapped), resident,
+      o.physics ? ", every one in --physics' all-resident run" : "", size(held), expage::byte_size{o.host_limit},
+      size(reference), expage::byte_size{*available}));
 }
 
 // The host: host_vmm, host streams (executor threads), the loader reading weight_store (through
@@ -1799,6 +1861,7 @@ int run(const options& o) {
   // On a device every expert's stored bytes are staged in pinned host memory (cuda_backend), read
   // from the generator or the file once: the store itself then keeps nothing in memory.
   const bool on_device = o.backend == "cuda";
+  if (!on_device) check_host_memory(o, g, replay);
   options store_options = o;
   if (on_device) {
     const std::uint64_t pinned =

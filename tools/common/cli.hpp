@@ -267,7 +267,11 @@ inline std::uint32_t resolve_capacity(const std::string& text, std::uint32_t key
     if (slots < minimum || slots > keys) throw out_of_range(fmt::format(" gives {} slots,", slots));
     return slots;
   }
-  // Any count out of this layout's range (or not a count at all) is named with that range.
+  // A count out of this layout's range, however large, is named with that range; what is not a
+  // count at all ("12abc", "1.5") is named as such.
+  if (text.empty() || !std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    throw usage_error{fmt::format("--capacity '{}' is not a slot count or a percentage (e.g. 128 or 50%)", text)};
+  }
   std::uint32_t slots = 0;
   try {
     slots = parse_number<std::uint32_t>("--capacity", text, 0, ~std::uint32_t{0});
