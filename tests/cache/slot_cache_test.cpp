@@ -52,8 +52,10 @@ TEST(SlotCache, LoadsMissesIntoFreeSlotsAndPublishesTheExpertMap) {
 
 TEST(SlotCache, EvictsIntoTheVictimsSlotAndNeverEvictsTheGroup) {
   slot_cache<lru_policy> cache(small(), {.layout = cache_layout::per_layer, .capacity = 2});
-  const std::uint32_t a[] = {0, 1};
-  const std::uint32_t b[] = {1, 2};  // 0 is LRU; 1 is pinned by this group even though older than... nothing
+  const std::uint32_t a[] = {1, 0};  // 1 in slot 0, 0 in slot 1; 1 is the least recently used
+  // 2 misses before 1 is reached: LRU's victim would be 1, which this group reads, so the pin
+  // makes it 0 (a policy that ignored the pins would evict 1 and miss it next).
+  const std::uint32_t b[] = {2, 1};
   (void)cache.access(0, a);
   const auto r = cache.access(0, b);
   EXPECT_EQ(r.hits, 1U);
@@ -61,8 +63,8 @@ TEST(SlotCache, EvictsIntoTheVictimsSlotAndNeverEvictsTheGroup) {
   ASSERT_EQ(r.loads.size(), 1U);
   EXPECT_TRUE(r.loads[0].evicts);
   EXPECT_EQ(r.loads[0].evicted, (expert_id{0, 0}));
-  EXPECT_EQ(r.loads[0].slot, 0) << "the newcomer takes the victim's slot";
-  EXPECT_THAT(cache.expert_map(0), ElementsAre(-1, 1, 0, -1, -1, -1));
+  EXPECT_EQ(r.loads[0].slot, 1) << "the newcomer takes the victim's slot";
+  EXPECT_THAT(cache.expert_map(0), ElementsAre(-1, 0, 1, -1, -1, -1));
 }
 
 // LRU whose on_insert() throws on a chosen call, as a node-based policy's allocation may.

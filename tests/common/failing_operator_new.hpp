@@ -36,6 +36,10 @@ inline void fail_allocation(int k, std::function<void()>* hook = nullptr, std::s
 /// No allocation of this thread fails.
 inline void stop_failing_allocations() noexcept { fail_allocation(0); }
 
+/// True once the allocation fail_allocation() armed has failed (read it before
+/// stop_failing_allocations()): a call that returned normally may have absorbed it.
+[[nodiscard]] inline bool allocation_failure_fired() noexcept { return detail::fail_in == 0; }
+
 }  // namespace expage::testing
 
 #if !EXPAGE_SANITIZED

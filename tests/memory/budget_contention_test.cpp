@@ -111,23 +111,43 @@ TEST(BudgetContention, CapsHoldAtEveryObservedMomentAndUsageReturnsToZero) {
   }
 }
 
+// Each thread holds up to 8 reservations of up to 150 bytes, so together they ask for up to
+// 4,800 bytes of a pool whose cap moves within [200, 1000]: the bytes held (a shadow sum, raised
+// after each admission and lowered before each release, so never above what is really held) and
+// the pool's usage must never pass the largest cap set.
 TEST(BudgetContention, ResizingWhileReservingNeverStrandsOrInventsBytes) {
   budget_tracker t(1 << 20);
   auto& pool = t.add_account("pool", 1000);
-  std::atomic<bool> stop{false};
   std::atomic<std::uint64_t> over{0};
+  std::atomic<std::int64_t> held{0};
+  std::atomic<std::uint64_t> granted{0};
+  std::atomic<std::uint64_t> refused{0};
   std::barrier start(thread_count + 1);
   std::vector<std::thread> threads;
   for (int id = 0; id < thread_count; ++id) {
     threads.emplace_back([&, id] {
       std::mt19937_64 rng(99 + static_cast<std::uint64_t>(id));
+      std::vector<reservation> mine;
       start.arrive_and_wait();
       for (int i = 0; i < iterations / 2; ++i) {
-        reservation r = pool.try_reserve(1 + rng() % 150);
-        // The cap only moves within [200, 1000]: no single admitted
-        // reservation, and no usage, can ever exceed the largest cap set.
+        if (mine.size() < 8 && (mine.empty() || rng() % 4 != 0)) {
+          if (reservation r = pool.try_reserve(1 + rng() % 150)) {
+            const auto bytes = static_cast<std::int64_t>(r.bytes());
+            if (held.fetch_add(bytes) + bytes > 1000) over.fetch_add(1);
+            mine.push_back(std::move(r));
+            granted.fetch_add(1, std::memory_order_relaxed);
+          } else {
+            refused.fetch_add(1, std::memory_order_relaxed);
+          }
+        } else {
+          const std::size_t k = rng() % mine.size();
+          held.fetch_sub(static_cast<std::int64_t>(mine[k].bytes()));
+          mine[k] = std::move(mine.back());
+          mine.pop_back();
+        }
         if (pool.used() > 1000) over.fetch_add(1);
       }
+      for (const auto& r : mine) held.fetch_sub(static_cast<std::int64_t>(r.bytes()));
     });
   }
   std::thread resizer([&] {
@@ -137,11 +157,13 @@ TEST(BudgetContention, ResizingWhileReservingNeverStrandsOrInventsBytes) {
       const capacity_change c = pool.set_capacity(200 + rng() % 801);
       if (c.capacity < c.requested || (c.complete() && c.held != 0)) over.fetch_add(1);
     }
-    stop = true;
   });
   for (auto& th : threads) th.join();
   resizer.join();
   EXPECT_EQ(over.load(), 0U);
+  EXPECT_EQ(held.load(), 0);
+  EXPECT_GT(granted.load(), 1000U) << "the workload must exercise admissions";
+  EXPECT_GT(refused.load(), 100U) << "the workload must hit the cap";
   EXPECT_EQ(pool.used(), 0U);
   // Every shrink that stopped early left capacity at usage; with nothing held
   // the final request always completes and capacity == available.

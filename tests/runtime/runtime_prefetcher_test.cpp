@@ -387,19 +387,26 @@ TEST(RuntimePrefetcher, TheStallGuardReopensOnceABadStretchLeavesItsWindow) {
 
 // The guard's shadow is plain LRU demand loading of the routing at the runtime's capacity: its
 // misses equal a list-based LRU's on random routing, whatever the prefetches do to the runtime.
+// The capacity holds a pass's 8 experts and each chain is routed for two passes, so the reference
+// hits as well as misses (at 4 slots every access of the 8-key cycle missed, and a shadow that
+// cached nothing would have passed); like the runtime, it never evicts an expert of the group
+// being served (a per-request list LRU differs from the 3rd pass on).
 TEST(RuntimePrefetcher, TheShadowIsLruDemandLoading) {
   runtime_world w;
+  (void)w.budget.root().set_capacity(10 * w.expert_data_bytes());
   host_stream prefetch("prefetch");
   runtime rt(w.geometry, w.account, w.vmm, w.copy, w.compute, w.source(), {.max_prefetch_in_flight = 2}, &prefetch);
   runtime_prefetcher pf(rt, make_predictor("coactivation", w.geometry.layers(), w.geometry.experts_per_layer(), 2),
                         {.threshold = 0.0F, .max_overhead = 0.5});
   const std::uint32_t capacity = rt.capacity();
   std::list<std::uint64_t> lru;  // flat indices, most recent first
+  ASSERT_EQ(capacity, 10U);
   std::uint64_t misses = 0;
+  std::uint64_t hits = 0;
   std::mt19937_64 rng(17);
   for (int pass = 0; pass < 40; ++pass) {
     for (std::uint32_t layer = 0; layer < w.geometry.layers(); ++layer) {
-      const std::vector<std::uint32_t> routed = rng() % 3 == 0 ? w.random_group(rng, 2) : chain(pass);
+      const std::vector<std::uint32_t> routed = rng() % 3 == 0 ? w.random_group(rng, 2) : chain(pass / 2);
       auto lease = rt.acquire(layer, routed);
       pf.on_routed(layer, routed);
       w.check_on_compute(rt, layer, routed);
@@ -409,8 +416,15 @@ TEST(RuntimePrefetcher, TheShadowIsLruDemandLoading) {
         const auto it = std::ranges::find(lru, f);
         if (it == lru.end()) {
           ++misses;
-          if (lru.size() == capacity) lru.pop_back();
+          if (lru.size() == capacity) {  // the least recent expert outside the group (pinned, as in the runtime)
+            const auto in_group = [&](std::uint64_t k) {
+              return k / w.geometry.experts_per_layer() == layer &&
+                     std::ranges::find(routed, k % w.geometry.experts_per_layer()) != routed.end();
+            };
+            lru.erase(std::prev(std::find_if_not(lru.rbegin(), lru.rend(), in_group).base()));
+          }
         } else {
+          ++hits;
           lru.erase(it);
         }
         lru.push_front(f);
@@ -418,6 +432,7 @@ TEST(RuntimePrefetcher, TheShadowIsLruDemandLoading) {
       ASSERT_EQ(pf.statistics().shadow_misses, misses) << "pass " << pass << " layer " << layer;
     }
   }
+  EXPECT_GT(hits, 80U) << "the reference must hit as well as miss (120 of 320 with seed 17)";
   w.compute.synchronize();
   prefetch.synchronize();
   EXPECT_GT(rt.statistics().total.prefetches, 0U);

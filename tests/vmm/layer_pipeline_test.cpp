@@ -453,13 +453,22 @@ TEST(TensorStorage, CopiedStoredBytesNeverExceedThePage) {
   storage.load(id, expert_tensor::gate_up, page, s);
   s.synchronize();
   EXPECT_TRUE(std::ranges::all_of(page, [](std::byte b) { return b == std::byte{7}; }));
-  // With a loader, the stored form may fill the slot: the loader writes the page's tensor_bytes.
-  tensor_storage<host_stream> coded(
-      g, precision::bf16, host,
-      {.slot_bytes = {gu + 4096, 0}, .loader = [](std::span<const std::byte>, std::span<std::byte> out, host_stream&) {
-         EXPECT_FALSE(out.empty());
-       }});
-  coded.set_stored_bytes(id, expert_tensor::gate_up, coded.slot_bytes(expert_tensor::gate_up));
+  // With a loader, the stored form may fill the slot: the loader reads all of it and writes the
+  // page's tensor_bytes.
+  std::vector<std::pair<std::size_t, std::size_t>> calls;  // (stored bytes, page bytes) per load
+  tensor_storage<host_stream> coded(g, precision::bf16, host,
+                                    {.slot_bytes = {gu + 4096, 0},
+                                     .loader = [&](std::span<const std::byte> in, std::span<std::byte> out, host_stream&) {
+                                       calls.emplace_back(in.size(), out.size());
+                                       std::ranges::fill(out, std::byte{9});
+                                     }});
+  const std::size_t whole = coded.slot_bytes(expert_tensor::gate_up);
+  ASSERT_GT(whole, gu);
+  coded.set_stored_bytes(id, expert_tensor::gate_up, whole);
+  coded.load(id, expert_tensor::gate_up, page, s);
+  s.synchronize();
+  EXPECT_EQ(calls, (std::vector<std::pair<std::size_t, std::size_t>>{{whole, gu}}));
+  EXPECT_TRUE(std::ranges::all_of(page, [](std::byte b) { return b == std::byte{9}; }));
 }
 
 // Fault injection: whatever step of a materialization fails, the layer's pages
