@@ -189,7 +189,9 @@ inline std::uint64_t parse_bytes(std::string_view flag, std::string_view text, s
   }
   const auto refuse = [&] {
     return usage_error{
-        fmt::format("{} '{}' is not a byte count in [{}, 2^53] (e.g. 24GiB, 512MiB, 40GB)", flag, text, lo)};
+        fmt::format("{} '{}' is not a byte count in [{}, 2^53]: a number with an optional unit, B, KB, MB, GB, TB "
+                    "(powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. 24GiB, 512MiB, 40GB",
+                    flag, text, lo)};
   };
   constexpr std::uint64_t most = std::uint64_t{1} << 53;
   if (number.starts_with('-') || number.starts_with('+')) throw refuse();  // "-0GiB" is no byte count
