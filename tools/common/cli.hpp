@@ -3,6 +3,7 @@
 // geometry a trace's metadata names.
 #pragma once
 
+#include <expage/cache/next_turn_policy.hpp>
 #include <expage/cache/replay.hpp>
 #include <expage/core/error.hpp>
 #include <expage/core/file_output.hpp>
@@ -29,6 +30,7 @@
 #include <new>
 #include <optional>
 #include <set>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -546,6 +548,37 @@ inline std::vector<expage::policy_kind> parse_policy_list(std::string_view flag,
     }
   }
   return policies;
+}
+
+/// next-turn keeps a dense transition table per scope (next_turn_policy::transition_cells()); a
+/// model with too many experts per layer for it is told here, before any work: next-turn is
+/// dropped from @p policies with a note on standard error when the list did not name it
+/// (@p policy_text "all", or empty for a tool's default), and refused when it did.
+/// @throws usage_error naming the flag, the model, the cells and the limit.
+inline void fit_next_turn(std::vector<expage::policy_kind>& policies, std::string_view policy_text,
+                          const expage::moe_geometry& g, std::span<const expage::cache_layout> layouts,
+                          std::string_view tool) {
+  if (std::ranges::find(policies, expage::policy_kind::next_turn) == policies.end()) return;
+  std::uint64_t cells = 0;
+  for (const auto layout : layouts) {
+    cells = std::max(cells, expage::next_turn_policy::transition_cells(
+                                {.layers = g.layers(),
+                                 .experts_per_layer = g.experts_per_layer(),
+                                 .global = layout == expage::cache_layout::global}));
+  }
+  if (cells <= expage::max_dense_table_cells) return;
+  const std::string why = fmt::format(
+      "next-turn's transition table for {} ({} experts per layer) needs {} cells, out of range [0, 2^28]", g.name(),
+      g.experts_per_layer(), cells);
+  bool named = false;
+  for (std::size_t at = 0; at <= policy_text.size();) {
+    const std::size_t comma = std::min(policy_text.find(',', at), policy_text.size());
+    named = named || policy_text.substr(at, comma - at) == "next-turn";
+    at = comma + 1;
+  }
+  if (named) throw usage_error{fmt::format("--policy next-turn: {}", why)};
+  std::erase(policies, expage::policy_kind::next_turn);
+  std::fprintf(stderr, "%s: note: next-turn left out: %s\n", std::string(tool).c_str(), why.c_str());
 }
 
 /// A `--layout` value of expage-replay and expage-sim: per-layer, global or both (per-layer first).

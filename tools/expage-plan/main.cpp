@@ -192,7 +192,8 @@ config parse(int argc, char** argv, const std::string& help) {
       const auto kinds = expage::all_policy_kinds();
       const auto it = std::find_if(kinds.begin(), kinds.end(), [&](auto k) { return expage::to_string(k) == v; });
       if (it == kinds.end() || *it == expage::policy_kind::belady) {
-        throw usage_error{fmt::format("--policy '{}' is not an online eviction policy (lru, next-turn, ...)", v)};
+        throw usage_error{fmt::format("--policy '{}' is not one online eviction policy ({})", v,
+                                      expage_tools::policy_names(/*online_only=*/true))};
       }
       c.policy = *it;
     } else if (flag == "--layout") {
@@ -688,6 +689,10 @@ int main(int argc, char** argv) {
     const expage::hardware_profile& hardware = inputs.hardware;
     const expage::moe_geometry& g = inputs.geometry;
     expage_tools::require_sized_geometry(g, c.geometry.has_value());
+    {
+      std::vector<expage::policy_kind> one{c.policy};
+      expage_tools::fit_next_turn(one, expage::to_string(c.policy), g, std::span(&c.layout, 1), "expage-plan");
+    }
     if (c.synthetic) expage_tools::check_synthetic(g, c.synth);
     expage::plan_options o;
     o.budget_bytes = *c.budget;

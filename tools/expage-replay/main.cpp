@@ -101,6 +101,7 @@ struct config {
   std::optional<std::string> geometry;  // unset: the trace's metadata, else mixtral-8x7b
   bool trust_geometry = false;
   std::vector<expage::policy_kind> policies;
+  std::string policy_text;  // --policy as given (empty: the default), for fit_next_turn()
   std::vector<std::string> capacities = {"25%", "50%", "75%"};
   std::vector<expage::cache_layout> layouts = {expage::cache_layout::global};
   expage::precision format = expage::precision::bf16;
@@ -139,7 +140,8 @@ config parse(int argc, char** argv, const std::string& help) {
     } else if (flag == "--trust-geometry") {
       c.trust_geometry = true;
     } else if (flag == "--policy") {
-      c.policies = expage_tools::parse_policy_list(flag, value());
+      c.policy_text = std::string(value());
+      c.policies = expage_tools::parse_policy_list(flag, c.policy_text);
     } else if (flag == "--capacity") {
       c.capacities = expage_tools::split_nonempty(flag, value());
     } else if (flag == "--layout") {
@@ -299,7 +301,7 @@ int main(int argc, char** argv) {
                                        expage_tools::policy_names(/*online_only=*/false),
                                        fmt::arg("synthetic", expage_tools::synthetic_flags_help()));
   try {
-    const config c = parse(argc, argv, help);
+    config c = parse(argc, argv, help);  // fit_next_turn() may leave a policy out
     // Output paths are checked before any work. An output on stdout arrives alone: the tables go
     // to stderr until tables.put_back().
     auto tables =
@@ -315,6 +317,8 @@ int main(int argc, char** argv) {
       expage_tools::check_synthetic(g, o);  // the event count included, before anything is generated
     }
 
+    expage_tools::fit_next_turn(c.policies, c.policy_text.empty() ? "all" : c.policy_text, g, c.layouts,
+                                "expage-replay");
     // Capacities are checked before the trace is read or generated.
     struct job {
       expage::cache_layout layout;

@@ -156,6 +156,7 @@ struct config {
   std::optional<std::uint64_t> dense_bytes;
   expage::precision format = expage::precision::bf16;
   std::vector<expage::policy_kind> policies = {expage::policy_kind::lru, expage::policy_kind::belady};
+  std::string policy_text;  // --policy as given (empty: the default), for fit_next_turn()
   std::vector<std::string> capacities = {"25%", "50%", "75%"};
   std::vector<expage::cache_layout> layouts = {expage::cache_layout::global};
   std::vector<prefetch_choice> prefetch = {{"none", std::nullopt}};
@@ -270,7 +271,8 @@ config parse(int argc, char** argv, const std::string& help) {
     } else if (flag == "--precision") {
       c.format = expage_tools::parse_precision_flag(flag, value());
     } else if (flag == "--policy") {
-      c.policies = expage_tools::parse_policy_list(flag, value());
+      c.policy_text = std::string(value());
+      c.policies = expage_tools::parse_policy_list(flag, c.policy_text);
     } else if (flag == "--capacity") {
       c.capacities = split_nonempty(flag, value());
     } else if (flag == "--layout") {
@@ -557,7 +559,7 @@ int main(int argc, char** argv) {
                                        fmt::join(expage::hardware_profile::preset_names(), ", "), policy_names,
                                        fmt::arg("synthetic", expage_tools::synthetic_flags_help()));
   try {
-    const config c = parse(argc, argv, help);
+    config c = parse(argc, argv, help);  // fit_next_turn() may leave a policy out
     // An output on stdout arrives alone: the tables go to stderr until tables.put_back().
     auto tables = expage_tools::prepare_outputs({{"--json", c.json}, {"--svg", c.svg}},
                                                 {{"--trace", c.trace},
@@ -600,6 +602,7 @@ int main(int argc, char** argv) {
                         g.name())};
       }
     }
+    expage_tools::fit_next_turn(c.policies, c.policy_text, g, c.layouts, "expage-sim");
     // Ratios and capacities are checked before the trace is read.
     for (const auto& r : c.ratios) {
       try {

@@ -78,6 +78,13 @@ class next_turn_policy {
 
   /// A policy over the keys of @p space with the default options.
   explicit next_turn_policy(const key_space& space) : next_turn_policy(space, options{}) {}
+  /// Cells of the dense transition table over @p space (options::transitions): one E × E table
+  /// per layer of a global scope, one for a per-layer scope; saturated at 2^64 − 1. The
+  /// constructor refuses more than max_dense_table_cells, as a tool may ask first.
+  [[nodiscard]] static std::uint64_t transition_cells(const key_space& space) noexcept {
+    const std::size_t e = space.experts_per_layer;
+    return saturating_product({scopes(space), e, e});
+  }
   /// A policy over the keys of @p space.
   /// @throws expage::invalid_argument when a decay is not in (0, 1], the
   /// prior is not positive and finite, or (with transitions) the dense
@@ -108,7 +115,7 @@ class next_turn_policy {
     powers_ = power_table(gamma_);
     if (transitions_) {
       const std::size_t e = space.experts_per_layer;
-      if (const std::uint64_t cells = saturating_product({scopes(space), e, e}); cells > max_dense_table_cells) {
+      if (const std::uint64_t cells = transition_cells(space); cells > max_dense_table_cells) {
         throw invalid_argument(
             fmt::format("next_turn_policy: {} scopes × {}^2 experts = {} transition cells out of range [0, 2^28] (the "
                         "table is dense; options::transitions = false needs none)",
