@@ -870,7 +870,6 @@ std::optional<std::uint64_t> available_host_memory() {
   return std::nullopt;
 }
 
-
 // The most experts one layer step routes (the union of its tokens' experts), at least top-k: a
 // demand tier must hold them.
 std::uint32_t largest_group(const expage::moe_geometry& g, std::span<const step_routing> replay) {
@@ -900,9 +899,9 @@ void check_host_memory(const options& o, const expage::moe_geometry& g, std::spa
   real held = 0.0L;
   real reference = 0.0L;
   // The experts the reference may read: every expert a pass's layer routes, in every pass.
-  const real routed = std::min(static_cast<real>(g.expert_count()),
-                               static_cast<real>(passes_of(o, replay, g.layers())) * g.layers() *
-                                   std::min(g.experts_per_layer(), largest_group(g, replay)));
+  const real routed =
+      std::min(static_cast<real>(g.expert_count()), static_cast<real>(passes_of(o, replay, g.layers())) * g.layers() *
+                                                        std::min(g.experts_per_layer(), largest_group(g, replay)));
   std::vector<precision> checked{o.format};
   if (o.lo_format) checked.push_back(*o.lo_format);
   if (std::ranges::find(checked, precision::bf16) == checked.end()) checked.push_back(precision::bf16);
@@ -915,7 +914,8 @@ void check_host_memory(const options& o, const expage::moe_geometry& g, std::spa
   const std::optional<std::uint64_t> available = available_host_memory();
   if (!available || mapped + held + reference <= static_cast<real>(*available)) return;
   const auto size = [](real b) {
-    return b >= 0x1p64L ? std::string("over 16 EiB") : fmt::format("{}", expage::byte_size{static_cast<std::uint64_t>(b)});
+    return b >= 0x1p64L ? std::string("over 16 EiB")
+                        : fmt::format("{}", expage::byte_size{static_cast<std::uint64_t>(b)});
   };
   usage(fmt::format(
       "{} at --budget {:.0f}% needs up to {} of host memory: {} mapped by the runtime ({} experts{}), {} of weights "

@@ -110,8 +110,9 @@ TEST(RuntimeAllocFaults, AnAllocationFailureAnywhereInAcquireChangesNothing) {
 }
 
 // A prefetch that throws queued nothing; one that absorbed the failure (a trace event, or a
-// guess's load, dropped and counted in prefetch_failed) loads the other guesses whole. The loop goes on past absorbed failures (it used to
-// stop at the first prefetch that returned: the second allocation, whose failure is absorbed).
+// guess's load, dropped and counted in prefetch_failed) loads the other guesses whole. The loop
+// goes on past absorbed failures (it used to stop at the first prefetch that returned: the
+// second allocation, whose failure is absorbed).
 TEST(RuntimeAllocFaults, APrefetchThatRunsOutOfMemoryQueuesNothing) {
   if (!failing_new_available) GTEST_SKIP() << "the failing operator new is off under sanitizers";
   const std::uint32_t guesses[] = {4, 5, 6};

@@ -456,12 +456,13 @@ TEST(TensorStorage, CopiedStoredBytesNeverExceedThePage) {
   // With a loader, the stored form may fill the slot: the loader reads all of it and writes the
   // page's tensor_bytes.
   std::vector<std::pair<std::size_t, std::size_t>> calls;  // (stored bytes, page bytes) per load
-  tensor_storage<host_stream> coded(g, precision::bf16, host,
-                                    {.slot_bytes = {gu + 4096, 0},
-                                     .loader = [&](std::span<const std::byte> in, std::span<std::byte> out, host_stream&) {
-                                       calls.emplace_back(in.size(), out.size());
-                                       std::ranges::fill(out, std::byte{9});
-                                     }});
+  tensor_storage<host_stream> coded(
+      g, precision::bf16, host,
+      {.slot_bytes = {gu + 4096, 0},
+       .loader = [&](std::span<const std::byte> in, std::span<std::byte> out, host_stream&) {
+         calls.emplace_back(in.size(), out.size());
+         std::ranges::fill(out, std::byte{9});
+       }});
   const std::size_t whole = coded.slot_bytes(expert_tensor::gate_up);
   ASSERT_GT(whole, gu);
   coded.set_stored_bytes(id, expert_tensor::gate_up, whole);

@@ -561,15 +561,15 @@ inline void fit_next_turn(std::vector<expage::policy_kind>& policies, std::strin
   if (std::ranges::find(policies, expage::policy_kind::next_turn) == policies.end()) return;
   std::uint64_t cells = 0;
   for (const auto layout : layouts) {
-    cells = std::max(cells, expage::next_turn_policy::transition_cells(
-                                {.layers = g.layers(),
-                                 .experts_per_layer = g.experts_per_layer(),
-                                 .global = layout == expage::cache_layout::global}));
+    cells =
+        std::max(cells, expage::next_turn_policy::transition_cells({.layers = g.layers(),
+                                                                    .experts_per_layer = g.experts_per_layer(),
+                                                                    .global = layout == expage::cache_layout::global}));
   }
   if (cells <= expage::max_dense_table_cells) return;
-  const std::string why = fmt::format(
-      "next-turn's transition table for {} ({} experts per layer) needs {} cells, out of range [0, 2^28]", g.name(),
-      g.experts_per_layer(), cells);
+  const std::string why =
+      fmt::format("next-turn's transition table for {} ({} experts per layer) needs {} cells, out of range [0, 2^28]",
+                  g.name(), g.experts_per_layer(), cells);
   bool named = false;
   for (std::size_t at = 0; at <= policy_text.size();) {
     const std::size_t comma = std::min(policy_text.find(',', at), policy_text.size());
