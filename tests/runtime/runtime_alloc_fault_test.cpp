@@ -72,6 +72,7 @@ TEST(RuntimeAllocFaults, AnAllocationFailureAnywhereInAcquireChangesNothing) {
   const std::uint32_t group[] = {4, 5};
   int failures = 0;
   int absorbed = 0;
+  bool past_the_end = false;  // the loop reached an allocation the call does not make
   for (int k = 1; k < 400; ++k) {
     SCOPED_TRACE(fmt::format("allocation {}", k));
     warm s;
@@ -83,6 +84,7 @@ TEST(RuntimeAllocFaults, AnAllocationFailureAnywhereInAcquireChangesNothing) {
       stop_failing_allocations();
       if (!fired) {
         lease.release();
+        past_the_end = true;
         break;  // k is past the call's last allocation
       }
       ++absorbed;
@@ -107,6 +109,7 @@ TEST(RuntimeAllocFaults, AnAllocationFailureAnywhereInAcquireChangesNothing) {
   }
   EXPECT_GT(failures, 20);
   EXPECT_GT(absorbed, 0) << "the failures acquire absorbs are injected too";
+  EXPECT_TRUE(past_the_end) << "every allocation of the call failed in turn";
 }
 
 // A prefetch that throws queued nothing; one that absorbed the failure (a trace event, or a
@@ -126,6 +129,7 @@ TEST(RuntimeAllocFaults, APrefetchThatRunsOutOfMemoryQueuesNothing) {
   }
   int failures = 0;
   int absorbed = 0;
+  bool past_the_end = false;  // the loop reached an allocation the call does not make
   for (int k = 1; k < 50; ++k) {
     SCOPED_TRACE(fmt::format("allocation {}", k));
     warm s;
@@ -135,7 +139,10 @@ TEST(RuntimeAllocFaults, APrefetchThatRunsOutOfMemoryQueuesNothing) {
       s.rt.prefetch(1, guesses);
       const bool fired = allocation_failure_fired();
       stop_failing_allocations();
-      if (!fired) break;  // k is past the call's last allocation
+      if (!fired) {
+        past_the_end = true;
+        break;  // k is past the call's last allocation
+      }
       ++absorbed;
       s.settle();
       // A load the failure hit was dropped whole and counted (issue_background()'s guarantee);
@@ -153,6 +160,7 @@ TEST(RuntimeAllocFaults, APrefetchThatRunsOutOfMemoryQueuesNothing) {
   }
   EXPECT_GT(failures, 0);
   EXPECT_GT(absorbed, 0) << "the failures a prefetch absorbs are injected too";
+  EXPECT_TRUE(past_the_end) << "every allocation of the call failed in turn";
 }
 
 // A failed load gives its blocks back to the system: the account is as before and so are the
