@@ -129,8 +129,8 @@ TEST(RuntimeAllocFaults, APrefetchThatRunsOutOfMemoryQueuesNothing) {
   }
   int failures = 0;
   int absorbed = 0;
-  bool past_the_end = false;  // the loop reached an allocation the call does not make
-  for (int k = 1; k < 50; ++k) {
+  bool past_the_end = false;       // the loop reached an allocation the call does not make
+  for (int k = 1; k < 400; ++k) {  // 36 to 49 allocations, as the prefetch stream runs meanwhile
     SCOPED_TRACE(fmt::format("allocation {}", k));
     warm s;
     const std::uint64_t queued = s.rt.statistics().prefetch_queued;
