@@ -306,6 +306,8 @@ options parse(int argc, char** argv) {
           "bf16, --view records, --policy lru, --hi-share 50%, --interval 2, --duel-passes 16 (0: no duel),\n"
           "--host-limit 4294967296, --copy-threads 1; --quick sets --tokens 4 --scale 16 where not given.\n"
           "BYTES is a whole number of bytes (no suffix).\n"
+          "On the host, a run that needs more memory than the machine has available (the experts --budget\n"
+          "maps, the weights --host-limit holds, the output check's copies) is refused before it starts.\n"
           "--four-pool: --budget is B for hi and lo versions and the KV cache together; the four-pool\n"
           "controller splits it every --burst passes (default 8) for the modelled --hardware (default\n"
           "pcie4) and a KV workload of the --kv-sessions preset (phase-shift, tool-calls, long-context;\n"
