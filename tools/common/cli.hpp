@@ -570,13 +570,10 @@ inline void fit_next_turn(std::vector<expage::policy_kind>& policies, std::strin
   const std::string why =
       fmt::format("next-turn's transition table for {} ({} experts per layer) needs {} cells, out of range [0, 2^28]",
                   g.name(), g.experts_per_layer(), cells);
-  bool named = false;
-  for (std::size_t at = 0; at <= policy_text.size();) {
-    const std::size_t comma = std::min(policy_text.find(',', at), policy_text.size());
-    named = named || policy_text.substr(at, comma - at) == "next-turn";
-    at = comma + 1;
+  // The text was read by parse_policy_list() already: its names are there, none empty.
+  if (!policy_text.empty() && std::ranges::count(split_nonempty("--policy", policy_text), "next-turn") > 0) {
+    throw usage_error{fmt::format("--policy next-turn: {}", why)};
   }
-  if (named) throw usage_error{fmt::format("--policy next-turn: {}", why)};
   std::erase(policies, expage::policy_kind::next_turn);
   std::fprintf(stderr, "%s: note: next-turn left out: %s\n", std::string(tool).c_str(), why.c_str());
 }
