@@ -646,10 +646,13 @@ class safetensors_file {
 // when they do not fit: the loader then generates each tensor as it loads it.
 class weight_store {
  public:
+  // Whether a store of @p format holds every expert in memory: when they all fit --host-limit.
+  [[nodiscard]] static bool holds_all(const expage::moe_geometry& g, precision format, const options& o) {
+    return g.total_expert_bytes(format) <= o.host_limit;
+  }
   weight_store(const expage::moe_geometry& g, precision format, const options& o) : g_(g), format_(format) {
     if (!o.weights.empty()) file_.emplace(o.weights);
-    const std::uint64_t total = g.total_expert_bytes(format);
-    if (total > o.host_limit) return;
+    if (!holds_all(g, format, o)) return;
     tensors_.reserve(g.expert_count() * 2);
     for (std::uint64_t f = 0; f < g.expert_count(); ++f) {
       for (const expert_tensor t : {expert_tensor::gate_up, expert_tensor::down}) {
@@ -908,9 +911,8 @@ void check_host_memory(const options& o, const expage::moe_geometry& g, std::spa
   if (o.lo_format) checked.push_back(*o.lo_format);
   if (std::ranges::find(checked, precision::bf16) == checked.end()) checked.push_back(precision::bf16);
   for (const precision f : checked) {
-    const std::uint64_t total = g.total_expert_bytes(f);
     const bool stored = f == o.format || (o.lo_format && f == *o.lo_format);
-    if (stored && total <= o.host_limit) held += static_cast<real>(total);
+    if (stored && weight_store::holds_all(g, f, o)) held += static_cast<real>(g.total_expert_bytes(f));
     if (o.check) reference += routed * static_cast<real>(g.expert_bytes(f));
   }
   const std::optional<std::uint64_t> available = available_host_memory();
