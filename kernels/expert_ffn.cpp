@@ -5,6 +5,7 @@
 #include "expage/core/error.hpp"
 #include "expage/cuda/runtime.hpp"
 #include "expage/moe/expert_ffn.hpp"
+#include "expage/moe/routing.hpp"
 #include "expage/residency/version_record.hpp"
 
 #include <fmt/format.h>
@@ -16,17 +17,14 @@ namespace expage::cuda {
 
 namespace {
 
-constexpr std::uint64_t max_pairs = std::uint64_t{1} << 31U;
-constexpr std::uint32_t max_experts = 65536;
-
 std::uint64_t checked_pairs(std::uint32_t tokens, std::uint32_t top_k, const expert_ffn_shape& shape) {
   shape.validate("expert_ffn_async");
   const std::uint64_t pairs = std::uint64_t{tokens} * top_k;
-  if (top_k < 1 || pairs >= max_pairs) {
+  if (top_k < 1 || pairs >= max_routed_pairs) {
     throw invalid_argument(
         fmt::format("expert_ffn_async: top_k {} (≥ 1) and {} tokens give {} pairs, out of range "
                     "[0, {})",
-                    top_k, tokens, pairs, max_pairs));
+                    top_k, tokens, pairs, max_routed_pairs));
   }
   return pairs;
 }
@@ -41,8 +39,9 @@ void expert_ffn_async(const expert_ffn_problem& problem, void* workspace, std::s
                       cudaStream_t stream) {
   constexpr const char* what = "expert_ffn_async";
   const std::size_t needed = expert_ffn_workspace_bytes(problem.tokens, problem.top_k, problem.shape);
-  if (problem.experts < 1 || problem.experts > max_experts) {
-    throw invalid_argument(fmt::format("{}: experts {} out of range [1, {}]", what, problem.experts, max_experts));
+  if (problem.experts < 1 || problem.experts > max_routed_experts) {
+    throw invalid_argument(
+        fmt::format("{}: experts {} out of range [1, {}]", what, problem.experts, max_routed_experts));
   }
   if (problem.out == nullptr || problem.offsets == nullptr || problem.records == nullptr ||
       (problem.tokens != 0 && (problem.x == nullptr || problem.order == nullptr || problem.topk_weights == nullptr))) {

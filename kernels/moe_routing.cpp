@@ -14,22 +14,19 @@
 namespace expage::cuda {
 namespace {
 
-constexpr std::uint32_t max_experts = 65536;
-constexpr std::uint64_t max_pairs = std::uint64_t{1} << 31U;
-
 void require(bool ok, const char* what, const char* message) {
   if (!ok) throw invalid_argument(fmt::format("{}: {}", what, message));
 }
 
 void check_experts(const char* what, std::uint32_t experts) {
-  if (experts < 1 || experts > max_experts) {
-    throw invalid_argument(fmt::format("{}: experts {} out of range [1, {}]", what, experts, max_experts));
+  if (experts < 1 || experts > max_routed_experts) {
+    throw invalid_argument(fmt::format("{}: experts {} out of range [1, {}]", what, experts, max_routed_experts));
   }
 }
 
 void check_pairs(const char* what, std::uint64_t pairs) {
-  if (pairs >= max_pairs)
-    throw invalid_argument(fmt::format("{}: {} pairs out of range [0, {})", what, pairs, max_pairs));
+  if (pairs >= max_routed_pairs)
+    throw invalid_argument(fmt::format("{}: {} pairs out of range [0, {})", what, pairs, max_routed_pairs));
 }
 
 void launch_router(const void* logits, bool bf16, router_shape shape, router_gating gating, std::int32_t* topk_ids,

@@ -17,16 +17,14 @@
 namespace expage {
 namespace {
 
-constexpr std::uint32_t max_experts = 65536;
-constexpr std::uint64_t max_pairs = std::uint64_t{1} << 31U;
-
 void check_size(const char* what, const char* name, std::size_t got, std::uint64_t want) {
   if (got != want) throw invalid_argument(fmt::format("{}: {} has {} entries, expected {}", what, name, got, want));
 }
 
 void check_router_shape(router_shape shape) {
-  if (shape.experts < 1 || shape.experts > max_experts) {
-    throw invalid_argument(fmt::format("router_top_k: experts {} out of range [1, {}]", shape.experts, max_experts));
+  if (shape.experts < 1 || shape.experts > max_routed_experts) {
+    throw invalid_argument(
+        fmt::format("router_top_k: experts {} out of range [1, {}]", shape.experts, max_routed_experts));
   }
   if (shape.top_k < 1 || shape.top_k > shape.experts) {
     throw invalid_argument(fmt::format("router_top_k: top_k {} out of range [1, {}]", shape.top_k, shape.experts));
@@ -96,12 +94,13 @@ void router_top_k_bf16(std::span<const std::uint16_t> logits, router_shape shape
 
 std::uint32_t remap_experts(std::span<const std::int32_t> topk_ids, std::span<const std::int32_t> expert_map,
                             std::span<std::int32_t> slots, std::span<std::uint8_t> missing_experts) {
-  if (expert_map.empty() || expert_map.size() > max_experts) {
-    throw invalid_argument(
-        fmt::format("remap_experts: expert_map has {} entries, out of range [1, {}]", expert_map.size(), max_experts));
+  if (expert_map.empty() || expert_map.size() > max_routed_experts) {
+    throw invalid_argument(fmt::format("remap_experts: expert_map has {} entries, out of range [1, {}]",
+                                       expert_map.size(), max_routed_experts));
   }
-  if (topk_ids.size() >= max_pairs) {
-    throw invalid_argument(fmt::format("remap_experts: {} pairs out of range [0, {})", topk_ids.size(), max_pairs));
+  if (topk_ids.size() >= max_routed_pairs) {
+    throw invalid_argument(
+        fmt::format("remap_experts: {} pairs out of range [0, {})", topk_ids.size(), max_routed_pairs));
   }
   check_size("remap_experts", "slots", slots.size(), topk_ids.size());
   check_size("remap_experts", "missing_experts", missing_experts.size(), expert_map.size());
@@ -120,11 +119,13 @@ std::uint32_t remap_experts(std::span<const std::int32_t> topk_ids, std::span<co
 
 void group_by_expert(std::span<const std::int32_t> topk_ids, std::uint32_t experts, std::span<std::uint32_t> offsets,
                      std::span<std::uint32_t> order, std::span<std::uint32_t> position) {
-  if (experts < 1 || experts > max_experts) {
-    throw invalid_argument(fmt::format("group_by_expert: experts {} out of range [1, {}]", experts, max_experts));
+  if (experts < 1 || experts > max_routed_experts) {
+    throw invalid_argument(
+        fmt::format("group_by_expert: experts {} out of range [1, {}]", experts, max_routed_experts));
   }
-  if (topk_ids.size() >= max_pairs) {
-    throw invalid_argument(fmt::format("group_by_expert: {} pairs out of range [0, {})", topk_ids.size(), max_pairs));
+  if (topk_ids.size() >= max_routed_pairs) {
+    throw invalid_argument(
+        fmt::format("group_by_expert: {} pairs out of range [0, {})", topk_ids.size(), max_routed_pairs));
   }
   check_size("group_by_expert", "offsets", offsets.size(), std::uint64_t{experts} + 1);
   check_size("group_by_expert", "order", order.size(), topk_ids.size());

@@ -19,6 +19,13 @@
 
 namespace expage {
 
+/// The most routed experts a layer may have for the routing step and the FFN (host and CUDA):
+/// `expert_counts` and the per-expert offsets are indexed by expert.
+inline constexpr std::uint32_t max_routed_experts = 65536;
+/// One more than the most (token, k) pairs one call may carry: pair indices are std::int32_t in the
+/// kernels' permutations.
+inline constexpr std::uint64_t max_routed_pairs = std::uint64_t{1} << 31U;
+
 /// @brief How the router's logits become gating weights (both select by logit, so the chosen
 /// experts are the same; only the weights differ).
 enum class router_gating : std::uint8_t {
