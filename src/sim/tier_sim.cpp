@@ -77,7 +77,7 @@ enum class version : std::uint8_t { none, in_flight, active };
 enum class job : std::uint8_t { none, promote, demote };
 enum class link_use : std::uint8_t { idle, demand, background };
 
-struct link_state {
+struct tier_link_state {
   double hi = 0.0;  // seconds per hi transfer
   double lo = 0.0;  // seconds per lo transfer
   double busy_until = 0.0;
@@ -422,7 +422,7 @@ class tier_engine {
   // queued background transfer, on the link that finishes it first. A failed transfer is retried
   // at once (the retry does not fail). The version is active from now on (the layer waits for it).
   double demand(std::size_t f, tier_pool p, double earliest, double& behind) {
-    link_state* best = &links_.front();
+    tier_link_state* best = &links_.front();
     double best_done = std::numeric_limits<double>::infinity();
     for (auto& l : links_) {
       const double done = std::max(earliest, l.busy_until) + (p == tier_pool::hi ? l.hi : l.lo);
@@ -495,7 +495,7 @@ class tier_engine {
       auto landing = std::min_element(flights_.begin(), flights_.end(),
                                       [](const flight& a, const flight& b) { return a.done < b.done; });
       // The link free first and the first job that can start.
-      link_state* link = &links_.front();
+      tier_link_state* link = &links_.front();
       for (auto& l : links_) {
         if (l.busy_until < link->busy_until) link = &l;
       }
@@ -543,7 +543,7 @@ class tier_engine {
     }
   }
 
-  void begin(std::size_t i, link_state& link, double start) {
+  void begin(std::size_t i, tier_link_state& link, double start) {
     const queued_job q = queue_[i];
     queue_.erase(queue_.begin() + static_cast<std::ptrdiff_t>(i));
     const std::size_t f = q.flat;
@@ -704,7 +704,7 @@ class tier_engine {
   std::vector<reservation> lo_res_;
   std::vector<std::uint32_t> hi_used_;  // per layer: hi versions active or in flight
   std::vector<std::uint32_t> lo_used_;
-  std::vector<link_state> links_;
+  std::vector<tier_link_state> links_;
   std::vector<queued_job> queue_;
   std::vector<flight> flights_;
   std::uint64_t clock_ = 0;

@@ -124,6 +124,9 @@ constexpr std::size_t header_size_of(std::uint16_t version, std::uint64_t name_b
   return wide_header(version) ? header_size_v2 : header_size;
 }
 
+}  // namespace
+
+// Outside the anonymous namespace, as the reader's state that holds it (detail::binary_stream).
 struct binary_header {
   std::uint16_t version = 1;
   std::size_t size = header_size;   // header bytes (header_size_of())
@@ -137,6 +140,8 @@ struct binary_header {
   std::uint64_t payload_sum = 0;  // versions 1 and 2: FNV-1a 64 of the whole payload
   trace_metadata meta;
 };
+
+namespace {
 
 // Reads the header: 64 bytes, then the rest its version (and in version 4 its name_bytes, when
 // in range) implies. Returns what was read (a short input yields a short span, which
@@ -275,6 +280,9 @@ binary_header parse_header(std::span<const std::byte> bytes, std::string_view so
   return h;
 }
 
+}  // namespace
+
+// Outside the anonymous namespace, as the reader's state that holds it (detail::binary_stream).
 // A binary trace's header, checked against the geometry and the input's size, and what follows
 // from it. Memory is allocated only after the counts were bounded by the bytes present.
 struct binary_layout {
@@ -291,6 +299,8 @@ struct binary_layout {
     return h.size + i * record_bytes + (h.block_records == 0 ? 0 : i / h.block_records * block_checksum_bytes);
   }
 };
+
+namespace {
 
 binary_layout read_layout(detail::byte_input& in, const moe_geometry& geometry) {
   const std::string_view source = in.name();

@@ -360,11 +360,6 @@ routing_trace read_csv_from(detail::byte_input& in, const moe_geometry& geometry
   return out;
 }
 
-template <class T>
-std::string list_of(std::span<const T> values, std::string_view separator) {
-  return fmt::format("{}", fmt::join(values, separator));
-}
-
 }  // namespace
 
 namespace detail {
@@ -422,9 +417,9 @@ void write_csv(std::ostream& out, const routing_trace& trace, std::string_view g
                              : "sequence,step,layer,phase,experts,weights\n");
   std::string line;
   for (const routing_event& e : trace) {
-    line = fmt::format("{},{},{},{},{},{}", e.sequence, e.step, e.layer, to_string(e.phase), list_of(e.experts, ";"),
-                       list_of(e.weights, ";"));
-    if (with_probabilities) line += fmt::format(",{}", list_of(e.probabilities, ";"));
+    line = fmt::format("{},{},{},{},{},{}", e.sequence, e.step, e.layer, to_string(e.phase),
+                       detail::list_of(e.experts, ";"), detail::list_of(e.weights, ";"));
+    if (with_probabilities) line += fmt::format(",{}", detail::list_of(e.probabilities, ";"));
     line += '\n';
     out << line;
   }

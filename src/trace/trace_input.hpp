@@ -7,6 +7,9 @@
 #include "expage/trace/routing_trace.hpp"
 #include "expage/trace/trace_io.hpp"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -30,6 +33,12 @@ inline constexpr std::uint32_t max_text_metadata_value = 65536;
 // @throws expage::invalid_argument naming @p who.
 void check_has_records(const routing_trace& trace, std::string_view who);
 void check_text_metadata(const trace_metadata& meta, std::string_view format);
+
+// The text writers' (JSONL, CSV) list of one record's values, in the format's separator.
+template <class T>
+std::string list_of(std::span<const T> values, std::string_view separator) {
+  return fmt::format("{}", fmt::join(values, separator));
+}
 
 // How a reader names a position: "name:17" for lines, "name: byte 4096" for binary offsets.
 struct source_position {

@@ -406,11 +406,6 @@ routing_trace read_jsonl_from(detail::byte_input& in, const moe_geometry& geomet
   return out;
 }
 
-template <class T>
-std::string list_of(std::span<const T> values, std::string_view separator) {
-  return fmt::format("{}", fmt::join(values, separator));
-}
-
 }  // namespace
 
 namespace detail {
@@ -463,10 +458,11 @@ void write_jsonl(std::ostream& out, const routing_trace& trace, std::string_view
   out << line << '\n';
   for (const routing_event& e : trace) {
     line = fmt::format(R"({{"sequence": {}, "step": {}, "layer": {}, "phase": "{}", "experts": [{}], "weights": [{}])",
-                       e.sequence, e.step, e.layer, to_string(e.phase), list_of(e.experts, ", "),
-                       list_of(e.weights, ", "));
-    if (!e.probabilities.empty()) line += fmt::format(R"(, "probabilities": [{}])", list_of(e.probabilities, ", "));
-    if (!e.sketch.empty()) line += fmt::format(R"(, "sketch": [{}])", list_of(e.sketch, ", "));
+                       e.sequence, e.step, e.layer, to_string(e.phase), detail::list_of(e.experts, ", "),
+                       detail::list_of(e.weights, ", "));
+    if (!e.probabilities.empty())
+      line += fmt::format(R"(, "probabilities": [{}])", detail::list_of(e.probabilities, ", "));
+    if (!e.sketch.empty()) line += fmt::format(R"(, "sketch": [{}])", detail::list_of(e.sketch, ", "));
     line += "}\n";
     out << line;
   }
