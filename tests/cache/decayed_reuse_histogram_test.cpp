@@ -24,7 +24,6 @@ namespace {
 using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
-constexpr std::size_t cold = reuse_distance_tracker::cold;
 
 TEST(DecayedReuseHistogram, WithNoDecayAndUnitBinsPredictsTheExactWarmCurve) {
   for (const std::size_t key_count : {1U, 5U, 64U, 256U}) {
@@ -100,7 +99,7 @@ TEST(DecayedReuseHistogram, BinsDistancesAndSendsFarOnesToTheTail) {
   EXPECT_EQ(h.bin_lower(1), 4U);
   EXPECT_EQ(h.bin_lower(3), 10U) << "the tail starts at C";
   for (std::size_t d : {0U, 3U, 4U, 9U, 10U, 500U}) h.record(d);
-  h.record(cold);
+  h.record(reuse_distance_tracker::cold);
   EXPECT_THAT(h.counts(), ElementsAre(2.0, 1.0, 1.0, 2.0));
   EXPECT_EQ(h.cold_ignored(), 1U);
   EXPECT_EQ(h.total_mass(), 6.0);
@@ -120,7 +119,7 @@ TEST(DecayedReuseHistogram, DecayHalvesTheOldMassPerBurst) {
   h.new_burst();
   EXPECT_EQ(h.counts()[1], 4.0) << "old mass halved";
   EXPECT_EQ(h.total_mass(), 4.0);
-  h.add_burst(std::vector<std::size_t>{0, 0, 7, cold});
+  h.add_burst(std::vector<std::size_t>{0, 0, 7, reuse_distance_tracker::cold});
   EXPECT_THAT(h.counts(), ElementsAre(2.0, 2.0, 0.0, 1.0, 0.0));
   EXPECT_EQ(h.total_mass(), 5.0);
   EXPECT_EQ(h.bursts(), 3U);
@@ -309,7 +308,7 @@ TEST(DecayedReuseHistogram, RejectsBadParametersNamingTheValue) {
 
 TEST(DecayedReuseHistogram, ResetKeepsTheConfiguration) {
   decayed_reuse_histogram h({.max_capacity = 6, .bin_width = 2, .decay = 0.75});
-  h.add_burst(std::vector<std::size_t>{1, 2, cold});
+  h.add_burst(std::vector<std::size_t>{1, 2, reuse_distance_tracker::cold});
   h.reset();
   EXPECT_EQ(h.total_mass(), 0.0);
   EXPECT_EQ(h.bursts(), 0U);

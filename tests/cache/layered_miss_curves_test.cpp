@@ -96,10 +96,9 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(LayeredMissCurves, ReturnsThePerLayerAndGlobalDistanceOfEachAccess) {
   layered_miss_curves curves(2, 3);
-  constexpr std::size_t cold = reuse_distance_tracker::cold;
   auto d = curves.access({.layer = 0, .expert = 1});
-  EXPECT_EQ(d.layer, cold);
-  EXPECT_EQ(d.global, cold);
+  EXPECT_EQ(d.layer, reuse_distance_tracker::cold);
+  EXPECT_EQ(d.global, reuse_distance_tracker::cold);
   (void)curves.access({.layer = 1, .expert = 1});
   (void)curves.access({.layer = 0, .expert = 2});
   d = curves.access({.layer = 0, .expert = 1});

@@ -17,7 +17,7 @@
 namespace expage {
 namespace {
 
-constexpr key_space eight{.layers = 1, .experts_per_layer = 8};
+constexpr key_space eight_experts{.layers = 1, .experts_per_layer = 8};
 
 // Accesses as (key, time), none evicting: a key's first access inserts it, the others hit.
 template <class Policy>
@@ -36,12 +36,12 @@ Policy fed(Policy p, std::initializer_list<std::array<std::uint64_t, 2>> accesse
 }
 
 TEST(LfruPolicy, ScoresHalveOncePerHalfLife) {
-  const lfru_policy p = fed(lfru_policy(eight, {.half_life = 2}), {{0, 0}, {0, 1}, {0, 2}, {1, 5}});
+  const lfru_policy p = fed(lfru_policy(eight_experts, {.half_life = 2}), {{0, 0}, {0, 1}, {0, 2}, {1, 5}});
   // Key 0: epochs 0, 0, 1 → at epoch 1: 1 + 1/2 + 1/2 = 2; key 1: epoch 2 → 1.
   EXPECT_DOUBLE_EQ(p.score(0, 2), 2.0);
   EXPECT_DOUBLE_EQ(p.score(0, 6), 0.5);  // epoch 3: two halvings
   EXPECT_DOUBLE_EQ(p.score(1, 6), 0.5);
-  EXPECT_EQ(lfru_policy(eight).half_life(), 8U);  // default: 8 × layers
+  EXPECT_EQ(lfru_policy(eight_experts).half_life(), 8U);  // default: 8 × layers
 }
 
 // LFRU sits between LFU and LRU. Half-life 2 groups, victims chosen at time 6 (epoch 3).
@@ -69,21 +69,21 @@ TEST(LfruPolicy, WeighsFrequencyByRecency) {
   // 0, whose accesses are old; LFU evicts 1, the rarer.
   {
     const auto a = {std::array<std::uint64_t, 2>{0, 0}, {0, 1}, {1, 5}};
-    EXPECT_EQ(fed(lfru_policy(eight, {.half_life = 2}), a).victim({none}, now), 0U);
-    EXPECT_EQ(fed(lfu_policy(eight), a).victim({none}, now), 1U);
+    EXPECT_EQ(fed(lfru_policy(eight_experts, {.half_life = 2}), a).victim({none}, now), 0U);
+    EXPECT_EQ(fed(lfu_policy(eight_experts), a).victim({none}, now), 1U);
   }
   // 0 at times 1, 2, 3 (score (1/2 + 1)/4 + 1/4 = 0.625); 1 at time 4 (1/2): LFRU evicts 1;
   // LRU evicts 0, the least recent.
   {
     const auto a = {std::array<std::uint64_t, 2>{0, 1}, {0, 2}, {0, 3}, {1, 4}};
-    EXPECT_EQ(fed(lfru_policy(eight, {.half_life = 2}), a).victim({none}, now), 1U);
-    EXPECT_EQ(fed(lru_policy(eight), a).victim({none}, now), 0U);
+    EXPECT_EQ(fed(lfru_policy(eight_experts, {.half_life = 2}), a).victim({none}, now), 1U);
+    EXPECT_EQ(fed(lru_policy(eight_experts), a).victim({none}, now), 0U);
   }
 }
 
 // Equal scores: the older last access goes first, then the smaller key; pinned keys never.
 TEST(LfruPolicy, BreaksTiesByRecencyAndSkipsPins) {
-  lfru_policy p = fed(lfru_policy(eight, {.half_life = 4}), {{3, 0}, {5, 1}, {2, 1}});
+  lfru_policy p = fed(lfru_policy(eight_experts, {.half_life = 4}), {{3, 0}, {5, 1}, {2, 1}});
   std::uint8_t pins[8] = {};
   EXPECT_EQ(p.victim({pins}, {.time = 2}), 3U);
   pins[3] = 1;
@@ -93,7 +93,7 @@ TEST(LfruPolicy, BreaksTiesByRecencyAndSkipsPins) {
 }
 
 TEST(LfruPolicy, KeepsScoresAcrossEviction) {
-  lfru_policy p = fed(lfru_policy(eight, {.half_life = 100}), {{0, 0}, {0, 1}, {0, 2}});
+  lfru_policy p = fed(lfru_policy(eight_experts, {.half_life = 100}), {{0, 0}, {0, 1}, {0, 2}});
   p.on_evict(0);
   p.on_insert(0, {.time = 3});
   EXPECT_DOUBLE_EQ(p.score(0, 3), 4.0);

@@ -51,7 +51,7 @@ struct failed_copy {
   void wait() { throw cuda_error(700, "injected copy failure, over before publish"); }
 };
 
-struct rig {
+struct fault_rig {
   budget_tracker budget{1_MiB};
   budget_account& experts = budget.add_account("experts", 64_KiB);
   budget_account& hi = budget.add_account("experts_hi", 32_KiB, experts);
@@ -128,8 +128,8 @@ struct rig {
   }
 };
 
-// Brings the rig's expert to `from` (absent, resident_lo or resident_hi).
-void reach(rig& r, rs from) {
+// Brings the fault_rig's expert to `from` (absent, resident_lo or resident_hi).
+void reach(fault_rig& r, rs from) {
   if (from == rs::resident_lo) r.run(rs::demoting, step::none);
   if (from == rs::resident_hi) r.run(rs::promoting, step::none);
 }
@@ -146,7 +146,7 @@ TEST(HandleTableFaults, EveryStepOfEveryTransitionKeepsTheStrongGuarantee) {
   for (const case_t c : cases) {
     for (const step fail : all_steps) {
       if (c.to == rs::evicting && fail != step::mirror) continue;  // an eviction only publishes
-      rig r;
+      fault_rig r;
       reach(r, c.from);
       auto w = r.table.open_window();  // a pass running through the failure
       const version_record* seen = r.table.resolve(r.id);

@@ -28,14 +28,13 @@ using ::testing::HasSubstr;
 using testing::quantile;
 using testing::tiled;
 
-moe_geometry small() { return testing::small_geometry(); }
 
 routing_trace traffic(std::uint64_t seed, std::uint32_t sequences, std::uint32_t steps) {
   synthetic_options so;
   so.seed = seed;
   so.sequences = sequences;
   so.decode_steps = steps;
-  return generate_synthetic(small(), so);
+  return generate_synthetic(testing::small_geometry(), so);
 }
 
 sim_options demand(std::uint32_t capacity) {
@@ -88,7 +87,7 @@ std::vector<std::uint64_t> reference_misses(const access_stream& s, std::uint32_
 }
 
 TEST(SimulateSchedule, DemandLruEqualsAReferenceUnderRandomResizes) {
-  const auto g = small();
+  const auto g = testing::small_geometry();
   const access_stream s(traffic(5, 3, 60), g.top_k());
   std::mt19937_64 rng(7);
   for (int trial = 0; trial < 10; ++trial) {
@@ -117,7 +116,7 @@ TEST(SimulateSchedule, DemandLruEqualsAReferenceUnderRandomResizes) {
 
 // A resize at pass 0 is the initial capacity.
 TEST(SimulateSchedule, AResizeAtTheFirstPassIsTheInitialCapacity) {
-  const auto g = small();
+  const auto g = testing::small_geometry();
   const access_stream s(traffic(5, 2, 40), g.top_k());
   sim_options o = demand(9);
   o.capacity_schedule = {{.pass = 0, .capacity = 4}};
@@ -130,7 +129,7 @@ TEST(SimulateSchedule, AResizeAtTheFirstPassIsTheInitialCapacity) {
 // With prefetches in flight a barrier drains them: that wait is resize stall, queued prefetches
 // are cancelled, and the budget still holds (prefetch slots included).
 TEST(SimulateSchedule, ABarrierDrainsInFlightPrefetches) {
-  const auto g = small();
+  const auto g = testing::small_geometry();
   const access_stream s(traffic(6, 2, 60), g.top_k());
   oracle_prefetcher oracle(2, 1.0);
   sim_options o = demand(8);
@@ -150,7 +149,7 @@ TEST(SimulateSchedule, ABarrierDrainsInFlightPrefetches) {
 }
 
 TEST(SimulateSchedule, BadSchedulesAreNamed) {
-  const auto g = small();
+  const auto g = testing::small_geometry();
   const access_stream s(traffic(5, 1, 20), g.top_k());
   const auto expect_error = [&](std::vector<slot_resize> schedule, const char* text) {
     sim_options o = demand(4);
@@ -171,16 +170,13 @@ TEST(SimulateSchedule, BadSchedulesAreNamed) {
 
 // ---- the split, measured by the simulator ------------------------------------------------------
 
-// Sessions whose KV competes with the experts: a tool-call mix (small contexts, many turns) and a
-// long-context one.
-kv_phase tool_calls(std::uint64_t steps) { return testing::small_tool_calls(steps); }
-kv_phase long_context(std::uint64_t steps) { return testing::small_long_context(steps); }
-
+// Sessions whose KV competes with the experts: testing::small_tool_calls() (small contexts, many
+// turns) and testing::small_long_context() (common/split_workloads.hpp).
 using fixture = testing::small_split_fixture;
 
 // A static schedule costs what its two simulations say, and the grid holds every admissible cap.
 TEST(SplitSim, AStaticSplitCostsWhatTheSimulatorsSay) {
-  fixture f({tool_calls(320)}, 12);
+  fixture f({testing::small_tool_calls(320)}, 12);
   const split_model m = make_split_model(f.workload);
   const auto caps = admissible_caps(f.workload);
   EXPECT_EQ(caps.front(), 2U);
@@ -213,7 +209,7 @@ TEST(SplitSim, AStaticSplitCostsWhatTheSimulatorsSay) {
 // when resizes are refused (WiSP D3: the previous split stays); under stationary input it never
 // reverses.
 TEST(SplitSim, OnlineInvariantsHoldUnderRefusedResizes) {
-  fixture f({tool_calls(480)}, 12);
+  fixture f({testing::small_tool_calls(480)}, 12);
   const split_model m = make_split_model(f.workload);
   online_split_options o;
   o.controller.rate_limit = 4;
@@ -255,7 +251,7 @@ TEST(SplitSim, OnlineInvariantsHoldUnderRefusedResizes) {
 // are MvWsaAcceptanceOnMixtralHumanEval's). Here the static optimum is a compromise the online
 // controller matches while moving the split with the phases.
 TEST(SplitSim, OnlineFollowsAPhaseShift) {
-  fixture f({tool_calls(600), long_context(600), tool_calls(600)}, 14);
+  fixture f({testing::small_tool_calls(600), testing::small_long_context(600), testing::small_tool_calls(600)}, 14);
   f.workload.expert_options.transfer_compute_ratio = 3.0;
   const auto grid = split_grid(f.workload);
   const auto best =
@@ -424,7 +420,7 @@ TEST(PhaseOracle, BadInputIsNamed) {
 // stationary workload the per-phase oracle is the grid's (WiSP's per-workflow oracle), and on a
 // shift it is never above it.
 TEST(PhaseOracle, OfSplitRunsIsTheGridsOnOnePhaseAndNeverAboveItOnAShift) {
-  fixture one({tool_calls(320)}, 12);
+  fixture one({testing::small_tool_calls(320)}, 12);
   EXPECT_EQ(phase_first_bursts(one.workload), (std::vector<std::uint64_t>{0}));
   const auto grid = split_grid(one.workload);
   const auto best =
@@ -433,7 +429,7 @@ TEST(PhaseOracle, OfSplitRunsIsTheGridsOnOnePhaseAndNeverAboveItOnAShift) {
   EXPECT_NEAR(o.cost, best->cost(), 1e-9 * best->cost());
   EXPECT_EQ(o.best.front(), static_cast<std::size_t>(best - grid.begin()));
 
-  fixture shift({tool_calls(600), long_context(600), tool_calls(600)}, 14);
+  fixture shift({testing::small_tool_calls(600), testing::small_long_context(600), testing::small_tool_calls(600)}, 14);
   shift.workload.warmup_bursts = 4;
   const std::vector<std::uint64_t> first = phase_first_bursts(shift.workload);
   // 600 passes: bursts of 16 passes starting at 608 and 1200 are the first in phases 1 and 2.
@@ -580,7 +576,7 @@ TEST(SplitSim, MvWsaWithAReleasingKvPoolOnMixtralHumanEval) {
 }
 
 TEST(SplitSim, BadWorkloadsAreNamed) {
-  fixture f({tool_calls(64)}, 12);
+  fixture f({testing::small_tool_calls(64)}, 12);
   split_workload w = f.workload;
   w.budget_bytes = w.kv_floor_bytes + 1;
   try {
@@ -595,7 +591,7 @@ TEST(SplitSim, BadWorkloadsAreNamed) {
   w = f.workload;
   w.kv_bytes_per_token = 0;
   EXPECT_THROW(static_cast<void>(split_grid(w)), invalid_argument);
-  fixture shorter({tool_calls(32)}, 12);
+  fixture shorter({testing::small_tool_calls(32)}, 12);
   w = f.workload;
   w.kv = &shorter.kv;
   try {

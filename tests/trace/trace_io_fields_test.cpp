@@ -2,6 +2,7 @@
 // model, JSON Lines, CSV and both binary versions: round trips, version 1 unchanged, every refusal
 // naming its value, and mixed presence refused naming the record (docs/traces.md).
 #include "common/binary_trace_bytes.hpp"
+#include "common/trace_text.hpp"
 #include "expage/core/error.hpp"
 #include "expage/core/moe_geometry.hpp"
 #include "expage/trace/routing_trace.hpp"
@@ -34,13 +35,12 @@ using expage::moe_geometry;
 using expage::routing_event;
 using expage::routing_trace;
 using expage::trace_fields;
+using expage::testing::bytes_of;
+using expage::testing::jsonl_of;
+using expage::testing::message_of;
+using expage::testing::mixtral;
 using ::testing::HasSubstr;
 namespace fs = std::filesystem;
-
-const moe_geometry& mixtral() {
-  static const moe_geometry g = moe_geometry::mixtral_8x7b();
-  return g;
-}
 
 // A small synthetic Mixtral trace (4 sequences × (2 prefill + 6 decode) × 32 layers) carrying
 // @p fields: the generator's probability vectors, and sketch values drawn from a fixed seed.
@@ -63,16 +63,6 @@ routing_trace trace_with(const trace_fields& fields, std::uint32_t batch = 1) {
     t.append(e);
   }
   return t;
-}
-
-std::string jsonl_of(const routing_trace& t) {
-  std::ostringstream out;
-  expage::write_jsonl(out, t, "mixtral-8x7b");
-  return out.str();
-}
-
-std::span<const std::byte> bytes_of(const std::string& s) {
-  return std::as_bytes(std::span<const char>(s.data(), s.size()));
 }
 
 std::uint64_t fnv1a(const std::string& s) { return expage::testing::fnv1a(bytes_of(s)); }
@@ -125,15 +115,6 @@ std::string encode_v1_with_vectors(const routing_trace& t) {
   }
   reseal_binary(b);
   return b;
-}
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "no exception";
 }
 
 const std::array<trace_fields, 4> every_combination = {

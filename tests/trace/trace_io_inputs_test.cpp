@@ -3,6 +3,7 @@
 #include "expage/trace/trace_io.hpp"
 
 #include "common/binary_trace_bytes.hpp"
+#include "common/trace_text.hpp"
 #include "common/traces.hpp"
 
 #include "expage/core/error.hpp"
@@ -36,6 +37,10 @@ namespace {
 
 using expage::moe_geometry;
 using expage::routing_trace;
+using expage::testing::csv_of;
+using expage::testing::jsonl_of;
+using expage::testing::message_of;
+using expage::testing::mixtral;
 using ::testing::HasSubstr;
 using ::testing::Not;
 using ::testing::StartsWith;
@@ -43,34 +48,8 @@ namespace fs = std::filesystem;
 
 constexpr bool sanitized = EXPAGE_SANITIZED != 0;
 
-const moe_geometry& mixtral() {
-  static const moe_geometry g = moe_geometry::mixtral_8x7b();
-  return g;
-}
-
 routing_trace small_trace() {
   return expage::generate_synthetic(mixtral(), {.seed = 5, .sequences = 3, .decode_steps = 4});
-}
-
-std::string jsonl_of(const routing_trace& t, std::string_view name = "mixtral-8x7b") {
-  std::ostringstream out;
-  expage::write_jsonl(out, t, name);
-  return out.str();
-}
-
-std::string csv_of(const routing_trace& t) {
-  std::ostringstream out;
-  expage::write_csv(out, t, "mixtral-8x7b");
-  return out.str();
-}
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no exception)";
 }
 
 class TraceInputs : public ::testing::Test {

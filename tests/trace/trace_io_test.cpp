@@ -1,6 +1,7 @@
 #include "expage/trace/trace_io.hpp"
 
 #include "common/binary_trace_bytes.hpp"
+#include "common/trace_text.hpp"
 #include "common/traces.hpp"
 
 #include "expage/core/error.hpp"
@@ -36,13 +37,12 @@ using expage::routing_event;
 using expage::routing_phase;
 using expage::routing_trace;
 using expage::trace_gap;
+using expage::testing::bytes_of;
+using expage::testing::csv_of;
+using expage::testing::jsonl_of;
+using expage::testing::mixtral;
 using ::testing::HasSubstr;
 namespace fs = std::filesystem;
-
-const moe_geometry& mixtral() {
-  static const moe_geometry g = moe_geometry::mixtral_8x7b();
-  return g;
-}
 
 routing_trace small_synthetic(std::uint32_t batch = 1, bool probabilities = false) {
   return expage::generate_synthetic(mixtral(), {.seed = 99,
@@ -51,22 +51,6 @@ routing_trace small_synthetic(std::uint32_t batch = 1, bool probabilities = fals
                                                 .prefill_tokens = 2,
                                                 .batch_size = batch,
                                                 .probabilities = probabilities});
-}
-
-std::string jsonl_of(const routing_trace& t) {
-  std::ostringstream out;
-  expage::write_jsonl(out, t);
-  return out.str();
-}
-
-std::string csv_of(const routing_trace& t) {
-  std::ostringstream out;
-  expage::write_csv(out, t);
-  return out.str();
-}
-
-std::span<const std::byte> bytes_of(const std::string& s) {
-  return std::as_bytes(std::span<const char>(s.data(), s.size()));
 }
 
 // A unique scratch directory per test, removed afterwards.

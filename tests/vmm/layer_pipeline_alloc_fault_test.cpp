@@ -22,13 +22,13 @@ using expage::testing::failing_new_available;
 using expage::testing::stop_failing_allocations;
 
 // 4 layers × 4 experts; each tensor of an expert fits one 64 KiB granule.
-moe_geometry tiny() {
+moe_geometry granule_geometry() {
   return moe_geometry(moe_geometry::config{
       .name = "tiny", .layers = 4, .experts_per_layer = 4, .top_k = 2, .hidden_size = 32, .intermediate_size = 48});
 }
 
 struct pipeline_rig {
-  moe_geometry geometry = tiny();
+  moe_geometry geometry = granule_geometry();
   host_vmm vmm{{.granularity = 64_KiB}};
   budget_tracker budget{1_GiB};
   host_memory host{{.block_size = 64_KiB, .alignment = 64_KiB}};
