@@ -488,6 +488,7 @@ class safetensors_file {
     parse_header(std::string_view(reinterpret_cast<const char*>(base_ + 8), n));
     data_ = base_ + 8 + n;
     data_bytes_ = size_ - 8 - n;
+    check_data_covered();
   }
   safetensors_file(const safetensors_file&) = delete;
   safetensors_file& operator=(const safetensors_file&) = delete;
@@ -515,6 +516,35 @@ class safetensors_file {
     std::vector<std::uint64_t> shape;
     std::uint64_t begin = 0, end = 0;
   };
+  // The format's rule (safetensors' README): the byte buffer is entirely indexed, without holes,
+  // so no bytes hide between or after the tensors (a polyglot file); overlaps are refused too.
+  void check_data_covered() const {
+    std::vector<std::pair<const std::string*, const entry*>> by_offset;
+    by_offset.reserve(tensors_.size());
+    for (const auto& [name, e] : tensors_) by_offset.emplace_back(&name, &e);
+    std::sort(by_offset.begin(), by_offset.end(), [](const auto& a, const auto& b) {
+      return std::pair(a.second->begin, a.second->end) < std::pair(b.second->begin, b.second->end);
+    });
+    std::uint64_t at = 0;
+    for (const auto& [name, e] : by_offset) {
+      if (e->begin != at || e->end < e->begin) {
+        throw std::runtime_error(
+            fmt::format("{}: tensor {} has data offsets [{}, {}), expected it to start at {} "
+                        "(the tensors cover the data bytes without holes or overlaps)",
+                        path_, *name, e->begin, e->end, at));
+      }
+      at = e->end;
+    }
+    if (at > data_bytes_) {
+      throw std::runtime_error(
+          fmt::format("{}: the tensors need {} data bytes, the file has {}", path_, at, data_bytes_));
+    }
+    if (at < data_bytes_) {
+      throw std::runtime_error(
+          fmt::format("{}: {} data bytes after the last tensor, which ends at {}", path_, data_bytes_ - at, at));
+    }
+  }
+
   // The header is one JSON object of objects; this reads exactly what safetensors writers emit.
   void parse_header(std::string_view h) {
     std::size_t i = 0;
