@@ -34,6 +34,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <typeinfo>
 #include <utility>
 #include <vector>
@@ -145,26 +146,44 @@ inline std::vector<std::string> split_nonempty(std::string_view flag, std::strin
   return out;
 }
 
-/// An integer in [lo, hi]. @throws usage_error naming the flag, the text and the range.
+/// An integer in [lo, hi]. @throws usage_error naming the flag, the text and the range: "--batch
+/// 65537 out of range [1, 65536]" for an integer outside it (a negative one for an unsigned @p T
+/// included), "--batch 'x' is not an integer (expected one in [1, 65536])" for anything else.
 template <class T>
 T parse_number(std::string_view flag, std::string_view text, T lo, T hi) {
   T value{};
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || end != text.data() + text.size() || value < lo || value > hi) {
-    throw usage_error{fmt::format("{} '{}' is not a number in [{}, {}]", flag, text, lo, hi)};
+  const char* const last = text.data() + text.size();
+  const auto [end, ec] = std::from_chars(text.data(), last, value);
+  const bool whole = !text.empty() && end == last;
+  if (whole && ec == std::errc() && value >= lo && value <= hi) return value;
+  bool integer = whole && (ec == std::errc() || ec == std::errc::result_out_of_range);
+  if (!integer && std::is_unsigned_v<T> && text.size() > 1 && text[0] == '-') {
+    std::make_signed_t<T> negative{};  // an integer below 0: out of range, not "not an integer"
+    const auto [neg_end, neg_ec] = std::from_chars(text.data(), last, negative);
+    integer = neg_end == last && (neg_ec == std::errc() || neg_ec == std::errc::result_out_of_range);
+    if (integer && neg_ec == std::errc() && negative == 0 && lo == 0) return T{0};  // "-0"
   }
-  return value;
+  if (integer) throw usage_error{fmt::format("{} {} out of range [{}, {}]", flag, text, lo, hi)};
+  throw usage_error{fmt::format("{} '{}' is not an integer (expected one in [{}, {}])", flag, text, lo, hi)};
 }
 
 /// A real in [lo, hi], or in (lo, hi] with @p open_low. @throws usage_error naming the flag, the
-/// text and the range.
+/// text and the range: "--r 0 out of range [1e-06, 1000000]" for a number outside it (one beyond
+/// a double's range and nan included), "--r 'x' is not a number (expected one in [1e-06, 1000000])"
+/// for anything else.
 inline double parse_real(std::string_view flag, std::string_view text, double lo, double hi, bool open_low = false) {
   double v = 0.0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec != std::errc() || end != text.data() + text.size() || !((open_low ? v > lo : v >= lo) && v <= hi)) {
-    throw usage_error{fmt::format("{} '{}' is not a number in {}{}, {}]", flag, text, open_low ? "(" : "[", lo, hi)};
+  const char* const last = text.data() + text.size();
+  const auto [end, ec] = std::from_chars(text.data(), last, v);
+  const bool whole = !text.empty() && end == last;
+  if (whole && ec == std::errc() && (open_low ? v > lo : v >= lo) && v <= hi) {
+    return v + 0.0;  // "-0" is 0 (-0.0 + 0.0 is +0.0), not echoed as -0 in reports
   }
-  return v + 0.0;  // "-0" is 0 (-0.0 + 0.0 is +0.0), not echoed as -0 in reports
+  const std::string range = fmt::format("{}{}, {}]", open_low ? "(" : "[", lo, hi);
+  if (whole && (ec == std::errc() || ec == std::errc::result_out_of_range)) {
+    throw usage_error{fmt::format("{} {} out of range {}", flag, text, range)};
+  }
+  throw usage_error{fmt::format("{} '{}' is not a number (expected one in {})", flag, text, range)};
 }
 
 /// A byte count: a number with an optional unit, "24GiB", "512MiB", "40GB", "123456". Binary

@@ -332,8 +332,8 @@ config parse(int argc, char** argv, const std::string& help) {
       const std::string_view v = value();
       try {
         c.max_overhead = v == "inf" ? std::numeric_limits<double>::infinity() : parse_real(flag, v, 0.0, 1e9);
-      } catch (const usage_error&) {
-        throw usage_error{fmt::format("--max-overhead '{}' is not a number in [0, 1e9], nor inf", v)};
+      } catch (const usage_error& e) {
+        throw usage_error{fmt::format("{}, or inf", e.message)};
       }
     } else if (flag == "--duel-passes") {
       c.duel_passes = parse_number<std::uint32_t>(flag, value(), 0, expage::eviction_duel::max_passes);
