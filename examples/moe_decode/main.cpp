@@ -482,13 +482,18 @@ class safetensors_file {
     ::close(fd);
     if (p == MAP_FAILED) throw std::runtime_error(fmt::format("cannot map {}: {}", path_, std::strerror(errno)));
     base_ = static_cast<const std::byte*>(p);
-    std::uint64_t n = 0;
-    std::memcpy(&n, base_, 8);
-    if (n > size_ - 8) throw std::runtime_error(fmt::format("{}: header of {} bytes past the file's end", path_, n));
-    parse_header(std::string_view(reinterpret_cast<const char*>(base_ + 8), n));
-    data_ = base_ + 8 + n;
-    data_bytes_ = size_ - 8 - n;
-    check_data_covered();
+    try {  // a file refused leaves no mapping behind
+      std::uint64_t n = 0;
+      std::memcpy(&n, base_, 8);
+      if (n > size_ - 8) throw std::runtime_error(fmt::format("{}: header of {} bytes past the file's end", path_, n));
+      parse_header(std::string_view(reinterpret_cast<const char*>(base_ + 8), n));
+      data_ = base_ + 8 + n;
+      data_bytes_ = size_ - 8 - n;
+      check_data_covered();
+    } catch (...) {
+      ::munmap(p, size_);
+      throw;
+    }
   }
   safetensors_file(const safetensors_file&) = delete;
   safetensors_file& operator=(const safetensors_file&) = delete;
