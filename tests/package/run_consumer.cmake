@@ -56,8 +56,9 @@ if(MODE STREQUAL "add_subdirectory" AND WITH_CUDA)
 endif()
 if(MODE STREQUAL "add_subdirectory")
   # The subproject in unity batches, as engines that build that way compile it (the ASan and TSan
-  # stages build the library so too; the release stage builds each source alone): about half the
-  # compile time of this test, which builds the whole library.
+  # stages build the library so too; the release stage's own build compiles each source alone):
+  # about half the compile time of this test, which builds the whole library. expage_kernels
+  # opts out (kernels/CMakeLists.txt).
   list(APPEND args -DCMAKE_UNITY_BUILD=ON)
 endif()
 run(${CMAKE_COMMAND} -S "${CONSUMER_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}"

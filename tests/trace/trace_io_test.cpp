@@ -254,7 +254,7 @@ TEST(TraceIo, FormatFollowsTheExtension) {
 
 TEST(TraceIo, ShuffledRecordsComeBackInExecutionOrder) {
   const routing_trace t = small_synthetic();
-  const std::string text = jsonl_of(t);
+  const std::string text = jsonl_of(t, "");
   std::vector<std::string> lines;
   std::istringstream in(text);
   for (std::string line; std::getline(in, line);) {
@@ -967,8 +967,8 @@ TEST(RealTrace, MixtralHumanEvalLoadsInExecutionOrderWithItsGaps) {
   // Every conversion keeps it exactly.
   EXPECT_EQ(expage::parse_binary(bytes_of(expage::encode_binary(t)), mixtral(), "mem"), t);
   EXPECT_EQ(expage::parse_binary(bytes_of(expage::encode_binary(t, {.version = 1})), mixtral(), "mem"), t);
-  EXPECT_EQ(expage::parse_jsonl(jsonl_of(t), mixtral(), "mem"), t);
-  EXPECT_EQ(expage::parse_csv(csv_of(t), mixtral(), "mem"), t);
+  EXPECT_EQ(expage::parse_jsonl(jsonl_of(t, ""), mixtral(), "mem"), t);
+  EXPECT_EQ(expage::parse_csv(csv_of(t, ""), mixtral(), "mem"), t);
 }
 
 }  // namespace

@@ -11,8 +11,9 @@
 #      where -O2 took about 365 s + 158 s);
 #      both sanitizer stages build in unity batches of 8 sources (CMAKE_UNITY_BUILD in their
 #      presets): ASan's build took 644 s of compile CPU per source, 446 s in batches (319 -> 217 s
-#      on 2 cores). The release stage builds every source alone, so each still compiles by itself;
-#      in return, a name in a source's anonymous namespace must be unique within its target;
+#      on 2 cores). The release stage's own build compiles every source alone, so each still
+#      compiles by itself; in return, a name in a source's anonymous namespace must be unique within
+#      its target, and no type with linkage may hold one of them (-Wsubobject-linkage);
 #   4. the libFuzzer targets of the input readers, 15 s each (when clang++ and
 #      its libFuzzer runtime are installed; skipped with a message otherwise; -g1: line tables
 #      are what a crash report needs), built from the library's input sources alone (the stage
