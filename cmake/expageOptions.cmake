@@ -24,6 +24,10 @@ if(NOT EXPAGE_TEST_OPTIMIZATION MATCHES "^(|-O[0123gs])$")
   message(FATAL_ERROR "EXPAGE_TEST_OPTIMIZATION='${EXPAGE_TEST_OPTIMIZATION}' is not one of '', -O0, -O1, -O2, -O3, -Og, -Os")
 endif()
 
+# The test suites in unity batches of 8 sources (tests/CMakeLists.txt): the release preset builds
+# them so; CMAKE_UNITY_BUILD (the sanitizer presets) batches every target.
+option(EXPAGE_UNITY_TESTS "Build the test suites in unity batches of 8 sources" OFF)
+
 set(EXPAGE_SANITIZE "" CACHE STRING "Sanitizers for expage's own targets: '', address, thread, fuzzer (Clang; the input readers and their fuzz targets only)")
 set_property(CACHE EXPAGE_SANITIZE PROPERTY STRINGS "" address thread fuzzer)
 

@@ -56,7 +56,7 @@ if(MODE STREQUAL "add_subdirectory" AND WITH_CUDA)
 endif()
 if(MODE STREQUAL "add_subdirectory")
   # The subproject in unity batches, as engines that build that way compile it (the ASan and TSan
-  # stages build the library so too; the release stage's own build compiles each source alone):
+  # stages build the library so too; the release stage's own build compiles each of its sources alone):
   # about half the compile time of this test, which builds the whole library. expage_kernels
   # opts out (kernels/CMakeLists.txt).
   list(APPEND args -DCMAKE_UNITY_BUILD=ON)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # expage's whole test run, as CI runs it (.ci/run calls this and nothing else):
 #   1. release build (CUDA targets when nvcc is present; the test suites' own sources at -O1,
-#      EXPAGE_TEST_OPTIMIZATION: compile CPU 944 -> 724 s): unit tests, GPU tests
+#      EXPAGE_TEST_OPTIMIZATION: compile CPU 944 -> 724 s; and in unity batches of 8,
+#      EXPAGE_UNITY_TESTS: 572 -> 455 s, build 292 -> 228 s on 2 cores): unit tests, GPU tests
 #      (skipped without a device), examples, tools, a smoke run of every
 #      benchmark, the package tests, the Doxygen build (warnings are errors);
 #   2. the host library and its tests under AddressSanitizer + UBSan (at -O0: under UBSan, -O1
@@ -11,9 +12,10 @@
 #      where -O2 took about 365 s + 158 s);
 #      both sanitizer stages build in unity batches of 8 sources (CMAKE_UNITY_BUILD in their
 #      presets): ASan's build took 644 s of compile CPU per source, 446 s in batches (319 -> 217 s
-#      on 2 cores). The release stage's own build compiles every source alone, so each still
-#      compiles by itself; in return, a name in a source's anonymous namespace must be unique within
-#      its target, and no type with linkage may hold one of them (-Wsubobject-linkage);
+#      on 2 cores). The release stage compiles every source of the library, examples, tools and
+#      benchmarks alone, so each still compiles by itself; in return, a name in a source's
+#      anonymous namespace must be unique within its target, and no type with linkage may hold one
+#      of them (-Wsubobject-linkage);
 #   4. the libFuzzer targets of the input readers, 15 s each (when clang++ and
 #      its libFuzzer runtime are installed; skipped with a message otherwise; -g1: line tables
 #      are what a crash report needs), built from the library's input sources alone (the stage
