@@ -33,6 +33,7 @@ namespace expage {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::small_geometry;
 
 moe_geometry tiny() {  // bf16 expert: 3 × 64 × 32 × 2 = 12288 bytes
   return moe_geometry(moe_geometry::config{
@@ -107,7 +108,7 @@ TEST(PagerSim, AShrinksEvictionsAreNotCountedAsLoadEvictions) {
 // With compute free, one link without setup and no prefetch, the simulator is replay(): the same
 // misses, hits and evictions for every policy, layout and capacity, and the same stall.
 TEST(PagerSim, EqualsReplayWithFreeComputeForEveryPolicy) {
-  const auto g = testing::small_geometry();
+  const auto g = small_geometry();
   const routing_trace trace = synthetic(g, 11, 6, 40, 2);
   hardware_profile free_compute = hardware_profile::preset("pcie4");
   free_compute.compute_calibration = 0.0;
@@ -316,7 +317,7 @@ TEST(PagerSim, CostBenefitAdmitsAnyGuessThatFitsItsGap) {
 // redraws made it 1 − (1 − r)^d, 0.96 for r = 0.8 at d = 2). False positives are distinct experts
 // that are not routed, and the forecast stays a probability.
 TEST(PagerSim, TheNoisyOraclesRecallHoldsAtEveryDistance) {
-  const auto g = testing::small_geometry();
+  const auto g = small_geometry();
   const routing_trace trace = synthetic(g, 5, 4, 400);
   const access_stream stream(trace, 16);
   for (const std::uint32_t d : {1U, 2U, 4U}) {
@@ -479,7 +480,7 @@ TEST(PagerSim, PerfectPrefetchHidesTransfersBehindLongCompute) {
 // at every instant (the peak never exceeds the slots), Belady misses no more than any policy, and
 // the bounds are below what every run achieves.
 TEST(PagerSim, InvariantsOnRandomTraces) {
-  const auto g = testing::small_geometry();
+  const auto g = small_geometry();
   double resize_stall = 0.0;  // some barrier waited (the test covers that case)
   for (std::uint64_t seed = 1; seed <= 4; ++seed) {
     const routing_trace trace = synthetic(g, seed, 4, 48, seed % 2 + 1);
@@ -792,7 +793,7 @@ class random_prefetcher final : public prefetcher {
 // against LRU demand loading: without them it moves far more bytes and stalls longer; with them
 // bytes stay within (1 + share)× and stall within a few transfers of demand loading.
 TEST(PagerSim, GuardsSilenceAUselessPrefetcher) {
-  const auto g = testing::small_geometry();
+  const auto g = small_geometry();
   const routing_trace trace = synthetic(g, 5, 4, 64);
   for (const std::uint32_t capacity : {16U, 48U}) {
     SCOPED_TRACE(fmt::format("capacity {}", capacity));
@@ -866,7 +867,7 @@ class stale_prefetcher final : public prefetcher {
 };
 
 TEST(PagerSim, AProposalForAPastGroupIsRefused) {
-  const auto g = testing::small_geometry();
+  const auto g = small_geometry();
   const routing_trace trace = generate_synthetic(g, {.seed = 3, .sequences = 1, .decode_steps = 4});
   const access_stream stream(trace, 8);
   stale_prefetcher stale;
@@ -892,7 +893,7 @@ class silent_prefetcher final : public prefetcher {
 // slot_cache<lru_policy> on the same stream (the simulator's demand-only runs, by
 // EqualsReplayWithFreeComputeForEveryPolicy), counted by hand over windows of passes.
 TEST(PagerSim, EvictionDuelSidesEqualAReferenceOverSlotCaches) {
-  const auto g = testing::small_geometry();
+  const auto g = small_geometry();
   std::uint64_t taken = 0, changed = 0;  // the cases must exercise both sides and both directions
   for (const std::uint64_t seed : {1U, 2U}) {
     for (const double locality : {0.3, 0.9}) {
@@ -1015,7 +1016,7 @@ TEST(PagerSim, HindsightStaticEqualsTheBestStaticSetByBruteForce) {
 }
 
 TEST(PagerSim, NoisyOracleIsDeterministicPerSeed) {
-  const auto g = testing::small_geometry();
+  const auto g = small_geometry();
   const routing_trace trace = synthetic(g, 3, 2, 32);
   const access_stream stream(trace, 16);
   oracle_prefetcher a(2, 0.7, 5);
@@ -1038,7 +1039,7 @@ TEST(PagerSim, NoisyOracleIsDeterministicPerSeed) {
 // one never goes ahead of a demand load, one in flight is not preempted), and every demand load
 // finds a slot (the outstanding cap; the engine asserts it).
 TEST(PagerSim, AdmissionNeverDelaysADemandLoad) {
-  const auto g = testing::small_geometry();
+  const auto g = small_geometry();
   for (std::uint64_t seed = 1; seed <= 3; ++seed) {
     const routing_trace trace =
         generate_synthetic(g, {.seed = seed, .sequences = 3, .decode_steps = 32, .cross_layer = 0.6});
@@ -1113,7 +1114,7 @@ TEST(PagerSim, PerLayerBoundsFmoesDeltaSet) {
 // prediction for the layers it proposed for, and nothing beyond; the noisy oracle's gives its
 // proposals `recall` and shares the rest of the layer's routed experts among the others.
 TEST(PagerSim, PrefetchersForecastWhatTheyPredicted) {
-  const auto g = testing::small_geometry();
+  const auto g = small_geometry();
   const routing_trace trace = generate_synthetic(g, {.seed = 9, .sequences = 1, .decode_steps = 6, .cross_layer = 0.6});
   const access_stream stream(trace, 16);
   predictive_prefetcher pf(std::make_unique<coactivation_predictor>(6, 16, 2), {.distance = 2, .threshold = 0.0F});
@@ -1203,7 +1204,7 @@ TEST(PagerSim, PrefetchersForecastWhatTheyPredicted) {
 class recording_predictor final : public expert_predictor {
  public:
   [[nodiscard]] std::string name() const override { return "recording"; }
-  [[nodiscard]] std::uint32_t layers() const noexcept override { return 6; }  // testing::small_geometry()'s shape
+  [[nodiscard]] std::uint32_t layers() const noexcept override { return 6; }  // small_geometry()'s shape
   [[nodiscard]] std::uint32_t experts_per_layer() const noexcept override { return 16; }
   void reset() override { seen.clear(); }
   void begin_pass() override {}
@@ -1228,7 +1229,7 @@ class recording_predictor final : public expert_predictor {
 // With the stream's trace, the predictive prefetcher passes each step's router probabilities
 // and sketch to the predictor (the mean of a lockstep step's); without it, the experts only.
 TEST(PagerSim, PredictorsSeeTheTracesOptionalFields) {
-  const auto g = testing::small_geometry();
+  const auto g = small_geometry();
   for (const std::uint32_t batch : {1U, 2U}) {
     const routing_trace trace = generate_synthetic(g, {.seed = 4,
                                                        .sequences = 2,
@@ -1270,7 +1271,7 @@ TEST(PagerSim, PredictorsSeeTheTracesOptionalFields) {
 // A lockstep step's mean sketch is summed in double: two finite sketch values of 3e38 summed in
 // float to infinity, and fMoE refused the step's "sketch value 0 is inf" on a valid trace.
 TEST(PagerSim, TheMeanOfALockstepStepsSketchesDoesNotOverflow) {
-  const auto g = testing::small_geometry();  // recording_predictor's shape
+  const auto g = small_geometry();  // recording_predictor's shape
   routing_trace trace(g);
   trace.set_batch_size(2);
   trace.declare_fields({.sketch_dims = 1});
@@ -1339,7 +1340,7 @@ TEST(PagerSim, TheMeanOfALockstepStepsProbabilitiesIsADistribution) {
 // nothing is loaded on demand; with less, the preload is the scope's slots, reported apart from
 // the bytes moved, and the budget holds.
 TEST(PagerSim, HotExpertTablePreloadsTheHottest) {
-  const auto g = testing::small_geometry();
+  const auto g = small_geometry();
   const routing_trace trace = generate_synthetic(g, {.seed = 2, .sequences = 2, .decode_steps = 24});
   const std::vector<std::uint64_t> table = hot_expert_table(trace);
   ASSERT_EQ(table.size(), g.expert_count());

@@ -12,18 +12,19 @@ namespace expage {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::small_geometry;
 
 routing_trace traffic() {
   synthetic_options so;
   so.seed = 4;
   so.sequences = 3;
   so.decode_steps = 40;
-  return generate_synthetic(testing::small_geometry(), so);
+  return generate_synthetic(small_geometry(), so);
 }
 
 plan_options base() {
   plan_options o;
-  const std::uint64_t expert = testing::small_geometry().expert_bytes(precision::bf16);
+  const std::uint64_t expert = small_geometry().expert_bytes(precision::bf16);
   o.budget_bytes = 80 * expert;
   o.kv_floor_bytes = 20 * expert;
   o.precisions = {precision::bf16, precision::int4};
@@ -38,7 +39,7 @@ plan_options base() {
 // least time per token; the recommendation is the least expert memory within the tolerance
 // (checked against every option).
 TEST(PlanMemory, OptionsFitTheBudgetAndTheKneeIsTheLeastMemoryNearTheBest) {
-  const auto g = testing::small_geometry();
+  const auto g = small_geometry();
   const routing_trace t = traffic();
   const plan_options o = base();
   const plan_result plan = plan_memory(t, g, o);
@@ -86,7 +87,7 @@ TEST(PlanMemory, OptionsFitTheBudgetAndTheKneeIsTheLeastMemoryNearTheBest) {
 // A precision without room for one step's experts is not dropped without a word: no_room says
 // what the budget holds of it.
 TEST(PlanMemory, NamesThePrecisionsWithoutRoom) {
-  const auto g = testing::small_geometry();
+  const auto g = small_geometry();
   plan_options o = base();
   EXPECT_TRUE(plan_memory(traffic(), g, o).no_room.empty());
   o.budget_bytes = o.kv_floor_bytes + g.expert_bytes(precision::bf16) + g.expert_bytes(precision::bf16) / 2;
@@ -97,7 +98,7 @@ TEST(PlanMemory, NamesThePrecisionsWithoutRoom) {
 }
 
 TEST(PlanMemory, RefusesBadInputNamingTheValue) {
-  const auto g = testing::small_geometry();
+  const auto g = small_geometry();
   const routing_trace t = traffic();
   const auto expect_refusal = [&](const plan_options& o, const char* says) {
     try {

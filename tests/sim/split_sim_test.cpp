@@ -26,15 +26,17 @@ namespace {
 using ::testing::HasSubstr;
 
 using testing::quantile;
+using testing::small_geometry;
+using testing::small_long_context;
+using testing::small_tool_calls;
 using testing::tiled;
-
 
 routing_trace traffic(std::uint64_t seed, std::uint32_t sequences, std::uint32_t steps) {
   synthetic_options so;
   so.seed = seed;
   so.sequences = sequences;
   so.decode_steps = steps;
-  return generate_synthetic(testing::small_geometry(), so);
+  return generate_synthetic(small_geometry(), so);
 }
 
 sim_options demand(std::uint32_t capacity) {
@@ -87,7 +89,7 @@ std::vector<std::uint64_t> reference_misses(const access_stream& s, std::uint32_
 }
 
 TEST(SimulateSchedule, DemandLruEqualsAReferenceUnderRandomResizes) {
-  const auto g = testing::small_geometry();
+  const auto g = small_geometry();
   const access_stream s(traffic(5, 3, 60), g.top_k());
   std::mt19937_64 rng(7);
   for (int trial = 0; trial < 10; ++trial) {
@@ -116,7 +118,7 @@ TEST(SimulateSchedule, DemandLruEqualsAReferenceUnderRandomResizes) {
 
 // A resize at pass 0 is the initial capacity.
 TEST(SimulateSchedule, AResizeAtTheFirstPassIsTheInitialCapacity) {
-  const auto g = testing::small_geometry();
+  const auto g = small_geometry();
   const access_stream s(traffic(5, 2, 40), g.top_k());
   sim_options o = demand(9);
   o.capacity_schedule = {{.pass = 0, .capacity = 4}};
@@ -129,7 +131,7 @@ TEST(SimulateSchedule, AResizeAtTheFirstPassIsTheInitialCapacity) {
 // With prefetches in flight a barrier drains them: that wait is resize stall, queued prefetches
 // are cancelled, and the budget still holds (prefetch slots included).
 TEST(SimulateSchedule, ABarrierDrainsInFlightPrefetches) {
-  const auto g = testing::small_geometry();
+  const auto g = small_geometry();
   const access_stream s(traffic(6, 2, 60), g.top_k());
   oracle_prefetcher oracle(2, 1.0);
   sim_options o = demand(8);
@@ -149,7 +151,7 @@ TEST(SimulateSchedule, ABarrierDrainsInFlightPrefetches) {
 }
 
 TEST(SimulateSchedule, BadSchedulesAreNamed) {
-  const auto g = testing::small_geometry();
+  const auto g = small_geometry();
   const access_stream s(traffic(5, 1, 20), g.top_k());
   const auto expect_error = [&](std::vector<slot_resize> schedule, const char* text) {
     sim_options o = demand(4);
@@ -170,13 +172,13 @@ TEST(SimulateSchedule, BadSchedulesAreNamed) {
 
 // ---- the split, measured by the simulator ------------------------------------------------------
 
-// Sessions whose KV competes with the experts: testing::small_tool_calls() (small contexts, many
-// turns) and testing::small_long_context() (common/split_workloads.hpp).
+// Sessions whose KV competes with the experts: small_tool_calls() (small contexts, many
+// turns) and small_long_context() (common/split_workloads.hpp).
 using fixture = testing::small_split_fixture;
 
 // A static schedule costs what its two simulations say, and the grid holds every admissible cap.
 TEST(SplitSim, AStaticSplitCostsWhatTheSimulatorsSay) {
-  fixture f({testing::small_tool_calls(320)}, 12);
+  fixture f({small_tool_calls(320)}, 12);
   const split_model m = make_split_model(f.workload);
   const auto caps = admissible_caps(f.workload);
   EXPECT_EQ(caps.front(), 2U);
@@ -209,7 +211,7 @@ TEST(SplitSim, AStaticSplitCostsWhatTheSimulatorsSay) {
 // when resizes are refused (WiSP D3: the previous split stays); under stationary input it never
 // reverses.
 TEST(SplitSim, OnlineInvariantsHoldUnderRefusedResizes) {
-  fixture f({testing::small_tool_calls(480)}, 12);
+  fixture f({small_tool_calls(480)}, 12);
   const split_model m = make_split_model(f.workload);
   online_split_options o;
   o.controller.rate_limit = 4;
@@ -251,7 +253,7 @@ TEST(SplitSim, OnlineInvariantsHoldUnderRefusedResizes) {
 // are MvWsaAcceptanceOnMixtralHumanEval's). Here the static optimum is a compromise the online
 // controller matches while moving the split with the phases.
 TEST(SplitSim, OnlineFollowsAPhaseShift) {
-  fixture f({testing::small_tool_calls(600), testing::small_long_context(600), testing::small_tool_calls(600)}, 14);
+  fixture f({small_tool_calls(600), small_long_context(600), small_tool_calls(600)}, 14);
   f.workload.expert_options.transfer_compute_ratio = 3.0;
   const auto grid = split_grid(f.workload);
   const auto best =
@@ -420,7 +422,7 @@ TEST(PhaseOracle, BadInputIsNamed) {
 // stationary workload the per-phase oracle is the grid's (WiSP's per-workflow oracle), and on a
 // shift it is never above it.
 TEST(PhaseOracle, OfSplitRunsIsTheGridsOnOnePhaseAndNeverAboveItOnAShift) {
-  fixture one({testing::small_tool_calls(320)}, 12);
+  fixture one({small_tool_calls(320)}, 12);
   EXPECT_EQ(phase_first_bursts(one.workload), (std::vector<std::uint64_t>{0}));
   const auto grid = split_grid(one.workload);
   const auto best =
@@ -429,7 +431,7 @@ TEST(PhaseOracle, OfSplitRunsIsTheGridsOnOnePhaseAndNeverAboveItOnAShift) {
   EXPECT_NEAR(o.cost, best->cost(), 1e-9 * best->cost());
   EXPECT_EQ(o.best.front(), static_cast<std::size_t>(best - grid.begin()));
 
-  fixture shift({testing::small_tool_calls(600), testing::small_long_context(600), testing::small_tool_calls(600)}, 14);
+  fixture shift({small_tool_calls(600), small_long_context(600), small_tool_calls(600)}, 14);
   shift.workload.warmup_bursts = 4;
   const std::vector<std::uint64_t> first = phase_first_bursts(shift.workload);
   // 600 passes: bursts of 16 passes starting at 608 and 1200 are the first in phases 1 and 2.
@@ -576,7 +578,7 @@ TEST(SplitSim, MvWsaWithAReleasingKvPoolOnMixtralHumanEval) {
 }
 
 TEST(SplitSim, BadWorkloadsAreNamed) {
-  fixture f({testing::small_tool_calls(64)}, 12);
+  fixture f({small_tool_calls(64)}, 12);
   split_workload w = f.workload;
   w.budget_bytes = w.kv_floor_bytes + 1;
   try {
@@ -591,7 +593,7 @@ TEST(SplitSim, BadWorkloadsAreNamed) {
   w = f.workload;
   w.kv_bytes_per_token = 0;
   EXPECT_THROW(static_cast<void>(split_grid(w)), invalid_argument);
-  fixture shorter({testing::small_tool_calls(32)}, 12);
+  fixture shorter({small_tool_calls(32)}, 12);
   w = f.workload;
   w.kv = &shorter.kv;
   try {
@@ -620,8 +622,7 @@ TEST(SplitSim, BadWorkloadsAreNamed) {
   w.budget_bytes = std::uint64_t{1} << 63;
   expect_error(w, fmt::format("budget_bytes {} out of range [1, {}]", w.budget_bytes, max_bytes));
   // A group limit above E leaves no per-layer cap that could run the stream.
-  const routing_trace routed =
-      generate_synthetic(testing::small_geometry(), {.seed = 9, .sequences = 1, .decode_steps = 64});
+  const routing_trace routed = generate_synthetic(small_geometry(), {.seed = 9, .sequences = 1, .decode_steps = 64});
   const access_stream wide(routed, 100);
   w = f.workload;
   w.experts = &wide;

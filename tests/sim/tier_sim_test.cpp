@@ -28,10 +28,11 @@ std::string describe(const four_pool_split& s) {
 }
 
 using testing::quantile;
+using testing::small_long_context;
+using testing::small_tool_calls;
 using testing::tiled;
 
-
-// A small workload: synthetic routing on `small`, a session mix, a budget in hi slots (a bf16
+// A small workload: synthetic routing on `small_geometry()`, a session mix, a budget in hi slots (a bf16
 // expert in every layer) above a floor of two slots; c2c-like ratio with free setup.
 struct tier_fixture : testing::small_split_fixture {
   tier_workload workload;
@@ -50,7 +51,7 @@ struct tier_fixture : testing::small_split_fixture {
 // A hi-only split is WiSP's pager at hi precision: the same misses, stall and compute as
 // simulate() with per-layer LRU slots, and the same KV recompute as the split simulator's.
 TEST(TierSim, AHiOnlySplitIsTheSplitSimulatorsPager) {
-  tier_fixture f({testing::small_tool_calls(320)}, 12);
+  tier_fixture f({small_tool_calls(320)}, 12);
   const four_pool_model m = make_four_pool_model(f.workload);
   for (const four_pool_split& s : admissible_splits(m)) {
     if (s.tiered()) continue;
@@ -75,7 +76,7 @@ TEST(TierSim, AHiOnlySplitIsTheSplitSimulatorsPager) {
 // A tiered split without hi slots pages lo versions exactly as simulate() does at the lo
 // precision, and prices every activation at λ_q.
 TEST(TierSim, ALoOnlySplitIsThePagerAtTheLoPrecision) {
-  tier_fixture f({testing::small_tool_calls(320)}, 6);
+  tier_fixture f({small_tool_calls(320)}, 6);
   const four_pool_model m = make_four_pool_model(f.workload);
   for (const four_pool_split& s : admissible_splits(m)) {
     if (!s.tiered() || s.hi_slots != 0) continue;
@@ -342,7 +343,7 @@ reference_result reference_tiered(const tier_workload& w, const four_pool_model&
 // the stall, the activations served at lo, and every transfer count.
 TEST(TierSim, TieredSplitsEqualASlowReference) {
   for (std::uint64_t seed = 1; seed <= 6; ++seed) {
-    tier_fixture f({testing::small_tool_calls(200)}, 9, seed);
+    tier_fixture f({small_tool_calls(200)}, 9, seed);
     f.workload.hot.margin = seed % 2 == 0 ? 0.0 : 0.3;
     f.workload.hot.max_promotions_per_layer = 1 + static_cast<std::uint32_t>(seed % 3);
     f.workload.interval_passes = 1 + seed % 3;
@@ -379,7 +380,7 @@ TEST(TierSim, TieredSplitsEqualASlowReference) {
 // and its oracle is the least cost. KV takes the rest of every split: an LRU block pool never
 // recomputes more with more blocks, so no split with a smaller KV pool can do better.
 TEST(TierSim, TheGridIsExhaustiveAndKvTakesTheRest) {
-  tier_fixture f({testing::small_tool_calls(160)}, 5);
+  tier_fixture f({small_tool_calls(160)}, 5);
   const four_pool_model m = make_four_pool_model(f.workload);
   const auto grid = tier_grid(f.workload);
   std::size_t admissible_pairs = 0;
@@ -445,8 +446,7 @@ TEST(TierOracle, WithTheFloorOutOfReachTheCheapestOfTheMostCoveringRuns) {
 // kv_block_pool does. (It replayed only the splits in force, so the fault's KV recompute was a
 // plain refusal's: 0 s against 53 recomputes here.)
 TEST(TierSim, AMoveRefusedAfterItsShrinksEvictsKvBlocks) {
-  tier_fixture f({testing::small_tool_calls(160), testing::small_long_context(160), testing::small_tool_calls(160)},
-                 20.0, 3);
+  tier_fixture f({small_tool_calls(160), small_long_context(160), small_tool_calls(160)}, 20.0, 3);
   const four_pool_model m = make_four_pool_model(f.workload);
   four_pool_split most_kv = admissible_splits(m).front();
   for (const four_pool_split& s : admissible_splits(m)) {
@@ -486,7 +486,7 @@ TEST(TierSim, AMoveRefusedAfterItsShrinksEvictsKvBlocks) {
 // mid-flight: the budget at every instant, the KV floor at every barrier, every pool within its
 // slots, nothing pinned or in flight evicted; the failures are seen and survived.
 TEST(TierSim, InvariantsHoldUnderRefusedResizesAndFailedTransfers) {
-  tier_fixture f({testing::small_tool_calls(300), testing::small_long_context(300), testing::small_tool_calls(300)}, 9);
+  tier_fixture f({small_tool_calls(300), small_long_context(300), small_tool_calls(300)}, 9);
   const four_pool_model m = make_four_pool_model(f.workload);
   for (std::uint64_t seed = 1; seed <= 4; ++seed) {
     std::mt19937_64 rng(seed);
@@ -580,7 +580,7 @@ TEST(TierSim, OnlineSettlesUnderStationaryInput) {
   // bursts over-correct) runs the same code; the release stage runs all three.
   for (std::uint64_t seed = EXPAGE_SANITIZED != 0 ? 3 : 1; seed <= 3; ++seed) {
     for (const bool longer : {false, true}) {
-      tier_fixture f({longer ? testing::small_long_context(1000) : testing::small_tool_calls(1000)}, 9, seed);
+      tier_fixture f({longer ? small_long_context(1000) : small_tool_calls(1000)}, 9, seed);
       f.workload.base.expert_options.transfer_compute_ratio = 1.0;
       const auto grid = tier_grid(f.workload);
       // Three bursts before the first move: on these short synthetic streams the first bursts'
@@ -600,8 +600,7 @@ TEST(TierSim, OnlineSettlesUnderStationaryInput) {
 // a larger KV pool than the tool-call phases around it, and the run beats every static split.
 // The two-pool baselines are the four-pool controller over their restricted spaces.
 TEST(TierSim, OnlineFollowsAPhaseShift) {
-  tier_fixture f({testing::small_tool_calls(600), testing::small_long_context(600), testing::small_tool_calls(600)},
-                 12);
+  tier_fixture f({small_tool_calls(600), small_long_context(600), small_tool_calls(600)}, 12);
   f.workload.base.expert_options.transfer_compute_ratio = 1.0;
   const auto grid = tier_grid(f.workload);
   const tier_run online = run_four_pool(f.workload);
@@ -644,7 +643,7 @@ TEST(TierSim, OnlineFollowsAPhaseShift) {
 }
 
 TEST(TierSim, BadWorkloadsAreNamed) {
-  tier_fixture f({testing::small_tool_calls(64)}, 6);
+  tier_fixture f({small_tool_calls(64)}, 6);
   const auto expect_error = [](const tier_workload& w, const char* text) {
     try {
       static_cast<void>(make_four_pool_model(w));
